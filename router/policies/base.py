@@ -1,0 +1,50 @@
+"""The one small interface every routing policy implements.
+
+The app builds a RouteRequest per incoming request, hands the policy the healthy candidates, and
+tells it when the request has been routed and when it has finished. Policies never do I/O.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Protocol
+
+if TYPE_CHECKING:
+    import numpy as np
+
+    from router.backends import BackendState
+
+
+@dataclass(slots=True)
+class RouteRequest:
+    request_id: str
+    model: str
+    # The parsed JSON body (never modified: the original bytes are forwarded).
+    body: dict
+    # Session key from `x-session-id` or the OpenAI `user` field, if any.
+    session_key: str | None = None
+    # Prompt tokens as the engine will see them (uint32 array); only filled when the policy
+    # asks for them through `needs_tokens`.
+    tokens: np.ndarray | None = None
+    # Cache namespace: (model, lora_name, cache_salt). Salted prompts never match unsalted entries.
+    namespace: tuple[str, str | None, str | None] = ("", None, None)
+    # Filled by the policy: why it chose what it chose (for metrics and /debug/prefix-map).
+    decision: dict = field(default_factory=dict)
+
+
+class Policy(Protocol):
+    name: str
+    # True when choose() needs RouteRequest.tokens (the app tokenizes off the event loop first).
+    needs_tokens: bool
+
+    def choose(self, request: RouteRequest, candidates: list[BackendState]) -> BackendState:
+        """Pick one of the candidates (never empty, all healthy and accepting)."""
+        ...
+
+    def on_routed(self, request: RouteRequest, backend: BackendState) -> None:
+        """Called once the request is committed to `backend` (after any retry)."""
+        ...
+
+    def on_finished(self, request: RouteRequest, backend: BackendState) -> None:
+        """Called when the response to the request has ended, successfully or not."""
+        ...
