@@ -1,0 +1,53 @@
+"""Run tests/support/openai_backend.py as a real process on a free loopback port."""
+
+from __future__ import annotations
+
+import httpx
+
+from tests.support.ports import free_port
+from tests.support.processes import ManagedProcess, python_command, start_process
+
+
+class BackendProcess:
+    """One running test backend: its name, URL, and handles to script and inspect it."""
+
+    def __init__(self, name: str, models: list[str], record: bool = True):
+        self.name = name
+        self.models = models
+        self.record = record
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.process: ManagedProcess | None = None
+
+    def start(self) -> BackendProcess:
+        # The port is asked again on a restart only if the old one was taken meanwhile.
+        args = ["-m", "tests.support.openai_backend", "--port", str(self.port), "--name", self.name]
+        args += ["--models", ",".join(self.models)]
+        if not self.record:
+            args.append("--no-record")
+        self.process = start_process(python_command(*args), f"{self.url}/health")
+        return self
+
+    def kill(self) -> None:
+        """Kill it hard, as a crash would."""
+        if self.process is not None:
+            self.process.kill()
+
+    def stop(self) -> None:
+        if self.process is not None:
+            self.process.stop()
+            self.process = None
+
+    def received(self) -> list[dict]:
+        return httpx.get(f"{self.url}/_test/received", timeout=5).json()
+
+    def reset(self) -> None:
+        httpx.post(f"{self.url}/_test/reset", timeout=5).raise_for_status()
+
+    def set_mode(self, **mode: int) -> None:
+        """E.g. set_mode(status=503, health_status=503) to fail every request and health probe."""
+        httpx.post(f"{self.url}/_test/mode", json=mode, timeout=5).raise_for_status()
+
+
+def start_backend(name: str, models: list[str] | None = None, record: bool = True) -> BackendProcess:
+    return BackendProcess(name, models or ["test-model"], record).start()

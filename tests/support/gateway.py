@@ -1,0 +1,54 @@
+"""Run the real gateway process (`python -m router.cli serve`) on a free port with a given config."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+
+import yaml
+
+from tests.support.ports import free_port
+from tests.support.processes import ManagedProcess, python_command, start_process
+
+
+class GatewayProcess:
+    """The running gateway: its URL, config file and process handle."""
+
+    def __init__(self, process: ManagedProcess, url: str, config_path: Path):
+        self.process = process
+        self.url = url
+        self.config_path = config_path
+
+    def stop(self) -> None:
+        self.process.stop()
+        self.config_path.unlink(missing_ok=True)
+
+    def __enter__(self) -> GatewayProcess:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.stop()
+
+
+def start_gateway(
+    config: dict, extra_args: list[str] | None = None, timeout_s: float = 60.0
+) -> GatewayProcess:
+    """Write `config` (a proxy.yaml mapping; `listen` is filled in) and start the gateway on it.
+
+    Returns once GET /health answers, with any status (it says 503 while no backend is healthy).
+    The caller must stop() it, or use it as a context manager.
+    """
+    config = dict(config)
+    port = free_port()
+    config["listen"] = {"host": "127.0.0.1", "port": port}
+    handle, name = tempfile.mkstemp(prefix="kvgate-test-", suffix=".yaml")
+    with os.fdopen(handle, "w") as file:
+        yaml.safe_dump(config, file)
+    args = python_command("-m", "router.cli", "serve", "--config", name, *(extra_args or []))
+    try:
+        process = start_process(args, f"http://127.0.0.1:{port}/health", timeout_s=timeout_s, any_status=True)
+    except BaseException:
+        Path(name).unlink(missing_ok=True)
+        raise
+    return GatewayProcess(process, f"http://127.0.0.1:{port}", Path(name))
