@@ -1,0 +1,443 @@
+"""The simulated engine's HTTP API: vLLM's OpenAI-compatible endpoints and its /metrics names.
+
+Endpoints: POST /v1/completions, POST /v1/chat/completions (both with SSE streaming in vLLM's chunk
+format), GET /v1/models, POST /tokenize, GET /health, GET /metrics, POST /reset_prefix_cache,
+GET /version. Every response's usage carries prompt_tokens_details.cached_tokens.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from typing import Any
+
+import msgspec
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import Response, StreamingResponse
+from starlette.routing import Route
+
+from router.sim.engine import GenerationRequest, InsufficientCapacity, SimulatedEngine
+from router.sim.prompts import PromptError, PromptTokenizer
+
+log = logging.getLogger("kvgate.sim")
+OWNED_BY = "kvgate-simulated"
+_json = msgspec.json.Encoder()
+
+
+@dataclass(slots=True)
+class ServedModel:
+    name: str
+    max_model_len: int
+    default_max_tokens: int = 16
+
+
+class _BadRequest(Exception):
+    def __init__(self, message: str, status: int = 400, param: str | None = None):
+        super().__init__(message)
+        self.status = status
+        self.param = param
+
+
+def _error(message: str, status: int, param: str | None = None) -> Response:
+    kind = {400: "BadRequestError", 404: "NotFoundError"}.get(status, "InternalServerError")
+    body = {"error": {"message": message, "type": kind, "param": param, "code": status}}
+    return Response(_json.encode(body), status_code=status, media_type="application/json")
+
+
+def _ok(body: Any) -> Response:
+    return Response(_json.encode(body), media_type="application/json")
+
+
+class _MetricsCollector:
+    """Reads the engine's state at scrape time (nothing to keep in sync on the request path)."""
+
+    def __init__(self, engine: SimulatedEngine, model: str):
+        self.engine = engine
+        self.labels = {"model_name": model, "engine": "0"}
+
+    def collect(self):
+        names, values = list(self.labels), list(self.labels.values())
+        engine, counters = self.engine, self.engine.counters
+        for name, doc, value in (
+            (
+                "vllm:num_requests_running",
+                "Number of requests in model execution batches.",
+                engine.num_running,
+            ),
+            ("vllm:num_requests_waiting", "Number of requests waiting to be processed.", engine.num_waiting),
+            ("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", engine.pool.usage),
+        ):
+            gauge = GaugeMetricFamily(name, doc, labels=names)
+            gauge.add_metric(values, value)
+            yield gauge
+        for name, doc, value in (
+            (
+                "vllm:prefix_cache_queries",
+                "Prefix cache queries, in terms of number of queried tokens.",
+                counters.prefix_cache_queries,
+            ),
+            (
+                "vllm:prefix_cache_hits",
+                "Prefix cache hits, in terms of number of cached tokens.",
+                counters.prefix_cache_hits,
+            ),
+            ("vllm:prompt_tokens", "Number of prefill tokens processed.", counters.prompt_tokens),
+            ("vllm:generation_tokens", "Number of generation tokens processed.", counters.generation_tokens),
+        ):
+            counter = CounterMetricFamily(name, doc, labels=names)
+            counter.add_metric(values, value)
+            yield counter
+        success = CounterMetricFamily(
+            "vllm:request_success",
+            "Count of successfully processed requests.",
+            labels=[*names, "finished_reason"],
+        )
+        success.add_metric([*values, "length"], counters.finished_requests)
+        yield success
+        info = GaugeMetricFamily(
+            "vllm:cache_config_info",
+            "Information of the LLMEngine CacheConfig",
+            labels=["block_size", "num_gpu_blocks", "enable_prefix_caching", "simulated"],
+        )
+        info.add_metric([str(engine.pool.block_size), str(engine.pool.num_blocks), "True", "True"], 1.0)
+        yield info
+
+
+def _int_field(body: dict, name: str, default: int | None, minimum: int) -> int | None:
+    value = body.get(name, default)
+    if value is None:
+        return default
+    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
+        raise _BadRequest(f"`{name}` must be an integer >= {minimum}, got {value!r}", param=name)
+    return value
+
+
+def _usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict:
+    return {
+        "prompt_tokens": prompt_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+        "completion_tokens": completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": cached_tokens},
+    }
+
+
+def build_app(
+    engine: SimulatedEngine,
+    tokenizer: PromptTokenizer,
+    model: ServedModel,
+    on_startup: Callable[[], None] | None = None,
+) -> Starlette:
+    """The Starlette app of one simulated engine; `on_startup` runs inside the server's event loop."""
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(_MetricsCollector(engine, model.name))
+    started = int(time.time())
+
+    async def read_body(request: Request) -> dict:
+        try:
+            body = msgspec.json.decode(await request.body())
+        except msgspec.DecodeError as exc:
+            raise _BadRequest(f"the request body is not valid JSON: {exc}") from None
+        if not isinstance(body, dict):
+            raise _BadRequest("the request body must be a JSON object")
+        requested = body.get("model")
+        if requested is not None and requested != model.name:
+            raise _BadRequest(f"The model `{requested}` does not exist.", status=404, param="model")
+        return body
+
+    def generation_request(body: dict, prompt, max_tokens_field: str) -> GenerationRequest:
+        if _int_field(body, "n", 1, 1) != 1:
+            raise _BadRequest("the simulated engine supports only n=1", param="n")
+        requested = _int_field(body, max_tokens_field, None, 1)
+        if requested is None and max_tokens_field == "max_completion_tokens":
+            requested = _int_field(body, "max_tokens", None, 1)
+        room = model.max_model_len - len(prompt)
+        if room <= 0 or (requested is not None and requested > room):
+            raise _BadRequest(
+                f"This model's maximum context length is {model.max_model_len} tokens. However, you "
+                f"requested {len(prompt) + (requested or 0)} tokens ({len(prompt)} in the messages, "
+                f"{requested or 0} in the completion). Please reduce the length of the messages or "
+                "completion.",
+                param="max_tokens",
+            )
+        salt = body.get("cache_salt")
+        if salt is not None and (not isinstance(salt, str) or not salt):
+            raise _BadRequest("`cache_salt` must be a non-empty string", param="cache_salt")
+        seed = _int_field(body, "seed", None, 0)
+        request = GenerationRequest(
+            request_id=uuid.uuid4().hex,
+            prompt=prompt,
+            max_tokens=min(requested or model.default_max_tokens, room),
+            cache_salt=salt,
+            seed=seed,
+        )
+        try:
+            engine.check_fits(request)
+        except InsufficientCapacity as exc:
+            raise _BadRequest(str(exc), param="max_tokens") from None
+        return request
+
+    def stream_options(body: dict) -> bool:
+        options = body.get("stream_options") or {}
+        return bool(isinstance(options, dict) and options.get("include_usage"))
+
+    async def completions(request: Request) -> Response:
+        try:
+            body = await read_body(request)
+            if "prompt" not in body:
+                raise _BadRequest("`prompt` is required", param="prompt")
+            try:
+                prompt = tokenizer.completion_prompt(
+                    body["prompt"], bool(body.get("add_special_tokens", True))
+                )
+            except PromptError as exc:
+                raise _BadRequest(str(exc), param="prompt") from None
+            generation = generation_request(body, prompt, "max_tokens")
+        except _BadRequest as exc:
+            return _error(str(exc), exc.status, exc.param)
+        response_id = f"cmpl-{generation.request_id}"
+        created = int(time.time())
+
+        def chunk(text: str, finish: str | None) -> dict:
+            choice = {
+                "index": 0,
+                "text": text,
+                "logprobs": None,
+                "finish_reason": finish,
+                "stop_reason": None,
+            }
+            return {
+                "id": response_id,
+                "object": "text_completion",
+                "created": created,
+                "model": model.name,
+                "choices": [choice],
+            }
+
+        if body.get("stream"):
+            return _sse(
+                engine,
+                generation,
+                tokenizer,
+                chunk,
+                None,
+                response_id,
+                created,
+                model.name,
+                "text_completion",
+                stream_options(body),
+            )
+        tokens = [token async for token in engine.generate(generation)]
+        text = "".join(tokenizer.output_text(t) for t in tokens)
+        result = chunk(text, "length")
+        result["choices"][0]["prompt_logprobs"] = None
+        result["usage"] = _usage(len(prompt), len(tokens), generation.cached_tokens)
+        return _ok(result)
+
+    async def chat_completions(request: Request) -> Response:
+        try:
+            body = await read_body(request)
+            try:
+                prompt = tokenizer.chat_prompt(
+                    body.get("messages"),
+                    add_generation_prompt=bool(body.get("add_generation_prompt", True)),
+                    continue_final_message=bool(body.get("continue_final_message", False)),
+                    tools=body.get("tools"),
+                    chat_template_kwargs=body.get("chat_template_kwargs"),
+                    add_special_tokens=bool(body.get("add_special_tokens", False)),
+                )
+            except PromptError as exc:
+                raise _BadRequest(str(exc), param="messages") from None
+            generation = generation_request(body, prompt, "max_completion_tokens")
+        except _BadRequest as exc:
+            return _error(str(exc), exc.status, exc.param)
+        response_id = f"chatcmpl-{generation.request_id}"
+        created = int(time.time())
+
+        def chunk(delta: dict, finish: str | None) -> dict:
+            choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+            return {
+                "id": response_id,
+                "object": "chat.completion.chunk",
+                "created": created,
+                "model": model.name,
+                "choices": [choice],
+            }
+
+        if body.get("stream"):
+            return _sse(
+                engine,
+                generation,
+                tokenizer,
+                lambda text, finish: chunk({"content": text}, finish),
+                chunk({"role": "assistant", "content": ""}, None),
+                response_id,
+                created,
+                model.name,
+                "chat.completion.chunk",
+                stream_options(body),
+            )
+        tokens = [token async for token in engine.generate(generation)]
+        message = {
+            "role": "assistant",
+            "content": "".join(tokenizer.output_text(t) for t in tokens),
+            "reasoning_content": None,
+            "tool_calls": [],
+        }
+        return _ok(
+            {
+                "id": response_id,
+                "object": "chat.completion",
+                "created": created,
+                "model": model.name,
+                "choices": [
+                    {
+                        "index": 0,
+                        "message": message,
+                        "logprobs": None,
+                        "finish_reason": "length",
+                        "stop_reason": None,
+                    }
+                ],
+                "usage": _usage(len(prompt), len(tokens), generation.cached_tokens),
+                "prompt_logprobs": None,
+            }
+        )
+
+    async def models(request: Request) -> Response:
+        return _ok(
+            {
+                "object": "list",
+                "data": [
+                    {
+                        "id": model.name,
+                        "object": "model",
+                        "created": started,
+                        "owned_by": OWNED_BY,
+                        "root": model.name,
+                        "parent": None,
+                        "max_model_len": model.max_model_len,
+                        "permission": [],
+                    }
+                ],
+            }
+        )
+
+    async def tokenize(request: Request) -> Response:
+        try:
+            body = await read_body(request)
+            if "messages" in body:
+                tokens = tokenizer.chat_prompt(
+                    body["messages"],
+                    add_generation_prompt=bool(body.get("add_generation_prompt", True)),
+                    continue_final_message=bool(body.get("continue_final_message", False)),
+                    tools=body.get("tools"),
+                    chat_template_kwargs=body.get("chat_template_kwargs"),
+                    add_special_tokens=bool(body.get("add_special_tokens", False)),
+                )
+            elif isinstance(body.get("prompt"), str):
+                tokens = tokenizer.completion_prompt(
+                    body["prompt"], bool(body.get("add_special_tokens", True))
+                )
+            else:
+                raise _BadRequest("give `prompt` (a string) or `messages`", param="prompt")
+        except PromptError as exc:
+            return _error(str(exc), 400)
+        except _BadRequest as exc:
+            return _error(str(exc), exc.status, exc.param)
+        strings = tokenizer.token_strings(tokens) if body.get("return_token_strs") else None
+        return _ok(
+            {
+                "count": len(tokens),
+                "max_model_len": model.max_model_len,
+                "tokens": tokens.tolist(),
+                "token_strs": strings,
+            }
+        )
+
+    async def health(request: Request) -> Response:
+        return Response(status_code=200)
+
+    async def metrics(request: Request) -> Response:
+        return Response(generate_latest(registry), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    async def reset_prefix_cache(request: Request) -> Response:
+        if not engine.reset_prefix_cache():
+            return _error("cannot reset the prefix cache while requests are running", 400)
+        return Response(status_code=200)
+
+    async def version(request: Request) -> Response:
+        return _ok({"version": "kvgate-simulated"})
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        if on_startup is not None:
+            on_startup()
+        yield
+
+    return Starlette(
+        routes=[
+            Route("/v1/completions", completions, methods=["POST"]),
+            Route("/v1/chat/completions", chat_completions, methods=["POST"]),
+            Route("/v1/models", models, methods=["GET"]),
+            Route("/tokenize", tokenize, methods=["POST"]),
+            Route("/health", health, methods=["GET"]),
+            Route("/metrics", metrics, methods=["GET"]),
+            Route("/reset_prefix_cache", reset_prefix_cache, methods=["POST"]),
+            Route("/version", version, methods=["GET"]),
+        ],
+        lifespan=lifespan,
+    )
+
+
+def _sse(
+    engine: SimulatedEngine,
+    generation: GenerationRequest,
+    tokenizer: PromptTokenizer,
+    chunk,
+    first_chunk: dict | None,
+    response_id: str,
+    created: int,
+    model_name: str,
+    object_name: str,
+    include_usage: bool,
+) -> StreamingResponse:
+    async def events() -> AsyncIterator[bytes]:
+        count = 0
+        generator = engine.generate(generation)
+        try:
+            async for token in generator:
+                if count == 0 and first_chunk is not None:
+                    yield _frame(first_chunk, include_usage)
+                count += 1
+                finish = "length" if count == generation.max_tokens else None
+                yield _frame(chunk(tokenizer.output_text(token), finish), include_usage)
+        finally:
+            await generator.aclose()
+        if include_usage:
+            yield _frame(
+                {
+                    "id": response_id,
+                    "object": object_name,
+                    "created": created,
+                    "model": model_name,
+                    "choices": [],
+                    "usage": _usage(len(generation.prompt), count, generation.cached_tokens),
+                },
+                False,
+            )
+        yield b"data: [DONE]\n\n"
+
+    return StreamingResponse(events(), media_type="text/event-stream")
+
+
+def _frame(payload: dict, usage_field: bool) -> bytes:
+    if usage_field:
+        payload["usage"] = None  # vLLM sends usage: null on every chunk when include_usage is on
+    return b"data: " + _json.encode(payload) + b"\n\n"

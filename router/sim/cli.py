@@ -1,0 +1,167 @@
+"""`kvgate sim`: run one simulated vLLM-compatible engine (flags named as vLLM's where vLLM has them)."""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import logging
+import sys
+
+from router.sim.events import ENCODINGS, KVEventPublisher, parse_kv_events_config
+
+log = logging.getLogger("kvgate.sim")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default="tiny-qwen3", help="model name served (default: tiny-qwen3)")
+    parser.add_argument("--served-model-name", default=None, help="served name, overriding --model (as vLLM)")
+    parser.add_argument("--tokenizer", default="builtin:qwen3", help="tokenizer directory or builtin:qwen3")
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
+    parser.add_argument("--num-gpu-blocks-override", type=int, default=2048, help="KV blocks in the pool")
+    parser.add_argument("--max-num-seqs", type=int, default=256, help="most sequences running at once")
+    parser.add_argument("--max-model-len", type=int, default=32768, help="longest prompt + output, in tokens")
+    parser.add_argument("--kv-events-config", default=None, help="vLLM's KVEventsConfig as JSON")
+    parser.add_argument(
+        "--kv-events-encoding",
+        choices=ENCODINGS,
+        default="vllm",
+        help="vllm: map events (vLLM >= 0.24); vllm-array: array events (vLLM <= 0.22); sglang: SGLang's",
+    )
+    parser.add_argument(
+        "--prefill-us-per-token", type=float, default=50.0, help="prefill cost per uncached token"
+    )
+    parser.add_argument(
+        "--prefill-overhead-ms", type=float, default=2.0, help="fixed prefill cost per request"
+    )
+    parser.add_argument(
+        "--decode-ms-per-token", type=float, default=5.0, help="decode cost per token, batch of 1"
+    )
+    parser.add_argument(
+        "--decode-batch-slope",
+        type=float,
+        default=0.05,
+        help="extra decode ms per token per other running sequence",
+    )
+    parser.add_argument(
+        "--default-max-tokens", type=int, default=16, help="max_tokens when a request gives none"
+    )
+    parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    # Accepted for command-line compatibility with vLLM; the simulator always behaves this way.
+    for flag in ("--enable-prompt-tokens-details", "--enable-prefix-caching", "--enforce-eager"):
+        parser.add_argument(flag, action="store_true", help=argparse.SUPPRESS)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Start the simulated engine and serve until interrupted."""
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    for name, value, minimum in (
+        ("--port", args.port, 0),
+        ("--block-size", args.block_size, 1),
+        ("--num-gpu-blocks-override", args.num_gpu_blocks_override, 1),
+        ("--max-num-seqs", args.max_num_seqs, 1),
+        ("--max-model-len", args.max_model_len, 2),
+        ("--default-max-tokens", args.default_max_tokens, 1),
+    ):
+        if value < minimum:
+            print(f"kvgate sim: {name} must be at least {minimum}, got {value}", file=sys.stderr)
+            return 2
+    events_config = None
+    if args.kv_events_config:
+        try:
+            events_config = parse_kv_events_config(args.kv_events_config)
+        except ValueError as exc:
+            print(f"kvgate sim: {exc}", file=sys.stderr)
+            return 2
+
+    import uvicorn  # imported here so `kvgate --help` stays fast
+
+    from router.sim.api import ServedModel, build_app
+    from router.sim.blocks import BlockPool
+    from router.sim.engine import SimulatedEngine, TimingModel
+    from router.sim.prompts import PromptTokenizer, resolve_tokenizer_dir
+
+    try:
+        tokenizer = PromptTokenizer(resolve_tokenizer_dir(args.tokenizer))
+    except (ValueError, OSError) as exc:
+        print(f"kvgate sim: cannot load the tokenizer {args.tokenizer!r}: {exc}", file=sys.stderr)
+        return 2
+    model_name = args.served_model_name or args.model
+    timing = TimingModel(
+        prefill_us_per_token=args.prefill_us_per_token,
+        prefill_overhead_ms=args.prefill_overhead_ms,
+        decode_ms_per_token=args.decode_ms_per_token,
+        decode_batch_slope_ms=args.decode_batch_slope,
+    )
+    publisher = None
+    if (
+        events_config is not None
+        and events_config.enable_kv_cache_events
+        and events_config.publisher == "zmq"
+    ):
+        try:
+            publisher = KVEventPublisher(
+                events_config.endpoint,
+                events_config.replay_endpoint,
+                events_config.topic,
+                args.kv_events_encoding,
+                events_config.buffer_steps,
+                events_config.hwm,
+            )
+        except OSError as exc:
+            print(f"kvgate sim: {exc}", file=sys.stderr)
+            return 2
+    engine = SimulatedEngine(
+        BlockPool(args.num_gpu_blocks_override, args.block_size),
+        timing,
+        tokenizer.output_vocabulary,
+        args.max_num_seqs,
+        publisher,
+    )
+    app = build_app(
+        engine,
+        tokenizer,
+        ServedModel(model_name, args.max_model_len, args.default_max_tokens),
+        on_startup=publisher.start if publisher else None,
+    )
+    log.warning(
+        "SIMULATED engine (no model runs here): serving %r on http://%s:%d, %d KV blocks of %d tokens, "
+        "KV events %s (%s encoding); prefill %.1f us/token, decode %.2f ms/token",
+        model_name,
+        args.host,
+        args.port,
+        args.num_gpu_blocks_override,
+        args.block_size,
+        events_config.endpoint if publisher and events_config else "off",
+        args.kv_events_encoding,
+        args.prefill_us_per_token,
+        args.decode_ms_per_token,
+    )
+    config = uvicorn.Config(
+        app,
+        host=args.host,
+        port=args.port,
+        log_level="warning",
+        access_log=False,
+        lifespan="on",
+        loop="auto",
+        http="auto",
+    )
+    try:
+        with contextlib.suppress(KeyboardInterrupt):
+            uvicorn.Server(config).run()
+    finally:
+        if publisher is not None:
+            publisher.close()
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="kvgate sim", description="Run one simulated vLLM-compatible engine."
+    )
+    add_arguments(parser)
+    return run(parser.parse_args(argv))
