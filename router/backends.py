@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from urllib.parse import urlsplit
 
 from router.config import KVEvents
 
@@ -20,6 +21,20 @@ class BackendState:
     in_flight: int = 0
     # Prompt tokens of in-flight requests that the backend still has to prefill (tracked by the gateway).
     in_flight_prefill_tokens: int = 0
+    # (host, port) the upstream client connects to; derived from url.
+    origin: tuple[str, int] = ("", 0)
+    # The name as the x-kvgate-backend header value, encoded once.
+    name_bytes: bytes = b""
+    # time.monotonic() when it was last marked down, and why (shown on GET /backends).
+    down_since: float = 0.0
+    down_reason: str = ""
+    # Requests answered since it was added (any status), for GET /backends.
+    requests_total: int = 0
+
+    def __post_init__(self) -> None:
+        self.name_bytes = self.name.encode()
+        parts = urlsplit(self.url)
+        self.origin = (parts.hostname or "127.0.0.1", parts.port or (443 if parts.scheme == "https" else 80))
 
     def serves(self, model: str) -> bool:
         return not self.models or model in self.models
@@ -27,3 +42,19 @@ class BackendState:
     @property
     def accepting(self) -> bool:
         return self.healthy and not self.draining
+
+    def describe(self) -> dict:
+        """The JSON shape of GET /backends."""
+        return {
+            "name": self.name,
+            "url": self.url,
+            "models": self.models,
+            "healthy": self.healthy,
+            "draining": self.draining,
+            "state": "draining" if self.draining else ("healthy" if self.healthy else "down"),
+            "down_reason": None if self.healthy else self.down_reason,
+            "in_flight": self.in_flight,
+            "in_flight_prefill_tokens": self.in_flight_prefill_tokens,
+            "requests_total": self.requests_total,
+            "kv_events": None if self.kv_events is None else self.kv_events.endpoint,
+        }

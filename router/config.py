@@ -233,7 +233,9 @@ def _check_semantics(config: Config, source: str, base_dir: Path | None) -> None
             try:
                 model.tokenizer = builtin_tokenizer_dir(model.tokenizer.removeprefix("builtin:"))
             except ValueError as exc:
-                raise ConfigError(f"{source}: invalid configuration at `models[{i}].tokenizer`: {exc}") from None
+                raise ConfigError(
+                    f"{source}: invalid configuration at `models[{i}].tokenizer`: {exc}"
+                ) from None
             continue
         path = Path(model.tokenizer).expanduser()
         if not path.is_absolute() and base_dir is not None:

@@ -1,0 +1,55 @@
+"""Routing policies and the one factory that builds the configured one.
+
+Each policy lives in its own module of this package and exposes
+`create(policy_config, gateway) -> Policy` (see router/policies/base.py for the interface).
+The factory imports the module lazily, so a policy's dependencies load only when it is chosen.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING
+
+from router import config as config_schema
+from router.policies.base import Policy, RouteRequest
+
+if TYPE_CHECKING:
+    from router.app import Gateway
+
+# Config struct type -> module implementing it. Adding a policy: a struct in router/config.py,
+# a module here with `create`, and one line in this table.
+POLICY_MODULES: dict[type, str] = {
+    config_schema.RoundRobinPolicy: "router.policies.round_robin",
+    config_schema.LeastLoadedPolicy: "router.policies.least_loaded",
+    config_schema.SessionPolicy: "router.policies.session",
+    config_schema.KVAwarePolicy: "router.policies.kv_aware",
+    config_schema.ApproximatePolicy: "router.policies.approximate",
+}
+
+
+class PolicyUnavailable(Exception):
+    """The configured policy cannot be built (its module is missing or broken)."""
+
+
+def make_policy(policy_config: config_schema.Policy, gateway: Gateway) -> Policy:
+    """Build the policy that `policy_config` (one of the config structs) selects."""
+    module_name = POLICY_MODULES.get(type(policy_config))
+    if module_name is None:
+        known = ", ".join(config_schema.POLICY_NAMES)
+        raise PolicyUnavailable(
+            f"no policy implements {type(policy_config).__name__}; known policies: {known}"
+        )
+    try:
+        module = importlib.import_module(module_name)
+    except ModuleNotFoundError as exc:
+        if exc.name != module_name:
+            raise
+        name = type(policy_config).__struct_config__.tag
+        raise PolicyUnavailable(
+            f"policy {name!r} is not available in this installation (module {module_name} is missing); "
+            "choose another `policy.name` in the configuration"
+        ) from None
+    return module.create(policy_config, gateway)
+
+
+__all__ = ["POLICY_MODULES", "Policy", "PolicyUnavailable", "RouteRequest", "make_policy"]

@@ -1,0 +1,96 @@
+"""Runtime backend management: GET /backends, POST /backends, DELETE /backends/{name}.
+
+With `admin.token` (or `admin.token_env`) configured, every call needs `Authorization: Bearer <token>`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import time
+from typing import TYPE_CHECKING
+
+import msgspec
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from router import config as config_schema
+from router.errors import error_body
+
+if TYPE_CHECKING:
+    from router.app import Gateway
+
+# How long DELETE waits for in-flight requests to finish, unless ?drain_timeout_s= says otherwise.
+DEFAULT_DRAIN_TIMEOUT_S = 60.0
+
+
+def _error(status: int, message: str) -> Response:
+    return Response(error_body(status, message), status_code=status, media_type="application/json")
+
+
+def require_admin(gateway: Gateway, request: Request) -> Response | None:
+    """None when the caller may use admin endpoints, else the 401 response to send."""
+    token = gateway.admin_token
+    if token is None:
+        return None
+    given = request.headers.get("authorization", "")
+    scheme, _, value = given.partition(" ")
+    if scheme.lower() == "bearer" and hmac.compare_digest(value.strip().encode(), token.encode()):
+        return None
+    return _error(
+        401, "this endpoint needs `Authorization: Bearer <admin token>` (admin.token in the config)"
+    )
+
+
+def admin_routes(gateway: Gateway) -> list[Route]:
+    async def list_backends(request: Request) -> Response:
+        if (denied := require_admin(gateway, request)) is not None:
+            return denied
+        return JSONResponse({"backends": [backend.describe() for backend in gateway.backends.values()]})
+
+    async def add_backend(request: Request) -> Response:
+        if (denied := require_admin(gateway, request)) is not None:
+            return denied
+        body = await request.body()
+        try:
+            spec = msgspec.json.decode(body, type=config_schema.Backend, strict=True)
+        except msgspec.ValidationError as exc:
+            return _error(400, f"invalid backend: {exc}; expected {{name, url, models?, kv_events?}}")
+        except msgspec.DecodeError as exc:
+            return _error(400, f"request body is not valid JSON: {exc}")
+        if spec.name in gateway.backends:
+            return _error(
+                409, f"a backend named {spec.name!r} already exists; DELETE it first or pick another name"
+            )
+        known = [model.name for model in gateway.config.models]
+        unknown = [model for model in spec.models if model not in known]
+        if unknown:
+            return _error(400, f"unknown models {unknown}; configured models are {known}")
+        backend = gateway.add_backend(spec)
+        return JSONResponse(backend.describe(), status_code=201)
+
+    async def remove_backend(request: Request) -> Response:
+        if (denied := require_admin(gateway, request)) is not None:
+            return denied
+        name = request.path_params["name"]
+        backend = gateway.backends.get(name)
+        if backend is None:
+            return _error(404, f"no backend named {name!r}; GET /backends lists them")
+        try:
+            timeout_s = float(request.query_params.get("drain_timeout_s", DEFAULT_DRAIN_TIMEOUT_S))
+        except ValueError:
+            return _error(400, "drain_timeout_s must be a number of seconds")
+        backend.draining = True
+        deadline = time.monotonic() + timeout_s
+        while backend.in_flight > 0 and time.monotonic() < deadline:
+            await asyncio.sleep(0.02)
+        left = backend.in_flight
+        gateway.remove_backend(name)
+        return JSONResponse({"removed": name, "drained": left == 0, "in_flight_at_removal": left})
+
+    return [
+        Route("/backends", list_backends, methods=["GET"]),
+        Route("/backends", add_backend, methods=["POST"]),
+        Route("/backends/{name}", remove_backend, methods=["DELETE"]),
+    ]

@@ -1,0 +1,47 @@
+"""The `kvgate` command line: one table of subcommands, each imported only when it is the one run.
+
+A subcommand module exposes `add_arguments(parser)` and `run(args) -> int`, and keeps its top-level
+imports light: `kvgate serve` must not pay for what `kvgate sim` imports.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from typing import NamedTuple
+
+
+class Subcommand(NamedTuple):
+    module: str
+    help: str
+
+
+# Add a subcommand with one line here (and its module).
+SUBCOMMANDS: dict[str, Subcommand] = {
+    "serve": Subcommand("router.serve", "run the gateway on a proxy.yaml"),
+    "sim": Subcommand("router.sim.cli", "run one simulated vLLM-compatible engine (no GPU, no model)"),
+}
+
+
+def build_parser(chosen: str | None) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="kvgate", description="KV-cache-aware gateway for LLM inference engines"
+    )
+    subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for name, subcommand in SUBCOMMANDS.items():
+        subparser = subparsers.add_parser(name, help=subcommand.help, description=subcommand.help)
+        if name == chosen:
+            importlib.import_module(subcommand.module).add_arguments(subparser)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    chosen = next((arg for arg in argv if not arg.startswith("-")), None)
+    args = build_parser(chosen if chosen in SUBCOMMANDS else None).parse_args(argv)
+    return importlib.import_module(SUBCOMMANDS[args.command].module).run(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,306 @@
+"""Forwarding of POST /v1/completions and /v1/chat/completions: validate, route, pass the bytes through.
+
+A raw ASGI endpoint: the request body is read once, parsed once (to route), and forwarded as the
+same bytes; the answer streams back piece by piece as the backend sends it. A connect failure, or a
+502/503 before any byte reached the client, is retried on another backend; nothing is retried after
+the first byte.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import uuid
+from time import perf_counter
+from typing import TYPE_CHECKING
+
+import msgspec
+
+from router.errors import GatewayError, error_body, send_error
+from router.policies.base import RouteRequest
+from router.upstream import UpstreamError, UpstreamResponse, UpstreamTimeout
+
+if TYPE_CHECKING:
+    from router.app import Gateway
+    from router.backends import BackendState
+
+log = logging.getLogger("kvgate.forward")
+
+# Never forwarded in either direction (RFC 9110 section 7.6.1), plus what the upstream client
+# writes itself (host, content-length) and what the gateway sets (x-request-id on responses).
+_HOP_BY_HOP = frozenset(
+    {
+        b"connection",
+        b"keep-alive",
+        b"proxy-authenticate",
+        b"proxy-authorization",
+        b"proxy-connection",
+        b"te",
+        b"trailer",
+        b"transfer-encoding",
+        b"upgrade",
+        b"host",
+        b"content-length",
+        b"expect",
+    }
+)
+# A response keeps its content-length: the body passes through with exactly that many bytes.
+_RESPONSE_DROPPED = (_HOP_BY_HOP - {b"content-length"}) | {b"x-request-id", b"x-kvgate-backend"}
+_RETRYABLE_STATUSES = (502, 503)
+_decoder = msgspec.json.Decoder()
+_encoder = msgspec.json.Encoder()
+
+
+class _ClientGone(Exception):
+    pass
+
+
+class ProxyEndpoint:
+    """The ASGI endpoint of one OpenAI generation path."""
+
+    def __init__(self, gateway: Gateway, path: str, prompt_field: str):
+        self.gateway = gateway
+        self.path = path.encode()
+        # "prompt" for completions, "messages" for chat completions.
+        self.prompt_field = prompt_field
+
+    async def __call__(self, scope, receive, send) -> None:
+        started = perf_counter()
+        gateway = self.gateway
+        request_id = b""
+        session_value = None
+        declared_length = None
+        forward_headers: list[tuple[bytes, bytes]] = []
+        session_header = gateway.session_header
+        for name, value in scope["headers"]:
+            if name in _HOP_BY_HOP:
+                if name == b"content-length":
+                    declared_length = value
+                continue
+            if name == b"x-request-id":
+                request_id = value
+            elif name == session_header:
+                session_value = value
+            forward_headers.append((name, value))
+        if not request_id:
+            request_id = uuid.uuid4().hex.encode()
+            forward_headers.append((b"x-request-id", request_id))
+        id_header = (b"x-request-id", request_id)
+        try:
+            body = await self._read_body(receive, declared_length)
+            route_request = self._parse(body, request_id, session_value)
+            for prepare in gateway.request_preparers:
+                await prepare(route_request)
+            await self._forward(route_request, body, forward_headers, id_header, send, receive, started)
+        except GatewayError as exc:
+            gateway.metrics.gateway_errors.labels(str(exc.status)).inc()
+            await send_error(send, exc.status, exc.message, [id_header])
+        except _ClientGone:
+            return
+        except Exception:
+            # Never a stack trace to the client; the log keeps it for the operator.
+            log.exception("request %s failed inside the gateway", request_id.decode(errors="replace"))
+            gateway.metrics.gateway_errors.labels("500").inc()
+            with contextlib.suppress(Exception):
+                await send_error(send, 500, "internal gateway error; see the gateway log", [id_header])
+
+    async def _read_body(self, receive, declared_length: bytes | None) -> bytes:
+        limit = self.gateway.config.limits.max_body_bytes
+        if declared_length is not None:
+            try:
+                length = int(declared_length)
+            except ValueError:
+                raise GatewayError(400, "invalid content-length header") from None
+            if length > limit:
+                raise GatewayError(413, f"request body of {length} bytes is over the limit of {limit} bytes")
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            raise _ClientGone
+        body = message.get("body", b"")
+        if not message.get("more_body"):
+            return body
+        parts = [body]
+        size = len(body)
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                raise _ClientGone
+            part = message.get("body", b"")
+            size += len(part)
+            if size > limit:
+                raise GatewayError(413, f"request body is over the limit of {limit} bytes")
+            parts.append(part)
+            if not message.get("more_body"):
+                return b"".join(parts)
+
+    def _parse(self, body: bytes, request_id: bytes, session_value: bytes | None) -> RouteRequest:
+        if not body:
+            raise GatewayError(400, "empty request body; send a JSON object")
+        try:
+            data = _decoder.decode(body)
+        except msgspec.DecodeError as exc:
+            raise GatewayError(400, f"request body is not valid JSON: {exc}") from None
+        if not isinstance(data, dict):
+            raise GatewayError(400, f"request body must be a JSON object, got {type(data).__name__}")
+        model = data.get("model")
+        if not isinstance(model, str) or not model:
+            raise GatewayError(400, "missing `model`: name one of the models listed by GET /v1/models")
+        if self.prompt_field not in data:
+            raise GatewayError(400, f"missing `{self.prompt_field}` for {self.path.decode()}")
+        if self.gateway.config.model(model) is None:
+            known = ", ".join(m.name for m in self.gateway.config.models)
+            raise GatewayError(404, f"the model `{model}` does not exist; configured models: {known}")
+        if session_value is not None:
+            session_key = session_value.decode("latin-1")
+        else:
+            user = data.get("user")
+            session_key = user if isinstance(user, str) and user else None
+        return RouteRequest(request_id.decode("latin-1"), model, data, session_key)
+
+    async def _forward(
+        self,
+        route_request: RouteRequest,
+        body: bytes,
+        forward_headers: list[tuple[bytes, bytes]],
+        id_header: tuple[bytes, bytes],
+        send,
+        receive,
+        started: float,
+    ) -> None:
+        gateway = self.gateway
+        served_name = gateway.served_names.get(route_request.model)
+        if served_name is not None:
+            # The one case where the body is re-encoded: the engines know the model by another name.
+            body = _encoder.encode({**route_request.body, "model": served_name})
+        limits = gateway.config.limits
+        timeout_s = limits.upstream_timeout_s
+        tried: list[BackendState] = []
+        for attempt in range(limits.max_attempts):
+            candidates = gateway.candidates(route_request.model, exclude=tried)
+            if not candidates:
+                break
+            backend = gateway.policy.choose(route_request, candidates)
+            tried.append(backend)
+            backend.in_flight += 1
+            upstream_started = perf_counter()
+            try:
+                response = await gateway.pool.request(
+                    backend.origin, b"POST", self.path, forward_headers, body, timeout_s
+                )
+            except UpstreamTimeout:
+                backend.in_flight -= 1
+                raise GatewayError(
+                    504,
+                    f"backend {backend.name} sent no response within {timeout_s:g} s "
+                    "(raise limits.upstream_timeout_s for longer generations)",
+                ) from None
+            except UpstreamError as exc:
+                backend.in_flight -= 1
+                gateway.mark_down(backend, str(exc))
+                if not exc.before_response:
+                    raise GatewayError(502, f"backend {backend.name} failed: {exc}") from None
+                gateway.metrics.retries.labels(backend.name, "connect").inc()
+                continue
+            status = response.status
+            if status >= 500:
+                gateway.mark_down(backend, f"answered HTTP {status}")
+                if (
+                    status in _RETRYABLE_STATUSES
+                    and attempt + 1 < limits.max_attempts
+                    and gateway.candidates(route_request.model, exclude=tried)
+                ):
+                    backend.in_flight -= 1
+                    response.close()  # unread body: the connection is dropped, not reused
+                    gateway.metrics.retries.labels(backend.name, str(status)).inc()
+                    continue
+            await self._relay(
+                route_request, backend, response, id_header, send, receive, started, upstream_started
+            )
+            return
+        if tried:
+            names = ", ".join(backend.name for backend in tried)
+            raise GatewayError(
+                503, f"no backend could take the request for `{route_request.model}` (tried {names})"
+            )
+        raise GatewayError(503, f"no healthy backend serves the model `{route_request.model}`")
+
+    async def _relay(
+        self,
+        route_request: RouteRequest,
+        backend: BackendState,
+        response: UpstreamResponse,
+        id_header: tuple[bytes, bytes],
+        send,
+        receive,
+        started: float,
+        upstream_started: float,
+    ) -> None:
+        gateway = self.gateway
+        policy = gateway.policy
+        decision = route_request.decision
+        prefill_tokens = decision.get("prefill_tokens")
+        if prefill_tokens is None:
+            tokens = route_request.tokens
+            prefill_tokens = 0 if tokens is None else max(0, len(tokens) - decision.get("cached_tokens", 0))
+        backend.in_flight_prefill_tokens += prefill_tokens
+        policy.on_routed(route_request, backend)
+        status = response.status
+        headers = [(name, value) for name, value in response.headers if name not in _RESPONSE_DROPPED]
+        headers.append((b"x-kvgate-backend", backend.name_bytes))
+        headers.append(id_header)
+        is_event_stream = False
+        for name, value in response.headers:
+            if name == b"content-type":
+                is_event_stream = value.startswith(b"text/event-stream")
+                break
+        headers_arrived = perf_counter()
+        # A client that leaves must not keep the engine generating: watch for the disconnect.
+        watcher = asyncio.ensure_future(_wait_for_disconnect(receive))
+        watcher.add_done_callback(lambda _: response.close())
+        outcome_status = status
+        try:
+            await send({"type": "http.response.start", "status": status, "headers": headers})
+            gateway.metrics.overhead.observe(
+                (upstream_started - started) + (perf_counter() - headers_arrived)
+            )
+            try:
+                async for piece in response.pieces(gateway.config.limits.upstream_timeout_s):
+                    if prefill_tokens:
+                        backend.in_flight_prefill_tokens -= prefill_tokens
+                        prefill_tokens = 0
+                    await send({"type": "http.response.body", "body": piece, "more_body": True})
+            except UpstreamError as exc:
+                if watcher.done():
+                    return  # the client left; we closed the upstream ourselves
+                outcome_status = 504 if isinstance(exc, UpstreamTimeout) else 502
+                log.warning(
+                    "backend %s failed mid-response to %s: %s", backend.name, route_request.request_id, exc
+                )
+                if is_event_stream:
+                    event = (
+                        b"data: "
+                        + error_body(outcome_status, f"backend {backend.name} failed: {exc}")
+                        + b"\n\n"
+                    )
+                    await send({"type": "http.response.body", "body": event, "more_body": False})
+                # Otherwise end without completing: the server closes the connection, so the client
+                # sees a truncated response instead of a short one that looks whole.
+                return
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+        finally:
+            watcher.cancel()
+            response.close()
+            gateway.metrics.observe_upstream(backend.name, perf_counter() - upstream_started)
+            backend.in_flight -= 1
+            backend.in_flight_prefill_tokens -= prefill_tokens
+            backend.requests_total += 1
+            gateway.metrics.count_request(backend.name, outcome_status)
+            policy.on_finished(route_request, backend)
+
+
+async def _wait_for_disconnect(receive) -> None:
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            return

@@ -1,0 +1,28 @@
+"""round_robin: strict rotation over the healthy backends that serve the model."""
+
+from __future__ import annotations
+
+from router.backends import BackendState
+from router.policies.base import RouteRequest
+
+
+class RoundRobin:
+    name = "round_robin"
+    needs_tokens = False
+
+    def __init__(self) -> None:
+        self._turn = -1
+
+    def choose(self, request: RouteRequest, candidates: list[BackendState]) -> BackendState:
+        self._turn += 1
+        return candidates[self._turn % len(candidates)]
+
+    def on_routed(self, request: RouteRequest, backend: BackendState) -> None:
+        pass
+
+    def on_finished(self, request: RouteRequest, backend: BackendState) -> None:
+        pass
+
+
+def create(policy_config, gateway) -> RoundRobin:
+    return RoundRobin()
