@@ -1,0 +1,194 @@
+"""KV-event wire types and the one decoder for every dialect an engine may publish.
+
+vLLM (old array-encoded and new map-encoded events), SGLang (`attn_dp_rank`, signed hashes) and
+cache-layer chunk events (LMCache style) all arrive as msgpack. Batches and events may be arrays or
+maps, independently; hashes may be unsigned or signed 64-bit ints or raw bytes; unknown extra
+fields and unknown event types are ignored. Decoding never raises on a stranger's payload except
+`MalformedBatch` for a payload that is not a batch at all.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgspec
+
+# An engine's block id: opaque, only ever compared for equality.
+EngineBlockHash = int | bytes
+
+# msgpack type bytes: fixarray, array16, array32 / fixmap, map16, map32.
+_ARRAY_FIRST_BYTES = frozenset([*range(0x90, 0xA0), 0xDC, 0xDD])
+_MAP_FIRST_BYTES = frozenset([*range(0x80, 0x90), 0xDE, 0xDF])
+
+
+class BlockStored(msgspec.Struct, tag="BlockStored", tag_field="type"):
+    """Blocks the engine now holds. Field order is the array order vLLM and SGLang use."""
+
+    block_hashes: list[EngineBlockHash]
+    parent_block_hash: EngineBlockHash | None = None
+    token_ids: list[int] = []
+    block_size: int | None = None
+    lora_id: int | None = None
+    medium: str | None = None
+    lora_name: str | None = None
+    # One entry per block (or None): LoRA name, multimodal ids, cache_salt on the first block.
+    extra_keys: list[Any] | None = None
+    group_idx: int | None = None
+    kv_cache_spec_kind: str | None = None
+    kv_cache_spec_sliding_window: int | None = None
+
+
+class BlockRemoved(msgspec.Struct, tag="BlockRemoved", tag_field="type"):
+    block_hashes: list[EngineBlockHash]
+    medium: str | None = None
+    group_idx: int | None = None
+
+
+class AllBlocksCleared(msgspec.Struct, tag="AllBlocksCleared", tag_field="type"):
+    pass
+
+
+class _ArrayBlockStored(BlockStored, array_like=True):
+    pass
+
+
+class _ArrayBlockRemoved(BlockRemoved, array_like=True):
+    pass
+
+
+class _ArrayAllBlocksCleared(AllBlocksCleared, array_like=True):
+    pass
+
+
+KVEvent = BlockStored | BlockRemoved | AllBlocksCleared
+
+
+class _ArrayBatch(msgspec.Struct, array_like=True):
+    ts: float
+    events: list[msgspec.Raw]
+    data_parallel_rank: int | None = None
+
+
+class _MapBatch(msgspec.Struct):
+    ts: float
+    events: list[msgspec.Raw]
+    data_parallel_rank: int | None = None
+    attn_dp_rank: int | None = None  # SGLang's name for the same field
+
+
+@dataclass(slots=True)
+class DecodedBatch:
+    ts: float
+    events: list[KVEvent]
+    data_parallel_rank: int | None
+    # Events that could not be decoded (wrong types) or whose type is unknown; they are skipped.
+    skipped_events: int = 0
+    skip_reasons: list[str] = field(default_factory=list)
+
+
+class MalformedBatch(ValueError):
+    """The payload is not an EventBatch in any known encoding."""
+
+
+_array_batch_decoder = msgspec.msgpack.Decoder(_ArrayBatch)
+_map_batch_decoder = msgspec.msgpack.Decoder(_MapBatch)
+_array_event_decoder = msgspec.msgpack.Decoder(
+    _ArrayBlockStored | _ArrayBlockRemoved | _ArrayAllBlocksCleared
+)
+_map_event_decoder = msgspec.msgpack.Decoder(BlockStored | BlockRemoved | AllBlocksCleared)
+
+
+def decode_batch(payload: bytes) -> DecodedBatch:
+    """Decode one msgpack EventBatch; bad events inside a good batch are skipped and counted."""
+    if not payload:
+        raise MalformedBatch("empty payload")
+    first = payload[0]
+    try:
+        if first in _ARRAY_FIRST_BYTES:
+            raw_batch: _ArrayBatch | _MapBatch = _array_batch_decoder.decode(payload)
+            rank = raw_batch.data_parallel_rank
+        elif first in _MAP_FIRST_BYTES:
+            raw_batch = _map_batch_decoder.decode(payload)
+            rank = raw_batch.data_parallel_rank
+            if rank is None:
+                rank = raw_batch.attn_dp_rank
+        else:
+            raise MalformedBatch(f"payload starts with msgpack byte 0x{first:02x}, not an array or map")
+    except (msgspec.ValidationError, msgspec.DecodeError) as exc:
+        raise MalformedBatch(f"not an EventBatch: {exc}") from None
+    batch = DecodedBatch(ts=raw_batch.ts, events=[], data_parallel_rank=rank)
+    for raw_event in raw_batch.events:
+        try:
+            batch.events.append(decode_event(bytes(raw_event)))
+        except (msgspec.ValidationError, msgspec.DecodeError, MalformedBatch) as exc:
+            batch.skipped_events += 1
+            if len(batch.skip_reasons) < 4:
+                batch.skip_reasons.append(str(exc))
+    return batch
+
+
+def decode_event(encoded: bytes) -> KVEvent:
+    """Decode one msgpack event, array-encoded (tag first) or map-encoded (a "type" key)."""
+    if not encoded:
+        raise MalformedBatch("empty event")
+    if encoded[0] in _ARRAY_FIRST_BYTES:
+        return _array_event_decoder.decode(encoded)
+    if encoded[0] in _MAP_FIRST_BYTES:
+        return _map_event_decoder.decode(encoded)
+    raise MalformedBatch(f"event starts with msgpack byte 0x{encoded[0]:02x}, not an array or map")
+
+
+# ---- normalisation helpers shared by the index ----
+
+_TIER_ALIASES = {
+    "gpu": "gpu",
+    "cuda": "gpu",
+    "cpu": "cpu",
+    "localcpubackend": "cpu",
+    "disk": "disk",
+    "localdiskbackend": "disk",
+}
+
+
+def tier_of(medium: str | None) -> str:
+    """The storage tier an event's `medium` names: "gpu" when absent, lower case otherwise."""
+    if not medium:
+        return "gpu"
+    tier = _TIER_ALIASES.get(medium)
+    if tier is None:
+        tier = _TIER_ALIASES.get(medium.lower(), medium.lower())
+        if len(_TIER_ALIASES) < 256:  # remember spellings seen (e.g. "GPU"), bounded
+            _TIER_ALIASES[medium] = tier
+    return tier
+
+
+def cache_salt_of(event: BlockStored) -> str | None:
+    """The cache_salt vLLM mixes into the first block (last string of its extra keys, LoRA name excluded).
+
+    vLLM builds a block's extra keys as LoRA name + multimodal keys (tuples) + cache_salt (first
+    block only). Strings other than the LoRA name are therefore the salt.
+    """
+    if not event.extra_keys:
+        return None
+    first = event.extra_keys[0]
+    if not isinstance(first, (list, tuple)):
+        return None
+    strings = [item for item in first if isinstance(item, str)]
+    if event.lora_name is not None and strings and strings[0] == event.lora_name:
+        strings = strings[1:]
+    if not strings:
+        return None
+    return strings[-1]
+
+
+def encode_seq(seq: int) -> bytes:
+    """The 8-byte big-endian seq frame; -1 is the replay end marker."""
+    return seq.to_bytes(8, "big", signed=True)
+
+
+def decode_seq(frame: bytes) -> int:
+    """Read a seq frame (raises ValueError unless it is exactly 8 bytes); the end marker reads -1."""
+    if len(frame) != 8:
+        raise ValueError(f"seq frame has {len(frame)} bytes, expected 8")
+    return int.from_bytes(frame, "big", signed=True)
