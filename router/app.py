@@ -167,6 +167,21 @@ class Gateway:
             return {}
 
 
+class GatewayApp(Starlette):
+    """Starlette, plus a direct path to the generation endpoints: they are raw ASGI, handle their own
+    errors, and skipping the middleware and router layers saves ~20% of the gateway's CPU per request."""
+
+    fast_endpoints: dict[str, ProxyEndpoint]
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] == "http" and scope["method"] == "POST":
+            endpoint = self.fast_endpoints.get(scope["path"])
+            if endpoint is not None:
+                await endpoint(scope, receive, send)
+                return
+        await super().__call__(scope, receive, send)
+
+
 def create_app(config: config_schema.Config, extension_factories: list[str] | None = None) -> Starlette:
     """The gateway's ASGI app for `config`; `app.state.gateway` is its Gateway."""
     gateway = Gateway(config, extension_factories)
@@ -191,13 +206,12 @@ def create_app(config: config_schema.Config, extension_factories: list[str] | No
         finally:
             await gateway.stop()
 
+    fast_endpoints = {
+        "/v1/completions": ProxyEndpoint(gateway, "/v1/completions", "prompt"),
+        "/v1/chat/completions": ProxyEndpoint(gateway, "/v1/chat/completions", "messages"),
+    }
     routes = [
-        Route("/v1/completions", ProxyEndpoint(gateway, "/v1/completions", "prompt"), methods=["POST"]),
-        Route(
-            "/v1/chat/completions",
-            ProxyEndpoint(gateway, "/v1/chat/completions", "messages"),
-            methods=["POST"],
-        ),
+        *(Route(path, endpoint, methods=["POST"]) for path, endpoint in fast_endpoints.items()),
         Route("/v1/models", models, methods=["GET"]),
         Route("/health", health, methods=["GET"]),
         Route("/metrics", metrics, methods=["GET"]),
@@ -205,11 +219,12 @@ def create_app(config: config_schema.Config, extension_factories: list[str] | No
     ]
     for extension in gateway.extensions:
         routes.extend(extension.routes())
-    app = Starlette(
+    app = GatewayApp(
         routes=routes,
         lifespan=lifespan,
         exception_handlers={404: _not_found, 405: _not_allowed, Exception: _internal_error},
     )
+    app.fast_endpoints = fast_endpoints
     app.state.gateway = gateway
     return app
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import uuid
+import os
 from time import perf_counter
 from typing import TYPE_CHECKING
 
@@ -84,7 +84,7 @@ class ProxyEndpoint:
                 session_value = value
             forward_headers.append((name, value))
         if not request_id:
-            request_id = uuid.uuid4().hex.encode()
+            request_id = os.urandom(16).hex().encode()
             forward_headers.append((b"x-request-id", request_id))
         id_header = (b"x-request-id", request_id)
         try:
@@ -269,6 +269,10 @@ class ProxyEndpoint:
                     if prefill_tokens:
                         backend.in_flight_prefill_tokens -= prefill_tokens
                         prefill_tokens = 0
+                    if response.at_end:
+                        # The last piece ends the response in the same send (saves a send per request).
+                        await send({"type": "http.response.body", "body": piece, "more_body": False})
+                        return
                     await send({"type": "http.response.body", "body": piece, "more_body": True})
             except UpstreamError as exc:
                 if watcher.done():

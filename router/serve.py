@@ -32,34 +32,44 @@ def run(args: argparse.Namespace) -> int:
     port = config.listen.port if args.port is None else args.port
     log_level = args.log_level or config.log_level
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    fleet = None
     if config.launch is not None and config.launch.simulated_engines is not None:
-        print(
-            f"kvgate: {args.config}: `launch.simulated_engines` is not supported by this build of "
-            "`kvgate serve`; start the engines yourself and list them under `backends`",
-            file=sys.stderr,
-        )
-        return 2
+        # `launch:` asks for simulated engines (router/sim): start them, route to them, stop them on exit.
+        from router.sim.launcher import LaunchError, launch_simulated_engines
+
+        try:
+            fleet = launch_simulated_engines(config.launch.simulated_engines, config)
+        except LaunchError as exc:
+            print(f"kvgate: {args.config}: {exc}", file=sys.stderr)
+            return 2
+        config.backends.extend(fleet.backends)
     try:
-        app = create_app(config)
-    except PolicyUnavailable as exc:
-        print(f"kvgate: {args.config}: {exc}", file=sys.stderr)
-        return 2
-    server = uvicorn.Server(
-        uvicorn.Config(
-            app,
-            host=host,
-            port=port,
-            loop="uvloop",
-            http="httptools",
-            log_level=log_level,
-            access_log=False,
-            # The backend's own Server and Date headers pass through; uvicorn must not add a second pair.
-            server_header=False,
-            date_header=False,
-            # Clients (and benchmark load) keep connections open between requests.
-            timeout_keep_alive=75,
-            backlog=4096,
+        try:
+            app = create_app(config)
+        except PolicyUnavailable as exc:
+            print(f"kvgate: {args.config}: {exc}", file=sys.stderr)
+            return 2
+        server = uvicorn.Server(
+            uvicorn.Config(
+                app,
+                host=host,
+                port=port,
+                loop="uvloop",
+                http="httptools",
+                log_level=log_level,
+                access_log=False,
+                # X-Forwarded-* rewriting is not used by the gateway and costs CPU on every request.
+                proxy_headers=False,
+                # The backend's own Server and Date headers pass through; uvicorn must not add a second pair.
+                server_header=False,
+                date_header=False,
+                # Clients (and benchmark load) keep connections open between requests.
+                timeout_keep_alive=75,
+                backlog=4096,
+            )
         )
-    )
-    server.run()
-    return 0
+        server.run()
+        return 0
+    finally:
+        if fleet is not None:
+            fleet.stop()

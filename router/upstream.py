@@ -63,6 +63,7 @@ class _Connection(asyncio.Protocol):
         "closed",
         "headers",
         "idle_since",
+        "keep_alive",
         "loop",
         "origin",
         "parser",
@@ -83,6 +84,7 @@ class _Connection(asyncio.Protocol):
     def _reset(self) -> None:
         self.parser = httptools.HttpResponseParser(self)
         self.status = 0
+        self.keep_alive = False
         self.headers: list[tuple[bytes, bytes]] = []
         self._body: collections.deque[bytes] = collections.deque()
         self._buffered = 0
@@ -140,6 +142,8 @@ class _Connection(asyncio.Protocol):
 
     def on_headers_complete(self) -> None:
         self.status = self.parser.get_status_code()
+        # Only meaningful while the message is being parsed, so read it here.
+        self.keep_alive = self.parser.should_keep_alive()
         waiter = self._headers_waiter
         if waiter is not None and not waiter.done():
             waiter.set_result(None)
@@ -213,8 +217,12 @@ class _Connection(asyncio.Protocol):
                 self._waiter = None
 
     @property
+    def drained(self) -> bool:
+        return self._complete and not self._body
+
+    @property
     def reusable(self) -> bool:
-        return self._complete and not self.closed and self.parser.should_keep_alive()
+        return self._complete and not self.closed and self.keep_alive
 
     def abort(self) -> None:
         self.closed = True
@@ -245,6 +253,12 @@ class UpstreamResponse:
     async def read(self, timeout_s: float) -> bytes:
         parts = [piece async for piece in self.pieces(timeout_s)]
         return b"".join(parts)
+
+    @property
+    def at_end(self) -> bool:
+        """True when the whole body has arrived and every piece was handed out."""
+        connection = self._connection
+        return connection is not None and connection.drained
 
     def close(self) -> None:
         """Give the connection back when the body was read to the end; otherwise drop it."""
