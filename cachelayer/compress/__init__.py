@@ -1,0 +1,61 @@
+"""The codec registry: `get_codec(name)` returns an object that encodes a KV chunk to bytes and back.
+
+Every codec takes kv shaped [layers, 2, tokens, channels] and returns a self-describing blob
+(shape and dtype inside), so a chunk can be decoded anywhere without side information.
+`layer_offset` / `total_layers` tell a codec where the given layers sit in the model (CacheGen
+quantizes early layers finer). Codecs live in modules of this package; the registry imports
+them on first use, so an optional codec costs nothing until asked for.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Protocol
+
+import torch
+
+
+class Codec(Protocol):
+    def encode(
+        self, kv: torch.Tensor, *, layer_offset: int = 0, total_layers: int | None = None
+    ) -> bytes: ...
+
+    def decode(
+        self, blob: bytes, *, device: str | torch.device = "cpu", dtype: torch.dtype | None = None
+    ) -> torch.Tensor: ...
+
+
+# name -> "module:class"; the class is instantiated without arguments.
+_CODECS: dict[str, str] = {
+    "naive": "cachelayer.compress.naive:NaiveCodec",
+    "cachegen": "cachelayer.compress.cachegen:CacheGenCodec",
+}
+_instances: dict[str, Codec] = {}
+
+
+class UnknownCodecError(ValueError):
+    """No codec of that name, or its module is missing."""
+
+
+def codec_names() -> tuple[str, ...]:
+    return tuple(_CODECS)
+
+
+def get_codec(name: str) -> Codec:
+    codec = _instances.get(name)
+    if codec is not None:
+        return codec
+    target = _CODECS.get(name)
+    if target is None:
+        raise UnknownCodecError(f"unknown compression method {name!r}; available: {', '.join(_CODECS)}")
+    module_name, _, class_name = target.partition(":")
+    try:
+        module = importlib.import_module(module_name)
+    except ModuleNotFoundError as exc:
+        if exc.name != module_name:
+            raise
+        raise UnknownCodecError(
+            f"compression method {name!r} is not available: {module_name} is missing"
+        ) from None
+    codec = _instances[name] = getattr(module, class_name)()
+    return codec

@@ -1,0 +1,158 @@
+"""The cache layer's configuration: LMCache's key names, loaded from YAML or a dict, validated.
+
+A user switching from LMCache keeps their file: the keys below are LMCache's, with its units
+(sizes in GB). The file is named by CACHELAYER_CONFIG_FILE (or LMCACHE_CONFIG_FILE). msgspec
+validates it, so a bad file is refused with the file, the key and what was expected.
+"""
+
+from __future__ import annotations
+
+import os
+import typing
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+import msgspec
+import yaml
+
+CONFIG_FILE_ENV_VARS = ("CACHELAYER_CONFIG_FILE", "LMCACHE_CONFIG_FILE")
+
+# LMCache's default instance id: the key its controller answers /lookup under.
+DEFAULT_INSTANCE_ID = "lmcache_default_instance"
+
+HashAlgorithm = Literal["sha256_cbor_64bit", "xxhash", "builtin"]
+CachePolicy = Literal["LRU", "LFU", "FIFO"]
+
+
+class CacheLayerConfigError(Exception):
+    """A cache-layer configuration that cannot be used; the message says where and how to fix it."""
+
+
+class CacheLayerConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    chunk_size: Annotated[int, msgspec.Meta(ge=1, le=1 << 20)] = 256
+    local_cpu: bool = True
+    # GB, as in LMCache. The L1 pool is allocated once at this size.
+    max_local_cpu_size: Annotated[float, msgspec.Meta(gt=0)] = 5.0
+    # A directory ("/path" or "file:///path"), or None for no disk tier.
+    local_disk: str | None = None
+    max_local_disk_size: Annotated[float, msgspec.Meta(ge=0)] = 0.0
+    # Store the last, shorter chunk too (LMCache's documented 12-token example relies on it).
+    save_unfull_chunk: bool = True
+    enable_kv_events: bool = False
+    # "builtin" is LMCache's default name; here it means the fast deterministic xxhash, because
+    # Python's hash() differs between processes and would make keys useless across restarts.
+    pre_caching_hash_algorithm: HashAlgorithm = "sha256_cbor_64bit"
+    cache_policy: CachePolicy = "LRU"
+    enable_controller: bool = False
+    lmcache_instance_id: Annotated[str, msgspec.Meta(min_length=1)] = DEFAULT_INSTANCE_ID
+    # host:port (or tcp://host:port) of the controller's monitor (registration + heartbeat) socket.
+    controller_pull_url: str | None = None
+    # Ports the workers' command sockets bind, indexed by worker id; None or 0 lets the OS choose.
+    lmcache_worker_ports: list[Annotated[int, msgspec.Meta(ge=0, le=65535)]] | None = None
+    # Seconds between heartbeats; the controller drops a worker silent for three intervals.
+    # LMCache defaults to no heartbeat, which silently empties its index; here it is on.
+    lmcache_worker_heartbeat_time: Annotated[float, msgspec.Meta(gt=0)] = 2.0
+    # Accepted for compatibility; peer-to-peer transfer is not implemented (see docs/cachelayer.md).
+    p2p_host: str | None = None
+    p2p_init_ports: list[int] | None = None
+    # The cache layer's own KV-event publisher (vLLM's protocol), used when enable_kv_events is
+    # true and the engine does not forward the events itself.
+    kv_events_endpoint: str | None = None
+    kv_events_replay_endpoint: str | None = None
+    kv_events_topic: str = ""
+    extra_config: dict[str, Any] | None = None
+
+    def __post_init__(self) -> None:
+        if not self.local_cpu:
+            raise ValueError("local_cpu: false is not supported: the CPU pool is the cache's first tier")
+        if self.local_disk is not None and self.max_local_disk_size <= 0:
+            raise ValueError(
+                "local_disk is set but max_local_disk_size is 0: give the disk tier a size in GB"
+            )
+        for field, value in (
+            ("kv_events_endpoint", self.kv_events_endpoint),
+            ("kv_events_replay_endpoint", self.kv_events_replay_endpoint),
+        ):
+            if value is not None and not value.startswith(("tcp://", "ipc://", "inproc://")):
+                raise ValueError(f"{field} {value!r} must start with tcp://, ipc:// or inproc://")
+
+    @property
+    def local_disk_path(self) -> Path | None:
+        if self.local_disk is None:
+            return None
+        return Path(self.local_disk.removeprefix("file://"))
+
+    @property
+    def max_local_cpu_bytes(self) -> int:
+        return int(self.max_local_cpu_size * (1 << 30))
+
+    @property
+    def max_local_disk_bytes(self) -> int:
+        return int(self.max_local_disk_size * (1 << 30))
+
+
+def _format_error(source: str, exc: Exception) -> str:
+    text = str(exc)
+    message, where = text, ""
+    if " - at `$" in text:
+        message, _, where = text.rpartition(" - at `$")
+        where = where.rstrip("`").lstrip(".")
+    if message.startswith("Object contains unknown field"):
+        message += f" (accepted keys: {', '.join(CacheLayerConfig.__struct_fields__)})"
+    elif message.startswith("Invalid enum value") and where in _CHOICES:
+        message += f" (choose one of {', '.join(_CHOICES[where])})"
+    if where:
+        return f"{source}: invalid cache-layer configuration at `{where}`: {message}"
+    return f"{source}: invalid cache-layer configuration: {message}"
+
+
+_CHOICES = {
+    "pre_caching_hash_algorithm": typing.get_args(HashAlgorithm),
+    "cache_policy": typing.get_args(CachePolicy),
+}
+
+
+def parse_config(data: dict[str, Any] | None, source: str = "<config>") -> CacheLayerConfig:
+    """Validate a mapping of LMCache-style keys into a CacheLayerConfig."""
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise CacheLayerConfigError(
+            f"{source}: the configuration must be a mapping, got {type(data).__name__}"
+        )
+    try:
+        return msgspec.convert(data, CacheLayerConfig)
+    except msgspec.ValidationError as exc:
+        raise CacheLayerConfigError(_format_error(source, exc)) from None
+
+
+def load_config(path: str | os.PathLike[str] | None = None) -> CacheLayerConfig:
+    """Read a YAML file (by default the one named by CACHELAYER_CONFIG_FILE / LMCACHE_CONFIG_FILE).
+
+    With no path and no variable set, the defaults apply.
+    """
+    if path is None:
+        path = next((os.environ[name] for name in CONFIG_FILE_ENV_VARS if os.environ.get(name)), None)
+        if path is None:
+            return CacheLayerConfig()
+    file = Path(path)
+    try:
+        text = file.read_text()
+    except OSError as exc:
+        raise CacheLayerConfigError(
+            f"{file}: cannot read cache-layer configuration: {exc.strerror}"
+        ) from None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        raise CacheLayerConfigError(f"{file}: not valid YAML: {exc}") from None
+    return parse_config(data, str(file))
+
+
+def as_config(config: CacheLayerConfig | dict[str, Any] | str | os.PathLike[str] | None) -> CacheLayerConfig:
+    """Accept a config object, a dict of keys, a YAML path, or None (environment or defaults)."""
+    if isinstance(config, CacheLayerConfig):
+        return config
+    if isinstance(config, dict):
+        return parse_config(config)
+    return load_config(config)

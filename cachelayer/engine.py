@@ -1,0 +1,725 @@
+"""CacheEngine: store, find and load KV chunks across the CPU pool (L1) and the disk tier (L2).
+
+KV comes in and goes out as one tensor `[num_layers, 2, num_tokens, num_kv_heads * head_dim]`
+(K then V). Tokens are cut into chunks of `chunk_size` (the shorter tail chunk too when
+`save_unfull_chunk`); each chunk is stored, found and evicted as a unit under a chained key
+(cachelayer.keys), so everything here speaks in whole chunks:
+- `store` stores the chunks in order and stops at the first that cannot be placed: what is
+  stored is always a prefix. Chunks already held are not rewritten.
+- `retrieve` and `lookup` walk the chunks in order and stop at the first one held nowhere, so a
+  hit always ends on a chunk boundary (or at the end of the tokens).
+
+Thread safety: one lock guards the index of every tier; tensor copies run outside it, protected
+by the reference each reader or writer holds on its chunks (a referenced chunk is never evicted,
+and its space is given back only when the last reference goes). Every state change is announced
+to the event listeners (KV events) while the lock is held, so listeners see changes in order.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+import torch
+
+from cachelayer.compress import get_codec
+from cachelayer.config import CacheLayerConfig, as_config
+from cachelayer.events import AllBlocksCleared, BlockRemoved, BlockStored, Event, ZmqEventPublisher
+from cachelayer.keys import CacheIdentity, ChunkSpan, chunk_spans
+from cachelayer.storage.cpu import CpuTier
+from cachelayer.storage.disk import DiskTier
+from cachelayer.storage.tier import ChunkMeta, Tier, TierEntry
+
+log = logging.getLogger(__name__)
+
+Tokens = Sequence[int] | np.ndarray | torch.Tensor
+EventListener = Callable[[list[Event]], None]
+
+_LOCATION_ALIASES = {
+    "LocalCPUBackend": "cpu",
+    "cpu": "cpu",
+    "LocalDiskBackend": "disk",
+    "disk": "disk",
+}
+
+
+class CacheEngineError(ValueError):
+    """A call the engine cannot serve as asked (wrong shape, dtype, location...); the message says why."""
+
+
+def _as_dtype(dtype: torch.dtype | str) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    resolved = getattr(torch, str(dtype).removeprefix("torch."), None)
+    if not isinstance(resolved, torch.dtype):
+        raise CacheEngineError(f"unknown KV dtype {dtype!r}; use a torch dtype such as 'bfloat16'")
+    return resolved
+
+
+def _token_list(tokens: Tokens) -> list[int]:
+    if isinstance(tokens, torch.Tensor):
+        return tokens.tolist()
+    if isinstance(tokens, np.ndarray):
+        return tokens.tolist()
+    return list(tokens)
+
+
+class CacheEngine:
+    def __init__(
+        self,
+        config: CacheLayerConfig,
+        *,
+        num_layers: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype | str,
+        model_name: str = "",
+        world_size: int = 1,
+        worker_id: int = 0,
+        start_controller_worker: bool = True,
+    ) -> None:
+        if min(num_layers, num_kv_heads, head_dim) < 1:
+            raise CacheEngineError(
+                "num_layers, num_kv_heads and head_dim must be >= 1, "
+                f"got {num_layers}, {num_kv_heads}, {head_dim}"
+            )
+        self.config = config
+        self.num_layers = num_layers
+        self.channels = num_kv_heads * head_dim
+        self.dtype = _as_dtype(dtype)
+        self.chunk_size = config.chunk_size
+        self.worker_id = worker_id
+        self.world_size = world_size
+        self.identity = CacheIdentity(
+            model=model_name,
+            dtype=str(self.dtype).removeprefix("torch."),
+            world_size=world_size,
+            worker_id=worker_id,
+        )
+        self._bytes_per_token = num_layers * 2 * self.channels * self.dtype.itemsize
+        self._lock = threading.RLock()
+        self.cpu = CpuTier(config.max_local_cpu_bytes, config.cache_policy)
+        self.disk: DiskTier | None = None
+        if config.local_disk_path is not None:
+            self.disk = DiskTier(
+                config.local_disk_path,
+                config.max_local_disk_bytes,
+                config.cache_policy,
+                num_layers=num_layers,
+                channels=self.channels,
+                dtype=self.identity.dtype,
+            )
+        self._tiers: dict[str, Tier] = {"cpu": self.cpu}
+        if self.disk is not None:
+            self._tiers["disk"] = self.disk
+        self._listeners: list[EventListener] = []
+        self.counters = {
+            "read_chunks": 0,
+            "write_chunks": 0,
+            "lookup_requested_tokens": 0,
+            "lookup_hit_tokens": 0,
+        }
+        self.publisher: ZmqEventPublisher | None = None
+        if config.enable_kv_events and config.kv_events_endpoint is not None:
+            self.publisher = ZmqEventPublisher(
+                config.kv_events_endpoint,
+                config.kv_events_replay_endpoint,
+                topic=config.kv_events_topic,
+                snapshot_source=self.snapshot_events,
+                state_lock=self._lock,
+            )
+            self.add_event_listener(self.publisher.publish)
+        self.controller_worker: Any = None
+        if config.enable_controller and start_controller_worker:
+            from cachelayer.controller.worker import ControllerWorker
+
+            self.controller_worker = ControllerWorker(self, config)
+
+    @classmethod
+    def from_config(
+        cls,
+        cfg: CacheLayerConfig | dict[str, Any] | str | None,
+        *,
+        num_layers: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype | str,
+        **identity: Any,
+    ) -> CacheEngine:
+        """Build from a config object, a dict of LMCache keys, a YAML path, or None (environment).
+
+        Extra keywords: model_name, world_size, worker_id (parts of every chunk key).
+        """
+        return cls(
+            as_config(cfg),
+            num_layers=num_layers,
+            num_kv_heads=num_kv_heads,
+            head_dim=head_dim,
+            dtype=dtype,
+            **identity,
+        )
+
+    def close(self) -> None:
+        if self.controller_worker is not None:
+            self.controller_worker.close()
+            self.controller_worker = None
+        if self.publisher is not None:
+            self.publisher.close()
+            self.publisher = None
+
+    def __enter__(self) -> CacheEngine:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    # ---- events ----
+    def add_event_listener(self, listener: EventListener) -> None:
+        """Call `listener(events)` for every batch of state changes, in order, under the engine lock."""
+        with self._lock:
+            self._listeners.append(listener)
+
+    def _emit(self, events: list[Event]) -> None:
+        if events:
+            for listener in self._listeners:
+                listener(events)
+
+    def _removal_events(self, tier: Tier, metas: list[ChunkMeta]) -> list[Event]:
+        return [BlockRemoved(block_hashes=[meta.key for meta in metas], medium=tier.medium)] if metas else []
+
+    @staticmethod
+    def _stored_event(tier: Tier, meta: ChunkMeta) -> BlockStored:
+        return BlockStored(
+            block_hashes=[meta.key],
+            parent_block_hash=meta.parent_key,
+            token_ids=list(meta.token_ids),
+            block_size=meta.num_tokens,
+            medium=tier.medium,
+        )
+
+    def snapshot_events(self) -> list[Event]:
+        """A BlockStored for every chunk held, per tier, parents before children."""
+        with self._lock:
+            events: list[Event] = []
+            for tier in self._tiers.values():
+                entries = {entry.meta.key: entry for entry in tier.committed_entries()}
+                depth: dict[int, int] = {}
+
+                def depth_of(
+                    key: int, entries: dict[int, TierEntry] = entries, depth: dict[int, int] = depth
+                ) -> None:
+                    chain: list[int] = []
+                    current: int | None = key
+                    while current in entries and current not in depth:
+                        chain.append(current)
+                        current = entries[current].meta.parent_key
+                    level = depth.get(current, 0) if current is not None else 0
+                    for member in reversed(chain):
+                        level += 1
+                        depth[member] = level
+
+                for key in entries:
+                    depth_of(key)
+                for key in sorted(entries, key=lambda item: depth.get(item, 0)):
+                    events.append(self._stored_event(tier, entries[key].meta))
+            return events
+
+    # ---- keys and validation ----
+    def _spans(self, tokens: list[int], cache_salt: str | None, lora: str | None) -> list[ChunkSpan]:
+        identity = self.identity
+        if cache_salt is not None or lora is not None:
+            identity = CacheIdentity(
+                identity.model, identity.dtype, identity.world_size, identity.worker_id, cache_salt, lora
+            )
+        return chunk_spans(
+            tokens,
+            chunk_size=self.chunk_size,
+            identity=identity,
+            algorithm=self.config.pre_caching_hash_algorithm,
+            save_unfull_chunk=self.config.save_unfull_chunk,
+        )
+
+    def _check_kv(self, kv: torch.Tensor, num_tokens: int, name: str, *, at_least: bool = False) -> None:
+        expected = (self.num_layers, 2, num_tokens, self.channels)
+        shape = tuple(kv.shape)
+        tokens_ok = kv.dim() == 4 and (shape[2] >= num_tokens if at_least else shape[2] == num_tokens)
+        if kv.dim() != 4 or shape[:2] != expected[:2] or shape[3] != expected[3] or not tokens_ok:
+            relation = "at least " if at_least else ""
+            raise CacheEngineError(
+                f"{name} must be [num_layers={self.num_layers}, 2, {relation}{num_tokens} tokens, "
+                f"channels={self.channels}], got {list(shape)}"
+            )
+        if kv.dtype != self.dtype:
+            raise CacheEngineError(f"{name} has dtype {kv.dtype}, the engine was built for {self.dtype}")
+
+    def _tier(self, location: str) -> Tier:
+        alias = _LOCATION_ALIASES.get(location)
+        if alias is None:
+            raise CacheEngineError(
+                f"unknown location {location!r}; use LocalCPUBackend or LocalDiskBackend (or cpu / disk)"
+            )
+        tier = self._tiers.get(alias)
+        if tier is None:
+            raise CacheEngineError(
+                f"location {location!r} is not configured (set local_disk and max_local_disk_size)"
+            )
+        return tier
+
+    def _raw_nbytes(self, num_tokens: int) -> int:
+        return num_tokens * self._bytes_per_token
+
+    def _chunk_view(self, payload: torch.Tensor, meta: ChunkMeta) -> torch.Tensor:
+        """A chunk's KV [num_layers, 2, n, channels] from its stored bytes (decoded if compressed)."""
+        if meta.fmt == "raw":
+            return payload.view(self.dtype).view(self.num_layers, 2, meta.num_tokens, self.channels)
+        blob = payload.numpy().tobytes()
+        return get_codec(meta.fmt).decode(blob, device="cpu", dtype=self.dtype)
+
+    def _read_payload(self, tier: Tier, entry: TierEntry) -> torch.Tensor:
+        if isinstance(tier, CpuTier):
+            return tier.view(entry)
+        assert isinstance(tier, DiskTier)
+        return tier.read_bytes(entry)
+
+    def _write_payload(self, tier: Tier, entry: TierEntry, payload: torch.Tensor) -> None:
+        if isinstance(tier, CpuTier):
+            tier.view(entry).copy_(payload)
+        else:
+            assert isinstance(tier, DiskTier)
+            tier.write(entry, payload)
+
+    # ---- store ----
+    def store(
+        self, tokens: Tokens, kv: torch.Tensor, *, cache_salt: str | None = None, lora: str | None = None
+    ) -> int:
+        """Store the chunks of `tokens`; returns how many leading tokens are now held."""
+        token_list = _token_list(tokens)
+        self._check_kv(kv, len(token_list), "kv")
+        spans = self._spans(token_list, cache_salt, lora)
+        reserved: list[tuple[ChunkSpan, TierEntry]] = []
+        held_end = 0
+        with self._lock:
+            evicted: list[ChunkMeta] = []
+            for span in spans:
+                # A chunk held, or being written by another thread, is not written twice.
+                if any(tier.has_key(span.key) for tier in self._tiers.values()):
+                    for tier in self._tiers.values():
+                        tier.touch(span.key)
+                    held_end = span.end
+                    continue
+                meta = ChunkMeta(span.key, span.parent_key, token_list[span.start : span.end])
+                entry, evicted_now = self.cpu.reserve(meta, self._raw_nbytes(span.num_tokens))
+                evicted.extend(evicted_now)
+                if entry is None:
+                    break
+                reserved.append((span, entry))
+                held_end = span.end
+            self._emit(self._removal_events(self.cpu, evicted))
+        if not reserved:
+            return held_end
+        try:
+            for span, entry in reserved:
+                self._chunk_view(self.cpu.view(entry), entry.meta).copy_(kv[:, :, span.start : span.end])
+        except BaseException:
+            with self._lock:
+                for _, entry in reserved:
+                    self.cpu.abort(entry)
+            raise
+        with self._lock:
+            for _, entry in reserved:
+                self.cpu.commit(entry)
+            self.counters["write_chunks"] += len(reserved)
+            self._emit([self._stored_event(self.cpu, entry.meta) for _, entry in reserved])
+        if self.disk is not None:
+            self._write_through(self.disk, [entry.meta for _, entry in reserved])
+        return held_end
+
+    def _write_through(self, disk: DiskTier, metas: list[ChunkMeta]) -> None:
+        """Copy freshly stored chunks from L1 to the disk tier (skipping any that left L1 meanwhile)."""
+        for meta in metas:
+            with self._lock:
+                source = self.cpu.get(meta.key)
+                if source is None or meta.key in disk:
+                    continue
+                self.cpu.acquire(source)
+                target, evicted = disk.reserve(
+                    ChunkMeta(meta.key, meta.parent_key, meta.token_ids, source.meta.fmt), source.nbytes
+                )
+                self._emit(self._removal_events(disk, evicted))
+            try:
+                if target is None:
+                    log.warning(
+                        "cachelayer: disk tier full of pinned or in-use chunks; chunk %#x kept in CPU only",
+                        meta.key,
+                    )
+                    continue
+                try:
+                    disk.write(target, self.cpu.view(source))
+                except OSError as exc:
+                    log.error("cachelayer: writing chunk %#x to %s failed: %s", meta.key, disk.directory, exc)
+                    with self._lock:
+                        disk.abort(target)
+                    continue
+                with self._lock:
+                    disk.commit(target)
+                    self._emit([self._stored_event(disk, target.meta)])
+            finally:
+                with self._lock:
+                    self.cpu.release(source)
+
+    # ---- lookup ----
+    def _held_prefix(self, spans: list[ChunkSpan]) -> list[tuple[ChunkSpan, list[Tier]]]:
+        held = []
+        for span in spans:
+            tiers = [tier for tier in self._tiers.values() if span.key in tier]
+            if not tiers:
+                break
+            held.append((span, tiers))
+        return held
+
+    def lookup(self, tokens: Tokens, *, cache_salt: str | None = None, lora: str | None = None) -> int:
+        """The longest prefix of `tokens` held across tiers, in tokens (ends on a chunk boundary)."""
+        token_list = _token_list(tokens)
+        spans = self._spans(token_list, cache_salt, lora)
+        with self._lock:
+            held = self._held_prefix(spans)
+            hit = held[-1][0].end if held else 0
+            self.counters["lookup_requested_tokens"] += len(token_list)
+            self.counters["lookup_hit_tokens"] += hit
+        return hit
+
+    def lookup_location(
+        self, tokens: Tokens, *, cache_salt: str | None = None, lora: str | None = None
+    ) -> tuple[str | None, int]:
+        """(location, matched tokens) as LMCache's controller reports it.
+
+        The location is the slowest tier the contiguous prefix needs: LocalCPUBackend when every
+        chunk is in the CPU pool, LocalDiskBackend when some are only on disk.
+        """
+        spans = self._spans(_token_list(tokens), cache_salt, lora)
+        with self._lock:
+            held = self._held_prefix(spans)
+        if not held:
+            return None, 0
+        needs_disk = any(self.cpu not in tiers for _, tiers in held)
+        location = self.disk.name if needs_disk and self.disk is not None else self.cpu.name
+        return location, held[-1][0].end
+
+    # ---- retrieve ----
+    def retrieve(
+        self,
+        tokens: Tokens,
+        *,
+        cache_salt: str | None = None,
+        lora: str | None = None,
+        out: torch.Tensor | None = None,
+    ) -> tuple[int, torch.Tensor | None]:
+        """Load the longest held prefix: (hit_tokens, kv [num_layers, 2, hit_tokens, channels] or None).
+
+        With `out` (shaped [num_layers, 2, >= len(tokens), channels], any device) the KV is written
+        into out[:, :, :hit_tokens] and that view is returned: no intermediate tensor. Chunks found
+        only on disk are promoted into the CPU pool on the way.
+        """
+        token_list = _token_list(tokens)
+        if out is not None:
+            self._check_kv(out, len(token_list), "out", at_least=True)
+        spans = self._spans(token_list, cache_salt, lora)
+        plan: list[tuple[ChunkSpan, Tier, TierEntry, TierEntry | None]] = []
+        with self._lock:
+            evicted: list[ChunkMeta] = []
+            for span in spans:
+                entry = self.cpu.get(span.key)
+                if entry is not None:
+                    self.cpu.acquire(entry)
+                    self.cpu.touch(span.key)
+                    plan.append((span, self.cpu, entry, None))
+                    continue
+                disk_entry = self.disk.get(span.key) if self.disk is not None else None
+                if disk_entry is None:
+                    break
+                assert self.disk is not None
+                self.disk.acquire(disk_entry)
+                self.disk.touch(span.key)
+                promoted, evicted_now = self.cpu.reserve(
+                    ChunkMeta(span.key, span.parent_key, disk_entry.meta.token_ids, disk_entry.meta.fmt),
+                    disk_entry.nbytes,
+                )
+                evicted.extend(evicted_now)
+                plan.append((span, self.disk, disk_entry, promoted))
+            self._emit(self._removal_events(self.cpu, evicted))
+        if not plan:
+            return 0, None
+        hit = plan[-1][0].end
+        done: list[TierEntry] = []
+        failed: list[TierEntry] = []
+        try:
+            result = (
+                out[:, :, :hit]
+                if out is not None
+                else torch.empty(self.num_layers, 2, hit, self.channels, dtype=self.dtype)
+            )
+            for span, tier, entry, promoted in plan:
+                try:
+                    if promoted is not None:
+                        assert isinstance(tier, DiskTier)
+                        tier.read_into(entry, self.cpu.view(promoted))
+                        payload = self.cpu.view(promoted)
+                        done.append(promoted)
+                    else:
+                        payload = self._read_payload(tier, entry)
+                except OSError as exc:
+                    log.error(
+                        "cachelayer: chunk %#x unreadable from %s (%s); treated as a miss",
+                        span.key,
+                        tier.name,
+                        exc,
+                    )
+                    failed.append(entry)
+                    hit = span.start
+                    break
+                result[:, :, span.start : span.end].copy_(self._chunk_view(payload, entry.meta))
+            result = result[:, :, :hit]
+        finally:
+            with self._lock:
+                stored_events: list[Event] = []
+                for _, tier, entry, promoted in plan:
+                    tier.release(entry)
+                    if promoted is None:
+                        continue
+                    if promoted in done:
+                        self.cpu.commit(promoted)
+                        stored_events.append(self._stored_event(self.cpu, promoted.meta))
+                    else:
+                        self.cpu.abort(promoted)
+                for entry in failed:
+                    removed = self.disk.remove(entry.meta.key) if self.disk is not None else None
+                    if removed is not None and self.disk is not None:
+                        stored_events.extend(self._removal_events(self.disk, [removed.meta]))
+                self.counters["read_chunks"] += sum(1 for span, *_ in plan if span.end <= hit)
+                self._emit(stored_events)
+        if hit == 0:
+            return 0, None
+        return hit, result
+
+    # ---- pins ----
+    def pin(
+        self,
+        tokens: Tokens,
+        location: str | None = None,
+        *,
+        cache_salt: str | None = None,
+        lora: str | None = None,
+    ) -> int:
+        """Pin the held prefix's chunks (at `location`, or wherever they are); returns the tokens pinned."""
+        return self._pin_or_unpin(tokens, location, cache_salt, lora, pin=True)
+
+    def unpin(
+        self,
+        tokens: Tokens,
+        location: str | None = None,
+        *,
+        cache_salt: str | None = None,
+        lora: str | None = None,
+    ) -> int:
+        return self._pin_or_unpin(tokens, location, cache_salt, lora, pin=False)
+
+    def _pin_or_unpin(
+        self, tokens: Tokens, location: str | None, cache_salt: str | None, lora: str | None, *, pin: bool
+    ) -> int:
+        tiers = [self._tier(location)] if location is not None else list(self._tiers.values())
+        spans = self._spans(_token_list(tokens), cache_salt, lora)
+        done_end = 0
+        with self._lock:
+            for span in spans:
+                changed = [tier.pin(span.key) if pin else tier.unpin(span.key) for tier in tiers]
+                if not any(changed):
+                    break
+                done_end = span.end
+        return done_end
+
+    # ---- clear / move ----
+    def clear(self, location: str | None = None) -> int:
+        """Drop every chunk (of one tier, or all); returns the tokens dropped. Readers finish first."""
+        with self._lock:
+            tiers = [self._tier(location)] if location is not None else list(self._tiers.values())
+            counted: dict[int, int] = {}
+            events: list[Event] = []
+            for tier in tiers:
+                removed = [entry.meta for entry in tier.committed_entries()]
+                for meta in removed:
+                    tier.remove(meta.key)
+                    counted[meta.key] = meta.num_tokens
+                if location is not None:
+                    events.extend(self._removal_events(tier, removed))
+            if location is None:
+                events.append(AllBlocksCleared())
+            self._emit(events)
+            return sum(counted.values())
+
+    def move(
+        self,
+        tokens: Tokens,
+        source: str,
+        destination: str,
+        *,
+        copy: bool = False,
+        cache_salt: str | None = None,
+        lora: str | None = None,
+    ) -> int:
+        """Move (or copy) the chunks of `tokens` held at `source` to `destination`, in order.
+
+        Stops at the first chunk missing at the source or that does not fit; returns the tokens moved.
+        """
+        source_tier, destination_tier = self._tier(source), self._tier(destination)
+        spans = self._spans(_token_list(tokens), cache_salt, lora)
+        moved_end = 0
+        for span in spans:
+            with self._lock:
+                entry = source_tier.get(span.key)
+                if entry is None:
+                    break
+                if source_tier is destination_tier:
+                    moved_end = span.end
+                    continue
+                if span.key in destination_tier:
+                    target = None
+                else:
+                    source_tier.acquire(entry)
+                    target, evicted = destination_tier.reserve(
+                        ChunkMeta(span.key, span.parent_key, entry.meta.token_ids, entry.meta.fmt),
+                        entry.nbytes,
+                    )
+                    self._emit(self._removal_events(destination_tier, evicted))
+                    if target is None:
+                        source_tier.release(entry)
+                        break
+            if target is not None:
+                try:
+                    self._write_payload(destination_tier, target, self._read_payload(source_tier, entry))
+                except BaseException:
+                    with self._lock:
+                        destination_tier.abort(target)
+                        source_tier.release(entry)
+                    raise
+            with self._lock:
+                events: list[Event] = []
+                if target is not None:
+                    destination_tier.commit(target)
+                    source_tier.release(entry)
+                    events.append(self._stored_event(destination_tier, target.meta))
+                if not copy:
+                    removed = source_tier.remove(span.key)
+                    if removed is not None:
+                        events.extend(self._removal_events(source_tier, [removed.meta]))
+                self._emit(events)
+            moved_end = span.end
+        return moved_end
+
+    # ---- compression ----
+    def compress(
+        self,
+        tokens: Tokens,
+        method: str,
+        location: str = "LocalCPUBackend",
+        *,
+        cache_salt: str | None = None,
+        lora: str | None = None,
+    ) -> int:
+        """Replace the chunks of `tokens` at `location` by their `method`-encoded form.
+
+        Returns the tokens affected (chunks already in that form count)."""
+        codec = get_codec(method)
+
+        def encode(kv: torch.Tensor) -> torch.Tensor:
+            blob = codec.encode(kv, layer_offset=0, total_layers=self.num_layers)
+            return torch.frombuffer(bytearray(blob), dtype=torch.uint8)
+
+        return self._recode(
+            tokens, location, cache_salt, lora, from_fmt="raw", to_fmt=method, transform=encode
+        )
+
+    def decompress(
+        self,
+        tokens: Tokens,
+        method: str,
+        location: str = "LocalCPUBackend",
+        *,
+        cache_salt: str | None = None,
+        lora: str | None = None,
+    ) -> int:
+        """Restore the `method`-encoded chunks of `tokens` at `location` to raw KV.
+
+        Returns the tokens affected (chunks already raw count)."""
+        get_codec(method)  # an unknown method is refused before anything changes
+
+        def to_raw(kv: torch.Tensor) -> torch.Tensor:
+            return kv.to(self.dtype).contiguous().view(torch.uint8).reshape(-1)
+
+        return self._recode(
+            tokens, location, cache_salt, lora, from_fmt=method, to_fmt="raw", transform=to_raw
+        )
+
+    def _recode(
+        self,
+        tokens: Tokens,
+        location: str,
+        cache_salt: str | None,
+        lora: str | None,
+        *,
+        from_fmt: str,
+        to_fmt: str,
+        transform: Callable[[torch.Tensor], torch.Tensor],
+    ) -> int:
+        tier = self._tier(location)
+        spans = self._spans(_token_list(tokens), cache_salt, lora)
+        affected = 0
+        for span in spans:
+            with self._lock:
+                entry = tier.get(span.key)
+                if entry is None:
+                    break
+                if entry.meta.fmt == to_fmt:
+                    affected += span.num_tokens
+                    continue
+                if entry.meta.fmt != from_fmt:
+                    break
+                tier.acquire(entry)
+            try:
+                payload = transform(self._chunk_view(self._read_payload(tier, entry), entry.meta))
+                with self._lock:
+                    # The old entry stays referenced until the new one is written: no window without data.
+                    replacement, evicted = tier.reserve(
+                        ChunkMeta(span.key, span.parent_key, entry.meta.token_ids, to_fmt), payload.numel()
+                    )
+                    self._emit(self._removal_events(tier, evicted))
+                if replacement is None:
+                    break
+                try:
+                    self._write_payload(tier, replacement, payload)
+                except BaseException:
+                    with self._lock:
+                        tier.abort(replacement)
+                    raise
+                with self._lock:
+                    tier.commit(replacement)
+            finally:
+                with self._lock:
+                    tier.release(entry)
+            affected += span.num_tokens
+        return affected
+
+    # ---- introspection ----
+    def stats(self) -> dict[str, Any]:
+        with self._lock:
+            stats: dict[str, Any] = dict(self.counters)
+            stats["cpu_chunks"] = self.cpu.num_chunks
+            stats["cpu_evicted_chunks"] = self.cpu.evicted_chunks
+            stats["cpu_usage_ratio"] = self.cpu.usage_ratio
+            if self.disk is not None:
+                stats["disk_chunks"] = self.disk.num_chunks
+                stats["disk_evicted_chunks"] = self.disk.evicted_chunks
+                stats["disk_used_bytes"] = self.disk.used_bytes
+            return stats

@@ -1,0 +1,35 @@
+"""L1: one CPU byte pool, allocated once (pinned when CUDA is present), carved by a free-list allocator."""
+
+from __future__ import annotations
+
+import torch
+
+from cachelayer.storage.allocator import FreeListAllocator
+from cachelayer.storage.tier import Tier, TierEntry
+
+
+class CpuTier(Tier):
+    name = "LocalCPUBackend"
+    medium = "cpu"
+
+    def __init__(self, capacity_bytes: int, cache_policy: str) -> None:
+        super().__init__(cache_policy)
+        self.allocator = FreeListAllocator(capacity_bytes)
+        # torch.empty only reserves address space; pages are touched as chunks are written.
+        self.pool = torch.empty(
+            self.allocator.capacity, dtype=torch.uint8, pin_memory=torch.cuda.is_available()
+        )
+
+    def _allocate(self, nbytes: int) -> int | None:
+        return self.allocator.allocate(nbytes)
+
+    def _release_space(self, entry: TierEntry) -> None:
+        self.allocator.free(entry.location)
+
+    def view(self, entry: TierEntry) -> torch.Tensor:
+        """The entry's bytes in the pool (a view, no copy)."""
+        return self.pool[entry.location : entry.location + entry.nbytes]
+
+    @property
+    def usage_ratio(self) -> float:
+        return self.allocator.allocated_bytes / max(1, self.allocator.capacity)

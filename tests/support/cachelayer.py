@@ -1,0 +1,37 @@
+"""Helpers for the cache-layer tests: a small KV geometry, engines sized in chunks, random requests."""
+
+from __future__ import annotations
+
+import torch
+
+from cachelayer import CacheEngine
+
+LAYERS, HEADS, HEAD_DIM, CHUNK = 2, 2, 8, 16
+CHUNK_BYTES = LAYERS * 2 * CHUNK * HEADS * HEAD_DIM * 2  # bf16
+
+
+def make_engine(chunks_in_pool: float, **config) -> CacheEngine:
+    """An engine whose CPU pool holds `chunks_in_pool` full chunks."""
+    pool_gb = chunks_in_pool * CHUNK_BYTES / 2**30
+    return CacheEngine.from_config(
+        {"chunk_size": CHUNK, "max_local_cpu_size": pool_gb, **config},
+        num_layers=LAYERS,
+        num_kv_heads=HEADS,
+        head_dim=HEAD_DIM,
+        dtype=torch.bfloat16,
+    )
+
+
+def request(seed: int, chunks: int) -> tuple[list[int], torch.Tensor]:
+    """Random tokens and matching random KV, `chunks` full chunks long."""
+    generator = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(0, 50_000, (chunks * CHUNK,), generator=generator).tolist()
+    kv = torch.randn(LAYERS, 2, chunks * CHUNK, HEADS * HEAD_DIM, generator=generator).to(torch.bfloat16)
+    return tokens, kv
+
+
+def assert_no_leak(engine: CacheEngine) -> None:
+    """No reference left behind, and exactly one pool allocation per chunk held."""
+    entries = engine.cpu.committed_entries()
+    assert all(entry.refcount == 0 for entry in entries)
+    assert engine.cpu.allocator.num_allocations == len(entries)
