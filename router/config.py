@@ -200,11 +200,15 @@ def builtin_tokenizer_dir(name: str) -> str:
 def _format_error(source: str, exc: Exception) -> str:
     text = str(exc)
     # msgspec writes "... - at `$.backends[0].url`"; show the key path the way a YAML author reads it.
+    message, where = text, "(top level)"
     if " - at `$" in text:
         message, _, where = text.rpartition(" - at `$")
         where = where.rstrip("`").lstrip(".") or "(top level)"
-        return f"{source}: invalid configuration at `{where}`: {message}"
-    return f"{source}: invalid configuration: {text}"
+    if where == "policy.name" and message.startswith("Invalid value"):
+        message += f"; known policies: {', '.join(POLICY_NAMES)}"
+    elif message.startswith("Object contains unknown field"):
+        message += "; check its spelling or remove it (docs/gateway.md lists the keys)"
+    return f"{source}: invalid configuration at `{where}`: {message}"
 
 
 def _check_semantics(config: Config, source: str, base_dir: Path | None) -> None:

@@ -1,0 +1,117 @@
+"""proxy.yaml validation: a bad configuration is refused with the file, the key path and what was expected."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from router.config import ConfigError, load_config, parse_config
+
+VALID = {
+    "listen": {"host": "127.0.0.1", "port": 8080},
+    "models": [{"name": "tiny-qwen3"}],
+    "backends": [
+        {
+            "name": "engine-a",
+            "url": "http://127.0.0.1:8001",
+            "kv_events": {
+                "endpoint": "tcp://127.0.0.1:5557",
+                "replay_endpoint": "tcp://127.0.0.1:5558",
+                "topic": "kv-events",
+            },
+        }
+    ],
+    "policy": {"name": "round_robin"},
+}
+
+
+def with_changes(**changes) -> dict:
+    config = yaml.safe_load(yaml.safe_dump(VALID))
+    config.update(changes)
+    return config
+
+
+def write(tmp_path: Path, data: dict) -> Path:
+    path = tmp_path / "proxy.yaml"
+    path.write_text(yaml.safe_dump(data))
+    return path
+
+
+def test_the_issue_example_loads(tmp_path):
+    config = load_config(write(tmp_path, VALID))
+    assert config.backends[0].name == "engine-a"
+    assert config.backends[0].kv_events.replay_endpoint == "tcp://127.0.0.1:5558"
+    assert config.policy.__struct_config__.tag == "round_robin"
+    assert config.limits.max_body_bytes == 32 * 1024 * 1024
+
+
+@pytest.mark.parametrize(
+    ("data", "where", "expected"),
+    [
+        (with_changes(unknown_key=1), "(top level)", "unknown field `unknown_key`"),
+        (
+            with_changes(backends=[{"name": "a", "url": "http://h:1", "weight": 2}]),
+            "backends[0]",
+            "unknown field `weight`",
+        ),
+        (with_changes(listen={"host": "127.0.0.1", "port": "eighty"}), "listen.port", "Expected `int`"),
+        (with_changes(limits={"max_body_bytes": -5}), "limits.max_body_bytes", ">= 1"),
+        (
+            with_changes(backends=[{"name": "a", "url": "http://h:1"}, {"name": "a", "url": "http://h:2"}]),
+            "backends[1].name",
+            "duplicate backend name 'a'",
+        ),
+        (with_changes(backends=[{"name": "a", "url": "ftp://h:1"}]), "backends[0]", "must look like http://host:port"),
+        (with_changes(backends=[{"name": "a", "url": "http://h:99999"}]), "backends[0]", "bad port"),
+        (with_changes(policy={"name": "fastest"}), "policy.name", "known policies: round_robin, least_loaded"),
+        (with_changes(models=[]), "models", "length >= 1"),
+        (with_changes(backends=[]), "backends", "no backends"),
+        (
+            with_changes(backends=[{"name": "a", "url": "http://h:1", "models": ["other"]}]),
+            "backends[0].models",
+            "unknown model 'other'",
+        ),
+    ],
+)
+def test_bad_configuration_names_file_key_and_expectation(tmp_path, data, where, expected):
+    path = write(tmp_path, data)
+    with pytest.raises(ConfigError) as caught:
+        load_config(path)
+    message = str(caught.value)
+    assert message.startswith(f"{path}: invalid configuration at `{where}`"), message
+    assert expected in message
+
+
+def test_not_yaml_and_missing_file_are_clear(tmp_path):
+    path = tmp_path / "proxy.yaml"
+    path.write_text("models: [unclosed\n")
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        load_config(path)
+    with pytest.raises(ConfigError, match="cannot read configuration"):
+        load_config(tmp_path / "missing.yaml")
+    path.write_text("- a list\n")
+    with pytest.raises(ConfigError, match="must be a YAML mapping"):
+        load_config(path)
+
+
+def test_parse_config_accepts_defaults():
+    config = parse_config({"models": [{"name": "m"}], "backends": [{"name": "a", "url": "http://h:1/"}]})
+    assert config.backends[0].url == "http://h:1"  # trailing slash dropped
+    assert config.listen.port == 8080
+
+
+def test_kvgate_serve_refuses_a_bad_configuration(tmp_path):
+    path = write(tmp_path, with_changes(policy={"name": "fastest"}))
+    result = subprocess.run(
+        [sys.executable, "-m", "router.cli", "serve", "--config", str(path)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert result.returncode == 2
+    assert f"{path}: invalid configuration at `policy.name`" in result.stderr
+    assert "Traceback" not in result.stderr
