@@ -64,6 +64,15 @@ class _ArrayAllBlocksCleared(AllBlocksCleared, array_like=True):
 KVEvent = BlockStored | BlockRemoved | AllBlocksCleared
 
 
+def event_kind(event: KVEvent) -> str:
+    """ "BlockStored", "BlockRemoved" or "AllBlocksCleared", whichever encoding it arrived in."""
+    if isinstance(event, BlockStored):
+        return "BlockStored"
+    if isinstance(event, BlockRemoved):
+        return "BlockRemoved"
+    return "AllBlocksCleared"
+
+
 class _ArrayBatch(msgspec.Struct, array_like=True):
     ts: float
     events: list[msgspec.Raw]

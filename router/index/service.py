@@ -1,0 +1,247 @@
+"""The KV index service: one subscriber per backend and DP rank, feeding one shared PrefixIndex.
+
+It is what the gateway holds as `gateway.kv_index`: started and stopped with the app, told when
+backends come and go, asked by policies for the cached prefix of a prompt, and read by the debug
+page and the metrics. Data-parallel ranks are indexed separately (each rank has its own cache and
+its own block hashes) and merged per backend at lookup: a backend holds what its best rank holds.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+from prometheus_client import CollectorRegistry, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from router.config import KVEvents
+from router.index.prefix_index import DEFAULT_NAMESPACE, BackendMatch, Namespace, PrefixIndex
+from router.index.subscriber import EventSubscriber, rank_endpoint
+
+logger = logging.getLogger("kvgate.index")
+
+_LOOKUP_BUCKETS = (10e-6, 25e-6, 50e-6, 100e-6, 200e-6, 400e-6, 800e-6, 1.6e-3, 3.2e-3, 10e-3)
+
+
+@dataclass
+class _Stream:
+    backend: str
+    rank: int
+    index_name: str
+    subscriber: EventSubscriber
+
+
+class KVIndexService:
+    """Subscribers + index + their metrics, for every backend that publishes KV events."""
+
+    def __init__(self, registry: CollectorRegistry | None = None, *, replay_timeout_s: float = 1.0) -> None:
+        self.index = PrefixIndex()
+        self.replay_timeout_s = replay_timeout_s
+        self._streams: dict[str, list[_Stream]] = {}
+        self._configs: dict[str, KVEvents] = {}
+        self._started = False
+        self.lookup_seconds = Histogram(
+            "kvgate_index_lookup_seconds",
+            "Time to find the cached prefix of one prompt on every backend",
+            buckets=_LOOKUP_BUCKETS,
+            registry=registry,
+        )
+        if registry is not None:
+            registry.register(_IndexCollector(self))
+
+    # ---- lifecycle ----
+
+    def start(self) -> None:
+        self._started = True
+        for streams in self._streams.values():
+            for stream in streams:
+                if not stream.subscriber.running:
+                    stream.subscriber.start()
+
+    def stop(self) -> None:
+        self._started = False
+        for streams in self._streams.values():
+            for stream in streams:
+                stream.subscriber.stop()
+
+    # ---- backends ----
+
+    def add_backend(self, name: str, kv_events: KVEvents | None) -> None:
+        """Subscribe to a backend's streams (one per DP rank); a backend without events is ignored."""
+        if kv_events is None or name in self._streams:
+            return
+        streams = []
+        for rank in range(kv_events.dp_ranks):
+            index_name = name if kv_events.dp_ranks == 1 else f"{name}@dp{rank}"
+            self.index.add_backend(index_name)
+            subscriber = EventSubscriber(
+                index_name,
+                rank_endpoint(kv_events.endpoint, rank),
+                apply=lambda events, target=index_name: self.index.apply(target, events),
+                clear=lambda target=index_name: self.index.clear_backend(target),
+                replay_endpoint=(
+                    rank_endpoint(kv_events.replay_endpoint, rank) if kv_events.replay_endpoint else None
+                ),
+                topic=kv_events.topic,
+                bind=kv_events.bind,
+                replay_timeout_s=self.replay_timeout_s,
+            )
+            streams.append(_Stream(name, rank, index_name, subscriber))
+        self._streams[name] = streams
+        self._configs[name] = kv_events
+        if self._started:
+            for stream in streams:
+                stream.subscriber.start()
+        logger.info("kv events: subscribed to %s (%d rank(s)) at %s", name, len(streams), kv_events.endpoint)
+
+    def remove_backend(self, name: str) -> None:
+        for stream in self._streams.pop(name, []):
+            stream.subscriber.stop()
+            self.index.remove_backend(stream.index_name)
+        self._configs.pop(name, None)
+
+    def backends(self) -> list[str]:
+        return list(self._streams)
+
+    # ---- queries ----
+
+    def longest_cached_prefix(
+        self,
+        tokens: np.ndarray | list[int],
+        namespace: Namespace = DEFAULT_NAMESPACE,
+        backends: Iterable[str] | None = None,
+    ) -> dict[str, BackendMatch]:
+        """Per backend, the leading tokens of the prompt its engine holds, per tier (events only)."""
+        started = time.perf_counter()
+        wanted = list(self._streams) if backends is None else [b for b in backends if b in self._streams]
+        index_names = [stream.index_name for name in wanted for stream in self._streams[name]]
+        matches = self.index.longest_cached_prefix(tokens, namespace, index_names)
+        result: dict[str, BackendMatch] = {}
+        for name in wanted:
+            best = None
+            for stream in self._streams[name]:
+                match = matches.get(stream.index_name)
+                if match is not None and (best is None or match.tokens > best.tokens):
+                    best = match
+            result[name] = best or BackendMatch({}, [])
+        self.lookup_seconds.observe(time.perf_counter() - started)
+        return result
+
+    # ---- introspection ----
+
+    def status(self) -> dict[str, dict[str, Any]]:
+        """Per backend: connection, sequence, replay and index state (the debug page's table)."""
+        out: dict[str, dict[str, Any]] = {}
+        for name, streams in self._streams.items():
+            ranks = []
+            blocks: dict[str, int] = {}
+            tokens: dict[str, int] = {}
+            for stream in streams:
+                stats = stream.subscriber.stats
+                index_stats = self.index.stats(stream.index_name)
+                if index_stats is not None:
+                    for tier, count in index_stats.blocks.items():
+                        blocks[tier] = blocks.get(tier, 0) + count
+                    for tier, count in index_stats.tokens.items():
+                        tokens[tier] = tokens.get(tier, 0) + count
+                ranks.append(
+                    {
+                        "rank": stream.rank,
+                        "endpoint": stream.subscriber.endpoint,
+                        "connected": stats.connected,
+                        "last_seq": stats.last_seq,
+                        "batches": stats.batches,
+                        "events": dict(stats.events),
+                        "replays": stats.replays,
+                        "replayed_batches": stats.replayed_batches,
+                        "unrecovered_gaps": stats.unrecovered_gaps,
+                        "restarts": stats.restarts,
+                        "malformed": stats.malformed,
+                        "uncertain": stats.uncertain,
+                        "uncertain_reason": stats.uncertain_reason,
+                        "unplaced_blocks": index_stats.unplaced_blocks if index_stats else 0,
+                        "last_message_at": stats.last_message_at,
+                        "last_error": stats.last_error,
+                    }
+                )
+
+            def total(key: str, ranks: list[dict[str, Any]] = ranks) -> int:
+                return sum(rank[key] for rank in ranks)
+
+            out[name] = {
+                "connected": all(rank["connected"] for rank in ranks),
+                "last_seq": ranks[0]["last_seq"] if len(ranks) == 1 else [rank["last_seq"] for rank in ranks],
+                "blocks": blocks,
+                "tokens": tokens,
+                "replays": total("replays"),
+                "unrecovered_gaps": total("unrecovered_gaps"),
+                "restarts": total("restarts"),
+                "malformed": total("malformed"),
+                "unplaced_blocks": total("unplaced_blocks"),
+                "uncertain": any(rank["uncertain"] for rank in ranks),
+                "ranks": ranks,
+            }
+        return out
+
+    def subscribers(self, name: str) -> list[EventSubscriber]:
+        return [stream.subscriber for stream in self._streams.get(name, [])]
+
+
+class _IndexCollector:
+    """Exports subscriber and index counters at scrape time (nothing is counted twice on the event path)."""
+
+    def __init__(self, service: KVIndexService) -> None:
+        self._service = service
+
+    def describe(self) -> list:
+        return []
+
+    def collect(self) -> Iterable[Any]:
+        events = CounterMetricFamily("kvgate_kv_events", "KV events received", labels=["backend", "type"])
+        replays = CounterMetricFamily(
+            "kvgate_kv_replays", "Replays requested after a gap", labels=["backend"]
+        )
+        gaps = CounterMetricFamily(
+            "kvgate_kv_unrecovered_gaps", "Gaps the replay could not fill", labels=["backend"]
+        )
+        restarts = CounterMetricFamily(
+            "kvgate_kv_restarts", "Engine restarts detected (seq went back)", labels=["backend"]
+        )
+        malformed = CounterMetricFamily(
+            "kvgate_kv_malformed", "Malformed KV-event messages skipped", labels=["backend"]
+        )
+        uncertain = GaugeMetricFamily(
+            "kvgate_kv_uncertain", "1 when the backend's index entries may be stale", labels=["backend"]
+        )
+        connected = GaugeMetricFamily(
+            "kvgate_kv_connected", "1 when the event stream is connected", labels=["backend"]
+        )
+        blocks = GaugeMetricFamily(
+            "kvgate_index_blocks", "Engine blocks in the index", labels=["backend", "tier"]
+        )
+        tokens = GaugeMetricFamily(
+            "kvgate_index_tokens",
+            "Tokens covered by the engine blocks in the index",
+            labels=["backend", "tier"],
+        )
+        keys = GaugeMetricFamily("kvgate_index_router_keys", "Distinct cached prefixes (router blocks)")
+        for name, status in self._service.status().items():
+            for rank in status["ranks"]:
+                for kind, count in rank["events"].items():
+                    events.add_metric([name, kind], count)
+            replays.add_metric([name], status["replays"])
+            gaps.add_metric([name], status["unrecovered_gaps"])
+            restarts.add_metric([name], status["restarts"])
+            malformed.add_metric([name], status["malformed"])
+            uncertain.add_metric([name], 1.0 if status["uncertain"] else 0.0)
+            connected.add_metric([name], 1.0 if status["connected"] else 0.0)
+            for tier, count in status["blocks"].items():
+                blocks.add_metric([name, tier], count)
+            for tier, count in status["tokens"].items():
+                tokens.add_metric([name, tier], count)
+        keys.add_metric([], self._service.index.size()["router_keys"])
+        yield from (events, replays, gaps, restarts, malformed, uncertain, connected, blocks, tokens, keys)
