@@ -1,0 +1,124 @@
+"""Every error the gateway answers itself: OpenAI shape, right status, no stack trace, still serving."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+
+from tests.support import free_port, start_backend, start_gateway
+
+MODEL = "test-model"
+BODY_LIMIT = 4096
+
+
+@pytest.fixture(scope="module")
+def backend():
+    started = start_backend("a", [MODEL])
+    yield started
+    started.stop()
+
+
+@pytest.fixture(scope="module")
+def gateway(backend):
+    config = {
+        "models": [{"name": MODEL}],
+        "backends": [{"name": "a", "url": backend.url}],
+        "limits": {"max_body_bytes": BODY_LIMIT, "upstream_timeout_s": 0.5},
+    }
+    with start_gateway(config) as running:
+        yield running
+
+
+@pytest.fixture
+def client(gateway):
+    with httpx.Client(base_url=gateway.url, timeout=30) as http:
+        yield http
+
+
+def assert_openai_error(response: httpx.Response, status: int, fragment: str) -> None:
+    assert response.status_code == status
+    assert response.headers["content-type"] == "application/json"
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "code"}
+    assert error["code"] == status
+    assert fragment in error["message"]
+    assert "Traceback" not in response.text
+    assert response.headers["x-request-id"]
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "fragment"),
+    [
+        ("/v1/completions", b"{not json", "not valid JSON"),
+        ("/v1/completions", b"", "empty request body"),
+        ("/v1/completions", b"[1, 2]", "must be a JSON object"),
+        ("/v1/completions", b'{"prompt": "x"}', "missing `model`"),
+        ("/v1/completions", b'{"model": 7, "prompt": "x"}', "missing `model`"),
+        ("/v1/completions", b'{"model": "test-model"}', "missing `prompt`"),
+        ("/v1/chat/completions", b'{"model": "test-model", "prompt": "x"}', "missing `messages`"),
+    ],
+)
+def test_bad_requests_get_400(client, path, body, fragment):
+    assert_openai_error(client.post(path, content=body), 400, fragment)
+
+
+def test_unknown_model_gets_404_naming_the_known_ones(client):
+    response = client.post("/v1/completions", json={"model": "gpt-9", "prompt": "x"})
+    assert_openai_error(response, 404, "`gpt-9` does not exist")
+    assert MODEL in response.json()["error"]["message"]
+
+
+def test_body_over_the_limit_gets_413(client):
+    big = b'{"model": "test-model", "prompt": "' + b"x" * BODY_LIMIT + b'"}'
+    assert_openai_error(client.post("/v1/completions", content=big), 413, "over the limit")
+
+    # Without a content-length (chunked upload) the limit holds as well.
+    def chunks():
+        for _ in range(8):
+            yield b"x" * 1024
+
+    assert_openai_error(client.post("/v1/completions", content=chunks()), 413, "over the limit")
+
+
+def test_upstream_timeout_gets_504(client):
+    response = client.post(
+        "/v1/completions", json={"model": MODEL, "prompt": "slow"}, headers={"x-test-delay-ms": "3000"}
+    )
+    assert_openai_error(response, 504, "no response within 0.5 s")
+
+
+def test_unknown_route_and_method_get_openai_errors(client):
+    unknown_route = client.get("/v2/nothing")
+    assert unknown_route.status_code == 404
+    assert unknown_route.json()["error"]["code"] == 404
+    wrong_method = client.get("/v1/completions")
+    assert wrong_method.status_code == 405
+    assert wrong_method.json()["error"]["code"] == 405
+
+
+def test_gateway_keeps_serving_after_errors(client):
+    for _ in range(3):
+        client.post("/v1/completions", content=b"{broken")
+        client.post(
+            "/v1/completions", json={"model": MODEL, "prompt": "slow"}, headers={"x-test-delay-ms": "900"}
+        )
+    response = client.post("/v1/completions", json={"model": MODEL, "prompt": "fine"})
+    assert response.status_code == 200
+    assert response.json()["backend"] == "a"
+
+
+def test_no_healthy_backend_gets_503():
+    dead_url = f"http://127.0.0.1:{free_port()}"
+    config = {"models": [{"name": MODEL}], "backends": [{"name": "dead", "url": dead_url}]}
+    with start_gateway(config) as gateway:
+        response = httpx.post(
+            f"{gateway.url}/v1/completions", json={"model": MODEL, "prompt": "x"}, timeout=30
+        )
+        assert response.status_code == 503
+        assert response.json()["error"]["type"] == "service_unavailable"
+        # Now known to be down: the next one is refused without trying it.
+        response = httpx.post(
+            f"{gateway.url}/v1/completions", json={"model": MODEL, "prompt": "x"}, timeout=30
+        )
+        assert_openai_error(response, 503, "no healthy backend serves the model")
+        assert httpx.get(f"{gateway.url}/health").status_code == 503
