@@ -1,0 +1,330 @@
+"""The subscriber against a publisher speaking vLLM's protocol over real ZMQ sockets: live stream,
+gaps and replay (both reply formats), a lost replay, a restart, a late start, malformed frames,
+bind mode, reconnection and data-parallel ranks."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+
+import numpy as np
+import pytest
+import zmq
+
+from router.config import KVEvents
+from router.index.prefix_index import PrefixIndex
+from router.index.service import KVIndexService
+from router.index.subscriber import EventSubscriber, connectable, rank_endpoint
+from tests.support import free_port
+from tests.support.event_publisher import EventPublisher, all_blocks_cleared, block_removed, block_stored
+
+rng = np.random.default_rng(3)
+PROMPTS = [rng.integers(0, 150_000, size=64).tolist() for _ in range(8)]
+
+
+def wait_until(predicate: Callable[[], bool], timeout: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return
+        time.sleep(0.01)
+    raise AssertionError("condition not reached in time")
+
+
+def stored(n: int, first_hash: int | None = None) -> dict:
+    """Prompt n as four 16-token blocks in one event."""
+    base = (first_hash if first_hash is not None else n * 10) + 1
+    return block_stored(list(range(base, base + 4)), PROMPTS[n], 16)
+
+
+class Harness:
+    """A publisher, an index and a subscriber wired together on free loopback ports."""
+
+    def __init__(
+        self, *, replay: bool = True, replay_format: str = "new", buffer_steps: int = 10_000
+    ) -> None:
+        self.endpoint = f"tcp://127.0.0.1:{free_port()}"
+        self.replay_endpoint = f"tcp://127.0.0.1:{free_port()}" if replay else None
+        self.replay_format = replay_format
+        self.buffer_steps = buffer_steps
+        self.index = PrefixIndex()
+        self.publisher = self.new_publisher()
+        self.subscriber = EventSubscriber(
+            "engine",
+            self.endpoint,
+            apply=lambda events: self.index.apply("engine", events),
+            clear=lambda: self.index.clear_backend("engine"),
+            replay_endpoint=self.replay_endpoint,
+            topic="kv-events",
+            replay_timeout_s=0.5,
+        )
+
+    def new_publisher(self) -> EventPublisher:
+        return EventPublisher(
+            self.endpoint,
+            self.replay_endpoint,
+            replay_format=self.replay_format,  # type: ignore[arg-type]
+            buffer_steps=self.buffer_steps,
+        )
+
+    def start(self) -> None:
+        self.subscriber.start()
+        wait_until(lambda: self.subscriber.stats.connected)
+        time.sleep(0.3)  # PUB/SUB: let the subscription reach the publisher before the first message
+
+    def cached(self, n: int) -> int:
+        return self.index.longest_cached_prefix(PROMPTS[n])["engine"].tokens
+
+    def close(self) -> None:
+        self.subscriber.stop()
+        self.publisher.close()
+
+
+@pytest.fixture
+def harness() -> Iterator[Harness]:
+    h = Harness()
+    h.start()
+    yield h
+    h.close()
+
+
+def test_live_stream_applies_stores_and_removals(harness: Harness) -> None:
+    harness.publisher.publish([stored(0)])
+    harness.publisher.publish([stored(1)], encoding="map")
+    wait_until(lambda: harness.subscriber.stats.last_seq == 1)
+    assert harness.cached(0) == 64 and harness.cached(1) == 64
+    harness.publisher.publish([block_removed([13])])
+    wait_until(lambda: harness.subscriber.stats.last_seq == 2)
+    assert harness.cached(1) == 32
+    assert harness.subscriber.stats.events == {"BlockStored": 2, "BlockRemoved": 1}
+    assert harness.subscriber.stats.replays == 0
+
+
+@pytest.mark.parametrize("replay_format", ["new", "old"])
+def test_a_gap_is_filled_by_replay_in_either_reply_format(replay_format: str) -> None:
+    h = Harness(replay_format=replay_format)
+    try:
+        h.start()
+        h.publisher.publish([stored(0)])
+        h.publisher.publish([stored(1)], send=False)  # lost on the wire, still in the engine's buffer
+        h.publisher.publish([stored(2)], send=False)
+        h.publisher.publish([stored(3)])
+        wait_until(lambda: h.subscriber.stats.last_seq == 3)
+        assert [h.cached(n) for n in range(4)] == [64, 64, 64, 64]
+        stats = h.subscriber.stats
+        assert stats.replays == 1
+        assert stats.replayed_batches == 2
+        assert stats.unrecovered_gaps == 0 and not stats.uncertain
+        assert h.publisher.replay_requests == [1]
+    finally:
+        h.close()
+
+
+def test_a_lost_replay_times_out_and_marks_the_backend_uncertain(harness: Harness) -> None:
+    harness.publisher.drop_replays = True
+    harness.publisher.publish([stored(0)])
+    harness.publisher.publish([stored(1)], send=False)
+    harness.publisher.publish([stored(2)])
+    wait_until(lambda: harness.subscriber.stats.last_seq == 2)
+    stats = harness.subscriber.stats
+    assert stats.unrecovered_gaps == 1
+    assert stats.uncertain and "lost seq 1..1" in (stats.uncertain_reason or "")
+    assert harness.cached(1) == 0 and harness.cached(2) == 64
+    # The subscriber keeps going, and a later gap is replayed again on a fresh socket.
+    harness.publisher.drop_replays = False
+    harness.publisher.publish([stored(3)], send=False)
+    harness.publisher.publish([stored(4)])
+    wait_until(lambda: harness.subscriber.stats.last_seq == 4)
+    assert harness.cached(3) == 64
+    assert stats.replays == 2 and stats.unrecovered_gaps == 1
+
+
+def test_a_gap_older_than_the_engine_buffer_is_unrecoverable() -> None:
+    h = Harness(buffer_steps=2)
+    try:
+        h.start()
+        h.publisher.publish([stored(0)])
+        for n in (1, 2, 3):
+            h.publisher.publish([stored(n)], send=False)
+        h.publisher.publish([stored(4)])
+        wait_until(lambda: h.subscriber.stats.last_seq == 4)
+        stats = h.subscriber.stats
+        # The buffer kept seq 3 and 4 only: seq 3 is applied, 1 and 2 are lost.
+        assert h.cached(3) == 64 and h.cached(1) == 0
+        assert stats.unrecovered_gaps == 1 and stats.uncertain
+    finally:
+        h.close()
+
+
+def test_without_a_replay_endpoint_a_gap_is_counted() -> None:
+    h = Harness(replay=False)
+    try:
+        h.start()
+        h.publisher.publish([stored(0)])
+        h.publisher.publish([stored(1)], send=False)
+        h.publisher.publish([stored(2)])
+        wait_until(lambda: h.subscriber.stats.last_seq == 2)
+        assert h.subscriber.stats.unrecovered_gaps == 1 and h.subscriber.stats.replays == 0
+    finally:
+        h.close()
+
+
+def test_engine_restart_clears_the_backend_and_continues(harness: Harness) -> None:
+    harness.publisher.publish([stored(0)])
+    harness.publisher.publish([stored(1)])
+    wait_until(lambda: harness.subscriber.stats.last_seq == 1)
+    harness.publisher.close()
+    harness.publisher = harness.new_publisher()  # a new engine process: seq starts at 0 again
+    wait_until(lambda: harness.subscriber.stats.connected)
+    time.sleep(0.5)
+    harness.publisher.publish([stored(2)])
+    wait_until(lambda: harness.subscriber.stats.restarts == 1)
+    assert harness.cached(0) == 0 and harness.cached(1) == 0
+    assert harness.cached(2) == 64
+    assert harness.subscriber.stats.last_seq == 0
+
+
+def test_a_late_subscriber_recovers_the_engine_history_by_replay() -> None:
+    h = Harness()
+    try:
+        for n in range(3):  # published before anyone listened
+            h.publisher.publish([stored(n)])
+        h.start()
+        h.publisher.publish([stored(3)])
+        wait_until(lambda: h.subscriber.stats.last_seq == 3)
+        assert [h.cached(n) for n in range(4)] == [64, 64, 64, 64]
+        assert h.publisher.replay_requests == [0]
+        assert not h.subscriber.stats.uncertain
+    finally:
+        h.close()
+
+
+def test_a_late_subscriber_whose_history_is_gone_is_uncertain() -> None:
+    h = Harness(buffer_steps=1)
+    try:
+        for n in range(3):
+            h.publisher.publish([stored(n)])
+        h.start()
+        h.publisher.publish([stored(3)])
+        wait_until(lambda: h.subscriber.stats.last_seq == 3)
+        assert h.subscriber.stats.uncertain
+        assert "subscribed late" in (h.subscriber.stats.uncertain_reason or "")
+        assert h.cached(3) == 64 and h.cached(0) == 0
+    finally:
+        h.close()
+
+
+def test_malformed_messages_are_counted_and_never_stop_the_subscriber(harness: Harness) -> None:
+    pub = harness.publisher
+    pub.send_raw([b"kv-events", b"\x00" * 8])  # two frames
+    pub.send_raw([b"kv-events", b"\x00\x01", b"payload"])  # short seq
+    pub.send_raw([b"kv-events", b"\x00" * 8, b"\xc1garbage", b"extra"])  # four frames
+    seq = pub.publish_payload(b"\xc1 not msgpack")  # a good seq with a bad payload
+    pub.publish([{"type": "Unknown"}, stored(0)])
+    wait_until(lambda: harness.subscriber.stats.last_seq == seq + 1)
+    stats = harness.subscriber.stats
+    assert stats.malformed == 5  # 3 bad frames, 1 bad payload, 1 batch with an undecodable event
+    assert stats.skipped_events == 1
+    assert harness.cached(0) == 64
+    assert stats.replays == 0  # the bad payload's seq still counted: no false gap
+
+
+def test_clear_and_cleared_events_over_the_wire(harness: Harness) -> None:
+    harness.publisher.publish([stored(0), stored(1)])
+    harness.publisher.publish([all_blocks_cleared(encoding="array")])
+    wait_until(lambda: harness.subscriber.stats.last_seq == 1)
+    assert harness.cached(0) == 0 and harness.cached(1) == 0
+
+
+def test_bind_mode_accepts_a_publisher_that_connects_out() -> None:
+    endpoint = f"tcp://127.0.0.1:{free_port()}"
+    index = PrefixIndex()
+    subscriber = EventSubscriber(
+        "engine", endpoint, apply=lambda e: index.apply("engine", e), clear=lambda: None, bind=True
+    )
+    subscriber.start()
+    publisher = EventPublisher(endpoint, connect=True, topic="")
+    try:
+        wait_until(lambda: subscriber.stats.connected)
+        time.sleep(0.3)
+        publisher.publish([stored(0)])
+        wait_until(lambda: subscriber.stats.last_seq == 0)
+        assert index.longest_cached_prefix(PROMPTS[0])["engine"].tokens == 64
+    finally:
+        subscriber.stop()
+        publisher.close()
+
+
+def test_subscriber_started_before_the_engine_connects_when_it_comes_up() -> None:
+    endpoint = f"tcp://127.0.0.1:{free_port()}"
+    index = PrefixIndex()
+    subscriber = EventSubscriber(
+        "engine",
+        endpoint,
+        apply=lambda e: index.apply("engine", e),
+        clear=lambda: None,
+        reconnect_initial_s=0.05,
+        reconnect_max_s=0.2,
+    )
+    subscriber.start()
+    try:
+        time.sleep(0.5)
+        assert not subscriber.stats.connected
+        publisher = EventPublisher(endpoint, topic="")
+        try:
+            wait_until(lambda: subscriber.stats.connected)
+            time.sleep(0.3)
+            publisher.publish([stored(0)])
+            wait_until(lambda: subscriber.stats.last_seq == 0)
+        finally:
+            publisher.close()
+        wait_until(lambda: not subscriber.stats.connected)
+    finally:
+        subscriber.stop()
+
+
+def test_endpoint_helpers() -> None:
+    assert rank_endpoint("tcp://10.0.0.1:5557", 0) == "tcp://10.0.0.1:5557"
+    assert rank_endpoint("tcp://10.0.0.1:5557", 2) == "tcp://10.0.0.1:5559"
+    assert rank_endpoint("ipc:///tmp/kv", 1) == "ipc:///tmp/kv_dp1"
+    assert connectable("tcp://*:5557") == "tcp://127.0.0.1:5557"
+    assert connectable("tcp://10.1.1.1:5557") == "tcp://10.1.1.1:5557"
+
+
+def test_service_subscribes_to_every_dp_rank_and_merges_them() -> None:
+    for _attempt in range(20):  # two adjacent free ports for two ranks
+        base = free_port()
+        try:
+            rank0 = EventPublisher(f"tcp://127.0.0.1:{base}", topic="kv")
+        except zmq.ZMQError:
+            continue
+        try:
+            rank1 = EventPublisher(f"tcp://127.0.0.1:{base + 1}", topic="kv")
+            break
+        except zmq.ZMQError:
+            rank0.close()
+    else:
+        pytest.fail("no two adjacent free ports")
+    service = KVIndexService()
+    service.add_backend("dp-engine", KVEvents(endpoint=f"tcp://127.0.0.1:{base}", topic="kv", dp_ranks=2))
+    service.start()
+    try:
+        subscribers = service.subscribers("dp-engine")
+        assert [s.endpoint for s in subscribers] == [f"tcp://127.0.0.1:{base}", f"tcp://127.0.0.1:{base + 1}"]
+        wait_until(lambda: all(s.stats.connected for s in subscribers))
+        time.sleep(0.3)
+        rank0.publish([stored(0)])
+        rank1.publish([stored(1)])
+        rank1.publish([block_stored([500], PROMPTS[0][:16], 16)])
+        wait_until(lambda: subscribers[1].stats.last_seq == 1 and subscribers[0].stats.last_seq == 0)
+        assert service.longest_cached_prefix(PROMPTS[0])["dp-engine"].tokens == 64
+        assert service.longest_cached_prefix(PROMPTS[1])["dp-engine"].tokens == 64
+        status = service.status()["dp-engine"]
+        assert status["connected"] and status["last_seq"] == [0, 1]
+        assert status["blocks"] == {"gpu": 9}
+        service.remove_backend("dp-engine")
+        assert service.longest_cached_prefix(PROMPTS[0]) == {}
+    finally:
+        service.stop()
+        rank0.close()
+        rank1.close()
