@@ -1,0 +1,163 @@
+"""Routing policies: their choices in isolation, and their distribution through the real gateway."""
+
+from __future__ import annotations
+
+import collections
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import pytest
+
+from router import config as config_schema
+from router.backends import BackendState
+from router.policies import POLICY_MODULES, PolicyUnavailable, RouteRequest, make_policy
+from tests.support import start_backend, start_gateway
+
+MODEL = "test-model"
+
+
+def states(*names: str) -> list[BackendState]:
+    return [BackendState(name=name, url=f"http://127.0.0.1:{9000 + i}") for i, name in enumerate(names)]
+
+
+def request(session_key: str | None = None) -> RouteRequest:
+    return RouteRequest("id", MODEL, {}, session_key)
+
+
+# ---- the policies alone ----
+
+
+def test_round_robin_rotates_strictly():
+    policy = make_policy(config_schema.RoundRobinPolicy(), gateway=None)
+    candidates = states("a", "b", "c")
+    assert [policy.choose(request(), candidates).name for _ in range(7)] == [
+        "a",
+        "b",
+        "c",
+        "a",
+        "b",
+        "c",
+        "a",
+    ]
+
+
+def test_least_loaded_picks_fewest_in_flight_and_rotates_ties():
+    policy = make_policy(config_schema.LeastLoadedPolicy(), gateway=None)
+    a, b, c = candidates = states("a", "b", "c")
+    a.in_flight, b.in_flight, c.in_flight = 3, 1, 2
+    assert policy.choose(request(), candidates) is b
+    a.in_flight = b.in_flight = c.in_flight = 0
+    assert sorted(policy.choose(request(), candidates).name for _ in range(6)) == [
+        "a",
+        "a",
+        "b",
+        "b",
+        "c",
+        "c",
+    ]
+
+
+def test_session_pins_until_its_backend_leaves():
+    policy = make_policy(config_schema.SessionPolicy(), gateway=None)
+    candidates = states("a", "b", "c")
+    first = policy.choose(request("s1"), candidates)
+    policy.on_routed(request("s1"), first)
+    for _ in range(5):
+        assert policy.choose(request("s1"), candidates) is first
+    # Its backend goes down: the session moves, then stays on its new backend.
+    remaining = [backend for backend in candidates if backend is not first]
+    moved = policy.choose(request("s1"), remaining)
+    policy.on_routed(request("s1"), moved)
+    assert moved is not first
+    assert policy.choose(request("s1"), candidates) is moved
+
+
+def test_session_without_key_balances_by_load():
+    policy = make_policy(config_schema.SessionPolicy(), gateway=None)
+    a, b, c = candidates = states("a", "b", "c")
+    a.in_flight = 5
+    assert policy.choose(request(None), candidates) in (b, c)
+
+
+def test_missing_policy_module_is_a_clear_error(monkeypatch):
+    monkeypatch.setitem(POLICY_MODULES, config_schema.ApproximatePolicy, "router.policies.not_installed_here")
+    with pytest.raises(PolicyUnavailable, match="policy 'approximate' is not available"):
+        make_policy(config_schema.ApproximatePolicy(), gateway=None)
+
+
+# ---- through the gateway ----
+
+
+@pytest.fixture(scope="module")
+def backends():
+    started = [start_backend(name, [MODEL]) for name in ("a", "b", "c")]
+    yield started
+    for backend in started:
+        backend.stop()
+
+
+def gateway_config(backends, policy: dict) -> dict:
+    return {
+        "models": [{"name": MODEL}],
+        "backends": [{"name": b.name, "url": b.url} for b in backends],
+        "policy": policy,
+    }
+
+
+def served_by(url: str, count: int, **kwargs) -> list[str]:
+    with httpx.Client(base_url=url, timeout=30) as client:
+        return [
+            client.post("/v1/completions", json={"model": MODEL, "prompt": f"p{i}"}, **kwargs).headers[
+                "x-kvgate-backend"
+            ]
+            for i in range(count)
+        ]
+
+
+def test_round_robin_distribution_through_the_gateway(backends):
+    with start_gateway(gateway_config(backends, {"name": "round_robin"})) as gateway:
+        order = served_by(gateway.url, 30)
+    assert collections.Counter(order) == {"a": 10, "b": 10, "c": 10}
+    assert order[:3] == order[3:6] == order[27:30]  # strict rotation
+
+
+def test_least_loaded_avoids_busy_backends_through_the_gateway(backends):
+    with start_gateway(gateway_config(backends, {"name": "least_loaded"})) as gateway:
+        sequential = served_by(gateway.url, 30)
+        assert collections.Counter(sequential) == {"a": 10, "b": 10, "c": 10}  # ties broken fairly
+        slow = {"x-test-delay-ms": "2500"}
+        with ThreadPoolExecutor(2) as pool:
+            busy = [pool.submit(served_by, gateway.url, 1, headers=slow) for _ in range(2)]
+            # Wait until both slow requests are in flight on two backends.
+            for _ in range(200):
+                in_flight = {
+                    b["name"]: b["in_flight"] for b in httpx.get(f"{gateway.url}/backends").json()["backends"]
+                }
+                if sum(in_flight.values()) == 2:
+                    break
+                time.sleep(0.02)
+            idle = [name for name, count in in_flight.items() if count == 0]
+            assert len(idle) == 1
+            assert set(served_by(gateway.url, 5)) == set(idle)
+            busy_names = {name for future in busy for name in future.result()}
+        assert busy_names.isdisjoint(idle)
+
+
+def test_session_affinity_through_the_gateway(backends):
+    with start_gateway(gateway_config(backends, {"name": "session"})) as gateway:
+        by_header = {
+            session: set(served_by(gateway.url, 6, headers={"x-session-id": session}))
+            for session in ("alice", "bob", "carol")
+        }
+        assert all(len(names) == 1 for names in by_header.values())
+        # Three new sessions on idle backends spread over all three.
+        assert set().union(*by_header.values()) == {"a", "b", "c"}
+        with httpx.Client(base_url=gateway.url) as client:
+            by_user = {
+                client.post("/v1/completions", json={"model": MODEL, "prompt": "u", "user": "dave"}).headers[
+                    "x-kvgate-backend"
+                ]
+                for _ in range(6)
+            }
+        assert len(by_user) == 1
