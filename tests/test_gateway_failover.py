@@ -1,0 +1,133 @@
+"""Failover: a backend answering 503, or killed mid-run, is routed around before the first byte, marked
+down, and brought back by the health checker when it recovers. After the first byte, never a retry."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import httpx
+import pytest
+
+from tests.support import start_backend, start_gateway
+
+MODEL = "test-model"
+
+
+@pytest.fixture(scope="module")
+def backends():
+    started = [start_backend("a", [MODEL]), start_backend("b", [MODEL])]
+    yield started
+    for backend in started:
+        backend.stop()
+
+
+@pytest.fixture(scope="module")
+def gateway(backends):
+    config = {
+        "models": [{"name": MODEL}],
+        "backends": [{"name": b.name, "url": b.url} for b in backends],
+        "health": {"interval_s": 0.1, "timeout_s": 0.5, "min_down_s": 0.2},
+    }
+    with start_gateway(config) as running:
+        yield running
+
+
+@pytest.fixture
+def client(gateway, backends):
+    for backend in backends:
+        if backend.process is None or not backend.process.alive():
+            backend.start()
+        backend.reset()
+    wait_until_healthy(gateway.url, {"a", "b"})
+    with httpx.Client(base_url=gateway.url, timeout=30) as http:
+        yield http
+
+
+def backend_states(url: str) -> dict[str, str]:
+    return {b["name"]: b["state"] for b in httpx.get(f"{url}/backends").json()["backends"]}
+
+
+def wait_until_healthy(url: str, names: set[str], timeout_s: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if {name for name, state in backend_states(url).items() if state == "healthy"} >= names:
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"backends {names} not healthy: {backend_states(url)}")
+
+
+def send(client: httpx.Client, prompt: str) -> httpx.Response:
+    return client.post("/v1/completions", json={"model": MODEL, "prompt": prompt})
+
+
+def test_a_503_is_retried_on_another_backend_then_the_backend_recovers(client, gateway, backends):
+    a, b = backends
+    a.set_mode(status=503, health_status=503)
+    responses = [send(client, f"p{i}") for i in range(10)]
+    assert [r.status_code for r in responses] == [200] * 10
+    assert {r.headers["x-kvgate-backend"] for r in responses} == {"b"}
+    assert backend_states(gateway.url)["a"] == "down"
+    # Only the first request reached a (then a was out of the rotation); it was retried on b.
+    assert len(a.received()) == 1
+    assert len(b.received()) == 10
+    assert 'kvgate_retries_total{backend="a",reason="503"} 1.0' in client.get("/metrics").text
+    a.set_mode()  # recovered
+    wait_until_healthy(gateway.url, {"a"})
+    assert {send(client, f"q{i}").headers["x-kvgate-backend"] for i in range(4)} == {"a", "b"}
+    assert 'kvgate_health_transitions_total{backend="a",to="up"}' in client.get("/metrics").text
+
+
+def test_when_every_backend_answers_503_the_client_gets_503(client, backends):
+    for backend in backends:
+        backend.set_mode(status=503)
+    response = send(client, "nobody")
+    assert response.status_code == 503
+    assert response.json()["error"]["code"] == 503
+
+
+def test_a_killed_backend_loses_no_request_and_comes_back_when_restarted(client, gateway, backends):
+    a, _ = backends
+    statuses: list[int] = []
+    stop = threading.Event()
+
+    def load() -> None:
+        with httpx.Client(base_url=gateway.url, timeout=30) as http:
+            i = 0
+            while not stop.is_set():
+                statuses.append(send(http, f"load-{i}").status_code)
+                i += 1
+
+    worker = threading.Thread(target=load)
+    worker.start()
+    try:
+        time.sleep(0.5)
+        a.kill()
+        time.sleep(1.0)
+    finally:
+        stop.set()
+        worker.join()
+    assert len(statuses) > 20
+    assert set(statuses) == {200}
+    assert backend_states(gateway.url)["a"] == "down"
+    a.start()  # same port: the health checker brings it back
+    wait_until_healthy(gateway.url, {"a"})
+    assert {send(client, f"after-{i}").headers["x-kvgate-backend"] for i in range(4)} == {"a", "b"}
+
+
+def test_a_stream_that_fails_after_the_first_byte_ends_with_an_error_and_is_not_retried(client, backends):
+    headers = {"x-test-chunks": "30", "x-test-chunk-delay-ms": "100", "x-session-id": "s"}
+    body = {"model": MODEL, "prompt": "long stream", "stream": True}
+    with client.stream("POST", "/v1/completions", json=body, headers=headers) as response:
+        serving = next(b for b in backends if b.name == response.headers["x-kvgate-backend"])
+        other = next(b for b in backends if b is not serving)
+        pieces = response.iter_raw()
+        first = next(pieces)
+        assert first.startswith(b"data: ")
+        serving.kill()
+        rest = b"".join(pieces)
+    assert rest.rstrip().endswith(b"}")
+    last_event = rest.strip().split(b"\n\n")[-1]
+    assert last_event.startswith(b'data: {"error"')
+    assert b"[DONE]" not in rest
+    assert other.received() == []
