@@ -18,15 +18,14 @@ same request gives the same text.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 from collections import deque
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 import xxhash
 
-from router.sim.blocks import BlockPool, Sequence
+from router.sim.blocks import BlockPool
 from router.sim.events import KVEventPublisher
 
 
@@ -63,10 +62,8 @@ class GenerationRequest:
     lora_name: str | None = None
     cache_salt: str | None = None
     seed: int | None = None
-    # Filled at admission.
+    # Filled at admission: prompt tokens served from the prefix cache.
     cached_tokens: int = 0
-    queued_s: float = 0.0
-    _sequence: Sequence | None = field(default=None, repr=False)
 
 
 class InsufficientCapacity(ValueError):
@@ -115,10 +112,8 @@ class SimulatedEngine:
         """Yield the output token ids, each at the simulated time it is produced."""
         self.check_fits(request)
         loop = asyncio.get_running_loop()
-        arrived = loop.time()
         first_token_at = await self._admit(request)
         try:
-            request.queued_s = first_token_at - arrived
             outputs = self._output_tokens(request)
             await asyncio.sleep(max(first_token_at - loop.time(), 0.0))
             for index, token in enumerate(outputs):
@@ -184,7 +179,6 @@ class SimulatedEngine:
             self._prefill_free_at = first_token_at
             self.pool.mark_prompt_ready(sequence, first_token_at)
             request.cached_tokens = sequence.cached_tokens
-            request._sequence = sequence
             self.counters.prefix_cache_queries += len(request.prompt)
             self.counters.prefix_cache_hits += sequence.cached_tokens
             self.counters.prompt_tokens += len(request.prompt)
@@ -199,12 +193,3 @@ class SimulatedEngine:
     def _publish(self, events: list) -> None:
         if self.publisher is not None and events:
             self.publisher.publish(events)
-
-
-async def drain(generator: AsyncIterator[int]) -> list[int]:
-    """All tokens of a generation (for non-streaming responses)."""
-    tokens = []
-    with contextlib.suppress(StopAsyncIteration):
-        async for token in generator:
-            tokens.append(token)
-    return tokens
