@@ -1,0 +1,485 @@
+"""The cache layer as a vLLM (0.32, V1) KV connector: `CacheLayerConnector`.
+
+Load it with
+`--kv-transfer-config '{"kv_connector": "CacheLayerConnector", "kv_connector_module_path":
+"cachelayer.connectors.vllm", "kv_role": "kv_both"}'` and a CACHELAYER_CONFIG_FILE; add
+`"kv_connector_extra_config": {"cachelayer_server": "tcp://HOST:PORT"}` to use the shared daemon
+(`cachelayer server`) instead of a store inside the worker.
+
+vLLM makes two instances that share no memory: one in the scheduler process (plans loads and
+saves, answers how many tokens the cache holds) and one per worker (moves KV). The scheduler side
+asks the store over ZMQ: the daemon in daemon mode, or, in the in-process mode, the worker's own
+CacheEngine, which the worker serves on an ipc:// socket named after the engine id. Planning
+lives in cachelayer.connectors.planning, KV moves in cachelayer.connectors.transfers; this
+module adapts them to vLLM's hooks. docs/vllm.md describes the design.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import tempfile
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+from vllm.distributed.kv_events import BlockRemoved, BlockStored, KVCacheEvent, KVConnectorKVEvents
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+)
+from vllm.v1.metrics.cache_hit_source import CacheHitSource
+
+from cachelayer.config import load_config
+from cachelayer.connectors.planning import SchedulerPlanner, StepPlan
+from cachelayer.connectors.transfers import (
+    ChunkStore,
+    LocalChunkStore,
+    PagedKV,
+    RemoteChunkStore,
+    detect_layout,
+    load_request,
+    save_request,
+)
+from cachelayer.server.client import StoreClient, StoreUnavailable
+from cachelayer.server.daemon import StoreServer
+from cachelayer.server.protocol import ChunkEvent, KeySpace
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.attention.backend import AttentionMetadata
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.outputs import KVConnectorOutput
+    from vllm.v1.request import Request
+
+log = logging.getLogger(__name__)
+
+SERVER_KEY = "cachelayer_server"
+# Medium of the cache layer's chunks in vLLM's KV-event stream (vLLM's own blocks say "GPU").
+EVENT_MEDIUM = "CPU"
+# Set to a file path to get one JSON line per hook call with its duration (benchmarks read it).
+TIMINGS_ENV = "CACHELAYER_CONNECTOR_TIMINGS"
+
+
+# ---- the cache identity contract ----
+
+
+def _attention_spec(kv_cache_config: KVCacheConfig | None) -> Any:
+    if kv_cache_config is None or not kv_cache_config.kv_cache_groups:
+        return None
+    return kv_cache_config.kv_cache_groups[0].kv_cache_spec
+
+
+def kv_layout_name(vllm_config: VllmConfig, dtype: torch.dtype, head_dim: int) -> str:
+    """The layout of the KV bytes this engine stores: part of the key space.
+
+    The CPU backend's blocks are stored as the engine's own bytes, packed per instruction set
+    (amx, vec...), so its layout names the ISA; the CUDA layouts store plain K/V rows.
+    """
+    from vllm.platforms import current_platform
+
+    if current_platform.is_cpu():
+        try:
+            from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+
+            isa = _get_attn_isa(dtype, vllm_config.cache_config.block_size, head_dim)
+        except Exception:  # a private helper of vLLM: without it, name the layout alone
+            isa = "unknown"
+        return f"cpu_blocks:{isa}"
+    return "token_rows"
+
+
+def key_space(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig | None, worker_id: int = 0) -> KeySpace:
+    """The key space both sides of this engine use: model and revision, block size, KV layout,
+    KV dtype and shape, TP size and rank. A store written under another key space is a miss."""
+    model_config = vllm_config.model_config
+    parallel_config = vllm_config.parallel_config
+    spec = _attention_spec(kv_cache_config)
+    if spec is not None and hasattr(spec, "num_kv_heads"):
+        num_kv_heads, head_dim, dtype = spec.num_kv_heads, spec.head_size, spec.dtype
+        num_layers = len(kv_cache_config.kv_cache_groups[0].layer_names)
+    else:
+        num_kv_heads = model_config.get_num_kv_heads(parallel_config)
+        head_dim = model_config.get_head_size()
+        num_layers = model_config.get_num_layers(parallel_config)
+        dtype = model_config.dtype
+    block_size = vllm_config.cache_config.block_size
+    layout = kv_layout_name(vllm_config, dtype, head_dim)
+    identity = (
+        f"{model_config.model}@{model_config.revision or 'default'}|block_size={block_size}|layout={layout}"
+    )
+    return KeySpace(
+        model=identity,
+        dtype=str(dtype).removeprefix("torch."),
+        world_size=parallel_config.tensor_parallel_size,
+        worker_id=worker_id,
+        num_layers=num_layers,
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
+    )
+
+
+def in_process_endpoint(vllm_config: VllmConfig) -> str:
+    """The ipc:// socket where the worker serves its store to the scheduler (in-process mode)."""
+    engine_id = re.sub(r"[^A-Za-z0-9_-]", "", str(vllm_config.kv_transfer_config.engine_id))[:32]
+    return f"ipc://{tempfile.gettempdir()}/cachelayer-{engine_id}.sock"
+
+
+def _layer_index(name: str) -> tuple[int, str]:
+    numbers = re.findall(r"\d+", name)
+    return (int(numbers[-1]) if numbers else 0, name)
+
+
+# ---- what travels from the scheduler to the workers, and back ----
+
+
+@dataclass
+class CacheLayerConnectorMetadata(KVConnectorMetadata):
+    plan: StepPlan = field(default_factory=StepPlan)
+
+
+class CacheLayerKVEvents(KVConnectorKVEvents):
+    """The chunks a worker stored or evicted this step, as vLLM KV events (medium "CPU").
+
+    Only TP rank 0 reports (every rank stores its own shard under its own keys), so the
+    scheduler side takes the events as they come instead of keeping those common to all ranks.
+    """
+
+    def __init__(self, events: list[KVCacheEvent] | None = None) -> None:
+        self._events: list[KVCacheEvent] = list(events or [])
+        self._workers = 1
+
+    def add_events(self, events: list[KVCacheEvent]) -> None:
+        self._events.extend(events)
+
+    def aggregate(self) -> CacheLayerKVEvents:
+        return self
+
+    def increment_workers(self, count: int = 1) -> None:
+        self._workers += count
+
+    def get_all_events(self) -> list[KVCacheEvent]:
+        return list(self._events)
+
+    def get_number_of_workers(self) -> int:
+        return self._workers
+
+    def clear_events(self) -> None:
+        self._events.clear()
+
+
+def to_vllm_events(chunk_events: list[ChunkEvent], cache_salt: str | None) -> list[KVCacheEvent]:
+    """Chunk events of the store as vLLM KV events; a salted chain's first chunk carries its salt
+    in extra_keys, as vLLM's own events do, so a router can keep salted prefixes apart."""
+    events: list[KVCacheEvent] = []
+    for chunk in chunk_events:
+        if chunk.kind == "stored":
+            extra_keys = [(cache_salt,)] if cache_salt is not None and chunk.parent_key is None else None
+            events.append(
+                BlockStored(
+                    block_hashes=[chunk.key],
+                    parent_block_hash=chunk.parent_key,
+                    token_ids=list(chunk.token_ids),
+                    block_size=len(chunk.token_ids),
+                    lora_id=None,
+                    medium=EVENT_MEDIUM,
+                    lora_name=None,
+                    extra_keys=extra_keys,
+                )
+            )
+        else:
+            events.append(BlockRemoved(block_hashes=[chunk.key], medium=EVENT_MEDIUM))
+    return events
+
+
+class _HookTimings:
+    """Accumulated seconds per hook; written as JSON lines when TIMINGS_ENV names a file."""
+
+    def __init__(self, role: str) -> None:
+        self.path = os.environ.get(TIMINGS_ENV)
+        self.role = role
+        self.lock = threading.Lock()
+
+    def record(self, hook: str, started: float, **details: Any) -> None:
+        if not self.path:
+            return
+        line = {"role": self.role, "hook": hook, "seconds": time.perf_counter() - started, **details}
+        with self.lock, open(self.path, "a") as out:
+            out.write(json.dumps(line) + "\n")
+
+
+class CacheLayerConnector(KVConnectorBase_V1):
+    _cache_hit_source = CacheHitSource.HOST
+
+    def __init__(
+        self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig | None = None
+    ):
+        super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        self.config = load_config()
+        self.block_size = vllm_config.cache_config.block_size
+        self.chunk_size = self.config.chunk_size
+        extra = self._kv_transfer_config.kv_connector_extra_config or {}
+        self.server_endpoint: str | None = extra.get(SERVER_KEY)
+        self.lookup_timeout_s = float(extra.get("cachelayer_timeout_s", 5.0))
+        self.timings = _HookTimings("scheduler" if role == KVConnectorRole.SCHEDULER else "worker")
+        if role == KVConnectorRole.SCHEDULER:
+            self._init_scheduler(vllm_config, kv_cache_config)
+        else:
+            self._init_worker(vllm_config, kv_cache_config)
+
+    # ======== scheduler side ========
+
+    def _init_scheduler(self, vllm_config: VllmConfig, kv_cache_config: KVCacheConfig | None) -> None:
+        self.planner = SchedulerPlanner(chunk_size=self.chunk_size, block_size=self.block_size)
+        self.space = key_space(vllm_config, kv_cache_config, worker_id=0)
+        endpoint = self.server_endpoint or in_process_endpoint(vllm_config)
+        self.lookup_client = StoreClient(
+            endpoint, chunk_size=self.chunk_size, timeout_s=self.lookup_timeout_s
+        )
+        self._events: list[KVCacheEvent] = []
+        log.info("cachelayer connector (scheduler): store at %s, key space %s", endpoint, self.space)
+
+    @staticmethod
+    def _cacheable(request: Request) -> bool:
+        # KV that depends on more than the tokens and the salt is never shared: no wrong tensors.
+        return (
+            request.lora_request is None
+            and not getattr(request, "mm_features", None)
+            and getattr(request, "prompt_embeds", None) is None
+            and request.prompt_token_ids is not None
+        )
+
+    def _held_tokens(self, request: Request):
+        def ask(prefix) -> int:
+            try:
+                return self.lookup_client.lookup(self.space, list(prefix), cache_salt=request.cache_salt)
+            except StoreUnavailable as exc:
+                log.warning("cachelayer: lookup failed, treating as a miss: %s", exc)
+                return 0
+
+        return ask
+
+    def get_num_new_matched_tokens(
+        self, request: Request, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
+        started = time.perf_counter()
+        matched = self.planner.matched_tokens(
+            request.request_id,
+            request.prompt_token_ids or [],
+            num_computed_tokens,
+            cacheable=self._cacheable(request),
+            held_tokens=self._held_tokens(request),
+        )
+        self.timings.record(
+            "get_num_new_matched_tokens", started, request_id=request.request_id, matched=matched
+        )
+        return matched, False
+
+    def update_state_after_alloc(
+        self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
+    ) -> None:
+        started = time.perf_counter()
+        self.planner.allocated(
+            request.request_id,
+            request.prompt_token_ids or [],
+            request.cache_salt,
+            blocks.get_block_ids()[0],
+            num_external_tokens,
+            cacheable=self._cacheable(request),
+        )
+        self.timings.record("update_state_after_alloc", started, request_id=request.request_id)
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        started = time.perf_counter()
+        plan = StepPlan()
+        for new_request in scheduler_output.scheduled_new_reqs:
+            self.planner.scheduled(
+                new_request.req_id,
+                num_computed_tokens=new_request.num_computed_tokens,
+                num_scheduled_tokens=scheduler_output.num_scheduled_tokens.get(new_request.req_id, 0),
+                block_ids=new_request.block_ids[0],
+                plan=plan,
+            )
+        cached = scheduler_output.scheduled_cached_reqs
+        for index, request_id in enumerate(cached.req_ids):
+            new_block_ids = cached.new_block_ids[index]
+            group_blocks = new_block_ids[0] if new_block_ids is not None else None
+            resumed = request_id in cached.resumed_req_ids
+            self.planner.scheduled(
+                request_id,
+                num_computed_tokens=cached.num_computed_tokens[index],
+                num_scheduled_tokens=scheduler_output.num_scheduled_tokens.get(request_id, 0),
+                block_ids=group_blocks if resumed else None,
+                new_block_ids=None if resumed else group_blocks,
+                plan=plan,
+            )
+        if plan.loads or plan.saves:
+            self.timings.record("build_connector_meta", started, loads=len(plan.loads), saves=len(plan.saves))
+        return CacheLayerConnectorMetadata(plan=plan)
+
+    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        # Saves are synchronous within the step that computes the prompt: blocks may be freed now.
+        self.planner.finished(request.request_id)
+        return False, None
+
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        if connector_output.kv_cache_events:
+            self._events.extend(connector_output.kv_cache_events.get_all_events())
+
+    def take_events(self):
+        events, self._events = self._events, []
+        yield from events
+
+    def shutdown(self) -> None:
+        if self.role == KVConnectorRole.SCHEDULER:
+            self.lookup_client.close()
+        else:
+            self._shutdown_worker()
+
+    # ======== worker side ========
+
+    def _init_worker(self, vllm_config: VllmConfig, kv_cache_config: KVCacheConfig | None) -> None:
+        from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+        try:
+            self.tp_rank = get_tensor_model_parallel_rank()
+        except Exception:  # parallel state not set up (a single-process engine)
+            self.tp_rank = 0
+        self.space = key_space(vllm_config, kv_cache_config, worker_id=self.tp_rank)
+        self._vllm_config = vllm_config
+        self.paged: PagedKV | None = None
+        self.store: ChunkStore | None = None
+        self.lookup_server: StoreServer | None = None
+        self._failed_blocks: set[int] = set()
+        self._step_events: list[KVCacheEvent] = []
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        names = sorted(kv_caches, key=_layer_index)
+        # All layers may be views of one storage; each name is one attention layer.
+        layers = [kv_caches[name] for name in names]
+        space = self.space
+        if len(layers) != space.num_layers:
+            raise ValueError(
+                f"cachelayer: vLLM registered {len(layers)} KV layers, but the key space says "
+                f"{space.num_layers}: hybrid or multi-group KV caches are not supported"
+            )
+        layout = detect_layout(
+            layers[0], num_kv_heads=space.num_kv_heads, head_dim=space.head_dim, block_size=self.block_size
+        )
+        if str(layers[0].dtype).removeprefix("torch.") != space.dtype:
+            raise ValueError(
+                f"cachelayer: KV tensors are {layers[0].dtype}, the key space says {space.dtype}"
+            )
+        self.paged = PagedKV(
+            layers,
+            layout=layout,
+            block_size=self.block_size,
+            num_kv_heads=space.num_kv_heads,
+            head_dim=space.head_dim,
+        )
+        if self.server_endpoint:
+            client = StoreClient(
+                self.server_endpoint, chunk_size=self.chunk_size, timeout_s=self.lookup_timeout_s
+            )
+            self.store = RemoteChunkStore(client, space)
+            where = self.server_endpoint
+        else:
+            # The in-process store, served to this engine's scheduler side for its lookups.
+            self.lookup_server = StoreServer(self.config, in_process_endpoint(self._vllm_config))
+            engine = self.lookup_server.engine_for(space)
+            assert engine is not None
+            self.lookup_server.start()
+            self.store = LocalChunkStore(engine)
+            where = f"in-process, lookups served on {self.lookup_server.endpoint}"
+        log.info(
+            "cachelayer connector (worker %d): layout %s, %d layers, store %s",
+            self.tp_rank,
+            layout,
+            len(layers),
+            where,
+        )
+
+    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
+        metadata = self._get_connector_metadata()
+        assert isinstance(metadata, CacheLayerConnectorMetadata)
+        if not metadata.plan.loads or self.paged is None or self.store is None:
+            return
+        for load in metadata.plan.loads:
+            started = time.perf_counter()
+            failed = load_request(
+                self.paged,
+                self.store,
+                token_ids=load.token_ids,
+                block_ids=load.block_ids,
+                first_block=load.first_block,
+                cache_salt=load.cache_salt,
+            )
+            self._failed_blocks |= failed
+            self.timings.record(
+                "start_load_kv",
+                started,
+                request_id=load.request_id,
+                tokens=len(load.token_ids),
+                failed=len(failed),
+            )
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        # Loads complete in start_load_kv, before the forward pass.
+        return
+
+    def save_kv_layer(
+        self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: AttentionMetadata, **kwargs: Any
+    ) -> None:
+        # Saves run once per step in wait_for_save, from the registered caches, all layers at once.
+        return
+
+    def wait_for_save(self) -> None:
+        if not self.has_connector_metadata():
+            return
+        metadata = self._get_connector_metadata()
+        assert isinstance(metadata, CacheLayerConnectorMetadata)
+        if not metadata.plan.saves or self.paged is None or self.store is None:
+            return
+        for save in metadata.plan.saves:
+            started = time.perf_counter()
+            chunk_events = save_request(
+                self.paged,
+                self.store,
+                token_ids=save.token_ids,
+                block_ids=save.block_ids,
+                cache_salt=save.cache_salt,
+            )
+            if self.tp_rank == 0:
+                self._step_events.extend(to_vllm_events(chunk_events, save.cache_salt))
+            self.timings.record(
+                "wait_for_save", started, request_id=save.request_id, tokens=len(save.token_ids)
+            )
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        failed, self._failed_blocks = self._failed_blocks, set()
+        return failed
+
+    def get_kv_connector_kv_cache_events(self) -> CacheLayerKVEvents | None:
+        if not self._step_events:
+            return None
+        events, self._step_events = self._step_events, []
+        return CacheLayerKVEvents(events)
+
+    def _shutdown_worker(self) -> None:
+        if self.lookup_server is not None:
+            self.lookup_server.close()
+            self.lookup_server = None
+        if isinstance(self.store, RemoteChunkStore):
+            self.store.client.close()
+
+
+# Keep the name vLLM users look for next to the class (kv_connector names the class).
+__all__ = ["CacheLayerConnector", "CacheLayerConnectorMetadata", "key_space"]

@@ -1,0 +1,260 @@
+"""The shared cache daemon: one L1 store that several engines' connectors store to and load from.
+
+`StoreServer` answers the ZMQ data plane (ROUTER; see cachelayer.server.protocol) from one
+`CacheEngine` per key space (model identity, TP size and rank, KV shape and dtype), all created on
+first use. `cachelayer server` runs it with an HTTP side (GET /healthcheck, GET /metrics with
+LMCache's multiprocess metric names). The vLLM connector's in-process mode runs the same server on
+an ipc:// socket inside the worker, so its scheduler side can ask the worker's store for lookups.
+
+Every engine gets the configured L1 size: `--l1-size-gb` is a budget per key space (in practice
+one per model and TP rank), not a total over all of them.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import zmq
+
+from cachelayer.config import CacheLayerConfig
+from cachelayer.engine import CacheEngine
+from cachelayer.events import BlockRemoved, BlockStored, Event
+from cachelayer.server import protocol
+from cachelayer.server.protocol import ChunkEvent, KeySpace, Reply
+
+log = logging.getLogger(__name__)
+
+# LMCache's multiprocess-server metric names, so existing dashboards work unchanged.
+METRIC_HELP = {
+    "lmcache_mp_l1_read_chunks_total": ("counter", "Chunks read from the L1 store"),
+    "lmcache_mp_l1_write_chunks_total": ("counter", "Chunks written to the L1 store"),
+    "lmcache_mp_l1_evicted_chunks_total": ("counter", "Chunks evicted from the L1 store"),
+    "lmcache_mp_l1_usage_ratio": ("gauge", "Fraction of the L1 store in use"),
+    "lmcache_mp_lookup_requested_tokens_total": ("counter", "Tokens asked for by lookups"),
+    "lmcache_mp_lookup_hit_tokens_total": ("counter", "Tokens found by lookups"),
+}
+
+
+class StoreServer:
+    """Serves lookup/store/retrieve for every key space over one ROUTER socket, in one thread."""
+
+    def __init__(
+        self,
+        config: CacheLayerConfig,
+        endpoint: str,
+        *,
+        context: zmq.Context | None = None,
+        engine_factory: Callable[[KeySpace], CacheEngine] | None = None,
+    ) -> None:
+        self.config = config
+        self._engine_factory = engine_factory or self._default_engine
+        self._engines: dict[KeySpace, CacheEngine] = {}
+        self._engines_lock = threading.Lock()
+        self._context = context or zmq.Context.instance()
+        self._socket = self._context.socket(zmq.ROUTER)
+        self._socket.setsockopt(zmq.LINGER, 0)
+        self._socket.bind(endpoint)
+        self.endpoint = self._socket.getsockopt_string(zmq.LAST_ENDPOINT)
+        self.requests_served = 0
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    # ---- engines per key space ----
+    def _default_engine(self, space: KeySpace) -> CacheEngine:
+        return CacheEngine(
+            self.config,
+            num_layers=space.num_layers,
+            num_kv_heads=space.num_kv_heads,
+            head_dim=space.head_dim,
+            dtype=space.dtype,
+            model_name=space.model,
+            world_size=space.world_size,
+            worker_id=space.worker_id,
+            start_controller_worker=False,
+        )
+
+    def engine_for(self, space: KeySpace, *, create: bool = True) -> CacheEngine | None:
+        with self._engines_lock:
+            engine = self._engines.get(space)
+            if engine is None and create:
+                engine = self._engine_factory(space)
+                self._engines[space] = engine
+            return engine
+
+    def engines(self) -> list[CacheEngine]:
+        with self._engines_lock:
+            return list(self._engines.values())
+
+    # ---- serving ----
+    def start(self) -> StoreServer:
+        self._thread = threading.Thread(
+            target=self.serve_forever, name="cachelayer-store-server", daemon=True
+        )
+        self._thread.start()
+        return self
+
+    def serve_forever(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self._socket, zmq.POLLIN)
+        while not self._stop.is_set():
+            if not poller.poll(100):
+                continue
+            frames = self._socket.recv_multipart(copy=False)
+            client = frames[0].bytes
+            try:
+                reply, payload = self._handle(frames[1:])
+            except Exception as exc:  # a bad request must never stop the daemon
+                log.exception("cachelayer server: request failed")
+                reply, payload = Reply(ok=False, error=f"{type(exc).__name__}: {exc}"), None
+            out = [client, b"", protocol.encode(reply)]
+            if payload is not None:
+                out.append(payload)
+            self._socket.send_multipart(out, copy=False)
+            self.requests_served += 1
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+        self._socket.close(linger=0)
+        for engine in self.engines():
+            engine.close()
+
+    def _handle(self, frames: list[zmq.Frame]) -> tuple[Reply, memoryview | None]:
+        # frames: [b"", header] or [b"", header, payload]; tolerate a client that omits the delimiter.
+        if frames and len(frames[0].bytes) == 0:
+            frames = frames[1:]
+        if not frames:
+            return Reply(ok=False, error="empty request: send [b'', header(, kv bytes)]"), None
+        request = protocol.decode_request(frames[0].buffer)
+        chunk_size = self.config.chunk_size
+        if request.op == "hello":
+            return Reply(chunk_size=chunk_size), None
+        if request.space is None:
+            return Reply(ok=False, error=f"{request.op} needs a key space ('space')"), None
+        if request.chunk_size and request.chunk_size != chunk_size:
+            return Reply(
+                ok=False,
+                error=f"chunk size {request.chunk_size} differs from the daemon's {chunk_size}: "
+                "set the connector's chunk_size to the daemon's --chunk-size",
+            ), None
+        tokens = protocol.tokens_from_bytes(request.tokens)
+        if request.op == "lookup":
+            engine = self.engine_for(request.space, create=False)
+            hit = engine.lookup(tokens, cache_salt=request.cache_salt) if engine is not None else 0
+            return Reply(hit_tokens=hit, chunk_size=chunk_size), None
+        if request.op == "retrieve":
+            engine = self.engine_for(request.space, create=False)
+            if engine is None:
+                return Reply(hit_tokens=0, chunk_size=chunk_size), None
+            hit, kv = engine.retrieve(tokens, cache_salt=request.cache_salt)
+            if kv is None:
+                return Reply(hit_tokens=0, chunk_size=chunk_size), None
+            return Reply(hit_tokens=hit, chunk_size=chunk_size), protocol.kv_to_bytes(kv)
+        if request.op == "store":
+            if len(frames) < 2:
+                return Reply(ok=False, error="store needs the KV bytes as the frame after the header"), None
+            kv = protocol.kv_from_bytes(frames[1].buffer, request.space, len(tokens))
+            engine = self.engine_for(request.space)
+            assert engine is not None
+            held, events = store_with_events(engine, tokens, kv, request.cache_salt)
+            return Reply(hit_tokens=held, chunk_size=chunk_size, events=events), None
+        return Reply(ok=False, error=f"unknown operation {request.op!r}"), None
+
+    # ---- metrics ----
+    def metric_values(self) -> dict[str, float]:
+        totals = dict.fromkeys(METRIC_HELP, 0.0)
+        used = capacity = 0
+        for engine in self.engines():
+            stats = engine.stats()
+            totals["lmcache_mp_l1_read_chunks_total"] += stats["read_chunks"]
+            totals["lmcache_mp_l1_write_chunks_total"] += stats["write_chunks"]
+            totals["lmcache_mp_l1_evicted_chunks_total"] += stats["cpu_evicted_chunks"]
+            totals["lmcache_mp_lookup_requested_tokens_total"] += stats["lookup_requested_tokens"]
+            totals["lmcache_mp_lookup_hit_tokens_total"] += stats["lookup_hit_tokens"]
+            used += engine.cpu.allocator.allocated_bytes
+            capacity += engine.cpu.allocator.capacity
+        totals["lmcache_mp_l1_usage_ratio"] = used / capacity if capacity else 0.0
+        return totals
+
+    def metrics_text(self) -> str:
+        lines = []
+        for name, value in self.metric_values().items():
+            kind, help_text = METRIC_HELP[name]
+            lines += [f"# HELP {name} {help_text}", f"# TYPE {name} {kind}", f"{name} {value:g}"]
+        return "\n".join(lines) + "\n"
+
+
+_collector = threading.local()
+_engines_with_dispatcher: set[int] = set()
+_dispatcher_lock = threading.Lock()
+
+
+def _collect_into_current_thread(events: list[Event]) -> None:
+    sink = getattr(_collector, "events", None)
+    if sink is not None:
+        sink.extend(events)
+
+
+def store_with_events(
+    engine: CacheEngine, tokens, kv, cache_salt: str | None
+) -> tuple[int, list[ChunkEvent]]:
+    """engine.store, returning the chunks it added to or evicted from the CPU tier on the way.
+
+    The engine announces changes synchronously, in the thread that makes them; one listener per
+    engine hands them to whichever thread is collecting, so concurrent stores never mix events.
+    """
+    with _dispatcher_lock:
+        if id(engine) not in _engines_with_dispatcher:
+            engine.add_event_listener(_collect_into_current_thread)
+            _engines_with_dispatcher.add(id(engine))
+    collected: list[Event] = []
+    _collector.events = collected
+    try:
+        held = engine.store(tokens, kv, cache_salt=cache_salt)
+    finally:
+        _collector.events = None
+    events: list[ChunkEvent] = []
+    for event in collected:
+        if isinstance(event, BlockStored) and event.medium == engine.cpu.medium:
+            events.append(
+                ChunkEvent("stored", event.block_hashes[0], event.parent_block_hash, event.token_ids)
+            )
+        elif isinstance(event, BlockRemoved) and event.medium == engine.cpu.medium:
+            events.extend(ChunkEvent("removed", key) for key in event.block_hashes)
+    return held, events
+
+
+class _HTTPHandler(BaseHTTPRequestHandler):
+    server_version = "cachelayer"
+    store_server: StoreServer
+
+    def do_GET(self) -> None:
+        path = self.path.split("?", 1)[0]
+        if path == "/healthcheck":
+            self._send(200, "application/json", b'{"status": "healthy"}')
+        elif path == "/metrics":
+            self._send(200, "text/plain; version=0.0.4", self.store_server.metrics_text().encode())
+        else:
+            self._send(404, "application/json", b'{"detail": "not found: try /healthcheck or /metrics"}')
+
+    def _send(self, status: int, content_type: str, body: bytes) -> None:
+        self.send_response(status)
+        self.send_header("Content-Type", content_type)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, format: str, *args: object) -> None:
+        log.debug("http: " + format, *args)
+
+
+def start_http(store_server: StoreServer, host: str, port: int) -> ThreadingHTTPServer:
+    handler = type("Handler", (_HTTPHandler,), {"store_server": store_server})
+    http = ThreadingHTTPServer((host, port), handler)
+    http.daemon_threads = True
+    threading.Thread(target=http.serve_forever, name="cachelayer-http", daemon=True).start()
+    return http

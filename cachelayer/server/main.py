@@ -1,0 +1,66 @@
+"""`cachelayer server`: command-line entry of the shared cache daemon (LMCache `lmcache server` flags)."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import signal
+import threading
+
+from cachelayer.config import CacheLayerConfigError, parse_config
+from cachelayer.server.daemon import StoreServer, start_http
+
+log = logging.getLogger(__name__)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--host", default="127.0.0.1", help="interface of the ZMQ data plane and HTTP side")
+    parser.add_argument("--port", type=int, default=5556, help="ZMQ data-plane port (0: any free port)")
+    parser.add_argument("--http-port", type=int, default=7000, help="HTTP port for /healthcheck and /metrics")
+    parser.add_argument("--chunk-size", type=int, default=256, help="tokens per chunk; clients must agree")
+    parser.add_argument("--l1-size-gb", type=float, default=8.0, help="CPU store size per key space, in GB")
+    parser.add_argument("--eviction-policy", default="LRU", choices=["LRU", "LFU", "FIFO"])
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        config = parse_config(
+            {
+                "chunk_size": args.chunk_size,
+                "max_local_cpu_size": args.l1_size_gb,
+                "cache_policy": args.eviction_policy,
+                # Only full chunks are shared between engines (a tail chunk differs per prompt).
+                "save_unfull_chunk": False,
+            },
+            source="cachelayer server flags",
+        )
+    except CacheLayerConfigError as exc:
+        print(f"cachelayer server: {exc}")
+        return 2
+    server = StoreServer(config, f"tcp://{args.host}:{args.port}")
+    http = start_http(server, args.host, args.http_port)
+    server.start()
+    # One line a supervisor (or a test) can wait for, with the ports actually bound.
+    print(
+        f"cachelayer server ready: data plane {server.endpoint}, "
+        f"http http://{args.host}:{http.server_address[1]}",
+        flush=True,
+    )
+    stop = threading.Event()
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(signum, lambda *_: stop.set())
+    stop.wait()
+    http.shutdown()
+    server.close()
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    parser = argparse.ArgumentParser(prog="cachelayer server", description=__doc__)
+    add_arguments(parser)
+    return run(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,118 @@
+"""The cache daemon's wire format: msgpack headers (msgspec) plus raw KV bytes, over ZMQ.
+
+A request is the frames `[b"", header]`, or `[b"", header, kv bytes]` for a store; a reply is
+`[b"", header]` or `[b"", header, kv bytes]` for a retrieve that hit. Tokens travel as int64
+little-endian bytes. KV travels as the engine's chunk `[num_layers, 2, num_tokens, channels]`,
+C-contiguous, in the dtype named by the key space.
+
+The key space (`KeySpace`) is the cache identity contract: every field must agree between the
+writer and the reader of a chunk, or it is a miss. `model` carries the model name, its revision,
+the engine's block size and KV layout (see cachelayer.connectors.vllm.cache_model_identity);
+`dtype`, `world_size` and `worker_id` are the KV dtype and the tensor-parallel size and rank.
+The chunk size is the daemon's own (a client whose chunk size differs is refused), and a request's
+`cache_salt` is folded into every key.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+import msgspec
+import numpy as np
+import torch
+
+Operation = Literal["lookup", "store", "retrieve", "hello"]
+
+
+class KeySpace(msgspec.Struct, frozen=True, kw_only=True):
+    model: str
+    dtype: str
+    world_size: Annotated[int, msgspec.Meta(ge=1)] = 1
+    worker_id: Annotated[int, msgspec.Meta(ge=0)] = 0
+    num_layers: Annotated[int, msgspec.Meta(ge=1)]
+    num_kv_heads: Annotated[int, msgspec.Meta(ge=1)]
+    head_dim: Annotated[int, msgspec.Meta(ge=1)]
+
+
+class Request(msgspec.Struct, kw_only=True):
+    op: Operation
+    space: KeySpace | None = None
+    tokens: bytes = b""
+    cache_salt: str | None = None
+    # The client's chunk size: a daemon with another chunk size refuses it (different key space).
+    chunk_size: int = 0
+
+
+class ChunkEvent(msgspec.Struct, array_like=True):
+    """A chunk that entered ("stored") or left ("removed") the daemon's L1 while serving a request."""
+
+    kind: Literal["stored", "removed"]
+    key: int
+    parent_key: int | None = None
+    token_ids: list[int] = []
+
+
+class Reply(msgspec.Struct, kw_only=True):
+    ok: bool = True
+    error: str | None = None
+    # lookup / retrieve: leading tokens held; store: leading tokens now held.
+    hit_tokens: int = 0
+    chunk_size: int = 0
+    events: list[ChunkEvent] = []
+
+
+_request_encoder = msgspec.msgpack.Encoder()
+_request_decoder = msgspec.msgpack.Decoder(Request)
+_reply_decoder = msgspec.msgpack.Decoder(Reply)
+
+
+def encode(message: Request | Reply) -> bytes:
+    return _request_encoder.encode(message)
+
+
+def decode_request(data: bytes | memoryview) -> Request:
+    return _request_decoder.decode(data)
+
+
+def decode_reply(data: bytes | memoryview) -> Reply:
+    return _reply_decoder.decode(data)
+
+
+def tokens_to_bytes(tokens: list[int] | np.ndarray) -> bytes:
+    return np.asarray(tokens, dtype="<i8").tobytes()
+
+
+def tokens_from_bytes(data: bytes) -> np.ndarray:
+    if len(data) % 8:
+        raise ValueError(f"tokens must be int64 little-endian bytes, got {len(data)} bytes")
+    return np.frombuffer(data, dtype="<i8")
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    dtype = getattr(torch, name.removeprefix("torch."), None)
+    if not isinstance(dtype, torch.dtype):
+        raise ValueError(f"unknown KV dtype {name!r}: use a torch dtype name such as 'bfloat16'")
+    return dtype
+
+
+def kv_from_bytes(data: bytes | memoryview, space: KeySpace, num_tokens: int) -> torch.Tensor:
+    """The chunk tensor [num_layers, 2, num_tokens, channels] over `data` (no copy)."""
+    dtype = torch_dtype(space.dtype)
+    channels = space.num_kv_heads * space.head_dim
+    expected = space.num_layers * 2 * num_tokens * channels * dtype.itemsize
+    if len(data) != expected:
+        raise ValueError(
+            f"KV payload has {len(data)} bytes, expected {expected} for {num_tokens} tokens of "
+            f"{space.num_layers} layers x 2 x {channels} channels of {space.dtype}"
+        )
+    if expected == 0:
+        return torch.empty(space.num_layers, 2, 0, channels, dtype=dtype)
+    # A private, writable copy: the frame's memory belongs to ZMQ and is read-only.
+    flat = torch.frombuffer(bytearray(data), dtype=dtype)
+    return flat.view(space.num_layers, 2, num_tokens, channels)
+
+
+def kv_to_bytes(kv: torch.Tensor) -> memoryview:
+    """The chunk's bytes, without a copy when it is already contiguous on the CPU."""
+    contiguous = kv.detach().to("cpu").contiguous()
+    return memoryview(contiguous.view(torch.uint8).numpy()).cast("B")

