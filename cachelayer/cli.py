@@ -1,0 +1,48 @@
+"""The `cachelayer` console script: one table of subcommands, each a (configure, run) pair."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from collections.abc import Callable, Sequence
+
+
+def _configure_controller(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--host", default="127.0.0.1", help="address for HTTP and the worker monitor socket")
+    parser.add_argument("--port", type=int, default=9000, help="HTTP port of the controller API")
+    parser.add_argument(
+        "--monitor-port",
+        type=int,
+        default=9001,
+        help="ZMQ port workers register and heartbeat on (controller_pull_url)",
+    )
+
+
+def _run_controller(args: argparse.Namespace) -> int:
+    from cachelayer.controller.server import serve
+
+    serve(args.host, args.port, args.monitor_port)
+    return 0
+
+
+# name -> (help, add the arguments, run)
+COMMANDS: dict[
+    str, tuple[str, Callable[[argparse.ArgumentParser], None], Callable[[argparse.Namespace], int]]
+] = {
+    "controller": ("LMCache-compatible controller API", _configure_controller, _run_controller),
+}
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="cachelayer", description="kvgate's KV cache layer")
+    subcommands = parser.add_subparsers(dest="command", required=True)
+    for name, (help_text, configure, _) in COMMANDS.items():
+        configure(subcommands.add_parser(name, help=help_text))
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    return COMMANDS[args.command][2](args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,54 @@
+"""Messages between the controller and the cache engines' workers (msgpack over ZMQ).
+
+- Worker -> controller, PUSH to the controller's monitor PULL socket (`controller_pull_url`):
+  `WorkerReport` with kind "register", "heartbeat" or "deregister". A heartbeat carries the
+  whole registration, so a restarted controller relearns its workers within one interval.
+- Controller -> worker, REQ to the worker's REP command socket (the `url` it registered):
+  `Command` answered by `Reply`.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+import msgspec
+
+ReportKind = Literal["register", "heartbeat", "deregister"]
+Operation = Literal["lookup", "clear", "pin", "compress", "decompress", "move", "health", "info"]
+
+
+class WorkerReport(msgspec.Struct, kw_only=True):
+    kind: ReportKind
+    instance_id: str
+    worker_id: int
+    world_size: int = 1
+    ip: str = "127.0.0.1"
+    port: int = 0
+    heartbeat_interval_s: float = 2.0
+    chunk_size: int = 256
+
+
+class Command(msgspec.Struct, kw_only=True):
+    op: Operation
+    tokens: list[int] = []
+    location: str | None = None
+    destination: str | None = None
+    method: str | None = None
+    copy: bool = False
+
+
+class Reply(msgspec.Struct, kw_only=True):
+    ok: bool = True
+    num_tokens: int = 0
+    location: str | None = None
+    error: str | None = None
+    info: dict[str, Any] | None = None
+
+
+def encode(message: msgspec.Struct) -> bytes:
+    return msgspec.msgpack.encode(message)
+
+
+def normalize_url(url: str) -> str:
+    """LMCache writes `host:port`; ZMQ wants `tcp://host:port`."""
+    return url if "://" in url else f"tcp://{url}"

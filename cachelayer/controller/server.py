@@ -1,0 +1,354 @@
+"""The controller: LMCache's controller HTTP API over the cache engines that register with it.
+
+HTTP (Starlette), all POST with JSON, errors as `{"detail": ...}`:
+/lookup, /clear, /pin, /compress, /decompress, /move, /health, /query_worker_info
+(schemas in protocols.md section 3). Workers report on a ZMQ PULL socket (the monitor port):
+register, heartbeat, deregister. A worker silent for `MISSED_HEARTBEATS` of its own intervals
+is dropped. Each operation on an instance fans out to all its (tensor-parallel) workers in
+parallel; they must all report the same token count, or the answer is a 500 naming the counts.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+import msgspec
+import zmq
+import zmq.asyncio
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse
+from starlette.routing import Route
+
+from cachelayer.controller.protocol import Command, Reply, WorkerReport, encode
+
+log = logging.getLogger(__name__)
+
+MISSED_HEARTBEATS = 3
+COMMAND_TIMEOUT_S = 5.0
+
+
+class ApiError(Exception):
+    def __init__(self, status: int, detail: str) -> None:
+        super().__init__(detail)
+        self.status = status
+        self.detail = detail
+
+
+# ---- request bodies (LMCache's schemas) ----
+
+
+class _Body(msgspec.Struct, forbid_unknown_fields=False):
+    pass
+
+
+class LookupBody(_Body):
+    tokens: list[int]
+
+
+class ClearBody(_Body):
+    instance_id: str
+    location: str | None = None
+
+
+class PinBody(_Body):
+    instance_id: str
+    tokens: list[int]
+    location: str | None = None
+
+
+class CompressBody(_Body):
+    instance_id: str
+    method: str
+    location: str
+    tokens: list[int]
+
+
+class MoveBody(_Body):
+    old_position: tuple[str, str]
+    new_position: tuple[str, str]
+    tokens: list[int]
+    copy: bool = False
+
+
+class HealthBody(_Body):
+    instance_id: str
+
+
+class QueryWorkerInfoBody(_Body):
+    instance_id: str
+    worker_ids: list[int] | None = None
+
+
+@dataclass
+class WorkerRecord:
+    report: WorkerReport
+    registration_time: float
+    last_heartbeat_time: float
+
+    @property
+    def url(self) -> str:
+        return f"tcp://{self.report.ip}:{self.report.port}"
+
+    def info(self) -> dict[str, Any]:
+        return {
+            "instance_id": self.report.instance_id,
+            "worker_id": self.report.worker_id,
+            "ip": self.report.ip,
+            "port": self.report.port,
+            "world_size": self.report.world_size,
+            "registration_time": self.registration_time,
+            "last_heartbeat_time": self.last_heartbeat_time,
+        }
+
+
+class Controller:
+    """The worker registry and the fan-out of operations; the HTTP layer is `build_app`."""
+
+    def __init__(self, monitor_endpoint: str, *, context: zmq.asyncio.Context | None = None) -> None:
+        self._context = context or zmq.asyncio.Context()
+        self._pull = self._context.socket(zmq.PULL)
+        self._pull.setsockopt(zmq.LINGER, 0)
+        self._pull.bind(monitor_endpoint)
+        self.monitor_endpoint = self._pull.getsockopt_string(zmq.LAST_ENDPOINT)
+        self.instances: dict[str, dict[int, WorkerRecord]] = {}
+        self._tasks: list[asyncio.Task] = []
+
+    # ---- lifecycle (inside the event loop) ----
+    async def start(self) -> None:
+        self._tasks = [asyncio.create_task(self._receive_reports()), asyncio.create_task(self._reap())]
+
+    async def stop(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        for task in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        self._pull.close(linger=0)
+
+    # ---- registry ----
+    def apply_report(self, report: WorkerReport, now: float | None = None) -> None:
+        now = time.time() if now is None else now
+        workers = self.instances.setdefault(report.instance_id, {})
+        if report.kind == "deregister":
+            workers.pop(report.worker_id, None)
+            if not workers:
+                self.instances.pop(report.instance_id, None)
+            log.info("controller: worker %s/%d left", report.instance_id, report.worker_id)
+            return
+        record = workers.get(report.worker_id)
+        if record is None or record.report.port != report.port or record.report.ip != report.ip:
+            workers[report.worker_id] = WorkerRecord(report, now, now)
+            log.info(
+                "controller: worker %s/%d registered at %s:%d",
+                report.instance_id,
+                report.worker_id,
+                report.ip,
+                report.port,
+            )
+        else:
+            record.report = report
+            record.last_heartbeat_time = now
+
+    def drop_silent_workers(self, now: float | None = None) -> list[tuple[str, int]]:
+        now = time.time() if now is None else now
+        dropped = []
+        for instance_id, workers in list(self.instances.items()):
+            for worker_id, record in list(workers.items()):
+                if now - record.last_heartbeat_time > MISSED_HEARTBEATS * record.report.heartbeat_interval_s:
+                    del workers[worker_id]
+                    dropped.append((instance_id, worker_id))
+                    log.warning(
+                        "controller: worker %s/%d stopped heartbeating; dropped", instance_id, worker_id
+                    )
+            if not workers:
+                del self.instances[instance_id]
+        return dropped
+
+    async def _receive_reports(self) -> None:
+        decoder = msgspec.msgpack.Decoder(WorkerReport)
+        while True:
+            payload = await self._pull.recv()
+            try:
+                self.apply_report(decoder.decode(payload))
+            except msgspec.DecodeError as exc:
+                log.warning("controller: malformed worker report ignored: %s", exc)
+
+    async def _reap(self) -> None:
+        while True:
+            await asyncio.sleep(0.2)
+            self.drop_silent_workers()
+
+    # ---- fan-out ----
+    def workers_of(self, instance_id: str) -> dict[int, WorkerRecord]:
+        workers = self.instances.get(instance_id)
+        if not workers:
+            known = ", ".join(sorted(self.instances)) or "none registered"
+            raise ApiError(404, f"unknown instance_id {instance_id!r} (known: {known})")
+        return workers
+
+    async def _ask(self, record: WorkerRecord, command: Command) -> Reply:
+        socket = self._context.socket(zmq.REQ)
+        socket.setsockopt(zmq.LINGER, 0)
+        socket.connect(record.url)
+        try:
+            await socket.send(encode(command))
+            if not await socket.poll(int(COMMAND_TIMEOUT_S * 1000)):
+                return Reply(
+                    ok=False, error=f"worker {record.report.worker_id} did not answer in {COMMAND_TIMEOUT_S}s"
+                )
+            return msgspec.msgpack.decode(await socket.recv(), type=Reply)
+        finally:
+            socket.close(linger=0)
+
+    async def fan_out(self, instance_id: str, command: Command) -> dict[int, Reply]:
+        workers = self.workers_of(instance_id)
+        replies = await asyncio.gather(*(self._ask(record, command) for record in workers.values()))
+        return dict(zip(workers, replies, strict=True))
+
+    async def same_count(self, instance_id: str, command: Command) -> int:
+        replies = await self.fan_out(instance_id, command)
+        failures = {worker: reply.error for worker, reply in replies.items() if not reply.ok}
+        if failures:
+            status = 400 if all("did not answer" not in str(error) for error in failures.values()) else 503
+            raise ApiError(status, f"{command.op} failed on {instance_id}: {failures}")
+        counts = {worker: reply.num_tokens for worker, reply in replies.items()}
+        if len(set(counts.values())) > 1:
+            raise ApiError(
+                500, f"{command.op} on {instance_id}: workers disagree on the token count {counts}"
+            )
+        return next(iter(counts.values()))
+
+    async def lookup(self, tokens: list[int]) -> dict[str, list[Any]]:
+        """Per instance, [location, matched tokens]; an instance holding nothing is left out.
+
+        Tensor-parallel workers each hold their shard: the instance holds what all of them hold (the minimum).
+        """
+        layout: dict[str, list[Any]] = {}
+        instance_ids = list(self.instances)
+        answers = await asyncio.gather(
+            *(self.fan_out(instance_id, Command(op="lookup", tokens=tokens)) for instance_id in instance_ids),
+            return_exceptions=True,
+        )
+        for instance_id, replies in zip(instance_ids, answers, strict=True):
+            if isinstance(replies, BaseException):
+                continue
+            good = [reply for reply in replies.values() if reply.ok]
+            if len(good) != len(replies):
+                continue
+            weakest = min(good, key=lambda reply: reply.num_tokens)
+            if weakest.num_tokens > 0:
+                layout[instance_id] = [weakest.location, weakest.num_tokens]
+        return layout
+
+
+def _event_id(operation: str) -> str:
+    return f"{operation}{uuid.uuid4().hex}"
+
+
+def build_app(controller: Controller) -> Starlette:
+    def endpoint(body_type: type[_Body], operation: str, handler: Any) -> Any:
+        async def handle(request: Request) -> JSONResponse:
+            try:
+                body = msgspec.json.decode(await request.body(), type=body_type)
+            except msgspec.ValidationError as exc:
+                return JSONResponse({"detail": f"malformed {request.url.path} body: {exc}"}, status_code=422)
+            except msgspec.DecodeError as exc:
+                return JSONResponse(
+                    {"detail": f"{request.url.path} body is not valid JSON: {exc}"}, status_code=400
+                )
+            try:
+                result = await handler(body)
+            except ApiError as exc:
+                return JSONResponse({"detail": exc.detail}, status_code=exc.status)
+            return JSONResponse({"event_id": _event_id(operation), **result})
+
+        return handle
+
+    async def lookup(body: LookupBody) -> dict[str, Any]:
+        return {"layout_info": await controller.lookup(body.tokens)}
+
+    async def clear(body: ClearBody) -> dict[str, Any]:
+        command = Command(op="clear", location=body.location)
+        return {"num_tokens": await controller.same_count(body.instance_id, command)}
+
+    async def pin(body: PinBody) -> dict[str, Any]:
+        command = Command(op="pin", tokens=body.tokens, location=body.location)
+        return {"num_tokens": await controller.same_count(body.instance_id, command)}
+
+    def recode(operation: str) -> Any:
+        async def handler(body: CompressBody) -> dict[str, Any]:
+            command = Command(op=operation, tokens=body.tokens, location=body.location, method=body.method)  # type: ignore[arg-type]
+            return {"num_tokens": await controller.same_count(body.instance_id, command)}
+
+        return handler
+
+    async def move(body: MoveBody) -> dict[str, Any]:
+        (source_instance, source), (destination_instance, destination) = body.old_position, body.new_position
+        if source_instance != destination_instance:
+            controller.workers_of(source_instance)
+            controller.workers_of(destination_instance)
+            raise ApiError(
+                400,
+                f"moving from {source_instance!r} to {destination_instance!r} needs peer-to-peer transfer, "
+                "which this cache layer does not implement; move between tiers of one instance instead",
+            )
+        command = Command(
+            op="move", tokens=body.tokens, location=source, destination=destination, copy=body.copy
+        )
+        return {"num_tokens": await controller.same_count(source_instance, command)}
+
+    async def health(body: HealthBody) -> dict[str, Any]:
+        replies = await controller.fan_out(body.instance_id, Command(op="health"))
+        return {"error_codes": {str(worker): 0 if reply.ok else -1 for worker, reply in replies.items()}}
+
+    async def query_worker_info(body: QueryWorkerInfoBody) -> dict[str, Any]:
+        workers = controller.workers_of(body.instance_id)
+        wanted = body.worker_ids if body.worker_ids else sorted(workers)
+        missing = [worker for worker in wanted if worker not in workers]
+        if missing:
+            raise ApiError(
+                404, f"instance {body.instance_id!r} has no worker(s) {missing}; it has {sorted(workers)}"
+            )
+        return {"worker_infos": [workers[worker].info() for worker in wanted]}
+
+    routes = [
+        Route("/lookup", endpoint(LookupBody, "Lookup", lookup), methods=["POST"]),
+        Route("/clear", endpoint(ClearBody, "Clear", clear), methods=["POST"]),
+        Route("/pin", endpoint(PinBody, "Pin", pin), methods=["POST"]),
+        Route("/compress", endpoint(CompressBody, "Compress", recode("compress")), methods=["POST"]),
+        Route("/decompress", endpoint(CompressBody, "Decompress", recode("decompress")), methods=["POST"]),
+        Route("/move", endpoint(MoveBody, "Move", move), methods=["POST"]),
+        Route("/health", endpoint(HealthBody, "Health", health), methods=["POST"]),
+        Route(
+            "/query_worker_info",
+            endpoint(QueryWorkerInfoBody, "QueryWorkerInfo", query_worker_info),
+            methods=["POST"],
+        ),
+    ]
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        await controller.start()
+        try:
+            yield
+        finally:
+            await controller.stop()
+
+    return Starlette(routes=routes, lifespan=lifespan)
+
+
+def serve(host: str, port: int, monitor_port: int) -> None:
+    """Run the controller until interrupted (the `cachelayer controller` command)."""
+    import uvicorn
+
+    controller = Controller(f"tcp://{host}:{monitor_port}")
+    log.info("controller: HTTP on %s:%d, worker monitor on %s", host, port, controller.monitor_endpoint)
+    uvicorn.run(build_app(controller), host=host, port=port, log_level="info")

@@ -1,0 +1,126 @@
+"""The cache engine's side of the controller: register, heartbeat, and serve the controller's commands.
+
+One thread per engine owns two sockets: a PUSH to the controller's monitor socket for reports,
+and a REP bound on `p2p_host` (default 127.0.0.1) at `lmcache_worker_ports[worker_id]` (or a port
+the OS picks) for commands. Commands run on the engine exactly like a local call.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import TYPE_CHECKING
+
+import msgspec
+import zmq
+
+from cachelayer.config import CacheLayerConfig
+from cachelayer.controller.protocol import Command, Reply, WorkerReport, encode, normalize_url
+
+if TYPE_CHECKING:
+    from cachelayer.engine import CacheEngine
+
+log = logging.getLogger(__name__)
+
+
+class ControllerWorker:
+    def __init__(self, engine: CacheEngine, config: CacheLayerConfig) -> None:
+        if not config.controller_pull_url:
+            raise ValueError(
+                "enable_controller is true but controller_pull_url is not set (e.g. localhost:9001)"
+            )
+        self._engine = engine
+        self._config = config
+        self._context = zmq.Context.instance()
+        self._push = self._context.socket(zmq.PUSH)
+        self._push.setsockopt(zmq.LINGER, 1000)
+        self._push.setsockopt(zmq.SNDHWM, 100)
+        self._push.connect(normalize_url(config.controller_pull_url))
+        self._commands = self._context.socket(zmq.REP)
+        self._commands.setsockopt(zmq.LINGER, 0)
+        self.ip = config.p2p_host or "127.0.0.1"
+        ports = config.lmcache_worker_ports or []
+        wanted_port = ports[engine.worker_id] if engine.worker_id < len(ports) else 0
+        if wanted_port:
+            self._commands.bind(f"tcp://{self.ip}:{wanted_port}")
+            self.port = wanted_port
+        else:
+            self.port = self._commands.bind_to_random_port(f"tcp://{self.ip}")
+        self._closed = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="cachelayer-controller-worker", daemon=True)
+        self._thread.start()
+
+    def _report(self, kind: str) -> WorkerReport:
+        return WorkerReport(
+            kind=kind,  # type: ignore[arg-type]
+            instance_id=self._config.lmcache_instance_id,
+            worker_id=self._engine.worker_id,
+            world_size=self._engine.world_size,
+            ip=self.ip,
+            port=self.port,
+            heartbeat_interval_s=self._config.lmcache_worker_heartbeat_time,
+            chunk_size=self._engine.chunk_size,
+        )
+
+    def _send_report(self, kind: str) -> None:
+        try:
+            self._push.send(encode(self._report(kind)), zmq.NOBLOCK)
+        except zmq.Again:
+            log.warning(
+                "cachelayer worker: controller at %s is not reachable yet", self._config.controller_pull_url
+            )
+
+    def close(self) -> None:
+        if self._closed.is_set():
+            return
+        self._closed.set()
+        self._thread.join(timeout=5)
+        self._send_report("deregister")
+        self._push.close(linger=500)
+        self._commands.close(linger=0)
+
+    def _run(self) -> None:
+        decoder = msgspec.msgpack.Decoder(Command)
+        self._send_report("register")
+        next_heartbeat = time.monotonic() + self._config.lmcache_worker_heartbeat_time
+        while not self._closed.is_set():
+            timeout_ms = max(0, min(100, int((next_heartbeat - time.monotonic()) * 1000)))
+            if self._commands.poll(timeout_ms):
+                payload = self._commands.recv()
+                try:
+                    reply = self._execute(decoder.decode(payload))
+                except msgspec.DecodeError as exc:
+                    reply = Reply(ok=False, error=f"malformed command: {exc}")
+                self._commands.send(encode(reply))
+            if time.monotonic() >= next_heartbeat:
+                self._send_report("heartbeat")
+                next_heartbeat = time.monotonic() + self._config.lmcache_worker_heartbeat_time
+
+    def _execute(self, command: Command) -> Reply:
+        engine = self._engine
+        try:
+            if command.op == "lookup":
+                location, matched = engine.lookup_location(command.tokens)
+                return Reply(num_tokens=matched, location=location)
+            if command.op == "clear":
+                return Reply(num_tokens=engine.clear(command.location))
+            if command.op == "pin":
+                return Reply(num_tokens=engine.pin(command.tokens, command.location))
+            if command.op in ("compress", "decompress"):
+                operation = engine.compress if command.op == "compress" else engine.decompress
+                return Reply(
+                    num_tokens=operation(command.tokens, command.method or "", command.location or "cpu")
+                )
+            if command.op == "move":
+                moved = engine.move(
+                    command.tokens, command.location or "", command.destination or "", copy=command.copy
+                )
+                return Reply(num_tokens=moved)
+            if command.op == "health":
+                return Reply()
+            if command.op == "info":
+                return Reply(info=engine.stats())
+        except ValueError as exc:
+            return Reply(ok=False, error=str(exc))
+        return Reply(ok=False, error=f"unknown operation {command.op!r}")

@@ -1,0 +1,248 @@
+"""The controller as LMCache defines it, run as a real `cachelayer controller` process with real engines."""
+
+import time
+
+import httpx
+import msgspec
+import pytest
+import torch
+import zmq
+
+from cachelayer import CacheEngine
+from cachelayer.controller.protocol import WorkerReport
+from tests.support.cachelayer import CHUNK, HEAD_DIM, HEADS, LAYERS, make_engine, request
+from tests.support.ports import free_port
+from tests.support.processes import python_command, start_process
+
+
+@pytest.fixture(scope="module")
+def controller():
+    port, monitor_port = free_port(), free_port()
+    process = start_process(
+        python_command(
+            "-m",
+            "cachelayer.cli",
+            "controller",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--monitor-port",
+            str(monitor_port),
+        ),
+        f"http://127.0.0.1:{port}/health",
+        any_status=True,  # every route is POST: any answer means it is up
+    )
+    try:
+        with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=10) as client:
+            yield client, monitor_port
+    finally:
+        process.stop()
+
+
+def worker_config(monitor_port, instance_id, **extra):
+    return {
+        "enable_controller": True,
+        "controller_pull_url": f"127.0.0.1:{monitor_port}",
+        "lmcache_instance_id": instance_id,
+        "lmcache_worker_heartbeat_time": 0.2,
+        **extra,
+    }
+
+
+def wait_registered(client, instance_id, count):
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        response = client.post("/query_worker_info", json={"instance_id": instance_id, "worker_ids": []})
+        if response.status_code == 200 and len(response.json()["worker_infos"]) == count:
+            return response.json()
+        time.sleep(0.05)
+    raise AssertionError(f"{instance_id} never had {count} registered worker(s)")
+
+
+def wait_gone(client, instance_id):
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        response = client.post("/query_worker_info", json={"instance_id": instance_id, "worker_ids": []})
+        if response.status_code == 404:
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"{instance_id} was never dropped")
+
+
+def test_lmcache_documented_example_twelve_token_prompt(controller):
+    client, monitor_port = controller
+    engine = CacheEngine.from_config(
+        worker_config(monitor_port, "lmcache_default_instance", max_local_cpu_size=0.01),
+        num_layers=LAYERS,
+        num_kv_heads=HEADS,
+        head_dim=HEAD_DIM,
+        dtype=torch.bfloat16,
+    )
+    try:
+        wait_registered(client, "lmcache_default_instance", 1)
+        tokens = list(range(100, 112))
+        engine.store(tokens, torch.randn(LAYERS, 2, 12, HEADS * HEAD_DIM).to(torch.bfloat16))
+        answer = client.post("/lookup", json={"tokens": tokens}).json()
+        assert answer["layout_info"] == {"lmcache_default_instance": ["LocalCPUBackend", 12]}
+        assert answer["event_id"].startswith("Lookup")
+    finally:
+        engine.close()
+    wait_gone(client, "lmcache_default_instance")
+
+
+def test_lookup_full_hit_partial_match_and_miss(controller):
+    client, monitor_port = controller
+    engine = make_engine(16, **worker_config(monitor_port, "lookup-instance"))
+    try:
+        wait_registered(client, "lookup-instance", 1)
+        tokens, kv = request(1, 3)
+        engine.store(tokens, kv)
+
+        def layout(prompt):
+            response = client.post("/lookup", json={"tokens": prompt})
+            assert response.status_code == 200, response.text
+            return response.json()["layout_info"].get("lookup-instance")
+
+        assert layout(tokens) == ["LocalCPUBackend", 3 * CHUNK]
+        changed_second_chunk = tokens[:CHUNK] + [7] * CHUNK + tokens[2 * CHUNK :]
+        assert layout(changed_second_chunk) == ["LocalCPUBackend", CHUNK]
+        assert layout([7, *tokens[1:]]) is None
+    finally:
+        engine.close()
+
+
+def test_operations_fan_out_to_every_tensor_parallel_worker(controller, tmp_path):
+    client, monitor_port = controller
+    workers = [
+        CacheEngine.from_config(
+            {
+                "chunk_size": CHUNK,
+                "max_local_cpu_size": 0.01,
+                "local_disk": str(tmp_path / f"w{rank}"),
+                "max_local_disk_size": 0.01,
+                **worker_config(monitor_port, "tp"),
+            },
+            num_layers=LAYERS,
+            num_kv_heads=HEADS,
+            head_dim=HEAD_DIM,
+            dtype=torch.bfloat16,
+            world_size=2,
+            worker_id=rank,
+        )
+        for rank in range(2)
+    ]
+    try:
+        infos = wait_registered(client, "tp", 2)["worker_infos"]
+        assert sorted(info["worker_id"] for info in infos) == [0, 1]
+        tokens, kv = request(2, 2)
+        for engine in workers:
+            engine.store(tokens, kv)
+
+        def post(path, **body):
+            response = client.post(path, json=body)
+            assert response.status_code == 200, response.text
+            return response.json()
+
+        assert post("/health", instance_id="tp")["error_codes"] == {"0": 0, "1": 0}
+        assert (
+            post("/pin", instance_id="tp", location="LocalCPUBackend", tokens=tokens)["num_tokens"]
+            == 2 * CHUNK
+        )
+        assert (
+            post("/compress", instance_id="tp", method="naive", location="LocalCPUBackend", tokens=tokens)[
+                "num_tokens"
+            ]
+            == 2 * CHUNK
+        )
+        assert all({e.meta.fmt for e in engine.cpu.committed_entries()} == {"naive"} for engine in workers)
+        assert (
+            post("/decompress", instance_id="tp", method="naive", location="LocalCPUBackend", tokens=tokens)[
+                "num_tokens"
+            ]
+            == 2 * CHUNK
+        )
+        assert post("/clear", instance_id="tp", location="LocalDiskBackend")["num_tokens"] == 2 * CHUNK
+        moved = post(
+            "/move",
+            old_position=["tp", "LocalCPUBackend"],
+            new_position=["tp", "LocalDiskBackend"],
+            tokens=tokens,
+            copy=False,
+        )
+        assert moved["num_tokens"] == 2 * CHUNK
+        assert post("/lookup", tokens=tokens)["layout_info"]["tp"] == ["LocalDiskBackend", 2 * CHUNK]
+
+        # Workers that disagree are reported, never averaged away.
+        other_tokens, other_kv = request(3, 2)
+        workers[0].store(other_tokens, other_kv)
+        response = client.post("/pin", json={"instance_id": "tp", "location": None, "tokens": other_tokens})
+        assert response.status_code == 500 and "disagree" in response.json()["detail"]
+    finally:
+        for engine in workers:
+            engine.close()
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "status", "detail"),
+    [
+        (
+            "/clear",
+            {"instance_id": "nobody", "location": "LocalCPUBackend"},
+            404,
+            "unknown instance_id 'nobody'",
+        ),
+        ("/pin", {"instance_id": "x"}, 422, "malformed /pin body"),
+        ("/lookup", b"{not json", 400, "not valid JSON"),
+        ("/lookup", {"tokens": "abc"}, 422, "Expected `array`"),
+        (
+            "/move",
+            {
+                "old_position": ["a", "LocalCPUBackend"],
+                "new_position": ["b", "LocalCPUBackend"],
+                "tokens": [],
+            },
+            404,
+            "unknown instance_id",
+        ),
+    ],
+)
+def test_bad_requests_get_a_4xx_with_detail(controller, path, body, status, detail):
+    client, _ = controller
+    if isinstance(body, bytes):
+        response = client.post(path, content=body)
+    else:
+        response = client.post(path, json=body)
+    assert response.status_code == status
+    assert detail in response.json()["detail"]
+
+
+def test_a_worker_that_stops_heartbeating_is_dropped(controller):
+    client, monitor_port = controller
+    context = zmq.Context()
+    push = context.socket(zmq.PUSH)
+    try:
+        push.connect(f"tcp://127.0.0.1:{monitor_port}")
+        report = WorkerReport(
+            kind="register", instance_id="silent", worker_id=0, port=free_port(), heartbeat_interval_s=0.2
+        )
+        push.send(msgspec.msgpack.encode(report))
+        wait_registered(client, "silent", 1)
+        started = time.monotonic()
+        wait_gone(client, "silent")  # no heartbeat ever follows
+        assert time.monotonic() - started < 5
+    finally:
+        push.close(linger=0)
+        context.term()
+
+
+def test_unknown_location_is_a_400_naming_the_choices(controller):
+    client, monitor_port = controller
+    engine = make_engine(4, **worker_config(monitor_port, "bad-location"))
+    try:
+        wait_registered(client, "bad-location", 1)
+        response = client.post("/clear", json={"instance_id": "bad-location", "location": "GPU"})
+        assert response.status_code == 400
+        assert "LocalCPUBackend" in response.json()["detail"]
+    finally:
+        engine.close()
