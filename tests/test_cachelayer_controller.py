@@ -209,10 +209,7 @@ def test_operations_fan_out_to_every_tensor_parallel_worker(controller, tmp_path
 )
 def test_bad_requests_get_a_4xx_with_detail(controller, path, body, status, detail):
     client, _ = controller
-    if isinstance(body, bytes):
-        response = client.post(path, content=body)
-    else:
-        response = client.post(path, json=body)
+    response = client.post(path, content=body) if isinstance(body, bytes) else client.post(path, json=body)
     assert response.status_code == status
     assert detail in response.json()["detail"]
 
