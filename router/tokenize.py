@@ -1,0 +1,334 @@
+"""Prompt tokens exactly as the engine will see them, cached per message, off the event loop.
+
+Chat requests are rendered with the model's chat template the way vLLM's /v1/chat/completions
+renders them (add_generation_prompt unless the request says otherwise or continues the final
+message; tools; chat_template_kwargs; text parts of list contents joined by newlines) and the text
+is encoded without adding special tokens. Completions are encoded with the tokenizer's special
+tokens (vLLM's default for /v1/completions; `add_special_tokens` in the body overrides); token-id
+prompts pass through. `tokenize: engine` asks a backend's POST /tokenize instead.
+
+Caching: the rendered text is cut right after every added token (`<|im_start|>`, `<|im_end|>`,
+...). The tokenizer extracts added tokens before running BPE, so the pieces between them encode
+independently and the concatenation of the pieces' tokens equals the whole text's tokens. Each
+piece (in practice: each message) is cached, so a follow-up turn encodes only its new messages.
+Every tokenizer is checked for that property when loaded; where it does not hold, the cache is off.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import re
+import threading
+from collections import OrderedDict
+from concurrent.futures import ThreadPoolExecutor
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+if TYPE_CHECKING:
+    from router.backends import BackendState
+    from router.config import Config
+    from router.policies.base import RouteRequest
+
+logger = logging.getLogger("kvgate.tokenize")
+
+# Text shorter than this is tokenized on the event loop: a thread hop costs more than it saves.
+OFF_LOOP_MIN_CHARS = 4096
+
+
+class TokenizeError(ValueError):
+    """The request cannot be tokenized (bad messages, a template error, an unusable prompt)."""
+
+
+class _PieceCache:
+    """LRU of text piece -> token ids, bounded by the number of cached tokens."""
+
+    def __init__(self, max_tokens: int) -> None:
+        self.max_tokens = max_tokens
+        self._entries: OrderedDict[str, np.ndarray] = OrderedDict()
+        self._tokens = 0
+        self._lock = threading.Lock()
+        self.hits = 0
+        self.misses = 0
+
+    def get(self, text: str) -> np.ndarray | None:
+        with self._lock:
+            ids = self._entries.get(text)
+            if ids is None:
+                self.misses += 1
+                return None
+            self._entries.move_to_end(text)
+            self.hits += 1
+            return ids
+
+    def put(self, text: str, ids: np.ndarray) -> None:
+        if len(ids) > self.max_tokens:
+            return
+        with self._lock:
+            if text in self._entries:
+                return
+            self._entries[text] = ids
+            self._tokens += len(ids)
+            while self._tokens > self.max_tokens:
+                _, evicted = self._entries.popitem(last=False)
+                self._tokens -= len(evicted)
+
+
+class PromptTokenizer:
+    """One model's tokenizer, rendering and encoding requests the way vLLM does."""
+
+    def __init__(self, tokenizer_dir: str, *, cache_tokens: int = 4_000_000) -> None:
+        from transformers import AutoTokenizer  # heavy: imported only when a model needs it
+
+        self.tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+        self.source = tokenizer_dir
+        self.cache = _PieceCache(cache_tokens)
+        added = sorted(self.tokenizer.added_tokens_encoder, key=len, reverse=True)
+        self._added_pattern = re.compile("|".join(re.escape(token) for token in added)) if added else None
+        self.piecewise = self._added_pattern is not None and self._piecewise_encoding_is_exact()
+        if not self.piecewise:
+            logger.info(
+                "tokenizer %s: per-message cache off (pieces do not encode independently)", tokenizer_dir
+            )
+
+    # ---- public ----
+
+    def tokens_for(self, body: dict[str, Any]) -> np.ndarray:
+        """The prompt tokens of a chat (`messages`) or completion (`prompt`) request body."""
+        if "messages" in body:
+            return self.encode_text(
+                self.render_chat(body), add_special_tokens=bool(body.get("add_special_tokens"))
+            )
+        if "prompt" in body:
+            return self.completion_tokens(body)
+        raise TokenizeError("the body has neither `messages` nor `prompt`")
+
+    def render_chat(self, body: dict[str, Any]) -> str:
+        messages = body.get("messages")
+        if not isinstance(messages, list) or not messages:
+            raise TokenizeError("`messages` must be a non-empty list")
+        continue_final = bool(body.get("continue_final_message", False))
+        add_generation_prompt = body.get("add_generation_prompt")
+        if add_generation_prompt is None:
+            add_generation_prompt = not continue_final
+        kwargs = body.get("chat_template_kwargs") or {}
+        if not isinstance(kwargs, dict):
+            raise TokenizeError("`chat_template_kwargs` must be an object")
+        try:
+            return self.tokenizer.apply_chat_template(
+                [_flatten_content(message) for message in messages],
+                tools=body.get("tools") or None,
+                add_generation_prompt=bool(add_generation_prompt),
+                continue_final_message=continue_final,
+                tokenize=False,
+                **kwargs,
+            )
+        except Exception as exc:  # jinja errors, template exceptions: the request's fault
+            raise TokenizeError(f"the chat template cannot render these messages: {exc}") from None
+
+    def completion_tokens(self, body: dict[str, Any]) -> np.ndarray:
+        prompt = body["prompt"]
+        add_special = body.get("add_special_tokens", True)
+        if isinstance(prompt, list) and prompt:
+            first = prompt[0]
+            if isinstance(first, int):
+                return _as_tokens(prompt)
+            # A batch of prompts: route by the first (the engine caches each).
+            if isinstance(first, list):
+                return _as_tokens(first)
+            prompt = first
+        if not isinstance(prompt, str):
+            raise TokenizeError("`prompt` must be a string, a list of token ids, or a list of those")
+        return self.encode_text(prompt, add_special_tokens=bool(add_special))
+
+    def encode_text(self, text: str, *, add_special_tokens: bool) -> np.ndarray:
+        if add_special_tokens or not self.piecewise:
+            cached = self.cache.get(text) if not add_special_tokens else None
+            if cached is not None:
+                return cached
+            ids = np.asarray(
+                self.tokenizer.encode(text, add_special_tokens=add_special_tokens), dtype=np.uint32
+            )
+            if not add_special_tokens:
+                self.cache.put(text, ids)
+            return ids
+        parts = []
+        for piece in self._pieces(text):
+            ids = self.cache.get(piece)
+            if ids is None:
+                ids = np.asarray(self.tokenizer.encode(piece, add_special_tokens=False), dtype=np.uint32)
+                self.cache.put(piece, ids)
+            parts.append(ids)
+        return np.concatenate(parts) if parts else np.empty(0, dtype=np.uint32)
+
+    def decode(self, tokens: list[int]) -> str:
+        return self.tokenizer.decode(tokens, skip_special_tokens=False)
+
+    # ---- pieces ----
+
+    def _pieces(self, text: str) -> list[str]:
+        """`text` cut right after every added token (the pieces concatenate back to `text`)."""
+        assert self._added_pattern is not None
+        pieces = []
+        start = 0
+        for match in self._added_pattern.finditer(text):
+            pieces.append(text[start : match.end()])
+            start = match.end()
+        if start < len(text):
+            pieces.append(text[start:])
+        return pieces
+
+    def _piecewise_encoding_is_exact(self) -> bool:
+        assert self._added_pattern is not None
+        specials = list(self.tokenizer.added_tokens_encoder)[:4]
+        samples = [
+            "".join(f"{special} Hello,  world!\n\n  indented\tx{special}\nnext " for special in specials),
+            f"plain start {specials[0]}ünïcödé 中文 text  {specials[-1]}   trailing spaces   ",
+        ]
+        with contextlib.suppress(Exception):  # no chat template: the other samples still decide
+            samples.append(
+                self.tokenizer.apply_chat_template(
+                    [
+                        {"role": "system", "content": "You are terse."},
+                        {"role": "user", "content": " Hi there\n"},
+                        {"role": "assistant", "content": "Hello! How can I help?"},
+                        {"role": "user", "content": "Sum 2+2."},
+                    ],
+                    add_generation_prompt=True,
+                    tokenize=False,
+                )
+            )
+        for sample in samples:
+            whole = self.tokenizer.encode(sample, add_special_tokens=False)
+            pieces: list[int] = []
+            for piece in self._pieces(sample):
+                pieces.extend(self.tokenizer.encode(piece, add_special_tokens=False))
+            if pieces != whole:
+                return False
+        return True
+
+
+def _flatten_content(message: Any) -> Any:
+    """vLLM's "string" content format: a list of text parts becomes their texts joined by newlines."""
+    if not isinstance(message, dict):
+        raise TokenizeError("every message must be an object")
+    content = message.get("content")
+    if isinstance(content, list):
+        texts = [
+            part.get("text", "") for part in content if isinstance(part, dict) and part.get("type") == "text"
+        ]
+        return {**message, "content": "\n".join(texts)}
+    return message
+
+
+def _as_tokens(ids: list[Any]) -> np.ndarray:
+    if not all(isinstance(token, int) and 0 <= token < 2**32 for token in ids):
+        raise TokenizeError("token-id prompts must hold non-negative integers")
+    return np.asarray(ids, dtype=np.uint32)
+
+
+def _text_size(body: dict[str, Any]) -> int:
+    messages = body.get("messages")
+    if isinstance(messages, list):
+        return sum(len(str(m.get("content", ""))) for m in messages if isinstance(m, dict))
+    prompt = body.get("prompt")
+    return len(prompt) if isinstance(prompt, str) else 0
+
+
+class RequestTokenizer:
+    """The gateway's pre-route step: fills RouteRequest.tokens and .namespace for token-aware policies."""
+
+    def __init__(self, config: Config, backends: dict[str, BackendState] | None = None) -> None:
+        self._config = config
+        self._backends = backends if backends is not None else {}
+        self._tokenizers: dict[str, PromptTokenizer] = {}
+        self._load_lock = threading.Lock()
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvgate-tokenize")
+        self._http: Any = None
+        self.failures = 0
+
+    def tokenizer(self, model: str) -> PromptTokenizer | None:
+        """The local tokenizer of a configured model (loaded once), or None when it has none."""
+        found = self._tokenizers.get(model)
+        if found is not None:
+            return found
+        spec = self._config.model(model)
+        if spec is None or spec.tokenizer is None or spec.tokenize != "local":
+            return None
+        with self._load_lock:
+            if model not in self._tokenizers:
+                self._tokenizers[model] = PromptTokenizer(spec.tokenizer)
+        return self._tokenizers[model]
+
+    def preload(self) -> None:
+        """Load every local tokenizer now (at startup) rather than on the first request."""
+        for model in self._config.models:
+            self.tokenizer(model.name)
+
+    async def prepare(self, request: RouteRequest) -> None:
+        """Fill `request.tokens` (None when the prompt cannot be tokenized) and `request.namespace`."""
+        body = request.body
+        salt = body.get("cache_salt")
+        request.namespace = (request.model, None, salt if isinstance(salt, str) and salt else None)
+        try:
+            request.tokens = await self.tokens_for(request.model, body)
+        except TokenizeError as exc:
+            self.failures += 1
+            logger.debug("request %s: no tokens for routing: %s", request.request_id, exc)
+            request.tokens = None
+
+    async def tokens_for(self, model: str, body: dict[str, Any]) -> np.ndarray | None:
+        spec = self._config.model(model)
+        if spec is not None and spec.tokenize == "engine":
+            return await self._engine_tokens(model, body)
+        tokenizer = self.tokenizer(model)
+        if tokenizer is None:
+            return None
+        if _text_size(body) < OFF_LOOP_MIN_CHARS:
+            return tokenizer.tokens_for(body)
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._executor, tokenizer.tokens_for, body)
+
+    async def _engine_tokens(self, model: str, body: dict[str, Any]) -> np.ndarray | None:
+        """Ask a backend serving the model for its own tokens (POST /tokenize)."""
+        import httpx
+
+        backend = next(
+            (b for b in self._backends.values() if b.serves(model) and b.accepting),
+            None,
+        )
+        if backend is None:
+            return None
+        spec = self._config.model(model)
+        served = (spec.served_name if spec is not None else None) or model
+        request: dict[str, Any] = {"model": served}
+        if "messages" in body:
+            for key in ("messages", "tools", "chat_template_kwargs", "add_generation_prompt",
+                        "continue_final_message", "add_special_tokens"):  # fmt: skip
+                if key in body:
+                    request[key] = body[key]
+        elif "prompt" in body:
+            prompt = body["prompt"]
+            if isinstance(prompt, list) and prompt and isinstance(prompt[0], int):
+                return _as_tokens(prompt)
+            request["prompt"] = prompt[0] if isinstance(prompt, list) and prompt else prompt
+            if "add_special_tokens" in body:
+                request["add_special_tokens"] = body["add_special_tokens"]
+        else:
+            raise TokenizeError("the body has neither `messages` nor `prompt`")
+        if self._http is None:
+            self._http = httpx.AsyncClient(timeout=10.0)
+        try:
+            response = await self._http.post(f"{backend.url}/tokenize", json=request)
+            response.raise_for_status()
+            return _as_tokens(response.json()["tokens"])
+        except (httpx.HTTPError, KeyError, ValueError, TypeError) as exc:
+            raise TokenizeError(f"backend {backend.name} /tokenize failed: {exc}") from None
+
+    async def close(self) -> None:
+        self._executor.shutdown(wait=False, cancel_futures=True)
+        if self._http is not None:
+            await self._http.aclose()
+            self._http = None

@@ -1,0 +1,254 @@
+"""Tokenization parity with vLLM (real Qwen3 tokenizer and chat template), the per-message cache,
+completions' special-token rule, `tokenize: engine` over real HTTP, and bad input."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from collections.abc import Iterator
+
+import numpy as np
+import pytest
+import uvicorn
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse
+from starlette.routing import Route
+
+from router.backends import BackendState
+from router.config import builtin_tokenizer_dir, parse_config
+from router.policies.base import RouteRequest
+from router.tokenize import PromptTokenizer, RequestTokenizer, TokenizeError
+from tests.support import free_port
+
+QWEN3_EXAMPLE = (
+    "Qwen3 is the latest generation of large language models in Qwen series, offering a comprehensive "
+    "suite of dense and mixture-of-experts"
+)
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "description": "Weather for a city",
+            "parameters": {
+                "type": "object",
+                "properties": {"city": {"type": "string"}},
+                "required": ["city"],
+            },
+        },
+    }
+]
+
+
+@pytest.fixture(scope="module")
+def qwen3() -> PromptTokenizer:
+    return PromptTokenizer(builtin_tokenizer_dir("qwen3"))
+
+
+def whole_prompt_tokens(tokenizer: PromptTokenizer, body: dict) -> list[int]:
+    """What vLLM computes: the template rendered to text, the text encoded without special tokens."""
+    text = tokenizer.tokenizer.apply_chat_template(
+        body["messages"],
+        tools=body.get("tools"),
+        add_generation_prompt=body.get(
+            "add_generation_prompt", not body.get("continue_final_message", False)
+        ),
+        continue_final_message=body.get("continue_final_message", False),
+        tokenize=False,
+        **body.get("chat_template_kwargs", {}),
+    )
+    return tokenizer.tokenizer.encode(text, add_special_tokens=False)
+
+
+def conversation(turns: int, seed: int) -> list[dict]:
+    rng = np.random.default_rng(seed)
+    words = ["cache", "prefix", "  spaced", "token\n", "ünï", "中文", "\t", "end.", "KV", "<tag>", "  "]
+    messages = [{"role": "system", "content": "You are a helpful assistant. " * 3}]
+    for turn in range(turns):
+        messages.append(
+            {"role": "user", "content": "".join(rng.choice(words, size=30)) + f" question {turn}?"}
+        )
+        messages.append({"role": "assistant", "content": "".join(rng.choice(words, size=20))})
+    messages.append({"role": "user", "content": "and finally?"})
+    return messages
+
+
+def test_the_documented_qwen3_example(qwen3: PromptTokenizer) -> None:
+    tokens = qwen3.tokens_for({"messages": [{"role": "user", "content": QWEN3_EXAMPLE}]})
+    assert tokens[:12].tolist() == [151644, 872, 198, 48, 16948, 18, 374, 279, 5535, 9471, 315, 3460]
+    assert tokens.dtype == np.uint32
+
+
+def test_qwen3_pieces_encode_independently(qwen3: PromptTokenizer) -> None:
+    assert qwen3.piecewise
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [
+        {},
+        {"tools": TOOLS},
+        {"chat_template_kwargs": {"enable_thinking": False}},
+        {"add_generation_prompt": False},
+        {"continue_final_message": True, "add_generation_prompt": False},
+    ],
+    ids=["default", "tools", "template-kwargs", "no-generation-prompt", "continue-final"],
+)
+@pytest.mark.parametrize("seed", [1, 2, 3])
+def test_chat_tokens_equal_whole_prompt_tokenization(qwen3: PromptTokenizer, extra: dict, seed: int) -> None:
+    body = {"messages": conversation(3, seed), **extra}
+    if extra.get("continue_final_message"):
+        body["messages"] = [*body["messages"], {"role": "assistant", "content": "Partial answ"}]
+    assert qwen3.tokens_for(body).tolist() == whole_prompt_tokens(qwen3, body)
+
+
+def test_list_content_parts_are_joined_like_vllm(qwen3: PromptTokenizer) -> None:
+    parts = {
+        "messages": [
+            {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}
+        ]
+    }
+    joined = {"messages": [{"role": "user", "content": "a\nb"}]}
+    assert qwen3.tokens_for(parts).tolist() == qwen3.tokens_for(joined).tolist()
+
+
+def test_a_follow_up_turn_encodes_only_its_new_pieces() -> None:
+    tokenizer = PromptTokenizer(builtin_tokenizer_dir("qwen3"))
+    encoded: list[str] = []
+    original = tokenizer.tokenizer.encode
+
+    def counting_encode(text: str, **kwargs):  # type: ignore[no-untyped-def]
+        encoded.append(text)
+        return original(text, **kwargs)
+
+    tokenizer.tokenizer.encode = counting_encode  # type: ignore[method-assign]
+    history = conversation(4, seed=9)
+    tokenizer.tokens_for({"messages": history})
+    first_turn_chars = sum(map(len, encoded))
+    encoded.clear()
+    follow_up = {
+        "messages": [*history, {"role": "assistant", "content": "ok"}, {"role": "user", "content": "more?"}]
+    }
+    tokens = tokenizer.tokens_for(follow_up)
+    # Only the new messages were encoded again.
+    assert encoded == ["assistant\nok<|im_end|>", "user\nmore?<|im_end|>"]
+    assert first_turn_chars > 1000
+    assert tokens.tolist() == whole_prompt_tokens(tokenizer, follow_up)
+    assert tokenizer.cache.hits > 0
+
+
+def test_completions_follow_the_engine_special_token_rule(qwen3: PromptTokenizer) -> None:
+    text = "Explain the significance of KV cache in language models."
+    expected = qwen3.tokenizer.encode(text, add_special_tokens=True)
+    assert qwen3.tokens_for({"prompt": text}).tolist() == expected
+    assert qwen3.tokens_for({"prompt": text, "add_special_tokens": False}).tolist() == qwen3.tokenizer.encode(
+        text, add_special_tokens=False
+    )
+    assert qwen3.tokens_for({"prompt": [5, 6, 7]}).tolist() == [5, 6, 7]
+    assert qwen3.tokens_for({"prompt": [[8, 9], [10]]}).tolist() == [8, 9]
+    assert qwen3.tokens_for({"prompt": [text, "other"]}).tolist() == expected
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        {"messages": "not a list"},
+        {"messages": []},
+        {"messages": ["not an object"]},
+        {"messages": [{"role": "user", "content": "x"}], "chat_template_kwargs": "bad"},
+        {"prompt": 5},
+        {"prompt": [-1, 2]},
+        {"neither": True},
+    ],
+)
+def test_bad_bodies_raise_a_clear_tokenize_error(qwen3: PromptTokenizer, body: dict) -> None:
+    with pytest.raises(TokenizeError):
+        qwen3.tokens_for(body)
+
+
+def config(tokenize: str = "local"):
+    return parse_config(
+        {
+            "models": [{"name": "qwen", "tokenizer": "builtin:qwen3", "tokenize": tokenize}],
+            "backends": [{"name": "b1", "url": "http://127.0.0.1:9"}],
+        }
+    )
+
+
+def test_prepare_fills_tokens_and_namespace_and_goes_off_loop_for_long_prompts() -> None:
+    tokenizer = RequestTokenizer(config())
+    long_text = "a long document about caches. " * 400
+    body = {"model": "qwen", "messages": [{"role": "user", "content": long_text}], "cache_salt": "s"}
+    request = RouteRequest(request_id="r1", model="qwen", body=body)
+    loop_thread = threading.get_ident()
+    seen_threads: list[int] = []
+    prompt_tokenizer = tokenizer.tokenizer("qwen")
+    assert prompt_tokenizer is not None
+    original = prompt_tokenizer.tokens_for
+
+    def recording(body: dict) -> np.ndarray:
+        seen_threads.append(threading.get_ident())
+        return original(body)
+
+    prompt_tokenizer.tokens_for = recording  # type: ignore[method-assign]
+
+    async def run() -> None:
+        await tokenizer.prepare(request)
+        await tokenizer.close()
+
+    asyncio.run(run())
+    assert request.tokens is not None and len(request.tokens) > 1000
+    assert request.namespace == ("qwen", None, "s")
+    assert seen_threads and seen_threads[0] != loop_thread
+
+
+def test_prepare_leaves_tokens_empty_on_a_bad_body() -> None:
+    tokenizer = RequestTokenizer(config())
+    request = RouteRequest(request_id="r2", model="qwen", body={"messages": 7})
+    asyncio.run(tokenizer.prepare(request))
+    assert request.tokens is None and tokenizer.failures == 1
+
+
+@pytest.fixture
+def tokenize_server() -> Iterator[tuple[str, list[dict]]]:
+    """A real HTTP server with vLLM's POST /tokenize answer shape."""
+    received: list[dict] = []
+
+    async def tokenize(request: Request) -> JSONResponse:
+        body = await request.json()
+        received.append(body)
+        return JSONResponse({"tokens": [1, 2, 3, 4], "count": 4, "max_model_len": 2048})
+
+    port = free_port()
+    server = uvicorn.Server(
+        uvicorn.Config(
+            Starlette(routes=[Route("/tokenize", tokenize, methods=["POST"])]), port=port, log_level="error"
+        )
+    )
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 10
+    while not server.started and time.monotonic() < deadline:
+        time.sleep(0.02)
+    yield f"http://127.0.0.1:{port}", received
+    server.should_exit = True
+    thread.join(timeout=5)
+
+
+def test_tokenize_engine_asks_the_backend(tokenize_server: tuple[str, list[dict]]) -> None:
+    url, received = tokenize_server
+    backends = {"b1": BackendState(name="b1", url=url)}
+    tokenizer = RequestTokenizer(config("engine"), backends)
+    body = {"model": "qwen", "messages": [{"role": "user", "content": "hi"}], "tools": TOOLS}
+
+    async def run() -> np.ndarray | None:
+        try:
+            return await tokenizer.tokens_for("qwen", body)
+        finally:
+            await tokenizer.close()
+
+    tokens = asyncio.run(run())
+    assert tokens is not None and tokens.tolist() == [1, 2, 3, 4]
+    assert received == [{"model": "qwen", "messages": body["messages"], "tools": TOOLS}]
