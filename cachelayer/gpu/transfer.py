@@ -44,8 +44,21 @@ class TransferHandle:
         return self._event is None or self._event.query()
 
 
-def layer_groups(num_layers: int, pieces: int) -> list[tuple[int, int]]:
-    """Split layers into `pieces` contiguous ranges (as equal as they come)."""
+def layer_groups(num_layers: int, pieces: int | None, *, growing: bool = True) -> list[tuple[int, int]]:
+    """Split layers into contiguous ranges: `pieces` equal ones, or (None) sizes doubling 1, 1, 2, 4, ...
+
+    Doubling pieces start the pipeline after one layer's work yet pay the per-copy gap only about
+    log2(num_layers) times; `growing=False` reverses them (big first), so a retrieve ends on a
+    one-layer scatter.
+    """
+    if pieces is None:
+        sizes: list[int] = []
+        while sum(sizes) < num_layers:
+            sizes.append(min(max(1, sum(sizes)), num_layers - sum(sizes)))
+        if not growing:
+            sizes.reverse()
+        bounds = [sum(sizes[:i]) for i in range(len(sizes) + 1)]
+        return [(bounds[i], bounds[i + 1]) for i in range(len(sizes))]
     if pieces < 1:
         raise ValueError(f"pieces must be >= 1, got {pieces}")
     pieces = min(pieces, num_layers)
@@ -146,6 +159,8 @@ class LayerwiseLoader:
         pieces: int | None = None,
         check_range: bool = True,
     ):
+        """`pieces`: layer groups copied and scattered as units (None: doubling sizes, largest first);
+        a layerwise consumer that waits layer by layer wants pieces=num_layers."""
         self._kv_caches = list(kv_caches)
         self._geometry = paged_geometry(self._kv_caches, layout)
         check_slot_mapping(slot_mapping, self._geometry, check_range=check_range)
@@ -153,7 +168,7 @@ class LayerwiseLoader:
         self._slot_mapping = slot_mapping
         self._host_chunk = host_chunk
         num_layers = self._geometry.num_layers
-        self._groups = layer_groups(num_layers, pieces or num_layers)
+        self._groups = layer_groups(num_layers, pieces, growing=False)
         self._group_of_layer = [g for g, (a, b) in enumerate(self._groups) for _ in range(a, b)]
         self._copied: list[torch.cuda.Event | None] = [None] * len(self._groups)
         self._scattered = [False] * len(self._groups)
@@ -222,11 +237,11 @@ def store(
     slot_mapping: Tensor,
     host_out: Tensor,
     *,
-    pieces: int = 8,
+    pieces: int | None = None,
     check_range: bool = True,
 ) -> TransferHandle:
-    """Gather every layer into pinned `host_out`, the device-to-host copy split into `pieces` layer groups
-    that chase the gathers; returns at once on CUDA (wait on the handle)."""
+    """Gather every layer into pinned `host_out`, the device-to-host copy split into layer groups that
+    chase the gathers (`pieces`: see layer_groups); returns at once on CUDA (wait on the handle)."""
     storer = LayerwiseStorer(kv_caches, layout, slot_mapping, host_out, check_range=check_range)
     for start, stop in layer_groups(len(storer._kv_caches), pieces):
         storer.after_layers(start, stop)
@@ -239,10 +254,10 @@ def retrieve(
     layout: str,
     slot_mapping: Tensor,
     *,
-    pieces: int = 8,
+    pieces: int | None = None,
     check_range: bool = True,
 ) -> TransferHandle:
-    """Copy pinned `host_chunk` to the device in `pieces` layer groups and scatter each as it lands.
+    """Copy pinned `host_chunk` to the device in layer groups and scatter each as it lands.
 
     Work queued on the current stream afterwards sees the cache filled; the handle is for the host.
     """

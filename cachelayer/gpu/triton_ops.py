@@ -39,6 +39,7 @@ def _paged_copy_kernel(
     chunk_plane_stride,
     TO_CHUNK: tl.constexpr,
     ALIGNED: tl.constexpr,
+    EVEN_COLUMNS: tl.constexpr,
     TOKENS: tl.constexpr,
     COLUMNS: tl.constexpr,
 ):
@@ -50,16 +51,19 @@ def _paged_copy_kernel(
 
     tokens = token_block * TOKENS + tl.arange(0, TOKENS)
     in_range = tokens < num_tokens
-    slots = tl.load(slot_mapping_ptr + tokens, mask=in_range, other=-1).to(tl.int64)
+    # Slots fit in 32 bits (a cache has fewer than 2**31 slots); 64-bit division would cost ~4x more.
+    slots = tl.load(slot_mapping_ptr + tokens, mask=in_range, other=-1).to(tl.int32)
     valid = slots >= 0
     slots = tl.where(valid, slots, 0)
+    blocks = slots // block_size
+    positions = slots - blocks * block_size
 
     layer_offset = tl.load(layer_offsets_ptr + layer)
     cache_rows = (
         layer_offset
         + plane * plane_stride
-        + (slots // block_size) * block_stride
-        + (slots % block_size) * position_stride
+        + blocks.to(tl.int64) * block_stride
+        + positions.to(tl.int64) * position_stride
     )
     chunk_rows = (
         layer.to(tl.int64) * chunk_layer_stride + plane * chunk_plane_stride + tokens.to(tl.int64) * width
@@ -69,7 +73,10 @@ def _paged_copy_kernel(
         chunk_rows = tl.multiple_of(chunk_rows, 16)
     columns = column_block * COLUMNS + tl.arange(0, COLUMNS)
     columns = tl.max_contiguous(tl.multiple_of(columns, COLUMNS), COLUMNS)
-    mask = valid[:, None] & (columns < width)[None, :]
+    if EVEN_COLUMNS:  # noqa: SIM108 - a statement-level constexpr branch is resolved at compile time
+        mask = valid[:, None]
+    else:
+        mask = valid[:, None] & (columns < width)[None, :]
     cache_addresses = cache_ptr + cache_rows[:, None] + columns[None, :]
     chunk_addresses = chunk_ptr + chunk_rows[:, None] + columns[None, :]
     if TO_CHUNK:
@@ -95,8 +102,11 @@ def _layer_offsets(kv_caches: Sequence[Tensor]) -> Tensor:
 
 
 def default_tile(width: int) -> tuple[int, int, int]:
-    """(TOKENS, COLUMNS, num_warps): about 8K elements per program, a whole row where it fits."""
-    columns = min(triton.next_power_of_2(width), 1024)
+    """(TOKENS, COLUMNS, num_warps): about 4K elements per program; COLUMNS divides the row when a
+    power of two of at least 64 does (MLA's 576 = 9 x 64), so no lane idles behind a column mask."""
+    columns = min(width & -width, 1024)
+    if columns < 64:
+        columns = min(triton.next_power_of_2(width), 1024)
     tokens = max(1, 4096 // columns)
     return tokens, columns, 4
 
@@ -110,12 +120,15 @@ def paged_copy(
     to_chunk: bool,
     layers: tuple[int, int] | None = None,
     tile: tuple[int, int, int] | None = None,
-) -> None:
-    """Gather (to_chunk) or scatter layers [start, stop) in one launch; chunk is the full-layer chunk."""
+):
+    """Gather (to_chunk) or scatter layers [start, stop) in one launch; chunk is the full-layer chunk.
+
+    Returns Triton's compiled kernel (the benchmark reads its PTX), or None when there was nothing to move.
+    """
     start, stop = layers if layers is not None else (0, geometry.num_layers)
     num_tokens = slot_mapping.numel()
     if num_tokens == 0 or stop <= start:
-        return
+        return None
     if not chunk.is_contiguous():
         raise ValueError("the chunk must be contiguous")
     offsets = _layer_offsets(kv_caches)
@@ -137,7 +150,7 @@ def paged_copy(
         (stop - start) * geometry.num_planes,
         triton.cdiv(geometry.width, columns),
     )
-    _paged_copy_kernel[grid](
+    return _paged_copy_kernel[grid](
         kv_caches[0],
         offsets,
         chunk,
@@ -154,6 +167,7 @@ def paged_copy(
         chunk.stride(1),
         TO_CHUNK=to_chunk,
         ALIGNED=aligned,
+        EVEN_COLUMNS=geometry.width % columns == 0,
         TOKENS=tokens,
         COLUMNS=columns,
         num_warps=num_warps,

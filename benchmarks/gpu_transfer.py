@@ -1,0 +1,305 @@
+"""Measure cachelayer.gpu's movers on a CUDA GPU against plain torch and the machine's ceilings, in one run.
+
+Workload: a Llama-8B-shaped KV (32 layers, 8 KV heads, head_dim 128, bf16: 128 KiB a token) of 4096
+tokens in 16-token blocks scattered over a flash-attn cache four times larger. Every time is the
+median of CUDA-event-timed repeats after warm-up. Byte counts: gather/scatter and the device copy
+count bytes read plus bytes written; host transfers count the payload that crosses PCIe.
+
+    PYTHONPATH=. python3 benchmarks/gpu_transfer.py --out benchmarks/results
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from cachelayer import gpu
+from cachelayer.gpu import triton_ops
+
+NUM_LAYERS, HEADS, HEAD_DIM, BLOCK_SIZE, NUM_TOKENS = 32, 8, 128, 16, 4096
+WIDTH = HEADS * HEAD_DIM
+GB = 1e9
+
+
+def timed(run: Callable[[], object], *, warmup: int = 3, repeats: int = 15) -> float:
+    """Median seconds of `run` on the current stream, between CUDA events (run may return an event)."""
+    for _ in range(warmup):
+        _finish(run())
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        _finish(run())
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    return statistics.median(times)
+
+
+def _finish(result: object) -> None:
+    """Make the current stream wait on whatever a run returned (handles complete on side streams)."""
+    handles = result if isinstance(result, tuple) else (result,)
+    for handle in handles:
+        if isinstance(handle, gpu.TransferHandle) and handle._event is not None:
+            torch.cuda.current_stream().wait_event(handle._event)
+        elif isinstance(handle, torch.cuda.Event):
+            torch.cuda.current_stream().wait_event(handle)
+
+
+def make_cache(layout: str, num_blocks: int) -> list[torch.Tensor]:
+    shape = {
+        "flash_attn": (2, num_blocks, BLOCK_SIZE, HEADS, HEAD_DIM),
+        "flashinfer": (num_blocks, 2, BLOCK_SIZE, HEADS, HEAD_DIM),
+        "mla": (num_blocks, BLOCK_SIZE, 576),
+    }[layout]
+    return [torch.randn(shape, device="cuda", dtype=torch.bfloat16) for _ in range(NUM_LAYERS)]
+
+
+def scattered_slots(num_blocks: int) -> torch.Tensor:
+    blocks = torch.randperm(num_blocks)[: NUM_TOKENS // BLOCK_SIZE]
+    return (blocks[:, None] * BLOCK_SIZE + torch.arange(BLOCK_SIZE)).reshape(-1).cuda()
+
+
+def torch_gather(caches, slots, out):
+    """The plain-torch baseline: one index_select per layer over the flattened (plane, slot) rows."""
+    for layer, cache in enumerate(caches):
+        torch.index_select(cache.view(2, -1, WIDTH), 1, slots, out=out[layer])
+
+
+def torch_scatter(chunk, caches, slots):
+    for layer, cache in enumerate(caches):
+        cache.view(2, -1, WIDTH).index_copy_(1, slots, chunk[layer])
+
+
+def measure_ceilings(payload_bytes: int) -> dict[str, float]:
+    elements = payload_bytes // 2
+    source = torch.randn(2 * elements, device="cuda", dtype=torch.bfloat16)
+    target = torch.empty_like(source)
+    device_copy = timed(lambda: target.copy_(source))
+    host_a = torch.empty(elements, dtype=torch.bfloat16).pin_memory()
+    host_b = torch.randn(elements).bfloat16().pin_memory()
+    device_a = source[:elements]
+    device_b = target[:elements]
+    d2h = timed(lambda: host_a.copy_(device_a, non_blocking=True))
+    h2d = timed(lambda: device_b.copy_(host_b, non_blocking=True))
+    down, up = torch.cuda.Stream(), torch.cuda.Stream()
+
+    def both() -> tuple[torch.cuda.Event, torch.cuda.Event]:
+        events = []
+        for stream, action in (
+            (down, lambda: host_a.copy_(device_a, non_blocking=True)),
+            (up, lambda: device_b.copy_(host_b, non_blocking=True)),
+        ):
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):
+                action()
+                event = torch.cuda.Event()
+                event.record(stream)
+            events.append(event)
+        return tuple(events)
+
+    bidirectional = timed(both)
+    return {
+        "device_copy_GBps": 2 * source.numel() * 2 / device_copy / GB,
+        "d2h_pinned_GBps": payload_bytes / d2h / GB,
+        "h2d_pinned_GBps": payload_bytes / h2d / GB,
+        "bidirectional_pinned_GBps": 2 * payload_bytes / bidirectional / GB,
+    }
+
+
+def measure_transfers(results: dict) -> None:
+    num_blocks = 4 * NUM_TOKENS // BLOCK_SIZE
+    caches = make_cache("flash_attn", num_blocks)
+    targets = make_cache("flash_attn", num_blocks)
+    slots = scattered_slots(num_blocks)
+    shape = gpu.chunk_shape(caches, "flash_attn", NUM_TOKENS)
+    payload = torch.Size(shape).numel() * 2
+    results["payload_bytes"] = payload
+    results["ceilings"] = measure_ceilings(payload)
+
+    chunk = torch.empty(shape, dtype=torch.bfloat16, device="cuda")
+    host_out = torch.empty(shape, dtype=torch.bfloat16).pin_memory()
+    host_in = torch.randn(shape).bfloat16().pin_memory()
+    baseline = {
+        "gather_s": timed(lambda: torch_gather(caches, slots, chunk)),
+        "scatter_s": timed(lambda: torch_scatter(chunk, targets, slots)),
+        "store_s": timed(
+            lambda: (torch_gather(caches, slots, chunk), host_out.copy_(chunk, non_blocking=True))
+        ),
+        "retrieve_s": timed(lambda: torch_scatter(chunk.copy_(host_in, non_blocking=True), targets, slots)),
+    }
+    results["baseline_torch"] = baseline
+
+    variants = {}
+    for tile in [(4, 1024, 4), (8, 1024, 8), (16, 1024, 8), (2, 1024, 4), (32, 256, 4)]:
+        name = "tokens{}_cols{}_warps{}".format(*tile)
+        variants[f"gather_{name}_s"] = timed(
+            lambda tile=tile: triton_ops.paged_copy(
+                caches,
+                gpu.layouts.paged_geometry(caches, "flash_attn"),
+                slots,
+                chunk,
+                to_chunk=True,
+                tile=tile,
+            )
+        )
+    mine = {
+        "gather_s": timed(lambda: gpu.gather(caches, "flash_attn", slots, chunk, check_range=False)),
+        "gather_with_range_check_s": timed(lambda: gpu.gather(caches, "flash_attn", slots, chunk)),
+        "scatter_s": timed(lambda: gpu.scatter(chunk, targets, "flash_attn", slots, check_range=False)),
+    }
+    for pieces in (1, 4, 8, 16, 32):
+        mine[f"store_pieces{pieces}_s"] = timed(
+            lambda p=pieces: gpu.store(caches, "flash_attn", slots, host_out, pieces=p, check_range=False)
+        )
+        mine[f"retrieve_pieces{pieces}_s"] = timed(
+            lambda p=pieces: gpu.retrieve(host_in, targets, "flash_attn", slots, pieces=p, check_range=False)
+        )
+    for pieces in (8, 32):
+        mine[f"bidirectional_pieces{pieces}_s"] = timed(
+            lambda p=pieces: (
+                gpu.store(caches, "flash_attn", slots, host_out, pieces=p, check_range=False),
+                gpu.retrieve(host_in, targets, "flash_attn", slots, pieces=p, check_range=False),
+            )
+        )
+    geometry = gpu.layouts.paged_geometry(caches, "flash_attn")
+    try:  # the kernel writing straight into mapped pinned memory, and reading from it
+        variants["store_zero_copy_s"] = timed(
+            lambda: triton_ops.paged_copy(caches, geometry, slots, host_out, to_chunk=True)
+        )
+        variants["retrieve_zero_copy_s"] = timed(
+            lambda: triton_ops.paged_copy(targets, geometry, slots, host_in, to_chunk=False)
+        )
+    except Exception as error:  # a variant that cannot run is reported, not fatal
+        variants["zero_copy_error"] = repr(error)
+    for layout in ("flashinfer", "mla"):
+        other = make_cache(layout, num_blocks)
+        other_chunk = torch.empty(
+            gpu.chunk_shape(other, layout, NUM_TOKENS), dtype=torch.bfloat16, device="cuda"
+        )
+        seconds = timed(
+            lambda o=other, c=other_chunk, lay=layout: gpu.gather(o, lay, slots, c, check_range=False)
+        )
+        variants[f"gather_{layout}_GBps"] = 2 * other_chunk.numel() * 2 / seconds / GB
+        del other, other_chunk
+    results["kvgate"] = mine
+    results["variants"] = variants
+
+    best_store = min(v for k, v in mine.items() if k.startswith("store_pieces"))
+    best_retrieve = min(v for k, v in mine.items() if k.startswith("retrieve_pieces"))
+    results["gather_GBps"] = 2 * payload / mine["gather_s"] / GB
+    results["scatter_GBps"] = 2 * payload / mine["scatter_s"] / GB
+    results["store_GBps"] = payload / mine["store_pieces8_s"] / GB
+    results["retrieve_GBps"] = payload / mine["retrieve_pieces8_s"] / GB
+    results["store_best_GBps"] = payload / best_store / GB
+    results["retrieve_best_GBps"] = payload / best_retrieve / GB
+    results["bidirectional_GBps"] = 2 * payload / mine["bidirectional_pieces8_s"] / GB
+    results["baseline_gather_GBps"] = 2 * payload / baseline["gather_s"] / GB
+    results["baseline_scatter_GBps"] = 2 * payload / baseline["scatter_s"] / GB
+    results["baseline_store_GBps"] = payload / baseline["store_s"] / GB
+    results["baseline_retrieve_GBps"] = payload / baseline["retrieve_s"] / GB
+
+
+def measure_cachegen(results: dict) -> None:
+    from cachelayer.compress.cachegen import CacheGenCodec
+
+    codec = CacheGenCodec()
+    # A KV-like input: per-channel scales vary (as real keys do), values are random.
+    kv = torch.randn(NUM_LAYERS, 2, NUM_TOKENS, WIDTH, device="cuda")
+    kv = (kv * torch.rand(1, 2, 1, WIDTH, device="cuda").mul(3).add(0.1)).bfloat16()
+    input_bytes = kv.numel() * 2
+    blob = codec.encode_to_device(kv)
+    encode_s = timed(lambda: codec.encode_to_device(kv), repeats=10)
+    decode_s = timed(lambda: codec.decode_device(blob, dtype=torch.bfloat16), repeats=10)
+    host_blob = codec.encode(kv)
+    start = time.perf_counter()
+    for _ in range(3):
+        codec.encode(kv)
+    encode_bytes_s = (time.perf_counter() - start) / 3
+    start = time.perf_counter()
+    for _ in range(3):
+        codec.decode(host_blob, device="cuda")
+    torch.cuda.synchronize()
+    decode_bytes_s = (time.perf_counter() - start) / 3
+    restored = codec.decode(host_blob, device="cuda")
+    results["cachegen"] = {
+        "input_bytes": input_bytes,
+        "compressed_bytes": len(host_blob),
+        "ratio": input_bytes / len(host_blob),
+        "max_abs_error": float((restored.float() - kv.float()).abs().max()),
+        "encode_device_s": encode_s,
+        "decode_device_s": decode_s,
+        "encode_to_host_bytes_s": encode_bytes_s,
+        "decode_from_host_bytes_s": decode_bytes_s,
+    }
+    results["cachegen_encode_GBps"] = input_bytes / encode_s / GB
+    results["cachegen_decode_GBps"] = input_bytes / decode_s / GB
+    results["cachegen_encode_to_host_GBps"] = input_bytes / encode_bytes_s / GB
+    results["cachegen_decode_from_host_GBps"] = input_bytes / decode_bytes_s / GB
+
+
+def plot(results: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ceilings = results["ceilings"]
+    rows = [
+        ("gather", results["baseline_gather_GBps"], results["gather_GBps"], ceilings["device_copy_GBps"]),
+        ("scatter", results["baseline_scatter_GBps"], results["scatter_GBps"], ceilings["device_copy_GBps"]),
+        ("store", results["baseline_store_GBps"], results["store_GBps"], ceilings["d2h_pinned_GBps"]),
+        (
+            "retrieve",
+            results["baseline_retrieve_GBps"],
+            results["retrieve_GBps"],
+            ceilings["h2d_pinned_GBps"],
+        ),
+        ("store+retrieve", None, results["bidirectional_GBps"], ceilings["bidirectional_pinned_GBps"]),
+    ]
+    figure, axes = plt.subplots(1, 2, figsize=(11, 4))
+    for axis, subset in ((axes[0], rows[:2]), (axes[1], rows[2:])):
+        positions = range(len(subset))
+        axis.bar([p - 0.27 for p in positions], [r[1] or 0 for r in subset], 0.27, label="plain torch")
+        axis.bar(list(positions), [r[2] for r in subset], 0.27, label="kvgate")
+        axis.bar([p + 0.27 for p in positions], [r[3] for r in subset], 0.27, label="ceiling (same run)")
+        axis.set_xticks(list(positions), [r[0] for r in subset])
+        axis.set_ylabel("GB/s")
+        axis.legend()
+    figure.suptitle("H200, Llama-8B-shaped KV, 4096 tokens (bf16, 512 MiB)")
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, default=Path("benchmarks/results"))
+    parser.add_argument("--skip-cachegen", action="store_true")
+    args = parser.parse_args()
+    torch.manual_seed(0)
+    results: dict = {"device": torch.cuda.get_device_name(), "torch": torch.__version__}
+    import triton
+
+    results["triton"] = triton.__version__
+    measure_transfers(results)
+    torch.cuda.empty_cache()
+    if not args.skip_cachegen:
+        measure_cachegen(results)
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "gpu_transfer.json").write_text(json.dumps(results, indent=2) + "\n")
+    plot(results, args.out / "gpu_transfer.png")
+    for key, value in results.items():
+        if key.endswith("GBps"):
+            print(f"{key:36s} {value:10.1f}")
+    print(json.dumps(results["ceilings"], indent=1))
+
+
+if __name__ == "__main__":
+    main()

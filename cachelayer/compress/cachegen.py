@@ -1,0 +1,470 @@
+"""CacheGen-style KV codec: per-token quantization with layer-dependent levels, then rANS coding.
+
+One format on CPU and CUDA (a blob encoded on either decodes on either, bit for bit):
+
+1. Quantization. For every (layer, K/V, token) row of `channels` values: scale = max|x| / qmax,
+   symbol = round(x * (1 / scale)) + qmax in [0, 2 * qmax]. qmax depends on the layer's position in
+   the model (`levels`, default 31 / 15 / 7 for the first / middle / last third): early layers,
+   whose errors propagate through more of the network, get finer bins. Decoding gives
+   (symbol - qmax) * scale, so |x - decoded| <= scale * (0.5 + 2**-20) in float32 (`error_bound`),
+   plus the rounding of the output dtype.
+2. Entropy coding. One static frequency table per (layer, K/V), 12-bit precision, in the header.
+   Symbols are coded with rANS (32-bit state, 16-bit words) in independent lanes: lane =
+   (layer, K/V, group of 256 tokens, channel), coding that channel's symbols over the group's
+   tokens. Lanes share no state, so the CPU vectorizes across lanes (a loop over the <= 256 steps)
+   and the GPU runs one lane per thread (cachelayer/gpu/cachegen_kernels.py).
+
+Blob (little-endian; every section starts on an 8-byte boundary):
+  header `_HEADER`: magic b"KVCG", version, dtype code, probability bits, num_layers, num_tokens,
+  channels, layer_offset, total_layers, group_tokens, total_words;
+  qmax uint8[num_layers]; scales float32[num_layers, 2, num_tokens];
+  frequencies uint16[num_layers * 2, 64]; final states uint32[lanes]; words per lane uint16[lanes];
+  words uint16[total_words] (lane after lane, each lane's words in the order its decoder reads them).
+"""
+
+from __future__ import annotations
+
+import struct
+
+import numpy as np
+import torch
+from torch import Tensor
+
+MAGIC = b"KVCG"
+VERSION = 1
+PROBABILITY_BITS = 12
+PROBABILITY_SCALE = 1 << PROBABILITY_BITS
+STATE_LOWER_BOUND = 1 << 16  # rANS state lives in [2**16, 2**32); renormalization moves 16-bit words
+GROUP_TOKENS = 256
+ALPHABET = 64  # symbols 0 .. 2 * qmax; qmax <= 31
+DEFAULT_LEVELS = (31, 15, 7)
+
+_HEADER = struct.Struct("<4sHBBIIIIIIQ")
+_DTYPE_CODES = {torch.bfloat16: 1, torch.float16: 2, torch.float32: 3}
+_CODE_DTYPES = {code: dtype for dtype, code in _DTYPE_CODES.items()}
+
+
+class CacheGenError(ValueError):
+    """A blob that is not a valid CacheGen blob, or input the codec cannot encode."""
+
+
+def layer_qmax(num_layers: int, layer_offset: int, total_layers: int, levels=DEFAULT_LEVELS) -> list[int]:
+    """qmax of each given layer: levels[0] in the first third of the model, levels[1], then levels[2]."""
+    return [levels[min(2, (layer_offset + i) * 3 // total_layers)] for i in range(num_layers)]
+
+
+def error_bound(scales: Tensor) -> Tensor:
+    """The largest |x - decoded| (before the output dtype's rounding) for rows with these scales."""
+    return scales * (0.5 + 2.0**-20)
+
+
+def quantization_scales(kv: Tensor, qmax: Tensor) -> tuple[Tensor, Tensor]:
+    """Per-row scale = max|x| / qmax and its reciprocal (1 for all-zero rows), float32 [L, 2, T].
+
+    Computed with the same torch operations on every device (IEEE division), so CPU and CUDA agree.
+    """
+    largest = kv.abs().amax(dim=-1).float()
+    if not bool(torch.isfinite(largest).all()):
+        raise CacheGenError("kv holds NaN or infinite values; CacheGen encodes finite values only")
+    scales = largest / qmax.to(largest.device, torch.float32)[:, None, None]
+    inverse = torch.reciprocal(torch.where(scales > 0, scales, torch.ones_like(scales)))
+    return scales, inverse
+
+
+def normalized_frequencies(counts: np.ndarray) -> np.ndarray:
+    """Scale symbol counts [rows, ALPHABET] to sum to PROBABILITY_SCALE, every seen symbol >= 1."""
+    counts = counts.astype(np.int64)
+    totals = counts.sum(axis=1, keepdims=True)
+    frequencies = counts * PROBABILITY_SCALE // np.maximum(totals, 1)
+    frequencies[(counts > 0) & (frequencies == 0)] = 1
+    # The rounding slack (at most ALPHABET either way) goes to the most frequent symbol, which
+    # holds at least PROBABILITY_SCALE / ALPHABET, so it stays positive.
+    largest = frequencies.argmax(axis=1)
+    frequencies[np.arange(len(frequencies)), largest] += PROBABILITY_SCALE - frequencies.sum(axis=1)
+    return frequencies
+
+
+def symbol_lookup(frequencies: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Cumulative frequencies [rows, ALPHABET] and the slot -> symbol table [rows, PROBABILITY_SCALE]."""
+    cumulative = np.zeros_like(frequencies)
+    cumulative[:, 1:] = np.cumsum(frequencies, axis=1)[:, :-1]
+    ends = cumulative + frequencies
+    slots = np.arange(PROBABILITY_SCALE)
+    table = np.stack([np.searchsorted(row_ends, slots, side="right") for row_ends in ends]).astype(np.uint8)
+    return cumulative, table
+
+
+def _align(size: int) -> int:
+    return (size + 7) & ~7
+
+
+class _Layout:
+    """Byte offsets of the sections of a blob with these dimensions."""
+
+    def __init__(self, num_layers: int, num_tokens: int, channels: int, total_words: int):
+        self.num_groups = -(-num_tokens // GROUP_TOKENS)
+        self.num_lanes = num_layers * 2 * self.num_groups * channels
+        sizes = [
+            ("qmax", num_layers),
+            ("scales", num_layers * 2 * num_tokens * 4),
+            ("frequencies", num_layers * 2 * ALPHABET * 2),
+            ("states", self.num_lanes * 4),
+            ("counts", self.num_lanes * 2),
+            ("words", total_words * 2),
+        ]
+        position = _align(_HEADER.size)
+        self.offsets: dict[str, tuple[int, int]] = {}
+        for name, size in sizes:
+            self.offsets[name] = (position, size)
+            position = _align(position + size)
+        self.total_size = position
+
+
+def lane_group_lengths(num_layers: int, num_tokens: int, channels: int) -> np.ndarray:
+    """Tokens coded by each lane (lanes ordered layer, K/V, group, channel): 256 but the last group's."""
+    num_groups = -(-num_tokens // GROUP_TOKENS)
+    per_group = np.minimum(GROUP_TOKENS, num_tokens - np.arange(num_groups) * GROUP_TOKENS)
+    return np.broadcast_to(per_group[None, :, None], (num_layers * 2, num_groups, channels)).reshape(-1)
+
+
+class CacheGenCodec:
+    """The `cachegen` codec of cachelayer.compress: encode(kv) -> bytes, decode(bytes) -> kv."""
+
+    name = "cachegen"
+
+    def __init__(self, levels: tuple[int, int, int] = DEFAULT_LEVELS):
+        if len(levels) != 3 or not all(1 <= level <= (ALPHABET - 1) // 2 for level in levels):
+            raise CacheGenError(f"levels must be three qmax values in 1..{(ALPHABET - 1) // 2}, got {levels}")
+        self.levels = tuple(levels)
+
+    # ---- encoding -------------------------------------------------------------------------------
+    def encode(self, kv: Tensor, *, layer_offset: int = 0, total_layers: int | None = None) -> bytes:
+        """Encode kv [layers, 2, tokens, channels] (bf16, fp16 or fp32; CPU or CUDA) to a blob."""
+        if kv.device.type == "cuda":
+            return (
+                self.encode_to_device(kv, layer_offset=layer_offset, total_layers=total_layers)
+                .cpu()
+                .numpy()
+                .tobytes()
+            )
+        return self._encode_cpu(kv, layer_offset, total_layers)
+
+    def encode_to_device(
+        self, kv: Tensor, *, layer_offset: int = 0, total_layers: int | None = None
+    ) -> Tensor:
+        """Encode a CUDA kv to a blob that stays on the GPU (a uint8 tensor with encode()'s bytes)."""
+        from cachelayer.gpu import cachegen_kernels
+
+        qmax = self._check_input(kv, layer_offset, total_layers)
+        num_layers, _, num_tokens, channels = kv.shape
+        qmax_tensor = torch.tensor(qmax, dtype=torch.int32, device=kv.device)
+        scales, inverse = quantization_scales(kv, qmax_tensor)
+        symbols, counts = cachegen_kernels.quantize(kv.contiguous(), inverse, qmax_tensor)
+        frequencies = normalized_frequencies(counts.cpu().numpy())
+        cumulative, _ = symbol_lookup(frequencies)
+        lengths = torch.from_numpy(lane_group_lengths(num_layers, num_tokens, channels).astype(np.int32))
+        states, word_counts, words = cachegen_kernels.rans_encode(
+            symbols,
+            torch.from_numpy(frequencies.astype(np.int32)).to(kv.device),
+            torch.from_numpy(cumulative.astype(np.int32)).to(kv.device),
+            lengths.to(kv.device),
+        )
+        header = self._header(
+            kv.dtype, num_layers, num_tokens, channels, layer_offset, total_layers, words.numel()
+        )
+        layout = _Layout(num_layers, num_tokens, channels, words.numel())
+        blob = torch.zeros(layout.total_size, dtype=torch.uint8, device=kv.device)
+        blob[: len(header)] = torch.frombuffer(bytearray(header), dtype=torch.uint8).to(kv.device)
+        sections = {
+            "qmax": qmax_tensor.to(torch.uint8),
+            "scales": scales,
+            "frequencies": torch.from_numpy(frequencies.astype(np.int16)).to(kv.device),
+            "states": states,
+            "counts": word_counts,
+            "words": words,
+        }
+        for name, tensor in sections.items():
+            start, size = layout.offsets[name]
+            blob[start : start + size] = tensor.contiguous().view(-1).view(torch.uint8)
+        return blob
+
+    def _encode_cpu(self, kv: Tensor, layer_offset: int, total_layers: int | None) -> bytes:
+        qmax = self._check_input(kv, layer_offset, total_layers)
+        num_layers, _, num_tokens, channels = kv.shape
+        qmax_tensor = torch.tensor(qmax, dtype=torch.int32)
+        scales, inverse = quantization_scales(kv, qmax_tensor)
+        rounded = torch.round(kv.float() * inverse[..., None])
+        symbols = (rounded + qmax_tensor.float()[:, None, None, None]).to(torch.uint8).numpy()
+        rows = symbols.reshape(num_layers * 2, -1)
+        counts = np.stack([np.bincount(row, minlength=ALPHABET) for row in rows])
+        frequencies = normalized_frequencies(counts)
+        cumulative, _ = symbol_lookup(frequencies)
+        states, word_counts, words = _rans_encode_numpy(symbols, frequencies, cumulative)
+        header = self._header(
+            kv.dtype, num_layers, num_tokens, channels, layer_offset, total_layers, len(words)
+        )
+        layout = _Layout(num_layers, num_tokens, channels, len(words))
+        blob = bytearray(layout.total_size)
+        blob[: len(header)] = header
+        sections = {
+            "qmax": np.asarray(qmax, dtype=np.uint8),
+            "scales": scales.numpy().astype("<f4"),
+            "frequencies": frequencies.astype("<u2"),
+            "states": states.astype("<u4"),
+            "counts": word_counts.astype("<u2"),
+            "words": words.astype("<u2"),
+        }
+        for name, array in sections.items():
+            start, size = layout.offsets[name]
+            blob[start : start + size] = array.tobytes()
+        return bytes(blob)
+
+    def _check_input(self, kv: Tensor, layer_offset: int, total_layers: int | None) -> list[int]:
+        if kv.dim() != 4 or kv.shape[1] != 2:
+            raise CacheGenError(
+                f"kv must be [layers, 2, tokens, channels], got shape {tuple(kv.shape)} "
+                "(MLA latents: pass them with a second plane, or use the naive codec)"
+            )
+        if kv.dtype not in _DTYPE_CODES:
+            raise CacheGenError(f"kv dtype {kv.dtype} is not supported: use bfloat16, float16 or float32")
+        if min(kv.shape) == 0:
+            raise CacheGenError(f"kv is empty (shape {tuple(kv.shape)}): nothing to encode")
+        total = total_layers if total_layers is not None else layer_offset + kv.shape[0]
+        if layer_offset < 0 or total < layer_offset + kv.shape[0]:
+            raise CacheGenError(
+                f"layers {layer_offset}..{layer_offset + kv.shape[0] - 1} do not fit in total_layers={total}"
+            )
+        return layer_qmax(kv.shape[0], layer_offset, total, self.levels)
+
+    @staticmethod
+    def _header(dtype, num_layers, num_tokens, channels, layer_offset, total_layers, total_words) -> bytes:
+        total = total_layers if total_layers is not None else layer_offset + num_layers
+        return _HEADER.pack(
+            MAGIC,
+            VERSION,
+            _DTYPE_CODES[dtype],
+            PROBABILITY_BITS,
+            num_layers,
+            num_tokens,
+            channels,
+            layer_offset,
+            total,
+            GROUP_TOKENS,
+            total_words,
+        )
+
+    # ---- decoding -------------------------------------------------------------------------------
+    def decode(
+        self, blob: bytes, *, device: str | torch.device = "cpu", dtype: torch.dtype | None = None
+    ) -> Tensor:
+        """Decode a blob to kv [layers, 2, tokens, channels] on `device` (CUDA decodes on the GPU)."""
+        device = torch.device(device)
+        if device.type == "cuda":
+            data = torch.frombuffer(bytearray(blob), dtype=torch.uint8).to(device)
+            return self.decode_device(data, dtype=dtype)
+        header, layout = _parse(memoryview(blob))
+        return self._decode_cpu(memoryview(blob), header, layout, dtype)
+
+    def decode_device(self, blob: Tensor, *, dtype: torch.dtype | None = None) -> Tensor:
+        """Decode a blob held in a CUDA uint8 tensor, on that GPU."""
+        from cachelayer.gpu import cachegen_kernels
+
+        head = bytes(blob[: _align(_HEADER.size)].cpu().numpy())
+        header, layout = _parse(memoryview(head), total_size=blob.numel())
+        num_layers, num_tokens, channels = header["num_layers"], header["num_tokens"], header["channels"]
+
+        def section(name: str, torch_dtype: torch.dtype) -> Tensor:
+            start, size = layout.offsets[name]
+            return blob[start : start + size].view(torch_dtype)
+
+        frequencies = section("frequencies", torch.int16).cpu().numpy().view(np.uint16).reshape(-1, ALPHABET)
+        _check_frequencies(frequencies)
+        cumulative, table = symbol_lookup(frequencies.astype(np.int64))
+        counts = section("counts", torch.int16).to(torch.int32) & 0xFFFF
+        ends = torch.cumsum(counts, 0, dtype=torch.int64)
+        if int(ends[-1]) != header["total_words"]:
+            raise CacheGenError("corrupt CacheGen blob: word counts do not add up to the words present")
+        lengths = torch.from_numpy(lane_group_lengths(num_layers, num_tokens, channels).astype(np.int32))
+        out_dtype = dtype or header["dtype"]
+        out = torch.empty(num_layers, 2, num_tokens, channels, dtype=out_dtype, device=blob.device)
+        clean = cachegen_kernels.rans_decode(
+            section("states", torch.int32),
+            ends - counts,
+            ends,
+            section("words", torch.int16),
+            torch.from_numpy(frequencies.astype(np.int32)).to(blob.device),
+            torch.from_numpy(cumulative.astype(np.int32)).to(blob.device),
+            torch.from_numpy(table).to(blob.device),
+            section("scales", torch.float32),
+            section("qmax", torch.uint8).to(torch.int32),
+            lengths.to(blob.device),
+            out,
+        )
+        if not clean:
+            raise CacheGenError(
+                "corrupt CacheGen blob: the rANS streams did not decode to their initial state"
+            )
+        return out
+
+    def _decode_cpu(
+        self, blob: memoryview, header: dict, layout: _Layout, dtype: torch.dtype | None
+    ) -> Tensor:
+        num_layers, num_tokens, channels = header["num_layers"], header["num_tokens"], header["channels"]
+
+        def section(name: str, numpy_dtype: str) -> np.ndarray:
+            start, size = layout.offsets[name]
+            return np.frombuffer(blob[start : start + size], dtype=numpy_dtype)
+
+        qmax = section("qmax", "u1").astype(np.int32)
+        scales = torch.from_numpy(section("scales", "<f4").reshape(num_layers, 2, num_tokens).copy())
+        frequencies = section("frequencies", "<u2").reshape(-1, ALPHABET).astype(np.int64)
+        _check_frequencies(frequencies)
+        cumulative, table = symbol_lookup(frequencies)
+        symbols = _rans_decode_numpy(
+            section("states", "<u4"),
+            section("counts", "<u2"),
+            section("words", "<u2"),
+            frequencies,
+            cumulative,
+            table,
+            (num_layers, num_tokens, channels),
+        )
+        centered = torch.from_numpy(symbols.astype(np.int32) - qmax[:, None, None, None])
+        values = centered.float() * scales[..., None]
+        return values.to(dtype or header["dtype"])
+
+
+def _check_frequencies(frequencies: np.ndarray) -> None:
+    if (frequencies.sum(axis=1) != PROBABILITY_SCALE).any():
+        raise CacheGenError("corrupt CacheGen blob: a frequency table does not sum to 4096")
+
+
+def _parse(blob: memoryview, total_size: int | None = None) -> tuple[dict, _Layout]:
+    if len(blob) < _HEADER.size:
+        raise CacheGenError(f"not a CacheGen blob: {len(blob)} bytes is shorter than its header")
+    fields = _HEADER.unpack_from(blob)
+    magic, version, dtype_code, probability_bits, num_layers, num_tokens, channels = fields[:7]
+    layer_offset, total_layers, group_tokens, total_words = fields[7:]
+    if magic != MAGIC:
+        raise CacheGenError(f"not a CacheGen blob: magic {magic!r}, expected {MAGIC!r}")
+    if version != VERSION or probability_bits != PROBABILITY_BITS or group_tokens != GROUP_TOKENS:
+        raise CacheGenError(
+            f"CacheGen blob of version {version} (probability bits {probability_bits}, group "
+            f"{group_tokens}); this build reads version {VERSION} ({PROBABILITY_BITS}, {GROUP_TOKENS})"
+        )
+    if dtype_code not in _CODE_DTYPES:
+        raise CacheGenError(f"corrupt CacheGen blob: unknown dtype code {dtype_code}")
+    layout = _Layout(num_layers, num_tokens, channels, total_words)
+    size = total_size if total_size is not None else len(blob)
+    if size != layout.total_size:
+        raise CacheGenError(
+            f"corrupt or truncated CacheGen blob: {size} bytes, but its header describes {layout.total_size}"
+        )
+    header = {
+        "dtype": _CODE_DTYPES[dtype_code],
+        "num_layers": num_layers,
+        "num_tokens": num_tokens,
+        "channels": channels,
+        "layer_offset": layer_offset,
+        "total_layers": total_layers,
+        "total_words": total_words,
+    }
+    return header, layout
+
+
+def _lanes_by_step(symbols: np.ndarray) -> np.ndarray:
+    """symbols uint8 [L, 2, T, C] -> [GROUP_TOKENS, lanes] (lane = (layer, K/V, group, channel)), padded."""
+    num_layers, _, num_tokens, channels = symbols.shape
+    num_groups = -(-num_tokens // GROUP_TOKENS)
+    padded = np.zeros((num_layers * 2, num_groups * GROUP_TOKENS, channels), dtype=np.uint8)
+    padded[:, :num_tokens] = symbols.reshape(num_layers * 2, num_tokens, channels)
+    grouped = padded.reshape(num_layers * 2, num_groups, GROUP_TOKENS, channels)
+    return np.ascontiguousarray(grouped.transpose(2, 0, 1, 3)).reshape(GROUP_TOKENS, -1)
+
+
+def _rans_encode_numpy(
+    symbols: np.ndarray, frequencies: np.ndarray, cumulative: np.ndarray
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """rANS-encode every lane at once; a loop over steps (last token first), vectorized over lanes.
+
+    The state stays below 2**32 at every step, so uint32 arithmetic is exact (and half the traffic).
+    """
+    num_layers, _, num_tokens, channels = symbols.shape
+    steps = _lanes_by_step(symbols)
+    num_lanes = steps.shape[1]
+    lengths = lane_group_lengths(num_layers, num_tokens, channels)
+    table_row = (np.arange(num_lanes) // (num_lanes // (num_layers * 2))).astype(np.int64) * ALPHABET
+    # Padding symbols may have frequency 0; 1 keeps inactive lanes from dividing by zero.
+    frequency_flat = np.maximum(frequencies.reshape(-1), 1).astype(np.uint32)
+    cumulative_flat = cumulative.reshape(-1).astype(np.uint32)
+    state = np.full(num_lanes, STATE_LOWER_BOUND, dtype=np.uint32)
+    emitted_words = np.zeros((GROUP_TOKENS, num_lanes), dtype=np.uint16)
+    emitted = np.zeros((GROUP_TOKENS, num_lanes), dtype=bool)
+    renormalize_shift = np.uint32(32 - PROBABILITY_BITS)
+    for step in range(GROUP_TOKENS - 1, -1, -1):
+        active = lengths > step
+        index = table_row + steps[step]
+        frequency = frequency_flat[index]
+        # state >= frequency << 20, written so that frequency 4096 cannot overflow 32 bits.
+        emit = active & ((state >> renormalize_shift) >= frequency)
+        emitted[step] = emit
+        emitted_words[step] = state.astype(np.uint16)
+        state = np.where(emit, state >> np.uint32(16), state)
+        quotient = state // frequency
+        remainder = state - quotient * frequency
+        coded = (quotient << np.uint32(PROBABILITY_BITS)) + remainder + cumulative_flat[index]
+        state = np.where(active, coded, state)
+    word_counts = emitted.sum(axis=0).astype(np.uint16)
+    words = emitted_words.T[emitted.T]
+    return state, word_counts, words
+
+
+def _rans_decode_numpy(
+    states: np.ndarray,
+    word_counts: np.ndarray,
+    words: np.ndarray,
+    frequencies: np.ndarray,
+    cumulative: np.ndarray,
+    table: np.ndarray,
+    shape: tuple[int, int, int],
+) -> np.ndarray:
+    num_layers, num_tokens, channels = shape
+    num_groups = -(-num_tokens // GROUP_TOKENS)
+    num_lanes = num_layers * 2 * num_groups * channels
+    if len(states) != num_lanes or len(word_counts) != num_lanes:
+        raise CacheGenError("corrupt CacheGen blob: lane sections do not match the header")
+    lengths = lane_group_lengths(num_layers, num_tokens, channels)
+    row = (np.arange(num_lanes) // (num_groups * channels)).astype(np.int64)
+    symbol_row = row * PROBABILITY_SCALE
+    frequency_row = row * ALPHABET
+    table_flat = table.reshape(-1)
+    frequency_flat = frequencies.reshape(-1).astype(np.uint32)
+    cumulative_flat = cumulative.reshape(-1).astype(np.uint32)
+    counts = word_counts.astype(np.int64)
+    position = np.cumsum(counts) - counts
+    end = position + counts
+    if end[-1] != len(words):
+        raise CacheGenError("corrupt CacheGen blob: word counts do not add up to the words present")
+    padded_words = np.concatenate([words.astype(np.uint32), np.zeros(1, dtype=np.uint32)])
+    state = states.astype(np.uint32)
+    out = np.zeros((GROUP_TOKENS, num_lanes), dtype=np.uint8)
+    slot_mask = np.uint32(PROBABILITY_SCALE - 1)
+    for step in range(GROUP_TOKENS):
+        active = lengths > step
+        slot = state & slot_mask
+        symbol = table_flat[symbol_row + slot]
+        index = frequency_row + symbol
+        decoded = (
+            frequency_flat[index] * (state >> np.uint32(PROBABILITY_BITS)) + slot - cumulative_flat[index]
+        )
+        state = np.where(active, decoded, state)
+        need = active & (state < STATE_LOWER_BOUND) & (position < end)
+        word = padded_words[np.where(need, position, len(words))]
+        state = np.where(need, (state << np.uint32(16)) | word, state)
+        position += need
+        out[step] = symbol
+    if (state != STATE_LOWER_BOUND).any() or (position != end).any():
+        raise CacheGenError("corrupt CacheGen blob: the rANS streams did not decode to their initial state")
+    grouped = out.reshape(GROUP_TOKENS, num_layers * 2, num_groups, channels).transpose(1, 2, 0, 3)
+    tokens = grouped.reshape(num_layers * 2, num_groups * GROUP_TOKENS, channels)[:, :num_tokens]
+    return tokens.reshape(num_layers, 2, num_tokens, channels)
