@@ -646,6 +646,11 @@ class PrefixIndex:
                 unknown_removals=stats.unknown_removals,
             )
 
+    def held_tokens(self, name: str) -> int:
+        """Tokens a backend holds over all tiers (a lock-free, possibly slightly stale read)."""
+        backend = self._backends.get(name)
+        return 0 if backend is None else sum(list(backend.stats.tokens.values()))
+
     def top_prefixes(self, limit: int = 20) -> list[dict[str, Any]]:
         """The longest cached chains, merged across backends: preview tokens, length, holders."""
         merged: dict[tuple[Namespace, tuple[int, ...]], dict[str, Any]] = {}

@@ -131,6 +131,10 @@ class KVIndexService:
         self.lookup_seconds.observe(time.perf_counter() - started)
         return result
 
+    def held_tokens(self, name: str) -> int:
+        """Tokens the backend's engine holds in all tiers and ranks (to spread cold prefixes)."""
+        return sum(self.index.held_tokens(stream.index_name) for stream in self._streams.get(name, []))
+
     # ---- introspection ----
 
     def status(self) -> dict[str, dict[str, Any]]:

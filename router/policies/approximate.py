@@ -1,0 +1,122 @@
+"""approximate: cache-aware routing for engines without KV-event streams.
+
+It learns from its own decisions: every routed prompt's blocks are remembered as held by the
+backend that got them, in an LRU bounded to `max_tokens` tokens (the oldest blocks are forgotten
+first, much as an engine evicts). Scoring, the hot-spot guard and cold-prefix spreading are those
+of kv_aware (router/policies/kv_aware.py), with the learned blocks standing in for the index.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import OrderedDict
+from typing import TYPE_CHECKING, Any
+
+from router.config import ApproximatePolicy
+from router.index.prefix_index import ROUTER_BLOCK_TOKENS, prompt_prefix_keys
+from router.policies.kv_aware import CacheAwarePolicy
+
+if TYPE_CHECKING:
+    from router.backends import BackendState
+    from router.policies.base import RouteRequest
+
+
+class Approximate(CacheAwarePolicy):
+    name = "approximate"
+
+    def __init__(self, config: ApproximatePolicy, registry: Any = None) -> None:
+        super().__init__(
+            max_load_ratio=config.max_load_ratio, load_slack=config.load_slack, registry=registry
+        )
+        if config.block_size % ROUTER_BLOCK_TOKENS:
+            raise ValueError(
+                f"policy.block_size {config.block_size} must be a multiple of {ROUTER_BLOCK_TOKENS} "
+                "(the router's block size)"
+            )
+        self.block_size = config.block_size
+        self._stride = config.block_size // ROUTER_BLOCK_TOKENS
+        self.max_blocks = max(1, config.max_tokens // config.block_size)
+        # prefix key -> {backend: last routed}; least recently routed first.
+        self._blocks: OrderedDict[int, dict[str, float]] = OrderedDict()
+        self._held: dict[str, int] = {}
+
+    def _block_keys(self, request: RouteRequest) -> list[int]:
+        if request.tokens is None or not len(request.tokens):
+            return []
+        keys = prompt_prefix_keys(request.tokens, (request.namespace[1], request.namespace[2]))
+        return keys[self._stride - 1 :: self._stride]
+
+    def learned_blocks(self, backend: str, keys: list[int]) -> int:
+        count = 0
+        for key in keys:
+            holders = self._blocks.get(key)
+            if holders is None or backend not in holders:
+                break
+            count += 1
+        return count
+
+    def choose(self, request: RouteRequest, candidates: list[BackendState]) -> BackendState:
+        now = time.monotonic()
+        keys = self._block_keys(request)
+        request.decision["prefix_keys"] = keys
+        prompt_tokens = 0 if request.tokens is None else len(request.tokens)
+        allowed = self.guarded(candidates)
+        costs: dict[str, float] = {}
+        cached: dict[str, int] = {}
+        scores: dict[str, dict[str, Any]] = {}
+        for backend in candidates:
+            held = min(prompt_tokens, self.learned_blocks(backend.name, keys) * self.block_size)
+            # Same units as kv_aware's defaults: one in-flight request ~ 256 prefill tokens.
+            load = 256.0 * backend.in_flight + backend.in_flight_prefill_tokens
+            costs[backend.name] = prompt_tokens - held + load
+            cached[backend.name] = held
+            scores[backend.name] = {
+                "cached": held,
+                "in_flight": backend.in_flight,
+                "cost": costs[backend.name],
+            }
+        winner = self.pick(allowed, costs, cached, now)
+        if request.tokens is None:
+            reason = "no_tokens"
+        elif cached[winner.name] > 0:
+            reason = "learned_hit"
+        elif len(allowed) < len(candidates):
+            reason = "load_guard"
+        else:
+            reason = "cold_spread"
+        self.record(request, winner.name, reason, scores, prompt_tokens, cached[winner.name])
+        return winner
+
+    def on_routed(self, request: RouteRequest, backend: BackendState) -> None:
+        keys = request.decision.pop("prefix_keys", None) or []
+        now = time.monotonic()
+        blocks = self._blocks
+        for key in keys:
+            holders = blocks.get(key)
+            if holders is None:
+                holders = blocks[key] = {}
+            else:
+                blocks.move_to_end(key)
+            if backend.name not in holders:
+                self._held[backend.name] = self._held.get(backend.name, 0) + 1
+            holders[backend.name] = now
+        while len(blocks) > self.max_blocks:
+            _, evicted = blocks.popitem(last=False)
+            for name in evicted:
+                self._held[name] -= 1
+        self.remember_routed(request, backend)
+
+    def on_finished(self, request: RouteRequest, backend: BackendState) -> None:
+        pass
+
+    def cache_size(self, backend: str) -> int:
+        return self._held.get(backend, 0)
+
+    @property
+    def learned_size(self) -> int:
+        return len(self._blocks)
+
+
+def create(policy_config: ApproximatePolicy, gateway: Any) -> Approximate:
+    registry = getattr(getattr(gateway, "metrics", None), "registry", None)
+    return Approximate(policy_config, registry)

@@ -1,0 +1,307 @@
+"""kv_aware: route to the backend that would compute the fewest prompt tokens, load included.
+
+Cost of backend B for a prompt of P tokens:
+    saved  = gpu_hit_weight * G + cpu_hit_weight * C + disk_hit_weight * D
+             (G: leading tokens on B's GPU, or predicted there; C, D: the further tokens B can load
+             from CPU, disk; all from the event-driven index)
+    cost   = (P - saved) + request_load_weight * in_flight + prefill_load_weight * in_flight_prefill_tokens
+The cheapest backend wins, with two guards:
+- hot spots: a backend whose in-flight count is over max_load_ratio * mean + load_slack is skipped
+  while another candidate is under that line;
+- cold prefixes: between equal costs (a prefix cached nowhere, loads at zero when requests come one
+  at a time), the backend with the fewest recently placed prompt tokens wins, then the one whose
+  cache holds least. Different cold prefixes therefore spread over the engines instead of piling
+  onto the first one (architecture.md, "what measuring the peers taught us").
+After routing, the prompt is credited to the chosen backend for prediction_ttl_s (its events arrive
+only after the prefill); predictions steer routing but never appear in the index or /lookup.
+"""
+
+from __future__ import annotations
+
+import bisect
+import logging
+import math
+import time
+from collections import deque
+from typing import TYPE_CHECKING, Any
+
+from prometheus_client import Counter
+
+from router.config import KVAwarePolicy
+from router.index.prefix_index import ROUTER_BLOCK_TOKENS, BackendMatch, prompt_prefix_keys
+
+if TYPE_CHECKING:
+    from router.backends import BackendState
+    from router.policies.base import RouteRequest
+
+logger = logging.getLogger("kvgate.policy")
+
+# Recent placements decay with this half-life (seconds): long enough to spread a burst of cold
+# prefixes, short enough that yesterday's traffic does not steer today's.
+PLACEMENT_HALF_LIFE_S = 30.0
+DECISIONS_KEPT = 200
+
+
+class RoutingMetrics:
+    """Decision reasons and cached tokens of routed requests (kvgate_route_*)."""
+
+    def __init__(self, registry: Any) -> None:
+        self.decisions = Counter(
+            "kvgate_route_decisions",
+            "Routing decisions of the cache-aware policies, by reason",
+            ["policy", "reason"],
+            registry=registry,
+        )
+        self.prompt_tokens = Counter(
+            "kvgate_routed_prompt_tokens",
+            "Prompt tokens of routed requests, and how many of them the chosen backend had cached",
+            ["policy", "kind"],
+            registry=registry,
+        )
+
+
+class PlacementTracker:
+    """Exponentially decayed prompt tokens recently placed on each backend."""
+
+    def __init__(self, half_life_s: float = PLACEMENT_HALF_LIFE_S) -> None:
+        self._rate = math.log(2) / half_life_s
+        self._values: dict[str, tuple[float, float]] = {}
+
+    def value(self, backend: str, now: float) -> float:
+        amount, at = self._values.get(backend, (0.0, now))
+        return amount * math.exp(-self._rate * (now - at))
+
+    def add(self, backend: str, tokens: float, now: float) -> None:
+        self._values[backend] = (self.value(backend, now) + tokens, now)
+
+
+class Predictions:
+    """Prompts routed recently, credited to their backend until prediction_ttl_s has passed."""
+
+    def __init__(self, ttl_s: float) -> None:
+        self.ttl_s = ttl_s
+        self._keys: dict[str, dict[int, float]] = {}
+        self._expiries: deque[tuple[float, str, list[int]]] = deque()
+
+    def add(self, backend: str, keys: list[int], now: float) -> None:
+        if not keys or self.ttl_s <= 0:
+            return
+        expiry = now + self.ttl_s
+        table = self._keys.setdefault(backend, {})
+        table.update(dict.fromkeys(keys, expiry))
+        self._expiries.append((expiry, backend, keys))
+
+    def expire(self, now: float) -> None:
+        while self._expiries and self._expiries[0][0] <= now:
+            _, backend, keys = self._expiries.popleft()
+            table = self._keys.get(backend)
+            if table is None:
+                continue
+            for key in keys:
+                if table.get(key, now + 1) <= now:
+                    del table[key]
+
+    def leading_blocks(self, backend: str, keys: list[int], now: float) -> int:
+        """How many leading router blocks of the prompt are predicted on `backend`.
+
+        A routed prompt credits all its prefixes at once, so presence is monotone along the
+        prompt: binary search, a handful of dict lookups whatever the prompt length.
+        """
+        table = self._keys.get(backend)
+        if not table or not keys:
+            return 0
+        return bisect.bisect_left(keys, 1, key=lambda key: 0 if table.get(key, 0.0) > now else 1)
+
+    def forget(self, backend: str) -> None:
+        self._keys.pop(backend, None)
+
+
+class CacheAwarePolicy:
+    """What kv_aware and approximate share: load guard, spreading, decisions, metrics."""
+
+    name = "cache_aware"
+    needs_tokens = True
+
+    def __init__(self, *, max_load_ratio: float, load_slack: int, registry: Any = None) -> None:
+        self.max_load_ratio = max_load_ratio
+        self.load_slack = load_slack
+        self.placements = PlacementTracker()
+        self.recent_decisions: deque[dict[str, Any]] = deque(maxlen=DECISIONS_KEPT)
+        self.metrics = RoutingMetrics(registry) if registry is not None else None
+
+    def guarded(self, candidates: list[BackendState]) -> list[BackendState]:
+        """Candidates not over the hot-spot line (all of them if every one is over it)."""
+        if len(candidates) < 2:
+            return candidates
+        mean = sum(b.in_flight for b in candidates) / len(candidates)
+        line = self.max_load_ratio * mean + self.load_slack
+        under = [b for b in candidates if b.in_flight <= line]
+        return under or candidates
+
+    def record(self, request: RouteRequest, winner: str, reason: str, scores: dict[str, dict[str, Any]],
+               prompt_tokens: int, cached_tokens: int) -> None:  # fmt: skip
+        decision = request.decision
+        decision.update(
+            policy=self.name,
+            winner=winner,
+            reason=reason,
+            prompt_tokens=prompt_tokens,
+            cached_tokens=cached_tokens,
+            prefill_tokens=max(0, prompt_tokens - cached_tokens),
+            candidates=scores,
+        )
+        if self.metrics is not None:
+            self.metrics.decisions.labels(self.name, reason).inc()
+        logger.debug(
+            "route %s -> %s (%s): %d of %d prompt tokens cached; candidates %s",
+            request.request_id,
+            winner,
+            reason,
+            cached_tokens,
+            prompt_tokens,
+            scores,
+        )
+
+    def remember_routed(self, request: RouteRequest, backend: BackendState) -> None:
+        decision = request.decision
+        prompt_tokens = decision.get("prompt_tokens", 0)
+        cached_tokens = decision.get("cached_tokens", 0)
+        self.placements.add(backend.name, max(0, prompt_tokens - cached_tokens), time.monotonic())
+        if self.metrics is not None and prompt_tokens:
+            self.metrics.prompt_tokens.labels(self.name, "prompt").inc(prompt_tokens)
+            self.metrics.prompt_tokens.labels(self.name, "cached").inc(cached_tokens)
+        self.recent_decisions.append(
+            {
+                "at": time.time(),
+                "request_id": request.request_id,
+                "model": request.model,
+                "backend": backend.name,
+                "reason": decision.get("reason"),
+                "prompt_tokens": prompt_tokens,
+                "cached_tokens": cached_tokens,
+                "candidates": {
+                    name: {"cached": score.get("cached", 0), "cost": score.get("cost")}
+                    for name, score in decision.get("candidates", {}).items()
+                },
+            }
+        )
+
+    def pick(
+        self, candidates: list[BackendState], costs: dict[str, float], cached: dict[str, int], now: float
+    ) -> BackendState:
+        """Cheapest; among equal costs, fewest recent placements, then the emptiest cache."""
+        return min(
+            candidates,
+            key=lambda b: (
+                round(costs[b.name], 6),
+                round(self.placements.value(b.name, now), 3),
+                self.cache_size(b.name),
+                b.name,
+            ),
+        )
+
+    def cache_size(self, backend: str) -> int:
+        return 0
+
+
+class KVAware(CacheAwarePolicy):
+    name = "kv_aware"
+
+    def __init__(self, config: KVAwarePolicy, kv_index: Any = None, registry: Any = None) -> None:
+        super().__init__(
+            max_load_ratio=config.max_load_ratio, load_slack=config.load_slack, registry=registry
+        )
+        self.config = config
+        self.kv_index = kv_index
+        self.predictions = Predictions(config.prediction_ttl_s)
+        self._weights = {
+            "gpu": config.gpu_hit_weight,
+            "cpu": config.cpu_hit_weight,
+            "disk": config.disk_hit_weight,
+        }
+
+    def choose(self, request: RouteRequest, candidates: list[BackendState]) -> BackendState:
+        now = time.monotonic()
+        self.predictions.expire(now)
+        allowed = self.guarded(candidates)
+        tokens = request.tokens
+        prompt_tokens = 0 if tokens is None else len(tokens)
+        namespace = (request.namespace[1], request.namespace[2])
+        matches: dict[str, BackendMatch] = {}
+        keys: list[int] = []
+        if tokens is not None and prompt_tokens:
+            if self.kv_index is not None:
+                matches = self.kv_index.longest_cached_prefix(tokens, namespace, [b.name for b in candidates])
+            keys = prompt_prefix_keys(tokens, namespace)
+            request.decision["prefix_keys"] = keys
+        costs: dict[str, float] = {}
+        cached: dict[str, int] = {}
+        scores: dict[str, dict[str, Any]] = {}
+        for backend in candidates:
+            match = matches.get(backend.name)
+            predicted = self.predictions.leading_blocks(backend.name, keys, now) * ROUTER_BLOCK_TOKENS
+            saved, held = self._saved_tokens(match, predicted)
+            load = (
+                self.config.request_load_weight * backend.in_flight
+                + self.config.prefill_load_weight * backend.in_flight_prefill_tokens
+            )
+            costs[backend.name] = prompt_tokens - saved + load
+            cached[backend.name] = held
+            scores[backend.name] = {
+                "cached": held,
+                "by_tier": dict(match.by_tier) if match else {},
+                "predicted": predicted,
+                "in_flight": backend.in_flight,
+                "load": load,
+                "cost": costs[backend.name],
+            }
+        winner = self.pick(allowed, costs, cached, now)
+        reason = self._reason(tokens, candidates, allowed, winner, costs, cached)
+        self.record(request, winner.name, reason, scores, prompt_tokens, cached[winner.name])
+        return winner
+
+    def _saved_tokens(self, match: BackendMatch | None, predicted: int) -> tuple[float, int]:
+        """Weighted tokens the backend would not compute, and the contiguous prefix it holds."""
+        gpu = predicted
+        cumulative = match.cumulative if match else []
+        saved = 0.0
+        held = gpu
+        for tier, through in cumulative:
+            if tier == "gpu":
+                gpu = max(gpu, through)
+                held = gpu
+                continue
+            if through > held:
+                saved += self._weights.get(tier, self.config.disk_hit_weight) * (through - held)
+                held = through
+        return saved + self.config.gpu_hit_weight * gpu, held
+
+    @staticmethod
+    def _reason(tokens: Any, candidates: list, allowed: list, winner: Any, costs: dict, cached: dict) -> str:
+        if tokens is None:
+            return "no_tokens"
+        if len(allowed) < len(candidates) and max(cached.values(), default=0) > cached[winner.name]:
+            return "load_guard"
+        if cached[winner.name] > 0:
+            best_cache = max(cached.values())
+            return "cache_hit" if cached[winner.name] == best_cache else "cache_vs_load"
+        if len({round(costs[b.name], 6) for b in allowed}) == 1:
+            return "cold_spread"
+        return "least_load"
+
+    def cache_size(self, backend: str) -> int:
+        return 0 if self.kv_index is None else self.kv_index.held_tokens(backend)
+
+    def on_routed(self, request: RouteRequest, backend: BackendState) -> None:
+        keys = request.decision.pop("prefix_keys", None)
+        if keys:
+            self.predictions.add(backend.name, keys, time.monotonic())
+        self.remember_routed(request, backend)
+
+    def on_finished(self, request: RouteRequest, backend: BackendState) -> None:
+        pass
+
+
+def create(policy_config: KVAwarePolicy, gateway: Any) -> KVAware:
+    registry = getattr(getattr(gateway, "metrics", None), "registry", None)
+    return KVAware(policy_config, getattr(gateway, "kv_index", None), registry)

@@ -1,0 +1,203 @@
+"""kv_aware and approximate policies on a real prefix index: cost, tiers, load, hot-spot guard,
+cold-prefix spreading, predictions, namespaces, decisions and metrics."""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+from prometheus_client import CollectorRegistry
+
+from router.backends import BackendState
+from router.config import ApproximatePolicy, KVAwarePolicy
+from router.index.events import BlockStored
+from router.index.prefix_index import PrefixIndex
+from router.policies.approximate import Approximate
+from router.policies.base import RouteRequest
+from router.policies.kv_aware import KVAware
+
+rng = np.random.default_rng(11)
+PROMPTS = [rng.integers(0, 150_000, size=512).astype(np.uint32) for _ in range(16)]
+
+
+def backends(n: int = 4) -> list[BackendState]:
+    return [BackendState(name=f"b{i}", url=f"http://127.0.0.1:{9000 + i}") for i in range(n)]
+
+
+def request(tokens: np.ndarray | None, salt: str | None = None, rid: str = "r") -> RouteRequest:
+    return RouteRequest(request_id=rid, model="m", body={}, tokens=tokens, namespace=("m", None, salt))
+
+
+def store(
+    index: PrefixIndex, backend: str, tokens: np.ndarray, *, medium: str = "GPU", salt: str | None = None
+):
+    index.apply(
+        backend,
+        [
+            BlockStored(
+                block_hashes=list(range(1, len(tokens) // 16 + 1)),
+                token_ids=tokens.tolist(),
+                block_size=16,
+                medium=medium,
+                extra_keys=[[salt]] if salt else None,
+            )
+        ],
+    )
+
+
+def route(policy, req: RouteRequest, candidates: list[BackendState]) -> BackendState:
+    chosen = policy.choose(req, candidates)
+    policy.on_routed(req, chosen)
+    return chosen
+
+
+def test_the_backend_holding_the_prefix_wins() -> None:
+    index = PrefixIndex()
+    store(index, "b2", PROMPTS[0][:256])
+    policy = KVAware(KVAwarePolicy(), index)
+    req = request(PROMPTS[0])
+    assert route(policy, req, backends()).name == "b2"
+    assert req.decision["reason"] == "cache_hit"
+    assert req.decision["cached_tokens"] == 256
+    assert req.decision["prefill_tokens"] == 256
+    assert req.decision["candidates"]["b2"]["by_tier"] == {"gpu": 256}
+
+
+def test_gpu_hits_beat_cpu_hits_of_the_same_length() -> None:
+    index = PrefixIndex()
+    store(index, "b0", PROMPTS[0][:256], medium="CPU")
+    store(index, "b1", PROMPTS[0][:256], medium="GPU")
+    policy = KVAware(KVAwarePolicy(), index)
+    assert policy.choose(request(PROMPTS[0]), backends(2)).name == "b1"
+    # A longer CPU prefix still beats a short GPU one.
+    store(index, "b0", PROMPTS[0][:512], medium="CPU")
+    assert policy.choose(request(PROMPTS[0]), backends(2)).name == "b0"
+
+
+def test_load_outweighs_a_small_cache_hit() -> None:
+    index = PrefixIndex()
+    store(index, "b0", PROMPTS[0][:32])
+    candidates = backends(2)
+    candidates[0].in_flight = 2
+    candidates[0].in_flight_prefill_tokens = 2000
+    policy = KVAware(KVAwarePolicy(max_load_ratio=100), index)
+    req = request(PROMPTS[0])
+    assert policy.choose(req, candidates).name == "b1"
+    assert req.decision["reason"] == "least_load"
+
+
+def test_hot_spot_guard_skips_an_overloaded_holder() -> None:
+    index = PrefixIndex()
+    store(index, "b0", PROMPTS[0])
+    candidates = backends(4)
+    candidates[0].in_flight = 12
+    policy = KVAware(KVAwarePolicy(request_load_weight=0, prefill_load_weight=0), index)
+    req = request(PROMPTS[0])
+    assert policy.choose(req, candidates).name != "b0"
+    assert req.decision["reason"] == "load_guard"
+
+
+def test_cold_prefixes_arriving_one_at_a_time_spread_over_all_engines() -> None:
+    policy = KVAware(KVAwarePolicy(), PrefixIndex())
+    candidates = backends(4)
+    first = [route(policy, request(PROMPTS[n], rid=f"r{n}"), candidates).name for n in range(8)]
+    assert sorted(first) == ["b0", "b0", "b1", "b1", "b2", "b2", "b3", "b3"]
+    # The same prompts again (their events not arrived yet): predictions send each back home.
+    again = [route(policy, request(PROMPTS[n]), candidates).name for n in range(8)]
+    assert again == first
+
+
+def test_predictions_expire_and_never_reach_the_index() -> None:
+    index = PrefixIndex()
+    policy = KVAware(KVAwarePolicy(prediction_ttl_s=0.2), index)
+    candidates = backends(2)
+    home = route(policy, request(PROMPTS[0]), candidates).name
+    assert index.longest_cached_prefix(PROMPTS[0])  == {}  # fmt: skip
+    req = request(PROMPTS[0])
+    policy.choose(req, candidates)
+    assert req.decision["candidates"][home]["predicted"] == 512
+    time.sleep(0.3)
+    req = request(PROMPTS[0])
+    policy.choose(req, candidates)
+    assert req.decision["candidates"][home]["predicted"] == 0
+
+
+def test_salted_requests_ignore_unsalted_entries() -> None:
+    index = PrefixIndex()
+    store(index, "b1", PROMPTS[0])
+    store(index, "b2", PROMPTS[0], salt="tenant-a")
+    policy = KVAware(KVAwarePolicy(prediction_ttl_s=0), index)
+    assert policy.choose(request(PROMPTS[0]), backends()).name == "b1"
+    assert policy.choose(request(PROMPTS[0], salt="tenant-a"), backends()).name == "b2"
+    req = request(PROMPTS[0], salt="tenant-b")
+    policy.choose(req, backends())
+    assert req.decision["cached_tokens"] == 0
+
+
+def test_without_tokens_it_routes_by_load() -> None:
+    policy = KVAware(KVAwarePolicy(), PrefixIndex())
+    candidates = backends(3)
+    candidates[0].in_flight = 1
+    candidates[1].in_flight = 1
+    req = request(None)
+    assert policy.choose(req, candidates).name == "b2"
+    assert req.decision["reason"] == "no_tokens"
+
+
+def test_decisions_are_counted_and_kept_for_the_debug_page() -> None:
+    registry = CollectorRegistry()
+    index = PrefixIndex()
+    store(index, "b0", PROMPTS[0][:128])
+    policy = KVAware(KVAwarePolicy(), index, registry)
+    route(policy, request(PROMPTS[0], rid="hit"), backends(2))
+    route(policy, request(PROMPTS[1], rid="cold"), backends(2))
+    assert (
+        registry.get_sample_value(
+            "kvgate_route_decisions_total", {"policy": "kv_aware", "reason": "cache_hit"}
+        )
+        == 1
+    )
+    assert (
+        registry.get_sample_value(
+            "kvgate_routed_prompt_tokens_total", {"policy": "kv_aware", "kind": "cached"}
+        )
+        == 128
+    )
+    assert (
+        registry.get_sample_value(
+            "kvgate_routed_prompt_tokens_total", {"policy": "kv_aware", "kind": "prompt"}
+        )
+        == 1024
+    )
+    assert [d["request_id"] for d in policy.recent_decisions] == ["hit", "cold"]
+    assert policy.recent_decisions[0]["cached_tokens"] == 128
+
+
+def test_approximate_learns_from_routed_prompts() -> None:
+    policy = Approximate(ApproximatePolicy())
+    candidates = backends(3)
+    homes = [route(policy, request(PROMPTS[n]), candidates).name for n in range(3)]
+    assert sorted(homes) == ["b0", "b1", "b2"]
+    shared_prefix = np.concatenate([PROMPTS[1][:256], PROMPTS[9][:256]])
+    req = request(shared_prefix)
+    assert route(policy, req, candidates).name == homes[1]
+    assert req.decision["reason"] == "learned_hit" and req.decision["cached_tokens"] == 256
+
+
+def test_approximate_memory_is_bounded_with_lru_eviction() -> None:
+    policy = Approximate(ApproximatePolicy(max_tokens=2048, block_size=32))
+    candidates = backends(2)
+    for n in range(10):
+        route(policy, request(PROMPTS[n]), candidates)
+    assert policy.learned_size == 2048 // 32
+    # The oldest prompts are forgotten, the newest remembered.
+    assert policy.learned_blocks("b0", policy._block_keys(request(PROMPTS[0]))) == 0
+    newest = request(PROMPTS[9])
+    policy.choose(newest, candidates)
+    assert newest.decision["cached_tokens"] == 512
+
+
+def test_approximate_rejects_a_block_size_the_router_cannot_use() -> None:
+    with pytest.raises(ValueError, match="multiple of 16"):
+        Approximate(ApproximatePolicy(block_size=24))
