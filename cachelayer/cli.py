@@ -26,11 +26,24 @@ def _run_controller(args: argparse.Namespace) -> int:
     return 0
 
 
+def _configure_server(parser: argparse.ArgumentParser) -> None:
+    from cachelayer.server.main import add_arguments
+
+    add_arguments(parser)
+
+
+def _run_server(args: argparse.Namespace) -> int:
+    from cachelayer.server.main import run
+
+    return run(args)
+
+
 # name -> (help, add the arguments, run)
 COMMANDS: dict[
     str, tuple[str, Callable[[argparse.ArgumentParser], None], Callable[[argparse.Namespace], int]]
 ] = {
     "controller": ("LMCache-compatible controller API", _configure_controller, _run_controller),
+    "server": ("shared cache daemon: ZMQ data plane, /healthcheck, /metrics", _configure_server, _run_server),
 }
 
 

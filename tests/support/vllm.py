@@ -9,15 +9,19 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import random
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
+import msgspec
 import pytest
 import yaml
+import zmq
 
 from tests.support.ports import free_port
 from tests.support.processes import REPO_ROOT, ManagedProcess, wait_for_http
@@ -94,8 +98,7 @@ def write_cache_config(directory: Path, **overrides) -> Path:
     return path
 
 
-@contextlib.contextmanager
-def running_vllm(
+def start_vllm(
     name: str,
     *,
     connector: bool = True,
@@ -105,8 +108,10 @@ def running_vllm(
     kv_events: bool = True,
     max_model_len: int = 4096,
     extra_args: list[str] | None = None,
-) -> Iterator[VllmServer]:
-    """A real vLLM serving the tiny Qwen3 on a free port, killed on exit."""
+    extra_env: dict[str, str] | None = None,
+) -> VllmServer:
+    """Start a real vLLM serving the tiny Qwen3 on a free port; the caller must stop() it
+    (use running_vllm / running_vllms, which do). Does not wait for it to be healthy."""
     require_vllm()
     port = free_port()
     args = [
@@ -119,10 +124,10 @@ def running_vllm(
     ]  # fmt: skip
     if not prefix_caching:
         args.append("--no-enable-prefix-caching")
-    server = VllmServer(name=name, process=None, port=port)  # type: ignore[arg-type]
+    events_endpoint = replay_endpoint = None
     if kv_events:
-        server.events_endpoint = f"tcp://127.0.0.1:{free_port()}"
-        server.replay_endpoint = f"tcp://127.0.0.1:{free_port()}"
+        events_endpoint = f"tcp://127.0.0.1:{free_port()}"
+        replay_endpoint = f"tcp://127.0.0.1:{free_port()}"
         args += [
             "--kv-events-config",
             json.dumps(
@@ -132,8 +137,8 @@ def running_vllm(
                     # vLLM binds only wildcard endpoints and connects to the others: the PUB side
                     # connects out to a subscriber that binds loopback (never every interface);
                     # the replay ROUTER is always bound, here on loopback.
-                    "endpoint": server.events_endpoint,
-                    "replay_endpoint": server.replay_endpoint,
+                    "endpoint": events_endpoint,
+                    "replay_endpoint": replay_endpoint,
                     "topic": "kv-events",
                 }
             ),
@@ -144,19 +149,46 @@ def running_vllm(
             transfer["kv_connector_extra_config"] = {"cachelayer_server": cache_server}
         args += ["--kv-transfer-config", json.dumps(transfer)]
     args += extra_args or []
-    env = {"VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1", "VLLM_SERVER_DEV_MODE": "1"}
+    env = {
+        "VLLM_CPU_KVCACHE_SPACE": "1",
+        "HF_HUB_OFFLINE": "1",
+        "VLLM_SERVER_DEV_MODE": "1",
+        **(extra_env or {}),
+    }
     if cache_config is not None:
         env["CACHELAYER_CONFIG_FILE"] = str(cache_config)
     process = ManagedProcess(args, env=env)
-    server.process = process
+    return VllmServer(name, process, port, events_endpoint, replay_endpoint)
+
+
+def _wait_healthy(server: VllmServer) -> None:
     try:
-        wait_for_http(f"{server.url}/health", process, timeout_s=VLLM_START_TIMEOUT_S)
-        yield server
+        wait_for_http(f"{server.url}/health", server.process, timeout_s=VLLM_START_TIMEOUT_S)
     except BaseException:
-        print(f"---- {name} output ----\n{process.output()[-20000:]}", file=sys.stderr)
+        print(f"---- {server.name} output ----\n{server.process.output()[-20000:]}", file=sys.stderr)
         raise
+
+
+@contextlib.contextmanager
+def running_vllms(*specs: dict) -> Iterator[list[VllmServer]]:
+    """Start several vLLMs at once (each spec: start_vllm's keywords), wait for all, stop all on exit."""
+    servers: list[VllmServer] = []
+    try:
+        for spec in specs:
+            servers.append(start_vllm(**spec))
+        for server in servers:
+            _wait_healthy(server)
+        yield servers
     finally:
-        process.stop()
+        for server in servers:
+            server.process.stop()
+
+
+@contextlib.contextmanager
+def running_vllm(name: str, **options) -> Iterator[VllmServer]:
+    """One real vLLM (start_vllm's keywords), healthy on entry, stopped on exit."""
+    with running_vllms({"name": name, **options}) as (server,):
+        yield server
 
 
 @dataclass
@@ -180,7 +212,7 @@ def running_cache_daemon(*, chunk_size: int = 256, l1_size_gb: float = 0.25) -> 
     """`cachelayer server` on free ports (run with the project's interpreter), killed on exit."""
     port, http_port = free_port(), free_port()
     args = [
-        sys.executable, "-m", "cachelayer.server.main",
+        sys.executable, "-m", "cachelayer.cli", "server",
         "--host", "127.0.0.1", "--port", str(port), "--http-port", str(http_port),
         "--chunk-size", str(chunk_size), "--l1-size-gb", str(l1_size_gb), "--eviction-policy", "LRU",
     ]  # fmt: skip
@@ -200,3 +232,39 @@ def wait_until(predicate, timeout_s: float = 10.0, interval_s: float = 0.1):
         if value or time.monotonic() > deadline:
             return value
         time.sleep(interval_s)
+
+
+def prompt_tokens(length: int, seed: int) -> list[int]:
+    """Ordinary vocabulary ids (no special tokens), reproducible."""
+    rng = random.Random(seed)
+    return [rng.randrange(1000, 100_000) for _ in range(length)]
+
+
+class EventCollector:
+    """Binds the SUB side of a vLLM KV-event stream (vLLM's PUB connects to it) and keeps every event."""
+
+    def __init__(self, endpoint: str) -> None:
+        self.events: list = []
+        self._socket = zmq.Context.instance().socket(zmq.SUB)
+        self._socket.setsockopt(zmq.SUBSCRIBE, b"")
+        self._socket.setsockopt(zmq.LINGER, 0)
+        self._socket.bind(endpoint)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            if self._socket.poll(100):
+                _topic, _seq, payload = self._socket.recv_multipart()
+                batch = msgspec.msgpack.decode(payload)
+                self.events.extend(batch[1] if isinstance(batch, list) else batch["events"])
+
+    def stored(self, medium: str) -> list[dict]:
+        return [e for e in self.events if isinstance(e, dict) and e.get("type") == "BlockStored"
+                and e.get("medium") == medium]  # fmt: skip
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=2)
+        self._socket.close(linger=0)

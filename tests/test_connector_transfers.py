@@ -1,0 +1,153 @@
+"""The vLLM connector's worker-side moves with real tensors: paged layouts <-> store chunks, loads,
+saves, and load failures reported block by block (no vLLM needed)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from cachelayer.connectors.transfers import (
+    LocalChunkStore,
+    PagedKV,
+    RemoteChunkStore,
+    detect_layout,
+    load_request,
+    save_request,
+)
+from cachelayer.engine import CacheEngine
+from cachelayer.server import KeySpace, StoreClient
+from tests.support.ports import free_port
+
+LAYERS, HEADS, HEAD_DIM, BLOCK, NUM_BLOCKS, CHUNK = 2, 2, 8, 32, 40, 64
+
+
+def cpu_cache(seed: int) -> list[torch.Tensor]:
+    """vLLM's CPU layout: one storage, per layer [num_blocks, heads, block_size, 2 * head_dim]."""
+    generator = torch.Generator().manual_seed(seed)
+    storage = torch.randn(LAYERS, NUM_BLOCKS, HEADS, BLOCK, 2 * HEAD_DIM, generator=generator).to(
+        torch.bfloat16
+    )
+    return list(storage.unbind(0))
+
+
+def flash_cache(seed: int) -> list[torch.Tensor]:
+    generator = torch.Generator().manual_seed(seed)
+    return [
+        torch.randn(2, NUM_BLOCKS, BLOCK, HEADS, HEAD_DIM, generator=generator).to(torch.bfloat16)
+        for _ in range(LAYERS)
+    ]
+
+
+def paged(layers: list[torch.Tensor]) -> PagedKV:
+    layout = detect_layout(layers[0], num_kv_heads=HEADS, head_dim=HEAD_DIM, block_size=BLOCK)
+    return PagedKV(layers, layout=layout, block_size=BLOCK, num_kv_heads=HEADS, head_dim=HEAD_DIM)
+
+
+def engine() -> CacheEngine:
+    return CacheEngine.from_config(
+        {"chunk_size": CHUNK, "max_local_cpu_size": 0.01, "save_unfull_chunk": False},
+        num_layers=LAYERS,
+        num_kv_heads=HEADS,
+        head_dim=HEAD_DIM,
+        dtype=torch.bfloat16,
+        model_name="test-model",
+    )
+
+
+@pytest.mark.parametrize("make_cache", [cpu_cache, flash_cache], ids=["cpu_blocks", "flash_attn"])
+def test_blocks_round_trip_into_other_block_ids(make_cache):
+    source, target = paged(make_cache(0)), paged(make_cache(1))
+    chunk = source.gather([3, 7, 1, 12])
+    assert chunk.shape == (LAYERS, 2, 4 * BLOCK, HEADS * HEAD_DIM)
+    target.scatter(chunk, [20, 21, 22, 23])
+    for layer in range(LAYERS):
+        for src, dst in zip([3, 7, 1, 12], [20, 21, 22, 23], strict=True):
+            if source.layout == "cpu_blocks":
+                assert torch.equal(target.kv_caches[layer][dst], source.kv_caches[layer][src])
+            else:
+                assert torch.equal(target.kv_caches[layer][:, dst], source.kv_caches[layer][:, src])
+
+
+def test_cpu_blocks_chunks_of_a_token_range_hold_exactly_their_own_blocks():
+    source = paged(cpu_cache(0))
+    blocks = [5, 9, 2, 30]
+    whole = source.gather(blocks)
+    second_half = source.gather(blocks[2:])
+    # The store slices chunks by token ranges; a block-aligned range must be those blocks' bytes.
+    assert torch.equal(whole[:, :, 2 * BLOCK :], second_half)
+
+
+def test_flash_attn_chunks_are_plain_k_and_v_rows():
+    source = paged(flash_cache(0))
+    chunk = source.gather([4, 6])
+    layer = source.kv_caches[1]
+    token = BLOCK + 5  # block 6, offset 5
+    assert torch.equal(chunk[1, 0, token], layer[0, 6, 5].reshape(-1))
+    assert torch.equal(chunk[1, 1, token], layer[1, 6, 5].reshape(-1))
+
+
+def test_unknown_layouts_are_refused_with_what_is_supported():
+    expected = r"unsupported KV cache layout .* cpu_blocks, flash_attn, flashinfer"
+    with pytest.raises(ValueError, match=expected):
+        detect_layout(torch.zeros(4, 4, 4), num_kv_heads=HEADS, head_dim=HEAD_DIM, block_size=BLOCK)
+
+
+def test_save_then_load_through_the_cache_engine_skipping_blocks_the_engine_computed():
+    tokens = list(range(1000, 1000 + 4 * BLOCK))  # 2 chunks
+    store = LocalChunkStore(engine())
+    writer, reader = paged(cpu_cache(0)), paged(cpu_cache(1))
+    events = save_request(writer, store, token_ids=tokens, block_ids=[1, 2, 3, 4], cache_salt=None)
+    assert [event.kind for event in events] == ["stored", "stored"]
+
+    untouched = reader.kv_caches[0][10].clone()
+    failed = load_request(
+        reader, store, token_ids=tokens, block_ids=[10, 11, 12, 13], first_block=1, cache_salt=None
+    )
+    assert failed == set()
+    assert torch.equal(reader.kv_caches[0][10], untouched)  # the engine's own block is left alone
+    for src, dst in zip([2, 3, 4], [11, 12, 13], strict=True):
+        for layer in range(LAYERS):
+            assert torch.equal(reader.kv_caches[layer][dst], writer.kv_caches[layer][src])
+
+
+def test_a_shorter_hit_than_planned_fails_the_missing_blocks():
+    tokens = list(range(4 * BLOCK))
+    store = LocalChunkStore(engine())
+    writer, reader = paged(cpu_cache(0)), paged(cpu_cache(1))
+    save_request(writer, store, token_ids=tokens[: 2 * BLOCK], block_ids=[1, 2], cache_salt=None)  # 1 chunk
+    failed = load_request(
+        reader, store, token_ids=tokens, block_ids=[10, 11, 12, 13], first_block=0, cache_salt=None
+    )
+    assert failed == {12, 13}
+    assert torch.equal(reader.kv_caches[0][11], writer.kv_caches[0][2])
+
+
+def test_a_salted_load_of_unsalted_chunks_fails_every_block():
+    tokens = list(range(2 * BLOCK))
+    store = LocalChunkStore(engine())
+    save_request(paged(cpu_cache(0)), store, token_ids=tokens, block_ids=[1, 2], cache_salt=None)
+    failed = load_request(
+        paged(cpu_cache(1)), store, token_ids=tokens, block_ids=[5, 6], first_block=0, cache_salt="x"
+    )
+    assert failed == {5, 6}
+
+
+def test_an_unreachable_daemon_fails_the_load_and_skips_the_save():
+    space = KeySpace(model="m", dtype="bfloat16", num_layers=LAYERS, num_kv_heads=HEADS, head_dim=HEAD_DIM)
+    client = StoreClient(f"tcp://127.0.0.1:{free_port()}", chunk_size=CHUNK, timeout_s=0.2)
+    store = RemoteChunkStore(client, space)
+    try:
+        tokens = list(range(2 * BLOCK))
+        assert (
+            save_request(paged(cpu_cache(0)), store, token_ids=tokens, block_ids=[1, 2], cache_salt=None)
+            == []
+        )
+        reader = paged(cpu_cache(1))
+        before = reader.kv_caches[0][5].clone()
+        failed = load_request(
+            reader, store, token_ids=tokens, block_ids=[5, 6], first_block=0, cache_salt=None
+        )
+        assert failed == {5, 6}
+        assert torch.equal(reader.kv_caches[0][5], before)
+    finally:
+        client.close()
