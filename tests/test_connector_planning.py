@@ -1,0 +1,128 @@
+"""The vLLM connector's scheduler-side planning (no vLLM needed): hits, loads, saves, bookkeeping."""
+
+from __future__ import annotations
+
+import pytest
+
+from cachelayer.connectors.planning import SchedulerPlanner, StepPlan
+
+CHUNK, BLOCK = 256, 32
+
+
+def planner() -> SchedulerPlanner:
+    return SchedulerPlanner(chunk_size=CHUNK, block_size=BLOCK)
+
+
+def store_holding(count: int):
+    """A store that holds the first `count` tokens of any prompt; records the prefixes asked."""
+    asked: list[int] = []
+
+    def held(prefix) -> int:
+        asked.append(len(prefix))
+        return min(count, len(prefix))
+
+    held.asked = asked  # type: ignore[attr-defined]
+    return held
+
+
+def blocks_for(num_tokens: int, first: int = 100) -> list[int]:
+    return list(range(first, first + (num_tokens + BLOCK - 1) // BLOCK))
+
+
+def test_a_hit_is_whole_chunks_and_never_covers_the_last_prompt_token():
+    held = store_holding(10_000)
+    plan = planner()
+    assert plan.matched_tokens("r", list(range(700)), 0, cacheable=True, held_tokens=held) == 512
+    assert held.asked == [512]
+    # Exactly two chunks long: the last token must be computed, so only one chunk may be loaded.
+    assert plan.matched_tokens("r2", list(range(512)), 0, cacheable=True, held_tokens=held) == 256
+    assert plan.matched_tokens("r3", list(range(256)), 0, cacheable=True, held_tokens=held) == 0
+
+
+def test_the_engine_own_prefix_hit_is_subtracted():
+    plan = planner()
+    assert (
+        plan.matched_tokens("r", list(range(1000)), 320, cacheable=True, held_tokens=store_holding(768))
+        == 448
+    )
+    assert (
+        plan.matched_tokens("r", list(range(1000)), 768, cacheable=True, held_tokens=store_holding(768)) == 0
+    )
+
+
+def test_uncacheable_requests_are_never_looked_up():
+    held = store_holding(10_000)
+    assert planner().matched_tokens("r", list(range(700)), 0, cacheable=False, held_tokens=held) == 0
+    assert held.asked == []
+
+
+def test_a_load_writes_only_blocks_past_the_engine_prefix_hit():
+    plan = planner()
+    prompt = list(range(700))
+    plan.matched_tokens("r", prompt, 64, cacheable=True, held_tokens=store_holding(512))
+    plan.allocated("r", prompt, "salt", blocks_for(700), 448, cacheable=True)
+    step = StepPlan()
+    plan.scheduled(
+        "r", num_computed_tokens=512, num_scheduled_tokens=188, block_ids=blocks_for(700), plan=step
+    )
+    (load,) = step.loads
+    assert load.token_ids == prompt[:512]
+    assert load.block_ids == blocks_for(512)
+    assert load.first_block == 2
+    assert load.cache_salt == "salt"
+    # Everything saveable (2 whole chunks) came from the store: nothing to save.
+    assert step.saves == []
+
+
+def test_a_prompt_is_saved_once_when_its_last_token_is_computed_even_with_chunked_prefill():
+    plan = planner()
+    prompt = list(range(900))
+    plan.matched_tokens("r", prompt, 0, cacheable=True, held_tokens=store_holding(0))
+    plan.allocated("r", prompt, None, blocks_for(512), 0, cacheable=True)
+
+    first = StepPlan()
+    plan.scheduled(
+        "r", num_computed_tokens=0, num_scheduled_tokens=512, block_ids=blocks_for(512), plan=first
+    )
+    assert first.loads == [] and first.saves == []
+
+    second = StepPlan()
+    extra = blocks_for(900)[len(blocks_for(512)) :]
+    plan.scheduled("r", num_computed_tokens=512, num_scheduled_tokens=388, new_block_ids=extra, plan=second)
+    (save,) = second.saves
+    assert save.token_ids == prompt[:768]  # 3 whole chunks; the 132-token tail is not shared
+    assert save.block_ids == blocks_for(768)
+
+    decode = StepPlan()
+    plan.scheduled("r", num_computed_tokens=900, num_scheduled_tokens=1, plan=decode)
+    assert decode.saves == [] and decode.loads == []
+
+
+def test_a_resumed_request_replaces_its_blocks():
+    plan = planner()
+    prompt = list(range(600))
+    plan.matched_tokens("r", prompt, 0, cacheable=True, held_tokens=store_holding(0))
+    plan.allocated("r", prompt, None, blocks_for(256), 0, cacheable=True)
+    plan.scheduled(
+        "r", num_computed_tokens=0, num_scheduled_tokens=256, block_ids=blocks_for(256), plan=StepPlan()
+    )
+    resumed = StepPlan()
+    plan.scheduled("r", num_computed_tokens=0, num_scheduled_tokens=600, block_ids=blocks_for(600, first=7),
+                   plan=resumed)  # fmt: skip
+    assert resumed.saves[0].block_ids == blocks_for(512, first=7)
+
+
+def test_finished_requests_are_forgotten():
+    plan = planner()
+    plan.allocated("r", list(range(600)), None, blocks_for(600), 0, cacheable=True)
+    assert plan.num_tracked == 1
+    plan.finished("r")
+    assert plan.num_tracked == 0
+    step = StepPlan()
+    plan.scheduled("r", num_computed_tokens=0, num_scheduled_tokens=600, plan=step)
+    assert step.saves == []
+
+
+def test_a_chunk_size_that_is_not_a_multiple_of_the_block_size_is_refused_with_the_fix():
+    with pytest.raises(ValueError, match=r"chunk_size 100 must be a multiple of vLLM's block size 32"):
+        SchedulerPlanner(chunk_size=100, block_size=32)

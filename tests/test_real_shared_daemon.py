@@ -1,0 +1,68 @@
+"""Two real vLLM instances sharing one cache daemon (`cachelayer server`).
+
+Instance B has never seen the prompt: its hit can only come from the chunks instance A stored in
+the daemon. A salted request must not see them (0 chunks read), and the greedy outputs of the
+cold, hit and salted requests must be identical: the cache layer changes speed, never results.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.support.vllm import (
+    cached_tokens,
+    greedy_output,
+    prompt_tokens,
+    running_cache_daemon,
+    running_vllms,
+    write_cache_config,
+)
+
+pytestmark = pytest.mark.real_engine
+
+CHUNK = 256
+READS = "lmcache_mp_l1_read_chunks_total"
+WRITES = "lmcache_mp_l1_write_chunks_total"
+
+
+def test_instance_b_hits_what_instance_a_stored_in_the_daemon(tmp_path):
+    config = write_cache_config(tmp_path, chunk_size=CHUNK)
+    prompt = prompt_tokens(700, seed=2)
+    with running_cache_daemon(chunk_size=CHUNK) as daemon:
+        shared = {"cache_config": config, "cache_server": daemon.endpoint, "kv_events": False}
+        with running_vllms({"name": "vllm-a", **shared}, {"name": "vllm-b", **shared}) as (
+            engine_a,
+            engine_b,
+        ):
+            cold = engine_a.complete(prompt, max_tokens=12)
+            after_store = daemon.metrics()
+            hit = engine_b.complete(prompt, max_tokens=12)
+            after_hit = daemon.metrics()
+            salted_cold = engine_b.complete(prompt, max_tokens=12, cache_salt="tenant-1")
+            after_salted_cold = daemon.metrics()
+            salted_hit = engine_a.complete(prompt, max_tokens=12, cache_salt="tenant-1")
+            after_salted_hit = daemon.metrics()
+
+    assert cached_tokens(cold) == 0
+    assert after_store[WRITES] == 2  # the 2 whole chunks of the 700-token prompt
+
+    # B loaded A's two chunks from the daemon.
+    assert cached_tokens(hit) == 2 * CHUNK
+    assert after_hit[READS] - after_store[READS] == 2
+
+    # The salted request reads nothing (its keys differ), computes everything, and stores its own.
+    assert cached_tokens(salted_cold) == 0
+    assert after_salted_cold[READS] - after_hit[READS] == 0
+    assert after_salted_cold[WRITES] - after_hit[WRITES] == 2
+
+    # Same salt on the other instance: a hit on the salted chunks.
+    assert cached_tokens(salted_hit) == 2 * CHUNK
+    assert after_salted_hit[READS] - after_salted_cold[READS] == 2
+
+    reference_tokens, reference_logprobs = greedy_output(cold)
+    for response in (hit, salted_cold, salted_hit):
+        tokens, logprobs = greedy_output(response)
+        assert tokens == reference_tokens
+        assert logprobs == pytest.approx(reference_logprobs, abs=1e-3)
+    assert after_salted_hit["lmcache_mp_lookup_hit_tokens_total"] > 0
+    assert 0 < after_salted_hit["lmcache_mp_l1_usage_ratio"] < 1
