@@ -21,7 +21,10 @@ if TYPE_CHECKING:
     from router.backends import BackendState
 
 # "module:function" factories, called in this order. The KV index and tokenizer add theirs here.
-EXTENSION_FACTORIES: list[str] = []
+EXTENSION_FACTORIES: list[str] = [
+    # KV-event index (gateway.kv_index), tokenizer preparer, /debug/prefix-map and /lookup.
+    "router.debug:create_extension",
+]
 
 
 class Extension(Protocol):

@@ -1,0 +1,195 @@
+"""kv_aware through the real gateway process: three test backends, each with a KV-event publisher
+speaking vLLM's protocol; prompts cached on different backends must land there (x-kvgate-backend).
+Also /debug/prefix-map (JSON), POST /lookup, and the admin token with prompt redaction."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+
+import httpx
+import numpy as np
+import pytest
+
+from router.config import builtin_tokenizer_dir
+from router.tokenize import PromptTokenizer
+from tests.support import free_port, start_backend, start_gateway
+from tests.support.event_publisher import EventPublisher, block_stored
+
+MODEL = "test-model"
+DOCS = {
+    "b1": "The first document is about tidal energy in northern fjords and how turbines are placed. " * 6,
+    "b2": "The second document covers medieval bookbinding, glue recipes and the sewing of quires. " * 6,
+}
+
+
+@pytest.fixture(scope="module")
+def qwen3() -> PromptTokenizer:
+    return PromptTokenizer(builtin_tokenizer_dir("qwen3"))
+
+
+def chat_body(doc: str, question: str) -> dict:
+    return {
+        "model": MODEL,
+        "messages": [
+            {"role": "system", "content": doc},
+            {"role": "user", "content": question},
+        ],
+        "max_tokens": 4,
+    }
+
+
+class Fleet:
+    def __init__(self, admin: dict | None = None) -> None:
+        self.backends = [start_backend(f"b{i}", [MODEL]) for i in range(3)]
+        self.publishers: dict[str, EventPublisher] = {}
+        specs = []
+        try:
+            for backend in self.backends:
+                endpoint = f"tcp://127.0.0.1:{free_port()}"
+                replay = f"tcp://127.0.0.1:{free_port()}"
+                self.publishers[backend.name] = EventPublisher(endpoint, replay, topic="kv-events")
+                specs.append(
+                    {
+                        "name": backend.name,
+                        "url": backend.url,
+                        "kv_events": {"endpoint": endpoint, "replay_endpoint": replay, "topic": "kv-events"},
+                    }
+                )
+            config = {
+                "models": [{"name": MODEL, "tokenizer": "builtin:qwen3"}],
+                "backends": specs,
+                "policy": {"name": "kv_aware"},
+                "admin": admin or {},
+            }
+            self.gateway = start_gateway(config)
+            self.headers = {"authorization": f"Bearer {admin['token']}"} if admin else {}
+            self.client = httpx.Client(base_url=self.gateway.url, timeout=30, headers=self.headers)
+            self.wait_for(lambda m: all(b["connected"] for b in m["backends"].values()))
+            time.sleep(0.3)  # PUB/SUB: let the subscriptions reach the publishers
+        except BaseException:
+            self.close()
+            raise
+
+    def prefix_map(self) -> dict:
+        response = self.client.get("/debug/prefix-map", params={"format": "json"})
+        response.raise_for_status()
+        return response.json()
+
+    def wait_for(self, predicate, timeout: float = 15.0) -> dict:  # type: ignore[no-untyped-def]
+        deadline = time.monotonic() + timeout
+        while True:
+            data = self.prefix_map()
+            if predicate(data):
+                return data
+            if time.monotonic() > deadline:
+                raise AssertionError(f"gateway never reached the expected state: {data['backends']}")
+            time.sleep(0.05)
+
+    def cache(self, backend: str, tokens: np.ndarray, first_hash: int) -> None:
+        """Announce `tokens` as cached on `backend` the way vLLM does after a prefill."""
+        usable = len(tokens) - len(tokens) % 16
+        hashes = list(range(first_hash, first_hash + usable // 16))
+        self.publishers[backend].publish([block_stored(hashes, tokens[:usable].tolist(), 16)])
+
+    def close(self) -> None:
+        if hasattr(self, "client"):
+            self.client.close()
+        if hasattr(self, "gateway"):
+            self.gateway.stop()
+        for publisher in self.publishers.values():
+            publisher.close()
+        for backend in self.backends:
+            backend.stop()
+
+
+@pytest.fixture(scope="module")
+def fleet(qwen3: PromptTokenizer) -> Iterator[Fleet]:
+    fleet = Fleet()
+    try:
+        for n, (name, doc) in enumerate(DOCS.items()):
+            # What the engine cached: the earlier request's prompt (same document, another question).
+            fleet.cache(name, qwen3.tokens_for(chat_body(doc, "What is this about?")), 1000 * (n + 1))
+        fleet.wait_for(lambda m: m["backends"]["b1"]["blocks"] and m["backends"]["b2"]["blocks"])
+        yield fleet
+    finally:
+        fleet.close()
+
+
+def test_prompts_land_on_the_backend_that_cached_their_prefix(fleet: Fleet) -> None:
+    for round_ in range(3):
+        for name, doc in DOCS.items():
+            response = fleet.client.post(
+                "/v1/chat/completions", json=chat_body(doc, f"Follow-up question {round_}?")
+            )
+            assert response.status_code == 200
+            assert response.headers["x-kvgate-backend"] == name
+
+
+def test_completions_with_a_cached_prefix_route_too(fleet: Fleet, qwen3: PromptTokenizer) -> None:
+    text = "Plain completion prompt about lighthouse keepers and their logbooks, season after season. " * 5
+    fleet.cache("b0", qwen3.tokens_for({"prompt": text}), 50_000)
+    fleet.wait_for(lambda m: m["backends"]["b0"]["blocks"].get("gpu", 0) > 0)
+    response = fleet.client.post(
+        "/v1/completions", json={"model": MODEL, "prompt": text + " And then?", "max_tokens": 2}
+    )
+    assert response.status_code == 200
+    assert response.headers["x-kvgate-backend"] == "b0"
+
+
+def test_prefix_map_json_shows_streams_prefixes_and_decisions(fleet: Fleet) -> None:
+    fleet.client.post("/v1/chat/completions", json=chat_body(DOCS["b1"], "One more?"))
+    data = fleet.prefix_map()
+    b1 = data["backends"]["b1"]
+    assert b1["connected"] is True
+    assert b1["last_seq"] == 0
+    assert b1["blocks"]["gpu"] > 0 and b1["tokens"]["gpu"] == 16 * b1["blocks"]["gpu"]
+    assert b1["replays"] == 0 and b1["restarts"] == 0 and b1["uncertain"] is False
+    texts = [p["text"] for p in data["prefixes"]]
+    assert any("tidal energy" in text for text in texts)
+    assert any("bookbinding" in text for text in texts)
+    assert data["decisions"][0]["backend"] == "b1"
+    assert data["decisions"][0]["reason"] == "cache_hit"
+    assert data["decisions"][0]["cached_tokens"] >= 64
+
+
+def test_lookup_answers_like_the_lmcache_controller(fleet: Fleet, qwen3: PromptTokenizer) -> None:
+    tokens = qwen3.tokens_for(chat_body(DOCS["b2"], "What is this about?")).tolist()
+    response = fleet.client.post("/lookup", json={"tokens": tokens})
+    assert response.status_code == 200
+    answer = response.json()
+    assert answer["event_id"].startswith("Lookup")
+    assert answer["layout_info"] == {"b2": ["GPU", len(tokens) - len(tokens) % 16]}
+    assert fleet.client.post("/lookup", json={"tokens": [1, 2, 3]}).json()["layout_info"] == {}
+
+
+@pytest.mark.parametrize("body", [b"not json", b'{"tokens": "abc"}', b'{"nothing": 1}', b'{"tokens": [-4]}'])
+def test_lookup_rejects_bad_bodies_with_a_message(fleet: Fleet, body: bytes) -> None:
+    response = fleet.client.post("/lookup", content=body, headers={"content-type": "application/json"})
+    assert response.status_code == 400
+    assert "tokens" in response.json()["detail"]
+
+
+def test_metrics_export_index_and_routing_counters(fleet: Fleet) -> None:
+    text = fleet.client.get("/metrics").text
+    assert 'kvgate_kv_events_total{backend="b1",type="BlockStored"} 1.0' in text
+    assert "kvgate_index_lookup_seconds_count" in text
+    assert 'kvgate_route_decisions_total{policy="kv_aware",reason="cache_hit"}' in text
+    assert 'kvgate_routed_prompt_tokens_total{kind="cached",policy="kv_aware"}' in text
+    assert "kvgate_index_router_keys" in text
+
+
+def test_admin_token_protects_the_page_and_redaction_hides_prompts(qwen3: PromptTokenizer) -> None:
+    fleet = Fleet(admin={"token": "s3cret", "redact_prompts": True})
+    try:
+        fleet.cache("b1", qwen3.tokens_for(chat_body(DOCS["b1"], "What is this about?")), 1)
+        data = fleet.wait_for(lambda m: m["prefixes"])
+        assert "text" not in data["prefixes"][0] and "token_ids" not in data["prefixes"][0]
+        assert data["prefixes"][0]["tokens"] > 0
+        anonymous = httpx.get(f"{fleet.gateway.url}/debug/prefix-map", timeout=10)
+        assert anonymous.status_code == 401
+        assert httpx.post(f"{fleet.gateway.url}/lookup", json={"tokens": [1]}, timeout=10).status_code == 401
+        page = fleet.client.get("/debug/prefix-map")
+        assert page.status_code == 200 and "redacted" in page.text and "tidal" not in page.text
+    finally:
+        fleet.close()
