@@ -9,6 +9,7 @@ gateway calls on shutdown. On Linux the engines also die if the gateway is kille
 from __future__ import annotations
 
 import contextlib
+import http.client
 import json
 import logging
 import os
@@ -66,7 +67,7 @@ def _port_is_free(host: str, port: int) -> bool:
     return True
 
 
-def _os_free_port(host: str) -> int:
+def os_free_port(host: str) -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
         probe.bind((host, 0))
         return probe.getsockname()[1]
@@ -77,9 +78,9 @@ def _pick_ports(host: str, wanted: list[int]) -> list[int]:
     chosen: list[int] = []
     for port in wanted:
         if port > 65535 or port in chosen or not _port_is_free(host, port):
-            replacement = _os_free_port(host)
+            replacement = os_free_port(host)
             while replacement in chosen:
-                replacement = _os_free_port(host)
+                replacement = os_free_port(host)
             log.info("port %d is taken; using %d instead", port, replacement)
             port = replacement
         chosen.append(port)
@@ -111,8 +112,13 @@ def launch_simulated_engines(
             f"backend names {sorted(clash)} are reserved for launched simulated engines; rename yours"
         )
     host = spec.host
-    http_ports = _pick_ports(host, [spec.base_port + i for i in range(spec.count)])
-    event_ports = _pick_ports(host, [spec.events_base_port + i for i in range(2 * spec.count)])
+    # One call for both kinds, so an HTTP port never doubles as an event port.
+    ports = _pick_ports(
+        host,
+        [spec.base_port + i for i in range(spec.count)]
+        + [spec.events_base_port + i for i in range(2 * spec.count)],
+    )
+    http_ports, event_ports = ports[: spec.count], ports[spec.count :]
     served_name = model.served_name or model.name
     fleet = SimulatedFleet(backends=[])
     env = dict(os.environ, PYTHONUNBUFFERED="1", HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
@@ -175,7 +181,10 @@ def _wait_healthy(fleet: SimulatedFleet, timeout_s: float) -> None:
                     "healthy; its log says why (run `kvgate sim` with the same flags to see it)"
                 )
             # urllib, not httpx: polling must not flood the gateway's log with request lines.
-            with contextlib.suppress(OSError), urllib.request.urlopen(f"{url}/health", timeout=1.0) as answer:
+            with (
+                contextlib.suppress(OSError, http.client.HTTPException),
+                urllib.request.urlopen(f"{url}/health", timeout=1.0) as answer,
+            ):
                 if answer.status == 200:
                     del pending[url]
         if pending and time.monotonic() > deadline:
