@@ -201,11 +201,13 @@ def run(args: argparse.Namespace) -> int:
         return 2
     model = "tiny-qwen3"
     base = {"models": [{"name": model, "tokenizer": builtin_tokenizer_dir("qwen3")}]}
-    launch = {"simulated_engines": {
-        "count": args.engines, "base_port": os_free_port("127.0.0.1"), "events_base_port": os_free_port("127.0.0.1"),
+    engines = {
+        "count": args.engines,
+        "base_port": os_free_port("127.0.0.1"),
+        "events_base_port": os_free_port("127.0.0.1"),
         "num_gpu_blocks": args.num_gpu_blocks,
-    }}  # fmt: skip
-    config = parse_config({**base, "launch": launch}, "kvgate demo")
+    }
+    config = parse_config({**base, "launch": {"simulated_engines": engines}}, "kvgate demo")
     workload = _workload(args)
     print(
         f"kvgate demo: {args.engines} SIMULATED engines ({args.num_gpu_blocks} KV blocks of 16 tokens each), "
