@@ -324,6 +324,10 @@ class UpstreamPool:
                 connection.abort()
                 self._forget(connection)
                 raise
+            except asyncio.CancelledError:
+                connection.abort()
+                self._forget(connection)
+                raise
             except UpstreamError as exc:
                 self._forget(connection)
                 if connection.reused and exc.before_response:
@@ -361,6 +365,10 @@ class UpstreamPool:
                 loop.create_connection(lambda: _Connection(loop, origin), origin[0], origin[1]),
                 self.connect_timeout_s,
             )
+        except asyncio.CancelledError:
+            self._open[origin] -= 1
+            self._wake_slot_waiter(origin)
+            raise
         except (OSError, TimeoutError) as exc:
             self._open[origin] -= 1
             self._wake_slot_waiter(origin)

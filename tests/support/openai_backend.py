@@ -64,7 +64,7 @@ class OpenAIBackend:
         elif path == "/v1/models":
             await self._send(send, 200, self._models_body)
         elif path in ("/v1/completions", "/v1/chat/completions"):
-            await self._generate(path, headers, body, send)
+            await self._generate(path, headers, body, send, receive)
         elif path == "/_test/received":
             await self._send(send, 200, json.dumps(self.received).encode())
         elif path == "/_test/reset":
@@ -77,17 +77,16 @@ class OpenAIBackend:
         else:
             await self._send(send, 404, b'{"error":{"message":"not found","type":"not_found","code":404}}')
 
-    async def _generate(self, path: str, headers: dict[str, str], body: bytes, send) -> None:
+    async def _generate(self, path: str, headers: dict[str, str], body: bytes, send, receive) -> None:
         request = json.loads(body)
+        record = {
+            "request_id": headers.get("x-request-id"),
+            "path": path,
+            "body": body.decode(),
+            "headers": headers,
+        }
         if self.record:
-            self.received.append(
-                {
-                    "request_id": headers.get("x-request-id"),
-                    "path": path,
-                    "body": body.decode(),
-                    "headers": headers,
-                }
-            )
+            self.received.append(record)
         delay_ms = float(headers.get("x-test-delay-ms", 0))
         if delay_ms:
             await asyncio.sleep(delay_ms / 1000)
@@ -98,7 +97,7 @@ class OpenAIBackend:
             return
         digest = hashlib.sha1(body).hexdigest()[:12]
         if request.get("stream"):
-            await self._stream(headers, digest, send)
+            await self._stream(headers, digest, send, receive, record)
             return
         # Unusual spacing and raw non-ASCII: a re-serializing proxy would change these bytes.
         request_id = headers.get("x-request-id", "")
@@ -109,19 +108,38 @@ class OpenAIBackend:
         )
         await self._send(send, 200, answer.encode())
 
-    async def _stream(self, headers: dict[str, str], digest: str, send) -> None:
+    async def _stream(self, headers: dict[str, str], digest: str, send, receive, record: dict) -> None:
+        """Stream the chunks; record in `record` whether the client stayed to the end ("stream_end")."""
         chunks = int(headers.get("x-test-chunks", 5))
         chunk_delay_s = float(headers.get("x-test-chunk-delay-ms", 0)) / 1000
         start = {"type": "http.response.start", "status": 200, "headers": _SSE_HEADERS + self._name_header}
         await send(start)
+        disconnected = asyncio.Event()
+        watcher = None
+        if chunk_delay_s:
+
+            async def watch() -> None:
+                while (await receive())["type"] != "http.disconnect":
+                    pass
+                disconnected.set()
+
+            watcher = asyncio.get_running_loop().create_task(watch())
+        record["stream_end"] = "completed"
         for index in range(chunks):
             if chunk_delay_s and index:
                 await asyncio.sleep(chunk_delay_s)
+            if disconnected.is_set():
+                record["stream_end"] = "client_disconnected"
+                record["chunks_sent"] = index
+                return
             event = (
                 f'data: {{"id":"cmpl-{digest}","backend":"{self.name}","index":{index},'
                 f'"choices":[{{"text":"tök{index} "}}]}}\n\n'
             )
             await send({"type": "http.response.body", "body": event.encode(), "more_body": True})
+        record["chunks_sent"] = chunks
+        if watcher is not None:
+            watcher.cancel()
         await send({"type": "http.response.body", "body": b"data: [DONE]\n\n", "more_body": False})
 
     async def _send(self, send, status: int, body: bytes) -> None:
