@@ -102,8 +102,31 @@ def _cbor_append(out: bytearray, value: object) -> None:
         raise TypeError(f"cannot CBOR-encode a {type(value).__name__} in a chunk key")
 
 
-def _sha256_cbor_64bit(parent: int | None, tokens: Sequence[int], identity: CacheIdentity) -> int:
-    encoded = cbor_encode([parent, list(tokens), identity.as_list()])
+_HEAD_BYTE = np.array([0x00, 0x18, 0x19, 0x1A, 0x1B], dtype=np.uint8)
+_PAYLOAD_WIDTH = np.array([0, 1, 2, 4, 8])
+
+
+def _cbor_token_array(tokens: np.ndarray) -> bytes:
+    """CBOR of a list of non-negative ints, vectorized: the same bytes as cbor_encode(list(tokens))."""
+    values = tokens.astype(np.uint64)
+    width_class = (
+        (values >= 24).astype(np.int64) + (values >= 1 << 8) + (values >= 1 << 16) + (values >= 1 << 32)
+    )
+    rows = np.empty((len(values), 9), dtype=np.uint8)
+    rows[:, 1:] = values.astype(">u8").view(np.uint8).reshape(-1, 8)
+    rows[:, 0] = np.where(width_class == 0, values.astype(np.uint8), _HEAD_BYTE[width_class])
+    keep = np.arange(9) >= (9 - _PAYLOAD_WIDTH[width_class])[:, None]
+    keep[:, 0] = True
+    return _cbor_head(4, len(values)) + rows[keep].tobytes()
+
+
+def _sha256_cbor_64bit(parent: int | None, tokens: np.ndarray, identity: CacheIdentity) -> int:
+    if len(tokens) and tokens.min() < 0:
+        token_part = cbor_encode(tokens.tolist())
+    else:
+        token_part = _cbor_token_array(tokens)
+    # [parent, [tokens...], identity] as a 3-element array, the token list spliced in pre-encoded.
+    encoded = b"\x83" + cbor_encode(parent) + token_part + cbor_encode(identity.as_list())
     return int.from_bytes(hashlib.sha256(encoded).digest()[-8:], "big")
 
 
@@ -131,7 +154,7 @@ def chunk_spans(
     for start in range(0, end_of_chunks, chunk_size):
         end = min(start + chunk_size, end_of_chunks)
         if algorithm == "sha256_cbor_64bit":
-            key = _sha256_cbor_64bit(parent, token_array[start:end].tolist(), identity)
+            key = _sha256_cbor_64bit(parent, token_array[start:end], identity)
         else:
             hasher = xxhash.xxh3_64()
             hasher.update(struct.pack("<Q", parent or 0))

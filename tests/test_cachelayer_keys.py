@@ -99,3 +99,14 @@ def test_keys_are_identical_across_processes_with_different_hash_seeds(algorithm
 def test_unknown_algorithm_is_refused_by_name():
     with pytest.raises(ValueError, match="unknown hash algorithm 'md5'"):
         chunk_spans([1], chunk_size=4, identity=CacheIdentity(), algorithm="md5")
+
+
+def test_vectorized_token_encoding_equals_the_reference_encoder():
+    import numpy as np
+
+    from cachelayer.keys import _cbor_token_array
+
+    edges = [0, 1, 23, 24, 255, 256, 65535, 65536, 2**32 - 1, 2**32, 2**63 - 1]
+    values = np.array(edges + list(range(0, 200_000, 997)), dtype=np.int64)
+    assert _cbor_token_array(values) == cbor_encode(values.tolist())
+    assert _cbor_token_array(np.array([], dtype=np.int64)) == cbor_encode([])
