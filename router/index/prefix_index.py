@@ -23,7 +23,11 @@ read dict values and copy-on-write structures, which the GIL keeps consistent.
 from __future__ import annotations
 
 import array
+import bisect
+import contextlib
+import functools
 import itertools
+import operator
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -44,10 +48,10 @@ TIER_ORDER = ("gpu", "cpu", "disk")
 PREVIEW_TOKENS = 96
 
 _rng = np.random.default_rng(0x6B76676174)
-# Odd 64-bit weights per token position inside a router block (fixed seed: keys are stable across runs).
-_TOKEN_WEIGHTS = _rng.integers(0, 2**63, size=ROUTER_BLOCK_TOKENS, dtype=np.uint64) * np.uint64(
-    2
-) + np.uint64(1)
+# A router block's 16 uint32 tokens are read as 8 little-endian uint64 words (two tokens each) and
+# combined with odd 64-bit weights (fixed seed: keys are stable across runs and processes).
+_WORDS_PER_BLOCK = ROUTER_BLOCK_TOKENS // 2
+_WORD_WEIGHTS = _rng.integers(0, 2**63, size=_WORDS_PER_BLOCK, dtype=np.uint64) * np.uint64(2) + np.uint64(1)
 _POSITION_WEIGHT = np.uint64(0x9E3779B97F4A7C15)
 _MIX_1 = np.uint64(0xBF58476D1CE4E5B9)
 _MIX_2 = np.uint64(0x94D049BB133111EB)
@@ -63,7 +67,7 @@ def namespace_seed(namespace: Namespace) -> int:
 
 
 _WORD = (1 << 64) - 1
-_TOKEN_WEIGHTS_PY = [int(weight) for weight in _TOKEN_WEIGHTS]
+_WORD_WEIGHTS_PY = [int(weight) for weight in _WORD_WEIGHTS]
 _POSITION_WEIGHT_PY = int(_POSITION_WEIGHT)
 _MIX_1_PY, _MIX_2_PY = int(_MIX_1), int(_MIX_2)
 # Below this many router blocks, plain Python ints beat numpy's per-call overhead.
@@ -71,11 +75,11 @@ _NUMPY_MIN_BLOCKS = 3
 
 
 def router_block_values(tokens: np.ndarray, first_block: int) -> np.ndarray:
-    """Mixed value of each full router block of `tokens` (length a multiple of the block size)."""
+    """Mixed value of each full router block of `tokens` (uint32, length a multiple of the block size)."""
     # uint64 array arithmetic wraps silently, which is the modular arithmetic wanted here.
-    blocks = tokens.reshape(-1, ROUTER_BLOCK_TOKENS).astype(np.uint64)
-    content = (blocks * _TOKEN_WEIGHTS).sum(axis=1, dtype=np.uint64)
-    positions = np.arange(first_block, first_block + len(blocks), dtype=np.uint64)
+    words = np.ascontiguousarray(tokens, dtype="<u4").view("<u8").reshape(-1, _WORDS_PER_BLOCK)
+    content = words @ _WORD_WEIGHTS
+    positions = np.arange(first_block, first_block + len(words), dtype=np.uint64)
     x = content ^ (positions * _POSITION_WEIGHT)
     # splitmix64 finaliser: makes the per-block value a nonlinear function of content and position.
     x ^= x >> _S30
@@ -90,10 +94,12 @@ def _python_prefix_keys(tokens: Sequence[int], seed: int, first_block: int) -> l
     """The same keys as `prefix_keys`, computed with Python ints (faster for one or two blocks)."""
     keys = []
     total = seed
-    weights = _TOKEN_WEIGHTS_PY
+    weights = _WORD_WEIGHTS_PY
     for block in range(len(tokens) // ROUTER_BLOCK_TOKENS):
         offset = block * ROUTER_BLOCK_TOKENS
-        content = sum(map(int.__mul__, tokens[offset : offset + ROUTER_BLOCK_TOKENS], weights)) & _WORD
+        pairs = tokens[offset : offset + ROUTER_BLOCK_TOKENS]
+        words = map(int.__or__, pairs[0::2], map((32).__rlshift__, pairs[1::2]))
+        content = sum(map(int.__mul__, words, weights)) & _WORD
         x = content ^ (((first_block + block) * _POSITION_WEIGHT_PY) & _WORD)
         x ^= x >> 30
         x = (x * _MIX_1_PY) & _WORD
@@ -142,11 +148,11 @@ class _Chain:
 
 # One engine block as the router placed it. A plain tuple, not an object: millions of them are
 # created at event rate, and tuples of ints are cheap to build and ignored by the cyclic GC.
-#   (end, tokens, boundary_key, tail, keys, chain_key, slots)
+#   (end, tokens, boundary_key, tail, keys, chain_id, slots)
 # end: tokens of the prefix up to and including this block; tokens: tokens the block covers;
 # boundary_key: key of the prefix ending at the last router-block boundary <= end; tail: the tokens
 # between that boundary and `end` (shorter than a router block); keys: the router keys this block
-# completed (it owns them for removal); chain_key: its _Chain in _Backend.chains; slots: bitmask of
+# completed (it owns them for removal); chain_id: its _Chain in _Backend.chains; slots: bitmask of
 # the (backend, tier) slots that hold it.
 _Node = tuple
 _END, _TOKENS, _BOUNDARY, _TAIL, _KEYS, _CHAIN, _SLOTS = range(7)
@@ -166,13 +172,16 @@ class BackendIndexStats:
 
 
 class _Backend:
-    __slots__ = ("chains", "name", "nodes", "stats", "tier_slots")
+    __slots__ = ("chain_ids", "chains", "name", "next_chain_id", "nodes", "stats", "tier_slots")
 
     def __init__(self, name: str) -> None:
         self.name = name
         self.nodes: dict[Any, _Node] = {}
         self.tier_slots: dict[str, int] = {}
-        self.chains: dict[tuple[Namespace, tuple[int, ...]], _Chain] = {}
+        self.chains: dict[int, _Chain] = {}
+        # (namespace, preview tokens) -> chain id, so one prompt stored twice shares its chain.
+        self.chain_ids: dict[tuple[Namespace, tuple[int, ...]], int] = {}
+        self.next_chain_id = 0
         self.stats = BackendIndexStats()
 
 
@@ -354,13 +363,15 @@ class PrefixIndex:
             namespace = (event.lora_name, cache_salt_of(event))
             parent_end, boundary_key, parent_tail = 0, namespace_seed(namespace), ()
             preview = tuple(token_ids[: min(covered, PREVIEW_TOKENS)])
-            chain_key = (namespace, preview)
-            chain = backend.chains.get(chain_key)
-            if chain is None:
-                chain = backend.chains[chain_key] = _Chain(preview, namespace)
+            chain_id = backend.chain_ids.get((namespace, preview))
+            if chain_id is None:
+                chain_id = backend.chain_ids[(namespace, preview)] = backend.next_chain_id
+                backend.next_chain_id += 1
+                backend.chains[chain_id] = _Chain(preview, namespace)
+            chain = backend.chains[chain_id]
         else:
-            parent_end, _, boundary_key, parent_tail, _, chain_key, _ = parent
-            chain = backend.chains[chain_key]
+            parent_end, _, boundary_key, parent_tail, _, chain_id, _ = parent
+            chain = backend.chains[chain_id]
         # `stream` starts at the last router-block boundary before this block's first token.
         stream = array.array("I", parent_tail)
         stream.extend(token_ids[skip:covered] if skip else token_ids[:covered])
@@ -391,14 +402,14 @@ class PrefixIndex:
                 zip(
                     new_keys,
                     [
-                        (end, block_size, boundary, (), owned, chain_key, bit)
+                        (end, block_size, boundary, (), owned, chain_id, bit)
                         for end, boundary, owned in zip(ends, boundaries, owned_keys, strict=True)
                     ],
                     strict=True,
                 )
             )
             masks = list(map(holders.get, keys, itertools.repeat(0, len(keys))))
-            if any(mask & bit for mask in masks):
+            if functools.reduce(operator.or_, masks, 0) & bit:
                 for key, mask in zip(keys, masks, strict=True):
                     if mask & bit:
                         extra_refs[(key, slot)] = extra_refs.get((key, slot), 0) + 1
@@ -426,7 +437,7 @@ class PrefixIndex:
             node = nodes.get(node_key)
             if node is None:
                 boundary = keys[full - 1] if full else boundary_key
-                node = (end, end - previous_end, boundary, tail, owned, chain_key, 0)
+                node = (end, end - previous_end, boundary, tail, owned, chain_id, 0)
                 chain.nodes += 1
                 if end > chain.longest:
                     chain.longest = end
@@ -540,6 +551,7 @@ class PrefixIndex:
                     chain.nodes -= 1
                     if chain.nodes <= 0:
                         del backend.chains[node[_CHAIN]]
+                        backend.chain_ids.pop((chain.namespace, chain.preview), None)
 
     def _clear_locked(self, backend: _Backend) -> None:
         for node in backend.nodes.values():
@@ -549,6 +561,7 @@ class PrefixIndex:
                     node = self._unregister_locked(node, slot, bit)
         backend.nodes.clear()
         backend.chains.clear()
+        backend.chain_ids.clear()
         for tier in backend.stats.blocks:
             backend.stats.blocks[tier] = 0
             backend.stats.tokens[tier] = 0
@@ -572,48 +585,40 @@ class PrefixIndex:
         keys = prefix_keys(array, seed).tolist()
         masks = list(map(self._holders.get, keys, itertools.repeat(0, len(keys))))
         # Only the run up to the first block held by nobody matters.
-        try:
-            run = masks.index(0)
-        except ValueError:
-            run = len(masks)
-        columns: list[tuple[str, str, int, bool]] = []  # backend, tier, slot mask, cumulative?
-        for name in names:
-            cumulative_mask = 0
-            for tier, slot in layout[name]:
-                columns.append((name, tier, 1 << slot, False))
-                cumulative_mask |= 1 << slot
-                columns.append((name, tier, cumulative_mask, True))
-        held_blocks = self._leading_runs(masks[:run], [mask for _, _, mask, _ in columns])
+        with contextlib.suppress(ValueError):
+            del masks[masks.index(0) :]
+        # Bits still set in the running AND = slots holding every block so far; it only loses
+        # bits, so each slot's run length is found by bisection (no per-block Python loop).
+        running_and = list(itertools.accumulate(masks, operator.and_))
         tails = self._tails
-        for (name, tier, mask, cumulative), blocks in zip(columns, held_blocks, strict=True):
-            held = blocks * ROUTER_BLOCK_TOKENS
-            if tails:
-                held += self._tail_extension(array, keys, seed, blocks, mask)
+        for name in names:
             match = result[name]
-            if cumulative:
-                match.cumulative.append((tier, held))
-            else:
+            union = 0
+            for tier, slot in layout[name]:
+                bit = 1 << slot
+                if not running_and:
+                    blocks = 0
+                elif running_and[-1] & bit:
+                    blocks = len(running_and)
+                else:
+                    blocks = bisect.bisect_left(running_and, True, key=lambda value, b=bit: not value & b)
+                held = blocks * ROUTER_BLOCK_TOKENS
+                if tails:
+                    held += self._tail_extension(array, keys, seed, blocks, bit)
                 match.by_tier[tier] = held
+                if union:
+                    # Held in this tier or a faster one: "any of these bits", one C-level pass.
+                    union |= bit
+                    either = list(map(union.__and__, masks))
+                    blocks = either.index(0) if 0 in either else len(either)
+                    held = blocks * ROUTER_BLOCK_TOKENS
+                    if tails:
+                        held += self._tail_extension(array, keys, seed, blocks, union)
+                    held = max(held, match.cumulative[-1][1])
+                else:
+                    union = bit
+                match.cumulative.append((tier, held))
         return result
-
-    @staticmethod
-    def _leading_runs(masks: list[int], column_masks: list[int]) -> list[int]:
-        """Per column mask, how many leading entries of `masks` intersect it."""
-        if not masks or not column_masks:
-            return [0] * len(column_masks)
-        widest = max(column_masks).bit_length()
-        if widest <= 64:
-            values = np.array(masks, dtype=np.uint64)
-            selectors = np.array(column_masks, dtype=np.uint64)
-            held = (values[:, None] & selectors[None, :]) != 0
-        else:  # more than 64 (backend, tier) slots: one 64-bit word at a time
-            word_mask = (1 << 64) - 1
-            held = np.zeros((len(masks), len(column_masks)), dtype=bool)
-            for shift in range(0, widest, 64):
-                values = np.array([(m >> shift) & word_mask for m in masks], dtype=np.uint64)
-                selectors = np.array([(c >> shift) & word_mask for c in column_masks], dtype=np.uint64)
-                held |= (values[:, None] & selectors[None, :]) != 0
-        return np.logical_and.accumulate(held, axis=0).sum(axis=0).tolist()
 
     def _tail_extension(self, array: np.ndarray, keys: list[int], seed: int, blocks: int, mask: int) -> int:
         boundary = keys[blocks - 1] if blocks > 0 else seed
@@ -656,7 +661,8 @@ class PrefixIndex:
         merged: dict[tuple[Namespace, tuple[int, ...]], dict[str, Any]] = {}
         with self._lock:
             for backend in self._backends.values():
-                for (namespace, preview), chain in backend.chains.items():
+                for chain in backend.chains.values():
+                    namespace, preview = chain.namespace, chain.preview
                     entry = merged.setdefault(
                         (namespace, preview),
                         {
