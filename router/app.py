@@ -48,6 +48,7 @@ class Gateway:
         self.pool = UpstreamPool(config.limits.connect_timeout_s, config.limits.max_connections)
         self.backends: dict[str, BackendState] = {}
         self.admin_token = config.admin.resolved_token()
+        self.model_names = frozenset(m.name for m in config.models)
         self.served_names = {
             m.name: m.served_name for m in config.models if m.served_name not in (None, m.name)
         }

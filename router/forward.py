@@ -128,10 +128,12 @@ class ProxyEndpoint:
         if message["type"] == "http.disconnect":
             raise _ClientGone
         body = message.get("body", b"")
+        size = len(body)
+        if size > limit:
+            raise GatewayError(413, f"request body is over the limit of {limit} bytes")
         if not message.get("more_body"):
             return body
         parts = [body]
-        size = len(body)
         while True:
             message = await receive()
             if message["type"] == "http.disconnect":
@@ -158,7 +160,7 @@ class ProxyEndpoint:
             raise GatewayError(400, "missing `model`: name one of the models listed by GET /v1/models")
         if self.prompt_field not in data:
             raise GatewayError(400, f"missing `{self.prompt_field}` for {self.path.decode()}")
-        if self.gateway.config.model(model) is None:
+        if model not in self.gateway.model_names:
             known = ", ".join(m.name for m in self.gateway.config.models)
             raise GatewayError(404, f"the model `{model}` does not exist; configured models: {known}")
         if session_value is not None:
@@ -258,11 +260,6 @@ class ProxyEndpoint:
         headers = [(name, value) for name, value in response.headers if name not in _RESPONSE_DROPPED]
         headers.append((b"x-kvgate-backend", backend.name_bytes))
         headers.append(id_header)
-        is_event_stream = False
-        for name, value in response.headers:
-            if name == b"content-type":
-                is_event_stream = value.startswith(b"text/event-stream")
-                break
         headers_arrived = perf_counter()
         outcome_status = status
         try:
@@ -285,7 +282,7 @@ class ProxyEndpoint:
                 log.warning(
                     "backend %s failed mid-response to %s: %s", backend.name, route_request.request_id, exc
                 )
-                if is_event_stream:
+                if _is_event_stream(response.headers):
                     event = (
                         b"data: "
                         + error_body(outcome_status, f"backend {backend.name} failed: {exc}")
@@ -304,6 +301,10 @@ class ProxyEndpoint:
             backend.requests_total += 1
             gateway.metrics.count_request(backend.name, outcome_status)
             policy.on_finished(route_request, backend)
+
+
+def _is_event_stream(headers: list[tuple[bytes, bytes]]) -> bool:
+    return any(name == b"content-type" and value.startswith(b"text/event-stream") for name, value in headers)
 
 
 class _DisconnectWatch:
