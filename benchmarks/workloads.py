@@ -215,8 +215,8 @@ class ChatSessionsParams:
     system_tokens: int = 300  # each user's own system prompt (personas differ)
     user_message_tokens: tuple[int, int] = (40, 200)
     assistant_reply_tokens: tuple[int, int] = (60, 240)  # the replies stored in the history
-    think_time_s: float = 1.5  # mean pause between a session's turns (exponential)
-    rate: float = 24.0  # mean requests per second over the whole run
+    think_time_s: float = 1.0  # mean pause between a session's turns (exponential)
+    rate: float = 32.0  # mean requests per second over the whole run
     max_tokens: int = 32
     seed: int = 1
 
@@ -257,7 +257,7 @@ class SharedSystemPromptsParams:
     requests_per_user: int = 3
     question_tokens: tuple[int, int] = (30, 150)
     zipf_exponent: float = 0.6  # popularity of the system prompts: weight of prompt k is 1 / (k+1)^s
-    rate: float = 24.0
+    rate: float = 28.0
     max_tokens: int = 32
     seed: int = 2
 
@@ -334,7 +334,7 @@ def document_qa(params: DocumentQAParams = DocumentQAParams(), tokenizer: Any = 
 
 @dataclass(frozen=True)
 class NoReuseParams:
-    requests: int = 200
+    requests: int = 160
     prompt_tokens: tuple[int, int] = (300, 2000)
     rate: float = 16.0
     max_tokens: int = 32

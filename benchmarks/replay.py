@@ -1,0 +1,134 @@
+"""Replay a workload against an OpenAI-compatible URL: open-loop arrivals, bounded concurrency, streaming.
+
+Each request is sent at its arrival offset (or as soon as a concurrency slot frees up, which is
+counted), streams its answer, and records what a client sees: time to the first content chunk, the
+usage the engine reports (prompt and cached tokens), and the x-kvgate-backend header when present.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass
+
+import httpx
+import msgspec
+import numpy as np
+
+from benchmarks.workloads import Workload, WorkloadRequest
+
+_decode = msgspec.json.Decoder()
+
+
+@dataclass(slots=True)
+class Outcome:
+    index: int
+    ok: bool
+    error: str = ""
+    scheduled_at: float = 0.0  # monotonic seconds
+    sent_at: float = 0.0
+    first_content_at: float = 0.0
+    done_at: float = 0.0
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    completion_tokens: int = 0
+    backend: str | None = None
+
+    @property
+    def ttft_s(self) -> float:
+        return self.first_content_at - self.sent_at
+
+
+async def _send(client: httpx.AsyncClient, model: str, request: WorkloadRequest, outcome: Outcome) -> None:
+    body = {
+        "model": model,
+        "messages": request.messages,
+        "max_tokens": request.max_tokens,
+        "temperature": 0.0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        "user": request.session_id,
+    }
+    headers = {"x-session-id": request.session_id}
+    outcome.sent_at = time.monotonic()
+    async with client.stream("POST", "/v1/chat/completions", json=body, headers=headers) as response:
+        outcome.backend = response.headers.get("x-kvgate-backend")
+        if response.status_code != 200:
+            outcome.error = f"HTTP {response.status_code}: {(await response.aread())[:200]!r}"
+            return
+        async for line in response.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = _decode.decode(line[6:])
+            if not outcome.first_content_at:
+                choices = chunk.get("choices") or []
+                if choices and (choices[0].get("delta") or {}).get("content"):
+                    outcome.first_content_at = time.monotonic()
+            usage = chunk.get("usage")
+            if usage:
+                outcome.prompt_tokens = usage.get("prompt_tokens", 0)
+                outcome.completion_tokens = usage.get("completion_tokens", 0)
+                outcome.cached_tokens = (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
+    outcome.done_at = time.monotonic()
+    if not outcome.first_content_at:
+        outcome.error = "no content chunk in the stream"
+    elif not outcome.prompt_tokens:
+        outcome.error = "no usage in the stream"
+    else:
+        outcome.ok = True
+
+
+async def replay(
+    url: str, workload: Workload, model: str, concurrency: int = 128, request_timeout_s: float = 60.0
+) -> list[Outcome]:
+    """Send every request of `workload` to `url` on schedule; return one Outcome per request, in order."""
+    limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
+    timeout = httpx.Timeout(request_timeout_s, connect=5.0)
+    outcomes = [Outcome(r.index, ok=False) for r in workload.requests]
+    slots = asyncio.Semaphore(concurrency)
+    async with httpx.AsyncClient(base_url=url, limits=limits, timeout=timeout) as client:
+        start = time.monotonic() + 0.1
+
+        async def one(request: WorkloadRequest, outcome: Outcome) -> None:
+            outcome.scheduled_at = start + request.arrival_s
+            await asyncio.sleep(max(0.0, outcome.scheduled_at - time.monotonic()))
+            async with slots:
+                try:
+                    await _send(client, model, request, outcome)
+                except (httpx.HTTPError, msgspec.DecodeError) as exc:
+                    outcome.error = f"{type(exc).__name__}: {exc}"
+
+        await asyncio.gather(*(one(r, o) for r, o in zip(workload.requests, outcomes, strict=True)))
+    return outcomes
+
+
+def summarize(workload: Workload, outcomes: list[Outcome]) -> dict:
+    """Client-side measures of one replay: hit ratio from usage, TTFT percentiles (ms), throughput."""
+    done = [o for o in outcomes if o.ok]
+    prompt = sum(o.prompt_tokens for o in done)
+    cached = sum(o.cached_tokens for o in done)
+    ttft_ms = np.array([o.ttft_s * 1000.0 for o in done]) if done else np.array([float("nan")])
+    span = (max(o.done_at for o in done) - min(o.sent_at for o in done)) if done else float("nan")
+    late = [o.sent_at - o.scheduled_at for o in outcomes if o.sent_at]
+    pairs = zip(outcomes, workload.requests, strict=True)
+    mismatches = sum(1 for o, r in pairs if o.ok and o.prompt_tokens != r.prompt_tokens)
+    errors = [o.error for o in outcomes if not o.ok]
+    return {
+        "hit_ratio": round(cached / prompt, 4) if prompt else 0.0,
+        "ttft_p50": round(float(np.percentile(ttft_ms, 50)), 2),
+        "ttft_p90": round(float(np.percentile(ttft_ms, 90)), 2),
+        "ttft_p99": round(float(np.percentile(ttft_ms, 99)), 2),
+        "ttft_mean": round(float(ttft_ms.mean()), 2),
+        "throughput": round(len(done) / span, 3) if done else 0.0,
+        "output_tokens_per_s": round(sum(o.completion_tokens for o in done) / span, 1) if done else 0.0,
+        "requests": len(outcomes),
+        "completed": len(done),
+        "errors": len(errors),
+        "first_errors": errors[:3],
+        "prompt_tokens": prompt,
+        "cached_tokens": cached,
+        # Requests whose prompt the engine counted differently from the workload's tokenization.
+        "prompt_token_mismatches": mismatches,
+        # How far sends slipped behind the open-loop schedule (client or concurrency limit).
+        "send_lag_p99_ms": round(float(np.percentile(late, 99)) * 1000.0, 2) if late else 0.0,
+    }

@@ -1,0 +1,140 @@
+"""The routers a benchmark puts in front of an engine fleet: kvgate with each policy, and the peers.
+
+Each launcher starts one router process on a free loopback port, waits until it forwards a request,
+and returns a `RunningRouter`. The peers (sglang-router, vllm-router) come from PyPI into their own
+virtual environments under .cache/peers/ (scripts/install_peers.sh), never into the project's.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+
+from benchmarks.sim_fleet import EVENTS_TOPIC, MODEL, EngineFleet
+from tests.support.gateway import GatewayProcess, start_gateway
+from tests.support.ports import free_port
+from tests.support.processes import REPO_ROOT, ManagedProcess
+
+PEERS_DIR = REPO_ROOT / ".cache" / "peers"
+KVGATE_POLICIES = ("round_robin", "least_loaded", "session", "approximate", "kv_aware")
+PEER_POLICIES = ("sglang_router_cache_aware", "vllm_router_cache_aware", "vllm_router_kv_aware")
+ALL_POLICIES = KVGATE_POLICIES + PEER_POLICIES
+# vllm-router's kv_aware is left out by default: against the simulated engines its debug log shows
+# credited_prefix_tokens=0 on every decision (it does not recognise the simulator's block hashes), so
+# its numbers would measure that mismatch, not its routing.
+DEFAULT_POLICIES = (*KVGATE_POLICIES, "sglang_router_cache_aware", "vllm_router_cache_aware")
+
+
+@dataclass(slots=True)
+class RunningRouter:
+    policy: str
+    url: str
+    process: ManagedProcess
+    stop: Callable[[], None]
+    # True when responses carry x-kvgate-backend (kvgate), so the client can count load itself.
+    names_backend: bool = False
+
+
+def start_router(policy: str, fleet: EngineFleet, timeout_s: float = 90.0) -> RunningRouter:
+    if policy in KVGATE_POLICIES:
+        return _start_kvgate(policy, fleet, timeout_s)
+    if policy in PEER_POLICIES:
+        return _start_peer(policy, fleet, timeout_s)
+    raise ValueError(f"unknown policy {policy!r}; known: {', '.join(ALL_POLICIES)}")
+
+
+def _start_kvgate(policy: str, fleet: EngineFleet, timeout_s: float) -> RunningRouter:
+    backends = []
+    for engine in fleet.engines:
+        backend: dict = {"name": engine.name, "url": engine.url}
+        if policy == "kv_aware":  # only kv_aware reads KV events; the others would pay for nothing
+            backend["kv_events"] = {
+                "endpoint": engine.events_endpoint,
+                "replay_endpoint": engine.replay_endpoint,
+                "topic": EVENTS_TOPIC,
+            }
+        backends.append(backend)
+    config = {
+        "models": [{"name": MODEL, "tokenizer": "builtin:qwen3"}],
+        "backends": backends,
+        "policy": {"name": policy},
+        "log_level": "warning",
+    }
+    gateway: GatewayProcess = start_gateway(config, timeout_s=timeout_s)
+    try:
+        _wait_until_forwarding(gateway.url, gateway.process, timeout_s)
+    except BaseException:
+        gateway.stop()
+        raise
+    return RunningRouter(policy, gateway.url, gateway.process, gateway.stop, names_backend=True)
+
+
+def ensure_peers_installed() -> None:
+    """Install the peer routers (scripts/install_peers.sh) unless both are already there."""
+    if all(_peer_binary(name).exists() for name in ("sglang-router", "vllm-router")):
+        return
+    script = REPO_ROOT / "scripts" / "install_peers.sh"
+    result = subprocess.run(["bash", str(script)], capture_output=True, text=True, cwd=REPO_ROOT)
+    if result.returncode != 0:
+        raise RuntimeError(f"{script} failed ({result.returncode}):\n{result.stdout}\n{result.stderr}")
+
+
+def _peer_binary(name: str) -> Path:
+    return PEERS_DIR / name / "bin" / name
+
+
+def _start_peer(policy: str, fleet: EngineFleet, timeout_s: float) -> RunningRouter:
+    ensure_peers_installed()
+    port = free_port()
+    metrics_port = free_port()  # both peers default to a fixed Prometheus port (29000): never share it
+    workers = [engine.url for engine in fleet.engines]
+    common = ["--host", "127.0.0.1", "--port", str(port), "--worker-urls", *workers,
+              "--prometheus-host", "127.0.0.1", "--prometheus-port", str(metrics_port)]  # fmt: skip
+    if policy == "sglang_router_cache_aware":
+        args = [str(_peer_binary("sglang-router")), "launch", *common, "--policy", "cache_aware",
+                "--log-level", "warn"]  # fmt: skip
+    elif policy == "vllm_router_cache_aware":
+        args = [str(_peer_binary("vllm-router")), *common, "--policy", "cache_aware",
+                "--log-level", "warning"]  # fmt: skip
+    else:
+        # vllm-router's own KV-event-driven policy, fed by the same event streams kvgate reads.
+        args = [str(_peer_binary("vllm-router")), *common, "--policy", "kv_aware", "--log-level", "warning",
+                "--kv-event-block-size", str(fleet.block_size), "--kv-event-model", MODEL]  # fmt: skip
+        for engine in fleet.engines:
+            args += ["--kv-event-source", f"{engine.url}={engine.events_endpoint}"]
+            args += ["--kv-event-replay-source", f"{engine.url}={engine.replay_endpoint}"]
+    process = ManagedProcess(args)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        _wait_until_forwarding(url, process, timeout_s)
+    except BaseException:
+        process.stop()
+        raise
+    return RunningRouter(policy, url, process, process.stop)
+
+
+def _wait_until_forwarding(url: str, process: ManagedProcess, timeout_s: float) -> None:
+    """Wait until the router answers a tiny chat request with 200 (it has found healthy workers)."""
+    deadline = time.monotonic() + timeout_s
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "ping"}], "max_tokens": 1}
+    last = "no attempt"
+    while time.monotonic() < deadline:
+        if not process.alive():
+            code = process.popen.returncode
+            raise RuntimeError(f"{process.args[0]} exited with {code}:\n{process.output()[-3000:]}")
+        try:
+            response = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=5.0)
+            if response.status_code == 200:
+                return
+            last = f"HTTP {response.status_code}: {response.text[:200]}"
+        except httpx.HTTPError as exc:
+            last = repr(exc)
+        time.sleep(0.25)
+    raise TimeoutError(
+        f"router at {url} did not forward within {timeout_s}s ({last}):\n{process.output()[-3000:]}"
+    )

@@ -1,0 +1,155 @@
+"""A fleet of simulated engines (`kvgate sim`) on loopback for benchmarks: start, reset, count, stop.
+
+Every engine gets OS-chosen free ports (HTTP, KV-event PUB, replay ROUTER), so benchmarks run beside
+other work on the machine. Per-engine request counts come from each engine's own /metrics
+(vllm:request_success_total), which works whatever router sits in front.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+import httpx
+
+from tests.support.ports import free_port
+from tests.support.processes import ManagedProcess, wait_for_http
+
+MODEL = "tiny-qwen3"
+EVENTS_TOPIC = "kv-events"
+
+
+@dataclass(frozen=True, slots=True)
+class Engine:
+    name: str
+    url: str
+    events_endpoint: str
+    replay_endpoint: str
+
+
+@dataclass(frozen=True, slots=True)
+class EngineCounters:
+    """Totals from one engine's /metrics."""
+
+    requests: float
+    prompt_tokens: float
+    cached_tokens: float
+
+    def minus(self, earlier: EngineCounters) -> EngineCounters:
+        return EngineCounters(
+            self.requests - earlier.requests,
+            self.prompt_tokens - earlier.prompt_tokens,
+            self.cached_tokens - earlier.cached_tokens,
+        )
+
+
+def _distinct_free_ports(count: int, taken: set[int]) -> list[int]:
+    ports: list[int] = []
+    while len(ports) < count:
+        port = free_port()
+        if port not in taken:
+            taken.add(port)
+            ports.append(port)
+    return ports
+
+
+class EngineFleet:
+    """`count` simulated engines of `num_gpu_blocks` KV blocks each; `sim_args` go to `kvgate sim`."""
+
+    def __init__(
+        self, count: int, num_gpu_blocks: int, block_size: int = 16, sim_args: list[str] | None = None
+    ):
+        self.count = count
+        self.num_gpu_blocks = num_gpu_blocks
+        self.block_size = block_size
+        self.sim_args = list(sim_args or [])
+        self.engines: list[Engine] = []
+        self._processes: list[ManagedProcess] = []
+        self._client = httpx.Client(timeout=10.0)
+
+    def start(self, timeout_s: float = 120.0) -> None:
+        taken: set[int] = set()
+        for index in range(self.count):
+            http_port, events_port, replay_port = _distinct_free_ports(3, taken)
+            engine = Engine(
+                f"engine-{index}",
+                f"http://127.0.0.1:{http_port}",
+                f"tcp://127.0.0.1:{events_port}",
+                f"tcp://127.0.0.1:{replay_port}",
+            )
+            events_config = {
+                "enable_kv_cache_events": True,
+                "publisher": "zmq",
+                "endpoint": engine.events_endpoint,
+                "replay_endpoint": engine.replay_endpoint,
+                "topic": EVENTS_TOPIC,
+            }
+            args = [
+                sys.executable, "-m", "router.cli", "sim",
+                "--model", MODEL, "--tokenizer", "builtin:qwen3",
+                "--host", "127.0.0.1", "--port", str(http_port),
+                "--block-size", str(self.block_size),
+                "--num-gpu-blocks-override", str(self.num_gpu_blocks),
+                "--kv-events-config", json.dumps(events_config),
+                "--log-level", "warning",
+                *self.sim_args,
+            ]  # fmt: skip
+            self.engines.append(engine)
+            self._processes.append(ManagedProcess(args))
+        try:
+            for engine, process in zip(self.engines, self._processes, strict=True):
+                wait_for_http(f"{engine.url}/health", process, timeout_s)
+        except BaseException:
+            self.stop()
+            raise
+
+    def reset_caches(self, timeout_s: float = 30.0) -> None:
+        """Empty every engine's prefix cache (POST /reset_prefix_cache, refused while requests run)."""
+        deadline = time.monotonic() + timeout_s
+        pending = list(self.engines)
+        while pending:
+            pending = [
+                e for e in pending if self._client.post(f"{e.url}/reset_prefix_cache").status_code != 200
+            ]
+            if pending and time.monotonic() > deadline:
+                raise TimeoutError(f"engines {[e.name for e in pending]} still refuse to reset their cache")
+            if pending:
+                time.sleep(0.2)
+
+    def counters(self) -> list[EngineCounters]:
+        with ThreadPoolExecutor(max_workers=min(16, self.count)) as pool:
+            return list(pool.map(self._counters_of, self.engines))
+
+    def _counters_of(self, engine: Engine) -> EngineCounters:
+        text = self._client.get(f"{engine.url}/metrics").text
+        totals = {"vllm:request_success_total": 0.0, "vllm:prompt_tokens_total": 0.0,
+                  "vllm:prefix_cache_hits_total": 0.0}  # fmt: skip
+        for line in text.splitlines():
+            name, _, rest = line.partition("{")
+            if name in totals:
+                totals[name] += float(rest.rsplit(" ", 1)[1])
+        return EngineCounters(
+            totals["vllm:request_success_total"],
+            totals["vllm:prompt_tokens_total"],
+            totals["vllm:prefix_cache_hits_total"],
+        )
+
+    def all_alive(self) -> bool:
+        return all(process.alive() for process in self._processes)
+
+    def stop(self) -> None:
+        for process in self._processes:
+            process.stop()
+        self._processes.clear()
+        self.engines.clear()
+        self._client.close()
+
+    def __enter__(self) -> EngineFleet:
+        self.start()
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.stop()
