@@ -131,12 +131,27 @@ def test_store_and_retrieve_on_cpu_move_the_chunk_through_host_memory():
     gpu.store(caches, "flash_attn", slots, host, pieces=2).wait()
     expected = torch.full_like(host, POISON)
     gpu.gather(caches, "flash_attn", slots, expected)
+    expected[:, :, slots < 0] = 0  # a store zero-fills the rows of skipped tokens
     assert torch.equal(host, expected)
     fresh = make_cache("flash_attn", generator=generator)
     gpu.retrieve(host, fresh, "flash_attn", slots, pieces=3).wait()
     back = torch.full_like(host, POISON)
     gpu.gather(fresh, "flash_attn", slots, back)
-    assert torch.equal(back, host)
+    valid = slots >= 0
+    assert torch.equal(back[:, :, valid], host[:, :, valid])
+    assert torch.all(back[:, :, ~valid] == POISON)
+
+
+def test_layer_groups_cover_every_layer_once():
+    from cachelayer.gpu.transfer import layer_groups
+
+    assert layer_groups(32, None) == [(0, 1), (1, 32)]
+    assert layer_groups(32, None, growing=False) == [(0, 31), (31, 32)]
+    assert layer_groups(32, "doubling") == [(0, 1), (1, 2), (2, 4), (4, 8), (8, 16), (16, 32)]
+    assert layer_groups(5, 3) == [(0, 2), (2, 3), (3, 5)]
+    assert layer_groups(1, None) == [(0, 1)]
+    with pytest.raises(ValueError, match="pieces"):
+        layer_groups(4, 0)
 
 
 def test_layerwise_storer_and_loader_on_cpu_follow_the_layers():
@@ -156,11 +171,13 @@ def test_layerwise_storer_and_loader_on_cpu_follow_the_layers():
     loader.wait_for_layer(1)
     check = torch.full_like(host, POISON)
     gpu.gather(fresh, "flashinfer", slots, check)
-    assert torch.equal(check[1], host[1])
-    assert not torch.equal(check[0], host[0])
+    valid = slots >= 0
+    assert torch.all(host[:, :, ~valid] == 0)  # the store zero-filled the skipped tokens' rows
+    assert torch.equal(check[1][:, valid], host[1][:, valid])
+    assert not torch.equal(check[0][:, valid], host[0][:, valid])
     loader.finish().wait()
     gpu.gather(fresh, "flashinfer", slots, check)
-    assert torch.equal(check, host)
+    assert torch.equal(check[:, :, valid], host[:, :, valid])
 
 
 def test_bad_input_gets_errors_that_say_what_to_fix():

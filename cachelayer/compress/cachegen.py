@@ -61,13 +61,13 @@ def error_bound(scales: Tensor) -> Tensor:
 def quantization_scales(kv: Tensor, qmax: Tensor) -> tuple[Tensor, Tensor]:
     """Per-row scale = max|x| / qmax and its reciprocal (1 for all-zero rows), float32 [L, 2, T].
 
-    Computed with the same torch operations on every device (IEEE division), so CPU and CUDA agree.
+    IEEE divisions, as the CUDA quantize kernel does them (tl.div_rn), so CPU and CUDA agree bit for bit.
     """
     largest = kv.abs().amax(dim=-1).float()
     if not bool(torch.isfinite(largest).all()):
         raise CacheGenError("kv holds NaN or infinite values; CacheGen encodes finite values only")
     scales = largest / qmax.to(largest.device, torch.float32)[:, None, None]
-    inverse = torch.reciprocal(torch.where(scales > 0, scales, torch.ones_like(scales)))
+    inverse = 1.0 / torch.where(scales > 0, scales, torch.ones_like(scales))
     return scales, inverse
 
 
@@ -86,12 +86,18 @@ def normalized_frequencies(counts: np.ndarray) -> np.ndarray:
 
 def symbol_lookup(frequencies: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Cumulative frequencies [rows, ALPHABET] and the slot -> symbol table [rows, PROBABILITY_SCALE]."""
+    cumulative = cumulative_frequencies(frequencies)
+    # Each row's frequencies sum to PROBABILITY_SCALE, so repeating every symbol by its frequency
+    # over all rows at once yields exactly rows x PROBABILITY_SCALE entries, row after row.
+    symbols = np.tile(np.arange(frequencies.shape[1], dtype=np.uint8), len(frequencies))
+    table = np.repeat(symbols, frequencies.reshape(-1)).reshape(len(frequencies), PROBABILITY_SCALE)
+    return cumulative, table
+
+
+def cumulative_frequencies(frequencies: np.ndarray) -> np.ndarray:
     cumulative = np.zeros_like(frequencies)
     cumulative[:, 1:] = np.cumsum(frequencies, axis=1)[:, :-1]
-    ends = cumulative + frequencies
-    slots = np.arange(PROBABILITY_SCALE)
-    table = np.stack([np.searchsorted(row_ends, slots, side="right") for row_ends in ends]).astype(np.uint8)
-    return cumulative, table
+    return cumulative
 
 
 def _align(size: int) -> int:
@@ -158,17 +164,13 @@ class CacheGenCodec:
         qmax = self._check_input(kv, layer_offset, total_layers)
         num_layers, _, num_tokens, channels = kv.shape
         qmax_tensor = torch.tensor(qmax, dtype=torch.int32, device=kv.device)
-        scales, inverse = quantization_scales(kv, qmax_tensor)
-        symbols, counts = cachegen_kernels.quantize(kv.contiguous(), inverse, qmax_tensor)
-        frequencies = normalized_frequencies(counts.cpu().numpy())
-        cumulative, _ = symbol_lookup(frequencies)
-        lengths = torch.from_numpy(lane_group_lengths(num_layers, num_tokens, channels).astype(np.int32))
-        states, word_counts, words = cachegen_kernels.rans_encode(
-            symbols,
-            torch.from_numpy(frequencies.astype(np.int32)).to(kv.device),
-            torch.from_numpy(cumulative.astype(np.int32)).to(kv.device),
-            lengths.to(kv.device),
-        )
+        scales, symbols, counts, nonfinite = cachegen_kernels.quantize(kv.contiguous(), qmax_tensor)
+        if nonfinite:
+            raise CacheGenError("kv holds NaN or infinite values; CacheGen encodes finite values only")
+        frequencies = normalized_frequencies(counts)
+        tables = np.stack([frequencies, cumulative_frequencies(frequencies)]).astype(np.int32)
+        tables_device = torch.from_numpy(tables).to(kv.device)
+        states, word_counts, words = cachegen_kernels.rans_encode(symbols, tables_device[0], tables_device[1])
         header = self._header(
             kv.dtype, num_layers, num_tokens, channels, layer_offset, total_layers, words.numel()
         )
@@ -198,8 +200,9 @@ class CacheGenCodec:
         rows = symbols.reshape(num_layers * 2, -1)
         counts = np.stack([np.bincount(row, minlength=ALPHABET) for row in rows])
         frequencies = normalized_frequencies(counts)
-        cumulative, _ = symbol_lookup(frequencies)
-        states, word_counts, words = _rans_encode_numpy(symbols, frequencies, cumulative)
+        states, word_counts, words = _rans_encode_numpy(
+            symbols, frequencies, cumulative_frequencies(frequencies)
+        )
         header = self._header(
             kv.dtype, num_layers, num_tokens, channels, layer_offset, total_layers, len(words)
         )
@@ -284,7 +287,6 @@ class CacheGenCodec:
         ends = torch.cumsum(counts, 0, dtype=torch.int64)
         if int(ends[-1]) != header["total_words"]:
             raise CacheGenError("corrupt CacheGen blob: word counts do not add up to the words present")
-        lengths = torch.from_numpy(lane_group_lengths(num_layers, num_tokens, channels).astype(np.int32))
         out_dtype = dtype or header["dtype"]
         out = torch.empty(num_layers, 2, num_tokens, channels, dtype=out_dtype, device=blob.device)
         clean = cachegen_kernels.rans_decode(
@@ -297,7 +299,6 @@ class CacheGenCodec:
             torch.from_numpy(table).to(blob.device),
             section("scales", torch.float32),
             section("qmax", torch.uint8).to(torch.int32),
-            lengths.to(blob.device),
             out,
         )
         if not clean:

@@ -1,6 +1,7 @@
 """Triton kernels of the CacheGen codec (cachelayer/compress/cachegen.py holds the format and CPU path).
 
-- quantize: symbols = round(x * inverse_scale) + qmax, and the per-(layer, K/V) symbol histogram;
+- quantize: per-row scales, symbols = round(x * (1 / scale)) + qmax, the per-(layer, K/V) symbol
+  histogram, and a count of non-finite inputs, in one launch;
 - rans_encode: one rANS lane per thread, run twice: once to count each lane's words (so every
   lane knows where its words go), once to write them;
 - rans_decode: one lane per thread, dequantizing as it goes.
@@ -9,6 +10,7 @@ Every kernel runs with floating-point contraction off, so products round exactly
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 import triton
 import triton.language as tl
@@ -26,10 +28,11 @@ _ROUNDING_MAGIC = 12582912.0
 @triton.jit
 def _quantize_kernel(
     kv_ptr,
-    inverse_ptr,
     qmax_ptr,
+    scales_ptr,
     symbols_ptr,
     counts_ptr,
+    nonfinite_ptr,
     num_tokens,
     channels,
     BLOCK_TOKENS: tl.constexpr,
@@ -37,13 +40,30 @@ def _quantize_kernel(
     ALPHABET: tl.constexpr,
     MAGIC: tl.constexpr,
 ):
+    """Scales (max|x| / qmax, IEEE division as torch's), symbols and histogram of BLOCK_TOKENS rows;
+    the second pass over the rows reads them from L2."""
     token_block = tl.program_id(0)
     row = tl.program_id(1)  # (layer, K/V)
     qmax = tl.load(qmax_ptr + row // 2)
     tokens = token_block * BLOCK_TOKENS + tl.arange(0, BLOCK_TOKENS)
     token_valid = tokens < num_tokens
-    inverse = tl.load(inverse_ptr + row * num_tokens + tokens, mask=token_valid, other=0.0)
     row_base = (row.to(tl.int64) * num_tokens + tokens) * channels
+    largest = tl.zeros([BLOCK_TOKENS], dtype=tl.float32)
+    nonfinite = tl.zeros([BLOCK_TOKENS], dtype=tl.int32)
+    for start in range(0, channels, BLOCK_CHANNELS):
+        columns = start + tl.arange(0, BLOCK_CHANNELS)
+        mask = token_valid[:, None] & (columns < channels)[None, :]
+        magnitude = tl.abs(
+            tl.load(kv_ptr + row_base[:, None] + columns[None, :], mask=mask, other=0.0).to(tl.float32)
+        )
+        bad = (magnitude != magnitude) | (magnitude == float("inf"))
+        nonfinite += tl.sum(bad.to(tl.int32), axis=1)
+        largest = tl.maximum(largest, tl.max(magnitude, axis=1))
+    scale = tl.div_rn(largest, tl.zeros_like(largest) + qmax.to(tl.float32))
+    safe = tl.where(scale > 0, scale, 1.0)
+    inverse = tl.div_rn(tl.zeros_like(safe) + 1.0, safe)
+    tl.store(scales_ptr + row * num_tokens + tokens, scale, mask=token_valid)
+
     histogram = tl.zeros([ALPHABET], dtype=tl.int32)
     masked_out = 0
     for start in range(0, channels, BLOCK_CHANNELS):
@@ -60,6 +80,7 @@ def _quantize_kernel(
     bins = tl.arange(0, ALPHABET)
     histogram -= tl.where(bins == 0, masked_out, 0)  # masked elements were counted as symbol 0
     tl.atomic_add(counts_ptr + row * ALPHABET + bins, histogram)
+    tl.atomic_add(nonfinite_ptr, tl.sum(nonfinite, axis=0))
 
 
 @triton.jit
@@ -67,7 +88,6 @@ def _rans_encode_kernel(
     symbols_ptr,
     frequency_ptr,
     cumulative_ptr,
-    lengths_ptr,
     states_ptr,
     counts_ptr,
     offsets_ptr,
@@ -88,7 +108,7 @@ def _rans_encode_kernel(
     rest = lanes // channels
     group = rest % num_groups
     row = rest // num_groups
-    length = tl.load(lengths_ptr + lanes, mask=valid, other=0)
+    length = tl.where(valid, tl.minimum(num_tokens - group * GROUP, GROUP), 0)
     base = (row.to(tl.int64) * num_tokens + group * GROUP) * channels + channel
     table = row * ALPHABET
     state = tl.full([BLOCK], 65536, tl.uint32)
@@ -128,7 +148,6 @@ def _rans_decode_kernel(
     table_ptr,
     scales_ptr,
     qmax_ptr,
-    lengths_ptr,
     out_ptr,
     final_ptr,
     num_lanes,
@@ -146,7 +165,7 @@ def _rans_decode_kernel(
     rest = lanes // channels
     group = rest % num_groups
     row = rest // num_groups
-    length = tl.load(lengths_ptr + lanes, mask=valid, other=0)
+    length = tl.where(valid, tl.minimum(num_tokens - group * GROUP, GROUP), 0)
     state = tl.load(states_ptr + lanes, mask=valid, other=65536).to(tl.uint32, bitcast=True)
     position = tl.load(offsets_ptr + lanes, mask=valid, other=0)
     end = tl.load(ends_ptr + lanes, mask=valid, other=0)
@@ -174,20 +193,24 @@ def _rans_decode_kernel(
     tl.store(final_ptr + num_lanes + lanes, (position == end).to(tl.int32), mask=valid)
 
 
-def quantize(kv: Tensor, inverse: Tensor, qmax: Tensor) -> tuple[Tensor, Tensor]:
-    """Symbols uint8 [L, 2, T, C] and symbol counts int32 [L * 2, 64] of a contiguous CUDA kv."""
+def quantize(kv: Tensor, qmax: Tensor) -> tuple[Tensor, Tensor, np.ndarray, int]:
+    """Scales float32 [L, 2, T], symbols uint8 [L, 2, T, C] (on the GPU), symbol counts [L * 2, 64]
+    and the number of non-finite inputs (on the host), for a contiguous CUDA kv."""
     num_layers, _, num_tokens, channels = kv.shape
+    scales = torch.empty(num_layers, 2, num_tokens, dtype=torch.float32, device=kv.device)
     symbols = torch.empty(kv.shape, dtype=torch.uint8, device=kv.device)
     counts = torch.zeros(num_layers * 2, _ALPHABET, dtype=torch.int32, device=kv.device)
+    nonfinite = torch.zeros(1, dtype=torch.int32, device=kv.device)
     block_channels = min(triton.next_power_of_2(channels), 256)
     block_tokens = max(1, 4096 // block_channels)
     grid = (triton.cdiv(num_tokens, block_tokens), num_layers * 2)
     _quantize_kernel[grid](
         kv,
-        inverse.contiguous(),
         qmax,
+        scales,
         symbols,
         counts,
+        nonfinite,
         num_tokens,
         channels,
         BLOCK_TOKENS=block_tokens,
@@ -197,12 +220,12 @@ def quantize(kv: Tensor, inverse: Tensor, qmax: Tensor) -> tuple[Tensor, Tensor]
         num_warps=8,
         enable_fp_fusion=False,
     )
-    return symbols, counts
+    # One read-back for both: the histogram is needed on the host for the frequency tables anyway.
+    host = torch.cat([counts.view(-1), nonfinite]).cpu().numpy()
+    return scales, symbols, host[:-1].reshape(num_layers * 2, _ALPHABET), int(host[-1])
 
 
-def rans_encode(
-    symbols: Tensor, frequencies: Tensor, cumulative: Tensor, lengths: Tensor
-) -> tuple[Tensor, Tensor, Tensor]:
+def rans_encode(symbols: Tensor, frequencies: Tensor, cumulative: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     """Final states (int32 bits of uint32), words per lane (int16 bits of uint16) and the words."""
     num_layers, _, num_tokens, channels = symbols.shape
     num_groups = triton.cdiv(num_tokens, _GROUP_TOKENS)
@@ -213,7 +236,7 @@ def rans_encode(
     common = dict(
         GROUP=_GROUP_TOKENS, BLOCK=_LANES_PER_PROGRAM, ALPHABET=_ALPHABET, PROBABILITY_BITS=_PROBABILITY_BITS
     )
-    arguments = (symbols, frequencies, cumulative, lengths, states, counts)
+    arguments = (symbols, frequencies, cumulative, states, counts)
     dimensions = (num_lanes, num_tokens, channels, num_groups)
     _rans_encode_kernel[grid](*arguments, counts, counts, *dimensions, WRITE=False, **common)
     offsets = torch.cumsum(counts, 0, dtype=torch.int64) - counts
@@ -234,7 +257,6 @@ def rans_decode(
     table: Tensor,
     scales: Tensor,
     qmax: Tensor,
-    lengths: Tensor,
     out: Tensor,
 ) -> bool:
     """Decode every lane into `out` [L, 2, T, C]; False if a lane did not end on its initial state
@@ -254,7 +276,6 @@ def rans_decode(
         table,
         scales,
         qmax,
-        lengths,
         out,
         final,
         num_lanes,

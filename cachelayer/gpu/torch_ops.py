@@ -19,7 +19,16 @@ def _valid_tokens(slot_mapping: Tensor) -> tuple[Tensor, Tensor]:
     return positions, slot_mapping.index_select(0, positions).long()
 
 
-def gather(kv_caches: Sequence[Tensor], geometry: PagedGeometry, slot_mapping: Tensor, out: Tensor) -> None:
+def gather(
+    kv_caches: Sequence[Tensor],
+    geometry: PagedGeometry,
+    slot_mapping: Tensor,
+    out: Tensor,
+    *,
+    fill_skipped: bool = False,
+) -> None:
+    if fill_skipped:
+        out[:, :, slot_mapping < 0] = 0
     positions, slots = _valid_tokens(slot_mapping)
     blocks, offsets = slots // geometry.block_size, slots % geometry.block_size
     for layer_index, layer in enumerate(kv_caches):

@@ -44,23 +44,31 @@ class TransferHandle:
         return self._event is None or self._event.query()
 
 
-def layer_groups(num_layers: int, pieces: int | None, *, growing: bool = True) -> list[tuple[int, int]]:
-    """Split layers into contiguous ranges: `pieces` equal ones, or (None) sizes doubling 1, 1, 2, 4, ...
+def layer_groups(num_layers: int, pieces: int | str | None, *, growing: bool = True) -> list[tuple[int, int]]:
+    """Split layers into contiguous ranges: `pieces` equal ones; "doubling" (1, 1, 2, 4, ...); or None:
+    one layer, then the rest.
 
-    Doubling pieces start the pipeline after one layer's work yet pay the per-copy gap only about
-    log2(num_layers) times; `growing=False` reverses them (big first), so a retrieve ends on a
-    one-layer scatter.
+    None is the default because it measured best on the H200: a store's copy starts after a
+    one-layer gather, and each direction issues only two copies, which matters when a store and a
+    retrieve run at once (more, smaller copies cost bandwidth there). `growing=False` reverses the
+    order (a retrieve ends on a one-layer scatter).
     """
     if pieces is None:
-        sizes: list[int] = []
+        sizes = [1, num_layers - 1] if num_layers > 1 else [1]
+        if not growing:
+            sizes.reverse()
+        bounds = [sum(sizes[:i]) for i in range(len(sizes) + 1)]
+        return [(bounds[i], bounds[i + 1]) for i in range(len(sizes))]
+    if pieces == "doubling":
+        sizes = []
         while sum(sizes) < num_layers:
             sizes.append(min(max(1, sum(sizes)), num_layers - sum(sizes)))
         if not growing:
             sizes.reverse()
         bounds = [sum(sizes[:i]) for i in range(len(sizes) + 1)]
         return [(bounds[i], bounds[i + 1]) for i in range(len(sizes))]
-    if pieces < 1:
-        raise ValueError(f"pieces must be >= 1, got {pieces}")
+    if isinstance(pieces, str) or pieces < 1:
+        raise ValueError(f"pieces must be None, 'doubling' or a count >= 1, got {pieces!r}")
     pieces = min(pieces, num_layers)
     bounds = [round(i * num_layers / pieces) for i in range(pieces + 1)]
     return [(bounds[i], bounds[i + 1]) for i in range(pieces)]
@@ -84,7 +92,7 @@ class LayerwiseStorer:
 
     On CUDA, after_layer(i) gathers layer i on the current stream (microseconds) and queues its
     device-to-host copy on the side stream behind an event, so the copy of layer i overlaps the
-    compute of layer i+1. The stored slots must not be overwritten before finish()'s handle is done.
+    compute of layer i+1. Rows of skipped tokens (negative slots) are written with zeros.
     """
 
     def __init__(
@@ -117,7 +125,11 @@ class LayerwiseStorer:
             raise ValueError(f"layers [{start}, {stop}) out of range for {self._geometry.num_layers} layers")
         if not self._cuda:
             torch_ops.gather(
-                self._kv_caches[start:stop], self._geometry, self._slot_mapping, self._host_out[start:stop]
+                self._kv_caches[start:stop],
+                self._geometry,
+                self._slot_mapping,
+                self._host_out[start:stop],
+                fill_skipped=True,
             )
             return
         from cachelayer.gpu import triton_ops
@@ -129,6 +141,7 @@ class LayerwiseStorer:
             self._staging,
             to_chunk=True,
             layers=(start, stop),
+            fill_skipped=True,
         )
         gathered = torch.cuda.Event()
         gathered.record()
@@ -156,11 +169,10 @@ class LayerwiseLoader:
         layout: str,
         slot_mapping: Tensor,
         *,
-        pieces: int | None = None,
+        groups: list[tuple[int, int]] | None = None,
         check_range: bool = True,
     ):
-        """`pieces`: layer groups copied and scattered as units (None: doubling sizes, largest first);
-        a layerwise consumer that waits layer by layer wants pieces=num_layers."""
+        """`groups`: contiguous layer ranges copied and scattered as units (None: one per layer)."""
         self._kv_caches = list(kv_caches)
         self._geometry = paged_geometry(self._kv_caches, layout)
         check_slot_mapping(slot_mapping, self._geometry, check_range=check_range)
@@ -168,7 +180,11 @@ class LayerwiseLoader:
         self._slot_mapping = slot_mapping
         self._host_chunk = host_chunk
         num_layers = self._geometry.num_layers
-        self._groups = layer_groups(num_layers, pieces, growing=False)
+        self._groups = groups or [(layer, layer + 1) for layer in range(num_layers)]
+        if [layer for start, stop in self._groups for layer in range(start, stop)] != list(range(num_layers)):
+            raise ValueError(
+                f"groups {self._groups} must cover layers 0..{num_layers - 1} in order, once each"
+            )
         self._group_of_layer = [g for g, (a, b) in enumerate(self._groups) for _ in range(a, b)]
         self._copied: list[torch.cuda.Event | None] = [None] * len(self._groups)
         self._scattered = [False] * len(self._groups)
@@ -183,11 +199,13 @@ class LayerwiseLoader:
         if not self._cuda:
             return
         stream = _side_stream(self._geometry.device, "h2d")
-        self._staging = torch.empty_like(self._host_chunk, device=self._geometry.device)
-        self._staging.record_stream(stream)
-        # The staging memory was handed out on the current stream: the copies must follow that.
-        stream.wait_stream(torch.cuda.current_stream())
+        compute_stream = torch.cuda.current_stream()
         with torch.cuda.stream(stream):
+            # Allocated on the copy stream, so the copies need not wait for the compute stream (a store
+            # queued there just before would otherwise delay this load); the scatters on the compute
+            # stream keep it alive through record_stream.
+            self._staging = torch.empty_like(self._host_chunk, device=self._geometry.device)
+            self._staging.record_stream(compute_stream)
             for group, (start, stop) in enumerate(self._groups):
                 self._staging[start:stop].copy_(self._host_chunk[start:stop], non_blocking=True)
                 copied = torch.cuda.Event()
@@ -237,11 +255,14 @@ def store(
     slot_mapping: Tensor,
     host_out: Tensor,
     *,
-    pieces: int | None = None,
+    pieces: int | str | None = None,
     check_range: bool = True,
 ) -> TransferHandle:
     """Gather every layer into pinned `host_out`, the device-to-host copy split into layer groups that
-    chase the gathers (`pieces`: see layer_groups); returns at once on CUDA (wait on the handle)."""
+    chase the gathers (`pieces`: see layer_groups); returns at once on CUDA (wait on the handle).
+
+    Unlike gather, the rows of skipped tokens (negative slots) are written with zeros.
+    """
     storer = LayerwiseStorer(kv_caches, layout, slot_mapping, host_out, check_range=check_range)
     for start, stop in layer_groups(len(storer._kv_caches), pieces):
         storer.after_layers(start, stop)
@@ -254,7 +275,7 @@ def retrieve(
     layout: str,
     slot_mapping: Tensor,
     *,
-    pieces: int | None = None,
+    pieces: int | str | None = None,
     check_range: bool = True,
 ) -> TransferHandle:
     """Copy pinned `host_chunk` to the device in layer groups and scatter each as it lands.
@@ -262,7 +283,12 @@ def retrieve(
     Work queued on the current stream afterwards sees the cache filled; the handle is for the host.
     """
     loader = LayerwiseLoader(
-        host_chunk, kv_caches, layout, slot_mapping, pieces=pieces, check_range=check_range
+        host_chunk,
+        kv_caches,
+        layout,
+        slot_mapping,
+        groups=layer_groups(len(kv_caches), pieces, growing=False),
+        check_range=check_range,
     )
     loader.start()
     return loader.finish()

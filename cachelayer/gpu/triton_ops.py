@@ -8,6 +8,7 @@ each program copies a tile of TOKENS tokens x COLUMNS elements of one (layer, pl
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -42,47 +43,67 @@ def _paged_copy_kernel(
     EVEN_COLUMNS: tl.constexpr,
     TOKENS: tl.constexpr,
     COLUMNS: tl.constexpr,
+    BLOCKS_PER_PROGRAM: tl.constexpr,
+    LAYER_FASTEST: tl.constexpr,
+    STREAMING: tl.constexpr,
+    FILL_SKIPPED: tl.constexpr,
 ):
-    token_block = tl.program_id(0)
-    layer_plane = tl.program_id(1)
+    if LAYER_FASTEST:
+        layer_plane = tl.program_id(0)
+        token_group = tl.program_id(1)
+    else:
+        token_group = tl.program_id(0)
+        layer_plane = tl.program_id(1)
     column_block = tl.program_id(2)
     layer = layer_start + layer_plane // num_planes
     plane = layer_plane % num_planes
-
-    tokens = token_block * TOKENS + tl.arange(0, TOKENS)
-    in_range = tokens < num_tokens
-    # Slots fit in 32 bits (a cache has fewer than 2**31 slots); 64-bit division would cost ~4x more.
-    slots = tl.load(slot_mapping_ptr + tokens, mask=in_range, other=-1).to(tl.int32)
-    valid = slots >= 0
-    slots = tl.where(valid, slots, 0)
-    blocks = slots // block_size
-    positions = slots - blocks * block_size
-
     layer_offset = tl.load(layer_offsets_ptr + layer)
-    cache_rows = (
-        layer_offset
-        + plane * plane_stride
-        + blocks.to(tl.int64) * block_stride
-        + positions.to(tl.int64) * position_stride
-    )
-    chunk_rows = (
-        layer.to(tl.int64) * chunk_layer_stride + plane * chunk_plane_stride + tokens.to(tl.int64) * width
-    )
-    if ALIGNED:
-        cache_rows = tl.multiple_of(cache_rows, 16)
-        chunk_rows = tl.multiple_of(chunk_rows, 16)
     columns = column_block * COLUMNS + tl.arange(0, COLUMNS)
     columns = tl.max_contiguous(tl.multiple_of(columns, COLUMNS), COLUMNS)
-    if EVEN_COLUMNS:  # noqa: SIM108 - a statement-level constexpr branch is resolved at compile time
-        mask = valid[:, None]
-    else:
-        mask = valid[:, None] & (columns < width)[None, :]
-    cache_addresses = cache_ptr + cache_rows[:, None] + columns[None, :]
-    chunk_addresses = chunk_ptr + chunk_rows[:, None] + columns[None, :]
-    if TO_CHUNK:
-        tl.store(chunk_addresses, tl.load(cache_addresses, mask=mask), mask=mask)
-    else:
-        tl.store(cache_addresses, tl.load(chunk_addresses, mask=mask), mask=mask)
+
+    for block_in_program in range(BLOCKS_PER_PROGRAM):
+        tokens = (token_group * BLOCKS_PER_PROGRAM + block_in_program) * TOKENS + tl.arange(0, TOKENS)
+        in_range = tokens < num_tokens
+        # Slots fit in 32 bits (a cache has fewer than 2**31 slots); 64-bit division costs ~4x more.
+        slots = tl.load(slot_mapping_ptr + tokens, mask=in_range, other=-1).to(tl.int32)
+        valid = slots >= 0
+        slots = tl.where(valid, slots, 0)
+        blocks = slots // block_size
+        positions = slots - blocks * block_size
+        cache_rows = (
+            layer_offset
+            + plane * plane_stride
+            + blocks.to(tl.int64) * block_stride
+            + positions.to(tl.int64) * position_stride
+        )
+        chunk_rows = (
+            layer.to(tl.int64) * chunk_layer_stride + plane * chunk_plane_stride + tokens.to(tl.int64) * width
+        )
+        if ALIGNED:
+            cache_rows = tl.multiple_of(cache_rows, 16)
+            chunk_rows = tl.multiple_of(chunk_rows, 16)
+        # A store fills the rows of skipped tokens with zeros (FILL_SKIPPED), so that the host chunk
+        # holds no stale bytes; gathers and scatters leave them alone.
+        written = in_range if FILL_SKIPPED else valid
+        if EVEN_COLUMNS:
+            mask = valid[:, None]
+            write_mask = written[:, None]
+        else:
+            mask = valid[:, None] & (columns < width)[None, :]
+            write_mask = written[:, None] & (columns < width)[None, :]
+        cache_addresses = cache_ptr + cache_rows[:, None] + columns[None, :]
+        chunk_addresses = chunk_ptr + chunk_rows[:, None] + columns[None, :]
+        if TO_CHUNK:
+            source = cache_addresses
+            target = chunk_addresses
+        else:
+            source = chunk_addresses
+            target = cache_addresses
+        if STREAMING:  # each byte is touched once: keep it from evicting anything else in L2
+            values = tl.load(source, mask=mask, other=0, eviction_policy="evict_first")
+            tl.store(target, values, mask=write_mask, cache_modifier=".cs")
+        else:
+            tl.store(target, tl.load(source, mask=mask, other=0), mask=write_mask)
 
 
 def _layer_offsets(kv_caches: Sequence[Tensor]) -> Tensor:
@@ -101,14 +122,30 @@ def _layer_offsets(kv_caches: Sequence[Tensor]) -> Tensor:
     return table
 
 
-def default_tile(width: int) -> tuple[int, int, int]:
-    """(TOKENS, COLUMNS, num_warps): about 4K elements per program; COLUMNS divides the row when a
-    power of two of at least 64 does (MLA's 576 = 9 x 64), so no lane idles behind a column mask."""
+@dataclass(frozen=True)
+class Tile:
+    """Launch shape: TOKENS x COLUMNS elements per step, BLOCKS_PER_PROGRAM steps per program."""
+
+    tokens: int
+    columns: int
+    num_warps: int = 4
+    blocks_per_program: int = 1
+    layer_fastest: bool = False
+    streaming: bool = False
+
+
+def default_tile(width: int, *, to_chunk: bool = True) -> Tile:
+    """About 2K elements a step, programs ordered layer-plane first, streaming cache hints: the best of
+    the shapes measured on the H200 (benchmarks/results/gpu_transfer.md). COLUMNS divides the row
+    when a power of two of at least 64 does (MLA's 576 = 9 x 64), so no lane idles behind a mask."""
     columns = min(width & -width, 1024)
     if columns < 64:
         columns = min(triton.next_power_of_2(width), 1024)
-    tokens = max(1, 4096 // columns)
-    return tokens, columns, 4
+    if to_chunk:
+        return Tile(tokens=max(1, 2048 // columns), columns=columns, layer_fastest=True, streaming=True)
+    return Tile(
+        tokens=max(1, 8192 // columns), columns=columns, num_warps=8, blocks_per_program=4, streaming=True
+    )
 
 
 def paged_copy(
@@ -119,7 +156,8 @@ def paged_copy(
     *,
     to_chunk: bool,
     layers: tuple[int, int] | None = None,
-    tile: tuple[int, int, int] | None = None,
+    tile: Tile | None = None,
+    fill_skipped: bool = False,
 ):
     """Gather (to_chunk) or scatter layers [start, stop) in one launch; chunk is the full-layer chunk.
 
@@ -132,7 +170,9 @@ def paged_copy(
     if not chunk.is_contiguous():
         raise ValueError("the chunk must be contiguous")
     offsets = _layer_offsets(kv_caches)
-    tokens, columns, num_warps = tile or default_tile(geometry.width)
+    if fill_skipped and not to_chunk:
+        raise ValueError("fill_skipped applies to gathers only: a scatter must never touch other slots")
+    tile = tile or default_tile(geometry.width, to_chunk=to_chunk)
     strides = (
         geometry.plane_stride,
         geometry.block_stride,
@@ -145,10 +185,13 @@ def paged_copy(
         (layer.data_ptr() - kv_caches[0].data_ptr()) % (_ALIGN_ELEMENTS * layer.element_size()) == 0
         for layer in kv_caches
     )
+    token_groups = triton.cdiv(num_tokens, tile.tokens * tile.blocks_per_program)
+    layer_planes = (stop - start) * geometry.num_planes
+    layer_fastest = tile.layer_fastest and token_groups < 65536  # grid axis 1 is limited to 65535
     grid = (
-        triton.cdiv(num_tokens, tokens),
-        (stop - start) * geometry.num_planes,
-        triton.cdiv(geometry.width, columns),
+        layer_planes if layer_fastest else token_groups,
+        token_groups if layer_fastest else layer_planes,
+        triton.cdiv(geometry.width, tile.columns),
     )
     return _paged_copy_kernel[grid](
         kv_caches[0],
@@ -167,8 +210,12 @@ def paged_copy(
         chunk.stride(1),
         TO_CHUNK=to_chunk,
         ALIGNED=aligned,
-        EVEN_COLUMNS=geometry.width % columns == 0,
-        TOKENS=tokens,
-        COLUMNS=columns,
-        num_warps=num_warps,
+        EVEN_COLUMNS=geometry.width % tile.columns == 0,
+        TOKENS=tile.tokens,
+        COLUMNS=tile.columns,
+        BLOCKS_PER_PROGRAM=tile.blocks_per_program,
+        LAYER_FASTEST=layer_fastest,
+        STREAMING=tile.streaming,
+        FILL_SKIPPED=fill_skipped,
+        num_warps=tile.num_warps,
     )
