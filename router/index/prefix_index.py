@@ -207,6 +207,13 @@ class BackendMatch:
         return min((tier for tier, held in self.by_tier.items() if held == best), key=tier_rank, default=None)
 
 
+def _record_lost_bits(runs: dict[int, int], bits: int, position: int) -> None:
+    while bits:
+        bit = bits & -bits
+        bits ^= bit
+        runs[bit] = position
+
+
 class PrefixIndex:
     """Per backend and tier, the cached token prefixes announced by KV events."""
 
@@ -583,42 +590,84 @@ class PrefixIndex:
         if not names:
             return result
         keys = prefix_keys(array, seed).tolist()
-        masks = list(map(self._holders.get, keys, itertools.repeat(0, len(keys))))
-        # Only the run up to the first block held by nobody matters.
-        with contextlib.suppress(ValueError):
-            del masks[masks.index(0) :]
-        # Bits still set in the running AND = slots holding every block so far; it only loses
-        # bits, so each slot's run length is found by bisection (no per-block Python loop).
-        running_and = list(itertools.accumulate(masks, operator.and_))
+        slot_runs, masks = self._slot_runs(keys)
         tails = self._tails
         for name in names:
             match = result[name]
             union = 0
             for tier, slot in layout[name]:
                 bit = 1 << slot
-                if not running_and:
-                    blocks = 0
-                elif running_and[-1] & bit:
-                    blocks = len(running_and)
-                else:
-                    blocks = bisect.bisect_left(running_and, True, key=lambda value, b=bit: not value & b)
+                blocks = slot_runs.get(bit, 0)
                 held = blocks * ROUTER_BLOCK_TOKENS
                 if tails:
                     held += self._tail_extension(array, keys, seed, blocks, bit)
                 match.by_tier[tier] = held
                 if union:
-                    # Held in this tier or a faster one: "any of these bits", one C-level pass.
+                    # Held in this tier or a faster one: "any of these bits" (multi-tier backends only).
                     union |= bit
-                    either = list(map(union.__and__, masks))
-                    blocks = either.index(0) if 0 in either else len(either)
-                    held = blocks * ROUTER_BLOCK_TOKENS
+                    held = max(self._union_run(masks, union) * ROUTER_BLOCK_TOKENS, match.cumulative[-1][1])
                     if tails:
-                        held += self._tail_extension(array, keys, seed, blocks, union)
-                    held = max(held, match.cumulative[-1][1])
+                        held += self._tail_extension(array, keys, seed, held // ROUTER_BLOCK_TOKENS, union)
                 else:
                     union = bit
                 match.cumulative.append((tier, held))
         return result
+
+    def _slot_runs(self, keys: list[int]) -> tuple[dict[int, int], Any]:
+        """Per slot bit, how many leading blocks it holds; and the masks of the blocks held by anyone.
+
+        The running AND of the masks holds the slots that hold every block so far; it only loses
+        bits, at most once per slot, so the run lengths are read off its few change points.
+        """
+        holders_get = self._holders.get
+        try:
+            masks: Any = np.fromiter(
+                map(holders_get, keys, itertools.repeat(0, len(keys))), np.uint64, len(keys)
+            )
+        except OverflowError:  # more than 64 slots: the same with Python ints
+            return self._slot_runs_wide(list(map(holders_get, keys, itertools.repeat(0, len(keys)))))
+        empty = np.flatnonzero(masks == 0)
+        if len(empty):
+            masks = masks[: empty[0]]
+        runs: dict[int, int] = {}
+        if not len(masks):
+            return runs, masks
+        running_and = np.bitwise_and.accumulate(masks)
+        changes = (np.flatnonzero(running_and[1:] != running_and[:-1]) + 1).tolist()
+        previous = int(running_and[0])
+        for position in changes:
+            current = int(running_and[position])
+            _record_lost_bits(runs, previous & ~current, position)
+            previous = current
+        _record_lost_bits(runs, previous, len(masks))
+        return runs, masks
+
+    @staticmethod
+    def _slot_runs_wide(masks: list[int]) -> tuple[dict[int, int], list[int]]:
+        with contextlib.suppress(ValueError):
+            del masks[masks.index(0) :]
+        runs: dict[int, int] = {}
+        running_and = list(itertools.accumulate(masks, operator.and_))
+        if not running_and:
+            return runs, masks
+        bits = running_and[0]
+        while bits:
+            bit = bits & -bits
+            bits ^= bit
+            if running_and[-1] & bit:
+                runs[bit] = len(running_and)
+            else:
+                runs[bit] = bisect.bisect_left(running_and, True, key=lambda value, b=bit: not value & b)
+        return runs, masks
+
+    @staticmethod
+    def _union_run(masks: Any, union: int) -> int:
+        """Leading blocks held in any slot of `union`."""
+        if isinstance(masks, np.ndarray) and union < 2**64:
+            held = (masks & np.uint64(union)) != 0
+            return len(held) if held.all() else int(np.argmin(held))
+        either = [int(mask) & union for mask in masks]
+        return either.index(0) if 0 in either else len(either)
 
     def _tail_extension(self, array: np.ndarray, keys: list[int], seed: int, blocks: int, mask: int) -> int:
         boundary = keys[blocks - 1] if blocks > 0 else seed
