@@ -9,7 +9,7 @@ from router.index.service import KVIndexService
 from tests.support.cachelayer import CHUNK, make_engine, request
 
 
-def wait_for(predicate, timeout_s=10.0):
+def wait_for(predicate, timeout_s=30.0):
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         value = predicate()
@@ -36,6 +36,13 @@ def engine_and_index(tmp_path):
             KVEvents(endpoint=engine.publisher.endpoint, replay_endpoint=engine.publisher.replay_endpoint),
         )
         service.start()
+
+        # PUB/SUB drops what is sent before the subscription lands: send empty batches until one arrives.
+        def subscribed():
+            engine.publisher.publish([])
+            return service.status()["cache-a"]["last_seq"] is not None
+
+        wait_for(subscribed)
         yield engine, service
     finally:
         service.stop()
