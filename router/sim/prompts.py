@@ -5,7 +5,11 @@
 - Chat: the model's chat template renders the messages (add_generation_prompt, continue_final_message,
   tools and chat_template_kwargs passed through), then the text is encoded without special tokens.
   A message whose content is a list of text parts is joined with newlines first, as vLLM does.
-Tokenizing is the simulator's main CPU cost, so results are kept in an LRU keyed by the exact input.
+Tokenizing is the simulator's main CPU cost, so results are kept in an LRU keyed by the exact input,
+and rendered chat text is encoded piece by piece between the tokenizer's added tokens (<|im_start|>,
+<|im_end|>, ...), each piece cached: the tokenizer splits on added tokens before anything else, so
+the pieces encode independently, and a new turn only costs its own new text. That equivalence is
+checked on a sample conversation at start-up; where it does not hold, whole texts are encoded.
 """
 
 from __future__ import annotations
@@ -49,6 +53,8 @@ class PromptTokenizer:
         self.tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
         self._cache: OrderedDict[bytes, np.ndarray] = OrderedDict()
         self._cache_size = cache_size
+        self._pieces: OrderedDict[str, list[int]] = OrderedDict()
+        self._added_token_ids, self._added_token_pattern = self._added_tokens()
         self.output_vocabulary = self._word_tokens()
         self._output_text = {int(i): self.tokenizer.decode([int(i)]) for i in self.output_vocabulary}
 
@@ -102,7 +108,9 @@ class PromptTokenizer:
                 )
             except Exception as exc:  # the template itself raises on bad conversations
                 raise PromptError(f"the chat template refused these messages: {exc}") from None
-            return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+            if add_special_tokens or self._added_token_pattern is None:
+                return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+            return self._encode_by_pieces(text)
 
         return self._cached(key, render)
 
@@ -124,6 +132,49 @@ class PromptTokenizer:
         if len(self._cache) > self._cache_size:
             self._cache.popitem(last=False)
         return tokens
+
+    def _encode_by_pieces(self, text: str) -> list[int]:
+        assert self._added_token_pattern is not None
+        ids: list[int] = []
+        for index, piece in enumerate(self._added_token_pattern.split(text)):
+            if index % 2:  # the split keeps the added tokens at odd positions
+                ids.append(self._added_token_ids[piece])
+            elif piece:
+                cached = self._pieces.get(piece)
+                if cached is None:
+                    cached = self.tokenizer.encode(piece, add_special_tokens=False)
+                    self._pieces[piece] = cached
+                    if len(self._pieces) > 4 * self._cache_size:
+                        self._pieces.popitem(last=False)
+                else:
+                    self._pieces.move_to_end(piece)
+                ids.extend(cached)
+        return ids
+
+    def _added_tokens(self) -> tuple[dict[str, int], re.Pattern[str] | None]:
+        """The added tokens and a pattern splitting text on them, or None where piecewise encoding
+        would differ from encoding the whole text (whitespace-stripping or normalized added tokens)."""
+        decoder = getattr(self.tokenizer, "added_tokens_decoder", {}) or {}
+        ids = {token.content: token_id for token_id, token in decoder.items()}
+        if not ids or any(t.lstrip or t.rstrip or t.normalized for t in decoder.values()):
+            return ids, None
+        pattern = re.compile("(" + "|".join(re.escape(c) for c in sorted(ids, key=len, reverse=True)) + ")")
+        sample = [
+            {"role": "system", "content": "You are a helpful assistant.\n  Indented; café, 東京, emoji 🙂."},
+            {"role": "user", "content": "Hello<think>hmm</think> there   \n\n"},
+            {"role": "assistant", "content": " Sure thing."},
+            {"role": "user", "content": "again"},
+        ]
+        try:
+            text = self.tokenizer.apply_chat_template(sample, tokenize=False, add_generation_prompt=True)
+        except Exception:  # no chat template: piecewise encoding is still exact for plain text
+            text = "".join(m["content"] for m in sample)
+        self._added_token_ids, self._added_token_pattern = ids, pattern
+        if self._encode_by_pieces(text) != self.tokenizer.encode(text, add_special_tokens=False):
+            log.warning("this tokenizer does not encode chat text piecewise; encoding whole prompts")
+            self._pieces.clear()
+            return ids, None
+        return ids, pattern
 
     def _word_tokens(self) -> np.ndarray:
         """Ids of tokens that are a space and a short lowercase word: output text that reads as words
