@@ -60,11 +60,20 @@ def _as_dtype(dtype: torch.dtype | str) -> torch.dtype:
 
 
 def _token_list(tokens: Tokens) -> list[int]:
-    if isinstance(tokens, torch.Tensor):
-        return tokens.tolist()
-    if isinstance(tokens, np.ndarray):
-        return tokens.tolist()
-    return list(tokens)
+    """Token ids as a list of ints in [0, 2**63); anything else is refused with what was wrong."""
+    values = tokens.tolist() if isinstance(tokens, (torch.Tensor, np.ndarray)) else list(tokens)
+    if not values:
+        return []
+    try:
+        array = np.asarray(values)
+    except (ValueError, OverflowError):  # ragged nesting or ints beyond 64 bits: found by the loop below
+        array = np.asarray([], dtype=np.float64)
+    if array.ndim == 1 and array.dtype.kind in "iu" and array.min() >= 0 and array.max() < 2**63:
+        return array.tolist()
+    for position, token in enumerate(values):
+        if not isinstance(token, (int, np.integer)) or isinstance(token, bool) or not 0 <= token < 2**63:
+            raise CacheEngineError(f"token {position} is {token!r}: token ids must be integers in [0, 2**63)")
+    return [int(token) for token in values]
 
 
 class CacheEngine:

@@ -241,5 +241,11 @@ def test_unknown_location_is_a_400_naming_the_choices(controller):
         response = client.post("/clear", json={"instance_id": "bad-location", "location": "GPU"})
         assert response.status_code == 400
         assert "LocalCPUBackend" in response.json()["detail"]
+        response = client.post(
+            "/pin", json={"instance_id": "bad-location", "location": None, "tokens": [-1, 2**64 - 1]}
+        )
+        assert response.status_code == 400 and "token ids must be integers" in response.json()["detail"]
+        # The worker survives bad commands.
+        assert client.post("/health", json={"instance_id": "bad-location"}).json()["error_codes"] == {"0": 0}
     finally:
         engine.close()

@@ -69,6 +69,10 @@ def test_bad_shapes_dtypes_and_locations_are_refused_clearly():
         engine.clear("GPU")
     with pytest.raises(CacheEngineError, match="not configured"):
         engine.move(tokens, "LocalCPUBackend", "LocalDiskBackend")
+    with pytest.raises(CacheEngineError, match=r"token 1 is -3: token ids must be integers"):
+        engine.lookup([1, -3])
+    with pytest.raises(CacheEngineError, match=r"token 0 is 1\.5"):
+        engine.retrieve([1.5])
     assert engine.lookup(tokens) == 0  # nothing half-stored
 
 

@@ -121,6 +121,9 @@ class ControllerWorker:
                 return Reply()
             if command.op == "info":
                 return Reply(info=engine.stats())
-        except ValueError as exc:
+        except ValueError as exc:  # the engine's refusals: bad location, method, tokens
             return Reply(ok=False, error=str(exc))
+        except Exception as exc:  # never let one bad command stop the worker's thread
+            log.exception("cachelayer worker: %s failed", command.op)
+            return Reply(ok=False, error=f"{command.op} failed on worker {engine.worker_id}: {exc!r}")
         return Reply(ok=False, error=f"unknown operation {command.op!r}")
