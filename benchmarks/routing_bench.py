@@ -205,6 +205,7 @@ def main(argv: list[str] | None = None) -> int:
         "--policies", default=",".join(DEFAULT_POLICIES), help=f"any of {', '.join(ALL_POLICIES)}"
     )
     parser.add_argument("--scale", type=float, default=1.0, help="multiply workload populations and rates")
+    parser.add_argument("--rate-scale", type=float, default=1.0, help="multiply workload rates alone")
     parser.add_argument("--concurrency", type=int, default=128, help="client's limit on requests in flight")
     parser.add_argument("--sim-arg", action="append", default=[], help="extra `kvgate sim` flag (repeatable)")
     parser.add_argument("--output", default="benchmarks/results/routing", help="path prefix of the results")
@@ -218,7 +219,7 @@ def main(argv: list[str] | None = None) -> int:
     started = time.monotonic()
     _log(f"building workloads {names} (scale {args.scale})")
     tokenizer = workload_catalog.qwen3_tokenizer()
-    built = [workload_catalog.build(n, tokenizer, scale=args.scale) for n in names]
+    built = workload_catalog.build_all(names, tokenizer, args.scale, args.rate_scale)
     sim_args = [arg for value in args.sim_arg for arg in value.split()]
     results: dict[str, Any] = {
         "meta": {
@@ -228,6 +229,7 @@ def main(argv: list[str] | None = None) -> int:
             "sim_args": sim_args,
             "concurrency": args.concurrency,
             "scale": args.scale,
+            "rate_scale": args.rate_scale,
             "units": {"ttft": "ms", "throughput": "completed requests per second"},
             "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
             "command": " ".join(["python -m benchmarks.routing_bench", *(argv or sys.argv[1:])]),

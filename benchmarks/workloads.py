@@ -361,19 +361,21 @@ WORKLOADS: dict[str, tuple[Callable[..., Workload], type]] = {
 }
 
 
-def build(name: str, tokenizer: Any = None, scale: float = 1.0, **overrides: Any) -> Workload:
-    """Build a workload by name; `scale` multiplies its population (users, documents, requests) and rate
-    together, so the run keeps its length; `overrides` set any parameter field by name."""
+def build(
+    name: str, tokenizer: Any = None, scale: float = 1.0, rate_scale: float = 1.0, **overrides: Any
+) -> Workload:
+    """Build a workload by name. `scale` multiplies its population (users, documents, requests) and its
+    rate together, so the run keeps its length; `rate_scale` multiplies the rate alone (a shorter run);
+    `overrides` set any parameter field by name."""
     if name not in WORKLOADS:
         raise ValueError(f"unknown workload {name!r}; known: {', '.join(WORKLOADS)}")
     factory, params_type = WORKLOADS[name]
     defaults = params_type()
-    scaled: dict[str, Any] = {}
+    scaled: dict[str, Any] = {"rate": defaults.rate * scale * rate_scale}
     if scale != 1.0:
         for population in ("users", "documents", "requests"):
             if hasattr(defaults, population):
                 scaled[population] = max(1, math.ceil(getattr(defaults, population) * scale))
-        scaled["rate"] = defaults.rate * scale
     known = {f.name for f in dataclasses.fields(params_type)}
     unknown = set(overrides) - known
     if unknown:
@@ -382,17 +384,20 @@ def build(name: str, tokenizer: Any = None, scale: float = 1.0, **overrides: Any
     return factory(params, tokenizer)
 
 
-def build_all(names: Iterable[str] = WORKLOADS, tokenizer: Any = None, scale: float = 1.0) -> list[Workload]:
-    return [build(name, tokenizer, scale) for name in names]
+def build_all(
+    names: Iterable[str] = WORKLOADS, tokenizer: Any = None, scale: float = 1.0, rate_scale: float = 1.0
+) -> list[Workload]:
+    return [build(name, tokenizer, scale, rate_scale) for name in names]
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description="Print the size and reuse of each benchmark workload.")
     parser.add_argument("names", nargs="*", default=list(WORKLOADS), help="workloads (default: all)")
-    parser.add_argument("--scale", type=float, default=1.0)
+    parser.add_argument("--scale", type=float, default=1.0, help="multiply populations and rates")
+    parser.add_argument("--rate-scale", type=float, default=1.0, help="multiply rates alone")
     parser.add_argument("--block-size", type=int, default=16)
     args = parser.parse_args(argv)
-    for workload in build_all(args.names, scale=args.scale):
+    for workload in build_all(args.names, scale=args.scale, rate_scale=args.rate_scale):
         print(json.dumps(workload.summary(args.block_size)))
 
 

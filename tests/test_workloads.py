@@ -119,10 +119,15 @@ def test_unknown_workload_or_parameter_is_refused_with_the_known_ones(tokenizer)
         workloads.build("chat_sessions", tokenizer, userz=3)
 
 
-def test_scale_multiplies_population_and_rate(tokenizer):
+def test_scale_multiplies_population_and_rate_and_rate_scale_the_rate_alone(tokenizer):
+    defaults = workloads.NoReuseParams()
     scaled = workloads.build("no_reuse", tokenizer, scale=0.1, prompt_tokens=(20, 40))
-    assert scaled.params["requests"] == 20
-    assert scaled.params["rate"] == pytest.approx(1.6)
+    assert scaled.params["requests"] == len(scaled.requests) == round(defaults.requests * 0.1)
+    assert scaled.params["rate"] == pytest.approx(defaults.rate * 0.1)
+    faster = workloads.build("no_reuse", tokenizer, scale=0.1, rate_scale=4.0, prompt_tokens=(20, 40))
+    assert len(faster.requests) == len(scaled.requests)
+    assert faster.params["rate"] == pytest.approx(defaults.rate * 0.4)
+    assert faster.requests[-1].arrival_s < scaled.requests[-1].arrival_s
 
 
 # ---- the oracle's engine model ----

@@ -1,0 +1,104 @@
+"""The routing benchmark harness, run small: real simulated engines, the real gateway, a real replay."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from benchmarks import routing_bench, workloads
+from benchmarks.sim_fleet import EngineFleet
+
+
+@pytest.fixture(scope="module")
+def fleet():
+    engines = EngineFleet(count=2, num_gpu_blocks=256, block_size=16)
+    engines.start()
+    yield engines
+    engines.stop()
+
+
+@pytest.fixture(scope="module")
+def chat():
+    return workloads.build(
+        "chat_sessions", workloads.qwen3_tokenizer(), users=3, turns=3, system_tokens=64,
+        user_message_tokens=(20, 40), assistant_reply_tokens=(20, 40), think_time_s=0.2, rate=20.0,
+        max_tokens=4,
+    )  # fmt: skip
+
+
+@pytest.mark.slow  # ~70 s on two busy cores: two engines and two gateway processes start
+def test_a_policy_run_counts_hits_load_and_token_parity(fleet, chat):
+    measured = routing_bench.run_policy(fleet, "session", chat, concurrency=8)
+    assert measured["completed"] == measured["requests"] == len(chat.requests)
+    assert measured["errors"] == 0
+    # The workload's own tokenization is exactly what the engines counted.
+    assert measured["prompt_token_mismatches"] == 0
+    # Session affinity keeps each conversation on one engine: every later turn reuses the earlier ones.
+    assert measured["hit_ratio"] > 0.3
+    assert measured["engine_hit_ratio"] == pytest.approx(measured["hit_ratio"], abs=1e-3)
+    # Engine-side counts (from /metrics) and the gateway's x-kvgate-backend header agree.
+    assert sum(measured["requests_per_engine"]) == len(chat.requests)
+    assert measured["max_over_mean_load_by_header"] == measured["max_over_mean_load"]
+    for key in ("ttft_p50", "ttft_p90", "ttft_p99"):
+        assert measured[key] > 0
+    assert measured["ttft_p50"] <= measured["ttft_p90"] <= measured["ttft_p99"]
+    assert measured["throughput"] > 0
+
+    # Caches are emptied before each run: the same run again measures the same hits.
+    again = routing_bench.run_policy(fleet, "session", chat, concurrency=8)
+    assert again["hit_ratio"] == measured["hit_ratio"]
+
+
+def test_targets_are_checked_against_the_measurements_not_assumed():
+    def policy(hit: float, p90: float, load: float) -> dict:
+        return {"hit_ratio": hit, "ttft_p90": p90, "max_over_mean_load": load}
+
+    results = {
+        "workloads": {
+            "shared": {
+                "has_reuse": True,
+                "oracle_hit_ratio": 0.8,
+                "policies": {
+                    "kv_aware": policy(0.78, 50.0, 1.2),
+                    "sglang_router_cache_aware": policy(0.6, 40.0, 2.0),
+                    "vllm_router_cache_aware": {"failed": "did not start"},
+                },
+            },
+            "control": {
+                "has_reuse": False,
+                "oracle_hit_ratio": 0.0,
+                "policies": {"kv_aware": policy(0.0, 90.0, 1.1), "least_loaded": policy(0.0, 100.0, 1.0)},
+            },
+        }
+    }
+    checks = {(c["workload"], c["target"]): c["met"] for c in routing_bench.check_targets(results)}
+    assert checks[("shared", "hit ratio >= 95% of oracle")] is True  # 0.78 / 0.8 = 97.5%
+    assert checks[("shared", "TTFT p90 below every peer")] is False  # 50 ms against 40 ms
+    assert checks[("shared", "max/mean load <= 1.3")] is True
+    assert checks[("control", "no worse than least_loaded (TTFT p90)")] is True
+    assert len(checks) == 4
+
+
+@pytest.mark.slow  # ~90 s: its own engines, two workloads, two policies
+def test_the_command_writes_json_markdown_and_plot_in_the_agreed_shape(tmp_path):
+    output = tmp_path / "routing"
+    code = routing_bench.main([
+        "--engines", "2", "--num-gpu-blocks", "256", "--workloads", "no_reuse,shared_system_prompts",
+        "--policies", "round_robin,least_loaded", "--scale", "0.05", "--rate-scale", "4",
+        "--output", str(output),
+    ])  # fmt: skip
+    assert code == 0
+    results = json.loads(output.with_suffix(".json").read_text())
+    assert set(results["workloads"]) == {"no_reuse", "shared_system_prompts"}
+    for entry in results["workloads"].values():
+        assert 0.0 <= entry["oracle_hit_ratio"] <= 1.0
+        assert set(entry["policies"]) == {"round_robin", "least_loaded"}
+        for measured in entry["policies"].values():
+            for key in ("hit_ratio", "ttft_p50", "ttft_p90", "ttft_p99", "throughput", "max_over_mean_load"):
+                assert isinstance(measured[key], float | int), key
+            assert measured["errors"] == 0
+    assert results["workloads"]["no_reuse"]["policies"]["round_robin"]["hit_ratio"] == 0.0
+    markdown = output.with_suffix(".md").read_text()
+    assert "## shared_system_prompts" in markdown and "| least_loaded |" in markdown
+    assert output.with_suffix(".png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
