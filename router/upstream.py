@@ -195,11 +195,15 @@ class _Connection(asyncio.Protocol):
             self._headers_waiter = None
 
     async def next_piece(self, timeout_s: float) -> bytes | None:
-        """The next body piece, or None at the end of the message."""
+        """The body received since the last call (waiting for some if none), or None at the end."""
         while True:
             if self._body:
-                piece = self._body.popleft()
-                self._buffered -= len(piece)
+                # Everything that has already arrived goes out in one piece: no delay is added, and
+                # a backend faster than the client costs one write per wake-up instead of per chunk.
+                body = self._body
+                piece = body.popleft() if len(body) == 1 else b"".join(body)
+                body.clear()
+                self._buffered = 0
                 if self._paused and self._buffered <= MAX_BUFFERED_BYTES // 2:
                     self._paused = False
                     self.transport.resume_reading()  # type: ignore[union-attr]

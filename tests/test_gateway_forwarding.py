@@ -177,3 +177,14 @@ def test_500_concurrent_requests_over_50_connections_lose_and_duplicate_nothing(
             assert response.text.endswith("data: [DONE]\n\n")
     received = [r["request_id"] for b in backends for r in b.received()]
     assert sorted(received) == sorted(f"load-{i}" for i in range(500))
+
+
+def test_upstream_connections_are_kept_alive_and_reused(client, backends):
+    for i in range(20):
+        assert (
+            client.post("/v1/completions", json={"model": MODEL, "prompt": f"reuse {i}"}).status_code == 200
+        )
+    for backend in backends:
+        ports = {record["client_port"] for record in backend.received()}
+        # Sequential requests: one pooled connection per backend (two if one expired meanwhile).
+        assert 1 <= len(ports) <= 2, ports

@@ -64,7 +64,8 @@ class OpenAIBackend:
         elif path == "/v1/models":
             await self._send(send, 200, self._models_body)
         elif path in ("/v1/completions", "/v1/chat/completions"):
-            await self._generate(path, headers, body, send, receive)
+            client_port = scope["client"][1] if scope.get("client") else None
+            await self._generate(path, headers, body, send, receive, client_port)
         elif path == "/_test/received":
             await self._send(send, 200, json.dumps(self.received).encode())
         elif path == "/_test/reset":
@@ -77,13 +78,17 @@ class OpenAIBackend:
         else:
             await self._send(send, 404, b'{"error":{"message":"not found","type":"not_found","code":404}}')
 
-    async def _generate(self, path: str, headers: dict[str, str], body: bytes, send, receive) -> None:
+    async def _generate(
+        self, path: str, headers: dict[str, str], body: bytes, send, receive, client_port: int | None
+    ) -> None:
         request = json.loads(body)
         record = {
             "request_id": headers.get("x-request-id"),
             "path": path,
             "body": body.decode(),
             "headers": headers,
+            # The caller's TCP port: tells whether a client reused its connection.
+            "client_port": client_port,
         }
         if self.record:
             self.received.append(record)
