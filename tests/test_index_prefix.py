@@ -256,3 +256,44 @@ def test_short_prompts(length: int) -> None:
     index = PrefixIndex()
     index.apply("a", stored_chain(PROMPT[:32], 16, 1))
     assert cached(index, PROMPT[:length], "a") == (length // 16) * 16
+
+
+def test_batched_and_one_by_one_application_agree() -> None:
+    """The batched numpy path (many events per batch) must give exactly what one-by-one gives."""
+    local = np.random.default_rng(5)
+    docs = [local.integers(0, 150_000, size=512).tolist() for _ in range(6)]
+    batches: list[list] = []
+    chains: dict[int, tuple[int, int]] = {}  # doc -> (last hash, tokens stored)
+    next_hash = 1
+    for _ in range(40):
+        batch = []
+        for doc in local.choice(6, size=4, replace=False).tolist():
+            last_hash, stored = chains.get(doc, (None, 0))
+            size = int(local.choice([16, 32, 8, 48]))
+            count = int(local.integers(1, 4))
+            if stored + size * count > 512:
+                batch.append(BlockRemoved(block_hashes=[last_hash] if last_hash else [12345]))
+                continue
+            hashes = list(range(next_hash, next_hash + count))
+            next_hash += count
+            medium = "CPU" if doc == 5 else "GPU"
+            batch.append(
+                BlockStored(
+                    block_hashes=hashes,
+                    parent_block_hash=last_hash,
+                    token_ids=docs[doc][stored : stored + size * count],
+                    block_size=size,
+                    medium=medium,
+                )
+            )
+            chains[doc] = (hashes[-1], stored + size * count)
+        batches.append(batch)
+    batched, one_by_one = PrefixIndex(), PrefixIndex()
+    for batch in batches:
+        batched.apply("a", batch)
+        for event in batch:
+            one_by_one.apply("a", [event])
+    for doc in docs:
+        assert batched.longest_cached_prefix(doc)["a"] == one_by_one.longest_cached_prefix(doc)["a"]
+    assert batched.stats("a") == one_by_one.stats("a")
+    assert batched.size() == one_by_one.size()

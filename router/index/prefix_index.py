@@ -74,12 +74,18 @@ _MIX_1_PY, _MIX_2_PY = int(_MIX_1), int(_MIX_2)
 _NUMPY_MIN_BLOCKS = 3
 
 
-def router_block_values(tokens: np.ndarray, first_block: int) -> np.ndarray:
-    """Mixed value of each full router block of `tokens` (uint32, length a multiple of the block size)."""
+def router_block_values(tokens: np.ndarray, first_block: int | np.ndarray) -> np.ndarray:
+    """Mixed value of each full router block of `tokens` (uint32, length a multiple of the block size).
+
+    `first_block` is the position of the first block, or an array with every block's position.
+    """
     # uint64 array arithmetic wraps silently, which is the modular arithmetic wanted here.
     words = np.ascontiguousarray(tokens, dtype="<u4").view("<u8").reshape(-1, _WORDS_PER_BLOCK)
     content = words @ _WORD_WEIGHTS
-    positions = np.arange(first_block, first_block + len(words), dtype=np.uint64)
+    if isinstance(first_block, np.ndarray):
+        positions = first_block.astype(np.uint64, copy=False)
+    else:
+        positions = np.arange(first_block, first_block + len(words), dtype=np.uint64)
     x = content ^ (positions * _POSITION_WEIGHT)
     # splitmix64 finaliser: makes the per-block value a nonlinear function of content and position.
     x ^= x >> _S30
@@ -156,6 +162,20 @@ class _Chain:
 # the (backend, tier) slots that hold it.
 _Node = tuple
 _END, _TOKENS, _BOUNDARY, _TAIL, _KEYS, _CHAIN, _SLOTS = range(7)
+
+
+@dataclass(slots=True)
+class _PendingStore:
+    """A BlockStored checked for the batched path, waiting for its batch's numpy pass."""
+
+    node_keys: Sequence[Any]
+    token_ids: list[int]
+    count: int
+    block_size: int
+    parent_end: int
+    boundary_key: int
+    chain_id: int
+    slot: int
 
 
 @dataclass
@@ -266,14 +286,214 @@ class PrefixIndex:
             backend = self._backends.get(backend_name)
             if backend is None:
                 backend = self._backends[backend_name] = _Backend(backend_name)
+            # Consecutive BlockStored events of whole router blocks whose parents are already
+            # placed (the common case: one event per request per engine step) are hashed together
+            # in one numpy pass; anything else is applied one by one, in order.
+            pending: list[_PendingStore] = []
+            pending_hashes: set[Any] = set()
             for event in events:
                 if isinstance(event, BlockStored):
+                    prepared = self._prepare_store_locked(backend, event, pending_hashes)
+                    if prepared is None and pending and self._depends_on(event, pending_hashes):
+                        self._flush_stores_locked(backend, pending, pending_hashes)
+                        prepared = self._prepare_store_locked(backend, event, pending_hashes)
+                    if prepared is not None:
+                        pending.append(prepared)
+                        pending_hashes.update(prepared.node_keys)
+                        continue
+                    self._flush_stores_locked(backend, pending, pending_hashes)
                     self._store_locked(backend, event)
-                elif isinstance(event, BlockRemoved):
+                    continue
+                self._flush_stores_locked(backend, pending, pending_hashes)
+                if isinstance(event, BlockRemoved):
                     self._remove_locked(backend, event)
                 elif isinstance(event, AllBlocksCleared):
                     backend.stats.cleared_events += 1
                     self._clear_locked(backend)
+            self._flush_stores_locked(backend, pending, pending_hashes)
+
+    @staticmethod
+    def _depends_on(event: BlockStored, pending_hashes: set[Any]) -> bool:
+        group = event.group_idx or 0
+        parent = event.parent_block_hash
+        keys = event.block_hashes if group == 0 else [(group, h) for h in event.block_hashes]
+        parent_key = parent if group == 0 else (group, parent)
+        return parent_key in pending_hashes or any(map(pending_hashes.__contains__, keys))
+
+    def _flush_uniform_locked(
+        self, backend: _Backend, pending: list[_PendingStore], all_keys: list[int]
+    ) -> bool:
+        """The decode-step shape (16-token blocks, one tier, distinct prefixes) in whole-batch passes."""
+        slot = pending[0].slot
+        if any(store.block_size != ROUTER_BLOCK_TOKENS or store.slot != slot for store in pending):
+            return False
+        holders = self._holders
+        masks = list(map(holders.get, all_keys, itertools.repeat(0, len(all_keys))))
+        bit = 1 << slot
+        if functools.reduce(operator.or_, masks, 0) & bit or len(set(all_keys)) != len(all_keys):
+            return False  # a prefix held twice: the general path keeps the reference counts
+        node_keys = list(itertools.chain.from_iterable(store.node_keys for store in pending))
+        ends = itertools.chain.from_iterable(
+            range(
+                store.parent_end + ROUTER_BLOCK_TOKENS,
+                store.parent_end + ROUTER_BLOCK_TOKENS * store.count + 1,
+                ROUTER_BLOCK_TOKENS,
+            )
+            for store in pending
+        )
+        chain_ids = itertools.chain.from_iterable(
+            itertools.repeat(store.chain_id, store.count) for store in pending
+        )
+        backend.nodes.update(
+            zip(
+                node_keys,
+                [
+                    (end, ROUTER_BLOCK_TOKENS, key, (), (key,), chain_id, bit)
+                    for end, key, chain_id in zip(ends, all_keys, chain_ids, strict=True)
+                ],
+                strict=True,
+            )
+        )
+        holders.update(zip(all_keys, [mask | bit for mask in masks], strict=True))
+        chains = backend.chains
+        for store in pending:
+            chain = chains[store.chain_id]
+            chain.nodes += store.count
+            end = store.parent_end + ROUTER_BLOCK_TOKENS * store.count
+            if end > chain.longest:
+                chain.longest = end
+        tier = next(tier for tier, tier_slot in backend.tier_slots.items() if tier_slot == slot)
+        stats = backend.stats
+        stats.stored_events += len(pending)
+        stats.blocks[tier] += len(all_keys)
+        stats.tokens[tier] += len(all_keys) * ROUTER_BLOCK_TOKENS
+        return True
+
+    def _prepare_store_locked(
+        self, backend: _Backend, event: BlockStored, pending_hashes: set[Any]
+    ) -> _PendingStore | None:
+        """A BlockStored the batched path can take, or None (then it goes the general way)."""
+        count = len(event.block_hashes)
+        block_size = event.block_size or 0
+        token_ids = event.token_ids
+        if (
+            count == 0
+            or block_size <= 0
+            or block_size % ROUTER_BLOCK_TOKENS
+            or len(token_ids) < count * block_size
+        ):
+            return None
+        group = event.group_idx or 0
+        nodes = backend.nodes
+        node_keys = event.block_hashes if group == 0 else [(group, h) for h in event.block_hashes]
+        if any(map(nodes.__contains__, node_keys)) or any(map(pending_hashes.__contains__, node_keys)):
+            return None
+        parent_hash = event.parent_block_hash
+        if parent_hash is None:
+            namespace = (event.lora_name, cache_salt_of(event))
+            preview = tuple(token_ids[:PREVIEW_TOKENS])
+            chain_id = backend.chain_ids.get((namespace, preview))
+            if chain_id is None:
+                chain_id = backend.chain_ids[(namespace, preview)] = backend.next_chain_id
+                backend.next_chain_id += 1
+                backend.chains[chain_id] = _Chain(preview, namespace)
+            parent_end, boundary_key = 0, namespace_seed(namespace)
+        else:
+            parent = nodes.get(parent_hash if group == 0 else (group, parent_hash))
+            if parent is None or parent[_TAIL]:
+                return None
+            parent_end, boundary_key, chain_id = parent[_END], parent[_BOUNDARY], parent[_CHAIN]
+        slot = self._slot_locked(backend, tier_of(event.medium))
+        return _PendingStore(
+            node_keys, token_ids, count, block_size, parent_end, boundary_key, chain_id, slot
+        )
+
+    def _flush_stores_locked(self, backend: _Backend, pending: list[_PendingStore], hashes: set[Any]) -> None:
+        if not pending:
+            return
+        stream = array.array("I")
+        lengths = []
+        firsts = []
+        for store in pending:
+            covered = store.count * store.block_size
+            stream.extend(store.token_ids if len(store.token_ids) == covered else store.token_ids[:covered])
+            lengths.append(covered // ROUTER_BLOCK_TOKENS)
+            firsts.append(store.parent_end // ROUTER_BLOCK_TOKENS)
+        total = len(stream) // ROUTER_BLOCK_TOKENS
+        if total < _NUMPY_MIN_BLOCKS:  # one or two blocks: Python ints beat numpy's call overhead
+            all_keys = []
+            offset = 0
+            for store, length, first in zip(pending, lengths, firsts, strict=True):
+                end = offset + length * ROUTER_BLOCK_TOKENS
+                all_keys += _python_prefix_keys(stream[offset:end], store.boundary_key, first)
+                offset = end
+        else:
+            lengths_array = np.asarray(lengths, dtype=np.int64)
+            starts = np.cumsum(lengths_array) - lengths_array
+            positions = np.arange(total, dtype=np.int64) + np.repeat(
+                np.asarray(firsts) - starts, lengths_array
+            )
+            values = router_block_values(np.frombuffer(stream, dtype=np.uint32), positions)
+            sums = np.cumsum(values, dtype=np.uint64)
+            # key = boundary_key + (sums[i] - sums[start - 1]): one subtraction per event, wrapping.
+            before = np.concatenate([np.zeros(1, dtype=np.uint64), sums[:-1]])[starts]
+            bases = np.asarray([store.boundary_key for store in pending], dtype=np.uint64) - before
+            all_keys = (sums + np.repeat(bases, lengths_array)).tolist()
+
+        holders = self._holders
+        nodes = backend.nodes
+        stats = backend.stats
+        slot_tiers = {slot: tier for tier, slot in backend.tier_slots.items()}
+        if self._flush_uniform_locked(backend, pending, all_keys):
+            pending.clear()
+            hashes.clear()
+            return
+        offset = 0
+        for store, length in zip(pending, lengths, strict=True):
+            keys = all_keys[offset : offset + length]
+            offset += length
+            bit = 1 << store.slot
+            block_size = store.block_size
+            per_block = block_size // ROUTER_BLOCK_TOKENS
+            if per_block == 1:
+                owned_keys: list[tuple[int, ...]] = [(key,) for key in keys]
+                boundaries = keys
+            else:
+                owned_keys = [tuple(keys[i : i + per_block]) for i in range(0, length, per_block)]
+                boundaries = keys[per_block - 1 :: per_block]
+            first_end = store.parent_end + block_size
+            ends = range(first_end, store.parent_end + block_size * store.count + 1, block_size)
+            chain_id = store.chain_id
+            nodes.update(
+                zip(
+                    store.node_keys,
+                    [
+                        (end, block_size, boundary, (), owned, chain_id, bit)
+                        for end, boundary, owned in zip(ends, boundaries, owned_keys, strict=True)
+                    ],
+                    strict=True,
+                )
+            )
+            masks = list(map(holders.get, keys, itertools.repeat(0, length)))
+            if functools.reduce(operator.or_, masks, 0) & bit:
+                extra_refs = self._extra_refs
+                for key in keys:
+                    mask = holders.get(key, 0)
+                    if mask & bit:
+                        extra_refs[(key, store.slot)] = extra_refs.get((key, store.slot), 0) + 1
+                    else:
+                        holders[key] = mask | bit
+            else:
+                holders.update(zip(keys, [mask | bit for mask in masks], strict=True))
+            chain = backend.chains[chain_id]
+            chain.nodes += store.count
+            chain.longest = max(chain.longest, ends[-1])
+            tier = slot_tiers[store.slot]
+            stats.stored_events += 1
+            stats.blocks[tier] += store.count
+            stats.tokens[tier] += store.count * block_size
+        pending.clear()
+        hashes.clear()
 
     def _slot_locked(self, backend: _Backend, tier: str) -> int:
         slot = backend.tier_slots.get(tier)
