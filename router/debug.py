@@ -62,7 +62,8 @@ class KVIndexExtension:
         self.service = KVIndexService(registry=gateway.metrics.registry)
         self.tokenizer = RequestTokenizer(gateway.config, gateway.backends)
         gateway.kv_index = self.service
-        if isinstance(gateway.config.policy, (KVAwarePolicy, ApproximatePolicy)):
+        self.needs_tokens = isinstance(gateway.config.policy, (KVAwarePolicy, ApproximatePolicy))
+        if self.needs_tokens:
             gateway.request_preparers.append(self.tokenizer.prepare)
 
     # ---- Extension protocol ----
@@ -75,6 +76,8 @@ class KVIndexExtension:
 
     async def start(self) -> None:
         self.service.start()
+        if not self.needs_tokens:
+            return  # the debug page loads a tokenizer when it first shows prefixes
         try:  # load tokenizers now, not on the first request (about 2 s for Qwen3)
             await asyncio.to_thread(self.tokenizer.preload)
         except Exception as exc:
