@@ -278,6 +278,10 @@ class RequestTokenizer:
             self.failures += 1
             logger.debug("request %s: no tokens for routing: %s", request.request_id, exc)
             request.tokens = None
+        except Exception:  # a broken tokenizer must not fail the request: it is routed by load
+            self.failures += 1
+            logger.warning("request %s: tokenizer failed; routing by load", request.request_id, exc_info=True)
+            request.tokens = None
 
     async def tokens_for(self, model: str, body: dict[str, Any]) -> np.ndarray | None:
         spec = self._config.model(model)
