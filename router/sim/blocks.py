@@ -27,25 +27,28 @@ from router.sim.events import AllBlocksCleared, BlockRemoved, BlockStored, Cache
 
 # The parent hash of a sequence's first block: fixed, so a restarted simulator hashes alike.
 _ROOT_HASH = 0x6B76676174652D73  # "kvgate-s"
-_UINT64_MASK = (1 << 64) - 1
 
 
 def block_hash(parent: int | None, tokens: np.ndarray, extra: tuple[str, ...] | None) -> int:
     """The chained 64-bit hash of one full block of uint32 tokens (an unsigned int, like vLLM's)."""
-    hasher = xxhash.xxh3_64()
-    hasher.update((_ROOT_HASH if parent is None else parent).to_bytes(8, "little"))
-    hasher.update(tokens.astype(np.uint32, copy=False).tobytes())
+    return _hash_bytes(parent, tokens.astype(np.uint32, copy=False).tobytes(), extra)
+
+
+def _hash_bytes(parent: int | None, token_bytes: bytes, extra: tuple[str, ...] | None) -> int:
+    payload = (_ROOT_HASH if parent is None else parent).to_bytes(8, "little") + token_bytes
     if extra:
-        hasher.update("\x00".join(extra).encode())
-    return hasher.intdigest() & _UINT64_MASK
+        payload += "\x00".join(extra).encode()
+    return xxhash.xxh3_64_intdigest(payload)
 
 
 def chained_block_hashes(tokens: np.ndarray, block_size: int, extra: tuple[str, ...] | None) -> list[int]:
     """Hashes of every full block of `tokens`; `extra` (LoRA name, cache_salt) goes into the first."""
+    data = tokens.astype(np.uint32, copy=False).tobytes()
+    step = 4 * block_size
     hashes: list[int] = []
     parent: int | None = None
-    for start in range(0, len(tokens) - block_size + 1, block_size):
-        parent = block_hash(parent, tokens[start : start + block_size], extra if start == 0 else None)
+    for start in range(0, len(tokens) // block_size * step, step):
+        parent = _hash_bytes(parent, data[start : start + step], extra if start == 0 else None)
         hashes.append(parent)
     return hashes
 

@@ -18,6 +18,7 @@ same request gives the same text.
 from __future__ import annotations
 
 import asyncio
+import random
 from collections import deque
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -86,7 +87,7 @@ class SimulatedEngine:
         self.max_num_seqs = max_num_seqs
         self.publisher = publisher
         self.counters = EngineCounters()
-        self._output_vocabulary = output_vocabulary
+        self._output_vocabulary = [int(token) for token in output_vocabulary]
         self._waiting: deque[tuple[GenerationRequest, asyncio.Future[float]]] = deque()
         self._running = 0
         self._prefill_free_at = 0.0
@@ -119,9 +120,9 @@ class SimulatedEngine:
             for index, token in enumerate(outputs):
                 if index:
                     await asyncio.sleep(self.timing.decode_seconds(self._running))
-                self._publish(self.pool.append_token(request.request_id, int(token), loop.time()))
+                self._publish(self.pool.append_token(request.request_id, token, loop.time()))
                 self.counters.generation_tokens += 1
-                yield int(token)
+                yield token
             self.counters.finished_requests += 1
         finally:
             self.pool.free(request.request_id)
@@ -185,10 +186,9 @@ class SimulatedEngine:
             self._running += 1
             future.set_result(first_token_at)
 
-    def _output_tokens(self, request: GenerationRequest) -> np.ndarray:
+    def _output_tokens(self, request: GenerationRequest) -> list[int]:
         digest = xxhash.xxh3_64_intdigest(request.prompt.tobytes(), seed=request.seed or 0)
-        rng = np.random.default_rng(digest)
-        return self._output_vocabulary[rng.integers(0, len(self._output_vocabulary), request.max_tokens)]
+        return random.Random(digest).choices(self._output_vocabulary, k=request.max_tokens)
 
     def _publish(self, events: list) -> None:
         if self.publisher is not None and events:
