@@ -268,3 +268,57 @@ class EventCollector:
         self._stop.set()
         self._thread.join(timeout=2)
         self._socket.close(linger=0)
+
+
+def replay_events(replay_endpoint: str, start_seq: int = 0, timeout_s: float = 5.0) -> list[tuple[int, list]]:
+    """Every batch an engine still buffers from start_seq on, asked over its replay ROUTER with a
+    DEALER (vLLM's protocol): [(seq, events)], events decoded from msgpack as plain lists/dicts."""
+    socket = zmq.Context.instance().socket(zmq.DEALER)
+    socket.setsockopt(zmq.LINGER, 0)
+    socket.connect(replay_endpoint)
+    batches: list[tuple[int, list]] = []
+    try:
+        socket.send_multipart([b"", start_seq.to_bytes(8, "big")])
+        while socket.poll(int(timeout_s * 1000)):
+            frames = socket.recv_multipart()
+            seq_bytes, payload = frames[-2], frames[-1]
+            if seq_bytes == b"\xff" * 8:
+                return batches
+            batch = msgspec.msgpack.decode(payload)
+            batches.append(
+                (int.from_bytes(seq_bytes, "big"), batch[1] if isinstance(batch, list) else batch["events"])
+            )
+        raise TimeoutError(f"replay from {replay_endpoint} did not end within {timeout_s}s")
+    finally:
+        socket.close(linger=0)
+
+
+def held_by_tier(batches: list[tuple[int, list]]) -> dict[str, dict[str, int]]:
+    """Blocks and tokens an engine holds per tier (medium, lower case), folded from its events."""
+    live: dict[str, dict[object, int]] = {}
+    for _seq, events in batches:
+        for event in events:
+            kind = event["type"] if isinstance(event, dict) else event[0]
+            if kind == "AllBlocksCleared":
+                live.clear()
+                continue
+            medium = (event.get("medium") if isinstance(event, dict) else None) or "GPU"
+            tier = live.setdefault(medium.lower(), {})
+            hashes = event["block_hashes"]
+            if kind == "BlockStored":
+                size = event["block_size"]
+                covered = min(len(event["token_ids"]), size * len(hashes))
+                for index, block_hash in enumerate(hashes):
+                    tier[_hashable(block_hash)] = min(size, covered - index * size)
+            elif kind == "BlockRemoved":
+                for block_hash in hashes:
+                    tier.pop(_hashable(block_hash), None)
+    return {
+        name: {"blocks": len(blocks), "tokens": sum(blocks.values())}
+        for name, blocks in live.items()
+        if blocks
+    }
+
+
+def _hashable(block_hash: object) -> object:
+    return tuple(block_hash) if isinstance(block_hash, list) else block_hash
