@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import statistics
 import time
 from collections.abc import Callable
@@ -151,10 +152,10 @@ def measure_transfers(results: dict) -> None:
     variants = {}
     geometry = gpu.layouts.paged_geometry(caches, "flash_attn")
     tiles = {
-        "gather_default": triton_ops.default_tile(WIDTH, to_chunk=True),
-        "scatter_default": triton_ops.default_tile(WIDTH, to_chunk=False),
-        "4x1024_plain": Tile(4, 1024),
-        "2x1024_plain": Tile(2, 1024),
+        "default_2x1024": triton_ops.default_tile(WIDTH),
+        "4x1024": Tile(4, 1024),
+        "1x1024": Tile(1, 1024),
+        "2x1024_layer_fastest_streaming": Tile(2, 1024, layer_fastest=True, streaming=True),
         "1x1024_layer_fastest_streaming": Tile(1, 1024, layer_fastest=True, streaming=True),
         "2x1024_w4_2bpp_layer_fastest_streaming": Tile(
             2, 1024, blocks_per_program=2, layer_fastest=True, streaming=True
@@ -214,9 +215,10 @@ def measure_transfers(results: dict) -> None:
             )
     compiled = triton_ops.paged_copy(caches, geometry, slots, chunk, to_chunk=True)
     ptx = compiled.asm.get("ptx", "") if compiled is not None else ""
-    variants["gather_ptx_vector_loads"] = ptx.count("ld.global.v4")
-    variants["gather_ptx_vector_stores"] = ptx.count("st.global.v4")
-    variants["gather_ptx_scalar_b16_loads"] = ptx.count("ld.global.b16")
+    # 16-byte accesses show as ld/st.global[.cache hints].v4 in the PTX; 2-byte ones as .b16.
+    variants["gather_ptx_vector_loads"] = len(re.findall(r"ld\.global[\w:.]*\.v4", ptx))
+    variants["gather_ptx_vector_stores"] = len(re.findall(r"st\.global[\w:.]*\.v4", ptx))
+    variants["gather_ptx_scalar_b16_loads"] = len(re.findall(r"ld\.global[\w:.]*\.b16", ptx))
     try:  # the kernel writing straight into mapped pinned memory, and reading from it
         variants["store_zero_copy_s"] = timed(
             lambda: triton_ops.paged_copy(caches, geometry, slots, host_out, to_chunk=True)

@@ -135,17 +135,15 @@ class Tile:
 
 
 def default_tile(width: int, *, to_chunk: bool = True) -> Tile:
-    """About 2K elements a step, programs ordered layer-plane first, streaming cache hints: the best of
-    the shapes measured on the H200 (benchmarks/results/gpu_transfer.md). COLUMNS divides the row
-    when a power of two of at least 64 does (MLA's 576 = 9 x 64), so no lane idles behind a mask."""
+    """About 2K elements (two 2 KiB rows of a Llama-8B layer) per program, in plain token order: the
+    best of the shapes measured on the H200 for both directions (benchmarks/results/gpu_transfer.md).
+    COLUMNS divides the row when a power of two of at least 64 does (MLA's 576 = 9 x 64), so no lane
+    idles behind a column mask. `to_chunk` is kept so the two directions can be tuned apart."""
+    del to_chunk  # the same shape won both directions
     columns = min(width & -width, 1024)
     if columns < 64:
         columns = min(triton.next_power_of_2(width), 1024)
-    if to_chunk:
-        return Tile(tokens=max(1, 2048 // columns), columns=columns, layer_fastest=True, streaming=True)
-    return Tile(
-        tokens=max(1, 8192 // columns), columns=columns, num_warps=8, blocks_per_program=4, streaming=True
-    )
+    return Tile(tokens=max(1, 2048 // columns), columns=columns)
 
 
 def paged_copy(

