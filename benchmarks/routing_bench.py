@@ -30,6 +30,8 @@ from typing import Any
 
 from benchmarks import workloads as workload_catalog
 from benchmarks.oracle import oracle_hit_ratio
+from benchmarks.profiling import Profiler
+from benchmarks.profiling import summarize as summarize_profile
 from benchmarks.replay import replay, summarize
 from benchmarks.routers import ALL_POLICIES, DEFAULT_POLICIES, PEER_POLICIES, start_router
 from benchmarks.sim_fleet import MODEL, EngineFleet
@@ -37,6 +39,8 @@ from benchmarks.sim_fleet import MODEL, EngineFleet
 # The targets of issue 4, checked (never tuned) in the report.
 TARGET_ORACLE_FRACTION = 0.95
 TARGET_MAX_OVER_MEAN = 1.3
+# Raw py-spy stacks (large, not committed); their summary goes into the results.
+PROFILES_DIR = Path(".cache") / "profiles"
 
 
 def _log(message: str) -> None:
@@ -48,18 +52,41 @@ def _load_imbalance(requests_per_engine: list[float]) -> float:
     return round(max(requests_per_engine) / mean, 3) if mean else 0.0
 
 
+def _cpu_seconds(pid: int) -> float:
+    """User + system CPU time of a process, all its threads, from /proc."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def run_policy(
-    fleet: EngineFleet, policy: str, workload: workload_catalog.Workload, concurrency: int
+    fleet: EngineFleet,
+    policy: str,
+    workload: workload_catalog.Workload,
+    concurrency: int,
+    profile_to: Path | None = None,
 ) -> dict:
+    """One run: empty caches, a fresh router, the replay, the router stopped; the measures of the run.
+    With `profile_to`, py-spy samples the router during the replay into that file."""
     fleet.reset_caches()
     router = start_router(policy, fleet)
+    profiler = None
     try:
         before = fleet.counters()  # after the router's readiness probe
+        cpu_before = _cpu_seconds(router.process.pid)
+        if profile_to is not None:
+            profiler = Profiler(router.process.pid, profile_to)
         outcomes = asyncio.run(replay(router.url, workload, MODEL, concurrency))
+        router_cpu_s = _cpu_seconds(router.process.pid) - cpu_before
+        if profiler is not None:
+            profiler.stop()
         after = fleet.counters()
     finally:
         router.stop()
     result = summarize(workload, outcomes)
+    # The router process's CPU time (all threads) over the replay, per request it forwarded.
+    result["router_cpu_ms_per_request"] = round(router_cpu_s * 1000.0 / max(1, len(outcomes)), 3)
+    if profile_to is not None:
+        result["profile"] = summarize_profile(profile_to)
     per_engine = [a.minus(b) for a, b in zip(after, before, strict=True)]
     requests_per_engine = [round(c.requests) for c in per_engine]
     result["max_over_mean_load"] = _load_imbalance(requests_per_engine)
@@ -134,21 +161,34 @@ def write_markdown(results: dict, path: Path) -> None:
             f"{summary['unbounded_cache_hit_ratio']:.3f}.",
             "",
             "| policy | hit ratio | of oracle | TTFT p50 | TTFT p90 | TTFT p99 | req/s | max/mean load "
-            "| errors |",
-            "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+            "| router CPU ms/req | errors |",
+            "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
         ]
         oracle = entry["oracle_hit_ratio"]
         for policy, measured in entry["policies"].items():
             if "failed" in measured:
-                lines.append(f"| {policy} | failed: {measured['failed'][:80]} | | | | | | | |")
+                lines.append(f"| {policy} | failed: {measured['failed'][:80]} | | | | | | | | |")
                 continue
             of_oracle = f"{measured['hit_ratio'] / oracle:.0%}" if oracle else "-"
             lines.append(
                 f"| {policy} | {measured['hit_ratio']:.3f} | {of_oracle} | {measured['ttft_p50']:.1f} | "
                 f"{measured['ttft_p90']:.1f} | {measured['ttft_p99']:.1f} | {measured['throughput']:.2f} | "
-                f"{measured['max_over_mean_load']:.2f} | {measured['errors']} |"
+                f"{measured['max_over_mean_load']:.2f} | {measured.get('router_cpu_ms_per_request', '-')} | "
+                f"{measured['errors']} |"
             )
         lines.append("")
+        for policy, measured in entry["policies"].items():
+            profile = measured.get("profile")
+            if profile and profile["samples"]:
+                own = ", ".join(f"`{name}` {share:.0%}" for name, share in profile["own"][:10])
+                total = ", ".join(f"`{name}` {share:.0%}" for name, share in profile["total"][:10])
+                lines += [
+                    f"Profile of the {policy} gateway during this replay "
+                    f"(py-spy, {profile['samples']} samples):",
+                    f"- own time: {own}",
+                    f"- on the stack, kvgate's functions: {total}",
+                    "",
+                ]
     checks = results.get("targets", [])
     if checks:
         lines += ["## Targets (kv_aware)", "", "| workload | target | measured | met |", "|---|---|---|---|"]
@@ -170,7 +210,7 @@ def write_plot(results: dict, path: Path) -> None:
     policies = list(dict.fromkeys(p for entry in results["workloads"].values() for p in entry["policies"]))
     panels = [("hit_ratio", "hit ratio (cached / prompt tokens)"), ("ttft_p90", "TTFT p90 (ms)"),
               ("max_over_mean_load", "max / mean requests per engine")]  # fmt: skip
-    figure, axes = plt.subplots(len(panels), 1, figsize=(12, 11), constrained_layout=True)
+    figure, axes = plt.subplots(len(panels), 1, figsize=(14, 11), constrained_layout=True)
     width = 0.8 / max(1, len(policies))
     x = np.arange(len(names))
     colors = plt.get_cmap("tab10")
@@ -180,17 +220,19 @@ def write_plot(results: dict, path: Path) -> None:
             axis.bar(x + (i - (len(policies) - 1) / 2) * width, values, width, label=policy, color=colors(i))
         if key == "hit_ratio":
             oracle = [results["workloads"][n]["oracle_hit_ratio"] for n in names]
-            axis.scatter(x, oracle, marker="_", s=2500, color="black", zorder=3, label="oracle")
+            axis.hlines(oracle, x - 0.42, x + 0.42, colors="black", linewidth=2, zorder=3, label="oracle")
+            axis.set_ylim(0, 1)
         if key == "max_over_mean_load":
             axis.axhline(TARGET_MAX_OVER_MEAN, color="gray", linestyle="--", linewidth=1)
         axis.set_xticks(x, names)
         axis.set_ylabel(label)
         axis.grid(axis="y", alpha=0.3)
-    axes[0].legend(ncol=5, fontsize=8, loc="upper right")
     meta = results["meta"]
-    figure.suptitle(
+    axes[0].set_title(
         f"Routing quality: {meta['engines']} simulated engines, {meta['num_gpu_blocks']} blocks each"
     )
+    handles, labels = axes[0].get_legend_handles_labels()
+    figure.legend(handles, labels, loc="outside right upper", fontsize=9)
     figure.savefig(path, dpi=110)
     plt.close(figure)
 
@@ -209,6 +251,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--concurrency", type=int, default=128, help="client's limit on requests in flight")
     parser.add_argument("--sim-arg", action="append", default=[], help="extra `kvgate sim` flag (repeatable)")
     parser.add_argument("--output", default="benchmarks/results/routing", help="path prefix of the results")
+    parser.add_argument(
+        "--profile", default="", help="policy whose router py-spy samples during each replay (e.g. kv_aware)"
+    )
     args = parser.parse_args(argv)
 
     names = [n for n in args.workloads.split(",") if n]
@@ -257,8 +302,11 @@ def main(argv: list[str] | None = None) -> int:
         for workload in built:
             for policy in policies:
                 _log(f"{workload.name}: {policy}")
+                profile_to = None
+                if policy == args.profile:
+                    profile_to = PROFILES_DIR / f"{Path(args.output).name}_{workload.name}_{policy}.txt"
                 try:
-                    measured = run_policy(fleet, policy, workload, args.concurrency)
+                    measured = run_policy(fleet, policy, workload, args.concurrency, profile_to)
                 except Exception as exc:  # one router failing must not lose the other runs
                     _log(f"{workload.name}: {policy} failed: {exc}")
                     measured = {"failed": str(exc)[-2000:]}
