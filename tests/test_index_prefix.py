@@ -297,3 +297,32 @@ def test_batched_and_one_by_one_application_agree() -> None:
         assert batched.longest_cached_prefix(doc)["a"] == one_by_one.longest_cached_prefix(doc)["a"]
     assert batched.stats("a") == one_by_one.stats("a")
     assert batched.size() == one_by_one.size()
+
+
+def test_cumulative_tiers_with_a_short_tail_chunk() -> None:
+    """Cache-layer chunks held on CPU and disk, the last one short: 44 tokens in every view."""
+    index = PrefixIndex()
+    for medium in ("cpu", "disk"):
+        index.apply(
+            "a",
+            [
+                BlockStored(block_hashes=[1], token_ids=PROMPT[:16], block_size=16, medium=medium),
+                BlockStored(
+                    block_hashes=[2],
+                    parent_block_hash=1,
+                    token_ids=PROMPT[16:32],
+                    block_size=16,
+                    medium=medium,
+                ),
+                BlockStored(
+                    block_hashes=[3],
+                    parent_block_hash=2,
+                    token_ids=PROMPT[32:44],
+                    block_size=12,
+                    medium=medium,
+                ),
+            ],
+        )
+    match = index.longest_cached_prefix(PROMPT)["a"]
+    assert match.by_tier == {"cpu": 44, "disk": 44}
+    assert match.cumulative == [("cpu", 44), ("disk", 44)]

@@ -825,9 +825,11 @@ class PrefixIndex:
                 if union:
                     # Held in this tier or a faster one: "any of these bits" (multi-tier backends only).
                     union |= bit
-                    held = max(self._union_run(masks, union) * ROUTER_BLOCK_TOKENS, match.cumulative[-1][1])
+                    blocks = self._union_run(masks, union)
+                    held = blocks * ROUTER_BLOCK_TOKENS
                     if tails:
-                        held += self._tail_extension(array, keys, seed, held // ROUTER_BLOCK_TOKENS, union)
+                        held += self._tail_extension(array, keys, seed, blocks, union)
+                    held = max(held, match.cumulative[-1][1])
                 else:
                     union = bit
                 match.cumulative.append((tier, held))
