@@ -365,7 +365,10 @@ def write_report(report: dict, stem: Path) -> None:
         "",
         f"Command: `{report['command']}`  ",
         f"Machine: {report['machine']}; one fast test backend (tests/support/openai_backend.py) behind every "
-        f"router; load from one asyncio+httptools client process; medians of {report['rounds']} round(s).",
+        f"router; load from one asyncio+httptools client process; medians of {report['rounds']} round(s). "
+        "The machine was shared with other work (load average at the end: "
+        f"{', '.join(f'{x:.1f}' for x in report['load_average_at_end'])}): latencies at concurrency 1 "
+        "are dominated by scheduling; compare targets within this run only.",
         "",
         "Latency at concurrency 1 (ms; added = over direct). Throughput and CPU at concurrency "
         f"{report['concurrency']}. CPU/request = router process tree utime+stime over the load phases "
@@ -400,7 +403,8 @@ def _plot(report: dict, path: Path) -> None:
     axes[0].bar(
         [i + width / 2 for i in x], [e["added_ms"]["sse_c1"]["p50"] for e in entries], width, label="SSE"
     )
-    axes[0].set_title("added latency p50 over direct (ms, c=1)")
+    axes[0].set_title("added latency p50 over direct (ms, c=1, symlog)")
+    axes[0].set_yscale("symlog", linthresh=0.1)
     axes[0].axhline(0, color="black", linewidth=0.5)
     axes[0].legend()
     axes[1].bar(x, [e["json_load"]["requests_per_s"] for e in entries], color="tab:green")
@@ -423,10 +427,15 @@ def main() -> None:
     parser.add_argument("--phase-time-s", type=float, default=30.0, help="time limit of each load phase")
     parser.add_argument("--rounds", type=int, default=1)
     parser.add_argument("--skip-peers", action="store_true")
+    parser.add_argument("--report-only", action="store_true", help="rewrite .md and .png from the .json")
     parser.add_argument(
         "--output", default=str(RESULTS_DIR / "gateway_overhead"), help="path stem of the results"
     )
     args = parser.parse_args()
+    stem = Path(args.output)
+    if args.report_only:
+        write_report(json.loads(stem.with_suffix(".json").read_text()), stem)
+        return
     report = uvloop.run(main_async(args))
     report.update(
         {
@@ -437,7 +446,6 @@ def main() -> None:
             "load_average_at_end": os.getloadavg(),
         }
     )
-    stem = Path(args.output)
     stem.parent.mkdir(parents=True, exist_ok=True)
     write_report(report, stem)
     print(stem.with_suffix(".md").read_text())

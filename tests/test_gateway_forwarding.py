@@ -26,7 +26,11 @@ def backends():
 @pytest.fixture(scope="module")
 def gateway(backends):
     config = {
-        "models": [{"name": MODEL}, {"name": "unserved-model"}],
+        "models": [
+            {"name": MODEL},
+            {"name": "unserved-model"},
+            {"name": "alias-model", "served_name": MODEL},
+        ],
         "backends": [{"name": b.name, "url": b.url} for b in backends],
         "policy": {"name": "round_robin"},
     }
@@ -128,7 +132,18 @@ def test_models_lists_what_the_backends_report(client):
     listed = client.get("/v1/models").json()
     assert listed["object"] == "list"
     # "unserved-model" is configured but no backend reports it: not listed, as vLLM would not.
-    assert [card["id"] for card in listed["data"]] == [MODEL]
+    # "alias-model" is what the backends report as MODEL (its served_name).
+    assert [card["id"] for card in listed["data"]] == [MODEL, "alias-model"]
+    assert all(card["owned_by"] in ("a", "b") for card in listed["data"])  # the backends' own cards
+
+
+def test_served_name_is_what_the_backend_receives(client, backends):
+    response = client.post(
+        "/v1/completions", json={"model": "alias-model", "prompt": "aliased", "max_tokens": 2}
+    )
+    assert response.status_code == 200
+    [received] = [r for b in backends for r in b.received()]
+    assert json.loads(received["body"]) == {"model": MODEL, "prompt": "aliased", "max_tokens": 2}
 
 
 def test_health_and_metrics(client):
