@@ -160,8 +160,14 @@ class _Chain:
 # between that boundary and `end` (shorter than a router block); keys: the router keys this block
 # completed (it owns them for removal); chain_id: its _Chain in _Backend.chains; slots: bitmask of
 # the (backend, tier) slots that hold it.
+# `keys` is a bare int when the block completed exactly one router block (the usual 16-token
+# block): one object fewer to allocate and track per block.
 _Node = tuple
 _END, _TOKENS, _BOUNDARY, _TAIL, _KEYS, _CHAIN, _SLOTS = range(7)
+
+
+def _owned(keys: int | tuple[int, ...]) -> tuple[int, ...]:
+    return (keys,) if keys.__class__ is int else keys  # type: ignore[return-value]
 
 
 @dataclass(slots=True)
@@ -348,7 +354,7 @@ class PrefixIndex:
             zip(
                 node_keys,
                 [
-                    (end, ROUTER_BLOCK_TOKENS, key, (), (key,), chain_id, bit)
+                    (end, ROUTER_BLOCK_TOKENS, key, (), key, chain_id, bit)
                     for end, key, chain_id in zip(ends, all_keys, chain_ids, strict=True)
                 ],
                 strict=True,
@@ -456,7 +462,7 @@ class PrefixIndex:
             block_size = store.block_size
             per_block = block_size // ROUTER_BLOCK_TOKENS
             if per_block == 1:
-                owned_keys: list[tuple[int, ...]] = [(key,) for key in keys]
+                owned_keys: list[Any] = keys
                 boundaries = keys
             else:
                 owned_keys = [tuple(keys[i : i + per_block]) for i in range(0, length, per_block)]
@@ -619,7 +625,7 @@ class PrefixIndex:
             # every block completes whole router blocks; built with comprehensions, not a loop.
             per_block = block_size // ROUTER_BLOCK_TOKENS
             if per_block == 1:
-                owned_keys: list[tuple[int, ...]] = [(key,) for key in keys]
+                owned_keys: list[Any] = keys
                 boundaries = keys
             else:
                 owned_keys = [tuple(keys[i : i + per_block]) for i in range(0, len(keys), per_block)]
@@ -672,7 +678,7 @@ class PrefixIndex:
                 if tail:
                     node = self._register_locked(node, slot, bit)
                 else:  # inlined fast path: whole router blocks only
-                    for key in node[_KEYS]:
+                    for key in _owned(node[_KEYS]):
                         mask = holders.get(key, 0)
                         if mask & bit:
                             extra_refs[(key, slot)] = extra_refs.get((key, slot), 0) + 1
@@ -688,7 +694,7 @@ class PrefixIndex:
     def _register_locked(self, node: _Node, slot: int, bit: int) -> _Node:
         """Mark the node's prefixes as held in `slot`; returns the node with the slot added."""
         holders = self._holders
-        for key in node[_KEYS]:
+        for key in _owned(node[_KEYS]):
             mask = holders.get(key, 0)
             if mask & bit:
                 ref = (key, slot)
@@ -711,7 +717,7 @@ class PrefixIndex:
     def _unregister_locked(self, node: _Node, slot: int, bit: int) -> _Node:
         """Unmark the node's prefixes in `slot`; returns the node without the slot."""
         holders = self._holders
-        for key in node[_KEYS]:
+        for key in _owned(node[_KEYS]):
             ref = (key, slot)
             extra = self._extra_refs.get(ref)
             if extra:
