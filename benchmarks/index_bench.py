@@ -257,7 +257,71 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     (out / "index_bench.json").write_text(json.dumps(results, indent=2))
     plot(results, out / "index_bench.png")
-    print(f"wrote {out / 'index_bench.json'} and {out / 'index_bench.png'}")
+    (out / "index_bench.md").write_text(report(results))
+    print(f"wrote {out / 'index_bench.json'}, .md and .png")
+
+
+def report(results: dict) -> str:
+    """The short markdown report committed beside the JSON."""
+    ingest = results["ingest"]
+    lookup = results["lookup"]
+    memory = results["memory"]
+    lines = [
+        "# Prefix index benchmark",
+        "",
+        f"Command: `{results['command']}` (load average at the end: "
+        f"{' '.join(results['machine']['load_average'])} on a 2-core machine shared with other work).",
+        f"Index: {memory['engine_blocks']:,} cached 16-token blocks on "
+        f"{results['setup']['backends']} backends.",
+        "",
+        "## Ingest (blocks applied per CPU second, one core)",
+        "",
+        "| events | blocks/event | events/batch | blocks/s | events/s | target 500k blocks/s |",
+        "|---|---|---|---|---|---|",
+    ]
+    for name, label in (
+        ("prefill_events", "prefill BlockStored"),
+        ("decode_events", "decode BlockStored"),
+        ("decode_events_batched", "decode BlockStored"),
+        ("removal_events", "BlockRemoved"),
+    ):
+        entry = ingest[name]
+        met = "met" if entry["blocks_per_s"] >= results["targets"]["block_events_per_s"] else "not met"
+        lines.append(
+            f"| {label} | {entry['blocks_per_event']} | {entry.get('events_per_batch', 1)} | "
+            f"{entry['blocks_per_s']:,.0f} | {entry['events_per_s']:,.0f} | {met} |"
+        )
+    lines += [
+        "",
+        "## Lookup (all 16 backends, wall time per prompt)",
+        "",
+        "| prompt | index median | index p99 | per-backend Python walk median | target |",
+        "|---|---|---|---|---|",
+    ]
+    for length, entry in lookup.items():
+        target = f"< {results['targets']['lookup_8k_us']:.0f} us" if length == "8192" else ""
+        if target:
+            target += (
+                " met" if entry["index"]["median_us"] < results["targets"]["lookup_8k_us"] else " not met"
+            )
+        lines.append(
+            f"| {int(length) // 1024}k tokens | {entry['index']['median_us']:.0f} us | "
+            f"{entry['index']['p99_us']:.0f} us | "
+            f"{entry['naive_per_backend_walk']['median_us']:.0f} us | {target} |"
+        )
+    lines += [
+        "",
+        f"## Memory: {memory['bytes_per_block']:.0f} bytes per cached block "
+        f"(process RSS growth {memory['rss_growth_bytes'] / 2**20:.0f} MiB "
+        f"for {memory['engine_blocks']:,} blocks, "
+        "engine-hash map, node tuples and prefix-key map together)",
+        "",
+        f"Anchor: {results['anchor']}.",
+        "",
+        "![index benchmark](index_bench.png)",
+        "",
+    ]
+    return "\n".join(lines)
 
 
 def plot(results: dict, path: Path) -> None:

@@ -147,7 +147,31 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     (out / "tokenize_bench.json").write_text(json.dumps(results, indent=2))
     plot(results, out / "tokenize_bench.png")
-    print(f"wrote {out / 'tokenize_bench.json'} and {out / 'tokenize_bench.png'}")
+    (out / "tokenize_bench.md").write_text(report(results))
+    print(f"wrote {out / 'tokenize_bench.json'}, .md and .png")
+
+
+def report(results: dict) -> str:
+    lines = [
+        "# Chat tokenization benchmark",
+        "",
+        f"Command: `{results['command']}` (real Qwen3 tokenizer and chat template; load average "
+        f"{' '.join(results['machine']['load_average'])} on a shared 2-core machine). "
+        "Median CPU time per request; "
+        "every kvgate result equals the whole-prompt tokens.",
+        "",
+        "| prompt | turn | whole prompt (render + encode) | kvgate (per-message cache) |",
+        "|---|---|---|---|",
+    ]
+    for size, entry in results["sizes"].items():
+        for kind in ("first_turn", "follow_up"):
+            lines.append(
+                f"| ~{int(size) // 1024}k tokens (median {entry['prompt_tokens_median']}) | "
+                f"{kind.replace('_', ' ')} | "
+                f"{entry[kind]['whole']['median_ms']:.2f} ms | {entry[kind]['kvgate']['median_ms']:.2f} ms |"
+            )
+    lines += ["", "![tokenize benchmark](tokenize_bench.png)", ""]
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":
