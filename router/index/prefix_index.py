@@ -614,46 +614,6 @@ class PrefixIndex:
         slot = bit.bit_length() - 1
         holders = self._holders
         extra_refs = self._extra_refs
-        new_keys = node_keys[first_new:]
-        if (
-            not parent_tail
-            and block_size % ROUTER_BLOCK_TOKENS == 0
-            and (covered - skip) == len(new_keys) * block_size
-            and not any(map(nodes.__contains__, new_keys))
-        ):
-            # Fast path, the common case (vLLM blocks of 16 or 32 tokens, whole 256-token chunks):
-            # every block completes whole router blocks; built with comprehensions, not a loop.
-            per_block = block_size // ROUTER_BLOCK_TOKENS
-            if per_block == 1:
-                owned_keys: list[Any] = keys
-                boundaries = keys
-            else:
-                owned_keys = [tuple(keys[i : i + per_block]) for i in range(0, len(keys), per_block)]
-                boundaries = keys[per_block - 1 :: per_block]
-            ends = range(parent_end + block_size, parent_end + block_size * len(new_keys) + 1, block_size)
-            nodes.update(
-                zip(
-                    new_keys,
-                    [
-                        (end, block_size, boundary, (), owned, chain_id, bit)
-                        for end, boundary, owned in zip(ends, boundaries, owned_keys, strict=True)
-                    ],
-                    strict=True,
-                )
-            )
-            masks = list(map(holders.get, keys, itertools.repeat(0, len(keys))))
-            if functools.reduce(operator.or_, masks, 0) & bit:
-                for key, mask in zip(keys, masks, strict=True):
-                    if mask & bit:
-                        extra_refs[(key, slot)] = extra_refs.get((key, slot), 0) + 1
-                    else:
-                        holders[key] = mask | bit
-            else:
-                holders.update(zip(keys, [mask | bit for mask in masks], strict=True))
-            chain.nodes += len(new_keys)
-            chain.longest = max(chain.longest, ends[-1])
-            return len(new_keys), len(new_keys) * block_size
-
         start = parent_end - skip  # position of token_ids[0]
         previous_full = 0
         previous_end = parent_end
