@@ -193,28 +193,31 @@ class ProxyEndpoint:
                 break
             backend = gateway.policy.choose(route_request, candidates)
             tried.append(backend)
+            # Counted from the moment the request is sent: the engine is busy with it from then on.
+            prefill_tokens = _prefill_tokens(route_request)
             backend.in_flight += 1
+            backend.in_flight_prefill_tokens += prefill_tokens
             upstream_started = perf_counter()
             try:
                 response = await gateway.pool.request(
                     backend.origin, b"POST", self.path, forward_headers, body, timeout_s
                 )
             except UpstreamTimeout:
-                backend.in_flight -= 1
+                _release(backend, prefill_tokens)
                 raise GatewayError(
                     504,
                     f"backend {backend.name} sent no response within {timeout_s:g} s "
                     "(raise limits.upstream_timeout_s for longer generations)",
                 ) from None
             except UpstreamError as exc:
-                backend.in_flight -= 1
+                _release(backend, prefill_tokens)
                 gateway.mark_down(backend, str(exc))
                 if not exc.before_response:
                     raise GatewayError(502, f"backend {backend.name} failed: {exc}") from None
                 gateway.metrics.retries.labels(backend.name, "connect").inc()
                 continue
             except BaseException:  # cancelled: the client left
-                backend.in_flight -= 1
+                _release(backend, prefill_tokens)
                 raise
             status = response.status
             if status >= 500:
@@ -224,11 +227,13 @@ class ProxyEndpoint:
                     and attempt + 1 < limits.max_attempts
                     and gateway.candidates(route_request.model, exclude=tried)
                 ):
-                    backend.in_flight -= 1
+                    _release(backend, prefill_tokens)
                     response.close()  # unread body: the connection is dropped, not reused
                     gateway.metrics.retries.labels(backend.name, str(status)).inc()
                     continue
-            await self._relay(route_request, backend, response, id_header, send, started, upstream_started)
+            await self._relay(
+                route_request, backend, prefill_tokens, response, id_header, send, started, upstream_started
+            )
             return
         if tried:
             names = ", ".join(backend.name for backend in tried)
@@ -241,21 +246,16 @@ class ProxyEndpoint:
         self,
         route_request: RouteRequest,
         backend: BackendState,
+        prefill_tokens: int,
         response: UpstreamResponse,
         id_header: tuple[bytes, bytes],
         send,
         started: float,
         upstream_started: float,
     ) -> None:
+        """Stream the answer to the client; release the backend's in-flight share when it ends."""
         gateway = self.gateway
         policy = gateway.policy
-        decision = route_request.decision
-        prefill_tokens = decision.get("prefill_tokens")
-        if prefill_tokens is None:
-            tokens = route_request.tokens
-            prefill_tokens = 0 if tokens is None else max(0, len(tokens) - decision.get("cached_tokens", 0))
-        backend.in_flight_prefill_tokens += prefill_tokens
-        policy.on_routed(route_request, backend)
         status = response.status
         headers = [(name, value) for name, value in response.headers if name not in _RESPONSE_DROPPED]
         headers.append((b"x-kvgate-backend", backend.name_bytes))
@@ -263,6 +263,7 @@ class ProxyEndpoint:
         headers_arrived = perf_counter()
         outcome_status = status
         try:
+            policy.on_routed(route_request, backend)
             await send({"type": "http.response.start", "status": status, "headers": headers})
             gateway.metrics.overhead.observe(
                 (upstream_started - started) + (perf_counter() - headers_arrived)
@@ -296,11 +297,25 @@ class ProxyEndpoint:
         finally:
             response.close()
             gateway.metrics.observe_upstream(backend.name, perf_counter() - upstream_started)
-            backend.in_flight -= 1
-            backend.in_flight_prefill_tokens -= prefill_tokens
+            _release(backend, prefill_tokens)
             backend.requests_total += 1
             gateway.metrics.count_request(backend.name, outcome_status)
             policy.on_finished(route_request, backend)
+
+
+def _prefill_tokens(route_request: RouteRequest) -> int:
+    """Prompt tokens the backend still has to prefill: the policy's figure, else tokens minus cached."""
+    decision = route_request.decision
+    prefill_tokens = decision.get("prefill_tokens")
+    if prefill_tokens is not None:
+        return prefill_tokens
+    tokens = route_request.tokens
+    return 0 if tokens is None else max(0, len(tokens) - decision.get("cached_tokens", 0))
+
+
+def _release(backend: BackendState, prefill_tokens: int) -> None:
+    backend.in_flight -= 1
+    backend.in_flight_prefill_tokens -= prefill_tokens
 
 
 def _is_event_stream(headers: list[tuple[bytes, bytes]]) -> bool:

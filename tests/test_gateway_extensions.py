@@ -1,0 +1,91 @@
+"""The extension seams (router/extensions.py) with a sample extension, on a real uvicorn server."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+
+import httpx
+import pytest
+import uvicorn
+
+from router.app import create_app
+from router.config import parse_config
+from tests.support import free_port, start_backend
+from tests.support.sample_extension import CACHED_TOKENS, PROMPT_TOKENS, SampleExtension
+
+MODEL = "test-model"
+
+
+@pytest.fixture(scope="module")
+def backends():
+    started = [start_backend("a", [MODEL]), start_backend("b", [MODEL])]
+    yield started
+    for backend in started:
+        backend.stop()
+
+
+@pytest.fixture(scope="module")
+def served(backends):
+    """The gateway app with the sample extension, served by uvicorn in a thread of this process."""
+    a, _ = backends
+    config = parse_config({"models": [{"name": MODEL}], "backends": [{"name": "a", "url": a.url}]})
+    app = create_app(config, extension_factories=["tests.support.sample_extension:create"])
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=lambda: asyncio.run(server.serve()), daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert server.started
+    yield app, f"http://127.0.0.1:{port}"
+    server.should_exit = True
+    thread.join(timeout=10)
+
+
+def test_extension_is_built_started_and_mounted(served):
+    app, url = served
+    extension = app.state.gateway.extensions[0]
+    assert isinstance(extension, SampleExtension)
+    assert app.state.gateway.kv_index is extension
+    assert httpx.get(f"{url}/debug/sample").json() == {"events": ["start"], "backends": ["a"]}
+
+
+def test_extension_follows_backend_changes(served, backends):
+    _, url = served
+    _, b = backends
+    assert httpx.post(f"{url}/backends", json={"name": "b", "url": b.url}).status_code == 201
+    assert httpx.get(f"{url}/debug/sample").json()["backends"] == ["a", "b"]
+    assert httpx.delete(f"{url}/backends/b").status_code == 200
+    assert httpx.get(f"{url}/debug/sample").json()["backends"] == ["a"]
+
+
+def test_preparer_tokens_feed_the_in_flight_prefill_accounting(served):
+    _, url = served
+    result: list[httpx.Response] = []
+    slow = threading.Thread(
+        target=lambda: result.append(
+            httpx.post(
+                f"{url}/v1/completions",
+                json={"model": MODEL, "prompt": "x"},
+                headers={"x-test-delay-ms": "800"},
+                timeout=30,
+            )
+        )
+    )
+    slow.start()
+    seen = 0
+    for _ in range(200):
+        [backend] = httpx.get(f"{url}/backends").json()["backends"]
+        if backend["in_flight"]:
+            seen = backend["in_flight_prefill_tokens"]
+            break
+        time.sleep(0.01)
+    slow.join()
+    assert result[0].status_code == 200
+    assert seen == PROMPT_TOKENS - CACHED_TOKENS
+    [backend] = httpx.get(f"{url}/backends").json()["backends"]
+    assert backend["in_flight"] == 0
+    assert backend["in_flight_prefill_tokens"] == 0
