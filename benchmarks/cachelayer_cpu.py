@@ -4,7 +4,7 @@ KV of 32 layers, 8 KV heads, head_dim 128, bf16 (128 KiB a token, 512 MiB per 40
 request), chunk_size 256. Measured side by side in one run: a plain torch copy of the same bytes
 (the memcpy ceiling), CacheEngine.store of fresh requests (eviction running once the pool is
 full), retrieve into a new tensor and into a caller buffer (out=), lookup, and the key hashing
-alone for both algorithms. Median of the repeats.
+alone for both algorithms. Each round runs every operation once, in turn; median of the rounds.
 
     .venv/bin/python benchmarks/cachelayer_cpu.py [--repeats 7] [--pool-gb 2.5]
 
@@ -74,10 +74,6 @@ def main() -> None:
         "torch": torch.__version__,
     }
 
-    # The ceiling: one contiguous copy of the same bytes.
-    destination.copy_(kv)
-    memcpy = timed(lambda: destination.copy_(kv), args.repeats)
-
     engine = CacheEngine.from_config(
         {"chunk_size": CHUNK, "max_local_cpu_size": args.pool_gb, "pre_caching_hash_algorithm": "xxhash"},
         num_layers=LAYERS,
@@ -87,6 +83,7 @@ def main() -> None:
     )
     # Touch every pool page once so that page faults are not charged to the first stores.
     engine.cpu.pool.fill_(0)
+    destination.copy_(kv)
     pool_requests = int(args.pool_gb * 2**30 // request_bytes)
     for _ in range(pool_requests):
         engine.store(fresh_tokens(), kv)
@@ -98,13 +95,30 @@ def main() -> None:
         assert engine.store(tokens, kv) == TOKENS
         stored_tokens.append(tokens)
 
-    store = timed(store_once, args.repeats)
-    last = stored_tokens[-1]
-    hit, loaded = engine.retrieve(last)
+    store_once()
+    hit, loaded = engine.retrieve(stored_tokens[-1])
     assert hit == TOKENS and torch.equal(loaded, kv), "retrieve returned wrong KV"
-    retrieve_new = timed(lambda: engine.retrieve(last), args.repeats)
-    retrieve_out = timed(lambda: engine.retrieve(last, out=out), args.repeats)
-    lookup = timed(lambda: engine.lookup(last), args.repeats)
+    del loaded
+
+    # Rounds interleave the operations, so that the load of this shared machine weighs on all alike.
+    operations = {
+        "memcpy_ceiling": lambda: destination.copy_(kv),  # one contiguous copy of the same bytes
+        "store": store_once,
+        "retrieve_new_tensor": lambda: engine.retrieve(stored_tokens[-1]),
+        "retrieve_into_out": lambda: engine.retrieve(stored_tokens[-1], out=out),
+        "lookup_4k_tokens": lambda: engine.lookup(stored_tokens[-1]),
+    }
+    times: dict[str, list[float]] = {name: [] for name in operations}
+    for _ in range(args.repeats):
+        for name, operation in operations.items():
+            times[name].extend(timed(operation, 1))
+    memcpy, store = times["memcpy_ceiling"], times["store"]
+    retrieve_new, retrieve_out, lookup = (
+        times["retrieve_new_tensor"],
+        times["retrieve_into_out"],
+        times["lookup_4k_tokens"],
+    )
+    last = stored_tokens[-1]
     evicted = engine.stats()["cpu_evicted_chunks"]
     engine.close()
 
@@ -137,6 +151,7 @@ def main() -> None:
         "chunk_keys_4k_tokens": hashing,
     }
     results["evicted_chunks_during_run"] = evicted
+    results["all_seconds"] = times
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / "cachelayer_cpu.json").write_text(json.dumps(results, indent=2) + "\n")
     write_report(results)
@@ -154,7 +169,7 @@ def write_report(results: dict) -> None:
         f"({results['request_bytes'] / 2**20:.0f} MiB each), chunk_size {CHUNK}, "
         f"L1 pool {results['pool_gb']} GB "
         f"(full, so stores evict: {results['evicted_chunks_during_run']} chunks evicted in the run). "
-        f"Median of {results['repeats']} runs, torch {results['torch']} "
+        f"Median of {results['repeats']} interleaved rounds, torch {results['torch']} "
         f"with {results['torch_threads']} threads "
         f"on {results['cpu_count']} shared cores. Command: `.venv/bin/python benchmarks/cachelayer_cpu.py`.",
         "",
@@ -172,9 +187,12 @@ def write_report(results: dict) -> None:
         f"Chunk keys for 4k tokens: sha256_cbor_64bit {keys['sha256_cbor_64bit'] * 1000:.2f} ms, "
         f"xxhash {keys['xxhash'] * 1000:.2f} ms.",
         "",
-        "store copies each chunk's strided slice of the request into its pool allocation (one copy, as "
-        "memcpy does); retrieve into a new tensor also pays the allocation and first touch of 512 MiB, "
-        "which `out=` avoids. These machines are shared by several jobs: numbers vary between runs.",
+        "store copies each chunk's strided slice of the request into its pool allocation and retrieve "
+        "copies it back (numpy copyto between CPU tensors: torch's strided copy_ reached only ~60% of "
+        "memcpy here); store also hashes the chunk keys and evicts (the pool is full). retrieve into a "
+        "new tensor pays for allocating and first touching 512 MiB (page faults) on every call, which "
+        "`out=` avoids: connectors should pass their buffer. These machines are shared by several "
+        "jobs: absolute numbers move between runs, the ratios much less.",
         "",
         "![throughput](cachelayer_cpu.png)",
         "",

@@ -76,6 +76,22 @@ def _token_list(tokens: Tokens) -> list[int]:
     return [int(token) for token in values]
 
 
+_SAME_WIDTH_INTEGER = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def _copy(destination: torch.Tensor, source: torch.Tensor) -> None:
+    """destination[...] = source. Between CPU tensors numpy's copy moves the strided chunk slices
+    at memcpy speed (measured: torch's strided copy_ reached ~60% of it on these machines)."""
+    if destination.device.type == "cpu" and source.device.type == "cpu" and destination.dtype == source.dtype:
+        as_integer = _SAME_WIDTH_INTEGER.get(destination.dtype.itemsize)
+        try:
+            np.copyto(destination.view(as_integer).numpy(), source.detach().view(as_integer).numpy())
+            return
+        except (RuntimeError, TypeError):  # no numpy view (e.g. conjugate or grad-tracking views)
+            pass
+    destination.copy_(source)
+
+
 class CacheEngine:
     def __init__(
         self,
@@ -295,7 +311,7 @@ class CacheEngine:
 
     def _write_payload(self, tier: Tier, entry: TierEntry, payload: torch.Tensor) -> None:
         if isinstance(tier, CpuTier):
-            tier.view(entry).copy_(payload)
+            _copy(tier.view(entry), payload)
         else:
             assert isinstance(tier, DiskTier)
             tier.write(entry, payload)
@@ -331,7 +347,7 @@ class CacheEngine:
             return held_end
         try:
             for span, entry in reserved:
-                self._chunk_view(self.cpu.view(entry), entry.meta).copy_(kv[:, :, span.start : span.end])
+                _copy(self._chunk_view(self.cpu.view(entry), entry.meta), kv[:, :, span.start : span.end])
         except BaseException:
             with self._lock:
                 for _, entry in reserved:
@@ -489,7 +505,7 @@ class CacheEngine:
                     failed.append(entry)
                     hit = span.start
                     break
-                result[:, :, span.start : span.end].copy_(self._chunk_view(payload, entry.meta))
+                _copy(result[:, :, span.start : span.end], self._chunk_view(payload, entry.meta))
             result = result[:, :, :hit]
         finally:
             with self._lock:

@@ -58,7 +58,11 @@ def test_router_index_follows_stores_evictions_and_clears(engine_and_index):
     tokens, kv = request(1, 3)
     tokens, kv = tokens[:-4], kv[:, :, :-4]  # a short tail chunk
     assert engine.store(tokens, kv) == len(tokens)
-    held = wait_for(lambda: match(tokens) if match(tokens).tokens == len(tokens) else None)
+    try:
+        held = wait_for(lambda: match(tokens) if match(tokens).tokens == len(tokens) else None)
+    except AssertionError:
+        print("STATUS", service.status(), match(tokens))
+        raise
     assert held.by_tier.get("cpu") == len(tokens)
     wait_for(lambda: match(tokens).by_tier.get("disk") == len(tokens))
     # A prompt sharing the first chunk only.
