@@ -76,8 +76,11 @@ def test_bad_shapes_dtypes_and_locations_are_refused_clearly():
     assert engine.lookup(tokens) == 0  # nothing half-stored
 
 
-def test_threads_storing_and_retrieving_at_once_see_only_their_own_data():
-    engine = make_engine(24)  # smaller than the working set: eviction runs during the test
+@pytest.mark.parametrize("with_disk", [False, True])
+def test_threads_storing_and_retrieving_at_once_see_only_their_own_data(tmp_path, with_disk):
+    # The pool is smaller than the working set: eviction (and disk promotion) runs during the test.
+    disk = {"local_disk": str(tmp_path), "max_local_disk_size": 0.01} if with_disk else {}
+    engine = make_engine(12, **disk)
     requests = [request(100 + i, 2) for i in range(8)]
     errors: list[str] = []
 
@@ -96,6 +99,37 @@ def test_threads_storing_and_retrieving_at_once_see_only_their_own_data():
         thread.start()
     for thread in threads:
         thread.join()
+    assert errors == []
+    assert_no_leak(engine)
+    if with_disk:
+        assert all(entry.refcount == 0 for entry in engine.disk.committed_entries())
+        assert engine.disk.used_bytes == sum(entry.nbytes for entry in engine.disk.committed_entries())
+
+
+def test_compressing_while_other_threads_read_never_shows_wrong_data():
+    engine = make_engine(16)
+    tokens, kv = request(8, 3)
+    engine.store(tokens, kv)
+    errors: list[str] = []
+    stop = threading.Event()
+
+    def reader() -> None:
+        while not stop.is_set():
+            hit, loaded = engine.retrieve(tokens)
+            if hit != 3 * CHUNK or not torch.equal(loaded, kv):
+                errors.append(f"hit {hit}, data equal: {hit and torch.equal(loaded, kv[:, :, :hit])}")
+
+    readers = [threading.Thread(target=reader) for _ in range(3)]
+    for thread in readers:
+        thread.start()
+    try:
+        for _ in range(20):
+            assert engine.compress(tokens, "naive", "LocalCPUBackend") == 3 * CHUNK
+            assert engine.decompress(tokens, "naive", "LocalCPUBackend") == 3 * CHUNK
+    finally:
+        stop.set()
+        for thread in readers:
+            thread.join()
     assert errors == []
     assert_no_leak(engine)
 

@@ -147,7 +147,7 @@ class DiskTier(Tier):
             found.append((path.stat().st_mtime, header, payload_offset, path))
         for _, header, payload_offset, path in sorted(found, key=lambda item: item[0]):
             meta = ChunkMeta(header.key, header.parent_key, header.token_ids, header.fmt)
-            # A newer file of the same key replaces the older one (reserve drops the previous entry).
+            # A newer file of the same key replaces the older one (commit drops the previous entry).
             entry, _ = self.reserve(meta, header.nbytes)
             if entry is None:
                 path.unlink(missing_ok=True)

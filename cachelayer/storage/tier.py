@@ -1,7 +1,8 @@
 """The bookkeeping every storage tier shares: index, eviction order, pins and reference counts.
 
 Invariants (callers hold the engine's lock around every method here):
-- an entry is visible to lookups only once committed;
+- a new entry is visible to lookups only once committed; committing replaces any entry of the
+  same key atomically (a recompressed chunk never disappears in between);
 - an entry with refcount > 0 (being written or read) or pins > 0 is never evicted;
 - a removed entry's space is released exactly once, when its last reference goes.
 """
@@ -48,7 +49,8 @@ class Tier:
     medium = "tier"  # the KV-event medium, e.g. "cpu"
 
     def __init__(self, cache_policy: str) -> None:
-        self._entries: dict[int, TierEntry] = {}
+        self._entries: dict[int, TierEntry] = {}  # committed entries
+        self._pending: dict[int, TierEntry] = {}  # reserved, being written
         self._policy: EvictionPolicy = make_policy(cache_policy)
         self.evicted_chunks = 0
 
@@ -61,18 +63,17 @@ class Tier:
 
     # ---- lookups ----
     def get(self, key: int) -> TierEntry | None:
-        entry = self._entries.get(key)
-        return entry if entry is not None and entry.committed else None
+        return self._entries.get(key)
 
     def __contains__(self, key: int) -> bool:
         return self.get(key) is not None
 
     def has_key(self, key: int) -> bool:
         """Held, or reserved by a writer that has not committed yet."""
-        return key in self._entries
+        return key in self._entries or key in self._pending
 
     def committed_entries(self) -> list[TierEntry]:
-        return [entry for entry in self._entries.values() if entry.committed]
+        return list(self._entries.values())
 
     def touch(self, key: int) -> None:
         self._policy.on_access(key)
@@ -88,7 +89,7 @@ class Tier:
         if location is None:
             for key in self._policy.candidates():
                 victim = self._entries.get(key)
-                if victim is None or victim.refcount or victim.pins or not victim.committed:
+                if victim is None or victim.refcount or victim.pins:
                     continue
                 self.remove(key)
                 self.evicted_chunks += 1
@@ -98,22 +99,25 @@ class Tier:
                     break
         if location is None:
             return None, evicted
-        previous = self._entries.get(meta.key)
-        if previous is not None:
-            self.remove(meta.key)
         entry = TierEntry(meta=meta, nbytes=nbytes, location=location, refcount=1)
-        self._entries[meta.key] = entry
+        self._pending[meta.key] = entry
         return entry, evicted
 
     def commit(self, entry: TierEntry) -> None:
+        """Make a written entry visible, replacing any entry of the same key; drops the writer's reference."""
+        key = entry.meta.key
+        if self._pending.get(key) is entry:
+            del self._pending[key]
+        self.remove(key)
         entry.committed = True
-        self._policy.on_insert(entry.meta.key)
+        self._entries[key] = entry
+        self._policy.on_insert(key)
         self.release(entry)
 
     def abort(self, entry: TierEntry) -> None:
         """Drop an entry whose write failed."""
-        if self._entries.get(entry.meta.key) is entry:
-            del self._entries[entry.meta.key]
+        if self._pending.get(entry.meta.key) is entry:
+            del self._pending[entry.meta.key]
         entry.removed = True
         self.release(entry)
 
@@ -136,7 +140,7 @@ class Tier:
         entry.removed = True
         if entry.refcount == 0:
             self._release_space(entry)
-        return entry if entry.committed else None
+        return entry
 
     # ---- pins ----
     def pin(self, key: int) -> bool:
@@ -155,4 +159,4 @@ class Tier:
 
     @property
     def num_chunks(self) -> int:
-        return sum(1 for entry in self._entries.values() if entry.committed)
+        return len(self._entries)
