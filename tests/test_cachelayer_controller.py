@@ -249,3 +249,23 @@ def test_unknown_location_is_a_400_naming_the_choices(controller):
         assert client.post("/health", json={"instance_id": "bad-location"}).json()["error_codes"] == {"0": 0}
     finally:
         engine.close()
+
+
+def test_heartbeats_register_unknown_workers_and_silence_drops_them():
+    from cachelayer.controller.server import Controller
+
+    controller = Controller("tcp://127.0.0.1:*")
+    try:
+        heartbeat = WorkerReport(
+            kind="heartbeat", instance_id="i", worker_id=0, port=1234, heartbeat_interval_s=1.0
+        )
+        # A heartbeat from a worker the controller never saw (the controller restarted) registers it.
+        controller.apply_report(heartbeat, now=100.0)
+        assert list(controller.instances["i"]) == [0]
+        assert controller.drop_silent_workers(now=102.9) == []
+        controller.apply_report(heartbeat, now=103.0)
+        assert controller.drop_silent_workers(now=105.9) == []
+        assert controller.drop_silent_workers(now=106.1) == [("i", 0)]
+        assert "i" not in controller.instances
+    finally:
+        controller._pull.close(linger=0)
