@@ -367,7 +367,7 @@ class CacheEngine:
         for meta in metas:
             with self._lock:
                 source = self.cpu.get(meta.key)
-                if source is None or meta.key in disk:
+                if source is None or disk.has_key(meta.key):
                     continue
                 self.cpu.acquire(source)
                 target, evicted = disk.reserve(
@@ -383,10 +383,12 @@ class CacheEngine:
                     continue
                 try:
                     disk.write(target, self.cpu.view(source))
-                except OSError as exc:
-                    log.error("cachelayer: writing chunk %#x to %s failed: %s", meta.key, disk.directory, exc)
+                except BaseException as exc:
                     with self._lock:
                         disk.abort(target)
+                    if not isinstance(exc, OSError):
+                        raise
+                    log.error("cachelayer: writing chunk %#x to %s failed: %s", meta.key, disk.directory, exc)
                     continue
                 with self._lock:
                     disk.commit(target)
