@@ -67,7 +67,11 @@ def test_the_issue_example_loads(tmp_path):
         ),
         (with_changes(backends=[{"name": "a", "url": "ftp://h:1"}]), "backends[0]", "must look like http://host:port"),
         (with_changes(backends=[{"name": "a", "url": "http://h:99999"}]), "backends[0]", "bad port"),
-        (with_changes(policy={"name": "fastest"}), "policy.name", "known policies: round_robin, least_loaded"),
+        (
+            with_changes(policy={"name": "fastest"}),
+            "policy.name",
+            "known policies: round_robin, least_loaded",
+        ),
         (with_changes(models=[]), "models", "length >= 1"),
         (with_changes(backends=[]), "backends", "no backends"),
         (
