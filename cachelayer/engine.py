@@ -136,6 +136,7 @@ class CacheEngine:
                 num_layers=num_layers,
                 channels=self.channels,
                 dtype=self.identity.dtype,
+                owner=f"{model_name}|world_size={world_size}|worker={worker_id}",
             )
         self._tiers: dict[str, Tier] = {"cpu": self.cpu}
         if self.disk is not None:

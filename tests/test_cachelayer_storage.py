@@ -150,3 +150,34 @@ def test_disk_tier_evicts_within_its_size(tmp_path):
         assert engine.stats()["disk_chunks"] == 2
         assert engine.disk.used_bytes <= engine.disk.capacity
         assert len(list((tmp_path / "l2").glob("*.kvchunk"))) == 2
+
+
+def test_engines_sharing_a_disk_directory_keep_to_their_own_files(tmp_path):
+    import torch
+
+    from cachelayer import CacheEngine
+
+    def worker(rank):
+        return CacheEngine.from_config(
+            {
+                "chunk_size": CHUNK,
+                "max_local_cpu_size": 0.01,
+                "local_disk": str(tmp_path),
+                "max_local_disk_size": 1.5 * CHUNK_BYTES / 2**30,
+            },
+            num_layers=2,
+            num_kv_heads=2,
+            head_dim=8,
+            dtype=torch.bfloat16,
+            world_size=2,
+            worker_id=rank,
+        )
+
+    tokens, kv = request(9, 1)
+    with worker(0) as first, worker(1) as second:
+        first.store(tokens, kv)
+        second.store(tokens, kv)
+    with worker(0) as first, worker(1) as second:
+        # Each found its own chunk after the restart and did not evict the other's.
+        assert first.lookup(tokens) == CHUNK and second.lookup(tokens) == CHUNK
+        assert first.disk.num_chunks == 1 and second.disk.num_chunks == 1

@@ -37,6 +37,9 @@ class _Header(msgspec.Struct, kw_only=True):
     channels: int
     dtype: str
     nbytes: int
+    # Which engine wrote it (model, world size, worker): engines may share a directory (tensor-
+    # parallel workers often do); each indexes, counts and evicts only its own files.
+    owner: str = ""
 
 
 class DiskTier(Tier):
@@ -52,8 +55,10 @@ class DiskTier(Tier):
         num_layers: int,
         channels: int,
         dtype: str,
+        owner: str = "",
     ) -> None:
         super().__init__(cache_policy)
+        self.owner = owner
         self.directory = directory
         self.capacity = capacity_bytes
         self.used_bytes = 0
@@ -95,6 +100,7 @@ class DiskTier(Tier):
                 channels=channels,
                 dtype=dtype,
                 nbytes=entry.nbytes,
+                owner=self.owner,
             )
         )
         final = self.path_of(entry)
@@ -142,8 +148,12 @@ class DiskTier(Tier):
                 log.warning("cachelayer disk tier: removing unreadable chunk file %s: %s", path, exc)
                 path.unlink(missing_ok=True)
                 continue
-            if (header.num_layers, header.channels, header.dtype) != self._geometry:
-                continue  # another model's chunk sharing the directory: not ours, left alone
+            if (
+                header.num_layers,
+                header.channels,
+                header.dtype,
+            ) != self._geometry or header.owner != self.owner:
+                continue  # another engine's chunk sharing the directory: not ours, left alone
             found.append((path.stat().st_mtime, header, payload_offset, path))
         for _, header, payload_offset, path in sorted(found, key=lambda item: item[0]):
             meta = ChunkMeta(header.key, header.parent_key, header.token_ids, header.fmt)
