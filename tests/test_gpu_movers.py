@@ -198,3 +198,15 @@ def test_bad_input_gets_errors_that_say_what_to_fix():
         gpu.gather(caches, "flashinfer", slots, out)
     with pytest.raises(ValueError, match="float32"):
         gpu.gather(caches, "flash_attn", slots.float(), out)
+
+
+def test_validation_is_remembered_per_layer_list_but_redone_for_other_tensors():
+    caches = make_cache("flash_attn")
+    slots = torch.arange(6)
+    out = torch.empty(gpu.chunk_shape(caches, "flash_attn", 6), dtype=torch.bfloat16)
+    gpu.gather(caches, "flash_attn", slots, out)
+    gpu.gather(caches, "flash_attn", slots, out)  # served from the memo
+    swapped = list(caches)
+    swapped[1] = caches[1][:, :6].clone()  # a different tensor in the same position
+    with pytest.raises(ValueError, match="kv_caches\\[1\\]"):
+        gpu.gather(swapped, "flash_attn", slots, out)

@@ -204,22 +204,23 @@ def quantize(kv: Tensor, qmax: Tensor) -> tuple[Tensor, Tensor, np.ndarray, int]
     block_channels = min(triton.next_power_of_2(channels), 256)
     block_tokens = max(1, 4096 // block_channels)
     grid = (triton.cdiv(num_tokens, block_tokens), num_layers * 2)
-    _quantize_kernel[grid](
-        kv,
-        qmax,
-        scales,
-        symbols,
-        counts,
-        nonfinite,
-        num_tokens,
-        channels,
-        BLOCK_TOKENS=block_tokens,
-        BLOCK_CHANNELS=block_channels,
-        ALPHABET=_ALPHABET,
-        MAGIC=_ROUNDING_MAGIC,
-        num_warps=8,
-        enable_fp_fusion=False,
-    )
+    with torch.cuda.device(kv.device):  # Triton launches on the current device
+        _quantize_kernel[grid](
+            kv,
+            qmax,
+            scales,
+            symbols,
+            counts,
+            nonfinite,
+            num_tokens,
+            channels,
+            BLOCK_TOKENS=block_tokens,
+            BLOCK_CHANNELS=block_channels,
+            ALPHABET=_ALPHABET,
+            MAGIC=_ROUNDING_MAGIC,
+            num_warps=8,
+            enable_fp_fusion=False,
+        )
     # One read-back for both: the histogram is needed on the host for the frequency tables anyway.
     host = torch.cat([counts.view(-1), nonfinite]).cpu().numpy()
     return scales, symbols, host[:-1].reshape(num_layers * 2, _ALPHABET), int(host[-1])
@@ -238,12 +239,14 @@ def rans_encode(symbols: Tensor, frequencies: Tensor, cumulative: Tensor) -> tup
     )
     arguments = (symbols, frequencies, cumulative, states, counts)
     dimensions = (num_lanes, num_tokens, channels, num_groups)
-    _rans_encode_kernel[grid](*arguments, counts, counts, *dimensions, WRITE=False, **common)
+    with torch.cuda.device(symbols.device):  # Triton launches on the current device
+        _rans_encode_kernel[grid](*arguments, counts, counts, *dimensions, WRITE=False, **common)
     offsets = torch.cumsum(counts, 0, dtype=torch.int64) - counts
     total_words = int(offsets[-1] + counts[-1])
     words = torch.empty(total_words, dtype=torch.int16, device=symbols.device)
     if total_words:
-        _rans_encode_kernel[grid](*arguments, offsets, words, *dimensions, WRITE=True, **common)
+        with torch.cuda.device(symbols.device):
+            _rans_encode_kernel[grid](*arguments, offsets, words, *dimensions, WRITE=True, **common)
     return states, counts.to(torch.int16), words
 
 
@@ -266,26 +269,27 @@ def rans_decode(
     num_lanes = num_layers * 2 * num_groups * channels
     final = torch.empty(2 * num_lanes, dtype=torch.int32, device=out.device)
     grid = (triton.cdiv(num_lanes, _LANES_PER_PROGRAM),)
-    _rans_decode_kernel[grid](
-        states,
-        offsets,
-        ends,
-        words if words.numel() else torch.zeros(1, dtype=torch.int16, device=out.device),
-        frequencies,
-        cumulative,
-        table,
-        scales,
-        qmax,
-        out,
-        final,
-        num_lanes,
-        num_tokens,
-        channels,
-        num_groups,
-        GROUP=_GROUP_TOKENS,
-        BLOCK=_LANES_PER_PROGRAM,
-        ALPHABET=_ALPHABET,
-        PROBABILITY_BITS=_PROBABILITY_BITS,
-        enable_fp_fusion=False,
-    )
+    with torch.cuda.device(out.device):  # Triton launches on the current device
+        _rans_decode_kernel[grid](
+            states,
+            offsets,
+            ends,
+            words if words.numel() else torch.zeros(1, dtype=torch.int16, device=out.device),
+            frequencies,
+            cumulative,
+            table,
+            scales,
+            qmax,
+            out,
+            final,
+            num_lanes,
+            num_tokens,
+            channels,
+            num_groups,
+            GROUP=_GROUP_TOKENS,
+            BLOCK=_LANES_PER_PROGRAM,
+            ALPHABET=_ALPHABET,
+            PROBABILITY_BITS=_PROBABILITY_BITS,
+            enable_fp_fusion=False,
+        )
     return bool(((final[:num_lanes] == 65536) & (final[num_lanes:] == 1)).all())

@@ -7,6 +7,7 @@ as in vLLM's slot_mapping.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -77,8 +78,55 @@ def block_major_view(layer: Tensor, layout: str) -> Tensor:
     return layer.transpose(0, 1) if layout == "flash_attn" else layer
 
 
+class LayerSetMemo:
+    """Values computed once per list of layer tensors, found again by identity (weak references).
+
+    An engine passes the same KV tensors on every call; walking 32+ layers to validate them costs
+    more host time than moving a small chunk takes on the GPU. Assumes what vLLM does: a layer
+    tensor is never resized or re-pointed in place (its first and last data pointers are rechecked).
+    """
+
+    def __init__(self, limit: int = 32):
+        self._entries: dict[tuple, tuple[tuple[weakref.ref, ...], tuple[int, int], object]] = {}
+        self._limit = limit
+
+    def get(self, kv_caches: Sequence[Tensor], tag: str) -> object | None:
+        entry = self._entries.get((tag, tuple(map(id, kv_caches))))
+        if entry is None:
+            return None
+        references, pointers, value = entry
+        if pointers != (kv_caches[0].data_ptr(), kv_caches[-1].data_ptr()):
+            return None
+        if not all(reference() is layer for reference, layer in zip(references, kv_caches, strict=True)):
+            return None
+        return value
+
+    def put(self, kv_caches: Sequence[Tensor], tag: str, value: object) -> None:
+        if len(self._entries) >= self._limit:
+            self._entries.clear()
+        references = tuple(weakref.ref(layer) for layer in kv_caches)
+        pointers = (kv_caches[0].data_ptr(), kv_caches[-1].data_ptr())
+        self._entries[(tag, tuple(map(id, kv_caches)))] = (references, pointers, value)
+
+
+_geometries = LayerSetMemo()
+
+
 def paged_geometry(kv_caches: Sequence[Tensor], layout: str) -> PagedGeometry:
-    """Validate the layers of a slot layout and describe them; raise ValueError saying what is wrong."""
+    """Validate the layers of a slot layout and describe them; raise ValueError saying what is wrong.
+
+    The answer is remembered per list of layer tensors (LayerSetMemo), so repeated calls are cheap.
+    """
+    if len(kv_caches) > 0:
+        known = _geometries.get(kv_caches, layout)
+        if known is not None:
+            return known  # type: ignore[return-value]
+    geometry = _describe(kv_caches, layout)
+    _geometries.put(kv_caches, layout, geometry)
+    return geometry
+
+
+def _describe(kv_caches: Sequence[Tensor], layout: str) -> PagedGeometry:
     check_layout(layout)
     if layout not in SLOT_LAYOUTS:
         raise ValueError(

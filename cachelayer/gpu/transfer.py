@@ -144,7 +144,7 @@ class LayerwiseStorer:
             fill_skipped=True,
         )
         gathered = torch.cuda.Event()
-        gathered.record()
+        gathered.record(torch.cuda.current_stream(self._geometry.device))
         self._stream.wait_event(gathered)
         with torch.cuda.stream(self._stream):
             self._host_out[start:stop].copy_(self._staging[start:stop], non_blocking=True)
@@ -199,7 +199,7 @@ class LayerwiseLoader:
         if not self._cuda:
             return
         stream = _side_stream(self._geometry.device, "h2d")
-        compute_stream = torch.cuda.current_stream()
+        compute_stream = torch.cuda.current_stream(self._geometry.device)
         with torch.cuda.stream(stream):
             # Allocated on the copy stream, so the copies need not wait for the compute stream (a store
             # queued there just before would otherwise delay this load); the scatters on the compute
@@ -228,7 +228,7 @@ class LayerwiseLoader:
             return
         from cachelayer.gpu import triton_ops
 
-        torch.cuda.current_stream().wait_event(self._copied[group])
+        torch.cuda.current_stream(self._geometry.device).wait_event(self._copied[group])
         triton_ops.paged_copy(
             self._kv_caches,
             self._geometry,
@@ -245,7 +245,7 @@ class LayerwiseLoader:
         if not self._cuda:
             return TransferHandle()
         loaded = torch.cuda.Event()
-        loaded.record()
+        loaded.record(torch.cuda.current_stream(self._geometry.device))
         return TransferHandle(loaded)
 
 

@@ -15,11 +15,11 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from cachelayer.gpu.layouts import PagedGeometry
+from cachelayer.gpu.layouts import LayerSetMemo, PagedGeometry
 
 # Divisibility (in elements) that lets every row start on a 16-byte boundary for 2-byte dtypes.
 _ALIGN_ELEMENTS = 16
-_layer_table_cache: dict[tuple[int, ...], Tensor] = {}
+_layer_tables = LayerSetMemo()
 
 
 @triton.jit
@@ -106,20 +106,21 @@ def _paged_copy_kernel(
             tl.store(target, tl.load(source, mask=mask, other=0), mask=write_mask)
 
 
-def _layer_offsets(kv_caches: Sequence[Tensor]) -> Tensor:
-    """Element offsets of each layer from layer 0, on the device; cached per set of base addresses."""
-    addresses = tuple(layer.data_ptr() for layer in kv_caches)
-    table = _layer_table_cache.get(addresses)
-    if table is None:
-        element_size = kv_caches[0].element_size()
-        offsets = [(address - addresses[0]) // element_size for address in addresses]
-        if any((address - addresses[0]) % element_size for address in addresses):
-            raise ValueError("layer base addresses are not a whole number of elements apart")
-        table = torch.tensor(offsets, dtype=torch.int64, device=kv_caches[0].device)
-        if len(_layer_table_cache) > 64:
-            _layer_table_cache.clear()
-        _layer_table_cache[addresses] = table
-    return table
+def _layer_table(kv_caches: Sequence[Tensor]) -> tuple[Tensor, bool]:
+    """Element offsets of each layer from layer 0 (on the device), and whether every offset is a
+    multiple of 16 elements; remembered per list of layer tensors."""
+    known = _layer_tables.get(kv_caches, "offsets")
+    if known is not None:
+        return known  # type: ignore[return-value]
+    addresses = [layer.data_ptr() for layer in kv_caches]
+    element_size = kv_caches[0].element_size()
+    if any((address - addresses[0]) % element_size for address in addresses):
+        raise ValueError("layer base addresses are not a whole number of elements apart")
+    offsets = [(address - addresses[0]) // element_size for address in addresses]
+    table = torch.tensor(offsets, dtype=torch.int64, device=kv_caches[0].device)
+    aligned = all(offset % _ALIGN_ELEMENTS == 0 for offset in offsets)
+    _layer_tables.put(kv_caches, "offsets", (table, aligned))
+    return table, aligned
 
 
 @dataclass(frozen=True)
@@ -135,14 +136,12 @@ class Tile:
 
 
 def default_tile(width: int, *, to_chunk: bool = True) -> Tile:
-    """About 2K elements (two 2 KiB rows of a Llama-8B layer) per program, in plain token order: the
-    best of the shapes measured on the H200 for both directions (benchmarks/results/gpu_transfer.md).
-    COLUMNS divides the row when a power of two of at least 64 does (MLA's 576 = 9 x 64), so no lane
-    idles behind a column mask. `to_chunk` is kept so the two directions can be tuned apart."""
+    """Two 1024-column rows a program (COLUMNS = the row rounded up to a power of two, at most 1024),
+    in plain token order: the best of the shapes measured on the H200 for both directions and for
+    MLA's 576-wide rows too (benchmarks/results/gpu_transfer.md). `to_chunk` is kept so that the two
+    directions can be tuned apart."""
     del to_chunk  # the same shape won both directions
-    columns = min(width & -width, 1024)
-    if columns < 64:
-        columns = min(triton.next_power_of_2(width), 1024)
+    columns = min(triton.next_power_of_2(width), 1024)
     return Tile(tokens=max(1, 2048 // columns), columns=columns)
 
 
@@ -167,7 +166,7 @@ def paged_copy(
         return None
     if not chunk.is_contiguous():
         raise ValueError("the chunk must be contiguous")
-    offsets = _layer_offsets(kv_caches)
+    offsets, layers_aligned = _layer_table(kv_caches)
     if fill_skipped and not to_chunk:
         raise ValueError("fill_skipped applies to gathers only: a scatter must never touch other slots")
     tile = tile or default_tile(geometry.width, to_chunk=to_chunk)
@@ -179,10 +178,7 @@ def paged_copy(
         chunk.stride(0),
         chunk.stride(1),
     )
-    aligned = all(value % _ALIGN_ELEMENTS == 0 for value in strides) and all(
-        (layer.data_ptr() - kv_caches[0].data_ptr()) % (_ALIGN_ELEMENTS * layer.element_size()) == 0
-        for layer in kv_caches
-    )
+    aligned = layers_aligned and all(value % _ALIGN_ELEMENTS == 0 for value in strides)
     token_groups = triton.cdiv(num_tokens, tile.tokens * tile.blocks_per_program)
     layer_planes = (stop - start) * geometry.num_planes
     layer_fastest = tile.layer_fastest and token_groups < 65536  # grid axis 1 is limited to 65535
@@ -191,29 +187,30 @@ def paged_copy(
         token_groups if layer_fastest else layer_planes,
         triton.cdiv(geometry.width, tile.columns),
     )
-    return _paged_copy_kernel[grid](
-        kv_caches[0],
-        offsets,
-        chunk,
-        slot_mapping,
-        num_tokens,
-        geometry.width,
-        start,
-        geometry.num_planes,
-        geometry.block_size,
-        geometry.plane_stride,
-        geometry.block_stride,
-        geometry.position_stride,
-        chunk.stride(0),
-        chunk.stride(1),
-        TO_CHUNK=to_chunk,
-        ALIGNED=aligned,
-        EVEN_COLUMNS=geometry.width % tile.columns == 0,
-        TOKENS=tile.tokens,
-        COLUMNS=tile.columns,
-        BLOCKS_PER_PROGRAM=tile.blocks_per_program,
-        LAYER_FASTEST=layer_fastest,
-        STREAMING=tile.streaming,
-        FILL_SKIPPED=fill_skipped,
-        num_warps=tile.num_warps,
-    )
+    with torch.cuda.device(geometry.device):  # Triton launches on the current device
+        return _paged_copy_kernel[grid](
+            kv_caches[0],
+            offsets,
+            chunk,
+            slot_mapping,
+            num_tokens,
+            geometry.width,
+            start,
+            geometry.num_planes,
+            geometry.block_size,
+            geometry.plane_stride,
+            geometry.block_stride,
+            geometry.position_stride,
+            chunk.stride(0),
+            chunk.stride(1),
+            TO_CHUNK=to_chunk,
+            ALIGNED=aligned,
+            EVEN_COLUMNS=geometry.width % tile.columns == 0,
+            TOKENS=tile.tokens,
+            COLUMNS=tile.columns,
+            BLOCKS_PER_PROGRAM=tile.blocks_per_program,
+            LAYER_FASTEST=layer_fastest,
+            STREAMING=tile.streaming,
+            FILL_SKIPPED=fill_skipped,
+            num_warps=tile.num_warps,
+        )
