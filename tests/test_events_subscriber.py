@@ -328,3 +328,21 @@ def test_service_subscribes_to_every_dp_rank_and_merges_them() -> None:
         service.stop()
         rank0.close()
         rank1.close()
+
+
+def test_a_batch_the_index_cannot_apply_is_logged_and_the_stream_continues(harness: Harness) -> None:
+    applied: list[int] = []
+
+    def flaky_apply(events: list) -> None:
+        applied.append(len(events))
+        if len(applied) == 1:
+            raise RuntimeError("boom")
+        harness.index.apply("engine", events)
+
+    harness.subscriber._apply = flaky_apply
+    harness.publisher.publish([stored(0)])
+    harness.publisher.publish([stored(1)])
+    wait_until(lambda: harness.subscriber.stats.last_seq == 1)
+    stats = harness.subscriber.stats
+    assert stats.apply_errors == 1 and stats.uncertain
+    assert harness.cached(1) == 64

@@ -62,6 +62,7 @@ class SubscriberStats:
     uncertain: bool = False
     uncertain_reason: str | None = None
     last_message_at: float | None = None
+    apply_errors: int = 0
     last_error: str | None = None
 
 
@@ -264,7 +265,13 @@ class EventSubscriber:
             for event in batch.events:
                 kind = event_kind(event)
                 counts[kind] = counts.get(kind, 0) + 1
-            self._apply(batch.events)
+            try:
+                self._apply(batch.events)
+            except Exception:  # a bug applying one batch must not end the stream
+                self.stats.apply_errors += 1
+                self.stats.uncertain = True
+                self.stats.uncertain_reason = f"seq {seq}: the index failed to apply the batch (see the log)"
+                logger.exception("kv events %s: applying seq %d failed", self.name, seq)
         if self._on_batch is not None:
             self._on_batch(self.name, batch)
 
