@@ -165,6 +165,7 @@ class KVIndexService:
                         "unrecovered_gaps": stats.unrecovered_gaps,
                         "restarts": stats.restarts,
                         "malformed": stats.malformed,
+                        "apply_errors": stats.apply_errors,
                         "uncertain": stats.uncertain,
                         "uncertain_reason": stats.uncertain_reason,
                         "unplaced_blocks": index_stats.unplaced_blocks if index_stats else 0,
