@@ -193,3 +193,13 @@ def test_admin_token_protects_the_page_and_redaction_hides_prompts(qwen3: Prompt
         assert page.status_code == 200 and "redacted" in page.text and "tidal" not in page.text
     finally:
         fleet.close()
+
+
+def test_cold_prefixes_sent_one_at_a_time_spread_over_the_engines(fleet: Fleet) -> None:
+    homes = []
+    for n in range(3):
+        doc = f"Cold document number {n} about an unrelated subject, repeated to make it long. " * 8
+        response = fleet.client.post("/v1/chat/completions", json=chat_body(doc, "Question?"))
+        assert response.status_code == 200
+        homes.append(response.headers["x-kvgate-backend"])
+    assert len(set(homes)) == 3, homes
