@@ -48,6 +48,36 @@ def test_piecewise_chat_encoding_equals_encoding_the_whole_text(prompts):
         assert prompts.chat_prompt(messages).tolist() == _whole(prompts, messages)
 
 
+def test_the_light_tokenizer_matches_autotokenizer_as_vllm_loads_it(prompts):
+    from transformers import AutoTokenizer
+
+    reference = AutoTokenizer.from_pretrained(resolve_tokenizer_dir("builtin:qwen3"))
+    texts = [
+        "Hello world",
+        "  leading spaces\n\ttabs",
+        "naïve café 東京 🙂",
+        "<|im_start|>user\nhi<|im_end|>",
+        "",
+    ]
+    for text in texts:
+        assert prompts.completion_prompt(text).tolist() == reference(text)["input_ids"]
+    messages = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "What is a KV cache?"},
+        {"role": "assistant", "content": "A store of attention keys and values."},
+        {"role": "user", "content": "And prefix caching?"},
+    ]
+    tools = [{"type": "function", "function": {"name": "lookup", "parameters": {"type": "object"}}}]
+    for kwargs in ({}, {"chat_template_kwargs": {"enable_thinking": False}}, {"tools": tools}):
+        template_kwargs = kwargs.get("chat_template_kwargs", {})
+        text = reference.apply_chat_template(
+            messages, tools=kwargs.get("tools"), tokenize=False, add_generation_prompt=True, **template_kwargs
+        )
+        assert prompts.chat_prompt(messages, **kwargs).tolist() == reference.encode(
+            text, add_special_tokens=False
+        )
+
+
 def test_chat_template_kwargs_and_text_parts_render_like_vllm(prompts):
     messages = [
         {"role": "user", "content": [{"type": "text", "text": "one"}, {"type": "text", "text": "two"}]}

@@ -48,9 +48,7 @@ class PromptTokenizer:
     def __init__(self, tokenizer_dir: str, cache_size: int = 8192):
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
         os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-        from transformers import AutoTokenizer  # heavy import, only where a tokenizer is needed
-
-        self.tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+        self.tokenizer = _load_tokenizer(tokenizer_dir)
         self._cache: OrderedDict[bytes, np.ndarray] = OrderedDict()
         self._cache_size = cache_size
         self._pieces: OrderedDict[str, list[int]] = OrderedDict()
@@ -184,6 +182,25 @@ class PromptTokenizer:
         if not words:  # a tokenizer without byte-level pieces: fall back to plain ids
             words = list(range(min(1000, len(vocabulary))))
         return np.asarray(words[:4096], dtype=np.uint32)
+
+
+def _load_tokenizer(tokenizer_dir: str):
+    """The tokenizer of `tokenizer_dir`, as AutoTokenizer would load it but cheaper where possible.
+
+    With a tokenizer.json, transformers' tokenizers-backed base class reads the same file and chat
+    template, without the import chain of AutoTokenizer, which pulls in torch (about 200 MB more per
+    simulated engine, and seconds of start-up). Parity with AutoTokenizer is a test
+    (tests/test_sim_prompts.py).
+    """
+    if os.path.isfile(os.path.join(tokenizer_dir, "tokenizer.json")):
+        try:
+            from transformers.tokenization_utils_tokenizers import TokenizersBackend
+        except ImportError:  # transformers 4.x names it PreTrainedTokenizerFast
+            from transformers import PreTrainedTokenizerFast as TokenizersBackend
+        return TokenizersBackend.from_pretrained(tokenizer_dir)
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(tokenizer_dir)
 
 
 def _flatten_message(message: Any, index: int) -> dict:
