@@ -129,7 +129,7 @@ def decode_batch(payload: bytes) -> DecodedBatch:
     batch = DecodedBatch(ts=raw_batch.ts, events=[], data_parallel_rank=rank)
     for raw_event in raw_batch.events:
         try:
-            batch.events.append(decode_event(bytes(raw_event)))
+            batch.events.append(decode_event(raw_event))
         except (msgspec.ValidationError, msgspec.DecodeError, MalformedBatch) as exc:
             batch.skipped_events += 1
             if len(batch.skip_reasons) < 4:
@@ -137,15 +137,17 @@ def decode_batch(payload: bytes) -> DecodedBatch:
     return batch
 
 
-def decode_event(encoded: bytes) -> KVEvent:
+def decode_event(encoded: bytes | msgspec.Raw) -> KVEvent:
     """Decode one msgpack event, array-encoded (tag first) or map-encoded (a "type" key)."""
-    if not encoded:
+    view = memoryview(encoded)
+    if not view:
         raise MalformedBatch("empty event")
-    if encoded[0] in _ARRAY_FIRST_BYTES:
+    first = view[0]
+    if first in _ARRAY_FIRST_BYTES:
         return _array_event_decoder.decode(encoded)
-    if encoded[0] in _MAP_FIRST_BYTES:
+    if first in _MAP_FIRST_BYTES:
         return _map_event_decoder.decode(encoded)
-    raise MalformedBatch(f"event starts with msgpack byte 0x{encoded[0]:02x}, not an array or map")
+    raise MalformedBatch(f"event starts with msgpack byte 0x{first:02x}, not an array or map")
 
 
 # ---- normalisation helpers shared by the index ----
