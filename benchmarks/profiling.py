@@ -65,20 +65,25 @@ def _short(frame: str) -> tuple[str, bool]:
     if not match:
         return frame.strip(), False
     path = match["file"]
-    return f"{Path(path).name}:{match['function']}", "/router/" in path
+    return f"{Path(path).name}:{match['function']}", path.startswith("router/") or "/router/" in path
 
 
 def summarize(collapsed: Path, top: int = 15) -> dict:
     """Sample shares of the hottest functions in a py-spy collapsed-stack file: `own` (the function
-    itself was running) over all code, `total` (on the stack) over kvgate's own functions."""
+    itself was running) over all code, `total` (on the stack) over kvgate's own functions, and
+    `threads` (by thread name: the event loop, tokenizer pool, one KV-event subscriber per engine)."""
     own: Counter[str] = Counter()
     total: Counter[str] = Counter()
+    threads: Counter[str] = Counter()
     samples = 0
     for line in collapsed.read_text().splitlines():
         stack, _, count_text = line.rpartition(" ")
         if not stack or not count_text.isdigit():
             continue
         count = int(count_text)
+        # "thread (1234): kv-events-engine-7" -> "kv-events-engine-N": one entry per thread role.
+        thread = re.sub(r"\d+", "N", stack.split(";", 1)[0].partition("): ")[2]) or "?"
+        threads[thread] += count
         frames = [_short(f) for f in stack.split(";") if f and not f.startswith(("process ", "thread "))]
         if not frames:
             continue
@@ -91,5 +96,5 @@ def summarize(collapsed: Path, top: int = 15) -> dict:
         return [[name, round(count / samples, 4)] for name, count in counter.most_common(top)]
 
     if not samples:
-        return {"samples": 0, "own": [], "total": []}
-    return {"samples": samples, "own": shares(own), "total": shares(total)}
+        return {"samples": 0, "own": [], "total": [], "threads": []}
+    return {"samples": samples, "own": shares(own), "total": shares(total), "threads": shares(threads)}

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import datetime
 import json
 import os
@@ -39,8 +40,9 @@ from benchmarks.sim_fleet import MODEL, EngineFleet
 # The targets of issue 4, checked (never tuned) in the report.
 TARGET_ORACLE_FRACTION = 0.95
 TARGET_MAX_OVER_MEAN = 1.3
-# Raw py-spy stacks (large, not committed); their summary goes into the results.
+# Raw py-spy stacks and per-request outcomes (large, not committed); summaries go into the results.
 PROFILES_DIR = Path(".cache") / "profiles"
+OUTCOMES_DIR = Path(".cache") / "routing_outcomes"
 
 
 def _log(message: str) -> None:
@@ -64,9 +66,11 @@ def run_policy(
     workload: workload_catalog.Workload,
     concurrency: int,
     profile_to: Path | None = None,
+    outcomes_to: Path | None = None,
 ) -> dict:
     """One run: empty caches, a fresh router, the replay, the router stopped; the measures of the run.
-    With `profile_to`, py-spy samples the router during the replay into that file."""
+    With `profile_to`, py-spy samples the router during the replay into that file; with `outcomes_to`,
+    every request's outcome is written there (JSON lines) for a closer look."""
     fleet.reset_caches()
     router = start_router(policy, fleet)
     profiler = None
@@ -82,6 +86,13 @@ def run_policy(
         after = fleet.counters()
     finally:
         router.stop()
+    if outcomes_to is not None:
+        outcomes_to.parent.mkdir(parents=True, exist_ok=True)
+        with outcomes_to.open("w") as file:
+            for request, outcome in zip(workload.requests, outcomes, strict=True):
+                record = dataclasses.asdict(outcome)
+                record.update(session=request.session_id, ttft_s=outcome.ttft_s)
+                file.write(json.dumps(record) + "\n")
     result = summarize(workload, outcomes)
     # The router process's CPU time (all threads) over the replay, per request it forwarded.
     result["router_cpu_ms_per_request"] = round(router_cpu_s * 1000.0 / max(1, len(outcomes)), 3)
@@ -156,7 +167,8 @@ def write_markdown(results: dict, path: Path) -> None:
             f"## {name}",
             "",
             f"{entry['description']}: {summary['requests']} requests, {summary['mean_prompt_tokens']:.0f} "
-            f"prompt tokens on average, offered {summary['params']['rate']:g} req/s; oracle hit ratio "
+            f"prompt tokens on average, arriving over {summary['arrival_span_s']:.0f} s "
+            f"({summary['requests'] / max(summary['arrival_span_s'], 1e-9):.1f} req/s); oracle hit ratio "
             f"**{entry['oracle_hit_ratio']:.3f}**, unbounded shared cache "
             f"{summary['unbounded_cache_hit_ratio']:.3f}.",
             "",
@@ -180,6 +192,7 @@ def write_markdown(results: dict, path: Path) -> None:
         for policy, measured in entry["policies"].items():
             profile = measured.get("profile")
             if profile and profile["samples"]:
+                threads = ", ".join(f"`{name}` {share:.0%}" for name, share in profile["threads"][:6])
                 own = ", ".join(f"`{name}` {share:.0%}" for name, share in profile["own"][:10])
                 total = ", ".join(f"`{name}` {share:.0%}" for name, share in profile["total"][:10])
                 lines += [
@@ -187,6 +200,7 @@ def write_markdown(results: dict, path: Path) -> None:
                     f"(py-spy, {profile['samples']} samples):",
                     f"- own time: {own}",
                     f"- on the stack, kvgate's functions: {total}",
+                    f"- by thread: {threads}",
                     "",
                 ]
     checks = results.get("targets", [])
@@ -306,7 +320,8 @@ def main(argv: list[str] | None = None) -> int:
                 if policy == args.profile:
                     profile_to = PROFILES_DIR / f"{Path(args.output).name}_{workload.name}_{policy}.txt"
                 try:
-                    measured = run_policy(fleet, policy, workload, args.concurrency, profile_to)
+                    outcomes_to = OUTCOMES_DIR / f"{Path(args.output).name}_{workload.name}_{policy}.jsonl"
+                    measured = run_policy(fleet, policy, workload, args.concurrency, profile_to, outcomes_to)
                 except Exception as exc:  # one router failing must not lose the other runs
                     _log(f"{workload.name}: {policy} failed: {exc}")
                     measured = {"failed": str(exc)[-2000:]}
