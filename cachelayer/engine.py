@@ -18,6 +18,7 @@ to the event listeners (KV events) while the lock is held, so listeners see chan
 from __future__ import annotations
 
 import logging
+import queue
 import threading
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -158,6 +159,16 @@ class CacheEngine:
                 state_lock=self._lock,
             )
             self.add_event_listener(self.publisher.publish)
+        # Disk writes happen behind the store, in one writer thread (stores return after the CPU copy).
+        self._disk_queue: queue.SimpleQueue[list[ChunkMeta] | None] = queue.SimpleQueue()
+        self._disk_backlog = 0
+        self._disk_idle = threading.Condition()
+        self._disk_writer: threading.Thread | None = None
+        if self.disk is not None:
+            self._disk_writer = threading.Thread(
+                target=self._write_disk_backlog, name="cachelayer-disk", daemon=True
+            )
+            self._disk_writer.start()
         self.controller_worker: Any = None
         if config.enable_controller and start_controller_worker:
             from cachelayer.controller.worker import ControllerWorker
@@ -189,6 +200,12 @@ class CacheEngine:
         )
 
     def close(self) -> None:
+        """Finish the pending disk writes, then stop the threads (controller worker, publisher)."""
+        if self._disk_writer is not None:
+            self.flush()
+            self._disk_queue.put(None)
+            self._disk_writer.join(timeout=30)
+            self._disk_writer = None
         if self.controller_worker is not None:
             self.controller_worker.close()
             self.controller_worker = None
@@ -359,12 +376,35 @@ class CacheEngine:
                 self.cpu.commit(entry)
             self.counters["write_chunks"] += len(reserved)
             self._emit([self._stored_event(self.cpu, entry.meta) for _, entry in reserved])
-        if self.disk is not None:
-            self._write_through(self.disk, [entry.meta for _, entry in reserved])
+        if self._disk_writer is not None:
+            with self._disk_idle:
+                self._disk_backlog += 1
+            self._disk_queue.put([entry.meta for _, entry in reserved])
         return held_end
 
+    def flush(self) -> None:
+        """Wait until every chunk stored so far has been written to the disk tier (or skipped)."""
+        with self._disk_idle:
+            self._disk_idle.wait_for(lambda: self._disk_backlog == 0)
+
+    def _write_disk_backlog(self) -> None:
+        assert self.disk is not None
+        while True:
+            metas = self._disk_queue.get()
+            if metas is None:
+                return
+            try:
+                self._write_through(self.disk, metas)
+            except Exception:  # the writer must outlive one bad chunk
+                log.exception("cachelayer: writing chunks to the disk tier failed")
+            finally:
+                with self._disk_idle:
+                    self._disk_backlog -= 1
+                    self._disk_idle.notify_all()
+
     def _write_through(self, disk: DiskTier, metas: list[ChunkMeta]) -> None:
-        """Copy freshly stored chunks from L1 to the disk tier (skipping any that left L1 meanwhile)."""
+        """Copy stored chunks from L1 to the disk tier; a chunk that left L1 meanwhile is skipped
+        (the disk tier is a best-effort copy: a cache, not a journal)."""
         for meta in metas:
             with self._lock:
                 source = self.cpu.get(meta.key)

@@ -138,6 +138,7 @@ def test_operations_fan_out_to_every_tensor_parallel_worker(controller, tmp_path
         tokens, kv = request(2, 2)
         for engine in workers:
             engine.store(tokens, kv)
+            engine.flush()
 
         def post(path, **body):
             response = client.post(path, json=body)

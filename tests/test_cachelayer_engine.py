@@ -102,6 +102,7 @@ def test_threads_storing_and_retrieving_at_once_see_only_their_own_data(tmp_path
     assert errors == []
     assert_no_leak(engine)
     if with_disk:
+        engine.flush()
         assert all(entry.refcount == 0 for entry in engine.disk.committed_entries())
         assert engine.disk.used_bytes == sum(entry.nbytes for entry in engine.disk.committed_entries())
 
@@ -138,6 +139,7 @@ def test_move_between_tiers_and_clear_by_location(tmp_path):
     engine = make_engine(16, local_disk=str(tmp_path), max_local_disk_size=0.01)
     tokens, kv = request(6, 2)
     engine.store(tokens, kv)
+    engine.flush()
     assert engine.clear("LocalDiskBackend") == 2 * CHUNK
     assert engine.lookup_location(tokens) == ("LocalCPUBackend", 2 * CHUNK)
     assert engine.move(tokens, "LocalCPUBackend", "LocalDiskBackend") == 2 * CHUNK
@@ -156,6 +158,7 @@ def test_compress_then_decompress_with_naive_is_lossless(tmp_path, location):
     engine = make_engine(16, local_disk=str(tmp_path), max_local_disk_size=0.01)
     tokens, kv = request(7, 2)
     engine.store(tokens, kv)
+    engine.flush()
     assert engine.compress(tokens, "naive", location) == 2 * CHUNK
     tier = engine._tier(location)
     assert {entry.meta.fmt for entry in tier.committed_entries()} == {"naive"}

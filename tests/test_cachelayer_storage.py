@@ -127,6 +127,7 @@ def test_disk_tier_survives_a_restart_and_promotes_to_the_pool(tmp_path):
     tokens, kv = request(5, 3)
     with make_engine(8, **config) as engine:
         assert engine.store(tokens, kv) == 3 * CHUNK
+        engine.flush()  # disk writes run behind the store
         assert engine.stats()["disk_chunks"] == 3
     (tmp_path / "l2" / "0000000000000000-dead.kvchunk.tmp").write_bytes(b"half-written")
     (tmp_path / "l2" / "0000000000000001-dead.kvchunk").write_bytes(b"garbage")
@@ -147,6 +148,7 @@ def test_disk_tier_evicts_within_its_size(tmp_path):
     with make_engine(8, **config) as engine:
         for seed in range(3):
             engine.store(*request(seed, 1))
+        engine.flush()
         assert engine.stats()["disk_chunks"] == 2
         assert engine.disk.used_bytes <= engine.disk.capacity
         assert len(list((tmp_path / "l2").glob("*.kvchunk"))) == 2
