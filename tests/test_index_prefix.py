@@ -326,3 +326,18 @@ def test_cumulative_tiers_with_a_short_tail_chunk() -> None:
     match = index.longest_cached_prefix(PROMPT)["a"]
     assert match.by_tier == {"cpu": 44, "disk": 44}
     assert match.cumulative == [("cpu", 44), ("disk", 44)]
+
+
+def test_token_ids_that_are_not_uint32_are_counted_not_indexed() -> None:
+    index = PrefixIndex()
+    index.apply(
+        "a",
+        [
+            BlockStored(block_hashes=[1], token_ids=[-1] * 16, block_size=16),
+            BlockStored(block_hashes=[2], token_ids=PROMPT[:16], block_size=16),
+            BlockStored(block_hashes=[3], token_ids=[2**40] * 8, block_size=8),
+        ],
+    )
+    assert cached(index, PROMPT, "a") == 16
+    stats = index.stats("a")
+    assert stats is not None and stats.unplaced_blocks == 2

@@ -440,11 +440,26 @@ class PrefixIndex:
         stream = array.array("I")
         lengths = []
         firsts = []
+        valid = []
         for store in pending:
             covered = store.count * store.block_size
-            stream.extend(store.token_ids if len(store.token_ids) == covered else store.token_ids[:covered])
+            before = len(stream)
+            try:
+                stream.extend(
+                    store.token_ids if len(store.token_ids) == covered else store.token_ids[:covered]
+                )
+            except (OverflowError, TypeError):  # token ids that are not uint32: nothing to index
+                del stream[before:]
+                backend.stats.stored_events += 1
+                backend.stats.unplaced_blocks += store.count
+                continue
+            valid.append(store)
             lengths.append(covered // ROUTER_BLOCK_TOKENS)
             firsts.append(store.parent_end // ROUTER_BLOCK_TOKENS)
+        pending[:] = valid
+        if not pending:
+            hashes.clear()
+            return
         total = len(stream) // ROUTER_BLOCK_TOKENS
         if total < _NUMPY_MIN_BLOCKS:  # one or two blocks: Python ints beat numpy's call overhead
             all_keys = []
