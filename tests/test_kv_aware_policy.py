@@ -201,3 +201,32 @@ def test_approximate_memory_is_bounded_with_lru_eviction() -> None:
 def test_approximate_rejects_a_block_size_the_router_cannot_use() -> None:
     with pytest.raises(ValueError, match="multiple of 16"):
         Approximate(ApproximatePolicy(block_size=24))
+
+
+def test_a_request_for_a_lora_adapter_matches_that_adapters_entries() -> None:
+    index = PrefixIndex()
+    store(index, "b1", PROMPTS[0])
+    index.apply(
+        "b2",
+        [
+            BlockStored(
+                block_hashes=list(range(1, 33)),
+                token_ids=PROMPTS[0].tolist(),
+                block_size=16,
+                lora_name="sql-adapter",
+                extra_keys=[["sql-adapter"]],
+            )
+        ],
+    )
+    policy = KVAware(KVAwarePolicy(prediction_ttl_s=0), index)
+    base = RouteRequest(request_id="base", model="m", body={}, tokens=PROMPTS[0], namespace=("m", None, None))
+    assert policy.choose(base, backends()).name == "b1"
+    adapter = RouteRequest(
+        request_id="lora",
+        model="sql-adapter",
+        body={},
+        tokens=PROMPTS[0],
+        namespace=("sql-adapter", None, None),
+    )
+    assert policy.choose(adapter, backends()).name == "b2"
+    assert adapter.decision["cached_tokens"] == 512

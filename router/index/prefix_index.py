@@ -277,6 +277,9 @@ class PrefixIndex:
         self._next_slot = 0
         # backend -> [(tier, slot)] snapshot for readers; replaced on change.
         self._layout: dict[str, tuple[tuple[str, int], ...]] = {}
+        # LoRA adapter names engines announced blocks under: a request whose model is one of them
+        # is looked up in that adapter's namespace (vLLM serves an adapter under its own name).
+        self.lora_names: set[str] = set()
 
     # ---- backends ----
 
@@ -417,6 +420,8 @@ class PrefixIndex:
         parent_hash = event.parent_block_hash
         if parent_hash is None:
             namespace = (event.lora_name, cache_salt_of(event))
+            if event.lora_name is not None:
+                self.lora_names.add(event.lora_name)
             preview = tuple(token_ids[:PREVIEW_TOKENS])
             chain_id = backend.chain_ids.get((namespace, preview))
             if chain_id is None:
@@ -629,6 +634,8 @@ class PrefixIndex:
         nodes = backend.nodes
         if parent is None:
             namespace = (event.lora_name, cache_salt_of(event))
+            if event.lora_name is not None:
+                self.lora_names.add(event.lora_name)
             parent_end, boundary_key, parent_tail = 0, namespace_seed(namespace), ()
             preview = tuple(token_ids[: min(covered, PREVIEW_TOKENS)])
             chain_id = backend.chain_ids.get((namespace, preview))
@@ -922,6 +929,10 @@ class PrefixIndex:
                 unplaced_blocks=stats.unplaced_blocks,
                 unknown_removals=stats.unknown_removals,
             )
+
+    def namespace_for(self, model: str, cache_salt: str | None) -> Namespace:
+        """The namespace of a request: its model names a LoRA adapter when engines announced one."""
+        return (model if model in self.lora_names else None, cache_salt)
 
     def held_tokens(self, name: str) -> int:
         """Tokens a backend holds over all tiers (a lock-free, possibly slightly stale read)."""

@@ -131,6 +131,10 @@ class KVIndexService:
         self.lookup_seconds.observe(time.perf_counter() - started)
         return result
 
+    def namespace_for(self, model: str, cache_salt: str | None) -> Namespace:
+        """The index namespace of a request: its model names a LoRA adapter when engines said so."""
+        return self.index.namespace_for(model, cache_salt)
+
     def held_tokens(self, name: str) -> int:
         """Tokens the backend's engine holds in all tiers and ranks (to spread cold prefixes)."""
         return sum(self.index.held_tokens(stream.index_name) for stream in self._streams.get(name, []))

@@ -226,7 +226,10 @@ class KVAware(CacheAwarePolicy):
         allowed = self.guarded(candidates)
         tokens = request.tokens
         prompt_tokens = 0 if tokens is None else len(tokens)
-        namespace = (request.namespace[1], request.namespace[2])
+        model, lora_name, cache_salt = request.namespace
+        namespace = (lora_name, cache_salt)
+        if lora_name is None and self.kv_index is not None:
+            namespace = self.kv_index.namespace_for(model, cache_salt)
         matches: dict[str, BackendMatch] = {}
         keys: list[int] = []
         if tokens is not None and prompt_tokens:
