@@ -47,6 +47,7 @@ def sim():
         "-m", "router.cli", "sim", "--model", MODEL, "--tokenizer", "builtin:qwen3", "--port", str(port),
         "--block-size", "16", "--num-gpu-blocks-override", "512", "--kv-events-config", json.dumps(events),
         "--prefill-us-per-token", "20", "--decode-ms-per-token", "1",
+        "--lora-modules", "sql-adapter=/nowhere",
     )  # fmt: skip
     process = start_process(args, f"http://127.0.0.1:{port}/health", timeout_s=90)
     try:
@@ -209,6 +210,18 @@ def test_cache_salt_isolates_and_events_announce_then_clear(sim):
     finally:
         subscriber.close(linger=0)
         context.term()
+
+
+def test_a_lora_name_is_served_and_its_blocks_hash_apart(sim):
+    entries = {e["id"]: e for e in sim.client.get("/v1/models").json()["data"]}
+    assert entries["sql-adapter"]["parent"] == MODEL
+    prompt = "lora " + LONG_PROMPT
+    sim.post("/v1/completions", {"model": MODEL, "prompt": prompt, "max_tokens": 1})
+    body = {"model": "sql-adapter", "prompt": prompt, "max_tokens": 1}
+    first = sim.post("/v1/completions", body).json()
+    assert first["model"] == "sql-adapter"
+    assert first["usage"]["prompt_tokens_details"]["cached_tokens"] == 0  # base-model blocks do not match
+    assert sim.post("/v1/completions", body).json()["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
 
 
 def test_tokenize_a_prompt_like_vllm(sim, tokenizer):

@@ -36,6 +36,8 @@ class ServedModel:
     name: str
     max_model_len: int
     default_max_tokens: int = 16
+    # LoRA adapters served under their own names (`--lora-modules`); nothing is loaded.
+    lora_names: tuple[str, ...] = ()
 
 
 class _BadRequest(Exception):
@@ -147,7 +149,7 @@ def build_app(
         if not isinstance(body, dict):
             raise _BadRequest("the request body must be a JSON object")
         requested = body.get("model")
-        if requested is not None and requested != model.name:
+        if requested is not None and requested != model.name and requested not in model.lora_names:
             raise _BadRequest(f"The model `{requested}` does not exist.", status=404, param="model")
         return body
 
@@ -174,6 +176,8 @@ def build_app(
             request_id=uuid.uuid4().hex,
             prompt=prompt,
             max_tokens=min(requested or model.default_max_tokens, room),
+            # A LoRA adapter served under its own name: its blocks never match the base model's.
+            lora_name=body.get("model") if body.get("model") in model.lora_names else None,
             cache_salt=salt,
             seed=seed,
         )
@@ -216,7 +220,7 @@ def build_app(
                 "id": response_id,
                 "object": "text_completion",
                 "created": created,
-                "model": model.name,
+                "model": generation.lora_name or model.name,
                 "choices": [choice],
             }
 
@@ -229,7 +233,7 @@ def build_app(
                 None,
                 response_id,
                 created,
-                model.name,
+                generation.lora_name or model.name,
                 "text_completion",
                 stream_options(body),
             )
@@ -266,7 +270,7 @@ def build_app(
                 "id": response_id,
                 "object": "chat.completion.chunk",
                 "created": created,
-                "model": model.name,
+                "model": generation.lora_name or model.name,
                 "choices": [choice],
             }
 
@@ -279,7 +283,7 @@ def build_app(
                 chunk({"role": "assistant", "content": ""}, None),
                 response_id,
                 created,
-                model.name,
+                generation.lora_name or model.name,
                 "chat.completion.chunk",
                 stream_options(body),
             )
@@ -295,7 +299,7 @@ def build_app(
                 "id": response_id,
                 "object": "chat.completion",
                 "created": created,
-                "model": model.name,
+                "model": generation.lora_name or model.name,
                 "choices": [
                     {
                         "index": 0,
@@ -311,23 +315,20 @@ def build_app(
         )
 
     async def models(request: Request) -> Response:
-        return _ok(
-            {
-                "object": "list",
-                "data": [
-                    {
-                        "id": model.name,
-                        "object": "model",
-                        "created": started,
-                        "owned_by": OWNED_BY,
-                        "root": model.name,
-                        "parent": None,
-                        "max_model_len": model.max_model_len,
-                        "permission": [],
-                    }
-                ],
+        def entry(name: str, parent: str | None) -> dict:
+            return {
+                "id": name,
+                "object": "model",
+                "created": started,
+                "owned_by": OWNED_BY,
+                "root": name,
+                "parent": parent,
+                "max_model_len": model.max_model_len,
+                "permission": [],
             }
-        )
+
+        entries = [entry(model.name, None)] + [entry(lora, model.name) for lora in model.lora_names]
+        return _ok({"object": "list", "data": entries})
 
     async def tokenize(request: Request) -> Response:
         try:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import logging
 import sys
 
@@ -48,8 +49,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--default-max-tokens", type=int, default=16, help="max_tokens when a request gives none"
     )
     parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    parser.add_argument(
+        "--lora-modules",
+        nargs="+",
+        default=[],
+        metavar="NAME=PATH",
+        help="LoRA adapters served under their own names (nothing is loaded; their blocks hash apart)",
+    )
     # Accepted for command-line compatibility with vLLM; the simulator always behaves this way.
-    for flag in ("--enable-prompt-tokens-details", "--enable-prefix-caching", "--enforce-eager"):
+    for flag in (
+        "--enable-prompt-tokens-details",
+        "--enable-prefix-caching",
+        "--enforce-eager",
+        "--enable-lora",
+    ):
         parser.add_argument(flag, action="store_true", help=argparse.SUPPRESS)
 
 
@@ -69,6 +82,11 @@ def run(args: argparse.Namespace) -> int:
         if value < minimum:
             print(f"kvgate sim: {name} must be at least {minimum}, got {value}", file=sys.stderr)
             return 2
+    try:
+        lora_names = _lora_names(args.lora_modules)
+    except ValueError as exc:
+        print(f"kvgate sim: {exc}", file=sys.stderr)
+        return 2
     events_config = None
     if args.kv_events_config:
         try:
@@ -124,7 +142,7 @@ def run(args: argparse.Namespace) -> int:
     app = build_app(
         engine,
         tokenizer,
-        ServedModel(model_name, args.max_model_len, args.default_max_tokens),
+        ServedModel(model_name, args.max_model_len, args.default_max_tokens, lora_names),
         on_startup=publisher.start if publisher else None,
     )
     log.warning(
@@ -157,6 +175,23 @@ def run(args: argparse.Namespace) -> int:
         if publisher is not None:
             publisher.close()
     return 0
+
+
+def _lora_names(modules: list[str]) -> tuple[str, ...]:
+    """Names from vLLM's --lora-modules values: `name=path` or JSON `{"name": ..., "path": ...}`."""
+    names = []
+    for module in modules:
+        if module.lstrip().startswith("{"):
+            try:
+                name = json.loads(module)["name"]
+            except (ValueError, KeyError, TypeError):
+                raise ValueError(f'--lora-modules {module!r}: JSON form needs a "name" key') from None
+        else:
+            name, separator, _ = module.partition("=")
+            if not separator or not name:
+                raise ValueError(f"--lora-modules {module!r}: expected NAME=PATH")
+        names.append(name)
+    return tuple(names)
 
 
 def main(argv: list[str] | None = None) -> int:
