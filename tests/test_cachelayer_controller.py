@@ -86,6 +86,9 @@ def test_lmcache_documented_example_twelve_token_prompt(controller):
         answer = client.post("/lookup", json={"tokens": tokens}).json()
         assert answer["layout_info"] == {"lmcache_default_instance": ["LocalCPUBackend", 12]}
         assert answer["event_id"].startswith("Lookup")
+        finished = client.post("/check_finish", json={"event_id": answer["event_id"]}).json()
+        assert finished["status"] == "finished"
+        assert client.post("/check_finish", json={"event_id": "Lookup-unknown"}).status_code == 404
     finally:
         engine.close()
     wait_gone(client, "lmcache_default_instance")

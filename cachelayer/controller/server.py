@@ -2,10 +2,12 @@
 
 HTTP (Starlette), all POST with JSON, errors as `{"detail": ...}`:
 /lookup, /clear, /pin, /compress, /decompress, /move, /health, /query_worker_info
-(schemas in protocols.md section 3). Workers report on a ZMQ PULL socket (the monitor port):
-register, heartbeat, deregister. A worker silent for `MISSED_HEARTBEATS` of its own intervals
-is dropped. Each operation on an instance fans out to all its (tensor-parallel) workers in
-parallel; they must all report the same token count, or the answer is a 500 naming the counts.
+(schemas in protocols.md section 3), and /check_finish {event_id} -> {status: "finished"} for
+clients that poll (every operation here completes before it answers).
+Workers report on a ZMQ PULL socket (the monitor port): register, heartbeat, deregister. A
+worker silent for `MISSED_HEARTBEATS` of its own intervals is dropped. Each operation on an
+instance fans out to all its (tensor-parallel) workers in parallel; they must all report the
+same token count, or the answer is a 500 naming the counts.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import contextlib
 import logging
 import time
 import uuid
+from collections import OrderedDict
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
@@ -80,6 +83,10 @@ class MoveBody(_Body):
 
 class HealthBody(_Body):
     instance_id: str
+
+
+class CheckFinishBody(_Body):
+    event_id: str
 
 
 class QueryWorkerInfoBody(_Body):
@@ -253,7 +260,14 @@ def _event_id(operation: str) -> str:
     return f"{operation}{uuid.uuid4().hex}"
 
 
+_REMEMBERED_EVENTS = 10_000
+
+
 def build_app(controller: Controller) -> Starlette:
+    # Every operation completes before its answer, so an event id is finished as soon as it is issued;
+    # /check_finish serves LMCache clients that poll for it.
+    finished_events: OrderedDict[str, None] = OrderedDict()
+
     def endpoint(body_type: type[_Body], operation: str, handler: Any) -> Any:
         async def handle(request: Request) -> JSONResponse:
             try:
@@ -268,7 +282,11 @@ def build_app(controller: Controller) -> Starlette:
                 result = await handler(body)
             except ApiError as exc:
                 return JSONResponse({"detail": exc.detail}, status_code=exc.status)
-            return JSONResponse({"event_id": _event_id(operation), **result})
+            event_id = _event_id(operation)
+            finished_events[event_id] = None
+            while len(finished_events) > _REMEMBERED_EVENTS:
+                finished_events.popitem(last=False)
+            return JSONResponse({"event_id": event_id, **result})
 
         return handle
 
@@ -319,6 +337,13 @@ def build_app(controller: Controller) -> Starlette:
             )
         return {"worker_infos": [workers[worker].info() for worker in wanted]}
 
+    async def check_finish(body: CheckFinishBody) -> dict[str, Any]:
+        if body.event_id not in finished_events:
+            raise ApiError(
+                404, f"unknown event_id {body.event_id!r} (or older than the last {_REMEMBERED_EVENTS})"
+            )
+        return {"status": "finished"}
+
     routes = [
         Route("/lookup", endpoint(LookupBody, "Lookup", lookup), methods=["POST"]),
         Route("/clear", endpoint(ClearBody, "Clear", clear), methods=["POST"]),
@@ -327,6 +352,7 @@ def build_app(controller: Controller) -> Starlette:
         Route("/decompress", endpoint(CompressBody, "Decompress", recode("decompress")), methods=["POST"]),
         Route("/move", endpoint(MoveBody, "Move", move), methods=["POST"]),
         Route("/health", endpoint(HealthBody, "Health", health), methods=["POST"]),
+        Route("/check_finish", endpoint(CheckFinishBody, "CheckFinish", check_finish), methods=["POST"]),
         Route(
             "/query_worker_info",
             endpoint(QueryWorkerInfoBody, "QueryWorkerInfo", query_worker_info),
