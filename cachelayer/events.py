@@ -218,3 +218,39 @@ class ZmqEventPublisher:
         payload = encode_batch(EventBatch(ts=time.time(), events=events, data_parallel_rank=self._dp_rank))
         next_seq = (seq + 1).to_bytes(8, "big")
         self._replay.send_multipart((client, b"", self._topic, next_seq, payload))
+
+
+class SnapshotUnavailable(Exception):
+    """The publisher did not answer a snapshot request in time (or answered something else)."""
+
+
+def fetch_snapshot(
+    replay_endpoint: str, *, timeout_s: float = 2.0, context: zmq.Context | None = None
+) -> tuple[int, EventBatch]:
+    """Ask a cache-layer publisher for everything it holds: (next_seq, batch).
+
+    Apply `batch.events` (AllBlocksCleared, then one BlockStored per chunk and tier), then the live
+    batches from `next_seq` on. Uses a DEALER, as replay must (a REQ socket sees only the first reply).
+    """
+    context = context or zmq.Context.instance()
+    dealer = context.socket(zmq.DEALER)
+    dealer.setsockopt(zmq.LINGER, 0)
+    try:
+        dealer.connect(replay_endpoint)
+        dealer.send_multipart((b"", SNAPSHOT_REQUEST))
+        deadline = time.monotonic() + timeout_s
+        snapshot: tuple[int, EventBatch] | None = None
+        while True:
+            remaining_ms = int((deadline - time.monotonic()) * 1000)
+            if remaining_ms <= 0 or not dealer.poll(remaining_ms):
+                raise SnapshotUnavailable(f"no complete snapshot from {replay_endpoint} within {timeout_s}s")
+            frames = dealer.recv_multipart()
+            if len(frames) != 4 or frames[0] != b"":
+                raise SnapshotUnavailable(f"unexpected reply of {len(frames)} frames from {replay_endpoint}")
+            if frames[2] == END_SEQ:
+                if snapshot is None:
+                    raise SnapshotUnavailable(f"{replay_endpoint} answered without a snapshot")
+                return snapshot
+            snapshot = (int.from_bytes(frames[2], "big"), decode_batch(frames[3]))
+    finally:
+        dealer.close(linger=0)

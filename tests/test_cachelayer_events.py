@@ -12,7 +12,9 @@ from cachelayer.events import (
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,
+    SnapshotUnavailable,
     decode_batch,
+    fetch_snapshot,
 )
 from tests.support.cachelayer import CHUNK, make_engine, request
 
@@ -136,6 +138,8 @@ def test_snapshot_lists_everything_held_so_a_late_subscriber_starts_informed(con
     replies = replay(context, engine, SNAPSHOT_REQUEST)
     assert len(replies) == 1
     _, next_seq, batch = replies[0]
+    fetched_seq, fetched = fetch_snapshot(engine.publisher.replay_endpoint, context=context)
+    assert (fetched_seq, fetched.events) == (next_seq, batch.events)
     assert next_seq == engine.publisher.last_seq + 1
     assert isinstance(batch.events[0], AllBlocksCleared)
     stored = batch.events[1:]
@@ -145,3 +149,13 @@ def test_snapshot_lists_everything_held_so_a_late_subscriber_starts_informed(con
     for event in stored:
         if event.parent_block_hash is not None:
             assert keys.index(event.parent_block_hash) < keys.index(event.block_hashes[0])
+
+
+def test_fetch_snapshot_times_out_on_a_silent_endpoint(context):
+    silent = context.socket(zmq.ROUTER)
+    port = silent.bind_to_random_port("tcp://127.0.0.1")
+    try:
+        with pytest.raises(SnapshotUnavailable, match="no complete snapshot"):
+            fetch_snapshot(f"tcp://127.0.0.1:{port}", timeout_s=0.3, context=context)
+    finally:
+        silent.close(linger=0)
