@@ -850,15 +850,26 @@ class PrefixIndex:
         bits, at most once per slot, so the run lengths are read off its few change points.
         """
         holders_get = self._holders.get
+        # Probe in doubling chunks and stop at the first block nobody holds: a prompt whose cached
+        # part is short (the usual case: a shared system prompt, then new text) costs few probes.
+        parts = []
+        start, step = 0, 32
         try:
-            masks: Any = np.fromiter(
-                map(holders_get, keys, itertools.repeat(0, len(keys))), np.uint64, len(keys)
-            )
+            while start < len(keys):
+                chunk = keys[start : start + step]
+                part = np.fromiter(
+                    map(holders_get, chunk, itertools.repeat(0, len(chunk))), np.uint64, len(chunk)
+                )
+                empty = np.flatnonzero(part == 0)
+                if len(empty):
+                    parts.append(part[: empty[0]])
+                    break
+                parts.append(part)
+                start += step
+                step *= 2
         except OverflowError:  # more than 64 slots: the same with Python ints
             return self._slot_runs_wide(list(map(holders_get, keys, itertools.repeat(0, len(keys)))))
-        empty = np.flatnonzero(masks == 0)
-        if len(empty):
-            masks = masks[: empty[0]]
+        masks: Any = np.concatenate(parts) if parts else np.empty(0, dtype=np.uint64)
         runs: dict[int, int] = {}
         if not len(masks):
             return runs, masks
