@@ -32,7 +32,7 @@ def ensure_py_spy() -> Path:
 class Profiler:
     """py-spy record on `pid` (all its threads, idle samples left out) into `output`, until stop()."""
 
-    def __init__(self, pid: int, output: Path, rate: int = 200):
+    def __init__(self, pid: int, output: Path, rate: int = 100):
         self.output = output
         output.parent.mkdir(parents=True, exist_ok=True)
         self._process = subprocess.Popen(
@@ -82,7 +82,7 @@ def summarize(collapsed: Path, top: int = 15) -> dict:
             continue
         count = int(count_text)
         # "thread (1234): kv-events-engine-7" -> "kv-events-engine-N": one entry per thread role.
-        thread = re.sub(r"\d+", "N", stack.split(";", 1)[0].partition("): ")[2]) or "?"
+        thread = re.sub(r"\d+", "N", stack.split(";", 1)[0].partition("): ")[2]) or "unnamed thread"
         threads[thread] += count
         frames = [_short(f) for f in stack.split(";") if f and not f.startswith(("process ", "thread "))]
         if not frames:

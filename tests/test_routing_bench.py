@@ -102,3 +102,34 @@ def test_the_command_writes_json_markdown_and_plot_in_the_agreed_shape(tmp_path)
     markdown = output.with_suffix(".md").read_text()
     assert "## shared_system_prompts" in markdown and "| least_loaded |" in markdown
     assert output.with_suffix(".png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.slow  # installs py-spy from PyPI on first use
+def test_profiler_names_the_function_that_burns_the_cpu(tmp_path):
+    import subprocess
+    import sys
+    import time
+
+    from benchmarks.profiling import Profiler, summarize
+
+    busy = subprocess.Popen([sys.executable, "-c", (
+        "import time\n"
+        "def burn_the_cpu():\n"
+        "    end = time.monotonic() + 20\n"
+        "    while time.monotonic() < end:\n"
+        "        sum(range(1000))\n"
+        "burn_the_cpu()\n"
+    )])  # fmt: skip
+    try:
+        time.sleep(0.5)
+        profiler = Profiler(busy.pid, tmp_path / "stacks.txt")
+        time.sleep(2.0)
+        profiler.stop()
+    finally:
+        busy.kill()
+        busy.wait()
+    summary = summarize(tmp_path / "stacks.txt")
+    assert summary["samples"] > 20
+    assert summary["threads"][0][1] > 0.9  # one thread did all the work
+    hottest_stacks = [name for name, _share in summary["own"][:3]]
+    assert any("burn_the_cpu" in name for name in hottest_stacks), summary["own"]
