@@ -93,6 +93,20 @@ def test_eviction_under_memory_pressure_spares_pinned_chunks_and_stores_a_prefix
     assert_no_leak(engine)
 
 
+def test_a_pinned_chunk_stays_pinned_when_compressed():
+    engine = make_engine(6)
+    pinned_tokens, pinned_kv = request(1, 2)
+    engine.store(pinned_tokens, pinned_kv)
+    engine.pin(pinned_tokens)
+    assert engine.compress(pinned_tokens, "naive", "LocalCPUBackend") == 2 * CHUNK
+    for seed in range(2, 6):
+        engine.store(*request(seed, 2))
+    assert engine.stats()["cpu_evicted_chunks"] >= 4
+    hit, kv = engine.retrieve(pinned_tokens)
+    assert hit == 2 * CHUNK and torch.equal(kv, pinned_kv)
+    assert_no_leak(engine)
+
+
 def test_chunks_in_use_are_never_evicted():
     engine = make_engine(2)
     tokens_a, kv_a = request(1, 2)

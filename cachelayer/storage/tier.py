@@ -108,7 +108,9 @@ class Tier:
         key = entry.meta.key
         if self._pending.get(key) is entry:
             del self._pending[key]
-        self.remove(key)
+        replaced = self.remove(key)
+        if replaced is not None:
+            entry.pins = replaced.pins  # a re-encoded chunk stays pinned
         entry.committed = True
         self._entries[key] = entry
         self._policy.on_insert(key)
