@@ -6,12 +6,14 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
 import time
 from pathlib import Path
 
 import httpx
 
+from router.sim.launcher import _pick_ports
 from tests.support import free_port, start_gateway
 from tests.support.processes import REPO_ROOT, python_command
 
@@ -37,6 +39,16 @@ def _alive(pid: int) -> bool:
     except OSError:
         return False
     return state != "Z"
+
+
+def test_taken_ports_are_replaced_and_no_port_is_picked_twice():
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        busy = taken.getsockname()[1]
+        picked = _pick_ports("127.0.0.1", [busy, busy, busy + 1])
+    assert busy not in picked
+    assert len(set(picked)) == 3
 
 
 def test_serve_launches_simulated_engines_forwards_to_them_and_stops_them():
