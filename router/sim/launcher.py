@@ -96,7 +96,7 @@ def _die_with_parent() -> None:  # runs in the child between fork and exec
 
 
 def launch_simulated_engines(
-    spec: SimulatedEngines, config: Config, ready_timeout_s: float = 180.0, quiet: bool = False
+    spec: SimulatedEngines, config: Config, ready_timeout_s: float | None = None, quiet: bool = False
 ) -> SimulatedFleet:
     """Start `spec.count` simulated engines for `config` and wait until all are healthy."""
     model = config.model(spec.model) if spec.model else config.models[0]
@@ -157,7 +157,10 @@ def launch_simulated_engines(
                     kv_events=KVEvents(endpoint=endpoint, replay_endpoint=replay_endpoint, topic=TOPIC),
                 )
             )
-        _wait_healthy(fleet, ready_timeout_s)
+        # Every engine imports and loads its tokenizer at once: on two cores, start-up grows with the count.
+        _wait_healthy(
+            fleet, ready_timeout_s if ready_timeout_s is not None else max(180.0, 10.0 * spec.count)
+        )
     except BaseException:
         fleet.stop()
         raise
