@@ -341,3 +341,19 @@ def test_token_ids_that_are_not_uint32_are_counted_not_indexed() -> None:
     assert cached(index, PROMPT, "a") == 16
     stats = index.stats("a")
     assert stats is not None and stats.unplaced_blocks == 2
+
+
+@pytest.mark.parametrize("held_tokens", [2048, 3008, 8192, 16384])
+def test_long_prompts_across_probe_chunks(held_tokens: int) -> None:
+    """Lookups compute and probe keys in growing chunks; runs ending in any chunk are exact."""
+    long_prompt = np.random.default_rng(held_tokens).integers(0, 150_000, size=16384).tolist()
+    index = PrefixIndex()
+    index.apply("a", [BlockStored(block_hashes=list(range(1, held_tokens // 16 + 1)),
+                                  token_ids=long_prompt[:held_tokens], block_size=16)])  # fmt: skip
+    index.apply("b", [BlockStored(block_hashes=list(range(1, 3001 // 16 + 1)),
+                                  token_ids=long_prompt[: 3001 // 16 * 16], block_size=16)])  # fmt: skip
+    result = index.longest_cached_prefix(long_prompt)
+    assert result["a"].tokens == held_tokens
+    assert result["b"].tokens == 3001 // 16 * 16
+    index.apply("a", [BlockRemoved(block_hashes=[150])])  # a hole in the second chunk
+    assert index.longest_cached_prefix(long_prompt)["a"].tokens == min(held_tokens, 149 * 16)

@@ -817,8 +817,7 @@ class PrefixIndex:
         result = {name: BackendMatch({}, []) for name in (backends if backends is not None else names)}
         if not names:
             return result
-        keys = prefix_keys(array, seed).tolist()
-        slot_runs, masks = self._slot_runs(keys)
+        slot_runs, masks, keys = self._slot_runs(array, seed)
         tails = self._tails
         for name in names:
             match = result[name]
@@ -843,20 +842,29 @@ class PrefixIndex:
                 match.cumulative.append((tier, held))
         return result
 
-    def _slot_runs(self, keys: list[int]) -> tuple[dict[int, int], Any]:
-        """Per slot bit, how many leading blocks it holds; and the masks of the blocks held by anyone.
+    def _slot_runs(self, array: np.ndarray, seed: int) -> tuple[dict[int, int], Any, list[int]]:
+        """Per slot bit, how many leading blocks it holds; the masks of the blocks held by anyone;
+        the keys computed (at least up to the first block nobody holds).
 
+        Keys are computed and probed in growing chunks, stopping at the first block nobody holds:
+        a prompt whose cached part is short (a shared system prompt, then new text) costs little.
         The running AND of the masks holds the slots that hold every block so far; it only loses
         bits, at most once per slot, so the run lengths are read off its few change points.
         """
         holders_get = self._holders.get
-        # Probe in doubling chunks and stop at the first block nobody holds: a prompt whose cached
-        # part is short (the usual case: a shared system prompt, then new text) costs few probes.
+        total = len(array) // ROUTER_BLOCK_TOKENS
+        keys: list[int] = []
         parts = []
-        start, step = 0, 32
+        start, step = 0, 128
         try:
-            while start < len(keys):
-                chunk = keys[start : start + step]
+            while start < total:
+                end = min(total, start + step)
+                chunk = prefix_keys(
+                    array[start * ROUTER_BLOCK_TOKENS : end * ROUTER_BLOCK_TOKENS],
+                    keys[-1] if keys else seed,
+                    start,
+                ).tolist()
+                keys += chunk
                 part = np.fromiter(
                     map(holders_get, chunk, itertools.repeat(0, len(chunk))), np.uint64, len(chunk)
                 )
@@ -865,14 +873,17 @@ class PrefixIndex:
                     parts.append(part[: empty[0]])
                     break
                 parts.append(part)
-                start += step
-                step *= 2
+                start, step = end, step * 4
         except OverflowError:  # more than 64 slots: the same with Python ints
-            return self._slot_runs_wide(list(map(holders_get, keys, itertools.repeat(0, len(keys)))))
+            keys = prefix_keys(array, seed).tolist()
+            runs, wide_masks = self._slot_runs_wide(
+                list(map(holders_get, keys, itertools.repeat(0, len(keys))))
+            )
+            return runs, wide_masks, keys
         masks: Any = np.concatenate(parts) if parts else np.empty(0, dtype=np.uint64)
         runs: dict[int, int] = {}
         if not len(masks):
-            return runs, masks
+            return runs, masks, keys
         running_and = np.bitwise_and.accumulate(masks)
         changes = (np.flatnonzero(running_and[1:] != running_and[:-1]) + 1).tolist()
         previous = int(running_and[0])
@@ -881,7 +892,7 @@ class PrefixIndex:
             _record_lost_bits(runs, previous & ~current, position)
             previous = current
         _record_lost_bits(runs, previous, len(masks))
-        return runs, masks
+        return runs, masks, keys
 
     @staticmethod
     def _slot_runs_wide(masks: list[int]) -> tuple[dict[int, int], list[int]]:
