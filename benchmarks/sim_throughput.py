@@ -89,6 +89,14 @@ async def _phase(port: int, scenario: str, concurrency: int, seconds: float) -> 
     }
 
 
+def _rss_mb(pid: int) -> float:
+    """Resident memory of the engine process, from /proc (Linux)."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    return float("nan")
+
+
 def _plot(results: dict, path: Path) -> None:
     import matplotlib
 
@@ -132,6 +140,7 @@ def main() -> int:
     }
     with ManagedProcess(command) as process:
         wait_for_http(f"http://127.0.0.1:{port}/health", process, timeout_s=120)
+        results["rss_mb_at_start"] = _rss_mb(process.pid)
         for scenario in SCENARIOS:
             asyncio.run(_phase(port, scenario, 4, 1.0))  # warm-up: tokenizer caches, connections
             results["scenarios"][scenario] = {}
@@ -142,6 +151,7 @@ def main() -> int:
                 print(
                     f"{scenario:>28} c={concurrency:<3} {rate:7.0f} req/s  p50 {p50:6.1f} ms  p99 {p99:6.1f}"
                 )
+            results["rss_mb_at_end"] = _rss_mb(process.pid)
     results["load_average_after"] = list(os.getloadavg())
     out = Path(args.out)
     out.with_suffix(".json").write_text(json.dumps(results, indent=2) + "\n")
@@ -151,7 +161,9 @@ def main() -> int:
         "",
         "`.venv/bin/python benchmarks/sim_throughput.py` (4 output tokens, near-zero simulated compute:",
         "the simulator's own CPU cost). Load average of the shared 2-core machine before/after: "
-        f"{results['load_average_before'][0]:.1f} / {results['load_average_after'][0]:.1f}.",
+        f"{results['load_average_before'][0]:.1f} / {results['load_average_after'][0]:.1f}. "
+        f"Resident memory of the engine: {results['rss_mb_at_start']:.0f} MB at start, "
+        f"{results['rss_mb_at_end']:.0f} MB after the run.",
         "",
         "| scenario | " + " | ".join(f"c={c}" for c in CONCURRENCY) + " |",
         "| --- | " + " | ".join("---" for _ in CONCURRENCY) + " |",
