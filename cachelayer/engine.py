@@ -20,6 +20,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+from array import array
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -353,7 +354,7 @@ class CacheEngine:
                         tier.touch(span.key)
                     held_end = span.end
                     continue
-                meta = ChunkMeta(span.key, span.parent_key, token_list[span.start : span.end])
+                meta = ChunkMeta(span.key, span.parent_key, array("q", token_list[span.start : span.end]))
                 entry, evicted_now = self.cpu.reserve(meta, self._raw_nbytes(span.num_tokens))
                 evicted.extend(evicted_now)
                 if entry is None:

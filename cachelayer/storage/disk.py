@@ -14,6 +14,7 @@ import logging
 import os
 import struct
 import uuid
+from array import array
 from pathlib import Path
 
 import msgspec
@@ -94,7 +95,7 @@ class DiskTier(Tier):
             _Header(
                 key=meta.key,
                 parent_key=meta.parent_key,
-                token_ids=meta.token_ids,
+                token_ids=list(meta.token_ids),
                 fmt=meta.fmt,
                 num_layers=num_layers,
                 channels=channels,
@@ -156,7 +157,7 @@ class DiskTier(Tier):
                 continue  # another engine's chunk sharing the directory: not ours, left alone
             found.append((path.stat().st_mtime, header, payload_offset, path))
         for _, header, payload_offset, path in sorted(found, key=lambda item: item[0]):
-            meta = ChunkMeta(header.key, header.parent_key, header.token_ids, header.fmt)
+            meta = ChunkMeta(header.key, header.parent_key, array("q", header.token_ids), header.fmt)
             # A newer file of the same key replaces the older one (commit drops the previous entry).
             entry, _ = self.reserve(meta, header.nbytes)
             if entry is None:

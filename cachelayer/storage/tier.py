@@ -9,6 +9,7 @@ Invariants (callers hold the engine's lock around every method here):
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from cachelayer.storage.eviction import EvictionPolicy, make_policy
@@ -20,7 +21,9 @@ class ChunkMeta:
 
     key: int
     parent_key: int | None
-    token_ids: list[int]
+    # array("q"): 8 bytes a token (a list of Python ints costs ~36), since small models keep
+    # tens of thousands of chunks in the pool. Events and disk headers turn it into a list.
+    token_ids: Sequence[int]
     # "raw": the KV as [num_layers, 2, num_tokens, channels] in the engine's dtype; otherwise the
     # name of the codec whose blob is stored.
     fmt: str = "raw"
