@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: serve test test-real test-slow lint bench-gateway
+.PHONY: serve demo test test-real test-slow bench-gateway
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -15,8 +15,12 @@ $(STAMP): pyproject.toml
 serve: $(STAMP)
 	$(BIN)/kvgate serve --config proxy.yaml
 
+# The same simulated engines, a shared-prefix workload through each policy: cache hits and TTFT.
+demo: $(STAMP)
+	$(BIN)/kvgate demo
+
 test: $(STAMP)
-	$(BIN)/ruff check router cachelayer tests benchmarks
+	$(BIN)/ruff check router cachelayer tests benchmarks scripts
 	$(BIN)/python -m pytest -q
 
 test-slow: $(STAMP)
