@@ -159,3 +159,25 @@ def test_fetch_snapshot_times_out_on_a_silent_endpoint(context):
             fetch_snapshot(f"tcp://127.0.0.1:{port}", timeout_s=0.3, context=context)
     finally:
         silent.close(linger=0)
+
+
+def test_publisher_connects_out_when_the_endpoint_names_a_host(context):
+    # vLLM's rule: bind on "*" (or ipc/inproc), connect otherwise, so a subscriber can bind instead.
+    from cachelayer.events import ZmqEventPublisher
+
+    sub = context.socket(zmq.SUB)
+    sub.setsockopt(zmq.SUBSCRIBE, b"")
+    port = sub.bind_to_random_port("tcp://127.0.0.1")
+    publisher = ZmqEventPublisher(f"tcp://127.0.0.1:{port}", topic="t")
+    try:
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline:
+            publisher.publish([AllBlocksCleared()])
+            if sub.poll(50):
+                topic, _, payload = sub.recv_multipart()
+                assert topic == b"t" and decode_batch(payload).events == [AllBlocksCleared()]
+                return
+        raise AssertionError("the connecting publisher never reached the bound subscriber")
+    finally:
+        publisher.close()
+        sub.close(linger=0)
