@@ -13,7 +13,7 @@ import contextlib
 import logging
 import os
 from time import perf_counter
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import msgspec
 
@@ -58,8 +58,28 @@ class _ClientGone(Exception):
     pass
 
 
+def body_too_large(limit: int, length: int | None = None) -> GatewayError:
+    """The 413 for a request body over `limits.max_body_bytes` (declared or counted as it arrived)."""
+    if length is not None:
+        return GatewayError(413, f"request body of {length} bytes is over the limit of {limit} bytes")
+    return GatewayError(413, f"request body is over the limit of {limit} bytes")
+
+
+class Responder(Protocol):
+    """Where ProxyEndpoint writes its answer: the ASGI `send` (_AsgiResponder) or router/http_server.py.
+
+    `client_gone` turns true when the client disconnected; the server then cancels the request's task.
+    """
+
+    client_gone: bool
+
+    async def start(self, status: int, headers: list[tuple[bytes, bytes]]) -> None: ...
+
+    async def body(self, piece: bytes, more: bool) -> None: ...
+
+
 class ProxyEndpoint:
-    """The ASGI endpoint of one OpenAI generation path."""
+    """One OpenAI generation path: `serve` does the work; calling it serves the request as ASGI."""
 
     def __init__(self, gateway: Gateway, path: str, prompt_field: str):
         self.gateway = gateway
@@ -67,15 +87,20 @@ class ProxyEndpoint:
         # "prompt" for completions, "messages" for chat completions.
         self.prompt_field = prompt_field
 
-    async def __call__(self, scope, receive, send) -> None:
-        started = perf_counter()
-        gateway = self.gateway
+    def split_headers(
+        self, headers: list[tuple[bytes, bytes]]
+    ) -> tuple[list[tuple[bytes, bytes]], bytes, bytes | None, bytes | None]:
+        """(headers to forward, request id, session header value, declared content-length).
+
+        `headers` must have lower-case names. The request id is the client's, else a new one that
+        is appended to the forwarded headers.
+        """
         request_id = b""
         session_value = None
         declared_length = None
         forward_headers: list[tuple[bytes, bytes]] = []
-        session_header = gateway.session_header
-        for name, value in scope["headers"]:
+        session_header = self.gateway.session_header
+        for name, value in headers:
             if name in _HOP_BY_HOP:
                 if name == b"content-length":
                     declared_length = value
@@ -88,32 +113,58 @@ class ProxyEndpoint:
         if not request_id:
             request_id = os.urandom(16).hex().encode()
             forward_headers.append((b"x-request-id", request_id))
-        id_header = (b"x-request-id", request_id)
+        return forward_headers, request_id, session_value, declared_length
+
+    async def __call__(self, scope, receive, send) -> None:
+        started = perf_counter()
+        forward_headers, request_id, session_value, declared_length = self.split_headers(scope["headers"])
+        responder = _AsgiResponder(send)
         try:
             body = await self._read_body(receive, declared_length)
+        except GatewayError as exc:
+            self.gateway.metrics.gateway_errors.labels(str(exc.status)).inc()
+            await send_error(send, exc.status, exc.message, [(b"x-request-id", request_id)])
+            return
+        except _ClientGone:
+            return
+        watch = _DisconnectWatch(receive, responder)
+        try:
+            await self.serve(body, forward_headers, request_id, session_value, responder, started)
+        finally:
+            watch.stop()
+
+    async def serve(
+        self,
+        body: bytes,
+        forward_headers: list[tuple[bytes, bytes]],
+        request_id: bytes,
+        session_value: bytes | None,
+        responder: Responder,
+        started: float,
+    ) -> None:
+        """Validate, route and forward one request whose whole body has been read; answer every
+        error in the OpenAI shape. Returns quietly when the client left (its task was cancelled)."""
+        gateway = self.gateway
+        id_header = (b"x-request-id", request_id)
+        try:
             route_request = self._parse(body, request_id, session_value)
             for prepare in gateway.request_preparers:
                 await prepare(route_request)
-            watch = _DisconnectWatch(receive)
             try:
-                await self._forward(route_request, body, forward_headers, id_header, send, started)
+                await self._forward(route_request, body, forward_headers, id_header, responder, started)
             except asyncio.CancelledError:
-                if not watch.client_gone:
+                if not responder.client_gone:
                     raise
                 return  # the client left: upstream closed and accounting done on the way out
-            finally:
-                watch.stop()
         except GatewayError as exc:
             gateway.metrics.gateway_errors.labels(str(exc.status)).inc()
-            await send_error(send, exc.status, exc.message, [id_header])
-        except _ClientGone:
-            return
+            await _respond_error(responder, exc.status, exc.message, id_header)
         except Exception:
             # Never a stack trace to the client; the log keeps it for the operator.
             log.exception("request %s failed inside the gateway", request_id.decode(errors="replace"))
             gateway.metrics.gateway_errors.labels("500").inc()
             with contextlib.suppress(Exception):
-                await send_error(send, 500, "internal gateway error; see the gateway log", [id_header])
+                await _respond_error(responder, 500, "internal gateway error; see the gateway log", id_header)
 
     async def _read_body(self, receive, declared_length: bytes | None) -> bytes:
         limit = self.gateway.config.limits.max_body_bytes
@@ -123,14 +174,14 @@ class ProxyEndpoint:
             except ValueError:
                 raise GatewayError(400, "invalid content-length header") from None
             if length > limit:
-                raise GatewayError(413, f"request body of {length} bytes is over the limit of {limit} bytes")
+                raise body_too_large(limit, length)
         message = await receive()
         if message["type"] == "http.disconnect":
             raise _ClientGone
         body = message.get("body", b"")
         size = len(body)
         if size > limit:
-            raise GatewayError(413, f"request body is over the limit of {limit} bytes")
+            raise body_too_large(limit)
         if not message.get("more_body"):
             return body
         parts = [body]
@@ -141,7 +192,7 @@ class ProxyEndpoint:
             part = message.get("body", b"")
             size += len(part)
             if size > limit:
-                raise GatewayError(413, f"request body is over the limit of {limit} bytes")
+                raise body_too_large(limit)
             parts.append(part)
             if not message.get("more_body"):
                 return b"".join(parts)
@@ -176,7 +227,7 @@ class ProxyEndpoint:
         body: bytes,
         forward_headers: list[tuple[bytes, bytes]],
         id_header: tuple[bytes, bytes],
-        send,
+        responder: Responder,
         started: float,
     ) -> None:
         gateway = self.gateway
@@ -232,7 +283,14 @@ class ProxyEndpoint:
                     gateway.metrics.retries.labels(backend.name, str(status)).inc()
                     continue
             await self._relay(
-                route_request, backend, prefill_tokens, response, id_header, send, started, upstream_started
+                route_request,
+                backend,
+                prefill_tokens,
+                response,
+                id_header,
+                responder,
+                started,
+                upstream_started,
             )
             return
         if tried:
@@ -249,7 +307,7 @@ class ProxyEndpoint:
         prefill_tokens: int,
         response: UpstreamResponse,
         id_header: tuple[bytes, bytes],
-        send,
+        responder: Responder,
         started: float,
         upstream_started: float,
     ) -> None:
@@ -264,7 +322,7 @@ class ProxyEndpoint:
         outcome_status = status
         try:
             policy.on_routed(route_request, backend)
-            await send({"type": "http.response.start", "status": status, "headers": headers})
+            await responder.start(status, headers)
             gateway.metrics.overhead.observe(
                 (upstream_started - started) + (perf_counter() - headers_arrived)
             )
@@ -274,10 +332,10 @@ class ProxyEndpoint:
                         backend.in_flight_prefill_tokens -= prefill_tokens
                         prefill_tokens = 0
                     if response.at_end:
-                        # The last piece ends the response in the same send (saves a send per request).
-                        await send({"type": "http.response.body", "body": piece, "more_body": False})
+                        # The last piece ends the response in the same write (saves a write per request).
+                        await responder.body(piece, False)
                         return
-                    await send({"type": "http.response.body", "body": piece, "more_body": True})
+                    await responder.body(piece, True)
             except UpstreamError as exc:
                 outcome_status = 504 if isinstance(exc, UpstreamTimeout) else 502
                 log.warning(
@@ -289,11 +347,11 @@ class ProxyEndpoint:
                         + error_body(outcome_status, f"backend {backend.name} failed: {exc}")
                         + b"\n\n"
                     )
-                    await send({"type": "http.response.body", "body": event, "more_body": False})
+                    await responder.body(event, False)
                 # Otherwise end without completing: the server closes the connection, so the client
                 # sees a truncated response instead of a short one that looks whole.
                 return
-            await send({"type": "http.response.body", "body": b"", "more_body": False})
+            await responder.body(b"", False)
         finally:
             response.close()
             gateway.metrics.observe_upstream(backend.name, perf_counter() - upstream_started)
@@ -330,13 +388,13 @@ class _DisconnectWatch:
     after DISCONNECT_WATCH_DELAY_S: answers faster than that never pay for it.
     """
 
-    __slots__ = ("_receive", "_target", "_task", "_timer", "client_gone")
+    __slots__ = ("_receive", "_responder", "_target", "_task", "_timer")
 
-    def __init__(self, receive):
+    def __init__(self, receive, responder: _AsgiResponder):
         self._receive = receive
+        self._responder = responder
         self._target = asyncio.current_task()
         self._task: asyncio.Task | None = None
-        self.client_gone = False
         self._timer = asyncio.get_running_loop().call_later(DISCONNECT_WATCH_DELAY_S, self._start)
 
     def _start(self) -> None:
@@ -345,7 +403,7 @@ class _DisconnectWatch:
     async def _watch(self) -> None:
         while (await self._receive())["type"] != "http.disconnect":
             pass
-        self.client_gone = True
+        self._responder.client_gone = True
         if self._target is not None:
             self._target.cancel()
 
@@ -353,3 +411,28 @@ class _DisconnectWatch:
         self._timer.cancel()
         if self._task is not None:
             self._task.cancel()
+
+
+class _AsgiResponder:
+    """Responder over an ASGI `send`."""
+
+    __slots__ = ("_send", "client_gone")
+
+    def __init__(self, send):
+        self._send = send
+        self.client_gone = False
+
+    async def start(self, status: int, headers: list[tuple[bytes, bytes]]) -> None:
+        await self._send({"type": "http.response.start", "status": status, "headers": headers})
+
+    async def body(self, piece: bytes, more: bool) -> None:
+        await self._send({"type": "http.response.body", "body": piece, "more_body": more})
+
+
+async def _respond_error(
+    responder: Responder, status: int, message: str, id_header: tuple[bytes, bytes]
+) -> None:
+    body = error_body(status, message)
+    headers = [(b"content-type", b"application/json"), (b"content-length", b"%d" % len(body)), id_header]
+    await responder.start(status, headers)
+    await responder.body(body, False)

@@ -1,4 +1,5 @@
-"""`kvgate serve`: load proxy.yaml, build the gateway app and run it on uvicorn (uvloop + httptools)."""
+"""`kvgate serve`: load proxy.yaml, build the gateway app and run it on uvicorn (uvloop + httptools,
+with the gateway's own protocol class from router/http_server.py)."""
 
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ def run(args: argparse.Namespace) -> int:
 
     from router.app import create_app
     from router.config import ConfigError, load_config
+    from router.http_server import gateway_http_protocol
     from router.policies import PolicyUnavailable
 
     try:
@@ -55,7 +57,8 @@ def run(args: argparse.Namespace) -> int:
                 host=host,
                 port=port,
                 loop="uvloop",
-                http="httptools",
+                # uvicorn's httptools protocol plus the direct path for the generation routes.
+                http=gateway_http_protocol(app.fast_endpoints.values()),
                 log_level=log_level,
                 access_log=False,
                 # X-Forwarded-* rewriting is not used by the gateway and costs CPU on every request.

@@ -1,0 +1,306 @@
+"""The gateway's HTTP/1.1 server protocol: uvicorn's httptools protocol plus a direct path for the
+generation routes.
+
+POST /v1/completions and /v1/chat/completions carry all of the gateway's load, so they skip ASGI:
+the request is parsed by the same httptools parser, handed to `ProxyEndpoint.serve`, and the answer
+is written straight to the transport: no scope dict, no receive/send messages, no asyncio.Event
+per request, head and body of a whole JSON answer in one write, and a client that disconnects
+cancels its request at once (connection_lost) instead of through a watcher task.
+
+Everything else, and anything unusual on those two routes (another method, a query string,
+HTTP/1.0, `Connection: close`, `Expect: 100-continue`, an upgrade, a request pipelined behind an
+ASGI one), goes through uvicorn's own ASGI path to the Starlette app, unchanged. Pipelined requests
+are answered in order whichever path they take.
+
+Built on uvicorn 0.5x internals (`HttpToolsProtocol`'s parser callbacks, `cycle`, `pipeline`,
+`flow`, `_start_asgi_task`); tests/test_gateway_*.py exercise both paths through the real process.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+from collections.abc import Callable, Iterable
+from functools import partial
+from time import perf_counter
+from typing import TYPE_CHECKING, Any
+
+from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
+
+from router.errors import GatewayError, error_body
+from router.forward import body_too_large
+
+if TYPE_CHECKING:
+    from router.forward import ProxyEndpoint
+
+# Requests queued behind the one being answered before the connection stops reading.
+_MAX_WAITING = 16
+
+
+class _Exchange:
+    """One request on the direct path and the Responder its answer goes through."""
+
+    __slots__ = (
+        "body_parts",
+        "body_size",
+        "chunked",
+        "client_gone",
+        "complete",
+        "endpoint",
+        "forward_headers",
+        "head",
+        "protocol",
+        "rejected",
+        "request_id",
+        "session_value",
+        "started",
+        "task",
+    )
+
+    def __init__(self, protocol: GatewayHttpProtocol, endpoint: ProxyEndpoint):
+        self.protocol = protocol
+        self.endpoint = endpoint
+        self.started = perf_counter()
+        self.body_parts: list[bytes] = []
+        self.body_size = 0
+        self.head = b""
+        self.chunked = False
+        self.complete = False
+        self.client_gone = False
+        self.rejected = False
+        self.task: asyncio.Task | None = None
+
+    async def start(self, status: int, headers: list[tuple[bytes, bytes]]) -> None:
+        # Held until the first body piece so that a whole JSON answer leaves in one write.
+        parts = [STATUS_LINE[status]]
+        chunked = True
+        for name, value in headers:
+            if name == b"content-length":
+                chunked = False
+            parts += (name, b": ", value, b"\r\n")
+        if chunked:
+            parts.append(b"transfer-encoding: chunked\r\n")
+        if self.protocol.closing:
+            parts.append(b"connection: close\r\n")
+        parts.append(b"\r\n")
+        self.head = b"".join(parts)
+        self.chunked = chunked
+
+    async def body(self, piece: bytes, more: bool) -> None:
+        if self.chunked:
+            data = b"%x\r\n%b\r\n" % (len(piece), piece) if piece else b""
+            if not more:
+                data += b"0\r\n\r\n"
+        else:
+            data = piece
+        if self.head:
+            data = self.head + data
+            self.head = b""
+        protocol = self.protocol
+        if data:
+            protocol.transport.write(data)
+        if not more:
+            self.complete = True
+        elif protocol.flow.write_paused:
+            await protocol.flow.drain()
+
+
+class GatewayHttpProtocol(HttpToolsProtocol):
+    """uvicorn's HttpToolsProtocol with the direct path; `fast_endpoints` maps a path to its endpoint."""
+
+    fast_endpoints: dict[bytes, ProxyEndpoint] = {}
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.exchange: _Exchange | None = None  # the direct-path request being parsed
+        self.answering: _Exchange | None = None  # the direct-path request being answered
+        # Requests parsed while `answering` runs, in order: callables that start them.
+        self.waiting: collections.deque[Callable[[], None]] = collections.deque()
+        self.closing = False  # server shutdown: close once the current answer is out
+        self.messages = 0
+        self._idle_timer: asyncio.TimerHandle | None = None
+        self._messages_at_idle = 0
+
+    # ---- parser callbacks ----
+
+    def on_message_begin(self) -> None:
+        # The ASGI scope is built only when the request turns out not to take the direct path.
+        self.url = b""
+        self.expect_100_continue = False
+        self.headers = []
+        self.exchange = None
+        self.messages += 1
+
+    def on_headers_complete(self) -> None:
+        parser = self.parser
+        endpoint = self.fast_endpoints.get(self.url)
+        if (
+            endpoint is not None
+            and parser.get_method() == b"POST"
+            and not self.expect_100_continue
+            and parser.should_keep_alive()
+            and parser.get_http_version() == "1.1"
+            and not parser.should_upgrade()
+            and not self.closing
+            and (self.cycle is None or self.cycle.response_complete)
+        ):
+            self._begin_exchange(endpoint)
+            return
+        url, headers, expect_100_continue = self.url, self.headers, self.expect_100_continue
+        super().on_message_begin()
+        self.url, self.headers, self.expect_100_continue = url, headers, expect_100_continue
+        self.scope["headers"] = headers
+        super().on_headers_complete()
+
+    def on_body(self, body: bytes) -> None:
+        exchange = self.exchange
+        if exchange is None:
+            super().on_body(body)
+            return
+        if exchange.rejected:
+            return
+        exchange.body_parts.append(body)
+        exchange.body_size += len(body)
+        if exchange.body_size > exchange.endpoint.gateway.config.limits.max_body_bytes:
+            self._reject(exchange, body_too_large(exchange.endpoint.gateway.config.limits.max_body_bytes))
+
+    def on_message_complete(self) -> None:
+        exchange = self.exchange
+        if exchange is None:
+            super().on_message_complete()
+            return
+        self.exchange = None
+        if not exchange.rejected:
+            parts = exchange.body_parts
+            body = parts[0] if len(parts) == 1 else b"".join(parts)
+            exchange.body_parts = []
+            coroutine = exchange.endpoint.serve(
+                body,
+                exchange.forward_headers,
+                exchange.request_id,
+                exchange.session_value,
+                exchange,
+                exchange.started,
+            )
+            self._submit(exchange, coroutine)
+
+    # ---- the direct path ----
+
+    def _begin_exchange(self, endpoint: ProxyEndpoint) -> None:
+        exchange = self.exchange = _Exchange(self, endpoint)
+        forward_headers, request_id, session_value, declared_length = endpoint.split_headers(self.headers)
+        exchange.forward_headers = forward_headers
+        exchange.request_id = request_id
+        exchange.session_value = session_value
+        if declared_length is not None:
+            limit = endpoint.gateway.config.limits.max_body_bytes
+            # httptools has already refused a content-length that is not a number.
+            length = int(declared_length)
+            if length > limit:
+                self._reject(exchange, body_too_large(limit, length))
+
+    def _reject(self, exchange: _Exchange, error: GatewayError) -> None:
+        """Answer the error now, without waiting for the rest of the body (which is then dropped)."""
+        exchange.rejected = True
+        exchange.body_parts = []
+        exchange.endpoint.gateway.metrics.gateway_errors.labels(str(error.status)).inc()
+        self._submit(exchange, _answer_error(exchange, error))
+
+    def _submit(self, exchange: _Exchange, coroutine) -> None:
+        if self.answering is not None or self.waiting:
+            self.waiting.append(partial(self._run, exchange, coroutine))
+            if len(self.waiting) >= _MAX_WAITING:
+                self.flow.pause_reading()
+            return
+        self._run(exchange, coroutine)
+
+    def _run(self, exchange: _Exchange, coroutine) -> None:
+        self.answering = exchange
+        task = exchange.task = self.loop.create_task(coroutine)
+        self.tasks.add(task)
+        task.add_done_callback(self._answered)
+
+    def _answered(self, task: asyncio.Task) -> None:
+        self.tasks.discard(task)
+        exchange = self.answering
+        self.answering = None
+        self.server_state.total_requests += 1
+        transport = self.transport
+        if exchange is None or not exchange.complete or self.closing:
+            # An answer cut short (the backend failed mid-body, or the client left) must not look
+            # whole: close the connection, as uvicorn does for an unfinished ASGI response.
+            if not transport.is_closing():
+                transport.close()
+            return
+        if transport.is_closing():
+            return
+        if self.waiting:
+            self.waiting.popleft()()
+            if len(self.waiting) < _MAX_WAITING:
+                self.flow.resume_reading()
+            return
+        self.flow.resume_reading()
+        self._arm_idle_timer()
+
+    def _start_asgi_task(self, cycle, app) -> None:
+        if self.answering is not None or self.waiting:
+            # Pipelined behind a direct-path request: its turn comes when that answer is out.
+            self.waiting.append(partial(super()._start_asgi_task, cycle, app))
+            self.flow.pause_reading()
+            return
+        super()._start_asgi_task(cycle, app)
+
+    # ---- keep-alive: one timer per idle period, not one per request ----
+
+    def _arm_idle_timer(self) -> None:
+        self._messages_at_idle = self.messages
+        if self._idle_timer is None:
+            self._idle_timer = self.loop.call_later(self.timeout_keep_alive, self._idle_expired)
+
+    def _idle_expired(self) -> None:
+        self._idle_timer = None
+        if self.transport.is_closing() or self.answering is not None or self.waiting:
+            return  # the answer in progress re-arms the timer when it ends
+        if self.cycle is not None and not self.cycle.response_complete:
+            return  # uvicorn arms its own timer when its ASGI answer ends
+        if self.messages != self._messages_at_idle:
+            self._arm_idle_timer()  # a request came and went meanwhile: idle counts from now
+            return
+        self.transport.close()
+
+    # ---- connection events ----
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        answering = self.answering
+        if answering is not None and not answering.complete:
+            answering.client_gone = True
+            if answering.task is not None:
+                answering.task.cancel()
+        self.waiting.clear()
+        if self._idle_timer is not None:
+            self._idle_timer.cancel()
+            self._idle_timer = None
+        super().connection_lost(exc)
+
+    def shutdown(self) -> None:
+        if self.answering is not None or self.waiting:
+            self.closing = True
+            return
+        super().shutdown()
+
+
+async def _answer_error(exchange: _Exchange, error: GatewayError) -> None:
+    body = error_body(error.status, error.message)
+    headers = [
+        (b"content-type", b"application/json"),
+        (b"content-length", b"%d" % len(body)),
+        (b"x-request-id", exchange.request_id),
+    ]
+    await exchange.start(error.status, headers)
+    await exchange.body(body, False)
+
+
+def gateway_http_protocol(endpoints: Iterable[ProxyEndpoint]) -> type[GatewayHttpProtocol]:
+    """The protocol class for uvicorn's `http=` option, with the direct path to `endpoints`."""
+    fast_endpoints = {endpoint.path: endpoint for endpoint in endpoints}
+    return type("GatewayHttpProtocol", (GatewayHttpProtocol,), {"fast_endpoints": fast_endpoints})

@@ -1,0 +1,155 @@
+"""The gateway's own HTTP/1.1 protocol (router/http_server.py), over raw sockets to the real process:
+the direct path for the generation routes and uvicorn's ASGI path share one connection correctly."""
+
+from __future__ import annotations
+
+import json
+import socket
+import time
+
+import httptools
+import pytest
+
+from tests.support import start_backend, start_gateway
+
+MODEL = "test-model"
+
+
+@pytest.fixture(scope="module")
+def backend():
+    started = start_backend("a", [MODEL])
+    yield started
+    started.stop()
+
+
+@pytest.fixture(scope="module")
+def gateway(backend):
+    config = {"models": [{"name": MODEL}], "backends": [{"name": "a", "url": backend.url}]}
+    with start_gateway(config) as running:
+        yield running
+
+
+class _Responses:
+    """Parses the HTTP/1.1 responses read from one socket, in order."""
+
+    def __init__(self) -> None:
+        self.parser = httptools.HttpResponseParser(self)
+        self.done: list[dict] = []
+        self._current: dict = {}
+
+    def on_message_begin(self) -> None:
+        self._current = {"headers": {}, "body": b""}
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        self._current["headers"][name.decode().lower()] = value.decode()
+
+    def on_headers_complete(self) -> None:
+        self._current["status"] = self.parser.get_status_code()
+
+    def on_body(self, body: bytes) -> None:
+        self._current["body"] += body
+
+    def on_message_complete(self) -> None:
+        self.done.append(self._current)
+
+
+def _request(port: int, method: str, target: str, body: bytes = b"", headers: dict | None = None) -> bytes:
+    lines = [f"{method} {target} HTTP/1.1", f"host: 127.0.0.1:{port}", f"content-length: {len(body)}"]
+    lines += [f"{name}: {value}" for name, value in (headers or {}).items()]
+    return ("\r\n".join(lines) + "\r\n\r\n").encode() + body
+
+
+def _exchange(gateway, raw: bytes, expected: int, timeout_s: float = 20.0) -> tuple[list[dict], bool]:
+    """Send `raw` at once on a fresh connection; the first `expected` responses, and whether the
+    gateway then closed the connection."""
+    port = int(gateway.url.rsplit(":", 1)[1])
+    responses = _Responses()
+    closed = False
+    with socket.create_connection(("127.0.0.1", port), timeout=timeout_s) as sock:
+        sock.sendall(raw)
+        deadline = time.monotonic() + timeout_s
+        while len(responses.done) < expected and time.monotonic() < deadline:
+            data = sock.recv(65536)
+            if not data:
+                closed = True
+                break
+            responses.parser.feed_data(data)
+        if not closed:
+            sock.settimeout(0.3)
+            try:
+                closed = sock.recv(1) == b""
+            except TimeoutError:
+                closed = False
+    return responses.done, closed
+
+
+def _completion(prompt: str, **extra) -> bytes:
+    return json.dumps({"model": MODEL, "prompt": prompt, **extra}).encode()
+
+
+def test_pipelined_requests_on_both_paths_are_answered_in_order(gateway):
+    port = int(gateway.url.rsplit(":", 1)[1])
+    raw = b"".join(
+        [
+            _request(port, "POST", "/v1/completions", _completion("first"), {"x-request-id": "r1"}),
+            _request(port, "GET", "/health"),
+            _request(port, "POST", "/v1/completions", _completion("third"), {"x-request-id": "r3"}),
+            _request(port, "POST", "/v1/completions?via=asgi", _completion("fourth"), {"x-request-id": "r4"}),
+            _request(port, "POST", "/v1/completions", b"{broken", {"x-request-id": "r5"}),
+            _request(port, "POST", "/v1/completions", _completion("sixth"), {"x-request-id": "r6"}),
+        ]
+    )
+    responses, closed = _exchange(gateway, raw, 6)
+    assert [response["status"] for response in responses] == [200, 200, 200, 200, 400, 200]
+    assert json.loads(responses[1]["body"])["status"] == "ok"
+    ids = [response["headers"].get("x-request-id") for response in responses]
+    assert ids == ["r1", None, "r3", "r4", "r5", "r6"]
+    for index in (0, 2, 3, 5):
+        # The backend's answer names the request it answered: each answer is its own request's.
+        assert json.loads(responses[index]["body"])["request_id"] == ids[index]
+        assert responses[index]["headers"]["x-kvgate-backend"] == "a"
+    assert not closed  # keep-alive throughout
+
+
+def test_a_json_answer_keeps_the_backends_content_length(gateway):
+    port = int(gateway.url.rsplit(":", 1)[1])
+    [response], closed = _exchange(gateway, _request(port, "POST", "/v1/completions", _completion("x")), 1)
+    assert response["status"] == 200
+    assert int(response["headers"]["content-length"]) == len(response["body"])
+    assert "transfer-encoding" not in response["headers"]
+    assert not closed
+
+
+def test_a_stream_is_sent_chunked_and_the_connection_stays_open(gateway):
+    port = int(gateway.url.rsplit(":", 1)[1])
+    body = _completion("streamed", stream=True)
+    raw = _request(port, "POST", "/v1/completions", body, {"x-test-chunks": "5"}) * 2
+    responses, closed = _exchange(gateway, raw, 2)
+    assert len(responses) == 2
+    for response in responses:
+        assert response["status"] == 200
+        assert response["headers"]["transfer-encoding"] == "chunked"
+        events = [event for event in response["body"].split(b"\n\n") if event]
+        assert events[-1] == b"data: [DONE]"
+    assert not closed
+
+
+def test_connection_close_is_honoured_on_a_generation_route(gateway):
+    port = int(gateway.url.rsplit(":", 1)[1])
+    headers = {"connection": "close", "x-request-id": "bye"}
+    raw = _request(port, "POST", "/v1/completions", _completion("bye"), headers)
+    [response], closed = _exchange(gateway, raw, 1)
+    assert response["status"] == 200
+    assert json.loads(response["body"])["request_id"] == "bye"
+    assert closed
+
+
+def test_a_declared_body_over_the_limit_is_refused_before_it_is_sent(gateway):
+    port = int(gateway.url.rsplit(":", 1)[1])
+    head = _request(port, "POST", "/v1/completions", headers={"x-request-id": "big"})
+    # Declares 64 MiB (over the default 32 MiB) and sends none of it: the 413 must not wait for it.
+    raw = head.replace(b"content-length: 0", b"content-length: %d" % (64 << 20))
+    [response], _ = _exchange(gateway, raw, 1, timeout_s=10)
+    assert response["status"] == 413
+    assert response["headers"]["x-request-id"] == "big"
+    assert "over the limit" in json.loads(response["body"])["error"]["message"]
