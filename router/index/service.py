@@ -64,9 +64,11 @@ class KVIndexService:
 
     def stop(self) -> None:
         self._started = False
-        for streams in self._streams.values():
-            for stream in streams:
-                stream.subscriber.stop()
+        subscribers = [stream.subscriber for streams in self._streams.values() for stream in streams]
+        for subscriber in subscribers:  # all at once, then wait: shutdown takes one poll, not N
+            subscriber.stop(wait=False)
+        for subscriber in subscribers:
+            subscriber.stop()
 
     # ---- backends ----
 
