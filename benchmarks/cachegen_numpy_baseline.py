@@ -22,11 +22,29 @@ from cachelayer.compress.cachegen import (
     _Layout,
     _parse,
     cumulative_frequencies,
-    lane_group_lengths,
     normalized_frequencies,
-    quantization_scales,
     symbol_lookup,
 )
+
+
+def quantization_scales(kv: Tensor, qmax: Tensor) -> tuple[Tensor, Tensor]:
+    """Per-row scale = max|x| / qmax and its reciprocal (1 for all-zero rows), float32 [L, 2, T].
+
+    IEEE divisions, as the CUDA quantize kernel does them (tl.div_rn), so CPU and CUDA agree bit for bit.
+    """
+    largest = kv.abs().amax(dim=-1).float()
+    if not bool(torch.isfinite(largest).all()):
+        raise CacheGenError("kv holds NaN or infinite values; CacheGen encodes finite values only")
+    scales = largest / qmax.to(largest.device, torch.float32)[:, None, None]
+    inverse = 1.0 / torch.where(scales > 0, scales, torch.ones_like(scales))
+    return scales, inverse
+
+
+def lane_group_lengths(num_layers: int, num_tokens: int, channels: int) -> np.ndarray:
+    """Tokens coded by each lane (lanes ordered layer, K/V, group, channel): 256 but the last group's."""
+    num_groups = -(-num_tokens // GROUP_TOKENS)
+    per_group = np.minimum(GROUP_TOKENS, num_tokens - np.arange(num_groups) * GROUP_TOKENS)
+    return np.broadcast_to(per_group[None, :, None], (num_layers * 2, num_groups, channels)).reshape(-1)
 
 
 def encode(codec: CacheGenCodec, kv: Tensor, layer_offset: int = 0, total_layers: int | None = None) -> bytes:

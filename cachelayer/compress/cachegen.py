@@ -30,6 +30,8 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from cachelayer.compress import cachegen_cpu
+
 MAGIC = b"KVCG"
 VERSION = 1
 PROBABILITY_BITS = 12
@@ -56,19 +58,6 @@ def layer_qmax(num_layers: int, layer_offset: int, total_layers: int, levels=DEF
 def error_bound(scales: Tensor) -> Tensor:
     """The largest |x - decoded| (before the output dtype's rounding) for rows with these scales."""
     return scales * (0.5 + 2.0**-20)
-
-
-def quantization_scales(kv: Tensor, qmax: Tensor) -> tuple[Tensor, Tensor]:
-    """Per-row scale = max|x| / qmax and its reciprocal (1 for all-zero rows), float32 [L, 2, T].
-
-    IEEE divisions, as the CUDA quantize kernel does them (tl.div_rn), so CPU and CUDA agree bit for bit.
-    """
-    largest = kv.abs().amax(dim=-1).float()
-    if not bool(torch.isfinite(largest).all()):
-        raise CacheGenError("kv holds NaN or infinite values; CacheGen encodes finite values only")
-    scales = largest / qmax.to(largest.device, torch.float32)[:, None, None]
-    inverse = 1.0 / torch.where(scales > 0, scales, torch.ones_like(scales))
-    return scales, inverse
 
 
 def normalized_frequencies(counts: np.ndarray) -> np.ndarray:
@@ -124,13 +113,6 @@ class _Layout:
             self.offsets[name] = (position, size)
             position = _align(position + size)
         self.total_size = position
-
-
-def lane_group_lengths(num_layers: int, num_tokens: int, channels: int) -> np.ndarray:
-    """Tokens coded by each lane (lanes ordered layer, K/V, group, channel): 256 but the last group's."""
-    num_groups = -(-num_tokens // GROUP_TOKENS)
-    per_group = np.minimum(GROUP_TOKENS, num_tokens - np.arange(num_groups) * GROUP_TOKENS)
-    return np.broadcast_to(per_group[None, :, None], (num_layers * 2, num_groups, channels)).reshape(-1)
 
 
 class CacheGenCodec:
@@ -193,16 +175,29 @@ class CacheGenCodec:
     def _encode_cpu(self, kv: Tensor, layer_offset: int, total_layers: int | None) -> bytes:
         qmax = self._check_input(kv, layer_offset, total_layers)
         num_layers, _, num_tokens, channels = kv.shape
-        qmax_tensor = torch.tensor(qmax, dtype=torch.int32)
-        scales, inverse = quantization_scales(kv, qmax_tensor)
-        rounded = torch.round(kv.float() * inverse[..., None])
-        symbols = (rounded + qmax_tensor.float()[:, None, None, None]).to(torch.uint8).numpy()
-        rows = symbols.reshape(num_layers * 2, -1)
-        counts = np.stack([np.bincount(row, minlength=ALPHABET) for row in rows])
+        kv = kv.contiguous()
+        # bf16 goes to the kernel as its bit patterns (numpy has no bf16); fp16 is widened by torch.
+        if kv.dtype == torch.bfloat16:
+            values = kv.view(torch.int16).numpy().view(np.uint16)
+        else:
+            values = kv.float().numpy()
+        qmax_array = np.asarray(qmax, dtype=np.int64)
+        scales = np.empty((num_layers, 2, num_tokens), dtype=np.float32)
+        symbols = np.empty((num_layers * 2, num_tokens, channels), dtype=np.uint8)
+        counts = np.empty((num_layers * 2, ALPHABET), dtype=np.int64)
+        if not cachegen_cpu.quantize(values, qmax_array, scales, symbols, counts):
+            raise CacheGenError("kv holds NaN or infinite values; CacheGen encodes finite values only")
         frequencies = normalized_frequencies(counts)
-        states, word_counts, words = _rans_encode_numpy(
-            symbols, frequencies, cumulative_frequencies(frequencies)
+        layout = _Layout(num_layers, num_tokens, channels, 0)
+        states = np.empty(layout.num_lanes, dtype="<u4")
+        word_counts = np.empty(layout.num_lanes, dtype="<u2")
+        lane_words = np.empty((layout.num_lanes, GROUP_TOKENS), dtype="<u2")
+        cachegen_cpu.rans_encode(
+            symbols, frequencies, cumulative_frequencies(frequencies), states, word_counts, lane_words
         )
+        word_ends = np.cumsum(word_counts, dtype=np.int64)
+        words = np.empty(int(word_ends[-1]), dtype="<u2")
+        cachegen_cpu.gather_words(lane_words, word_counts, word_ends - word_counts, words)
         header = self._header(
             kv.dtype, num_layers, num_tokens, channels, layer_offset, total_layers, len(words)
         )
@@ -211,15 +206,15 @@ class CacheGenCodec:
         blob[: len(header)] = header
         sections = {
             "qmax": np.asarray(qmax, dtype=np.uint8),
-            "scales": scales.numpy().astype("<f4"),
+            "scales": scales,
             "frequencies": frequencies.astype("<u2"),
-            "states": states.astype("<u4"),
-            "counts": word_counts.astype("<u2"),
-            "words": words.astype("<u2"),
+            "states": states,
+            "counts": word_counts,
+            "words": words,
         }
         for name, array in sections.items():
             start, size = layout.offsets[name]
-            blob[start : start + size] = array.tobytes()
+            blob[start : start + size] = memoryview(array).cast("B")
         return bytes(blob)
 
     def _check_input(self, kv: Tensor, layer_offset: int, total_layers: int | None) -> list[int]:
@@ -316,23 +311,37 @@ class CacheGenCodec:
             start, size = layout.offsets[name]
             return np.frombuffer(blob[start : start + size], dtype=numpy_dtype)
 
-        qmax = section("qmax", "u1").astype(np.int32)
-        scales = torch.from_numpy(section("scales", "<f4").reshape(num_layers, 2, num_tokens).copy())
         frequencies = section("frequencies", "<u2").reshape(-1, ALPHABET).astype(np.int64)
         _check_frequencies(frequencies)
         cumulative, table = symbol_lookup(frequencies)
-        symbols = _rans_decode_numpy(
-            section("states", "<u4"),
-            section("counts", "<u2"),
+        states, word_counts = section("states", "<u4"), section("counts", "<u2")
+        if len(states) != layout.num_lanes or len(word_counts) != layout.num_lanes:
+            raise CacheGenError("corrupt CacheGen blob: lane sections do not match the header")
+        if int(word_counts.sum(dtype=np.int64)) != header["total_words"]:
+            raise CacheGenError("corrupt CacheGen blob: word counts do not add up to the words present")
+        out_dtype = dtype or header["dtype"]
+        # The kernel writes float32, or bf16 as bit patterns; other dtypes are narrowed by torch
+        # from float32, as the value is defined (float32 (symbol - qmax) * scale, then rounded).
+        as_bf16 = out_dtype == torch.bfloat16
+        shape = (num_layers, 2, num_tokens, channels)
+        out = torch.empty(shape, dtype=torch.bfloat16 if as_bf16 else torch.float32)
+        target = out.view(torch.int16).numpy().view(np.uint16) if as_bf16 else out.numpy()
+        clean = cachegen_cpu.rans_decode(
+            states,
+            word_counts,
             section("words", "<u2"),
             frequencies,
             cumulative,
             table,
-            (num_layers, num_tokens, channels),
+            section("qmax", "u1"),
+            section("scales", "<f4").reshape(num_layers, 2, num_tokens),
+            target,
         )
-        centered = torch.from_numpy(symbols.astype(np.int32) - qmax[:, None, None, None])
-        values = centered.float() * scales[..., None]
-        return values.to(dtype or header["dtype"])
+        if not clean:
+            raise CacheGenError(
+                "corrupt CacheGen blob: the rANS streams did not decode to their initial state"
+            )
+        return out.to(out_dtype)
 
 
 def _check_frequencies(frequencies: np.ndarray) -> None:
@@ -371,101 +380,3 @@ def _parse(blob: memoryview, total_size: int | None = None) -> tuple[dict, _Layo
         "total_words": total_words,
     }
     return header, layout
-
-
-def _lanes_by_step(symbols: np.ndarray) -> np.ndarray:
-    """symbols uint8 [L, 2, T, C] -> [GROUP_TOKENS, lanes] (lane = (layer, K/V, group, channel)), padded."""
-    num_layers, _, num_tokens, channels = symbols.shape
-    num_groups = -(-num_tokens // GROUP_TOKENS)
-    padded = np.zeros((num_layers * 2, num_groups * GROUP_TOKENS, channels), dtype=np.uint8)
-    padded[:, :num_tokens] = symbols.reshape(num_layers * 2, num_tokens, channels)
-    grouped = padded.reshape(num_layers * 2, num_groups, GROUP_TOKENS, channels)
-    return np.ascontiguousarray(grouped.transpose(2, 0, 1, 3)).reshape(GROUP_TOKENS, -1)
-
-
-def _rans_encode_numpy(
-    symbols: np.ndarray, frequencies: np.ndarray, cumulative: np.ndarray
-) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """rANS-encode every lane at once; a loop over steps (last token first), vectorized over lanes.
-
-    The state stays below 2**32 at every step, so uint32 arithmetic is exact (and half the traffic).
-    """
-    num_layers, _, num_tokens, channels = symbols.shape
-    steps = _lanes_by_step(symbols)
-    num_lanes = steps.shape[1]
-    lengths = lane_group_lengths(num_layers, num_tokens, channels)
-    table_row = (np.arange(num_lanes) // (num_lanes // (num_layers * 2))).astype(np.int64) * ALPHABET
-    # Padding symbols may have frequency 0; 1 keeps inactive lanes from dividing by zero.
-    frequency_flat = np.maximum(frequencies.reshape(-1), 1).astype(np.uint32)
-    cumulative_flat = cumulative.reshape(-1).astype(np.uint32)
-    state = np.full(num_lanes, STATE_LOWER_BOUND, dtype=np.uint32)
-    emitted_words = np.zeros((GROUP_TOKENS, num_lanes), dtype=np.uint16)
-    emitted = np.zeros((GROUP_TOKENS, num_lanes), dtype=bool)
-    renormalize_shift = np.uint32(32 - PROBABILITY_BITS)
-    for step in range(GROUP_TOKENS - 1, -1, -1):
-        active = lengths > step
-        index = table_row + steps[step]
-        frequency = frequency_flat[index]
-        # state >= frequency << 20, written so that frequency 4096 cannot overflow 32 bits.
-        emit = active & ((state >> renormalize_shift) >= frequency)
-        emitted[step] = emit
-        emitted_words[step] = state.astype(np.uint16)
-        state = np.where(emit, state >> np.uint32(16), state)
-        quotient = state // frequency
-        remainder = state - quotient * frequency
-        coded = (quotient << np.uint32(PROBABILITY_BITS)) + remainder + cumulative_flat[index]
-        state = np.where(active, coded, state)
-    word_counts = emitted.sum(axis=0).astype(np.uint16)
-    words = emitted_words.T[emitted.T]
-    return state, word_counts, words
-
-
-def _rans_decode_numpy(
-    states: np.ndarray,
-    word_counts: np.ndarray,
-    words: np.ndarray,
-    frequencies: np.ndarray,
-    cumulative: np.ndarray,
-    table: np.ndarray,
-    shape: tuple[int, int, int],
-) -> np.ndarray:
-    num_layers, num_tokens, channels = shape
-    num_groups = -(-num_tokens // GROUP_TOKENS)
-    num_lanes = num_layers * 2 * num_groups * channels
-    if len(states) != num_lanes or len(word_counts) != num_lanes:
-        raise CacheGenError("corrupt CacheGen blob: lane sections do not match the header")
-    lengths = lane_group_lengths(num_layers, num_tokens, channels)
-    row = (np.arange(num_lanes) // (num_groups * channels)).astype(np.int64)
-    symbol_row = row * PROBABILITY_SCALE
-    frequency_row = row * ALPHABET
-    table_flat = table.reshape(-1)
-    frequency_flat = frequencies.reshape(-1).astype(np.uint32)
-    cumulative_flat = cumulative.reshape(-1).astype(np.uint32)
-    counts = word_counts.astype(np.int64)
-    position = np.cumsum(counts) - counts
-    end = position + counts
-    if end[-1] != len(words):
-        raise CacheGenError("corrupt CacheGen blob: word counts do not add up to the words present")
-    padded_words = np.concatenate([words.astype(np.uint32), np.zeros(1, dtype=np.uint32)])
-    state = states.astype(np.uint32)
-    out = np.zeros((GROUP_TOKENS, num_lanes), dtype=np.uint8)
-    slot_mask = np.uint32(PROBABILITY_SCALE - 1)
-    for step in range(GROUP_TOKENS):
-        active = lengths > step
-        slot = state & slot_mask
-        symbol = table_flat[symbol_row + slot]
-        index = frequency_row + symbol
-        decoded = (
-            frequency_flat[index] * (state >> np.uint32(PROBABILITY_BITS)) + slot - cumulative_flat[index]
-        )
-        state = np.where(active, decoded, state)
-        need = active & (state < STATE_LOWER_BOUND) & (position < end)
-        word = padded_words[np.where(need, position, len(words))]
-        state = np.where(need, (state << np.uint32(16)) | word, state)
-        position += need
-        out[step] = symbol
-    if (state != STATE_LOWER_BOUND).any() or (position != end).any():
-        raise CacheGenError("corrupt CacheGen blob: the rANS streams did not decode to their initial state")
-    grouped = out.reshape(GROUP_TOKENS, num_layers * 2, num_groups, channels).transpose(1, 2, 0, 3)
-    tokens = grouped.reshape(num_layers * 2, num_groups * GROUP_TOKENS, channels)[:, :num_tokens]
-    return tokens.reshape(num_layers, 2, num_tokens, channels)
