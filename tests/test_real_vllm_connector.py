@@ -13,6 +13,7 @@ from tests.support.vllm import (
     cached_tokens,
     greedy_output,
     prompt_tokens,
+    running_cache_daemon,
     running_vllm,
     wait_until,
     write_cache_config,
@@ -50,3 +51,29 @@ def test_second_request_loads_from_the_cache_layer_with_identical_greedy_output(
     assert cpu_stored[0]["token_ids"] == prompt[:CHUNK]
     assert cpu_stored[1]["token_ids"] == prompt[CHUNK : 2 * CHUNK]
     assert cpu_stored[1]["parent_block_hash"] == cpu_stored[0]["block_hashes"][0]
+
+
+def test_a_chunk_lost_between_lookup_and_load_is_recomputed_never_served(tmp_path):
+    """The daemon's lookups say the prompt is held, but its chunks are gone when the worker loads:
+    the connector reports the blocks as failed and vLLM recomputes them; the answer is unchanged."""
+    config = write_cache_config(tmp_path)
+    prompt = prompt_tokens(700, seed=3)
+    with (
+        running_cache_daemon(forgetful=True) as daemon,
+        running_vllm(
+            "vllm-forgetful",
+            cache_config=config,
+            cache_server=daemon.endpoint,
+            prefix_caching=False,
+            kv_events=False,
+        ) as engine,
+    ):
+        cold = engine.complete(prompt, max_tokens=12)
+        repeat = engine.complete(prompt, max_tokens=12)
+        metrics = daemon.metrics()
+
+    assert metrics["lmcache_mp_lookup_hit_tokens_total"] >= 512  # the scheduler was promised a hit
+    assert metrics["lmcache_mp_l1_read_chunks_total"] == 0  # and the load got nothing
+    assert repeat["choices"][0]["finish_reason"] == "length"  # not failed
+    assert greedy_output(repeat)[0] == greedy_output(cold)[0]
+    assert greedy_output(repeat)[1] == pytest.approx(greedy_output(cold)[1], abs=1e-3)

@@ -60,7 +60,8 @@ if TYPE_CHECKING:
     from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
 
-log = logging.getLogger(__name__)
+# A child of vLLM's logger, so these lines appear in the engine's log with its format and level.
+log = logging.getLogger("vllm.cachelayer_connector")
 
 SERVER_KEY = "cachelayer_server"
 # Medium of the cache layer's chunks in vLLM's KV-event stream (vLLM's own blocks say "GPU").
@@ -223,6 +224,11 @@ class CacheLayerConnector(KVConnectorBase_V1):
         self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig | None = None
     ):
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        if self._kv_transfer_config.kv_load_failure_policy != "recompute":
+            # A cache is best effort: a chunk lost between lookup and load must cost a recompute,
+            # never a failed request. The scheduler reads this right after creating its connector.
+            log.warning("cachelayer: kv_load_failure_policy set to 'recompute' (a failed load recomputes)")
+            self._kv_transfer_config.kv_load_failure_policy = "recompute"
         self.config = load_config()
         self.block_size = vllm_config.cache_config.block_size
         self.chunk_size = self.config.chunk_size
@@ -234,6 +240,11 @@ class CacheLayerConnector(KVConnectorBase_V1):
             self._init_scheduler(vllm_config, kv_cache_config)
         else:
             self._init_worker(vllm_config, kv_cache_config)
+
+    @property
+    def requires_kv_delivery(self) -> bool:
+        # Saves are best effort: a request preempted before its save just misses the cache later.
+        return False
 
     # ======== scheduler side ========
 

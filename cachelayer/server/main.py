@@ -22,7 +22,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--eviction-policy", default="LRU", choices=["LRU", "LFU", "FIFO"])
 
 
-def run(args: argparse.Namespace) -> int:
+def run(args: argparse.Namespace, server_class: type[StoreServer] = StoreServer) -> int:
     try:
         config = parse_config(
             {
@@ -37,7 +37,7 @@ def run(args: argparse.Namespace) -> int:
     except CacheLayerConfigError as exc:
         print(f"cachelayer server: {exc}")
         return 2
-    server = StoreServer(config, f"tcp://{args.host}:{args.port}")
+    server = server_class(config, f"tcp://{args.host}:{args.port}")
     http = start_http(server, args.host, args.http_port)
     server.start()
     # One line a supervisor (or a test) can wait for, with the ports actually bound.

@@ -178,7 +178,12 @@ def running_vllms(*specs: dict) -> Iterator[list[VllmServer]]:
             servers.append(start_vllm(**spec))
         for server in servers:
             _wait_healthy(server)
-        yield servers
+        try:
+            yield servers
+        except BaseException:
+            for server in servers:  # the engines' side of a failed test
+                print(f"---- {server.name} output ----\n{server.process.output()[-8000:]}", file=sys.stderr)
+            raise
     finally:
         for server in servers:
             server.process.stop()
@@ -208,11 +213,15 @@ class CacheDaemon:
 
 
 @contextlib.contextmanager
-def running_cache_daemon(*, chunk_size: int = 256, l1_size_gb: float = 0.25) -> Iterator[CacheDaemon]:
-    """`cachelayer server` on free ports (run with the project's interpreter), killed on exit."""
+def running_cache_daemon(
+    *, chunk_size: int = 256, l1_size_gb: float = 0.25, forgetful: bool = False
+) -> Iterator[CacheDaemon]:
+    """`cachelayer server` on free ports (run with the project's interpreter), killed on exit.
+    `forgetful`: tests.support.forgetful_daemon instead, which loses every chunk before it is read."""
     port, http_port = free_port(), free_port()
+    command = ["tests.support.forgetful_daemon"] if forgetful else ["cachelayer.cli", "server"]
     args = [
-        sys.executable, "-m", "cachelayer.cli", "server",
+        sys.executable, "-m", *command,
         "--host", "127.0.0.1", "--port", str(port), "--http-port", str(http_port),
         "--chunk-size", str(chunk_size), "--l1-size-gb", str(l1_size_gb), "--eviction-policy", "LRU",
     ]  # fmt: skip
