@@ -3,6 +3,8 @@
 py-spy (PyPI) is installed on first use into .cache/tools/py-spy, outside the project's venv. It
 records collapsed stacks ("frame;frame;frame count" lines) from outside the process, so the gateway
 runs unmodified; `summarize` turns them into the functions that dominate, by own and by total samples.
+Only samples of the thread holding the GIL are kept (--gil): in a Python gateway that is the work
+that serializes everything else, and threads blocked in zmq or epoll (idle) drop out.
 """
 
 from __future__ import annotations
@@ -30,14 +32,14 @@ def ensure_py_spy() -> Path:
 
 
 class Profiler:
-    """py-spy record on `pid` (all its threads, idle samples left out) into `output`, until stop()."""
+    """py-spy record on `pid` (the GIL holder among its threads) into `output`, until stop()."""
 
     def __init__(self, pid: int, output: Path, rate: int = 100):
         self.output = output
         output.parent.mkdir(parents=True, exist_ok=True)
         self._process = subprocess.Popen(
             [str(ensure_py_spy()), "record", "--pid", str(pid), "--rate", str(rate), "--format", "raw",
-             "--output", str(output), "--nonblocking", "--threads"],
+             "--output", str(output), "--nonblocking", "--threads", "--gil"],
             stdout=subprocess.DEVNULL,
             stderr=subprocess.PIPE,
             text=True,

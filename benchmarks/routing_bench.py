@@ -201,7 +201,7 @@ def write_markdown(results: dict, path: Path) -> None:
                 total = ", ".join(f"`{name}` {share:.0%}" for name, share in profile["total"][:10])
                 lines += [
                     f"Profile of the {policy} gateway during this replay "
-                    f"(py-spy, {profile['samples']} samples):",
+                    f"(py-spy at 100 Hz, {profile['samples']} samples of the thread holding the GIL):",
                     f"- own time: {own}",
                     f"- on the stack, kvgate's functions: {total}",
                     f"- by thread: {threads}",
