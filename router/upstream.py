@@ -79,10 +79,12 @@ class _Connection(asyncio.Protocol):
         self.closed = False
         self.idle_since = 0.0
         self.reused = False
+        # One parser for the connection's life: after a complete response it is ready for the next
+        # one, and a connection whose response went wrong is never reused.
+        self.parser = httptools.HttpResponseParser(self)
         self._reset()
 
     def _reset(self) -> None:
-        self.parser = httptools.HttpResponseParser(self)
         self.status = 0
         self.keep_alive = False
         self.headers: list[tuple[bytes, bytes]] = []
