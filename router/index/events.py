@@ -107,12 +107,77 @@ _array_event_decoder = msgspec.msgpack.Decoder(
 )
 _map_event_decoder = msgspec.msgpack.Decoder(BlockStored | BlockRemoved | AllBlocksCleared)
 
+_ArrayEvent = _ArrayBlockStored | _ArrayBlockRemoved | _ArrayAllBlocksCleared
+_MapEvent = BlockStored | BlockRemoved | AllBlocksCleared
+
+
+class _ArrayBatchOfArrayEvents(msgspec.Struct, array_like=True):
+    ts: float
+    events: list[_ArrayEvent]
+    data_parallel_rank: int | None = None
+
+
+class _ArrayBatchOfMapEvents(msgspec.Struct, array_like=True):
+    ts: float
+    events: list[_MapEvent]
+    data_parallel_rank: int | None = None
+
+
+class _MapBatchOfArrayEvents(msgspec.Struct):
+    ts: float
+    events: list[_ArrayEvent]
+    data_parallel_rank: int | None = None
+    attn_dp_rank: int | None = None
+
+
+class _MapBatchOfMapEvents(msgspec.Struct):
+    ts: float
+    events: list[_MapEvent]
+    data_parallel_rank: int | None = None
+    attn_dp_rank: int | None = None
+
+
+# Whole-batch typed decoders, by batch encoding: (array events, map events). Decoding a whole
+# batch in one msgspec call skips a Raw slice and a decoder call per event (about half the decode
+# time of a decode step's batch). Any batch they refuse (an unknown or ill-typed event, events of
+# both encodings) goes the event-by-event way, which skips and counts the bad events.
+_typed_batch_decoders = {
+    "array": (
+        msgspec.msgpack.Decoder(_ArrayBatchOfArrayEvents),
+        msgspec.msgpack.Decoder(_ArrayBatchOfMapEvents),
+    ),
+    "map": (msgspec.msgpack.Decoder(_MapBatchOfArrayEvents), msgspec.msgpack.Decoder(_MapBatchOfMapEvents)),
+}
+# Which event encoding the last batch used (0: array, 1: map): engines keep one, so try it first.
+_last_event_encoding = [0]
+
+
+def _decode_typed_batch(payload: bytes, batch_encoding: str) -> DecodedBatch | None:
+    """The batch decoded in one call when every event is well formed, else None."""
+    decoders = _typed_batch_decoders[batch_encoding]
+    first = _last_event_encoding[0]
+    for encoding in (first, 1 - first):
+        try:
+            typed = decoders[encoding].decode(payload)
+        except (msgspec.ValidationError, msgspec.DecodeError):
+            continue
+        _last_event_encoding[0] = encoding
+        rank = typed.data_parallel_rank
+        if rank is None and batch_encoding == "map":
+            rank = typed.attn_dp_rank
+        return DecodedBatch(ts=typed.ts, events=typed.events, data_parallel_rank=rank)
+    return None
+
 
 def decode_batch(payload: bytes) -> DecodedBatch:
     """Decode one msgpack EventBatch; bad events inside a good batch are skipped and counted."""
     if not payload:
         raise MalformedBatch("empty payload")
     first = payload[0]
+    if first in _ARRAY_FIRST_BYTES or first in _MAP_FIRST_BYTES:
+        typed = _decode_typed_batch(payload, "array" if first in _ARRAY_FIRST_BYTES else "map")
+        if typed is not None:
+            return typed
     try:
         if first in _ARRAY_FIRST_BYTES:
             raw_batch: _ArrayBatch | _MapBatch = _array_batch_decoder.decode(payload)

@@ -30,7 +30,7 @@ import gc
 import itertools
 import operator
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -68,11 +68,20 @@ def namespace_seed(namespace: Namespace) -> int:
 
 
 _WORD = (1 << 64) - 1
-_WORD_WEIGHTS_PY = [int(weight) for weight in _WORD_WEIGHTS]
+# Per token: word w = t_even | t_odd << 32 weighs w * W = t_even * W + t_odd * (W << 32) (mod 2^64),
+# so a block's content is one dot product of its 16 tokens with these weights.
+_TOKEN_WEIGHTS_PY = [
+    weight
+    for word_weight in _WORD_WEIGHTS.tolist()
+    for weight in (word_weight, (word_weight << 32) & ((1 << 64) - 1))
+]
 _POSITION_WEIGHT_PY = int(_POSITION_WEIGHT)
 _MIX_1_PY, _MIX_2_PY = int(_MIX_1), int(_MIX_2)
 # Below this many router blocks, plain Python ints beat numpy's per-call overhead.
 _NUMPY_MIN_BLOCKS = 3
+# A lookup computes a prompt's keys this many router blocks (32k tokens) at a time; it probes them
+# in smaller, growing chunks and stops at the first block nobody holds.
+_LOOKUP_SPAN_BLOCKS = 2048
 
 
 def router_block_values(tokens: np.ndarray, first_block: int | np.ndarray) -> np.ndarray:
@@ -101,12 +110,10 @@ def _python_prefix_keys(tokens: Sequence[int], seed: int, first_block: int) -> l
     """The same keys as `prefix_keys`, computed with Python ints (faster for one or two blocks)."""
     keys = []
     total = seed
-    weights = _WORD_WEIGHTS_PY
+    weights = _TOKEN_WEIGHTS_PY
     for block in range(len(tokens) // ROUTER_BLOCK_TOKENS):
         offset = block * ROUTER_BLOCK_TOKENS
-        pairs = tokens[offset : offset + ROUTER_BLOCK_TOKENS]
-        words = map(int.__or__, pairs[0::2], map((32).__rlshift__, pairs[1::2]))
-        content = sum(map(int.__mul__, words, weights)) & _WORD
+        content = sum(map(operator.mul, tokens[offset : offset + ROUTER_BLOCK_TOKENS], weights)) & _WORD
         x = content ^ (((first_block + block) * _POSITION_WEIGHT_PY) & _WORD)
         x ^= x >> 30
         x = (x * _MIX_1_PY) & _WORD
@@ -171,18 +178,20 @@ def _owned(keys: int | tuple[int, ...]) -> tuple[int, ...]:
     return (keys,) if keys.__class__ is int else keys  # type: ignore[return-value]
 
 
-@dataclass(slots=True)
-class _PendingStore:
-    """A BlockStored checked for the batched path, waiting for its batch's numpy pass."""
-
-    node_keys: Sequence[Any]
-    token_ids: list[int]
-    count: int
-    block_size: int
-    parent_end: int
-    boundary_key: int
-    chain_id: int
-    slot: int
+# A BlockStored checked for the batched path, waiting for its batch's numpy pass (a tuple: one
+# is built per event at event rate):
+#   (node_keys, token_ids, count, block_size, parent_end, boundary_key, chain_id, slot)
+_PendingStore = tuple
+(
+    _P_NODE_KEYS,
+    _P_TOKEN_IDS,
+    _P_COUNT,
+    _P_BLOCK_SIZE,
+    _P_PARENT_END,
+    _P_BOUNDARY_KEY,
+    _P_CHAIN_ID,
+    _P_SLOT,
+) = range(8)
 
 
 @dataclass
@@ -199,12 +208,23 @@ class BackendIndexStats:
 
 
 class _Backend:
-    __slots__ = ("chain_ids", "chains", "name", "next_chain_id", "nodes", "stats", "tier_slots")
+    __slots__ = (
+        "chain_ids",
+        "chains",
+        "medium_slots",
+        "name",
+        "next_chain_id",
+        "nodes",
+        "stats",
+        "tier_slots",
+    )
 
     def __init__(self, name: str) -> None:
         self.name = name
         self.nodes: dict[Any, _Node] = {}
         self.tier_slots: dict[str, int] = {}
+        # An event's `medium` as spelled on the wire (None, "GPU", "cpu", ...) -> its tier's slot.
+        self.medium_slots: dict[str | None, int] = {}
         self.chains: dict[int, _Chain] = {}
         # (namespace, preview tokens) -> chain id, so one prompt stored twice shares its chain.
         self.chain_ids: dict[tuple[Namespace, tuple[int, ...]], int] = {}
@@ -232,25 +252,6 @@ class BackendMatch:
         if best == 0:
             return None
         return min((tier for tier, held in self.by_tier.items() if held == best), key=tier_rank, default=None)
-
-
-@contextlib.contextmanager
-def _cyclic_gc_paused() -> Iterator[None]:
-    """Pause the cyclic GC while a batch is applied.
-
-    A batch allocates thousands of small tuples of ints, which can hold no reference cycles; left
-    on, the collector would run every few hundred of them and sweep the whole index (millions of
-    entries) now and then, about a quarter of the ingest time. Collection resumes right after.
-    Callers hold the index lock, so pauses do not nest.
-    """
-    if not gc.isenabled():
-        yield
-        return
-    gc.disable()
-    try:
-        yield
-    finally:
-        gc.enable()
 
 
 def _record_lost_bits(runs: dict[int, int], bits: int, position: int) -> None:
@@ -311,35 +312,54 @@ class PrefixIndex:
 
     def apply(self, backend_name: str, events: list[KVEvent]) -> None:
         """Apply the events of one batch, in order."""
-        with self._lock, _cyclic_gc_paused():
+        with self._lock:
             backend = self._backends.get(backend_name)
             if backend is None:
                 backend = self._backends[backend_name] = _Backend(backend_name)
-            # Consecutive BlockStored events of whole router blocks whose parents are already
-            # placed (the common case: one event per request per engine step) are hashed together
-            # in one numpy pass; anything else is applied one by one, in order.
-            pending: list[_PendingStore] = []
-            pending_hashes: set[Any] = set()
-            for event in events:
-                if isinstance(event, BlockStored):
-                    prepared = self._prepare_store_locked(backend, event, pending_hashes)
-                    if prepared is None and pending and self._depends_on(event, pending_hashes):
-                        self._flush_stores_locked(backend, pending, pending_hashes)
-                        prepared = self._prepare_store_locked(backend, event, pending_hashes)
-                    if prepared is not None:
-                        pending.append(prepared)
-                        pending_hashes.update(prepared.node_keys)
-                        continue
+            # The cyclic GC is paused while a batch is applied: a batch allocates thousands of
+            # small tuples of ints, which hold no cycles; left on, the collector would run every few
+            # hundred of them and sweep the whole index (millions of entries) now and then, about a
+            # quarter of the ingest time. Callers hold the lock, so pauses do not nest.
+            collecting = gc.isenabled()
+            gc.disable()
+            try:
+                self._apply_locked(backend, events)
+            finally:
+                if collecting:
+                    gc.enable()
+
+    def _apply_locked(self, backend: _Backend, events: list[KVEvent]) -> None:
+        # Consecutive BlockStored events of whole router blocks whose parents are already placed
+        # (the common case: one event per request per engine step) are hashed together in one
+        # numpy pass and inserted with whole-batch dict updates; anything else is applied one by
+        # one, in order.
+        pending: list[_PendingStore] = []
+        pending_hashes: set[Any] = set()
+        prepare = self._prepare_store_locked
+        for event in events:
+            if isinstance(event, BlockStored):
+                prepared = prepare(backend, event, pending_hashes)
+                if prepared is None and pending and self._depends_on(event, pending_hashes):
                     self._flush_stores_locked(backend, pending, pending_hashes)
-                    self._store_locked(backend, event)
+                    prepared = prepare(backend, event, pending_hashes)
+                if prepared is not None:
+                    pending.append(prepared)
+                    node_keys = prepared[_P_NODE_KEYS]
+                    if len(node_keys) == 1:
+                        pending_hashes.add(node_keys[0])
+                    else:
+                        pending_hashes.update(node_keys)
                     continue
                 self._flush_stores_locked(backend, pending, pending_hashes)
-                if isinstance(event, BlockRemoved):
-                    self._remove_locked(backend, event)
-                elif isinstance(event, AllBlocksCleared):
-                    backend.stats.cleared_events += 1
-                    self._clear_locked(backend)
+                self._store_locked(backend, event)
+                continue
             self._flush_stores_locked(backend, pending, pending_hashes)
+            if isinstance(event, BlockRemoved):
+                self._remove_locked(backend, event)
+            elif isinstance(event, AllBlocksCleared):
+                backend.stats.cleared_events += 1
+                self._clear_locked(backend)
+        self._flush_stores_locked(backend, pending, pending_hashes)
 
     @staticmethod
     def _depends_on(event: BlockStored, pending_hashes: set[Any]) -> bool:
@@ -349,60 +369,12 @@ class PrefixIndex:
         parent_key = parent if group == 0 else (group, parent)
         return parent_key in pending_hashes or any(map(pending_hashes.__contains__, keys))
 
-    def _flush_uniform_locked(
-        self, backend: _Backend, pending: list[_PendingStore], all_keys: list[int]
-    ) -> bool:
-        """The decode-step shape (16-token blocks, one tier, distinct prefixes) in whole-batch passes."""
-        slot = pending[0].slot
-        if any(store.block_size != ROUTER_BLOCK_TOKENS or store.slot != slot for store in pending):
-            return False
-        holders = self._holders
-        masks = list(map(holders.get, all_keys, itertools.repeat(0, len(all_keys))))
-        bit = 1 << slot
-        if functools.reduce(operator.or_, masks, 0) & bit or len(set(all_keys)) != len(all_keys):
-            return False  # a prefix held twice: the general path keeps the reference counts
-        node_keys = list(itertools.chain.from_iterable(store.node_keys for store in pending))
-        ends = itertools.chain.from_iterable(
-            range(
-                store.parent_end + ROUTER_BLOCK_TOKENS,
-                store.parent_end + ROUTER_BLOCK_TOKENS * store.count + 1,
-                ROUTER_BLOCK_TOKENS,
-            )
-            for store in pending
-        )
-        chain_ids = itertools.chain.from_iterable(
-            itertools.repeat(store.chain_id, store.count) for store in pending
-        )
-        backend.nodes.update(
-            zip(
-                node_keys,
-                [
-                    (end, ROUTER_BLOCK_TOKENS, key, (), key, chain_id, bit)
-                    for end, key, chain_id in zip(ends, all_keys, chain_ids, strict=True)
-                ],
-                strict=True,
-            )
-        )
-        holders.update(zip(all_keys, [mask | bit for mask in masks], strict=True))
-        chains = backend.chains
-        for store in pending:
-            chain = chains[store.chain_id]
-            chain.nodes += store.count
-            end = store.parent_end + ROUTER_BLOCK_TOKENS * store.count
-            if end > chain.longest:
-                chain.longest = end
-        tier = next(tier for tier, tier_slot in backend.tier_slots.items() if tier_slot == slot)
-        stats = backend.stats
-        stats.stored_events += len(pending)
-        stats.blocks[tier] += len(all_keys)
-        stats.tokens[tier] += len(all_keys) * ROUTER_BLOCK_TOKENS
-        return True
-
     def _prepare_store_locked(
         self, backend: _Backend, event: BlockStored, pending_hashes: set[Any]
     ) -> _PendingStore | None:
         """A BlockStored the batched path can take, or None (then it goes the general way)."""
-        count = len(event.block_hashes)
+        node_keys = event.block_hashes
+        count = len(node_keys)
         block_size = event.block_size or 0
         token_ids = event.token_ids
         if (
@@ -412,17 +384,21 @@ class PrefixIndex:
             or len(token_ids) < count * block_size
         ):
             return None
-        group = event.group_idx or 0
+        group = event.group_idx
+        if group:
+            node_keys = [(group, h) for h in node_keys]
         nodes = backend.nodes
-        node_keys = event.block_hashes if group == 0 else [(group, h) for h in event.block_hashes]
-        if any(map(nodes.__contains__, node_keys)) or any(map(pending_hashes.__contains__, node_keys)):
+        if count == 1:
+            if node_keys[0] in nodes or node_keys[0] in pending_hashes:
+                return None
+        elif any(map(nodes.__contains__, node_keys)) or any(map(pending_hashes.__contains__, node_keys)):
             return None
         parent_hash = event.parent_block_hash
         if parent_hash is None:
             namespace = (event.lora_name, cache_salt_of(event))
             if event.lora_name is not None:
                 self.lora_names.add(event.lora_name)
-            preview = tuple(token_ids[:PREVIEW_TOKENS])
+            preview = tuple(token_ids[: min(count * block_size, PREVIEW_TOKENS)])
             chain_id = backend.chain_ids.get((namespace, preview))
             if chain_id is None:
                 chain_id = backend.chain_ids[(namespace, preview)] = backend.next_chain_id
@@ -430,76 +406,161 @@ class PrefixIndex:
                 backend.chains[chain_id] = _Chain(preview, namespace)
             parent_end, boundary_key = 0, namespace_seed(namespace)
         else:
-            parent = nodes.get(parent_hash if group == 0 else (group, parent_hash))
+            parent = nodes.get((group, parent_hash) if group else parent_hash)
             if parent is None or parent[_TAIL]:
                 return None
             parent_end, boundary_key, chain_id = parent[_END], parent[_BOUNDARY], parent[_CHAIN]
-        slot = self._slot_locked(backend, tier_of(event.medium))
-        return _PendingStore(
-            node_keys, token_ids, count, block_size, parent_end, boundary_key, chain_id, slot
-        )
+        # Slots per medium spelling, remembered on the backend (a slot lives as long as its backend).
+        slot = backend.medium_slots.get(event.medium)
+        if slot is None:
+            slot = backend.medium_slots[event.medium] = self._slot_locked(backend, tier_of(event.medium))
+        return (node_keys, token_ids, count, block_size, parent_end, boundary_key, chain_id, slot)
 
     def _flush_stores_locked(self, backend: _Backend, pending: list[_PendingStore], hashes: set[Any]) -> None:
         if not pending:
             return
         stream = array.array("I")
-        lengths = []
-        firsts = []
         valid = []
         for store in pending:
-            covered = store.count * store.block_size
+            token_ids, covered = store[_P_TOKEN_IDS], store[_P_COUNT] * store[_P_BLOCK_SIZE]
             before = len(stream)
             try:
-                stream.extend(
-                    store.token_ids if len(store.token_ids) == covered else store.token_ids[:covered]
-                )
+                stream.extend(token_ids if len(token_ids) == covered else token_ids[:covered])
             except (OverflowError, TypeError):  # token ids that are not uint32: nothing to index
                 del stream[before:]
                 backend.stats.stored_events += 1
-                backend.stats.unplaced_blocks += store.count
+                backend.stats.unplaced_blocks += store[_P_COUNT]
                 continue
             valid.append(store)
-            lengths.append(covered // ROUTER_BLOCK_TOKENS)
-            firsts.append(store.parent_end // ROUTER_BLOCK_TOKENS)
         pending[:] = valid
         if not pending:
             hashes.clear()
             return
+        blocks_per_event = [
+            store[_P_COUNT] * (store[_P_BLOCK_SIZE] // ROUTER_BLOCK_TOKENS) for store in pending
+        ]
         total = len(stream) // ROUTER_BLOCK_TOKENS
         if total < _NUMPY_MIN_BLOCKS:  # one or two blocks: Python ints beat numpy's call overhead
             all_keys = []
             offset = 0
-            for store, length, first in zip(pending, lengths, firsts, strict=True):
+            for store, length in zip(pending, blocks_per_event, strict=True):
                 end = offset + length * ROUTER_BLOCK_TOKENS
-                all_keys += _python_prefix_keys(stream[offset:end], store.boundary_key, first)
+                all_keys += _python_prefix_keys(
+                    stream[offset:end], store[_P_BOUNDARY_KEY], store[_P_PARENT_END] // ROUTER_BLOCK_TOKENS
+                )
                 offset = end
-        else:
-            lengths_array = np.asarray(lengths, dtype=np.int64)
-            starts = np.cumsum(lengths_array) - lengths_array
-            positions = np.arange(total, dtype=np.int64) + np.repeat(
-                np.asarray(firsts) - starts, lengths_array
+        elif len(pending) == 1:  # one event (a prefill): one running sum from its parent's key
+            store = pending[0]
+            all_keys = prefix_keys(
+                np.frombuffer(stream, dtype=np.uint32),
+                store[_P_BOUNDARY_KEY],
+                store[_P_PARENT_END] // ROUTER_BLOCK_TOKENS,
+            ).tolist()
+        elif total == len(pending):  # one router block per event (decode steps): no running sums
+            positions = (
+                np.fromiter((store[_P_PARENT_END] for store in pending), np.int64, len(pending))
+                // ROUTER_BLOCK_TOKENS
             )
+            values = router_block_values(np.frombuffer(stream, dtype=np.uint32), positions)
+            bases = np.asarray([store[_P_BOUNDARY_KEY] for store in pending], dtype=np.uint64)
+            all_keys = (values + bases).tolist()
+        else:
+            lengths = np.asarray(blocks_per_event, dtype=np.int64)
+            starts = np.cumsum(lengths) - lengths
+            firsts = np.fromiter((store[_P_PARENT_END] for store in pending), np.int64, len(pending))
+            shifts = firsts // ROUTER_BLOCK_TOKENS - starts
+            positions = np.arange(total, dtype=np.int64) + np.repeat(shifts, lengths)
             values = router_block_values(np.frombuffer(stream, dtype=np.uint32), positions)
             sums = np.cumsum(values, dtype=np.uint64)
             # key = boundary_key + (sums[i] - sums[start - 1]): one subtraction per event, wrapping.
             before = np.concatenate([np.zeros(1, dtype=np.uint64), sums[:-1]])[starts]
-            bases = np.asarray([store.boundary_key for store in pending], dtype=np.uint64) - before
-            all_keys = (sums + np.repeat(bases, lengths_array)).tolist()
+            bases = np.asarray([store[_P_BOUNDARY_KEY] for store in pending], dtype=np.uint64) - before
+            all_keys = (sums + np.repeat(bases, lengths)).tolist()
 
+        if not self._flush_uniform_locked(backend, pending, all_keys):
+            self._flush_general_locked(backend, pending, blocks_per_event, all_keys)
+        pending.clear()
+        hashes.clear()
+
+    def _flush_uniform_locked(
+        self, backend: _Backend, pending: list[_PendingStore], all_keys: list[int]
+    ) -> bool:
+        """The common shape (16-token blocks, one tier, prefixes new to it) in whole-batch passes."""
+        slot = pending[0][_P_SLOT]
+        for store in pending:
+            if store[_P_BLOCK_SIZE] != ROUTER_BLOCK_TOKENS or store[_P_SLOT] != slot:
+                return False
+        holders = self._holders
+        masks = list(map(holders.get, all_keys, itertools.repeat(0, len(all_keys))))
+        bit = 1 << slot
+        if functools.reduce(operator.or_, masks, 0) & bit:
+            return False  # a prefix held twice: the general path keeps the reference counts
+        # Two events of one batch completing the same prefix (e.g. two KV-cache groups): the same.
+        # (Keys within one event are running sums over distinct positions: they never repeat.)
+        if len(pending) > 1 and len(set(all_keys)) != len(all_keys):
+            return False
+        nodes = backend.nodes
+        chains = backend.chains
+        if len(all_keys) == len(pending):  # one block per event
+            for store, key in zip(pending, all_keys, strict=True):
+                end = store[_P_PARENT_END] + ROUTER_BLOCK_TOKENS
+                chain_id = store[_P_CHAIN_ID]
+                nodes[store[_P_NODE_KEYS][0]] = (end, ROUTER_BLOCK_TOKENS, key, (), key, chain_id, bit)
+                chain = chains[chain_id]
+                chain.nodes += 1
+                if end > chain.longest:
+                    chain.longest = end
+        else:
+            offset = 0
+            for store in pending:
+                count, parent_end, chain_id = store[_P_COUNT], store[_P_PARENT_END], store[_P_CHAIN_ID]
+                keys = all_keys[offset : offset + count]
+                offset += count
+                end = parent_end + ROUTER_BLOCK_TOKENS * count
+                nodes.update(
+                    zip(
+                        store[_P_NODE_KEYS],
+                        [
+                            (block_end, ROUTER_BLOCK_TOKENS, key, (), key, chain_id, bit)
+                            for block_end, key in zip(
+                                range(parent_end + ROUTER_BLOCK_TOKENS, end + 1, ROUTER_BLOCK_TOKENS),
+                                keys,
+                                strict=True,
+                            )
+                        ],
+                        strict=True,
+                    )
+                )
+                chain = chains[chain_id]
+                chain.nodes += count
+                if end > chain.longest:
+                    chain.longest = end
+        holders.update(zip(all_keys, [mask | bit for mask in masks], strict=True))
+        tier = next(tier for tier, tier_slot in backend.tier_slots.items() if tier_slot == slot)
+        stats = backend.stats
+        stats.stored_events += len(pending)
+        stats.blocks[tier] += len(all_keys)
+        stats.tokens[tier] += len(all_keys) * ROUTER_BLOCK_TOKENS
+        return True
+
+    def _flush_general_locked(
+        self,
+        backend: _Backend,
+        pending: list[_PendingStore],
+        blocks_per_event: list[int],
+        all_keys: list[int],
+    ) -> None:
+        """Any block size that is a multiple of the router block, any tier, prefixes held before."""
         holders = self._holders
         nodes = backend.nodes
         stats = backend.stats
         slot_tiers = {slot: tier for tier, slot in backend.tier_slots.items()}
-        if self._flush_uniform_locked(backend, pending, all_keys):
-            pending.clear()
-            hashes.clear()
-            return
         offset = 0
-        for store, length in zip(pending, lengths, strict=True):
+        for store, length in zip(pending, blocks_per_event, strict=True):
+            node_keys, _, count, block_size, parent_end, _, chain_id, slot = store
             keys = all_keys[offset : offset + length]
             offset += length
-            bit = 1 << store.slot
-            block_size = store.block_size
+            bit = 1 << slot
             per_block = block_size // ROUTER_BLOCK_TOKENS
             if per_block == 1:
                 owned_keys: list[Any] = keys
@@ -507,12 +568,10 @@ class PrefixIndex:
             else:
                 owned_keys = [tuple(keys[i : i + per_block]) for i in range(0, length, per_block)]
                 boundaries = keys[per_block - 1 :: per_block]
-            first_end = store.parent_end + block_size
-            ends = range(first_end, store.parent_end + block_size * store.count + 1, block_size)
-            chain_id = store.chain_id
+            ends = range(parent_end + block_size, parent_end + block_size * count + 1, block_size)
             nodes.update(
                 zip(
-                    store.node_keys,
+                    node_keys,
                     [
                         (end, block_size, boundary, (), owned, chain_id, bit)
                         for end, boundary, owned in zip(ends, boundaries, owned_keys, strict=True)
@@ -526,20 +585,18 @@ class PrefixIndex:
                 for key in keys:
                     mask = holders.get(key, 0)
                     if mask & bit:
-                        extra_refs[(key, store.slot)] = extra_refs.get((key, store.slot), 0) + 1
+                        extra_refs[(key, slot)] = extra_refs.get((key, slot), 0) + 1
                     else:
                         holders[key] = mask | bit
             else:
                 holders.update(zip(keys, [mask | bit for mask in masks], strict=True))
             chain = backend.chains[chain_id]
-            chain.nodes += store.count
+            chain.nodes += count
             chain.longest = max(chain.longest, ends[-1])
-            tier = slot_tiers[store.slot]
+            tier = slot_tiers[slot]
             stats.stored_events += 1
-            stats.blocks[tier] += store.count
-            stats.tokens[tier] += store.count * block_size
-        pending.clear()
-        hashes.clear()
+            stats.blocks[tier] += count
+            stats.tokens[tier] += count * block_size
 
     def _slot_locked(self, backend: _Backend, tier: str) -> int:
         slot = backend.tier_slots.get(tier)
@@ -854,33 +911,32 @@ class PrefixIndex:
         holders_get = self._holders.get
         total = len(array) // ROUTER_BLOCK_TOKENS
         keys: list[int] = []
-        parts = []
+        held: list[int] = []
+        span_keys = np.empty(0, dtype=np.uint64)
+        span_start = span_end = 0
         start, step = 0, 128
-        try:
-            while start < total:
-                end = min(total, start + step)
-                chunk = prefix_keys(
-                    array[start * ROUTER_BLOCK_TOKENS : end * ROUTER_BLOCK_TOKENS],
+        while start < total:
+            if start >= span_end:  # keys of a whole span at once: numpy's cost is per call, not per key
+                span_start, span_end = start, min(total, start + _LOOKUP_SPAN_BLOCKS)
+                span_keys = prefix_keys(
+                    array[span_start * ROUTER_BLOCK_TOKENS : span_end * ROUTER_BLOCK_TOKENS],
                     keys[-1] if keys else seed,
-                    start,
-                ).tolist()
-                keys += chunk
-                part = np.fromiter(
-                    map(holders_get, chunk, itertools.repeat(0, len(chunk))), np.uint64, len(chunk)
+                    span_start,
                 )
-                empty = np.flatnonzero(part == 0)
-                if len(empty):
-                    parts.append(part[: empty[0]])
-                    break
-                parts.append(part)
-                start, step = end, step * 4
+            end = min(span_end, start + step)
+            chunk = span_keys[start - span_start : end - span_start].tolist()
+            keys += chunk
+            part = list(map(holders_get, chunk, itertools.repeat(0, len(chunk))))
+            if 0 in part:
+                held += part[: part.index(0)]
+                break
+            held += part
+            start, step = end, step * 4
+        try:
+            masks: Any = np.array(held, dtype=np.uint64)
         except OverflowError:  # more than 64 slots: the same with Python ints
-            keys = prefix_keys(array, seed).tolist()
-            runs, wide_masks = self._slot_runs_wide(
-                list(map(holders_get, keys, itertools.repeat(0, len(keys))))
-            )
+            runs, wide_masks = self._slot_runs_wide(held)
             return runs, wide_masks, keys
-        masks: Any = np.concatenate(parts) if parts else np.empty(0, dtype=np.uint64)
         runs: dict[int, int] = {}
         if not len(masks):
             return runs, masks, keys

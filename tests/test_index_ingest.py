@@ -1,0 +1,247 @@
+"""Ingest fast paths: whole-batch event application and whole-batch decoding give exactly what the
+event-by-event paths give, on random streams with every shape the index accepts."""
+
+from __future__ import annotations
+
+import contextlib
+import random
+from typing import Any
+
+import msgspec
+import pytest
+
+from router.index.events import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    KVEvent,
+    decode_batch,
+    decode_event,
+)
+from router.index.prefix_index import PrefixIndex, _owned
+from tests.support.event_publisher import all_blocks_cleared, block_removed, block_stored, encode_batch
+
+DOC_TOKENS = 640
+
+
+def make_docs(rand: random.Random) -> list[list[int]]:
+    """Documents sharing prefixes of various lengths (so chains meet on the same router keys)."""
+    base = [rand.randrange(150_000) for _ in range(DOC_TOKENS)]
+    docs = [base]
+    for shared in (0, 48, 200, 333, 640):
+        docs.append(base[:shared] + [rand.randrange(150_000) for _ in range(DOC_TOKENS - shared)])
+    return docs
+
+
+class StreamMaker:
+    """Random event batches from engine-like request chains: prefills, decode steps, removals,
+    clears, partial tail chunks, overlapping chunk tokens, other tiers, namespaces, KV groups."""
+
+    def __init__(self, seed: int) -> None:
+        self.rand = random.Random(seed)
+        self.docs = make_docs(self.rand)
+        self.next_hash = 1
+        self.known: list[tuple[int, str | None, int | None]] = []  # (hash, medium, group)
+        self.chains: list[dict[str, Any]] = []
+
+    def new_chain(self) -> dict[str, Any]:
+        rand = self.rand
+        chain = {
+            "doc": rand.randrange(len(self.docs)),
+            "block_size": rand.choice([16, 16, 16, 32, 48, 8, 12, 24, 64]),
+            "medium": rand.choice([None, "GPU", "GPU", "cpu", "CPU", "LocalDiskBackend"]),
+            "group": rand.choice([None, None, None, 0, 1]),
+            "overlap": rand.random() < 0.2,
+            "namespace": rand.choice([{}, {}, {"lora_name": "lora-a"}, {"extra_keys": [["salt-1"]]}]),
+            "parent": None,
+            "stored": 0,
+        }
+        self.chains.append(chain)
+        return chain
+
+    def store(self, chain: dict[str, Any], count: int) -> BlockStored | None:
+        doc = self.docs[chain["doc"]]
+        size, start = chain["block_size"], chain["stored"]
+        if start >= len(doc):
+            return None
+        covered = min(size * count, len(doc) - start)  # a short last chunk: a partial tail
+        count = -(-covered // size)
+        extra = 1 if chain["overlap"] and start + covered < len(doc) else 0
+        hashes = list(range(self.next_hash, self.next_hash + count))
+        self.next_hash += count
+        first = chain["parent"] is None
+        event = BlockStored(
+            block_hashes=hashes,
+            parent_block_hash=chain["parent"],
+            token_ids=doc[start : start + covered + extra],
+            block_size=size,
+            medium=chain["medium"],
+            group_idx=chain["group"],
+            lora_name=chain["namespace"].get("lora_name"),
+            extra_keys=chain["namespace"].get("extra_keys") if first else None,
+        )
+        chain["parent"] = hashes[-1]
+        chain["stored"] = start + covered
+        self.known += [(h, chain["medium"], chain["group"]) for h in hashes]
+        return event
+
+    def batch(self) -> list[KVEvent]:
+        rand = self.rand
+        events: list[KVEvent] = []
+        for _ in range(rand.randint(1, 8)):
+            roll = rand.random()
+            if roll < 0.55 or not self.chains:
+                chain = (
+                    self.new_chain() if rand.random() < 0.3 or not self.chains else rand.choice(self.chains)
+                )
+                event = self.store(chain, rand.choice([1, 1, 1, 2, 4, 16]))
+                if event is not None:
+                    events.append(event)
+            elif roll < 0.65 and self.known:  # the same blocks announced again, in another tier
+                block_hash, _, group = rand.choice(self.known)
+                events.append(
+                    BlockStored(
+                        block_hashes=[block_hash], token_ids=[], block_size=16, medium="cpu", group_idx=group
+                    )
+                )
+            elif roll < 0.9 and self.known:
+                picked = rand.sample(self.known, min(len(self.known), rand.randint(1, 4)))
+                medium, group = picked[0][1], picked[0][2]
+                hashes = [h for h, m, g in picked if m == medium and g == group]
+                events.append(BlockRemoved(block_hashes=[*hashes, 10**9], medium=medium, group_idx=group))
+            elif roll < 0.93:
+                events.append(AllBlocksCleared())
+            else:  # a stranger: block whose parent was never announced
+                events.append(BlockStored(block_hashes=[10**10 + len(events)], parent_block_hash=-5,
+                                          token_ids=self.docs[0][:16], block_size=16))  # fmt: skip
+        return events
+
+
+def apply_through_general_path(index: PrefixIndex, backend: str, events: list[KVEvent]) -> None:
+    """The reference: every event applied on its own by the general (one event, any shape) code."""
+    index.add_backend(backend)
+    with index._lock:
+        state = index._backends[backend]
+        for event in events:
+            if isinstance(event, BlockStored):
+                index._store_locked(state, event)
+            elif isinstance(event, BlockRemoved):
+                index._remove_locked(state, event)
+            else:
+                state.stats.cleared_events += 1
+                index._clear_locked(state)
+
+
+def internal_state(index: PrefixIndex, backend: str) -> dict[str, Any]:
+    state = index._backends[backend]
+    nodes = {key: (*node[:4], _owned(node[4]), *node[5:]) for key, node in state.nodes.items()}
+    return {
+        "holders": index._holders,
+        "extra_refs": index._extra_refs,
+        "tails": index._tails,
+        "tail_refs": index._tail_refs,
+        "nodes": nodes,
+        "chains": {cid: (c.preview, c.namespace, c.longest, c.nodes) for cid, c in state.chains.items()},
+        "stats": index.stats(backend),
+        "top": index.top_prefixes(50),
+        "lora_names": index.lora_names,
+    }
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_batched_one_by_one_and_general_paths_build_the_same_index(seed: int) -> None:
+    maker = StreamMaker(seed)
+    batched, one_by_one, general = PrefixIndex(), PrefixIndex(), PrefixIndex()
+    for step in range(60):
+        batch = maker.batch()
+        batched.apply("a", batch)
+        for event in batch:
+            one_by_one.apply("a", [event])
+        apply_through_general_path(general, "a", batch)
+        if step % 10 == 9 or step == 59:
+            reference = internal_state(general, "a")
+            assert internal_state(batched, "a") == reference
+            assert internal_state(one_by_one, "a") == reference
+            for doc in maker.docs:
+                for namespace in ((None, None), ("lora-a", None), (None, "salt-1")):
+                    expected = general.longest_cached_prefix(doc, namespace)
+                    assert batched.longest_cached_prefix(doc, namespace) == expected
+                    assert one_by_one.longest_cached_prefix(doc, namespace) == expected
+
+
+def test_decode_steps_of_many_requests_in_one_batch_match_the_general_path() -> None:
+    """The decode shape (one 16-token block per request per step), many steps, then removals."""
+    maker = StreamMaker(99)
+    chains = [maker.new_chain() for _ in range(6)]
+    for chain in chains:
+        chain.update(block_size=16, overlap=False, group=None)
+    batched, general = PrefixIndex(), PrefixIndex()
+    for _ in range(30):
+        batch: list[KVEvent] = [event for chain in chains if (event := maker.store(chain, 1)) is not None]
+        batched.apply("a", batch)
+        apply_through_general_path(general, "a", batch)
+    removal = [BlockRemoved(block_hashes=[h for h, _, _ in maker.known[::3]], medium=chains[0]["medium"])]
+    batched.apply("a", removal)
+    apply_through_general_path(general, "a", removal)
+    assert internal_state(batched, "a") == internal_state(general, "a")
+
+
+def test_a_batch_storing_one_prefix_twice_keeps_both_references() -> None:
+    """Two KV-cache groups announce the same tokens in one batch: removing one keeps the prefix."""
+    tokens = make_docs(random.Random(3))[0][:64]
+    index = PrefixIndex()
+    index.apply(
+        "a",
+        [
+            BlockStored(block_hashes=[1, 2, 3, 4], token_ids=tokens, block_size=16),
+            BlockStored(block_hashes=[1, 2, 3, 4], token_ids=tokens, block_size=16, group_idx=1),
+        ],
+    )
+    index.apply("a", [BlockRemoved(block_hashes=[1, 2, 3, 4])])
+    assert index.longest_cached_prefix(tokens)["a"].tokens == 64
+    index.apply("a", [BlockRemoved(block_hashes=[1, 2, 3, 4], group_idx=1)])
+    assert index.longest_cached_prefix(tokens)["a"].tokens == 0
+
+
+def _random_wire_batch(rand: random.Random, event_encoding: str) -> list[Any]:
+    events: list[Any] = []
+    for i in range(rand.randint(1, 6)):
+        kind = rand.random()
+        if kind < 0.7:
+            events.append(
+                block_stored(
+                    [rand.choice([rand.getrandbits(64), -rand.getrandbits(63), rand.randbytes(32)])],
+                    [rand.randrange(150_000) for _ in range(16)],
+                    16,
+                    parent_block_hash=rand.choice([None, i]),
+                    medium=rand.choice(["GPU", "cpu", None]),
+                    encoding=event_encoding,  # type: ignore[arg-type]
+                )
+            )
+        elif kind < 0.9:
+            events.append(block_removed([rand.getrandbits(64)], encoding=event_encoding))
+        else:
+            events.append(all_blocks_cleared(encoding=event_encoding))
+    return events
+
+
+@pytest.mark.parametrize("batch_encoding", ["array", "map", "sglang-map"])
+def test_whole_batch_decoding_equals_event_by_event_decoding(batch_encoding: str) -> None:
+    rand = random.Random(11)
+    for round_ in range(40):
+        # Mostly one event encoding per batch (engines keep one); sometimes both in one batch, and
+        # sometimes a bad or unknown event: those batches must decode event by event.
+        wire = _random_wire_batch(rand, rand.choice(["array", "map"]))
+        if round_ % 5 == 3:
+            wire += _random_wire_batch(rand, "map" if isinstance(wire[0], list) else "array")
+        if round_ % 7 == 5:
+            wire.insert(rand.randrange(len(wire) + 1), {"type": "SomethingNew", "x": 1})
+        payload = encode_batch(wire, rank=2, encoding=batch_encoding, ts=1.5)  # type: ignore[arg-type]
+        decoded = decode_batch(payload)
+        expected = []
+        for event in wire:
+            with contextlib.suppress(msgspec.ValidationError):
+                expected.append(decode_event(msgspec.msgpack.encode(event)))
+        assert decoded.events == expected
+        assert decoded.skipped_events == len(wire) - len(expected)
+        assert (decoded.ts, decoded.data_parallel_rank) == (1.5, 2)
