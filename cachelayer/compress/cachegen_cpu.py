@@ -23,6 +23,7 @@ _SLOT_MASK = (1 << _PROBABILITY_BITS) - 1
 _STATE_LOWER_BOUND = 1 << 16
 _RENORMALIZE_SHIFT = 32 - _PROBABILITY_BITS
 _GROUP_TOKENS = 256
+_LANE_BLOCK = 32  # lanes coded together; see rans_encode
 _ALPHABET = 64
 
 _JIT = dict(nogil=True, cache=True)
@@ -73,6 +74,42 @@ def _store_row_for(row, row_bits, target):
     return copy_float32
 
 
+@numba.njit(**_JIT)
+def _quantize_plane(values, level, scales, symbols, counts, widened, as_float, largest_bits, largest_float):
+    """One (layer, K/V) plane: values [T, C] -> scales [T], symbols [T, C], counts [ALPHABET]."""
+    num_tokens, channels = values.shape
+    level_float = np.float32(level)
+    finite = True
+    # Four interleaved histograms, so that runs of one symbol do not serialize on one counter.
+    histogram = np.zeros(4 * _ALPHABET, dtype=np.int64)
+    for token in range(num_tokens):
+        _load_row(values[token], widened, as_float)
+        # max|x| on the bit patterns: for non-negative floats integer order is float order,
+        # and an integer max vectorizes where a float max (NaN rules) does not.
+        largest = np.uint32(0)
+        for channel in range(channels):
+            largest = max(largest, widened[channel] & np.uint32(0x7FFFFFFF))
+        if largest >= np.uint32(0x7F800000):  # inf or NaN
+            finite = False
+        largest_bits[0] = largest
+        scale = np.float32(largest_float[0] / level_float)
+        scales[token] = scale
+        inverse = np.float32(np.float32(1.0) / scale) if scale > 0 else np.float32(1.0)
+        out = symbols[token]
+        for channel in range(channels):
+            out[channel] = np.int32(np.rint(np.float32(as_float[channel] * inverse))) + level
+        for channel in range(channels):
+            histogram[(channel & 3) * _ALPHABET + (out[channel] & (_ALPHABET - 1))] += 1
+    for symbol in range(_ALPHABET):
+        counts[symbol] = (
+            histogram[symbol]
+            + histogram[_ALPHABET + symbol]
+            + histogram[2 * _ALPHABET + symbol]
+            + histogram[3 * _ALPHABET + symbol]
+        )
+    return finite
+
+
 @numba.njit(parallel=True, **_JIT)
 def quantize(values, qmax, scales, symbols, counts):
     """values [L, 2, T, C] (float32, or bf16 bits as uint16) -> scales [L, 2, T], symbols [L * 2, T, C].
@@ -81,35 +118,53 @@ def quantize(values, qmax, scales, symbols, counts):
     counts [L * 2, ALPHABET] the symbol histogram of each plane. Returns False if any value is not
     finite (the outputs are then meaningless).
     """
-    num_layers, _, num_tokens, channels = values.shape
+    num_layers, _, _, channels = values.shape
     finite = np.ones(num_layers * 2, dtype=np.bool_)
     for plane in numba.prange(num_layers * 2):
         layer, kv = plane // 2, plane % 2
-        level = np.int64(qmax[layer])
-        level_float = np.float32(level)
         widened = np.empty(channels, dtype=np.uint32)
-        as_float = widened.view(np.float32)
-        histogram = np.zeros(_ALPHABET, dtype=np.int64)
-        for token in range(num_tokens):
-            _load_row(values[layer, kv, token], widened, as_float)
-            row = as_float
-            largest = np.float32(0.0)
-            for channel in range(channels):
-                magnitude = abs(row[channel])
-                if not magnitude < np.inf:  # NaN compares false, inf is not below inf
-                    finite[plane] = False
-                largest = max(largest, magnitude)
-            scale = np.float32(largest / level_float)
-            scales[layer, kv, token] = scale
-            inverse = np.float32(np.float32(1.0) / scale) if scale > 0 else np.float32(1.0)
-            out = symbols[plane, token]
-            for channel in range(channels):
-                rounded = np.rint(np.float32(row[channel] * inverse))
-                symbol = np.int64(rounded) + level
-                out[channel] = symbol
-                histogram[symbol & (_ALPHABET - 1)] += 1
-        counts[plane] = histogram
+        largest_bits = np.empty(1, dtype=np.uint32)
+        finite[plane] = _quantize_plane(
+            values[layer, kv],
+            np.int32(qmax[layer]),
+            scales[layer, kv],
+            symbols[plane],
+            counts[plane],
+            widened,
+            widened.view(np.float32),
+            largest_bits,
+            largest_bits.view(np.float32),
+        )
     return finite.all()
+
+
+@numba.njit(**_JIT)
+def _encode_lanes(symbols, frequency, start, reciprocal, states, word_counts, lane_words):
+    """Encode lanes side by side: symbols [steps, lanes] (coded last step first) -> outputs [lanes]."""
+    length, lanes = symbols.shape
+    state = np.full(lanes, _STATE_LOWER_BOUND, dtype=np.int64)
+    emitted = np.zeros(lanes, dtype=np.int64)
+    for step in range(length - 1, -1, -1):
+        row = symbols[step]
+        for lane in range(lanes):
+            symbol = row[lane]
+            symbol_frequency = frequency[symbol]
+            x = state[lane]
+            # Branch-free renormalization (the branch is data-dependent and mispredicts): the
+            # word is written every step, and kept only when `emit` advances the count. At most
+            # 255 words a lane: the first step (state 2**16) never emits.
+            emit = np.int64((x >> _RENORMALIZE_SHIFT) >= symbol_frequency)
+            lane_words[lane, _GROUP_TOKENS - 1 - emitted[lane]] = x & 0xFFFF
+            emitted[lane] += emit
+            x >>= 16 * emit
+            quotient = np.int64(x * reciprocal[symbol])
+            remainder = x - quotient * symbol_frequency
+            correction = np.int64(remainder >= symbol_frequency)
+            quotient += correction
+            remainder -= correction * symbol_frequency
+            state[lane] = (quotient << _PROBABILITY_BITS) + remainder + start[symbol]
+    states[:] = state
+    word_counts[:] = emitted
 
 
 @numba.njit(parallel=True, **_JIT)
@@ -125,29 +180,27 @@ def rans_encode(symbols, frequencies, cumulative, states, word_counts, lane_word
     for task in numba.prange(num_planes * num_groups):
         plane, group = task // num_groups, task % num_groups
         first_token = group * _GROUP_TOKENS
-        length = min(_GROUP_TOKENS, num_tokens - first_token)
-        first_lane = task * channels
+        last_token = min(first_token + _GROUP_TOKENS, num_tokens)
         frequency = frequencies[plane].astype(np.int64)
+        # x // f through a float64 reciprocal: x < 2**32 and f <= 4096 keep the product within
+        # 2**-20 of x / f, so the truncated quotient is exact or, when f divides x, one short;
+        # the remainder test corrects that case. (Cheaper than an integer division.)
+        reciprocal = 1.0 / np.maximum(frequency, 1).astype(np.float64)
         start = cumulative[plane].astype(np.int64)
-        state = np.full(channels, _STATE_LOWER_BOUND, dtype=np.int64)
-        emitted = np.zeros(channels, dtype=np.int64)
-        for step in range(length - 1, -1, -1):
-            row = symbols[plane, first_token + step]
-            for channel in range(channels):
-                symbol = row[channel]
-                symbol_frequency = frequency[symbol]
-                x = state[channel]
-                if (x >> _RENORMALIZE_SHIFT) >= symbol_frequency:
-                    lane_words[first_lane + channel, _GROUP_TOKENS - 1 - emitted[channel]] = x & 0xFFFF
-                    emitted[channel] += 1
-                    x >>= 16
-                quotient = x // symbol_frequency
-                state[channel] = (
-                    (quotient << _PROBABILITY_BITS) + (x - quotient * symbol_frequency) + start[symbol]
-                )
-        for channel in range(channels):
-            states[first_lane + channel] = state[channel]
-            word_counts[first_lane + channel] = emitted[channel]
+        # A block of lanes runs through all its steps before the next block starts, so its
+        # states, symbols and words stay in L1 (a whole task's words would not).
+        for block_start in range(0, channels, _LANE_BLOCK):
+            block_end = min(block_start + _LANE_BLOCK, channels)
+            lanes = slice(task * channels + block_start, task * channels + block_end)
+            _encode_lanes(
+                symbols[plane, first_token:last_token, block_start:block_end],
+                frequency,
+                start,
+                reciprocal,
+                states[lanes],
+                word_counts[lanes],
+                lane_words[lanes],
+            )
 
 
 @numba.njit(parallel=True, **_JIT)
@@ -158,48 +211,71 @@ def gather_words(lane_words, word_counts, word_starts, words):
         words[word_starts[lane] : word_starts[lane] + count] = lane_words[lane, _GROUP_TOKENS - count :]
 
 
+@numba.njit(**_JIT)
+def _decode_lanes(states, position, end, words, frequency, start, slots, level, scales, out, row, row_bits):
+    """Decode lanes side by side into out [steps, lanes] (dequantized); False if a lane is corrupt."""
+    length, lanes = out.shape
+    state = states.astype(np.int64)
+    last_word = len(words) - 1
+    for step in range(length):
+        scale = scales[step]
+        for lane in range(lanes):
+            x = state[lane]
+            slot = x & _SLOT_MASK
+            symbol = np.int64(slots[slot])
+            x = frequency[symbol] * (x >> _PROBABILITY_BITS) + slot - start[symbol]
+            # Branch-free renormalization (see _encode_lanes); an unneeded word is read, then dropped.
+            at = position[lane]
+            need = np.int64(x < _STATE_LOWER_BOUND) & np.int64(at < end[lane])
+            word = np.int64(words[min(at, last_word)]) & -need
+            state[lane] = (x << (16 * need)) | word
+            position[lane] = at + need
+            row[lane] = np.float32(np.float32(symbol - level) * scale)
+        _store_row(row[:lanes], row_bits[:lanes], out[step])
+    for lane in range(lanes):
+        if state[lane] != _STATE_LOWER_BOUND or position[lane] != end[lane]:
+            return False
+    return True
+
+
 @numba.njit(parallel=True, **_JIT)
 def rans_decode(states, word_counts, words, frequencies, cumulative, table, qmax, scales, out):
     """Decode every lane and dequantize: out[l, kv, t, c] = (symbol - qmax[l]) * scales[l, kv, t].
 
     out is float32, or uint16 for bf16 bit patterns (float32 rounded half to even, as torch does).
-    Returns False unless every lane read exactly its words and ended on the initial state.
+    `words` must hold at least one word. Returns False unless every lane read exactly its words
+    and ended on the initial state.
     """
     num_layers, _, num_tokens, channels = out.shape
-    num_planes = num_layers * 2
     num_groups = (num_tokens + _GROUP_TOKENS - 1) // _GROUP_TOKENS
     ends = np.cumsum(word_counts.astype(np.int64))
-    clean = np.ones(num_planes * num_groups, dtype=np.bool_)
-    for task in numba.prange(num_planes * num_groups):
+    clean = np.ones(num_layers * 2 * num_groups, dtype=np.bool_)
+    for task in numba.prange(num_layers * 2 * num_groups):
         plane, group = task // num_groups, task % num_groups
         layer, kv = plane // 2, plane % 2
-        level = np.int64(qmax[layer])
         first_token = group * _GROUP_TOKENS
-        length = min(_GROUP_TOKENS, num_tokens - first_token)
-        first_lane = task * channels
+        last_token = min(first_token + _GROUP_TOKENS, num_tokens)
         frequency = frequencies[plane].astype(np.int64)
         start = cumulative[plane].astype(np.int64)
-        slots = table[plane]
-        state = states[first_lane : first_lane + channels].astype(np.int64)
-        end = ends[first_lane : first_lane + channels].copy()
-        position = end - word_counts[first_lane : first_lane + channels].astype(np.int64)
-        row = np.empty(channels, dtype=np.float32)
-        row_bits = row.view(np.uint32)
-        for step in range(length):
-            token = first_token + step
-            scale = scales[layer, kv, token]
-            for channel in range(channels):
-                x = state[channel]
-                slot = x & _SLOT_MASK
-                symbol = np.int64(slots[slot])
-                x = frequency[symbol] * (x >> _PROBABILITY_BITS) + slot - start[symbol]
-                if x < _STATE_LOWER_BOUND and position[channel] < end[channel]:
-                    x = (x << 16) | np.int64(words[position[channel]])
-                    position[channel] += 1
-                state[channel] = x
-                row[channel] = np.float32(np.float32(symbol - level) * scale)
-            _store_row(row, row_bits, out[layer, kv, token])
-        for channel in range(channels):
-            if state[channel] != _STATE_LOWER_BOUND or position[channel] != end[channel]:
+        row = np.empty(_LANE_BLOCK, dtype=np.float32)
+        for block_start in range(0, channels, _LANE_BLOCK):
+            block_end = min(block_start + _LANE_BLOCK, channels)
+            lanes = slice(task * channels + block_start, task * channels + block_end)
+            end = ends[lanes].copy()
+            ok = _decode_lanes(
+                states[lanes],
+                end - word_counts[lanes].astype(np.int64),
+                end,
+                words,
+                frequency,
+                start,
+                table[plane],
+                np.int64(qmax[layer]),
+                scales[layer, kv, first_token:last_token],
+                out[layer, kv, first_token:last_token, block_start:block_end],
+                row,
+                row.view(np.uint32),
+            )
+            if not ok:
                 clean[task] = False
     return clean.all()
