@@ -1,20 +1,74 @@
-"""The CacheGen codec: error bound, layer-dependent levels, format checks, and CPU <-> CUDA identity."""
+"""The CacheGen codec: error bound, layer-dependent levels, format checks, and CPU <-> CUDA identity.
+
+The CPU path is numba-compiled; its contract is byte identity with the numpy implementation it
+replaced (and that the CUDA kernels match): tests/data/cachegen_golden.json holds that
+implementation's blob and decoded-value hashes for seeded inputs, and
+benchmarks/cachegen_numpy_baseline.py (the old code) is checked against live on fresh inputs.
+"""
 
 from __future__ import annotations
 
+import hashlib
+import json
+from pathlib import Path
+
+import numpy as np
 import pytest
 import torch
 
+from benchmarks import cachegen_numpy_baseline
 from cachelayer.compress import get_codec
 from cachelayer.compress.cachegen import (
     DEFAULT_LEVELS,
     CacheGenCodec,
     CacheGenError,
+    _parse,
     error_bound,
     layer_qmax,
 )
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (runs on the GPU machine)")
+
+GOLDEN = json.loads((Path(__file__).parent / "data" / "cachegen_golden.json").read_text())
+GOLDEN_CASES: dict[str, dict] = {
+    "bf16_one_token": dict(shape=(3, 1, 40), dtype="bfloat16", seed=1),
+    "bf16_partial_group": dict(shape=(3, 255, 40), dtype="bfloat16", seed=2),
+    "bf16_one_group": dict(shape=(4, 256, 96), dtype="bfloat16", seed=3),
+    "bf16_three_groups": dict(shape=(5, 700, 24), dtype="bfloat16", seed=4),
+    "bf16_llama8b_chunk": dict(shape=(32, 256, 1024), dtype="bfloat16", seed=5),
+    "bf16_tail_layers": dict(shape=(3, 300, 64), dtype="bfloat16", seed=6, layer_offset=29, total_layers=32),
+    "bf16_one_channel": dict(shape=(2, 513, 1), dtype="bfloat16", seed=7),
+    "bf16_zero_and_constant_rows": dict(
+        shape=(3, 260, 48), dtype="bfloat16", seed=8, kind="zero_and_constant"
+    ),
+    "bf16_wide_magnitudes": dict(shape=(6, 256, 128), dtype="bfloat16", seed=9, kind="wide_magnitudes"),
+    "fp16_two_groups": dict(shape=(3, 300, 40), dtype="float16", seed=10),
+    "fp32_two_groups": dict(shape=(3, 300, 40), dtype="float32", seed=11),
+    "fp32_wide_magnitudes": dict(shape=(4, 130, 72), dtype="float32", seed=12, kind="wide_magnitudes"),
+    "fp32_skewed": dict(shape=(3, 256, 64), dtype="float32", seed=13, kind="skewed"),
+}
+
+
+def golden_input(case: dict) -> torch.Tensor:
+    """The seeded input of a golden case (numpy's PCG64 stream, stable across versions and machines)."""
+    layers, tokens, channels = case["shape"]
+    rng = np.random.default_rng(case["seed"])
+    values = rng.standard_normal((layers, 2, tokens, channels), dtype=np.float32)
+    values *= rng.random((1, 2, 1, channels), dtype=np.float32) * 4 + 0.05
+    kind = case.get("kind", "kv_like")
+    if kind == "zero_and_constant":
+        values[0, 1] = 0  # a whole (layer, K/V) plane of one symbol: frequency 4096
+        values[1, 0, ::3] = 0  # all-zero rows: scale 0
+        values[2, :, 1::5] = 2.5  # constant rows: every symbol is 2 * qmax
+    elif kind == "wide_magnitudes":
+        values *= np.float32(10.0) ** rng.uniform(-30, 30, (layers, 2, tokens, 1)).astype(np.float32)
+    elif kind == "skewed":
+        values = np.where(rng.random(values.shape) < 0.02, values * 50, values * 0.01).astype(np.float32)
+    return torch.from_numpy(values).to(getattr(torch, case["dtype"]))
+
+
+def sha256(tensor: torch.Tensor) -> str:
+    return hashlib.sha256(tensor.contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()
 
 
 def kv_like(
@@ -104,6 +158,63 @@ def test_bad_blobs_and_bad_input_get_clear_errors():
         codec.encode(torch.zeros(2, 2, 4, 4), layer_offset=5, total_layers=6)
     with pytest.raises(CacheGenError, match="int64"):
         codec.encode(torch.zeros(2, 2, 4, 4, dtype=torch.int64))
+
+
+@pytest.mark.parametrize("name", list(GOLDEN_CASES))
+def test_cpu_blobs_and_decoded_values_are_those_of_the_reference_implementation(name):
+    case, expected = GOLDEN_CASES[name], GOLDEN[name]
+    kv = golden_input(case)
+    assert sha256(kv) == expected["input_sha256"], "the seeded input changed, not the codec"
+    codec = CacheGenCodec()
+    blob = codec.encode(kv, layer_offset=case.get("layer_offset", 0), total_layers=case.get("total_layers"))
+    assert len(blob) == expected["blob_bytes"]
+    assert hashlib.sha256(blob).hexdigest() == expected["blob_sha256"]
+    assert sha256(codec.decode(blob)) == expected["decoded_sha256"]
+    assert sha256(codec.decode(blob, dtype=torch.float32)) == expected["decoded_float32_sha256"]
+
+
+@pytest.mark.parametrize(
+    ("layers", "tokens", "channels", "dtype", "seed"),
+    [
+        (2, 77, 33, torch.bfloat16, 21),
+        (3, 520, 16, torch.bfloat16, 22),
+        (4, 256, 50, torch.float16, 23),
+        (2, 129, 31, torch.float32, 24),
+    ],
+)
+def test_numba_path_matches_the_numpy_implementation_on_fresh_inputs(layers, tokens, channels, dtype, seed):
+    codec = CacheGenCodec()
+    kv = kv_like(layers, tokens, channels, dtype, seed=seed)
+    kv[0, 1, ::7] = 0  # all-zero rows (scale 0) among the others
+    blob = codec.encode(kv, layer_offset=1, total_layers=layers + 2)
+    assert blob == cachegen_numpy_baseline.encode(codec, kv, 1, layers + 2)
+    for out_dtype in (None, torch.float32, torch.bfloat16, torch.float16):
+        expected = cachegen_numpy_baseline.decode(blob, out_dtype)
+        assert torch.equal(codec.decode(blob, dtype=out_dtype), expected)
+
+
+def test_infinite_values_are_refused_in_every_input_dtype():
+    codec = CacheGenCodec()
+    for dtype in (torch.bfloat16, torch.float16, torch.float32):
+        kv = torch.zeros(2, 2, 300, 8, dtype=dtype)
+        kv[1, 0, 299, 7] = float("-inf")
+        with pytest.raises(CacheGenError, match="infinite"):
+            codec.encode(kv)
+
+
+def test_a_blob_whose_lanes_disagree_with_its_words_is_refused():
+    codec = CacheGenCodec()
+    blob = bytearray(codec.encode(kv_like(2, 300, 16)))
+    _, layout = _parse(memoryview(bytes(blob)))
+    start, _ = layout.offsets["counts"]
+    counts = np.frombuffer(blob, dtype="<u2", count=2, offset=start).copy()
+    assert counts[0] > 0
+    # Move one word from the first lane to the second: the total still adds up, the streams do not.
+    counts[0] -= 1
+    counts[1] += 1
+    blob[start : start + 4] = counts.tobytes()
+    with pytest.raises(CacheGenError, match="did not decode to their initial state"):
+        codec.decode(bytes(blob))
 
 
 @cuda

@@ -11,8 +11,8 @@ One format on CPU and CUDA (a blob encoded on either decodes on either, bit for 
 2. Entropy coding. One static frequency table per (layer, K/V), 12-bit precision, in the header.
    Symbols are coded with rANS (32-bit state, 16-bit words) in independent lanes: lane =
    (layer, K/V, group of 256 tokens, channel), coding that channel's symbols over the group's
-   tokens. Lanes share no state, so the CPU vectorizes across lanes (a loop over the <= 256 steps)
-   and the GPU runs one lane per thread (cachelayer/gpu/cachegen_kernels.py).
+   tokens. Lanes share no state, so the CPU runs blocks of lanes on every core (numba kernels in
+   cachegen_cpu.py) and the GPU runs one lane per thread (cachelayer/gpu/cachegen_kernels.py).
 
 Blob (little-endian; every section starts on an 8-byte boundary):
   header `_HEADER`: magic b"KVCG", version, dtype code, probability bits, num_layers, num_tokens,
@@ -29,8 +29,6 @@ import struct
 import numpy as np
 import torch
 from torch import Tensor
-
-from cachelayer.compress import cachegen_cpu
 
 MAGIC = b"KVCG"
 VERSION = 1
@@ -173,6 +171,8 @@ class CacheGenCodec:
         return blob
 
     def _encode_cpu(self, kv: Tensor, layer_offset: int, total_layers: int | None) -> bytes:
+        from cachelayer.compress import cachegen_cpu  # here, so that the CUDA path needs no numba
+
         qmax = self._check_input(kv, layer_offset, total_layers)
         num_layers, _, num_tokens, channels = kv.shape
         kv = kv.contiguous()
@@ -305,6 +305,8 @@ class CacheGenCodec:
     def _decode_cpu(
         self, blob: memoryview, header: dict, layout: _Layout, dtype: torch.dtype | None
     ) -> Tensor:
+        from cachelayer.compress import cachegen_cpu  # here, so that the CUDA path needs no numba
+
         num_layers, num_tokens, channels = header["num_layers"], header["num_tokens"], header["channels"]
 
         def section(name: str, numpy_dtype: str) -> np.ndarray:
