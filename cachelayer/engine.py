@@ -161,7 +161,10 @@ class CacheEngine:
             )
             self.add_event_listener(self.publisher.publish)
         # Disk writes happen behind the store, in one writer thread (stores return after the CPU copy).
-        self._disk_queue: queue.SimpleQueue[list[ChunkMeta] | None] = queue.SimpleQueue()
+        self._disk_queue: queue.SimpleQueue[tuple[int, list[ChunkMeta]] | None] = queue.SimpleQueue()
+        # Bumped by clear(): writes and promotions that began before a clear are dropped, never
+        # committed after it (a cleared cache must not refill from work queued before the clear).
+        self._clear_generation = 0
         self._disk_backlog = 0
         self._disk_idle = threading.Condition()
         self._disk_writer: threading.Thread | None = None
@@ -380,7 +383,9 @@ class CacheEngine:
         if self._disk_writer is not None:
             with self._disk_idle:
                 self._disk_backlog += 1
-            self._disk_queue.put([entry.meta for _, entry in reserved])
+            with self._lock:
+                generation = self._clear_generation
+            self._disk_queue.put((generation, [entry.meta for _, entry in reserved]))
         return held_end
 
     def flush(self) -> None:
@@ -391,11 +396,11 @@ class CacheEngine:
     def _write_disk_backlog(self) -> None:
         assert self.disk is not None
         while True:
-            metas = self._disk_queue.get()
-            if metas is None:
+            item = self._disk_queue.get()
+            if item is None:
                 return
             try:
-                self._write_through(self.disk, metas)
+                self._write_through(self.disk, *item)
             except Exception:  # the writer must outlive one bad chunk
                 log.exception("cachelayer: writing chunks to the disk tier failed")
             finally:
@@ -403,11 +408,13 @@ class CacheEngine:
                     self._disk_backlog -= 1
                     self._disk_idle.notify_all()
 
-    def _write_through(self, disk: DiskTier, metas: list[ChunkMeta]) -> None:
-        """Copy stored chunks from L1 to the disk tier; a chunk that left L1 meanwhile is skipped
-        (the disk tier is a best-effort copy: a cache, not a journal)."""
+    def _write_through(self, disk: DiskTier, generation: int, metas: list[ChunkMeta]) -> None:
+        """Copy stored chunks from L1 to the disk tier; a chunk that left L1 meanwhile, or was
+        stored before a clear(), is skipped (the disk tier is a best-effort copy, not a journal)."""
         for meta in metas:
             with self._lock:
+                if generation != self._clear_generation:
+                    return
                 source = self.cpu.get(meta.key)
                 if source is None or disk.has_key(meta.key):
                     continue
@@ -433,6 +440,9 @@ class CacheEngine:
                     log.error("cachelayer: writing chunk %#x to %s failed: %s", meta.key, disk.directory, exc)
                     continue
                 with self._lock:
+                    if generation != self._clear_generation:
+                        disk.abort(target)
+                        return
                     disk.commit(target)
                     self._emit([self._stored_event(disk, target.meta)])
             finally:
@@ -498,6 +508,7 @@ class CacheEngine:
         spans = self._spans(token_list, cache_salt, lora)
         plan: list[tuple[ChunkSpan, Tier, TierEntry, TierEntry | None]] = []
         with self._lock:
+            generation = self._clear_generation
             evicted: list[ChunkMeta] = []
             for span in spans:
                 entry = self.cpu.get(span.key)
@@ -558,7 +569,7 @@ class CacheEngine:
                     tier.release(entry)
                     if promoted is None:
                         continue
-                    if promoted in done:
+                    if promoted in done and generation == self._clear_generation:
                         self.cpu.commit(promoted)
                         stored_events.append(self._stored_event(self.cpu, promoted.meta))
                     else:
@@ -614,6 +625,7 @@ class CacheEngine:
         """Drop every chunk (of one tier, or all); returns the tokens dropped. Readers finish first."""
         with self._lock:
             tiers = [self._tier(location)] if location is not None else list(self._tiers.values())
+            self._clear_generation += 1
             counted: dict[int, int] = {}
             events: list[Event] = []
             for tier in tiers:

@@ -61,7 +61,8 @@ def test_router_index_follows_stores_evictions_and_clears(engine_and_index):
     try:
         held = wait_for(lambda: match(tokens) if match(tokens).tokens == len(tokens) else None)
     except AssertionError:
-        print("STATUS", service.status(), match(tokens))
+        subscriber = service.subscribers("cache-a")[0]
+        print("STATUS", service.status(), match(tokens), "subscriber running:", subscriber.running)
         raise
     assert held.by_tier.get("cpu") == len(tokens)
     wait_for(lambda: match(tokens).by_tier.get("disk") == len(tokens))

@@ -197,3 +197,16 @@ def test_engines_sharing_a_disk_directory_keep_to_their_own_files(tmp_path):
         # Each found its own chunk after the restart and did not evict the other's.
         assert first.lookup(tokens) == CHUNK and second.lookup(tokens) == CHUNK
         assert first.disk.num_chunks == 1 and second.disk.num_chunks == 1
+
+
+def test_disk_writes_queued_before_a_clear_are_dropped(tmp_path):
+    with make_engine(8, local_disk=str(tmp_path), max_local_disk_size=0.01) as engine:
+        tokens, kv = request(10, 2)
+        # Holding the engine lock keeps the disk writer from starting before the clear.
+        with engine._lock:
+            engine.store(tokens, kv)
+            assert engine.clear("LocalDiskBackend") == 0
+        engine.flush()
+        assert engine.stats()["disk_chunks"] == 0
+        assert list(tmp_path.glob("*.kvchunk")) == []
+        assert engine.lookup_location(tokens) == ("LocalCPUBackend", 2 * CHUNK)
