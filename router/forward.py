@@ -3,9 +3,9 @@
 `ProxyEndpoint.serve` does the work for a request whose body has been read, writing through a
 `Responder`: router/http_server.py's direct path calls it, and the endpoint itself is a raw ASGI app
 for requests that come through uvicorn's ASGI path. The body is parsed once (to route) and
-forwarded as the same bytes; the answer streams back piece by piece as the backend sends it. A connect failure, or a
-502/503 before any byte reached the client, is retried on another backend; nothing is retried after
-the first byte.
+forwarded as the same bytes; the answer streams back piece by piece as the backend sends it. A
+connect failure, or a 502/503 before any byte reached the client, is retried on another backend;
+nothing is retried after the first byte.
 """
 
 from __future__ import annotations
