@@ -1,12 +1,16 @@
 """Prefix-index benchmark: events applied per second, lookup latency, memory per cached block.
 
 Setup: 16 backends and 1M cached 16-token blocks (vLLM-style prefill events of 64 blocks each),
-plus four 32k-token documents cached to different depths on different backends. Measured in one
-run, side by side:
-- ingest: blocks/s and events/s for prefill events (64 blocks), decode events (1 block), removals;
-- lookup: 1k / 8k / 32k-token prompts against all 16 backends, the index's vectorized lookup next
-  to a straightforward per-backend, per-block Python walk over the same keys;
-- memory: process RSS growth per cached block.
+plus four 32k-token documents cached to different depths on different backends. Everything is
+measured side by side in one run for two implementations, `before` (benchmarks/index_baseline.py,
+the index before the ingest work, with event-by-event decoding) and `after` (router/index): each
+batch is applied to both indexes in turn (alternating which goes first), so both see the same load
+on this shared machine and the ratio after/before is meaningful even when absolute numbers drift.
+- ingest: blocks/s for prefill events (64 blocks), decode events (1 block, alone or 32 per batch),
+  removals; and from the wire: msgpack payloads decoded and applied (vLLM >= 0.24 encoding);
+- lookup: 1k / 8k / 32k-token prompts against all 16 backends, next to a straightforward
+  per-backend, per-block Python walk over the same keys;
+- memory: process RSS growth per cached block (each implementation alone, in a child process).
 Targets (issue 3): >= 500k block events/s on one core; an 8k-token lookup under 200 us.
 Anchor (not measured here): Dynamo's Rust indexer reports about 1M events/s, microsecond lookups.
 
@@ -19,14 +23,22 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import multiprocessing
 import platform
 import statistics
+import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
+import msgspec
 import numpy as np
 
-from router.index.events import BlockRemoved, BlockStored
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from benchmarks import index_baseline
+from router.index.events import BlockRemoved, BlockStored, decode_batch, decode_batch_event_by_event
 from router.index.prefix_index import PrefixIndex, namespace_seed, prefix_keys
 
 BACKENDS = 16
@@ -34,6 +46,11 @@ PREFILL_BLOCKS = 64  # 1024-token prompts
 LONG_DOC_TOKENS = 32 * 1024
 TARGET_EVENTS_PER_S = 500_000
 TARGET_LOOKUP_8K_US = 200.0
+IMPLEMENTATIONS: dict[str, Callable[[], Any]] = {
+    "before": index_baseline.PrefixIndex,
+    "after": PrefixIndex,
+}
+DECODERS = {"before": decode_batch_event_by_event, "after": decode_batch}
 
 
 def rss_bytes() -> int:
@@ -44,58 +61,97 @@ def rss_bytes() -> int:
     return 0
 
 
-def apply_timed(index: PrefixIndex, backend: str, events: list) -> float:
-    started = time.process_time()
-    index.apply(backend, events)
-    return time.process_time() - started
+class SideBySide:
+    """Applies each batch to every implementation's index in turn and sums each one's CPU time."""
+
+    def __init__(self) -> None:
+        self.indexes = {name: make() for name, make in IMPLEMENTATIONS.items()}
+        self.seconds = dict.fromkeys(self.indexes, 0.0)
+        self._turn = 0
+
+    def order(self) -> list[str]:
+        names = list(self.indexes)
+        self._turn += 1
+        return names if self._turn % 2 else names[::-1]
+
+    def apply(self, backend: str, events: list) -> None:
+        for name in self.order():
+            index = self.indexes[name]
+            started = time.process_time()
+            index.apply(backend, events)
+            self.seconds[name] += time.process_time() - started
+
+    def apply_wire(self, backend: str, payload: bytes) -> None:
+        for name in self.order():
+            index, decode = self.indexes[name], DECODERS[name]
+            started = time.process_time()
+            index.apply(backend, decode(payload).events)
+            self.seconds[name] += time.process_time() - started
+
+    def measure(self, run: Callable[[], tuple[int, int]], **extra: Any) -> dict[str, Any]:
+        """Run a workload; per implementation blocks/s and events/s, plus the ratio after/before."""
+        self.seconds = dict.fromkeys(self.indexes, 0.0)
+        blocks, events = run()
+        result: dict[str, Any] = {"blocks": blocks, "events": events, **extra}
+        for name, seconds in self.seconds.items():
+            result[name] = {
+                "cpu_s": seconds,
+                "blocks_per_s": blocks / seconds,
+                "events_per_s": events / seconds,
+            }
+        result["speedup"] = result["after"]["blocks_per_s"] / result["before"]["blocks_per_s"]
+        return result
 
 
-def build(index: PrefixIndex, total_blocks: int, rng: np.random.Generator) -> dict:
-    """Fill the index with prefill events; returns the ingest measurement."""
-    per_backend = total_blocks // BACKENDS
-    prompts_per_backend = per_backend // PREFILL_BLOCKS
-    seconds = 0.0
-    blocks = events = 0
+def prefill_events(total_blocks: int, rng: np.random.Generator):
+    """(backend, [event]) for 1024-token prompts spread over the backends, hashes 1, 2, ..."""
+    prompts_per_backend = total_blocks // BACKENDS // PREFILL_BLOCKS
     next_hash = 1
-    for prompt in range(prompts_per_backend):
+    for _ in range(prompts_per_backend):
         tokens = rng.integers(0, 150_000, size=(BACKENDS, PREFILL_BLOCKS * 16), dtype=np.int64)
         for b in range(BACKENDS):
             hashes = list(range(next_hash, next_hash + PREFILL_BLOCKS))
             next_hash += PREFILL_BLOCKS
-            event = BlockStored(
-                block_hashes=hashes, token_ids=tokens[b].tolist(), block_size=16, medium="GPU"
+            yield (
+                f"b{b}",
+                [BlockStored(block_hashes=hashes, token_ids=tokens[b].tolist(), block_size=16, medium="GPU")],
             )
-            seconds += apply_timed(index, f"b{b}", [event])
-            blocks += PREFILL_BLOCKS
+
+
+def build(bench: SideBySide, total_blocks: int, rng: np.random.Generator) -> dict:
+    def run() -> tuple[int, int]:
+        events = 0
+        for backend, batch in prefill_events(total_blocks, rng):
+            bench.apply(backend, batch)
             events += 1
-        del prompt
-    return {"blocks": blocks, "events": events, "cpu_s": seconds, "blocks_per_s": blocks / seconds,
-            "events_per_s": events / seconds, "blocks_per_event": PREFILL_BLOCKS}  # fmt: skip
+        return events * PREFILL_BLOCKS, events
+
+    return bench.measure(run, blocks_per_event=PREFILL_BLOCKS, events_per_batch=1)
 
 
-def decode_ingest(index: PrefixIndex, count: int, rng: np.random.Generator) -> dict:
-    """Single-block events chained on each other, as decode steps announce them."""
-    seconds = 0.0
-    parent = None
-    base = 10**12
-    for i in range(count):
-        event = BlockStored(
-            block_hashes=[base + i],
-            parent_block_hash=parent,
-            token_ids=rng.integers(0, 150_000, size=16).tolist(),
-            block_size=16,
-        )
-        seconds += apply_timed(index, "b0", [event])
-        parent = base + i
-    return {"blocks": count, "events": count, "cpu_s": seconds, "blocks_per_s": count / seconds,
-            "events_per_s": count / seconds, "blocks_per_event": 1}  # fmt: skip
+def decode_ingest(bench: SideBySide, count: int, rng: np.random.Generator) -> dict:
+    """Single-block events chained on each other, one per batch."""
+
+    def run() -> tuple[int, int]:
+        parent = None
+        base = 10**12
+        for i in range(count):
+            event = BlockStored(
+                block_hashes=[base + i],
+                parent_block_hash=parent,
+                token_ids=rng.integers(0, 150_000, size=16).tolist(),
+                block_size=16,
+            )
+            bench.apply("b0", [event])
+            parent = base + i
+        return count, count
+
+    return bench.measure(run, blocks_per_event=1, events_per_batch=1)
 
 
-def decode_batched_ingest(index: PrefixIndex, steps: int, running: int, rng: np.random.Generator) -> dict:
-    """Engine steps of `running` concurrent requests, each step's batch holding one new block per request."""
-    seconds = 0.0
+def decode_step_batches(steps: int, running: int, base: int, rng: np.random.Generator):
+    """Engine steps of `running` concurrent requests, each step's batch one new block per request."""
     parents: list[int | None] = [None] * running
-    base = 2 * 10**12
     for step in range(steps):
         batch = []
         for request in range(running):
@@ -109,29 +165,72 @@ def decode_batched_ingest(index: PrefixIndex, steps: int, running: int, rng: np.
                 )
             )
             parents[request] = block_hash
-        seconds += apply_timed(index, "b2", batch)
-    count = steps * running
-    return {"blocks": count, "events": count, "cpu_s": seconds, "blocks_per_s": count / seconds,
-            "events_per_s": count / seconds, "blocks_per_event": 1, "events_per_batch": running}  # fmt: skip
+        yield batch
 
 
-def removal_ingest(index: PrefixIndex, count_events: int) -> dict:
+def decode_batched_ingest(bench: SideBySide, steps: int, running: int, rng: np.random.Generator) -> dict:
+    def run() -> tuple[int, int]:
+        for batch in decode_step_batches(steps, running, 2 * 10**12, rng):
+            bench.apply("b2", batch)
+        return steps * running, steps * running
+
+    return bench.measure(run, blocks_per_event=1, events_per_batch=running)
+
+
+def wire_payload(events: list[BlockStored]) -> bytes:
+    """An EventBatch as vLLM >= 0.24 publishes it: array batch, map-encoded events."""
+    return msgspec.msgpack.encode([time.time(), [msgspec.to_builtins(event) for event in events], 0])
+
+
+def wire_ingest(bench: SideBySide, batches: list[list[BlockStored]], backend: str) -> dict:
+    payloads = [wire_payload(batch) for batch in batches]
+    blocks = sum(len(event.block_hashes) for batch in batches for event in batch)
+    events = sum(len(batch) for batch in batches)
+
+    def run() -> tuple[int, int]:
+        for payload in payloads:
+            bench.apply_wire(backend, payload)
+        return blocks, events
+
+    return bench.measure(
+        run, blocks_per_event=blocks // events, events_per_batch=events // len(batches), decoded=True
+    )
+
+
+def removal_ingest(bench: SideBySide, count_events: int) -> dict:
     """BlockRemoved of 64 blocks each (the first prompts stored on b1)."""
-    seconds = 0.0
-    blocks = 0
-    # Hashes of b1's prompts: prompt p on backend b got hashes from 1 + (p * BACKENDS + b) * 64.
-    for p in range(count_events):
-        first = 1 + (p * BACKENDS + 1) * PREFILL_BLOCKS
-        event = BlockRemoved(block_hashes=list(range(first, first + PREFILL_BLOCKS)), medium="GPU")
-        seconds += apply_timed(index, "b1", [event])
-        blocks += PREFILL_BLOCKS
-    stats = index.stats("b1")
-    assert stats is not None and stats.unknown_removals == 0, "removal benchmark removed unknown blocks"
-    return {"blocks": blocks, "events": count_events, "cpu_s": seconds, "blocks_per_s": blocks / seconds,
-            "events_per_s": count_events / seconds, "blocks_per_event": PREFILL_BLOCKS}  # fmt: skip
+
+    def run() -> tuple[int, int]:
+        # Hashes of b1's prompts: prompt p on backend b got hashes from 1 + (p * BACKENDS + b) * 64.
+        for p in range(count_events):
+            first = 1 + (p * BACKENDS + 1) * PREFILL_BLOCKS
+            bench.apply(
+                "b1", [BlockRemoved(block_hashes=list(range(first, first + PREFILL_BLOCKS)), medium="GPU")]
+            )
+        return count_events * PREFILL_BLOCKS, count_events
+
+    result = bench.measure(run, blocks_per_event=PREFILL_BLOCKS, events_per_batch=1)
+    for index in bench.indexes.values():
+        stats = index.stats("b1")
+        assert stats is not None and stats.unknown_removals == 0, "removal benchmark removed unknown blocks"
+    return result
 
 
-def cache_long_documents(index: PrefixIndex, rng: np.random.Generator) -> list[np.ndarray]:
+def memory_per_block(name: str, total_blocks: int) -> dict:
+    """RSS growth per cached block of one implementation alone (run in a child process)."""
+    gc.collect()
+    before = rss_bytes()
+    index = IMPLEMENTATIONS[name]()
+    for backend, batch in prefill_events(total_blocks, np.random.default_rng(2026)):
+        index.apply(backend, batch)
+    gc.collect()
+    grown = rss_bytes() - before
+    blocks = index.size()["engine_blocks"]
+    return {"engine_blocks": blocks, "router_keys": index.size()["router_keys"],
+            "rss_growth_bytes": grown, "bytes_per_block": grown / blocks}  # fmt: skip
+
+
+def cache_long_documents(bench: SideBySide, rng: np.random.Generator) -> list[np.ndarray]:
     """Four 32k-token documents; backend b holds document b % 4 up to (b // 4 + 1) quarters."""
     docs = [rng.integers(0, 150_000, size=LONG_DOC_TOKENS, dtype=np.int64) for _ in range(4)]
     for b in range(BACKENDS):
@@ -141,7 +240,7 @@ def cache_long_documents(index: PrefixIndex, rng: np.random.Generator) -> list[n
         event = BlockStored(
             block_hashes=list(range(first, first + held // 16)), token_ids=doc[:held].tolist(), block_size=16
         )
-        index.apply(f"b{b}", [event])
+        bench.apply(f"b{b}", [event])
     return docs
 
 
@@ -159,25 +258,30 @@ def naive_walk(per_backend_keys: dict[str, set[int]], tokens: np.ndarray) -> dic
     return result
 
 
-def time_lookups(function, prompts: list[np.ndarray], repeat: int) -> dict:
-    """Wall and process-CPU time per lookup (CPU time is what a shared machine distorts least)."""
-    wall, cpu = [], []
-    for _ in range(repeat):
+def time_lookups(functions: dict[str, Callable], prompts: list[np.ndarray], repeat: int) -> dict:
+    """Wall and process-CPU time per lookup, the functions interleaved prompt by prompt."""
+    wall: dict[str, list[float]] = {name: [] for name in functions}
+    cpu: dict[str, list[float]] = {name: [] for name in functions}
+    for round_ in range(repeat):
         for prompt in prompts:
-            started, started_cpu = time.perf_counter(), time.process_time()
-            function(prompt)
-            cpu.append(time.process_time() - started_cpu)
-            wall.append(time.perf_counter() - started)
-    wall.sort()
-    cpu.sort()
-    return {
-        "median_us": statistics.median(wall) * 1e6,
-        "p90_us": wall[int(len(wall) * 0.9)] * 1e6,
-        "p99_us": wall[int(len(wall) * 0.99)] * 1e6,
-        "min_us": wall[0] * 1e6,
-        "cpu_median_us": statistics.median(cpu) * 1e6,
-        "samples": len(wall),
-    }
+            names = list(functions) if round_ % 2 else list(functions)[::-1]
+            for name in names:
+                started, started_cpu = time.perf_counter(), time.process_time()
+                functions[name](prompt)
+                cpu[name].append(time.process_time() - started_cpu)
+                wall[name].append(time.perf_counter() - started)
+    results = {}
+    for name in functions:
+        w, c = sorted(wall[name]), sorted(cpu[name])
+        results[name] = {
+            "median_us": statistics.median(w) * 1e6,
+            "p90_us": w[int(len(w) * 0.9)] * 1e6,
+            "p99_us": w[int(len(w) * 0.99)] * 1e6,
+            "min_us": w[0] * 1e6,
+            "cpu_median_us": statistics.median(c) * 1e6,
+            "samples": len(w),
+        }
+    return results
 
 
 def main() -> None:
@@ -187,31 +291,27 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=100)
     parser.add_argument("--out", default="benchmarks/results")
     args = parser.parse_args()
-    rng = np.random.default_rng(2026)
-    gc.collect()
-    rss_before = rss_bytes()
-    index = PrefixIndex()
-    prefill = build(index, args.blocks, rng)
-    docs = cache_long_documents(index, rng)
-    gc.collect()
-    engine_blocks = index.size()["engine_blocks"]
-    rss_after = rss_bytes()
-    memory = {
-        "engine_blocks": engine_blocks,
-        "router_keys": index.size()["router_keys"],
-        "rss_growth_bytes": rss_after - rss_before,
-        "bytes_per_block": (rss_after - rss_before) / engine_blocks,
-    }
-    print(f"built {engine_blocks:,} blocks: {prefill['blocks_per_s']:,.0f} blocks/s (prefill events), "
-          f"{memory['bytes_per_block']:.0f} B/block")  # fmt: skip
 
+    # A fresh child per implementation, one at a time: RSS is per process and never shrinks.
+    with multiprocessing.get_context("fork").Pool(1, maxtasksperchild=1) as pool:
+        memory = {name: pool.apply(memory_per_block, (name, args.blocks)) for name in IMPLEMENTATIONS}
+    print("memory:", {name: f"{m['bytes_per_block']:.0f} B/block" for name, m in memory.items()})
+
+    rng = np.random.default_rng(2026)
+    bench = SideBySide()
+    prefill = build(bench, args.blocks, rng)
+    docs = cache_long_documents(bench, rng)
+    gc.collect()
+    print(f"prefill ingest: {_rates(prefill)}", flush=True)
+
+    after = bench.indexes["after"]
     lookups = {}
-    per_backend_keys: dict[str, set[int]] = {f"b{b}": set() for b in range(BACKENDS)}
-    for key, mask in index._holders.items():  # the naive baseline's own structure, built once
-        for b in range(BACKENDS):
-            slot = index._backends[f"b{b}"].tier_slots["gpu"]
+    slots = {f"b{b}": after._backends[f"b{b}"].tier_slots["gpu"] for b in range(BACKENDS)}
+    per_backend_keys: dict[str, set[int]] = {name: set() for name in slots}
+    for key, mask in after._holders.items():  # the naive baseline's own structure, built once
+        for name, slot in slots.items():
             if mask >> slot & 1:
-                per_backend_keys[f"b{b}"].add(key)
+                per_backend_keys[name].add(key)
     # Prompts reusing a cached document almost whole (the worst case: every block is probed), and
     # "8192-new-after-1k": 1k cached tokens then new text (the common case: a shared system prompt).
     for length, cached_part in ((1024, 960), (8192, 8128), (32768, 32704), (8192, 1024)):
@@ -220,28 +320,54 @@ def main() -> None:
             for doc in docs
         ]
         prompts32 = [p.astype(np.uint32) for p in prompts]
-        expected = index.longest_cached_prefix(prompts32[0])
-        naive = naive_walk(per_backend_keys, prompts32[0])
-        assert {n: m.tokens for n, m in expected.items()} == naive, "baseline and index disagree"
+        expected = {n: m.tokens for n, m in after.longest_cached_prefix(prompts32[0]).items()}
+        before = {n: m.tokens for n, m in bench.indexes["before"].longest_cached_prefix(prompts32[0]).items()}
+        assert expected == naive_walk(per_backend_keys, prompts32[0]) == before, "lookups disagree"
         label = str(length) if cached_part > length // 2 else f"{length}-new-after-{cached_part // 1024}k"
-        lookups[label] = {
-            "index": time_lookups(index.longest_cached_prefix, prompts32, args.repeat),
-            "naive_per_backend_walk": time_lookups(
-                lambda p: naive_walk(per_backend_keys, p), prompts32, max(5, args.repeat // 10)
-            ),
-            "matched_tokens_example": {n: m.tokens for n, m in expected.items()},
-        }
-        print(f"lookup {label:>20}: index median {lookups[label]['index']['median_us']:.0f} us, "
-              f"naive {lookups[label]['naive_per_backend_walk']['median_us']:.0f} us")  # fmt: skip
+        timed = time_lookups({name: index.longest_cached_prefix for name, index in bench.indexes.items()},
+                             prompts32, args.repeat)  # fmt: skip
+        timed.update(
+            time_lookups(
+                {"naive_per_backend_walk": lambda p: naive_walk(per_backend_keys, p)},
+                prompts32,
+                max(5, args.repeat // 10),
+            )
+        )
+        lookups[label] = {**timed, "matched_tokens_example": expected}
+        print(f"lookup {label:>20}: " + ", ".join(f"{n} {t['median_us']:.0f} us" for n, t in timed.items()))
 
-    decode = decode_ingest(index, args.decode_events, rng)
-    decode_batched = decode_batched_ingest(index, max(1, args.decode_events // 32), 32, rng)
-    removal = removal_ingest(index, min(2000, prefill["events"] // BACKENDS))
-    print(
-        f"decode events: {decode['blocks_per_s']:,.0f} blocks/s one per batch, "
-        f"{decode_batched['blocks_per_s']:,.0f} blocks/s 32 per batch; "
-        f"removals: {removal['blocks_per_s']:,.0f} blocks/s"
+    decode = decode_ingest(bench, args.decode_events, rng)
+    decode_batched = decode_batched_ingest(bench, max(1, args.decode_events // 32), 32, rng)
+    wire_prefill = wire_ingest(
+        bench,
+        [
+            [
+                BlockStored(
+                    block_hashes=list(range(first, first + PREFILL_BLOCKS)),
+                    token_ids=rng.integers(0, 150_000, size=PREFILL_BLOCKS * 16).tolist(),
+                    block_size=16,
+                )
+            ]
+            for first in range(
+                3 * 10**12, 3 * 10**12 + PREFILL_BLOCKS * max(1, args.decode_events // 64), PREFILL_BLOCKS
+            )
+        ],
+        "b3",
     )
+    wire_decode = wire_ingest(
+        bench, list(decode_step_batches(max(1, args.decode_events // 32), 32, 4 * 10**12, rng)), "b4"
+    )
+    removal = removal_ingest(bench, min(2000, prefill["events"] // BACKENDS))
+    ingest = {
+        "prefill_events": prefill,
+        "decode_events": decode,
+        "decode_events_batched": decode_batched,
+        "removal_events": removal,
+        "wire_prefill_events": wire_prefill,
+        "wire_decode_events_batched": wire_decode,
+    }
+    for name, entry in ingest.items():
+        print(f"{name}: {_rates(entry)}")
     results = {
         "benchmark": "index_bench",
         "command": "python benchmarks/index_bench.py "
@@ -252,12 +378,12 @@ def main() -> None:
             "load_average": list(Path("/proc/loadavg").read_text().split()[:3]),
         },
         "setup": {"backends": BACKENDS, "cached_blocks_target": args.blocks, "block_tokens": 16},
-        "ingest": {
-            "prefill_events": prefill,
-            "decode_events": decode,
-            "decode_events_batched": decode_batched,
-            "removal_events": removal,
+        "implementations": {
+            "before": "benchmarks/index_baseline.py (router/index/prefix_index.py at eee4511), "
+            "event-by-event msgpack decoding",
+            "after": "router/index/prefix_index.py, whole-batch msgpack decoding",
         },
+        "ingest": ingest,
         "lookup": lookups,
         "memory": memory,
         "targets": {"block_events_per_s": TARGET_EVENTS_PER_S, "lookup_8k_us": TARGET_LOOKUP_8K_US},
@@ -271,67 +397,87 @@ def main() -> None:
     print(f"wrote {out / 'index_bench.json'}, .md and .png")
 
 
+def _rates(entry: dict) -> str:
+    before, after = entry["before"]["blocks_per_s"], entry["after"]["blocks_per_s"]
+    return f"before {before:,.0f} blocks/s, after {after:,.0f} blocks/s (x{entry['speedup']:.2f})"
+
+
+INGEST_LABELS = {
+    "prefill_events": "prefill BlockStored",
+    "decode_events": "decode BlockStored",
+    "decode_events_batched": "decode BlockStored",
+    "removal_events": "BlockRemoved",
+    "wire_prefill_events": "wire: decode + prefill BlockStored",
+    "wire_decode_events_batched": "wire: decode + decode BlockStored",
+}
+
+
 def report(results: dict) -> str:
     """The short markdown report committed beside the JSON."""
     ingest = results["ingest"]
     lookup = results["lookup"]
     memory = results["memory"]
+    target = results["targets"]["block_events_per_s"]
     lines = [
         "# Prefix index benchmark",
         "",
         f"Command: `{results['command']}` (load average at the end: "
         f"{' '.join(results['machine']['load_average'])} on a 2-core machine shared with other work).",
-        f"Index: {memory['engine_blocks']:,} cached 16-token blocks on "
+        f"Index: {memory['after']['engine_blocks']:,} cached 16-token blocks on "
         f"{results['setup']['backends']} backends.",
+        f"Side by side in one run: `before` = {results['implementations']['before']}; "
+        f"`after` = {results['implementations']['after']}. Each batch is applied to both indexes in "
+        "turn, so the ratio holds even when the machine's load drifts.",
         "",
         "## Ingest (blocks applied per CPU second, one core)",
         "",
-        "| events | blocks/event | events/batch | blocks/s | events/s | target 500k blocks/s |",
-        "|---|---|---|---|---|---|",
+        "| events | blocks/event | events/batch | before blocks/s | after blocks/s | after/before "
+        "| after events/s | target 500k blocks/s (after) |",
+        "|---|---|---|---|---|---|---|---|",
     ]
-    for name, label in (
-        ("prefill_events", "prefill BlockStored"),
-        ("decode_events", "decode BlockStored"),
-        ("decode_events_batched", "decode BlockStored"),
-        ("removal_events", "BlockRemoved"),
-    ):
+    for name, label in INGEST_LABELS.items():
         entry = ingest[name]
-        met = "met" if entry["blocks_per_s"] >= results["targets"]["block_events_per_s"] else "not met"
+        met = "met" if entry["after"]["blocks_per_s"] >= target else "not met"
         lines.append(
-            f"| {label} | {entry['blocks_per_event']} | {entry.get('events_per_batch', 1)} | "
-            f"{entry['blocks_per_s']:,.0f} | {entry['events_per_s']:,.0f} | {met} |"
+            f"| {label} | {entry['blocks_per_event']} | {entry['events_per_batch']} | "
+            f"{entry['before']['blocks_per_s']:,.0f} | {entry['after']['blocks_per_s']:,.0f} | "
+            f"{entry['speedup']:.2f} | {entry['after']['events_per_s']:,.0f} | {met} |"
         )
     lines += [
+        "",
+        "Rows `wire:` include msgpack decoding of the payloads (vLLM >= 0.24 encoding: array batch, map "
+        "events); the others apply already-decoded events.",
         "",
         "## Lookup (all 16 backends, per prompt)",
         "",
-        "| prompt | index median (wall) | index p99 (wall) | index median (CPU) | per-backend Python walk "
-        "median (wall) | target (8k) |",
-        "|---|---|---|---|---|---|",
+        "| prompt | before median (wall) | after median (wall) | after p99 (wall) | after median (CPU) "
+        "| per-backend Python walk median (wall) | target (8k) |",
+        "|---|---|---|---|---|---|---|",
     ]
     for length, entry in lookup.items():
-        target = f"< {results['targets']['lookup_8k_us']:.0f} us" if length == "8192" else ""
-        if target:
-            wall_met = entry["index"]["median_us"] < results["targets"]["lookup_8k_us"]
-            cpu_met = entry["index"]["cpu_median_us"] < results["targets"]["lookup_8k_us"]
-            target += f": wall {'met' if wall_met else 'not met'}, CPU {'met' if cpu_met else 'not met'}"
+        goal = f"< {results['targets']['lookup_8k_us']:.0f} us" if length == "8192" else ""
+        if goal:
+            wall_met = entry["after"]["median_us"] < results["targets"]["lookup_8k_us"]
+            cpu_met = entry["after"]["cpu_median_us"] < results["targets"]["lookup_8k_us"]
+            goal += f": wall {'met' if wall_met else 'not met'}, CPU {'met' if cpu_met else 'not met'}"
         lines.append(
-            f"| {_label(length)} | {entry['index']['median_us']:.0f} us | "
-            f"{entry['index']['p99_us']:.0f} us | {entry['index']['cpu_median_us']:.0f} us | "
-            f"{entry['naive_per_backend_walk']['median_us']:.0f} us | {target} |"
+            f"| {_label(length)} | {entry['before']['median_us']:.0f} us | "
+            f"{entry['after']['median_us']:.0f} us | "
+            f"{entry['after']['p99_us']:.0f} us | {entry['after']['cpu_median_us']:.0f} us | "
+            f"{entry['naive_per_backend_walk']['median_us']:.0f} us | {goal} |"
         )
     lines += [
         "",
-        f"## Memory: {memory['bytes_per_block']:.0f} bytes per cached block "
-        f"(process RSS growth {memory['rss_growth_bytes'] / 2**20:.0f} MiB "
-        f"for {memory['engine_blocks']:,} blocks, "
+        "## Memory per cached block (process RSS growth, each implementation alone in a child process; "
         "engine-hash map, node tuples and prefix-key map together)",
         "",
-        f"Anchor: {results['anchor']}.",
-        "",
-        "![index benchmark](index_bench.png)",
-        "",
     ]
+    for name, entry in memory.items():
+        lines.append(
+            f"- {name}: {entry['bytes_per_block']:.0f} bytes per block "
+            f"({entry['rss_growth_bytes'] / 2**20:.0f} MiB for {entry['engine_blocks']:,} blocks)"
+        )
+    lines += ["", f"Anchor: {results['anchor']}.", "", "![index benchmark](index_bench.png)", ""]
     return "\n".join(lines)
 
 
@@ -347,31 +493,31 @@ def plot(results: dict, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.5))
+    fig, (left, right) = plt.subplots(1, 2, figsize=(14, 5))
     lengths = list(results["lookup"])
     x = np.arange(len(lengths))
-    index_us = [results["lookup"][n]["index"]["median_us"] for n in lengths]
-    naive_us = [results["lookup"][n]["naive_per_backend_walk"]["median_us"] for n in lengths]
-    left.bar(x - 0.2, index_us, 0.4, label="kvgate index (vectorized)")
-    left.bar(x + 0.2, naive_us, 0.4, label="per-backend Python walk")
+    for offset, name, label in (
+        (-0.27, "before", "index before"),
+        (0.0, "after", "index after"),
+        (0.27, "naive_per_backend_walk", "per-backend Python walk"),
+    ):
+        left.bar(x + offset, [results["lookup"][n][name]["median_us"] for n in lengths], 0.27, label=label)
     left.axhline(TARGET_LOOKUP_8K_US, color="red", linestyle="--", label="target for 8k: 200 us")
     left.set_xticks(x, [_label(n) for n in lengths])
     left.set_yscale("log")
     left.set_ylabel("median lookup latency (us, log)")
     left.set_title("Lookup, 16 backends, 1M cached blocks")
     left.legend(fontsize=8)
-    kinds = ["prefill_events", "decode_events", "decode_events_batched", "removal_events"]
-    labels = [
-        "prefill\n64 blocks/event",
-        "decode\n1 event/batch",
-        "decode\n32 events/batch",
-        "removal\n64 blocks/event",
-    ]
-    rates = [results["ingest"][k]["blocks_per_s"] for k in kinds]
-    right.bar(labels, rates, color=["#4c72b0", "#dd8452", "#c44e52", "#55a868"])
+    kinds = list(INGEST_LABELS)
+    labels = ["prefill\n64/event", "decode\n1/batch", "decode\n32/batch", "removal\n64/event",
+              "wire prefill\n64/event", "wire decode\n32/batch"]  # fmt: skip
+    x = np.arange(len(kinds))
+    for offset, name in ((-0.2, "before"), (0.2, "after")):
+        right.bar(x + offset, [results["ingest"][k][name]["blocks_per_s"] for k in kinds], 0.4, label=name)
     right.axhline(TARGET_EVENTS_PER_S, color="red", linestyle="--", label="target: 500k block events/s")
+    right.set_xticks(x, labels, fontsize=8)
     right.set_ylabel("blocks applied per CPU second")
-    right.set_title("Ingest (one core, process CPU time)")
+    right.set_title("Ingest (one core, process CPU time, side by side)")
     right.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)

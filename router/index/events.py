@@ -178,6 +178,14 @@ def decode_batch(payload: bytes) -> DecodedBatch:
         typed = _decode_typed_batch(payload, "array" if first in _ARRAY_FIRST_BYTES else "map")
         if typed is not None:
             return typed
+    return decode_batch_event_by_event(payload)
+
+
+def decode_batch_event_by_event(payload: bytes) -> DecodedBatch:
+    """`decode_batch` without the whole-batch attempt: each event decoded (or skipped) on its own."""
+    if not payload:
+        raise MalformedBatch("empty payload")
+    first = payload[0]
     try:
         if first in _ARRAY_FIRST_BYTES:
             raw_batch: _ArrayBatch | _MapBatch = _array_batch_decoder.decode(payload)

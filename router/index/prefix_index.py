@@ -174,6 +174,10 @@ _Node = tuple
 _END, _TOKENS, _BOUNDARY, _TAIL, _KEYS, _CHAIN, _SLOTS = range(7)
 
 
+_SIXTEEN = itertools.repeat(ROUTER_BLOCK_TOKENS)
+_NO_TAIL = itertools.repeat(())
+
+
 def _owned(keys: int | tuple[int, ...]) -> tuple[int, ...]:
     return (keys,) if keys.__class__ is int else keys  # type: ignore[return-value]
 
@@ -391,7 +395,9 @@ class PrefixIndex:
         if count == 1:
             if node_keys[0] in nodes or node_keys[0] in pending_hashes:
                 return None
-        elif any(map(nodes.__contains__, node_keys)) or any(map(pending_hashes.__contains__, node_keys)):
+        elif not nodes.keys().isdisjoint(node_keys) or (
+            pending_hashes and not pending_hashes.isdisjoint(node_keys)
+        ):
             return None
         parent_hash = event.parent_block_hash
         if parent_hash is None:
@@ -517,25 +523,23 @@ class PrefixIndex:
                 keys = all_keys[offset : offset + count]
                 offset += count
                 end = parent_end + ROUTER_BLOCK_TOKENS * count
-                nodes.update(
-                    zip(
-                        store[_P_NODE_KEYS],
-                        [
-                            (block_end, ROUTER_BLOCK_TOKENS, key, (), key, chain_id, bit)
-                            for block_end, key in zip(
-                                range(parent_end + ROUTER_BLOCK_TOKENS, end + 1, ROUTER_BLOCK_TOKENS),
-                                keys,
-                                strict=True,
-                            )
-                        ],
-                        strict=True,
-                    )
+                # The node tuples are built by zip in C: (end, tokens, boundary, tail, keys, chain, slots).
+                block_ends = range(parent_end + ROUTER_BLOCK_TOKENS, end + 1, ROUTER_BLOCK_TOKENS)
+                node_values = zip(
+                    block_ends,
+                    _SIXTEEN,
+                    keys,
+                    _NO_TAIL,
+                    keys,
+                    itertools.repeat(chain_id),
+                    itertools.repeat(bit),
                 )
+                nodes.update(zip(store[_P_NODE_KEYS], node_values, strict=True))
                 chain = chains[chain_id]
                 chain.nodes += count
                 if end > chain.longest:
                     chain.longest = end
-        holders.update(zip(all_keys, [mask | bit for mask in masks], strict=True))
+        holders.update(zip(all_keys, map(operator.or_, masks, itertools.repeat(bit)), strict=True))
         tier = next(tier for tier, tier_slot in backend.tier_slots.items() if tier_slot == slot)
         stats = backend.stats
         stats.stored_events += len(pending)

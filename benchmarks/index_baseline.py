@@ -1,0 +1,996 @@
+"""Baseline for benchmarks/index_bench.py: router/index/prefix_index.py as it was before the ingest
+work (commit eee4511), frozen, so the benchmark measures before and after side by side in one run
+on this shared machine. Not used by the gateway; delete with the side-by-side once it has served.
+
+The original module docstring follows.
+
+The prefix index: which leading tokens of a prompt each backend holds, per storage tier.
+
+Design (see docs/index.md):
+- The router never reproduces an engine's block hash. It cuts token streams into *router blocks*
+  of `ROUTER_BLOCK_TOKENS` tokens and names the prefix ending at router block k by its own key:
+  `key_k = namespace_seed + sum_{j<=k} mix(content_j, position_j)` (uint64, wrapping). A sum of
+  mixed per-block values can be computed for a whole prompt with numpy in one go, and continued
+  from a parent's key when an engine announces a child block.
+- `_holders[key]` is a bitmask of (backend, tier) *slots* holding that prefix. A lookup maps the
+  prompt's keys through the dict (one C-level pass), then finds, per slot, the leading run of set
+  bits with vectorized numpy: no per-token Python loop.
+- Per backend, an engine-hash -> `_Node` map remembers which router keys each engine block
+  completed, so BlockRemoved can unset exactly those bits. A block whose parent is unknown cannot
+  be placed (its position is unknown) and is counted, not guessed.
+- Engine blocks need not align with router blocks (cache-layer chunks, tail chunks, overlapping
+  chunk tokens): a node keeps the tokens after its last router-block boundary (`tail`), children
+  continue from there, and lookups extend a match by comparing those few tail tokens.
+
+Writers (one subscriber thread per backend) serialise on a lock; lookups take no lock: they only
+read dict values and copy-on-write structures, which the GIL keeps consistent.
+"""
+
+from __future__ import annotations
+
+import array
+import bisect
+import contextlib
+import functools
+import gc
+import itertools
+import operator
+import threading
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import xxhash
+
+from router.index.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent, cache_salt_of, tier_of
+
+ROUTER_BLOCK_TOKENS = 16
+# Namespace of a prompt's cache entries: (lora_name, cache_salt). The model is implied by the
+# backend (one engine serves one base model); salted prompts never match unsalted entries.
+Namespace = tuple[str | None, str | None]
+DEFAULT_NAMESPACE: Namespace = (None, None)
+TIER_ORDER = ("gpu", "cpu", "disk")
+# How many tokens of each chain's first event are kept to show the prefix on the debug page.
+PREVIEW_TOKENS = 96
+
+_rng = np.random.default_rng(0x6B76676174)
+# A router block's 16 uint32 tokens are read as 8 little-endian uint64 words (two tokens each) and
+# combined with odd 64-bit weights (fixed seed: keys are stable across runs and processes).
+_WORDS_PER_BLOCK = ROUTER_BLOCK_TOKENS // 2
+_WORD_WEIGHTS = _rng.integers(0, 2**63, size=_WORDS_PER_BLOCK, dtype=np.uint64) * np.uint64(2) + np.uint64(1)
+_POSITION_WEIGHT = np.uint64(0x9E3779B97F4A7C15)
+_MIX_1 = np.uint64(0xBF58476D1CE4E5B9)
+_MIX_2 = np.uint64(0x94D049BB133111EB)
+_S30, _S27, _S31 = np.uint64(30), np.uint64(27), np.uint64(31)
+
+
+def namespace_seed(namespace: Namespace) -> int:
+    """The key of the empty prefix in a namespace."""
+    lora_name, cache_salt = namespace
+    if lora_name is None and cache_salt is None:
+        return 0x2545F4914F6CDD1D
+    return xxhash.xxh3_64_intdigest(repr((lora_name, cache_salt)).encode())
+
+
+_WORD = (1 << 64) - 1
+_WORD_WEIGHTS_PY = [int(weight) for weight in _WORD_WEIGHTS]
+_POSITION_WEIGHT_PY = int(_POSITION_WEIGHT)
+_MIX_1_PY, _MIX_2_PY = int(_MIX_1), int(_MIX_2)
+# Below this many router blocks, plain Python ints beat numpy's per-call overhead.
+_NUMPY_MIN_BLOCKS = 3
+
+
+def router_block_values(tokens: np.ndarray, first_block: int | np.ndarray) -> np.ndarray:
+    """Mixed value of each full router block of `tokens` (uint32, length a multiple of the block size).
+
+    `first_block` is the position of the first block, or an array with every block's position.
+    """
+    # uint64 array arithmetic wraps silently, which is the modular arithmetic wanted here.
+    words = np.ascontiguousarray(tokens, dtype="<u4").view("<u8").reshape(-1, _WORDS_PER_BLOCK)
+    content = words @ _WORD_WEIGHTS
+    if isinstance(first_block, np.ndarray):
+        positions = first_block.astype(np.uint64, copy=False)
+    else:
+        positions = np.arange(first_block, first_block + len(words), dtype=np.uint64)
+    x = content ^ (positions * _POSITION_WEIGHT)
+    # splitmix64 finaliser: makes the per-block value a nonlinear function of content and position.
+    x ^= x >> _S30
+    x *= _MIX_1
+    x ^= x >> _S27
+    x *= _MIX_2
+    x ^= x >> _S31
+    return x
+
+
+def _python_prefix_keys(tokens: Sequence[int], seed: int, first_block: int) -> list[int]:
+    """The same keys as `prefix_keys`, computed with Python ints (faster for one or two blocks)."""
+    keys = []
+    total = seed
+    weights = _WORD_WEIGHTS_PY
+    for block in range(len(tokens) // ROUTER_BLOCK_TOKENS):
+        offset = block * ROUTER_BLOCK_TOKENS
+        pairs = tokens[offset : offset + ROUTER_BLOCK_TOKENS]
+        words = map(int.__or__, pairs[0::2], map((32).__rlshift__, pairs[1::2]))
+        content = sum(map(int.__mul__, words, weights)) & _WORD
+        x = content ^ (((first_block + block) * _POSITION_WEIGHT_PY) & _WORD)
+        x ^= x >> 30
+        x = (x * _MIX_1_PY) & _WORD
+        x ^= x >> 27
+        x = (x * _MIX_2_PY) & _WORD
+        x ^= x >> 31
+        total = (total + x) & _WORD
+        keys.append(total)
+    return keys
+
+
+def prefix_keys(tokens: np.ndarray, seed: int, first_block: int = 0) -> np.ndarray:
+    """Keys of the prefixes ending at each full router block of `tokens`, continuing from `seed`."""
+    usable = len(tokens) - len(tokens) % ROUTER_BLOCK_TOKENS
+    if usable == 0:
+        return np.empty(0, dtype=np.uint64)
+    values = router_block_values(tokens[:usable], first_block)
+    return np.cumsum(values, dtype=np.uint64) + np.uint64(seed)
+
+
+def _stream_keys(tokens: Sequence[int], seed: int, first_block: int) -> list[int]:
+    if len(tokens) < _NUMPY_MIN_BLOCKS * ROUTER_BLOCK_TOKENS:
+        return _python_prefix_keys(tokens, seed, first_block)
+    return prefix_keys(np.frombuffer(array.array("I", tokens), dtype=np.uint32), seed, first_block).tolist()
+
+
+def prompt_prefix_keys(tokens: np.ndarray | list[int], namespace: Namespace = DEFAULT_NAMESPACE) -> list[int]:
+    """The router keys of every full router block of a prompt, as Python ints (shared with policies)."""
+    array = np.asarray(tokens, dtype=np.uint32)
+    return prefix_keys(array, namespace_seed(namespace)).tolist()
+
+
+def tier_rank(tier: str) -> int:
+    return TIER_ORDER.index(tier) if tier in TIER_ORDER else len(TIER_ORDER)
+
+
+@dataclass(slots=True)
+class _Chain:
+    """The first event of a chain of blocks (parent None) on one backend: for the debug page."""
+
+    preview: tuple[int, ...]
+    namespace: Namespace
+    longest: int = 0
+    nodes: int = 0
+
+
+# One engine block as the router placed it. A plain tuple, not an object: millions of them are
+# created at event rate, and tuples of ints are cheap to build and ignored by the cyclic GC.
+#   (end, tokens, boundary_key, tail, keys, chain_id, slots)
+# end: tokens of the prefix up to and including this block; tokens: tokens the block covers;
+# boundary_key: key of the prefix ending at the last router-block boundary <= end; tail: the tokens
+# between that boundary and `end` (shorter than a router block); keys: the router keys this block
+# completed (it owns them for removal); chain_id: its _Chain in _Backend.chains; slots: bitmask of
+# the (backend, tier) slots that hold it.
+# `keys` is a bare int when the block completed exactly one router block (the usual 16-token
+# block): one object fewer to allocate and track per block.
+_Node = tuple
+_END, _TOKENS, _BOUNDARY, _TAIL, _KEYS, _CHAIN, _SLOTS = range(7)
+
+
+def _owned(keys: int | tuple[int, ...]) -> tuple[int, ...]:
+    return (keys,) if keys.__class__ is int else keys  # type: ignore[return-value]
+
+
+@dataclass(slots=True)
+class _PendingStore:
+    """A BlockStored checked for the batched path, waiting for its batch's numpy pass."""
+
+    node_keys: Sequence[Any]
+    token_ids: list[int]
+    count: int
+    block_size: int
+    parent_end: int
+    boundary_key: int
+    chain_id: int
+    slot: int
+
+
+@dataclass
+class BackendIndexStats:
+    blocks: dict[str, int] = field(default_factory=dict)
+    tokens: dict[str, int] = field(default_factory=dict)
+    stored_events: int = 0
+    removed_events: int = 0
+    cleared_events: int = 0
+    # Blocks that could not be placed: parent unknown (stored before we subscribed) or no token_ids.
+    unplaced_blocks: int = 0
+    # BlockRemoved for blocks the index never placed.
+    unknown_removals: int = 0
+
+
+class _Backend:
+    __slots__ = ("chain_ids", "chains", "name", "next_chain_id", "nodes", "stats", "tier_slots")
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.nodes: dict[Any, _Node] = {}
+        self.tier_slots: dict[str, int] = {}
+        self.chains: dict[int, _Chain] = {}
+        # (namespace, preview tokens) -> chain id, so one prompt stored twice shares its chain.
+        self.chain_ids: dict[tuple[Namespace, tuple[int, ...]], int] = {}
+        self.next_chain_id = 0
+        self.stats = BackendIndexStats()
+
+
+@dataclass(slots=True)
+class BackendMatch:
+    """How many leading tokens of a prompt one backend holds."""
+
+    # Per tier, the contiguous prefix held in that tier alone.
+    by_tier: dict[str, int]
+    # Tiers in preference order (gpu, cpu, disk, others) with the prefix held in that tier or a
+    # faster one: e.g. [("gpu", 64), ("cpu", 256)] means 64 tokens on GPU, 192 more loadable from CPU.
+    cumulative: list[tuple[str, int]]
+
+    @property
+    def tokens(self) -> int:
+        return self.cumulative[-1][1] if self.cumulative else 0
+
+    def best_tier(self) -> str | None:
+        """The fastest tier holding the longest prefix (what an LMCache lookup reports)."""
+        best = self.tokens
+        if best == 0:
+            return None
+        return min((tier for tier, held in self.by_tier.items() if held == best), key=tier_rank, default=None)
+
+
+@contextlib.contextmanager
+def _cyclic_gc_paused() -> Iterator[None]:
+    """Pause the cyclic GC while a batch is applied.
+
+    A batch allocates thousands of small tuples of ints, which can hold no reference cycles; left
+    on, the collector would run every few hundred of them and sweep the whole index (millions of
+    entries) now and then, about a quarter of the ingest time. Collection resumes right after.
+    Callers hold the index lock, so pauses do not nest.
+    """
+    if not gc.isenabled():
+        yield
+        return
+    gc.disable()
+    try:
+        yield
+    finally:
+        gc.enable()
+
+
+def _record_lost_bits(runs: dict[int, int], bits: int, position: int) -> None:
+    while bits:
+        bit = bits & -bits
+        bits ^= bit
+        runs[bit] = position
+
+
+class PrefixIndex:
+    """Per backend and tier, the cached token prefixes announced by KV events."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._holders: dict[int, int] = {}
+        # (key, slot) -> references beyond the first (the same prefix stored twice in one tier,
+        # e.g. by two KV-cache groups); the bit is unset only when the last reference goes.
+        self._extra_refs: dict[tuple[int, int], int] = {}
+        # boundary key -> {tail tokens: slot mask}; replaced, never mutated, so readers need no lock.
+        self._tails: dict[int, dict[tuple[int, ...], int]] = {}
+        self._tail_refs: dict[tuple[int, tuple[int, ...], int], int] = {}
+        self._backends: dict[str, _Backend] = {}
+        self._free_slots: list[int] = []
+        self._next_slot = 0
+        # backend -> [(tier, slot)] snapshot for readers; replaced on change.
+        self._layout: dict[str, tuple[tuple[str, int], ...]] = {}
+        # LoRA adapter names engines announced blocks under: a request whose model is one of them
+        # is looked up in that adapter's namespace (vLLM serves an adapter under its own name).
+        self.lora_names: set[str] = set()
+
+    # ---- backends ----
+
+    def add_backend(self, name: str) -> None:
+        with self._lock:
+            self._backends.setdefault(name, _Backend(name))
+
+    def remove_backend(self, name: str) -> None:
+        with self._lock:
+            backend = self._backends.pop(name, None)
+            if backend is None:
+                return
+            self._clear_locked(backend)
+            for slot in backend.tier_slots.values():
+                self._free_slots.append(slot)
+            self._layout = {k: v for k, v in self._layout.items() if k != name}
+
+    def clear_backend(self, name: str) -> None:
+        """Forget everything a backend holds (engine restarted, or AllBlocksCleared)."""
+        with self._lock:
+            backend = self._backends.get(name)
+            if backend is not None:
+                self._clear_locked(backend)
+
+    def backends(self) -> list[str]:
+        return list(self._backends)
+
+    # ---- events ----
+
+    def apply(self, backend_name: str, events: list[KVEvent]) -> None:
+        """Apply the events of one batch, in order."""
+        with self._lock, _cyclic_gc_paused():
+            backend = self._backends.get(backend_name)
+            if backend is None:
+                backend = self._backends[backend_name] = _Backend(backend_name)
+            # Consecutive BlockStored events of whole router blocks whose parents are already
+            # placed (the common case: one event per request per engine step) are hashed together
+            # in one numpy pass; anything else is applied one by one, in order.
+            pending: list[_PendingStore] = []
+            pending_hashes: set[Any] = set()
+            for event in events:
+                if isinstance(event, BlockStored):
+                    prepared = self._prepare_store_locked(backend, event, pending_hashes)
+                    if prepared is None and pending and self._depends_on(event, pending_hashes):
+                        self._flush_stores_locked(backend, pending, pending_hashes)
+                        prepared = self._prepare_store_locked(backend, event, pending_hashes)
+                    if prepared is not None:
+                        pending.append(prepared)
+                        pending_hashes.update(prepared.node_keys)
+                        continue
+                    self._flush_stores_locked(backend, pending, pending_hashes)
+                    self._store_locked(backend, event)
+                    continue
+                self._flush_stores_locked(backend, pending, pending_hashes)
+                if isinstance(event, BlockRemoved):
+                    self._remove_locked(backend, event)
+                elif isinstance(event, AllBlocksCleared):
+                    backend.stats.cleared_events += 1
+                    self._clear_locked(backend)
+            self._flush_stores_locked(backend, pending, pending_hashes)
+
+    @staticmethod
+    def _depends_on(event: BlockStored, pending_hashes: set[Any]) -> bool:
+        group = event.group_idx or 0
+        parent = event.parent_block_hash
+        keys = event.block_hashes if group == 0 else [(group, h) for h in event.block_hashes]
+        parent_key = parent if group == 0 else (group, parent)
+        return parent_key in pending_hashes or any(map(pending_hashes.__contains__, keys))
+
+    def _flush_uniform_locked(
+        self, backend: _Backend, pending: list[_PendingStore], all_keys: list[int]
+    ) -> bool:
+        """The decode-step shape (16-token blocks, one tier, distinct prefixes) in whole-batch passes."""
+        slot = pending[0].slot
+        if any(store.block_size != ROUTER_BLOCK_TOKENS or store.slot != slot for store in pending):
+            return False
+        holders = self._holders
+        masks = list(map(holders.get, all_keys, itertools.repeat(0, len(all_keys))))
+        bit = 1 << slot
+        if functools.reduce(operator.or_, masks, 0) & bit or len(set(all_keys)) != len(all_keys):
+            return False  # a prefix held twice: the general path keeps the reference counts
+        node_keys = list(itertools.chain.from_iterable(store.node_keys for store in pending))
+        ends = itertools.chain.from_iterable(
+            range(
+                store.parent_end + ROUTER_BLOCK_TOKENS,
+                store.parent_end + ROUTER_BLOCK_TOKENS * store.count + 1,
+                ROUTER_BLOCK_TOKENS,
+            )
+            for store in pending
+        )
+        chain_ids = itertools.chain.from_iterable(
+            itertools.repeat(store.chain_id, store.count) for store in pending
+        )
+        backend.nodes.update(
+            zip(
+                node_keys,
+                [
+                    (end, ROUTER_BLOCK_TOKENS, key, (), key, chain_id, bit)
+                    for end, key, chain_id in zip(ends, all_keys, chain_ids, strict=True)
+                ],
+                strict=True,
+            )
+        )
+        holders.update(zip(all_keys, [mask | bit for mask in masks], strict=True))
+        chains = backend.chains
+        for store in pending:
+            chain = chains[store.chain_id]
+            chain.nodes += store.count
+            end = store.parent_end + ROUTER_BLOCK_TOKENS * store.count
+            if end > chain.longest:
+                chain.longest = end
+        tier = next(tier for tier, tier_slot in backend.tier_slots.items() if tier_slot == slot)
+        stats = backend.stats
+        stats.stored_events += len(pending)
+        stats.blocks[tier] += len(all_keys)
+        stats.tokens[tier] += len(all_keys) * ROUTER_BLOCK_TOKENS
+        return True
+
+    def _prepare_store_locked(
+        self, backend: _Backend, event: BlockStored, pending_hashes: set[Any]
+    ) -> _PendingStore | None:
+        """A BlockStored the batched path can take, or None (then it goes the general way)."""
+        count = len(event.block_hashes)
+        block_size = event.block_size or 0
+        token_ids = event.token_ids
+        if (
+            count == 0
+            or block_size <= 0
+            or block_size % ROUTER_BLOCK_TOKENS
+            or len(token_ids) < count * block_size
+        ):
+            return None
+        group = event.group_idx or 0
+        nodes = backend.nodes
+        node_keys = event.block_hashes if group == 0 else [(group, h) for h in event.block_hashes]
+        if any(map(nodes.__contains__, node_keys)) or any(map(pending_hashes.__contains__, node_keys)):
+            return None
+        parent_hash = event.parent_block_hash
+        if parent_hash is None:
+            namespace = (event.lora_name, cache_salt_of(event))
+            if event.lora_name is not None:
+                self.lora_names.add(event.lora_name)
+            preview = tuple(token_ids[:PREVIEW_TOKENS])
+            chain_id = backend.chain_ids.get((namespace, preview))
+            if chain_id is None:
+                chain_id = backend.chain_ids[(namespace, preview)] = backend.next_chain_id
+                backend.next_chain_id += 1
+                backend.chains[chain_id] = _Chain(preview, namespace)
+            parent_end, boundary_key = 0, namespace_seed(namespace)
+        else:
+            parent = nodes.get(parent_hash if group == 0 else (group, parent_hash))
+            if parent is None or parent[_TAIL]:
+                return None
+            parent_end, boundary_key, chain_id = parent[_END], parent[_BOUNDARY], parent[_CHAIN]
+        slot = self._slot_locked(backend, tier_of(event.medium))
+        return _PendingStore(
+            node_keys, token_ids, count, block_size, parent_end, boundary_key, chain_id, slot
+        )
+
+    def _flush_stores_locked(self, backend: _Backend, pending: list[_PendingStore], hashes: set[Any]) -> None:
+        if not pending:
+            return
+        stream = array.array("I")
+        lengths = []
+        firsts = []
+        valid = []
+        for store in pending:
+            covered = store.count * store.block_size
+            before = len(stream)
+            try:
+                stream.extend(
+                    store.token_ids if len(store.token_ids) == covered else store.token_ids[:covered]
+                )
+            except (OverflowError, TypeError):  # token ids that are not uint32: nothing to index
+                del stream[before:]
+                backend.stats.stored_events += 1
+                backend.stats.unplaced_blocks += store.count
+                continue
+            valid.append(store)
+            lengths.append(covered // ROUTER_BLOCK_TOKENS)
+            firsts.append(store.parent_end // ROUTER_BLOCK_TOKENS)
+        pending[:] = valid
+        if not pending:
+            hashes.clear()
+            return
+        total = len(stream) // ROUTER_BLOCK_TOKENS
+        if total < _NUMPY_MIN_BLOCKS:  # one or two blocks: Python ints beat numpy's call overhead
+            all_keys = []
+            offset = 0
+            for store, length, first in zip(pending, lengths, firsts, strict=True):
+                end = offset + length * ROUTER_BLOCK_TOKENS
+                all_keys += _python_prefix_keys(stream[offset:end], store.boundary_key, first)
+                offset = end
+        else:
+            lengths_array = np.asarray(lengths, dtype=np.int64)
+            starts = np.cumsum(lengths_array) - lengths_array
+            positions = np.arange(total, dtype=np.int64) + np.repeat(
+                np.asarray(firsts) - starts, lengths_array
+            )
+            values = router_block_values(np.frombuffer(stream, dtype=np.uint32), positions)
+            sums = np.cumsum(values, dtype=np.uint64)
+            # key = boundary_key + (sums[i] - sums[start - 1]): one subtraction per event, wrapping.
+            before = np.concatenate([np.zeros(1, dtype=np.uint64), sums[:-1]])[starts]
+            bases = np.asarray([store.boundary_key for store in pending], dtype=np.uint64) - before
+            all_keys = (sums + np.repeat(bases, lengths_array)).tolist()
+
+        holders = self._holders
+        nodes = backend.nodes
+        stats = backend.stats
+        slot_tiers = {slot: tier for tier, slot in backend.tier_slots.items()}
+        if self._flush_uniform_locked(backend, pending, all_keys):
+            pending.clear()
+            hashes.clear()
+            return
+        offset = 0
+        for store, length in zip(pending, lengths, strict=True):
+            keys = all_keys[offset : offset + length]
+            offset += length
+            bit = 1 << store.slot
+            block_size = store.block_size
+            per_block = block_size // ROUTER_BLOCK_TOKENS
+            if per_block == 1:
+                owned_keys: list[Any] = keys
+                boundaries = keys
+            else:
+                owned_keys = [tuple(keys[i : i + per_block]) for i in range(0, length, per_block)]
+                boundaries = keys[per_block - 1 :: per_block]
+            first_end = store.parent_end + block_size
+            ends = range(first_end, store.parent_end + block_size * store.count + 1, block_size)
+            chain_id = store.chain_id
+            nodes.update(
+                zip(
+                    store.node_keys,
+                    [
+                        (end, block_size, boundary, (), owned, chain_id, bit)
+                        for end, boundary, owned in zip(ends, boundaries, owned_keys, strict=True)
+                    ],
+                    strict=True,
+                )
+            )
+            masks = list(map(holders.get, keys, itertools.repeat(0, length)))
+            if functools.reduce(operator.or_, masks, 0) & bit:
+                extra_refs = self._extra_refs
+                for key in keys:
+                    mask = holders.get(key, 0)
+                    if mask & bit:
+                        extra_refs[(key, store.slot)] = extra_refs.get((key, store.slot), 0) + 1
+                    else:
+                        holders[key] = mask | bit
+            else:
+                holders.update(zip(keys, [mask | bit for mask in masks], strict=True))
+            chain = backend.chains[chain_id]
+            chain.nodes += store.count
+            chain.longest = max(chain.longest, ends[-1])
+            tier = slot_tiers[store.slot]
+            stats.stored_events += 1
+            stats.blocks[tier] += store.count
+            stats.tokens[tier] += store.count * block_size
+        pending.clear()
+        hashes.clear()
+
+    def _slot_locked(self, backend: _Backend, tier: str) -> int:
+        slot = backend.tier_slots.get(tier)
+        if slot is None:
+            if self._free_slots:
+                slot = self._free_slots.pop()
+            else:
+                slot = self._next_slot
+                self._next_slot += 1
+            backend.tier_slots[tier] = slot
+            backend.stats.blocks.setdefault(tier, 0)
+            backend.stats.tokens.setdefault(tier, 0)
+            layout = dict(self._layout)
+            by_speed = sorted(backend.tier_slots.items(), key=lambda item: tier_rank(item[0]))
+            layout[backend.name] = tuple(by_speed)
+            self._layout = layout
+        return slot
+
+    def _store_locked(self, backend: _Backend, event: BlockStored) -> None:
+        stats = backend.stats
+        stats.stored_events += 1
+        hashes = event.block_hashes
+        count = len(hashes)
+        if count == 0:
+            return
+        tier = tier_of(event.medium)
+        slot = self._slot_locked(backend, tier)
+        bit = 1 << slot
+        group = event.group_idx or 0
+        nodes = backend.nodes
+        # Engine hashes are only unique within a KV-cache group; group 0 (the usual) keys by hash alone.
+        node_keys = hashes if group == 0 else [(group, block_hash) for block_hash in hashes]
+        added_blocks = added_tokens = 0
+
+        # Blocks already placed (the same block announced again in another tier) only gain the tier.
+        first_new = 0
+        while first_new < count and node_keys[first_new] in nodes:
+            node = nodes[node_keys[first_new]]
+            if not node[_SLOTS] & bit:
+                nodes[node_keys[first_new]] = self._register_locked(node, slot, bit)
+                added_blocks += 1
+                added_tokens += node[_TOKENS]
+            first_new += 1
+
+        token_ids = event.token_ids
+        block_size = event.block_size or (len(token_ids) // count if token_ids else 0)
+        # Cache-layer chunks carry one extra token (the next chunk's first): cover at most
+        # count * block_size tokens. A short tail chunk covers fewer.
+        covered = min(len(token_ids), count * block_size)
+        skip = min(first_new * block_size, covered)
+        if first_new < count and skip >= covered:
+            stats.unplaced_blocks += count - first_new
+            first_new = count
+        parent: _Node | None = None
+        if first_new == count:
+            pass
+        elif first_new > 0:
+            parent = nodes[node_keys[first_new - 1]]
+        elif event.parent_block_hash is not None:
+            parent = nodes.get(event.parent_block_hash if group == 0 else (group, event.parent_block_hash))
+            if parent is None:  # stored before we subscribed, or lost: its position is unknown
+                stats.unplaced_blocks += count
+                first_new = count
+        if first_new < count:
+            try:
+                added = self._place_locked(
+                    backend, event, node_keys, first_new, parent, block_size, covered, skip, bit
+                )
+            except (OverflowError, TypeError):  # token ids that are not uint32: nothing to index
+                stats.unplaced_blocks += count - first_new
+                added = (0, 0)
+            added_blocks += added[0]
+            added_tokens += added[1]
+        if added_blocks:
+            stats.blocks[tier] += added_blocks
+            stats.tokens[tier] += added_tokens
+
+    def _place_locked(
+        self,
+        backend: _Backend,
+        event: BlockStored,
+        node_keys: Sequence[Any],
+        first_new: int,
+        parent: _Node | None,
+        block_size: int,
+        covered: int,
+        skip: int,
+        bit: int,
+    ) -> tuple[int, int]:
+        """Create nodes for blocks first_new.. of a BlockStored whose parent position is known."""
+        token_ids = event.token_ids
+        nodes = backend.nodes
+        if parent is None:
+            namespace = (event.lora_name, cache_salt_of(event))
+            if event.lora_name is not None:
+                self.lora_names.add(event.lora_name)
+            parent_end, boundary_key, parent_tail = 0, namespace_seed(namespace), ()
+            preview = tuple(token_ids[: min(covered, PREVIEW_TOKENS)])
+            chain_id = backend.chain_ids.get((namespace, preview))
+            if chain_id is None:
+                chain_id = backend.chain_ids[(namespace, preview)] = backend.next_chain_id
+                backend.next_chain_id += 1
+                backend.chains[chain_id] = _Chain(preview, namespace)
+            chain = backend.chains[chain_id]
+        else:
+            parent_end, _, boundary_key, parent_tail, _, chain_id, _ = parent
+            chain = backend.chains[chain_id]
+        # `stream` starts at the last router-block boundary before this block's first token.
+        stream = array.array("I", parent_tail)
+        stream.extend(token_ids[skip:covered] if skip else token_ids[:covered])
+        aligned_start = parent_end - len(parent_tail)
+        keys = _stream_keys(stream, boundary_key, aligned_start // ROUTER_BLOCK_TOKENS)
+
+        slot = bit.bit_length() - 1
+        holders = self._holders
+        extra_refs = self._extra_refs
+        start = parent_end - skip  # position of token_ids[0]
+        previous_full = 0
+        previous_end = parent_end
+        added_blocks = added_tokens = 0
+        for index in range(first_new, len(node_keys)):
+            end = start + min((index + 1) * block_size, covered)
+            if end <= previous_end:
+                break
+            full = (end - aligned_start) // ROUTER_BLOCK_TOKENS
+            tail_start = full * ROUTER_BLOCK_TOKENS
+            tail = tuple(stream[tail_start : end - aligned_start]) if end - aligned_start > tail_start else ()
+            owned = tuple(keys[previous_full:full])
+            node_key = node_keys[index]
+            node = nodes.get(node_key)
+            if node is None:
+                boundary = keys[full - 1] if full else boundary_key
+                node = (end, end - previous_end, boundary, tail, owned, chain_id, 0)
+                chain.nodes += 1
+                if end > chain.longest:
+                    chain.longest = end
+            if not node[_SLOTS] & bit:
+                if tail:
+                    node = self._register_locked(node, slot, bit)
+                else:  # inlined fast path: whole router blocks only
+                    for key in _owned(node[_KEYS]):
+                        mask = holders.get(key, 0)
+                        if mask & bit:
+                            extra_refs[(key, slot)] = extra_refs.get((key, slot), 0) + 1
+                        else:
+                            holders[key] = mask | bit
+                    node = (*node[:_SLOTS], node[_SLOTS] | bit)
+                added_blocks += 1
+                added_tokens += node[_TOKENS]
+            nodes[node_key] = node
+            previous_full, previous_end = full, end
+        return added_blocks, added_tokens
+
+    def _register_locked(self, node: _Node, slot: int, bit: int) -> _Node:
+        """Mark the node's prefixes as held in `slot`; returns the node with the slot added."""
+        holders = self._holders
+        for key in _owned(node[_KEYS]):
+            mask = holders.get(key, 0)
+            if mask & bit:
+                ref = (key, slot)
+                self._extra_refs[ref] = self._extra_refs.get(ref, 0) + 1
+            else:
+                holders[key] = mask | bit
+        boundary, tail = node[_BOUNDARY], node[_TAIL]
+        if tail:
+            tails = self._tails.get(boundary, {})
+            mask = tails.get(tail, 0)
+            if mask & bit:
+                ref3 = (boundary, tail, slot)
+                self._tail_refs[ref3] = self._tail_refs.get(ref3, 0) + 1
+            else:
+                updated = dict(tails)
+                updated[tail] = mask | bit
+                self._tails[boundary] = updated
+        return (*node[:_SLOTS], node[_SLOTS] | bit)
+
+    def _unregister_locked(self, node: _Node, slot: int, bit: int) -> _Node:
+        """Unmark the node's prefixes in `slot`; returns the node without the slot."""
+        holders = self._holders
+        for key in _owned(node[_KEYS]):
+            ref = (key, slot)
+            extra = self._extra_refs.get(ref)
+            if extra:
+                if extra == 1:
+                    del self._extra_refs[ref]
+                else:
+                    self._extra_refs[ref] = extra - 1
+                continue
+            mask = holders.get(key, 0) & ~bit
+            if mask:
+                holders[key] = mask
+            else:
+                holders.pop(key, None)
+        boundary, tail = node[_BOUNDARY], node[_TAIL]
+        if tail:
+            self._unregister_tail_locked(boundary, tail, slot, bit)
+        return (*node[:_SLOTS], node[_SLOTS] & ~bit)
+
+    def _unregister_tail_locked(self, boundary: int, tail: tuple[int, ...], slot: int, bit: int) -> None:
+        ref = (boundary, tail, slot)
+        extra = self._tail_refs.get(ref)
+        if extra:
+            if extra == 1:
+                del self._tail_refs[ref]
+            else:
+                self._tail_refs[ref] = extra - 1
+            return
+        tails = self._tails.get(boundary)
+        if tails is None:
+            return
+        updated = dict(tails)
+        mask = updated.get(tail, 0) & ~bit
+        if mask:
+            updated[tail] = mask
+        else:
+            updated.pop(tail, None)
+        if updated:
+            self._tails[boundary] = updated
+        else:
+            del self._tails[boundary]
+
+    def _remove_locked(self, backend: _Backend, event: BlockRemoved) -> None:
+        stats = backend.stats
+        stats.removed_events += 1
+        tier = tier_of(event.medium)
+        slot = backend.tier_slots.get(tier)
+        group = event.group_idx or 0
+        nodes = backend.nodes
+        for block_hash in event.block_hashes:
+            node_key = block_hash if group == 0 else (group, block_hash)
+            node = nodes.get(node_key)
+            if node is None or slot is None or not node[_SLOTS] & (1 << slot):
+                stats.unknown_removals += 1
+                continue
+            node = self._unregister_locked(node, slot, 1 << slot)
+            stats.blocks[tier] -= 1
+            stats.tokens[tier] -= node[_TOKENS]
+            if node[_SLOTS]:
+                nodes[node_key] = node
+            else:
+                del nodes[node_key]
+                chain = backend.chains.get(node[_CHAIN])
+                if chain is not None:
+                    chain.nodes -= 1
+                    if chain.nodes <= 0:
+                        del backend.chains[node[_CHAIN]]
+                        backend.chain_ids.pop((chain.namespace, chain.preview), None)
+
+    def _clear_locked(self, backend: _Backend) -> None:
+        for node in backend.nodes.values():
+            for slot in backend.tier_slots.values():
+                bit = 1 << slot
+                if node[_SLOTS] & bit:
+                    node = self._unregister_locked(node, slot, bit)
+        backend.nodes.clear()
+        backend.chains.clear()
+        backend.chain_ids.clear()
+        for tier in backend.stats.blocks:
+            backend.stats.blocks[tier] = 0
+            backend.stats.tokens[tier] = 0
+
+    # ---- queries ----
+
+    def longest_cached_prefix(
+        self,
+        tokens: np.ndarray | list[int],
+        namespace: Namespace = DEFAULT_NAMESPACE,
+        backends: list[str] | None = None,
+    ) -> dict[str, BackendMatch]:
+        """For each backend (all when None), the leading tokens of `tokens` it holds, per tier."""
+        array = np.asarray(tokens, dtype=np.uint32)
+        seed = namespace_seed(namespace)
+        layout = self._layout
+        names = list(layout) if backends is None else [name for name in backends if name in layout]
+        result = {name: BackendMatch({}, []) for name in (backends if backends is not None else names)}
+        if not names:
+            return result
+        slot_runs, masks, keys = self._slot_runs(array, seed)
+        tails = self._tails
+        for name in names:
+            match = result[name]
+            union = 0
+            for tier, slot in layout[name]:
+                bit = 1 << slot
+                blocks = slot_runs.get(bit, 0)
+                held = blocks * ROUTER_BLOCK_TOKENS
+                if tails:
+                    held += self._tail_extension(array, keys, seed, blocks, bit)
+                match.by_tier[tier] = held
+                if union:
+                    # Held in this tier or a faster one: "any of these bits" (multi-tier backends only).
+                    union |= bit
+                    blocks = self._union_run(masks, union)
+                    held = blocks * ROUTER_BLOCK_TOKENS
+                    if tails:
+                        held += self._tail_extension(array, keys, seed, blocks, union)
+                    held = max(held, match.cumulative[-1][1])
+                else:
+                    union = bit
+                match.cumulative.append((tier, held))
+        return result
+
+    def _slot_runs(self, array: np.ndarray, seed: int) -> tuple[dict[int, int], Any, list[int]]:
+        """Per slot bit, how many leading blocks it holds; the masks of the blocks held by anyone;
+        the keys computed (at least up to the first block nobody holds).
+
+        Keys are computed and probed in growing chunks, stopping at the first block nobody holds:
+        a prompt whose cached part is short (a shared system prompt, then new text) costs little.
+        The running AND of the masks holds the slots that hold every block so far; it only loses
+        bits, at most once per slot, so the run lengths are read off its few change points.
+        """
+        holders_get = self._holders.get
+        total = len(array) // ROUTER_BLOCK_TOKENS
+        keys: list[int] = []
+        parts = []
+        start, step = 0, 128
+        try:
+            while start < total:
+                end = min(total, start + step)
+                chunk = prefix_keys(
+                    array[start * ROUTER_BLOCK_TOKENS : end * ROUTER_BLOCK_TOKENS],
+                    keys[-1] if keys else seed,
+                    start,
+                ).tolist()
+                keys += chunk
+                part = np.fromiter(
+                    map(holders_get, chunk, itertools.repeat(0, len(chunk))), np.uint64, len(chunk)
+                )
+                empty = np.flatnonzero(part == 0)
+                if len(empty):
+                    parts.append(part[: empty[0]])
+                    break
+                parts.append(part)
+                start, step = end, step * 4
+        except OverflowError:  # more than 64 slots: the same with Python ints
+            keys = prefix_keys(array, seed).tolist()
+            runs, wide_masks = self._slot_runs_wide(
+                list(map(holders_get, keys, itertools.repeat(0, len(keys))))
+            )
+            return runs, wide_masks, keys
+        masks: Any = np.concatenate(parts) if parts else np.empty(0, dtype=np.uint64)
+        runs: dict[int, int] = {}
+        if not len(masks):
+            return runs, masks, keys
+        running_and = np.bitwise_and.accumulate(masks)
+        changes = (np.flatnonzero(running_and[1:] != running_and[:-1]) + 1).tolist()
+        previous = int(running_and[0])
+        for position in changes:
+            current = int(running_and[position])
+            _record_lost_bits(runs, previous & ~current, position)
+            previous = current
+        _record_lost_bits(runs, previous, len(masks))
+        return runs, masks, keys
+
+    @staticmethod
+    def _slot_runs_wide(masks: list[int]) -> tuple[dict[int, int], list[int]]:
+        with contextlib.suppress(ValueError):
+            del masks[masks.index(0) :]
+        runs: dict[int, int] = {}
+        running_and = list(itertools.accumulate(masks, operator.and_))
+        if not running_and:
+            return runs, masks
+        bits = running_and[0]
+        while bits:
+            bit = bits & -bits
+            bits ^= bit
+            if running_and[-1] & bit:
+                runs[bit] = len(running_and)
+            else:
+                runs[bit] = bisect.bisect_left(running_and, True, key=lambda value, b=bit: not value & b)
+        return runs, masks
+
+    @staticmethod
+    def _union_run(masks: Any, union: int) -> int:
+        """Leading blocks held in any slot of `union`."""
+        if isinstance(masks, np.ndarray) and union < 2**64:
+            held = (masks & np.uint64(union)) != 0
+            return len(held) if held.all() else int(np.argmin(held))
+        either = [int(mask) & union for mask in masks]
+        return either.index(0) if 0 in either else len(either)
+
+    def _tail_extension(self, array: np.ndarray, keys: list[int], seed: int, blocks: int, mask: int) -> int:
+        boundary = keys[blocks - 1] if blocks > 0 else seed
+        tails = self._tails.get(boundary)
+        if not tails:
+            return 0
+        offset = blocks * ROUTER_BLOCK_TOKENS
+        rest = array[offset : offset + ROUTER_BLOCK_TOKENS].tolist()
+        best = 0
+        for tail, holders in tails.items():
+            if holders & mask and best < len(tail) <= len(rest) and tuple(rest[: len(tail)]) == tail:
+                best = len(tail)
+        return best
+
+    # ---- introspection ----
+
+    def stats(self, name: str) -> BackendIndexStats | None:
+        backend = self._backends.get(name)
+        if backend is None:
+            return None
+        with self._lock:
+            stats = backend.stats
+            return BackendIndexStats(
+                blocks=dict(stats.blocks),
+                tokens=dict(stats.tokens),
+                stored_events=stats.stored_events,
+                removed_events=stats.removed_events,
+                cleared_events=stats.cleared_events,
+                unplaced_blocks=stats.unplaced_blocks,
+                unknown_removals=stats.unknown_removals,
+            )
+
+    def namespace_for(self, model: str, cache_salt: str | None) -> Namespace:
+        """The namespace of a request: its model names a LoRA adapter when engines announced one."""
+        return (model if model in self.lora_names else None, cache_salt)
+
+    def held_tokens(self, name: str) -> int:
+        """Tokens a backend holds over all tiers (a lock-free, possibly slightly stale read)."""
+        backend = self._backends.get(name)
+        return 0 if backend is None else sum(list(backend.stats.tokens.values()))
+
+    def top_prefixes(self, limit: int = 20) -> list[dict[str, Any]]:
+        """The longest cached chains, merged across backends: preview tokens, length, holders."""
+        merged: dict[tuple[Namespace, tuple[int, ...]], dict[str, Any]] = {}
+        with self._lock:
+            for backend in self._backends.values():
+                for chain in backend.chains.values():
+                    namespace, preview = chain.namespace, chain.preview
+                    entry = merged.setdefault(
+                        (namespace, preview),
+                        {
+                            "preview_tokens": list(preview),
+                            "namespace": namespace,
+                            "tokens": 0,
+                            "backends": {},
+                        },
+                    )
+                    entry["backends"][backend.name] = chain.longest
+                    entry["tokens"] = max(entry["tokens"], chain.longest)
+        ranked = sorted(merged.values(), key=lambda entry: (-entry["tokens"], entry["preview_tokens"]))
+        return ranked[:limit]
+
+    def size(self) -> dict[str, int]:
+        """Totals for metrics: router prefix keys and engine blocks placed."""
+        return {
+            "router_keys": len(self._holders),
+            "engine_blocks": sum(len(backend.nodes) for backend in list(self._backends.values())),
+        }
