@@ -32,6 +32,7 @@ def controller():
         ),
         f"http://127.0.0.1:{port}/health",
         any_status=True,  # every route is POST: any answer means it is up
+        timeout_s=120,  # imports alone can take half a minute on a saturated machine
     )
     try:
         with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=10) as client:
