@@ -22,12 +22,19 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
+import subprocess
+import sys
+import tempfile
 import time
 from pathlib import Path
 
 import torch
 
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a script from anywhere
+
+from benchmarks import cachegen_numpy_baseline
 from cachelayer.compress.cachegen import CacheGenCodec, layer_qmax
 
 CAPTURE_FILE = Path(".cache/cachegen/kv.pt")
@@ -114,23 +121,56 @@ def _synchronize(device: str) -> None:
         torch.cuda.synchronize()
 
 
+def _kv_like(layers: int, tokens: int, channels: int, seed: int) -> torch.Tensor:
+    """Standard normal values with per-channel magnitudes (0.05 .. 4), as keys' channels have."""
+    generator = torch.Generator().manual_seed(seed)
+    values = torch.randn(layers, 2, tokens, channels, generator=generator)
+    return (values * (torch.rand(1, 2, 1, channels, generator=generator) * 4 + 0.05)).bfloat16()
+
+
+def _timed(function, device: str) -> tuple[object, float, float]:
+    """(result, wall seconds, CPU seconds of this process, all threads)."""
+    _synchronize(device)
+    wall, cpu = time.perf_counter(), time.process_time()
+    result = function()
+    _synchronize(device)
+    return result, time.perf_counter() - wall, time.process_time() - cpu
+
+
 def measure_dataset(codec: CacheGenCodec, kv: torch.Tensor, device: str, repeats: int) -> dict:
+    """Ratio, error and speed of the codec on kv in 256-token chunks; on CPU, side by side with the
+    numpy implementation it replaced (interleaved, so both see the same machine load), whose blobs
+    and values must be identical."""
     kv = kv.to(device)
     num_layers, _, num_tokens, _ = kv.shape
     chunks = [
         kv[:, :, start : start + CHUNK_TOKENS].contiguous() for start in range(0, num_tokens, CHUNK_TOKENS)
     ]
-    encode_times, decode_times = [], []
+    paths = {
+        "": (
+            lambda: [codec.encode(chunk, layer_offset=0, total_layers=num_layers) for chunk in chunks],
+            lambda blobs: [codec.decode(blob, device=device) for blob in blobs],
+        )
+    }
+    if device == "cpu":
+        paths["numpy_"] = (
+            lambda: [cachegen_numpy_baseline.encode(codec, chunk, 0, num_layers) for chunk in chunks],
+            lambda blobs: [cachegen_numpy_baseline.decode(blob) for blob in blobs],
+        )
+    times: dict[str, list[tuple[float, float]]] = {}
+    outputs: dict[str, tuple[list, list]] = {}
     for _ in range(repeats):
-        _synchronize(device)
-        start = time.perf_counter()
-        blobs = [codec.encode(chunk, layer_offset=0, total_layers=num_layers) for chunk in chunks]
-        _synchronize(device)
-        encode_times.append(time.perf_counter() - start)
-        start = time.perf_counter()
-        restored = [codec.decode(blob, device=device) for blob in blobs]
-        _synchronize(device)
-        decode_times.append(time.perf_counter() - start)
+        for prefix, (encode, decode) in paths.items():
+            blobs, wall, cpu = _timed(encode, device)
+            times.setdefault(prefix + "encode", []).append((wall, cpu))
+            restored, wall, cpu = _timed(lambda decode=decode, blobs=blobs: decode(blobs), device)
+            times.setdefault(prefix + "decode", []).append((wall, cpu))
+            outputs[prefix] = (blobs, restored)
+    blobs, restored = outputs[""]
+    if "numpy_" in outputs:
+        numpy_blobs, numpy_restored = outputs["numpy_"]
+        if numpy_blobs != blobs or not all(map(torch.equal, numpy_restored, restored)):
+            raise SystemExit("the numba path's blobs or values differ from the numpy implementation's")
     original = kv.float()
     # The stated bound is on the float32 reconstruction; decoding to bf16 adds bf16's rounding.
     decoded = torch.cat([codec.decode(blob, device=device, dtype=torch.float32) for blob in blobs], dim=2)
@@ -147,6 +187,15 @@ def measure_dataset(codec: CacheGenCodec, kv: torch.Tensor, device: str, repeats
             thirds[f"relative_error_{name}_third"] = part
     input_bytes = kv.numel() * 2
     compressed = sum(len(blob) for blob in blobs)
+    speeds = {}
+    for name, samples in times.items():
+        speeds[f"{name}_GBps"] = input_bytes / statistics.median(wall for wall, _ in samples) / 1e9
+        # GB per CPU-second (all threads): what the code costs, whatever share of the cores it got.
+        speeds[f"{name}_GB_per_cpu_second"] = input_bytes / statistics.median(c for _, c in samples) / 1e9
+    if device == "cpu":
+        speeds["blobs_identical_to_numpy"] = True
+        speeds["encode_speedup"] = speeds["encode_GBps"] / speeds["numpy_encode_GBps"]
+        speeds["decode_speedup"] = speeds["decode_GBps"] / speeds["numpy_decode_GBps"]
     return {
         "shape": list(kv.shape),
         "input_bytes": input_bytes,
@@ -157,9 +206,33 @@ def measure_dataset(codec: CacheGenCodec, kv: torch.Tensor, device: str, repeats
         **thirds,
         "max_error_over_scale": ratio_to_scale.item(),
         "relative_error_bf16_output": (bf16_error.norm() / original.norm()).item(),
-        "encode_GBps": input_bytes / statistics.median(encode_times) / 1e9,
-        "decode_GBps": input_bytes / statistics.median(decode_times) / 1e9,
+        **speeds,
     }
+
+
+_JIT_PROBE = """
+import time
+start = time.perf_counter()
+import torch
+from cachelayer.compress.cachegen import CacheGenCodec
+codec = CacheGenCodec()
+for dtype in (torch.bfloat16, torch.float32):
+    codec.decode(codec.encode(torch.ones(2, 2, 300, 8, dtype=dtype)))
+print(time.perf_counter() - start)
+"""
+
+
+def measure_jit() -> dict:
+    """Seconds a fresh process takes to import the codec and encode + decode a small bf16 and fp32
+    chunk: with an empty numba cache (the JIT compiles everything), then with the cache it left."""
+    with tempfile.TemporaryDirectory() as cache:
+        environment = {**os.environ, "NUMBA_CACHE_DIR": cache}
+        seconds = []
+        for _ in range(2):
+            command = [sys.executable, "-c", _JIT_PROBE]
+            probe = subprocess.run(command, env=environment, capture_output=True, text=True, check=True)
+            seconds.append(float(probe.stdout.split()[-1]))
+    return {"first_call_seconds_cold_cache": seconds[0], "first_call_seconds_warm_cache": seconds[1]}
 
 
 def measure(device: str, out: Path, repeats: int) -> None:
@@ -167,19 +240,36 @@ def measure(device: str, out: Path, repeats: int) -> None:
     datasets = torch.load(CAPTURE_FILE)
     # Random data is drawn here (seeded) rather than stored: the capture file must travel to the GPU.
     datasets["random"] = torch.randn(8, 2, 1024, 1024, generator=torch.Generator().manual_seed(0)).bfloat16()
+    # One 256-token chunk of a Llama-8B-shaped KV (32 layers, 8 KV heads x 128): the target shape.
+    datasets["llama8b_chunk"] = _kv_like(32, CHUNK_TOKENS, 1024, seed=3)
     results = {
         "device": torch.cuda.get_device_name() if device == "cuda" else "cpu",
         "cpu_threads": torch.get_num_threads(),
         "chunk_tokens": CHUNK_TOKENS,
+        "load_average_before": os.getloadavg()[0],
     }
+    if device == "cpu":
+        import numba
+
+        results["numba_threads"] = numba.get_num_threads()
+        results["jit"] = measure_jit()
+        print(f"JIT, first call in a fresh process: {results['jit']}")
+        codec.decode(codec.encode(datasets["llama8b_chunk"]))  # compiled (or loaded) before timing
     for name, kv in datasets.items():
         results[name] = measure_dataset(codec, kv, device, repeats)
         row = results[name]
         print(
-            f"{name:12s} ratio {row['ratio']:5.2f}  rel.err {row['relative_error']:.4f}  "
+            f"{name:13s} ratio {row['ratio']:5.2f}  rel.err {row['relative_error']:.4f}  "
             f"max err/scale {row['max_error_over_scale']:.3f}  "
             f"encode {row['encode_GBps']:.3f} GB/s  decode {row['decode_GBps']:.3f} GB/s"
+            + (
+                f"  (numpy {row['numpy_encode_GBps']:.4f} / {row['numpy_decode_GBps']:.4f}; per CPU-second "
+                f"{row['encode_GB_per_cpu_second']:.3f} / {row['decode_GB_per_cpu_second']:.3f})"
+                if device == "cpu"
+                else ""
+            )
         )
+    results["load_average_after"] = os.getloadavg()[0]
     out.mkdir(parents=True, exist_ok=True)
     (out / f"cachegen_{device}.json").write_text(json.dumps(results, indent=2) + "\n")
 
