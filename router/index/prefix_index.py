@@ -874,16 +874,25 @@ class PrefixIndex:
         array = np.asarray(tokens, dtype=np.uint32)
         seed = namespace_seed(namespace)
         layout = self._layout
-        names = list(layout) if backends is None else [name for name in backends if name in layout]
-        result = {name: BackendMatch({}, []) for name in (backends if backends is not None else names)}
-        if not names:
-            return result
+        order = list(layout) if backends is None else backends
+        if not any(map(layout.__contains__, order)):
+            return {name: BackendMatch({}, []) for name in order}
         slot_runs, masks, keys = self._slot_runs(array, seed)
         tails = self._tails
-        for name in names:
-            match = result[name]
+        result = {}
+        for name in order:
+            tiers = layout.get(name)
+            if tiers is None:
+                result[name] = BackendMatch({}, [])
+                continue
+            if len(tiers) == 1 and not tails:  # the usual backend: one tier, whole router blocks
+                tier, slot = tiers[0]
+                held = slot_runs.get(1 << slot, 0) * ROUTER_BLOCK_TOKENS
+                result[name] = BackendMatch({tier: held}, [(tier, held)])
+                continue
+            match = result[name] = BackendMatch({}, [])
             union = 0
-            for tier, slot in layout[name]:
+            for tier, slot in tiers:
                 bit = 1 << slot
                 blocks = slot_runs.get(bit, 0)
                 held = blocks * ROUTER_BLOCK_TOKENS
@@ -915,32 +924,40 @@ class PrefixIndex:
         holders_get = self._holders.get
         total = len(array) // ROUTER_BLOCK_TOKENS
         keys: list[int] = []
-        held: list[int] = []
+        parts = []
         span_keys = np.empty(0, dtype=np.uint64)
         span_start = span_end = 0
         start, step = 0, 128
-        while start < total:
-            if start >= span_end:  # keys of a whole span at once: numpy's cost is per call, not per key
-                span_start, span_end = start, min(total, start + _LOOKUP_SPAN_BLOCKS)
-                span_keys = prefix_keys(
-                    array[span_start * ROUTER_BLOCK_TOKENS : span_end * ROUTER_BLOCK_TOKENS],
-                    keys[-1] if keys else seed,
-                    span_start,
-                )
-            end = min(span_end, start + step)
-            chunk = span_keys[start - span_start : end - span_start].tolist()
-            keys += chunk
-            part = list(map(holders_get, chunk, itertools.repeat(0, len(chunk))))
-            if 0 in part:
-                held += part[: part.index(0)]
-                break
-            held += part
-            start, step = end, step * 4
         try:
-            masks: Any = np.array(held, dtype=np.uint64)
+            while start < total:
+                if start >= span_end:  # keys of a whole span at once: numpy's cost is per call, not per key
+                    span_start, span_end = start, min(total, start + _LOOKUP_SPAN_BLOCKS)
+                    span_keys = prefix_keys(
+                        array[span_start * ROUTER_BLOCK_TOKENS : span_end * ROUTER_BLOCK_TOKENS],
+                        keys[-1] if keys else seed,
+                        span_start,
+                    )
+                end = min(span_end, start + step)
+                chunk = span_keys[start - span_start : end - span_start].tolist()
+                keys += chunk
+                part = np.fromiter(
+                    map(holders_get, chunk, itertools.repeat(0, len(chunk))), np.uint64, len(chunk)
+                )
+                empty = np.flatnonzero(part == 0)
+                if len(empty):
+                    parts.append(part[: empty[0]])
+                    break
+                parts.append(part)
+                start, step = end, step * 4
         except OverflowError:  # more than 64 slots: the same with Python ints
-            runs, wide_masks = self._slot_runs_wide(held)
+            keys = prefix_keys(array, seed).tolist()
+            runs, wide_masks = self._slot_runs_wide(
+                list(map(holders_get, keys, itertools.repeat(0, len(keys))))
+            )
             return runs, wide_masks, keys
+        masks: Any = (
+            parts[0] if len(parts) == 1 else np.concatenate(parts) if parts else np.empty(0, np.uint64)
+        )
         runs: dict[int, int] = {}
         if not len(masks):
             return runs, masks, keys
