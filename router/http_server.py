@@ -97,7 +97,7 @@ class _Exchange:
             data = self.head + data
             self.head = b""
         protocol = self.protocol
-        if data:
+        if data and not protocol.transport.is_closing():  # closing: the client left; its task is cancelled
             protocol.transport.write(data)
         if not more:
             self.complete = True
@@ -283,7 +283,7 @@ class GatewayHttpProtocol(HttpToolsProtocol):
         super().connection_lost(exc)
 
     def shutdown(self) -> None:
-        if self.answering is not None or self.waiting:
+        if self.answering is not None or self.waiting or self.exchange is not None:
             self.closing = True
             return
         super().shutdown()

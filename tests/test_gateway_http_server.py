@@ -153,3 +153,30 @@ def test_a_declared_body_over_the_limit_is_refused_before_it_is_sent(gateway):
     assert response["status"] == 413
     assert response["headers"]["x-request-id"] == "big"
     assert "over the limit" in json.loads(response["body"])["error"]["message"]
+
+
+def test_a_client_that_leaves_before_the_answer_frees_its_backend_at_once(gateway):
+    port = int(gateway.url.rsplit(":", 1)[1])
+    raw = _request(port, "POST", "/v1/completions", _completion("slow"), {"x-test-delay-ms": "3000"})
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
+        sock.sendall(raw)
+        deadline = time.monotonic() + 2
+        while _in_flight(gateway) == 0 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert _in_flight(gateway) == 1
+    left_at = time.monotonic()
+    while _in_flight(gateway) != 0 and time.monotonic() - left_at < 2:
+        time.sleep(0.02)
+    # Well before the backend's 3 s answer: the request was cancelled when the connection closed.
+    assert _in_flight(gateway) == 0
+    assert time.monotonic() - left_at < 2
+
+
+def _in_flight(gateway) -> int:
+    with socket.create_connection(("127.0.0.1", int(gateway.url.rsplit(":", 1)[1])), timeout=10) as sock:
+        sock.sendall(b"GET /backends HTTP/1.1\r\nhost: gateway\r\nconnection: close\r\n\r\n")
+        data = b""
+        while chunk := sock.recv(65536):
+            data += chunk
+    body = json.loads(data.split(b"\r\n\r\n", 1)[1])
+    return sum(backend["in_flight"] for backend in body["backends"])
