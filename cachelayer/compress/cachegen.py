@@ -185,19 +185,20 @@ class CacheGenCodec:
         scales = np.empty((num_layers, 2, num_tokens), dtype=np.float32)
         symbols = np.empty((num_layers * 2, num_tokens, channels), dtype=np.uint8)
         counts = np.empty((num_layers * 2, ALPHABET), dtype=np.int64)
-        if not cachegen_cpu.quantize(values, qmax_array, scales, symbols, counts):
-            raise CacheGenError("kv holds NaN or infinite values; CacheGen encodes finite values only")
-        frequencies = normalized_frequencies(counts)
-        layout = _Layout(num_layers, num_tokens, channels, 0)
-        states = np.empty(layout.num_lanes, dtype="<u4")
-        word_counts = np.empty(layout.num_lanes, dtype="<u2")
-        lane_words = np.empty((layout.num_lanes, GROUP_TOKENS), dtype="<u2")
-        cachegen_cpu.rans_encode(
-            symbols, frequencies, cumulative_frequencies(frequencies), states, word_counts, lane_words
-        )
-        word_ends = np.cumsum(word_counts, dtype=np.int64)
-        words = np.empty(int(word_ends[-1]), dtype="<u2")
-        cachegen_cpu.gather_words(lane_words, word_counts, word_ends - word_counts, words)
+        with cachegen_cpu.threads_for(kv.numel()):
+            if not cachegen_cpu.quantize(values, qmax_array, scales, symbols, counts):
+                raise CacheGenError("kv holds NaN or infinite values; CacheGen encodes finite values only")
+            frequencies = normalized_frequencies(counts)
+            layout = _Layout(num_layers, num_tokens, channels, 0)
+            states = np.empty(layout.num_lanes, dtype="<u4")
+            word_counts = np.empty(layout.num_lanes, dtype="<u2")
+            lane_words = np.empty((layout.num_lanes, GROUP_TOKENS), dtype="<u2")
+            cachegen_cpu.rans_encode(
+                symbols, frequencies, cumulative_frequencies(frequencies), states, word_counts, lane_words
+            )
+            word_ends = np.cumsum(word_counts, dtype=np.int64)
+            words = np.empty(int(word_ends[-1]), dtype="<u2")
+            cachegen_cpu.gather_words(lane_words, word_counts, word_ends - word_counts, words)
         header = self._header(
             kv.dtype, num_layers, num_tokens, channels, layer_offset, total_layers, len(words)
         )
@@ -330,17 +331,18 @@ class CacheGenCodec:
         target = out.view(torch.int16).numpy().view(np.uint16) if as_bf16 else out.numpy()
         # The kernel reads a word before knowing whether it needs it, so give it one to read.
         words = section("words", "<u2") if header["total_words"] else np.zeros(1, dtype="<u2")
-        clean = cachegen_cpu.rans_decode(
-            states,
-            word_counts,
-            words,
-            frequencies,
-            cumulative,
-            table,
-            section("qmax", "u1"),
-            section("scales", "<f4").reshape(num_layers, 2, num_tokens),
-            target,
-        )
+        with cachegen_cpu.threads_for(out.numel()):
+            clean = cachegen_cpu.rans_decode(
+                states,
+                word_counts,
+                words,
+                frequencies,
+                cumulative,
+                table,
+                section("qmax", "u1"),
+                section("scales", "<f4").reshape(num_layers, 2, num_tokens),
+                target,
+            )
         if not clean:
             raise CacheGenError(
                 "corrupt CacheGen blob: the rANS streams did not decode to their initial state"
