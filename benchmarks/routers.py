@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
+import yaml
 
 from benchmarks.sim_fleet import EVENTS_TOPIC, MODEL, EngineFleet
 from tests.support.gateway import GatewayProcess, start_gateway
@@ -41,14 +42,29 @@ class RunningRouter:
 
 
 def start_router(policy: str, fleet: EngineFleet, timeout_s: float = 90.0) -> RunningRouter:
-    if policy in KVGATE_POLICIES:
-        return _start_kvgate(policy, fleet, timeout_s)
+    """`policy` is a name from ALL_POLICIES; a kvgate policy may carry its config knobs after an @,
+    e.g. `kv_aware@load_slack=0+max_load_ratio=1.2` (the keys of its section in proxy.yaml)."""
+    name, _, knobs = policy.partition("@")
+    if name in KVGATE_POLICIES:
+        return _start_kvgate(name, _parse_knobs(knobs), fleet, timeout_s, label=policy)
     if policy in PEER_POLICIES:
         return _start_peer(policy, fleet, timeout_s)
     raise ValueError(f"unknown policy {policy!r}; known: {', '.join(ALL_POLICIES)}")
 
 
-def _start_kvgate(policy: str, fleet: EngineFleet, timeout_s: float) -> RunningRouter:
+def _parse_knobs(text: str) -> dict:
+    knobs = {}
+    for item in filter(None, text.split("+")):
+        key, separator, value = item.partition("=")
+        if not separator:
+            raise ValueError(f"policy knob {item!r} must look like key=value")
+        knobs[key.strip()] = yaml.safe_load(value)
+    return knobs
+
+
+def _start_kvgate(
+    policy: str, knobs: dict, fleet: EngineFleet, timeout_s: float, label: str
+) -> RunningRouter:
     backends = []
     for engine in fleet.engines:
         backend: dict = {"name": engine.name, "url": engine.url}
@@ -62,7 +78,7 @@ def _start_kvgate(policy: str, fleet: EngineFleet, timeout_s: float) -> RunningR
     config = {
         "models": [{"name": MODEL, "tokenizer": "builtin:qwen3"}],
         "backends": backends,
-        "policy": {"name": policy},
+        "policy": {"name": policy, **knobs},
         "log_level": "warning",
     }
     gateway: GatewayProcess = start_gateway(config, timeout_s=timeout_s)
@@ -71,7 +87,7 @@ def _start_kvgate(policy: str, fleet: EngineFleet, timeout_s: float) -> RunningR
     except BaseException:
         gateway.stop()
         raise
-    return RunningRouter(policy, gateway.url, gateway.process, gateway.stop, names_backend=True)
+    return RunningRouter(label, gateway.url, gateway.process, gateway.stop, names_backend=True)
 
 
 def ensure_peers_installed() -> None:

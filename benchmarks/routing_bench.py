@@ -292,7 +292,7 @@ def main(argv: list[str] | None = None) -> int:
 
     names = [n for n in args.workloads.split(",") if n]
     policies = [p for p in args.policies.split(",") if p]
-    unknown = [p for p in policies if p not in ALL_POLICIES]
+    unknown = [p for p in policies if p.partition("@")[0] not in ALL_POLICIES]
     if unknown:
         parser.error(f"unknown policies {unknown}; known: {', '.join(ALL_POLICIES)}")
     started = time.monotonic()
@@ -337,10 +337,11 @@ def main(argv: list[str] | None = None) -> int:
             for policy in policies:
                 _log(f"{workload.name}: {policy}")
                 profile_to = None
-                if policy == args.profile:
+                if policy.partition("@")[0] == args.profile:
                     profile_to = PROFILES_DIR / f"{Path(args.output).name}_{workload.name}_{policy}.txt"
                 try:
-                    outcomes_to = OUTCOMES_DIR / f"{Path(args.output).name}_{workload.name}_{policy}.jsonl"
+                    run_name = f"{Path(args.output).name}_{workload.name}_{policy.replace('@', '_')}"
+                    outcomes_to = OUTCOMES_DIR / f"{run_name}.jsonl"
                     measured = run_policy(fleet, policy, workload, args.concurrency, profile_to, outcomes_to)
                 except Exception as exc:  # one router failing must not lose the other runs
                     _log(f"{workload.name}: {policy} failed: {exc}")
