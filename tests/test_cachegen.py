@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -17,7 +18,7 @@ import pytest
 import torch
 
 from benchmarks import cachegen_numpy_baseline
-from cachelayer.compress import get_codec
+from cachelayer.compress import cachegen_cpu, get_codec
 from cachelayer.compress.cachegen import (
     DEFAULT_LEVELS,
     CacheGenCodec,
@@ -191,6 +192,20 @@ def test_numba_path_matches_the_numpy_implementation_on_fresh_inputs(layers, tok
     for out_dtype in (None, torch.float32, torch.bfloat16, torch.float16):
         expected = cachegen_numpy_baseline.decode(blob, out_dtype)
         assert torch.equal(codec.decode(blob, dtype=out_dtype), expected)
+
+
+def test_threads_encoding_and_decoding_at_once_get_the_same_bytes_and_values():
+    codec = CacheGenCodec()
+    # 4 x 2 x 256 x 512 values: above PARALLEL_MIN_VALUES, so each call opens parallel regions.
+    chunks = [kv_like(4, 256, 512, seed=40 + index) for index in range(4)]
+    assert chunks[0].numel() >= cachegen_cpu.PARALLEL_MIN_VALUES
+    expected = [codec.encode(chunk) for chunk in chunks]
+    with ThreadPoolExecutor(max_workers=4) as pool:
+        blobs = list(pool.map(codec.encode, chunks))
+        restored = list(pool.map(codec.decode, blobs))
+    assert blobs == expected
+    for blob, values in zip(expected, restored, strict=True):
+        assert torch.equal(values, codec.decode(blob))
 
 
 def test_infinite_values_are_refused_in_every_input_dtype():
