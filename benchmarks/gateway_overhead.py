@@ -6,7 +6,10 @@ For every target it reports, in one run on this machine:
   and the latency each router adds over the direct path;
 - requests/s at concurrency `--concurrency`;
 - the router's CPU time per request: utime+stime of its process tree from /proc over the
-  throughput phases, divided by the requests served.
+  throughput phases, divided by the requests served;
+- the same CPU figure measured paired (`--paired-rounds`): every router takes JSON load at the same
+  time, so all of them run under the same contention from the rest of this shared machine (the
+  sequential phases above see whatever load the machine had at their own moment).
 
 Peers are run from their own virtual environments (scripts/install_peers.sh); a missing peer is
 reported and skipped. The load generator is this process: raw asyncio protocols with httptools,
@@ -269,6 +272,29 @@ async def measure_target(
     return result
 
 
+async def measure_paired(
+    targets: list[tuple[str, ManagedProcess | None, int]], args: argparse.Namespace
+) -> dict:
+    """CPU µs per JSON request of every router, all loaded at once, per round (see the docstring)."""
+    routers = [(name, process, port) for name, process, port in targets if process is not None]
+    per_round: dict[str, list[float]] = {name: [] for name, _, _ in routers}
+    for _round in range(args.paired_rounds):
+        print(f"measuring paired round {_round + 1} ...", file=sys.stderr, flush=True)
+        before = {name: cpu_seconds(process.pid) for name, process, _ in routers}
+        runs = await asyncio.gather(
+            *(
+                run_load(port, False, args.load_requests, args.concurrency // 2, args.phase_time_s)
+                for *_, port in routers
+            )
+        )
+        for (name, process, _), run in zip(routers, runs, strict=True):
+            per_round[name].append((cpu_seconds(process.pid) - before[name]) / run["requests"] * 1e6)
+    return {
+        name: {"median_us": statistics.median(values), "rounds_us": values}
+        for name, values in per_round.items()
+    }
+
+
 async def main_async(args: argparse.Namespace) -> dict:
     backend = BackendProcess("fast", [MODEL], record=False).start()
     targets: list[tuple[str, ManagedProcess | None, int]] = [("direct", None, backend.port)]
@@ -297,11 +323,12 @@ async def main_async(args: argparse.Namespace) -> dict:
                 print(f"measuring {name} ...", file=sys.stderr, flush=True)
                 pid = process.pid if process else None
                 results.append(await measure_target(name, port, pid, backend.process.pid, args))
+        paired = await measure_paired(targets, args) if args.paired_rounds else {}
     finally:
         for process in started:
             process.stop()
         backend.stop()
-    return {"results": _merge_rounds(results), "skipped": skipped}
+    return {"results": _merge_rounds(results), "paired_cpu": paired, "skipped": skipped}
 
 
 def _merge_rounds(results: list[dict]) -> list[dict]:
@@ -379,6 +406,20 @@ def write_report(report: dict, stem: Path) -> None:
     ]
     for entry in report["results"]:
         lines.append("| " + " | ".join(cell(entry) for _, cell in _COLUMNS) + " |")
+    paired = report.get("paired_cpu") or {}
+    if paired:
+        lines += [
+            "",
+            f"Paired CPU per JSON request (µs): all routers loaded at the same time, concurrency "
+            f"{report['concurrency'] // 2} each, {report['paired_rounds']} rounds; the same contention "
+            "for every router.",
+            "",
+            "| router | median | per round |",
+            "|---|---|---|",
+        ]
+        for name, entry in paired.items():
+            rounds = ", ".join(f"{value:.0f}" for value in entry["rounds_us"])
+            lines.append(f"| {name} | {entry['median_us']:.0f} | {rounds} |")
     if report["skipped"]:
         lines += ["", "Skipped: " + "; ".join(report["skipped"])]
     lines += ["", f"![plot]({stem.name}.png)", ""]
@@ -410,7 +451,14 @@ def _plot(report: dict, path: Path) -> None:
     axes[1].bar(x, [e["json_load"]["requests_per_s"] for e in entries], color="tab:green")
     axes[1].set_title(f"JSON requests/s (c={report['concurrency']})")
     cpu = [e.get("cpu_us_per_json_request") or 0 for e in entries]
-    axes[2].bar(x, cpu, color="tab:red")
+    paired = report.get("paired_cpu") or {}
+    if paired:
+        paired_cpu = [paired.get(e["target"], {}).get("median_us", 0) for e in entries]
+        axes[2].bar([i - width / 2 for i in x], cpu, width, color="tab:red", label="sequential")
+        axes[2].bar([i + width / 2 for i in x], paired_cpu, width, color="tab:purple", label="paired")
+        axes[2].legend()
+    else:
+        axes[2].bar(x, cpu, color="tab:red")
     axes[2].set_title("router CPU µs per JSON request")
     for axis in axes:
         axis.set_xticks(list(x))
@@ -426,6 +474,9 @@ def main() -> None:
     parser.add_argument("--concurrency", type=int, default=32)
     parser.add_argument("--phase-time-s", type=float, default=30.0, help="time limit of each load phase")
     parser.add_argument("--rounds", type=int, default=1)
+    parser.add_argument(
+        "--paired-rounds", type=int, default=5, help="rounds of the paired CPU measurement (0: skip it)"
+    )
     parser.add_argument("--skip-peers", action="store_true")
     parser.add_argument("--report-only", action="store_true", help="rewrite .md and .png from the .json")
     parser.add_argument(
@@ -442,6 +493,7 @@ def main() -> None:
             "command": " ".join(["python", "benchmarks/gateway_overhead.py", *sys.argv[1:]]),
             "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, Python {platform.python_version()}",
             "rounds": args.rounds,
+            "paired_rounds": args.paired_rounds,
             "concurrency": args.concurrency,
             "load_average_at_end": os.getloadavg(),
         }
