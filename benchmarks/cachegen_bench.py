@@ -296,19 +296,30 @@ def report() -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    names = ["minilm", "qwen3_tiny", "random"]
     cpu = merged.get("cpu", {})
-    figure, axes = plt.subplots(1, 3, figsize=(14, 4))
+    names = [name for name in ("minilm", "qwen3_tiny", "random", "llama8b_chunk") if name in cpu]
+    figure, panels = plt.subplot_mosaic([["ratio", "error"], ["speed", "speed"]], figsize=(14, 9))
+    axes = [panels["ratio"], panels["error"], panels["speed"]]
     axes[0].bar(names, [cpu[n]["ratio"] for n in names])
     axes[0].set_title("compression ratio (bf16 in / blob out)")
     axes[1].bar(names, [cpu[n]["relative_error"] for n in names])
     axes[1].set_title("relative error ||x - x'|| / ||x||")
+    for axis in axes[:2]:
+        axis.tick_params(axis="x", labelsize=7)
     labels, values = [], []
-    for device in ("cpu", "cpu_gpu_machine", "cuda"):
-        for name in names:
-            if name in merged.get(device, {}):
-                labels.append(f"{name}\n{device.replace('_gpu_machine', ' (H200 host)')}")
-                values.append((merged[device][name]["encode_GBps"], merged[device][name]["decode_GBps"]))
+    # (device, key prefix, label): this machine's CPU before (numpy) and after (numba), side by side.
+    series = [
+        ("cpu", "numpy_", "cpu numpy"),
+        ("cpu", "", "cpu numba"),
+        ("cpu_gpu_machine", "", "H200 host numpy"),
+        ("cuda", "", "cuda"),
+    ]
+    for name in names:
+        for device, prefix, label in series:
+            row = merged.get(device, {}).get(name)
+            if row and f"{prefix}encode_GBps" in row:
+                labels.append(f"{name}\n{label}")
+                values.append((row[f"{prefix}encode_GBps"], row[f"{prefix}decode_GBps"]))
     if "cuda_llama8b_4096_tokens" in merged:
         row = merged["cuda_llama8b_4096_tokens"]
         labels.append("llama8b 4k\ncuda, on GPU")
@@ -316,7 +327,7 @@ def report() -> None:
     positions = range(len(labels))
     axes[2].bar([p - 0.2 for p in positions], [v[0] for v in values], 0.4, label="encode")
     axes[2].bar([p + 0.2 for p in positions], [v[1] for v in values], 0.4, label="decode")
-    axes[2].set_xticks(list(positions), labels, fontsize=7)
+    axes[2].set_xticks(list(positions), labels, fontsize=7, rotation=60, ha="right")
     axes[2].set_yscale("log")
     axes[2].set_title("GB/s of bf16 input (log)")
     axes[2].legend()
