@@ -105,6 +105,12 @@ class KVAwarePolicy(_Struct, tag="kv_aware", tag_field="name"):
     # is not chosen while another candidate is below it.
     max_load_ratio: float = 1.25
     load_slack: int = 2
+    # Share guard: a backend whose decayed count of recent requests would exceed this multiple of
+    # the mean (plus share_slack requests) is not chosen while another candidate is below it; a hot
+    # prefix then spills to the cheapest under-share backend, which caches it too.
+    max_share_ratio: Annotated[float, msgspec.Meta(ge=1.0)] = 1.2
+    share_slack: Annotated[float, msgspec.Meta(ge=0)] = 1.0
+    share_half_life_s: Annotated[float, msgspec.Meta(gt=0)] = 20.0
     # How long a routed prompt counts as cached on its backend before its events confirm it.
     prediction_ttl_s: float = 5.0
 
@@ -114,6 +120,10 @@ class ApproximatePolicy(_Struct, tag="approximate", tag_field="name"):
     block_size: Annotated[int, msgspec.Meta(ge=1)] = 16
     max_load_ratio: float = 1.25
     load_slack: int = 2
+    # The share guard of kv_aware (see KVAwarePolicy).
+    max_share_ratio: Annotated[float, msgspec.Meta(ge=1.0)] = 1.2
+    share_slack: Annotated[float, msgspec.Meta(ge=0)] = 1.0
+    share_half_life_s: Annotated[float, msgspec.Meta(gt=0)] = 20.0
 
 
 Policy = RoundRobinPolicy | LeastLoadedPolicy | SessionPolicy | KVAwarePolicy | ApproximatePolicy

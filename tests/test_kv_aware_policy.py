@@ -230,3 +230,66 @@ def test_a_request_for_a_lora_adapter_matches_that_adapters_entries() -> None:
     )
     assert policy.choose(adapter, backends()).name == "b2"
     assert adapter.decision["cached_tokens"] == 512
+
+
+def _family_prompt(prefix: np.ndarray, n: int) -> np.ndarray:
+    tail = np.random.default_rng(1000 + n).integers(0, 150_000, size=128).astype(np.uint32)
+    return np.concatenate([prefix, tail])
+
+
+def test_a_hot_prefix_family_spills_to_a_second_engine_and_load_stays_balanced() -> None:
+    # Requests finish at once (in flight stays 0): only the share guard can see the hot spot.
+    policy = KVAware(KVAwarePolicy(), PrefixIndex())
+    candidates = backends(4)
+    hot_prefix = PROMPTS[0][:384]
+    counts: dict[str, int] = {}
+    hot_homes: list[str] = []
+    hot_hits = 0
+    for n in range(80):
+        hot = n % 2 == 0
+        tokens = _family_prompt(hot_prefix, n) if hot else _family_prompt(PROMPTS[1 + n % 15][:0], n)
+        req = request(tokens, rid=f"r{n}")
+        chosen = route(policy, req, candidates).name
+        counts[chosen] = counts.get(chosen, 0) + 1
+        if hot:
+            hot_homes.append(chosen)
+            hot_hits += req.decision["cached_tokens"] >= 384
+    assert max(counts.values()) / (80 / 4) <= 1.3
+    # Half the traffic is one family: one engine cannot take it, a second replica does...
+    assert 2 <= len(set(hot_homes)) <= 3
+    # ...and the family keeps its cache hits (all but the first request on each replica).
+    assert hot_hits >= len(hot_homes) - len(set(hot_homes))
+
+
+def test_a_burst_of_cold_prompts_spreads_evenly() -> None:
+    policy = KVAware(KVAwarePolicy(), PrefixIndex())
+    candidates = backends(4)
+    chosen = [route(policy, request(_family_prompt(PROMPTS[0][:0], n)), candidates).name for n in range(40)]
+    assert {name: chosen.count(name) for name in set(chosen)} == {f"b{i}": 10 for i in range(4)}
+
+
+def test_nothing_cached_routes_like_least_loaded() -> None:
+    policy = KVAware(KVAwarePolicy(), PrefixIndex())
+    candidates = backends(4)
+    for backend, in_flight in zip(candidates, [3, 1, 2, 1], strict=True):
+        backend.in_flight = in_flight
+        backend.in_flight_prefill_tokens = 0 if backend.name == "b1" else 5000
+    req = request(PROMPTS[2])
+    # Fewest in flight (b1 or b3); prefill tokens in flight do not sway a cold choice.
+    assert policy.choose(req, candidates).name in {"b1", "b3"}
+    assert req.decision["reason"] == "cold_spread"
+    # Between exact equals, least_loaded's rotation.
+    picks = {policy.choose(request(_family_prompt(PROMPTS[0][:0], n)), candidates).name for n in range(4)}
+    assert picks == {"b1", "b3"}
+
+
+def test_cached_work_still_wins_under_light_balanced_load() -> None:
+    index = PrefixIndex()
+    policy = KVAware(KVAwarePolicy(), index)
+    candidates = backends(4)
+    for n in range(8):  # two cold requests each: shares balanced
+        route(policy, request(_family_prompt(PROMPTS[0][:0], n)), candidates)
+    store(index, "b2", PROMPTS[5])
+    req = request(PROMPTS[5])
+    assert route(policy, req, candidates).name == "b2"
+    assert req.decision["reason"] == "cache_hit"

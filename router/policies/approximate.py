@@ -25,9 +25,7 @@ class Approximate(CacheAwarePolicy):
     name = "approximate"
 
     def __init__(self, config: ApproximatePolicy, registry: Any = None) -> None:
-        super().__init__(
-            max_load_ratio=config.max_load_ratio, load_slack=config.load_slack, registry=registry
-        )
+        super().__init__(config, registry)
         if config.block_size % ROUTER_BLOCK_TOKENS:
             raise ValueError(
                 f"policy.block_size {config.block_size} must be a multiple of {ROUTER_BLOCK_TOKENS} "
@@ -60,7 +58,7 @@ class Approximate(CacheAwarePolicy):
         keys = self._block_keys(request)
         request.decision["prefix_keys"] = keys
         prompt_tokens = 0 if request.tokens is None else len(request.tokens)
-        allowed = self.guarded(candidates)
+        allowed = self.guarded(candidates, now)
         costs: dict[str, float] = {}
         cached: dict[str, int] = {}
         scores: dict[str, dict[str, Any]] = {}

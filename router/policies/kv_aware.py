@@ -5,13 +5,20 @@ Cost of backend B for a prompt of P tokens:
              (G: leading tokens on B's GPU, or predicted there; C, D: the further tokens B can load
              from CPU, disk; all from the event-driven index)
     cost   = (P - saved) + request_load_weight * in_flight + prefill_load_weight * in_flight_prefill_tokens
-The cheapest backend wins, with two guards:
-- hot spots: a backend whose in-flight count is over max_load_ratio * mean + load_slack is skipped
-  while another candidate is under that line;
-- cold prefixes: between equal costs (a prefix cached nowhere, loads at zero when requests come one
-  at a time), the backend with the fewest recently placed prompt tokens wins, then the one whose
-  cache holds least. Different cold prefixes therefore spread over the engines instead of piling
-  onto the first one (architecture.md, "what measuring the peers taught us").
+The cheapest backend wins, with these guards:
+- share of recent requests: each backend's count of routed requests decays with share_half_life_s;
+  a backend whose count, with this request, would exceed max_share_ratio * the mean (plus
+  share_slack) is skipped while another is under that line. In-flight counts alone cannot see a hot
+  prefix when requests finish fast (about one in flight per engine); the decayed share can, and the
+  request then goes to the cheapest under-share backend, which pays the prefill once and caches the
+  hot prefix too (a second replica), as a perfect-knowledge placement would;
+- in-flight hot spots: a backend whose in-flight count is over max_load_ratio * mean + load_slack
+  is skipped while another candidate is under that line;
+- nothing cached: when no allowed candidate holds (or is predicted to hold) any of the prompt, the
+  choice is least_loaded's: fewest in-flight requests, ties taken in turn. Different cold prefixes
+  therefore spread over the engines instead of piling onto the first one (architecture.md, "what
+  measuring the peers taught us"); between equal costs otherwise, the backend with the fewest
+  recently placed prompt tokens wins, then the one whose cache holds least.
 After routing, the prompt is credited to the chosen backend for prediction_ttl_s (its events arrive
 only after the prefill); predictions steer routing but never appear in the index or /lookup.
 """
@@ -27,8 +34,9 @@ from typing import TYPE_CHECKING, Any
 
 from prometheus_client import Counter
 
-from router.config import KVAwarePolicy
+from router.config import ApproximatePolicy, KVAwarePolicy
 from router.index.prefix_index import ROUTER_BLOCK_TOKENS, BackendMatch, prompt_prefix_keys
+from router.policies.least_loaded import fewest_in_flight
 
 if TYPE_CHECKING:
     from router.backends import BackendState
@@ -61,7 +69,7 @@ class RoutingMetrics:
 
 
 class PlacementTracker:
-    """Exponentially decayed prompt tokens recently placed on each backend."""
+    """Exponentially decayed amounts (prompt tokens, or requests) recently placed on each backend."""
 
     def __init__(self, half_life_s: float = PLACEMENT_HALF_LIFE_S) -> None:
         self._rate = math.log(2) / half_life_s
@@ -122,21 +130,33 @@ class CacheAwarePolicy:
     name = "cache_aware"
     needs_tokens = True
 
-    def __init__(self, *, max_load_ratio: float, load_slack: int, registry: Any = None) -> None:
-        self.max_load_ratio = max_load_ratio
-        self.load_slack = load_slack
+    def __init__(self, config: KVAwarePolicy | ApproximatePolicy, registry: Any = None) -> None:
+        self.max_load_ratio = config.max_load_ratio
+        self.load_slack = config.load_slack
+        self.max_share_ratio = config.max_share_ratio
+        self.share_slack = config.share_slack
         self.placements = PlacementTracker()
+        self.request_shares = PlacementTracker(config.share_half_life_s)
+        self._turn = -1
         self.recent_decisions: deque[dict[str, Any]] = deque(maxlen=DECISIONS_KEPT)
         self.metrics = RoutingMetrics(registry) if registry is not None else None
 
-    def guarded(self, candidates: list[BackendState]) -> list[BackendState]:
-        """Candidates not over the hot-spot line (all of them if every one is over it)."""
+    def guarded(self, candidates: list[BackendState], now: float) -> list[BackendState]:
+        """Candidates under both the share line and the in-flight line (see the module docstring).
+
+        The share line always lets through the backend with the smallest share (it is at most the
+        mean), so the result is never empty.
+        """
         if len(candidates) < 2:
             return candidates
-        mean = sum(b.in_flight for b in candidates) / len(candidates)
+        shares = [self.request_shares.value(b.name, now) for b in candidates]
+        share_line = self.max_share_ratio * (sum(shares) + 1) / len(candidates) + self.share_slack
+        under_share = [b for b, share in zip(candidates, shares, strict=True) if share + 1 <= share_line]
+        allowed = under_share or candidates
+        mean = sum(b.in_flight for b in allowed) / len(allowed)
         line = self.max_load_ratio * mean + self.load_slack
-        under = [b for b in candidates if b.in_flight <= line]
-        return under or candidates
+        under = [b for b in allowed if b.in_flight <= line]
+        return under or allowed
 
     def record(self, request: RouteRequest, winner: str, reason: str, scores: dict[str, dict[str, Any]],
                prompt_tokens: int, cached_tokens: int) -> None:  # fmt: skip
@@ -166,7 +186,9 @@ class CacheAwarePolicy:
         decision = request.decision
         prompt_tokens = decision.get("prompt_tokens", 0)
         cached_tokens = decision.get("cached_tokens", 0)
-        self.placements.add(backend.name, max(0, prompt_tokens - cached_tokens), time.monotonic())
+        now = time.monotonic()
+        self.placements.add(backend.name, max(0, prompt_tokens - cached_tokens), now)
+        self.request_shares.add(backend.name, 1.0, now)
         if self.metrics is not None and prompt_tokens:
             self.metrics.prompt_tokens.labels(self.name, "prompt").inc(prompt_tokens)
             self.metrics.prompt_tokens.labels(self.name, "cached").inc(cached_tokens)
@@ -189,7 +211,19 @@ class CacheAwarePolicy:
     def pick(
         self, candidates: list[BackendState], costs: dict[str, float], cached: dict[str, int], now: float
     ) -> BackendState:
-        """Cheapest; among equal costs, fewest recent placements, then the emptiest cache."""
+        """Cheapest; among equal costs, fewest recent placements, then the emptiest cache.
+
+        When no candidate holds any of the prompt, least_loaded's choice: fewest in flight; among
+        those, the smallest recent share of requests (least recently used first), and between exact
+        equals least_loaded's rotation. The cost would only restate the loads.
+        """
+        self._turn += 1
+        if not any(cached[b.name] for b in candidates):
+            lowest = min(b.in_flight for b in candidates)
+            idle = [b for b in candidates if b.in_flight == lowest]
+            shares = {b.name: self.request_shares.value(b.name, now) for b in idle}
+            smallest = min(shares.values())
+            return fewest_in_flight([b for b in idle if shares[b.name] <= smallest + 1e-9], self._turn)
         return min(
             candidates,
             key=lambda b: (
@@ -208,9 +242,7 @@ class KVAware(CacheAwarePolicy):
     name = "kv_aware"
 
     def __init__(self, config: KVAwarePolicy, kv_index: Any = None, registry: Any = None) -> None:
-        super().__init__(
-            max_load_ratio=config.max_load_ratio, load_slack=config.load_slack, registry=registry
-        )
+        super().__init__(config, registry)
         self.config = config
         self.kv_index = kv_index
         self.predictions = Predictions(config.prediction_ttl_s)
@@ -223,7 +255,7 @@ class KVAware(CacheAwarePolicy):
     def choose(self, request: RouteRequest, candidates: list[BackendState]) -> BackendState:
         now = time.monotonic()
         self.predictions.expire(now)
-        allowed = self.guarded(candidates)
+        allowed = self.guarded(candidates, now)
         tokens = request.tokens
         prompt_tokens = 0 if tokens is None else len(tokens)
         model, lora_name, cache_salt = request.namespace
@@ -288,7 +320,7 @@ class KVAware(CacheAwarePolicy):
         if cached[winner.name] > 0:
             best_cache = max(cached.values())
             return "cache_hit" if cached[winner.name] == best_cache else "cache_vs_load"
-        if len({round(costs[b.name], 6) for b in allowed}) == 1:
+        if not any(cached[b.name] for b in allowed):
             return "cold_spread"
         return "least_load"
 
