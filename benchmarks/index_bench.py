@@ -2,10 +2,11 @@
 
 Setup: 16 backends and 1M cached 16-token blocks (vLLM-style prefill events of 64 blocks each),
 plus four 32k-token documents cached to different depths on different backends. Everything is
-measured side by side in one run for two implementations, `before` (benchmarks/index_baseline.py,
-the index before the ingest work, with event-by-event decoding) and `after` (router/index): each
-batch is applied to both indexes in turn (alternating which goes first), so both see the same load
-on this shared machine and the ratio after/before is meaningful even when absolute numbers drift.
+measured side by side in one run for two implementations, `before` (router/index/prefix_index.py at
+commit BASELINE_REVISION, read from git history at run time: the index before the ingest work, with
+event-by-event decoding) and `after` (router/index): each batch is applied to both indexes in turn
+(alternating which goes first), so both see the same load on this shared machine and the ratio
+after/before is meaningful even when absolute numbers drift.
 - ingest: blocks/s for prefill events (64 blocks, alone or 8 per batch), decode events (1 block,
   alone or 32 per batch), removals; and from the wire: msgpack payloads decoded and applied
   (vLLM >= 0.24 encoding);
@@ -27,10 +28,12 @@ import json
 import multiprocessing
 import platform
 import statistics
+import subprocess
 import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 import msgspec
@@ -38,7 +41,6 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks import index_baseline
 from router.index.events import BlockRemoved, BlockStored, decode_batch, decode_batch_event_by_event
 from router.index.prefix_index import PrefixIndex, namespace_seed, prefix_keys
 
@@ -47,8 +49,25 @@ PREFILL_BLOCKS = 64  # 1024-token prompts
 LONG_DOC_TOKENS = 32 * 1024
 TARGET_EVENTS_PER_S = 500_000
 TARGET_LOOKUP_8K_US = 200.0
+# The index before the ingest work, loaded from git history so that no frozen copy lives in the tree.
+BASELINE_REVISION = "eee4511"
+
+
+def load_baseline_index(revision: str = BASELINE_REVISION) -> ModuleType:
+    root = Path(__file__).resolve().parent.parent
+    source = subprocess.run(
+        ["git", "show", f"{revision}:router/index/prefix_index.py"],
+        cwd=root, capture_output=True, text=True, check=True,
+    ).stdout
+    module = ModuleType("index_baseline")
+    module.__file__ = f"{revision}:router/index/prefix_index.py"
+    sys.modules[module.__name__] = module  # dataclasses look their module up while the class is built
+    exec(compile(source, module.__file__, "exec"), module.__dict__)
+    return module
+
+
 IMPLEMENTATIONS: dict[str, Callable[[], Any]] = {
-    "before": index_baseline.PrefixIndex,
+    "before": load_baseline_index().PrefixIndex,
     "after": PrefixIndex,
 }
 DECODERS = {"before": decode_batch_event_by_event, "after": decode_batch}
@@ -404,7 +423,7 @@ def main() -> None:
         },
         "setup": {"backends": BACKENDS, "cached_blocks_target": args.blocks, "block_tokens": 16},
         "implementations": {
-            "before": "benchmarks/index_baseline.py (router/index/prefix_index.py at eee4511), "
+            "before": f"router/index/prefix_index.py at {BASELINE_REVISION} (from git history), "
             "event-by-event msgpack decoding",
             "after": "router/index/prefix_index.py, whole-batch msgpack decoding",
         },
