@@ -3,8 +3,8 @@
 They compute exactly what the format in cachegen.py defines (and what the CUDA kernels compute):
 float32 arithmetic in IEEE order with no contraction (numba's default, fastmath off), round half to
 even, 32-bit rANS states. Work is split across threads by (layer, K/V) plane for quantization and
-by (plane, group of 256 tokens) for the rANS passes; inside a task the loop over a step runs across
-the task's channels (lanes), which are contiguous in memory.
+by (plane, group of 256 tokens) for the rANS passes; inside a task, blocks of 32 lanes (channels,
+contiguous in memory) run through all their steps, the loop over a step running across the block.
 
 `cache=True` writes the compiled machine code next to this file (or, where that is read-only, to
 numba's per-user cache; NUMBA_CACHE_DIR overrides both), so a process pays the JIT (seconds) only
@@ -21,13 +21,14 @@ import numpy as np
 from numba import types
 from numba.extending import overload
 
-_PROBABILITY_BITS = 12
+from cachelayer.compress.cachegen import ALPHABET as _ALPHABET
+from cachelayer.compress.cachegen import GROUP_TOKENS as _GROUP_TOKENS
+from cachelayer.compress.cachegen import PROBABILITY_BITS as _PROBABILITY_BITS
+from cachelayer.compress.cachegen import STATE_LOWER_BOUND as _STATE_LOWER_BOUND
+
 _SLOT_MASK = (1 << _PROBABILITY_BITS) - 1
-_STATE_LOWER_BOUND = 1 << 16
 _RENORMALIZE_SHIFT = 32 - _PROBABILITY_BITS
-_GROUP_TOKENS = 256
 _LANE_BLOCK = 32  # lanes coded together; see rans_encode
-_ALPHABET = 64
 
 _JIT = dict(nogil=True, cache=True)
 
