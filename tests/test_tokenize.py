@@ -19,7 +19,7 @@ from starlette.routing import Route
 from router.backends import BackendState
 from router.config import builtin_tokenizer_dir, parse_config
 from router.policies.base import RouteRequest
-from router.tokenize import PromptTokenizer, RequestTokenizer, TokenizeError
+from router.tokenize import PromptTokenizer, RequestTokenizer, TokenizeError, _PieceCache
 from tests.support import free_port
 
 QWEN3_EXAMPLE = (
@@ -137,6 +137,79 @@ def test_a_follow_up_turn_encodes_only_its_new_pieces() -> None:
     assert first_turn_chars > 1000
     assert tokens.tolist() == whole_prompt_tokens(tokenizer, follow_up)
     assert tokenizer.cache.hits > 0
+
+
+PROSE_WORDS = [
+    "Cache", "router", "engine's", "prefix", "token", "ünïcödé", "中文", "e\u0301t\u00e9", "x2", "3.14",
+    "(see", "table)", "it's", "WE'LL", "  spaced", "tab\tbed", "line\n", "para\n\n", "--", "naïve",
+    "😀", "a", "I", "\r\nCRLF", "   ", "end.", "the", "of", "and", "document", "section", "42",
+]  # fmt: skip
+
+
+def random_prose(rng: np.random.Generator, words: int) -> str:
+    return " ".join(rng.choice(PROSE_WORDS, size=words).tolist())
+
+
+def test_qwen3_long_messages_are_cached_by_segments(qwen3: PromptTokenizer) -> None:
+    assert qwen3.segmented
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_segment_encoding_equals_whole_encoding_on_random_text(qwen3: PromptTokenizer, seed: int) -> None:
+    rng = np.random.default_rng(seed)
+    text = random_prose(rng, int(rng.integers(400, 3000)))
+    for piece in (text, text + "<|im_end|>", "\n" + text + " \n "):
+        for segment_chars in (16, 100, 512):
+            segments = qwen3._segments(piece, segment_chars)
+            assert "".join(segments) == piece
+            assert len(segments) > 1
+            ids = np.concatenate([qwen3._encode_plain(segment) for segment in segments])
+            whole = qwen3.tokenizer.encode(piece, add_special_tokens=False)
+            assert ids.tolist() == whole
+            # Through the cache: cold (one encode split by offsets), then warm, then after a prefix.
+            fresh = PromptTokenizer.__new__(PromptTokenizer)
+            fresh.__dict__.update(qwen3.__dict__, cache=_PieceCache(1_000_000))
+            assert fresh._encode_by_segments(piece, segment_chars).tolist() == whole
+            assert fresh._encode_by_segments(piece, segment_chars).tolist() == whole
+            fresh.cache = _PieceCache(1_000_000)
+            fresh._encode_by_segments(piece[: len(piece) // 2], segment_chars)
+            assert fresh._encode_by_segments(piece, segment_chars).tolist() == whole
+
+
+class CountingEncoder:
+    """Records the texts a tokenizer object is asked to encode, and delegates everything."""
+
+    def __init__(self, inner: object, encoded: list[str]) -> None:
+        self._inner = inner
+        self._encoded = encoded
+
+    def encode(self, text: str, *args, **kwargs):  # type: ignore[no-untyped-def]
+        self._encoded.append(text)
+        return self._inner.encode(text, *args, **kwargs)  # type: ignore[attr-defined]
+
+    def __getattr__(self, name: str):  # type: ignore[no-untyped-def]
+        return getattr(self._inner, name)
+
+
+def test_a_new_question_after_the_same_document_encodes_only_the_last_segment() -> None:
+    tokenizer = PromptTokenizer(builtin_tokenizer_dir("qwen3"))
+    encoded: list[str] = []
+    tokenizer.tokenizer = CountingEncoder(tokenizer.tokenizer, encoded)  # type: ignore[assignment]
+    tokenizer._pre_tokenizer_owner = CountingEncoder(tokenizer._pre_tokenizer_owner, encoded)
+    document = random_prose(np.random.default_rng(5), 2500)
+    encoded_per_request = []
+    for question in ("What does the first section say?", "Which table holds the results?"):
+        body = {"messages": [{"role": "user", "content": f"{document}\n\nQuestion: {question}"}]}
+        encoded.clear()
+        tokens = tokenizer.tokens_for(body)
+        encoded_per_request.append(list(encoded))
+        assert tokens.tolist() == whole_prompt_tokens(tokenizer, body)
+    first, second = encoded_per_request
+    assert sum(map(len, first)) > len(document)
+    # The second request encoded its question's segment (and the short generation prompt), not the
+    # document again.
+    assert sum(map(len, second)) < 2 * 512 + 100
+    assert any("Which table" in text for text in second)
 
 
 def test_completions_follow_the_engine_special_token_rule(qwen3: PromptTokenizer) -> None:

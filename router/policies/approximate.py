@@ -73,7 +73,7 @@ class Approximate(CacheAwarePolicy):
                 "in_flight": backend.in_flight,
                 "cost": costs[backend.name],
             }
-        winner = self.pick(allowed, costs, cached, now)
+        winner = self.pick(candidates, allowed, costs, cached, now)
         if request.tokens is None:
             reason = "no_tokens"
         elif cached[winner.name] > 0:

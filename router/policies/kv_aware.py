@@ -14,11 +14,11 @@ The cheapest backend wins, with these guards:
   hot prefix too (a second replica), as a perfect-knowledge placement would;
 - in-flight hot spots: a backend whose in-flight count is over max_load_ratio * mean + load_slack
   is skipped while another candidate is under that line;
-- nothing cached: when no allowed candidate holds (or is predicted to hold) any of the prompt, the
-  choice is least_loaded's: fewest in-flight requests, ties taken in turn. Different cold prefixes
-  therefore spread over the engines instead of piling onto the first one (architecture.md, "what
-  measuring the peers taught us"); between equal costs otherwise, the backend with the fewest
-  recently placed prompt tokens wins, then the one whose cache holds least.
+- nothing cached: when no candidate holds (or is predicted to hold) any of the prompt, the choice is
+  least_loaded's, guards aside: fewest in-flight requests, ties taken in turn. Different cold
+  prefixes therefore spread evenly over the engines instead of piling onto the first one
+  (architecture.md, "what measuring the peers taught us"); between equal costs otherwise, the
+  backend with the fewest recently placed prompt tokens wins, then the one whose cache holds least.
 After routing, the prompt is credited to the chosen backend for prediction_ttl_s (its events arrive
 only after the prefill); predictions steer routing but never appear in the index or /lookup.
 """
@@ -209,23 +209,25 @@ class CacheAwarePolicy:
         )
 
     def pick(
-        self, candidates: list[BackendState], costs: dict[str, float], cached: dict[str, int], now: float
+        self,
+        candidates: list[BackendState],
+        allowed: list[BackendState],
+        costs: dict[str, float],
+        cached: dict[str, int],
+        now: float,
     ) -> BackendState:
-        """Cheapest; among equal costs, fewest recent placements, then the emptiest cache.
+        """The allowed candidate with the lowest cost; among equal costs, fewest recent placements,
+        then the emptiest cache.
 
-        When no candidate holds any of the prompt, least_loaded's choice: fewest in flight; among
-        those, the smallest recent share of requests (least recently used first), and between exact
-        equals least_loaded's rotation. The cost would only restate the loads.
+        When no candidate holds any of the prompt, least_loaded's choice over all candidates (its
+        rotation between equals too): the cost would only restate the loads, and rotation spreads
+        cold prefixes evenly, so they need no guard.
         """
         self._turn += 1
         if not any(cached[b.name] for b in candidates):
-            lowest = min(b.in_flight for b in candidates)
-            idle = [b for b in candidates if b.in_flight == lowest]
-            shares = {b.name: self.request_shares.value(b.name, now) for b in idle}
-            smallest = min(shares.values())
-            return fewest_in_flight([b for b in idle if shares[b.name] <= smallest + 1e-9], self._turn)
+            return fewest_in_flight(candidates, self._turn)
         return min(
-            candidates,
+            allowed,
             key=lambda b: (
                 round(costs[b.name], 6),
                 round(self.placements.value(b.name, now), 3),
@@ -290,7 +292,7 @@ class KVAware(CacheAwarePolicy):
                 "load": load,
                 "cost": costs[backend.name],
             }
-        winner = self.pick(allowed, costs, cached, now)
+        winner = self.pick(candidates, allowed, costs, cached, now)
         reason = self._reason(tokens, candidates, allowed, winner, costs, cached)
         self.record(request, winner.name, reason, scores, prompt_tokens, cached[winner.name])
         return winner
@@ -320,7 +322,7 @@ class KVAware(CacheAwarePolicy):
         if cached[winner.name] > 0:
             best_cache = max(cached.values())
             return "cache_hit" if cached[winner.name] == best_cache else "cache_vs_load"
-        if not any(cached[b.name] for b in allowed):
+        if not any(cached.values()):
             return "cold_spread"
         return "least_load"
 
