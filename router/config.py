@@ -48,11 +48,18 @@ class KVEvents(_Struct):
     dp_ranks: Annotated[int, msgspec.Meta(ge=1, le=1024)] = 1
     # Bind instead of connect, for engines whose publisher connects out.
     bind: bool = False
+    # Ask the replay endpoint for a snapshot of everything held (cache-layer publishers only:
+    # vLLM's has no such request) on start, restart, long outage or unrecoverable gap.
+    snapshot: bool = False
 
     def __post_init__(self) -> None:
         for field, value in (("endpoint", self.endpoint), ("replay_endpoint", self.replay_endpoint)):
             if value is not None and not value.startswith(("tcp://", "ipc://", "inproc://")):
                 raise ValueError(f"{field} {value!r} must start with tcp://, ipc:// or inproc://")
+        if self.snapshot and self.replay_endpoint is None:
+            raise ValueError(
+                "snapshot: true needs replay_endpoint (snapshots are asked for on the replay socket)"
+            )
 
 
 class Backend(_Struct):

@@ -221,10 +221,13 @@ class _Backend:
         "nodes",
         "stats",
         "tier_slots",
+        "visible",
     )
 
-    def __init__(self, name: str) -> None:
+    def __init__(self, name: str, *, visible: bool = True) -> None:
         self.name = name
+        # False while a snapshot is built into it: its slots stay out of the readers' layout.
+        self.visible = visible
         self.nodes: dict[Any, _Node] = {}
         self.tier_slots: dict[str, int] = {}
         # An event's `medium` as spelled on the wire (None, "GPU", "cpu", ...) -> its tier's slot.
@@ -256,6 +259,41 @@ class BackendMatch:
         if best == 0:
             return None
         return min((tier for tier, held in self.by_tier.items() if held == best), key=tier_rank, default=None)
+
+
+# A lookup whose layout changed while it ran runs again, at most this many times in all.
+_LOOKUP_ATTEMPTS = 4
+
+
+def snapshot_order(events: list[KVEvent]) -> list[KVEvent]:
+    """A snapshot's events with every BlockStored after the one holding its parent block.
+
+    A snapshot lists blocks per tier; a block held in one tier may have its parent only in another
+    tier listed later. Placing a block needs its parent placed, so stored blocks are sorted by
+    chain depth across tiers (stable: the publisher's order is kept among equals). Other events
+    (the leading AllBlocksCleared) stay first.
+    """
+    stored = [event for event in events if isinstance(event, BlockStored) and event.block_hashes]
+    if len(stored) < 2:
+        return events
+    producer: dict[Any, BlockStored] = {}
+    for event in stored:
+        for block_hash in event.block_hashes:
+            producer.setdefault(block_hash, event)
+    depth: dict[int, int] = {}
+    for event in stored:
+        chain: list[BlockStored] = []
+        current: BlockStored | None = event
+        while current is not None and id(current) not in depth and len(chain) <= len(stored):
+            chain.append(current)
+            parent = current.parent_block_hash
+            current = producer.get(parent) if parent is not None else None
+        level = depth[id(current)] if current is not None and id(current) in depth else 0
+        for member in reversed(chain):
+            level += 1
+            depth.setdefault(id(member), level)
+    others = [event for event in events if not (isinstance(event, BlockStored) and event.block_hashes)]
+    return others + sorted(stored, key=lambda event: depth[id(event)])
 
 
 def _record_lost_bits(runs: dict[int, int], bits: int, position: int) -> None:
@@ -308,6 +346,41 @@ class PrefixIndex:
             backend = self._backends.get(name)
             if backend is not None:
                 self._clear_locked(backend)
+
+    def replace_backend(self, name: str, events: list[KVEvent]) -> None:
+        """Replace everything a backend holds by a snapshot's events, atomically for lookups.
+
+        The snapshot is built into a hidden backend with slots of its own (absent from the
+        readers' layout, so no lookup sees it half-built); one assignment of the layout then
+        switches readers from the old slots to the new ones, and the old slots are torn down and
+        freed. Counters carry over; blocks and tokens are the snapshot's.
+        """
+        with self._lock:
+            fresh = _Backend(name, visible=False)
+            collecting = gc.isenabled()
+            gc.disable()
+            try:
+                self._apply_locked(fresh, snapshot_order(events))
+            finally:
+                if collecting:
+                    gc.enable()
+            old = self._backends.get(name)
+            fresh.visible = True
+            self._backends[name] = fresh
+            layout = {k: v for k, v in self._layout.items() if k != name}
+            if fresh.tier_slots:
+                layout[name] = tuple(sorted(fresh.tier_slots.items(), key=lambda item: tier_rank(item[0])))
+            self._layout = layout
+            if old is None:
+                return
+            stats, previous = fresh.stats, old.stats
+            stats.stored_events += previous.stored_events
+            stats.removed_events += previous.removed_events
+            stats.cleared_events += previous.cleared_events
+            stats.unplaced_blocks += previous.unplaced_blocks
+            stats.unknown_removals += previous.unknown_removals
+            self._clear_locked(old)
+            self._free_slots.extend(old.tier_slots.values())
 
     def backends(self) -> list[str]:
         return list(self._backends)
@@ -613,6 +686,8 @@ class PrefixIndex:
             backend.tier_slots[tier] = slot
             backend.stats.blocks.setdefault(tier, 0)
             backend.stats.tokens.setdefault(tier, 0)
+            if not backend.visible:
+                return slot
             layout = dict(self._layout)
             by_speed = sorted(backend.tier_slots.items(), key=lambda item: tier_rank(item[0]))
             layout[backend.name] = tuple(by_speed)
@@ -870,10 +945,28 @@ class PrefixIndex:
         namespace: Namespace = DEFAULT_NAMESPACE,
         backends: list[str] | None = None,
     ) -> dict[str, BackendMatch]:
-        """For each backend (all when None), the leading tokens of `tokens` it holds, per tier."""
+        """For each backend (all when None), the leading tokens of `tokens` it holds, per tier.
+
+        A snapshot swaps a backend's slots by replacing the layout, then tears the old slots down;
+        a lookup that saw the layout change under it may have read a half-torn-down backend, so it
+        runs again on the new layout (the check is one identity test; retries are bounded).
+        """
         array = np.asarray(tokens, dtype=np.uint32)
         seed = namespace_seed(namespace)
-        layout = self._layout
+        for _ in range(_LOOKUP_ATTEMPTS):
+            layout = self._layout
+            result = self._lookup_in_layout(array, seed, layout, backends)
+            if self._layout is layout:
+                break
+        return result
+
+    def _lookup_in_layout(
+        self,
+        array: np.ndarray,
+        seed: int,
+        layout: dict[str, tuple[tuple[str, int], ...]],
+        backends: list[str] | None,
+    ) -> dict[str, BackendMatch]:
         order = list(layout) if backends is None else backends
         if not any(map(layout.__contains__, order)):
             return {name: BackendMatch({}, []) for name in order}

@@ -91,6 +91,11 @@ class KVIndexService:
                 topic=kv_events.topic,
                 bind=kv_events.bind,
                 replay_timeout_s=self.replay_timeout_s,
+                replace=(
+                    (lambda events, target=index_name: self.index.replace_backend(target, events))
+                    if kv_events.snapshot
+                    else None
+                ),
             )
             streams.append(_Stream(name, rank, index_name, subscriber))
         self._streams[name] = streams
@@ -177,6 +182,10 @@ class KVIndexService:
                         "unplaced_blocks": index_stats.unplaced_blocks if index_stats else 0,
                         "last_message_at": stats.last_message_at,
                         "last_error": stats.last_error,
+                        "snapshots": stats.snapshots,
+                        "snapshot_failures": stats.snapshot_failures,
+                        "snapshot_blocks": stats.snapshot_blocks,
+                        "last_snapshot_error": stats.last_snapshot_error,
                     }
                 )
 
@@ -191,12 +200,18 @@ class KVIndexService:
                 "replays": total("replays"),
                 "unrecovered_gaps": total("unrecovered_gaps"),
                 "restarts": total("restarts"),
+                "snapshots": total("snapshots"),
+                "snapshot_failures": total("snapshot_failures"),
                 "malformed": total("malformed"),
                 "unplaced_blocks": total("unplaced_blocks"),
                 "uncertain": any(rank["uncertain"] for rank in ranks),
                 "ranks": ranks,
             }
         return out
+
+    def snapshots_enabled(self, name: str) -> bool:
+        config = self._configs.get(name)
+        return config is not None and config.snapshot
 
     def subscribers(self, name: str) -> list[EventSubscriber]:
         return [stream.subscriber for stream in self._streams.get(name, [])]
@@ -221,6 +236,11 @@ class _IndexCollector:
         )
         restarts = CounterMetricFamily(
             "kvgate_kv_restarts", "Engine restarts detected (seq went back)", labels=["backend"]
+        )
+        snapshots = CounterMetricFamily(
+            "kvgate_kv_snapshots",
+            "Snapshots asked of cache-layer publishers (kv_events.snapshot), by outcome (ok, failed)",
+            labels=["backend", "outcome"],
         )
         malformed = CounterMetricFamily(
             "kvgate_kv_malformed", "Malformed KV-event messages skipped", labels=["backend"]
@@ -247,6 +267,9 @@ class _IndexCollector:
             replays.add_metric([name], status["replays"])
             gaps.add_metric([name], status["unrecovered_gaps"])
             restarts.add_metric([name], status["restarts"])
+            if self._service.snapshots_enabled(name):
+                snapshots.add_metric([name, "ok"], status["snapshots"])
+                snapshots.add_metric([name, "failed"], status["snapshot_failures"])
             malformed.add_metric([name], status["malformed"])
             uncertain.add_metric([name], 1.0 if status["uncertain"] else 0.0)
             connected.add_metric([name], 1.0 if status["connected"] else 0.0)
@@ -255,4 +278,16 @@ class _IndexCollector:
             for tier, count in status["tokens"].items():
                 tokens.add_metric([name, tier], count)
         keys.add_metric([], self._service.index.size()["router_keys"])
-        yield from (events, replays, gaps, restarts, malformed, uncertain, connected, blocks, tokens, keys)
+        yield from (
+            events,
+            replays,
+            gaps,
+            restarts,
+            snapshots,
+            malformed,
+            uncertain,
+            connected,
+            blocks,
+            tokens,
+            keys,
+        )

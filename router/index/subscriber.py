@@ -15,6 +15,19 @@ Sequence rules (protocols.md section 1):
   the engine still buffers; if that does not reach back to seq 0, the backend is uncertain.
 Malformed messages are counted and logged, never fatal. ZMQ reconnects on its own, with
 exponential backoff between `reconnect_initial_s` and `reconnect_max_s`.
+
+Snapshots (`kv_events.snapshot: true`, cache-layer publishers only: vLLM's has no such request):
+the request `[b"", b"KVSNAPSHOT"]` on the replay socket is answered with one batch holding
+everything the engine holds (AllBlocksCleared, then a BlockStored per block and tier) under seq =
+the first live batch it does not include, then the end marker. It is asked for when the state is
+unknown: the stream connects for the first time or again after an outage of at least
+`snapshot_after_outage_s` (default 0: every reconnect, since an engine that restarted meanwhile is
+otherwise noticed only at its next event, and what it published before the reconnect is lost),
+the engine restarted (seq went back), or a gap the replay could not fill (a late start included).
+The snapshot replaces the backend's entries at once (`replace`), last_seq becomes seq - 1, live
+batches older than seq and published before it are dropped, and the uncertain mark is cleared.
+A snapshot that fails (timeout, no snapshot in the answer, garbage) is counted and logged, and
+the rules above apply as without snapshots.
 """
 
 from __future__ import annotations
@@ -40,9 +53,17 @@ from router.index.events import (
 
 logger = logging.getLogger("kvgate.index")
 
-# Callbacks: apply(events), clear() on a restart. Both run in the subscriber's thread.
+# Callbacks: apply(events), clear() on a restart, replace(events) with a snapshot. All run in the
+# subscriber's thread.
 ApplyEvents = Callable[[list[KVEvent]], None]
 ClearBackend = Callable[[], None]
+ReplaceBackend = Callable[[list[KVEvent]], None]
+
+SNAPSHOT_REQUEST = b"KVSNAPSHOT"
+
+
+class SnapshotFailed(Exception):
+    """The publisher gave no usable snapshot (timeout, only an end marker, or garbage)."""
 
 
 @dataclass
@@ -64,6 +85,11 @@ class SubscriberStats:
     last_message_at: float | None = None
     apply_errors: int = 0
     last_error: str | None = None
+    snapshots: int = 0
+    snapshot_failures: int = 0
+    # Blocks in the last snapshot applied, and why the last one failed.
+    snapshot_blocks: int = 0
+    last_snapshot_error: str | None = None
 
 
 def rank_endpoint(endpoint: str, rank: int) -> str:
@@ -99,6 +125,8 @@ class EventSubscriber:
         reconnect_max_s: float = 5.0,
         on_batch: Callable[[str, DecodedBatch], None] | None = None,
         context: zmq.Context | None = None,
+        replace: ReplaceBackend | None = None,
+        snapshot_after_outage_s: float = 0.0,
     ) -> None:
         self.name = name
         self.endpoint = endpoint
@@ -118,6 +146,13 @@ class EventSubscriber:
         self._thread = threading.Thread(target=self._run, name=f"kv-events-{name}", daemon=True)
         self._dealer: zmq.Socket | None = None
         self._last_malformed_log = 0.0
+        # Snapshots need the replay socket and somewhere to put them.
+        self._replace = replace if replay_endpoint is not None else None
+        self.snapshot_after_outage_s = snapshot_after_outage_s
+        self._disconnected_at: float | None = None
+        # After a snapshot: (its seq, its ts). Live batches below that seq published before it are
+        # already in it; the mark goes once a batch at or past that seq arrives.
+        self._snapshot_floor: tuple[int, float] | None = None
 
     # ---- lifecycle ----
 
@@ -193,9 +228,21 @@ class EventSubscriber:
                 return
             event = int.from_bytes(frames[0][:2], "little")
             if event in (zmq.EVENT_CONNECTED, zmq.EVENT_ACCEPTED):
+                was_connected = self.stats.connected
                 self.stats.connected = True
+                if not was_connected and self._replace is not None and self._needs_snapshot_on_connect():
+                    self._take_snapshot("connected" if self.stats.last_seq is None else "reconnected")
+                self._disconnected_at = None
             elif event in (zmq.EVENT_DISCONNECTED, zmq.EVENT_CLOSED):
+                if self.stats.connected:
+                    self._disconnected_at = time.monotonic()
                 self.stats.connected = False
+
+    def _needs_snapshot_on_connect(self) -> bool:
+        if self.stats.last_seq is None:
+            return True
+        outage_since = self._disconnected_at
+        return outage_since is not None and time.monotonic() - outage_since >= self.snapshot_after_outage_s
 
     # ---- messages ----
 
@@ -232,10 +279,18 @@ class EventSubscriber:
     def _advance(self, seq: int, batch: DecodedBatch | None) -> None:
         stats = self.stats
         stats.last_message_at = time.time()
+        floor = self._snapshot_floor
+        if floor is not None:
+            floor_seq, floor_ts = floor
+            if seq >= floor_seq:
+                self._snapshot_floor = None
+            elif batch is None or batch.ts <= floor_ts:
+                return  # published before the snapshot, which already holds it
         last = stats.last_seq
+        recovered = True
         if last is None:
             if seq > 0:
-                self._recover(0, seq, late_start=True)
+                recovered = self._recover(0, seq, late_start=True)
         elif seq <= last:
             stats.restarts += 1
             logger.warning(
@@ -244,14 +299,89 @@ class EventSubscriber:
                 last,
                 seq,
             )
+            if self._replace is not None and self._take_snapshot(f"restart (seq {last} -> {seq})"):
+                self._continue_after_snapshot(seq, batch)
+                return
             self._clear()
             stats.uncertain = False
             stats.uncertain_reason = None
             if seq > 0:
-                self._recover(0, seq, late_start=True)
+                recovered = self._recover(0, seq, late_start=True)
         elif seq > last + 1:
-            self._recover(last + 1, seq, late_start=False)
+            recovered = self._recover(last + 1, seq, late_start=False)
+        if (
+            not recovered
+            and self._replace is not None
+            and self._take_snapshot(f"unrecovered gap ({stats.uncertain_reason})")
+        ):
+            self._continue_after_snapshot(seq, batch)
+            return
         self._apply_batch(seq, batch)
+
+    def _continue_after_snapshot(self, seq: int, batch: DecodedBatch | None) -> None:
+        """Handle the live batch that led to a snapshot: drop it if the snapshot holds it."""
+        last = -1 if self.stats.last_seq is None else self.stats.last_seq
+        if seq <= last:
+            return
+        if seq > last + 1:
+            self._recover(last + 1, seq, late_start=False)
+        self._snapshot_floor = None
+        self._apply_batch(seq, batch)
+
+    # ---- snapshot ----
+
+    def _take_snapshot(self, why: str) -> bool:
+        """Ask for a snapshot and put it in place of the backend's entries; False when it failed."""
+        assert self._replace is not None
+        stats = self.stats
+        try:
+            next_seq, batch = self._fetch_snapshot()
+        except SnapshotFailed as exc:
+            stats.snapshot_failures += 1
+            stats.last_snapshot_error = str(exc)
+            logger.warning(
+                "kv events %s: snapshot on %s failed, falling back to replay: %s", self.name, why, exc
+            )
+            return False
+        try:
+            self._replace(batch.events)
+        except Exception:  # a bug here must not end the stream; the entries are as before
+            stats.snapshot_failures += 1
+            stats.apply_errors += 1
+            stats.last_snapshot_error = "the index failed to apply the snapshot (see the log)"
+            logger.exception("kv events %s: applying the snapshot failed", self.name)
+            return False
+        stats.snapshots += 1
+        stats.snapshot_blocks = sum(1 for event in batch.events if event_kind(event) == "BlockStored")
+        stats.last_seq = next_seq - 1 if next_seq > 0 else None
+        stats.uncertain = False
+        stats.uncertain_reason = None
+        stats.last_snapshot_error = None
+        self._snapshot_floor = (next_seq, batch.ts)
+        logger.info(
+            "kv events %s: snapshot on %s: %d blocks, live from seq %d",
+            self.name,
+            why,
+            stats.snapshot_blocks,
+            next_seq,
+        )
+        return True
+
+    def _fetch_snapshot(self) -> tuple[int, DecodedBatch]:
+        replies, complete = self._request(SNAPSHOT_REQUEST, "snapshot")
+        if not complete:
+            raise SnapshotFailed(f"no complete answer within {self.replay_timeout_s}s")
+        if len(replies) != 1:
+            raise SnapshotFailed(
+                "the publisher answered without a snapshot (it may not support them: set "
+                "kv_events.snapshot: false for it)"
+                if not replies
+                else f"expected one snapshot batch, got {len(replies)}"
+            )
+        next_seq, batch = replies[0]
+        if batch is None:
+            raise SnapshotFailed("the snapshot batch could not be decoded")
+        return next_seq, batch
 
     def _apply_batch(self, seq: int, batch: DecodedBatch | None) -> None:
         self.stats.last_seq = seq
@@ -278,13 +408,13 @@ class EventSubscriber:
 
     # ---- replay ----
 
-    def _recover(self, start: int, until: int, *, late_start: bool) -> None:
+    def _recover(self, start: int, until: int, *, late_start: bool) -> bool:
         """Replay batches start..until-1 and apply them; mark the backend uncertain when that fails."""
         missing = set(range(start, until)) if until - start <= 1_000_000 else None
         got = 0
         if self.replay_endpoint is not None:
             self.stats.replays += 1
-            for seq, batch in self._replay(start):
+            for seq, batch in self._request(encode_seq(start), f"replay from seq {start}")[0]:
                 if seq >= until:
                     continue  # the live stream delivers these
                 if missing is not None:
@@ -296,7 +426,7 @@ class EventSubscriber:
                 self._apply_batch(seq, batch)
         complete = (missing is not None and not missing) or (missing is None and got == until - start)
         if complete:
-            return
+            return True
         if late_start:
             reason = f"subscribed late (first seq {until}); the engine no longer buffers seq {start}.."
         else:
@@ -305,16 +435,20 @@ class EventSubscriber:
         self.stats.uncertain = True
         self.stats.uncertain_reason = reason
         logger.warning("kv events %s: index uncertain: %s", self.name, reason)
+        return False
 
-    def _replay(self, start: int) -> list[tuple[int, DecodedBatch | None]]:
-        """Ask the engine's ROUTER for batches from `start`; returns what arrived before the deadline."""
+    def _request(self, request: bytes, what: str) -> tuple[list[tuple[int, DecodedBatch | None]], bool]:
+        """Send one request (a start seq, or the snapshot request) to the engine's ROUTER.
+
+        Returns the batches that arrived before the deadline, and whether the end marker came.
+        """
         assert self.replay_endpoint is not None
         if self._dealer is None:
             self._dealer = self._context.socket(zmq.DEALER)
             self._dealer.setsockopt(zmq.LINGER, 0)
             self._dealer.connect(connectable(self.replay_endpoint))
         dealer = self._dealer
-        dealer.send_multipart([b"", encode_seq(start)])
+        dealer.send_multipart([b"", request])
         deadline = time.monotonic() + self.replay_timeout_s
         replies: list[tuple[int, DecodedBatch | None]] = []
         while True:
@@ -322,10 +456,10 @@ class EventSubscriber:
             if remaining <= 0 or not dealer.poll(int(remaining * 1000) + 1):
                 # The ROUTER drops at its high-water mark, end marker included. A late answer
                 # must not be taken for the next replay's: start that one on a fresh socket.
-                logger.warning("kv events %s: replay from seq %d timed out", self.name, start)
+                logger.warning("kv events %s: %s timed out", self.name, what)
                 dealer.close(0)
                 self._dealer = None
-                return replies
+                return replies, False
             frames = dealer.recv_multipart()
             # [b"", seq, payload] (vLLM < 0.26) or [b"", topic, seq, payload] (later).
             if frames and frames[0] == b"":
@@ -341,7 +475,7 @@ class EventSubscriber:
                 self._malformed(f"replay: {exc}")
                 continue
             if seq == -1:
-                return replies
+                return replies, True
             try:
                 replies.append((seq, decode_batch(frames[1])))
             except MalformedBatch as exc:
