@@ -4,8 +4,10 @@ Side by side in one run, with the real Qwen3 tokenizer and chat template:
 - whole: what a router without a cache does every turn: render the template, encode all of it;
 - kvgate: router/tokenize.py (render, cut after added tokens, encode only pieces not cached).
 A first turn is a conversation the cache has never seen; a follow-up turn appends an assistant
-answer and a new user question to the previous turn's messages. Every kvgate result is checked
-equal to the whole-prompt tokens.
+answer and a new user question to the previous turn's messages; a new question sends the first
+turn's long user message again with another question after the document, in the same message
+(document QA: the per-message cache misses, the segment cache does not). Every kvgate result is
+checked equal to the whole-prompt tokens.
 
 Run: .venv/bin/python benchmarks/tokenize_bench.py [--conversations 20] [--out benchmarks/results]
 Times are process CPU time per request (the machines are shared).
@@ -30,6 +32,7 @@ WORDS = [
     *("figure result method analysis system user answer question context window attention layer value",),
 ]
 WORDS = [word for line in WORDS for word in line.split()]
+KINDS = ("first_turn", "follow_up", "new_question")
 
 
 def paragraph(rng: np.random.Generator, words: int) -> str:
@@ -54,12 +57,20 @@ def run(size: int, conversations: int, turns: int, rng: np.random.Generator) -> 
     samples: dict[str, dict[str, list[float]]] = {
         "first_turn": {"whole": [], "kvgate": []},
         "follow_up": {"whole": [], "kvgate": []},
+        "new_question": {"whole": [], "kvgate": []},
     }
     prompt_tokens = []
     for _ in range(conversations):
         messages = conversation(rng, size)
-        for turn in range(turns):
-            kind = "first_turn" if turn == 0 else "follow_up"
+        document = messages[1]["content"].removesuffix("Summarise the document.")
+        questions = [
+            [messages[0], {"role": "user", "content": document + paragraph(rng, 12) + "?"}]
+            for _ in range(turns - 1)
+        ]
+        for turn in range(turns * 2 - 1):
+            kind = "first_turn" if turn == 0 else "follow_up" if turn < turns else "new_question"
+            if kind == "new_question":
+                messages = questions[turn - turns]
             body = {"messages": messages}
             started = time.process_time()
             expected = whole_tokens(tokenizer, messages)
@@ -69,6 +80,8 @@ def run(size: int, conversations: int, turns: int, rng: np.random.Generator) -> 
             samples[kind]["kvgate"].append(time.process_time() - started)
             assert got.tolist() == expected, "kvgate tokens differ from whole-prompt tokens"
             prompt_tokens.append(len(expected))
+            if kind == "new_question":
+                continue
             messages = [
                 *messages,
                 {"role": "assistant", "content": paragraph(rng, 60)},
@@ -79,6 +92,7 @@ def run(size: int, conversations: int, turns: int, rng: np.random.Generator) -> 
         "prompt_tokens_median": int(statistics.median(prompt_tokens)),
         "first_turn": {k: summary(v) for k, v in samples["first_turn"].items()},
         "follow_up": {k: summary(v) for k, v in samples["follow_up"].items()},
+        "new_question": {k: summary(v) for k, v in samples["new_question"].items()},
         "cache": {"hits": tokenizer.cache.hits, "misses": tokenizer.cache.misses},
     }
 
@@ -101,14 +115,14 @@ def plot(results: dict, path: Path) -> None:
     sizes = list(results["sizes"])
     labels, whole, kvgate = [], [], []
     for size in sizes:
-        for kind in ("first_turn", "follow_up"):
+        for kind in KINDS:
             labels.append(f"{int(size) // 1024}k {kind.replace('_', ' ')}")
             whole.append(results["sizes"][size][kind]["whole"]["median_ms"])
             kvgate.append(results["sizes"][size][kind]["kvgate"]["median_ms"])
     x = np.arange(len(labels))
     fig, ax = plt.subplots(figsize=(9, 4.5))
     ax.bar(x - 0.2, whole, 0.4, label="render + encode whole prompt")
-    ax.bar(x + 0.2, kvgate, 0.4, label="kvgate (per-message cache)")
+    ax.bar(x + 0.2, kvgate, 0.4, label="kvgate (per-message and segment cache)")
     ax.set_xticks(x, labels)
     ax.set_ylabel("median CPU ms per request")
     ax.set_title("Chat tokenization, Qwen3 tokenizer and template")
@@ -137,7 +151,7 @@ def main() -> None:
     }
     for size in (1024, 8192):
         results["sizes"][str(size)] = run(size, args.conversations, args.turns, rng)
-        for kind in ("first_turn", "follow_up"):
+        for kind in KINDS:
             entry = results["sizes"][str(size)][kind]
             print(
                 f"{size:>5} tokens {kind:>10}: whole {entry['whole']['median_ms']:.2f} ms, "
@@ -160,11 +174,11 @@ def report(results: dict) -> str:
         "Median CPU time per request; "
         "every kvgate result equals the whole-prompt tokens.",
         "",
-        "| prompt | turn | whole prompt (render + encode) | kvgate (per-message cache) |",
+        "| prompt | turn | whole prompt (render + encode) | kvgate (per-message and segment cache) |",
         "|---|---|---|---|",
     ]
     for size, entry in results["sizes"].items():
-        for kind in ("first_turn", "follow_up"):
+        for kind in KINDS:
             lines.append(
                 f"| ~{int(size) // 1024}k tokens (median {entry['prompt_tokens_median']}) | "
                 f"{kind.replace('_', ' ')} | "

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import logging
 import re
 import threading
@@ -50,7 +51,7 @@ SEGMENT_CHARS = 512
 # A candidate cut: before a space between an ASCII letter or digit and an ASCII letter.
 _CUT_CANDIDATE = re.compile(r"(?<=[A-Za-z0-9]) (?=[A-Za-z])")
 # Characters each side of a cut that the pre-tokenizer sees to confirm it.
-_CUT_CONTEXT_CHARS = 48
+_CUT_CONTEXT_CHARS = 16
 
 
 class TokenizeError(ValueError):
@@ -202,8 +203,8 @@ class PromptTokenizer:
         """A piece's tokens: its leading segments from the cache, the rest encoded in one call.
 
         The text from the first uncached segment on is encoded at once (one call costs less than
-        one per segment) and its tokens are split at the segments' boundaries by their character
-        offsets (every token lies inside one segment: cuts are pretoken boundaries), then cached.
+        one per segment) and its tokens are split where each segment's first character's token
+        starts (every token lies inside one segment: cuts are pretoken boundaries), then cached.
         """
         segments = self._segments(piece, segment_chars)
         parts = []
@@ -217,9 +218,9 @@ class PromptTokenizer:
         rest = segments[len(parts) :]
         encoding = self._pre_tokenizer_owner.encode("".join(rest), add_special_tokens=False)
         ids = np.asarray(encoding.ids, dtype=np.uint32)
-        starts = np.fromiter((start for start, _ in encoding.offsets), dtype=np.int64, count=len(ids))
-        boundaries = np.cumsum([len(segment) for segment in rest])[:-1]
-        splits = np.searchsorted(starts, boundaries, side="left")
+        # Each later segment starts with the token holding its first character.
+        boundaries = itertools.accumulate(len(segment) for segment in rest[:-1])
+        splits = [encoding.char_to_token(boundary) for boundary in boundaries]
         for segment, segment_ids in zip(rest, np.split(ids, splits), strict=True):
             self.cache.put(segment, segment_ids)
         parts.append(ids)
