@@ -220,11 +220,12 @@ class CacheAwarePolicy:
         then the emptiest cache.
 
         When no candidate holds any of the prompt, least_loaded's choice over all candidates (its
-        rotation between equals too): the cost would only restate the loads, and rotation spreads
-        cold prefixes evenly, so they need no guard.
+        rotation between equals too): the cost would only restate the loads. The rotation advances
+        on cold requests only, so cold prefixes (first turns, new documents) are dealt out evenly
+        and need no guard.
         """
-        self._turn += 1
         if not any(cached[b.name] for b in candidates):
+            self._turn += 1
             return fewest_in_flight(candidates, self._turn)
         return min(
             allowed,
