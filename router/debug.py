@@ -213,6 +213,17 @@ def _stream_cell(entry: dict[str, Any]) -> str:
     return state
 
 
+def _snapshots(entry: dict[str, Any]) -> str:
+    """Snapshots taken (kv_events.snapshot), failures after a slash with the last error as a tip."""
+    taken, failed = entry.get("snapshots", 0), entry.get("snapshot_failures", 0)
+    if not failed:
+        return str(taken)
+    errors = "; ".join(
+        r["last_snapshot_error"] or "" for r in entry.get("ranks", []) if r.get("last_snapshot_error")
+    )
+    return f'{taken} <span class="warn" title="{html.escape(errors)}">/ {failed} failed</span>'
+
+
 def render_page(data: dict[str, Any], refresh: str | None = None) -> str:
     rows = []
     for name, entry in data["backends"].items():
@@ -225,6 +236,7 @@ def render_page(data: dict[str, Any], refresh: str | None = None) -> str:
             f'<td class="num">{entry.get("replays", 0)}</td>'
             f'<td class="num">{entry.get("unrecovered_gaps", 0)}</td>'
             f'<td class="num">{entry.get("restarts", 0)}</td>'
+            f'<td class="num">{_snapshots(entry)}</td>'
             f'<td class="num">{entry.get("malformed", 0)}</td>'
             f"<td>{_tiers(entry.get('blocks', {}))}</td>"
             f"<td>{_tiers(entry.get('tokens', {}))}</td>"

@@ -11,6 +11,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 
+import httpx
 import pytest
 import zmq
 from prometheus_client import CollectorRegistry, generate_latest
@@ -20,6 +21,7 @@ from router.config import KVEvents, parse_config
 from router.index.events import AllBlocksCleared, BlockStored
 from router.index.prefix_index import PrefixIndex, snapshot_order
 from router.index.service import KVIndexService
+from tests.support import start_backend, start_gateway
 from tests.support.cachelayer import CHUNK, make_engine, request
 from tests.support.event_publisher import EventPublisher, block_stored
 from tests.support.ports import free_port
@@ -347,3 +349,46 @@ def test_snapshot_needs_a_replay_endpoint():
     assert config.backends[0].kv_events.snapshot is True
     default = parse_config({"models": [{"name": "m"}], "backends": [{**backend, "kv_events": kv_events}]})
     assert default.backends[0].kv_events.snapshot is False
+
+
+def test_the_gateway_shows_snapshots_on_the_page_metrics_and_lookup(cache_engine):
+    """The real gateway process with `snapshot: true` against a CacheEngine that stored first."""
+    engine = cache_engine
+    prompts = []
+    for seed, chunks in ((1, 2), (2, 3)):
+        tokens, kv = request(seed, chunks)
+        engine.store(tokens, kv)
+        prompts.append(tokens)
+    engine.flush()
+    backend = start_backend("b1", ["m"])
+    try:
+        kv_events = {
+            "endpoint": engine.publisher.endpoint,
+            "replay_endpoint": engine.publisher.replay_endpoint,
+            "snapshot": True,
+        }
+        config = {
+            "models": [{"name": "m", "tokenizer": "builtin:qwen3"}],
+            "backends": [{"name": "b1", "url": backend.url, "kv_events": kv_events}],
+            "policy": {"name": "kv_aware"},
+        }
+        with start_gateway(config) as gateway, httpx.Client(base_url=gateway.url, timeout=30) as client:
+
+            def page() -> dict:
+                return client.get("/debug/prefix-map", params={"format": "json"}).json()["backends"]["b1"]
+
+            wait_for(lambda: page()["snapshots"] == 1, what="the snapshot on /debug/prefix-map")
+            entry = page()
+            assert entry["snapshot_failures"] == 0
+            assert entry["last_seq"] == engine.publisher.last_seq
+            held_by_engine = [engine.lookup(tokens) for tokens in prompts]
+            for tokens, engine_tokens in zip(prompts, held_by_engine, strict=True):
+                answer = client.post("/lookup", json={"tokens": tokens}).json()
+                assert answer["layout_info"].get("b1", [None, 0])[1] == engine_tokens, (answer, entry)
+            assert max(held_by_engine) > 0
+            html_page = client.get("/debug/prefix-map").text
+            assert "<th>Snapshots</th>" in html_page
+            metrics = client.get("/metrics").text
+            assert 'kvgate_kv_snapshots_total{backend="b1",outcome="ok"} 1.0' in metrics
+    finally:
+        backend.stop()
