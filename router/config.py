@@ -118,6 +118,9 @@ class KVAwarePolicy(_Struct, tag="kv_aware", tag_field="name"):
     max_share_ratio: Annotated[float, msgspec.Meta(ge=1.0)] = 1.2
     share_slack: Annotated[float, msgspec.Meta(ge=0)] = 1.0
     share_half_life_s: Annotated[float, msgspec.Meta(gt=0)] = 20.0
+    # A cached prefix is hot once this many recent requests matched it; only requests for hot
+    # prefixes are held to the share line (0: every request is).
+    hot_prefix_requests: Annotated[int, msgspec.Meta(ge=0)] = 2
     # How long a routed prompt counts as cached on its backend before its events confirm it.
     prediction_ttl_s: float = 5.0
 

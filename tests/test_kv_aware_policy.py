@@ -293,3 +293,19 @@ def test_cached_work_still_wins_under_light_balanced_load() -> None:
     req = request(PROMPTS[5])
     assert route(policy, req, candidates).name == "b2"
     assert req.decision["reason"] == "cache_hit"
+
+
+def test_a_conversation_of_its_own_stays_home_even_when_home_is_over_its_share() -> None:
+    index = PrefixIndex()
+    policy = KVAware(KVAwarePolicy(), index)
+    candidates = backends(4)
+    for n in range(12):  # b0 took far more than its share of recent requests
+        policy.request_shares.add("b0" if n < 9 else f"b{n - 8}", 1.0, time.monotonic())
+    store(index, "b0", PROMPTS[7])  # one conversation's history, cached on b0 only
+    req = request(np.concatenate([PROMPTS[7], PROMPTS[8][:64]]))
+    assert route(policy, req, candidates).name == "b0"
+    assert req.decision["reason"] == "cache_hit"
+    # Held to the share line when every request is (hot_prefix_requests=0), it would move.
+    strict = KVAware(KVAwarePolicy(hot_prefix_requests=0), index)
+    strict.request_shares = policy.request_shares
+    assert strict.choose(request(np.concatenate([PROMPTS[7], PROMPTS[8][:64]])), candidates).name != "b0"

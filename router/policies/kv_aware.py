@@ -6,12 +6,15 @@ Cost of backend B for a prompt of P tokens:
              from CPU, disk; all from the event-driven index)
     cost   = (P - saved) + request_load_weight * in_flight + prefill_load_weight * in_flight_prefill_tokens
 The cheapest backend wins, with these guards:
-- share of recent requests: each backend's count of routed requests decays with share_half_life_s;
-  a backend whose count, with this request, would exceed max_share_ratio * the mean (plus
-  share_slack) is skipped while another is under that line. In-flight counts alone cannot see a hot
-  prefix when requests finish fast (about one in flight per engine); the decayed share can, and the
-  request then goes to the cheapest under-share backend, which pays the prefill once and caches the
-  hot prefix too (a second replica), as a perfect-knowledge placement would;
+- share of recent requests, for hot prefixes: each backend's count of routed requests decays with
+  share_half_life_s; when the prompt's best cached prefix is hot (at least hot_prefix_requests
+  recent requests matched it, same decay), a backend whose count, with this request, would exceed
+  max_share_ratio * the mean (plus share_slack) is skipped while another is under that line.
+  In-flight counts alone cannot see a hot prefix when requests finish fast (about one in flight per
+  engine); the decayed share can, and the request then goes to the cheapest under-share backend,
+  which pays the prefill once and caches the hot prefix too (a second replica, which later requests
+  for it share), as a perfect-knowledge placement would. A prefix only one conversation uses is
+  not moved by this guard: moving it would cost its whole prefill and replicate nothing;
 - in-flight hot spots: a backend whose in-flight count is over max_load_ratio * mean + load_slack
   is skipped while another candidate is under that line;
 - nothing cached: when no candidate holds (or is predicted to hold) any of the prompt, the choice is
@@ -29,7 +32,7 @@ import bisect
 import logging
 import math
 import time
-from collections import deque
+from collections import OrderedDict, deque
 from typing import TYPE_CHECKING, Any
 
 from prometheus_client import Counter
@@ -81,6 +84,25 @@ class PlacementTracker:
 
     def add(self, backend: str, tokens: float, now: float) -> None:
         self._values[backend] = (self.value(backend, now) + tokens, now)
+
+
+class RecentPrefixUses:
+    """Decayed count of recent requests whose best cached prefix ended at each prefix key (bounded LRU)."""
+
+    def __init__(self, half_life_s: float, max_keys: int = 65_536) -> None:
+        self._rate = math.log(2) / half_life_s
+        self._max_keys = max_keys
+        self._values: OrderedDict[int, tuple[float, float]] = OrderedDict()
+
+    def value(self, key: int, now: float) -> float:
+        amount, at = self._values.get(key, (0.0, now))
+        return amount * math.exp(-self._rate * (now - at))
+
+    def add(self, key: int, now: float) -> None:
+        self._values[key] = (self.value(key, now) + 1.0, now)
+        self._values.move_to_end(key)
+        if len(self._values) > self._max_keys:
+            self._values.popitem(last=False)
 
 
 class Predictions:
@@ -141,18 +163,23 @@ class CacheAwarePolicy:
         self.recent_decisions: deque[dict[str, Any]] = deque(maxlen=DECISIONS_KEPT)
         self.metrics = RoutingMetrics(registry) if registry is not None else None
 
-    def guarded(self, candidates: list[BackendState], now: float) -> list[BackendState]:
-        """Candidates under both the share line and the in-flight line (see the module docstring).
+    def guarded(
+        self, candidates: list[BackendState], now: float, *, by_share: bool = True
+    ) -> list[BackendState]:
+        """Candidates under the share line (when `by_share`) and the in-flight line (see the module
+        docstring).
 
         The share line always lets through the backend with the smallest share (it is at most the
         mean), so the result is never empty.
         """
         if len(candidates) < 2:
             return candidates
-        shares = [self.request_shares.value(b.name, now) for b in candidates]
-        share_line = self.max_share_ratio * (sum(shares) + 1) / len(candidates) + self.share_slack
-        under_share = [b for b, share in zip(candidates, shares, strict=True) if share + 1 <= share_line]
-        allowed = under_share or candidates
+        allowed = candidates
+        if by_share:
+            shares = [self.request_shares.value(b.name, now) for b in candidates]
+            share_line = self.max_share_ratio * (sum(shares) + 1) / len(candidates) + self.share_slack
+            allowed = [b for b, share in zip(candidates, shares, strict=True) if share + 1 <= share_line]
+            allowed = allowed or candidates
         mean = sum(b.in_flight for b in allowed) / len(allowed)
         line = self.max_load_ratio * mean + self.load_slack
         under = [b for b in allowed if b.in_flight <= line]
@@ -249,6 +276,7 @@ class KVAware(CacheAwarePolicy):
         self.config = config
         self.kv_index = kv_index
         self.predictions = Predictions(config.prediction_ttl_s)
+        self.prefix_uses = RecentPrefixUses(config.share_half_life_s)
         self._weights = {
             "gpu": config.gpu_hit_weight,
             "cpu": config.cpu_hit_weight,
@@ -258,7 +286,6 @@ class KVAware(CacheAwarePolicy):
     def choose(self, request: RouteRequest, candidates: list[BackendState]) -> BackendState:
         now = time.monotonic()
         self.predictions.expire(now)
-        allowed = self.guarded(candidates, now)
         tokens = request.tokens
         prompt_tokens = 0 if tokens is None else len(tokens)
         model, lora_name, cache_salt = request.namespace
@@ -293,6 +320,19 @@ class KVAware(CacheAwarePolicy):
                 "load": load,
                 "cost": costs[backend.name],
             }
+        hot_key = None
+        best_blocks = min(len(keys), max(cached.values(), default=0) // ROUTER_BLOCK_TOKENS)
+        if best_blocks:
+            hot_key = keys[best_blocks - 1]
+            request.decision["hot_prefix_key"] = hot_key
+        hot = (
+            self.config.hot_prefix_requests == 0
+            or (
+                hot_key is not None
+                and self.prefix_uses.value(hot_key, now) >= self.config.hot_prefix_requests - 1e-9
+            )
+        )
+        allowed = self.guarded(candidates, now, by_share=hot)
         winner = self.pick(candidates, allowed, costs, cached, now)
         reason = self._reason(tokens, candidates, allowed, winner, costs, cached)
         self.record(request, winner.name, reason, scores, prompt_tokens, cached[winner.name])
@@ -332,8 +372,12 @@ class KVAware(CacheAwarePolicy):
 
     def on_routed(self, request: RouteRequest, backend: BackendState) -> None:
         keys = request.decision.pop("prefix_keys", None)
+        now = time.monotonic()
         if keys:
-            self.predictions.add(backend.name, keys, time.monotonic())
+            self.predictions.add(backend.name, keys, now)
+        hot_key = request.decision.pop("hot_prefix_key", None)
+        if hot_key is not None:
+            self.prefix_uses.add(hot_key, now)
         self.remember_routed(request, backend)
 
     def on_finished(self, request: RouteRequest, backend: BackendState) -> None:
