@@ -112,7 +112,8 @@ def test_shared_prefixes_land_on_the_engine_that_cached_them_and_the_prefix_map_
                 backend, response = complete(gateway.url, f"{prefix} question {question}")
                 assert backend == home, (
                     f"family {family} question {question} went to {backend}, cached on {home}; "
-                    f"decision: {prefix_map(gateway.url)['decisions'][:1]}"
+                    f"decision: {prefix_map(gateway.url)['decisions'][:1]}; backends: "
+                    f"{prefix_map(gateway.url)['backends']}"
                 )
                 assert cached_tokens(response) >= 512
         # Two cold families: spread over the two engines rather than piled on one.
