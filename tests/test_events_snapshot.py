@@ -17,6 +17,8 @@ import zmq
 from prometheus_client import CollectorRegistry, generate_latest
 
 from cachelayer import CacheEngine
+from cachelayer.events import BlockStored as ClStored
+from cachelayer.events import ZmqEventPublisher
 from router.config import KVEvents, parse_config
 from router.index.events import AllBlocksCleared, BlockStored
 from router.index.prefix_index import PrefixIndex, snapshot_order
@@ -392,3 +394,114 @@ def test_the_gateway_shows_snapshots_on_the_page_metrics_and_lookup(cache_engine
             assert 'kvgate_kv_snapshots_total{backend="b1",outcome="ok"} 1.0' in metrics
     finally:
         backend.stop()
+
+
+class SnapshotReplaySocket:
+    """The cache layer's real publisher serving only the replay socket (with snapshots), its
+    state set by the test; the live stream comes from the vLLM-style test publisher, so the test
+    picks every live seq (lost messages, a seq going back)."""
+
+    def __init__(self, replay_endpoint: str) -> None:
+        self.held: list = []
+        self.publisher = rebind_publisher(
+            lambda: ZmqEventPublisher(
+                "tcp://127.0.0.1:*", replay_endpoint, buffer_steps=1, snapshot_source=lambda: list(self.held)
+            )
+        )
+
+    def advance_to(self, next_seq: int) -> None:
+        """Publish empty batches until the next seq the snapshot reports is `next_seq`."""
+        while self.publisher.last_seq + 1 < next_seq:
+            self.publisher.publish([])
+
+
+def rebind_publisher(make: Callable[[], ZmqEventPublisher], timeout_s: float = 10.0) -> ZmqEventPublisher:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            return make()
+        except zmq.ZMQError as exc:
+            if exc.errno != zmq.EADDRINUSE or time.monotonic() > deadline:
+                raise
+            time.sleep(0.1)
+
+
+def chunks_of(tokens: list[int], first_hash: int, medium: str = "cpu") -> list[ClStored]:
+    """Cache-layer BlockStored events for `tokens` in 16-token chunks, chained from `first_hash`."""
+    events = []
+    for index in range(len(tokens) // 16):
+        events.append(
+            ClStored(
+                block_hashes=[first_hash + index],
+                parent_block_hash=first_hash + index - 1 if index else None,
+                token_ids=tokens[index * 16 : (index + 1) * 16],
+                block_size=16,
+                medium=medium,
+            )
+        )
+    return events
+
+
+def test_an_unfillable_gap_and_a_seq_going_back_are_answered_by_snapshots():
+    live_endpoint = f"tcp://127.0.0.1:{free_port()}"
+    replay_endpoint = f"tcp://127.0.0.1:{free_port()}"
+    prompt_a = list(range(100, 148))
+    prompt_b = list(range(200, 232))
+    prompt_c = list(range(300, 316))
+    prompt_e = list(range(500, 532))
+    snapshots = SnapshotReplaySocket(replay_endpoint)
+    live = EventPublisher(live_endpoint, topic="")
+    service = None
+    try:
+        snapshots.held = chunks_of(prompt_a[:32], 1)
+        snapshots.advance_to(3)
+        service = start_service(live_endpoint, replay_endpoint)
+        wait_for(lambda: status(service)["snapshots"] == 1, what="the first snapshot")
+        assert status(service)["last_seq"] == 2
+        assert held(service, prompt_a) == 32
+        time.sleep(0.3)  # the SUB subscription reaches the live publisher
+
+        live.next_seq = 3
+        live.publish([block_stored([3], prompt_a[32:], 16, 2, medium="cpu")])
+        wait_for(lambda: held(service, prompt_a) == 48, what="live seq 3 applied")
+
+        # Seq 4 is lost and the replay buffer no longer has it: the engine meanwhile dropped A
+        # and holds B. Seq 5 (C) was published before the snapshot, which includes it.
+        live.publish([block_stored([4], list(range(900, 916)), 16, medium="cpu")], send=False)
+        snapshots.held = chunks_of(prompt_b, 10)
+        snapshots.advance_to(6)
+        live.publish([block_stored([99], prompt_c, 16, medium="cpu")])
+        wait_for(lambda: status(service)["snapshots"] == 2, what="a snapshot after the lost gap")
+        state = status(service)
+        assert state["unrecovered_gaps"] == 1
+        assert state["uncertain"] is False
+        assert state["last_seq"] == 5
+        assert held(service, prompt_a) == 0
+        assert held(service, prompt_b) == 32
+        assert held(service, prompt_c) == 0  # seq 5 is in the snapshot, not applied again
+        live.publish([block_stored([100], prompt_c, 16, medium="cpu")])  # seq 6
+        wait_for(lambda: held(service, prompt_c) == 16, what="live seq 6 applied")
+
+        # The engine restarts: its replay socket comes back on the same endpoint, seq from 0.
+        snapshots.publisher.close()
+        snapshots = SnapshotReplaySocket(replay_endpoint)
+        snapshots.held = chunks_of(prompt_e, 50)
+        snapshots.advance_to(1)
+        time.sleep(0.3)  # the subscriber's DEALER reconnects to the new ROUTER
+        live.next_seq = 0
+        live.publish([block_stored([7], list(range(700, 716)), 16, medium="cpu")])  # seq 0, in the snapshot
+        wait_for(lambda: status(service)["snapshots"] == 3, what="a snapshot after the restart")
+        state = status(service)
+        assert state["restarts"] == 1
+        assert state["last_seq"] == 0
+        assert held(service, prompt_b) == 0 and held(service, prompt_c) == 0
+        assert held(service, prompt_e) == 32
+        assert held(service, list(range(700, 716))) == 0
+        live.publish([block_stored([52], list(range(600, 616)), 16, 51, medium="cpu")])  # seq 1: E's child
+        wait_for(lambda: held(service, [*prompt_e, *range(600, 616)]) == 48, what="live seq 1 applied")
+        assert status(service)["restarts"] == 1
+    finally:
+        if service is not None:
+            service.stop()
+        live.close()
+        snapshots.publisher.close()
