@@ -115,7 +115,7 @@ class KVAwarePolicy(_Struct, tag="kv_aware", tag_field="name"):
     # Share guard: a backend whose decayed count of recent requests would exceed this multiple of
     # the mean (plus share_slack requests) is not chosen while another candidate is below it; a hot
     # prefix then spills to the cheapest under-share backend, which caches it too.
-    max_share_ratio: Annotated[float, msgspec.Meta(ge=1.0)] = 1.2
+    max_share_ratio: Annotated[float, msgspec.Meta(ge=1.0)] = 1.25
     share_slack: Annotated[float, msgspec.Meta(ge=0)] = 1.0
     share_half_life_s: Annotated[float, msgspec.Meta(gt=0)] = 20.0
     # A cached prefix is hot once this many recent requests matched it; only requests for hot
@@ -131,7 +131,7 @@ class ApproximatePolicy(_Struct, tag="approximate", tag_field="name"):
     max_load_ratio: float = 1.25
     load_slack: int = 2
     # The share guard of kv_aware (see KVAwarePolicy).
-    max_share_ratio: Annotated[float, msgspec.Meta(ge=1.0)] = 1.2
+    max_share_ratio: Annotated[float, msgspec.Meta(ge=1.0)] = 1.25
     share_slack: Annotated[float, msgspec.Meta(ge=0)] = 1.0
     share_half_life_s: Annotated[float, msgspec.Meta(gt=0)] = 20.0
 
