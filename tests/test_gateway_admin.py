@@ -9,7 +9,7 @@ import time
 import httpx
 import pytest
 
-from tests.support import start_backend, start_gateway
+from tests.support import running_backends, start_gateway
 
 MODEL = "test-model"
 TOKEN = "s3cret-token"
@@ -18,10 +18,8 @@ AUTH = {"authorization": f"Bearer {TOKEN}"}
 
 @pytest.fixture(scope="module")
 def backends():
-    started = [start_backend("a", [MODEL]), start_backend("b", [MODEL])]
-    yield started
-    for backend in started:
-        backend.stop()
+    with running_backends("a", "b", models=[MODEL]) as started:
+        yield started
 
 
 @pytest.fixture(scope="module")

@@ -12,7 +12,7 @@ import uvicorn
 
 from router.app import create_app
 from router.config import parse_config
-from tests.support import free_port, start_backend
+from tests.support import free_port, running_backends
 from tests.support.sample_extension import CACHED_TOKENS, PROMPT_TOKENS, SampleExtension
 
 MODEL = "test-model"
@@ -20,10 +20,8 @@ MODEL = "test-model"
 
 @pytest.fixture(scope="module")
 def backends():
-    started = [start_backend("a", [MODEL]), start_backend("b", [MODEL])]
-    yield started
-    for backend in started:
-        backend.stop()
+    with running_backends("a", "b", models=[MODEL]) as started:
+        yield started
 
 
 @pytest.fixture(scope="module")

@@ -12,7 +12,7 @@ import pytest
 from router import config as config_schema
 from router.backends import BackendState
 from router.policies import POLICY_MODULES, PolicyUnavailable, RouteRequest, make_policy
-from tests.support import start_backend, start_gateway
+from tests.support import running_backends, start_gateway
 
 MODEL = "test-model"
 
@@ -91,10 +91,8 @@ def test_missing_policy_module_is_a_clear_error(monkeypatch):
 
 @pytest.fixture(scope="module")
 def backends():
-    started = [start_backend(name, [MODEL]) for name in ("a", "b", "c")]
-    yield started
-    for backend in started:
-        backend.stop()
+    with running_backends("a", "b", "c", models=[MODEL]) as started:
+        yield started
 
 
 def gateway_config(backends, policy: dict) -> dict:

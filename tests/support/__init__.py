@@ -4,7 +4,7 @@ Every process started through these helpers is killed by its owner (a context ma
 fixture finalizer), even when the test fails.
 """
 
-from tests.support.backend import BackendProcess, start_backend
+from tests.support.backend import BackendProcess, running_backends, start_backend
 from tests.support.gateway import GatewayProcess, start_gateway
 from tests.support.ports import free_port
 from tests.support.processes import ManagedProcess, start_process, wait_for_http
@@ -14,6 +14,7 @@ __all__ = [
     "GatewayProcess",
     "ManagedProcess",
     "free_port",
+    "running_backends",
     "start_backend",
     "start_gateway",
     "start_process",

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+
 import httpx
 
 from tests.support.ports import free_port
@@ -51,3 +54,16 @@ class BackendProcess:
 
 def start_backend(name: str, models: list[str] | None = None, record: bool = True) -> BackendProcess:
     return BackendProcess(name, models or ["test-model"], record).start()
+
+
+@contextmanager
+def running_backends(*names: str, models: list[str]) -> Iterator[list[BackendProcess]]:
+    """Test backends with these names, all serving `models`; every one started is stopped after."""
+    started: list[BackendProcess] = []
+    try:
+        for name in names:
+            started.append(start_backend(name, models))
+        yield started
+    finally:
+        for backend in started:
+            backend.stop()
