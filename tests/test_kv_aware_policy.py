@@ -295,9 +295,9 @@ def test_cached_work_still_wins_under_light_balanced_load() -> None:
     assert req.decision["reason"] == "cache_hit"
 
 
-def test_a_conversation_of_its_own_stays_home_even_when_home_is_over_its_share() -> None:
+def test_with_hot_prefix_requests_a_conversation_of_its_own_stays_home_over_its_share() -> None:
     index = PrefixIndex()
-    policy = KVAware(KVAwarePolicy(), index)
+    policy = KVAware(KVAwarePolicy(hot_prefix_requests=2), index)
     candidates = backends(4)
     for n in range(12):  # b0 took far more than its share of recent requests
         policy.request_shares.add("b0" if n < 9 else f"b{n - 8}", 1.0, time.monotonic())
@@ -305,7 +305,7 @@ def test_a_conversation_of_its_own_stays_home_even_when_home_is_over_its_share()
     req = request(np.concatenate([PROMPTS[7], PROMPTS[8][:64]]))
     assert route(policy, req, candidates).name == "b0"
     assert req.decision["reason"] == "cache_hit"
-    # Held to the share line when every request is (hot_prefix_requests=0), it would move.
-    strict = KVAware(KVAwarePolicy(hot_prefix_requests=0), index)
+    # Held to the share line when every request is (hot_prefix_requests=0, the default), it moves.
+    strict = KVAware(KVAwarePolicy(), index)
     strict.request_shares = policy.request_shares
     assert strict.choose(request(np.concatenate([PROMPTS[7], PROMPTS[8][:64]])), candidates).name != "b0"

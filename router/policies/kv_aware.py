@@ -6,15 +6,15 @@ Cost of backend B for a prompt of P tokens:
              from CPU, disk; all from the event-driven index)
     cost   = (P - saved) + request_load_weight * in_flight + prefill_load_weight * in_flight_prefill_tokens
 The cheapest backend wins, with these guards:
-- share of recent requests, for hot prefixes: each backend's count of routed requests decays with
-  share_half_life_s; when the prompt's best cached prefix is hot (at least hot_prefix_requests
-  recent requests matched it, same decay), a backend whose count, with this request, would exceed
-  max_share_ratio * the mean (plus share_slack) is skipped while another is under that line.
+- share of recent requests: each backend's count of routed requests decays with share_half_life_s;
+  a backend whose count, with this request, would exceed max_share_ratio * the mean (plus
+  share_slack) is skipped while another is under that line (with hot_prefix_requests N > 0, only
+  for prompts whose best cached prefix N recent requests matched, same decay).
   In-flight counts alone cannot see a hot prefix when requests finish fast (about one in flight per
   engine); the decayed share can, and the request then goes to the cheapest under-share backend,
   which pays the prefill once and caches the hot prefix too (a second replica, which later requests
-  for it share), as a perfect-knowledge placement would. A prefix only one conversation uses is
-  not moved by this guard: moving it would cost its whole prefill and replicate nothing;
+  for it share), as a perfect-knowledge placement would. With N > 0 a prefix only one
+  conversation uses is not moved (moving it costs its whole prefill and replicates nothing);
 - in-flight hot spots: a backend whose in-flight count is over max_load_ratio * mean + load_slack
   is skipped while another candidate is under that line;
 - nothing cached: when no candidate holds (or is predicted to hold) any of the prompt, the choice is
