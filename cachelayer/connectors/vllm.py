@@ -46,7 +46,6 @@ from cachelayer.connectors.transfers import (
     load_request,
     save_request,
 )
-from cachelayer.engine import CacheEngine
 from cachelayer.server.client import StoreClient, StoreUnavailable
 from cachelayer.server.daemon import StoreServer
 from cachelayer.server.protocol import ChunkEvent, KeySpace
@@ -409,16 +408,7 @@ class CacheLayerConnector(KVConnectorBase_V1):
             self.lookup_server = StoreServer(
                 self.config,
                 in_process_endpoint(self._vllm_config),
-                engine_factory=lambda space: CacheEngine(
-                    self.config,
-                    num_layers=space.num_layers,
-                    num_kv_heads=space.num_kv_heads,
-                    head_dim=space.head_dim,
-                    dtype=space.dtype,
-                    model_name=space.model,
-                    world_size=space.world_size,
-                    worker_id=space.worker_id,
-                ),
+                start_controller_worker=True,
             )
             engine = self.lookup_server.engine_for(space)
             assert engine is not None

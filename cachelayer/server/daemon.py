@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import zmq
@@ -47,10 +46,12 @@ class StoreServer:
         endpoint: str,
         *,
         context: zmq.Context | None = None,
-        engine_factory: Callable[[KeySpace], CacheEngine] | None = None,
+        start_controller_worker: bool = False,
     ) -> None:
         self.config = config
-        self._engine_factory = engine_factory or self._default_engine
+        # The shared daemon serves many engines and registers with no controller itself; a store
+        # inside one vLLM worker honours the whole config (controller registration included).
+        self._start_controller_worker = start_controller_worker
         self._engines: dict[KeySpace, CacheEngine] = {}
         self._engines_lock = threading.Lock()
         self._context = context or zmq.Context.instance()
@@ -63,7 +64,7 @@ class StoreServer:
         self._thread: threading.Thread | None = None
 
     # ---- engines per key space ----
-    def _default_engine(self, space: KeySpace) -> CacheEngine:
+    def _new_engine(self, space: KeySpace) -> CacheEngine:
         return CacheEngine(
             self.config,
             num_layers=space.num_layers,
@@ -73,14 +74,14 @@ class StoreServer:
             model_name=space.model,
             world_size=space.world_size,
             worker_id=space.worker_id,
-            start_controller_worker=False,
+            start_controller_worker=self._start_controller_worker,
         )
 
     def engine_for(self, space: KeySpace, *, create: bool = True) -> CacheEngine | None:
         with self._engines_lock:
             engine = self._engines.get(space)
             if engine is None and create:
-                engine = self._engine_factory(space)
+                engine = self._new_engine(space)
                 self._engines[space] = engine
             return engine
 
