@@ -699,6 +699,133 @@ class CacheEngine:
             moved_end = span.end
         return moved_end
 
+    # ---- chunks as bytes (the controller relays them between instances) ----
+    def transfer_identity(self) -> dict[str, Any]:
+        """Everything a chunk's key and bytes depend on: two engines with equal identities can
+        exchange chunks (the importer files them under the same keys the exporter used)."""
+        return {
+            "model": self.identity.model,
+            "dtype": self.identity.dtype,
+            "world_size": self.identity.world_size,
+            "worker_id": self.identity.worker_id,
+            "chunk_size": self.chunk_size,
+            "hash_algorithm": self.config.pre_caching_hash_algorithm,
+            "save_unfull_chunk": self.config.save_unfull_chunk,
+            "num_layers": self.num_layers,
+            "channels": self.channels,
+        }
+
+    def check_location(self, location: str) -> None:
+        """Raise CacheEngineError unless `location` names a tier this engine has."""
+        self._tier(location)
+
+    def export_chunk(
+        self,
+        tokens: Tokens,
+        index: int,
+        location: str,
+        *,
+        cache_salt: str | None = None,
+        lora: str | None = None,
+    ) -> tuple[ChunkSpan, str, bytes] | None:
+        """Chunk `index` of `tokens` as held at `location`: (span, format, stored bytes), or None
+        when that chunk is not held there. Compressed chunks leave in their encoded form."""
+        tier = self._tier(location)
+        spans = self._spans(_token_list(tokens), cache_salt, lora)
+        if not 0 <= index < len(spans):
+            return None
+        span = spans[index]
+        with self._lock:
+            entry = tier.get(span.key)
+            if entry is None:
+                return None
+            tier.acquire(entry)  # held while its bytes are copied out: never evicted under the copy
+        try:
+            data = self._read_payload(tier, entry).numpy().tobytes()
+        finally:
+            with self._lock:
+                tier.release(entry)
+        return span, entry.meta.fmt, data
+
+    def import_chunk(
+        self,
+        tokens: Tokens,
+        index: int,
+        location: str,
+        fmt: str,
+        data: bytes,
+        *,
+        cache_salt: str | None = None,
+        lora: str | None = None,
+    ) -> int:
+        """Store chunk `index` of `tokens` at `location` from bytes `export_chunk` gave (same
+        `transfer_identity`); returns the chunk's end, or 0 when it does not fit. A chunk already
+        held there is kept as it is."""
+        tier = self._tier(location)
+        token_list = _token_list(tokens)
+        spans = self._spans(token_list, cache_salt, lora)
+        if not 0 <= index < len(spans):
+            raise CacheEngineError(f"chunk {index} is out of range: the tokens make {len(spans)} chunk(s)")
+        span = spans[index]
+        if fmt == "raw":
+            expected = self._raw_nbytes(span.num_tokens)
+            if len(data) != expected:
+                raise CacheEngineError(
+                    f"chunk {index} has {len(data)} bytes; {span.num_tokens} tokens of raw KV need {expected}"
+                )
+        else:
+            get_codec(fmt)  # an unknown format is refused before anything is reserved
+        if not data:
+            raise CacheEngineError(f"chunk {index} arrived without bytes")
+        with self._lock:
+            if tier.has_key(span.key):
+                tier.touch(span.key)
+                return span.end
+            generation = self._clear_generation
+            meta = ChunkMeta(span.key, span.parent_key, array("q", token_list[span.start : span.end]), fmt)
+            target, evicted = tier.reserve(meta, len(data))
+            self._emit(self._removal_events(tier, evicted))
+            if target is None:
+                return 0
+        try:
+            self._write_payload(tier, target, torch.frombuffer(bytearray(data), dtype=torch.uint8))
+        except BaseException:
+            with self._lock:
+                tier.abort(target)
+            raise
+        with self._lock:
+            if generation != self._clear_generation:  # cleared meanwhile: the clear wins
+                tier.abort(target)
+                return 0
+            tier.commit(target)
+            self.counters["write_chunks"] += 1
+            self._emit([self._stored_event(tier, target.meta)])
+        return span.end
+
+    def drop(
+        self,
+        tokens: Tokens,
+        location: str,
+        *,
+        cache_salt: str | None = None,
+        lora: str | None = None,
+    ) -> int:
+        """Remove the leading chunks of `tokens` held at `location`, up to the first one not held
+        there; returns the tokens removed (the source side of a move between instances)."""
+        tier = self._tier(location)
+        spans = self._spans(_token_list(tokens), cache_salt, lora)
+        dropped_end = 0
+        with self._lock:
+            removed: list[ChunkMeta] = []
+            for span in spans:
+                entry = tier.remove(span.key)
+                if entry is None:
+                    break
+                removed.append(entry.meta)
+                dropped_end = span.end
+            self._emit(self._removal_events(tier, removed))
+        return dropped_end
+
     # ---- compression ----
     def compress(
         self,

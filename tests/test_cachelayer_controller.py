@@ -274,3 +274,255 @@ def test_heartbeats_register_unknown_workers_and_silence_drops_them():
         assert "i" not in controller.instances
     finally:
         controller._pull.close(linger=0)
+
+
+# ---- /move between instances: chunks relayed through the controller, worker to worker ----
+
+
+def instance_engine(
+    monitor_port, instance_id, tmp_path=None, *, model_name="", dtype=torch.bfloat16, **extra
+):
+    """One registered single-worker engine; with tmp_path it has a disk tier too."""
+    config = {
+        "chunk_size": CHUNK,
+        "max_local_cpu_size": 0.01,
+        **worker_config(monitor_port, instance_id),
+        **extra,
+    }
+    if tmp_path is not None:
+        config |= {"local_disk": str(tmp_path / instance_id), "max_local_disk_size": 0.01}
+    return CacheEngine.from_config(
+        config,
+        num_layers=LAYERS,
+        num_kv_heads=HEADS,
+        head_dim=HEAD_DIM,
+        dtype=dtype,
+        model_name=model_name,
+    )
+
+
+def move(client, source, destination, tokens, *, copy):
+    return client.post(
+        "/move", json={"old_position": source, "new_position": destination, "tokens": tokens, "copy": copy}
+    )
+
+
+def same_bits(left, right):
+    return left.shape == right.shape and torch.equal(left.view(torch.int16), right.view(torch.int16))
+
+
+def test_move_to_another_instance_relays_the_chunks_and_drops_them_at_the_source(controller):
+    client, monitor_port = controller
+    source, destination = instance_engine(monitor_port, "move-a"), instance_engine(monitor_port, "move-b")
+    try:
+        wait_registered(client, "move-a", 1)
+        wait_registered(client, "move-b", 1)
+        tokens, kv = request(10, 3)
+        assert source.store(tokens, kv) == 3 * CHUNK
+
+        response = move(
+            client, ["move-a", "LocalCPUBackend"], ["move-b", "LocalCPUBackend"], tokens, copy=False
+        )
+        assert response.status_code == 200, response.text
+        assert response.json()["num_tokens"] == 3 * CHUNK
+        assert response.json()["event_id"].startswith("Move")
+
+        layout = client.post("/lookup", json={"tokens": tokens}).json()["layout_info"]
+        assert layout == {"move-b": ["LocalCPUBackend", 3 * CHUNK]}
+        assert source.lookup(tokens) == 0
+        hit, retrieved = destination.retrieve(tokens)
+        assert hit == 3 * CHUNK and same_bits(retrieved, kv)
+    finally:
+        source.close()
+        destination.close()
+
+
+def test_move_with_copy_keeps_the_source_and_carries_compressed_chunks_to_the_disk_tier(controller, tmp_path):
+    client, monitor_port = controller
+    source = instance_engine(monitor_port, "copy-a")
+    destination = instance_engine(monitor_port, "copy-b", tmp_path)
+    try:
+        wait_registered(client, "copy-a", 1)
+        wait_registered(client, "copy-b", 1)
+        tokens, kv = request(11, 2)
+        source.store(tokens, kv)
+        compressed = client.post(
+            "/compress",
+            json={
+                "instance_id": "copy-a",
+                "method": "naive",
+                "location": "LocalCPUBackend",
+                "tokens": tokens,
+            },
+        )
+        assert compressed.json()["num_tokens"] == 2 * CHUNK
+
+        response = move(
+            client, ["copy-a", "LocalCPUBackend"], ["copy-b", "LocalDiskBackend"], tokens, copy=True
+        )
+        assert response.status_code == 200, response.text
+        assert response.json()["num_tokens"] == 2 * CHUNK
+
+        layout = client.post("/lookup", json={"tokens": tokens}).json()["layout_info"]
+        assert layout == {"copy-a": ["LocalCPUBackend", 2 * CHUNK], "copy-b": ["LocalDiskBackend", 2 * CHUNK]}
+        assert destination.disk is not None
+        assert {entry.meta.fmt for entry in destination.disk.committed_entries()} == {"naive"}
+        assert destination.cpu.num_chunks == 0  # stored where it was asked, not in the CPU pool
+        for engine in (source, destination):
+            hit, retrieved = engine.retrieve(tokens)
+            assert hit == 2 * CHUNK and same_bits(retrieved, kv)
+    finally:
+        source.close()
+        destination.close()
+
+
+def test_move_takes_only_the_leading_chunks_held_at_the_source(controller):
+    client, monitor_port = controller
+    source, destination = instance_engine(monitor_port, "prefix-a"), instance_engine(monitor_port, "prefix-b")
+    try:
+        wait_registered(client, "prefix-a", 1)
+        wait_registered(client, "prefix-b", 1)
+        tokens, kv = request(12, 4)
+        source.store(tokens[: 2 * CHUNK], kv[:, :, : 2 * CHUNK])
+        # The fourth chunk is held too, but behind a missing third one: it is not part of the prefix.
+        other_third = tokens[: 2 * CHUNK] + [1] * CHUNK
+        source.store(other_third, torch.zeros(LAYERS, 2, 3 * CHUNK, HEADS * HEAD_DIM, dtype=torch.bfloat16))
+
+        response = move(
+            client, ["prefix-a", "LocalCPUBackend"], ["prefix-b", "LocalCPUBackend"], tokens, copy=False
+        )
+        assert response.status_code == 200, response.text
+        assert response.json()["num_tokens"] == 2 * CHUNK
+        assert destination.lookup(tokens) == 2 * CHUNK
+        assert destination.cpu.num_chunks == 2
+        hit, retrieved = destination.retrieve(tokens)
+        assert hit == 2 * CHUNK and same_bits(retrieved, kv[:, :, : 2 * CHUNK])
+        assert source.lookup(tokens) == 0
+        assert source.cpu.num_chunks == 1  # other_third's own chunk stays: it was not asked for
+
+        nothing = move(
+            client, ["prefix-a", "LocalCPUBackend"], ["prefix-b", "LocalCPUBackend"], tokens, copy=False
+        )
+        assert nothing.status_code == 200 and nothing.json()["num_tokens"] == 0
+    finally:
+        source.close()
+        destination.close()
+
+
+@pytest.mark.parametrize(
+    ("identity", "named"),
+    [({"model_name": "another-model"}, "model"), ({"dtype": torch.float16}, "dtype")],
+)
+def test_move_between_different_key_spaces_is_refused_and_moves_nothing(controller, identity, named):
+    client, monitor_port = controller
+    source = instance_engine(monitor_port, f"keys-a-{named}")
+    destination = instance_engine(monitor_port, f"keys-b-{named}", **identity)
+    try:
+        wait_registered(client, f"keys-a-{named}", 1)
+        wait_registered(client, f"keys-b-{named}", 1)
+        tokens, kv = request(13, 2)
+        source.store(tokens, kv)
+        response = move(
+            client,
+            [f"keys-a-{named}", "LocalCPUBackend"],
+            [f"keys-b-{named}", "LocalCPUBackend"],
+            tokens,
+            copy=False,
+        )
+        assert response.status_code == 409
+        assert "keys its chunks differently" in response.json()["detail"]
+        assert f"{named}:" in response.json()["detail"]
+        assert source.lookup(tokens) == 2 * CHUNK
+        assert destination.cpu.num_chunks == 0
+    finally:
+        source.close()
+        destination.close()
+
+
+def test_move_to_an_unknown_instance_or_one_with_other_workers_is_a_4xx(controller):
+    client, monitor_port = controller
+    source = instance_engine(monitor_port, "workers-a")
+    sharded = [
+        CacheEngine.from_config(
+            {"chunk_size": CHUNK, "max_local_cpu_size": 0.01, **worker_config(monitor_port, "workers-tp")},
+            num_layers=LAYERS,
+            num_kv_heads=HEADS,
+            head_dim=HEAD_DIM,
+            dtype=torch.bfloat16,
+            world_size=2,
+            worker_id=rank,
+        )
+        for rank in range(2)
+    ]
+    try:
+        wait_registered(client, "workers-a", 1)
+        wait_registered(client, "workers-tp", 2)
+        tokens, kv = request(14, 1)
+        source.store(tokens, kv)
+        unknown = move(
+            client, ["workers-a", "LocalCPUBackend"], ["nobody", "LocalCPUBackend"], tokens, copy=False
+        )
+        assert unknown.status_code == 404 and "unknown instance_id 'nobody'" in unknown.json()["detail"]
+        uneven = move(
+            client, ["workers-a", "LocalCPUBackend"], ["workers-tp", "LocalCPUBackend"], tokens, copy=False
+        )
+        assert uneven.status_code == 400 and "same workers" in uneven.json()["detail"]
+        destination = instance_engine(monitor_port, "workers-b")  # no disk tier
+        try:
+            wait_registered(client, "workers-b", 1)
+            no_disk = move(
+                client,
+                ["workers-a", "LocalCPUBackend"],
+                ["workers-b", "LocalDiskBackend"],
+                tokens,
+                copy=False,
+            )
+            assert no_disk.status_code == 400 and "is not configured" in no_disk.json()["detail"]
+            assert destination.cpu.num_chunks == 0
+        finally:
+            destination.close()
+        assert source.lookup(tokens) == CHUNK
+        assert all(engine.cpu.num_chunks == 0 for engine in sharded)
+    finally:
+        source.close()
+        for engine in sharded:
+            engine.close()
+
+
+def test_move_between_tensor_parallel_instances_pairs_workers_by_rank(controller):
+    client, monitor_port = controller
+
+    def instance(instance_id):
+        return [
+            CacheEngine.from_config(
+                {"chunk_size": CHUNK, "max_local_cpu_size": 0.01, **worker_config(monitor_port, instance_id)},
+                num_layers=LAYERS,
+                num_kv_heads=HEADS,
+                head_dim=HEAD_DIM,
+                dtype=torch.bfloat16,
+                world_size=2,
+                worker_id=rank,
+            )
+            for rank in range(2)
+        ]
+
+    sources, destinations = instance("tp-move-a"), instance("tp-move-b")
+    try:
+        wait_registered(client, "tp-move-a", 2)
+        wait_registered(client, "tp-move-b", 2)
+        tokens, _ = request(15, 2)
+        shards = [request(16 + rank, 2)[1] for rank in range(2)]  # each rank holds its own shard
+        for engine, shard in zip(sources, shards, strict=True):
+            engine.store(tokens, shard)
+        response = move(
+            client, ["tp-move-a", "LocalCPUBackend"], ["tp-move-b", "LocalCPUBackend"], tokens, copy=False
+        )
+        assert response.status_code == 200, response.text
+        assert response.json()["num_tokens"] == 2 * CHUNK
+        for engine, shard in zip(destinations, shards, strict=True):
+            hit, retrieved = engine.retrieve(tokens)
+            assert hit == 2 * CHUNK and same_bits(retrieved, shard)
+        assert all(engine.lookup(tokens) == 0 for engine in sources)
+    finally:
+        for engine in sources + destinations:
+            engine.close()

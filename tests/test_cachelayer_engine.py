@@ -182,3 +182,50 @@ def test_from_config_reads_the_environment_file(tmp_path, monkeypatch):
     monkeypatch.delenv("CACHELAYER_CONFIG_FILE", raising=False)
     engine = CacheEngine.from_config(None, num_layers=1, num_kv_heads=1, head_dim=4, dtype="float16")
     assert engine.chunk_size == 32 and engine.dtype == torch.float16
+
+
+def test_chunks_exported_as_bytes_import_into_an_engine_of_the_same_identity_bit_for_bit():
+    source, destination = make_engine(8), make_engine(2)
+    try:
+        assert source.transfer_identity() == destination.transfer_identity()
+        tokens, kv = request(40, 3)
+        tokens, kv = tokens[:-5], kv[:, :, :-5]  # a partial tail chunk travels too
+        source.store(tokens, kv)
+        ends = []
+        for index in range(3):
+            exported = source.export_chunk(tokens, index, "LocalCPUBackend")
+            assert exported is not None
+            span, chunk_format, data = exported
+            assert chunk_format == "raw" and span.end == min((index + 1) * CHUNK, len(tokens))
+            ends.append(destination.import_chunk(tokens, index, "cpu", chunk_format, data))
+            if index == 1:  # a pool of two pinned chunks leaves no room for the third
+                assert destination.pin(tokens) == 2 * CHUNK
+        assert ends == [CHUNK, 2 * CHUNK, 0]
+        hit, retrieved = destination.retrieve(tokens)
+        assert hit == 2 * CHUNK and torch.equal(
+            retrieved.view(torch.int16), kv[:, :, : 2 * CHUNK].view(torch.int16)
+        )
+        assert source.export_chunk(tokens, 3, "cpu") is None
+        assert source.drop(tokens, "cpu") == len(tokens) and source.lookup(tokens) == 0
+        assert source.export_chunk(tokens, 0, "cpu") is None
+        assert_no_leak(source)
+        assert_no_leak(destination)
+    finally:
+        source.close()
+        destination.close()
+
+
+def test_import_chunk_refuses_bytes_that_do_not_fit_the_chunk():
+    engine = make_engine(4)
+    try:
+        tokens, _ = request(41, 2)
+        with pytest.raises(CacheEngineError, match="need"):
+            engine.import_chunk(tokens, 0, "cpu", "raw", b"\0" * 10)
+        with pytest.raises(CacheEngineError, match="out of range"):
+            engine.import_chunk(tokens, 2, "cpu", "raw", b"\0" * 10)
+        with pytest.raises(ValueError, match="unknown"):
+            engine.import_chunk(tokens, 0, "cpu", "no-such-codec", b"\0" * 10)
+        assert engine.cpu.num_chunks == 0
+        assert_no_leak(engine)
+    finally:
+        engine.close()

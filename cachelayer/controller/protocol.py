@@ -4,7 +4,9 @@
   `WorkerReport` with kind "register", "heartbeat" or "deregister". A heartbeat carries the
   whole registration, so a restarted controller relearns its workers within one interval.
 - Controller -> worker, REQ to the worker's REP command socket (the `url` it registered):
-  `Command` answered by `Reply`.
+  `Command` answered by `Reply`. A move between instances relays chunks through the controller
+  one at a time: "export_chunk" is answered by a `Reply` frame followed by the chunk's stored
+  bytes as a second raw frame, and "import_chunk" carries them the same way after its `Command`.
 """
 
 from __future__ import annotations
@@ -14,7 +16,20 @@ from typing import Any, Literal
 import msgspec
 
 ReportKind = Literal["register", "heartbeat", "deregister"]
-Operation = Literal["lookup", "clear", "pin", "compress", "decompress", "move", "health", "info"]
+Operation = Literal[
+    "lookup",
+    "clear",
+    "pin",
+    "compress",
+    "decompress",
+    "move",
+    "health",
+    "info",
+    "identity",
+    "export_chunk",
+    "import_chunk",
+    "drop",
+]
 
 
 class WorkerReport(msgspec.Struct, kw_only=True):
@@ -35,6 +50,8 @@ class Command(msgspec.Struct, kw_only=True):
     destination: str | None = None
     method: str | None = None
     copy: bool = False
+    chunk_index: int = 0
+    chunk_format: str | None = None  # import_chunk: the format export_chunk reported
 
 
 class Reply(msgspec.Struct, kw_only=True):
@@ -43,6 +60,7 @@ class Reply(msgspec.Struct, kw_only=True):
     location: str | None = None
     error: str | None = None
     info: dict[str, Any] | None = None
+    chunk_format: str | None = None  # export_chunk: "raw" or the codec the bytes are encoded with
 
 
 def encode(message: msgspec.Struct) -> bytes:

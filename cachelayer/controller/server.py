@@ -202,16 +202,24 @@ class Controller:
         return workers
 
     async def _ask(self, record: WorkerRecord, command: Command) -> Reply:
+        reply, _ = await self._exchange(record, command)
+        return reply
+
+    async def _exchange(
+        self, record: WorkerRecord, command: Command, chunk_bytes: bytes | None = None
+    ) -> tuple[Reply, bytes | None]:
+        """Send a command (and chunk bytes as a raw second frame); the reply and any bytes after it."""
         socket = self._context.socket(zmq.REQ)
         socket.setsockopt(zmq.LINGER, 0)
         socket.connect(record.url)
         try:
-            await socket.send(encode(command))
+            frames = [encode(command)] if chunk_bytes is None else [encode(command), chunk_bytes]
+            await socket.send_multipart(frames, copy=False)
             if not await socket.poll(int(COMMAND_TIMEOUT_S * 1000)):
-                return Reply(
-                    ok=False, error=f"worker {record.report.worker_id} did not answer in {COMMAND_TIMEOUT_S}s"
-                )
-            return msgspec.msgpack.decode(await socket.recv(), type=Reply)
+                error = f"worker {record.report.worker_id} did not answer in {COMMAND_TIMEOUT_S}s"
+                return Reply(ok=False, error=error), None
+            answer = await socket.recv_multipart()
+            return msgspec.msgpack.decode(answer[0], type=Reply), (answer[1] if len(answer) > 1 else None)
         finally:
             socket.close(linger=0)
 
@@ -222,16 +230,115 @@ class Controller:
 
     async def same_count(self, instance_id: str, command: Command) -> int:
         replies = await self.fan_out(instance_id, command)
-        failures = {worker: reply.error for worker, reply in replies.items() if not reply.ok}
-        if failures:
-            status = 400 if all("did not answer" not in str(error) for error in failures.values()) else 503
-            raise ApiError(status, f"{command.op} failed on {instance_id}: {failures}")
+        self._raise_failures(command.op, instance_id, replies)
         counts = {worker: reply.num_tokens for worker, reply in replies.items()}
         if len(set(counts.values())) > 1:
             raise ApiError(
                 500, f"{command.op} on {instance_id}: workers disagree on the token count {counts}"
             )
         return next(iter(counts.values()))
+
+    @staticmethod
+    def _raise_failures(operation: str, instance_id: str, replies: dict[int, Reply]) -> None:
+        failures = {worker: reply.error for worker, reply in replies.items() if not reply.ok}
+        if failures:
+            status = 400 if all("did not answer" not in str(error) for error in failures.values()) else 503
+            raise ApiError(status, f"{operation} failed on {instance_id}: {failures}")
+
+    async def move_between_instances(
+        self, tokens: list[int], source: tuple[str, str], destination: tuple[str, str], *, copy: bool
+    ) -> int:
+        """Relay the held prefix of `tokens` from one instance's location to another's, chunk by chunk.
+
+        Worker r of the source sends to worker r of the destination; both must build the same keys
+        (`transfer_identity`), or nothing moves. A chunk moves only when every source worker holds it
+        and every destination worker stored it, so both sides keep a prefix. Unless `copy`, the
+        source then drops what moved. Returns the tokens now held at the destination.
+        """
+        (source_instance, source_location), (destination_instance, destination_location) = source, destination
+        senders, receivers = self.workers_of(source_instance), self.workers_of(destination_instance)
+        if sorted(senders) != sorted(receivers):
+            raise ApiError(
+                400,
+                f"cannot move from {source_instance!r} (workers {sorted(senders)}) to "
+                f"{destination_instance!r} (workers {sorted(receivers)}): each tensor-parallel worker "
+                "sends to the destination worker of the same rank, so both need the same workers",
+            )
+        ranks = sorted(senders)
+        identities = await asyncio.gather(
+            *(
+                self._ask(workers[rank], Command(op="identity", location=location))
+                for workers, location in ((senders, source_location), (receivers, destination_location))
+                for rank in ranks
+            )
+        )
+        self._raise_failures(
+            "identity", f"{source_instance}/{destination_instance}", dict(enumerate(identities))
+        )
+        for position, rank in enumerate(ranks):
+            sender_identity = identities[position].info or {}
+            receiver_identity = identities[len(ranks) + position].info or {}
+            differing = {
+                name: [sender_identity.get(name), receiver_identity.get(name)]
+                for name in sorted(set(sender_identity) | set(receiver_identity))
+                if sender_identity.get(name) != receiver_identity.get(name)
+            }
+            if differing:
+                raise ApiError(
+                    409,
+                    f"cannot move from {source_instance!r} to {destination_instance!r}: worker {rank} "
+                    f"keys its chunks differently ({_describe_differences(differing)}); "
+                    "KV moves only between instances of the same model, dtype, world size and chunking",
+                )
+        moved_end = 0
+        chunk_index = 0
+        while True:
+            export = Command(
+                op="export_chunk", tokens=tokens, location=source_location, chunk_index=chunk_index
+            )
+            exported = await asyncio.gather(*(self._exchange(senders[rank], export) for rank in ranks))
+            self._raise_failures(
+                "export_chunk",
+                source_instance,
+                {rank: reply for rank, (reply, _) in zip(ranks, exported, strict=True)},
+            )
+            ends = {reply.num_tokens for reply, _ in exported}
+            if 0 in ends or any(data is None for _, data in exported):
+                break  # some worker does not hold this chunk: what moves is the prefix before it
+            if len(ends) > 1:
+                raise ApiError(
+                    500,
+                    f"export_chunk on {source_instance}: workers disagree on where chunk "
+                    f"{chunk_index} ends {sorted(ends)}",
+                )
+            exchanges = await asyncio.gather(
+                *(
+                    self._exchange(
+                        receivers[rank],
+                        Command(
+                            op="import_chunk",
+                            tokens=tokens,
+                            location=destination_location,
+                            chunk_index=chunk_index,
+                            chunk_format=reply.chunk_format,
+                        ),
+                        data,
+                    )
+                    for rank, (reply, data) in zip(ranks, exported, strict=True)
+                )
+            )
+            imported = [reply for reply, _ in exchanges]
+            self._raise_failures(
+                "import_chunk", destination_instance, dict(zip(ranks, imported, strict=True))
+            )
+            if any(reply.num_tokens != next(iter(ends)) for reply in imported):
+                break  # no room at the destination on some worker: stop, the destination keeps a prefix
+            moved_end = next(iter(ends))
+            chunk_index += 1
+        if not copy and moved_end:
+            drop = Command(op="drop", tokens=tokens[:moved_end], location=source_location)
+            await self.same_count(source_instance, drop)
+        return moved_end
 
     async def lookup(self, tokens: list[int]) -> dict[str, list[Any]]:
         """Per instance, [location, matched tokens]; an instance holding nothing is left out.
@@ -254,6 +361,12 @@ class Controller:
             if weakest.num_tokens > 0:
                 layout[instance_id] = [weakest.location, weakest.num_tokens]
         return layout
+
+
+def _describe_differences(differing: dict[str, list[Any]]) -> str:
+    return ", ".join(
+        f"{name}: {source!r} vs {destination!r}" for name, (source, destination) in differing.items()
+    )
 
 
 def _event_id(operation: str) -> str:
@@ -311,13 +424,10 @@ def build_app(controller: Controller) -> Starlette:
     async def move(body: MoveBody) -> dict[str, Any]:
         (source_instance, source), (destination_instance, destination) = body.old_position, body.new_position
         if source_instance != destination_instance:
-            controller.workers_of(source_instance)
-            controller.workers_of(destination_instance)
-            raise ApiError(
-                400,
-                f"moving from {source_instance!r} to {destination_instance!r} needs peer-to-peer transfer, "
-                "which this cache layer does not implement; move between tiers of one instance instead",
+            moved = await controller.move_between_instances(
+                body.tokens, body.old_position, body.new_position, copy=body.copy
             )
+            return {"num_tokens": moved}
         command = Command(
             op="move", tokens=body.tokens, location=source, destination=destination, copy=body.copy
         )

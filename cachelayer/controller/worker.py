@@ -87,17 +87,48 @@ class ControllerWorker:
         while not self._closed.is_set():
             timeout_ms = max(0, min(100, int((next_heartbeat - time.monotonic()) * 1000)))
             if self._commands.poll(timeout_ms):
-                payload = self._commands.recv()
+                frames = self._commands.recv_multipart(copy=True)
+                chunk_bytes: bytes | None = None
                 try:
-                    reply = self._execute(decoder.decode(payload))
+                    reply, chunk_bytes = self._execute(decoder.decode(frames[0]), frames[1:])
                 except msgspec.DecodeError as exc:
                     reply = Reply(ok=False, error=f"malformed command: {exc}")
-                self._commands.send(encode(reply))
+                self._commands.send_multipart(
+                    [encode(reply)] if chunk_bytes is None else [encode(reply), chunk_bytes]
+                )
             if time.monotonic() >= next_heartbeat:
                 self._send_report("heartbeat")
                 next_heartbeat = time.monotonic() + self._config.lmcache_worker_heartbeat_time
 
-    def _execute(self, command: Command) -> Reply:
+    def _execute(self, command: Command, extra_frames: list[bytes]) -> tuple[Reply, bytes | None]:
+        """The reply, and the chunk bytes that follow it as a raw frame (export_chunk only)."""
+        engine = self._engine
+        try:
+            if command.op == "export_chunk":
+                exported = engine.export_chunk(command.tokens, command.chunk_index, command.location or "")
+                if exported is None:
+                    return Reply(num_tokens=0), None
+                span, chunk_format, data = exported
+                return Reply(num_tokens=span.end, chunk_format=chunk_format), data
+            if command.op == "import_chunk":
+                if len(extra_frames) != 1:
+                    return Reply(ok=False, error="import_chunk needs the chunk's bytes as one frame"), None
+                stored_end = engine.import_chunk(
+                    command.tokens,
+                    command.chunk_index,
+                    command.location or "",
+                    command.chunk_format or "raw",
+                    extra_frames[0],
+                )
+                return Reply(num_tokens=stored_end), None
+        except ValueError as exc:
+            return Reply(ok=False, error=str(exc)), None
+        except Exception as exc:
+            log.exception("cachelayer worker: %s failed", command.op)
+            return Reply(ok=False, error=f"{command.op} failed on worker {engine.worker_id}: {exc!r}"), None
+        return self._execute_command(command), None
+
+    def _execute_command(self, command: Command) -> Reply:
         engine = self._engine
         try:
             if command.op == "lookup":
@@ -121,6 +152,12 @@ class ControllerWorker:
                 return Reply()
             if command.op == "info":
                 return Reply(info=engine.stats())
+            if command.op == "identity":
+                if command.location is not None:  # refuse a move to or from a missing tier up front
+                    engine.check_location(command.location)
+                return Reply(info=engine.transfer_identity())
+            if command.op == "drop":
+                return Reply(num_tokens=engine.drop(command.tokens, command.location or ""))
         except ValueError as exc:  # the engine's refusals: bad location, method, tokens
             return Reply(ok=False, error=str(exc))
         except Exception as exc:  # never let one bad command stop the worker's thread
