@@ -118,10 +118,9 @@ class KVAwarePolicy(_Struct, tag="kv_aware", tag_field="name"):
     max_share_ratio: Annotated[float, msgspec.Meta(ge=1.0)] = 1.25
     share_slack: Annotated[float, msgspec.Meta(ge=0)] = 1.0
     share_half_life_s: Annotated[float, msgspec.Meta(gt=0)] = 20.0
-    # 0: every request is held to the share line. N > 0: only requests whose best cached prefix
-    # N recent requests matched (a hot prefix); a conversation of its own then stays home, but
-    # measured on chat_sessions, cold first turns then pile up (max/mean load 1.38 against 1.12).
-    hot_prefix_requests: Annotated[int, msgspec.Meta(ge=0)] = 0
+    # N > 0: only requests whose best cached prefix N recent requests matched (a hot prefix) are
+    # held to the share line, so a conversation of its own stays home; 0: every request is.
+    hot_prefix_requests: Annotated[int, msgspec.Meta(ge=0)] = 2
     # How long a routed prompt counts as cached on its backend before its events confirm it.
     prediction_ttl_s: float = 5.0
 

@@ -295,7 +295,7 @@ def test_cached_work_still_wins_under_light_balanced_load() -> None:
     assert req.decision["reason"] == "cache_hit"
 
 
-def test_with_hot_prefix_requests_a_conversation_of_its_own_stays_home_over_its_share() -> None:
+def test_a_conversation_of_its_own_stays_home_even_when_home_is_over_its_share() -> None:
     index = PrefixIndex()
     policy = KVAware(KVAwarePolicy(hot_prefix_requests=2), index)
     candidates = backends(4)
@@ -305,7 +305,7 @@ def test_with_hot_prefix_requests_a_conversation_of_its_own_stays_home_over_its_
     req = request(np.concatenate([PROMPTS[7], PROMPTS[8][:64]]))
     assert route(policy, req, candidates).name == "b0"
     assert req.decision["reason"] == "cache_hit"
-    # Held to the share line when every request is (hot_prefix_requests=0, the default), it moves.
-    strict = KVAware(KVAwarePolicy(), index)
+    # Held to the share line when every request is (hot_prefix_requests=0), it moves.
+    strict = KVAware(KVAwarePolicy(hot_prefix_requests=0), index)
     strict.request_shares = policy.request_shares
     assert strict.choose(request(np.concatenate([PROMPTS[7], PROMPTS[8][:64]])), candidates).name != "b0"

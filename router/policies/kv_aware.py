@@ -18,7 +18,8 @@ The cheapest backend wins, with these guards:
 - in-flight hot spots: a backend whose in-flight count is over max_load_ratio * mean + load_slack
   is skipped while another candidate is under that line;
 - nothing cached: when no candidate holds (or is predicted to hold) any of the prompt, the choice is
-  least_loaded's, guards aside: fewest in-flight requests, ties taken in turn. Different cold
+  least_loaded's, guards aside: fewest in-flight requests, then fewest recent cold placements,
+  ties taken in turn. Different cold
   prefixes therefore spread evenly over the engines instead of piling onto the first one
   (architecture.md, "what measuring the peers taught us"); between equal costs otherwise, the
   backend with the fewest recently placed prompt tokens wins, then the one whose cache holds least.
@@ -159,6 +160,7 @@ class CacheAwarePolicy:
         self.share_slack = config.share_slack
         self.placements = PlacementTracker()
         self.request_shares = PlacementTracker(config.share_half_life_s)
+        self.cold_placements = PlacementTracker(config.share_half_life_s)
         self._turn = -1
         self.recent_decisions: deque[dict[str, Any]] = deque(maxlen=DECISIONS_KEPT)
         self.metrics = RoutingMetrics(registry) if registry is not None else None
@@ -216,6 +218,8 @@ class CacheAwarePolicy:
         now = time.monotonic()
         self.placements.add(backend.name, max(0, prompt_tokens - cached_tokens), now)
         self.request_shares.add(backend.name, 1.0, now)
+        if decision.get("reason") == "cold_spread":
+            self.cold_placements.add(backend.name, 1.0, now)
         if self.metrics is not None and prompt_tokens:
             self.metrics.prompt_tokens.labels(self.name, "prompt").inc(prompt_tokens)
             self.metrics.prompt_tokens.labels(self.name, "cached").inc(cached_tokens)
@@ -249,11 +253,16 @@ class CacheAwarePolicy:
         When no candidate holds any of the prompt, least_loaded's choice over all candidates (its
         rotation between equals too): the cost would only restate the loads. The rotation advances
         on cold requests only, so cold prefixes (first turns, new documents) are dealt out evenly
-        and need no guard.
+        and need no guard; between equally loaded candidates, those with the fewest recent cold
+        placements first (a rotation over a changing set of idle engines is not even).
         """
         if not any(cached[b.name] for b in candidates):
             self._turn += 1
-            return fewest_in_flight(candidates, self._turn)
+            lowest = min(b.in_flight for b in candidates)
+            idle = [b for b in candidates if b.in_flight == lowest]
+            placed = {b.name: self.cold_placements.value(b.name, now) for b in idle}
+            fewest = min(placed.values())
+            return fewest_in_flight([b for b in idle if placed[b.name] < fewest + 0.5], self._turn)
         return min(
             allowed,
             key=lambda b: (
