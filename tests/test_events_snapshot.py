@@ -10,6 +10,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable, Iterator
+from typing import TypeVar
 
 import httpx
 import pytest
@@ -78,8 +79,11 @@ def probes(prompts: list[list[int]]) -> list[list[int]]:
     return out
 
 
-def rebind(make: Callable[[], CacheEngine], timeout_s: float = 10.0) -> CacheEngine:
-    """Start an engine on the endpoints a closed one held (ZMQ releases them in the background)."""
+Bound = TypeVar("Bound")
+
+
+def rebind(make: Callable[[], Bound], timeout_s: float = 10.0) -> Bound:
+    """Bind again the endpoints a closed engine or publisher held (ZMQ releases them in the background)."""
     deadline = time.monotonic() + timeout_s
     while True:
         try:
@@ -403,7 +407,7 @@ class SnapshotReplaySocket:
 
     def __init__(self, replay_endpoint: str) -> None:
         self.held: list = []
-        self.publisher = rebind_publisher(
+        self.publisher = rebind(
             lambda: ZmqEventPublisher(
                 "tcp://127.0.0.1:*", replay_endpoint, buffer_steps=1, snapshot_source=lambda: list(self.held)
             )
@@ -413,17 +417,6 @@ class SnapshotReplaySocket:
         """Publish empty batches until the next seq the snapshot reports is `next_seq`."""
         while self.publisher.last_seq + 1 < next_seq:
             self.publisher.publish([])
-
-
-def rebind_publisher(make: Callable[[], ZmqEventPublisher], timeout_s: float = 10.0) -> ZmqEventPublisher:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        try:
-            return make()
-        except zmq.ZMQError as exc:
-            if exc.errno != zmq.EADDRINUSE or time.monotonic() > deadline:
-                raise
-            time.sleep(0.1)
 
 
 def chunks_of(tokens: list[int], first_hash: int, medium: str = "cpu") -> list[ClStored]:
