@@ -73,6 +73,8 @@ def _start_kvgate(
                 "endpoint": engine.events_endpoint,
                 "replay_endpoint": engine.replay_endpoint,
                 "topic": EVENTS_TOPIC,
+                # Real vLLM connects its PUB out to this endpoint (benchmarks/real_fleet.py): bind it here.
+                "bind": getattr(fleet, "events_bind", False),
             }
         backends.append(backend)
     config = {
@@ -80,6 +82,7 @@ def _start_kvgate(
         "backends": backends,
         "policy": {"name": policy, **knobs},
         "log_level": "warning",
+        **getattr(fleet, "gateway_settings", {}),  # e.g. slower health checks for real engines
     }
     gateway: GatewayProcess = start_gateway(config, timeout_s=timeout_s)
     try:
