@@ -1,8 +1,10 @@
 """The routers a benchmark puts in front of an engine fleet: kvgate with each policy, and the peers.
 
-Each launcher starts one router process on a free loopback port, waits until it forwards a request,
-and returns a `RunningRouter`. The peers (sglang-router, vllm-router) come from PyPI into their own
-virtual environments under .cache/peers/ (scripts/install_peers.sh), never into the project's.
+Each launcher starts one router process on a free loopback port, waits until it forwards a request
+(and, for a kvgate gateway with KV events, until every subscriber has caught up with what its engine
+still buffers, so that catch-up is not charged to the measured run), and returns a `RunningRouter`.
+The peers (sglang-router, vllm-router) come from PyPI into their own virtual environments under
+.cache/peers/ (scripts/install_peers.sh), never into the project's.
 """
 
 from __future__ import annotations
@@ -87,10 +89,45 @@ def _start_kvgate(
     gateway: GatewayProcess = start_gateway(config, timeout_s=timeout_s)
     try:
         _wait_until_forwarding(gateway.url, gateway.process, timeout_s)
+        wait_until_synced(gateway.url, timeout_s)
     except BaseException:
         gateway.stop()
         raise
     return RunningRouter(label, gateway.url, gateway.process, gateway.stop, names_backend=True)
+
+
+def wait_until_synced(url: str, timeout_s: float) -> None:
+    """Wait until /debug/prefix-map says every backend with KV events is `synced` (its subscribers
+    have replayed what the engine still buffers); TimeoutError naming the laggards otherwise."""
+    deadline = time.monotonic() + timeout_s
+    laggards: dict[str, str] = {}
+    last_error = ""
+    while True:
+        try:
+            response = httpx.get(f"{url}/debug/prefix-map", params={"format": "json"}, timeout=10.0)
+            response.raise_for_status()
+            backends = response.json()["backends"]
+            laggards = {
+                name: (
+                    f"connected={entry.get('connected')} last_seq={entry.get('last_seq')} "
+                    f"replayed_batches={entry.get('replayed_batches')}"
+                )
+                for name, entry in backends.items()
+                if entry.get("events") and entry.get("synced") is not True
+            }
+            last_error = ""
+        except (httpx.HTTPError, KeyError, ValueError) as exc:
+            last_error = f"{url}/debug/prefix-map: {exc!r}"
+        if not laggards and not last_error:
+            return
+        if time.monotonic() >= deadline:
+            detail = last_error or "; ".join(f"{name} ({state})" for name, state in sorted(laggards.items()))
+            raise TimeoutError(
+                f"gateway at {url}: KV-event subscribers not synced within {timeout_s}s: {detail}. "
+                "Check that the engines' replay endpoints answer (kv_events.replay_endpoint), or "
+                "raise the timeout for very long replay buffers."
+            )
+        time.sleep(0.1)
 
 
 def ensure_peers_installed() -> None:

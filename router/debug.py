@@ -110,7 +110,7 @@ class KVIndexExtension:
             }
             stream = status.get(name)
             if stream is None:
-                entry.update(connected=None, last_seq=None, blocks={}, tokens={})
+                entry.update(connected=None, synced=None, last_seq=None, blocks={}, tokens={})
             else:
                 entry.update(stream)
             backends[name] = entry
@@ -207,6 +207,8 @@ def _stream_cell(entry: dict[str, Any]) -> str:
         if entry.get("connected")
         else '<span class="bad">disconnected</span>'
     )
+    if entry.get("connected") and entry.get("synced") is False:
+        state += ' <span class="warn" title="replaying what the engine still buffers">catching up</span>'
     if entry.get("uncertain"):
         reasons = "; ".join(r["uncertain_reason"] or "" for r in entry.get("ranks", []) if r.get("uncertain"))
         state += f' <span class="warn" title="{html.escape(reasons)}">uncertain</span>'

@@ -171,8 +171,11 @@ class KVIndexService:
                         "last_seq": stats.last_seq,
                         "batches": stats.batches,
                         "events": dict(stats.events),
+                        "synced": stats.synced,
                         "replays": stats.replays,
                         "replayed_batches": stats.replayed_batches,
+                        "superseded_batches": stats.superseded_batches,
+                        "superseded_events": stats.superseded_events,
                         "unrecovered_gaps": stats.unrecovered_gaps,
                         "restarts": stats.restarts,
                         "malformed": stats.malformed,
@@ -194,10 +197,14 @@ class KVIndexService:
 
             out[name] = {
                 "connected": all(rank["connected"] for rank in ranks),
+                # Every rank has caught up with what its engine still buffers (see subscriber.py).
+                "synced": all(rank["synced"] for rank in ranks),
                 "last_seq": ranks[0]["last_seq"] if len(ranks) == 1 else [rank["last_seq"] for rank in ranks],
                 "blocks": blocks,
                 "tokens": tokens,
                 "replays": total("replays"),
+                "replayed_batches": total("replayed_batches"),
+                "superseded_batches": total("superseded_batches"),
                 "unrecovered_gaps": total("unrecovered_gaps"),
                 "restarts": total("restarts"),
                 "snapshots": total("snapshots"),
@@ -208,6 +215,10 @@ class KVIndexService:
                 "ranks": ranks,
             }
         return out
+
+    def all_synced(self) -> bool:
+        """Every subscriber has done its first catch-up (replay from seq 0 or snapshot)."""
+        return all(stream.subscriber.stats.synced for streams in self._streams.values() for stream in streams)
 
     def snapshots_enabled(self, name: str) -> bool:
         config = self._configs.get(name)

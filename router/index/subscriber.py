@@ -11,8 +11,17 @@ Sequence rules (protocols.md section 1):
   drop duplicates. A gap the replay cannot fill marks the backend uncertain (shown and counted).
 - seq <= last: the engine restarted (seq starts at 0 in every engine process): clear the backend
   and continue from this message.
-- The first message after subscribing with seq > 0 (a late start): replay from 0 to recover what
-  the engine still buffers; if that does not reach back to seq 0, the backend is uncertain.
+- Catch-up: on its first connection the subscriber asks for a replay from seq 0 at once, without
+  waiting for a live message, so what the engine still buffers is in the index before traffic
+  arrives; `stats.synced` turns true when that answer is in (or at once when there is no replay
+  endpoint). Live batches it already holds (published before the answer) are dropped by seq and
+  ts. If the catch-up got no complete answer, the first message with seq > 0 (a late start) replays
+  from 0 as before. If a late start's replay does not reach back to seq 0, the backend is uncertain.
+- A replay never redoes dead work: AllBlocksCleared empties the whole backend (every tier), so
+  replayed batches before the last one holding a clear are not decoded nor applied (counted in
+  `superseded_batches`, and events before the clear in its own batch in `superseded_events`);
+  the rest is applied in one index call. Seqs missing before that clear do not make the backend
+  uncertain: nothing they held survived it.
 Malformed messages are counted and logged, never fatal. ZMQ reconnects on its own, with
 exponential backoff between `reconnect_initial_s` and `reconnect_max_s`.
 
@@ -25,7 +34,9 @@ unknown: the stream connects for the first time or again after an outage of at l
 otherwise noticed only at its next event, and what it published before the reconnect is lost),
 the engine restarted (seq went back), or a gap the replay could not fill (a late start included).
 The snapshot replaces the backend's entries at once (`replace`), last_seq becomes seq - 1, live
-batches older than seq and published before it are dropped, and the uncertain mark is cleared.
+batches older than seq and published before it are dropped, and the uncertain mark is cleared. A
+snapshot on the first connection is the catch-up (synced once it is in; if it fails, the catch-up
+replay runs instead).
 A snapshot that fails (timeout, no snapshot in the answer, garbage) is counted and logged, and
 the rules above apply as without snapshots.
 """
@@ -42,6 +53,7 @@ from dataclasses import dataclass, field
 import zmq
 
 from router.index.events import (
+    AllBlocksCleared,
     DecodedBatch,
     KVEvent,
     MalformedBatch,
@@ -60,6 +72,11 @@ ClearBackend = Callable[[], None]
 ReplaceBackend = Callable[[list[KVEvent]], None]
 
 SNAPSHOT_REQUEST = b"KVSNAPSHOT"
+# The event tag as msgpack spells it in either encoding: a payload without these bytes holds no
+# clear, so replayed batches are searched for the last clear without decoding them.
+_CLEARED_TAG = b"AllBlocksCleared"
+# Replayed events go to the index in calls of at most this many (one lock hold stays short).
+_REPLAY_APPLY_CHUNK = 8192
 
 
 class SnapshotFailed(Exception):
@@ -76,6 +93,13 @@ class SubscriberStats:
     malformed: int = 0
     replays: int = 0
     replayed_batches: int = 0
+    # Replayed batches skipped because a later AllBlocksCleared in the same replay undoes them, and
+    # events before the clear inside the batch holding it.
+    superseded_batches: int = 0
+    superseded_events: int = 0
+    # True once the first catch-up is done (replay from seq 0 answered, snapshot applied, or
+    # nothing to replay from): the index holds what the engine still buffers.
+    synced: bool = False
     unrecovered_gaps: int = 0
     restarts: int = 0
     # Set when a gap could not be filled or a late start found the engine's history gone: the
@@ -150,9 +174,10 @@ class EventSubscriber:
         self._replace = replace if replay_endpoint is not None else None
         self.snapshot_after_outage_s = snapshot_after_outage_s
         self._disconnected_at: float | None = None
-        # After a snapshot: (its seq, its ts). Live batches below that seq published before it are
-        # already in it; the mark goes once a batch at or past that seq arrives.
-        self._snapshot_floor: tuple[int, float] | None = None
+        # After a snapshot or a catch-up replay: (the first seq it does not hold, the ts of the
+        # newest batch it holds). Live batches below that seq published no later are already
+        # applied; the mark goes once a batch at or past that seq arrives.
+        self._live_floor: tuple[int, float] | None = None
 
     # ---- lifecycle ----
 
@@ -230,8 +255,13 @@ class EventSubscriber:
             if event in (zmq.EVENT_CONNECTED, zmq.EVENT_ACCEPTED):
                 was_connected = self.stats.connected
                 self.stats.connected = True
+                snapshot_taken = False
                 if not was_connected and self._replace is not None and self._needs_snapshot_on_connect():
-                    self._take_snapshot("connected" if self.stats.last_seq is None else "reconnected")
+                    snapshot_taken = self._take_snapshot(
+                        "connected" if self.stats.last_seq is None else "reconnected"
+                    )
+                if not snapshot_taken and not self.stats.synced and self.stats.last_seq is None:
+                    self._catch_up()
                 self._disconnected_at = None
             elif event in (zmq.EVENT_DISCONNECTED, zmq.EVENT_CLOSED):
                 if self.stats.connected:
@@ -279,18 +309,19 @@ class EventSubscriber:
     def _advance(self, seq: int, batch: DecodedBatch | None) -> None:
         stats = self.stats
         stats.last_message_at = time.time()
-        floor = self._snapshot_floor
+        floor = self._live_floor
         if floor is not None:
             floor_seq, floor_ts = floor
             if seq >= floor_seq:
-                self._snapshot_floor = None
+                self._live_floor = None
             elif batch is None or batch.ts <= floor_ts:
-                return  # published before the snapshot, which already holds it
+                return  # published before the snapshot or catch-up, which already holds it
         last = stats.last_seq
         recovered = True
         if last is None:
             if seq > 0:
                 recovered = self._recover(0, seq, late_start=True)
+            stats.synced = True
         elif seq <= last:
             stats.restarts += 1
             logger.warning(
@@ -325,7 +356,7 @@ class EventSubscriber:
             return
         if seq > last + 1:
             self._recover(last + 1, seq, late_start=False)
-        self._snapshot_floor = None
+        self._live_floor = None
         self._apply_batch(seq, batch)
 
     # ---- snapshot ----
@@ -352,12 +383,13 @@ class EventSubscriber:
             logger.exception("kv events %s: applying the snapshot failed", self.name)
             return False
         stats.snapshots += 1
+        stats.synced = True
         stats.snapshot_blocks = sum(1 for event in batch.events if event_kind(event) == "BlockStored")
         stats.last_seq = next_seq - 1 if next_seq > 0 else None
         stats.uncertain = False
         stats.uncertain_reason = None
         stats.last_snapshot_error = None
-        self._snapshot_floor = (next_seq, batch.ts)
+        self._live_floor = (next_seq, batch.ts)
         logger.info(
             "kv events %s: snapshot on %s: %d blocks, live from seq %d",
             self.name,
@@ -378,69 +410,155 @@ class EventSubscriber:
                 if not replies
                 else f"expected one snapshot batch, got {len(replies)}"
             )
-        next_seq, batch = replies[0]
-        if batch is None:
-            raise SnapshotFailed("the snapshot batch could not be decoded")
-        return next_seq, batch
+        next_seq, payload = replies[0]
+        try:
+            return next_seq, decode_batch(payload)
+        except MalformedBatch as exc:
+            raise SnapshotFailed(f"the snapshot batch could not be decoded: {exc}") from None
 
     def _apply_batch(self, seq: int, batch: DecodedBatch | None) -> None:
         self.stats.last_seq = seq
         if batch is None:
             return
-        self.stats.batches += 1
-        if batch.skipped_events:
-            self.stats.skipped_events += batch.skipped_events
-            self._malformed(f"seq {seq}: {batch.skipped_events} undecodable events: {batch.skip_reasons[:1]}")
+        self._count_batch(seq, batch)
         if batch.events:
-            counts = self.stats.events
-            for event in batch.events:
-                kind = event_kind(event)
-                counts[kind] = counts.get(kind, 0) + 1
-            try:
-                self._apply(batch.events)
-            except Exception:  # a bug applying one batch must not end the stream
-                self.stats.apply_errors += 1
-                self.stats.uncertain = True
-                self.stats.uncertain_reason = f"seq {seq}: the index failed to apply the batch (see the log)"
-                logger.exception("kv events %s: applying seq %d failed", self.name, seq)
+            self._apply_events(batch.events, f"seq {seq}")
         if self._on_batch is not None:
             self._on_batch(self.name, batch)
 
+    def _count_batch(self, seq: int, batch: DecodedBatch) -> None:
+        stats = self.stats
+        stats.batches += 1
+        if batch.skipped_events:
+            stats.skipped_events += batch.skipped_events
+            self._malformed(f"seq {seq}: {batch.skipped_events} undecodable events: {batch.skip_reasons[:1]}")
+        counts = stats.events
+        for event in batch.events:
+            kind = event_kind(event)
+            counts[kind] = counts.get(kind, 0) + 1
+
+    def _apply_events(self, events: list[KVEvent], where: str) -> None:
+        try:
+            self._apply(events)
+        except Exception:  # a bug applying one batch must not end the stream
+            self.stats.apply_errors += 1
+            self.stats.uncertain = True
+            self.stats.uncertain_reason = f"{where}: the index failed to apply the batch (see the log)"
+            logger.exception("kv events %s: applying %s failed", self.name, where)
+
     # ---- replay ----
+
+    def _catch_up(self) -> None:
+        """On the first connection: replay what the engine still buffers before traffic needs it."""
+        if self.replay_endpoint is None:
+            self.stats.synced = True  # nothing to catch up from; a late start shows as uncertain
+            return
+        replies, complete = self._request(encode_seq(0), "catch-up replay from seq 0")
+        batches = _in_range(replies, 0, None)
+        if batches:
+            self.stats.replays += 1
+            cleared_at, newest_ts = self._apply_replayed(batches)
+            newest = next(reversed(batches))
+            first_needed = 0 if cleared_at is None else cleared_at + 1
+            if _count_from(batches, first_needed) != newest + 1 - first_needed:
+                self._mark_uncertain(
+                    f"subscribed late (engine at seq {newest}); the engine no longer buffers seq 0.."
+                )
+            self._live_floor = (newest + 1, newest_ts)
+        # A partial answer is enough: the batches it lacks come back as a gap at the next message.
+        # With no answer at all, the first message's late-start replay does the catch-up.
+        if complete or batches:
+            self.stats.synced = True
 
     def _recover(self, start: int, until: int, *, late_start: bool) -> bool:
         """Replay batches start..until-1 and apply them; mark the backend uncertain when that fails."""
-        missing = set(range(start, until)) if until - start <= 1_000_000 else None
-        got = 0
+        batches: dict[int, bytes] = {}
         if self.replay_endpoint is not None:
             self.stats.replays += 1
-            for seq, batch in self._request(encode_seq(start), f"replay from seq {start}")[0]:
-                if seq >= until:
-                    continue  # the live stream delivers these
-                if missing is not None:
-                    if seq not in missing:
-                        continue  # duplicate
-                    missing.discard(seq)
-                got += 1
-                self.stats.replayed_batches += 1
-                self._apply_batch(seq, batch)
-        complete = (missing is not None and not missing) or (missing is None and got == until - start)
-        if complete:
+            replies, _complete = self._request(encode_seq(start), f"replay from seq {start}")
+            batches = _in_range(replies, start, until)
+        cleared_at, _newest_ts = self._apply_replayed(batches)
+        # Seqs before the last clear need not be found: nothing they stored survived it.
+        first_needed = start if cleared_at is None else cleared_at + 1
+        if _count_from(batches, first_needed) == until - first_needed:
             return True
         if late_start:
             reason = f"subscribed late (first seq {until}); the engine no longer buffers seq {start}.."
         else:
             self.stats.unrecovered_gaps += 1
-            reason = f"lost seq {start}..{until - 1}; replay recovered {got} of {until - start}"
+            reason = f"lost seq {start}..{until - 1}; replay recovered {len(batches)} of {until - start}"
+        self._mark_uncertain(reason)
+        return False
+
+    def _mark_uncertain(self, reason: str) -> None:
         self.stats.uncertain = True
         self.stats.uncertain_reason = reason
         logger.warning("kv events %s: index uncertain: %s", self.name, reason)
-        return False
 
-    def _request(self, request: bytes, what: str) -> tuple[list[tuple[int, DecodedBatch | None]], bool]:
+    def _apply_replayed(self, batches: dict[int, bytes]) -> tuple[int | None, float]:
+        """Apply replayed batches (seq -> payload, in seq order) from their last clear on.
+
+        Returns the seq of the batch holding the last AllBlocksCleared (None without one) and the ts
+        of the newest batch decoded. Batches before that clear are neither decoded nor applied: the
+        clear empties the whole backend, so the result is the same. The rest go to the index in as
+        few calls as possible (the index applies a list of events in order, whatever the batches).
+        """
+        if not batches:
+            return None, 0.0
+        stats = self.stats
+        stats.replayed_batches += len(batches)
+        seqs = list(batches)
+        decoded: dict[int, DecodedBatch | None] = {}
+        cleared_at = None
+        for position in range(len(seqs) - 1, -1, -1):
+            seq = seqs[position]
+            if _CLEARED_TAG not in batches[seq]:
+                continue
+            batch = decoded[seq] = self._decode_replayed(seq, batches[seq])
+            last_clear = None if batch is None else _last_clear(batch.events)
+            if batch is None or last_clear is None:
+                continue
+            cleared_at = seq
+            stats.superseded_batches += position
+            stats.superseded_events += last_clear
+            batch.events = batch.events[last_clear:]
+            seqs = seqs[position:]
+            break
+        pending: list[KVEvent] = []
+        pending_from = seqs[0]
+        applied: list[DecodedBatch] = []
+        newest_ts = 0.0
+        for seq in seqs:
+            batch = decoded[seq] if seq in decoded else self._decode_replayed(seq, batches[seq])
+            stats.last_seq = seq
+            if batch is None:
+                continue
+            newest_ts = max(newest_ts, batch.ts)
+            self._count_batch(seq, batch)
+            applied.append(batch)
+            pending.extend(batch.events)
+            if len(pending) >= _REPLAY_APPLY_CHUNK:
+                self._apply_events(pending, f"replayed seq {pending_from}..{seq}")
+                pending, pending_from = [], seq + 1
+        if pending:
+            self._apply_events(pending, f"replayed seq {pending_from}..{seqs[-1]}")
+        if self._on_batch is not None:
+            for batch in applied:
+                self._on_batch(self.name, batch)
+        return cleared_at, newest_ts
+
+    def _decode_replayed(self, seq: int, payload: bytes) -> DecodedBatch | None:
+        try:
+            return decode_batch(payload)
+        except MalformedBatch as exc:
+            self._malformed(f"replay seq {seq}: {exc}")
+            return None
+
+    def _request(self, request: bytes, what: str) -> tuple[list[tuple[int, bytes]], bool]:
         """Send one request (a start seq, or the snapshot request) to the engine's ROUTER.
 
-        Returns the batches that arrived before the deadline, and whether the end marker came.
+        Returns the (seq, payload) replies that arrived before the deadline, undecoded, and whether
+        the end marker came.
         """
         assert self.replay_endpoint is not None
         if self._dealer is None:
@@ -450,7 +568,7 @@ class EventSubscriber:
         dealer = self._dealer
         dealer.send_multipart([b"", request])
         deadline = time.monotonic() + self.replay_timeout_s
-        replies: list[tuple[int, DecodedBatch | None]] = []
+        replies: list[tuple[int, bytes]] = []
         while True:
             remaining = deadline - time.monotonic()
             if remaining <= 0 or not dealer.poll(int(remaining * 1000) + 1):
@@ -476,8 +594,24 @@ class EventSubscriber:
                 continue
             if seq == -1:
                 return replies, True
-            try:
-                replies.append((seq, decode_batch(frames[1])))
-            except MalformedBatch as exc:
-                self._malformed(f"replay seq {seq}: {exc}")
-                replies.append((seq, None))
+            replies.append((seq, frames[1]))
+
+
+def _in_range(replies: list[tuple[int, bytes]], start: int, until: int | None) -> dict[int, bytes]:
+    """Replies with start <= seq < until (the live stream delivers the rest), first copy of each, by seq."""
+    batches: dict[int, bytes] = {}
+    for seq, payload in replies:
+        if seq >= start and (until is None or seq < until):
+            batches.setdefault(seq, payload)
+    return dict(sorted(batches.items()))
+
+
+def _count_from(batches: dict[int, bytes], first: int) -> int:
+    return sum(1 for seq in batches if seq >= first)
+
+
+def _last_clear(events: list[KVEvent]) -> int | None:
+    for position in range(len(events) - 1, -1, -1):
+        if isinstance(events[position], AllBlocksCleared):
+            return position
+    return None

@@ -1,0 +1,89 @@
+"""benchmarks/routers.py's wait for synced KV-event subscribers, against a real HTTP server that
+answers /debug/prefix-map the way the gateway does."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import pytest
+
+from benchmarks.routers import wait_until_synced
+
+
+class PrefixMapServer:
+    """Serves `backends` as the gateway's /debug/prefix-map?format=json on a free loopback port."""
+
+    def __init__(self) -> None:
+        self.backends: dict[str, dict] = {}
+        server = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_GET(self) -> None:
+                if not self.path.startswith("/debug/prefix-map?format=json"):
+                    self.send_error(404)
+                    return
+                body = json.dumps({"backends": server.backends, "prefixes": [], "decisions": []}).encode()
+                self.send_response(200)
+                self.send_header("content-type", "application/json")
+                self.send_header("content-length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, *args: object) -> None:
+                pass
+
+        self._http = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self._http.server_address[1]}"
+        self._thread = threading.Thread(target=self._http.serve_forever, daemon=True)
+        self._thread.start()
+
+    def close(self) -> None:
+        self._http.shutdown()
+        self._http.server_close()
+        self._thread.join(timeout=2)
+
+
+@pytest.fixture
+def server() -> Iterator[PrefixMapServer]:
+    s = PrefixMapServer()
+    yield s
+    s.close()
+
+
+def backend(synced: bool | None, events: bool = True) -> dict:
+    return {"events": events, "synced": synced, "connected": True, "last_seq": 41, "replayed_batches": 7}
+
+
+def test_the_wait_ends_once_every_backend_with_events_is_synced(server: PrefixMapServer) -> None:
+    server.backends = {"engine-0": backend(True), "engine-1": backend(False), "plain": backend(None, False)}
+    threading.Timer(0.3, lambda: server.backends.update({"engine-1": backend(True)})).start()
+    started = time.monotonic()
+    wait_until_synced(server.url, timeout_s=10)
+    assert 0.25 <= time.monotonic() - started < 5
+
+
+def test_a_gateway_without_kv_events_needs_no_wait(server: PrefixMapServer) -> None:
+    server.backends = {"plain": backend(None, False)}
+    wait_until_synced(server.url, timeout_s=0.5)
+
+
+def test_the_wait_names_the_backends_that_never_synced(server: PrefixMapServer) -> None:
+    server.backends = {"engine-0": backend(True), "engine-1": backend(False)}
+    with pytest.raises(TimeoutError) as caught:
+        wait_until_synced(server.url, timeout_s=0.5)
+    message = str(caught.value)
+    assert "not synced within 0.5s" in message
+    assert "engine-1 (connected=True last_seq=41 replayed_batches=7)" in message
+    assert "engine-0" not in message
+    assert "replay_endpoint" in message  # what to check
+
+
+def test_the_wait_reports_a_gateway_that_does_not_answer(server: PrefixMapServer) -> None:
+    url = server.url
+    server.close()
+    with pytest.raises(TimeoutError, match="prefix-map"):
+        wait_until_synced(url, timeout_s=0.3)
