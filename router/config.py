@@ -105,9 +105,18 @@ class KVAwarePolicy(_Struct, tag="kv_aware", tag_field="name"):
     gpu_hit_weight: float = 1.0
     cpu_hit_weight: float = 0.8
     disk_hit_weight: float = 0.5
-    # Cost of one in-flight request, in prefill-token equivalents, and of one in-flight prefill token.
-    request_load_weight: float = 256.0
-    prefill_load_weight: float = 1.0
+    # Cost of one in-flight request, in prefill-token equivalents, and of one prompt token still to
+    # prefill there. 0.5: a prefill in progress is on average half done when the next request comes
+    # (the gateway sees when a prefill ends, not how far it is); counting it whole made a backend
+    # computing this very prefix look worse than an idle one, and a burst sharing a new prefix
+    # scattered over the engines (benchmarks/results/routing.md).
+    request_load_weight: float = 128.0
+    prefill_load_weight: float = 0.5
+    # Weight of a prompt token the backend would compute itself, against one token of prefill
+    # already queued there (load). Above 1, a backend holding the prefix keeps it unless its queue
+    # is that much longer than an idle backend's: moving a prefix costs a full prefill now and a
+    # second copy that evicts other prefixes, which the queue alone does not show.
+    uncached_token_weight: Annotated[float, msgspec.Meta(ge=1.0)] = 1.5
     # Hot-spot guard: a backend whose in-flight count exceeds this multiple of the mean (plus slack)
     # is not chosen while another candidate is below it.
     max_load_ratio: float = 1.25

@@ -251,6 +251,10 @@ class ProxyEndpoint:
             prefill_tokens = _prefill_tokens(route_request)
             backend.in_flight += 1
             backend.in_flight_prefill_tokens += prefill_tokens
+            # The policy learns of the placement now, not when the answer starts: a non-streamed
+            # answer starts only when it is complete, and requests sharing this prompt that arrive
+            # meanwhile must already see it placed (kv_aware's predictions, approximate's blocks).
+            gateway.policy.on_routed(route_request, backend)
             upstream_started = perf_counter()
             try:
                 response = await gateway.pool.request(
@@ -324,7 +328,6 @@ class ProxyEndpoint:
         headers_arrived = perf_counter()
         outcome_status = status
         try:
-            policy.on_routed(route_request, backend)
             await responder.start(status, headers)
             gateway.metrics.overhead.observe(
                 (upstream_started - started) + (perf_counter() - headers_arrived)

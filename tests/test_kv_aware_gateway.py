@@ -4,6 +4,7 @@ Also /debug/prefix-map (JSON), POST /lookup, and the admin token with prompt red
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Iterator
 
@@ -204,3 +205,29 @@ def test_cold_prefixes_sent_one_at_a_time_spread_over_the_engines(fleet: Fleet) 
         assert response.status_code == 200
         homes.append(response.headers["x-kvgate-backend"])
     assert len(set(homes)) == 3, homes
+
+
+def test_a_prompt_still_being_answered_draws_the_requests_that_share_it(fleet: Fleet) -> None:
+    # A non-streamed answer starts only when it is complete: the placement must count from the
+    # moment the request is sent, or every request of a burst sharing a new prefix goes elsewhere.
+    doc = "A brand new report on glacier retreat, measured by drones every spring and autumn. " * 8
+    first: dict[str, httpx.Response] = {}
+
+    def send_slow() -> None:
+        with httpx.Client(base_url=fleet.gateway.url, timeout=30, headers=fleet.headers) as client:
+            first["response"] = client.post(
+                "/v1/chat/completions",
+                json=chat_body(doc, "What was measured?"),
+                headers={"x-test-delay-ms": "1500"},
+            )
+
+    slow = threading.Thread(target=send_slow)
+    slow.start()
+    try:
+        time.sleep(0.5)  # the slow request is at its backend, its answer not started
+        assert "response" not in first
+        follow_up = fleet.client.post("/v1/chat/completions", json=chat_body(doc, "How often?"))
+    finally:
+        slow.join()
+    assert first["response"].status_code == 200 and follow_up.status_code == 200
+    assert follow_up.headers["x-kvgate-backend"] == first["response"].headers["x-kvgate-backend"]

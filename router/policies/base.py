@@ -42,7 +42,8 @@ class Policy(Protocol):
         ...
 
     def on_routed(self, request: RouteRequest, backend: BackendState) -> None:
-        """Called once the request is committed to `backend` (after any retry)."""
+        """Called when the request is sent to `backend`, before any answer: once per attempt (a
+        retry on another backend calls choose() and on_routed() again, so the last call wins)."""
         ...
 
     def on_finished(self, request: RouteRequest, backend: BackendState) -> None:

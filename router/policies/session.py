@@ -39,7 +39,7 @@ class SessionAffinity:
         return backend
 
     def on_routed(self, request: RouteRequest, backend: BackendState) -> None:
-        # Pinned on commit (after any retry), so a session follows the backend that answered.
+        # Pinned on every attempt: a retry pins again, so a session follows the backend that answered.
         key = request.session_key
         if key is None:
             return
