@@ -40,6 +40,16 @@ def wait_until(predicate: Callable[[], bool], timeout: float = 10.0) -> None:
     raise AssertionError("condition not reached in time")
 
 
+def publish_until(publisher: EventPublisher, predicate: Callable[[], bool]) -> None:
+    """Publish empty batches until `predicate` holds: PUB/SUB drops what is sent before the
+    subscription reaches the publisher, and a loaded machine makes that take a while."""
+    deadline = time.monotonic() + 10.0
+    while not predicate():
+        assert time.monotonic() < deadline, "condition not reached in time"
+        publisher.publish([])
+        time.sleep(0.05)
+
+
 def stored(n: int, *, medium: str = "GPU") -> dict:
     """Prompt n as four 16-token blocks (engine hashes 10n+1..10n+4) in one event."""
     base = n * 10 + 1
@@ -140,29 +150,28 @@ def test_a_late_subscriber_applies_only_what_follows_the_last_clear(harness: Har
     assert held(harness.index)[:6] == [0] * 6
 
     # Live batches go on from there.
-    time.sleep(0.3)
     pub.publish([stored(9)])
-    wait_until(lambda: stats.last_seq == last + 1)
+    publish_until(pub, lambda: held(harness.index)[9] == 64)
     assert_same_index(harness.index, replayed_everything(pub))
 
 
 def test_a_gap_whose_replay_holds_a_clear_skips_what_the_clear_undoes(harness: Harness) -> None:
     pub = harness.publisher
     harness.start()
-    wait_until(lambda: harness.subscriber.stats.synced)
-    time.sleep(0.3)  # PUB/SUB: let the subscription reach the publisher
+    stats = harness.subscriber.stats
+    publish_until(pub, lambda: stats.last_seq is not None)
     pub.publish([stored(0)])
-    pub.publish([stored(1)])
-    wait_until(lambda: harness.subscriber.stats.last_seq == 1)
+    seq = pub.publish([stored(1)])
+    wait_until(lambda: stats.last_seq == seq)
+    replays, replayed_batches = stats.replays, stats.replayed_batches
     for n in (2, 3):  # lost on the wire
         pub.publish([stored(n)], send=False)
-    clear_seq = pub.publish([all_blocks_cleared(encoding="array")], send=False)
+    pub.publish([all_blocks_cleared(encoding="array")], send=False)
     pub.publish([stored(4)], send=False)
-    pub.publish([stored(5)])  # the gap shows here
-    wait_until(lambda: harness.subscriber.stats.last_seq == clear_seq + 2)
-    stats = harness.subscriber.stats
-    assert stats.replays == 1 and stats.replayed_batches == 4
-    assert stats.superseded_batches == 2  # seq 2 and 3
+    seq = pub.publish([stored(5)])  # the gap shows here
+    wait_until(lambda: stats.last_seq == seq)
+    assert stats.replays == replays + 1 and stats.replayed_batches == replayed_batches + 4
+    assert stats.superseded_batches == 2  # stored(2) and stored(3)
     assert stats.superseded_events == 0
     assert not stats.uncertain and stats.unrecovered_gaps == 0
     assert_same_index(harness.index, replayed_everything(pub))
@@ -202,10 +211,12 @@ def test_a_late_subscriber_without_a_clear_in_a_cut_buffer_stays_uncertain() -> 
 
 
 class HeldReplay:
-    """A replay ROUTER that answers from the publisher's buffer only once released (a slow engine)."""
+    """A replay ROUTER that answers from the publisher's buffer only once released (a slow engine),
+    `spacing_s` between replies (an engine replaying a long buffer on a busy machine)."""
 
-    def __init__(self, endpoint: str) -> None:
+    def __init__(self, endpoint: str, spacing_s: float = 0.0) -> None:
         self.endpoint = endpoint
+        self.spacing_s = spacing_s
         self.release = threading.Event()
         self.publisher: EventPublisher | None = None
         self._context = zmq.Context()
@@ -227,7 +238,10 @@ class HeldReplay:
             assert self.publisher is not None
             start = int.from_bytes(start_frame, "big")
             for seq, payload in list(self.publisher.buffer):
+                if self._stop.is_set():
+                    return
                 if seq >= start:
+                    time.sleep(self.spacing_s)
                     self._router.send_multipart(
                         [identity, b"", b"kv-events", seq.to_bytes(8, "big"), payload]
                     )
@@ -258,6 +272,45 @@ def test_synced_is_false_during_a_slow_catch_up_and_true_after() -> None:
         replay.close()
 
 
+def test_a_replay_answer_still_flowing_is_not_cut_at_the_replay_timeout() -> None:
+    # Eight replies 0.15 s apart: 1.2 s in all, more than the 0.5 s timeout but never 0.5 s silent.
+    replay = HeldReplay(f"tcp://127.0.0.1:{free_port()}", spacing_s=0.15)
+    replay.release.set()
+    h = Harness(replay_endpoint=replay.endpoint)
+    h.subscriber.replay_timeout_s = 0.5
+    replay.publisher = h.publisher
+    try:
+        for n in range(8):
+            h.publisher.publish([stored(n)])
+        h.start()
+        wait_until(lambda: h.subscriber.stats.synced)
+        stats = h.subscriber.stats
+        assert stats.last_seq == 7 and stats.replayed_batches == 8 and not stats.uncertain
+        assert held(h.index)[:8] == [64] * 8
+    finally:
+        h.close()
+        replay.close()
+
+
+def test_a_replay_answer_that_never_ends_stops_at_ten_timeouts() -> None:
+    replay = HeldReplay(f"tcp://127.0.0.1:{free_port()}", spacing_s=0.05)
+    replay.release.set()
+    h = Harness(replay_endpoint=replay.endpoint)
+    h.subscriber.replay_timeout_s = 0.2
+    replay.publisher = h.publisher
+    try:
+        for n in range(200):  # 10 s of replies: far past the 2 s cap
+            h.publisher.publish([stored(n % len(PROMPTS))])
+        started = time.monotonic()
+        h.start()
+        wait_until(lambda: h.subscriber.stats.synced)
+        assert 1.8 <= time.monotonic() - started < 6
+        assert 0 < h.subscriber.stats.replayed_batches < 200
+    finally:
+        h.close()
+        replay.close()
+
+
 def test_a_catch_up_without_an_answer_syncs_at_the_first_message() -> None:
     h = Harness()
     h.subscriber.replay_timeout_s = 0.3
@@ -269,9 +322,9 @@ def test_a_catch_up_without_an_answer_syncs_at_the_first_message() -> None:
         assert not h.subscriber.stats.synced
         h.publisher.drop_replays = False
         h.publisher.publish([stored(1)])  # a late start: replay from 0
-        wait_until(lambda: h.subscriber.stats.synced)
-        assert h.subscriber.stats.last_seq == 1 and held(h.index)[:2] == [64, 64]
-        assert h.publisher.replay_requests == [0, 0]
+        publish_until(h.publisher, lambda: h.subscriber.stats.synced)
+        assert held(h.index)[:2] == [64, 64] and not h.subscriber.stats.uncertain
+        assert h.publisher.replay_requests[:2] == [0, 0]
     finally:
         h.close()
 

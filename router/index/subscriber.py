@@ -77,6 +77,9 @@ SNAPSHOT_REQUEST = b"KVSNAPSHOT"
 _CLEARED_TAG = b"AllBlocksCleared"
 # Replayed events go to the index in calls of at most this many (one lock hold stays short).
 _REPLAY_APPLY_CHUNK = 8192
+# A replay answer still flowing gets this many replay timeouts in all; replies queued per DEALER.
+_REPLAY_MAX_TIMEOUTS = 10
+_REPLAY_RCVHWM = 200_000
 
 
 class SnapshotFailed(Exception):
@@ -558,19 +561,27 @@ class EventSubscriber:
         """Send one request (a start seq, or the snapshot request) to the engine's ROUTER.
 
         Returns the (seq, payload) replies that arrived before the deadline, undecoded, and whether
-        the end marker came.
+        the end marker came. The deadline is `replay_timeout_s` after the request or the latest
+        reply (a long buffer replayed while the CPU is busy is not cut short while it flows), and
+        never later than `_REPLAY_MAX_TIMEOUTS` times that after the request.
         """
         assert self.replay_endpoint is not None
         if self._dealer is None:
             self._dealer = self._context.socket(zmq.DEALER)
             self._dealer.setsockopt(zmq.LINGER, 0)
+            # The engine's ROUTER drops replies beyond its send high-water mark (1000 by default)
+            # when this thread reads more slowly than it sends: let ZMQ's I/O thread queue the
+            # whole answer here instead.
+            self._dealer.setsockopt(zmq.RCVHWM, _REPLAY_RCVHWM)
             self._dealer.connect(connectable(self.replay_endpoint))
         dealer = self._dealer
         dealer.send_multipart([b"", request])
-        deadline = time.monotonic() + self.replay_timeout_s
+        started = time.monotonic()
+        cap = started + self.replay_timeout_s * _REPLAY_MAX_TIMEOUTS
+        deadline = started + self.replay_timeout_s
         replies: list[tuple[int, bytes]] = []
         while True:
-            remaining = deadline - time.monotonic()
+            remaining = min(deadline, cap) - time.monotonic()
             if remaining <= 0 or not dealer.poll(int(remaining * 1000) + 1):
                 # The ROUTER drops at its high-water mark, end marker included. A late answer
                 # must not be taken for the next replay's: start that one on a fresh socket.
@@ -579,6 +590,7 @@ class EventSubscriber:
                 self._dealer = None
                 return replies, False
             frames = dealer.recv_multipart()
+            deadline = time.monotonic() + self.replay_timeout_s
             # [b"", seq, payload] (vLLM < 0.26) or [b"", topic, seq, payload] (later).
             if frames and frames[0] == b"":
                 frames = frames[1:]
