@@ -186,6 +186,84 @@ def test_decode_steps_of_many_requests_in_one_batch_match_the_general_path() -> 
     assert internal_state(batched, "a") == internal_state(general, "a")
 
 
+@pytest.mark.parametrize("running", [1, 2, 3, 32])
+def test_decode_steps_take_the_column_path_and_match_the_general_path(running: int, monkeypatch) -> None:
+    """Decode steps of one medium (the shape `_store_decode_step_locked` and, for one request,
+    `_store_one_block_locked` take): every step after the first is applied by them, and the index
+    equals the general path's, also when removals, re-stores and shared prefixes come in between."""
+    maker = StreamMaker(7)
+    chains = [maker.new_chain() for _ in range(running)]
+    for chain in chains:  # a document of its own each (requests sharing a prefix share blocks)
+        maker.docs.append([maker.rand.randrange(150_000) for _ in range(DOC_TOKENS)])
+        chain.update(block_size=16, overlap=False, group=None, medium="GPU", doc=len(maker.docs) - 1)
+    taken = []
+    for name in ("_store_decode_step_locked", "_store_one_block_locked"):
+        original = getattr(PrefixIndex, name)
+
+        def spy(self, backend, events, original=original):
+            took = original(self, backend, events)
+            taken.append(took)
+            return took
+
+        monkeypatch.setattr(PrefixIndex, name, spy)
+    fast, general = PrefixIndex(), PrefixIndex()
+    for step in range(40):
+        batch: list[KVEvent] = [event for chain in chains if (event := maker.store(chain, 1)) is not None]
+        if step == 20:  # the fast path must leave these to the general path
+            batch.append(BlockRemoved(block_hashes=[h for h, _, _ in maker.known[::5]], medium="GPU"))
+        taken.clear()
+        fast.apply("a", batch)
+        apply_through_general_path(general, "a", batch)
+        if 0 < step < 20:
+            assert taken == [True], f"step {step} went the general way"
+    assert internal_state(fast, "a") == internal_state(general, "a")
+    for doc in maker.docs:
+        assert fast.longest_cached_prefix(doc) == general.longest_cached_prefix(doc)
+
+
+def test_decode_step_path_refuses_what_it_cannot_apply_and_changes_nothing() -> None:
+    """Shapes outside the decode step (a re-store, a parent with a tail, tokens out of uint32
+    range, two media, an unknown parent) are refused with the index untouched."""
+    tokens = make_docs(random.Random(5))[0]
+    index = PrefixIndex()
+    index.apply("a", [BlockStored(block_hashes=[1, 2], token_ids=tokens[:32], block_size=16)])
+    index.apply("a", [BlockStored(block_hashes=[3], token_ids=tokens[:24], block_size=24)])  # tail
+
+    def step(*events: BlockStored) -> bool:
+        before = internal_state(index, "a")
+        backend = index._backends["a"]
+        with index._lock:
+            took = (
+                index._store_one_block_locked(backend, events[0])
+                if len(events) == 1
+                else index._store_decode_step_locked(backend, list(events))
+            )
+        if not took:
+            assert internal_state(index, "a") == before
+        return took
+
+    def child(block_hash: int, parent: int, token_ids: list[int] | None = None, **fields: Any) -> BlockStored:
+        return BlockStored(
+            block_hashes=[block_hash],
+            parent_block_hash=parent,
+            token_ids=tokens[32:48] if token_ids is None else token_ids,
+            block_size=16,
+            **fields,
+        )
+
+    for events in (
+        [child(2, 1)],  # already placed
+        [child(10, 3)],  # the parent ends inside a router block
+        [child(10, 99)],  # unknown parent
+        [child(10, 2, [-1] * 16)],  # not uint32
+        [child(10, 2), child(11, 2, medium="cpu")],  # two media
+        [child(10, 2), child(10, 2), child(12, 2)],  # one hash twice
+    ):
+        assert not step(*events)
+    assert step(child(10, 2))
+    assert index.longest_cached_prefix(tokens[:48])["a"].tokens == 48
+
+
 def test_a_batch_storing_one_prefix_twice_keeps_both_references() -> None:
     """Two KV-cache groups announce the same tokens in one batch: removing one keeps the prefix."""
     tokens = make_docs(random.Random(3))[0][:64]

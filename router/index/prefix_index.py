@@ -82,6 +82,8 @@ _NUMPY_MIN_BLOCKS = 3
 # A lookup computes a prompt's keys this many router blocks (32k tokens) at a time; it probes them
 # in smaller, growing chunks and stops at the first block nobody holds.
 _LOOKUP_SPAN_BLOCKS = 2048
+# position * _POSITION_WEIGHT for the positions of a prompt's first span: a lookup slices it.
+_POSITION_TERMS = np.arange(_LOOKUP_SPAN_BLOCKS, dtype=np.uint64) * _POSITION_WEIGHT
 
 
 def router_block_values(tokens: np.ndarray, first_block: int | np.ndarray) -> np.ndarray:
@@ -91,36 +93,44 @@ def router_block_values(tokens: np.ndarray, first_block: int | np.ndarray) -> np
     """
     # uint64 array arithmetic wraps silently, which is the modular arithmetic wanted here.
     words = np.ascontiguousarray(tokens, dtype="<u4").view("<u8").reshape(-1, _WORDS_PER_BLOCK)
-    content = words @ _WORD_WEIGHTS
+    x = words @ _WORD_WEIGHTS
     if isinstance(first_block, np.ndarray):
-        positions = first_block.astype(np.uint64, copy=False)
+        x ^= first_block.astype(np.uint64, copy=False) * _POSITION_WEIGHT
+    elif first_block + len(x) <= len(_POSITION_TERMS):
+        x ^= _POSITION_TERMS[first_block : first_block + len(x)]
     else:
-        positions = np.arange(first_block, first_block + len(words), dtype=np.uint64)
-    x = content ^ (positions * _POSITION_WEIGHT)
+        x ^= np.arange(first_block, first_block + len(x), dtype=np.uint64) * _POSITION_WEIGHT
     # splitmix64 finaliser: makes the per-block value a nonlinear function of content and position.
-    x ^= x >> _S30
+    # (One scratch array for the shifts: numpy's cost here is per call and per allocation.)
+    shifted = np.empty_like(x)
+    x ^= np.right_shift(x, _S30, out=shifted)
     x *= _MIX_1
-    x ^= x >> _S27
+    x ^= np.right_shift(x, _S27, out=shifted)
     x *= _MIX_2
-    x ^= x >> _S31
+    x ^= np.right_shift(x, _S31, out=shifted)
     return x
+
+
+def _python_block_value(block_tokens: Sequence[int], position: int) -> int:
+    """`router_block_values` of one block, with Python ints (cheaper than numpy for a block or two)."""
+    content = sum(map(operator.mul, block_tokens, _TOKEN_WEIGHTS_PY)) & _WORD
+    x = content ^ ((position * _POSITION_WEIGHT_PY) & _WORD)
+    x ^= x >> 30
+    x = (x * _MIX_1_PY) & _WORD
+    x ^= x >> 27
+    x = (x * _MIX_2_PY) & _WORD
+    return x ^ (x >> 31)
 
 
 def _python_prefix_keys(tokens: Sequence[int], seed: int, first_block: int) -> list[int]:
     """The same keys as `prefix_keys`, computed with Python ints (faster for one or two blocks)."""
     keys = []
     total = seed
-    weights = _TOKEN_WEIGHTS_PY
     for block in range(len(tokens) // ROUTER_BLOCK_TOKENS):
         offset = block * ROUTER_BLOCK_TOKENS
-        content = sum(map(operator.mul, tokens[offset : offset + ROUTER_BLOCK_TOKENS], weights)) & _WORD
-        x = content ^ (((first_block + block) * _POSITION_WEIGHT_PY) & _WORD)
-        x ^= x >> 30
-        x = (x * _MIX_1_PY) & _WORD
-        x ^= x >> 27
-        x = (x * _MIX_2_PY) & _WORD
-        x ^= x >> 31
-        total = (total + x) & _WORD
+        total = (
+            total + _python_block_value(tokens[offset : offset + ROUTER_BLOCK_TOKENS], first_block + block)
+        ) & _WORD
         keys.append(total)
     return keys
 
@@ -130,8 +140,9 @@ def prefix_keys(tokens: np.ndarray, seed: int, first_block: int = 0) -> np.ndarr
     usable = len(tokens) - len(tokens) % ROUTER_BLOCK_TOKENS
     if usable == 0:
         return np.empty(0, dtype=np.uint64)
-    values = router_block_values(tokens[:usable], first_block)
-    return np.cumsum(values, dtype=np.uint64) + np.uint64(seed)
+    keys = np.add.accumulate(router_block_values(tokens[:usable], first_block))
+    keys += np.uint64(seed)
+    return keys
 
 
 def _stream_keys(tokens: Sequence[int], seed: int, first_block: int) -> list[int]:
@@ -176,6 +187,17 @@ _END, _TOKENS, _BOUNDARY, _TAIL, _KEYS, _CHAIN, _SLOTS = range(7)
 
 _SIXTEEN = itertools.repeat(ROUTER_BLOCK_TOKENS)
 _NO_TAIL = itertools.repeat(())
+_node_end = operator.itemgetter(_END)
+_node_boundary = operator.itemgetter(_BOUNDARY)
+_node_tail = operator.itemgetter(_TAIL)
+_node_chain = operator.itemgetter(_CHAIN)
+_first_item = operator.itemgetter(0)
+# The fields a decode step's events are checked on, read for a whole batch by one `map`.
+_decode_step_fields = operator.attrgetter(
+    "block_hashes", "parent_block_hash", "token_ids", "block_size", "medium", "group_idx"
+)
+# Distinct mask values kept shared (below); past this many the table starts over (it is a cache).
+_SHARED_MASKS_LIMIT = 1 << 16
 
 
 def _owned(keys: int | tuple[int, ...]) -> tuple[int, ...]:
@@ -296,6 +318,14 @@ def snapshot_order(events: list[KVEvent]) -> list[KVEvent]:
     return others + sorted(stored, key=lambda event: depth[id(event)])
 
 
+def _masks_of(holders: dict[int, int], keys: list[int]) -> tuple[int, ...]:
+    """The masks of `keys`, all held (KeyError names the first that is not). One C call fetches
+    them all (cheaper than `dict.get` key by key), and numpy reads a tuple faster than a map."""
+    if len(keys) > 1:
+        return operator.itemgetter(*keys)(holders)
+    return (holders[keys[0]],) if keys else ()
+
+
 def _record_lost_bits(runs: dict[int, int], bits: int, position: int) -> None:
     while bits:
         bit = bits & -bits
@@ -309,6 +339,11 @@ class PrefixIndex:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._holders: dict[int, int] = {}
+        # One int object per distinct mask value, shared by every key holding it: a million keys
+        # point at a few dozen objects (about 30 bytes a key less, and lookups read masks that
+        # stay in cache). `_share(mask, mask)` returns the shared object.
+        self._shared_masks: dict[int, int] = {}
+        self._share = self._shared_masks.setdefault
         # (key, slot) -> references beyond the first (the same prefix stored twice in one tier,
         # e.g. by two KV-cache groups); the bit is unset only when the last reference goes.
         self._extra_refs: dict[tuple[int, int], int] = {}
@@ -397,13 +432,152 @@ class PrefixIndex:
             # small tuples of ints, which hold no cycles; left on, the collector would run every few
             # hundred of them and sweep the whole index (millions of entries) now and then, about a
             # quarter of the ingest time. Callers hold the lock, so pauses do not nest.
+            if len(self._shared_masks) > _SHARED_MASKS_LIMIT:
+                self._shared_masks.clear()
             collecting = gc.isenabled()
             gc.disable()
             try:
-                self._apply_locked(backend, events)
+                if len(events) == 1:
+                    if not self._store_one_block_locked(backend, events[0]):
+                        self._apply_locked(backend, events)
+                elif not self._store_decode_step_locked(backend, events):
+                    self._apply_locked(backend, events)
             finally:
                 if collecting:
                     gc.enable()
+
+    def _store_one_block_locked(self, backend: _Backend, event: KVEvent) -> bool:
+        """`_store_decode_step_locked` for a batch of one event, in plain Python (an engine step
+        that filled one block publishes it alone; per-batch passes would cost more than the event)."""
+        if not isinstance(event, BlockStored) or event.block_size != ROUTER_BLOCK_TOKENS or event.group_idx:
+            return False
+        hashes, token_ids = event.block_hashes, event.token_ids
+        if len(hashes) != 1 or len(token_ids) != ROUTER_BLOCK_TOKENS:
+            return False
+        nodes = backend.nodes
+        parent = nodes.get(event.parent_block_hash)
+        block_hash = hashes[0]
+        if parent is None or parent[_TAIL] or block_hash in nodes:
+            return False
+        try:
+            stream = array.array("I", token_ids)
+        except (OverflowError, TypeError):
+            return False
+        parent_end, _, boundary, _, _, chain_id, _ = parent
+        key = (boundary + _python_block_value(stream, parent_end // ROUTER_BLOCK_TOKENS)) & _WORD
+        medium = event.medium
+        slot = backend.medium_slots.get(medium)
+        if slot is None:
+            slot = backend.medium_slots[medium] = self._slot_locked(backend, tier_of(medium))
+        share = self._share
+        bit = share(1 << slot, 1 << slot)
+        holders = self._holders
+        mask = holders.get(key, 0)
+        if mask & bit:
+            return False
+        end = parent_end + ROUTER_BLOCK_TOKENS
+        nodes[block_hash] = (end, ROUTER_BLOCK_TOKENS, key, (), key, chain_id, bit)
+        holders[key] = share(mask | bit, mask | bit) if mask else bit
+        chain = backend.chains[chain_id]
+        chain.nodes += 1
+        if end > chain.longest:
+            chain.longest = end
+        tier = tier_of(medium)
+        stats = backend.stats
+        stats.stored_events += 1
+        stats.blocks[tier] += 1
+        stats.tokens[tier] += ROUTER_BLOCK_TOKENS
+        return True
+
+    def _store_decode_step_locked(self, backend: _Backend, events: list[KVEvent]) -> bool:
+        """A decode step's batch, applied column by column; False (nothing changed) for any other.
+
+        The shape: only BlockStored, each of one 16-token block of one medium, KV-cache group 0,
+        whose parent was placed before the batch and ends on a router-block boundary, new to the
+        backend, and completing a prefix no slot of the tier holds yet. That is what an engine
+        publishes during decode: one block per running request that filled one. Every check and
+        every insert is a C-level pass over the batch (`map`, `zip`, `dict.update`), and the keys
+        are one numpy pass (plain ints below `_NUMPY_MIN_BLOCKS`), so a step costs a few Python
+        calls, not a few per event. It builds exactly what the general path builds
+        (tests/test_index_ingest.py).
+        """
+        if not all(map(isinstance, events, itertools.repeat(BlockStored))) or not events:
+            return False
+        columns = zip(*map(_decode_step_fields, events), strict=True)
+        hashes, parent_hashes, token_ids, block_sizes, media, groups = columns
+        if (
+            set(block_sizes) != {ROUTER_BLOCK_TOKENS}
+            or set(map(len, hashes)) != {1}
+            or set(map(len, token_ids)) != {ROUTER_BLOCK_TOKENS}
+            or any(groups)
+            or len(set(media)) != 1
+        ):
+            return False
+        nodes = backend.nodes
+        parents = list(map(nodes.get, parent_hashes))
+        if not all(parents) or any(map(_node_tail, parents)):
+            return False
+        count = len(parents)
+        block_hashes = list(map(_first_item, hashes))
+        if not nodes.keys().isdisjoint(block_hashes) or len(set(block_hashes)) != count:
+            return False
+        try:
+            stream = array.array("I", list(itertools.chain.from_iterable(token_ids)))  # from a list: faster
+        except (OverflowError, TypeError):  # token ids that are not uint32: the general path counts them
+            return False
+        parent_ends = list(map(_node_end, parents))
+        if count < _NUMPY_MIN_BLOCKS:  # two events: plain ints beat numpy's per-call cost
+            keys = [
+                (
+                    parent[_BOUNDARY]
+                    + _python_block_value(
+                        stream[offset : offset + ROUTER_BLOCK_TOKENS], parent[_END] // ROUTER_BLOCK_TOKENS
+                    )
+                )
+                & _WORD
+                for offset, parent in zip(range(0, len(stream), ROUTER_BLOCK_TOKENS), parents, strict=True)
+            ]
+        else:
+            values = router_block_values(
+                np.frombuffer(stream, dtype=np.uint32),
+                np.fromiter(parent_ends, np.uint64, count) // np.uint64(ROUTER_BLOCK_TOKENS),
+            )
+            values += np.fromiter(map(_node_boundary, parents), np.uint64, count)
+            keys = values.tolist()
+        medium = media[0]
+        slot = backend.medium_slots.get(medium)
+        if slot is None:
+            slot = backend.medium_slots[medium] = self._slot_locked(backend, tier_of(medium))
+        share = self._share
+        bit = share(1 << slot, 1 << slot)
+        holders = self._holders
+        masks = list(map(holders.get, keys, itertools.repeat(0, count)))
+        held = functools.reduce(operator.or_, masks, 0)
+        # A prefix this tier already holds (or two events of the step completing one prefix):
+        # the general path keeps the reference counts.
+        if held & bit or (count > 1 and len(set(keys)) != count):
+            return False
+        ends = list(map(operator.add, parent_ends, _SIXTEEN))
+        chain_ids = list(map(_node_chain, parents))
+        new_nodes = zip(ends, _SIXTEEN, keys, _NO_TAIL, keys, chain_ids, itertools.repeat(bit), strict=False)
+        nodes.update(zip(block_hashes, new_nodes, strict=True))
+        if held:
+            updated = list(map(operator.or_, masks, itertools.repeat(bit)))
+            holders.update(zip(keys, map(share, updated, updated), strict=True))
+        else:
+            holders.update(zip(keys, itertools.repeat(bit), strict=False))
+        chains = backend.chains
+        for chain_id, end in zip(chain_ids, ends, strict=True):
+            chain = chains[chain_id]
+            chain.nodes += 1
+            if end > chain.longest:
+                chain.longest = end
+        tier = tier_of(medium)
+        stats = backend.stats
+        stats.stored_events += count
+        stats.blocks[tier] += count
+        stats.tokens[tier] += count * ROUTER_BLOCK_TOKENS
+        return True
 
     def _apply_locked(self, backend: _Backend, events: list[KVEvent]) -> None:
         # Consecutive BlockStored events of whole router blocks whose parents are already placed
@@ -571,8 +745,10 @@ class PrefixIndex:
                 return False
         holders = self._holders
         masks = list(map(holders.get, all_keys, itertools.repeat(0, len(all_keys))))
-        bit = 1 << slot
-        if functools.reduce(operator.or_, masks, 0) & bit:
+        share = self._share
+        bit = share(1 << slot, 1 << slot)
+        held = functools.reduce(operator.or_, masks, 0)
+        if held & bit:
             return False  # a prefix held twice: the general path keeps the reference counts
         # Two events of one batch completing the same prefix (e.g. two KV-cache groups): the same.
         # (Keys within one event are running sums over distinct positions: they never repeat.)
@@ -612,7 +788,11 @@ class PrefixIndex:
                 chain.nodes += count
                 if end > chain.longest:
                     chain.longest = end
-        holders.update(zip(all_keys, map(operator.or_, masks, itertools.repeat(bit)), strict=True))
+        if held:
+            updated = list(map(operator.or_, masks, itertools.repeat(bit)))
+            holders.update(zip(all_keys, map(share, updated, updated), strict=True))
+        else:  # prefixes new to every slot (the usual): all share the slot's bit
+            holders.update(zip(all_keys, itertools.repeat(bit), strict=False))
         tier = next(tier for tier, tier_slot in backend.tier_slots.items() if tier_slot == slot)
         stats = backend.stats
         stats.stored_events += len(pending)
@@ -637,7 +817,7 @@ class PrefixIndex:
             node_keys, _, count, block_size, parent_end, _, chain_id, slot = store
             keys = all_keys[offset : offset + length]
             offset += length
-            bit = 1 << slot
+            bit = self._share(1 << slot, 1 << slot)
             per_block = block_size // ROUTER_BLOCK_TOKENS
             if per_block == 1:
                 owned_keys: list[Any] = keys
@@ -664,9 +844,10 @@ class PrefixIndex:
                     if mask & bit:
                         extra_refs[(key, slot)] = extra_refs.get((key, slot), 0) + 1
                     else:
-                        holders[key] = mask | bit
+                        holders[key] = self._share(mask | bit, mask | bit)
             else:
-                holders.update(zip(keys, [mask | bit for mask in masks], strict=True))
+                updated = [mask | bit for mask in masks]
+                holders.update(zip(keys, map(self._share, updated, updated), strict=True))
             chain = backend.chains[chain_id]
             chain.nodes += count
             chain.longest = max(chain.longest, ends[-1])
@@ -703,7 +884,7 @@ class PrefixIndex:
             return
         tier = tier_of(event.medium)
         slot = self._slot_locked(backend, tier)
-        bit = 1 << slot
+        bit = self._share(1 << slot, 1 << slot)
         group = event.group_idx or 0
         nodes = backend.nodes
         # Engine hashes are only unique within a KV-cache group; group 0 (the usual) keys by hash alone.
@@ -821,7 +1002,7 @@ class PrefixIndex:
                         if mask & bit:
                             extra_refs[(key, slot)] = extra_refs.get((key, slot), 0) + 1
                         else:
-                            holders[key] = mask | bit
+                            holders[key] = self._share(mask | bit, mask | bit)
                     node = (*node[:_SLOTS], node[_SLOTS] | bit)
                 added_blocks += 1
                 added_tokens += node[_TOKENS]
@@ -838,7 +1019,7 @@ class PrefixIndex:
                 ref = (key, slot)
                 self._extra_refs[ref] = self._extra_refs.get(ref, 0) + 1
             else:
-                holders[key] = mask | bit
+                holders[key] = self._share(mask | bit, mask | bit)
         boundary, tail = node[_BOUNDARY], node[_TAIL]
         if tail:
             tails = self._tails.get(boundary, {})
@@ -866,7 +1047,7 @@ class PrefixIndex:
                 continue
             mask = holders.get(key, 0) & ~bit
             if mask:
-                holders[key] = mask
+                holders[key] = self._share(mask, mask)
             else:
                 holders.pop(key, None)
         boundary, tail = node[_BOUNDARY], node[_TAIL]
@@ -1009,59 +1190,61 @@ class PrefixIndex:
         """Per slot bit, how many leading blocks it holds; the masks of the blocks held by anyone;
         the keys computed (at least up to the first block nobody holds).
 
-        Keys are computed and probed in growing chunks, stopping at the first block nobody holds:
-        a prompt whose cached part is short (a shared system prompt, then new text) costs little.
+        Keys are computed with numpy a span (32k tokens) at a time. The first block nobody holds is
+        found by bisection (about ten probes), and only the blocks before it are probed, in one C
+        call: a prompt whose cached part is short (a shared system prompt, then new text) costs
+        little, and a long cached prompt pays one dict probe per block and nothing per token.
         The running AND of the masks holds the slots that hold every block so far; it only loses
         bits, at most once per slot, so the run lengths are read off its few change points.
         """
-        holders_get = self._holders.get
+        holders = self._holders
         total = len(array) // ROUTER_BLOCK_TOKENS
         keys: list[int] = []
         parts = []
-        span_keys = np.empty(0, dtype=np.uint64)
-        span_start = span_end = 0
-        start, step = 0, 128
         try:
-            while start < total:
-                if start >= span_end:  # keys of a whole span at once: numpy's cost is per call, not per key
-                    span_start, span_end = start, min(total, start + _LOOKUP_SPAN_BLOCKS)
-                    span_keys = prefix_keys(
-                        array[span_start * ROUTER_BLOCK_TOKENS : span_end * ROUTER_BLOCK_TOKENS],
-                        keys[-1] if keys else seed,
-                        span_start,
-                    )
-                end = min(span_end, start + step)
-                chunk = span_keys[start - span_start : end - span_start].tolist()
-                keys += chunk
-                part = np.fromiter(
-                    map(holders_get, chunk, itertools.repeat(0, len(chunk))), np.uint64, len(chunk)
+            for span_start in range(0, total, _LOOKUP_SPAN_BLOCKS):
+                span_end = min(total, span_start + _LOOKUP_SPAN_BLOCKS)
+                span_keys = prefix_keys(
+                    array[span_start * ROUTER_BLOCK_TOKENS : span_end * ROUTER_BLOCK_TOKENS],
+                    keys[-1] if keys else seed,
+                    span_start,
                 )
-                empty = np.flatnonzero(part == 0)
-                if len(empty):
-                    parts.append(part[: empty[0]])
+                size = len(span_keys)
+                # Where the cached part ends, found by bisection as if the held blocks came first
+                # (a handful of probes); a hole before that point is caught below.
+                held = size
+                if int(span_keys[-1]) not in holders:
+                    held = bisect.bisect_left(
+                        range(size), True, key=lambda block: int(span_keys[block]) not in holders
+                    )
+                chunk = span_keys[:held].tolist()
+                keys += chunk
+                try:
+                    parts.append(np.fromiter(_masks_of(holders, chunk), np.uint64, held))
+                except KeyError as absent:  # a hole: no run goes past it
+                    held = chunk.index(absent.args[0])
+                    parts.append(np.fromiter(_masks_of(holders, chunk[:held]), np.uint64, held))
+                if held < size:
                     break
-                parts.append(part)
-                start, step = end, step * 4
         except OverflowError:  # more than 64 slots: the same with Python ints
             keys = prefix_keys(array, seed).tolist()
             runs, wide_masks = self._slot_runs_wide(
-                list(map(holders_get, keys, itertools.repeat(0, len(keys))))
+                list(map(holders.get, keys, itertools.repeat(0, len(keys))))
             )
             return runs, wide_masks, keys
-        masks: Any = (
-            parts[0] if len(parts) == 1 else np.concatenate(parts) if parts else np.empty(0, np.uint64)
-        )
         runs: dict[int, int] = {}
-        if not len(masks):
-            return runs, masks, keys
+        masks: Any = np.concatenate(parts) if len(parts) > 1 else parts[0] if parts else None
+        if masks is None or not len(masks):
+            return runs, np.empty(0, np.uint64), keys
         running_and = np.bitwise_and.accumulate(masks)
-        changes = (np.flatnonzero(running_and[1:] != running_and[:-1]) + 1).tolist()
         previous = int(running_and[0])
-        for position in changes:
-            current = int(running_and[position])
-            _record_lost_bits(runs, previous & ~current, position)
-            previous = current
-        _record_lost_bits(runs, previous, len(masks))
+        last = int(running_and[-1])
+        if last != previous:  # some slot's run ends inside the prompt: find where each bit went
+            changes = np.flatnonzero(running_and[1:] != running_and[:-1]) + 1
+            for position, current in zip(changes.tolist(), running_and[changes].tolist(), strict=True):
+                _record_lost_bits(runs, previous & ~current, position)
+                previous = current
+        _record_lost_bits(runs, last, len(masks))
         return runs, masks, keys
 
     @staticmethod
