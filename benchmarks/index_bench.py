@@ -3,13 +3,15 @@
 Setup: 16 backends and 1M cached 16-token blocks (vLLM-style prefill events of 64 blocks each),
 plus four 32k-token documents cached to different depths on different backends. Everything is
 measured side by side in one run for two implementations, `before` (router/index/prefix_index.py at
-commit BASELINE_REVISION, read from git history at run time: the index before the ingest work, with
-event-by-event decoding) and `after` (router/index): each batch is applied to both indexes in turn
+commit BASELINE_REVISION, read from git history at run time: the index before the decode-step and
+lookup work) and `after` (router/index): each batch is applied to both indexes in turn
 (alternating which goes first), so both see the same load on this shared machine and the ratio
 after/before is meaningful even when absolute numbers drift.
 - ingest: blocks/s for prefill events (64 blocks, alone or 8 per batch), decode events (1 block,
   alone or 32 per batch), removals; and from the wire: msgpack payloads decoded and applied
   (vLLM >= 0.24 encoding);
+- one-block events alone in their batch through a real ZMQ PUB -> SUB: the subscriber thread's CPU
+  per message for recv alone, + decode, + apply (the floor that ZMQ and msgpack set for that shape);
 - lookup: 1k / 8k / 32k-token prompts against all 16 backends, next to a straightforward
   per-backend, per-block Python walk over the same keys;
 - memory: process RSS growth per cached block (each implementation alone, in a child process).
@@ -38,10 +40,17 @@ from typing import Any
 
 import msgspec
 import numpy as np
+import zmq
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from router.index.events import BlockRemoved, BlockStored, decode_batch, decode_batch_event_by_event
+from router.index.events import (
+    BlockRemoved,
+    BlockStored,
+    decode_batch,
+    decode_seq,
+    encode_seq,
+)
 from router.index.prefix_index import PrefixIndex, namespace_seed, prefix_keys
 
 BACKENDS = 16
@@ -49,8 +58,10 @@ PREFILL_BLOCKS = 64  # 1024-token prompts
 LONG_DOC_TOKENS = 32 * 1024
 TARGET_EVENTS_PER_S = 500_000
 TARGET_LOOKUP_8K_US = 200.0
-# The index before the ingest work, loaded from git history so that no frozen copy lives in the tree.
-BASELINE_REVISION = "eee4511"
+# The index before the decode-step and lookup work (the commit before it), loaded from git history so
+# that no frozen copy lives in the tree. (Runs before that compared with eee4511, the index before
+# the first ingest work.)
+BASELINE_REVISION = "fc54b18"
 
 
 def load_baseline_index(revision: str = BASELINE_REVISION) -> ModuleType:
@@ -70,7 +81,8 @@ IMPLEMENTATIONS: dict[str, Callable[[], Any]] = {
     "before": load_baseline_index().PrefixIndex,
     "after": PrefixIndex,
 }
-DECODERS = {"before": decode_batch_event_by_event, "after": decode_batch}
+# Both decode whole batches: events.py is the same at BASELINE_REVISION.
+DECODERS = {"before": decode_batch, "after": decode_batch}
 
 
 def rss_bytes() -> int:
@@ -233,6 +245,66 @@ def wire_ingest(bench: SideBySide, batches: list[list[BlockStored]], backend: st
     return bench.measure(
         run, blocks_per_event=blocks // events, events_per_batch=events // len(batches), decoded=True
     )
+
+
+def _publish(connection: Any, payloads: list[bytes]) -> None:
+    """Child process: bind a PUB, tell the parent its port, then send every payload as a live message."""
+    context = zmq.Context()
+    pub = context.socket(zmq.PUB)
+    pub.setsockopt(zmq.SNDHWM, 0)
+    connection.send(pub.bind_to_random_port("tcp://127.0.0.1"))
+    time.sleep(1.0)  # PUB drops messages until the SUB's connection is up (ZMQ's slow joiner)
+    for seq, payload in enumerate(payloads):
+        pub.send_multipart([b"kv-events", encode_seq(seq), payload])
+    pub.close(linger=-1)
+    context.term()
+
+
+def message_floor(payloads: list[bytes], index: Any, backend: str) -> dict:
+    """Per-message CPU cost of the subscriber's fixed work for one-event batches, from a real ZMQ
+    PUB -> SUB over loopback TCP: recv of the 3 frames alone; + seq and msgpack decode; + apply.
+
+    The messages are all queued before the SUB thread drains them (as the subscriber does, with
+    NOBLOCK), so the thread's CPU time counts the work, never a wait. Each stage gets its own
+    publisher process (forked before this process opens any ZMQ context); apply stores into
+    `index`, under `backend`.
+    """
+    stages = {}
+    for stage in ("recv", "recv_decode", "recv_decode_apply"):
+        parent_end, child_end = multiprocessing.Pipe()
+        publisher = multiprocessing.get_context("fork").Process(target=_publish, args=(child_end, payloads))
+        publisher.start()
+        context = zmq.Context()
+        sub = context.socket(zmq.SUB)
+        try:
+            sub.setsockopt(zmq.RCVHWM, 0)
+            sub.setsockopt(zmq.SUBSCRIBE, b"kv-events")
+            sub.connect(f"tcp://127.0.0.1:{parent_end.recv()}")
+            publisher.join(120)
+            time.sleep(0.5)  # the last messages reach the SUB's queue
+            received = 0
+            started = time.thread_time()
+            while True:
+                try:
+                    _topic, seq_frame, payload = sub.recv_multipart(zmq.NOBLOCK)
+                except zmq.Again:
+                    break
+                received += 1
+                if stage != "recv":
+                    decode_seq(seq_frame)
+                    batch = decode_batch(payload)
+                    if stage == "recv_decode_apply":
+                        index.apply(backend, batch.events)
+            cpu = time.thread_time() - started
+        finally:
+            if publisher.is_alive():
+                publisher.kill()
+            sub.close(0)
+            context.term()
+        assert received == len(payloads), f"{stage}: received {received} of {len(payloads)} messages"
+        stages[stage] = {"messages": received, "cpu_s": cpu, "us_per_message": cpu / received * 1e6,
+                         "messages_per_s": received / cpu}  # fmt: skip
+    return stages
 
 
 def removal_ingest(bench: SideBySide, count_events: int) -> dict:
@@ -401,6 +473,9 @@ def main() -> None:
         bench, list(decode_step_batches(max(1, args.decode_events // 32), 32, 4 * 10**12, rng)), "b4"
     )
     removal = removal_ingest(bench, min(2000, prefill["events"] // BACKENDS))
+    lone_blocks = [wire_payload(step) for step in decode_step_batches(args.decode_events, 1, 6 * 10**12, rng)]
+    floor = message_floor(lone_blocks, bench.indexes["after"], "b6")
+    print("one-event messages: " + ", ".join(f"{k} {v['us_per_message']:.1f} us" for k, v in floor.items()))
     ingest = {
         "prefill_events": prefill,
         "prefill_events_batched": prefill_batched,
@@ -424,10 +499,11 @@ def main() -> None:
         "setup": {"backends": BACKENDS, "cached_blocks_target": args.blocks, "block_tokens": 16},
         "implementations": {
             "before": f"router/index/prefix_index.py at {BASELINE_REVISION} (from git history), "
-            "event-by-event msgpack decoding",
-            "after": "router/index/prefix_index.py, whole-batch msgpack decoding",
+            "whole-batch msgpack decoding",
+            "after": "router/index/prefix_index.py (working tree), whole-batch msgpack decoding",
         },
         "ingest": ingest,
+        "lone_block_messages": floor,
         "lookup": lookups,
         "memory": memory,
         "targets": {"block_events_per_s": TARGET_EVENTS_PER_S, "lookup_8k_us": TARGET_LOOKUP_8K_US},
@@ -491,7 +567,8 @@ def report(results: dict) -> str:
     lines += [
         "",
         "Rows `wire:` include msgpack decoding of the payloads (vLLM >= 0.24 encoding: array batch, map "
-        "events); the others apply already-decoded events.",
+        "events); the others apply already-decoded events. Decode steps: each step's batch holds one "
+        "new 16-token block per running request, its parent the request's block of the step before.",
         "",
         "## Lookup (all 16 backends, per prompt)",
         "",
@@ -511,6 +588,24 @@ def report(results: dict) -> str:
             f"{entry['after']['p99_us']:.0f} us | {entry['after']['cpu_median_us']:.0f} us | "
             f"{entry['naive_per_backend_walk']['median_us']:.0f} us | {goal} |"
         )
+    floor = results["lone_block_messages"]
+    lines += [
+        "",
+        "## One-block events alone in their batch, from a real ZMQ PUB -> SUB (loopback TCP)",
+        "",
+        "The subscriber thread's CPU time per message, messages queued before it drains them: what "
+        "ZMQ and msgpack cost before the index does anything is the floor for this shape.",
+        "",
+        "| work per message | CPU us per message | messages (= blocks) per s |",
+        "|---|---|---|",
+    ]
+    for stage, label in (
+        ("recv", "recv_multipart of the 3 frames"),
+        ("recv_decode", "+ seq and msgpack decode (`decode_batch`)"),
+        ("recv_decode_apply", "+ `PrefixIndex.apply` (after)"),
+    ):
+        entry = floor[stage]
+        lines.append(f"| {label} | {entry['us_per_message']:.1f} | {entry['messages_per_s']:,.0f} |")
     lines += [
         "",
         "## Memory per cached block (process RSS growth, each implementation alone in a child process; "

@@ -190,7 +190,8 @@ def test_decode_steps_of_many_requests_in_one_batch_match_the_general_path() -> 
 def test_decode_steps_take_the_column_path_and_match_the_general_path(running: int, monkeypatch) -> None:
     """Decode steps of one medium (the shape `_store_decode_step_locked` and, for one request,
     `_store_one_block_locked` take): every step after the first is applied by them, and the index
-    equals the general path's, also when removals, re-stores and shared prefixes come in between."""
+    equals the general path's, also when removals come in between and another backend holds the
+    same prefixes."""
     maker = StreamMaker(7)
     chains = [maker.new_chain() for _ in range(running)]
     for chain in chains:  # a document of its own each (requests sharing a prefix share blocks)
@@ -212,11 +213,13 @@ def test_decode_steps_take_the_column_path_and_match_the_general_path(running: i
         if step == 20:  # the fast path must leave these to the general path
             batch.append(BlockRemoved(block_hashes=[h for h, _, _ in maker.known[::5]], medium="GPU"))
         taken.clear()
-        fast.apply("a", batch)
-        apply_through_general_path(general, "a", batch)
+        for backend in ("a", "b"):  # "b" stores prefixes "a" holds: their masks gain b's slot
+            fast.apply(backend, batch)
+            apply_through_general_path(general, backend, batch)
         if 0 < step < 20:
-            assert taken == [True], f"step {step} went the general way"
+            assert taken == [True, True], f"step {step} went the general way"
     assert internal_state(fast, "a") == internal_state(general, "a")
+    assert internal_state(fast, "b") == internal_state(general, "b")
     for doc in maker.docs:
         assert fast.longest_cached_prefix(doc) == general.longest_cached_prefix(doc)
 
