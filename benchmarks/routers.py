@@ -41,6 +41,8 @@ class RunningRouter:
     stop: Callable[[], None]
     # True when responses carry x-kvgate-backend (kvgate), so the client can count load itself.
     names_backend: bool = False
+    # A peer's own Prometheus endpoint: its routing-decision counters go into the results.
+    metrics_url: str | None = None
 
 
 def start_router(policy: str, fleet: EngineFleet, timeout_s: float = 90.0) -> RunningRouter:
@@ -171,7 +173,34 @@ def _start_peer(policy: str, fleet: EngineFleet, timeout_s: float) -> RunningRou
     except BaseException:
         process.stop()
         raise
-    return RunningRouter(policy, url, process, process.stop)
+    return RunningRouter(
+        policy, url, process, process.stop, metrics_url=f"http://127.0.0.1:{metrics_port}/metrics"
+    )
+
+
+# The peers' counters of how each request was routed, kept per run: vllm-router's cache_aware
+# tokenizes every request on every worker over HTTP before it matches prefixes; when those calls time
+# out it routes with no prefix at all (outcome="missing_tokens", result="preparation_unavailable").
+PEER_DECISION_COUNTERS = (
+    "vllm_router_prefix_routing_decisions_total",
+    "vllm_router_kv_routing_inputs_total",
+)
+
+
+def peer_decision_counters(router: RunningRouter) -> dict[str, float]:
+    """The peer's routing-decision counters (PEER_DECISION_COUNTERS, by label set); {} for kvgate."""
+    if router.metrics_url is None:
+        return {}
+    try:
+        text = httpx.get(router.metrics_url, timeout=10.0).text
+    except httpx.HTTPError:
+        return {}
+    counters: dict[str, float] = {}
+    for line in text.splitlines():
+        if line.startswith(PEER_DECISION_COUNTERS):
+            name, _, value = line.rpartition(" ")
+            counters[name] = counters.get(name, 0.0) + float(value)
+    return counters
 
 
 def _wait_until_forwarding(url: str, process: ManagedProcess, timeout_s: float) -> None:

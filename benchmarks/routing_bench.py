@@ -39,7 +39,13 @@ from benchmarks.profiling import Profiler
 from benchmarks.profiling import summarize as summarize_profile
 from benchmarks.real_fleet import REAL_BLOCK_SIZE, RealEngineFleet
 from benchmarks.replay import replay, summarize
-from benchmarks.routers import ALL_POLICIES, DEFAULT_POLICIES, PEER_POLICIES, start_router
+from benchmarks.routers import (
+    ALL_POLICIES,
+    DEFAULT_POLICIES,
+    PEER_POLICIES,
+    peer_decision_counters,
+    start_router,
+)
 from benchmarks.sim_fleet import MODEL, EngineFleet
 
 # The targets of issue 4, checked (never tuned) in the report.
@@ -95,6 +101,7 @@ def run_policy(
     profiler = None
     try:
         before = fleet.counters()  # after the router's readiness probe
+        decisions_before = peer_decision_counters(router)
         cpu_before = _cpu_seconds(router.process.pid)
         if profile_to is not None:
             profiler = Profiler(router.process.pid, profile_to)
@@ -103,6 +110,7 @@ def run_policy(
         if profiler is not None:
             profiler.stop()
         after = fleet.counters()
+        decisions_after = peer_decision_counters(router)
     finally:
         router.stop()
     if outcomes_to is not None:
@@ -115,6 +123,12 @@ def run_policy(
     result = summarize(workload, outcomes)
     # The router process's CPU time (all threads) over the replay, per request it forwarded.
     result["router_cpu_ms_per_request"] = round(router_cpu_s * 1000.0 / max(1, len(outcomes)), 3)
+    if decisions_after:  # a peer's own counts of how it routed this replay (labels as it names them)
+        result["router_decisions"] = {
+            name: round(value - decisions_before.get(name, 0.0))
+            for name, value in decisions_after.items()
+            if value != decisions_before.get(name, 0.0)
+        }
     if profile_to is not None:
         result["profile"] = summarize_profile(profile_to)
     per_engine = [a.minus(b) for a, b in zip(after, before, strict=True)]
@@ -218,6 +232,11 @@ def write_markdown(results: dict, path: Path) -> None:
                 f"{measured['errors']} |"
             )
         lines.append("")
+        for policy, measured in entry["policies"].items():
+            decisions = measured.get("router_decisions")
+            if decisions:
+                counts = ", ".join(f"`{name}` {count}" for name, count in decisions.items())
+                lines += [f"{policy}'s own routing counters over this replay: {counts}", ""]
         for policy, measured in entry["policies"].items():
             profile = measured.get("profile")
             if profile and profile["samples"]:
