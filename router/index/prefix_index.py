@@ -518,7 +518,11 @@ class PrefixIndex:
         calls, not a few per event. It builds exactly what the general path builds
         (tests/test_index_ingest.py).
         """
-        if not all(map(isinstance, events, itertools.repeat(BlockStored))) or not events:
+        if (
+            not events
+            or not all(map(isinstance, events, itertools.repeat(BlockStored)))
+            or len(events[0].block_hashes) != 1  # (a prefill: leave at once)
+        ):
             return False
         columns = list(zip(*map(msgspec.structs.astuple, events), strict=True))
         hashes, parent_hashes, token_ids = columns[_HASHES], columns[_PARENT_HASH], columns[_TOKEN_IDS]
