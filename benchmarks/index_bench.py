@@ -434,7 +434,9 @@ def main() -> None:
                 per_backend_keys[name].add(key)
     # Prompts reusing a cached document almost whole (the worst case: every block is probed), and
     # "8192-new-after-1k": 1k cached tokens then new text (the common case: a shared system prompt).
-    for length, cached_part in ((1024, 960), (8192, 8128), (32768, 32704), (8192, 1024)):
+    # "8192-from-list": the 8k prompts as Python lists of ints, as the gateway's policies pass them.
+    shapes = ((1024, 960, False), (8192, 8128, False), (32768, 32704, False), (8192, 1024, False))
+    for length, cached_part, as_list in (*shapes, (8192, 8128, True)):
         prompts = [
             np.concatenate([doc[:cached_part], rng.integers(0, 150_000, size=length - cached_part)])
             for doc in docs
@@ -444,6 +446,8 @@ def main() -> None:
         before = {n: m.tokens for n, m in bench.indexes["before"].longest_cached_prefix(prompts32[0]).items()}
         assert expected == naive_walk(per_backend_keys, prompts32[0]) == before, "lookups disagree"
         label = str(length) if cached_part > length // 2 else f"{length}-new-after-{cached_part // 1024}k"
+        if as_list:
+            label, prompts32 = f"{length}-from-list", [p.tolist() for p in prompts32]
         timed = time_lookups({name: index.longest_cached_prefix for name, index in bench.indexes.items()},
                              prompts32, args.repeat)  # fmt: skip
         timed.update(
@@ -632,6 +636,8 @@ def report(results: dict) -> str:
 def _label(name: str) -> str:
     length, _, rest = name.partition("-")
     label = f"{int(length) // 1024}k tokens"
+    if rest == "from-list":
+        return f"{label}, a Python list"
     return f"{label}, 1k cached" if rest else label
 
 
