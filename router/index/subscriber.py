@@ -15,13 +15,14 @@ Sequence rules (protocols.md section 1):
   waiting for a live message, so what the engine still buffers is in the index before traffic
   arrives; `stats.synced` turns true when that answer is in (or at once when there is no replay
   endpoint). Live batches it already holds (published before the answer) are dropped by seq and
-  ts. If the catch-up got no complete answer, the first message with seq > 0 (a late start) replays
-  from 0 as before. If a late start's replay does not reach back to seq 0, the backend is uncertain.
+  ts. A partial answer leaves a gap the next message replays; with no answer at all, the first
+  message with seq > 0 (a late start) replays from 0 as before. If a late start's replay does not
+  reach back to seq 0, the backend is uncertain.
 - A replay never redoes dead work: AllBlocksCleared empties the whole backend (every tier), so
   replayed batches before the last one holding a clear are not decoded nor applied (counted in
   `superseded_batches`, and events before the clear in its own batch in `superseded_events`);
-  the rest is applied in one index call. Seqs missing before that clear do not make the backend
-  uncertain: nothing they held survived it.
+  the rest goes to the index in one call (per 8192 events). Seqs missing before that clear do
+  not make the backend uncertain: nothing they held survived it.
 Malformed messages are counted and logged, never fatal. ZMQ reconnects on its own, with
 exponential backoff between `reconnect_initial_s` and `reconnect_max_s`.
 
