@@ -657,7 +657,7 @@ def plot(results: dict, path: Path) -> None:
     ):
         left.bar(x + offset, [results["lookup"][n][name]["median_us"] for n in lengths], 0.27, label=label)
     left.axhline(TARGET_LOOKUP_8K_US, color="red", linestyle="--", label="target for 8k: 200 us")
-    left.set_xticks(x, [_label(n) for n in lengths])
+    left.set_xticks(x, [_label(n).replace(", ", "\n") for n in lengths], fontsize=8)
     left.set_yscale("log")
     left.set_ylabel("median lookup latency (us, log)")
     left.set_title("Lookup, 16 backends, 1M cached blocks")
