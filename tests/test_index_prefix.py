@@ -357,3 +357,42 @@ def test_long_prompts_across_probe_chunks(held_tokens: int) -> None:
     assert result["b"].tokens == 3001 // 16 * 16
     index.apply("a", [BlockRemoved(block_hashes=[150])])  # a hole in the second chunk
     assert index.longest_cached_prefix(long_prompt)["a"].tokens == min(held_tokens, 149 * 16)
+
+
+@pytest.mark.parametrize(
+    ("prompt_blocks", "held_blocks", "hole"),
+    [
+        (512, 512, 100),  # every key but one held: the whole span is fetched, the hole stops it
+        (512, 300, 100),  # the bisection lands past the hole (held blocks first, then the hole)
+        (512, 300, 299),  # the hole is the last held block
+        (512, 300, 0),  # nothing before the hole
+        (4200, 4100, 3000),  # a hole in the second 32k span
+        (4200, 2100, None),  # the cached part ends just past the first span
+    ],
+)
+def test_a_hole_anywhere_stops_the_run_there(prompt_blocks: int, held_blocks: int, hole: int | None) -> None:
+    """Lookups find where the cached part ends by bisection, then fetch the masks before it in one
+    call: a hole anywhere before that point (a removed middle block) still ends the run exactly."""
+    prompt = np.random.default_rng(prompt_blocks + held_blocks).integers(0, 150_000, size=16 * prompt_blocks)
+    index = PrefixIndex()
+    index.apply("a", [BlockStored(block_hashes=list(range(1, held_blocks + 1)),
+                                  token_ids=prompt[: 16 * held_blocks].tolist(), block_size=16)])  # fmt: skip
+    if hole is not None:
+        index.apply("a", [BlockRemoved(block_hashes=[hole + 1])])
+    expected = 16 * (held_blocks if hole is None else hole)
+    assert index.longest_cached_prefix(prompt)["a"].tokens == expected
+    assert index.longest_cached_prefix(prompt.tolist())["a"].tokens == expected
+
+
+def test_prompts_given_as_lists_tuples_or_arrays_answer_alike() -> None:
+    index = PrefixIndex()
+    index.apply("a", stored_chain(PROMPT[:64], 16, 1))
+    for tokens in (
+        PROMPT,
+        tuple(PROMPT),
+        np.asarray(PROMPT, dtype=np.int64),
+        np.asarray(PROMPT, dtype=np.uint32),
+    ):
+        assert index.longest_cached_prefix(tokens)["a"].tokens == 64
+    with pytest.raises(OverflowError):
+        index.longest_cached_prefix([*PROMPT[:16], -1])
