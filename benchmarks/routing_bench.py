@@ -191,7 +191,8 @@ def write_markdown(results: dict, path: Path) -> None:
         + (f", timing flags `{' '.join(meta['sim_args']) or 'defaults'}`" if meta["sim_args"] else "")
         + f"; caches emptied before every run; client concurrency limit {meta['concurrency']}.",
         f"Machine: {meta['machine']}; load average (1 min) {meta.get('load_average_start', '-')} at the "
-        f"start, {meta.get('load_average_end', '-')} at the end.",
+        f"start, {meta.get('load_average_end', '-')} at the end (above the CPU count, other work on the "
+        "machine competed with the engines, the routers and the client).",
         "Hit ratio = sum cached_tokens / sum prompt_tokens from the responses' usage; TTFT in ms to the "
         "first content chunk; throughput in completed requests/s; load = max/mean requests per engine "
         "(engines' vllm:request_success_total). Oracle: benchmarks/oracle.py (greedy perfect-knowledge "
