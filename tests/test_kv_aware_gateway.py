@@ -210,7 +210,7 @@ def test_cold_prefixes_sent_one_at_a_time_spread_over_the_engines(fleet: Fleet) 
 def test_a_prompt_still_being_answered_draws_the_requests_that_share_it(fleet: Fleet) -> None:
     # A non-streamed answer starts only when it is complete: the placement must count from the
     # moment the request is sent, or every request of a burst sharing a new prefix goes elsewhere.
-    doc = "A brand new report on glacier retreat, measured by drones every spring and autumn. " * 8
+    doc = "A brand new report on glacier retreat, measured by drones every spring and autumn. " * 60
     first: dict[str, httpx.Response] = {}
 
     def send_slow() -> None:
@@ -221,11 +221,18 @@ def test_a_prompt_still_being_answered_draws_the_requests_that_share_it(fleet: F
                 headers={"x-test-delay-ms": "1500"},
             )
 
+    def in_flight() -> int:
+        listing = fleet.client.get("/backends").json()["backends"]
+        return sum(backend["in_flight"] for backend in listing)
+
     slow = threading.Thread(target=send_slow)
     slow.start()
     try:
-        time.sleep(0.5)  # the slow request is at its backend, its answer not started
-        assert "response" not in first
+        deadline = time.monotonic() + 10
+        while in_flight() == 0:  # until the slow request is at its backend
+            assert time.monotonic() < deadline, "the slow request never reached a backend"
+            time.sleep(0.02)
+        assert "response" not in first  # its answer has not started
         follow_up = fleet.client.post("/v1/chat/completions", json=chat_body(doc, "How often?"))
     finally:
         slow.join()

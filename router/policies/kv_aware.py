@@ -19,8 +19,8 @@ The cheapest backend wins, with these guards:
 - in-flight hot spots: a backend whose in-flight count is over max_load_ratio * mean + load_slack
   is skipped while another candidate is under that line;
 - nothing cached: when no candidate holds (or is predicted to hold) any of the prompt, the choice is
-  least_loaded's, guards aside: fewest in-flight requests, then the lowest recent share of requests
-  (within one), then fewest recent cold placements, ties taken in turn. Different cold
+  least_loaded's, guards aside: fewest in-flight requests, then fewest recent cold placements,
+  ties taken in turn. Different cold
   prefixes therefore spread evenly over the engines instead of piling onto the first one
   (architecture.md, "what measuring the peers taught us"); between equal costs otherwise, the
   backend with the fewest recently placed prompt tokens wins, then the one whose cache holds least.
@@ -254,19 +254,13 @@ class CacheAwarePolicy:
         When no candidate holds any of the prompt, least_loaded's choice over all candidates (its
         rotation between equals too): the cost would only restate the loads. The rotation advances
         on cold requests only, so cold prefixes (first turns, new documents) are dealt out evenly
-        and need no guard; between equally loaded candidates, those with the lowest recent share
-        of requests, then the fewest recent cold placements first (a rotation over a changing set of
-        idle engines is not even).
+        and need no guard; between equally loaded candidates, those with the fewest recent cold
+        placements first (a rotation over a changing set of idle engines is not even).
         """
         if not any(cached[b.name] for b in candidates):
             self._turn += 1
             lowest = min(b.in_flight for b in candidates)
             idle = [b for b in candidates if b.in_flight == lowest]
-            # A new prefix goes where the recent share of requests is lowest (within one request):
-            # not to the engine a hot prefix already keeps busy, which would have to spill it later.
-            shares = {b.name: self.request_shares.value(b.name, now) for b in idle}
-            least_share = min(shares.values())
-            idle = [b for b in idle if shares[b.name] < least_share + 1.0]
             placed = {b.name: self.cold_placements.value(b.name, now) for b in idle}
             fewest = min(placed.values())
             return fewest_in_flight([b for b in idle if placed[b.name] < fewest + 0.5], self._turn)
