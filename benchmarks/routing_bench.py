@@ -173,7 +173,9 @@ def check_targets(results: dict) -> list[dict]:
                            "met": kv["max_over_mean_load"] <= TARGET_MAX_OVER_MEAN})  # fmt: skip
         elif "least_loaded" in policies:
             least = policies["least_loaded"]
-            checks.append({"workload": name, "target": "no worse than least_loaded (TTFT p90)",
+            # Within 5%: policies placing unique prompts alike (round_robin, least_loaded, session)
+            # differ by up to ~5% in one run; a smaller gap is noise, not a worse policy.
+            checks.append({"workload": name, "target": "no worse than least_loaded (TTFT p90, within 5%)",
                            "measured": f"{kv['ttft_p90']:.1f} ms vs {least['ttft_p90']:.1f} ms",
                            "met": kv["ttft_p90"] <= least["ttft_p90"] * 1.05})  # fmt: skip
     return checks

@@ -309,3 +309,24 @@ def test_a_conversation_of_its_own_stays_home_even_when_home_is_over_its_share()
     strict = KVAware(KVAwarePolicy(hot_prefix_requests=0), index)
     strict.request_shares = policy.request_shares
     assert strict.choose(request(np.concatenate([PROMPTS[7], PROMPTS[8][:64]])), candidates).name != "b0"
+
+
+
+def test_a_spilled_prefix_goes_to_the_engine_with_most_headroom_and_the_next_spill_follows() -> None:
+    index = PrefixIndex()
+    store(index, "b0", PROMPTS[0][:384])
+    policy = KVAware(KVAwarePolicy(hot_prefix_requests=0), index)
+    candidates = backends(3)
+    now = time.monotonic()
+    # b0 (holds the prefix) is over its share; b1 is under the line but busy with other traffic
+    # (cache hits: nothing in flight right now); b2 has little recent traffic, one request in flight.
+    for name, share in (("b0", 12), ("b1", 9), ("b2", 2)):
+        policy.request_shares.add(name, share, now)
+    candidates[2].in_flight = 1
+    first = request(_family_prompt(PROMPTS[0][:384], 1), rid="spill-1")
+    assert route(policy, first, candidates).name == "b2"
+    assert first.decision["reason"] == "load_guard"
+    # The next request of the prefix finds it predicted on b2 and follows it there.
+    second = request(_family_prompt(PROMPTS[0][:384], 2), rid="spill-2")
+    assert route(policy, second, candidates).name == "b2"
+    assert second.decision["cached_tokens"] >= 384

@@ -264,7 +264,7 @@ class CacheAwarePolicy:
             placed = {b.name: self.cold_placements.value(b.name, now) for b in idle}
             fewest = min(placed.values())
             return fewest_in_flight([b for b in idle if placed[b.name] < fewest + 0.5], self._turn)
-        return min(
+        best = min(
             allowed,
             key=lambda b: (
                 round(costs[b.name], 6),
@@ -273,6 +273,17 @@ class CacheAwarePolicy:
                 b.name,
             ),
         )
+        if len(allowed) < len(candidates) and not cached[best.name]:
+            # A spill off a guarded backend to one that must prefill the prefix anyway: take the one
+            # with the most headroom under the share line (recent requests plus those in flight), so
+            # the spills of this prefix that follow find it there; by cost alone an engine busy with
+            # another hot prefix's cache hits (little prefill placed, none in flight at this instant)
+            # would take it, cross the line in turn, and the next spill would pay the prefill again.
+            return min(
+                (b for b in allowed if not cached[b.name]),
+                key=lambda b: (self.request_shares.value(b.name, now) + b.in_flight, costs[b.name], b.name),
+            )
+        return best
 
     def cache_size(self, backend: str) -> int:
         return 0
