@@ -5,7 +5,7 @@ bind mode, reconnection and data-parallel ranks."""
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 
 import numpy as np
 import pytest
@@ -17,18 +17,10 @@ from router.index.service import KVIndexService
 from router.index.subscriber import EventSubscriber, connectable, rank_endpoint
 from tests.support import free_port
 from tests.support.event_publisher import EventPublisher, all_blocks_cleared, block_removed, block_stored
+from tests.support.waiting import wait_until
 
 rng = np.random.default_rng(3)
 PROMPTS = [rng.integers(0, 150_000, size=64).tolist() for _ in range(8)]
-
-
-def wait_until(predicate: Callable[[], bool], timeout: float = 5.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return
-        time.sleep(0.01)
-    raise AssertionError("condition not reached in time")
 
 
 def stored(n: int, first_hash: int | None = None) -> dict:

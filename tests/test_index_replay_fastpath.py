@@ -26,18 +26,10 @@ from tests.support.event_publisher import (
     block_removed,
     block_stored,
 )
+from tests.support.waiting import wait_until
 
 rng = np.random.default_rng(11)
 PROMPTS = [rng.integers(0, 150_000, size=64).tolist() for _ in range(12)]
-
-
-def wait_until(predicate: Callable[[], bool], timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return
-        time.sleep(0.01)
-    raise AssertionError("condition not reached in time")
 
 
 def publish_until(publisher: EventPublisher, predicate: Callable[[], bool]) -> None:
