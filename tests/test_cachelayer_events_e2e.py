@@ -1,22 +1,15 @@
 """Events end to end: the router's own subscriber and index consume the cache layer's events."""
 
-import time
+import functools
 
 import pytest
 
 from router.config import KVEvents
 from router.index.service import KVIndexService
+from tests.support import waiting
 from tests.support.cachelayer import CHUNK, make_engine, request
 
-
-def wait_for(predicate, timeout_s=30.0):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.02)
-    raise AssertionError("condition not reached in time")
+wait_for = functools.partial(waiting.wait_for, timeout_s=30.0)
 
 
 @pytest.fixture

@@ -7,6 +7,7 @@ publisher stands for an engine that does not answer snapshots.
 
 from __future__ import annotations
 
+import functools
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -24,7 +25,7 @@ from router.config import KVEvents, parse_config
 from router.index.events import AllBlocksCleared, BlockStored
 from router.index.prefix_index import PrefixIndex, snapshot_order
 from router.index.service import KVIndexService
-from tests.support import start_backend, start_gateway
+from tests.support import start_backend, start_gateway, waiting
 from tests.support.cachelayer import CHUNK, make_engine, request
 from tests.support.event_publisher import EventPublisher, block_stored
 from tests.support.ports import free_port
@@ -32,14 +33,7 @@ from tests.support.ports import free_port
 BACKEND = "cache-a"
 
 
-def wait_for(predicate, timeout_s: float = 20.0, what: str = "condition"):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.02)
-    raise AssertionError(f"{what} not reached in {timeout_s}s")
+wait_for = functools.partial(waiting.wait_for, timeout_s=20.0)
 
 
 def events_engine(endpoint: str, replay_endpoint: str, **config) -> CacheEngine:

@@ -4,6 +4,7 @@ bind mode, reconnection and data-parallel ranks."""
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Iterator
 
@@ -15,12 +16,12 @@ from router.config import KVEvents
 from router.index.prefix_index import PrefixIndex
 from router.index.service import KVIndexService
 from router.index.subscriber import EventSubscriber, connectable, rank_endpoint
-from tests.support import free_port
+from tests.support import free_port, waiting
 from tests.support.event_publisher import EventPublisher, all_blocks_cleared, block_removed, block_stored
-from tests.support.waiting import wait_until
 
 rng = np.random.default_rng(3)
 PROMPTS = [rng.integers(0, 150_000, size=64).tolist() for _ in range(8)]
+wait_until = functools.partial(waiting.wait_for, timeout_s=5.0)
 
 
 def stored(n: int, first_hash: int | None = None) -> dict:

@@ -26,7 +26,7 @@ from tests.support.event_publisher import (
     block_removed,
     block_stored,
 )
-from tests.support.waiting import wait_until
+from tests.support.waiting import wait_for
 
 rng = np.random.default_rng(11)
 PROMPTS = [rng.integers(0, 150_000, size=64).tolist() for _ in range(12)]
@@ -103,7 +103,7 @@ class Harness:
 
     def start(self) -> None:
         self.subscriber.start()
-        wait_until(lambda: self.subscriber.stats.connected)
+        wait_for(lambda: self.subscriber.stats.connected)
 
     def close(self) -> None:
         self.subscriber.stop()
@@ -129,7 +129,7 @@ def test_a_late_subscriber_applies_only_what_follows_the_last_clear(harness: Har
     last = pub.publish([block_removed([84], medium="cpu")])
 
     harness.start()  # the catch-up replay runs on connect, before any live message
-    wait_until(lambda: harness.subscriber.stats.synced)
+    wait_for(lambda: harness.subscriber.stats.synced)
     stats = harness.subscriber.stats
     assert stats.last_seq == last
     assert stats.superseded_batches == clear_seq  # seq 0..clear_seq-1, never decoded nor applied
@@ -154,14 +154,14 @@ def test_a_gap_whose_replay_holds_a_clear_skips_what_the_clear_undoes(harness: H
     publish_until(pub, lambda: stats.last_seq is not None)
     pub.publish([stored(0)])
     seq = pub.publish([stored(1)])
-    wait_until(lambda: stats.last_seq == seq)
+    wait_for(lambda: stats.last_seq == seq)
     replays, replayed_batches = stats.replays, stats.replayed_batches
     for n in (2, 3):  # lost on the wire
         pub.publish([stored(n)], send=False)
     pub.publish([all_blocks_cleared(encoding="array")], send=False)
     pub.publish([stored(4)], send=False)
     seq = pub.publish([stored(5)])  # the gap shows here
-    wait_until(lambda: stats.last_seq == seq)
+    wait_for(lambda: stats.last_seq == seq)
     assert stats.replays == replays + 1 and stats.replayed_batches == replayed_batches + 4
     assert stats.superseded_batches == 2  # stored(2) and stored(3)
     assert stats.superseded_events == 0
@@ -180,7 +180,7 @@ def test_a_replay_missing_only_what_a_clear_undid_is_not_uncertain() -> None:
         h.publisher.publish([stored(3)])
         h.publisher.publish([stored(4)])
         h.start()
-        wait_until(lambda: h.subscriber.stats.synced)
+        wait_for(lambda: h.subscriber.stats.synced)
         stats = h.subscriber.stats
         assert stats.last_seq == 5 and not stats.uncertain
         assert held(h.index)[:5] == [0, 0, 0, 64, 64]
@@ -194,7 +194,7 @@ def test_a_late_subscriber_without_a_clear_in_a_cut_buffer_stays_uncertain() -> 
         for n in range(4):
             h.publisher.publish([stored(n)])
         h.start()
-        wait_until(lambda: h.subscriber.stats.synced)
+        wait_for(lambda: h.subscriber.stats.synced)
         stats = h.subscriber.stats
         assert stats.uncertain and "subscribed late" in (stats.uncertain_reason or "")
         assert stats.superseded_batches == 0 and held(h.index)[:4] == [0, 0, 64, 64]
@@ -257,7 +257,7 @@ def test_synced_is_false_during_a_slow_catch_up_and_true_after() -> None:
         time.sleep(0.5)
         assert not h.subscriber.stats.synced and h.subscriber.stats.last_seq is None
         replay.release.set()
-        wait_until(lambda: h.subscriber.stats.synced)
+        wait_for(lambda: h.subscriber.stats.synced)
         assert h.subscriber.stats.last_seq == 2 and held(h.index)[:3] == [64, 64, 64]
     finally:
         h.close()
@@ -275,7 +275,7 @@ def test_a_replay_answer_still_flowing_is_not_cut_at_the_replay_timeout() -> Non
         for n in range(8):
             h.publisher.publish([stored(n)])
         h.start()
-        wait_until(lambda: h.subscriber.stats.synced)
+        wait_for(lambda: h.subscriber.stats.synced)
         stats = h.subscriber.stats
         assert stats.last_seq == 7 and stats.replayed_batches == 8 and not stats.uncertain
         assert held(h.index)[:8] == [64] * 8
@@ -295,7 +295,7 @@ def test_a_replay_answer_that_never_ends_stops_at_ten_timeouts() -> None:
             h.publisher.publish([stored(n % len(PROMPTS))])
         started = time.monotonic()
         h.start()
-        wait_until(lambda: h.subscriber.stats.synced)
+        wait_for(lambda: h.subscriber.stats.synced)
         assert 1.8 <= time.monotonic() - started < 6
         assert 0 < h.subscriber.stats.replayed_batches < 200
     finally:
@@ -328,7 +328,7 @@ def test_without_a_replay_endpoint_a_subscriber_is_synced_on_connect() -> None:
     try:
         assert not subscriber.stats.synced
         subscriber.start()
-        wait_until(lambda: subscriber.stats.synced)
+        wait_for(lambda: subscriber.stats.synced)
     finally:
         subscriber.stop()
         publisher.close()
@@ -346,12 +346,12 @@ def test_the_service_shows_synced_per_backend_and_rank() -> None:
     )
     service.start()
     try:
-        wait_until(lambda: service.status()["engine"]["connected"])
+        wait_for(lambda: service.status()["engine"]["connected"])
         status = service.status()["engine"]
         assert status["synced"] is False and status["ranks"][0]["synced"] is False
         assert not service.all_synced()
         replay.release.set()
-        wait_until(service.all_synced)
+        wait_for(service.all_synced)
         status = service.status()["engine"]
         assert status["synced"] is True and status["superseded_batches"] == 0
         assert service.longest_cached_prefix(PROMPTS[0])["engine"].tokens == 64
