@@ -1147,36 +1147,60 @@ class PrefixIndex:
 
     def longest_cached_prefix(
         self,
-        tokens: np.ndarray | list[int],
+        tokens: np.ndarray | Sequence[int],
         namespace: Namespace = DEFAULT_NAMESPACE,
         backends: list[str] | None = None,
+        *,
+        keys: Sequence[int] | np.ndarray | None = None,
     ) -> dict[str, BackendMatch]:
         """For each backend (all when None), the leading tokens of `tokens` it holds, per tier.
+
+        `keys`: the prompt's router keys when the caller has them already, exactly what
+        `prompt_prefix_keys(tokens, namespace)` returns (a list of ints, or the same as a uint64
+        array): the lookup then neither converts the prompt nor computes its keys (the prompt is
+        only read past the matched blocks when some engine block ends off a router-block boundary).
+        Keys computed for another namespace or another prompt give wrong answers; a count that is
+        not one per full router block of `tokens` raises ValueError.
 
         A snapshot swaps a backend's slots by replacing the layout, then tears the old slots down;
         a lookup that saw the layout change under it may have read a half-torn-down backend, so it
         runs again on the new layout (the check is one identity test; retries are bounded).
         """
-        array = token_array(tokens)
         seed = namespace_seed(namespace)
+        if keys is None:
+            prompt: np.ndarray | Sequence[int] = token_array(tokens)
+            key_list = None
+        else:
+            if len(keys) != len(tokens) // ROUTER_BLOCK_TOKENS:
+                raise ValueError(
+                    f"keys: {len(keys)} given for a prompt of {len(tokens)} tokens, which has "
+                    f"{len(tokens) // ROUTER_BLOCK_TOKENS} full {ROUTER_BLOCK_TOKENS}-token blocks; pass "
+                    "prompt_prefix_keys(tokens, namespace) of this prompt, or no keys"
+                )
+            prompt = tokens
+            key_list = keys.tolist() if isinstance(keys, np.ndarray) else keys
         for _ in range(_LOOKUP_ATTEMPTS):
             layout = self._layout
-            result = self._lookup_in_layout(array, seed, layout, backends)
+            result = self._lookup_in_layout(prompt, seed, layout, backends, key_list)
             if self._layout is layout:
                 break
         return result
 
     def _lookup_in_layout(
         self,
-        array: np.ndarray,
+        array: np.ndarray | Sequence[int],
         seed: int,
         layout: dict[str, tuple[tuple[str, int], ...]],
         backends: list[str] | None,
+        given_keys: Sequence[int] | None = None,
     ) -> dict[str, BackendMatch]:
         order = list(layout) if backends is None else backends
         if not any(map(layout.__contains__, order)):
             return {name: BackendMatch({}, []) for name in order}
-        slot_runs, masks, keys = self._slot_runs(array, seed)
+        if given_keys is None:
+            slot_runs, masks, keys = self._slot_runs(array, seed)  # type: ignore[arg-type]
+        else:
+            slot_runs, masks, keys = self._slot_runs_of_keys(given_keys)
         tails = self._tails
         result = {}
         for name in order:
@@ -1210,6 +1234,26 @@ class PrefixIndex:
                     union = bit
                 match.cumulative.append((tier, held))
         return result
+
+    def _slot_runs_of_keys(self, keys: Sequence[int]) -> tuple[dict[int, int], Any, Sequence[int]]:
+        """`_slot_runs` for keys the caller computed: the same probes, no tokens read."""
+        holders = self._holders
+        size = len(keys)
+        held = size
+        if size and keys[-1] not in holders:
+            held = bisect.bisect_left(range(size), True, key=lambda block: keys[block] not in holders)
+        chunk = keys[:held] if held < size else keys
+        try:
+            try:
+                masks = np.fromiter(_masks_of(holders, chunk), np.uint64, held)
+            except KeyError as absent:  # a hole: no run goes past it
+                held = list(chunk).index(absent.args[0])
+                chunk = keys[:held]
+                masks = np.fromiter(_masks_of(holders, chunk), np.uint64, held)
+        except OverflowError:  # more than 64 slots: the same with Python ints
+            runs, wide_masks = self._slot_runs_wide(list(map(holders.get, keys, itertools.repeat(0, size))))
+            return runs, wide_masks, keys
+        return self._runs_of_masks(masks), masks, keys
 
     def _slot_runs(self, array: np.ndarray, seed: int) -> tuple[dict[int, int], Any, list[int]]:
         """Per slot bit, how many leading blocks it holds; the masks of the blocks held by anyone;
@@ -1257,10 +1301,17 @@ class PrefixIndex:
                 list(map(holders.get, keys, itertools.repeat(0, len(keys))))
             )
             return runs, wide_masks, keys
-        runs: dict[int, int] = {}
         masks: Any = np.concatenate(parts) if len(parts) > 1 else parts[0] if parts else None
-        if masks is None or not len(masks):
-            return runs, np.empty(0, np.uint64), keys
+        if masks is None:
+            return {}, np.empty(0, np.uint64), keys
+        return self._runs_of_masks(masks), masks, keys
+
+    @staticmethod
+    def _runs_of_masks(masks: np.ndarray) -> dict[int, int]:
+        """Per slot bit, how many leading masks hold it (every bit of the first mask gets an entry)."""
+        runs: dict[int, int] = {}
+        if not len(masks):
+            return runs
         running_and = np.bitwise_and.accumulate(masks)
         previous = int(running_and[0])
         last = int(running_and[-1])
@@ -1270,7 +1321,7 @@ class PrefixIndex:
                 _record_lost_bits(runs, previous & ~current, position)
                 previous = current
         _record_lost_bits(runs, last, len(masks))
-        return runs, masks, keys
+        return runs
 
     @staticmethod
     def _slot_runs_wide(masks: list[int]) -> tuple[dict[int, int], list[int]]:
@@ -1299,13 +1350,16 @@ class PrefixIndex:
         either = [int(mask) & union for mask in masks]
         return either.index(0) if 0 in either else len(either)
 
-    def _tail_extension(self, array: np.ndarray, keys: list[int], seed: int, blocks: int, mask: int) -> int:
+    def _tail_extension(
+        self, array: np.ndarray | Sequence[int], keys: Sequence[int], seed: int, blocks: int, mask: int
+    ) -> int:
         boundary = keys[blocks - 1] if blocks > 0 else seed
         tails = self._tails.get(boundary)
         if not tails:
             return 0
         offset = blocks * ROUTER_BLOCK_TOKENS
-        rest = array[offset : offset + ROUTER_BLOCK_TOKENS].tolist()
+        piece = array[offset : offset + ROUTER_BLOCK_TOKENS]
+        rest = piece.tolist() if isinstance(piece, np.ndarray) else list(map(int, piece))
         best = 0
         for tail, holders in tails.items():
             if holders & mask and best < len(tail) <= len(rest) and tuple(rest[: len(tail)]) == tail:
