@@ -42,7 +42,8 @@ def mixed_index() -> PrefixIndex:
     index.apply("tiers", chain(DOC[:3072], 16, 1, medium="LocalDiskBackend"))
     index.apply("holed", chain(DOC[:8192], 16, 1))
     index.apply("holed", [BlockRemoved(block_hashes=[300])])
-    index.apply("long", [BlockStored(block_hashes=list(range(1, 2301)), token_ids=DOC[:36_800], block_size=16)])
+    long_doc = BlockStored(block_hashes=list(range(1, 2301)), token_ids=DOC[:36_800], block_size=16)
+    index.apply("long", [long_doc])
     index.apply(
         "salted",
         chain(DOC[:640], 16, 1, extra_keys=[["salt-1"]] + [None] * 39),
