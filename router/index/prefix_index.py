@@ -29,6 +29,7 @@ import functools
 import gc
 import itertools
 import operator
+import struct
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -70,13 +71,6 @@ def namespace_seed(namespace: Namespace) -> int:
 
 
 _WORD = (1 << 64) - 1
-# Per token: word w = t_even | t_odd << 32 weighs w * W = t_even * W + t_odd * (W << 32) (mod 2^64),
-# so a block's content is one dot product of its 16 tokens with these weights.
-_TOKEN_WEIGHTS_PY = [
-    weight
-    for word_weight in _WORD_WEIGHTS.tolist()
-    for weight in (word_weight, (word_weight << 32) & ((1 << 64) - 1))
-]
 _POSITION_WEIGHT_PY = int(_POSITION_WEIGHT)
 _MIX_1_PY, _MIX_2_PY = int(_MIX_1), int(_MIX_2)
 # Below this many router blocks, plain Python ints beat numpy's per-call overhead.
@@ -117,10 +111,23 @@ def router_block_values(tokens: np.ndarray, first_block: int | np.ndarray) -> np
     return x
 
 
+# One block's 16 tokens packed and read back as its 8 words in two C calls (struct.error for token
+# ids that are not uint32); 8 products of words by their weights cost half of 16 per token.
+_PACK_BLOCK = struct.Struct(f"<{ROUTER_BLOCK_TOKENS}I").pack
+_UNPACK_WORDS = struct.Struct(f"<{_WORDS_PER_BLOCK}Q").unpack
+_W0, _W1, _W2, _W3, _W4, _W5, _W6, _W7 = _WORD_WEIGHTS.tolist()
+
+
 def _python_block_value(block_tokens: Sequence[int], position: int) -> int:
-    """`router_block_values` of one block, with Python ints (cheaper than numpy for a block or two)."""
-    content = sum(map(operator.mul, block_tokens, _TOKEN_WEIGHTS_PY)) & _WORD
-    x = content ^ ((position * _POSITION_WEIGHT_PY) & _WORD)
+    """`router_block_values` of one block, with Python ints (cheaper than numpy for a block or two).
+
+    Raises struct.error when a token id is not a uint32."""
+    w0, w1, w2, w3, w4, w5, w6, w7 = _UNPACK_WORDS(_PACK_BLOCK(*block_tokens))
+    # (xor and mask commute: the sum is masked once, with the position term)
+    x = (
+        w0 * _W0 + w1 * _W1 + w2 * _W2 + w3 * _W3 + w4 * _W4 + w5 * _W5 + w6 * _W6 + w7 * _W7
+        ^ position * _POSITION_WEIGHT_PY
+    ) & _WORD
     x ^= x >> 30
     x = (x * _MIX_1_PY) & _WORD
     x ^= x >> 27
@@ -269,8 +276,9 @@ class _Backend:
         self.visible = visible
         self.nodes: dict[Any, _Node] = {}
         self.tier_slots: dict[str, int] = {}
-        # An event's `medium` as spelled on the wire (None, "GPU", "cpu", ...) -> its tier's slot.
-        self.medium_slots: dict[str | None, int] = {}
+        # An event's `medium` as spelled on the wire (None, "GPU", "cpu", ...) -> (its tier's slot,
+        # that slot's bit, the tier): one probe per event instead of a tier_of call and a slot probe.
+        self.medium_slots: dict[str | None, tuple[int, int, str]] = {}
         self.chains: dict[int, _Chain] = {}
         # (namespace, preview tokens) -> chain id, so one prompt stored twice shares its chain.
         self.chain_ids: dict[tuple[Namespace, tuple[int, ...]], int] = {}
@@ -445,6 +453,10 @@ class PrefixIndex:
             backend = self._backends.get(backend_name)
             if backend is None:
                 backend = self._backends[backend_name] = _Backend(backend_name)
+            # A lone one-block event (an engine step that filled one block) allocates one tuple:
+            # no GC pause, which would cost more than it saves.
+            if len(events) == 1 and self._store_one_block_locked(backend, events[0]):
+                return
             # The cyclic GC is paused while a batch is applied: a batch allocates thousands of
             # small tuples of ints, which hold no cycles; left on, the collector would run every few
             # hundred of them and sweep the whole index (millions of entries) now and then, about a
@@ -454,10 +466,7 @@ class PrefixIndex:
             collecting = gc.isenabled()
             gc.disable()
             try:
-                if len(events) == 1:
-                    if not self._store_one_block_locked(backend, events[0]):
-                        self._apply_locked(backend, events)
-                elif not self._store_decode_step_locked(backend, events):
+                if len(events) == 1 or not self._store_decode_step_locked(backend, events):
                     self._apply_locked(backend, events)
             finally:
                 if collecting:
@@ -476,35 +485,39 @@ class PrefixIndex:
         block_hash = hashes[0]
         if parent is None or parent[_TAIL] or block_hash in nodes:
             return False
-        try:
-            stream = array.array("I", token_ids)
-        except (OverflowError, TypeError):
-            return False
         parent_end, _, boundary, _, _, chain_id, _ = parent
-        key = (boundary + _python_block_value(stream, parent_end // ROUTER_BLOCK_TOKENS)) & _WORD
-        medium = event.medium
-        slot = backend.medium_slots.get(medium)
-        if slot is None:
-            slot = backend.medium_slots[medium] = self._slot_locked(backend, tier_of(medium))
-        share = self._share
-        bit = share(1 << slot, 1 << slot)
+        try:
+            key = (boundary + _python_block_value(token_ids, parent_end // ROUTER_BLOCK_TOKENS)) & _WORD
+        except (struct.error, TypeError):  # token ids that are not uint32: the general path counts them
+            return False
+        slot_bit_tier = backend.medium_slots.get(event.medium)
+        if slot_bit_tier is None:
+            slot_bit_tier = self._medium_slot_locked(backend, event.medium)
+        _, bit, tier = slot_bit_tier
         holders = self._holders
         mask = holders.get(key, 0)
         if mask & bit:
             return False
         end = parent_end + ROUTER_BLOCK_TOKENS
         nodes[block_hash] = (end, ROUTER_BLOCK_TOKENS, key, (), key, chain_id, bit)
-        holders[key] = share(mask | bit, mask | bit) if mask else bit
+        holders[key] = self._share(mask | bit, mask | bit) if mask else bit
         chain = backend.chains[chain_id]
         chain.nodes += 1
         if end > chain.longest:
             chain.longest = end
-        tier = tier_of(medium)
         stats = backend.stats
         stats.stored_events += 1
         stats.blocks[tier] += 1
         stats.tokens[tier] += ROUTER_BLOCK_TOKENS
         return True
+
+    def _medium_slot_locked(self, backend: _Backend, medium: str | None) -> tuple[int, int, str]:
+        """(slot, bit, tier) of an event's medium on a backend, remembered per spelling (a slot
+        lives as long as its backend); the bit is the shared mask object."""
+        tier = tier_of(medium)
+        slot = self._slot_locked(backend, tier)
+        slot_bit_tier = backend.medium_slots[medium] = (slot, self._share(1 << slot, 1 << slot), tier)
+        return slot_bit_tier
 
     def _store_decode_step_locked(self, backend: _Backend, events: list[KVEvent]) -> bool:
         """A decode step's batch, applied column by column; False (nothing changed) for any other.
@@ -543,8 +556,11 @@ class PrefixIndex:
         block_hashes = list(map(_first_item, hashes))
         if not nodes.keys().isdisjoint(block_hashes) or len(set(block_hashes)) != count:
             return False
+        stream = array.array("I")
         try:
-            stream = array.array("I", list(itertools.chain.from_iterable(token_ids)))  # from a list: faster
+            # `fromlist` per event (consumed in C by `any`: it returns None) is twice as fast as
+            # building the array from one chained list; it leaves the array as it was on failure.
+            any(map(stream.fromlist, token_ids))
         except (OverflowError, TypeError):  # token ids that are not uint32: the general path counts them
             return False
         parent_ends = list(map(_node_end, parents))
@@ -567,11 +583,11 @@ class PrefixIndex:
             values += np.fromiter(map(_node_boundary, parents), np.uint64, count)
             keys = values.tolist()
         medium = media[0]
-        slot = backend.medium_slots.get(medium)
-        if slot is None:
-            slot = backend.medium_slots[medium] = self._slot_locked(backend, tier_of(medium))
+        slot_bit_tier = backend.medium_slots.get(medium)
+        if slot_bit_tier is None:
+            slot_bit_tier = self._medium_slot_locked(backend, medium)
+        _, bit, tier = slot_bit_tier
         share = self._share
-        bit = share(1 << slot, 1 << slot)
         holders = self._holders
         # Prefixes new to every slot (the usual: decoded tokens are the request's own) need no masks.
         held = 0
@@ -597,7 +613,6 @@ class PrefixIndex:
             chain.nodes += 1
             if end > chain.longest:
                 chain.longest = end
-        tier = tier_of(medium)
         stats = backend.stats
         stats.stored_events += count
         stats.blocks[tier] += count
@@ -688,10 +703,10 @@ class PrefixIndex:
             if parent is None or parent[_TAIL]:
                 return None
             parent_end, boundary_key, chain_id = parent[_END], parent[_BOUNDARY], parent[_CHAIN]
-        # Slots per medium spelling, remembered on the backend (a slot lives as long as its backend).
-        slot = backend.medium_slots.get(event.medium)
-        if slot is None:
-            slot = backend.medium_slots[event.medium] = self._slot_locked(backend, tier_of(event.medium))
+        slot_bit_tier = backend.medium_slots.get(event.medium)
+        if slot_bit_tier is None:
+            slot_bit_tier = self._medium_slot_locked(backend, event.medium)
+        slot = slot_bit_tier[0]
         return (node_keys, token_ids, count, block_size, parent_end, boundary_key, chain_id, slot)
 
     def _flush_stores_locked(self, backend: _Backend, pending: list[_PendingStore], hashes: set[Any]) -> None:
