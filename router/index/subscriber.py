@@ -23,6 +23,11 @@ Sequence rules (protocols.md section 1):
   `superseded_batches`, and events before the clear in its own batch in `superseded_events`);
   the rest goes to the index in one call (per 8192 events). Seqs missing before that clear do
   not make the backend uncertain: nothing they held survived it.
+- Live messages are drained, not read one per wakeup: every message queued when the socket turns
+  readable is handled in that wakeup, and the events of consecutive in-order batches go to the
+  index in one call (`_drain`), flushed before anything else touches the index (a gap's replay, a
+  restart, a snapshot) and at the end of the drain, so the index sees the same events in the same
+  order and a burst of one-block messages pays one index call, not one per message.
 Malformed messages are counted and logged, never fatal. ZMQ reconnects on its own, with
 exponential backoff between `reconnect_initial_s` and `reconnect_max_s`.
 
@@ -78,6 +83,11 @@ SNAPSHOT_REQUEST = b"KVSNAPSHOT"
 _CLEARED_TAG = b"AllBlocksCleared"
 # Replayed events go to the index in calls of at most this many (one lock hold stays short).
 _REPLAY_APPLY_CHUNK = 8192
+# One wakeup handles at most this many queued live messages (then the stop flag is checked), and
+# the in-order events it holds back go to the index whenever they reach `_DRAIN_APPLY_EVENTS`, so a
+# long burst is applied in steps (a lookup meanwhile sees the stream a few ms behind, not more).
+_DRAIN_MAX_MESSAGES = 1000
+_DRAIN_APPLY_EVENTS = 512
 # A replay answer still flowing gets this many replay timeouts in all; replies queued per DEALER.
 _REPLAY_MAX_TIMEOUTS = 10
 _REPLAY_RCVHWM = 200_000
@@ -182,6 +192,12 @@ class EventSubscriber:
         # newest batch it holds). Live batches below that seq published no later are already
         # applied; the mark goes once a batch at or past that seq arrives.
         self._live_floor: tuple[int, float] | None = None
+        # While a drain runs: events of in-order live batches not yet given to the index, their
+        # batches (for `on_batch`, after the apply) and the seq of the first one.
+        self._draining = False
+        self._held_events: list[KVEvent] = []
+        self._held_batches: list[DecodedBatch] = []
+        self._held_from: int | None = None
 
     # ---- lifecycle ----
 
@@ -234,13 +250,7 @@ class EventSubscriber:
                 if monitor in ready:
                     self._drain_monitor(monitor)
                 if sub in ready:
-                    # Drain what is queued, but come back to check the stop flag now and then.
-                    for _ in range(1000):
-                        try:
-                            frames = sub.recv_multipart(zmq.NOBLOCK)
-                        except zmq.Again:
-                            break
-                        self._handle_live(frames)
+                    self._drain(sub)
         finally:
             sub.disable_monitor()
             monitor.close(0)
@@ -248,6 +258,35 @@ class EventSubscriber:
             if self._dealer is not None:
                 self._dealer.close(0)
             self.stats.connected = False
+
+    def _drain(self, sub: zmq.Socket) -> None:
+        """Handle the queued live messages (at most `_DRAIN_MAX_MESSAGES`, then the stop flag is
+        checked again); consecutive in-order batches reach the index in one `apply` call."""
+        self._draining = True
+        try:
+            for _ in range(_DRAIN_MAX_MESSAGES):
+                try:
+                    frames = sub.recv_multipart(zmq.NOBLOCK)
+                except zmq.Again:
+                    break
+                self._handle_live(frames)
+                if len(self._held_events) >= _DRAIN_APPLY_EVENTS:
+                    self._release_held()
+        finally:
+            self._draining = False
+            self._release_held()
+
+    def _release_held(self) -> None:
+        """Give the index the events held back by the drain, in one call, then run `on_batch`."""
+        if not self._held_batches:
+            return
+        events, batches, first = self._held_events, self._held_batches, self._held_from
+        self._held_events, self._held_batches, self._held_from = [], [], None
+        if events:
+            self._apply_events(events, f"seq {first}..{self.stats.last_seq}")
+        if self._on_batch is not None:
+            for batch in batches:
+                self._on_batch(self.name, batch)
 
     def _drain_monitor(self, monitor: zmq.Socket) -> None:
         while True:
@@ -313,6 +352,17 @@ class EventSubscriber:
     def _advance(self, seq: int, batch: DecodedBatch | None) -> None:
         stats = self.stats
         stats.last_message_at = time.time()
+        if self._draining and self._live_floor is None and stats.last_seq == seq - 1 and batch is not None:
+            # The usual message: the next seq, nothing to check. Held for one apply per drain.
+            stats.last_seq = seq
+            self._count_batch(seq, batch)
+            if self._held_from is None:
+                self._held_from = seq
+            self._held_events += batch.events
+            self._held_batches.append(batch)
+            return
+        # Anything else may clear, replay into or replace the backend: the held events go first.
+        self._release_held()
         floor = self._live_floor
         if floor is not None:
             floor_seq, floor_ts = floor

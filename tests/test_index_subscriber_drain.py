@@ -1,0 +1,136 @@
+"""The subscriber drains queued live messages and gives the index their events in few calls: the
+index ends exactly as if every batch had been applied alone, in order, around a gap's replay, a
+removal and a malformed message, and no call holds more than `_DRAIN_APPLY_EVENTS` events."""
+
+from __future__ import annotations
+
+import functools
+import threading
+import time
+from collections.abc import Iterator
+
+import numpy as np
+import pytest
+
+from router.index import subscriber as subscriber_module
+from router.index.events import BlockRemoved, BlockStored, KVEvent, decode_batch
+from router.index.prefix_index import PrefixIndex
+from router.index.subscriber import EventSubscriber
+from tests.support import free_port, waiting
+from tests.support.event_publisher import EventPublisher, block_removed, block_stored, encode_batch
+
+wait_for = functools.partial(waiting.wait_for, timeout_s=20.0)
+REQUESTS = 4  # concurrent decode chains, one block per message, round robin
+
+
+class BlockingRecorder:
+    """The subscriber's apply callback: records each call's events, applies them to an index, and
+    holds the first call until released (so that the messages published meanwhile queue up)."""
+
+    def __init__(self, index: PrefixIndex) -> None:
+        self.index = index
+        self.calls: list[list[KVEvent]] = []
+        self.entered = threading.Event()
+        self.release = threading.Event()
+
+    def __call__(self, events: list[KVEvent]) -> None:
+        self.calls.append(list(events))
+        self.entered.set()
+        self.release.wait(10)
+        self.index.apply("engine", events)
+
+
+@pytest.fixture
+def wired() -> Iterator[tuple[EventPublisher, EventSubscriber, BlockingRecorder]]:
+    endpoint, replay_endpoint = (f"tcp://127.0.0.1:{free_port()}" for _ in range(2))
+    publisher = EventPublisher(endpoint, replay_endpoint)
+    recorder = BlockingRecorder(PrefixIndex())
+    subscriber = EventSubscriber(
+        "engine",
+        endpoint,
+        apply=recorder,
+        clear=lambda: recorder.index.clear_backend("engine"),
+        replay_endpoint=replay_endpoint,
+        topic="kv-events",
+        replay_timeout_s=1.0,
+    )
+    try:
+        subscriber.start()
+        wait_for(lambda: subscriber.stats.connected and subscriber.stats.synced, what="subscriber synced")
+        time.sleep(0.3)  # PUB/SUB: the subscription reaches the publisher before the first message
+        yield publisher, subscriber, recorder
+    finally:
+        recorder.release.set()
+        subscriber.stop()
+        publisher.close()
+
+
+def decode_chain_messages(count: int, rng: np.random.Generator) -> tuple[list[bytes], list[list[int]]]:
+    """`count` one-block messages over REQUESTS chains, and each chain's tokens."""
+    tokens: list[list[int]] = [[] for _ in range(REQUESTS)]
+    payloads = []
+    for n in range(count):
+        request = n % REQUESTS
+        block = rng.integers(0, 150_000, size=16).tolist()
+        parent = None if n < REQUESTS else 1000 + n - REQUESTS
+        payloads.append(encode_batch([block_stored([1000 + n], block, 16, parent)], encoding="array"))
+        tokens[request] += block
+    return payloads, tokens
+
+
+def test_queued_messages_reach_the_index_in_few_calls_with_the_same_result(wired) -> None:
+    publisher, subscriber, recorder = wired
+    payloads, chains = decode_chain_messages(1201, np.random.default_rng(5))
+    publisher.publish_payload(payloads[0])
+    assert recorder.entered.wait(10), "the first message never reached the index"
+    lost = 300
+    sent = [payloads[0]]
+    for n, payload in enumerate(payloads[1:], start=1):
+        publisher.publish_payload(payload, send=n != lost)  # seq `lost` is a gap: replayed
+        sent.append(payload)
+        if n == 700:  # a removal and a malformed payload inside the burst
+            removal = encode_batch([block_removed([1000 + 3])], encoding="array")
+            publisher.publish_payload(removal)
+            sent.append(removal)
+            publisher.publish_payload(b"\xc1 not msgpack")
+            sent.append(b"")
+    time.sleep(0.5)  # the burst is queued in the SUB socket
+    recorder.release.set()
+    last = len(sent) - 1
+    wait_for(lambda: subscriber.stats.last_seq == last, what=f"seq {last} applied")
+
+    expected = PrefixIndex()
+    applied_alone: list[KVEvent] = []
+    for payload in sent:
+        if payload:
+            events = decode_batch(payload).events
+            expected.apply("engine", events)
+            applied_alone += events
+    # The same events in the same order, and the same index.
+    applied = [event for call in recorder.calls for event in call]
+    assert [(type(e), e.block_hashes) for e in applied] == [  # type: ignore[union-attr]
+        (type(e), e.block_hashes) for e in applied_alone  # type: ignore[union-attr]
+    ]
+    assert recorder.index.stats("engine") == expected.stats("engine")
+    for chain in chains:
+        assert recorder.index.longest_cached_prefix(chain) == expected.longest_cached_prefix(chain)
+    assert recorder.index.longest_cached_prefix(chains[3])["engine"].tokens == 0  # its first block went
+    assert recorder.index.longest_cached_prefix(chains[0])["engine"].tokens == len(chains[0])
+    assert publisher.replay_requests == [0, lost]  # the catch-up on connect, then the gap
+    assert subscriber.stats.malformed == 1 and not subscriber.stats.uncertain
+    assert subscriber.stats.events == {"BlockStored": 1201, "BlockRemoved": 1}
+    # 1203 messages, a gap and a malformed one: a handful of calls, none over the cap.
+    assert len(recorder.calls) <= 20, [len(call) for call in recorder.calls]
+    assert max(map(len, recorder.calls)) <= subscriber_module._DRAIN_APPLY_EVENTS
+    assert any(isinstance(call[0], BlockRemoved) or len(call) > 100 for call in recorder.calls)
+    assert all(isinstance(event, (BlockStored, BlockRemoved)) for event in applied)
+
+
+def test_a_lone_message_is_applied_at_once(wired) -> None:
+    """Nothing waits for more messages: a message alone is in the index when its drain ends."""
+    publisher, _subscriber, recorder = wired
+    recorder.release.set()
+    payloads, chains = decode_chain_messages(1, np.random.default_rng(6))
+    publisher.publish_payload(payloads[0])
+    wait_for(lambda: recorder.index.longest_cached_prefix(chains[0])["engine"].tokens == 16, what="block")
+    assert [len(call) for call in recorder.calls] == [1]
