@@ -24,8 +24,10 @@ whole-text encoding when the tokenizer is loaded; where it does not hold, segmen
 
 from __future__ import annotations
 
+import array
 import asyncio
 import contextlib
+import functools
 import itertools
 import logging
 import re
@@ -36,6 +38,8 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from router.ascii_encoder import AsciiEncoder
+
 if TYPE_CHECKING:
     from router.backends import BackendState
     from router.config import Config
@@ -43,8 +47,17 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("kvgate.tokenize")
 
-# Text shorter than this is tokenized on the event loop: a thread hop costs more than it saves.
-OFF_LOOP_MIN_CHARS = 4096
+# Where tokenization leaves the event loop (benchmarks/kv_aware_latency.py, docs/request-path.md).
+# The hop to the tokenizer thread adds ~0.1-0.2 ms to the request; it pays only where the loop
+# would otherwise stall for longer, for other requests. Text the Rust tokenizer encodes (~0.7 us a
+# character) releases the GIL there, so the loop runs meanwhile: moved from 2048 uncached characters
+# (~1.5 ms). The ASCII fast path (~0.08 us a character, Python) holds the GIL, so a thread frees the
+# loop only at the interpreter's 5 ms switch interval: moved only past 65536 uncached characters.
+# The chat template is rendered on the loop (jinja holds the GIL too), unless the chat has at least
+# OFF_LOOP_MIN_MESSAGES messages; prompts under OFF_LOOP_MIN_CHARS of content stay on the loop whole.
+OFF_LOOP_MIN_CHARS = 2048
+OFF_LOOP_MIN_ASCII_CHARS = 65536
+OFF_LOOP_MIN_MESSAGES = 128
 # Pieces at least this long are encoded and cached by segments of about SEGMENT_CHARS characters.
 SEGMENTED_MIN_CHARS = 2048
 SEGMENT_CHARS = 512
@@ -79,6 +92,10 @@ class _PieceCache:
             self.hits += 1
             return ids
 
+    def peek(self, text: str) -> bool:
+        """Whether `text` is cached (no hit or miss counted, LRU order unchanged)."""
+        return text in self._entries
+
     def put(self, text: str, ids: np.ndarray) -> None:
         if len(ids) > self.max_tokens:
             return
@@ -112,6 +129,12 @@ class PromptTokenizer:
         # its encode gives character offsets (checked against self.tokenizer.encode below).
         self._pre_tokenizer_owner: Any = getattr(self.tokenizer, "backend_tokenizer", None)
         self._pre_tokenizer = getattr(self._pre_tokenizer_owner, "pre_tokenizer", None)
+        self._added_ids: dict[str, int] = dict(self.tokenizer.added_tokens_encoder)
+        # Pieces that are all ASCII skip the Rust regex engine (router/ascii_encoder.py); the
+        # segment check below runs through it too, against the tokenizer's own encode.
+        self._ascii: AsciiEncoder | None = None
+        if self.piecewise and self._pre_tokenizer_owner is not None:
+            self._ascii = AsciiEncoder.for_tokenizer(self._pre_tokenizer_owner)
         self.segmented = (
             self.piecewise and self._pre_tokenizer is not None and self._segmented_encoding_is_exact()
         )
@@ -122,13 +145,51 @@ class PromptTokenizer:
 
     def tokens_for(self, body: dict[str, Any]) -> np.ndarray:
         """The prompt tokens of a chat (`messages`) or completion (`prompt`) request body."""
+        prompt = self.prompt_text(body)
+        if isinstance(prompt, np.ndarray):
+            return prompt
+        text, add_special_tokens = prompt
+        return self.encode_text(text, add_special_tokens=add_special_tokens)
+
+    def prompt_text(self, body: dict[str, Any]) -> tuple[str, bool] | np.ndarray:
+        """What to encode for a request body, and whether special tokens are added; a prompt given
+        as token ids comes back as its tokens."""
         if "messages" in body:
-            return self.encode_text(
-                self.render_chat(body), add_special_tokens=bool(body.get("add_special_tokens"))
-            )
-        if "prompt" in body:
-            return self.completion_tokens(body)
-        raise TokenizeError("the body has neither `messages` nor `prompt`")
+            return self.render_chat(body), bool(body.get("add_special_tokens"))
+        if "prompt" not in body:
+            raise TokenizeError("the body has neither `messages` nor `prompt`")
+        prompt = body["prompt"]
+        add_special = body.get("add_special_tokens", True)
+        if isinstance(prompt, list) and prompt:
+            first = prompt[0]
+            if isinstance(first, int):
+                return _as_tokens(prompt)
+            # A batch of prompts: route by the first (the engine caches each).
+            if isinstance(first, list):
+                return _as_tokens(first)
+            prompt = first
+        if not isinstance(prompt, str):
+            raise TokenizeError("`prompt` must be a string, a list of token ids, or a list of those")
+        return prompt, bool(add_special)
+
+    def uncached_chars(self, text: str, *, add_special_tokens: bool) -> tuple[int, int]:
+        """Characters encode_text(text) would encode, not finding them cached: (through the
+        tokenizer, through the ASCII fast path). Reads the cache without counting hits or misses.
+
+        A long piece that is not cached whole counts whole, though its leading segments may be
+        cached: finding out would cut it into segments twice."""
+        if add_special_tokens or not self.piecewise:
+            cached = not add_special_tokens and self.cache.peek(text)
+            return (0 if cached else len(text)), 0
+        slow = fast = 0
+        for piece in self._pieces(text):
+            if self.cache.peek(piece):
+                continue
+            if self._ascii is not None and piece.isascii():
+                fast += len(piece)
+            else:
+                slow += len(piece)
+        return slow, fast
 
     def render_chat(self, body: dict[str, Any]) -> str:
         messages = body.get("messages")
@@ -152,21 +213,6 @@ class PromptTokenizer:
             )
         except Exception as exc:  # jinja errors, template exceptions: the request's fault
             raise TokenizeError(f"the chat template cannot render these messages: {exc}") from None
-
-    def completion_tokens(self, body: dict[str, Any]) -> np.ndarray:
-        prompt = body["prompt"]
-        add_special = body.get("add_special_tokens", True)
-        if isinstance(prompt, list) and prompt:
-            first = prompt[0]
-            if isinstance(first, int):
-                return _as_tokens(prompt)
-            # A batch of prompts: route by the first (the engine caches each).
-            if isinstance(first, list):
-                return _as_tokens(first)
-            prompt = first
-        if not isinstance(prompt, str):
-            raise TokenizeError("`prompt` must be a string, a list of token ids, or a list of those")
-        return self.encode_text(prompt, add_special_tokens=bool(add_special))
 
     def encode_text(self, text: str, *, add_special_tokens: bool) -> np.ndarray:
         if add_special_tokens or not self.piecewise:
@@ -196,8 +242,32 @@ class PromptTokenizer:
 
     # ---- pieces and segments ----
 
-    def _encode_plain(self, text: str) -> np.ndarray:
+    def _encode_plain(self, piece: str) -> np.ndarray:
+        """A piece's tokens (text, then at most one added token at its end), without the cache."""
+        if self._ascii is not None and piece.isascii():
+            ids = self._ascii_ids(piece)
+            if ids is not None:
+                return ids
+        return self._encode_with_tokenizer(piece)
+
+    def _encode_with_tokenizer(self, text: str) -> np.ndarray:
         return np.asarray(self.tokenizer.encode(text, add_special_tokens=False), dtype=np.uint32)
+
+    def _ascii_ids(self, piece: str) -> np.ndarray | None:
+        """An ASCII piece's tokens through the ASCII encoder, or None where it cannot tell."""
+        assert self._ascii is not None and self._added_pattern is not None
+        body, added_id = piece, None
+        special = self._added_pattern.search(piece)
+        if special is not None:
+            if special.end() != len(piece):
+                return None  # pieces end at their one added token; anything else goes the long way
+            body, added_id = piece[: special.start()], self._added_ids[special.group()]
+        ids = self._ascii.encode(body) if body else []
+        if ids is None:
+            return None
+        if added_id is not None:
+            ids.append(added_id)
+        return np.frombuffer(array.array("I", ids), dtype=np.uint32)
 
     def _encode_by_segments(self, piece: str, segment_chars: int = SEGMENT_CHARS) -> np.ndarray:
         """A piece's tokens: its leading segments from the cache, the rest encoded in one call.
@@ -216,7 +286,15 @@ class PromptTokenizer:
         if len(parts) == len(segments):
             return np.concatenate(parts) if parts else np.empty(0, dtype=np.uint32)
         rest = segments[len(parts) :]
-        encoding = self._pre_tokenizer_owner.encode("".join(rest), add_special_tokens=False)
+        if self._ascii is not None and all(segment.isascii() for segment in rest):
+            # Segments are pretoken boundaries: each encodes on its own to its share of the tokens.
+            for segment in rest:
+                segment_ids = self._encode_plain(segment)
+                self.cache.put(segment, segment_ids)
+                parts.append(segment_ids)
+            return np.concatenate(parts)
+        # encode_batch releases the GIL (encode does not): the event loop runs meanwhile.
+        encoding = self._pre_tokenizer_owner.encode_batch(["".join(rest)], add_special_tokens=False)[0]
         ids = np.asarray(encoding.ids, dtype=np.uint32)
         # Each later segment starts with the token holding its first character.
         boundaries = itertools.accumulate(len(segment) for segment in rest[:-1])
@@ -290,9 +368,9 @@ class PromptTokenizer:
             for length in (300, 900, 1500):
                 text = " ".join(rng.choice(words, size=length).tolist())
                 for piece in (text, text + specials[0], "\n" + text + "  "):
-                    whole = self._encode_plain(piece)
+                    whole = self._encode_with_tokenizer(piece)
                     segments = self._segments(piece, 64)
-                    parts = np.concatenate([self._encode_plain(segment) for segment in segments])
+                    parts = np.concatenate([self._encode_with_tokenizer(segment) for segment in segments])
                     if "".join(segments) != piece or not np.array_equal(parts, whole):
                         return False
                     # The offsets path: cold, then with the first half of the segments cached.
@@ -418,9 +496,20 @@ class RequestTokenizer:
         if tokenizer is None:
             return None
         if _text_size(body) < OFF_LOOP_MIN_CHARS:
-            return tokenizer.tokens_for(body)
+            return tokenizer.tokens_for(body)  # most requests: nothing long enough to move
         loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._executor, tokenizer.tokens_for, body)
+        messages = body.get("messages")
+        if isinstance(messages, list) and len(messages) >= OFF_LOOP_MIN_MESSAGES:
+            return await loop.run_in_executor(self._executor, tokenizer.tokens_for, body)
+        prompt = tokenizer.prompt_text(body)
+        if isinstance(prompt, np.ndarray):
+            return prompt
+        text, add_special_tokens = prompt
+        slow, fast = tokenizer.uncached_chars(text, add_special_tokens=add_special_tokens)
+        if slow < OFF_LOOP_MIN_CHARS and fast < OFF_LOOP_MIN_ASCII_CHARS:
+            return tokenizer.encode_text(text, add_special_tokens=add_special_tokens)
+        encode = functools.partial(tokenizer.encode_text, text, add_special_tokens=add_special_tokens)
+        return await loop.run_in_executor(self._executor, encode)
 
     async def _engine_tokens(self, model: str, body: dict[str, Any]) -> np.ndarray | None:
         """Ask a backend serving the model for its own tokens (POST /tokenize)."""

@@ -117,13 +117,13 @@ def test_list_content_parts_are_joined_like_vllm(qwen3: PromptTokenizer) -> None
 def test_a_follow_up_turn_encodes_only_its_new_pieces() -> None:
     tokenizer = PromptTokenizer(builtin_tokenizer_dir("qwen3"))
     encoded: list[str] = []
-    original = tokenizer.tokenizer.encode
+    original = tokenizer._encode_plain  # every uncached piece goes through it (ASCII fast path or not)
 
-    def counting_encode(text: str, **kwargs):  # type: ignore[no-untyped-def]
+    def counting_encode(text: str) -> np.ndarray:
         encoded.append(text)
-        return original(text, **kwargs)
+        return original(text)
 
-    tokenizer.tokenizer.encode = counting_encode  # type: ignore[method-assign]
+    tokenizer._encode_plain = counting_encode  # type: ignore[method-assign]
     history = conversation(4, seed=9)
     tokenizer.tokens_for({"messages": history})
     first_turn_chars = sum(map(len, encoded))
@@ -186,6 +186,10 @@ class CountingEncoder:
     def encode(self, text: str, *args, **kwargs):  # type: ignore[no-untyped-def]
         self._encoded.append(text)
         return self._inner.encode(text, *args, **kwargs)  # type: ignore[attr-defined]
+
+    def encode_batch(self, texts: list[str], *args, **kwargs):  # type: ignore[no-untyped-def]
+        self._encoded.extend(texts)
+        return self._inner.encode_batch(texts, *args, **kwargs)  # type: ignore[attr-defined]
 
     def __getattr__(self, name: str):  # type: ignore[no-untyped-def]
         return getattr(self._inner, name)
@@ -250,31 +254,70 @@ def config(tokenize: str = "local"):
     )
 
 
-def test_prepare_fills_tokens_and_namespace_and_goes_off_loop_for_long_prompts() -> None:
-    tokenizer = RequestTokenizer(config())
-    long_text = "a long document about caches. " * 400
-    body = {"model": "qwen", "messages": [{"role": "user", "content": long_text}], "cache_salt": "s"}
-    request = RouteRequest(request_id="r1", model="qwen", body=body)
-    loop_thread = threading.get_ident()
-    seen_threads: list[int] = []
+def encode_threads(tokenizer: RequestTokenizer, bodies: list[dict]) -> list[bool]:
+    """Per body, prepared one after another: whether its text was encoded off the event loop."""
     prompt_tokenizer = tokenizer.tokenizer("qwen")
     assert prompt_tokenizer is not None
-    original = prompt_tokenizer.tokens_for
+    original = prompt_tokenizer.encode_text
+    off_loop: list[bool] = []
 
-    def recording(body: dict) -> np.ndarray:
-        seen_threads.append(threading.get_ident())
-        return original(body)
+    def recording(text: str, *, add_special_tokens: bool) -> np.ndarray:
+        off_loop.append(threading.get_ident() != loop_thread)
+        return original(text, add_special_tokens=add_special_tokens)
 
-    prompt_tokenizer.tokens_for = recording  # type: ignore[method-assign]
+    prompt_tokenizer.encode_text = recording  # type: ignore[method-assign]
+    loop_thread = threading.get_ident()
 
     async def run() -> None:
-        await tokenizer.prepare(request)
+        for body in bodies:
+            request = RouteRequest(request_id="r1", model="qwen", body=body)
+            await tokenizer.prepare(request)
+            assert request.tokens is not None
+            assert request.tokens.tolist() == whole_prompt_tokens(prompt_tokenizer, body)
         await tokenizer.close()
 
     asyncio.run(run())
-    assert request.tokens is not None and len(request.tokens) > 1000
+    return off_loop
+
+
+def test_prepare_fills_tokens_and_namespace() -> None:
+    tokenizer = RequestTokenizer(config())
+    body = {"model": "qwen", "messages": [{"role": "user", "content": "hello"}], "cache_salt": "s"}
+    request = RouteRequest(request_id="r1", model="qwen", body=body)
+    asyncio.run(tokenizer.prepare(request))
+    assert request.tokens is not None and request.tokens.tolist() == whole_prompt_tokens(
+        tokenizer.tokenizer("qwen"), body  # type: ignore[arg-type]
+    )
     assert request.namespace == ("qwen", None, "s")
-    assert seen_threads and seen_threads[0] != loop_thread
+
+
+def test_long_text_for_the_rust_tokenizer_is_encoded_off_the_loop() -> None:
+    # Non-ASCII text goes through the Rust tokenizer, which releases the GIL in its thread.
+    text = "un long document sur les caches, déjà lu. " * 100
+    body = {"model": "qwen", "messages": [{"role": "user", "content": text}]}
+    assert encode_threads(RequestTokenizer(config()), [body]) == [True]
+
+
+def test_long_ascii_text_stays_on_the_loop_until_the_ascii_line() -> None:
+    # The ASCII fast path holds the GIL: a thread would gain the loop nothing below the line.
+    long_text = "a long document about caches. " * 400
+    huge_text = "a huge document about caches. " * 2300  # over OFF_LOOP_MIN_ASCII_CHARS
+    bodies = [
+        {"model": "qwen", "messages": [{"role": "user", "content": long_text}]},
+        {"model": "qwen", "messages": [{"role": "user", "content": huge_text}]},
+    ]
+    assert encode_threads(RequestTokenizer(config()), bodies) == [False, True]
+
+
+def test_a_follow_up_with_a_long_cached_history_is_encoded_on_the_loop() -> None:
+    history = [{"role": "user", "content": "un long document sur les caches, déjà lu. " * 100}]
+    first = {"model": "qwen", "messages": history}
+    follow_up = {
+        "model": "qwen",
+        "messages": [*history, {"role": "assistant", "content": "Oui."}, {"role": "user", "content": "Et?"}],
+    }
+    # Only the two new messages are uncached: short enough to skip the thread hop.
+    assert encode_threads(RequestTokenizer(config()), [first, follow_up]) == [True, False]
 
 
 def test_prepare_leaves_tokens_empty_on_a_bad_body() -> None:

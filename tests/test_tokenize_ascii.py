@@ -1,0 +1,123 @@
+"""The ASCII fast path (router/ascii_encoder.py): equal to the real Qwen3 tokenizer's own encode on
+ASCII text, used by PromptTokenizer for ASCII pieces only, and refused for pipelines it does not
+reproduce."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from tokenizers import Tokenizer, normalizers, pre_tokenizers
+
+from router.ascii_encoder import AsciiEncoder, ascii_pattern
+from router.config import builtin_tokenizer_dir
+from router.tokenize import PromptTokenizer
+
+QWEN3_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+"
+    r"|\s+(?!\S)|\s+"
+)
+
+
+@pytest.fixture(scope="module")
+def qwen3() -> PromptTokenizer:
+    return PromptTokenizer(builtin_tokenizer_dir("qwen3"))
+
+
+@pytest.fixture(scope="module")
+def backend(qwen3: PromptTokenizer) -> Tokenizer:
+    return qwen3.tokenizer.backend_tokenizer
+
+
+def random_ascii(rng: np.random.Generator, length: int) -> str:
+    """ASCII text weighted towards what prose and code look like, every character possible."""
+    alphabet = [chr(code) for code in range(128)]
+    weights = np.ones(128)
+    for common in "etaoinshrdlu ETAOIN .,'\n0123456789":
+        weights[ord(common)] += 30
+    weights /= weights.sum()
+    return "".join(rng.choice(alphabet, size=length, p=weights).tolist())
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_ascii_encoder_equals_the_tokenizer_on_random_ascii(backend: Tokenizer, seed: int) -> None:
+    encoder = AsciiEncoder.for_tokenizer(backend)
+    assert encoder is not None
+    rng = np.random.default_rng(seed)
+    for _ in range(40):
+        text = random_ascii(rng, int(rng.integers(1, 600)))
+        assert encoder.encode(text) == backend.encode(text, add_special_tokens=False).ids, repr(text)
+
+
+def test_ascii_encoder_equals_the_tokenizer_on_code_and_prose(backend: Tokenizer) -> None:
+    encoder = AsciiEncoder.for_tokenizer(backend)
+    assert encoder is not None
+    texts = [
+        "def f(x):\n    return x**2  # it's squared\n\n\nclass A:\n\tpass\r\n",
+        "They'll say we'VE done it; I'M sure you'd agree. 1234 + 5678 = 6912!!! ...",
+        '{"key": [1, 2.5e-3, null], "nested": {"a": "b"}}   \n   ',
+        "   leading spaces\n\n\n   trailing spaces   ",
+        "\x00\x01\x1b[31mred\x1b[0m\x7f",
+    ]
+    for text in texts:
+        assert encoder.encode(text) == backend.encode(text, add_special_tokens=False).ids, repr(text)
+
+
+def test_prompt_tokenizer_uses_the_fast_path_for_ascii_pieces_only(qwen3: PromptTokenizer) -> None:
+    assert qwen3._ascii is not None
+    calls: list[str] = []
+    original = qwen3.tokenizer.encode
+
+    def counting_encode(text: str, **kwargs):  # type: ignore[no-untyped-def]
+        calls.append(text)
+        return original(text, **kwargs)
+
+    qwen3.tokenizer.encode = counting_encode  # type: ignore[method-assign]
+    try:
+        ascii_piece = "user\nThe quick brown fox can't jump 42 times.<|im_end|>"
+        assert qwen3._encode_plain(ascii_piece).tolist() == original(ascii_piece, add_special_tokens=False)
+        assert calls == []
+        unicode_piece = "user\nnaïve café 中文<|im_end|>"
+        assert qwen3._encode_plain(unicode_piece).tolist() == original(
+            unicode_piece, add_special_tokens=False
+        )
+        assert calls == [unicode_piece]
+    finally:
+        del qwen3.tokenizer.encode
+
+
+def test_chat_of_ascii_and_unicode_messages_equals_whole_prompt_encoding(qwen3: PromptTokenizer) -> None:
+    rng = np.random.default_rng(5)
+    messages = [
+        {"role": "system", "content": random_ascii(rng, 3000)},  # long: encoded by segments
+        {"role": "user", "content": "Résumé of the document, please: " + random_ascii(rng, 200)},
+        {"role": "assistant", "content": random_ascii(rng, 400)},
+        {"role": "user", "content": random_ascii(rng, 100)},
+    ]
+    text = qwen3.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    expected = qwen3.tokenizer.encode(text, add_special_tokens=False)
+    assert qwen3.tokens_for({"messages": messages}).tolist() == expected
+    assert qwen3.tokens_for({"messages": messages}).tolist() == expected  # from the cache
+
+
+def test_a_split_that_leaves_a_gap_falls_back(backend: Tokenizer) -> None:
+    encoder = AsciiEncoder(backend, "[a-z]+")  # does not match spaces: the split cannot be trusted
+    assert encoder.encode("ab cd") is None
+    assert encoder.encode("abcd") == backend.encode("abcd", add_special_tokens=False).ids
+
+
+def test_pattern_translation_maps_unicode_classes_to_their_ascii_members() -> None:
+    translated = ascii_pattern(QWEN3_SPLIT)
+    assert translated is not None
+    assert r"\p" not in translated and r"\s" not in translated and r"\S" not in translated
+    assert "[^\\r\\nA-Za-z0-9]?[A-Za-z]+" in translated
+    for unknown in (r"\d+", r"\w+", r"\p{Lu}", r"\P{L}", r"\bx", r"[[:alpha:]]"):
+        assert ascii_pattern(unknown) is None, unknown
+
+
+def test_pipelines_it_does_not_reproduce_get_no_encoder(backend: Tokenizer) -> None:
+    lowercased = Tokenizer.from_str(backend.to_str())
+    lowercased.normalizer = normalizers.Lowercase()
+    assert AsciiEncoder.for_tokenizer(lowercased) is None
+    whitespace_split = Tokenizer.from_str(backend.to_str())
+    whitespace_split.pre_tokenizer = pre_tokenizers.Whitespace()
+    assert AsciiEncoder.for_tokenizer(whitespace_split) is None
