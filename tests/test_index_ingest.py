@@ -169,6 +169,47 @@ def test_batched_one_by_one_and_general_paths_build_the_same_index(seed: int) ->
                     assert one_by_one.longest_cached_prefix(doc, namespace) == expected
 
 
+@pytest.mark.parametrize("seed", range(6))
+def test_long_mixed_lists_applied_run_by_run_match_the_general_path(seed: int, monkeypatch) -> None:
+    """What a drained burst or a replay hands over: many batches' events in one call, decode-step
+    runs between prefills, removals, re-stores and clears."""
+    taken: list[bool] = []
+    original = PrefixIndex._store_decode_step_locked
+
+    def spy(self, backend, events):
+        took = original(self, backend, events)
+        taken.append(took)
+        return took
+
+    monkeypatch.setattr(PrefixIndex, "_store_decode_step_locked", spy)
+    maker = StreamMaker(100 + seed)
+
+    def start_requests() -> list[dict[str, Any]]:  # requests decoding their own tokens
+        chains = [maker.new_chain() for _ in range(4)]
+        for chain in chains:
+            maker.docs.append([maker.rand.randrange(150_000) for _ in range(DOC_TOKENS)])
+            chain.update(block_size=16, overlap=False, group=None, medium="GPU", doc=len(maker.docs) - 1)
+        return chains
+
+    decoding = start_requests()
+    joined, general = PrefixIndex(), PrefixIndex()
+    for _ in range(12):
+        events: list[KVEvent] = []
+        for _ in range(maker.rand.randint(2, 8)):
+            batch = maker.batch()
+            events += batch
+            if any(isinstance(event, AllBlocksCleared) for event in batch):
+                decoding = start_requests()  # the engine dropped everything: new requests
+            for _ in range(maker.rand.randint(1, 4)):  # decode steps of the running requests
+                events += [event for chain in decoding if (event := maker.store(chain, 1)) is not None]
+        joined.apply("a", events)
+        apply_through_general_path(general, "a", events)
+        assert internal_state(joined, "a") == internal_state(general, "a")
+    for doc in maker.docs:
+        assert joined.longest_cached_prefix(doc) == general.longest_cached_prefix(doc)
+    assert taken.count(True) >= 3, "no decode-step run took the column path"
+
+
 def test_decode_steps_of_many_requests_in_one_batch_match_the_general_path() -> None:
     """The decode shape (one 16-token block per request per step), many steps, then removals."""
     maker = StreamMaker(99)
@@ -224,6 +265,46 @@ def test_decode_steps_take_the_column_path_and_match_the_general_path(running: i
         assert fast.longest_cached_prefix(doc) == general.longest_cached_prefix(doc)
 
 
+@pytest.mark.parametrize(("running", "steps_per_call"), [(1, 2), (1, 16), (2, 3), (3, 16), (8, 5)])
+def test_several_decode_steps_in_one_list_take_the_column_path(
+    running: int, steps_per_call: int, monkeypatch
+) -> None:
+    """A drained burst of decode steps in one call (parents earlier in the same list, one chain or
+    several interleaved) is applied by `_store_decode_step_locked` and equals the general path."""
+    maker = StreamMaker(11)
+    chains = [maker.new_chain() for _ in range(running)]
+    for chain in chains:
+        maker.docs.append([maker.rand.randrange(150_000) for _ in range(DOC_TOKENS)])
+        chain.update(block_size=16, overlap=False, group=None, medium="GPU", doc=len(maker.docs) - 1)
+    chains[-1]["namespace"] = {}  # (looked up below in the default namespace)
+    taken: list[bool] = []
+    original = PrefixIndex._store_decode_step_locked
+
+    def spy(self, backend, events):
+        took = original(self, backend, events)
+        taken.append(took)
+        return took
+
+    monkeypatch.setattr(PrefixIndex, "_store_decode_step_locked", spy)
+    fast, general = PrefixIndex(), PrefixIndex()
+    first = [event for chain in chains if (event := maker.store(chain, 1)) is not None]
+    for index in (fast, general):
+        apply_through_general_path(index, "a", first)  # the chains' first blocks: roots
+    for _ in range(DOC_TOKENS // 16 // steps_per_call):
+        events: list[KVEvent] = [
+            event for _ in range(steps_per_call) for chain in chains if (event := maker.store(chain, 1))
+        ]
+        taken.clear()
+        fast.apply("a", events)
+        apply_through_general_path(general, "a", events)
+        assert taken == ([True] if len(events) > 1 else []), "the list went the general way"
+    assert internal_state(fast, "a") == internal_state(general, "a")
+    for doc in maker.docs:
+        assert fast.longest_cached_prefix(doc) == general.longest_cached_prefix(doc)
+    held = fast.longest_cached_prefix(maker.docs[-1])["a"].tokens
+    assert held == chains[-1]["stored"] > 16 * steps_per_call
+
+
 def test_decode_step_path_refuses_what_it_cannot_apply_and_changes_nothing() -> None:
     """Shapes outside the decode step (a re-store, a parent with a tail, tokens out of uint32
     range, two media, an unknown parent) are refused with the index untouched."""
@@ -261,10 +342,13 @@ def test_decode_step_path_refuses_what_it_cannot_apply_and_changes_nothing() -> 
         [child(10, 2, [-1] * 16)],  # not uint32
         [child(10, 2), child(11, 2, medium="cpu")],  # two media
         [child(10, 2), child(10, 2), child(12, 2)],  # one hash twice
+        [child(11, 10, tokens[48:64]), child(10, 2)],  # a child listed before its parent
+        [child(10, 2), child(11, 10, tokens[48:64]), child(12, 98)],  # one unknown parent
+        [child(10, 2), BlockStored(block_hashes=[11], token_ids=tokens[48:64], block_size=16)],  # a root
     ):
         assert not step(*events)
-    assert step(child(10, 2))
-    assert index.longest_cached_prefix(tokens[:48])["a"].tokens == 48
+    assert step(child(10, 2), child(11, 10, tokens[48:64]))  # the parent earlier in the list
+    assert index.longest_cached_prefix(tokens[:80])["a"].tokens == 64
 
 
 def test_a_batch_storing_one_prefix_twice_keeps_both_references() -> None:

@@ -132,5 +132,6 @@ def test_a_lone_message_is_applied_at_once(wired) -> None:
     recorder.release.set()
     payloads, chains = decode_chain_messages(1, np.random.default_rng(6))
     publisher.publish_payload(payloads[0])
-    wait_for(lambda: recorder.index.longest_cached_prefix(chains[0])["engine"].tokens == 16, what="block")
+    wait_for(lambda: recorder.index.held_tokens("engine") == 16, what="the block in the index")
+    assert recorder.index.longest_cached_prefix(chains[0])["engine"].tokens == 16
     assert [len(call) for call in recorder.calls] == [1]

@@ -220,6 +220,9 @@ _HASHES, _PARENT_HASH, _TOKEN_IDS, _BLOCK_SIZE, _MEDIUM, _GROUP = map(
     _STORED_FIELDS.index,
     ("block_hashes", "parent_block_hash", "token_ids", "block_size", "medium", "group_idx"),
 )
+# A list of at least this many events that is not one decode step is applied run by run
+# (`PrefixIndex._apply_in_runs_locked`); shorter lists go the general way whole.
+_RUN_SPLIT_MIN_EVENTS = 16
 # Distinct mask values kept shared (below); past this many the table starts over (it is a cache).
 _SHARED_MASKS_LIMIT = 1 << 16
 
@@ -467,7 +470,7 @@ class PrefixIndex:
             gc.disable()
             try:
                 if len(events) == 1 or not self._store_decode_step_locked(backend, events):
-                    self._apply_locked(backend, events)
+                    self._apply_in_runs_locked(backend, events)
             finally:
                 if collecting:
                     gc.enable()
@@ -530,6 +533,9 @@ class PrefixIndex:
         are one numpy pass (plain ints below `_NUMPY_MIN_BLOCKS`), so a step costs a few Python
         calls, not a few per event. It builds exactly what the general path builds
         (tests/test_index_ingest.py).
+        Several steps in one list (the subscriber hands over a drained burst of messages in one
+        call) are taken too: a parent may then be an earlier event of the list; positions and
+        keys follow those parents in two short Python passes (`_chained_ends_locked`).
         """
         if (
             not events
@@ -550,12 +556,23 @@ class PrefixIndex:
             return False
         nodes = backend.nodes
         parents = list(map(nodes.get, parent_hashes))
-        if not all(parents) or any(map(_node_tail, parents)):
-            return False
         count = len(parents)
         block_hashes = list(map(_first_item, hashes))
         if not nodes.keys().isdisjoint(block_hashes) or len(set(block_hashes)) != count:
             return False
+        placed = all(parents)
+        if placed:
+            if any(map(_node_tail, parents)):
+                return False
+            parent_ends = list(map(_node_end, parents))
+            ends = list(map(operator.add, parent_ends, _SIXTEEN))
+            chain_ids = list(map(_node_chain, parents))
+        else:
+            chained = self._chained_ends_locked(parents, parent_hashes, block_hashes)
+            if chained is None:
+                return False
+            ends, chain_ids, earlier = chained
+            parent_ends = list(map(operator.sub, ends, _SIXTEEN))
         stream = array.array("I")
         try:
             # `fromlist` per event (consumed in C by `any`: it returns None) is twice as fast as
@@ -563,25 +580,29 @@ class PrefixIndex:
             any(map(stream.fromlist, token_ids))
         except (OverflowError, TypeError):  # token ids that are not uint32: the general path counts them
             return False
-        parent_ends = list(map(_node_end, parents))
+        positions = map(operator.floordiv, parent_ends, _SIXTEEN)
         if count < _NUMPY_MIN_BLOCKS:  # two events: plain ints beat numpy's per-call cost
-            keys = [
-                (
-                    parent[_BOUNDARY]
-                    + _python_block_value(
-                        stream[offset : offset + ROUTER_BLOCK_TOKENS], parent[_END] // ROUTER_BLOCK_TOKENS
-                    )
-                )
-                & _WORD
-                for offset, parent in zip(range(0, len(stream), ROUTER_BLOCK_TOKENS), parents, strict=True)
+            offsets = range(0, len(stream), ROUTER_BLOCK_TOKENS)
+            block_values = [
+                _python_block_value(stream[offset : offset + ROUTER_BLOCK_TOKENS], position)
+                for offset, position in zip(offsets, positions, strict=False)
             ]
+            if placed:
+                bases = map(_node_boundary, parents)
+                keys = [(base + value) & _WORD for base, value in zip(bases, block_values, strict=True)]
         else:
-            positions = map(operator.floordiv, parent_ends, _SIXTEEN)
             values = router_block_values(
                 np.frombuffer(stream, dtype=np.uint32), np.fromiter(positions, np.uint64, count)
             )
-            values += np.fromiter(map(_node_boundary, parents), np.uint64, count)
-            keys = values.tolist()
+            if placed:
+                values += np.fromiter(map(_node_boundary, parents), np.uint64, count)
+                keys = values.tolist()
+            else:
+                block_values = values.tolist()
+        if not placed:  # a key continues from its parent's: placed before, or earlier in the list
+            keys = []
+            for parent, position, value in zip(parents, earlier, block_values, strict=True):
+                keys.append(((parent[_BOUNDARY] if parent is not None else keys[position]) + value) & _WORD)
         medium = media[0]
         slot_bit_tier = backend.medium_slots.get(medium)
         if slot_bit_tier is None:
@@ -598,8 +619,6 @@ class PrefixIndex:
         # the general path keeps the reference counts.
         if held & bit or (count > 1 and len(set(keys)) != count):
             return False
-        ends = list(map(operator.add, parent_ends, _SIXTEEN))
-        chain_ids = list(map(_node_chain, parents))
         new_nodes = zip(ends, _SIXTEEN, keys, _NO_TAIL, keys, chain_ids, itertools.repeat(bit), strict=False)
         nodes.update(zip(block_hashes, new_nodes, strict=True))
         if held:
@@ -618,6 +637,56 @@ class PrefixIndex:
         stats.blocks[tier] += count
         stats.tokens[tier] += count * ROUTER_BLOCK_TOKENS
         return True
+
+    def _apply_in_runs_locked(self, backend: _Backend, events: list[KVEvent]) -> None:
+        """Events in order. In a long list (a drained burst of messages, a replay), each run of
+        one-block BlockStored events with a parent (decode steps) is tried on the decode-step path
+        and the events between the runs (prefills, removals, clears) go the general way."""
+        if len(events) < _RUN_SPLIT_MIN_EVENTS:
+            self._apply_locked(backend, events)
+            return
+        decode_like = [
+            isinstance(event, BlockStored)
+            and len(event.block_hashes) == 1
+            and event.parent_block_hash is not None
+            for event in events
+        ]
+        start = 0
+        for is_decode, run in itertools.groupby(decode_like):
+            end = start + sum(1 for _ in run)
+            part = events[start:end]
+            start = end
+            if is_decode and (
+                self._store_one_block_locked(backend, part[0])
+                if len(part) == 1
+                else self._store_decode_step_locked(backend, part)
+            ):
+                continue
+            self._apply_locked(backend, part)
+
+    @staticmethod
+    def _chained_ends_locked(
+        parents: list[_Node | None], parent_hashes: Sequence[Any], block_hashes: list[Any]
+    ) -> tuple[list[int], list[int], list[int]] | None:
+        """For one-block events some of whose parents are earlier events of the same list: each
+        event's end, chain and the list position of its parent (-1 when placed before); None when
+        a parent is neither placed (without a tail) nor earlier in the list."""
+        position_of = dict(zip(block_hashes, range(len(block_hashes)), strict=True))
+        earlier = list(map(position_of.get, parent_hashes, itertools.repeat(-1)))
+        ends: list[int] = []
+        chain_ids: list[int] = []
+        for index, (parent, position) in enumerate(zip(parents, earlier, strict=True)):
+            if parent is not None:
+                if parent[_TAIL]:
+                    return None
+                ends.append(parent[_END] + ROUTER_BLOCK_TOKENS)
+                chain_ids.append(parent[_CHAIN])
+            elif 0 <= position < index:
+                ends.append(ends[position] + ROUTER_BLOCK_TOKENS)
+                chain_ids.append(chain_ids[position])
+            else:  # unknown parent (or None: a chain's first block), or a child listed before its parent
+                return None
+        return ends, chain_ids, earlier
 
     def _apply_locked(self, backend: _Backend, events: list[KVEvent]) -> None:
         # Consecutive BlockStored events of whole router blocks whose parents are already placed
