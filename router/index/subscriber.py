@@ -93,6 +93,21 @@ _REPLAY_MAX_TIMEOUTS = 10
 _REPLAY_RCVHWM = 200_000
 
 
+def receive_frames(socket: zmq.Socket) -> list[bytes]:
+    """The frames of the next queued message (zmq.Again when none is queued).
+
+    `recv_multipart` asks the socket for RCVMORE after every frame, a getsockopt that costs pyzmq
+    about 2 us; a frame received without copying carries the same flag (`Frame.more`), so a
+    3-frame message costs about half. Parts after the first are there already (ZMQ delivers a
+    multipart message whole)."""
+    frame = socket.recv(zmq.NOBLOCK, copy=False)
+    frames = [frame.bytes]
+    while frame.more:
+        frame = socket.recv(copy=False)
+        frames.append(frame.bytes)
+    return frames
+
+
 class SnapshotFailed(Exception):
     """The publisher gave no usable snapshot (timeout, only an end marker, or garbage)."""
 
@@ -266,7 +281,7 @@ class EventSubscriber:
         try:
             for _ in range(_DRAIN_MAX_MESSAGES):
                 try:
-                    frames = sub.recv_multipart(zmq.NOBLOCK)
+                    frames = receive_frames(sub)
                 except zmq.Again:
                     break
                 self._handle_live(frames)
