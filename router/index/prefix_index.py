@@ -158,19 +158,31 @@ def prefix_keys(tokens: np.ndarray, seed: int, first_block: int = 0) -> np.ndarr
     return keys
 
 
-def _stream_keys(tokens: Sequence[int], seed: int, first_block: int) -> list[int]:
+def _stream_keys(tokens: array.array, seed: int, first_block: int) -> list[int]:
+    """Keys of a uint32 token stream (an `array.array("I")`, read in place)."""
     if len(tokens) < _NUMPY_MIN_BLOCKS * ROUTER_BLOCK_TOKENS:
         return _python_prefix_keys(tokens, seed, first_block)
-    return prefix_keys(np.frombuffer(array.array("I", tokens), dtype=np.uint32), seed, first_block).tolist()
+    return prefix_keys(np.frombuffer(tokens, dtype=np.uint32), seed, first_block).tolist()
+
+
+def _extend_tokens(stream: array.array, tokens: Sequence[int]) -> None:
+    """Append token ids to a uint32 `array.array` (OverflowError or TypeError for ids that are
+    not uint32). `fromlist` takes a list about 1.5x faster than `extend` or the array constructor
+    (8k tokens: 253-280 vs 415 us on this machine) and leaves the array unchanged on failure."""
+    if tokens.__class__ is list:
+        stream.fromlist(tokens)  # type: ignore[arg-type]
+    else:
+        stream.extend(tokens)
 
 
 def token_array(tokens: np.ndarray | Sequence[int]) -> np.ndarray:
-    """A prompt's tokens as a uint32 array. A list goes through `array.array`, about 3x faster than
-    `np.asarray` for Python ints (350 us for 8k tokens on a busy core: more than the lookup itself).
-    Token ids outside uint32 raise OverflowError either way."""
+    """A prompt's tokens as a uint32 array. A list goes through `array.array` (`_extend_tokens`),
+    5x faster than `np.asarray` for Python ints. Token ids outside uint32 raise OverflowError."""
     if isinstance(tokens, np.ndarray):
         return tokens.astype(np.uint32, copy=False)
-    return np.frombuffer(array.array("I", tokens), dtype=np.uint32)
+    stream = array.array("I")
+    _extend_tokens(stream, tokens)
+    return np.frombuffer(stream, dtype=np.uint32)
 
 
 def prompt_prefix_keys(tokens: np.ndarray | list[int], namespace: Namespace = DEFAULT_NAMESPACE) -> list[int]:
@@ -787,7 +799,7 @@ class PrefixIndex:
             token_ids, covered = store[_P_TOKEN_IDS], store[_P_COUNT] * store[_P_BLOCK_SIZE]
             before = len(stream)
             try:
-                stream.extend(token_ids if len(token_ids) == covered else token_ids[:covered])
+                _extend_tokens(stream, token_ids if len(token_ids) == covered else token_ids[:covered])
             except (OverflowError, TypeError):  # token ids that are not uint32: nothing to index
                 del stream[before:]
                 backend.stats.stored_events += 1
@@ -1075,7 +1087,7 @@ class PrefixIndex:
             chain = backend.chains[chain_id]
         # `stream` starts at the last router-block boundary before this block's first token.
         stream = array.array("I", parent_tail)
-        stream.extend(token_ids[skip:covered] if skip else token_ids[:covered])
+        _extend_tokens(stream, token_ids[skip:covered] if skip else token_ids[:covered])
         aligned_start = parent_end - len(parent_tail)
         keys = _stream_keys(stream, boundary_key, aligned_start // ROUTER_BLOCK_TOKENS)
 
