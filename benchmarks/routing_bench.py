@@ -33,6 +33,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+import yaml
+
 from benchmarks import workloads as workload_catalog
 from benchmarks.oracle import oracle_hit_ratio
 from benchmarks.profiling import Profiler
@@ -325,6 +327,13 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--scale", type=float, help="multiply workload populations and rates (default 1)")
     parser.add_argument("--rate-scale", type=float, help="multiply workload rates alone (default 1)")
+    parser.add_argument(
+        "--workload-param",
+        action="append",
+        default=[],
+        metavar="WORKLOAD.KEY=VALUE",
+        help="set one workload parameter, repeatable (e.g. chat_sessions.turns=8)",
+    )
     parser.add_argument("--concurrency", type=int, default=128, help="client's limit on requests in flight")
     parser.add_argument(
         "--sim-arg",
@@ -360,7 +369,20 @@ def main(argv: list[str] | None = None) -> int:
     started = time.monotonic()
     _log(f"building workloads {names} (scale {args.scale})")
     tokenizer = workload_catalog.qwen3_tokenizer()
-    built = workload_catalog.build_all(names, tokenizer, args.scale, args.rate_scale)
+    overrides: dict[str, dict[str, Any]] = {}
+    for item in args.workload_param:
+        target, equals, value = item.partition("=")
+        workload_name, dot, key = target.partition(".")
+        if not (equals and dot and key) or workload_name not in names:
+            parser.error(f"--workload-param {item!r}: expected WORKLOAD.KEY=VALUE, WORKLOAD one of {names}")
+        overrides.setdefault(workload_name, {})[key] = yaml.safe_load(value)
+    try:
+        built = [
+            workload_catalog.build(name, tokenizer, args.scale, args.rate_scale, **overrides.get(name, {}))
+            for name in names
+        ]
+    except (ValueError, TypeError) as exc:
+        parser.error(str(exc))
     sim_args = [] if real else [arg for value in args.sim_arg for arg in value.split()] or DEFAULT_SIM_ARGS
     results: dict[str, Any] = {
         "meta": {
