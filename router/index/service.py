@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -121,12 +121,17 @@ class KVIndexService:
         tokens: np.ndarray | list[int],
         namespace: Namespace = DEFAULT_NAMESPACE,
         backends: Iterable[str] | None = None,
+        *,
+        keys: Sequence[int] | np.ndarray | None = None,
     ) -> dict[str, BackendMatch]:
-        """Per backend, the leading tokens of the prompt its engine holds, per tier (events only)."""
+        """Per backend, the leading tokens of the prompt its engine holds, per tier (events only).
+
+        `keys`: the prompt's router keys when the caller has them (prompt_prefix_keys), not recomputed.
+        """
         started = time.perf_counter()
         wanted = list(self._streams) if backends is None else [b for b in backends if b in self._streams]
         index_names = [stream.index_name for name in wanted for stream in self._streams[name]]
-        matches = self.index.longest_cached_prefix(tokens, namespace, index_names)
+        matches = self.index.longest_cached_prefix(tokens, namespace, index_names, keys=keys)
         result: dict[str, BackendMatch] = {}
         for name in wanted:
             best = None

@@ -316,9 +316,11 @@ class KVAware(CacheAwarePolicy):
         matches: dict[str, BackendMatch] = {}
         keys: list[int] = []
         if tokens is not None and prompt_tokens:
-            if self.kv_index is not None:
-                matches = self.kv_index.longest_cached_prefix(tokens, namespace, [b.name for b in candidates])
+            # Computed once: the index lookup and the predictions share them.
             keys = prompt_prefix_keys(tokens, namespace)
+            if self.kv_index is not None:
+                backends = [b.name for b in candidates]
+                matches = self.kv_index.longest_cached_prefix(tokens, namespace, backends, keys=keys)
             request.decision["prefix_keys"] = keys
         costs: dict[str, float] = {}
         cached: dict[str, int] = {}
