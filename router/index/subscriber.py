@@ -49,6 +49,8 @@ the rules above apply as without snapshots.
 
 from __future__ import annotations
 
+import collections
+import gc
 import logging
 import re
 import threading
@@ -60,6 +62,8 @@ import zmq
 
 from router.index.events import (
     AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
     DecodedBatch,
     KVEvent,
     MalformedBatch,
@@ -276,8 +280,15 @@ class EventSubscriber:
 
     def _drain(self, sub: zmq.Socket) -> None:
         """Handle the queued live messages (at most `_DRAIN_MAX_MESSAGES`, then the stop flag is
-        checked again); consecutive in-order batches reach the index in one `apply` call."""
+        checked again); consecutive in-order batches reach the index in one `apply` call.
+
+        The cyclic GC is paused for the drain (a few ms at most), as `PrefixIndex.apply` pauses it:
+        the held batches keep a few tracked containers per message alive until their apply, and
+        the collections they set off cost about 1.5 us a message (5.1-6.1 vs 6.3-7.4 us for the
+        drain's own work on 30k one-block messages, the index call left out)."""
         self._draining = True
+        collecting = gc.isenabled()
+        gc.disable()
         try:
             for _ in range(_DRAIN_MAX_MESSAGES):
                 try:
@@ -289,7 +300,11 @@ class EventSubscriber:
                     self._release_held()
         finally:
             self._draining = False
-            self._release_held()
+            try:
+                self._release_held()
+            finally:
+                if collecting:
+                    gc.enable()
 
     def _release_held(self) -> None:
         """Give the index the events held back by the drain, in one call, then run `on_batch`."""
@@ -297,6 +312,8 @@ class EventSubscriber:
             return
         events, batches, first = self._held_events, self._held_batches, self._held_from
         self._held_events, self._held_batches, self._held_from = [], [], None
+        self.stats.batches += len(batches)
+        _count_kinds(self.stats.events, events)
         if events:
             self._apply_events(events, f"seq {first}..{self.stats.last_seq}")
         if self._on_batch is not None:
@@ -362,21 +379,26 @@ class EventSubscriber:
             # The seq itself is good: advance it so the next message is not taken for a gap.
             self._advance(seq, None)
             return
-        self._advance(seq, batch)
-
-    def _advance(self, seq: int, batch: DecodedBatch | None) -> None:
         stats = self.stats
-        stats.last_message_at = time.time()
-        if self._draining and self._live_floor is None and stats.last_seq == seq - 1 and batch is not None:
-            # The usual message: the next seq, nothing to check. Held for one apply per drain.
+        if self._draining and stats.last_seq == seq - 1 and self._live_floor is None:
+            # The usual message: the next seq, nothing to check. Held for one apply per drain
+            # (batches and event kinds are counted then).
+            stats.last_message_at = time.time()
             stats.last_seq = seq
-            self._count_batch(seq, batch)
+            if batch.skipped_events:
+                self._count_skipped(seq, batch)
             if self._held_from is None:
                 self._held_from = seq
             self._held_events += batch.events
             self._held_batches.append(batch)
             return
-        # Anything else may clear, replay into or replace the backend: the held events go first.
+        self._advance(seq, batch)
+
+    def _advance(self, seq: int, batch: DecodedBatch | None) -> None:
+        stats = self.stats
+        stats.last_message_at = time.time()
+        # Anything but the next seq while draining may clear, replay into or replace the backend:
+        # the held events go first.
         self._release_held()
         floor = self._live_floor
         if floor is not None:
@@ -496,15 +518,14 @@ class EventSubscriber:
             self._on_batch(self.name, batch)
 
     def _count_batch(self, seq: int, batch: DecodedBatch) -> None:
-        stats = self.stats
-        stats.batches += 1
+        self.stats.batches += 1
         if batch.skipped_events:
-            stats.skipped_events += batch.skipped_events
-            self._malformed(f"seq {seq}: {batch.skipped_events} undecodable events: {batch.skip_reasons[:1]}")
-        counts = stats.events
-        for event in batch.events:
-            kind = event_kind(event)
-            counts[kind] = counts.get(kind, 0) + 1
+            self._count_skipped(seq, batch)
+        _count_kinds(self.stats.events, batch.events)
+
+    def _count_skipped(self, seq: int, batch: DecodedBatch) -> None:
+        self.stats.skipped_events += batch.skipped_events
+        self._malformed(f"seq {seq}: {batch.skipped_events} undecodable events: {batch.skip_reasons[:1]}")
 
     def _apply_events(self, events: list[KVEvent], where: str) -> None:
         try:
@@ -686,6 +707,18 @@ def _in_range(replies: list[tuple[int, bytes]], start: int, until: int | None) -
 
 def _count_from(batches: dict[int, bytes], first: int) -> int:
     return sum(1 for seq in batches if seq >= first)
+
+
+def _count_kinds(counts: dict[str, int], events: list[KVEvent]) -> None:
+    """Add the events to `counts` by kind (one C-level count by class, then a few dict updates)."""
+    for cls, number in collections.Counter(map(type, events)).items():
+        if issubclass(cls, BlockStored):
+            kind = "BlockStored"
+        elif issubclass(cls, BlockRemoved):
+            kind = "BlockRemoved"
+        else:
+            kind = "AllBlocksCleared"
+        counts[kind] = counts.get(kind, 0) + number
 
 
 def _last_clear(events: list[KVEvent]) -> int | None:
