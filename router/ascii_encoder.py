@@ -9,15 +9,17 @@ characters `\\t \\n \\v \\f \\r` and space), NFC/NFKC normalisation is the ident
 mapping is a fixed table; both engines are backtracking with the same leftmost-first semantics.
 So `AsciiEncoder.encode` splits with the translated pattern, maps each pretoken through the
 byte-level table and runs the tokenizer's own BPE model on it (`model.tokenize`), caching the
-ids per pretoken (words repeat).
+ids per pretoken (words repeat); `pretoken_starts` answers where the pre-tokenizer would start
+pretokens (router/tokenize.py confirms segment cuts with it).
 
 It is built only for the pipeline it reproduces (`AsciiEncoder.for_tokenizer` returns None
 otherwise): normaliser none or a Unicode normal form; pre-tokenizer Split(regex, Isolated) then
 ByteLevel without its own regex, or ByteLevel with GPT-2's regex; a BPE model without dropout;
-added tokens that strip nothing. It is then checked against the Rust tokenizer on every ASCII
-character in several contexts and on random mixes of words, contractions, digits, punctuation and
-whitespace runs; any difference leaves it off. At run time a split that does not cover the whole
-text (a gap the pattern does not match) falls back to the caller's encoder.
+added tokens that strip nothing. It is then checked against the Rust tokenizer (ids and pretoken
+starts) on every ASCII character in several contexts and on random mixes of words, contractions,
+digits, punctuation and whitespace runs; any difference leaves it off. At run time a split that
+does not cover the whole text (a gap the pattern does not match) falls back to the caller's
+encoder.
 """
 
 from __future__ import annotations
@@ -111,7 +113,9 @@ class AsciiEncoder:
     (build it with `for_tokenizer`; the caller checks `text.isascii()`)."""
 
     def __init__(self, backend: Any, pattern: str) -> None:
-        self._split = re.compile(pattern, re.ASCII).findall
+        compiled = re.compile(pattern, re.ASCII)
+        self._split = compiled.findall
+        self._matches = compiled.finditer
         self._model = backend.model
         byte_level = _byte_level_table(backend)
         self._byte_level = str.maketrans(byte_level)
@@ -161,11 +165,27 @@ class AsciiEncoder:
                     found[position] = ids
         return list(chain.from_iterable(found))
 
+    def pretoken_starts(self, text: str) -> set[int]:
+        """Where the tokenizer's pre-tokenizer starts a pretoken in `text` (ASCII): every match of
+        the split regex, and every gap between matches (Isolated keeps gaps as pretokens)."""
+        starts = {0} if text else set()
+        for match in self._matches(text):
+            start, end = match.span()
+            if end > start:
+                starts.add(start)
+                if end < len(text):
+                    starts.add(end)
+        return starts
+
     def first_mismatch(self, backend: Any) -> str | None:
-        """A sample text this encoder and the tokenizer encode differently, or None."""
+        """A sample text this encoder and the tokenizer split or encode differently, or None."""
+        pre_tokenizer = backend.pre_tokenizer
         for text in _samples():
             expected = backend.encode(text, add_special_tokens=False).ids
             if self.encode(text) != expected:
+                return text
+            expected_starts = {start for _, (start, _) in pre_tokenizer.pre_tokenize_str(text)}
+            if self.pretoken_starts(text) != expected_starts:
                 return text
         return None
 

@@ -340,6 +340,8 @@ class PromptTokenizer:
         window_start = max(0, cut - _CUT_CONTEXT_CHARS)
         window = text[window_start : cut + _CUT_CONTEXT_CHARS]
         offset = cut - window_start
+        if self._ascii is not None and window.isascii():
+            return offset in self._ascii.pretoken_starts(window)  # ~10x cheaper than the Rust call
         return any(start == offset for _, (start, _) in self._pre_tokenizer.pre_tokenize_str(window))
 
     def _pieces(self, text: str) -> list[str]:

@@ -121,3 +121,26 @@ def test_pipelines_it_does_not_reproduce_get_no_encoder(backend: Tokenizer) -> N
     whitespace_split = Tokenizer.from_str(backend.to_str())
     whitespace_split.pre_tokenizer = pre_tokenizers.Whitespace()
     assert AsciiEncoder.for_tokenizer(whitespace_split) is None
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_pretoken_starts_equal_the_pre_tokenizers_on_random_ascii(backend: Tokenizer, seed: int) -> None:
+    encoder = AsciiEncoder.for_tokenizer(backend)
+    assert encoder is not None
+    rng = np.random.default_rng(100 + seed)
+    for _ in range(60):
+        text = random_ascii(rng, int(rng.integers(1, 80)))
+        expected = {start for _, (start, _) in backend.pre_tokenizer.pre_tokenize_str(text)}
+        assert encoder.pretoken_starts(text) == expected, repr(text)
+
+
+def test_segment_cuts_confirmed_by_the_fast_path_equal_the_pre_tokenizers(qwen3: PromptTokenizer) -> None:
+    rng = np.random.default_rng(9)
+    words = ["the", "cache", "Router", "x2", "it's", "(see", "table).", "--", "\n", "\t", "  ", "42"]
+    piece = " ".join(rng.choice(words, size=3000).tolist()) + "<|im_end|>"
+    without_fast_path = PromptTokenizer.__new__(PromptTokenizer)
+    without_fast_path.__dict__.update(qwen3.__dict__, _ascii=None)
+    for segment_chars in (64, 512):
+        segments = qwen3._segments(piece, segment_chars)
+        assert len(segments) > 3
+        assert segments == without_fast_path._segments(piece, segment_chars)
