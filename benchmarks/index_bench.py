@@ -8,12 +8,15 @@ lookup work) and `after` (router/index): each batch is applied to both indexes i
 (alternating which goes first), so both see the same load on this shared machine and the ratio
 after/before is meaningful even when absolute numbers drift.
 - ingest: blocks/s for prefill events (64 blocks, alone or 8 per batch), decode events (1 block,
-  alone or 32 per batch), removals; and from the wire: msgpack payloads decoded and applied
-  (vLLM >= 0.24 encoding);
-- one-block events alone in their batch through a real ZMQ PUB -> SUB: the subscriber thread's CPU
-  per message for recv alone, + decode, + apply (the floor that ZMQ and msgpack set for that shape);
+  alone or 32 per batch), removals; what the subscriber hands over for a drained burst of
+  messages (16 decode steps of 32 requests in one call; 512 one-block events of one request in
+  one call); and from the wire: msgpack payloads decoded and applied (vLLM >= 0.24 encoding);
+- one-block events alone in their batch through a real ZMQ PUB -> SUB: the receiving thread's CPU
+  per message for recv alone, + decode, + apply (the floor that ZMQ and msgpack set for that
+  shape), the same with the GC paused, and the real `EventSubscriber` (its drain loop);
 - lookup: 1k / 8k / 32k-token prompts against all 16 backends, next to a straightforward
-  per-backend, per-block Python walk over the same keys;
+  per-backend, per-block Python walk over the same keys; 8k prompts as Python lists with the
+  router keys passed in (`keys=`), and kv_aware's pair of calls (keys + lookup);
 - memory: process RSS growth per cached block (each implementation alone, in a child process).
 Targets (issue 3): >= 500k block events/s on one core; an 8k-token lookup under 200 us.
 Anchor (not measured here): Dynamo's Rust indexer reports about 1M events/s, microsecond lookups.
@@ -32,6 +35,7 @@ import platform
 import statistics
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -51,7 +55,14 @@ from router.index.events import (
     decode_seq,
     encode_seq,
 )
-from router.index.prefix_index import PrefixIndex, namespace_seed, prefix_keys
+from router.index.prefix_index import (
+    BackendIndexStats,
+    PrefixIndex,
+    namespace_seed,
+    prefix_keys,
+    prompt_prefix_keys,
+)
+from router.index.subscriber import EventSubscriber, receive_frames
 
 BACKENDS = 16
 PREFILL_BLOCKS = 64  # 1024-token prompts
@@ -81,7 +92,7 @@ IMPLEMENTATIONS: dict[str, Callable[[], Any]] = {
     "before": load_baseline_index().PrefixIndex,
     "after": PrefixIndex,
 }
-# Both decode whole batches: events.py is the same at BASELINE_REVISION.
+# Both sides decode with the working tree's events.py (the wire rows compare the indexes).
 DECODERS = {"before": decode_batch, "after": decode_batch}
 
 
@@ -215,6 +226,22 @@ def decode_batched_ingest(bench: SideBySide, steps: int, running: int, rng: np.r
     return bench.measure(run, blocks_per_event=1, events_per_batch=running)
 
 
+def drained_ingest(bench: SideBySide, calls: int, running: int, steps_per_call: int, base: int,
+                   rng: np.random.Generator) -> dict:  # fmt: skip
+    """What the subscriber hands the index after draining a burst of queued messages: the events
+    of `steps_per_call` decode steps of `running` requests in one call (parents earlier in the list)."""
+
+    def run() -> tuple[int, int]:
+        steps = decode_step_batches(calls * steps_per_call, running, base, rng)
+        backend = f"b{7 + running % 8}"
+        for _ in range(calls):
+            bench.apply(backend, [event for _ in range(steps_per_call) for event in next(steps)])
+        blocks = calls * steps_per_call * running
+        return blocks, blocks
+
+    return bench.measure(run, blocks_per_event=1, events_per_batch=running * steps_per_call)
+
+
 def prefill_batched_ingest(bench: SideBySide, batches: int, per_batch: int, rng: np.random.Generator) -> dict:
     """Prefills of several requests announced in one engine step's batch (chunked prefill)."""
 
@@ -266,51 +293,118 @@ def _publish(connection: Any, payloads: list[bytes]) -> None:
     context.term()
 
 
-def message_floor(payloads: list[bytes], index: Any, backend: str) -> dict:
-    """Per-message CPU cost of the subscriber's fixed work for one-event batches, from a real ZMQ
-    PUB -> SUB over loopback TCP: recv of the 3 frames alone; + seq and msgpack decode; + apply.
+FLOOR_STAGES = ("recv", "recv_decode", "recv_decode_apply", "recv_decode_apply_gc_paused", "subscriber")
 
-    The messages are all queued before the SUB thread drains them (as the subscriber does, with
-    NOBLOCK), so the thread's CPU time counts the work, never a wait. Each stage gets its own
+
+def message_floor(payloads: list[bytes], index: Any, backend: str, rounds: int = 3) -> dict:
+    """Per-message CPU cost of the subscriber's fixed work for one-event batches, from a real ZMQ
+    PUB -> SUB over loopback TCP: receiving the 3 frames alone; + seq and msgpack decode; + apply;
+    the same with the cyclic GC paused (what collections cost that loop); and the real
+    `EventSubscriber` thread (drained messages, their events applied together).
+
+    The messages are all queued before the receiving thread drains them (as the subscriber does,
+    with NOBLOCK), so the thread's CPU time counts the work, never a wait. Each stage gets its own
     publisher process (forked before this process opens any ZMQ context); apply stores into
-    `index`, under `backend`.
+    `index`, under a backend of its own per stage, removed after the stage. The stages run in turn,
+    `rounds` times (this shared machine's load moves them by a third between runs): the median
+    round is reported, every round kept.
     """
-    stages = {}
-    for stage in ("recv", "recv_decode", "recv_decode_apply"):
-        parent_end, child_end = multiprocessing.Pipe()
-        publisher = multiprocessing.get_context("fork").Process(target=_publish, args=(child_end, payloads))
-        publisher.start()
-        context = zmq.Context()
-        sub = context.socket(zmq.SUB)
-        try:
-            sub.setsockopt(zmq.RCVHWM, 0)
-            sub.setsockopt(zmq.SUBSCRIBE, b"kv-events")
-            sub.connect(f"tcp://127.0.0.1:{parent_end.recv()}")
-            publisher.join(120)
-            time.sleep(0.5)  # the last messages reach the SUB's queue
-            received = 0
-            started = time.thread_time()
-            while True:
-                try:
-                    _topic, seq_frame, payload = sub.recv_multipart(zmq.NOBLOCK)
-                except zmq.Again:
-                    break
-                received += 1
-                if stage != "recv":
-                    decode_seq(seq_frame)
-                    batch = decode_batch(payload)
-                    if stage == "recv_decode_apply":
-                        index.apply(backend, batch.events)
-            cpu = time.thread_time() - started
-        finally:
-            if publisher.is_alive():
-                publisher.kill()
-            sub.close(0)
-            context.term()
-        assert received == len(payloads), f"{stage}: received {received} of {len(payloads)} messages"
-        stages[stage] = {"messages": received, "cpu_s": cpu, "us_per_message": cpu / received * 1e6,
-                         "messages_per_s": received / cpu}  # fmt: skip
-    return stages
+    rounds_us: dict[str, list[float]] = {stage: [] for stage in FLOOR_STAGES}
+    for round_ in range(rounds):
+        for number, stage in enumerate(FLOOR_STAGES):
+            parent_end, child_end = multiprocessing.Pipe()
+            publisher = multiprocessing.get_context("fork").Process(
+                target=_publish, args=(child_end, payloads)
+            )
+            publisher.start()
+            port = parent_end.recv()
+            stage_backend = f"{backend}-{round_}-{number}"
+            if stage == "subscriber":
+                received, cpu = _through_subscriber(port, publisher, index, stage_backend, len(payloads))
+            else:
+                received, cpu = _drain_socket(port, publisher, stage, index, stage_backend)
+            index.remove_backend(stage_backend)  # the next stage stores the same blocks afresh
+            assert received == len(payloads), f"{stage}: received {received} of {len(payloads)} messages"
+            rounds_us[stage].append(cpu / received * 1e6)
+    result = {}
+    for stage, values in rounds_us.items():
+        median = statistics.median(values)
+        result[stage] = {"messages": len(payloads), "us_per_message": median, "messages_per_s": 1e6 / median,
+                         "rounds_us": values}  # fmt: skip
+    return result
+
+
+def _drain_socket(port: int, publisher: Any, stage: str, index: Any, backend: str) -> tuple[int, float]:
+    context = zmq.Context()
+    sub = context.socket(zmq.SUB)
+    try:
+        sub.setsockopt(zmq.RCVHWM, 0)
+        sub.setsockopt(zmq.SUBSCRIBE, b"kv-events")
+        sub.connect(f"tcp://127.0.0.1:{port}")
+        publisher.join(120)
+        time.sleep(0.5)  # the last messages reach the SUB's queue
+        received = 0
+        collecting = gc.isenabled()
+        if stage.endswith("gc_paused"):
+            gc.disable()
+        started = time.thread_time()
+        while True:
+            try:
+                _topic, seq_frame, payload = receive_frames(sub)
+            except zmq.Again:
+                break
+            received += 1
+            if stage != "recv":
+                decode_seq(seq_frame)
+                batch = decode_batch(payload)
+                if stage.startswith("recv_decode_apply"):
+                    index.apply(backend, batch.events)
+        if collecting:
+            gc.enable()
+            gc.collect(0)  # the young collection the pause put off, counted with the drain
+        cpu = time.thread_time() - started
+    finally:
+        if publisher.is_alive():
+            publisher.kill()
+        sub.close(0)
+        context.term()
+    return received, cpu
+
+
+def _through_subscriber(port: int, publisher: Any, index: Any, backend: str, count: int) -> tuple[int, float]:
+    """The real subscriber thread: its first apply waits until every message is queued (as in the
+    other stages), then it drains them; its thread CPU clock counts its work only."""
+    queued = threading.Event()
+
+    def apply(events: list) -> None:
+        queued.wait(120)
+        index.apply(backend, events)
+
+    context = zmq.Context()
+    subscriber = EventSubscriber(
+        backend, f"tcp://127.0.0.1:{port}", apply, lambda: index.clear_backend(backend), topic="kv-events",
+        context=context,
+    )  # fmt: skip
+    subscriber.start()
+    try:
+        clock = time.pthread_getcpuclockid(subscriber._thread.ident)  # type: ignore[arg-type]
+        started = time.clock_gettime(clock)
+        publisher.join(120)
+        time.sleep(0.5)  # the last messages reach the SUB's queue
+        queued.set()
+        deadline = time.monotonic() + 300
+        # Every block in the index (the last ones are applied at the end of the last drain).
+        while time.monotonic() < deadline:
+            if (index.stats(backend) or BackendIndexStats()).stored_events >= count:
+                break
+            time.sleep(0.01)
+        cpu = time.clock_gettime(clock) - started
+    finally:
+        if publisher.is_alive():
+            publisher.kill()
+        subscriber.stop()
+        context.term()
+    return subscriber.stats.batches, cpu
 
 
 def removal_ingest(bench: SideBySide, count_events: int) -> dict:
@@ -434,9 +528,14 @@ def main() -> None:
                 per_backend_keys[name].add(key)
     # Prompts reusing a cached document almost whole (the worst case: every block is probed), and
     # "8192-new-after-1k": 1k cached tokens then new text (the common case: a shared system prompt).
-    # "8192-from-list": the 8k prompts as Python lists of ints, as the gateway's policies pass them.
-    shapes = ((1024, 960, False), (8192, 8128, False), (32768, 32704, False), (8192, 1024, False))
-    for length, cached_part, as_list in (*shapes, (8192, 8128, True)):
+    # "8192-from-list": the 8k prompts as Python lists of ints, as the gateway's policies pass them;
+    # "8192-with-keys": the same with the router keys passed in (`keys=`; `before` cannot take them
+    # and computes them itself); "8192-kv-aware": kv_aware's pair of calls per request, the keys
+    # (`prompt_prefix_keys`, which it keeps for its predictions) and the lookup: `after` computes
+    # the keys once and passes them, `before` computes them in both calls.
+    shapes = ((1024, 960, ""), (8192, 8128, ""), (32768, 32704, ""), (8192, 1024, ""))
+    for length, cached_part, as_list in (*shapes, (8192, 8128, "from-list"), (8192, 8128, "with-keys"),
+                                         (8192, 8128, "kv-aware")):  # fmt: skip
         prompts = [
             np.concatenate([doc[:cached_part], rng.integers(0, 150_000, size=length - cached_part)])
             for doc in docs
@@ -446,10 +545,22 @@ def main() -> None:
         before = {n: m.tokens for n, m in bench.indexes["before"].longest_cached_prefix(prompts32[0]).items()}
         assert expected == naive_walk(per_backend_keys, prompts32[0]) == before, "lookups disagree"
         label = str(length) if cached_part > length // 2 else f"{length}-new-after-{cached_part // 1024}k"
+        functions = {name: index.longest_cached_prefix for name, index in bench.indexes.items()}
         if as_list:
-            label, prompts32 = f"{length}-from-list", [p.tolist() for p in prompts32]
-        timed = time_lookups({name: index.longest_cached_prefix for name, index in bench.indexes.items()},
-                             prompts32, args.repeat)  # fmt: skip
+            label, prompts32 = f"{length}-{as_list}", [p.tolist() for p in prompts32]
+        if as_list == "with-keys":
+            given = {id(p): prompt_prefix_keys(p) for p in prompts32}
+            functions["after"] = lambda p, lookup=after.longest_cached_prefix, given=given: lookup(
+                p, keys=given[id(p)]
+            )
+        elif as_list == "kv-aware":
+            functions = {
+                "before": lambda p, lookup=bench.indexes["before"].longest_cached_prefix: (
+                    lookup(p), prompt_prefix_keys(p)
+                ),
+                "after": lambda p, lookup=after.longest_cached_prefix: lookup(p, keys=prompt_prefix_keys(p)),
+            }
+        timed = time_lookups(functions, prompts32, args.repeat)
         timed.update(
             time_lookups(
                 {"naive_per_backend_walk": lambda p: naive_walk(per_backend_keys, p)},
@@ -463,6 +574,8 @@ def main() -> None:
     decode = decode_ingest(bench, args.decode_events, rng)
     decode_batched = decode_batched_ingest(bench, max(1, args.decode_events // 32), 32, rng)
     prefill_batched = prefill_batched_ingest(bench, max(1, args.decode_events // 256), 8, rng)
+    drained_steps = drained_ingest(bench, max(1, args.decode_events // 512), 32, 16, 7 * 10**12, rng)
+    drained_lone = drained_ingest(bench, max(1, args.decode_events // 512), 1, 512, 8 * 10**12, rng)
     wire_prefill = wire_ingest(
         bench,
         [
@@ -491,6 +604,8 @@ def main() -> None:
         "prefill_events_batched": prefill_batched,
         "decode_events": decode,
         "decode_events_batched": decode_batched,
+        "decode_events_drained": drained_steps,
+        "lone_events_drained": drained_lone,
         "removal_events": removal,
         "wire_prefill_events": wire_prefill,
         "wire_decode_events_batched": wire_decode,
@@ -537,6 +652,8 @@ INGEST_LABELS = {
     "prefill_events_batched": "prefill BlockStored",
     "decode_events": "decode BlockStored",
     "decode_events_batched": "decode BlockStored",
+    "decode_events_drained": "decode BlockStored, a drained burst: 16 steps of 32 requests",
+    "lone_events_drained": "decode BlockStored, a drained burst: 512 messages of one request",
     "removal_events": "BlockRemoved",
     "wire_prefill_events": "wire: decode + prefill BlockStored",
     "wire_decode_events_batched": "wire: decode + decode BlockStored",
@@ -605,19 +722,24 @@ def report(results: dict) -> str:
         "",
         "## One-block events alone in their batch, from a real ZMQ PUB -> SUB (loopback TCP)",
         "",
-        "The subscriber thread's CPU time per message, messages queued before it drains them: what "
-        "ZMQ and msgpack cost before the index does anything is the floor for this shape.",
+        "The receiving thread's CPU time per message, messages queued before it drains them: what "
+        "ZMQ and msgpack cost before the index does anything is the floor for this shape. Median of "
+        "the rounds (the stages in turn, each round), every round in brackets.",
         "",
         "| work per message | CPU us per message | messages (= blocks) per s |",
         "|---|---|---|",
     ]
     for stage, label in (
-        ("recv", "recv_multipart of the 3 frames"),
+        ("recv", "receive the 3 frames (`receive_frames`, as the subscriber does)"),
         ("recv_decode", "+ seq and msgpack decode (`decode_batch`)"),
-        ("recv_decode_apply", "+ `PrefixIndex.apply` (after)"),
+        ("recv_decode_apply", "+ `PrefixIndex.apply` (after), one call per message"),
+        ("recv_decode_apply_gc_paused", "the same with the cyclic GC paused during the drain"),
+        ("subscriber", "the real `EventSubscriber` thread: drain, seq checks, one apply per drained run"),
     ):
         entry = floor[stage]
-        lines.append(f"| {label} | {entry['us_per_message']:.1f} | {entry['messages_per_s']:,.0f} |")
+        spread = ", ".join(f"{value:.1f}" for value in entry["rounds_us"])
+        median, rate = entry["us_per_message"], entry["messages_per_s"]
+        lines.append(f"| {label} | {median:.1f} ({spread}) | {rate:,.0f} |")
     lines += [
         "",
         "## Memory per cached block (process RSS growth, each implementation alone in a child process; "
@@ -638,7 +760,19 @@ def _label(name: str) -> str:
     label = f"{int(length) // 1024}k tokens"
     if rest == "from-list":
         return f"{label}, a Python list"
+    if rest == "with-keys":
+        return f"{label}, a list, keys passed (before: computes them)"
+    if rest == "kv-aware":
+        return f"{label}, a list, keys + lookup (kv_aware's two calls)"
     return f"{label}, 1k cached" if rest else label
+
+
+_PLOT_LOOKUP_LABELS = {
+    "8192-from-list": "8k\nlist",
+    "8192-with-keys": "8k list\nkeys given",
+    "8192-kv-aware": "8k list\nkeys+lookup",
+    "8192-new-after-1k": "8k\n1k cached",
+}
 
 
 def plot(results: dict, path: Path) -> None:
@@ -657,19 +791,21 @@ def plot(results: dict, path: Path) -> None:
     ):
         left.bar(x + offset, [results["lookup"][n][name]["median_us"] for n in lengths], 0.27, label=label)
     left.axhline(TARGET_LOOKUP_8K_US, color="red", linestyle="--", label="target for 8k: 200 us")
-    left.set_xticks(x, [_label(n).replace(", ", "\n") for n in lengths], fontsize=8)
+    ticks = [_PLOT_LOOKUP_LABELS.get(n, _label(n).replace(", ", "\n")) for n in lengths]
+    left.set_xticks(x, ticks, fontsize=7)
     left.set_yscale("log")
     left.set_ylabel("median lookup latency (us, log)")
     left.set_title("Lookup, 16 backends, 1M cached blocks")
     left.legend(fontsize=8)
     kinds = list(INGEST_LABELS)
-    labels = ["prefill\n64/event", "prefill\n8 events/batch", "decode\n1/batch", "decode\n32/batch",
-              "removal\n64/event", "wire prefill\n64/event", "wire decode\n32/batch"]  # fmt: skip
+    labels = ["prefill\n64/event", "prefill\n8/batch", "decode\n1/batch", "decode\n32/batch",
+              "drained\n16 x 32", "drained\n512 lone", "removal\n64/event", "wire\nprefill",
+              "wire\ndecode 32"]  # fmt: skip
     x = np.arange(len(kinds))
     for offset, name in ((-0.2, "before"), (0.2, "after")):
         right.bar(x + offset, [results["ingest"][k][name]["blocks_per_s"] for k in kinds], 0.4, label=name)
     right.axhline(TARGET_EVENTS_PER_S, color="red", linestyle="--", label="target: 500k block events/s")
-    right.set_xticks(x, labels, fontsize=8)
+    right.set_xticks(x, labels, fontsize=7)
     right.set_ylabel("blocks applied per CPU second")
     right.set_title("Ingest (one core, process CPU time, side by side)")
     right.legend(fontsize=8)
