@@ -1,5 +1,6 @@
 """kv_aware's request path, side by side: latency the gateway adds per request, its CPU per request,
-and where the time goes, for first turns and follow-up turns of chat sessions.
+and where the time goes, for the first request of a session and the later ones (chat turns, or
+questions on a document).
 
 Gateways under test are source trees (`--gateway LABEL=DIR`, repeatable; default: this tree), for
 example the tree before a change as a git worktree:
@@ -13,8 +14,8 @@ In one run:
   prefill or decode time), so what a request costs beyond the engine is the gateway's;
 - every gateway runs the kv_aware policy with the real Qwen3 tokenizer and subscribes to every
   engine's KV events (they all see the same events);
-- a chat_sessions workload (benchmarks/workloads.py), first sent untimed straight to every engine
-  (each engine's tokenizer cache then answers every timed send alike, and the workload's KV
+- a chat_sessions or document_qa workload (benchmarks/workloads.py), first sent untimed straight
+  to every engine (each engine's tokenizer cache then answers every timed send alike, and the KV
   events are all in the gateways' indexes before the measured phase: each prompt is cached on
   every engine), then one request at a time to every gateway and straight to an engine, in
   rotating order; added latency = the gateway's time to the whole (non-streamed, one-token)
@@ -27,7 +28,7 @@ In one run:
   parse, chat template, encode, router keys, index lookup, policy), on the same prompts, with
   an index holding each routed prompt on its backend.
 
-    .venv/bin/python -m benchmarks.kv_aware_latency [--engines 4 --users 32 --turns 4]
+    .venv/bin/python -m benchmarks.kv_aware_latency [--workload document_qa] [--engines 8 --users 32]
 """
 
 from __future__ import annotations
@@ -75,21 +76,39 @@ def _request_body(request) -> bytes:  # a benchmarks.workloads.WorkloadRequest
     ).encode()
 
 
-def _kind(request) -> str:
-    return "first_turn" if sum(1 for m in request.messages if m["role"] == "user") == 1 else "follow_up"
+def build_workload(name: str, users: int, turns: int, seed: int) -> list:
+    """The workload's requests in arrival order: `users` sessions (chats, or documents) of `turns`
+    requests (chat turns, or questions on the document)."""
+    from benchmarks.workloads import ChatSessionsParams, DocumentQAParams, chat_sessions, document_qa
+
+    if name == "chat_sessions":
+        workload = chat_sessions(ChatSessionsParams(users=users, turns=turns, seed=seed))
+    else:
+        workload = document_qa(DocumentQAParams(documents=users, questions_per_document=turns, seed=seed))
+    return sorted(workload.requests, key=lambda r: r.arrival_s)
+
+
+def request_kinds(requests: list) -> list[str]:
+    """first_turn for a session's first request (a chat's first turn, a document's first question),
+    follow_up for the later ones (the prompt's beginning was seen before)."""
+    seen: set[str] = set()
+    kinds = []
+    for request in requests:
+        kinds.append("follow_up" if request.session_id in seen else "first_turn")
+        seen.add(request.session_id)
+    return kinds
 
 
 # ---------------------------------------------------------------- stages (child process, one tree)
 
 
-def stage_breakdown(requests: int, users: int, turns: int, engines: int) -> dict:
+def stage_breakdown(workload_name: str, users: int, turns: int, engines: int) -> dict:
     """Median and p90 microseconds of each request-path step of this process's `router` code."""
     import asyncio
     from concurrent.futures import ThreadPoolExecutor
 
     import msgspec
 
-    from benchmarks.workloads import ChatSessionsParams, chat_sessions
     from router.backends import BackendState
     from router.config import KVAwarePolicy, builtin_tokenizer_dir
     from router.index.events import BlockStored
@@ -99,8 +118,8 @@ def stage_breakdown(requests: int, users: int, turns: int, engines: int) -> dict
     from router.policies.kv_aware import KVAware
     from router.tokenize import PromptTokenizer
 
-    workload = chat_sessions(ChatSessionsParams(users=users, turns=turns, seed=7))
-    ordered = sorted(workload.requests, key=lambda r: r.arrival_s)[:requests]
+    ordered = build_workload(workload_name, users, turns, seed=7)
+    kinds = request_kinds(ordered)
     tokenizer = PromptTokenizer(builtin_tokenizer_dir("qwen3"))
     service = KVIndexService()
     names = [f"engine-{i}" for i in range(engines)]
@@ -120,7 +139,7 @@ def stage_breakdown(requests: int, users: int, turns: int, engines: int) -> dict
         return time.perf_counter() - started
 
     loop = asyncio.new_event_loop()
-    for request in ordered:
+    for request, kind in zip(ordered, kinds, strict=True):
         body = _request_body(request)
         t0 = time.perf_counter()
         data = decoder.decode(body)
@@ -140,7 +159,6 @@ def stage_breakdown(requests: int, users: int, turns: int, engines: int) -> dict
         hop_s = loop.run_until_complete(hop())
         if list(tokens) != list(request.prompt_token_ids):
             raise AssertionError(f"request {request.index}: tokens differ from the workload's")
-        kind = _kind(request)
         spans = (t1 - t0, t2 - t1, t3 - t2, t4 - t3, t5 - t4, t6 - t5, hop_s)
         for step, seconds in zip(steps, spans, strict=True):
             samples[step][kind].append(seconds * 1e6)
@@ -187,6 +205,7 @@ def run_stages(tree: Path, args: argparse.Namespace) -> dict:
     command = [
         sys.executable, str(Path(__file__).resolve()), "--stages-only", "--tree", str(tree),
         "--users", str(args.users), "--turns", str(args.turns), "--engines", str(args.engines),
+        "--workload", args.workload,
     ]  # fmt: skip
     env = dict(os.environ, PYTHONPATH=f"{tree}{os.pathsep}{REPO_ROOT}")
     output = subprocess.run(command, env=env, cwd=tree, check=True, capture_output=True, text=True).stdout
@@ -277,14 +296,27 @@ def start_gateway(tree: Path, fleet, port_file_prefix: str, policy: str = "kv_aw
     return process, url
 
 
+def _wait_until_idle(processes: list, cpu_seconds, timeout_s: float = 120.0) -> None:
+    """Until every gateway has applied the KV events of the untimed sends: each uses under 5% of a
+    core over half a second (a fixed pause was not enough for document_qa's ~200k blocks a gateway)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        before = [cpu_seconds(process.pid) for process in processes]
+        time.sleep(0.5)
+        if all(
+            cpu_seconds(process.pid) - used < 0.025 for process, used in zip(processes, before, strict=True)
+        ):
+            return
+    raise TimeoutError(f"gateways still busy {timeout_s} s after the untimed sends (KV events not applied)")
+
+
 def live_run(gateways: list[tuple[str, Path, str]], args: argparse.Namespace) -> dict:
     from benchmarks.gateway_overhead import cpu_seconds
     from benchmarks.sim_fleet import EngineFleet
-    from benchmarks.workloads import ChatSessionsParams, chat_sessions
 
-    workload = chat_sessions(ChatSessionsParams(users=args.users, turns=args.turns, seed=11))
-    warmup = chat_sessions(ChatSessionsParams(users=4, turns=2, seed=12))
-    requests = sorted(workload.requests, key=lambda r: r.arrival_s)
+    requests = build_workload(args.workload, args.users, args.turns, seed=11)
+    kinds = request_kinds(requests)
+    warmup = build_workload(args.workload, 2, 2, seed=12)
     fleet = EngineFleet(
         args.engines, num_gpu_blocks=8192, sim_args=[*INSTANT_ENGINE, "--log-level", "warning"]
     )
@@ -298,7 +330,7 @@ def live_run(gateways: list[tuple[str, Path, str]], args: argparse.Namespace) ->
             started.append(process)
             targets.append((label, process, _Client(urls[label])))
         directs = [_Client(engine.url) for engine in fleet.engines]
-        for request in warmup.requests:
+        for request in warmup:
             body = _request_body(request)
             for _, _, client in targets:
                 client.post(body)
@@ -310,7 +342,7 @@ def live_run(gateways: list[tuple[str, Path, str]], args: argparse.Namespace) ->
             body = _request_body(request)
             for client in directs:
                 client.post(body)
-        time.sleep(2.0)
+        _wait_until_idle([process for _, process, _ in targets], cpu_seconds)
         overhead_before = {label: _metric_sum_count(url, OVERHEAD_METRIC) for label, url in urls.items()}
         cpu_before = {label: cpu_seconds(process.pid) for label, process, _ in targets}
         latencies: dict[str, dict[str, list[float]]] = {
@@ -319,9 +351,8 @@ def live_run(gateways: list[tuple[str, Path, str]], args: argparse.Namespace) ->
         added: dict[str, dict[str, list[float]]] = {
             label: {kind: [] for kind in KINDS} for label, *_ in targets
         }
-        for number, request in enumerate(requests):
+        for number, (request, kind) in enumerate(zip(requests, kinds, strict=True)):
             body = _request_body(request)
-            kind = _kind(request)
             direct = directs[int(request.session_id.rsplit("-", 1)[1]) % len(directs)]
             order = [("direct", direct), *((label, client) for label, _, client in targets)]
             shift = number % len(order)
@@ -382,9 +413,12 @@ def write_markdown(results: dict, path: Path) -> None:
         f"Run {results['when']} with `{results['command']}` ({results['wall_s']:.0f} s wall).",
         f"Machine: {results['machine']}; load average (1 min) {results['load_start']:.2f} at the start, "
         f"{results['load_end']:.2f} at the end (other sessions share the 2 cores).",
-        f"{results['engines']} simulated engines answering at once; chat_sessions with "
-        f"{results['users']} users x {results['turns']} turns, sent one request at a time to every "
-        "gateway and straight to an engine (rotating order); non-streamed, one output token.",
+        f"{results['engines']} simulated engines answering at once; {results['workload']} with "
+        f"{results['users']} sessions (chats or documents) x {results['turns']} requests (turns or "
+        "questions), sent one request at a time to every "
+        "gateway and straight to an engine (rotating order); non-streamed, one output token. "
+        "First turn: a session's first request (a chat's first turn, a document's first question); "
+        "follow-up: its later ones.",
         "",
         "Gateways (source trees, kv_aware with the real Qwen3 tokenizer and every engine's KV events; "
         "the reference policy, when listed, reads neither):",
@@ -499,10 +533,11 @@ def main(argv: list[str] | None = None) -> int:
         "--gateway", action="append", default=[], metavar="LABEL=DIR", help="a source tree to run"
     )
     parser.add_argument("--engines", type=int, default=4)
-    parser.add_argument("--users", type=int, default=32)
-    parser.add_argument("--turns", type=int, default=4)
+    parser.add_argument("--workload", choices=("chat_sessions", "document_qa"), default="chat_sessions")
+    parser.add_argument("--users", type=int, default=32, help="chat sessions, or documents")
+    parser.add_argument("--turns", type=int, default=4, help="turns per chat, or questions per document")
     parser.add_argument("--out", type=Path, default=RESULTS_DIR)
-    parser.add_argument("--name", default="kv_aware_latency", help="results file name, without extension")
+    parser.add_argument("--name", help="results file name without extension (default: from the workload)")
     parser.add_argument(
         "--reference-policy",
         default="least_loaded",
@@ -515,7 +550,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.stages_only:
         sys.path.insert(0, str(args.tree))
         sys.path.insert(1, str(REPO_ROOT))
-        print(json.dumps(stage_breakdown(args.users * args.turns, args.users, args.turns, args.engines)))
+        print(json.dumps(stage_breakdown(args.workload, args.users, args.turns, args.engines)))
         return 0
     sys.path.insert(0, str(REPO_ROOT))
     gateways = []
@@ -532,6 +567,7 @@ def main(argv: list[str] | None = None) -> int:
         + " ".join(argv if argv is not None else sys.argv[1:]),
         "machine": f"{platform.machine()}, {os.cpu_count()} CPUs (shared)",
         "engines": args.engines,
+        "workload": args.workload,
         "users": args.users,
         "turns": args.turns,
         "load_start": load_start,
@@ -550,10 +586,13 @@ def main(argv: list[str] | None = None) -> int:
     results["load_end"] = os.getloadavg()[0]
     results["wall_s"] = time.monotonic() - started
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / f"{args.name}.json").write_text(json.dumps(results, indent=2) + "\n")
-    write_markdown(results, args.out / f"{args.name}.md")
-    write_plot(results, args.out / f"{args.name}.png")
-    print((args.out / f"{args.name}.md").read_text())
+    name = args.name or (
+        "kv_aware_latency" if args.workload == "chat_sessions" else f"kv_aware_latency_{args.workload}"
+    )
+    (args.out / f"{name}.json").write_text(json.dumps(results, indent=2) + "\n")
+    write_markdown(results, args.out / f"{name}.md")
+    write_plot(results, args.out / f"{name}.png")
+    print((args.out / f"{name}.md").read_text())
     return 0
 
 
