@@ -264,15 +264,15 @@ class CacheAwarePolicy:
             placed = {b.name: self.cold_placements.value(b.name, now) for b in idle}
             fewest = min(placed.values())
             return fewest_in_flight([b for b in idle if placed[b.name] < fewest + 0.5], self._turn)
-        best = min(
-            allowed,
-            key=lambda b: (
-                round(costs[b.name], 6),
-                round(self.placements.value(b.name, now), 3),
-                self.cache_size(b.name),
-                b.name,
-            ),
-        )
+        # Tie-breaks (a decay and the index's held tokens each) only for the candidates tied on cost.
+        lowest = min(round(costs[b.name], 6) for b in allowed)
+        tied = [b for b in allowed if round(costs[b.name], 6) == lowest]
+        best = tied[0]
+        if len(tied) > 1:
+            best = min(
+                tied,
+                key=lambda b: (round(self.placements.value(b.name, now), 3), self.cache_size(b.name), b.name),
+            )
         if len(allowed) < len(candidates) and not cached[best.name]:
             # A spill off a guarded backend to one that must prefill the prefix anyway: take the one
             # with the most headroom under the share line (recent requests plus those in flight), so
