@@ -183,6 +183,16 @@ def check_targets(results: dict) -> list[dict]:
     return checks
 
 
+def _load_remark(meta: dict) -> str:
+    loads = [meta.get(key) for key in ("load_average_start", "load_average_end")]
+    if any(isinstance(load, (int, float)) and load > (os.cpu_count() or 1) for load in loads):
+        return (
+            " (above the CPU count: other work on the machine competed with the engines, the routers"
+            " and the client)"
+        )
+    return ""
+
+
 def write_markdown(results: dict, path: Path) -> None:
     meta = results["meta"]
     lines = [
@@ -195,8 +205,7 @@ def write_markdown(results: dict, path: Path) -> None:
         + (f", timing flags `{' '.join(meta['sim_args']) or 'defaults'}`" if meta["sim_args"] else "")
         + f"; caches emptied before every run; client concurrency limit {meta['concurrency']}.",
         f"Machine: {meta['machine']}; load average (1 min) {meta.get('load_average_start', '-')} at the "
-        f"start, {meta.get('load_average_end', '-')} at the end (above the CPU count, other work on the "
-        "machine competed with the engines, the routers and the client).",
+        f"start, {meta.get('load_average_end', '-')} at the end" + _load_remark(meta) + ".",
         "Hit ratio = sum cached_tokens / sum prompt_tokens from the responses' usage; TTFT in ms to the "
         "first content chunk; throughput in completed requests/s; load = max/mean requests per engine "
         "(engines' vllm:request_success_total). Oracle: benchmarks/oracle.py (greedy perfect-knowledge "
