@@ -510,19 +510,12 @@ def write_plot(results: dict, path: Path) -> None:
 
 def _revision(tree: Path) -> str:
     try:
-        head = subprocess.run(
-            ["git", "-C", str(tree), "rev-parse", "--short", "HEAD"],
-            capture_output=True,
-            text=True,
-            check=True,
-        ).stdout.strip()
-        dirty = subprocess.run(
-            ["git", "-C", str(tree), "status", "--porcelain", "--untracked-files=no"],
-            capture_output=True,
-            text=True,
-            check=True,
-        ).stdout.strip()
-        return head + (" + uncommitted changes" if dirty else "")
+        def git(*args: str) -> str:
+            command = ["git", "-C", str(tree), *args]
+            return subprocess.run(command, capture_output=True, text=True, check=True).stdout.strip()
+
+        dirty = git("status", "--porcelain", "--untracked-files=no")
+        return git("rev-parse", "--short", "HEAD") + (" + uncommitted changes" if dirty else "")
     except (OSError, subprocess.CalledProcessError):
         return ""
 

@@ -132,6 +132,20 @@ def apply_through_general_path(index: PrefixIndex, backend: str, events: list[KV
                 index._clear_locked(state)
 
 
+def record_decode_step_path(monkeypatch) -> list[bool]:
+    """Whether each call of the decode-step path took the events (True) or refused them."""
+    taken: list[bool] = []
+    original = PrefixIndex._store_decode_step_locked
+
+    def spy(self, backend, events):
+        took = original(self, backend, events)
+        taken.append(took)
+        return took
+
+    monkeypatch.setattr(PrefixIndex, "_store_decode_step_locked", spy)
+    return taken
+
+
 def internal_state(index: PrefixIndex, backend: str) -> dict[str, Any]:
     state = index._backends[backend]
     nodes = {key: (*node[:4], _owned(node[4]), *node[5:]) for key, node in state.nodes.items()}
@@ -173,15 +187,7 @@ def test_batched_one_by_one_and_general_paths_build_the_same_index(seed: int) ->
 def test_long_mixed_lists_applied_run_by_run_match_the_general_path(seed: int, monkeypatch) -> None:
     """What a drained burst or a replay hands over: many batches' events in one call, decode-step
     runs between prefills, removals, re-stores and clears."""
-    taken: list[bool] = []
-    original = PrefixIndex._store_decode_step_locked
-
-    def spy(self, backend, events):
-        took = original(self, backend, events)
-        taken.append(took)
-        return took
-
-    monkeypatch.setattr(PrefixIndex, "_store_decode_step_locked", spy)
+    taken = record_decode_step_path(monkeypatch)
     maker = StreamMaker(100 + seed)
 
     def start_requests() -> list[dict[str, Any]]:  # requests decoding their own tokens
@@ -277,15 +283,7 @@ def test_several_decode_steps_in_one_list_take_the_column_path(
         maker.docs.append([maker.rand.randrange(150_000) for _ in range(DOC_TOKENS)])
         chain.update(block_size=16, overlap=False, group=None, medium="GPU", doc=len(maker.docs) - 1)
     chains[-1]["namespace"] = {}  # (looked up below in the default namespace)
-    taken: list[bool] = []
-    original = PrefixIndex._store_decode_step_locked
-
-    def spy(self, backend, events):
-        took = original(self, backend, events)
-        taken.append(took)
-        return took
-
-    monkeypatch.setattr(PrefixIndex, "_store_decode_step_locked", spy)
+    taken = record_decode_step_path(monkeypatch)
     fast, general = PrefixIndex(), PrefixIndex()
     first = [event for chain in chains if (event := maker.store(chain, 1)) is not None]
     for index in (fast, general):
