@@ -71,7 +71,12 @@ def run(args: argparse.Namespace) -> int:
                 backlog=4096,
             )
         )
-        server.run()
+        try:
+            server.run()
+        except KeyboardInterrupt:
+            # uvicorn has already shut down gracefully; it re-raises the interrupt so the exit
+            # status says so. Exit 130 (interrupted) without a traceback.
+            return 130
         return 0
     finally:
         if fleet is not None:

@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 import httpx
+import pytest
 
 from router.sim.launcher import _pick_ports
 from tests.support import free_port, start_gateway
@@ -51,7 +52,8 @@ def test_taken_ports_are_replaced_and_no_port_is_picked_twice():
     assert len(set(picked)) == 3
 
 
-def test_serve_launches_simulated_engines_forwards_to_them_and_stops_them():
+@pytest.mark.parametrize("stop_signal", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "Ctrl-C"])
+def test_serve_launches_simulated_engines_forwards_to_them_and_stops_them(stop_signal):
     config = {
         "models": [{"name": MODEL, "tokenizer": "builtin:qwen3"}],
         "launch": {
@@ -85,8 +87,11 @@ def test_serve_launches_simulated_engines_forwards_to_them_and_stops_them():
         assert cached[:2] == [0, 0]
         assert cached[2] > 0 and cached[3] > 0
 
-        os.kill(gateway.process.pid, signal.SIGTERM)  # the gateway alone: it must stop its engines
-        gateway.process.popen.wait(timeout=30)
+        os.kill(gateway.process.pid, stop_signal)  # the gateway alone: it must stop its engines
+        status = gateway.process.popen.wait(timeout=30)
+        if stop_signal == signal.SIGINT:  # Ctrl-C: a quiet exit saying it was interrupted
+            assert status == 130
+            assert "Traceback" not in gateway.process.output()
         deadline = time.monotonic() + 15
         while any(_alive(pid) for pid in engines) and time.monotonic() < deadline:
             time.sleep(0.1)
