@@ -65,9 +65,14 @@ KVEvent = BlockStored | BlockRemoved | AllBlocksCleared
 
 def event_kind(event: KVEvent) -> str:
     """ "BlockStored", "BlockRemoved" or "AllBlocksCleared", whichever encoding it arrived in."""
-    if isinstance(event, BlockStored):
+    return event_class_kind(type(event))
+
+
+def event_class_kind(cls: type) -> str:
+    """`event_kind` of every event of class `cls` (to count events by class, then by kind)."""
+    if issubclass(cls, BlockStored):
         return "BlockStored"
-    if isinstance(event, BlockRemoved):
+    if issubclass(cls, BlockRemoved):
         return "BlockRemoved"
     return "AllBlocksCleared"
 

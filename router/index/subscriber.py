@@ -62,14 +62,13 @@ import zmq
 
 from router.index.events import (
     AllBlocksCleared,
-    BlockRemoved,
-    BlockStored,
     DecodedBatch,
     KVEvent,
     MalformedBatch,
     decode_batch,
     decode_seq,
     encode_seq,
+    event_class_kind,
     event_kind,
 )
 
@@ -712,12 +711,7 @@ def _count_from(batches: dict[int, bytes], first: int) -> int:
 def _count_kinds(counts: dict[str, int], events: list[KVEvent]) -> None:
     """Add the events to `counts` by kind (one C-level count by class, then a few dict updates)."""
     for cls, number in collections.Counter(map(type, events)).items():
-        if issubclass(cls, BlockStored):
-            kind = "BlockStored"
-        elif issubclass(cls, BlockRemoved):
-            kind = "BlockRemoved"
-        else:
-            kind = "AllBlocksCleared"
+        kind = event_class_kind(cls)
         counts[kind] = counts.get(kind, 0) + number
 
 
