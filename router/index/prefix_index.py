@@ -359,6 +359,26 @@ def snapshot_order(events: list[KVEvent]) -> list[KVEvent]:
     return others + sorted(stored, key=lambda event: depth[id(event)])
 
 
+def _held_masks(holders: dict[int, int], keys: Sequence[int] | np.ndarray) -> tuple[list[int], np.ndarray]:
+    """The leading `keys` up to where the cached part ends (as Python ints), and the masks of those
+    held before the first hole (OverflowError past 64 slots).
+
+    Where the cached part ends is found by bisection as if the held blocks came first (a handful of
+    probes); a hole before that point shows as the KeyError of the one C call that fetches the masks.
+    """
+    size = len(keys)
+    held = size
+    if size and int(keys[-1]) not in holders:
+        held = bisect.bisect_left(range(size), True, key=lambda block: int(keys[block]) not in holders)
+    chunk = keys[:held] if held < size else keys
+    chunk = chunk.tolist() if isinstance(chunk, np.ndarray) else chunk
+    try:
+        return chunk, np.fromiter(_masks_of(holders, chunk), np.uint64, held)
+    except KeyError as absent:  # a hole: no run goes past it
+        held = list(chunk).index(absent.args[0])
+        return chunk, np.fromiter(_masks_of(holders, chunk[:held]), np.uint64, held)
+
+
 def _masks_of(holders: dict[int, int], keys: list[int]) -> tuple[int, ...]:
     """The masks of `keys`, all held (KeyError names the first that is not). One C call fetches
     them all (cheaper than `dict.get` key by key), and numpy reads a tuple faster than a map."""
@@ -1335,20 +1355,11 @@ class PrefixIndex:
     def _slot_runs_of_keys(self, keys: Sequence[int]) -> tuple[dict[int, int], Any, Sequence[int]]:
         """`_slot_runs` for keys the caller computed: the same probes, no tokens read."""
         holders = self._holders
-        size = len(keys)
-        held = size
-        if size and keys[-1] not in holders:
-            held = bisect.bisect_left(range(size), True, key=lambda block: keys[block] not in holders)
-        chunk = keys[:held] if held < size else keys
         try:
-            try:
-                masks = np.fromiter(_masks_of(holders, chunk), np.uint64, held)
-            except KeyError as absent:  # a hole: no run goes past it
-                held = list(chunk).index(absent.args[0])
-                chunk = keys[:held]
-                masks = np.fromiter(_masks_of(holders, chunk), np.uint64, held)
+            _, masks = _held_masks(holders, keys)
         except OverflowError:  # more than 64 slots: the same with Python ints
-            runs, wide_masks = self._slot_runs_wide(list(map(holders.get, keys, itertools.repeat(0, size))))
+            wide = list(map(holders.get, keys, itertools.repeat(0, len(keys))))
+            runs, wide_masks = self._slot_runs_wide(wide)
             return runs, wide_masks, keys
         return self._runs_of_masks(masks), masks, keys
 
@@ -1375,22 +1386,10 @@ class PrefixIndex:
                     keys[-1] if keys else seed,
                     span_start,
                 )
-                size = len(span_keys)
-                # Where the cached part ends, found by bisection as if the held blocks came first
-                # (a handful of probes); a hole before that point is caught below.
-                held = size
-                if int(span_keys[-1]) not in holders:
-                    held = bisect.bisect_left(
-                        range(size), True, key=lambda block: int(span_keys[block]) not in holders
-                    )
-                chunk = span_keys[:held].tolist()
+                chunk, masks = _held_masks(holders, span_keys)
                 keys += chunk
-                try:
-                    parts.append(np.fromiter(_masks_of(holders, chunk), np.uint64, held))
-                except KeyError as absent:  # a hole: no run goes past it
-                    held = chunk.index(absent.args[0])
-                    parts.append(np.fromiter(_masks_of(holders, chunk[:held]), np.uint64, held))
-                if held < size:
+                parts.append(masks)
+                if len(masks) < len(span_keys):
                     break
         except OverflowError:  # more than 64 slots: the same with Python ints
             keys = prefix_keys(array, seed).tolist()
