@@ -251,8 +251,7 @@ def _metric_sum_count(url: str, name: str) -> tuple[float, float]:
 def start_gateway(tree: Path, fleet, port_file_prefix: str, policy: str = "kv_aware"):  # -> (process, url)
     import yaml
 
-    from benchmarks.routers import wait_until_synced
-    from benchmarks.sim_fleet import EVENTS_TOPIC
+    from benchmarks.routers import kvgate_backends, wait_until_synced
     from tests.support.ports import free_port
     from tests.support.processes import ManagedProcess, wait_for_http
 
@@ -260,21 +259,7 @@ def start_gateway(tree: Path, fleet, port_file_prefix: str, policy: str = "kv_aw
     config = {
         "listen": {"host": "127.0.0.1", "port": port},
         "models": [{"name": MODEL, "tokenizer": "builtin:qwen3"}],
-        "backends": [
-            {"name": engine.name, "url": engine.url}
-            | (
-                {
-                    "kv_events": {
-                        "endpoint": engine.events_endpoint,
-                        "replay_endpoint": engine.replay_endpoint,
-                        "topic": EVENTS_TOPIC,
-                    }
-                }
-                if policy == "kv_aware"  # the others read no events (as in benchmarks/routers.py)
-                else {}
-            )
-            for engine in fleet.engines
-        ],
+        "backends": kvgate_backends(fleet, policy),
         "policy": {"name": policy},
         "log_level": "warning",
     }

@@ -66,9 +66,8 @@ def _parse_knobs(text: str) -> dict:
     return knobs
 
 
-def _start_kvgate(
-    policy: str, knobs: dict, fleet: EngineFleet, timeout_s: float, label: str
-) -> RunningRouter:
+def kvgate_backends(fleet: EngineFleet, policy: str) -> list[dict]:
+    """The `backends:` section of a kvgate config for the fleet's engines under `policy`."""
     backends = []
     for engine in fleet.engines:
         backend: dict = {"name": engine.name, "url": engine.url}
@@ -81,9 +80,15 @@ def _start_kvgate(
                 "bind": getattr(fleet, "events_bind", False),
             }
         backends.append(backend)
+    return backends
+
+
+def _start_kvgate(
+    policy: str, knobs: dict, fleet: EngineFleet, timeout_s: float, label: str
+) -> RunningRouter:
     config = {
         "models": [{"name": MODEL, "tokenizer": "builtin:qwen3"}],
-        "backends": backends,
+        "backends": kvgate_backends(fleet, policy),
         "policy": {"name": policy, **knobs},
         "log_level": "warning",
         **getattr(fleet, "gateway_settings", {}),  # e.g. slower health checks for real engines
