@@ -2,11 +2,13 @@
 
 Setup: 16 backends and 1M cached 16-token blocks (vLLM-style prefill events of 64 blocks each),
 plus four 32k-token documents cached to different depths on different backends. Everything is
-measured side by side in one run for two implementations, `before` (router/index/prefix_index.py at
-commit BASELINE_REVISION, read from git history at run time: the index before the decode-step and
-lookup work) and `after` (router/index): each batch is applied to both indexes in turn
-(alternating which goes first), so both see the same load on this shared machine and the ratio
-after/before is meaningful even when absolute numbers drift.
+measured side by side in one run for `before` (router/index/prefix_index.py at commit
+BASELINE_REVISION, read from git history at run time: the index before the decode-step and
+lookup work) and `after` (router/index, one-block events through the compiled path of
+router/index/_ingest.pyx when it is built; the report says which path ran), and the ingest rows
+also for `after_python` (the same index with `compiled_ingest=False`: the pure-Python fallback).
+Each batch is applied to every index in turn (alternating the order), so all see the same load on
+this shared machine and the ratios are meaningful even when absolute numbers drift.
 - ingest: blocks/s for prefill events (64 blocks, alone or 8 per batch), decode events (1 block,
   alone or 32 per batch), removals; what the subscriber hands over for a drained burst of
   messages (16 decode steps of 32 requests in one call; 512 one-block events of one request in
@@ -91,9 +93,15 @@ def load_baseline_index(revision: str = BASELINE_REVISION) -> ModuleType:
 IMPLEMENTATIONS: dict[str, Callable[[], Any]] = {
     "before": load_baseline_index().PrefixIndex,
     "after": PrefixIndex,
+    # The working tree's index with its compiled one-block path switched off: the pure-Python
+    # paths `after` falls back to when the extension is not built (ingest rows only; lookups and
+    # memory are the same code as `after`'s).
+    "after_python": lambda: PrefixIndex(compiled_ingest=False),
 }
-# Both sides decode with the working tree's events.py (the wire rows compare the indexes).
-DECODERS = {"before": decode_batch, "after": decode_batch}
+# Lookups and memory are measured for these (the fallback's are `after`'s).
+COMPARED = ("before", "after")
+# Every side decodes with the working tree's events.py (the wire rows compare the indexes).
+DECODERS = dict.fromkeys(IMPLEMENTATIONS, decode_batch)
 
 
 def rss_bytes() -> int:
@@ -149,6 +157,7 @@ class SideBySide:
                 "events_per_s": events / seconds,
             }
         result["speedup"] = result["after"]["blocks_per_s"] / result["before"]["blocks_per_s"]
+        result["after_over_python"] = result["after"]["blocks_per_s"] / result["after_python"]["blocks_per_s"]
         return result
 
 
@@ -504,7 +513,7 @@ def main() -> None:
 
     # A fresh child per implementation, one at a time: RSS is per process and never shrinks.
     with multiprocessing.get_context("fork").Pool(1, maxtasksperchild=1) as pool:
-        memory = {name: pool.apply(memory_per_block, (name, args.blocks)) for name in IMPLEMENTATIONS}
+        memory = {name: pool.apply(memory_per_block, (name, args.blocks)) for name in COMPARED}
     print("memory:", {name: f"{m['bytes_per_block']:.0f} B/block" for name, m in memory.items()})
 
     rng = np.random.default_rng(2026)
@@ -545,7 +554,7 @@ def main() -> None:
         before = {n: m.tokens for n, m in bench.indexes["before"].longest_cached_prefix(prompts32[0]).items()}
         assert expected == naive_walk(per_backend_keys, prompts32[0]) == before, "lookups disagree"
         label = str(length) if cached_part > length // 2 else f"{length}-new-after-{cached_part // 1024}k"
-        functions = {name: index.longest_cached_prefix for name, index in bench.indexes.items()}
+        functions = {name: bench.indexes[name].longest_cached_prefix for name in COMPARED}
         if as_list:
             label, prompts32 = f"{length}-{as_list}", [p.tolist() for p in prompts32]
         if as_list == "with-keys":
@@ -631,8 +640,13 @@ def main() -> None:
         "implementations": {
             "before": f"router/index/prefix_index.py at {BASELINE_REVISION} (from git history), "
             "whole-batch msgpack decoding",
-            "after": "router/index/prefix_index.py (working tree), whole-batch msgpack decoding",
+            "after": "router/index/prefix_index.py (working tree), whole-batch msgpack decoding, "
+            f"one-block events through the {bench.indexes['after'].ingest_path} path",
+            "after_python": "the same with compiled_ingest=False: the pure-Python paths (ingest rows only)",
         },
+        # Which path applied `after`'s one-block events of the decode shape: "compiled"
+        # (router/index/_ingest.pyx, built) or "python" (the extension is not built here).
+        "after_ingest_path": bench.indexes["after"].ingest_path,
         "ingest": ingest,
         "lone_block_messages": floor,
         "lookup": lookups,
@@ -650,7 +664,11 @@ def main() -> None:
 
 def _rates(entry: dict) -> str:
     before, after = entry["before"]["blocks_per_s"], entry["after"]["blocks_per_s"]
-    return f"before {before:,.0f} blocks/s, after {after:,.0f} blocks/s (x{entry['speedup']:.2f})"
+    fallback = entry["after_python"]["blocks_per_s"]
+    return (
+        f"before {before:,.0f} blocks/s, after {after:,.0f} blocks/s (x{entry['speedup']:.2f}), "
+        f"after in pure Python {fallback:,.0f} blocks/s"
+    )
 
 
 INGEST_LABELS = {
@@ -680,14 +698,17 @@ def report(results: dict) -> str:
         f"Index: {memory['after']['engine_blocks']:,} cached 16-token blocks on "
         f"{results['setup']['backends']} backends.",
         f"Side by side in one run: `before` = {results['implementations']['before']}; "
-        f"`after` = {results['implementations']['after']}. Each batch is applied to both indexes in "
-        "turn, so the ratio holds even when the machine's load drifts.",
+        f"`after` = {results['implementations']['after']}; `after, pure Python` = "
+        f"{results['implementations']['after_python']}. Each batch is applied to every index in "
+        "turn, so the ratios hold even when the machine's load drifts.",
+        "",
+        f"Path that applied `after`'s one-block events: **{results['after_ingest_path']}**.",
         "",
         "## Ingest (blocks applied per CPU second, one core)",
         "",
         "| events | blocks/event | events/batch | before blocks/s | after blocks/s | after/before "
-        "| after events/s | target 500k blocks/s (after) |",
-        "|---|---|---|---|---|---|---|---|",
+        "| after, pure Python blocks/s | after/pure Python | after events/s | target 500k blocks/s (after) |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for name, label in INGEST_LABELS.items():
         entry = ingest[name]
@@ -695,7 +716,8 @@ def report(results: dict) -> str:
         lines.append(
             f"| {label} | {entry['blocks_per_event']} | {entry['events_per_batch']} | "
             f"{entry['before']['blocks_per_s']:,.0f} | {entry['after']['blocks_per_s']:,.0f} | "
-            f"{entry['speedup']:.2f} | {entry['after']['events_per_s']:,.0f} | {met} |"
+            f"{entry['speedup']:.2f} | {entry['after_python']['blocks_per_s']:,.0f} | "
+            f"{entry['after_over_python']:.2f} | {entry['after']['events_per_s']:,.0f} | {met} |"
         )
     lines += [
         "",
@@ -821,8 +843,12 @@ def plot(results: dict, path: Path) -> None:
               "drained\n16 x 32", "drained\n512 lone", "removal\n64/event", "wire\nprefill",
               "wire\ndecode 32"]  # fmt: skip
     x = np.arange(len(kinds))
-    for offset, name in ((-0.2, "before"), (0.2, "after")):
-        right.bar(x + offset, [results["ingest"][k][name]["blocks_per_s"] for k in kinds], 0.4, label=name)
+    for offset, name, label in (
+        (-0.27, "before", "before"),
+        (0.0, "after_python", "after, pure Python"),
+        (0.27, "after", f"after ({results['after_ingest_path']})"),
+    ):
+        right.bar(x + offset, [results["ingest"][k][name]["blocks_per_s"] for k in kinds], 0.27, label=label)
     right.axhline(TARGET_EVENTS_PER_S, color="red", linestyle="--", label="target: 500k block events/s")
     right.set_xticks(x, labels, fontsize=7)
     right.set_ylabel("blocks applied per CPU second")

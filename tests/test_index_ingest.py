@@ -162,10 +162,16 @@ def internal_state(index: PrefixIndex, backend: str) -> dict[str, Any]:
     }
 
 
+# Both ingest paths: the compiled one-block path where it is built, and the pure-Python fallback.
+BOTH_PATHS = pytest.mark.parametrize("compiled", [True, False], ids=["compiled", "python"])
+
+
+@BOTH_PATHS
 @pytest.mark.parametrize("seed", range(12))
-def test_batched_one_by_one_and_general_paths_build_the_same_index(seed: int) -> None:
+def test_batched_one_by_one_and_general_paths_build_the_same_index(seed: int, compiled: bool) -> None:
     maker = StreamMaker(seed)
-    batched, one_by_one, general = PrefixIndex(), PrefixIndex(), PrefixIndex()
+    batched = PrefixIndex(compiled_ingest=compiled)
+    one_by_one, general = PrefixIndex(compiled_ingest=compiled), PrefixIndex()
     for step in range(60):
         batch = maker.batch()
         batched.apply("a", batch)
@@ -186,7 +192,8 @@ def test_batched_one_by_one_and_general_paths_build_the_same_index(seed: int) ->
 @pytest.mark.parametrize("seed", range(6))
 def test_long_mixed_lists_applied_run_by_run_match_the_general_path(seed: int, monkeypatch) -> None:
     """What a drained burst or a replay hands over: many batches' events in one call, decode-step
-    runs between prefills, removals, re-stores and clears."""
+    runs between prefills, removals, re-stores and clears (the pure-Python paths; the compiled
+    path's equivalent is in test_index_ingest_compiled.py)."""
     taken = record_decode_step_path(monkeypatch)
     maker = StreamMaker(100 + seed)
 
@@ -198,7 +205,7 @@ def test_long_mixed_lists_applied_run_by_run_match_the_general_path(seed: int, m
         return chains
 
     decoding = start_requests()
-    joined, general = PrefixIndex(), PrefixIndex()
+    joined, general = PrefixIndex(compiled_ingest=False), PrefixIndex()
     for _ in range(12):
         events: list[KVEvent] = []
         for _ in range(maker.rand.randint(2, 8)):
@@ -216,13 +223,14 @@ def test_long_mixed_lists_applied_run_by_run_match_the_general_path(seed: int, m
     assert taken.count(True) >= 3, "no decode-step run took the column path"
 
 
-def test_decode_steps_of_many_requests_in_one_batch_match_the_general_path() -> None:
+@BOTH_PATHS
+def test_decode_steps_of_many_requests_in_one_batch_match_the_general_path(compiled: bool) -> None:
     """The decode shape (one 16-token block per request per step), many steps, then removals."""
     maker = StreamMaker(99)
     chains = [maker.new_chain() for _ in range(6)]
     for chain in chains:
         chain.update(block_size=16, overlap=False, group=None)
-    batched, general = PrefixIndex(), PrefixIndex()
+    batched, general = PrefixIndex(compiled_ingest=compiled), PrefixIndex()
     for _ in range(30):
         batch: list[KVEvent] = [event for chain in chains if (event := maker.store(chain, 1)) is not None]
         batched.apply("a", batch)
@@ -254,7 +262,7 @@ def test_decode_steps_take_the_column_path_and_match_the_general_path(running: i
             return took
 
         monkeypatch.setattr(PrefixIndex, name, spy)
-    fast, general = PrefixIndex(), PrefixIndex()
+    fast, general = PrefixIndex(compiled_ingest=False), PrefixIndex()
     for step in range(40):
         batch: list[KVEvent] = [event for chain in chains if (event := maker.store(chain, 1)) is not None]
         if step == 20:  # the fast path must leave these to the general path
@@ -284,7 +292,7 @@ def test_several_decode_steps_in_one_list_take_the_column_path(
         chain.update(block_size=16, overlap=False, group=None, medium="GPU", doc=len(maker.docs) - 1)
     chains[-1]["namespace"] = {}  # (looked up below in the default namespace)
     taken = record_decode_step_path(monkeypatch)
-    fast, general = PrefixIndex(), PrefixIndex()
+    fast, general = PrefixIndex(compiled_ingest=False), PrefixIndex()
     first = [event for chain in chains if (event := maker.store(chain, 1)) is not None]
     for index in (fast, general):
         apply_through_general_path(index, "a", first)  # the chains' first blocks: roots
@@ -307,7 +315,7 @@ def test_decode_step_path_refuses_what_it_cannot_apply_and_changes_nothing() -> 
     """Shapes outside the decode step (a re-store, a parent with a tail, tokens out of uint32
     range, two media, an unknown parent) are refused with the index untouched."""
     tokens = make_docs(random.Random(5))[0]
-    index = PrefixIndex()
+    index = PrefixIndex(compiled_ingest=False)
     index.apply("a", [BlockStored(block_hashes=[1, 2], token_ids=tokens[:32], block_size=16)])
     index.apply("a", [BlockStored(block_hashes=[3], token_ids=tokens[:24], block_size=24)])  # tail
 

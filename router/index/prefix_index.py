@@ -27,7 +27,9 @@ import bisect
 import contextlib
 import functools
 import gc
+import importlib
 import itertools
+import logging
 import operator
 import struct
 import threading
@@ -40,6 +42,8 @@ import numpy as np
 import xxhash
 
 from router.index.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent, cache_salt_of, tier_of
+
+logger = logging.getLogger(__name__)
 
 ROUTER_BLOCK_TOKENS = 16
 # Namespace of a prompt's cache entries: (lora_name, cache_salt). The model is implied by the
@@ -216,7 +220,8 @@ class _Chain:
 # `keys` is a bare int when the block completed exactly one router block (the usual 16-token
 # block): one object fewer to allocate and track per block.
 _Node = tuple
-_END, _TOKENS, _BOUNDARY, _TAIL, _KEYS, _CHAIN, _SLOTS = range(7)
+_NODE_FIELDS = ("end", "tokens", "boundary_key", "tail", "keys", "chain_id", "slots")
+_END, _TOKENS, _BOUNDARY, _TAIL, _KEYS, _CHAIN, _SLOTS = range(len(_NODE_FIELDS))
 
 
 _SIXTEEN = itertools.repeat(ROUTER_BLOCK_TOKENS)
@@ -242,6 +247,40 @@ _SHARED_MASKS_LIMIT = 1 << 16
 
 def _owned(keys: int | tuple[int, ...]) -> tuple[int, ...]:
     return (keys,) if keys.__class__ is int else keys  # type: ignore[return-value]
+
+
+def _load_compiled_ingest() -> tuple[Any, Any]:
+    """The compiled one-block ingest (`router/index/_ingest.pyx`), configured with this module's
+    key constants and checked against `_python_block_value`; (None, None) when it is not built
+    (then the pure-Python paths apply every event, as fast as they can)."""
+    try:
+        _ingest = importlib.import_module("router.index._ingest")
+    except ImportError as missing:
+        logger.debug("compiled one-block ingest not built (%s): events are applied in pure Python", missing)
+        return None, None
+    try:
+        _ingest.configure(
+            _WORD_WEIGHTS.tolist(), _POSITION_WEIGHT_PY, _MIX_1_PY, _MIX_2_PY, ROUTER_BLOCK_TOKENS,
+            _NODE_FIELDS, BlockStored, _Chain,
+        )  # fmt: skip
+    except ValueError as mismatch:  # built from another version of the index: stale
+        logger.warning("compiled one-block ingest does not match the index (%s): not used", mismatch)
+        return None, None
+    # A build whose key math differs would file blocks under keys no lookup computes: refuse it.
+    check = np.random.default_rng(7)
+    for position in (0, 1, 37, 2**20 + 3):
+        block = check.integers(0, 2**32, size=ROUTER_BLOCK_TOKENS).tolist()
+        if _ingest.block_value(block, position) != _python_block_value(block, position):
+            logger.warning("compiled one-block ingest computes other keys than the index: not used")
+            return None, None
+    return _ingest.BackendWriter, _ingest.next_one_block_candidate
+
+
+# The compiled path for one-block events of the decode shape (a writer class, None when not built)
+# and where it resumes after the general path took other events; `INGEST_PATH` says which path
+# applies those events by default.
+_CompiledWriter, _next_one_block_candidate = _load_compiled_ingest()
+INGEST_PATH = "compiled" if _CompiledWriter is not None else "python"
 
 
 # A BlockStored checked for the batched path, waiting for its batch's numpy pass (a tuple: one
@@ -277,6 +316,7 @@ class _Backend:
     __slots__ = (
         "chain_ids",
         "chains",
+        "compiled_writer",
         "medium_slots",
         "name",
         "next_chain_id",
@@ -288,6 +328,9 @@ class _Backend:
 
     def __init__(self, name: str, *, visible: bool = True) -> None:
         self.name = name
+        # The compiled path's writer for this backend (made at its first event when built). It
+        # keeps `nodes`, `medium_slots`, `chains`, `stats` and the stats' dicts: never rebind them.
+        self.compiled_writer: Any = None
         # False while a snapshot is built into it: its slots stay out of the readers' layout.
         self.visible = visible
         self.nodes: dict[Any, _Node] = {}
@@ -397,8 +440,13 @@ def _record_lost_bits(runs: dict[int, int], bits: int, position: int) -> None:
 class PrefixIndex:
     """Per backend and tier, the cached token prefixes announced by KV events."""
 
-    def __init__(self) -> None:
+    def __init__(self, *, compiled_ingest: bool = True) -> None:
+        """`compiled_ingest=False` applies every event in pure Python even when the compiled
+        one-block path is built (the reference it is tested and benchmarked against)."""
         self._lock = threading.Lock()
+        self._compiled_writer = _CompiledWriter if compiled_ingest else None
+        # "compiled" when one-block events of the decode shape take the compiled path, else "python".
+        self.ingest_path = "compiled" if self._compiled_writer is not None else "python"
         self._holders: dict[int, int] = {}
         # One int object per distinct mask value, shared by every key holding it: a million keys
         # point at a few dozen objects (about 30 bytes a key less, and lookups read masks that
@@ -491,9 +539,20 @@ class PrefixIndex:
                 backend = self._backends[backend_name] = _Backend(backend_name)
             if len(self._shared_masks) > _SHARED_MASKS_LIMIT:
                 self._shared_masks.clear()
-            # A lone one-block event (an engine step that filled one block) allocates one tuple:
-            # no GC pause, which would cost more than it saves.
-            if len(events) == 1 and self._store_one_block_locked(backend, events[0]):
+            # One-block events of the decode shape (each engine step that fills a block publishes
+            # one per request) go the compiled path when it is built: it applies the leading ones
+            # and says where it stopped. A lone one-block event (one tuple allocated) gets no GC
+            # pause, which would cost more than it saves.
+            writer = backend.compiled_writer
+            if writer is None and self._compiled_writer is not None:
+                writer = backend.compiled_writer = self._compiled_writer(self, backend)
+            if writer is not None:
+                if events.__class__ is not list:  # (the compiled path reads a list)
+                    events = list(events)
+                applied = writer.store(events, 0)
+                if applied == len(events):
+                    return
+            elif len(events) == 1 and self._store_one_block_locked(backend, events[0]):
                 return
             # The cyclic GC is paused while a batch is applied: a batch allocates thousands of
             # small tuples of ints, which hold no cycles; left on, the collector would run every few
@@ -502,11 +561,25 @@ class PrefixIndex:
             collecting = gc.isenabled()
             gc.disable()
             try:
-                if len(events) == 1 or not self._store_decode_step_locked(backend, events):
+                if writer is not None:
+                    self._apply_after_compiled_locked(backend, writer, events, applied)
+                elif len(events) == 1 or not self._store_decode_step_locked(backend, events):
                     self._apply_in_runs_locked(backend, events)
             finally:
                 if collecting:
                     gc.enable()
+
+    def _apply_after_compiled_locked(
+        self, backend: _Backend, writer: Any, events: list[KVEvent], refused: int
+    ) -> None:
+        """The events from `refused` (the first the compiled path did not apply) on, in order:
+        the general path takes that one and the events up to the next one-block event with a
+        parent, the compiled path the run from there, and so on."""
+        count = len(events)
+        while refused < count:
+            resume = _next_one_block_candidate(events, refused + 1)
+            self._apply_locked(backend, events[refused:resume])
+            refused = writer.store(events, resume) if resume < count else count
 
     def _store_one_block_locked(self, backend: _Backend, event: KVEvent) -> bool:
         """`_store_decode_step_locked` for a batch of one event, in plain Python (an engine step

@@ -1,0 +1,368 @@
+"""The compiled one-block ingest path (router/index/_ingest.pyx): it is built and used where it
+imports, and it builds exactly the index the pure-Python paths build, on random decode streams
+with every shape outside its own mixed in."""
+
+from __future__ import annotations
+
+import importlib
+import importlib.machinery
+import logging
+import random
+import sys
+from typing import Any
+
+import numpy as np
+import pytest
+
+from router.index import prefix_index
+from router.index.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent, decode_batch
+from router.index.prefix_index import PrefixIndex, _python_block_value
+from tests.support.event_publisher import block_removed, block_stored, encode_batch
+from tests.test_index_ingest import DOC_TOKENS, StreamMaker, apply_through_general_path, internal_state
+
+ingest = importlib.import_module("router.index._ingest")
+
+
+class CountingWriter(ingest.BackendWriter):
+    """The compiled writer, counting the events each call applied (a subclass: the index makes
+    its writers from `prefix_index._CompiledWriter`)."""
+
+    applied: list[int]
+
+    def store(self, events: list[KVEvent], start: int) -> int:
+        stopped = super().store(events, start)
+        CountingWriter.applied.append(stopped - start)
+        return stopped
+
+
+@pytest.fixture
+def applied_by_compiled_path(monkeypatch) -> list[int]:
+    CountingWriter.applied = []
+    monkeypatch.setattr(prefix_index, "_CompiledWriter", CountingWriter)
+    return CountingWriter.applied
+
+
+def test_the_extension_is_built_and_applies_one_block_events(monkeypatch) -> None:
+    """A build that failed (or a module that is not the compiled one) fails here, not silently."""
+    assert ingest.__file__.endswith(tuple(importlib.machinery.EXTENSION_SUFFIXES)), ingest.__file__
+    assert prefix_index.INGEST_PATH == "compiled"
+    index = PrefixIndex()
+    assert index.ingest_path == "compiled"
+    assert PrefixIndex(compiled_ingest=False).ingest_path == "python"
+    rand = random.Random(1)
+    tokens = [rand.randrange(150_000) for _ in range(16 * 40)]
+    index.apply("a", [BlockStored(block_hashes=[1, 2], token_ids=tokens[:32], block_size=16)])
+
+    def forbidden(*args: Any, **kwargs: Any) -> None:
+        raise AssertionError("a one-block event of the decode shape went a pure-Python path")
+
+    for name in (
+        "_store_one_block_locked",
+        "_store_decode_step_locked",
+        "_apply_in_runs_locked",
+        "_apply_locked",
+    ):
+        monkeypatch.setattr(PrefixIndex, name, forbidden)
+    index.apply(
+        "a", [BlockStored(block_hashes=[3], parent_block_hash=2, token_ids=tokens[32:48], block_size=16)]
+    )
+    # A drained burst: parents earlier in the same list.
+    index.apply(
+        "a",
+        [
+            BlockStored(
+                block_hashes=[h],
+                parent_block_hash=h - 1,
+                token_ids=tokens[16 * (h - 1) : 16 * h],
+                block_size=16,
+            )
+            for h in range(4, 41)
+        ],
+    )
+    assert isinstance(index._backends["a"].compiled_writer, ingest.BackendWriter)
+    assert index.longest_cached_prefix(tokens)["a"].tokens == 16 * 40
+    stats = index.stats("a")
+    assert stats is not None
+    assert (stats.stored_events, stats.blocks, stats.tokens) == (39, {"gpu": 40}, {"gpu": 640})
+
+
+def test_the_compiled_block_value_is_the_python_one() -> None:
+    rand = random.Random(2)
+    edges = [0, 1, 2**31, 2**32 - 1]
+    for position in [0, 1, 2, 63, 2**20, 2**40 + 7, 2**64 - 1]:
+        for _ in range(30):
+            block = [rand.choice([rand.randrange(2**32), rand.choice(edges)]) for _ in range(16)]
+            assert ingest.block_value(block, position) == _python_block_value(block, position)
+    for bad in ([-1] * 16, [2**32] * 16, [2**70] * 16, [1.0] * 16, [1] * 15, [1] * 17, (1,) * 16, None):
+        with pytest.raises((ValueError, TypeError)):
+            ingest.block_value(bad, 0)
+
+
+def test_a_mismatched_configuration_is_refused_and_leaves_the_module_working() -> None:
+    weights = prefix_index._WORD_WEIGHTS.tolist()
+    constants = (prefix_index._POSITION_WEIGHT_PY, prefix_index._MIX_1_PY, prefix_index._MIX_2_PY)
+    with pytest.raises(ValueError, match="node tuples"):
+        ingest.configure(weights, *constants, 16, ("end", "keys"), BlockStored, prefix_index._Chain)
+    with pytest.raises(ValueError, match="router blocks"):
+        ingest.configure(weights, *constants, 32, prefix_index._NODE_FIELDS, BlockStored, prefix_index._Chain)
+    block = list(range(16))
+    assert ingest.block_value(block, 3) == _python_block_value(block, 3)
+
+
+def test_without_the_extension_the_index_falls_back_to_pure_python(monkeypatch, caplog) -> None:
+    monkeypatch.setitem(sys.modules, "router.index._ingest", None)  # what a failed build leaves
+    with caplog.at_level(logging.DEBUG, logger="router.index.prefix_index"):
+        assert prefix_index._load_compiled_ingest() == (None, None)
+    assert "not built" in caplog.text
+    monkeypatch.setattr(prefix_index, "_CompiledWriter", None)
+    index = PrefixIndex()
+    assert index.ingest_path == "python"
+    tokens = list(range(48))
+    index.apply("a", [BlockStored(block_hashes=[1, 2], token_ids=tokens[:32], block_size=16)])
+    index.apply(
+        "a", [BlockStored(block_hashes=[3], parent_block_hash=2, token_ids=tokens[32:], block_size=16)]
+    )
+    assert index._backends["a"].compiled_writer is None
+    assert index.longest_cached_prefix(tokens)["a"].tokens == 48
+
+
+def decode_streams(maker: StreamMaker, rounds: int):
+    """Random calls of `apply` as the subscriber makes them: lone one-block events, decode steps of
+    several requests, drained bursts (several steps, parents earlier in the list) with prefills,
+    removals, re-stores and clears between, and events the compiled path must refuse: duplicates,
+    unknown parents, token ids outside uint32, the same prefix stored twice in a tier, other
+    media, KV group 1, partial tails, roots."""
+    rand = maker.rand
+    next_stranger = iter(range(10**12, 10**13))
+
+    def start_requests(count: int) -> list[dict[str, Any]]:
+        chains = [maker.new_chain() for _ in range(count)]
+        for chain in chains:
+            maker.docs.append([rand.randrange(150_000) for _ in range(DOC_TOKENS)])
+            chain.update(
+                block_size=16,
+                overlap=False,
+                group=rand.choice([None, None, None, 0, 1]),
+                medium=rand.choice([None, "GPU", "GPU", "cpu"]),
+                doc=len(maker.docs) - 1,
+            )
+        return chains
+
+    def step(chains: list[dict[str, Any]]) -> list[KVEvent]:
+        return [event for chain in chains if (event := maker.store(chain, 1)) is not None]
+
+    decoding = start_requests(rand.randint(1, 6))
+    applied: list[BlockStored] = []
+    for _ in range(rounds):
+        roll = rand.random()
+        if roll < 0.25:
+            events = step([rand.choice(decoding)])
+        elif roll < 0.5:
+            events = step(decoding)
+        elif roll < 0.85:
+            events = []
+            for _ in range(rand.randint(2, 12)):
+                events += step(decoding)
+                if rand.random() < 0.3:
+                    events += maker.batch()
+        else:
+            events = maker.batch()
+        for _ in range(rand.randint(0, 3)):  # hazards, at random places
+            chain = rand.choice(decoding)
+            doc, at = maker.docs[chain["doc"]], chain["stored"]
+            tokens = doc[at : at + 16] if at + 16 <= len(doc) else doc[:16]
+            hazard = rand.choice(["duplicate", "unknown parent", "not uint32", "twin", "tail", "root"])
+            if hazard == "duplicate" and applied:
+                event: KVEvent = rand.choice(applied)
+            elif hazard == "unknown parent":
+                event = BlockStored(
+                    block_hashes=[next(next_stranger)], parent_block_hash=-7, token_ids=tokens, block_size=16
+                )
+            elif hazard == "not uint32":
+                bad = rand.choice([-1, 2**32, 2**64 + 5, 1.5])
+                event = BlockStored(
+                    block_hashes=[next(next_stranger)],
+                    parent_block_hash=chain["parent"],
+                    token_ids=[*tokens[:15], bad],
+                    block_size=16,
+                    medium=chain["medium"],
+                )
+            elif hazard == "twin":  # the next block under another hash: a prefix the tier holds
+                twin = maker.store(chain, 1)
+                if twin is None:
+                    continue
+                events.append(twin)
+                event = BlockStored(
+                    block_hashes=[next(next_stranger)],
+                    parent_block_hash=twin.parent_block_hash,
+                    token_ids=twin.token_ids,
+                    block_size=16,
+                    medium=twin.medium,
+                    group_idx=twin.group_idx,
+                )
+            elif hazard == "tail":  # a partial block, then a child of it
+                partial = BlockStored(
+                    block_hashes=[next(next_stranger)],
+                    parent_block_hash=chain["parent"],
+                    token_ids=tokens[:9],
+                    block_size=16,
+                    medium=chain["medium"],
+                )
+                events.append(partial)
+                event = BlockStored(
+                    block_hashes=[next(next_stranger)],
+                    parent_block_hash=partial.block_hashes[0],
+                    token_ids=tokens,
+                    block_size=16,
+                )
+            else:
+                event = BlockStored(block_hashes=[next(next_stranger)], token_ids=tokens, block_size=16)
+            events.insert(rand.randrange(len(events) + 1), event)
+        applied += [event for event in events if isinstance(event, BlockStored)][-20:]
+        if any(isinstance(event, AllBlocksCleared) for event in events) or rand.random() < 0.05:
+            decoding = start_requests(rand.randint(1, 6))  # the engine dropped everything, or new requests
+        yield events
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_compiled_python_and_general_paths_build_the_same_index(seed: int, applied_by_compiled_path) -> None:
+    compiled, python, general = PrefixIndex(), PrefixIndex(compiled_ingest=False), PrefixIndex()
+    assert compiled.ingest_path == "compiled"
+    maker = StreamMaker(200 + seed)
+    for call, events in enumerate(decode_streams(maker, 160)):
+        compiled.apply("a", events)
+        python.apply("a", events)
+        apply_through_general_path(general, "a", events)
+        if call % 40 == 39:
+            reference = internal_state(general, "a")
+            assert internal_state(compiled, "a") == reference
+            assert internal_state(python, "a") == reference
+    for doc in maker.docs:
+        for namespace in ((None, None), ("lora-a", None), (None, "salt-1")):
+            expected = general.longest_cached_prefix(doc, namespace)
+            assert compiled.longest_cached_prefix(doc, namespace) == expected
+            assert python.longest_cached_prefix(doc, namespace) == expected
+    assert sum(applied_by_compiled_path) > 300, "the compiled path applied (almost) nothing"
+    assert 0 in applied_by_compiled_path, "the compiled path refused nothing: the hazards did not reach it"
+
+
+def test_the_same_decode_stream_on_two_backends_shares_mask_objects(applied_by_compiled_path) -> None:
+    """A second backend storing the prefixes the first holds: its masks are the index's shared
+    objects, as the Python paths make them; lookups see both backends."""
+    rand = random.Random(4)
+    tokens = [rand.randrange(150_000) for _ in range(16 * 30)]
+    events: list[KVEvent] = [BlockStored(block_hashes=[1], token_ids=tokens[:16], block_size=16)]
+    events += [
+        BlockStored(
+            block_hashes=[h], parent_block_hash=h - 1, token_ids=tokens[16 * (h - 1) : 16 * h], block_size=16
+        )
+        for h in range(2, 31)
+    ]
+    compiled, python = PrefixIndex(), PrefixIndex(compiled_ingest=False)
+    for index in (compiled, python):
+        for backend in ("a", "b"):
+            index.apply(backend, events[:1])
+            for event in events[1:]:
+                index.apply(backend, [event])
+    assert sum(applied_by_compiled_path) == 2 * 29
+    assert internal_state(compiled, "a") == internal_state(python, "a")
+    assert internal_state(compiled, "b") == internal_state(python, "b")
+    both = compiled._backends["a"].medium_slots[None][1] | compiled._backends["b"].medium_slots[None][1]
+    shared = compiled._shared_masks[both]
+    assert all(mask is shared for mask in compiled._holders.values())
+    matches = compiled.longest_cached_prefix(tokens)
+    assert (matches["a"].tokens, matches["b"].tokens) == (480, 480)
+
+
+def test_events_outside_the_shape_are_refused_with_the_index_untouched() -> None:
+    rand = random.Random(5)
+    tokens = [rand.randrange(150_000) for _ in range(16 * 8)]
+    index = PrefixIndex()
+    index.apply("a", [BlockStored(block_hashes=[1, 2], token_ids=tokens[:32], block_size=16)])
+    index.apply("a", [BlockStored(block_hashes=[3], token_ids=tokens[:24], block_size=24)])  # a tail
+    index.apply(
+        "a", [BlockStored(block_hashes=[4], parent_block_hash=2, token_ids=tokens[32:48], block_size=16)]
+    )
+    writer = index._backends["a"].compiled_writer
+    assert writer is not None
+
+    class OtherEvent(BlockStored):
+        pass
+
+    def child(block_hash: int, parent: Any = 2, token_ids: Any = None, **fields: Any) -> BlockStored:
+        chosen = tokens[48:64] if token_ids is None else token_ids
+        return BlockStored(
+            block_hashes=[block_hash], parent_block_hash=parent, token_ids=chosen, block_size=16, **fields
+        )
+
+    refused = [
+        child(4),  # already placed
+        child(10, parent=3),  # the parent ends inside a router block
+        child(10, parent=99),  # unknown parent
+        child(10, parent=None),  # a root
+        child(10, token_ids=[-1] * 16),
+        child(10, token_ids=[2**32] * 16),
+        child(10, token_ids=[1.0] * 16),
+        child(10, token_ids=list(np.arange(16, dtype=np.int64))),  # numpy ints: the Python paths take them
+        child(10, token_ids=tuple(tokens[48:64])),
+        child(10, token_ids=tokens[48:63]),
+        child(10, group_idx=1),
+        BlockStored(block_hashes=[10], parent_block_hash=2, token_ids=tokens[48:64]),  # no block size
+        BlockStored(block_hashes=[10], parent_block_hash=2, token_ids=tokens[48:64], block_size=32),
+        BlockStored(block_hashes=[10, 11], parent_block_hash=2, token_ids=tokens[48:80], block_size=16),
+        OtherEvent(block_hashes=[10], parent_block_hash=2, token_ids=tokens[48:64], block_size=16),
+        child(10, parent=2, token_ids=tokens[32:48]),  # completes the prefix block 4 holds in this tier
+        BlockRemoved(block_hashes=[4]),
+        AllBlocksCleared(),
+    ]
+    for event in refused:
+        before = internal_state(index, "a")
+        with index._lock:
+            assert writer.store([event], 0) == 0, event
+        assert internal_state(index, "a") == before, event
+    # A list: the leading events of the shape are applied, the position of the first other returned.
+    events: list[KVEvent] = [
+        child(10, parent=4),
+        child(11, parent=10, token_ids=tokens[64:80]),
+        child(12, parent=99),
+    ]
+    with index._lock:
+        assert writer.store(events, 0) == 2
+        assert writer.store(events, 2) == 2
+    assert index.longest_cached_prefix(tokens)["a"].tokens == 80
+
+
+def test_a_drained_burst_from_the_wire_resumes_the_compiled_path_after_other_events(
+    applied_by_compiled_path,
+) -> None:
+    """Decoded wire batches (array-encoded events: the decoder's own subclass) joined into one
+    call, prefills and removals between decode steps: each decode run is applied by the compiled
+    path, the rest by the general path, and the index equals the pure-Python one's."""
+    rand = random.Random(6)
+    docs = [[rand.randrange(150_000) for _ in range(16 * 20)] for _ in range(3)]
+    wire: list[Any] = []
+    next_hash = 100
+    for doc_number, doc in enumerate(docs):
+        first = next_hash
+        wire.append(block_stored(list(range(first, first + 4)), doc[:64], 16, encoding="array"))
+        next_hash += 4
+        for block in range(4, 20):
+            wire.append(
+                block_stored(
+                    [next_hash],
+                    doc[16 * block : 16 * block + 16],
+                    16,
+                    parent_block_hash=next_hash - 1,
+                    encoding="array",
+                )
+            )
+            next_hash += 1
+        if doc_number == 1:
+            wire.append(block_removed([first + 2], encoding="array"))
+    events = decode_batch(encode_batch(wire, encoding="array")).events
+    assert type(events[1]) is not BlockStored and isinstance(events[1], BlockStored)
+    compiled, python = PrefixIndex(), PrefixIndex(compiled_ingest=False)
+    compiled.apply("a", events)
+    python.apply("a", events)
+    assert internal_state(compiled, "a") == internal_state(python, "a")
+    assert [count for count in applied_by_compiled_path if count] == [16, 16, 16]
