@@ -16,7 +16,14 @@ import time
 
 from benchmarks.sim_fleet import Engine, EngineFleet
 from tests.support.processes import REPO_ROOT, wait_for_http
-from tests.support.vllm import TINY_MODEL, VLLM_BIN, VLLM_START_TIMEOUT_S, VllmServer, start_vllm
+from tests.support.vllm import (
+    SERVED_MODEL,
+    TINY_MODEL,
+    VLLM_BIN,
+    VLLM_START_TIMEOUT_S,
+    VllmServer,
+    start_vllm,
+)
 
 # The CPU attention backend refuses blocks smaller than 32 tokens (docs: real-engines).
 REAL_BLOCK_SIZE = 32
@@ -25,6 +32,9 @@ MAX_MODEL_LEN = 4096
 # One compute thread per engine, left to the OS scheduler: pinning both engines' workers to fixed
 # cores would fight the other processes of a shared 2-core machine.
 ENGINE_ENV = {"VLLM_CPU_OMP_THREADS_BIND": "nobind", "OMP_NUM_THREADS": "1"}
+# Prompt lengths (words of one token each) of the warm-up requests: the workloads' range.
+WARM_UP_PROMPT_WORDS = (40, 600, 1500, 2900)
+WARM_UP_WORDS = ("the", "quick", "brown", "fox", "jumps", "over", "a", "lazy", "dog", "by", "the", "river")
 
 
 def ensure_vllm_installed() -> None:
@@ -90,9 +100,37 @@ class RealEngineFleet(EngineFleet):
                 )
             for server in self._servers:
                 wait_for_http(f"{server.url}/health", server.process, timeout_s)
+            self._warm_up()
         except BaseException:
             self.stop()
             raise
+
+    def _warm_up(self) -> None:
+        """A fresh vLLM answers its first requests of each size slowly (lazy initialisation, first
+        kernels of each shape: hundreds of ms on these engines): every engine gets a streamed chat
+        request of each of the workloads' sizes, cold then cached, so that the first policy of a
+        run does not pay for that (its cache is emptied before the run like every other's)."""
+        for engine in self.engines:
+            for words in WARM_UP_PROMPT_WORDS:
+                filler = " ".join(WARM_UP_WORDS[n % len(WARM_UP_WORDS)] for n in range(words))
+                text = f"{engine.name} warm-up: {filler}"
+                for _ in range(2):
+                    body = {
+                        "model": SERVED_MODEL,
+                        "messages": [{"role": "user", "content": text}],
+                        "max_tokens": 4,
+                        "stream": True,
+                    }
+                    with self._client.stream(
+                        "POST", f"{engine.url}/v1/chat/completions", json=body, timeout=120.0
+                    ) as response:
+                        if response.status_code != 200:
+                            raise RuntimeError(
+                                f"warm-up request to {engine.name} ({words} words) failed: "
+                                f"HTTP {response.status_code} {response.read()[:500]!r}"
+                            )
+                        for _ in response.iter_bytes():
+                            pass
 
     def reset_caches(self, timeout_s: float = 60.0) -> None:
         """Empty every engine's prefix cache. vLLM answers 200 with {"success": false} while blocks are

@@ -126,12 +126,24 @@ class KVAwarePolicy(_Struct, tag="kv_aware", tag_field="name"):
     # prefix then spills to the cheapest under-share backend, which caches it too.
     max_share_ratio: Annotated[float, msgspec.Meta(ge=1.0)] = 1.25
     share_slack: Annotated[float, msgspec.Meta(ge=0)] = 1.0
+    # With few recent requests per backend (a small fleet, a quiet spell) 5 against 1 is chance, not
+    # a hot spot, and a spill would cost a whole prefill for nothing: the line is then the mean plus
+    # this many standard deviations of the counts' chance spread (sqrt of the mean), when that is
+    # more than max_share_ratio * the mean.
+    share_noise: Annotated[float, msgspec.Meta(ge=0)] = 1.0
     share_half_life_s: Annotated[float, msgspec.Meta(gt=0)] = 20.0
     # N > 0: only requests whose best cached prefix N recent requests matched (a hot prefix) are
     # held to the share line, so a conversation of its own stays home; 0: every request is.
     hot_prefix_requests: Annotated[int, msgspec.Meta(ge=0)] = 2
     # How long a routed prompt counts as cached on its backend before its events confirm it.
     prediction_ttl_s: float = 5.0
+    # Raise request_load_weight and prefill_load_weight to what the TTFTs of the streamed requests
+    # routed so far say a request in flight and a queued prompt token cost on these engines (a fit
+    # over the last load_fit_half_life_requests or so, once load_fit_min_requests are measured;
+    # router/policies/load_costs.py). The configured weights stay floors.
+    measure_load_costs: bool = True
+    load_fit_half_life_requests: Annotated[float, msgspec.Meta(gt=0)] = 200.0
+    load_fit_min_requests: Annotated[int, msgspec.Meta(ge=8)] = 32
 
 
 class ApproximatePolicy(_Struct, tag="approximate", tag_field="name"):
@@ -142,6 +154,11 @@ class ApproximatePolicy(_Struct, tag="approximate", tag_field="name"):
     # The share guard of kv_aware (see KVAwarePolicy).
     max_share_ratio: Annotated[float, msgspec.Meta(ge=1.0)] = 1.25
     share_slack: Annotated[float, msgspec.Meta(ge=0)] = 1.0
+    # With few recent requests per backend (a small fleet, a quiet spell) 5 against 1 is chance, not
+    # a hot spot, and a spill would cost a whole prefill for nothing: the line is then the mean plus
+    # this many standard deviations of the counts' chance spread (sqrt of the mean), when that is
+    # more than max_share_ratio * the mean.
+    share_noise: Annotated[float, msgspec.Meta(ge=0)] = 1.0
     share_half_life_s: Annotated[float, msgspec.Meta(gt=0)] = 20.0
 
 

@@ -130,12 +130,15 @@ class KVIndexExtension:
                 item["token_ids"] = top["preview_tokens"][:32]
             prefixes.append(item)
         decisions = list(getattr(gateway.policy, "recent_decisions", []))[-50:][::-1]
+        load_costs = getattr(gateway.policy, "load_costs", None)
         return {
             "backends": backends,
             "prefixes": prefixes,
             "decisions": decisions,
             "index": self.service.index.size(),
             "policy": getattr(gateway.policy, "name", None),
+            # kv_aware's measured load weights (router/policies/load_costs.py), when it measures them.
+            "load_costs": None if load_costs is None else load_costs.describe(),
             "redacted": redact,
             "generated_at": dt.datetime.now(dt.UTC).isoformat(),
         }

@@ -327,6 +327,9 @@ class ProxyEndpoint:
         headers.append(id_header)
         headers_arrived = perf_counter()
         outcome_status = status
+        # A streamed answer's first piece comes with its first token: the policy may learn from
+        # the time to it (a whole answer's first piece says nothing about the prefill).
+        first_piece_pending = status == 200 and _is_event_stream(response.headers)
         try:
             await responder.start(status, headers)
             gateway.metrics.overhead.observe(
@@ -337,6 +340,9 @@ class ProxyEndpoint:
                     if prefill_tokens:
                         backend.in_flight_prefill_tokens -= prefill_tokens
                         prefill_tokens = 0
+                    if first_piece_pending:
+                        route_request.decision["upstream_ttft_s"] = perf_counter() - upstream_started
+                        first_piece_pending = False
                     if response.at_end:
                         # The last piece ends the response in the same write (saves a write per request).
                         await responder.body(piece, False)

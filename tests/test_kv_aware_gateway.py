@@ -238,3 +238,20 @@ def test_a_prompt_still_being_answered_draws_the_requests_that_share_it(fleet: F
         slow.join()
     assert first["response"].status_code == 200 and follow_up.status_code == 200
     assert follow_up.headers["x-kvgate-backend"] == first["response"].headers["x-kvgate-backend"]
+
+
+def test_the_policy_measures_load_costs_from_streamed_answers_only(fleet: Fleet) -> None:
+    # x-test-delay-ms holds back the headers, so the first piece comes after 200 ms: the time the
+    # gateway records is the time to it, and only a streamed answer's first piece means a first token.
+    def observed() -> int:
+        return fleet.prefix_map()["load_costs"]["observed"]
+
+    before = observed()
+    body = chat_body(DOCS["b1"], "Stream it?")
+    streamed = fleet.client.post("/v1/chat/completions", json={**body, "stream": True},
+                                 headers={"x-test-delay-ms": "200"})  # fmt: skip
+    assert streamed.status_code == 200 and streamed.headers["content-type"].startswith("text/event-stream")
+    assert observed() == before + 1
+    whole = fleet.client.post("/v1/chat/completions", json=body)
+    assert whole.status_code == 200
+    assert observed() == before + 1

@@ -330,3 +330,24 @@ def test_a_spilled_prefix_goes_to_the_engine_with_most_headroom_and_the_next_spi
     second = request(_family_prompt(PROMPTS[0][:384], 2), rid="spill-2")
     assert route(policy, second, candidates).name == "b2"
     assert second.decision["cached_tokens"] >= 384
+
+
+def _document_questions(policy: KVAware) -> list[str]:
+    """A document's six questions in a quick burst on two engines, the other engine having had one
+    recent request: where each question goes (answers finish at once)."""
+    index = policy.kv_index
+    document = PROMPTS[2][:384]
+    store(index, "b0", document)
+    candidates = backends(2)
+    policy.request_shares.add("b1", 1.0, time.monotonic())
+    questions = [request(_family_prompt(document, n), rid=f"q{n}") for n in range(6)]
+    return [route(policy, question, candidates).name for question in questions]
+
+
+def test_a_few_requests_against_one_are_chance_not_a_hot_spot() -> None:
+    # 5 against 1 on two engines is within the chance spread of such small counts: the document
+    # stays home instead of being computed again on the other engine.
+    assert _document_questions(KVAware(KVAwarePolicy(), PrefixIndex())) == ["b0"] * 6
+    # A proportional line alone (share_noise 0) spills at the fifth question.
+    spilled = _document_questions(KVAware(KVAwarePolicy(share_noise=0), PrefixIndex()))
+    assert spilled[:4] == ["b0"] * 4 and "b1" in spilled[4:]

@@ -8,8 +8,9 @@ Cost of backend B for a prompt of P tokens:
              + request_load_weight * in_flight + prefill_load_weight * in_flight_prefill_tokens
 The cheapest backend wins, with these guards:
 - share of recent requests: each backend's count of routed requests decays with share_half_life_s;
-  a backend whose count, with this request, would exceed max_share_ratio * the mean (plus
-  share_slack) is skipped while another is under that line (with hot_prefix_requests N > 0, only
+  a backend whose count, with this request, would exceed max_share_ratio * the mean, or the
+  mean plus share_noise * sqrt(mean) (the chance spread of small counts) when that is more, plus
+  share_slack, is skipped while another is under that line (with hot_prefix_requests N > 0, only
   for prompts whose best cached prefix N recent requests matched, same decay).
   In-flight counts alone cannot see a hot prefix when requests finish fast (about one in flight per
   engine); the decayed share can, and the request then goes to the cheapest under-share backend,
@@ -24,6 +25,9 @@ The cheapest backend wins, with these guards:
   prefixes therefore spread evenly over the engines instead of piling onto the first one
   (architecture.md, "what measuring the peers taught us"); between equal costs otherwise, the
   backend with the fewest recently placed prompt tokens wins, then the one whose cache holds least.
+The two load weights are floors: with measure_load_costs, the TTFTs of streamed requests measure
+what a request in flight and a queued prompt token cost on these engines, in prompt tokens, and
+the larger of measured and configured applies (router/policies/load_costs.py).
 After routing, the prompt is credited to the chosen backend for prediction_ttl_s (its events arrive
 only after the prefill); predictions steer routing but never appear in the index or /lookup.
 """
@@ -42,6 +46,7 @@ from prometheus_client import Counter
 from router.config import ApproximatePolicy, KVAwarePolicy
 from router.index.prefix_index import ROUTER_BLOCK_TOKENS, BackendMatch, prompt_prefix_keys
 from router.policies.least_loaded import fewest_in_flight
+from router.policies.load_costs import MeasuredLoadCosts
 
 if TYPE_CHECKING:
     from router.backends import BackendState
@@ -159,6 +164,7 @@ class CacheAwarePolicy:
         self.load_slack = config.load_slack
         self.max_share_ratio = config.max_share_ratio
         self.share_slack = config.share_slack
+        self.share_noise = config.share_noise
         self.placements = PlacementTracker()
         self.request_shares = PlacementTracker(config.share_half_life_s)
         self.cold_placements = PlacementTracker(config.share_half_life_s)
@@ -180,7 +186,12 @@ class CacheAwarePolicy:
         allowed = candidates
         if by_share:
             shares = [self.request_shares.value(b.name, now) for b in candidates]
-            share_line = self.max_share_ratio * (sum(shares) + 1) / len(candidates) + self.share_slack
+            mean_share = (sum(shares) + 1) / len(candidates)
+            # The larger of a proportional tolerance and the chance spread of small counts: the
+            # latter wins below (share_noise / (max_share_ratio - 1))^2 requests per backend.
+            share_line = self.share_slack + max(
+                self.max_share_ratio * mean_share, mean_share + self.share_noise * math.sqrt(mean_share)
+            )
             allowed = [b for b, share in zip(candidates, shares, strict=True) if share + 1 <= share_line]
             allowed = allowed or candidates
         mean = sum(b.in_flight for b in allowed) / len(allowed)
@@ -298,6 +309,11 @@ class KVAware(CacheAwarePolicy):
         self.kv_index = kv_index
         self.predictions = Predictions(config.prediction_ttl_s)
         self.prefix_uses = RecentPrefixUses(config.share_half_life_s)
+        self.load_costs = (
+            MeasuredLoadCosts(config.load_fit_half_life_requests, config.load_fit_min_requests)
+            if config.measure_load_costs
+            else None
+        )
         self._weights = {
             "gpu": config.gpu_hit_weight,
             "cpu": config.cpu_hit_weight,
@@ -325,14 +341,12 @@ class KVAware(CacheAwarePolicy):
         costs: dict[str, float] = {}
         cached: dict[str, int] = {}
         scores: dict[str, dict[str, Any]] = {}
+        request_weight, prefill_weight = self.load_weights()
         for backend in candidates:
             match = matches.get(backend.name)
             predicted = self.predictions.leading_blocks(backend.name, keys, now) * ROUTER_BLOCK_TOKENS
             saved, held = self._saved_tokens(match, predicted)
-            load = (
-                self.config.request_load_weight * backend.in_flight
-                + self.config.prefill_load_weight * backend.in_flight_prefill_tokens
-            )
+            load = request_weight * backend.in_flight + prefill_weight * backend.in_flight_prefill_tokens
             costs[backend.name] = self.config.uncached_token_weight * (prompt_tokens - saved) + load
             cached[backend.name] = held
             scores[backend.name] = {
@@ -360,6 +374,16 @@ class KVAware(CacheAwarePolicy):
         reason = self._reason(tokens, candidates, allowed, winner, costs, cached)
         self.record(request, winner.name, reason, scores, prompt_tokens, cached[winner.name])
         return winner
+
+    def load_weights(self) -> tuple[float, float]:
+        """Prompt tokens one request in flight, and one queued prompt token, are worth: the
+        configured weights, or what the engines' TTFTs measure when that is more."""
+        request_weight, prefill_weight = self.config.request_load_weight, self.config.prefill_load_weight
+        measured = self.load_costs
+        if measured is not None and measured.request_weight is not None:
+            request_weight = max(request_weight, measured.request_weight)
+            prefill_weight = max(prefill_weight, measured.prefill_weight or 0.0)
+        return request_weight, prefill_weight
 
     def _saved_tokens(self, match: BackendMatch | None, predicted: int) -> tuple[float, int]:
         """Weighted tokens the backend would not compute, and the contiguous prefix it holds."""
@@ -401,10 +425,22 @@ class KVAware(CacheAwarePolicy):
         hot_key = request.decision.pop("hot_prefix_key", None)
         if hot_key is not None:
             self.prefix_uses.add(hot_key, now)
+        if self.load_costs is not None:
+            # The load the request met: on_routed comes after the gateway counted it in.
+            prefill_tokens = request.decision.get("prefill_tokens", 0)
+            request.decision["load_at_send"] = (
+                prefill_tokens,
+                backend.in_flight - 1,
+                backend.in_flight_prefill_tokens - prefill_tokens,
+            )
         self.remember_routed(request, backend)
 
     def on_finished(self, request: RouteRequest, backend: BackendState) -> None:
-        pass
+        decision = request.decision
+        ttft_s = decision.get("upstream_ttft_s")
+        load = decision.get("load_at_send")
+        if ttft_s is not None and load is not None and self.load_costs is not None:
+            self.load_costs.observe(*load, ttft_s)
 
 
 def create(policy_config: KVAwarePolicy, gateway: Any) -> KVAware:
