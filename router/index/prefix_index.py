@@ -540,17 +540,16 @@ class PrefixIndex:
             if len(self._shared_masks) > _SHARED_MASKS_LIMIT:
                 self._shared_masks.clear()
             # One-block events of the decode shape (each engine step that fills a block publishes
-            # one per request) go the compiled path when it is built: it applies the leading ones
-            # and says where it stopped. A lone one-block event (one tuple allocated) gets no GC
-            # pause, which would cost more than it saves.
+            # one per request) go the compiled path when it is built (`_apply_compiled_locked`),
+            # else the pure-Python paths below. A lone one-block event (one tuple allocated) gets
+            # no GC pause, which would cost more than it saves.
             writer = backend.compiled_writer
             if writer is None and self._compiled_writer is not None:
                 writer = backend.compiled_writer = self._compiled_writer(self, backend)
             if writer is not None:
                 if events.__class__ is not list:  # (the compiled path reads a list)
                     events = list(events)
-                applied = writer.store(events, 0)
-                if applied == len(events):
+                if len(events) == 1 and writer.store(events, 0) == 1:
                     return
             elif len(events) == 1 and self._store_one_block_locked(backend, events[0]):
                 return
@@ -562,24 +561,28 @@ class PrefixIndex:
             gc.disable()
             try:
                 if writer is not None:
-                    self._apply_after_compiled_locked(backend, writer, events, applied)
+                    if len(events) == 1:  # (refused above)
+                        self._apply_locked(backend, events)
+                    else:
+                        self._apply_compiled_locked(backend, writer, events)
                 elif len(events) == 1 or not self._store_decode_step_locked(backend, events):
                     self._apply_in_runs_locked(backend, events)
             finally:
                 if collecting:
                     gc.enable()
 
-    def _apply_after_compiled_locked(
-        self, backend: _Backend, writer: Any, events: list[KVEvent], refused: int
-    ) -> None:
-        """The events from `refused` (the first the compiled path did not apply) on, in order:
-        the general path takes that one and the events up to the next one-block event with a
-        parent, the compiled path the run from there, and so on."""
+    def _apply_compiled_locked(self, backend: _Backend, writer: Any, events: list[KVEvent]) -> None:
+        """Events in order: the compiled path applies each run of the decode shape and stops at the
+        first other event; the general path takes that one and the events up to the next one-block
+        event with a parent; the compiled path goes on from there, and so on."""
         count = len(events)
-        while refused < count:
-            resume = _next_one_block_candidate(events, refused + 1)
-            self._apply_locked(backend, events[refused:resume])
-            refused = writer.store(events, resume) if resume < count else count
+        position = 0
+        while position < count:
+            position = writer.store(events, position)
+            if position < count:
+                resume = _next_one_block_candidate(events, position + 1)
+                self._apply_locked(backend, events[position:resume])
+                position = resume
 
     def _store_one_block_locked(self, backend: _Backend, event: KVEvent) -> bool:
         """`_store_decode_step_locked` for a batch of one event, in plain Python (an engine step
