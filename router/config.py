@@ -132,6 +132,11 @@ class KVAwarePolicy(_Struct, tag="kv_aware", tag_field="name"):
     # more than max_share_ratio * the mean.
     share_noise: Annotated[float, msgspec.Meta(ge=0)] = 1.0
     share_half_life_s: Annotated[float, msgspec.Meta(gt=0)] = 20.0
+    # A cached prefix shorter than this (a chat template's header, a one-line system prompt that
+    # every request starts with) says nothing about where a conversation or document lives: such
+    # a prompt is placed as a cold one (spread by load and recent cold placements), not drawn to
+    # whichever engine served the header first.
+    affinity_min_tokens: Annotated[int, msgspec.Meta(ge=0)] = 64
     # N > 0: only requests whose best cached prefix N recent requests matched (a hot prefix) are
     # held to the share line, so a conversation of its own stays home; 0: every request is.
     hot_prefix_requests: Annotated[int, msgspec.Meta(ge=0)] = 2
@@ -160,6 +165,11 @@ class ApproximatePolicy(_Struct, tag="approximate", tag_field="name"):
     # more than max_share_ratio * the mean.
     share_noise: Annotated[float, msgspec.Meta(ge=0)] = 1.0
     share_half_life_s: Annotated[float, msgspec.Meta(gt=0)] = 20.0
+    # A cached prefix shorter than this (a chat template's header, a one-line system prompt that
+    # every request starts with) says nothing about where a conversation or document lives: such
+    # a prompt is placed as a cold one (spread by load and recent cold placements), not drawn to
+    # whichever engine served the header first.
+    affinity_min_tokens: Annotated[int, msgspec.Meta(ge=0)] = 64
 
 
 Policy = RoundRobinPolicy | LeastLoadedPolicy | SessionPolicy | KVAwarePolicy | ApproximatePolicy

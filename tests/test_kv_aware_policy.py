@@ -77,7 +77,7 @@ def test_gpu_hits_beat_cpu_hits_of_the_same_length() -> None:
 
 def test_load_outweighs_a_small_cache_hit() -> None:
     index = PrefixIndex()
-    store(index, "b0", PROMPTS[0][:32])
+    store(index, "b0", PROMPTS[0][:96])
     candidates = backends(2)
     candidates[0].in_flight = 2
     candidates[0].in_flight_prefill_tokens = 2000
@@ -351,3 +351,23 @@ def test_a_few_requests_against_one_are_chance_not_a_hot_spot() -> None:
     # A proportional line alone (share_noise 0) spills at the fifth question.
     spilled = _document_questions(KVAware(KVAwarePolicy(share_noise=0), PrefixIndex()))
     assert spilled[:4] == ["b0"] * 4 and "b1" in spilled[4:]
+
+
+def test_a_shared_header_alone_does_not_draw_cold_prompts_to_one_engine() -> None:
+    # Every prompt starts with the same 16-token header (a chat template's), cached on b0 only:
+    # new documents are spread as cold ones, not all sent to b0 for 16 cached tokens.
+    index = PrefixIndex()
+    header = PROMPTS[3][:16]
+    store(index, "b0", header)
+    policy = KVAware(KVAwarePolicy(), index)
+    candidates = backends(4)
+    homes = []
+    for n in range(4):
+        req = request(np.concatenate([header, PROMPTS[4 + n]]), rid=f"doc{n}")
+        homes.append(route(policy, req, candidates).name)
+        assert req.decision["reason"] == "cold_spread"
+    assert sorted(homes) == ["b0", "b1", "b2", "b3"]
+    # With the threshold at 0 the header is a hit: documents go to b0 until the share guard stops it.
+    drawn = KVAware(KVAwarePolicy(affinity_min_tokens=0), index)
+    documents = [request(np.concatenate([header, PROMPTS[4 + n]])) for n in range(2)]
+    assert [route(drawn, document, candidates).name for document in documents] == ["b0", "b0"]

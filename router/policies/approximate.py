@@ -76,12 +76,14 @@ class Approximate(CacheAwarePolicy):
         winner = self.pick(candidates, allowed, costs, cached, now)
         if request.tokens is None:
             reason = "no_tokens"
+        elif self.is_cold(cached):
+            reason = "cold_spread"
         elif cached[winner.name] > 0:
             reason = "learned_hit"
         elif len(allowed) < len(candidates):
             reason = "load_guard"
         else:
-            reason = "cold_spread"
+            reason = "least_load"
         self.record(request, winner.name, reason, scores, prompt_tokens, cached[winner.name])
         return winner
 

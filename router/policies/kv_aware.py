@@ -165,6 +165,7 @@ class CacheAwarePolicy:
         self.max_share_ratio = config.max_share_ratio
         self.share_slack = config.share_slack
         self.share_noise = config.share_noise
+        self.affinity_min_tokens = config.affinity_min_tokens
         self.placements = PlacementTracker()
         self.request_shares = PlacementTracker(config.share_half_life_s)
         self.cold_placements = PlacementTracker(config.share_half_life_s)
@@ -268,7 +269,7 @@ class CacheAwarePolicy:
         and need no guard; between equally loaded candidates, those with the fewest recent cold
         placements first (a rotation over a changing set of idle engines is not even).
         """
-        if not any(cached[b.name] for b in candidates):
+        if self.is_cold(cached):
             self._turn += 1
             lowest = min(b.in_flight for b in candidates)
             idle = [b for b in candidates if b.in_flight == lowest]
@@ -295,6 +296,10 @@ class CacheAwarePolicy:
                 key=lambda b: (self.request_shares.value(b.name, now) + b.in_flight, costs[b.name], b.name),
             )
         return best
+
+    def is_cold(self, cached: dict[str, int]) -> bool:
+        """No candidate holds enough of the prompt to tie it to an engine (affinity_min_tokens)."""
+        return max(cached.values(), default=0) < max(1, self.affinity_min_tokens)
 
     def cache_size(self, backend: str) -> int:
         return 0
@@ -371,7 +376,7 @@ class KVAware(CacheAwarePolicy):
         )
         allowed = self.guarded(candidates, now, by_share=hot)
         winner = self.pick(candidates, allowed, costs, cached, now)
-        reason = self._reason(tokens, candidates, allowed, winner, costs, cached)
+        reason = self._reason(tokens, candidates, allowed, winner, cached)
         self.record(request, winner.name, reason, scores, prompt_tokens, cached[winner.name])
         return winner
 
@@ -401,17 +406,16 @@ class KVAware(CacheAwarePolicy):
                 held = through
         return saved + self.config.gpu_hit_weight * gpu, held
 
-    @staticmethod
-    def _reason(tokens: Any, candidates: list, allowed: list, winner: Any, costs: dict, cached: dict) -> str:
+    def _reason(self, tokens: Any, candidates: list, allowed: list, winner: Any, cached: dict) -> str:
         if tokens is None:
             return "no_tokens"
+        if self.is_cold(cached):
+            return "cold_spread"
         if len(allowed) < len(candidates) and max(cached.values(), default=0) > cached[winner.name]:
             return "load_guard"
         if cached[winner.name] > 0:
             best_cache = max(cached.values())
             return "cache_hit" if cached[winner.name] == best_cache else "cache_vs_load"
-        if not any(cached.values()):
-            return "cold_spread"
         return "least_load"
 
     def cache_size(self, backend: str) -> int:
