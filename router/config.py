@@ -145,8 +145,9 @@ class KVAwarePolicy(_Struct, tag="kv_aware", tag_field="name"):
     # Raise request_load_weight and prefill_load_weight to what the TTFTs of the streamed requests
     # routed so far say a request in flight and a queued prompt token cost on these engines (a fit
     # over the last load_fit_half_life_requests or so, once load_fit_min_requests are measured;
-    # router/policies/load_costs.py). The configured weights stay floors.
-    measure_load_costs: bool = True
+    # router/policies/load_costs.py). The configured weights stay floors. Off by default: on two
+    # real engines it moved hits off briefly busy engines and lowered hit ratios (docs/index.md).
+    measure_load_costs: bool = False
     load_fit_half_life_requests: Annotated[float, msgspec.Meta(gt=0)] = 200.0
     load_fit_min_requests: Annotated[int, msgspec.Meta(ge=8)] = 32
 

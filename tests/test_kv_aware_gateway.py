@@ -60,7 +60,7 @@ class Fleet:
             config = {
                 "models": [{"name": MODEL, "tokenizer": "builtin:qwen3"}],
                 "backends": specs,
-                "policy": {"name": "kv_aware"},
+                "policy": {"name": "kv_aware", "measure_load_costs": True},
                 "admin": admin or {},
             }
             self.gateway = start_gateway(config)

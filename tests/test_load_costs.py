@@ -75,7 +75,7 @@ def _holder_with_followers_in_flight() -> tuple[PrefixIndex, list[BackendState]]
 
 def test_measured_load_costs_move_a_request_off_a_busy_holder() -> None:
     index, candidates = _holder_with_followers_in_flight()
-    policy = KVAware(KVAwarePolicy(), index)
+    policy = KVAware(KVAwarePolicy(measure_load_costs=True), index)
     # Configured weights (128 tokens a request): 384 cached tokens outweigh 3 requests in flight.
     assert policy.choose(request(PROMPTS[0]), candidates).name == "b0"
     assert policy.load_costs is not None
@@ -89,18 +89,19 @@ def test_measured_load_costs_move_a_request_off_a_busy_holder() -> None:
 
 def test_measured_weights_never_go_below_the_configured_ones() -> None:
     index, _ = _holder_with_followers_in_flight()
-    policy = KVAware(KVAwarePolicy(request_load_weight=128, prefill_load_weight=0.5), index)
+    floors = KVAwarePolicy(request_load_weight=128, prefill_load_weight=0.5, measure_load_costs=True)
+    policy = KVAware(floors, index)
     assert policy.load_costs is not None
     feed(policy.load_costs, 200, us_per_token=100, ms_per_request=0.3)  # the simulator's engines
     assert policy.load_costs.request_weight is not None and policy.load_costs.request_weight < 20
     assert policy.load_weights() == (128, 0.5)
-    off = KVAware(KVAwarePolicy(measure_load_costs=False), index)
+    off = KVAware(KVAwarePolicy(), index)  # the default: configured weights only
     assert off.load_costs is None and off.load_weights() == (128, 0.5)
 
 
 def test_the_policy_learns_from_streamed_requests_it_routed() -> None:
     index, candidates = _holder_with_followers_in_flight()
-    policy = KVAware(KVAwarePolicy(load_fit_min_requests=8), index)
+    policy = KVAware(KVAwarePolicy(measure_load_costs=True, load_fit_min_requests=8), index)
     assert policy.load_costs is not None
     for n in range(16):
         req = RouteRequest(request_id=f"r{n}", model="m", body={}, tokens=PROMPTS[n % 4][: 64 * (1 + n % 8)],

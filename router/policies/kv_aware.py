@@ -25,9 +25,9 @@ The cheapest backend wins, with these guards:
   prefixes therefore spread evenly over the engines instead of piling onto the first one
   (architecture.md, "what measuring the peers taught us"); between equal costs otherwise, the
   backend with the fewest recently placed prompt tokens wins, then the one whose cache holds least.
-The two load weights are floors: with measure_load_costs, the TTFTs of streamed requests measure
-what a request in flight and a queued prompt token cost on these engines, in prompt tokens, and
-the larger of measured and configured applies (router/policies/load_costs.py).
+With measure_load_costs (off by default), the TTFTs of streamed requests measure what a request in
+flight and a queued prompt token cost on these engines, in prompt tokens, and the larger of
+measured and configured weight applies (router/policies/load_costs.py, docs/index.md).
 After routing, the prompt is credited to the chosen backend for prediction_ttl_s (its events arrive
 only after the prefill); predictions steer routing but never appear in the index or /lookup.
 """

@@ -16,6 +16,8 @@ follow-up turns onto the engine holding them until their first tokens wait secon
 so that recent requests count most, and offers b/a and c/a as the weights. The configured weights
 stay floors: a measurement can raise them, never lower them, because TTFT does not show all that a
 busy engine costs (decode slows down with the batch: throughput, not first tokens).
+kv_aware uses it only with `measure_load_costs: true` (off by default: see docs/index.md for the
+side-by-side runs where it lowered hit ratios on real engines).
 Until `min_requests` have been measured, or while the fit is degenerate (no spread in the uncached
 tokens, a non-positive cost per token), it offers nothing and the configured weights apply.
 """
