@@ -99,24 +99,10 @@ class SessionPolicy(_Struct, tag="session", tag_field="name"):
     header: str = "x-session-id"
 
 
-class KVAwarePolicy(_Struct, tag="kv_aware", tag_field="name"):
-    # A token cached on the GPU tier saves a full prefill token; one on the CPU tier saves less
-    # (it still has to be loaded).
-    gpu_hit_weight: float = 1.0
-    cpu_hit_weight: float = 0.8
-    disk_hit_weight: float = 0.5
-    # Cost of one in-flight request, in prefill-token equivalents, and of one prompt token still to
-    # prefill there. 0.5: a prefill in progress is on average half done when the next request comes
-    # (the gateway sees when a prefill ends, not how far it is); counting it whole made a backend
-    # computing this very prefix look worse than an idle one, and a burst sharing a new prefix
-    # scattered over the engines (benchmarks/results/routing.md).
-    request_load_weight: float = 128.0
-    prefill_load_weight: float = 0.5
-    # Weight of a prompt token the backend would compute itself, against one token of prefill
-    # already queued there (load). Above 1, a backend holding the prefix keeps it unless its queue
-    # is that much longer than an idle backend's: moving a prefix costs a full prefill now and a
-    # second copy that evicts other prefixes, which the queue alone does not show.
-    uncached_token_weight: Annotated[float, msgspec.Meta(ge=1.0)] = 1.5
+class CacheAwareGuards(_Struct):
+    """The guards and cold placement kv_aware and approximate share (router/policies/kv_aware.py,
+    CacheAwarePolicy): one definition of their settings for both policies."""
+
     # Hot-spot guard: a backend whose in-flight count exceeds this multiple of the mean (plus slack)
     # is not chosen while another candidate is below it.
     max_load_ratio: float = 1.25
@@ -137,6 +123,26 @@ class KVAwarePolicy(_Struct, tag="kv_aware", tag_field="name"):
     # a prompt is placed as a cold one (spread by load and recent cold placements), not drawn to
     # whichever engine served the header first.
     affinity_min_tokens: Annotated[int, msgspec.Meta(ge=0)] = 64
+
+
+class KVAwarePolicy(CacheAwareGuards, tag="kv_aware", tag_field="name"):
+    # A token cached on the GPU tier saves a full prefill token; one on the CPU tier saves less
+    # (it still has to be loaded).
+    gpu_hit_weight: float = 1.0
+    cpu_hit_weight: float = 0.8
+    disk_hit_weight: float = 0.5
+    # Cost of one in-flight request, in prefill-token equivalents, and of one prompt token still to
+    # prefill there. 0.5: a prefill in progress is on average half done when the next request comes
+    # (the gateway sees when a prefill ends, not how far it is); counting it whole made a backend
+    # computing this very prefix look worse than an idle one, and a burst sharing a new prefix
+    # scattered over the engines (benchmarks/results/routing.md).
+    request_load_weight: float = 128.0
+    prefill_load_weight: float = 0.5
+    # Weight of a prompt token the backend would compute itself, against one token of prefill
+    # already queued there (load). Above 1, a backend holding the prefix keeps it unless its queue
+    # is that much longer than an idle backend's: moving a prefix costs a full prefill now and a
+    # second copy that evicts other prefixes, which the queue alone does not show.
+    uncached_token_weight: Annotated[float, msgspec.Meta(ge=1.0)] = 1.5
     # N > 0: only requests whose best cached prefix N recent requests matched (a hot prefix) are
     # held to the share line, so a conversation of its own stays home; 0: every request is.
     hot_prefix_requests: Annotated[int, msgspec.Meta(ge=0)] = 2
@@ -152,25 +158,9 @@ class KVAwarePolicy(_Struct, tag="kv_aware", tag_field="name"):
     load_fit_min_requests: Annotated[int, msgspec.Meta(ge=8)] = 32
 
 
-class ApproximatePolicy(_Struct, tag="approximate", tag_field="name"):
+class ApproximatePolicy(CacheAwareGuards, tag="approximate", tag_field="name"):
     max_tokens: Annotated[int, msgspec.Meta(ge=1)] = 2_000_000
     block_size: Annotated[int, msgspec.Meta(ge=1)] = 16
-    max_load_ratio: float = 1.25
-    load_slack: int = 2
-    # The share guard of kv_aware (see KVAwarePolicy).
-    max_share_ratio: Annotated[float, msgspec.Meta(ge=1.0)] = 1.25
-    share_slack: Annotated[float, msgspec.Meta(ge=0)] = 1.0
-    # With few recent requests per backend (a small fleet, a quiet spell) 5 against 1 is chance, not
-    # a hot spot, and a spill would cost a whole prefill for nothing: the line is then the mean plus
-    # this many standard deviations of the counts' chance spread (sqrt of the mean), when that is
-    # more than max_share_ratio * the mean.
-    share_noise: Annotated[float, msgspec.Meta(ge=0)] = 1.0
-    share_half_life_s: Annotated[float, msgspec.Meta(gt=0)] = 20.0
-    # A cached prefix shorter than this (a chat template's header, a one-line system prompt that
-    # every request starts with) says nothing about where a conversation or document lives: such
-    # a prompt is placed as a cold one (spread by load and recent cold placements), not drawn to
-    # whichever engine served the header first.
-    affinity_min_tokens: Annotated[int, msgspec.Meta(ge=0)] = 64
 
 
 Policy = RoundRobinPolicy | LeastLoadedPolicy | SessionPolicy | KVAwarePolicy | ApproximatePolicy

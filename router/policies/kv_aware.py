@@ -43,7 +43,7 @@ from typing import TYPE_CHECKING, Any
 
 from prometheus_client import Counter
 
-from router.config import ApproximatePolicy, KVAwarePolicy
+from router.config import CacheAwareGuards, KVAwarePolicy
 from router.index.prefix_index import ROUTER_BLOCK_TOKENS, BackendMatch, prompt_prefix_keys
 from router.policies.least_loaded import fewest_in_flight
 from router.policies.load_costs import MeasuredLoadCosts
@@ -159,7 +159,7 @@ class CacheAwarePolicy:
     name = "cache_aware"
     needs_tokens = True
 
-    def __init__(self, config: KVAwarePolicy | ApproximatePolicy, registry: Any = None) -> None:
+    def __init__(self, config: CacheAwareGuards, registry: Any = None) -> None:
         self.max_load_ratio = config.max_load_ratio
         self.load_slack = config.load_slack
         self.max_share_ratio = config.max_share_ratio
