@@ -146,6 +146,16 @@ def record_decode_step_path(monkeypatch) -> list[bool]:
     return taken
 
 
+def assert_same_lookups(reference: PrefixIndex, others: list[PrefixIndex], docs: list) -> None:
+    """Every index answers every document's lookup as `reference` does, in each namespace the
+    streams use (plain, a LoRA adapter, a cache salt)."""
+    for doc in docs:
+        for namespace in ((None, None), ("lora-a", None), (None, "salt-1")):
+            expected = reference.longest_cached_prefix(doc, namespace)
+            for index in others:
+                assert index.longest_cached_prefix(doc, namespace) == expected
+
+
 def internal_state(index: PrefixIndex, backend: str) -> dict[str, Any]:
     state = index._backends[backend]
     nodes = {key: (*node[:4], _owned(node[4]), *node[5:]) for key, node in state.nodes.items()}
@@ -182,11 +192,7 @@ def test_batched_one_by_one_and_general_paths_build_the_same_index(seed: int, co
             reference = internal_state(general, "a")
             assert internal_state(batched, "a") == reference
             assert internal_state(one_by_one, "a") == reference
-            for doc in maker.docs:
-                for namespace in ((None, None), ("lora-a", None), (None, "salt-1")):
-                    expected = general.longest_cached_prefix(doc, namespace)
-                    assert batched.longest_cached_prefix(doc, namespace) == expected
-                    assert one_by_one.longest_cached_prefix(doc, namespace) == expected
+            assert_same_lookups(general, [batched, one_by_one], maker.docs)
 
 
 @pytest.mark.parametrize("seed", range(6))

@@ -18,7 +18,13 @@ from router.index import prefix_index
 from router.index.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent, decode_batch
 from router.index.prefix_index import PrefixIndex, _python_block_value
 from tests.support.event_publisher import block_removed, block_stored, encode_batch
-from tests.test_index_ingest import DOC_TOKENS, StreamMaker, apply_through_general_path, internal_state
+from tests.test_index_ingest import (
+    DOC_TOKENS,
+    StreamMaker,
+    apply_through_general_path,
+    assert_same_lookups,
+    internal_state,
+)
 
 ingest = importlib.import_module("router.index._ingest")
 
@@ -237,11 +243,7 @@ def test_compiled_python_and_general_paths_build_the_same_index(seed: int, appli
             reference = internal_state(general, "a")
             assert internal_state(compiled, "a") == reference
             assert internal_state(python, "a") == reference
-    for doc in maker.docs:
-        for namespace in ((None, None), ("lora-a", None), (None, "salt-1")):
-            expected = general.longest_cached_prefix(doc, namespace)
-            assert compiled.longest_cached_prefix(doc, namespace) == expected
-            assert python.longest_cached_prefix(doc, namespace) == expected
+    assert_same_lookups(general, [compiled, python], maker.docs)
     assert sum(applied_by_compiled_path) > 300, "the compiled path applied (almost) nothing"
     assert 0 in applied_by_compiled_path, "the compiled path refused nothing: the hazards did not reach it"
 
