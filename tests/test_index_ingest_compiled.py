@@ -9,6 +9,8 @@ import importlib.machinery
 import logging
 import random
 import sys
+import threading
+import time
 from typing import Any
 
 import numpy as np
@@ -118,7 +120,7 @@ def test_a_mismatched_configuration_is_refused_and_leaves_the_module_working() -
 def test_without_the_extension_the_index_falls_back_to_pure_python(monkeypatch, caplog) -> None:
     monkeypatch.setitem(sys.modules, "router.index._ingest", None)  # what a failed build leaves
     with caplog.at_level(logging.DEBUG, logger="router.index.prefix_index"):
-        assert prefix_index._load_compiled_ingest() == (None, None)
+        assert prefix_index._load_compiled_ingest() is None
     assert "not built" in caplog.text
     monkeypatch.setattr(prefix_index, "_CompiledWriter", None)
     index = PrefixIndex()
@@ -244,6 +246,7 @@ def test_compiled_python_and_general_paths_build_the_same_index(seed: int, appli
             assert internal_state(compiled, "a") == reference
             assert internal_state(python, "a") == reference
     assert_same_lookups(general, [compiled, python], maker.docs)
+    assert compiled._front.applied > 0, "lone one-block events did not take the compiled entry"
     assert sum(applied_by_compiled_path) > 300, "the compiled path applied (almost) nothing"
     assert 0 in applied_by_compiled_path, "the compiled path refused nothing: the hazards did not reach it"
 
@@ -269,7 +272,8 @@ def test_the_same_decode_stream_on_two_backends_shares_mask_objects(applied_by_c
             index.apply(backend, events[:1])
             for event in events[1:]:
                 index.apply(backend, [event])
-    assert sum(applied_by_compiled_path) == 2 * 29
+    # Lone events: the compiled entry applies them (the writer's own `store` is for lists).
+    assert compiled._front.applied == 2 * 29 and sum(applied_by_compiled_path) == 0
     assert internal_state(compiled, "a") == internal_state(python, "a")
     assert internal_state(compiled, "b") == internal_state(python, "b")
     both = compiled._backends["a"].medium_slots[None][1] | compiled._backends["b"].medium_slots[None][1]
@@ -373,3 +377,142 @@ def test_a_drained_burst_from_the_wire_resumes_the_compiled_path_after_other_eve
     python.apply("a", events)
     assert internal_state(compiled, "a") == internal_state(python, "a")
     assert [count for count in applied_by_compiled_path if count] == [16, 16, 16]
+
+
+def lone_chain(tokens: list[int], first_hash: int, blocks: int) -> list[BlockStored]:
+    """One request's blocks as an engine publishes them while decoding: a root, then one event per
+    filled block, each the child of the one before."""
+    events = [BlockStored(block_hashes=[first_hash], token_ids=tokens[:16], block_size=16)]
+    for at in range(1, blocks):
+        events.append(
+            BlockStored(
+                block_hashes=[first_hash + at],
+                parent_block_hash=first_hash + at - 1,
+                token_ids=tokens[16 * at : 16 * (at + 1)],
+                block_size=16,
+            )
+        )
+    return events
+
+
+def test_lone_decode_events_take_the_compiled_entry_and_every_other_batch_the_python_apply(
+    monkeypatch,
+) -> None:
+    calls: list[int] = []
+    original = PrefixIndex._apply_python
+
+    def spy(self: PrefixIndex, backend_name: str, events: list[KVEvent]) -> None:
+        calls.append(len(events))
+        original(self, backend_name, events)
+
+    monkeypatch.setattr(PrefixIndex, "_apply_python", spy)
+    index, general = PrefixIndex(), PrefixIndex()
+    rand = random.Random(5)
+    tokens = [rand.randrange(150_000) for _ in range(16 * 12)]
+    chain = lone_chain(tokens, 1, 12)
+    for event in chain[:6]:
+        index.apply("a", [event])
+    # The root has no parent: the Python apply takes it; its children the compiled entry.
+    assert calls == [1] and index._front.applied == 5
+    index.apply("a", chain[6:8])  # two events: a batch for the Python apply
+    index.apply("a", [chain[7]])  # stored already: refused, then the Python apply counts it
+    index.apply("a", (chain[8],))  # not a list: the Python apply
+    for event in chain[9:]:
+        index.apply("a", [event])
+    assert calls == [1, 2, 1, 1] and index._front.applied == 8
+    for event in [*chain[:8], chain[7], *chain[8:]]:
+        apply_through_general_path(general, "a", [event])
+    assert internal_state(index, "a") == internal_state(general, "a")
+    assert index.longest_cached_prefix(tokens)["a"].tokens == 16 * 12
+
+
+def test_stats_of_events_the_compiled_entry_applied_are_there_when_read() -> None:
+    """The compiled entry leaves a lone event's stats pending in its writer: every read (stats,
+    held_tokens) and every reset (a clear, a snapshot) sees them, as the Python paths' stats."""
+    rand = random.Random(6)
+    tokens = [rand.randrange(150_000) for _ in range(16 * 20)]
+    compiled, python = PrefixIndex(), PrefixIndex(compiled_ingest=False)
+    for index in (compiled, python):
+        for event in lone_chain(tokens, 1, 20):
+            index.apply("a", [event])
+    assert compiled._front.applied == 19
+    assert compiled.held_tokens("a") == python.held_tokens("a") == 16 * 20
+    assert compiled.stats("a") == python.stats("a")
+    for index in (compiled, python):
+        for event in lone_chain(tokens[::-1], 100, 5):
+            index.apply("a", [event])
+        index.clear_backend("a")
+        for event in lone_chain(tokens, 200, 3):
+            index.apply("a", [event])
+    assert compiled.held_tokens("a") == python.held_tokens("a") == 16 * 3
+    assert compiled.stats("a") == python.stats("a")
+    assert compiled.stats("a").stored_events == 28
+    for index in (compiled, python):
+        index.replace_backend("a", lone_chain(tokens, 300, 2))
+    assert compiled.stats("a") == python.stats("a")
+    assert (compiled.stats("a").stored_events, compiled.held_tokens("a")) == (30, 32)
+
+
+def test_the_writer_lock_excludes_writers_and_lets_its_holder_finish() -> None:
+    index = PrefixIndex()
+    lock = index._lock
+    assert isinstance(lock, ingest.WriterLock)
+    rand = random.Random(7)
+    tokens = [rand.randrange(150_000) for _ in range(16 * 3)]
+    chain = lone_chain(tokens, 1, 3)
+    index.apply("a", chain[:2])
+    applied = threading.Event()
+
+    def writer() -> None:
+        index.apply("a", [chain[2]])  # the compiled entry: it must wait for the lock
+        applied.set()
+
+    with lock:
+        assert lock.locked() and lock.acquire(blocking=False) is False
+        thread = threading.Thread(target=writer)
+        thread.start()
+        # The writer waits without the GIL: this thread runs on while it waits.
+        deadline = time.monotonic() + 0.3
+        while time.monotonic() < deadline:
+            assert not applied.is_set(), "a writer went through while the lock was held"
+            time.sleep(0.01)
+        assert index.longest_cached_prefix(tokens)["a"].tokens == 32
+    thread.join(5)
+    assert applied.is_set() and not lock.locked()
+    assert index.longest_cached_prefix(tokens)["a"].tokens == 48
+    with pytest.raises(RuntimeError, match="unheld"):
+        lock.release()
+
+
+def test_writers_of_several_backends_at_once_build_the_index_one_writer_builds() -> None:
+    """One subscriber thread per backend: lone events of four backends applied concurrently (the
+    same documents, so the backends share prefixes and mask objects) equal one thread's result."""
+    rand = random.Random(8)
+    docs = [[rand.randrange(150_000) for _ in range(16 * 40)] for _ in range(3)]
+    streams = {
+        f"b{n}": [event for d, doc in enumerate(docs) for event in lone_chain(doc, 1000 * d + 1, 40)]
+        for n in range(4)
+    }
+    concurrent, sequential = PrefixIndex(), PrefixIndex()
+    for index in (concurrent, sequential):  # each backend's first event, in turn: the same slots
+        for name, events in streams.items():
+            index.apply(name, events[:1])
+    for name, events in streams.items():
+        for event in events[1:]:
+            sequential.apply(name, [event])
+    start = threading.Barrier(len(streams))
+
+    def feed(name: str, events: list[BlockStored]) -> None:
+        start.wait()
+        for event in events[1:]:
+            concurrent.apply(name, [event])
+
+    threads = [threading.Thread(target=feed, args=item) for item in streams.items()]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(30)
+    assert concurrent._front.applied == sequential._front.applied == 4 * 3 * 39
+    for name in streams:
+        assert internal_state(concurrent, name) == internal_state(sequential, name)
+    assert_same_lookups(sequential, [concurrent], docs)

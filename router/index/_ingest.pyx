@@ -25,6 +25,10 @@ dict store, as in the Python paths).
 """
 
 from cpython.object cimport PyObject
+from cpython.pythread cimport (
+    NOWAIT_LOCK, WAIT_LOCK, PyThread_acquire_lock, PyThread_allocate_lock, PyThread_free_lock,
+    PyThread_release_lock, PyThread_type_lock,
+)
 from cpython.ref cimport Py_INCREF, Py_XDECREF
 from libc.stdint cimport uint64_t
 
@@ -35,6 +39,7 @@ cdef extern from "Python.h":
     PyObject* PyDict_SetDefault(object mapping, object key, object value) except NULL
     int PyDict_Contains(object mapping, object key) except -1
     Py_ssize_t PyList_GET_SIZE(object items)
+    Py_ssize_t PyDict_GET_SIZE(object mapping)
     PyObject* PyList_GET_ITEM(object items, Py_ssize_t position)
     Py_ssize_t PyTuple_GET_SIZE(object items)
     PyObject* PyTuple_GET_ITEM(object items, Py_ssize_t position)
@@ -221,6 +226,22 @@ cdef class BackendWriter:
             self._flush_stats()
         return position
 
+    cdef bint store_alone(self, object event) except -1:
+        """`store([event], 0) == 1` without the Python call (the caller holds the lock). The
+        event's stats stay pending in the writer (`flush_stats`): adding them to the backend's
+        dicts would cost about a tenth of the event."""
+        return self._store_one(event)
+
+    def flush_stats(self):
+        """Add the pending stats to the backend's (the caller holds the index's lock): the index
+        does so before it reads or zeroes them (`PrefixIndex._sync_stats_locked`)."""
+        self._flush_stats()
+
+    def pending_tokens(self):
+        """Tokens stored but not yet added to the backend's stats (a lock-free read may be off by
+        a flush in progress, as any lock-free read of the stats may)."""
+        return self.pending_blocks * BLOCK_TOKENS
+
     cdef _flush_stats(self):
         if self.pending_blocks:
             self.stats_blocks[self.pending_tier] += self.pending_blocks
@@ -337,3 +358,99 @@ def next_one_block_candidate(list events, Py_ssize_t start):
                 return position
         position += 1
     return count
+
+
+cdef class WriterLock:
+    """The index's writer lock: `with lock:` in Python (as a `threading.Lock`), taken in C by
+    `OneEventFront` without a Python call. Waiting for it releases the GIL, as `threading.Lock`
+    does, so the thread that holds it can finish."""
+
+    cdef PyThread_type_lock handle
+    cdef bint held
+
+    def __cinit__(self):
+        self.handle = PyThread_allocate_lock()
+        if self.handle is NULL:
+            raise MemoryError("cannot allocate a lock")
+
+    def __dealloc__(self):
+        if self.handle is not NULL:
+            PyThread_free_lock(self.handle)
+
+    cdef inline void take(self) noexcept:
+        if not PyThread_acquire_lock(self.handle, NOWAIT_LOCK):
+            with nogil:
+                PyThread_acquire_lock(self.handle, WAIT_LOCK)
+        self.held = True
+
+    cdef inline void give(self) noexcept:
+        self.held = False
+        PyThread_release_lock(self.handle)
+
+    def acquire(self, bint blocking=True):
+        """Take the lock (True), or False at once when `blocking` is false and it is held."""
+        if not blocking:
+            if not PyThread_acquire_lock(self.handle, NOWAIT_LOCK):
+                return False
+            self.held = True
+            return True
+        self.take()
+        return True
+
+    def release(self):
+        if not self.held:
+            raise RuntimeError("release of an unheld index lock")
+        self.give()
+
+    def locked(self):
+        return self.held
+
+    def __enter__(self):
+        self.take()
+        return True
+
+    def __exit__(self, exc_type, exc_value, traceback):
+        self.give()
+        return False
+
+
+cdef class OneEventFront:
+    """`PrefixIndex.apply` when the compiled path is built: a batch of one event of the decode
+    shape (what an engine step that filled one block publishes) is applied here, in C, under the
+    index's `WriterLock`, through the backend's `BackendWriter`; every other call, and that one
+    when the event is refused, goes to `general(backend_name, events)` (the index's Python
+    `apply`), which decides everything else exactly as before. The backend is looked up under the
+    lock: a replaced or cleared backend is never written through a stale writer."""
+
+    cdef dict backends, shared_masks
+    cdef WriterLock lock
+    cdef object general
+    cdef Py_ssize_t shared_masks_limit
+    # Events this entry applied itself (the rest went to `general`).
+    cdef readonly Py_ssize_t applied
+
+    def __init__(self, dict backends, dict shared_masks, WriterLock lock, general, Py_ssize_t shared_masks_limit):
+        self.backends = backends
+        self.shared_masks = shared_masks
+        self.lock = lock
+        self.general = general
+        self.shared_masks_limit = shared_masks_limit
+
+    def apply(self, backend_name, events):
+        """Apply the events of one batch, in order (`PrefixIndex.apply`)."""
+        cdef PyObject* found
+        cdef bint stored = False
+        if type(events) is list and PyList_GET_SIZE(events) == 1:
+            self.lock.take()
+            try:
+                found = PyDict_GetItemWithError(self.backends, backend_name)
+                if found is not NULL and PyDict_GET_SIZE(self.shared_masks) <= self.shared_masks_limit:
+                    writer = (<object>found).compiled_writer
+                    if isinstance(writer, BackendWriter):
+                        stored = (<BackendWriter>writer).store_alone(<object>PyList_GET_ITEM(events, 0))
+            finally:
+                self.lock.give()
+            if stored:
+                self.applied += 1
+                return
+        self.general(backend_name, events)

@@ -249,15 +249,15 @@ def _owned(keys: int | tuple[int, ...]) -> tuple[int, ...]:
     return (keys,) if keys.__class__ is int else keys  # type: ignore[return-value]
 
 
-def _load_compiled_ingest() -> tuple[Any, Any]:
-    """The compiled one-block ingest (`router/index/_ingest.pyx`), configured with this module's
-    key constants and checked against `_python_block_value`; (None, None) when it is not built
+def _load_compiled_ingest() -> Any:
+    """The compiled one-block ingest module (`router/index/_ingest.pyx`), configured with this
+    module's key constants and checked against `_python_block_value`; None when it is not built
     (then the pure-Python paths apply every event, as fast as they can)."""
     try:
         _ingest = importlib.import_module("router.index._ingest")
     except ImportError as missing:
         logger.debug("compiled one-block ingest not built (%s): events are applied in pure Python", missing)
-        return None, None
+        return None
     try:
         _ingest.configure(
             _WORD_WEIGHTS.tolist(), _POSITION_WEIGHT_PY, _MIX_1_PY, _MIX_2_PY, ROUTER_BLOCK_TOKENS,
@@ -265,22 +265,25 @@ def _load_compiled_ingest() -> tuple[Any, Any]:
         )  # fmt: skip
     except ValueError as mismatch:  # built from another version of the index: stale
         logger.warning("compiled one-block ingest does not match the index (%s): not used", mismatch)
-        return None, None
+        return None
     # A build whose key math differs would file blocks under keys no lookup computes: refuse it.
     check = np.random.default_rng(7)
     for position in (0, 1, 37, 2**20 + 3):
         block = check.integers(0, 2**32, size=ROUTER_BLOCK_TOKENS).tolist()
         if _ingest.block_value(block, position) != _python_block_value(block, position):
             logger.warning("compiled one-block ingest computes other keys than the index: not used")
-            return None, None
-    return _ingest.BackendWriter, _ingest.next_one_block_candidate
+            return None
+    return _ingest
 
 
-# The compiled path for one-block events of the decode shape (a writer class, None when not built)
-# and where it resumes after the general path took other events; `INGEST_PATH` says which path
-# applies those events by default.
-_CompiledWriter, _next_one_block_candidate = _load_compiled_ingest()
-INGEST_PATH = "compiled" if _CompiledWriter is not None else "python"
+# The compiled path for one-block events of the decode shape (None when not built): its writer
+# class, where it resumes after the general path took other events, and `PrefixIndex.apply`'s
+# compiled entry with the lock it takes; `INGEST_PATH` says which path applies those events by
+# default.
+_compiled_ingest = _load_compiled_ingest()
+_CompiledWriter = getattr(_compiled_ingest, "BackendWriter", None)
+_next_one_block_candidate = getattr(_compiled_ingest, "next_one_block_candidate", None)
+INGEST_PATH = "compiled" if _compiled_ingest is not None else "python"
 
 
 # A BlockStored checked for the batched path, waiting for its batch's numpy pass (a tuple: one
@@ -443,10 +446,13 @@ class PrefixIndex:
     def __init__(self, *, compiled_ingest: bool = True) -> None:
         """`compiled_ingest=False` applies every event in pure Python even when the compiled
         one-block path is built (the reference it is tested and benchmarked against)."""
-        self._lock = threading.Lock()
-        self._compiled_writer = _CompiledWriter if compiled_ingest else None
+        compiled = _compiled_ingest if compiled_ingest and _CompiledWriter is not None else None
+        # The compiled entry takes the writer lock in C (`WriterLock`); Python code takes either
+        # lock with `with self._lock:`.
+        self._lock: Any = compiled.WriterLock() if compiled is not None else threading.Lock()
+        self._compiled_writer = _CompiledWriter if compiled is not None else None
         # "compiled" when one-block events of the decode shape take the compiled path, else "python".
-        self.ingest_path = "compiled" if self._compiled_writer is not None else "python"
+        self.ingest_path = "compiled" if compiled is not None else "python"
         self._holders: dict[int, int] = {}
         # One int object per distinct mask value, shared by every key holding it: a million keys
         # point at a few dozen objects (about 30 bytes a key less, and lookups read masks that
@@ -467,6 +473,15 @@ class PrefixIndex:
         # LoRA adapter names engines announced blocks under: a request whose model is one of them
         # is looked up in that adapter's namespace (vLLM serves an adapter under its own name).
         self.lora_names: set[str] = set()
+        self._front: Any = None
+        if compiled is not None:
+            # A batch of one decode-shape event (an engine step that filled one block) is applied
+            # by the compiled entry without a Python frame (about half a lone event's cost was the
+            # call, the lock and the checks of `apply`); it hands every other batch to `apply`.
+            self._front = compiled.OneEventFront(
+                self._backends, self._shared_masks, self._lock, self._apply_python, _SHARED_MASKS_LIMIT
+            )
+            self.apply = self._front.apply  # type: ignore[method-assign]
 
     # ---- backends ----
 
@@ -517,6 +532,7 @@ class PrefixIndex:
             self._layout = layout
             if old is None:
                 return
+            self._sync_stats_locked(old)
             stats, previous = fresh.stats, old.stats
             stats.stored_events += previous.stored_events
             stats.removed_events += previous.removed_events
@@ -532,7 +548,12 @@ class PrefixIndex:
     # ---- events ----
 
     def apply(self, backend_name: str, events: list[KVEvent]) -> None:
-        """Apply the events of one batch, in order."""
+        """Apply the events of one batch, in order. (With the compiled path built, an instance's
+        `apply` is its `OneEventFront`'s, which takes lone decode-shape events and calls
+        `_apply_python` for the rest.)"""
+        self._apply_python(backend_name, events)
+
+    def _apply_python(self, backend_name: str, events: list[KVEvent]) -> None:
         with self._lock:
             backend = self._backends.get(backend_name)
             if backend is None:
@@ -1323,7 +1344,15 @@ class PrefixIndex:
                         del backend.chains[node[_CHAIN]]
                         backend.chain_ids.pop((chain.namespace, chain.preview), None)
 
+    @staticmethod
+    def _sync_stats_locked(backend: _Backend) -> None:
+        """The compiled entry leaves a lone event's stats pending in the backend's writer: add
+        them before the stats are read or zeroed (adding commutes with every other update)."""
+        if backend.compiled_writer is not None:
+            backend.compiled_writer.flush_stats()
+
     def _clear_locked(self, backend: _Backend) -> None:
+        self._sync_stats_locked(backend)
         for node in backend.nodes.values():
             for slot in backend.tier_slots.values():
                 bit = 1 << slot
@@ -1545,6 +1574,7 @@ class PrefixIndex:
         if backend is None:
             return None
         with self._lock:
+            self._sync_stats_locked(backend)
             stats = backend.stats
             return BackendIndexStats(
                 blocks=dict(stats.blocks),
@@ -1563,7 +1593,11 @@ class PrefixIndex:
     def held_tokens(self, name: str) -> int:
         """Tokens a backend holds over all tiers (a lock-free, possibly slightly stale read)."""
         backend = self._backends.get(name)
-        return 0 if backend is None else sum(list(backend.stats.tokens.values()))
+        if backend is None:
+            return 0
+        writer = backend.compiled_writer
+        pending = 0 if writer is None else writer.pending_tokens()
+        return sum(list(backend.stats.tokens.values())) + pending
 
     def top_prefixes(self, limit: int = 20) -> list[dict[str, Any]]:
         """The longest cached chains, merged across backends: preview tokens, length, holders."""

@@ -8,6 +8,7 @@ its own block hashes) and merged per backend at lookup: a backend holds what its
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from collections.abc import Iterable, Sequence
@@ -83,8 +84,9 @@ class KVIndexService:
             subscriber = EventSubscriber(
                 index_name,
                 rank_endpoint(kv_events.endpoint, rank),
-                apply=lambda events, target=index_name: self.index.apply(target, events),
-                clear=lambda target=index_name: self.index.clear_backend(target),
+                # (a partial: no Python frame per applied batch on top of the index's entry)
+                apply=functools.partial(self.index.apply, index_name),
+                clear=functools.partial(self.index.clear_backend, index_name),
                 replay_endpoint=(
                     rank_endpoint(kv_events.replay_endpoint, rank) if kv_events.replay_endpoint else None
                 ),
