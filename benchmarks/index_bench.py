@@ -39,7 +39,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -117,8 +117,8 @@ def rss_bytes() -> int:
 class SideBySide:
     """Applies each batch to every implementation's index in turn and sums each one's CPU time."""
 
-    def __init__(self) -> None:
-        self.indexes = {name: make() for name, make in IMPLEMENTATIONS.items()}
+    def __init__(self, names: Sequence[str] = tuple(IMPLEMENTATIONS)) -> None:
+        self.indexes = {name: IMPLEMENTATIONS[name]() for name in names}
         self.seconds = dict.fromkeys(self.indexes, 0.0)
         self._turn = 0
 
@@ -142,13 +142,16 @@ class SideBySide:
     def apply_calls(self, backend: str, batches: list[list]) -> None:
         """Each batch in one `apply` call of its own, the whole list timed at once on each index in
         turn: for batches of one event, a timer pair per call (0.4 us of process_time here) would
-        be a fifth of what is measured."""
+        be a fifth of what is measured. The cyclic GC is paused meanwhile, as the subscriber pauses
+        it while it drains and applies (`EventSubscriber._drain`)."""
         for name in self.order():
             apply = self.indexes[name].apply
+            gc.disable()
             started = time.process_time()
             for events in batches:
                 apply(backend, events)
             self.seconds[name] += time.process_time() - started
+            gc.enable()
 
     def apply_wire(self, backend: str, payload: bytes) -> None:
         # The cyclic GC is paused while one side decodes and applies (`apply` pauses it anyway):
@@ -174,30 +177,10 @@ class SideBySide:
                 "blocks_per_s": blocks / seconds,
                 "events_per_s": events / seconds,
             }
-        result["speedup"] = result["after"]["blocks_per_s"] / result["before"]["blocks_per_s"]
-        result["after_over_python"] = result["after"]["blocks_per_s"] / result["after_python"]["blocks_per_s"]
-        return result
-
-    def measure_alone(self, run: Callable[[], tuple[int, int]]) -> dict[str, dict[str, float]]:
-        """A workload on each index alone, one index after the other. Side by side, each apply
-        follows the others' over their own million-block dicts and finds the caches cold; a gateway
-        holds one index. Every index gets the workload, so all keep the same size (a dict resize,
-        ~0.1 s at 1.4M keys, then lands in the same row for each)."""
-        everyone = self.indexes
-        result = {}
-        try:
-            for name, index in everyone.items():
-                self.indexes = {name: index}
-                self.seconds = {name: 0.0}
-                blocks, events = run()
-                seconds = self.seconds[name]
-                result[name] = {
-                    "cpu_s": seconds,
-                    "blocks_per_s": blocks / seconds,
-                    "events_per_s": events / seconds,
-                }
-        finally:
-            self.indexes = everyone
+        if len(self.indexes) == len(IMPLEMENTATIONS):
+            result["speedup"] = result["after"]["blocks_per_s"] / result["before"]["blocks_per_s"]
+            python = result["after_python"]["blocks_per_s"]
+            result["after_over_python"] = result["after"]["blocks_per_s"] / python
         return result
 
 
@@ -228,10 +211,8 @@ def build(bench: SideBySide, total_blocks: int, rng: np.random.Generator) -> dic
 
 
 def decode_ingest(bench: SideBySide, count: int, rng: np.random.Generator) -> dict:
-    """Single-block events chained on each other, one per batch; then `after` alone."""
-    result = bench.measure(_lone_events(bench, count, 10**12, rng), blocks_per_event=1, events_per_batch=1)
-    result["alone"] = bench.measure_alone(_lone_events(bench, count, 9 * 10**12, rng))
-    return result
+    """Single-block events chained on each other, one per batch."""
+    return bench.measure(_lone_events(bench, count, 10**12, rng), blocks_per_event=1, events_per_batch=1)
 
 
 def _lone_events(
@@ -283,9 +264,7 @@ def decode_batched_ingest(bench: SideBySide, steps: int, running: int, rng: np.r
             bench.apply("b2", batch)
         return steps * running, steps * running
 
-    result = bench.measure(lambda: run(2 * 10**12), blocks_per_event=1, events_per_batch=running)
-    result["alone"] = bench.measure_alone(lambda: run(9 * 10**12 + 10**11))
-    return result
+    return bench.measure(lambda: run(2 * 10**12), blocks_per_event=1, events_per_batch=running)
 
 
 def drained_ingest(bench: SideBySide, calls: int, running: int, steps_per_call: int, base: int,
@@ -301,10 +280,7 @@ def drained_ingest(bench: SideBySide, calls: int, running: int, steps_per_call: 
         blocks = calls * steps_per_call * running
         return blocks, blocks
 
-    result = bench.measure(lambda: run(base), blocks_per_event=1, events_per_batch=running * steps_per_call)
-    # (`base` + 5e11: hashes of their own on the same backend)
-    result["alone"] = bench.measure_alone(lambda: run(base + 5 * 10**11))
-    return result
+    return bench.measure(lambda: run(base), blocks_per_event=1, events_per_batch=running * steps_per_call)
 
 
 def prefill_batched_ingest(bench: SideBySide, batches: int, per_batch: int, rng: np.random.Generator) -> dict:
@@ -491,6 +467,72 @@ def removal_ingest(bench: SideBySide, count_events: int) -> dict:
     return result
 
 
+def ingest_rows(bench: SideBySide, decode_events: int, prefill_events_applied: int,
+                rng: np.random.Generator) -> dict[str, dict]:  # fmt: skip
+    """Every ingest row but the build's (`build`), in one order, on the indexes of `bench`."""
+    rows = {
+        "decode_events": decode_ingest(bench, decode_events, rng),
+        "decode_events_batched": decode_batched_ingest(bench, max(1, decode_events // 32), 32, rng),
+        "prefill_events_batched": prefill_batched_ingest(bench, max(1, decode_events // 256), 8, rng),
+        "decode_events_drained": drained_ingest(bench, max(1, decode_events // 512), 32, 16, 7 * 10**12, rng),
+        "lone_events_drained": drained_ingest(bench, max(1, decode_events // 512), 1, 512, 8 * 10**12, rng),
+    }
+    rows["wire_prefill_events"] = wire_ingest(
+        bench,
+        [
+            [
+                BlockStored(
+                    block_hashes=list(range(first, first + PREFILL_BLOCKS)),
+                    token_ids=rng.integers(0, 150_000, size=PREFILL_BLOCKS * 16).tolist(),
+                    block_size=16,
+                )
+            ]
+            for first in range(
+                3 * 10**12, 3 * 10**12 + PREFILL_BLOCKS * max(1, decode_events // 64), PREFILL_BLOCKS
+            )
+        ],
+        "b3",
+    )
+    rows["wire_decode_events_batched"] = wire_ingest(
+        bench, list(decode_step_batches(max(1, decode_events // 32), 32, 4 * 10**12, rng)), "b4"
+    )
+    rows["removal_events"] = removal_ingest(bench, min(2000, prefill_events_applied // BACKENDS))
+    return rows
+
+
+def ingest_in_own_process(name: str, total_blocks: int, decode_events: int) -> dict[str, float]:
+    """Blocks/s of every ingest row for one implementation, built and run alone (in a child
+    process): the index a gateway holds, with nothing else's dicts in the caches. Every child
+    builds the same index and applies the same events (the same seed)."""
+    rng = np.random.default_rng(2026)
+    bench = SideBySide((name,))
+    prefill = build(bench, total_blocks, rng)
+    gc.collect()
+    gc.freeze()
+    rows = {"prefill_events": prefill, **ingest_rows(bench, decode_events, prefill["events"], rng)}
+    return {row: entry[name]["blocks_per_s"] for row, entry in rows.items()}
+
+
+def own_process_rounds(total_blocks: int, decode_events: int, rounds: int) -> dict[str, dict[str, Any]]:
+    """`ingest_in_own_process` for every implementation, `rounds` times, the order rotated each
+    round (a drift of the shared machine's load falls on each in turn): per implementation and
+    row, every round's blocks/s and their median."""
+    names = list(IMPLEMENTATIONS)
+    measured: dict[str, dict[str, list[float]]] = {name: {} for name in names}
+    for turn in range(rounds):
+        for name in names[turn % len(names) :] + names[: turn % len(names)]:
+            with multiprocessing.get_context("fork").Pool(1, maxtasksperchild=1) as pool:
+                rates = pool.apply(ingest_in_own_process, (name, total_blocks, decode_events))
+            for row, rate in rates.items():
+                measured[name].setdefault(row, []).append(rate)
+        latest = ", ".join(f"{row} {rates[-1]:,.0f}" for row, rates in measured["after"].items())
+        print(f"own-process round {turn + 1}/{rounds}, after: {latest}", flush=True)
+    return {
+        name: {row: {"rounds": rates, "median": statistics.median(rates)} for row, rates in rows.items()}
+        for name, rows in measured.items()
+    }
+
+
 def memory_per_block(name: str, total_blocks: int) -> dict:
     """RSS growth per cached block of one implementation alone (run in a child process)."""
     gc.collect()
@@ -564,6 +606,7 @@ def main() -> None:
     parser.add_argument("--blocks", type=int, default=1_000_000)
     parser.add_argument("--decode-events", type=int, default=50_000)
     parser.add_argument("--repeat", type=int, default=100)
+    parser.add_argument("--rounds", type=int, default=3, help="ingest rounds, each index in its own process")
     parser.add_argument("--out", default="benchmarks/results")
     args = parser.parse_args()
 
@@ -571,6 +614,7 @@ def main() -> None:
     with multiprocessing.get_context("fork").Pool(1, maxtasksperchild=1) as pool:
         memory = {name: pool.apply(memory_per_block, (name, args.blocks)) for name in COMPARED}
     print("memory:", {name: f"{m['bytes_per_block']:.0f} B/block" for name, m in memory.items()})
+    own_process = own_process_rounds(args.blocks, args.decode_events, args.rounds)
 
     rng = np.random.default_rng(2026)
     bench = SideBySide()
@@ -642,45 +686,10 @@ def main() -> None:
         lookups[label] = {**timed, "matched_tokens_example": expected}
         print(f"lookup {label:>20}: " + ", ".join(f"{n} {t['median_us']:.0f} us" for n, t in timed.items()))
 
-    decode = decode_ingest(bench, args.decode_events, rng)
-    decode_batched = decode_batched_ingest(bench, max(1, args.decode_events // 32), 32, rng)
-    prefill_batched = prefill_batched_ingest(bench, max(1, args.decode_events // 256), 8, rng)
-    drained_steps = drained_ingest(bench, max(1, args.decode_events // 512), 32, 16, 7 * 10**12, rng)
-    drained_lone = drained_ingest(bench, max(1, args.decode_events // 512), 1, 512, 8 * 10**12, rng)
-    wire_prefill = wire_ingest(
-        bench,
-        [
-            [
-                BlockStored(
-                    block_hashes=list(range(first, first + PREFILL_BLOCKS)),
-                    token_ids=rng.integers(0, 150_000, size=PREFILL_BLOCKS * 16).tolist(),
-                    block_size=16,
-                )
-            ]
-            for first in range(
-                3 * 10**12, 3 * 10**12 + PREFILL_BLOCKS * max(1, args.decode_events // 64), PREFILL_BLOCKS
-            )
-        ],
-        "b3",
-    )
-    wire_decode = wire_ingest(
-        bench, list(decode_step_batches(max(1, args.decode_events // 32), 32, 4 * 10**12, rng)), "b4"
-    )
-    removal = removal_ingest(bench, min(2000, prefill["events"] // BACKENDS))
+    ingest = {"prefill_events": prefill, **ingest_rows(bench, args.decode_events, prefill["events"], rng)}
     lone_blocks = [wire_payload(step) for step in decode_step_batches(args.decode_events, 1, 6 * 10**12, rng)]
     floor = message_floor(lone_blocks, bench.indexes["after"], "b6")
     print("one-event messages: " + ", ".join(f"{k} {v['us_per_message']:.1f} us" for k, v in floor.items()))
-    ingest = {
-        "prefill_events": prefill,
-        "prefill_events_batched": prefill_batched,
-        "decode_events": decode,
-        "decode_events_batched": decode_batched,
-        "decode_events_drained": drained_steps,
-        "lone_events_drained": drained_lone,
-        "removal_events": removal,
-        "wire_prefill_events": wire_prefill,
-        "wire_decode_events_batched": wire_decode,
-    }
     for name, entry in ingest.items():
         print(f"{name}: {_rates(entry)}")
     results = {
@@ -704,6 +713,7 @@ def main() -> None:
         # (router/index/_ingest.pyx, built) or "python" (the extension is not built here).
         "after_ingest_path": bench.indexes["after"].ingest_path,
         "ingest": ingest,
+        "ingest_own_process": own_process,
         "lone_block_messages": floor,
         "lookup": lookups,
         "memory": memory,
@@ -745,6 +755,8 @@ def report(results: dict) -> str:
     ingest = results["ingest"]
     lookup = results["lookup"]
     memory = results["memory"]
+    own = results["ingest_own_process"]
+    rounds = len(own["after"]["prefill_events"]["rounds"])
     target = results["targets"]["block_events_per_s"]
     lines = [
         "# Prefix index benchmark",
@@ -760,27 +772,48 @@ def report(results: dict) -> str:
         "",
         f"Path that applied `after`'s one-block events: **{results['after_ingest_path']}**.",
         "",
-        "## Ingest (blocks applied per CPU second, one core)",
+        "## Ingest, each index alone in its own process (blocks applied per CPU second, one core)",
+        "",
+        "A gateway holds one index: here each implementation builds the same index and applies the same "
+        "events in a child process of its own, nothing else's dicts in the caches; "
+        f"{rounds} rounds, the order of the implementations rotated each round. Median of the rounds, "
+        "every round in brackets. The target is read here.",
+        "",
+        "| events | blocks/event | events/batch | before | after | after, pure Python | after/before "
+        "| target 500k blocks/s (after) |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for name, label in INGEST_LABELS.items():
+        shape = ingest[name]
+        cells = {side: own[side][name]["median"] for side in ("before", "after", "after_python")}
+        rounds_of = {
+            side: ", ".join(f"{rate / 1000:,.0f}k" for rate in own[side][name]["rounds"]) for side in cells
+        }
+        met = "met" if cells["after"] >= target else "not met"
+        lines.append(
+            f"| {label} | {shape['blocks_per_event']} | {shape['events_per_batch']} | "
+            + " | ".join(f"{cells[side]:,.0f} ({rounds_of[side]})" for side in cells)
+            + f" | {cells['after'] / cells['before']:.2f} | {met} |"
+        )
+    lines += [
+        "",
+        "## Ingest side by side (ratios; blocks applied per CPU second, one core)",
+        "",
+        "Each batch is applied to every index in turn in one process: the ratios hold when the machine's "
+        "load drifts, but every apply follows the other indexes' work over their own million-block dicts "
+        "and finds the caches cold, so the absolute rates are lower than one index's.",
         "",
         "| events | blocks/event | events/batch | before blocks/s | after blocks/s | after/before "
-        "| after, pure Python blocks/s | after/pure Python | after events/s | target 500k blocks/s (after) "
-        "| alone: after / pure Python blocks/s |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "| after, pure Python blocks/s | after/pure Python | after events/s |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for name, label in INGEST_LABELS.items():
         entry = ingest[name]
-        met = "met" if entry["after"]["blocks_per_s"] >= target else "not met"
         lines.append(
             f"| {label} | {entry['blocks_per_event']} | {entry['events_per_batch']} | "
             f"{entry['before']['blocks_per_s']:,.0f} | {entry['after']['blocks_per_s']:,.0f} | "
             f"{entry['speedup']:.2f} | {entry['after_python']['blocks_per_s']:,.0f} | "
-            f"{entry['after_over_python']:.2f} | {entry['after']['events_per_s']:,.0f} | {met} | "
-            + (
-                f"{entry['alone']['after']['blocks_per_s']:,.0f} / "
-                f"{entry['alone']['after_python']['blocks_per_s']:,.0f} |"
-                if "alone" in entry
-                else " |"
-            )
+            f"{entry['after_over_python']:.2f} | {entry['after']['events_per_s']:,.0f} |"
         )
     lines += [
         "",
@@ -790,11 +823,8 @@ def report(results: dict) -> str:
         "step's batch holds one new 16-token block per running request, its parent the request's block "
         "of the step before. Lone events (one per `apply` call, as the subscriber makes the call when "
         f"one message waits) are timed {LONE_CALLS_PER_TIMING} calls at a time on each index in turn: "
-        "a timer pair per call costs 0.4 us here. Column `alone`: the same workload again (new blocks) "
-        "on each index by "
-        "itself, one after the other: side by side, every apply follows the other indexes' work over "
-        "their own million-block dicts and finds the caches cold; a gateway holds one index. These "
-        "rows are short (0.1-0.5 s of CPU), so one dict resize (~0.1 s at 1.4M keys) moves a row.",
+        "a timer pair per call costs 0.4 us here. The rows are short (0.1-0.5 s of CPU), so one dict "
+        "resize (~0.1 s at 1.4M keys) moves a row.",
         "",
         "## Lookup (all 16 backends, per prompt)",
         "",
@@ -917,11 +947,12 @@ def plot(results: dict, path: Path) -> None:
         (0.0, "after_python", "after, pure Python"),
         (0.27, "after", f"after ({results['after_ingest_path']})"),
     ):
-        right.bar(x + offset, [results["ingest"][k][name]["blocks_per_s"] for k in kinds], 0.27, label=label)
+        medians = [results["ingest_own_process"][name][k]["median"] for k in kinds]
+        right.bar(x + offset, medians, 0.27, label=label)
     right.axhline(TARGET_EVENTS_PER_S, color="red", linestyle="--", label="target: 500k block events/s")
     right.set_xticks(x, labels, fontsize=7)
     right.set_ylabel("blocks applied per CPU second")
-    right.set_title("Ingest (one core, process CPU time, side by side)")
+    right.set_title("Ingest (one core, process CPU time, each index in its own process, median)")
     right.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)

@@ -281,6 +281,9 @@ def test_the_same_decode_stream_on_two_backends_shares_mask_objects(applied_by_c
     shared = compiled._shared_masks[both]
     assert [key for key, mask in compiled._holders.items() if mask == both and mask is not shared] == []
     assert sum(mask is shared for mask in compiled._holders.values()) == 30
+    # The nodes' `end` ints are shared objects too (ends past 256 are not CPython singletons).
+    nodes_a, nodes_b = compiled._backends["a"].nodes, compiled._backends["b"].nodes
+    assert all(nodes_a[h][0] == 16 * h and nodes_a[h][0] is nodes_b[h][0] for h in range(2, 31))
     matches = compiled.longest_cached_prefix(tokens)
     assert (matches["a"].tokens, matches["b"].tokens) == (480, 480)
 

@@ -62,6 +62,11 @@ cdef enum:
 NODE_LAYOUT = ("end", "tokens", "boundary_key", "tail", "keys", "chain_id", "slots")
 cdef object _BLOCK_TOKENS_OBJECT = BLOCK_TOKENS
 cdef tuple _NO_TAIL = ()
+# The `end` of a node (tokens from the prompt's start through its block) as one shared int object
+# per value, for prompts up to 2**18 tokens: no allocation per event, 32 bytes less per node.
+cdef enum:
+    SHARED_ENDS = 1 << 14
+cdef list _shared_ends = [position * BLOCK_TOKENS for position in range(SHARED_ENDS)]
 
 # The index's constants (`configure`): nothing is stored before they are set.
 cdef uint64_t _word_weights[8]
@@ -322,7 +327,10 @@ cdef class BackendWriter:
             mask = <object>PyDict_SetDefault(self.shared_masks, updated, updated)
         else:
             mask = bit
-        end = parent_end + BLOCK_TOKENS
+        if parent_end % BLOCK_TOKENS == 0 and parent_end // BLOCK_TOKENS + 1 < SHARED_ENDS:
+            end = <object>PyList_GET_ITEM(_shared_ends, parent_end // BLOCK_TOKENS + 1)
+        else:
+            end = parent_end + BLOCK_TOKENS
         node = (end, _BLOCK_TOKENS_OBJECT, key, _NO_TAIL, key, chain_id, bit)
         # A tuple of ints and an empty tuple is never part of a cycle: the collector need not track
         # it (it would untrack it at its next pass anyway).
