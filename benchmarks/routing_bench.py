@@ -183,6 +183,15 @@ def check_targets(results: dict) -> list[dict]:
     return checks
 
 
+def _engine_cores_remark(meta: dict) -> str:
+    if "engine_cores" not in meta:  # simulated engines, or a run before pinning
+        return ""
+    cores = meta["engine_cores"]
+    if not cores:
+        return ", engines not pinned (fewer cores than engines)"
+    return f", each engine's processes pinned to a core of their own ({', '.join(map(str, cores))})"
+
+
 def _load_remark(meta: dict) -> str:
     loads = [meta.get(key) for key in ("load_average_start", "load_average_end")]
     if any(isinstance(load, (int, float)) and load > (os.cpu_count() or 1) for load in loads):
@@ -202,6 +211,7 @@ def write_markdown(results: dict, path: Path) -> None:
         f"{meta['scale']}, rate scale {meta['rate_scale']}.",
         f"Engines: {meta.get('engine_description', '`kvgate sim`')}, {meta['num_gpu_blocks']} KV blocks of "
         f"{meta['block_size']} tokens each"
+        + _engine_cores_remark(meta)
         + (f", timing flags `{' '.join(meta['sim_args']) or 'defaults'}`" if meta["sim_args"] else "")
         + f"; caches emptied before every run; client concurrency limit {meta['concurrency']}.",
         f"Machine: {meta['machine']}; load average (1 min) {meta.get('load_average_start', '-')} at the "
@@ -431,6 +441,10 @@ def main(argv: list[str] | None = None) -> int:
     fleet_type = RealEngineFleet if real else EngineFleet
     _log(f"starting {engine_count} {results['meta']['engine_kind']} engines")
     with fleet_type(engine_count, args.num_gpu_blocks, args.block_size, sim_args) as fleet:
+        pinned = getattr(fleet, "pinned_cores", None)
+        if real:
+            results["meta"]["engine_cores"] = pinned
+            _log(f"engines pinned to cores {pinned}" if pinned else "engines unpinned: too few cores")
         for workload in built:
             for policy in policies:
                 _log(f"{workload.name}: {policy}")

@@ -3,10 +3,15 @@
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
+import time
 
 import pytest
 
 from benchmarks import routing_bench, workloads
+from benchmarks.real_fleet import pin_engines_to_cores, process_tree
 from benchmarks.sim_fleet import EngineFleet
 
 
@@ -139,3 +144,33 @@ def test_profiler_names_the_function_that_burns_the_cpu(tmp_path):
     assert summary["threads"][0][1] > 0.9  # one thread did all the work
     hottest_stacks = [name for name, _share in summary["own"][:3]]
     assert any("burn_the_cpu" in name for name in hottest_stacks), summary["own"]
+
+
+def test_real_engines_are_pinned_one_per_core_with_their_children() -> None:
+    """`pin_engines_to_cores`: engine i's processes (the server and what it spawned, every thread)
+    run on the i-th allowed core; with more engines than cores nothing is pinned."""
+    allowed = sorted(os.sched_getaffinity(0))
+    spawn_child = (
+        "import subprocess, sys, time; "
+        "subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(30)']); time.sleep(30)"
+    )
+    servers = [subprocess.Popen([sys.executable, "-c", spawn_child]) for _ in range(min(2, len(allowed)))]
+    try:
+        deadline = time.monotonic() + 10
+        while any(len(process_tree(s.pid)) < 2 for s in servers) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        trees = [process_tree(s.pid) for s in servers]
+        assert all(len(tree) == 2 for tree in trees), trees
+        assert pin_engines_to_cores([s.pid for s in servers] * (len(allowed) + 1)) is None
+        assert all(os.sched_getaffinity(pid) == set(allowed) for tree in trees for pid in tree)
+        cores = pin_engines_to_cores([s.pid for s in servers])
+        assert cores == allowed[: len(servers)]
+        for core, tree in zip(cores, trees, strict=True):
+            for pid in tree:
+                for thread in os.listdir(f"/proc/{pid}/task"):
+                    assert os.sched_getaffinity(int(thread)) == {core}, (pid, thread)
+    finally:
+        for server in servers:
+            for pid in reversed(process_tree(server.pid)):
+                os.kill(pid, 9)
+            server.wait(5)

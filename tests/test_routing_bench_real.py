@@ -10,6 +10,8 @@ alternates engines and computes each document once on each.
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from benchmarks import workloads as workload_catalog
@@ -45,6 +47,8 @@ def reuse_workload() -> workload_catalog.Workload:
 
 
 def test_real_tier_reports_the_measures_and_kv_aware_beats_round_robin_on_reuse(real_fleet, reuse_workload):
+    if len(os.sched_getaffinity(0)) >= 2:  # each engine on a core of its own
+        assert real_fleet.pinned_cores is not None and len(set(real_fleet.pinned_cores)) == 2
     results = {
         policy: run_policy(real_fleet, policy, reuse_workload, concurrency=16)
         for policy in ("round_robin", "kv_aware")
