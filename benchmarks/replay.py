@@ -102,31 +102,39 @@ async def replay(
     return outcomes
 
 
-def summarize(workload: Workload, outcomes: list[Outcome]) -> dict:
-    """Client-side measures of one replay: hit ratio from usage, TTFT percentiles (ms), throughput."""
+def hit_and_ttft(outcomes: list[Outcome]) -> dict:
+    """Hit ratio from usage and TTFT percentiles (ms) over the completed requests of `outcomes`."""
     done = [o for o in outcomes if o.ok]
     prompt = sum(o.prompt_tokens for o in done)
     cached = sum(o.cached_tokens for o in done)
     ttft_ms = np.array([o.ttft_s * 1000.0 for o in done]) if done else np.array([float("nan")])
-    span = (max(o.done_at for o in done) - min(o.sent_at for o in done)) if done else float("nan")
-    late = [o.sent_at - o.scheduled_at for o in outcomes if o.sent_at]
-    pairs = zip(outcomes, workload.requests, strict=True)
-    mismatches = sum(1 for o, r in pairs if o.ok and o.prompt_tokens != r.prompt_tokens)
-    errors = [o.error for o in outcomes if not o.ok]
     return {
         "hit_ratio": round(cached / prompt, 4) if prompt else 0.0,
         "ttft_p50": round(float(np.percentile(ttft_ms, 50)), 2),
         "ttft_p90": round(float(np.percentile(ttft_ms, 90)), 2),
         "ttft_p99": round(float(np.percentile(ttft_ms, 99)), 2),
         "ttft_mean": round(float(ttft_ms.mean()), 2),
+        "prompt_tokens": prompt,
+        "cached_tokens": cached,
+    }
+
+
+def summarize(workload: Workload, outcomes: list[Outcome]) -> dict:
+    """Client-side measures of one replay: hit ratio from usage, TTFT percentiles (ms), throughput."""
+    done = [o for o in outcomes if o.ok]
+    span = (max(o.done_at for o in done) - min(o.sent_at for o in done)) if done else float("nan")
+    late = [o.sent_at - o.scheduled_at for o in outcomes if o.sent_at]
+    pairs = zip(outcomes, workload.requests, strict=True)
+    mismatches = sum(1 for o, r in pairs if o.ok and o.prompt_tokens != r.prompt_tokens)
+    errors = [o.error for o in outcomes if not o.ok]
+    return {
+        **hit_and_ttft(outcomes),
         "throughput": round(len(done) / span, 3) if done else 0.0,
         "output_tokens_per_s": round(sum(o.completion_tokens for o in done) / span, 1) if done else 0.0,
         "requests": len(outcomes),
         "completed": len(done),
         "errors": len(errors),
         "first_errors": errors[:3],
-        "prompt_tokens": prompt,
-        "cached_tokens": cached,
         # Requests whose prompt the engine counted differently from the workload's tokenization.
         "prompt_token_mismatches": mismatches,
         # How far sends slipped behind the open-loop schedule (client or concurrency limit).

@@ -40,7 +40,7 @@ from benchmarks.oracle import oracle_hit_ratio
 from benchmarks.profiling import Profiler
 from benchmarks.profiling import summarize as summarize_profile
 from benchmarks.real_fleet import REAL_BLOCK_SIZE, RealEngineFleet
-from benchmarks.replay import replay, summarize
+from benchmarks.replay import hit_and_ttft, replay, summarize
 from benchmarks.routers import (
     ALL_POLICIES,
     DEFAULT_POLICIES,
@@ -94,10 +94,12 @@ def run_policy(
     concurrency: int,
     profile_to: Path | None = None,
     outcomes_to: Path | None = None,
+    outcomes_sink: list | None = None,
 ) -> dict:
     """One run: empty caches, a fresh router, the replay, the router stopped; the measures of the run.
     With `profile_to`, py-spy samples the router during the replay into that file; with `outcomes_to`,
-    every request's outcome is written there (JSON lines) for a closer look."""
+    every request's outcome is written there (JSON lines) for a closer look; `outcomes_sink` gets
+    the outcomes appended (`combine_repeats` pools them over repeated runs)."""
     fleet.reset_caches()
     router = start_router(policy, fleet)
     profiler = None
@@ -122,6 +124,8 @@ def run_policy(
                 record = dataclasses.asdict(outcome)
                 record.update(session=request.session_id, ttft_s=outcome.ttft_s)
                 file.write(json.dumps(record) + "\n")
+    if outcomes_sink is not None:
+        outcomes_sink.extend(outcomes)
     result = summarize(workload, outcomes)
     # The router process's CPU time (all threads) over the replay, per request it forwarded.
     result["router_cpu_ms_per_request"] = round(router_cpu_s * 1000.0 / max(1, len(outcomes)), 3)
@@ -146,6 +150,30 @@ def run_policy(
                 by_header[outcome.backend] += 1
         result["max_over_mean_load_by_header"] = _load_imbalance(list(by_header.values()))
     return result
+
+
+def combine_repeats(runs: list[dict], pooled: list) -> dict:
+    """One policy's measures over repeated runs of a workload (`--repeats`): hit ratio and TTFT
+    percentiles over every request of every run (`pooled`: their outcomes), loads, throughput and
+    router CPU the mean of the runs, errors summed; each run's own hit ratio, p50, p90 and load in
+    `repeats`. A failed run fails the whole."""
+    failed = [run for run in runs if "failed" in run]
+    if failed:
+        return failed[0]
+    combined = {**runs[-1], **hit_and_ttft(pooled)}
+    combined.update(
+        requests=sum(run["requests"] for run in runs),
+        completed=sum(run["completed"] for run in runs),
+        errors=sum(run["errors"] for run in runs),
+        send_lag_p99_ms=max(run["send_lag_p99_ms"] for run in runs),
+    )
+    for mean_of in ("throughput", "max_over_mean_load", "router_cpu_ms_per_request", "engine_hit_ratio"):
+        if all(mean_of in run for run in runs):
+            combined[mean_of] = round(sum(run[mean_of] for run in runs) / len(runs), 3)
+    combined["repeats"] = [
+        {key: run[key] for key in ("hit_ratio", "ttft_p50", "ttft_p90", "max_over_mean_load")} for run in runs
+    ]
+    return combined
 
 
 def check_targets(results: dict) -> list[dict]:
@@ -256,6 +284,17 @@ def write_markdown(results: dict, path: Path) -> None:
                 f"{measured['errors']} |"
             )
         lines.append("")
+        repeated = {policy: m["repeats"] for policy, m in entry["policies"].items() if "repeats" in m}
+        if repeated:
+            lines += [
+                f"Over {len(next(iter(repeated.values())))} interleaved runs per policy: hit ratio, TTFT and "
+                "loads above pool every request of every run; each run's TTFT p90 (ms) and hit ratio:",
+                "",
+            ]
+            for policy, each in repeated.items():
+                runs_text = ", ".join(f"{run['ttft_p90']:.0f} ({run['hit_ratio']:.3f})" for run in each)
+                lines.append(f"- {policy}: {runs_text}")
+            lines.append("")
         for policy, measured in entry["policies"].items():
             decisions = measured.get("router_decisions")
             if decisions:
@@ -360,6 +399,12 @@ def main(argv: list[str] | None = None) -> int:
         default=[],
         help=f"`kvgate sim` flags, repeatable, replacing the default {' '.join(DEFAULT_SIM_ARGS)!r}",
     )
+    parser.add_argument(
+        "--repeats",
+        type=int,
+        default=1,
+        help="runs of each policy per workload, interleaved (A B A B); measures pooled (`combine_repeats`)",
+    )
     parser.add_argument("--output", help="path prefix of the results (default benchmarks/results/routing)")
     parser.add_argument(
         "--profile", default="", help="policy whose router py-spy samples during each replay (e.g. kv_aware)"
@@ -414,6 +459,7 @@ def main(argv: list[str] | None = None) -> int:
             "concurrency": args.concurrency,
             "scale": args.scale,
             "rate_scale": args.rate_scale,
+            "repeats": args.repeats,
             "units": {"ttft": "ms", "throughput": "completed requests per second"},
             "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
             "command": " ".join(["python -m benchmarks.routing_bench", *(argv or sys.argv[1:])]),
@@ -446,27 +492,40 @@ def main(argv: list[str] | None = None) -> int:
             results["meta"]["engine_cores"] = pinned
             _log(f"engines pinned to cores {pinned}" if pinned else "engines unpinned: too few cores")
         for workload in built:
+            runs: dict[str, list[dict]] = {policy: [] for policy in policies}
+            pooled: dict[str, list] = {policy: [] for policy in policies}
+            for repeat in range(args.repeats):
+                for policy in policies:
+                    which = f" (run {repeat + 1}/{args.repeats})" if args.repeats > 1 else ""
+                    _log(f"{workload.name}: {policy}{which}")
+                    profile_to = None
+                    if policy.partition("@")[0] == args.profile:
+                        profile_to = PROFILES_DIR / f"{Path(args.output).name}_{workload.name}_{policy}.txt"
+                    suffix = f"_run{repeat + 1}" if args.repeats > 1 else ""
+                    try:
+                        policy_name = policy.replace("@", "_")
+                        run_name = f"{Path(args.output).name}_{workload.name}_{policy_name}{suffix}"
+                        outcomes_to = OUTCOMES_DIR / f"{run_name}.jsonl"
+                        measured = run_policy(
+                            fleet, policy, workload, args.concurrency, profile_to, outcomes_to, pooled[policy]
+                        )
+                    except Exception as exc:  # one router failing must not lose the other runs
+                        _log(f"{workload.name}: {policy} failed: {exc}")
+                        measured = {"failed": str(exc)[-2000:]}
+                    else:
+                        _log(
+                            f"  hit {measured['hit_ratio']:.3f}  ttft p50/p90 {measured['ttft_p50']:.0f}/"
+                            f"{measured['ttft_p90']:.0f} ms  load {measured['max_over_mean_load']:.2f}  "
+                            f"errors {measured['errors']}"
+                        )
+                    runs[policy].append(measured)
+                    if not fleet.all_alive():
+                        raise RuntimeError(f"an engine died during {workload.name}: {policy}")
             for policy in policies:
-                _log(f"{workload.name}: {policy}")
-                profile_to = None
-                if policy.partition("@")[0] == args.profile:
-                    profile_to = PROFILES_DIR / f"{Path(args.output).name}_{workload.name}_{policy}.txt"
-                try:
-                    run_name = f"{Path(args.output).name}_{workload.name}_{policy.replace('@', '_')}"
-                    outcomes_to = OUTCOMES_DIR / f"{run_name}.jsonl"
-                    measured = run_policy(fleet, policy, workload, args.concurrency, profile_to, outcomes_to)
-                except Exception as exc:  # one router failing must not lose the other runs
-                    _log(f"{workload.name}: {policy} failed: {exc}")
-                    measured = {"failed": str(exc)[-2000:]}
-                else:
-                    _log(
-                        f"  hit {measured['hit_ratio']:.3f}  ttft p50/p90 {measured['ttft_p50']:.0f}/"
-                        f"{measured['ttft_p90']:.0f} ms  load {measured['max_over_mean_load']:.2f}  "
-                        f"errors {measured['errors']}"
-                    )
+                measured = runs[policy][0]
+                if args.repeats > 1:
+                    measured = combine_repeats(runs[policy], pooled[policy])
                 results["workloads"][workload.name]["policies"][policy] = measured
-                if not fleet.all_alive():
-                    raise RuntimeError(f"an engine died during {workload.name}: {policy}")
     results["targets"] = check_targets(results)
     results["meta"]["wall_s"] = round(time.monotonic() - started, 1)
     results["meta"]["load_average_end"] = round(os.getloadavg()[0], 2)

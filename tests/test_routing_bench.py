@@ -8,10 +8,12 @@ import subprocess
 import sys
 import time
 
+import numpy as np
 import pytest
 
 from benchmarks import routing_bench, workloads
 from benchmarks.real_fleet import pin_engines_to_cores, process_tree
+from benchmarks.replay import Outcome
 from benchmarks.sim_fleet import EngineFleet
 
 
@@ -144,6 +146,35 @@ def test_profiler_names_the_function_that_burns_the_cpu(tmp_path):
     assert summary["threads"][0][1] > 0.9  # one thread did all the work
     hottest_stacks = [name for name, _share in summary["own"][:3]]
     assert any("burn_the_cpu" in name for name in hottest_stacks), summary["own"]
+
+
+def test_repeated_runs_pool_every_request_and_keep_each_run() -> None:
+    """`--repeats`: percentiles and hit ratio over the requests of all runs, not a mean of the runs'."""
+
+    def outcome(ttft_ms: float, prompt: int, cached: int, ok: bool = True) -> Outcome:
+        return Outcome(index=0, ok=ok, sent_at=1.0, first_content_at=1.0 + ttft_ms / 1000, done_at=2.0,
+                       prompt_tokens=prompt, cached_tokens=cached)  # fmt: skip
+
+    first = [outcome(ms, 100, 50) for ms in (10, 20, 30, 40)]
+    second = [outcome(ms, 100, 100) for ms in (50, 60, 70, 500)] + [outcome(9999, 100, 0, ok=False)]
+    runs = [
+        {"hit_ratio": 0.5, "ttft_p50": 25.0, "ttft_p90": 37.0, "max_over_mean_load": 1.0, "throughput": 2.0,
+         "requests": 4, "completed": 4, "errors": 0, "send_lag_p99_ms": 3.0,
+         "router_cpu_ms_per_request": 1.0},
+        {"hit_ratio": 1.0, "ttft_p50": 65.0, "ttft_p90": 371.0, "max_over_mean_load": 1.5, "throughput": 4.0,
+         "requests": 5, "completed": 4, "errors": 1, "send_lag_p99_ms": 9.0,
+         "router_cpu_ms_per_request": 3.0},
+    ]  # fmt: skip
+    combined = routing_bench.combine_repeats(runs, first + second)
+    everything = [10, 20, 30, 40, 50, 60, 70, 500]
+    assert combined["ttft_p90"] == pytest.approx(np.percentile(everything, 90), abs=0.01)
+    assert combined["ttft_p50"] == pytest.approx(45.0, abs=0.01)
+    assert combined["hit_ratio"] == 0.75  # the failed request's tokens are not counted
+    assert (combined["requests"], combined["completed"], combined["errors"]) == (9, 8, 1)
+    assert combined["max_over_mean_load"] == 1.25 and combined["throughput"] == 3.0
+    assert combined["send_lag_p99_ms"] == 9.0 and combined["router_cpu_ms_per_request"] == 2.0
+    assert [run["ttft_p90"] for run in combined["repeats"]] == [37.0, 371.0]
+    assert routing_bench.combine_repeats([runs[0], {"failed": "boom"}], first) == {"failed": "boom"}
 
 
 def test_real_engines_are_pinned_one_per_core_with_their_children() -> None:
