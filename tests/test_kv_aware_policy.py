@@ -268,19 +268,39 @@ def test_a_burst_of_cold_prompts_spreads_evenly() -> None:
     assert {name: chosen.count(name) for name in set(chosen)} == {f"b{i}": 10 for i in range(4)}
 
 
-def test_nothing_cached_routes_like_least_loaded() -> None:
+def test_nothing_cached_deals_new_prefixes_out_among_the_least_loaded() -> None:
     policy = KVAware(KVAwarePolicy(), PrefixIndex())
     candidates = backends(4)
     for backend, in_flight in zip(candidates, [3, 1, 2, 1], strict=True):
         backend.in_flight = in_flight
         backend.in_flight_prefill_tokens = 0 if backend.name == "b1" else 5000
     req = request(PROMPTS[2])
-    # Fewest in flight (b1 or b3); prefill tokens in flight do not sway a cold choice.
-    assert policy.choose(req, candidates).name in {"b1", "b3"}
+    # No cold placements yet: fewest in flight (b1 or b3); prefill tokens in flight do not sway a
+    # cold choice.
+    first = route(policy, req, candidates).name
+    assert first in {"b1", "b3"}
     assert req.decision["reason"] == "cold_spread"
-    # Between exact equals, least_loaded's rotation.
-    picks = {policy.choose(request(_family_prompt(PROMPTS[0][:0], n)), candidates).name for n in range(4)}
-    assert picks == {"b1", "b3"}
+    # Then the fewest recent cold placements among those within one request of the least loaded
+    # (b2 with 2 in flight, never b0 with 3), the fewest in flight first between equals.
+    picks = [route(policy, request(_family_prompt(PROMPTS[0][:0], n)), candidates).name for n in range(5)]
+    assert picks[0] == ({"b1", "b3"} - {first}).pop()
+    assert picks[1] == "b2" and "b0" not in picks
+    assert sorted(picks[2:]) == ["b1", "b2", "b3"]
+
+
+def test_an_engine_busy_at_the_instant_still_gets_its_share_of_new_conversations() -> None:
+    """Two engines, new conversations one at a time while earlier ones run: the one engine with a
+    request in flight at that instant must not be skipped every time (it would get 5 of 12)."""
+    policy = KVAware(KVAwarePolicy(), PrefixIndex())
+    candidates = backends(2)
+    homes = []
+    for n in range(12):
+        # The engine with fewer conversations so far happens to have one request running.
+        fewer = min(candidates, key=lambda b: (homes.count(b.name), b.name))
+        for backend in candidates:
+            backend.in_flight = 1 if backend is fewer else 0
+        homes.append(route(policy, request(_family_prompt(PROMPTS[0][:0], n)), candidates).name)
+    assert sorted(homes.count(name) for name in ("b0", "b1")) == [6, 6]
 
 
 def test_cached_work_still_wins_under_light_balanced_load() -> None:

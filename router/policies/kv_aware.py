@@ -19,9 +19,9 @@ The cheapest backend wins, with these guards:
   conversation uses is not moved (moving it costs its whole prefill and replicates nothing);
 - in-flight hot spots: a backend whose in-flight count is over max_load_ratio * mean + load_slack
   is skipped while another candidate is under that line;
-- nothing cached: when no candidate holds (or is predicted to hold) any of the prompt, the choice is
-  least_loaded's, guards aside: fewest in-flight requests, then fewest recent cold placements,
-  ties taken in turn. Different cold
+- nothing cached: when no candidate holds (or is predicted to hold) any of the prompt, among the
+  candidates within one request in flight of the least loaded, the fewest recent cold placements,
+  then the fewest in flight, ties taken in turn. Different cold
   prefixes therefore spread evenly over the engines instead of piling onto the first one
   (architecture.md, "what measuring the peers taught us"); between equal costs otherwise, the
   backend with the fewest recently placed prompt tokens wins, then the one whose cache holds least.
@@ -57,6 +57,9 @@ logger = logging.getLogger("kvgate.policy")
 # Recent placements decay with this half-life (seconds): long enough to spread a burst of cold
 # prefixes, short enough that yesterday's traffic does not steer today's.
 PLACEMENT_HALF_LIFE_S = 30.0
+# A cold prompt may go to an engine with this many more requests in flight than the least loaded
+# one when that engine has had fewer new prefixes lately (`CacheAwarePolicy.pick`).
+COLD_IN_FLIGHT_SLACK = 1
 DECISIONS_KEPT = 200
 
 
@@ -263,19 +266,26 @@ class CacheAwarePolicy:
         """The allowed candidate with the lowest cost; among equal costs, fewest recent placements,
         then the emptiest cache.
 
-        When no candidate holds any of the prompt, least_loaded's choice over all candidates (its
-        rotation between equals too): the cost would only restate the loads. The rotation advances
-        on cold requests only, so cold prefixes (first turns, new documents) are dealt out evenly
-        and need no guard; between equally loaded candidates, those with the fewest recent cold
-        placements first (a rotation over a changing set of idle engines is not even).
+        When no candidate holds any of the prompt (the cost would only restate the loads): among
+        the candidates within COLD_IN_FLIGHT_SLACK in flight of the least loaded, those with the
+        fewest recent cold placements, then least_loaded's choice (fewest in flight, its rotation
+        between equals). The rotation advances on cold requests only, so cold prefixes (first
+        turns, new documents) are dealt out evenly and need no guard.
         """
         if self.is_cold(cached):
             self._turn += 1
+            # A new prefix brings its follow-ups to the engine it lands on (a conversation's next
+            # turns, a document's next questions), so the count of new prefixes per engine decides
+            # the load and the cache pressure of minutes to come, one request in flight more only
+            # this instant: among the engines within COLD_IN_FLIGHT_SLACK of the least loaded, the
+            # fewest recent cold placements first. (By in-flight count first, 2 real engines got
+            # 7 and 5 of 12 conversations whenever the sixth-engine's rival had one request
+            # running; the 7 outgrew the engine's cache and their later turns missed.)
             lowest = min(b.in_flight for b in candidates)
-            idle = [b for b in candidates if b.in_flight == lowest]
-            placed = {b.name: self.cold_placements.value(b.name, now) for b in idle}
+            near = [b for b in candidates if b.in_flight <= lowest + COLD_IN_FLIGHT_SLACK]
+            placed = {b.name: self.cold_placements.value(b.name, now) for b in near}
             fewest = min(placed.values())
-            return fewest_in_flight([b for b in idle if placed[b.name] < fewest + 0.5], self._turn)
+            return fewest_in_flight([b for b in near if placed[b.name] < fewest + 0.5], self._turn)
         # Tie-breaks (a decay and the index's held tokens each) only for the candidates tied on cost.
         lowest = min(round(costs[b.name], 6) for b in allowed)
         tied = [b for b in allowed if round(costs[b.name], 6) == lowest]
