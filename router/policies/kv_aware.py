@@ -279,8 +279,8 @@ class CacheAwarePolicy:
             # the load and the cache pressure of minutes to come, one request in flight more only
             # this instant: among the engines within COLD_IN_FLIGHT_SLACK of the least loaded, the
             # fewest recent cold placements first. (By in-flight count first, 2 real engines got
-            # 7 and 5 of 12 conversations whenever the sixth-engine's rival had one request
-            # running; the 7 outgrew the engine's cache and their later turns missed.)
+            # 7 and 5 of 12 conversations when the engine with fewer had a request running as the
+            # last ones began; the 7 outgrew the engine's cache and their later turns missed.)
             lowest = min(b.in_flight for b in candidates)
             near = [b for b in candidates if b.in_flight <= lowest + COLD_IN_FLIGHT_SLACK]
             placed = {b.name: self.cold_placements.value(b.name, now) for b in near}
