@@ -1,14 +1,16 @@
 """Prefix-index benchmark: events applied per second, lookup latency, memory per cached block.
 
 Setup: 16 backends and 1M cached 16-token blocks (vLLM-style prefill events of 64 blocks each),
-plus four 32k-token documents cached to different depths on different backends. Everything is
-measured side by side in one run for `before` (router/index/prefix_index.py at commit
-BASELINE_REVISION, read from git history at run time: the index before the decode-step and
-lookup work) and `after` (router/index, one-block events through the compiled path of
-router/index/_ingest.pyx when it is built; the report says which path ran), and the ingest rows
-also for `after_python` (the same index with `compiled_ingest=False`: the pure-Python fallback).
-Each batch is applied to every index in turn (alternating the order), so all see the same load on
-this shared machine and the ratios are meaningful even when absolute numbers drift.
+plus four 32k-token documents cached to different depths on different backends. Measured for
+`before` (router/index/prefix_index.py at commit BASELINE_REVISION, read from git history at run
+time: the index before the decode-step and lookup work) and `after` (router/index, one-block events
+through the compiled path of router/index/_ingest.pyx when it is built; the report says which path
+ran), and the ingest rows also for `after_python` (the same index with `compiled_ingest=False`: the
+pure-Python fallback). Ingest is measured twice: each index alone in a child process of its own,
+`--rounds` times in rotated order (`own_process_rounds`: the absolute rates, read against the
+target), and side by side in one process, each batch applied to every index in turn (alternating
+the order), so all see the same load on this shared machine and the ratios hold even when absolute
+numbers drift. Lookups are side by side too.
 - ingest: blocks/s for prefill events (64 blocks, alone or 8 per batch), decode events (1 block,
   alone or 32 per batch), removals; what the subscriber hands over for a drained burst of
   messages (16 decode steps of 32 requests in one call; 512 one-block events of one request in
@@ -23,7 +25,7 @@ this shared machine and the ratios are meaningful even when absolute numbers dri
 Targets (issue 3): >= 500k block events/s on one core; an 8k-token lookup under 200 us.
 Anchor (not measured here): Dynamo's Rust indexer reports about 1M events/s, microsecond lookups.
 
-Run: .venv/bin/python benchmarks/index_bench.py [--blocks 1000000] [--out benchmarks/results]
+Run: .venv/bin/python benchmarks/index_bench.py [--blocks 1000000] [--rounds 3] [--out benchmarks/results]
 CPU times are process CPU seconds (the machines are shared; wall time would count other work).
 """
 

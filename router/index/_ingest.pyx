@@ -231,12 +231,6 @@ cdef class BackendWriter:
             self._flush_stats()
         return position
 
-    cdef bint store_alone(self, object event) except -1:
-        """`store([event], 0) == 1` without the Python call (the caller holds the lock). The
-        event's stats stay pending in the writer (`flush_stats`): adding them to the backend's
-        dicts would cost about a tenth of the event."""
-        return self._store_one(event)
-
     def flush_stats(self):
         """Add the pending stats to the backend's (the caller holds the index's lock): the index
         does so before it reads or zeroes them (`PrefixIndex._sync_stats_locked`)."""
@@ -455,7 +449,9 @@ cdef class OneEventFront:
                 if found is not NULL and PyDict_GET_SIZE(self.shared_masks) <= self.shared_masks_limit:
                     writer = (<object>found).compiled_writer
                     if isinstance(writer, BackendWriter):
-                        stored = (<BackendWriter>writer).store_alone(<object>PyList_GET_ITEM(events, 0))
+                        # The event's stats stay pending in the writer (`flush_stats`): adding them
+                        # to the backend's dicts would cost about a tenth of the event.
+                        stored = (<BackendWriter>writer)._store_one(<object>PyList_GET_ITEM(events, 0))
             finally:
                 self.lock.give()
             if stored:
