@@ -107,16 +107,40 @@ def hit_and_ttft(outcomes: list[Outcome]) -> dict:
     done = [o for o in outcomes if o.ok]
     prompt = sum(o.prompt_tokens for o in done)
     cached = sum(o.cached_tokens for o in done)
-    ttft_ms = np.array([o.ttft_s * 1000.0 for o in done]) if done else np.array([float("nan")])
+    ttfts = ttft_ms(done) if done else np.array([float("nan")])
     return {
         "hit_ratio": round(cached / prompt, 4) if prompt else 0.0,
-        "ttft_p50": round(float(np.percentile(ttft_ms, 50)), 2),
-        "ttft_p90": round(float(np.percentile(ttft_ms, 90)), 2),
-        "ttft_p99": round(float(np.percentile(ttft_ms, 99)), 2),
-        "ttft_mean": round(float(ttft_ms.mean()), 2),
+        "ttft_p50": round(float(np.percentile(ttfts, 50)), 2),
+        "ttft_p90": round(float(np.percentile(ttfts, 90)), 2),
+        "ttft_p99": round(float(np.percentile(ttfts, 99)), 2),
+        "ttft_mean": round(float(ttfts.mean()), 2),
         "prompt_tokens": prompt,
         "cached_tokens": cached,
     }
+
+
+def ttft_ms(outcomes: list[Outcome]) -> np.ndarray:
+    """TTFT (ms) of the completed requests of `outcomes`."""
+    return np.array([o.ttft_s * 1000.0 for o in outcomes if o.ok])
+
+
+def p90_difference_interval(
+    ours: list[np.ndarray], theirs: list[np.ndarray], *, resamples: int = 4000, seed: int = 0
+) -> tuple[float, float]:
+    """95% bootstrap interval (ms) of the pooled TTFT p90 of `ours` minus that of `theirs`, each a
+    list of one array of TTFTs per run. Each resample redraws every run's requests with replacement
+    within that run, so a policy keeps its runs' weights. It measures how much the p90 moves with
+    which requests happened to be slow; drift of the machine between runs is not in it (the
+    report lists each run's p90 for that)."""
+    generator = np.random.default_rng(seed)
+
+    def p90s(runs: list[np.ndarray]) -> np.ndarray:
+        drawn = [run[generator.integers(0, len(run), size=(resamples, len(run)))] for run in runs if len(run)]
+        return np.percentile(np.concatenate(drawn, axis=1), 90, axis=1)
+
+    differences = p90s(ours) - p90s(theirs)
+    low, high = np.percentile(differences, [2.5, 97.5])
+    return round(float(low), 2), round(float(high), 2)
 
 
 def summarize(workload: Workload, outcomes: list[Outcome]) -> dict:

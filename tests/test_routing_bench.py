@@ -205,3 +205,45 @@ def test_real_engines_are_pinned_one_per_core_with_their_children() -> None:
             for pid in reversed(process_tree(server.pid)):
                 os.kill(pid, 9)
             server.wait(5)
+
+
+def test_p90_interval_contains_zero_for_one_distribution_and_excludes_it_for_a_shift():
+    from benchmarks.replay import p90_difference_interval
+
+    generator = np.random.default_rng(3)
+    runs = [generator.exponential(50.0, 300) + 40.0 for _ in range(2)]
+    same = [generator.exponential(50.0, 300) + 40.0 for _ in range(2)]
+    low, high = p90_difference_interval(runs, same)
+    assert low < 0.0 < high
+    slower = [run + 60.0 for run in same]
+    low, high = p90_difference_interval(runs, slower)
+    assert high < 0.0 and low > -120.0
+    low, high = p90_difference_interval(slower, runs)
+    assert low > 0.0
+
+
+def test_p90_target_verdict_follows_the_interval_not_the_point_estimate():
+    generator = np.random.default_rng(5)
+
+    def runs(shift: float) -> list:
+        return [generator.exponential(40.0, 200) + 30.0 + shift for _ in range(2)]
+
+    def policy(samples: list) -> dict:
+        pooled = np.concatenate(samples)
+        return {"hit_ratio": 0.8, "ttft_p90": float(np.percentile(pooled, 90)), "max_over_mean_load": 1.0}
+
+    verdicts = {}
+    for name, peer_shift in (("clearly_ahead", 80.0), ("tied", 0.0), ("clearly_behind", -60.0)):
+        samples = {"kv_aware": runs(0.0), "sglang_router_cache_aware": runs(peer_shift)}
+        results = {"workloads": {name: {
+            "has_reuse": True, "oracle_hit_ratio": 0.8,
+            "policies": {policy_name: policy(s) for policy_name, s in samples.items()},
+        }}}  # fmt: skip
+        (check,) = [c for c in routing_bench.check_targets(results, {name: samples}) if "p90" in c["target"]]
+        verdicts[name] = (check["verdict"], check["met"])
+        assert "95% interval" in check["measured"]
+    assert verdicts == {
+        "clearly_ahead": ("met", True),
+        "tied": ("within noise", False),
+        "clearly_behind": ("not met", False),
+    }
