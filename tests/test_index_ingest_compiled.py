@@ -1,6 +1,6 @@
-"""The compiled one-block ingest path (router/index/_ingest.pyx): it is built and used where it
-imports, and it builds exactly the index the pure-Python paths build, on random decode streams
-with every shape outside its own mixed in."""
+"""The compiled ingest path (router/index/_ingest.pyx: decode steps, prefills, evictions): it is
+built and used where it imports, and it builds exactly the index the pure-Python paths build, on
+random decode streams with prefills, evictions and every shape outside its own mixed in."""
 
 from __future__ import annotations
 
@@ -50,7 +50,7 @@ def applied_by_compiled_path(monkeypatch) -> list[int]:
     return CountingWriter.applied
 
 
-def test_the_extension_is_built_and_applies_one_block_events(monkeypatch) -> None:
+def test_the_extension_is_built_and_applies_prefills_decode_steps_and_evictions(monkeypatch) -> None:
     """A build that failed (or a module that is not the compiled one) fails here, not silently."""
     assert ingest.__file__.endswith(tuple(importlib.machinery.EXTENSION_SUFFIXES)), ingest.__file__
     assert prefix_index.INGEST_PATH == "compiled"
@@ -59,18 +59,19 @@ def test_the_extension_is_built_and_applies_one_block_events(monkeypatch) -> Non
     assert PrefixIndex(compiled_ingest=False).ingest_path == "python"
     rand = random.Random(1)
     tokens = [rand.randrange(150_000) for _ in range(16 * 40)]
-    index.apply("a", [BlockStored(block_hashes=[1, 2], token_ids=tokens[:32], block_size=16)])
 
     def forbidden(*args: Any, **kwargs: Any) -> None:
-        raise AssertionError("a one-block event of the decode shape went a pure-Python path")
+        raise AssertionError("an event of the compiled path's shapes went a pure-Python path")
 
     for name in (
         "_store_one_block_locked",
         "_store_decode_step_locked",
         "_apply_in_runs_locked",
         "_apply_locked",
+        "_remove_locked",
     ):
         monkeypatch.setattr(PrefixIndex, name, forbidden)
+    index.apply("a", [BlockStored(block_hashes=[1, 2], token_ids=tokens[:32], block_size=16)])  # a prefill
     index.apply(
         "a", [BlockStored(block_hashes=[3], parent_block_hash=2, token_ids=tokens[32:48], block_size=16)]
     )
@@ -92,6 +93,11 @@ def test_the_extension_is_built_and_applies_one_block_events(monkeypatch) -> Non
     stats = index.stats("a")
     assert stats is not None
     assert (stats.stored_events, stats.blocks, stats.tokens) == (39, {"gpu": 40}, {"gpu": 640})
+    index.apply("a", [BlockRemoved(block_hashes=[40]), BlockRemoved(block_hashes=[39, 38])])  # evictions
+    assert index.longest_cached_prefix(tokens)["a"].tokens == 16 * 37
+    stats = index.stats("a")
+    assert stats is not None
+    assert (stats.removed_events, stats.blocks, stats.tokens) == (2, {"gpu": 37}, {"gpu": 592})
 
 
 def test_the_compiled_block_value_is_the_python_one() -> None:
@@ -226,6 +232,12 @@ def decode_streams(maker: StreamMaker, rounds: int):
             else:
                 event = BlockStored(block_hashes=[next(next_stranger)], token_ids=tokens, block_size=16)
             events.insert(rand.randrange(len(events) + 1), event)
+        if applied and rand.random() < 0.4:  # evictions as vLLM announces them: one block an event
+            for victim in rand.sample(applied, min(len(applied), rand.randint(1, 3))):
+                removal = BlockRemoved(
+                    block_hashes=victim.block_hashes[-1:], medium=victim.medium, group_idx=victim.group_idx
+                )
+                events.insert(rand.randrange(len(events) + 1), removal)
         applied += [event for event in events if isinstance(event, BlockStored)][-20:]
         if any(isinstance(event, AllBlocksCleared) for event in events) or rand.random() < 0.05:
             decoding = start_requests(rand.randint(1, 6))  # the engine dropped everything, or new requests
@@ -251,6 +263,57 @@ def test_compiled_python_and_general_paths_build_the_same_index(seed: int, appli
     assert 0 in applied_by_compiled_path, "the compiled path refused nothing: the hazards did not reach it"
 
 
+def test_removals_take_the_compiled_path_and_leave_the_index_the_python_paths_leave(monkeypatch) -> None:
+    """Evictions one block an event (as vLLM announces them), alone and in batches with decode
+    steps; a block held in two tiers losing one; a multi-block removal with an unknown hash; a
+    prefix stored twice in a tier (an extra reference: the Python path's). Removals of a prefix
+    with a second reference go the Python path, every other the compiled path, and the index
+    equals the pure-Python one's throughout."""
+    rand = random.Random(9)
+    tokens = [rand.randrange(150_000) for _ in range(16 * 30)]
+    chain = lone_chain(tokens, 1, 30)
+    compiled, python = PrefixIndex(), PrefixIndex(compiled_ingest=False)
+    removals_in_python: list[BlockRemoved] = []  # by the compiled index's Python path
+    original = PrefixIndex._remove_locked
+
+    def spy(self: PrefixIndex, backend: Any, event: BlockRemoved) -> None:
+        if self is compiled:
+            removals_in_python.append(event)
+        original(self, backend, event)
+
+    monkeypatch.setattr(PrefixIndex, "_remove_locked", spy)
+
+    def both(events: list[KVEvent]) -> None:
+        compiled.apply("a", events)
+        python.apply("a", events)
+        assert internal_state(compiled, "a") == internal_state(python, "a")
+
+    for event in chain[:20]:
+        both([event])
+    both([BlockStored(block_hashes=[5, 6], token_ids=[], block_size=16, medium="cpu")])  # offloaded too
+    removals_in_python.clear()
+    both([BlockRemoved(block_hashes=[20])])  # the newest block, alone
+    both([chain[20], BlockRemoved(block_hashes=[19]), chain[21]])  # with a decode step's stores
+    both([BlockRemoved(block_hashes=[5])])  # GPU copy gone, the CPU copy stays
+    assert compiled.longest_cached_prefix(tokens[: 16 * 6])["a"].tokens == 16 * 6
+    both([BlockRemoved(block_hashes=[6, 10**9, 7])])  # an unknown hash among them
+    both([BlockRemoved(block_hashes=[6], medium="cpu")])
+    assert removals_in_python == [], "a plain removal went the Python path"
+    assert compiled.stats("a").unknown_removals == 1
+    # The same prefix stored twice in the tier (blocks 1-2 again under new hashes): the prefix
+    # has a second reference, so removing either copy is left to the Python path, which counts it.
+    both([BlockStored(block_hashes=[101, 102], token_ids=tokens[:32], block_size=16)])
+    both([BlockRemoved(block_hashes=[2])])
+    assert len(removals_in_python) == 1
+    # 102 still holds the prefix block 2 held: blocks 1-5 are still cached (5 in the CPU tier).
+    assert compiled.longest_cached_prefix(tokens)["a"].tokens == 16 * 5
+    for event in chain[:4]:  # after removals: every block stored again
+        both([BlockRemoved(block_hashes=event.block_hashes)])
+    both([BlockRemoved(block_hashes=[101, 102])])
+    assert compiled.stats("a") == python.stats("a")
+    assert compiled.held_tokens("a") == python.held_tokens("a")
+
+
 def test_the_same_decode_stream_on_two_backends_shares_mask_objects(applied_by_compiled_path) -> None:
     """A second backend storing the prefixes the first holds: its masks are the index's shared
     objects, as the Python paths make them; lookups see both backends."""
@@ -272,8 +335,9 @@ def test_the_same_decode_stream_on_two_backends_shares_mask_objects(applied_by_c
             index.apply(backend, events[:1])
             for event in events[1:]:
                 index.apply(backend, [event])
-    # Lone events: the compiled entry applies them (the writer's own `store` is for lists).
-    assert compiled._front.applied == 2 * 29 and sum(applied_by_compiled_path) == 0
+    # Lone events: the compiled entry applies them. The first event of each of the 12 backends
+    # goes the Python apply, which makes the backend and its writer, and the writer applies it.
+    assert compiled._front.applied == 2 * 29 and applied_by_compiled_path == [1] * 12
     assert internal_state(compiled, "a") == internal_state(python, "a")
     assert internal_state(compiled, "b") == internal_state(python, "b")
     both = compiled._backends["a"].medium_slots[None][1] | compiled._backends["b"].medium_slots[None][1]
@@ -309,11 +373,19 @@ def test_events_outside_the_shape_are_refused_with_the_index_untouched() -> None
             block_hashes=[block_hash], parent_block_hash=parent, token_ids=chosen, block_size=16, **fields
         )
 
+    def prefill(hashes: Any = None, parent: Any = 2, token_ids: Any = None, **fields: Any) -> BlockStored:
+        return BlockStored(
+            block_hashes=hashes or [10, 11],
+            parent_block_hash=parent,
+            token_ids=tokens[48:80] if token_ids is None else token_ids,
+            block_size=16,
+            **fields,
+        )
+
     refused = [
         child(4),  # already placed
         child(10, parent=3),  # the parent ends inside a router block
         child(10, parent=99),  # unknown parent
-        child(10, parent=None),  # a root
         child(10, token_ids=[-1] * 16),
         child(10, token_ids=[2**32] * 16),
         child(10, token_ids=[1.0] * 16),
@@ -323,10 +395,21 @@ def test_events_outside_the_shape_are_refused_with_the_index_untouched() -> None
         child(10, group_idx=1),
         BlockStored(block_hashes=[10], parent_block_hash=2, token_ids=tokens[48:64]),  # no block size
         BlockStored(block_hashes=[10], parent_block_hash=2, token_ids=tokens[48:64], block_size=32),
-        BlockStored(block_hashes=[10, 11], parent_block_hash=2, token_ids=tokens[48:80], block_size=16),
+        prefill([10, 4]),  # one hash placed already
+        prefill([10, 10]),  # twice the same hash
+        prefill(parent=3),  # the parent ends inside a router block
+        prefill(parent=99),
+        prefill(token_ids=tokens[48:79]),
+        prefill(token_ids=[*tokens[48:79], -1]),
+        prefill(group_idx=1),
+        prefill(token_ids=tokens[32:64]),  # completes the prefix block 4 holds in this tier
         OtherEvent(block_hashes=[10], parent_block_hash=2, token_ids=tokens[48:64], block_size=16),
         child(10, parent=2, token_ids=tokens[32:48]),  # completes the prefix block 4 holds in this tier
-        BlockRemoved(block_hashes=[4]),
+        BlockRemoved(block_hashes=[3]),  # a block with a tail
+        BlockRemoved(block_hashes=[4, 3]),  # a plain block, then one with a tail: refused whole
+        BlockRemoved(block_hashes=[4], group_idx=1),
+        BlockRemoved(block_hashes=[4], medium="cpu"),  # a medium the backend never stored under
+        BlockRemoved(block_hashes=(4,)),  # type: ignore[arg-type]  # not a list
         AllBlocksCleared(),
     ]
     for event in refused:
@@ -334,6 +417,16 @@ def test_events_outside_the_shape_are_refused_with_the_index_untouched() -> None
         with index._lock:
             assert writer.store([event], 0) == 0, event
         assert internal_state(index, "a") == before, event
+    # A root and a prefill continuing a placed block are applied.
+    for event in (
+        child(10, parent=None),
+        BlockStored(block_hashes=[11, 12], parent_block_hash=4, token_ids=tokens[48:80], block_size=16),
+    ):
+        with index._lock:
+            assert writer.store([event], 0) == 1, event
+    assert index.longest_cached_prefix(tokens)["a"].tokens == 80
+    for block_hash in (10, 11, 12):
+        index.apply("a", [BlockRemoved(block_hashes=[block_hash])])
     # A list: the leading events of the shape are applied, the position of the first other returned.
     events: list[KVEvent] = [
         child(10, parent=4),
@@ -350,16 +443,17 @@ def test_a_drained_burst_from_the_wire_resumes_the_compiled_path_after_other_eve
     applied_by_compiled_path,
 ) -> None:
     """Decoded wire batches (array-encoded events: the decoder's own subclass) joined into one
-    call, prefills and removals between decode steps: each decode run is applied by the compiled
-    path, the rest by the general path, and the index equals the pure-Python one's."""
+    call, prefills of 32-token blocks (the general path's) and a removal between decode steps:
+    each run of decode steps (with the removal) is applied by the compiled path, the prefills by
+    the general path, and the index equals the pure-Python one's."""
     rand = random.Random(6)
     docs = [[rand.randrange(150_000) for _ in range(16 * 20)] for _ in range(3)]
     wire: list[Any] = []
     next_hash = 100
     for doc_number, doc in enumerate(docs):
         first = next_hash
-        wire.append(block_stored(list(range(first, first + 4)), doc[:64], 16, encoding="array"))
-        next_hash += 4
+        wire.append(block_stored(list(range(first, first + 2)), doc[:64], 32, encoding="array"))
+        next_hash += 2
         for block in range(4, 20):
             wire.append(
                 block_stored(
@@ -379,7 +473,8 @@ def test_a_drained_burst_from_the_wire_resumes_the_compiled_path_after_other_eve
     compiled.apply("a", events)
     python.apply("a", events)
     assert internal_state(compiled, "a") == internal_state(python, "a")
-    assert [count for count in applied_by_compiled_path if count] == [16, 16, 16]
+    # Document 1's removal is applied by the compiled path too, in the run of its decode steps.
+    assert [count for count in applied_by_compiled_path if count] == [16, 17, 16]
 
 
 def lone_chain(tokens: list[int], first_hash: int, blocks: int) -> list[BlockStored]:
@@ -515,7 +610,8 @@ def test_writers_of_several_backends_at_once_build_the_index_one_writer_builds()
         thread.start()
     for thread in threads:
         thread.join(30)
-    assert concurrent._front.applied == sequential._front.applied == 4 * 3 * 39
+    # Every event after each backend's first, the roots of documents 2 and 3 included.
+    assert concurrent._front.applied == sequential._front.applied == 4 * (3 * 40 - 1)
     for name in streams:
         assert internal_state(concurrent, name) == internal_state(sequential, name)
     assert_same_lookups(sequential, [concurrent], docs)

@@ -1,24 +1,39 @@
 # cython: language_level=3, boundscheck=False, wraparound=False, cdivision=True, initializedcheck=False
-"""Compiled ingest of one-block BlockStored events (what engines publish while decoding) into the
-prefix index's own Python dicts.
+"""Compiled ingest of the KV events engines publish most: BlockStored of 16-token blocks (one
+block per request and decode step; a prefill's blocks in one event) and BlockRemoved (one per
+evicted block from vLLM), into the prefix index's own Python dicts.
 
 `BackendWriter(index, backend).store(events, start)` applies `events[start:]` in order while
-each is of the decode shape and returns the position of the first one it did not apply (the
-caller hands that one and the events after it to the pure-Python paths of
-`router/index/prefix_index.py`, which stay the reference). The shape, checked per event against
-the index as it stands after the events before it: a BlockStored of one 16-token block
-(`block_size` 16, `token_ids` a list of 16 uint32 ints), KV-cache group 0, its parent placed on the
-backend and ending on a router-block boundary (no tail), its hash new to the backend, and the
-prefix it completes not yet held by the event's tier. An event outside the shape changes nothing.
+each is of a shape described below and returns the position of the first one it did not apply
+(the caller hands that one and the events after it to the pure-Python paths of
+`router/index/prefix_index.py`, which stay the reference). Shapes are checked per event against
+the index as it stands after the events before it; an event outside them changes nothing.
 
-For such an event it builds exactly what `PrefixIndex._store_one_block_locked` builds: the node
-tuple `(end, 16, key, (), key, chain_id, bit)` in `backend.nodes`, the holder mask in
+The decode shape: a BlockStored of one 16-token block (`block_size` 16, `token_ids` a list of 16
+uint32 ints), KV-cache group 0, its parent placed on the backend and ending on a router-block
+boundary (no tail), its hash new to the backend, and the prefix it completes not yet held by the
+event's tier. For it, this builds exactly what `PrefixIndex._store_one_block_locked` builds: the
+node tuple `(end, 16, key, (), key, chain_id, bit)` in `backend.nodes`, the holder mask in
 `index._holders` (the tier's shared bit for a prefix nobody held, else the shared object of
 `mask | bit` from `index._shared_masks`), the chain's `nodes` and `longest`, and the backend's
 stats. The router key is the parent's boundary key plus the block's mixed value, in C uint64
 arithmetic: the same math as `_python_block_value` (8 little-endian words of two tokens times
 the word weights, xor position times the position weight, splitmix64 finaliser), with the
 constants handed over once by `configure`.
+
+The prefill shape: a BlockStored of any number of 16-token blocks (at least 16 per block of
+uint32 token ids), group 0, a root (the index makes or finds its chain: `_root_chain_locked`) or
+the child of a placed block without a tail, its hashes distinct and new to the backend, and no
+prefix it completes held by its tier. It gets what `PrefixIndex._flush_uniform_locked` gives one
+such event: a node per block as above, the keys running sums from the parent's boundary key (or
+the namespace's seed).
+
+A BlockRemoved (KV-cache group 0, a medium the backend has stored under) is applied here as
+`PrefixIndex._remove_locked` applies it when each of its blocks is unknown to the tier (counted
+as an unknown removal) or a plain node: no tail, and no second reference to any prefix it owns
+(`index._extra_refs`). Each prefix loses the tier's bit in `index._holders` (the key goes with
+the last bit), the node loses it too (the node goes with its last slot, and its chain with its
+last node), and the stats follow. An event with any other block is left whole to the Python path.
 
 Callers hold the index's writer lock; lookups read the same dicts without it (each insert is one
 dict store, as in the Python paths).
@@ -81,6 +96,8 @@ cdef object _event_class = None, _event_subclass = None
 cdef Py_ssize_t _block_hashes_at, _parent_hash_at, _token_ids_at, _block_size_at, _medium_at, _group_at
 cdef object _chain_class = None
 cdef Py_ssize_t _chain_nodes_at, _chain_longest_at
+cdef object _removed_class = None, _removed_subclass = None
+cdef Py_ssize_t _removed_hashes_at, _removed_medium_at, _removed_group_at
 
 
 cdef Py_ssize_t _slot_offset(cls, str name) except -1:
@@ -108,19 +125,38 @@ cdef inline void _set_field(object instance, Py_ssize_t offset, object value) no
     Py_XDECREF(old)
 
 
+def _same_slots_subclass(cls, names):
+    """The wire decoder's array-encoded subclass of `cls` (one at most), when it keeps `cls`'s
+    slots for `names`; else `cls` itself."""
+    for subclass in cls.__subclasses__():
+        if all(_slot_offset(subclass, name) == _slot_offset(cls, name) for name in names):
+            return subclass
+    return cls
+
+
+_STORED_FIELDS = ("block_hashes", "parent_block_hash", "token_ids", "block_size", "medium", "group_idx")
+_REMOVED_FIELDS = ("block_hashes", "medium", "group_idx")
+
+
 def configure(word_weights, uint64_t position_weight, uint64_t mix_1, uint64_t mix_2,
-              int block_tokens, tuple node_layout, block_stored_class, chain_class):
-    """Hand over the index's key constants, the BlockStored class and the index's chain class
-    (`_Chain`); ValueError for a mismatch (another block size, node layout or field layout)."""
+              int block_tokens, tuple node_layout, block_stored_class, chain_class,
+              block_removed_class=None):
+    """Hand over the index's key constants, the BlockStored class, the index's chain class
+    (`_Chain`) and the BlockRemoved class (None: removals stay with the Python path); ValueError
+    for a mismatch (another block size, node layout or field layout)."""
     global _position_weight, _mix_1, _mix_2, _configured, _event_class, _event_subclass, _chain_class
     global _block_hashes_at, _parent_hash_at, _token_ids_at, _block_size_at, _medium_at, _group_at
     global _chain_nodes_at, _chain_longest_at
+    global _removed_class, _removed_subclass, _removed_hashes_at, _removed_medium_at, _removed_group_at
     weights = tuple(word_weights)
     if block_tokens != BLOCK_TOKENS or len(weights) != WORDS:
         raise ValueError(f"compiled for {BLOCK_TOKENS}-token router blocks of {WORDS} words, "
                          f"not {block_tokens} tokens and {len(weights)} weights")
     if node_layout != NODE_LAYOUT:
         raise ValueError(f"compiled for node tuples {NODE_LAYOUT}, the index has {node_layout}")
+    removed_offsets = None
+    if block_removed_class is not None:
+        removed_offsets = [_slot_offset(block_removed_class, name) for name in _REMOVED_FIELDS]
     _configured = False
     for position in range(WORDS):
         _word_weights[position] = weights[position]
@@ -131,16 +167,16 @@ def configure(word_weights, uint64_t position_weight, uint64_t mix_1, uint64_t m
     _block_size_at = _slot_offset(block_stored_class, "block_size")
     _medium_at = _slot_offset(block_stored_class, "medium")
     _group_at = _slot_offset(block_stored_class, "group_idx")
-    # The wire decoder's array-encoded subclass (one at most) inherits the same slots.
-    subclasses = [cls for cls in block_stored_class.__subclasses__()
-                  if all(_slot_offset(cls, name) == _slot_offset(block_stored_class, name)
-                         for name in ("block_hashes", "parent_block_hash", "token_ids", "block_size",
-                                      "medium", "group_idx"))]
     _event_class = block_stored_class
-    _event_subclass = subclasses[0] if subclasses else block_stored_class
+    _event_subclass = _same_slots_subclass(block_stored_class, _STORED_FIELDS)
     _chain_nodes_at = _slot_offset(chain_class, "nodes")
     _chain_longest_at = _slot_offset(chain_class, "longest")
     _chain_class = chain_class
+    _removed_class = _removed_subclass = None
+    if removed_offsets is not None:
+        _removed_hashes_at, _removed_medium_at, _removed_group_at = removed_offsets
+        _removed_subclass = _same_slots_subclass(block_removed_class, _REMOVED_FIELDS)
+        _removed_class = block_removed_class
     _configured = True
 
 
@@ -163,13 +199,19 @@ cdef inline bint _token_word(PyObject* low_item, PyObject* high_item, uint64_t* 
 cdef inline bint _block_value(object token_ids, uint64_t position, uint64_t* value) noexcept:
     """The mixed value of one router block at `position`; False unless `token_ids` is a list of
     16 uint32 ints. Arithmetic wraps modulo 2**64, as the index's key math does."""
-    cdef uint64_t total = 0, word = 0
-    cdef Py_ssize_t index
     if not PyList_CheckExact(<PyObject*>token_ids) or PyList_GET_SIZE(token_ids) != BLOCK_TOKENS:
         return False
+    return _block_value_at(token_ids, 0, position, value)
+
+
+cdef inline bint _block_value_at(object token_ids, Py_ssize_t first, uint64_t position, uint64_t* value) noexcept:
+    """`_block_value` of the 16 tokens from `first` of a list that holds them (the caller checks
+    its length); False unless they are uint32 ints."""
+    cdef uint64_t total = 0, word = 0
+    cdef Py_ssize_t index
     for index in range(WORDS):
-        if not _token_word(PyList_GET_ITEM(token_ids, 2 * index), PyList_GET_ITEM(token_ids, 2 * index + 1),
-                           &word):
+        if not _token_word(PyList_GET_ITEM(token_ids, first + 2 * index),
+                           PyList_GET_ITEM(token_ids, first + 2 * index + 1), &word):
             return False
         total += word * _word_weights[index]
     total ^= position * _position_weight
@@ -199,10 +241,11 @@ cdef class BackendWriter:
     costs no attribute lookups; `index._medium_slot_locked` makes a new medium's slot."""
 
     cdef object index, backend, stats
-    cdef dict nodes, holders, shared_masks, medium_slots, chains, stats_blocks, stats_tokens
-    # Stats of the events stored by the current call, added to the backend's once per call.
+    cdef dict nodes, holders, shared_masks, extra_refs, medium_slots, chains, stats_blocks, stats_tokens
+    # Changes to the stats not yet added to the backend's (`_flush_stats`): blocks and tokens of
+    # `pending_tier` (negative for removals), events stored and removed.
     cdef object pending_tier
-    cdef Py_ssize_t pending_blocks, pending_events
+    cdef Py_ssize_t pending_blocks, pending_token_count, pending_events, pending_removed_events
 
     def __init__(self, index, backend):
         if not _configured:
@@ -212,6 +255,7 @@ cdef class BackendWriter:
         self.nodes = backend.nodes
         self.holders = index._holders
         self.shared_masks = index._shared_masks
+        self.extra_refs = index._extra_refs
         self.medium_slots = backend.medium_slots
         self.chains = backend.chains
         self.stats = backend.stats
@@ -219,13 +263,14 @@ cdef class BackendWriter:
         self.stats_tokens = backend.stats.tokens
 
     def store(self, list events, Py_ssize_t start):
-        """Apply `events[start:]` in order while each is of the decode shape (module docstring);
+        """Apply `events[start:]` in order while each is one this module applies (a one-block
+        BlockStored of the decode shape or a BlockRemoved of plain blocks: module docstring);
         return the position of the first event not applied (`len(events)` when all were). The
         caller holds the index's lock."""
         cdef Py_ssize_t position = start
         cdef Py_ssize_t count = PyList_GET_SIZE(events)
         try:
-            while position < count and self._store_one(<object>PyList_GET_ITEM(events, position)):
+            while position < count and self._apply_one(<object>PyList_GET_ITEM(events, position)):
                 position += 1
         finally:
             self._flush_stats()
@@ -237,18 +282,45 @@ cdef class BackendWriter:
         self._flush_stats()
 
     def pending_tokens(self):
-        """Tokens stored but not yet added to the backend's stats (a lock-free read may be off by
-        a flush in progress, as any lock-free read of the stats may)."""
-        return self.pending_blocks * BLOCK_TOKENS
+        """Tokens stored minus tokens removed, not yet added to the backend's stats (a lock-free
+        read may be off by a flush in progress, as any lock-free read of the stats may)."""
+        return self.pending_token_count
 
     cdef _flush_stats(self):
-        if self.pending_blocks:
+        if self.pending_blocks or self.pending_token_count:
             self.stats_blocks[self.pending_tier] += self.pending_blocks
-            self.stats_tokens[self.pending_tier] += self.pending_blocks * BLOCK_TOKENS
+            self.stats_tokens[self.pending_tier] += self.pending_token_count
             self.pending_blocks = 0
+            self.pending_token_count = 0
         if self.pending_events:
             self.stats.stored_events += self.pending_events
             self.pending_events = 0
+        if self.pending_removed_events:
+            self.stats.removed_events += self.pending_removed_events
+            self.pending_removed_events = 0
+
+    cdef inline void _count_in(self, object tier, Py_ssize_t blocks, Py_ssize_t tokens):
+        if tier is not self.pending_tier:
+            self._flush_stats()
+            self.pending_tier = tier
+        self.pending_blocks += blocks
+        self.pending_token_count += tokens
+
+    cdef inline bint _apply_one(self, object event) except -1:
+        """One event applied here (True), or nothing changed (False: the Python path takes it)."""
+        cdef PyObject* hashes
+        cdef PyObject* parent
+        cls = type(event)
+        if cls is _event_class or cls is _event_subclass:
+            hashes = _field(event, _block_hashes_at)
+            parent = _field(event, _parent_hash_at)
+            if (hashes is not NULL and PyList_CheckExact(hashes) and PyList_GET_SIZE(<object>hashes) == 1
+                    and parent is not NULL and <object>parent is not None):
+                return self._store_one(event)
+            return self._store_many(event)
+        if cls is _removed_class or cls is _removed_subclass:
+            return self._remove_one(event)
+        return False
 
     cdef bint _store_one(self, object event) except -1:
         """One event of the decode shape applied; False (nothing changed) for any other event."""
@@ -334,30 +406,265 @@ cdef class BackendWriter:
         _set_field(chain, _chain_nodes_at, <object>_field(chain, _chain_nodes_at) + 1)
         if end > <object>_field(chain, _chain_longest_at):
             _set_field(chain, _chain_longest_at, end)
-        if tier is not self.pending_tier:
-            self._flush_stats()
-            self.pending_tier = tier
-        self.pending_blocks += 1
+        self._count_in(tier, 1, BLOCK_TOKENS)
         self.pending_events += 1
         return True
 
+    cdef bint _store_many(self, object event) except -1:
+        """A BlockStored of whole 16-token blocks (KV-cache group 0), a root or the child of a
+        placed block without a tail, its hashes new to the backend and distinct, every prefix it
+        completes new to its tier: applied as `PrefixIndex._flush_uniform_locked` applies one
+        event (a prefill). False (nothing changed but a root's chain, which the Python path makes
+        too) for any other."""
+        cdef PyObject* field
+        cdef PyObject* found
+        cdef Py_ssize_t count, position
+        cdef long long parent_end
+        cdef uint64_t running, value = 0
+        cdef int overflow = 0
+        if type(event) is not _event_class and type(event) is not _event_subclass:
+            return False
+        field = _field(event, _block_size_at)
+        if field is NULL or not PyLong_CheckExact(field) or PyLong_AsLongLongAndOverflow(field, &overflow) != BLOCK_TOKENS:
+            return False
+        field = _field(event, _group_at)
+        if field is NULL or (<object>field is not None and <object>field):
+            return False
+        field = _field(event, _block_hashes_at)
+        if field is NULL or not PyList_CheckExact(field) or PyList_GET_SIZE(<object>field) == 0:
+            return False
+        hashes = <object>field
+        count = PyList_GET_SIZE(hashes)
+        field = _field(event, _token_ids_at)
+        if field is NULL or not PyList_CheckExact(field) or PyList_GET_SIZE(<object>field) < count * BLOCK_TOKENS:
+            return False
+        token_ids = <object>field
+        if _field(event, _medium_at) is NULL or _field(event, _parent_hash_at) is NULL:
+            return False
+        nodes = self.nodes
+        for position in range(count):
+            if PyDict_Contains(nodes, <object>PyList_GET_ITEM(hashes, position)):
+                return False
+        if count > 1 and len(set(hashes)) != count:
+            return False
+        parent_hash = <object>_field(event, _parent_hash_at)
+        if parent_hash is None:
+            chain_id, seed = self.index._root_chain_locked(self.backend, event, count * BLOCK_TOKENS)
+            parent_end = 0
+            running = PyLong_AsUnsignedLongLong(seed)
+        else:
+            found = PyDict_GetItemWithError(nodes, parent_hash)
+            if found is NULL or not PyTuple_CheckExact(found) or PyTuple_GET_SIZE(<object>found) != 7:
+                return False
+            parent = <object>found
+            field = PyTuple_GET_ITEM(parent, 3)
+            if not PyTuple_CheckExact(field) or PyTuple_GET_SIZE(<object>field) != 0:
+                return False
+            if not PyLong_Check(PyTuple_GET_ITEM(parent, 0)) or not PyLong_Check(PyTuple_GET_ITEM(parent, 2)):
+                return False
+            parent_end = PyLong_AsLongLongAndOverflow(PyTuple_GET_ITEM(parent, 0), &overflow)
+            if overflow or parent_end < 0 or parent_end % BLOCK_TOKENS:
+                return False
+            running = PyLong_AsUnsignedLongLong(<object>PyTuple_GET_ITEM(parent, 2))
+            chain_id = <object>PyTuple_GET_ITEM(parent, 5)
+        chain = self.chains.get(chain_id)
+        if (type(chain) is not _chain_class or _field(chain, _chain_nodes_at) is NULL
+                or _field(chain, _chain_longest_at) is NULL):
+            return False
+        medium = <object>_field(event, _medium_at)
+        found = PyDict_GetItemWithError(self.medium_slots, medium)
+        if found is NULL:
+            slot_bit_tier = self.index._medium_slot_locked(self.backend, medium)
+        else:
+            slot_bit_tier = <object>found
+        bit = slot_bit_tier[1]
+        tier = slot_bit_tier[2]
+        # Keys (running sums from the parent's boundary key) and what the tier's holders say of them.
+        keys = [None] * count
+        masks = [None] * count
+        holders = self.holders
+        held = False
+        first_block = parent_end // BLOCK_TOKENS
+        for position in range(count):
+            if not _block_value_at(token_ids, position * BLOCK_TOKENS, <uint64_t>(first_block + position), &value):
+                return False
+            running += value
+            key = running
+            found = PyDict_GetItemWithError(holders, key)
+            mask = <object>found if found is not NULL else None
+            if mask is not None and mask:
+                if mask & bit:  # the tier holds this prefix already: the general path counts references
+                    return False
+                held = True
+            keys[position] = key
+            masks[position] = mask
+        shared_masks = self.shared_masks
+        for position in range(count):
+            key = <object>PyList_GET_ITEM(keys, position)
+            end_tokens = parent_end + (position + 1) * BLOCK_TOKENS
+            if end_tokens // BLOCK_TOKENS < SHARED_ENDS:
+                end = <object>PyList_GET_ITEM(_shared_ends, end_tokens // BLOCK_TOKENS)
+            else:
+                end = end_tokens
+            node = (end, _BLOCK_TOKENS_OBJECT, key, _NO_TAIL, key, chain_id, bit)
+            PyObject_GC_UnTrack(<void*>node)
+            nodes[<object>PyList_GET_ITEM(hashes, position)] = node
+            mask = <object>PyList_GET_ITEM(masks, position)
+            if held and mask is not None and mask:
+                updated = mask | bit
+                holders[key] = <object>PyDict_SetDefault(shared_masks, updated, updated)
+            else:
+                holders[key] = bit
+        _set_field(chain, _chain_nodes_at, <object>_field(chain, _chain_nodes_at) + count)
+        if end > <object>_field(chain, _chain_longest_at):
+            _set_field(chain, _chain_longest_at, end)
+        self._count_in(tier, count, count * BLOCK_TOKENS)
+        self.pending_events += 1
+        return True
 
-def next_one_block_candidate(list events, Py_ssize_t start):
-    """The position of the first event at or after `start` that may be of the decode shape (a
-    BlockStored of one block with a parent), or `len(events)`: where the compiled path resumes
-    after the general path took the events before it."""
+    cdef bint _remove_one(self, object event) except -1:
+        """A BlockRemoved of plain blocks applied (module docstring); False (nothing changed) for
+        any other event."""
+        cdef PyObject* field
+        cdef PyObject* found
+        cdef Py_ssize_t position, count, unknown = 0
+        cdef long long tokens
+        cdef int overflow = 0
+        if type(event) is not _removed_class and type(event) is not _removed_subclass:
+            return False
+        field = _field(event, _removed_group_at)
+        if field is NULL or (<object>field is not None and <object>field):
+            return False
+        field = _field(event, _removed_hashes_at)
+        if field is NULL or not PyList_CheckExact(field):
+            return False
+        hashes = <object>field
+        field = _field(event, _removed_medium_at)
+        if field is NULL:
+            return False
+        found = PyDict_GetItemWithError(self.medium_slots, <object>field)
+        if found is NULL:  # a spelling not seen yet: the index resolves it
+            slot_bit_tier = self.index._held_medium_slot_locked(self.backend, <object>field)
+            if slot_bit_tier is None:  # nothing held in that tier: the Python path counts it
+                return False
+        else:
+            slot_bit_tier = <object>found
+        slot, bit, tier = slot_bit_tier[0], slot_bit_tier[1], slot_bit_tier[2]
+        nodes = self.nodes
+        count = PyList_GET_SIZE(hashes)
+        # Every block is checked before anything changes: one outside the shape leaves the whole
+        # event to the Python path.
+        for position in range(count):
+            found = PyDict_GetItemWithError(nodes, <object>PyList_GET_ITEM(hashes, position))
+            if found is NULL:
+                continue
+            if not self._plain_node_in(<object>found, slot, bit):
+                return False
+        holders, shared_masks, chains = self.holders, self.shared_masks, self.chains
+        for position in range(count):
+            block_hash = <object>PyList_GET_ITEM(hashes, position)
+            found = PyDict_GetItemWithError(nodes, block_hash)
+            if found is NULL:
+                unknown += 1
+                continue
+            node = <object>found
+            slots = <object>PyTuple_GET_ITEM(node, 6)
+            if not (slots is bit or slots & bit):
+                unknown += 1
+                continue
+            keys = <object>PyTuple_GET_ITEM(node, 4)
+            if PyLong_CheckExact(<PyObject*>keys):
+                self._release_key(holders, shared_masks, keys, bit)
+            else:
+                for key in <tuple>keys:
+                    self._release_key(holders, shared_masks, key, bit)
+            tokens = PyLong_AsLongLongAndOverflow(PyTuple_GET_ITEM(node, 1), &overflow)
+            self._count_in(tier, -1, -<Py_ssize_t>tokens)
+            if slots is bit:
+                remaining = 0
+            else:
+                remaining = slots ^ bit
+            if remaining:
+                nodes[block_hash] = node[:6] + (remaining,)
+                continue
+            del nodes[block_hash]
+            chain_id = <object>PyTuple_GET_ITEM(node, 5)
+            found = PyDict_GetItemWithError(chains, chain_id)
+            if found is NULL:
+                continue
+            chain = <object>found
+            left = <object>_field(chain, _chain_nodes_at) - 1
+            _set_field(chain, _chain_nodes_at, left)
+            if left <= 0:
+                del chains[chain_id]
+                self.backend.chain_ids.pop((chain.namespace, chain.preview), None)
+        self.pending_removed_events += 1
+        if unknown:
+            self.stats.unknown_removals += unknown
+        return True
+
+    cdef bint _plain_node_in(self, object node, object slot, object bit) except -1:
+        """Whether a node this module may remove from a slot: a 7-tuple with no tail whose keys
+        are ints, its chain an index chain, and no extra reference to any of its keys in the slot
+        (a node not in the slot is counted as unknown, as the Python path does)."""
+        cdef PyObject* found
+        if not PyTuple_CheckExact(<PyObject*>node) or PyTuple_GET_SIZE(node) != 7:
+            return False
+        slots = <object>PyTuple_GET_ITEM(node, 6)
+        if not PyLong_CheckExact(<PyObject*>slots):
+            return False
+        if not (slots is bit or slots & bit):
+            return True
+        tail = <object>PyTuple_GET_ITEM(node, 3)
+        if not PyTuple_CheckExact(<PyObject*>tail) or PyTuple_GET_SIZE(tail) != 0:
+            return False
+        if not PyLong_Check(PyTuple_GET_ITEM(node, 1)):
+            return False
+        keys = <object>PyTuple_GET_ITEM(node, 4)
+        if PyLong_CheckExact(<PyObject*>keys):
+            keys = (keys,)
+        elif not PyTuple_CheckExact(<PyObject*>keys):
+            return False
+        for key in <tuple>keys:
+            if not PyLong_CheckExact(<PyObject*>key):
+                return False
+            if PyDict_GET_SIZE(self.extra_refs) and PyDict_Contains(self.extra_refs, (key, slot)):
+                return False
+        found = PyDict_GetItemWithError(self.chains, <object>PyTuple_GET_ITEM(node, 5))
+        if found is not NULL and (type(<object>found) is not _chain_class
+                                  or _field(<object>found, _chain_nodes_at) is NULL):
+            return False
+        return True
+
+    cdef inline int _release_key(self, dict holders, dict shared_masks, object key, object bit) except -1:
+        """The tier's bit off a prefix's holder mask (`PrefixIndex._unregister_locked` without
+        extra references): the key goes with its last bit; a mask left is the shared object."""
+        cdef PyObject* found = PyDict_GetItemWithError(holders, key)
+        if found is NULL:
+            return 0
+        mask = <object>found
+        if mask is bit:
+            del holders[key]
+            return 0
+        remaining = mask & ~bit
+        if remaining:
+            holders[key] = <object>PyDict_SetDefault(shared_masks, remaining, remaining)
+        else:
+            del holders[key]
+        return 0
+
+
+def next_compiled_candidate(list events, Py_ssize_t start):
+    """The position of the first event at or after `start` that this module may apply (a
+    BlockStored or a BlockRemoved), or `len(events)`: where the compiled path resumes after the
+    general path took the events before it."""
     cdef Py_ssize_t position = start
     cdef Py_ssize_t count = PyList_GET_SIZE(events)
-    cdef PyObject* hashes
-    cdef PyObject* parent
     while position < count:
-        event = <object>PyList_GET_ITEM(events, position)
-        if type(event) is _event_class or type(event) is _event_subclass:
-            hashes = _field(event, _block_hashes_at)
-            parent = _field(event, _parent_hash_at)
-            if (hashes is not NULL and PyList_CheckExact(hashes) and PyList_GET_SIZE(<object>hashes) == 1
-                    and parent is not NULL and <object>parent is not None):
-                return position
+        cls = type(<object>PyList_GET_ITEM(events, position))
+        if (cls is _event_class or cls is _event_subclass or cls is _removed_class
+                or cls is _removed_subclass):
+            return position
         position += 1
     return count
 
@@ -417,10 +724,10 @@ cdef class WriterLock:
 
 
 cdef class OneEventFront:
-    """`PrefixIndex.apply` when the compiled path is built: a batch of one event of the decode
-    shape (what an engine step that filled one block publishes) is applied here, in C, under the
-    index's `WriterLock`, through the backend's `BackendWriter`; every other call, and that one
-    when the event is refused, goes to `general(backend_name, events)` (the index's Python
+    """`PrefixIndex.apply` when the compiled path is built: a batch of one event of a shape the
+    writer takes (an engine step that filled one block, a prefill, an eviction) is applied here,
+    in C, under the index's `WriterLock`, through the backend's `BackendWriter`; every other call,
+    and that one when the event is refused, goes to `general(backend_name, events)` (the index's Python
     `apply`), which decides everything else exactly as before. The backend is looked up under the
     lock: a replaced or cleared backend is never written through a stale writer."""
 
@@ -451,7 +758,7 @@ cdef class OneEventFront:
                     if isinstance(writer, BackendWriter):
                         # The event's stats stay pending in the writer (`flush_stats`): adding them
                         # to the backend's dicts would cost about a tenth of the event.
-                        stored = (<BackendWriter>writer)._store_one(<object>PyList_GET_ITEM(events, 0))
+                        stored = (<BackendWriter>writer)._apply_one(<object>PyList_GET_ITEM(events, 0))
             finally:
                 self.lock.give()
             if stored:

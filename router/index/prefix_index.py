@@ -261,7 +261,7 @@ def _load_compiled_ingest() -> Any:
     try:
         _ingest.configure(
             _WORD_WEIGHTS.tolist(), _POSITION_WEIGHT_PY, _MIX_1_PY, _MIX_2_PY, ROUTER_BLOCK_TOKENS,
-            _NODE_FIELDS, BlockStored, _Chain,
+            _NODE_FIELDS, BlockStored, _Chain, block_removed_class=BlockRemoved,
         )  # fmt: skip
     except ValueError as mismatch:  # built from another version of the index: stale
         logger.warning("compiled one-block ingest does not match the index (%s): not used", mismatch)
@@ -276,13 +276,13 @@ def _load_compiled_ingest() -> Any:
     return _ingest
 
 
-# The compiled path for one-block events of the decode shape (None when not built): its writer
-# class, where it resumes after the general path took other events, and `PrefixIndex.apply`'s
-# compiled entry with the lock it takes; `INGEST_PATH` says which path applies those events by
-# default.
+# The compiled path for one-block events of the decode shape and for removals of plain blocks
+# (None when not built): its writer class, where it resumes after the general path took other
+# events, and `PrefixIndex.apply`'s compiled entry with the lock it takes; `INGEST_PATH` says
+# which path applies those events by default.
 _compiled_ingest = _load_compiled_ingest()
 _CompiledWriter = getattr(_compiled_ingest, "BackendWriter", None)
-_next_one_block_candidate = getattr(_compiled_ingest, "next_one_block_candidate", None)
+_next_compiled_candidate = getattr(_compiled_ingest, "next_compiled_candidate", None)
 INGEST_PATH = "compiled" if _compiled_ingest is not None else "python"
 
 
@@ -561,9 +561,9 @@ class PrefixIndex:
             if len(self._shared_masks) > _SHARED_MASKS_LIMIT:
                 self._shared_masks.clear()
             # One-block events of the decode shape (each engine step that fills a block publishes
-            # one per request) go the compiled path when it is built (`_apply_compiled_locked`),
-            # else the pure-Python paths below. A lone one-block event (one tuple allocated) gets
-            # no GC pause, which would cost more than it saves.
+            # one per request) and removals (one per evicted block from vLLM) go the compiled path
+            # when it is built (`_apply_compiled_locked`), else the pure-Python paths below. A lone
+            # event the compiled path takes gets no GC pause, which would cost more than it saves.
             writer = backend.compiled_writer
             if writer is None and self._compiled_writer is not None:
                 writer = backend.compiled_writer = self._compiled_writer(self, backend)
@@ -593,15 +593,16 @@ class PrefixIndex:
                     gc.enable()
 
     def _apply_compiled_locked(self, backend: _Backend, writer: Any, events: list[KVEvent]) -> None:
-        """Events in order: the compiled path applies each run of the decode shape and stops at the
-        first other event; the general path takes that one and the events up to the next one-block
-        event with a parent; the compiled path goes on from there, and so on."""
+        """Events in order: the compiled path applies each run of events it takes (one-block
+        stores of the decode shape, removals of plain blocks) and stops at the first other event;
+        the general path takes that one and the events up to the next one-block event with a
+        parent or removal; the compiled path goes on from there, and so on."""
         count = len(events)
         position = 0
         while position < count:
             position = writer.store(events, position)
             if position < count:
-                resume = _next_one_block_candidate(events, position + 1)
+                resume = _next_compiled_candidate(events, position + 1)
                 self._apply_locked(backend, events[position:resume])
                 position = resume
 
@@ -650,6 +651,14 @@ class PrefixIndex:
         tier = tier_of(medium)
         slot = self._slot_locked(backend, tier)
         slot_bit_tier = backend.medium_slots[medium] = (slot, self._share(1 << slot, 1 << slot), tier)
+        return slot_bit_tier
+
+    def _held_medium_slot_locked(self, backend: _Backend, medium: str | None) -> tuple[int, int, str] | None:
+        """`_medium_slot_locked` for a removal: None (and no slot made) when the backend holds
+        nothing in the medium's tier."""
+        slot_bit_tier = backend.medium_slots.get(medium)
+        if slot_bit_tier is None and tier_of(medium) in backend.tier_slots:
+            slot_bit_tier = self._medium_slot_locked(backend, medium)
         return slot_bit_tier
 
     def _store_decode_step_locked(self, backend: _Backend, events: list[KVEvent]) -> bool:
@@ -887,16 +896,8 @@ class PrefixIndex:
             return None
         parent_hash = event.parent_block_hash
         if parent_hash is None:
-            namespace = (event.lora_name, cache_salt_of(event))
-            if event.lora_name is not None:
-                self.lora_names.add(event.lora_name)
-            preview = tuple(token_ids[: min(count * block_size, PREVIEW_TOKENS)])
-            chain_id = backend.chain_ids.get((namespace, preview))
-            if chain_id is None:
-                chain_id = backend.chain_ids[(namespace, preview)] = backend.next_chain_id
-                backend.next_chain_id += 1
-                backend.chains[chain_id] = _Chain(preview, namespace)
-            parent_end, boundary_key = 0, namespace_seed(namespace)
+            chain_id, boundary_key = self._root_chain_locked(backend, event, count * block_size)
+            parent_end = 0
         else:
             parent = nodes.get((group, parent_hash) if group else parent_hash)
             if parent is None or parent[_TAIL]:
@@ -907,6 +908,20 @@ class PrefixIndex:
             slot_bit_tier = self._medium_slot_locked(backend, event.medium)
         slot = slot_bit_tier[0]
         return (node_keys, token_ids, count, block_size, parent_end, boundary_key, chain_id, slot)
+
+    def _root_chain_locked(self, backend: _Backend, event: BlockStored, covered: int) -> tuple[int, int]:
+        """The chain a BlockStored without a parent starts (made if new: its namespace and the
+        preview of its first `covered` tokens name it) and the key of its namespace's empty prefix."""
+        namespace = (event.lora_name, cache_salt_of(event))
+        if event.lora_name is not None:
+            self.lora_names.add(event.lora_name)
+        preview = tuple(event.token_ids[: min(covered, PREVIEW_TOKENS)])
+        chain_id = backend.chain_ids.get((namespace, preview))
+        if chain_id is None:
+            chain_id = backend.chain_ids[(namespace, preview)] = backend.next_chain_id
+            backend.next_chain_id += 1
+            backend.chains[chain_id] = _Chain(preview, namespace)
+        return chain_id, namespace_seed(namespace)
 
     def _flush_stores_locked(self, backend: _Backend, pending: list[_PendingStore], hashes: set[Any]) -> None:
         if not pending:
@@ -1189,16 +1204,8 @@ class PrefixIndex:
         token_ids = event.token_ids
         nodes = backend.nodes
         if parent is None:
-            namespace = (event.lora_name, cache_salt_of(event))
-            if event.lora_name is not None:
-                self.lora_names.add(event.lora_name)
-            parent_end, boundary_key, parent_tail = 0, namespace_seed(namespace), ()
-            preview = tuple(token_ids[: min(covered, PREVIEW_TOKENS)])
-            chain_id = backend.chain_ids.get((namespace, preview))
-            if chain_id is None:
-                chain_id = backend.chain_ids[(namespace, preview)] = backend.next_chain_id
-                backend.next_chain_id += 1
-                backend.chains[chain_id] = _Chain(preview, namespace)
+            chain_id, boundary_key = self._root_chain_locked(backend, event, covered)
+            parent_end, parent_tail = 0, ()
             chain = backend.chains[chain_id]
         else:
             parent_end, _, boundary_key, parent_tail, _, chain_id, _ = parent
