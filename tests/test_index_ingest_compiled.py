@@ -140,6 +140,28 @@ def test_without_the_extension_the_index_falls_back_to_pure_python(monkeypatch, 
     assert index.longest_cached_prefix(tokens)["a"].tokens == 48
 
 
+def test_a_stale_build_is_refused_with_a_warning_not_a_crash(monkeypatch, caplog) -> None:
+    """A build from an older `_ingest.pyx` (the source was updated, `pip install -e .` not run
+    again): a `configure` of another signature, or a function the index needs missing. The
+    index warns, names the rebuild, and applies events in pure Python."""
+    import types
+
+    def old_configure(word_weights, position_weight, mix_1, mix_2, block_tokens, node_layout,
+                      block_stored_class, chain_class):  # fmt: skip
+        raise AssertionError("not reached: the call itself is refused")
+
+    names = {name: getattr(ingest, name) for name in prefix_index._COMPILED_INGEST_NAMES}
+    stale_signature = types.SimpleNamespace(**names)
+    stale_signature.configure = lambda *args, **kwargs: old_configure(*args, **kwargs)
+    without_a_function = types.SimpleNamespace(**{k: v for k, v in names.items() if k != "OneEventFront"})
+    for stale, says in ((stale_signature, "block_removed_class"), (without_a_function, "no OneEventFront")):
+        monkeypatch.setitem(sys.modules, "router.index._ingest", stale)
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="router.index.prefix_index"):
+            assert prefix_index._load_compiled_ingest() is None
+        assert says in caplog.text and "pip install -e ." in caplog.text
+
+
 def decode_streams(maker: StreamMaker, rounds: int):
     """Random calls of `apply` as the subscriber makes them: lone one-block events, decode steps of
     several requests, drained bursts (several steps, parents earlier in the list) with prefills,

@@ -249,29 +249,44 @@ def _owned(keys: int | tuple[int, ...]) -> tuple[int, ...]:
     return (keys,) if keys.__class__ is int else keys  # type: ignore[return-value]
 
 
+# What this module uses of the compiled ingest module: a build that lacks one is stale.
+_COMPILED_INGEST_NAMES = (
+    "configure", "block_value", "BackendWriter", "next_compiled_candidate", "OneEventFront", "WriterLock",
+)  # fmt: skip
+_REBUILD_HINT = "rebuild it with `.venv/bin/pip install -e .` (or `cythonize -i router/index/_ingest.pyx`)"
+
+
 def _load_compiled_ingest() -> Any:
-    """The compiled one-block ingest module (`router/index/_ingest.pyx`), configured with this
-    module's key constants and checked against `_python_block_value`; None when it is not built
-    (then the pure-Python paths apply every event, as fast as they can)."""
+    """The compiled ingest module (`router/index/_ingest.pyx`), configured with this module's key
+    constants and checked against `_python_block_value`; None when it is not built, or built from
+    another version of this module (then the pure-Python paths apply every event, as fast as they
+    can; a stale build is named in a warning)."""
     try:
         _ingest = importlib.import_module("router.index._ingest")
     except ImportError as missing:
-        logger.debug("compiled one-block ingest not built (%s): events are applied in pure Python", missing)
+        logger.debug("compiled ingest not built (%s): events are applied in pure Python", missing)
+        return None
+    missing_names = [name for name in _COMPILED_INGEST_NAMES if not hasattr(_ingest, name)]
+    if missing_names:
+        logger.warning(
+            "compiled ingest %s is stale (no %s): not used; %s",
+            getattr(_ingest, "__file__", "?"), ", ".join(missing_names), _REBUILD_HINT,
+        )  # fmt: skip
         return None
     try:
         _ingest.configure(
             _WORD_WEIGHTS.tolist(), _POSITION_WEIGHT_PY, _MIX_1_PY, _MIX_2_PY, ROUTER_BLOCK_TOKENS,
             _NODE_FIELDS, BlockStored, _Chain, block_removed_class=BlockRemoved,
         )  # fmt: skip
-    except ValueError as mismatch:  # built from another version of the index: stale
-        logger.warning("compiled one-block ingest does not match the index (%s): not used", mismatch)
+    except (ValueError, TypeError) as mismatch:  # built from another version of the index: stale
+        logger.warning("compiled ingest does not match the index (%s): not used; %s", mismatch, _REBUILD_HINT)
         return None
     # A build whose key math differs would file blocks under keys no lookup computes: refuse it.
     check = np.random.default_rng(7)
     for position in (0, 1, 37, 2**20 + 3):
         block = check.integers(0, 2**32, size=ROUTER_BLOCK_TOKENS).tolist()
         if _ingest.block_value(block, position) != _python_block_value(block, position):
-            logger.warning("compiled one-block ingest computes other keys than the index: not used")
+            logger.warning("compiled ingest computes other keys than the index: not used; %s", _REBUILD_HINT)
             return None
     return _ingest
 
