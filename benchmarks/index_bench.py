@@ -12,7 +12,9 @@ target), and side by side in one process, each batch applied to every index in t
 the order), so all see the same load on this shared machine and the ratios hold even when absolute
 numbers drift. Lookups are side by side too.
 - ingest: blocks/s for prefill events (64 blocks, alone or 8 per batch), decode events (1 block,
-  alone or 32 per batch), removals; what the subscriber hands over for a drained burst of
+  alone or 32 per batch), removals (64 blocks an event; one block alone, as vLLM announces each
+  evicted block), decode steps on a full cache (each step's batch: 32 one-block removals, then
+  32 one-block stores); what the subscriber hands over for a drained burst of
   messages (16 decode steps of 32 requests in one call; 512 one-block events of one request in
   one call); and from the wire: msgpack payloads decoded and applied (vLLM >= 0.24 encoding);
 - one-block events alone in their batch through a real ZMQ PUB -> SUB: the receiving thread's CPU
@@ -41,7 +43,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -469,6 +471,57 @@ def removal_ingest(bench: SideBySide, count_events: int) -> dict:
     return result
 
 
+def _prompt_blocks_tail_first(backend_number: int, prompts: int) -> Iterator[int]:
+    """The hashes of one backend's first `prompts` prompts of the build, each prompt's from its
+    last block back: the order in which vLLM evicts a finished request's blocks."""
+    for prompt in range(prompts):
+        first = 1 + (prompt * BACKENDS + backend_number) * PREFILL_BLOCKS
+        yield from range(first + PREFILL_BLOCKS - 1, first - 1, -1)
+
+
+def _assert_known_removals(bench: SideBySide, backend: str) -> None:
+    for index in bench.indexes.values():
+        stats = index.stats(backend)
+        assert stats is not None and stats.unknown_removals == 0, f"{backend}: removed unknown blocks"
+
+
+def lone_removal_ingest(bench: SideBySide, count: int, prompts_per_backend: int) -> dict:
+    """One-block BlockRemoved, each alone in its batch: vLLM announces every evicted block in an
+    event of its own, and a step that evicts one block publishes a batch of one (b10's prompts)."""
+    count = min(count, prompts_per_backend * PREFILL_BLOCKS)
+
+    def run() -> tuple[int, int]:
+        victims = _prompt_blocks_tail_first(10, -(-count // PREFILL_BLOCKS))
+        calls = [[BlockRemoved(block_hashes=[next(victims)], medium="GPU")] for _ in range(count)]
+        for start in range(0, count, LONE_CALLS_PER_TIMING):
+            bench.apply_calls("b10", calls[start : start + LONE_CALLS_PER_TIMING])
+        return count, count
+
+    result = bench.measure(run, blocks_per_event=1, events_per_batch=1)
+    _assert_known_removals(bench, "b10")
+    return result
+
+
+def evicting_decode_ingest(
+    bench: SideBySide, steps: int, running: int, prompts_per_backend: int, rng: np.random.Generator
+) -> dict:
+    """Decode steps on a full cache: each step's batch evicts one block per request (one-block
+    BlockRemoved of b9's oldest prompts, as vLLM announces evictions, before the stores) and stores
+    one block per request."""
+    steps = min(steps, prompts_per_backend * PREFILL_BLOCKS // running)
+
+    def run() -> tuple[int, int]:
+        victims = _prompt_blocks_tail_first(9, -(-steps * running // PREFILL_BLOCKS))
+        for batch in decode_step_batches(steps, running, 9 * 10**12, rng):
+            evicted = [BlockRemoved(block_hashes=[next(victims)], medium="GPU") for _ in range(running)]
+            bench.apply("b9", evicted + batch)
+        return 2 * steps * running, 2 * steps * running
+
+    result = bench.measure(run, blocks_per_event=1, events_per_batch=2 * running)
+    _assert_known_removals(bench, "b9")
+    return result
+
+
 def ingest_rows(bench: SideBySide, decode_events: int, prefill_events_applied: int,
                 rng: np.random.Generator) -> dict[str, dict]:  # fmt: skip
     """Every ingest row but the build's (`build`), in one order, on the indexes of `bench`."""
@@ -499,6 +552,11 @@ def ingest_rows(bench: SideBySide, decode_events: int, prefill_events_applied: i
         bench, list(decode_step_batches(max(1, decode_events // 32), 32, 4 * 10**12, rng)), "b4"
     )
     rows["removal_events"] = removal_ingest(bench, min(2000, prefill_events_applied // BACKENDS))
+    prompts_per_backend = prefill_events_applied // BACKENDS
+    rows["removal_events_lone"] = lone_removal_ingest(bench, decode_events, prompts_per_backend)
+    rows["evicting_decode_steps"] = evicting_decode_ingest(
+        bench, max(1, decode_events // 64), 32, prompts_per_backend, rng
+    )
     return rows
 
 
@@ -747,6 +805,8 @@ INGEST_LABELS = {
     "decode_events_drained": "decode BlockStored, a drained burst: 16 steps of 32 requests",
     "lone_events_drained": "decode BlockStored, a drained burst: 512 messages of one request",
     "removal_events": "BlockRemoved",
+    "removal_events_lone": "BlockRemoved, one evicted block alone in its batch",
+    "evicting_decode_steps": "decode steps on a full cache: 32 one-block BlockRemoved + 32 BlockStored",
     "wire_prefill_events": "wire: decode + prefill BlockStored",
     "wire_decode_events_batched": "wire: decode + decode BlockStored",
 }
@@ -941,8 +1001,8 @@ def plot(results: dict, path: Path) -> None:
     left.legend(fontsize=8)
     kinds = list(INGEST_LABELS)
     labels = ["prefill\n64/event", "prefill\n8/batch", "decode\n1/batch", "decode\n32/batch",
-              "drained\n16 x 32", "drained\n512 lone", "removal\n64/event", "wire\nprefill",
-              "wire\ndecode 32"]  # fmt: skip
+              "drained\n16 x 32", "drained\n512 lone", "removal\n64/event", "removal\n1 lone",
+              "evicting\ndecode 32", "wire\nprefill", "wire\ndecode 32"]  # fmt: skip
     x = np.arange(len(kinds))
     for offset, name, label in (
         (-0.27, "before", "before"),
