@@ -358,8 +358,9 @@ def test_the_same_decode_stream_on_two_backends_shares_mask_objects(applied_by_c
             for event in events[1:]:
                 index.apply(backend, [event])
     # Lone events: the compiled entry applies them. The first event of each of the 12 backends
-    # goes the Python apply, which makes the backend and its writer, and the writer applies it.
-    assert compiled._front.applied == 2 * 29 and applied_by_compiled_path == [1] * 12
+    # goes the Python apply, which makes the backend and its writer, and the writer's `apply_one`
+    # applies it (`store`, for batches of several, is never called).
+    assert compiled._front.applied == 2 * 29 and applied_by_compiled_path == []
     assert internal_state(compiled, "a") == internal_state(python, "a")
     assert internal_state(compiled, "b") == internal_state(python, "b")
     both = compiled._backends["a"].medium_slots[None][1] | compiled._backends["b"].medium_slots[None][1]
@@ -438,14 +439,17 @@ def test_events_outside_the_shape_are_refused_with_the_index_untouched() -> None
         before = internal_state(index, "a")
         with index._lock:
             assert writer.store([event], 0) == 0, event
+            assert not writer.apply_one(event), event
         assert internal_state(index, "a") == before, event
-    # A root and a prefill continuing a placed block are applied.
+    # A root and a prefill continuing a placed block: applied alone in their batch (`apply_one`),
+    # left to the Python path's batched pass within a batch of several (`store`).
     for event in (
         child(10, parent=None),
         BlockStored(block_hashes=[11, 12], parent_block_hash=4, token_ids=tokens[48:80], block_size=16),
     ):
         with index._lock:
-            assert writer.store([event], 0) == 1, event
+            assert writer.store([event], 0) == 0, event
+            assert writer.apply_one(event), event
     assert index.longest_cached_prefix(tokens)["a"].tokens == 80
     for block_hash in (10, 11, 12):
         index.apply("a", [BlockRemoved(block_hashes=[block_hash])])

@@ -21,12 +21,13 @@ arithmetic: the same math as `_python_block_value` (8 little-endian words of two
 the word weights, xor position times the position weight, splitmix64 finaliser), with the
 constants handed over once by `configure`.
 
-The prefill shape: a BlockStored of any number of 16-token blocks (at least 16 per block of
-uint32 token ids), group 0, a root (the index makes or finds its chain: `_root_chain_locked`) or
-the child of a placed block without a tail, its hashes distinct and new to the backend, and no
-prefix it completes held by its tier. It gets what `PrefixIndex._flush_uniform_locked` gives one
-such event: a node per block as above, the keys running sums from the parent's boundary key (or
-the namespace's seed).
+The prefill shape, alone in its batch (`BackendWriter.apply_one`, `OneEventFront`; in a batch of
+several, the Python path's one numpy pass over all of them is as fast): a BlockStored of any
+number of 16-token blocks (at least 16 per block of uint32 token ids), group 0, a root (the index
+makes or finds its chain: `_root_chain_locked`) or the child of a placed block without a tail,
+its hashes distinct and new to the backend, and no prefix it completes held by its tier. It gets
+what `PrefixIndex._flush_uniform_locked` gives one such event: a node per block as above, the keys
+running sums from the parent's boundary key (or the namespace's seed).
 
 A BlockRemoved (KV-cache group 0, a medium the backend has stored under) is applied here as
 `PrefixIndex._remove_locked` applies it when each of its blocks is unknown to the tier (counted
@@ -263,18 +264,27 @@ cdef class BackendWriter:
         self.stats_tokens = backend.stats.tokens
 
     def store(self, list events, Py_ssize_t start):
-        """Apply `events[start:]` in order while each is one this module applies (a one-block
-        BlockStored of the decode shape or a BlockRemoved of plain blocks: module docstring);
-        return the position of the first event not applied (`len(events)` when all were). The
-        caller holds the index's lock."""
+        """Apply `events[start:]` in order while each is a one-block BlockStored of the decode
+        shape or a BlockRemoved of plain blocks (module docstring); return the position of the
+        first event not applied (`len(events)` when all were). Prefills are left to the Python
+        path here: in a batch of several, its one numpy pass over all their blocks is as fast
+        (`apply_one` takes a prefill alone). The caller holds the index's lock."""
         cdef Py_ssize_t position = start
         cdef Py_ssize_t count = PyList_GET_SIZE(events)
         try:
-            while position < count and self._apply_one(<object>PyList_GET_ITEM(events, position)):
+            while position < count and self._apply_in_run(<object>PyList_GET_ITEM(events, position)):
                 position += 1
         finally:
             self._flush_stats()
         return position
+
+    def apply_one(self, event):
+        """Apply an event that is alone in its batch if it has a shape of this module (a prefill
+        too); whether it did. The caller holds the index's lock."""
+        try:
+            return self._apply_one(event)
+        finally:
+            self._flush_stats()
 
     def flush_stats(self):
         """Add the pending stats to the backend's (the caller holds the index's lock): the index
@@ -307,7 +317,8 @@ cdef class BackendWriter:
         self.pending_token_count += tokens
 
     cdef inline bint _apply_one(self, object event) except -1:
-        """One event applied here (True), or nothing changed (False: the Python path takes it)."""
+        """An event alone in its batch applied here (True), or nothing changed (False: the Python
+        path takes it)."""
         cdef PyObject* hashes
         cdef PyObject* parent
         cls = type(event)
@@ -318,6 +329,16 @@ cdef class BackendWriter:
                     and parent is not NULL and <object>parent is not None):
                 return self._store_one(event)
             return self._store_many(event)
+        if cls is _removed_class or cls is _removed_subclass:
+            return self._remove_one(event)
+        return False
+
+    cdef inline bint _apply_in_run(self, object event) except -1:
+        """An event of a batch of several applied here (decode steps, evictions), or nothing
+        changed."""
+        cls = type(event)
+        if cls is _event_class or cls is _event_subclass:
+            return self._store_one(event)
         if cls is _removed_class or cls is _removed_subclass:
             return self._remove_one(event)
         return False
@@ -419,7 +440,7 @@ cdef class BackendWriter:
         cdef PyObject* field
         cdef PyObject* found
         cdef Py_ssize_t count, position
-        cdef long long parent_end
+        cdef long long parent_end, first_block, end_tokens
         cdef uint64_t running, value = 0
         cdef int overflow = 0
         if type(event) is not _event_class and type(event) is not _event_subclass:
@@ -655,16 +676,24 @@ cdef class BackendWriter:
 
 
 def next_compiled_candidate(list events, Py_ssize_t start):
-    """The position of the first event at or after `start` that this module may apply (a
-    BlockStored or a BlockRemoved), or `len(events)`: where the compiled path resumes after the
-    general path took the events before it."""
+    """The position of the first event at or after `start` that `BackendWriter.store` may apply (a
+    BlockStored of one block with a parent, or a BlockRemoved), or `len(events)`: where the
+    compiled path resumes after the general path took the events before it."""
     cdef Py_ssize_t position = start
     cdef Py_ssize_t count = PyList_GET_SIZE(events)
+    cdef PyObject* hashes
+    cdef PyObject* parent
     while position < count:
-        cls = type(<object>PyList_GET_ITEM(events, position))
-        if (cls is _event_class or cls is _event_subclass or cls is _removed_class
-                or cls is _removed_subclass):
+        event = <object>PyList_GET_ITEM(events, position)
+        cls = type(event)
+        if cls is _removed_class or cls is _removed_subclass:
             return position
+        if cls is _event_class or cls is _event_subclass:
+            hashes = _field(event, _block_hashes_at)
+            parent = _field(event, _parent_hash_at)
+            if (hashes is not NULL and PyList_CheckExact(hashes) and PyList_GET_SIZE(<object>hashes) == 1
+                    and parent is not NULL and <object>parent is not None):
+                return position
         position += 1
     return count
 

@@ -585,7 +585,7 @@ class PrefixIndex:
             if writer is not None:
                 if events.__class__ is not list:  # (the compiled path reads a list)
                     events = list(events)
-                if len(events) == 1 and writer.store(events, 0) == 1:
+                if len(events) == 1 and writer.apply_one(events[0]):
                     return
             elif len(events) == 1 and self._store_one_block_locked(backend, events[0]):
                 return
@@ -608,10 +608,11 @@ class PrefixIndex:
                     gc.enable()
 
     def _apply_compiled_locked(self, backend: _Backend, writer: Any, events: list[KVEvent]) -> None:
-        """Events in order: the compiled path applies each run of events it takes (one-block
-        stores of the decode shape, removals of plain blocks) and stops at the first other event;
-        the general path takes that one and the events up to the next one-block event with a
-        parent or removal; the compiled path goes on from there, and so on."""
+        """Events in order: the compiled path applies each run of events it takes in a batch
+        (one-block stores of the decode shape, removals of plain blocks) and stops at the first
+        other event; the general path takes that one and the events up to the next one-block
+        event with a parent or removal (prefills among them, in one numpy pass); the compiled
+        path goes on from there, and so on."""
         count = len(events)
         position = 0
         while position < count:
