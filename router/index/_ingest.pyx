@@ -236,6 +236,21 @@ def block_value(token_ids, uint64_t position):
     return value
 
 
+cdef inline bint _of_sixteen_token_blocks(object event) except -1:
+    """Whether `event` is a BlockStored of the configured classes, of 16-token blocks, in KV-cache
+    group 0 (`group_idx` None or 0)."""
+    cdef PyObject* field
+    cdef int overflow = 0
+    if type(event) is not _event_class and type(event) is not _event_subclass:
+        return False
+    field = _field(event, _block_size_at)
+    if (field is NULL or not PyLong_CheckExact(field)
+            or PyLong_AsLongLongAndOverflow(field, &overflow) != BLOCK_TOKENS or overflow):
+        return False
+    field = _field(event, _group_at)
+    return field is not NULL and (<object>field is None or not <object>field)
+
+
 cdef class BackendWriter:
     """Applies one-block events of the decode shape to one backend of one index. It keeps the
     index's and the backend's dicts (which are never rebound: `_Backend` says so) so that a call
@@ -352,13 +367,7 @@ cdef class BackendWriter:
         cdef long long parent_end
         cdef uint64_t boundary, value = 0
         cdef int overflow = 0
-        if type(event) is not _event_class and type(event) is not _event_subclass:
-            return False
-        field = _field(event, _block_size_at)
-        if field is NULL or not PyLong_CheckExact(field) or PyLong_AsLongLongAndOverflow(field, &overflow) != BLOCK_TOKENS:
-            return False
-        field = _field(event, _group_at)
-        if field is NULL or (<object>field is not None and <object>field):
+        if not _of_sixteen_token_blocks(event):
             return False
         hashes = _field(event, _block_hashes_at)
         if hashes is NULL or not PyList_CheckExact(hashes) or PyList_GET_SIZE(<object>hashes) != 1:
@@ -443,13 +452,7 @@ cdef class BackendWriter:
         cdef long long parent_end, first_block, end_tokens
         cdef uint64_t running, value = 0
         cdef int overflow = 0
-        if type(event) is not _event_class and type(event) is not _event_subclass:
-            return False
-        field = _field(event, _block_size_at)
-        if field is NULL or not PyLong_CheckExact(field) or PyLong_AsLongLongAndOverflow(field, &overflow) != BLOCK_TOKENS:
-            return False
-        field = _field(event, _group_at)
-        if field is NULL or (<object>field is not None and <object>field):
+        if not _of_sixteen_token_blocks(event):
             return False
         field = _field(event, _block_hashes_at)
         if field is NULL or not PyList_CheckExact(field) or PyList_GET_SIZE(<object>field) == 0:
