@@ -291,7 +291,7 @@ def _load_compiled_ingest() -> Any:
     return _ingest
 
 
-# The compiled path for one-block events of the decode shape and for removals of plain blocks
+# The compiled path for decode steps, prefills alone in their batch and removals of plain blocks
 # (None when not built): its writer class, where it resumes after the general path took other
 # events, and `PrefixIndex.apply`'s compiled entry with the lock it takes; `INGEST_PATH` says
 # which path applies those events by default.
@@ -576,9 +576,10 @@ class PrefixIndex:
             if len(self._shared_masks) > _SHARED_MASKS_LIMIT:
                 self._shared_masks.clear()
             # One-block events of the decode shape (each engine step that fills a block publishes
-            # one per request) and removals (one per evicted block from vLLM) go the compiled path
-            # when it is built (`_apply_compiled_locked`), else the pure-Python paths below. A lone
-            # event the compiled path takes gets no GC pause, which would cost more than it saves.
+            # one per request), removals (one per evicted block from vLLM) and a prefill alone in
+            # its batch go the compiled path when it is built (`apply_one`, `_apply_compiled_locked`),
+            # else the pure-Python paths below. A lone event the compiled path takes gets no GC
+            # pause, which would cost more than it saves.
             writer = backend.compiled_writer
             if writer is None and self._compiled_writer is not None:
                 writer = backend.compiled_writer = self._compiled_writer(self, backend)
