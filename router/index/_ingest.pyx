@@ -251,6 +251,28 @@ cdef inline bint _of_sixteen_token_blocks(object event) except -1:
     return field is not NULL and (<object>field is None or not <object>field)
 
 
+cdef inline bint _one_block_with_parent(object event) noexcept:
+    """Whether a BlockStored names one block and a parent: the outline of the decode shape."""
+    cdef PyObject* hashes = _field(event, _block_hashes_at)
+    cdef PyObject* parent = _field(event, _parent_hash_at)
+    return (hashes is not NULL and PyList_CheckExact(hashes) and PyList_GET_SIZE(<object>hashes) == 1
+            and parent is not NULL and <object>parent is not None)
+
+
+cdef inline bint _index_chain(object chain) noexcept:
+    """Whether `chain` is one of the index's `_Chain`s, its counters set."""
+    return (type(chain) is _chain_class and _field(chain, _chain_nodes_at) is not NULL
+            and _field(chain, _chain_longest_at) is not NULL)
+
+
+cdef inline object _end_object(long long end_tokens):
+    """A node's `end`: the shared int object where it is a router-block boundary of a prompt up
+    to 2**18 tokens, else a new int."""
+    if end_tokens % BLOCK_TOKENS == 0 and end_tokens // BLOCK_TOKENS < SHARED_ENDS:
+        return <object>PyList_GET_ITEM(_shared_ends, end_tokens // BLOCK_TOKENS)
+    return end_tokens
+
+
 cdef class BackendWriter:
     """Applies one-block events of the decode shape to one backend of one index. It keeps the
     index's and the backend's dicts (which are never rebound: `_Backend` says so) so that a call
@@ -334,14 +356,9 @@ cdef class BackendWriter:
     cdef inline bint _apply_one(self, object event) except -1:
         """An event alone in its batch applied here (True), or nothing changed (False: the Python
         path takes it)."""
-        cdef PyObject* hashes
-        cdef PyObject* parent
         cls = type(event)
         if cls is _event_class or cls is _event_subclass:
-            hashes = _field(event, _block_hashes_at)
-            parent = _field(event, _parent_hash_at)
-            if (hashes is not NULL and PyList_CheckExact(hashes) and PyList_GET_SIZE(<object>hashes) == 1
-                    and parent is not NULL and <object>parent is not None):
+            if _one_block_with_parent(event):
                 return self._store_one(event)
             return self._store_many(event)
         if cls is _removed_class or cls is _removed_subclass:
@@ -358,15 +375,42 @@ cdef class BackendWriter:
             return self._remove_one(event)
         return False
 
+    cdef object _placed_parent(self, object parent_hash, long long* end, uint64_t* boundary):
+        """The node a child may continue (placed on this backend, a 7-tuple without a tail: its
+        end on a router-block boundary), its end and boundary key written out; None for any other."""
+        cdef PyObject* found = PyDict_GetItemWithError(self.nodes, parent_hash)
+        cdef PyObject* tail
+        cdef int overflow = 0
+        if found is NULL or not PyTuple_CheckExact(found) or PyTuple_GET_SIZE(<object>found) != 7:
+            return None
+        parent = <object>found
+        tail = PyTuple_GET_ITEM(parent, 3)
+        if not PyTuple_CheckExact(tail) or PyTuple_GET_SIZE(<object>tail) != 0:
+            return None
+        if not PyLong_Check(PyTuple_GET_ITEM(parent, 0)) or not PyLong_Check(PyTuple_GET_ITEM(parent, 2)):
+            return None
+        end[0] = PyLong_AsLongLongAndOverflow(PyTuple_GET_ITEM(parent, 0), &overflow)
+        if overflow or end[0] < 0 or end[0] % BLOCK_TOKENS:
+            return None
+        boundary[0] = PyLong_AsUnsignedLongLong(<object>PyTuple_GET_ITEM(parent, 2))
+        return parent
+
+    cdef tuple _slot_bit_tier(self, object medium):
+        """(slot, bit, tier) of a medium spelling on this backend (`index._medium_slot_locked`
+        makes a new medium's slot)."""
+        cdef PyObject* found = PyDict_GetItemWithError(self.medium_slots, medium)
+        if found is NULL:
+            return self.index._medium_slot_locked(self.backend, medium)
+        return <tuple>found
+
     cdef bint _store_one(self, object event) except -1:
         """One event of the decode shape applied; False (nothing changed) for any other event."""
         cdef PyObject* found
         cdef PyObject* hashes
         cdef PyObject* token_ids
         cdef PyObject* field
-        cdef long long parent_end
-        cdef uint64_t boundary, value = 0
-        cdef int overflow = 0
+        cdef long long parent_end = 0
+        cdef uint64_t boundary = 0, value = 0
         if not _of_sixteen_token_blocks(event):
             return False
         hashes = _field(event, _block_hashes_at)
@@ -378,39 +422,24 @@ cdef class BackendWriter:
         field = _field(event, _parent_hash_at)
         if field is NULL:
             return False
+        parent = self._placed_parent(<object>field, &parent_end, &boundary)
+        if parent is None:
+            return False
         nodes = self.nodes
-        found = PyDict_GetItemWithError(nodes, <object>field)
-        if found is NULL or not PyTuple_CheckExact(found) or PyTuple_GET_SIZE(<object>found) != 7:
-            return False
-        parent = <object>found
-        field = PyTuple_GET_ITEM(parent, 3)  # the parent's tail: a child continues from a boundary
-        if not PyTuple_CheckExact(field) or PyTuple_GET_SIZE(<object>field) != 0:
-            return False
         block_hash = <object>PyList_GET_ITEM(<object>hashes, 0)
         if PyDict_Contains(nodes, block_hash):
             return False
-        if not PyLong_Check(PyTuple_GET_ITEM(parent, 0)) or not PyLong_Check(PyTuple_GET_ITEM(parent, 2)):
-            return False
-        parent_end = PyLong_AsLongLongAndOverflow(PyTuple_GET_ITEM(parent, 0), &overflow)
-        if overflow or parent_end < 0:
-            return False
-        boundary = PyLong_AsUnsignedLongLong(<object>PyTuple_GET_ITEM(parent, 2))
         if not _block_value(<object>token_ids, <uint64_t>(parent_end // BLOCK_TOKENS), &value):
             return False
         chain_id = <object>PyTuple_GET_ITEM(parent, 5)
         field = _field(event, _medium_at)
         if field is NULL:
             return False
-        found = PyDict_GetItemWithError(self.medium_slots, <object>field)
-        if found is NULL:
-            slot_bit_tier = self.index._medium_slot_locked(self.backend, <object>field)
-        else:
-            slot_bit_tier = <object>found
+        slot_bit_tier = self._slot_bit_tier(<object>field)
         bit = slot_bit_tier[1]
         tier = slot_bit_tier[2]
-        chain = self.chains[chain_id]
-        if (type(chain) is not _chain_class or _field(chain, _chain_nodes_at) is NULL
-                or _field(chain, _chain_longest_at) is NULL):
+        chain = self.chains.get(chain_id)
+        if not _index_chain(chain):
             return False
         key = boundary + value  # (uint64_t: wraps, as `& _WORD` does in Python)
         holders = self.holders
@@ -423,10 +452,7 @@ cdef class BackendWriter:
             mask = <object>PyDict_SetDefault(self.shared_masks, updated, updated)
         else:
             mask = bit
-        if parent_end % BLOCK_TOKENS == 0 and parent_end // BLOCK_TOKENS + 1 < SHARED_ENDS:
-            end = <object>PyList_GET_ITEM(_shared_ends, parent_end // BLOCK_TOKENS + 1)
-        else:
-            end = parent_end + BLOCK_TOKENS
+        end = _end_object(parent_end + BLOCK_TOKENS)
         node = (end, _BLOCK_TOKENS_OBJECT, key, _NO_TAIL, key, chain_id, bit)
         # A tuple of ints and an empty tuple is never part of a cycle: the collector need not track
         # it (it would untrack it at its next pass anyway).
@@ -449,9 +475,8 @@ cdef class BackendWriter:
         cdef PyObject* field
         cdef PyObject* found
         cdef Py_ssize_t count, position
-        cdef long long parent_end, first_block, end_tokens
-        cdef uint64_t running, value = 0
-        cdef int overflow = 0
+        cdef long long parent_end = 0, first_block
+        cdef uint64_t running = 0, value = 0
         if not _of_sixteen_token_blocks(event):
             return False
         field = _field(event, _block_hashes_at)
@@ -477,30 +502,14 @@ cdef class BackendWriter:
             parent_end = 0
             running = PyLong_AsUnsignedLongLong(seed)
         else:
-            found = PyDict_GetItemWithError(nodes, parent_hash)
-            if found is NULL or not PyTuple_CheckExact(found) or PyTuple_GET_SIZE(<object>found) != 7:
+            parent = self._placed_parent(parent_hash, &parent_end, &running)
+            if parent is None:
                 return False
-            parent = <object>found
-            field = PyTuple_GET_ITEM(parent, 3)
-            if not PyTuple_CheckExact(field) or PyTuple_GET_SIZE(<object>field) != 0:
-                return False
-            if not PyLong_Check(PyTuple_GET_ITEM(parent, 0)) or not PyLong_Check(PyTuple_GET_ITEM(parent, 2)):
-                return False
-            parent_end = PyLong_AsLongLongAndOverflow(PyTuple_GET_ITEM(parent, 0), &overflow)
-            if overflow or parent_end < 0 or parent_end % BLOCK_TOKENS:
-                return False
-            running = PyLong_AsUnsignedLongLong(<object>PyTuple_GET_ITEM(parent, 2))
             chain_id = <object>PyTuple_GET_ITEM(parent, 5)
         chain = self.chains.get(chain_id)
-        if (type(chain) is not _chain_class or _field(chain, _chain_nodes_at) is NULL
-                or _field(chain, _chain_longest_at) is NULL):
+        if not _index_chain(chain):
             return False
-        medium = <object>_field(event, _medium_at)
-        found = PyDict_GetItemWithError(self.medium_slots, medium)
-        if found is NULL:
-            slot_bit_tier = self.index._medium_slot_locked(self.backend, medium)
-        else:
-            slot_bit_tier = <object>found
+        slot_bit_tier = self._slot_bit_tier(<object>_field(event, _medium_at))
         bit = slot_bit_tier[1]
         tier = slot_bit_tier[2]
         # Keys (running sums from the parent's boundary key) and what the tier's holders say of them.
@@ -525,11 +534,7 @@ cdef class BackendWriter:
         shared_masks = self.shared_masks
         for position in range(count):
             key = <object>PyList_GET_ITEM(keys, position)
-            end_tokens = parent_end + (position + 1) * BLOCK_TOKENS
-            if end_tokens // BLOCK_TOKENS < SHARED_ENDS:
-                end = <object>PyList_GET_ITEM(_shared_ends, end_tokens // BLOCK_TOKENS)
-            else:
-                end = end_tokens
+            end = _end_object(parent_end + (position + 1) * BLOCK_TOKENS)
             node = (end, _BLOCK_TOKENS_OBJECT, key, _NO_TAIL, key, chain_id, bit)
             PyObject_GC_UnTrack(<void*>node)
             nodes[<object>PyList_GET_ITEM(hashes, position)] = node
@@ -655,10 +660,7 @@ cdef class BackendWriter:
             if PyDict_GET_SIZE(self.extra_refs) and PyDict_Contains(self.extra_refs, (key, slot)):
                 return False
         found = PyDict_GetItemWithError(self.chains, <object>PyTuple_GET_ITEM(node, 5))
-        if found is not NULL and (type(<object>found) is not _chain_class
-                                  or _field(<object>found, _chain_nodes_at) is NULL):
-            return False
-        return True
+        return found is NULL or _index_chain(<object>found)
 
     cdef inline int _release_key(self, dict holders, dict shared_masks, object key, object bit) except -1:
         """The tier's bit off a prefix's holder mask (`PrefixIndex._unregister_locked` without
@@ -684,19 +686,13 @@ def next_compiled_candidate(list events, Py_ssize_t start):
     compiled path resumes after the general path took the events before it."""
     cdef Py_ssize_t position = start
     cdef Py_ssize_t count = PyList_GET_SIZE(events)
-    cdef PyObject* hashes
-    cdef PyObject* parent
     while position < count:
         event = <object>PyList_GET_ITEM(events, position)
         cls = type(event)
         if cls is _removed_class or cls is _removed_subclass:
             return position
-        if cls is _event_class or cls is _event_subclass:
-            hashes = _field(event, _block_hashes_at)
-            parent = _field(event, _parent_hash_at)
-            if (hashes is not NULL and PyList_CheckExact(hashes) and PyList_GET_SIZE(<object>hashes) == 1
-                    and parent is not NULL and <object>parent is not None):
-                return position
+        if (cls is _event_class or cls is _event_subclass) and _one_block_with_parent(event):
+            return position
         position += 1
     return count
 
