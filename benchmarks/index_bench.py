@@ -452,6 +452,13 @@ def _through_subscriber(port: int, publisher: Any, index: Any, backend: str, cou
     return subscriber.stats.batches, cpu
 
 
+def _assert_known_removals(bench: SideBySide, backend: str) -> None:
+    """Every index of `bench` removed only blocks it held on `backend` (the row measured removals)."""
+    for index in bench.indexes.values():
+        stats = index.stats(backend)
+        assert stats is not None and stats.unknown_removals == 0, f"{backend}: removed unknown blocks"
+
+
 def removal_ingest(bench: SideBySide, count_events: int) -> dict:
     """BlockRemoved of 64 blocks each (the first prompts stored on b1)."""
 
@@ -465,9 +472,7 @@ def removal_ingest(bench: SideBySide, count_events: int) -> dict:
         return count_events * PREFILL_BLOCKS, count_events
 
     result = bench.measure(run, blocks_per_event=PREFILL_BLOCKS, events_per_batch=1)
-    for index in bench.indexes.values():
-        stats = index.stats("b1")
-        assert stats is not None and stats.unknown_removals == 0, "removal benchmark removed unknown blocks"
+    _assert_known_removals(bench, "b1")
     return result
 
 
@@ -477,12 +482,6 @@ def _prompt_blocks_tail_first(backend_number: int, prompts: int) -> Iterator[int
     for prompt in range(prompts):
         first = 1 + (prompt * BACKENDS + backend_number) * PREFILL_BLOCKS
         yield from range(first + PREFILL_BLOCKS - 1, first - 1, -1)
-
-
-def _assert_known_removals(bench: SideBySide, backend: str) -> None:
-    for index in bench.indexes.values():
-        stats = index.stats(backend)
-        assert stats is not None and stats.unknown_removals == 0, f"{backend}: removed unknown blocks"
 
 
 def lone_removal_ingest(bench: SideBySide, count: int, prompts_per_backend: int) -> dict:
