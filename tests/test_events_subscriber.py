@@ -93,6 +93,24 @@ def test_live_stream_applies_stores_and_removals(harness: Harness) -> None:
     assert harness.subscriber.stats.replays == 0
 
 
+def test_stop_wakes_an_idle_subscriber_whose_poll_has_no_timeout(harness: Harness) -> None:
+    # The thread waits for messages without a timer; only stop()'s wake-up can end that wait.
+    time.sleep(0.2)
+    harness.subscriber.stop(wait=False)
+    wait_until(lambda: not harness.subscriber.running)
+    harness.subscriber.stop()  # a second stop is harmless
+    assert harness.subscriber._wake_reader.fileno() == -1
+    assert harness.subscriber._wake_writer.fileno() == -1
+
+
+def test_a_subscriber_stopped_before_it_started_closes_its_wake_up_pair() -> None:
+    subscriber = EventSubscriber("engine", f"tcp://127.0.0.1:{free_port()}", apply=lambda events: None,
+                                 clear=lambda: None)  # fmt: skip
+    subscriber.stop()
+    assert not subscriber.running
+    assert subscriber._wake_reader.fileno() == -1 and subscriber._wake_writer.fileno() == -1
+
+
 @pytest.mark.parametrize("replay_format", ["new", "old"])
 def test_a_gap_is_filled_by_replay_in_either_reply_format(replay_format: str) -> None:
     h = Harness(replay_format=replay_format)

@@ -50,9 +50,11 @@ the rules above apply as without snapshots.
 from __future__ import annotations
 
 import collections
+import contextlib
 import gc
 import logging
 import re
+import socket
 import threading
 import time
 from collections.abc import Callable
@@ -198,6 +200,11 @@ class EventSubscriber:
         self._on_batch = on_batch
         self._context = context or zmq.Context.instance()
         self._stop = threading.Event()
+        # stop() writes a byte here to wake the thread's poll, which otherwise waits for messages
+        # without a timeout: polling on a timer to notice the stop flag cost an idle gateway
+        # about 0.12 ms of CPU per wake-up and subscriber (10 a second each at 0.1 s).
+        self._wake_reader, self._wake_writer = socket.socketpair()
+        self._wake_writer.setblocking(False)
         self._ready = threading.Event()
         self._thread = threading.Thread(target=self._run, name=f"kv-events-{name}", daemon=True)
         self._dealer: zmq.Socket | None = None
@@ -225,10 +232,17 @@ class EventSubscriber:
         self._ready.wait(timeout=5)
 
     def stop(self, wait: bool = True) -> None:
-        """Ask the thread to end (it notices within 0.1 s, or after a running replay); wait for it."""
+        """Ask the thread to end (at once, or after a running replay); wait for it."""
         self._stop.set()
+        # OSError: stopped before (the pair is closed), or the buffer is full of wake-ups already.
+        with contextlib.suppress(OSError):
+            self._wake_writer.send(b"\0")
         if wait and self._thread.is_alive():
             self._thread.join(timeout=5)
+        if not self._thread.is_alive():
+            self._wake_writer.close()
+            if self._thread.ident is None:  # never started: its end of the pair is not closed yet
+                self._wake_reader.close()
 
     @property
     def running(self) -> bool:
@@ -257,19 +271,22 @@ class EventSubscriber:
             self._ready.set()
             sub.close(0)
             monitor.close(0)
+            self._wake_reader.close()
             return
         self._ready.set()
         poller = zmq.Poller()
         poller.register(sub, zmq.POLLIN)
         poller.register(monitor, zmq.POLLIN)
+        poller.register(self._wake_reader, zmq.POLLIN)
         try:
             while not self._stop.is_set():
-                ready = dict(poller.poll(100))
+                ready = dict(poller.poll())
                 if monitor in ready:
                     self._drain_monitor(monitor)
                 if sub in ready:
                     self._drain(sub)
         finally:
+            self._wake_reader.close()
             sub.disable_monitor()
             monitor.close(0)
             sub.close(0)
