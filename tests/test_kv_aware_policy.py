@@ -108,6 +108,26 @@ def test_cold_prefixes_arriving_one_at_a_time_spread_over_all_engines() -> None:
     assert again == first
 
 
+@pytest.mark.parametrize("cold_spread_by", ["new_prefixes", "prefill_tokens"])
+def test_a_cold_prompt_goes_where_recent_prefills_are_fewest_when_spread_by_prefill_tokens(
+    cold_spread_by: str,
+) -> None:
+    policy = KVAware(KVAwarePolicy(cold_spread_by=cold_spread_by), PrefixIndex())
+    candidates = backends(2)
+    busy = route(policy, request(PROMPTS[0][:128], rid="conversation-a"), candidates).name
+    quiet = route(policy, request(PROMPTS[1][:128], rid="conversation-b"), candidates).name
+    assert busy != quiet
+    # Conversation a's next turn stays home (its first turn is predicted there) and adds 384
+    # tokens of prefill to that engine; b has no follow-up.
+    assert route(policy, request(PROMPTS[0], rid="conversation-a-2"), candidates).name == busy
+    newcomer = request(PROMPTS[2][:128], rid="conversation-c")
+    placed = route(policy, newcomer, candidates).name
+    assert newcomer.decision["reason"] == "cold_spread"
+    # By new prefixes the two engines tie (one each) and the turn decides; by prefill tokens the
+    # engine whose cache took less lately gets the new conversation.
+    assert placed == (quiet if cold_spread_by == "prefill_tokens" else busy)
+
+
 def test_predictions_expire_and_never_reach_the_index() -> None:
     index = PrefixIndex()
     policy = KVAware(KVAwarePolicy(prediction_ttl_s=0.2), index)

@@ -169,6 +169,7 @@ class CacheAwarePolicy:
         self.share_slack = config.share_slack
         self.share_noise = config.share_noise
         self.affinity_min_tokens = config.affinity_min_tokens
+        self.cold_spread_by = config.cold_spread_by
         self.placements = PlacementTracker()
         self.request_shares = PlacementTracker(config.share_half_life_s)
         self.cold_placements = PlacementTracker(config.share_half_life_s)
@@ -283,7 +284,10 @@ class CacheAwarePolicy:
             # last ones began; the 7 outgrew the engine's cache and their later turns missed.)
             lowest = min(b.in_flight for b in candidates)
             near = [b for b in candidates if b.in_flight <= lowest + COLD_IN_FLIGHT_SLACK]
-            placed = {b.name: self.cold_placements.value(b.name, now) for b in near}
+            if self.cold_spread_by == "prefill_tokens":
+                placed = {b.name: self.placements.value(b.name, now) for b in near}
+            else:
+                placed = {b.name: self.cold_placements.value(b.name, now) for b in near}
             fewest = min(placed.values())
             return fewest_in_flight([b for b in near if placed[b.name] < fewest + 0.5], self._turn)
         # Tie-breaks (a decay and the index's held tokens each) only for the candidates tied on cost.
