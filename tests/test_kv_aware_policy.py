@@ -128,6 +128,22 @@ def test_a_cold_prompt_goes_where_recent_prefills_are_fewest_when_spread_by_pref
     assert placed == (quiet if cold_spread_by == "prefill_tokens" else busy)
 
 
+@pytest.mark.parametrize("still_prefilling", [True, False])
+def test_a_cold_prompt_takes_the_in_flight_slack_only_past_the_other_prefills(still_prefilling: bool) -> None:
+    policy = KVAware(KVAwarePolicy(), PrefixIndex())
+    candidates = backends(2)
+    # b1 took the last cold prompt; b0 has had none lately but has a request in flight.
+    policy.cold_placements.add("b1", 1.0, time.monotonic())
+    candidates[0].in_flight = 1
+    candidates[0].in_flight_prefill_tokens = 500 if still_prefilling else 0
+    req = request(PROMPTS[3])
+    chosen = policy.choose(req, candidates).name
+    assert req.decision["reason"] == "cold_spread"
+    # Decoding, b0's request delays a new prefill little: the fewer cold placements win. Still
+    # prefilling, it would make the new prompt wait for all of its prefill: the idle engine wins.
+    assert chosen == ("b1" if still_prefilling else "b0")
+
+
 def test_predictions_expire_and_never_reach_the_index() -> None:
     index = PrefixIndex()
     policy = KVAware(KVAwarePolicy(prediction_ttl_s=0.2), index)
@@ -292,11 +308,9 @@ def test_nothing_cached_deals_new_prefixes_out_among_the_least_loaded() -> None:
     policy = KVAware(KVAwarePolicy(), PrefixIndex())
     candidates = backends(4)
     for backend, in_flight in zip(candidates, [3, 1, 2, 1], strict=True):
-        backend.in_flight = in_flight
-        backend.in_flight_prefill_tokens = 0 if backend.name == "b1" else 5000
+        backend.in_flight = in_flight  # every request past its prefill (see the slack test below)
     req = request(PROMPTS[2])
-    # No cold placements yet: fewest in flight (b1 or b3); prefill tokens in flight do not sway a
-    # cold choice.
+    # No cold placements yet: fewest in flight (b1 or b3).
     first = route(policy, req, candidates).name
     assert first in {"b1", "b3"}
     assert req.decision["reason"] == "cold_spread"
