@@ -247,3 +247,29 @@ def test_p90_target_verdict_follows_the_interval_not_the_point_estimate():
         "tied": ("within noise", False),
         "clearly_behind": ("not met", False),
     }
+
+
+def test_no_reuse_verdict_reads_the_interval_against_a_five_percent_margin():
+    generator = np.random.default_rng(7)
+
+    def runs(shift: float) -> list:
+        return [generator.exponential(40.0, 200) + 60.0 + shift for _ in range(2)]
+
+    def policy(samples: list) -> dict:
+        return {"ttft_p90": float(np.percentile(np.concatenate(samples), 90))}
+
+    verdicts = {}
+    for name, kv_shift in (("clearly_faster", -60.0), ("tied", 0.0), ("clearly_slower", 80.0)):
+        samples = {"kv_aware": runs(kv_shift), "least_loaded": runs(0.0)}
+        results = {"workloads": {name: {
+            "has_reuse": False, "policies": {p: policy(s) for p, s in samples.items()},
+        }}}  # fmt: skip
+        (check,) = routing_bench.check_targets(results, {name: samples})
+        assert "95% interval" in check["measured"]
+        verdicts[name] = (check["verdict"], check["met"])
+    # "No worse within 5%" is met only when the whole interval lies under the margin.
+    assert verdicts == {
+        "clearly_faster": ("met", True),
+        "tied": ("within noise", False),
+        "clearly_slower": ("not met", False),
+    }
