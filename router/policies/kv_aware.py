@@ -286,10 +286,9 @@ class CacheAwarePolicy:
             near = [b for b in candidates if b.in_flight <= lowest + COLD_IN_FLIGHT_SLACK]
             # The slack is for requests past their prefill (decoding, which delays a new prefill
             # little); one behind a prefill still running waits for all of it. So among those, the
-            # engines with the fewest prompt tokens still to prefill. (On the no-reuse control, where
-            # every prompt is cold, taking the slack regardless put a prompt behind another's
-            # prefill about one time in ten: TTFT 8-10 ms above least_loaded's at the median on 2
-            # real engines.)
+            # engines with the fewest prompt tokens still to prefill. (Taking the slack regardless,
+            # the no-reuse control, where every prompt is cold, read a paired TTFT 8-10 ms above
+            # least_loaded's at the median on 2 real engines: docs/benchmarks.md.)
             least_queued = min(b.in_flight_prefill_tokens for b in near)
             near = [b for b in near if b.in_flight_prefill_tokens <= least_queued]
             if self.cold_spread_by == "prefill_tokens":
