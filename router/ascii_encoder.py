@@ -112,10 +112,12 @@ class AsciiEncoder:
     """Token ids of pure-ASCII text, equal to the Rust tokenizer's `encode(text, add_special_tokens=False)`
     (build it with `for_tokenizer`; the caller checks `text.isascii()`)."""
 
-    def __init__(self, backend: Any, pattern: str) -> None:
+    def __init__(self, backend: Any, pattern: str, source_pattern: str | None = None) -> None:
         compiled = re.compile(pattern, re.ASCII)
         self._split = compiled.findall
         self._matches = compiled.finditer
+        # The split in C for the regex it writes out (router/_ascii_split.pyx), when built.
+        self._compiled_split = _compiled_split_for(source_pattern)
         self._model = backend.model
         byte_level = _byte_level_table(backend)
         self._byte_level = str.maketrans(byte_level)
@@ -137,7 +139,7 @@ class AsciiEncoder:
         if reason is not None:
             logger.info("ascii fast path off: %s", reason)
             return None
-        encoder = cls(backend, pattern)
+        encoder = cls(backend, pattern, _split_pattern(pipeline.pre_tokenizer))
         mismatch = encoder.first_mismatch(backend)
         if mismatch is not None:
             logger.warning("ascii fast path off: it encodes %r differently from the tokenizer", mismatch)
@@ -146,10 +148,17 @@ class AsciiEncoder:
 
     def encode(self, text: str) -> list[int] | None:
         """The ids of `text` (ASCII), or None when the split does not cover it (then use the tokenizer)."""
-        words = self._split(text)
-        if sum(map(len, words)) != len(text):
-            return None
         cache = self._pretokens
+        compiled_split = self._compiled_split
+        if compiled_split is not None:
+            ids = compiled_split.encode_cached(text, cache)
+            if ids is not None:
+                return ids
+            words = compiled_split.split(text)  # covers the text: every character starts a pretoken
+        else:
+            words = self._split(text)
+            if sum(map(len, words)) != len(text):
+                return None
         # C-level passes (map, chain) for the usual case where every pretoken is cached.
         found = list(map(cache.get, words))
         if None in found:
@@ -203,6 +212,19 @@ def _unsupported(pipeline: _Pipeline) -> str | None:
     if _split_pattern(pipeline.pre_tokenizer) is None:
         return "the pre-tokenizer is not Split(regex, Isolated) + ByteLevel, nor ByteLevel with its regex"
     return None
+
+
+def _compiled_split_for(source_pattern: str | None) -> Any:
+    """router/_ascii_split when it is built (whole: a stale build lacks a name) and `source_pattern`
+    is the regex it writes out; None otherwise (the `re` split runs)."""
+    try:
+        from router import _ascii_split
+    except ImportError:
+        return None
+    if not all(hasattr(_ascii_split, name) for name in ("QWEN2_PATTERN", "split", "encode_cached")):
+        logger.warning("router/_ascii_split is a stale build; rebuild it: pip install -e .")
+        return None
+    return _ascii_split if source_pattern == _ascii_split.QWEN2_PATTERN else None
 
 
 def _split_pattern(pre_tokenizer: dict[str, Any] | None) -> str | None:

@@ -144,3 +144,47 @@ def test_segment_cuts_confirmed_by_the_fast_path_equal_the_pre_tokenizers(qwen3:
         segments = qwen3._segments(piece, segment_chars)
         assert len(segments) > 3
         assert segments == without_fast_path._segments(piece, segment_chars)
+
+
+def test_the_qwen3_encoder_splits_in_c_exactly_as_the_translated_regex(backend: Tokenizer) -> None:
+    import re
+
+    from router import _ascii_split
+
+    encoder = AsciiEncoder.for_tokenizer(backend)
+    assert encoder is not None and encoder._compiled_split is _ascii_split
+    split_by_re = re.compile(ascii_pattern(QWEN3_SPLIT), re.ASCII).findall
+    rng = np.random.default_rng(17)
+    tricky = ["'s", "'S", "'re", "'LL", "'ve", "'x", "'", " ", "  ", "\t", "\x0b", "\x0c", "\r\n", "\n\n",
+              " \n ", "word", "W", "42", ",", "...", "-", "\x00", "\x1f", "\x7f", " ,", "\t!"]  # fmt: skip
+    for trial in range(4000):
+        if trial % 2:
+            text = random_ascii(rng, int(rng.integers(1, 80)))
+        else:
+            text = "".join(rng.choice(tricky, size=int(rng.integers(1, 12))).tolist())
+        assert _ascii_split.split(text) == split_by_re(text), repr(text)
+    # Every pretoken cached: the ids in one pass; one missing: None (the encoder fills it).
+    text = "It's 42 words,\n  and   more.\n"
+    expected = backend.encode(text, add_special_tokens=False).ids
+    assert encoder.encode(text) == expected
+    assert _ascii_split.encode_cached(text, encoder._pretokens) == expected
+    assert _ascii_split.encode_cached(text + " zebra", encoder._pretokens) is None
+
+
+def test_a_stale_compiled_split_is_refused_with_a_warning(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    import sys
+    import types
+
+    import router
+    from router import ascii_encoder
+
+    stale = types.ModuleType("router._ascii_split")
+    stale.QWEN2_PATTERN = QWEN3_SPLIT  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "router._ascii_split", stale)
+    monkeypatch.setattr(router, "_ascii_split", stale, raising=False)
+    with caplog.at_level("WARNING", logger="kvgate.tokenize"):
+        assert ascii_encoder._compiled_split_for(QWEN3_SPLIT) is None
+    assert "stale build" in caplog.text
+    assert ascii_encoder._compiled_split_for(r"\s+") is None
