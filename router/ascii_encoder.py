@@ -10,7 +10,8 @@ mapping is a fixed table; both engines are backtracking with the same leftmost-f
 So `AsciiEncoder.encode` splits with the translated pattern, maps each pretoken through the
 byte-level table and runs the tokenizer's own BPE model on it (`model.tokenize`), caching the
 ids per pretoken (words repeat); `pretoken_starts` answers where the pre-tokenizer would start
-pretokens (router/tokenize.py confirms segment cuts with it).
+pretokens (router/tokenize.py confirms segment cuts with it). For the Qwen2-family regex the split
+and the cache lookups run in C instead (router/_ascii_split.pyx), when that extension is built.
 
 It is built only for the pipeline it reproduces (`AsciiEncoder.for_tokenizer` returns None
 otherwise): normaliser none or a Unicode normal form; pre-tokenizer Split(regex, Isolated) then
