@@ -33,6 +33,8 @@ from typing import Any
 import msgspec
 import numpy as np
 
+from router.compiled import load_compiled
+
 logger = logging.getLogger("kvgate.tokenize")
 
 # GPT-2's pre-tokenizer regex: what ByteLevel(use_regex=True) splits with.
@@ -218,14 +220,9 @@ def _unsupported(pipeline: _Pipeline) -> str | None:
 def _compiled_split_for(source_pattern: str | None) -> Any:
     """router/_ascii_split when it is built (whole: a stale build lacks a name) and `source_pattern`
     is the regex it writes out; None otherwise (the `re` split runs)."""
-    try:
-        from router import _ascii_split
-    except ImportError:
-        return None
-    if not all(hasattr(_ascii_split, name) for name in ("QWEN2_PATTERN", "split", "encode_cached")):
-        logger.warning("router/_ascii_split is a stale build; rebuild it: pip install -e .")
-        return None
-    return _ascii_split if source_pattern == _ascii_split.QWEN2_PATTERN else None
+    names = ("QWEN2_PATTERN", "split", "encode_cached")
+    compiled = load_compiled("router._ascii_split", "router/_ascii_split.pyx", names, logger)
+    return compiled if compiled is not None and source_pattern == compiled.QWEN2_PATTERN else None
 
 
 def _split_pattern(pre_tokenizer: dict[str, Any] | None) -> str | None:

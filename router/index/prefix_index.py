@@ -27,7 +27,6 @@ import bisect
 import contextlib
 import functools
 import gc
-import importlib
 import itertools
 import logging
 import operator
@@ -41,6 +40,7 @@ import msgspec
 import numpy as np
 import xxhash
 
+from router.compiled import load_compiled, rebuild_hint
 from router.index.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent, cache_salt_of, tier_of
 
 logger = logging.getLogger(__name__)
@@ -253,7 +253,8 @@ def _owned(keys: int | tuple[int, ...]) -> tuple[int, ...]:
 _COMPILED_INGEST_NAMES = (
     "configure", "block_value", "BackendWriter", "next_compiled_candidate", "OneEventFront", "WriterLock",
 )  # fmt: skip
-_REBUILD_HINT = "rebuild it with `.venv/bin/pip install -e .` (or `cythonize -i router/index/_ingest.pyx`)"
+_INGEST_SOURCE = "router/index/_ingest.pyx"
+_REBUILD_HINT = rebuild_hint(_INGEST_SOURCE)
 
 
 def _load_compiled_ingest() -> Any:
@@ -261,17 +262,8 @@ def _load_compiled_ingest() -> Any:
     constants and checked against `_python_block_value`; None when it is not built, or built from
     another version of this module (then the pure-Python paths apply every event, as fast as they
     can; a stale build is named in a warning)."""
-    try:
-        _ingest = importlib.import_module("router.index._ingest")
-    except ImportError as missing:
-        logger.debug("compiled ingest not built (%s): events are applied in pure Python", missing)
-        return None
-    missing_names = [name for name in _COMPILED_INGEST_NAMES if not hasattr(_ingest, name)]
-    if missing_names:
-        logger.warning(
-            "compiled ingest %s is stale (no %s): not used; %s",
-            getattr(_ingest, "__file__", "?"), ", ".join(missing_names), _REBUILD_HINT,
-        )  # fmt: skip
+    _ingest = load_compiled("router.index._ingest", _INGEST_SOURCE, _COMPILED_INGEST_NAMES, logger)
+    if _ingest is None:
         return None
     try:
         _ingest.configure(
