@@ -169,10 +169,12 @@ class CacheAwarePolicy:
         self.share_slack = config.share_slack
         self.share_noise = config.share_noise
         self.affinity_min_tokens = config.affinity_min_tokens
-        self.cold_spread_by = config.cold_spread_by
         self.placements = PlacementTracker()
         self.request_shares = PlacementTracker(config.share_half_life_s)
         self.cold_placements = PlacementTracker(config.share_half_life_s)
+        # What spreads cold prompts (`cold_spread_by`): recent cold placements, or recent prefill tokens.
+        by_tokens = config.cold_spread_by == "prefill_tokens"
+        self.cold_spread = self.placements if by_tokens else self.cold_placements
         self._turn = -1
         self.recent_decisions: deque[dict[str, Any]] = deque(maxlen=DECISIONS_KEPT)
         self.metrics = RoutingMetrics(registry) if registry is not None else None
@@ -291,10 +293,7 @@ class CacheAwarePolicy:
             # least_loaded's at the median on 2 real engines: docs/benchmarks.md.)
             least_queued = min(b.in_flight_prefill_tokens for b in near)
             near = [b for b in near if b.in_flight_prefill_tokens <= least_queued]
-            if self.cold_spread_by == "prefill_tokens":
-                placed = {b.name: self.placements.value(b.name, now) for b in near}
-            else:
-                placed = {b.name: self.cold_placements.value(b.name, now) for b in near}
+            placed = {b.name: self.cold_spread.value(b.name, now) for b in near}
             fewest = min(placed.values())
             return fewest_in_flight([b for b in near if placed[b.name] < fewest + 0.5], self._turn)
         # Tie-breaks (a decay and the index's held tokens each) only for the candidates tied on cost.
