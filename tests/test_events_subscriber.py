@@ -34,8 +34,15 @@ class Harness:
     """A publisher, an index and a subscriber wired together on free loopback ports."""
 
     def __init__(
-        self, *, replay: bool = True, replay_format: str = "new", buffer_steps: int = 10_000
+        self,
+        *,
+        replay: bool = True,
+        replay_format: str = "new",
+        buffer_steps: int = 10_000,
+        wire: bool = False,
     ) -> None:
+        """`wire`: in-order payloads go to the index undecoded (`wire_ingest`), as the gateway
+        wires its subscribers; else every payload is decoded."""
         self.endpoint = f"tcp://127.0.0.1:{free_port()}"
         self.replay_endpoint = f"tcp://127.0.0.1:{free_port()}" if replay else None
         self.replay_format = replay_format
@@ -50,6 +57,7 @@ class Harness:
             replay_endpoint=self.replay_endpoint,
             topic="kv-events",
             replay_timeout_s=0.5,
+            wire=self.index.wire_ingest("engine") if wire else None,
         )
 
     def new_publisher(self) -> EventPublisher:
@@ -73,9 +81,9 @@ class Harness:
         self.publisher.close()
 
 
-@pytest.fixture
-def harness() -> Iterator[Harness]:
-    h = Harness()
+@pytest.fixture(params=["decoded", "wire"])
+def harness(request) -> Iterator[Harness]:
+    h = Harness(wire=request.param == "wire")
     h.start()
     yield h
     h.close()

@@ -115,10 +115,15 @@ def test_the_compiled_block_value_is_the_python_one() -> None:
 def test_a_mismatched_configuration_is_refused_and_leaves_the_module_working() -> None:
     weights = prefix_index._WORD_WEIGHTS.tolist()
     constants = (prefix_index._POSITION_WEIGHT_PY, prefix_index._MIX_1_PY, prefix_index._MIX_2_PY)
+    preview = {"preview_tokens": prefix_index.PREVIEW_TOKENS}
     with pytest.raises(ValueError, match="node tuples"):
-        ingest.configure(weights, *constants, 16, ("end", "keys"), BlockStored, prefix_index._Chain)
+        ingest.configure(
+            weights, *constants, 16, ("end", "keys"), BlockStored, prefix_index._Chain, **preview
+        )
     with pytest.raises(ValueError, match="router blocks"):
-        ingest.configure(weights, *constants, 32, prefix_index._NODE_FIELDS, BlockStored, prefix_index._Chain)
+        ingest.configure(
+            weights, *constants, 32, prefix_index._NODE_FIELDS, BlockStored, prefix_index._Chain, **preview
+        )
     block = list(range(16))
     assert ingest.block_value(block, 3) == _python_block_value(block, 3)
 

@@ -34,14 +34,22 @@ import struct
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import msgspec
 import numpy as np
 import xxhash
 
 from router.compiled import load_compiled, rebuild_hint
-from router.index.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent, cache_salt_of, tier_of
+from router.index.events import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    KVEvent,
+    cache_salt_of,
+    decode_batch,
+    tier_of,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -252,6 +260,7 @@ def _owned(keys: int | tuple[int, ...]) -> tuple[int, ...]:
 # What this module uses of the compiled ingest module: a build that lacks one is stale.
 _COMPILED_INGEST_NAMES = (
     "configure", "block_value", "BackendWriter", "next_compiled_candidate", "OneEventFront", "WriterLock",
+    "scan_batch", "WireBatch",
 )  # fmt: skip
 _INGEST_SOURCE = "router/index/_ingest.pyx"
 _REBUILD_HINT = rebuild_hint(_INGEST_SOURCE)
@@ -268,7 +277,8 @@ def _load_compiled_ingest() -> Any:
     try:
         _ingest.configure(
             _WORD_WEIGHTS.tolist(), _POSITION_WEIGHT_PY, _MIX_1_PY, _MIX_2_PY, ROUTER_BLOCK_TOKENS,
-            _NODE_FIELDS, BlockStored, _Chain, block_removed_class=BlockRemoved,
+            _NODE_FIELDS, BlockStored, _Chain,
+            block_removed_class=BlockRemoved, preview_tokens=PREVIEW_TOKENS,
         )  # fmt: skip
     except (ValueError, TypeError) as mismatch:  # built from another version of the index: stale
         logger.warning("compiled ingest does not match the index (%s): not used; %s", mismatch, _REBUILD_HINT)
@@ -447,6 +457,16 @@ def _record_lost_bits(runs: dict[int, int], bits: int, position: int) -> None:
         runs[bit] = position
 
 
+class WireIngest(NamedTuple):
+    """Payloads straight to one backend of the index (`PrefixIndex.wire_ingest`)."""
+
+    # A payload scanned (a `WireBatch`: its length and event counts by kind: stored, removed,
+    # cleared), or None: decode it (`decode_batch`) and `apply` its events.
+    scan: Any
+    # Apply a list of scanned batches, in order.
+    apply: Any
+
+
 class PrefixIndex:
     """Per backend and tier, the cached token prefixes announced by KV events."""
 
@@ -486,9 +506,11 @@ class PrefixIndex:
             # by the compiled entry without a Python frame (about half a lone event's cost was the
             # call, the lock and the checks of `apply`); it hands every other batch to `apply`.
             self._front = compiled.OneEventFront(
-                self._backends, self._shared_masks, self._lock, self._apply_python, _SHARED_MASKS_LIMIT
+                self._backends, self._shared_masks, self._lock, self._apply_python, _SHARED_MASKS_LIMIT,
+                general_wire=self._apply_wire_python,
             )
             self.apply = self._front.apply  # type: ignore[method-assign]
+            self.apply_wire = self._front.apply_wire  # type: ignore[method-assign]
 
     # ---- backends ----
 
@@ -614,6 +636,48 @@ class PrefixIndex:
                 resume = _next_compiled_candidate(events, position + 1)
                 self._apply_locked(backend, events[position:resume])
                 position = resume
+
+    def apply_wire(self, backend_name: str, batches: list[Any]) -> None:
+        """Apply batches as `scan_batch` of the compiled module scanned them (`wire_ingest`), in
+        order. The compiled writer reads each batch's events from its payload while they have
+        its shapes, and the rest of a batch is decoded and applied as `apply` applies events:
+        a decode step's token ids never become Python objects. (An instance's `apply_wire` is its
+        `OneEventFront`'s, which calls `_apply_wire_python` from the first event it refuses.)"""
+        self._apply_wire_python(backend_name, batches, 0)
+
+    def _apply_wire_python(self, backend_name: str, batches: list[Any], start: int) -> None:
+        """`apply_wire`, the first batch from its event at `start`."""
+        with self._lock:
+            backend = self._backends.get(backend_name)
+            if backend is None:
+                backend = self._backends[backend_name] = _Backend(backend_name)
+            if len(self._shared_masks) > _SHARED_MASKS_LIMIT:
+                self._shared_masks.clear()
+            writer = backend.compiled_writer
+            if writer is None:
+                writer = backend.compiled_writer = self._compiled_writer(self, backend)
+            collecting = gc.isenabled()
+            gc.disable()
+            try:
+                for number, batch in enumerate(batches):
+                    position = writer.store_wire(batch, start if number == 0 else 0)
+                    if position < len(batch):
+                        decoded = decode_batch(batch.payload)
+                        if decoded.skipped_events or len(decoded.events) != len(batch):
+                            # The scan accepts only what the decoder decodes one for one: never here.
+                            raise RuntimeError("the decoder and the scan disagree on a payload's events")
+                        self._apply_compiled_locked(backend, writer, decoded.events[position:])
+            finally:
+                if collecting:
+                    gc.enable()
+
+    def wire_ingest(self, backend_name: str) -> WireIngest | None:
+        """What a subscriber uses to hand `backend_name` payloads without decoding them, or None
+        when this index has no compiled path (the subscriber decodes every payload)."""
+        if self._compiled_writer is None:
+            return None
+        # (a partial of the compiled entry: no Python frame per drained run of messages)
+        return WireIngest(_compiled_ingest.scan_batch, functools.partial(self.apply_wire, backend_name))
 
     def _store_one_block_locked(self, backend: _Backend, event: KVEvent) -> bool:
         """`_store_decode_step_locked` for a batch of one event, in plain Python (an engine step
@@ -921,10 +985,16 @@ class PrefixIndex:
     def _root_chain_locked(self, backend: _Backend, event: BlockStored, covered: int) -> tuple[int, int]:
         """The chain a BlockStored without a parent starts (made if new: its namespace and the
         preview of its first `covered` tokens name it) and the key of its namespace's empty prefix."""
-        namespace = (event.lora_name, cache_salt_of(event))
-        if event.lora_name is not None:
-            self.lora_names.add(event.lora_name)
         preview = tuple(event.token_ids[: min(covered, PREVIEW_TOKENS)])
+        return self._chain_for_locked(backend, (event.lora_name, cache_salt_of(event)), preview)
+
+    def _chain_for_locked(
+        self, backend: _Backend, namespace: Namespace, preview: tuple[int, ...]
+    ) -> tuple[int, int]:
+        """The chain of a root in `namespace` whose first tokens are `preview` (made if new) and
+        the key of its namespace's empty prefix."""
+        if namespace[0] is not None:
+            self.lora_names.add(namespace[0])
         chain_id = backend.chain_ids.get((namespace, preview))
         if chain_id is None:
             chain_id = backend.chain_ids[(namespace, preview)] = backend.next_chain_id

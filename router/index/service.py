@@ -86,6 +86,7 @@ class KVIndexService:
                 rank_endpoint(kv_events.endpoint, rank),
                 # (a partial: no Python frame per applied batch on top of the index's entry)
                 apply=functools.partial(self.index.apply, index_name),
+                wire=self.index.wire_ingest(index_name),
                 clear=functools.partial(self.index.clear_backend, index_name),
                 replay_endpoint=(
                     rank_endpoint(kv_events.replay_endpoint, rank) if kv_events.replay_endpoint else None

@@ -59,6 +59,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
 import zmq
 
@@ -73,6 +74,9 @@ from router.index.events import (
     event_class_kind,
     event_kind,
 )
+
+if TYPE_CHECKING:
+    from router.index.prefix_index import WireIngest
 
 logger = logging.getLogger("kvgate.index")
 
@@ -185,6 +189,7 @@ class EventSubscriber:
         context: zmq.Context | None = None,
         replace: ReplaceBackend | None = None,
         snapshot_after_outage_s: float = 0.0,
+        wire: WireIngest | None = None,
     ) -> None:
         self.name = name
         self.endpoint = endpoint
@@ -198,6 +203,9 @@ class EventSubscriber:
         self._apply = apply
         self._clear = clear
         self._on_batch = on_batch
+        # In-order live payloads the index's scan accepts go to it undecoded (`on_batch` needs
+        # decoded batches, so it turns this off).
+        self._wire = wire if on_batch is None else None
         self._context = context or zmq.Context.instance()
         self._stop = threading.Event()
         # stop() writes a byte here to wake the thread's poll, which otherwise waits for messages
@@ -218,10 +226,14 @@ class EventSubscriber:
         # applied; the mark goes once a batch at or past that seq arrives.
         self._live_floor: tuple[int, float] | None = None
         # While a drain runs: events of in-order live batches not yet given to the index, their
-        # batches (for `on_batch`, after the apply) and the seq of the first one.
+        # batches (for `on_batch`, after the apply) and the seq of the first one; or, for payloads
+        # the wire scan accepted, the scanned batches and their events' count (one kind at a time:
+        # a batch of the other kind releases what is held first, so the order holds).
         self._draining = False
         self._held_events: list[KVEvent] = []
         self._held_batches: list[DecodedBatch] = []
+        self._held_scanned: list[Any] = []
+        self._held_scanned_events = 0
         self._held_from: int | None = None
 
     # ---- lifecycle ----
@@ -312,7 +324,7 @@ class EventSubscriber:
                 except zmq.Again:
                     break
                 self._handle_live(frames)
-                if len(self._held_events) >= _DRAIN_APPLY_EVENTS:
+                if len(self._held_events) + self._held_scanned_events >= _DRAIN_APPLY_EVENTS:
                     self._release_held()
         finally:
             self._draining = False
@@ -323,7 +335,11 @@ class EventSubscriber:
                     gc.enable()
 
     def _release_held(self) -> None:
-        """Give the index the events held back by the drain, in one call, then run `on_batch`."""
+        """Give the index the events (or scanned batches) held back by the drain, in one call,
+        then run `on_batch`."""
+        if self._held_scanned:
+            self._release_scanned()
+            return
         if not self._held_batches:
             return
         events, batches, first = self._held_events, self._held_batches, self._held_from
@@ -335,6 +351,23 @@ class EventSubscriber:
         if self._on_batch is not None:
             for batch in batches:
                 self._on_batch(self.name, batch)
+
+    def _release_scanned(self) -> None:
+        scanned, first = self._held_scanned, self._held_from
+        self._held_scanned, self._held_scanned_events, self._held_from = [], 0, None
+        stats = self.stats
+        stats.batches += len(scanned)
+        stored = removed = cleared = 0
+        for batch in scanned:
+            stored += batch.stored
+            removed += batch.removed
+            cleared += batch.cleared
+        kinds = (("BlockStored", stored), ("BlockRemoved", removed), ("AllBlocksCleared", cleared))
+        for kind, number in kinds:
+            if number:
+                stats.events[kind] = stats.events.get(kind, 0) + number
+        assert self._wire is not None  # (only a wire scan fills `_held_scanned`)
+        self._guarded(self._wire.apply, scanned, f"seq {first}..{stats.last_seq}")
 
     def _drain_monitor(self, monitor: zmq.Socket) -> None:
         while True:
@@ -388,6 +421,21 @@ class EventSubscriber:
         if seq < 0:
             self._malformed(f"negative seq {seq} on the live stream")
             return
+        stats = self.stats
+        # The usual message: the next seq while draining, nothing to check.
+        in_order = self._draining and stats.last_seq == seq - 1 and self._live_floor is None
+        if in_order and self._wire is not None:
+            scanned = self._wire.scan(payload)
+            if scanned is not None:  # held undecoded for one apply per drain
+                if self._held_batches:
+                    self._release_held()
+                stats.last_message_at = time.time()
+                stats.last_seq = seq
+                if self._held_from is None:
+                    self._held_from = seq
+                self._held_scanned.append(scanned)
+                self._held_scanned_events += len(scanned)
+                return
         try:
             batch = decode_batch(payload)
         except MalformedBatch as exc:
@@ -395,10 +443,10 @@ class EventSubscriber:
             # The seq itself is good: advance it so the next message is not taken for a gap.
             self._advance(seq, None)
             return
-        stats = self.stats
-        if self._draining and stats.last_seq == seq - 1 and self._live_floor is None:
-            # The usual message: the next seq, nothing to check. Held for one apply per drain
-            # (batches and event kinds are counted then).
+        if in_order:
+            # Held for one apply per drain (batches and event kinds are counted then).
+            if self._held_scanned:
+                self._release_held()
             stats.last_message_at = time.time()
             stats.last_seq = seq
             if batch.skipped_events:
@@ -544,8 +592,11 @@ class EventSubscriber:
         self._malformed(f"seq {seq}: {batch.skipped_events} undecodable events: {batch.skip_reasons[:1]}")
 
     def _apply_events(self, events: list[KVEvent], where: str) -> None:
+        self._guarded(self._apply, events, where)
+
+    def _guarded(self, apply: Callable[[Any], None], batch: Any, where: str) -> None:
         try:
-            self._apply(events)
+            apply(batch)
         except Exception:  # a bug applying one batch must not end the stream
             self.stats.apply_errors += 1
             self.stats.uncertain = True

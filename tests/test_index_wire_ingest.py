@@ -1,0 +1,323 @@
+"""Payloads applied without decoding them (`PrefixIndex.wire_ingest`): the compiled scan accepts
+only what the msgpack decoder decodes to the same events, one for one, and the index it builds
+from the payloads is the one the decoded events build, in every encoding engines publish."""
+
+from __future__ import annotations
+
+import importlib
+import random
+from typing import Any
+
+import msgspec
+import pytest
+
+from router.index import prefix_index
+from router.index.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent, decode_batch, event_kind
+from router.index.prefix_index import PrefixIndex
+from tests.support.event_publisher import encode_batch
+from tests.test_index_ingest import StreamMaker, assert_same_lookups, internal_state
+from tests.test_index_ingest_compiled import decode_streams
+
+ingest = importlib.import_module("router.index._ingest")
+
+STORED_FIELDS = tuple(BlockStored.__struct_fields__)
+REMOVED_FIELDS = tuple(BlockRemoved.__struct_fields__)
+
+
+def wire_hash(block_hash: Any, style: str) -> Any:
+    """An engine hash as an engine of `style` spells it (the same hash always the same way)."""
+    if not isinstance(block_hash, int):
+        return block_hash
+    if style == "i64":  # SGLang: signed
+        return block_hash - 2**40 if block_hash % 3 == 0 else block_hash
+    if style == "bytes":
+        return block_hash.to_bytes(16, "big", signed=True)
+    return block_hash | 1 << 63 if block_hash % 5 == 0 and 0 <= block_hash < 2**63 else block_hash  # uint64
+
+
+def wire_event(event: KVEvent, encoding: str, hashes: str, rand: random.Random) -> Any:
+    """`event` as msgpack-ready data: a map with "type" (vLLM >= 0.24) or an array, tag first
+    (older vLLM, SGLang), trailing defaults dropped at random and unknown extra fields added."""
+    kind = event_kind(event)
+    if isinstance(event, AllBlocksCleared):
+        return [kind] if encoding == "array" else {"type": kind}
+    names = STORED_FIELDS if isinstance(event, BlockStored) else REMOVED_FIELDS
+    values = {name: getattr(event, name) for name in names}
+    values["block_hashes"] = [wire_hash(h, hashes) for h in event.block_hashes]
+    if isinstance(event, BlockStored):
+        values["parent_block_hash"] = wire_hash(event.parent_block_hash, hashes)
+        # (msgpack's ints stop at 2**64 - 1: a larger token id goes out as the largest)
+        values["token_ids"] = [min(token, 2**64 - 1) for token in event.token_ids]
+        if values["extra_keys"] is None and rand.random() < 0.5:  # vLLM: one None per block
+            values["extra_keys"] = [None] * len(event.block_hashes)
+        if rand.random() < 0.5:
+            values["kv_cache_spec_kind"] = "full_attention"
+    if encoding == "array":
+        row = [kind, *values.values()]
+        if rand.random() < 0.2:  # a field of a later version, after all of these
+            return [*row, {"a field": ["from", 1.5, b"a later version"]}]
+        while len(row) > 2 and row[-1] is None and rand.random() < 0.7:
+            row.pop()
+        return row
+    fields = {"type": kind, **values}
+    if rand.random() < 0.5:
+        fields = {name: value for name, value in fields.items() if value is not None or name == "type"}
+    if rand.random() < 0.3:
+        fields["a_newer_field"] = {"nested": [1, None, True, msgspec.msgpack.Ext(5, b"x")]}
+    if rand.random() < 0.3:  # the tag need not come first
+        fields = dict(reversed(list(fields.items())))
+    return fields
+
+
+def payload_of(events: list[KVEvent], rand: random.Random, hashes: str) -> bytes:
+    event_encoding = rand.choice(["map", "map", "array"])
+    batch_encoding = rand.choice(["array", "array", "map", "sglang-map"])
+    wired = [wire_event(event, event_encoding, hashes, rand) for event in events]
+    rank = rand.choice([0, None, 3])
+    return encode_batch(wired, ts=1000.0 + rand.random(), rank=rank, encoding=batch_encoding)
+
+
+def apply_payloads(index: PrefixIndex, payloads: list[bytes]) -> int:
+    """The subscriber's way: scanned payloads in one `apply` of the wire ingest, the others
+    decoded and applied in order. How many were scanned."""
+    wire = index.wire_ingest("a")
+    assert wire is not None
+    scanned: list[Any] = []
+    count = 0
+    for payload in payloads:
+        batch = wire.scan(payload)
+        if batch is None:
+            if scanned:
+                wire.apply(scanned)
+                scanned = []
+            index.apply("a", decode_batch(payload).events)
+            continue
+        count += 1
+        scanned.append(batch)
+    if scanned:
+        wire.apply(scanned)
+    return count
+
+
+class CountingWireWriter(ingest.BackendWriter):
+    """The compiled writer, counting what `store_wire` applied of the batches the index's Python
+    entry hands it (those the compiled entry did not apply whole): events, and whether whole."""
+
+    applied: list[int]
+    whole: list[bool]
+
+    def store_wire(self, batch: Any, start: int = 0) -> int:
+        stopped = super().store_wire(batch, start)
+        CountingWireWriter.applied.append(stopped - start)
+        CountingWireWriter.whole.append(stopped == len(batch))
+        return stopped
+
+
+@pytest.fixture
+def counting_writer(monkeypatch) -> type[CountingWireWriter]:
+    CountingWireWriter.applied, CountingWireWriter.whole = [], []
+    monkeypatch.setattr(prefix_index, "_CompiledWriter", CountingWireWriter)
+    return CountingWireWriter
+
+
+@pytest.mark.parametrize("hashes", ["u64", "i64", "bytes"])
+@pytest.mark.parametrize("seed", range(4))
+def test_payloads_applied_undecoded_build_the_index_their_decoded_events_build(
+    seed: int, hashes: str, counting_writer
+) -> None:
+    wired, decoded = PrefixIndex(), PrefixIndex(compiled_ingest=False)
+    maker = StreamMaker(500 + seed)
+    rand = random.Random(seed)
+    scanned = total = 0
+    pending: list[bytes] = []
+    for call, events in enumerate(decode_streams(maker, 160)):
+        payload = payload_of(events, rand, hashes)
+        decoded.apply("a", decode_batch(payload).events)
+        pending.append(payload)
+        total += 1
+        if rand.random() < 0.6:  # a drain of one to a few messages
+            scanned += apply_payloads(wired, pending)
+            pending = []
+        if call % 40 == 39:
+            scanned += apply_payloads(wired, pending)
+            pending = []
+            assert internal_state(wired, "a") == internal_state(decoded, "a")
+    scanned += apply_payloads(wired, pending)
+    assert internal_state(wired, "a") == internal_state(decoded, "a")
+    assert_same_lookups(decoded, [wired], maker.docs)
+    # Most payloads are scanned (not those with salted roots or events the decoder skips); the
+    # compiled entry applies scanned batches whole, and hands on those it refuses (the streams'
+    # hazards reach it), which the Python entry's writer then applies in part.
+    assert scanned > total // 2, (scanned, total)
+    assert wired._front.applied > 0 and sum(counting_writer.applied) > 0
+    assert False in counting_writer.whole
+
+
+def writer_of(index: PrefixIndex, backend: str) -> Any:
+    """The backend's compiled writer (the caller holds the index's lock; the backend exists)."""
+    state = index._backends[backend]
+    if state.compiled_writer is None:
+        state.compiled_writer = prefix_index._CompiledWriter(index, state)
+    return state.compiled_writer
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_the_writer_refuses_a_scanned_event_exactly_where_it_refuses_the_decoded_one(seed: int) -> None:
+    """Twin indexes, one fed scanned payloads and one decoded events, each batch through the
+    writer's entry for it (`store_wire`; `apply_one` alone in a batch, `store` in a run): the
+    first event each refuses is the same, and the rest goes the same general way."""
+    wired, decoded = PrefixIndex(), PrefixIndex()
+    maker = StreamMaker(700 + seed)
+    rand = random.Random(seed)
+    refusals = 0
+    wired.add_backend("a")
+    decoded.add_backend("a")
+    for events in decode_streams(maker, 160):
+        payload = payload_of(events, rand, rand.choice(["u64", "i64", "bytes"]))
+        batch, events = ingest.scan_batch(payload), decode_batch(payload).events
+        if batch is None:
+            wired.apply("a", events)
+            decoded.apply("a", events)
+            continue
+        with wired._lock, decoded._lock:
+            wired_writer, decoded_writer = writer_of(wired, "a"), writer_of(decoded, "a")
+            stopped = wired_writer.store_wire(batch)
+            if len(events) == 1:
+                assert stopped == int(decoded_writer.apply_one(events[0]))
+            else:
+                assert stopped == decoded_writer.store(events, 0)
+            if stopped < len(events):
+                refusals += 1
+                wired._apply_compiled_locked(wired._backends["a"], wired_writer, events[stopped:])
+                decoded._apply_compiled_locked(decoded._backends["a"], decoded_writer, events[stopped:])
+    assert internal_state(wired, "a") == internal_state(decoded, "a")
+    assert refusals > 10
+
+
+def test_decode_steps_prefills_and_evictions_from_the_wire_take_the_compiled_path(counting_writer) -> None:
+    index, reference = PrefixIndex(), PrefixIndex(compiled_ingest=False)
+    rand = random.Random(5)
+    tokens = [rand.randrange(150_000) for _ in range(64 * 16)]
+    prefill = BlockStored(block_hashes=list(range(1, 65)), token_ids=tokens, block_size=16, medium="GPU")
+    steps = [
+        BlockStored(
+            block_hashes=[100 + n],
+            parent_block_hash=64 if n == 0 else 99 + n,
+            token_ids=[rand.randrange(150_000) for _ in range(16)],
+            block_size=16,
+            medium="GPU",
+        )
+        for n in range(8)
+    ]
+    payloads = [
+        payload_of([prefill], rand, "u64"),
+        *[payload_of([step], rand, "u64") for step in steps[:4]],
+        payload_of(steps[4:], rand, "u64"),
+        payload_of([BlockRemoved(block_hashes=[107], medium="GPU")], rand, "u64"),
+        payload_of(
+            [BlockRemoved(block_hashes=[106], medium="GPU"), BlockRemoved(block_hashes=[105])],
+            rand,
+            "u64",
+        ),
+    ]
+    assert apply_payloads(index, payloads) == len(payloads)
+    for payload in payloads:
+        reference.apply("a", decode_batch(payload).events)
+    # Every event applied by the compiled writer: through the compiled entry, or the Python entry
+    # (the first batch, before the backend had a writer), none decoded.
+    assert all(counting_writer.whole)
+    assert index._front.applied + sum(counting_writer.applied) == 12
+    assert internal_state(index, "a") == internal_state(reference, "a")
+    assert index.longest_cached_prefix(tokens + steps[0].token_ids)["a"].tokens == 64 * 16 + 16
+    stats = index.stats("a")
+    assert (stats.stored_events, stats.removed_events) == (9, 3)
+
+
+DEEP: list = [1]
+for _ in range(40):
+    DEEP = [DEEP]
+
+
+def mutations(payload: bytes, rand: random.Random, count: int) -> list[bytes]:
+    """Payloads a byte or two away from `payload`, cut short, or grown."""
+    out = []
+    for _ in range(count):
+        data = bytearray(payload)
+        roll = rand.random()
+        if roll < 0.6:
+            for _ in range(rand.randint(1, 2)):
+                data[rand.randrange(len(data))] = rand.randrange(256)
+        elif roll < 0.8:
+            del data[rand.randrange(len(data)) :]
+        else:
+            data.insert(rand.randrange(len(data) + 1), rand.randrange(256))
+        out.append(bytes(data))
+    return out
+
+
+def test_the_scan_accepts_only_payloads_the_decoder_decodes_to_the_same_events() -> None:
+    """Fuzzed payloads: whatever the scan accepts, the decoder decodes whole (no event skipped),
+    to as many events of the same kinds; and valid payloads of every encoding are accepted."""
+    rand = random.Random(11)
+    maker = StreamMaker(900)
+    accepted = rejected = 0
+    for events in decode_streams(maker, 60):
+        plain = [  # (no salted roots, no float token ids: the decoder skips those)
+            event
+            for event in events
+            if not isinstance(event, BlockStored)
+            or (not event.extra_keys and all(isinstance(token, int) for token in event.token_ids))
+        ]
+        payload = payload_of(plain, rand, rand.choice(["u64", "i64", "bytes"]))
+        batch = ingest.scan_batch(payload)
+        assert batch is not None and len(batch) == len(plain)
+        for candidate in [payload, *mutations(payload, rand, 60)]:
+            batch = ingest.scan_batch(candidate)
+            if batch is None:
+                rejected += 1
+                continue
+            accepted += 1
+            decoded = decode_batch(candidate)
+            assert decoded.skipped_events == 0
+            kinds = [event_kind(event) for event in decoded.events]
+            assert len(batch) == len(kinds)
+            assert (batch.stored, batch.removed, batch.cleared) == (
+                kinds.count("BlockStored"), kinds.count("BlockRemoved"), kinds.count("AllBlocksCleared"),
+            )  # fmt: skip
+            assert batch.ts == decoded.ts and batch.data_parallel_rank == decoded.data_parallel_rank
+    assert accepted > 100 and rejected > 100, (accepted, rejected)
+
+
+def one_event(event: Any) -> bytes:
+    return msgspec.msgpack.encode([1.0, [event]])
+
+
+# A batch holding one map-encoded BlockRemoved of block 1, then `tail` (msgpack bytes): a third key.
+REMOVED_AND = b"\x92\x01\x91\x83\xa4type\xacBlockRemoved\xacblock_hashes\x91\x01"
+REFUSED = {
+    "not msgpack": b"\xc1\xc1",
+    "empty": b"",
+    "an int": msgspec.msgpack.encode(5),
+    "a batch without events": msgspec.msgpack.encode([1.0]),
+    "a string for ts": msgspec.msgpack.encode(["now", []]),
+    "trailing bytes": msgspec.msgpack.encode([1.0, []]) + b"\x00",
+    "an unknown event type": one_event({"type": "BlockMoved", "block_hashes": [1]}),
+    "an event without a type": one_event({"block_hashes": [1]}),
+    "a float token": one_event({"type": "BlockStored", "block_hashes": [1], "token_ids": [1.5]}),
+    "a bool group": one_event(["BlockRemoved", [1], "GPU", True]),
+    "a str hash": one_event(["BlockRemoved", ["h1"]]),
+    "a salted root": one_event({"type": "BlockStored", "block_hashes": [1], "extra_keys": [["s"]]}),
+    "a medium that is not UTF-8": REMOVED_AND + b"\xa6medium\xa2\xff\xfe",
+    "a duplicate key": REMOVED_AND + b"\xacblock_hashes\x91\x02",
+    "a deep nest": one_event({"type": "AllBlocksCleared", "x": DEEP}),
+}
+
+
+@pytest.mark.parametrize("what", REFUSED)
+def test_the_scan_refuses_what_it_does_not_read_exactly(what: str) -> None:
+    assert ingest.scan_batch(REFUSED[what]) is None
+
+
+def test_an_index_without_the_compiled_path_has_no_wire_ingest() -> None:
+    assert PrefixIndex(compiled_ingest=False).wire_ingest("a") is None
+    assert PrefixIndex().wire_ingest("a") is not None
