@@ -16,10 +16,12 @@ numbers drift. Lookups are side by side too.
   evicted block), decode steps on a full cache (each step's batch: 32 one-block removals, then
   32 one-block stores); what the subscriber hands over for a drained burst of
   messages (16 decode steps of 32 requests in one call; 512 one-block events of one request in
-  one call); and from the wire: msgpack payloads decoded and applied (vLLM >= 0.24 encoding);
+  one call); and from the wire: msgpack payloads (vLLM >= 0.24 encoding) decoded and applied, or
+  for `after` scanned and applied undecoded (`PrefixIndex.wire_ingest`), one message per call;
 - one-block events alone in their batch through a real ZMQ PUB -> SUB: the receiving thread's CPU
   per message for recv alone, + decode, + apply (the floor that ZMQ and msgpack set for that
-  shape), the same with the GC paused, and the real `EventSubscriber` (its drain loop);
+  shape), the same with the GC paused, recv + scan + apply undecoded, and the real
+  `EventSubscriber` as the gateway wires it (its drain loop, payloads scanned);
 - lookup: 1k / 8k / 32k-token prompts against all 16 backends, next to a straightforward
   per-backend, per-block Python walk over the same keys; 8k prompts as Python lists with the
   router keys passed in (`keys=`), and kv_aware's pair of calls (keys + lookup);
@@ -64,6 +66,7 @@ from router.index.events import (
 from router.index.prefix_index import (
     BackendIndexStats,
     PrefixIndex,
+    WireIngest,
     namespace_seed,
     prefix_keys,
     prompt_prefix_keys,
@@ -157,16 +160,26 @@ class SideBySide:
             self.seconds[name] += time.process_time() - started
             gc.enable()
 
-    def apply_wire(self, backend: str, payload: bytes) -> None:
-        # The cyclic GC is paused while one side decodes and applies (`apply` pauses it anyway):
-        # left on, a young-generation collection that both sides' allocations brought about lands
-        # on whichever side decodes next, and with the sides alternating that is often the same
-        # side (measured: 15% of the wire decode-step row charged to one side).
+    def apply_wire(self, backend: str, payloads: list[bytes]) -> None:
+        """Each payload as the subscriber hands over one message: scanned and applied undecoded
+        where the index has a wire ingest (`PrefixIndex.wire_ingest`: `after`) and the scan
+        accepts it, else decoded and applied; the list timed at once on each index in turn.
+
+        The cyclic GC is paused while one side decodes and applies (`apply` pauses it anyway):
+        left on, a young-generation collection that both sides' allocations brought about lands
+        on whichever side decodes next, and with the sides alternating that is often the same
+        side (measured: 15% of the wire decode-step row charged to one side)."""
         for name in self.order():
             index, decode = self.indexes[name], DECODERS[name]
+            wire = getattr(index, "wire_ingest", lambda _backend: None)(backend)
             gc.disable()
             started = time.process_time()
-            index.apply(backend, decode(payload).events)
+            for payload in payloads:
+                scanned = wire.scan(payload) if wire is not None else None
+                if scanned is not None:
+                    wire.apply([scanned])
+                else:
+                    index.apply(backend, decode(payload).events)
             self.seconds[name] += time.process_time() - started
             gc.enable()
 
@@ -316,8 +329,8 @@ def wire_ingest(bench: SideBySide, batches: list[list[BlockStored]], backend: st
     events = sum(len(batch) for batch in batches)
 
     def run() -> tuple[int, int]:
-        for payload in payloads:
-            bench.apply_wire(backend, payload)
+        for start in range(0, len(payloads), LONE_CALLS_PER_TIMING):
+            bench.apply_wire(backend, payloads[start : start + LONE_CALLS_PER_TIMING])
         return blocks, events
 
     return bench.measure(
@@ -338,14 +351,18 @@ def _publish(connection: Any, payloads: list[bytes]) -> None:
     context.term()
 
 
-FLOOR_STAGES = ("recv", "recv_decode", "recv_decode_apply", "recv_decode_apply_gc_paused", "subscriber")
+FLOOR_STAGES = (
+    "recv", "recv_decode", "recv_decode_apply", "recv_decode_apply_gc_paused", "recv_scan_apply",
+    "subscriber",
+)  # fmt: skip
 
 
 def message_floor(payloads: list[bytes], index: Any, backend: str, rounds: int = 3) -> dict:
     """Per-message CPU cost of the subscriber's fixed work for one-event batches, from a real ZMQ
     PUB -> SUB over loopback TCP: receiving the 3 frames alone; + seq and msgpack decode; + apply;
-    the same with the cyclic GC paused (what collections cost that loop); and the real
-    `EventSubscriber` thread (drained messages, their events applied together).
+    the same with the cyclic GC paused (what collections cost that loop); receiving, then the seq,
+    and the payload scanned and applied undecoded (`PrefixIndex.wire_ingest`); and the real
+    `EventSubscriber` thread as the gateway makes it (drained messages scanned, applied together).
 
     The messages are all queued before the receiving thread drains them (as the subscriber does,
     with NOBLOCK), so the thread's CPU time counts the work, never a wait. Each stage gets its own
@@ -389,6 +406,7 @@ def _drain_socket(port: int, publisher: Any, stage: str, index: Any, backend: st
         publisher.join(120)
         time.sleep(0.5)  # the last messages reach the SUB's queue
         received = 0
+        wire = index.wire_ingest(backend)
         collecting = gc.isenabled()
         if stage.endswith("gc_paused"):
             gc.disable()
@@ -399,7 +417,14 @@ def _drain_socket(port: int, publisher: Any, stage: str, index: Any, backend: st
             except zmq.Again:
                 break
             received += 1
-            if stage != "recv":
+            if stage == "recv_scan_apply":
+                decode_seq(seq_frame)
+                scanned = wire.scan(payload)
+                if scanned is not None:
+                    wire.apply([scanned])
+                else:
+                    index.apply(backend, decode_batch(payload).events)
+            elif stage != "recv":
                 decode_seq(seq_frame)
                 batch = decode_batch(payload)
                 if stage.startswith("recv_decode_apply"):
@@ -425,10 +450,16 @@ def _through_subscriber(port: int, publisher: Any, index: Any, backend: str, cou
         queued.wait(120)
         index.apply(backend, events)
 
+    wire = index.wire_ingest(backend)
+
+    def apply_scanned(batches: list) -> None:
+        queued.wait(120)
+        wire.apply(batches)
+
     context = zmq.Context()
     subscriber = EventSubscriber(
         backend, f"tcp://127.0.0.1:{port}", apply, lambda: index.clear_backend(backend), topic="kv-events",
-        context=context,
+        context=context, wire=WireIngest(wire.scan, apply_scanned) if wire is not None else None,
     )  # fmt: skip
     subscriber.start()
     try:
@@ -549,6 +580,9 @@ def ingest_rows(bench: SideBySide, decode_events: int, prefill_events_applied: i
     )
     rows["wire_decode_events_batched"] = wire_ingest(
         bench, list(decode_step_batches(max(1, decode_events // 32), 32, 4 * 10**12, rng)), "b4"
+    )
+    rows["wire_decode_events_lone"] = wire_ingest(
+        bench, list(decode_step_batches(decode_events, 1, 11 * 10**12, rng)), "b11"
     )
     rows["removal_events"] = removal_ingest(bench, min(2000, prefill_events_applied // BACKENDS))
     prompts_per_backend = prefill_events_applied // BACKENDS
@@ -808,6 +842,7 @@ INGEST_LABELS = {
     "evicting_decode_steps": "decode steps on a full cache: 32 one-block BlockRemoved + 32 BlockStored",
     "wire_prefill_events": "wire: decode + prefill BlockStored",
     "wire_decode_events_batched": "wire: decode + decode BlockStored",
+    "wire_decode_events_lone": "wire: decode + decode BlockStored, alone in its batch",
 }
 
 
@@ -878,14 +913,17 @@ def report(results: dict) -> str:
         )
     lines += [
         "",
-        "Rows `wire:` include msgpack decoding of the payloads (vLLM >= 0.24 encoding: array batch, map "
-        "events; the cyclic GC paused while each side decodes, as `apply` pauses it: otherwise collections "
-        "caused by both sides land on one); the others apply already-decoded events. Decode steps: each "
-        "step's batch holds one new 16-token block per running request, its parent the request's block "
-        "of the step before. Lone events (one per `apply` call, as the subscriber makes the call when "
-        f"one message waits) are timed {LONE_CALLS_PER_TIMING} calls at a time on each index in turn: "
-        "a timer pair per call costs 0.4 us here. The rows are short (0.1-0.5 s of CPU), so one dict "
-        "resize (~0.1 s at 1.4M keys) moves a row.",
+        "Rows `wire:` start from the msgpack payloads (vLLM >= 0.24 encoding: array batch, map events), "
+        "one message per call as the subscriber hands them over: `before` and `after, pure Python` decode "
+        "them (msgspec) and apply the events; `after` scans each payload in C and applies its events "
+        "undecoded (`PrefixIndex.wire_ingest`, as the gateway's subscribers do), decoding only a payload "
+        "the scan leaves. The cyclic GC is paused while each side works, as `apply` pauses it: otherwise "
+        "collections caused by both sides land on one. The other rows apply already-decoded events. "
+        "Decode steps: each step's batch holds one new 16-token block per running request, its parent "
+        "the request's block of the step before. Lone events (one per `apply` call, as the subscriber "
+        f"makes the call when one message waits) are timed {LONE_CALLS_PER_TIMING} calls at a time on "
+        "each index in turn: a timer pair per call costs 0.4 us here. The rows are short (0.1-0.5 s of "
+        "CPU), so one dict resize (~0.1 s at 1.4M keys) moves a row.",
         "",
         "## Lookup (all 16 backends, per prompt)",
         "",
@@ -935,7 +973,9 @@ def report(results: dict) -> str:
         ("recv_decode", "+ seq and msgpack decode (`decode_batch`)"),
         ("recv_decode_apply", "+ `PrefixIndex.apply` (after), one call per message"),
         ("recv_decode_apply_gc_paused", "the same with the cyclic GC paused during the drain"),
-        ("subscriber", "the real `EventSubscriber` thread: drain, seq checks, one apply per drained run"),
+        ("recv_scan_apply", "receive, seq, the payload scanned and applied undecoded (`wire_ingest`)"),
+        ("subscriber", "the real `EventSubscriber` thread (as the gateway wires it: payloads scanned, "
+         "one apply per drained run)"),
     ):
         entry = floor[stage]
         spread = ", ".join(f"{value:.1f}" for value in entry["rounds_us"])
@@ -1001,7 +1041,7 @@ def plot(results: dict, path: Path) -> None:
     kinds = list(INGEST_LABELS)
     labels = ["prefill\n64/event", "prefill\n8/batch", "decode\n1/batch", "decode\n32/batch",
               "drained\n16 x 32", "drained\n512 lone", "removal\n64/event", "removal\n1 lone",
-              "evicting\ndecode 32", "wire\nprefill", "wire\ndecode 32"]  # fmt: skip
+              "evicting\ndecode 32", "wire\nprefill", "wire\ndecode 32", "wire\ndecode lone"]  # fmt: skip
     x = np.arange(len(kinds))
     for offset, name, label in (
         (-0.27, "before", "before"),
