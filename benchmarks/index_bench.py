@@ -1067,7 +1067,7 @@ def plot(results: dict, path: Path) -> None:
     kinds = list(INGEST_LABELS)
     labels = ["prefill\n64/event", "prefill\n8/batch", "decode\n1/batch", "decode\n32/batch",
               "drained\n16 x 32", "drained\n512 lone", "removal\n64/event", "removal\n1 lone",
-              "evicting\ndecode 32", "wire\nprefill", "wire\ndecode 32", "wire\ndecode lone"]  # fmt: skip
+              "evicting\ndecode 32", "wire\nprefill", "wire\n32/batch", "wire\n1 lone"]  # fmt: skip
     x = np.arange(len(kinds))
     for offset, name, label in (
         (-0.27, "before", "before"),
