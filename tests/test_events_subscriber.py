@@ -84,9 +84,11 @@ class Harness:
 @pytest.fixture(params=["decoded", "wire"])
 def harness(request) -> Iterator[Harness]:
     h = Harness(wire=request.param == "wire")
-    h.start()
-    yield h
-    h.close()
+    try:  # (a start that fails still closes the subscriber: a live one would hold up the exit)
+        h.start()
+        yield h
+    finally:
+        h.close()
 
 
 def test_live_stream_applies_stores_and_removals(harness: Harness) -> None:
@@ -99,6 +101,9 @@ def test_live_stream_applies_stores_and_removals(harness: Harness) -> None:
     assert harness.cached(1) == 32
     assert harness.subscriber.stats.events == {"BlockStored": 2, "BlockRemoved": 1}
     assert harness.subscriber.stats.replays == 0
+    # With the wire ingest the in-order payloads (all but the first) reach the index undecoded.
+    scanned = harness.subscriber.stats.scanned_batches
+    assert scanned == (2 if harness.subscriber._wire is not None else 0)
 
 
 def test_stop_wakes_an_idle_subscriber_whose_poll_has_no_timeout(harness: Harness) -> None:

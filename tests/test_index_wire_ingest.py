@@ -15,6 +15,7 @@ from router.index import prefix_index
 from router.index.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent, decode_batch, event_kind
 from router.index.prefix_index import PrefixIndex
 from tests.support.event_publisher import encode_batch
+from tests.test_events_decoding import LMCACHE_VLLM_HASH, LMCACHE_VLLM_TOKENS, SGLANG_FIRST, SGLANG_SECOND
 from tests.test_index_ingest import StreamMaker, assert_same_lookups, internal_state
 from tests.test_index_ingest_compiled import decode_streams
 
@@ -321,3 +322,22 @@ def test_the_scan_refuses_what_it_does_not_read_exactly(what: str) -> None:
 def test_an_index_without_the_compiled_path_has_no_wire_ingest() -> None:
     assert PrefixIndex(compiled_ingest=False).wire_ingest("a") is None
     assert PrefixIndex().wire_ingest("a") is not None
+
+
+def test_the_real_examples_of_protocols_md_are_scanned_and_build_the_decoded_index() -> None:
+    """vLLM + LMCache (a 36-token chunk, a 32-byte hash, medium "cpu") and SGLang + LMCache (signed
+    hashes, chunks of 8 carrying 9 tokens, SGLang's map batch), scanned and applied undecoded."""
+    lmcache = ["BlockStored", [LMCACHE_VLLM_HASH], None, LMCACHE_VLLM_TOKENS, 36, None, "cpu"]
+    first = ["BlockStored", [-7651984371600085018], None, SGLANG_FIRST, 8, None]
+    second = ["BlockStored", [1717827842932260036], -7651984371600085018, SGLANG_SECOND, 8, None]
+    payloads = [encode_batch([lmcache]), encode_batch([first, second], encoding="sglang-map", rank=0)]
+    for payload in payloads:
+        wired, decoded = PrefixIndex(), PrefixIndex()
+        wire = wired.wire_ingest("a")
+        assert wire is not None
+        batch = wire.scan(payload)
+        assert batch is not None
+        wire.apply([batch])
+        decoded.apply("a", decode_batch(payload).events)
+        assert internal_state(wired, "a") == internal_state(decoded, "a")
+        assert wired.stats("a").stored_events == len(batch) > 0

@@ -141,6 +141,8 @@ def test_shared_prefixes_land_on_the_engine_that_cached_them_and_the_prefix_map_
         assert page["decisions"], "routing decisions are listed"
         for engine in engines:
             assert page["backends"][engine.name]["tokens"]["gpu"] > 0
+            # vLLM's live payloads went to the index undecoded (the wire scan read them).
+            assert page["backends"][engine.name]["scanned_batches"] > 0, page["backends"][engine.name]
 
 
 def test_the_gateway_routes_by_gpu_and_cpu_tier_events_of_engines_sharing_the_daemon(tmp_path):

@@ -178,6 +178,7 @@ class KVIndexService:
                         "connected": stats.connected,
                         "last_seq": stats.last_seq,
                         "batches": stats.batches,
+                        "scanned_batches": stats.scanned_batches,
                         "events": dict(stats.events),
                         "synced": stats.synced,
                         "replays": stats.replays,

@@ -126,6 +126,8 @@ class SubscriberStats:
     connected: bool = False
     last_seq: int | None = None
     batches: int = 0
+    # Of those, batches the index took undecoded (the wire scan accepted their payload).
+    scanned_batches: int = 0
     events: dict[str, int] = field(default_factory=dict)
     skipped_events: int = 0
     malformed: int = 0
@@ -357,6 +359,7 @@ class EventSubscriber:
         self._held_scanned, self._held_scanned_events, self._held_from = [], 0, None
         stats = self.stats
         stats.batches += len(scanned)
+        stats.scanned_batches += len(scanned)
         stored = removed = cleared = 0
         for batch in scanned:
             stored += batch.stored
