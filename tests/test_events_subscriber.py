@@ -346,6 +346,9 @@ def test_service_subscribes_to_every_dp_rank_and_merges_them() -> None:
         status = service.status()["dp-engine"]
         assert status["connected"] and status["last_seq"] == [0, 1]
         assert status["blocks"] == {"gpu": 9}
+        # Each stream's first message goes through the gap rules (decoded); rank 1's next one is
+        # in order and reaches the index undecoded, through the wire ingest the service wires.
+        assert (status["batches"], status["scanned_batches"]) == (3, 1)
         service.remove_backend("dp-engine")
         assert service.longest_cached_prefix(PROMPTS[0]) == {}
     finally:

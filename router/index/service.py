@@ -211,6 +211,8 @@ class KVIndexService:
                 "last_seq": ranks[0]["last_seq"] if len(ranks) == 1 else [rank["last_seq"] for rank in ranks],
                 "blocks": blocks,
                 "tokens": tokens,
+                "batches": total("batches"),
+                "scanned_batches": total("scanned_batches"),
                 "replays": total("replays"),
                 "replayed_batches": total("replayed_batches"),
                 "superseded_batches": total("superseded_batches"),
