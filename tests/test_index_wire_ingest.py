@@ -311,6 +311,8 @@ REFUSED = {
     "a medium that is not UTF-8": REMOVED_AND + b"\xa6medium\xa2\xff\xfe",
     "a duplicate key": REMOVED_AND + b"\xacblock_hashes\x91\x02",
     "a deep nest": one_event({"type": "AllBlocksCleared", "x": DEEP}),
+    # An array32 header claiming 4 billion events, then one: refused, nothing allocated for them.
+    "an event count past the payload": b"\x92\x01\xdd\xff\xff\xff\xff\x90",
 }
 
 

@@ -118,6 +118,14 @@ def test_shared_prefixes_land_on_the_engine_that_cached_them_and_the_prefix_map_
                 assert cached_tokens(response) >= 512
         # Two cold families: spread over the two engines rather than piled on one.
         assert homes["x"] != homes["y"]
+        # Two more prompts straight to each engine: its next messages reach the gateway in order,
+        # and go to the index undecoded (the wire scan reads vLLM's payloads); the check below
+        # holds the index so built against the engine's own buffer.
+        for number, engine in enumerate(engines):
+            for extra in range(2):
+                prompt = long_text(seed=10 + 2 * number + extra)
+                body = {"model": SERVED_MODEL, "prompt": prompt, "max_tokens": 1}
+                assert httpx.post(f"{engine.url}/v1/completions", json=body, timeout=120).status_code == 200
 
         # /debug/prefix-map against the events each engine still buffers for replay.
         def agrees() -> bool:
@@ -142,7 +150,8 @@ def test_shared_prefixes_land_on_the_engine_that_cached_them_and_the_prefix_map_
         for engine in engines:
             assert page["backends"][engine.name]["tokens"]["gpu"] > 0
             # vLLM's live payloads went to the index undecoded (the wire scan read them).
-            assert page["backends"][engine.name]["scanned_batches"] > 0, page["backends"][engine.name]
+            entry = page["backends"][engine.name]
+            assert entry["scanned_batches"] > 0, {key: entry.get(key) for key in ("batches", "last_seq")}
 
 
 def test_the_gateway_routes_by_gpu_and_cpu_tier_events_of_engines_sharing_the_daemon(tmp_path):

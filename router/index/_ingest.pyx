@@ -769,7 +769,8 @@ cdef bint _scan_events(const unsigned char* data, Py_ssize_t end, Py_ssize_t* at
     one is not read exactly as the decoder would."""
     cdef Py_ssize_t count = _header(data, end, at, 0x90, 0xDC), index
     cdef int kind
-    if count < 0 or batch.views is not NULL:
+    # (an event takes 2 bytes at least: a count past that is a malformed header, never an allocation)
+    if count < 0 or count > (end - at[0]) // 2 or batch.views is not NULL:
         return False
     if count <= 1:
         batch.views = &batch.single
