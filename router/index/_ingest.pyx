@@ -49,7 +49,7 @@ cimport cython
 from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_GET_SIZE
 from cpython.mem cimport PyMem_Free, PyMem_Malloc
 from cpython.ref cimport Py_INCREF, Py_XDECREF
-from libc.stdint cimport int64_t, uint64_t
+from libc.stdint cimport int64_t, uint32_t, uint64_t
 from libc.string cimport memcmp, memcpy
 
 import types
@@ -385,22 +385,19 @@ cdef inline int _int_at(const unsigned char* data, Py_ssize_t end, Py_ssize_t* a
         at[0] = position + 1
         value[0] = <uint64_t>(<int64_t>(<signed char>first))
         return 2
-    if 0xCC <= first <= 0xCF:
-        size = 1 << (first - 0xCC)
-        if end - position < 1 + size:
-            return 0
-        at[0] = position + 1 + size
-        value[0] = _big_endian(data + position + 1, size)
+    if first < 0xCC or first > 0xD3:
+        return 0
+    # uint8/16/32/64 (0xCC-0xCF), int8/16/32/64 (0xD0-0xD3): 1, 2, 4 or 8 big-endian bytes
+    size = 1 << ((first - 0xCC) & 3)
+    if end - position < 1 + size:
+        return 0
+    at[0] = position + 1 + size
+    value[0] = _big_endian(data + position + 1, size)
+    if first <= 0xCF:
         return 1
-    if 0xD0 <= first <= 0xD3:
-        size = 1 << (first - 0xD0)
-        if end - position < 1 + size:
-            return 0
-        at[0] = position + 1 + size
-        signed_value = <int64_t>(_big_endian(data + position + 1, size) << (64 - 8 * size)) >> (64 - 8 * size)
-        value[0] = <uint64_t>signed_value
-        return 1 if signed_value >= 0 else 2
-    return 0
+    signed_value = <int64_t>(value[0] << (64 - 8 * size)) >> (64 - 8 * size)  # sign-extended
+    value[0] = <uint64_t>signed_value
+    return 1 if signed_value >= 0 else 2
 
 
 cdef inline Py_ssize_t _bytes_at(const unsigned char* data, Py_ssize_t end, Py_ssize_t* at,
@@ -491,17 +488,21 @@ cdef inline bint _float_at(const unsigned char* data, Py_ssize_t end, Py_ssize_t
     cdef int kind
     cdef float single
     cdef double double_value
-    if position < end and data[position] == 0xCB and end - position >= 9:
-        bits = _big_endian(data + position + 1, 8)
-        memcpy(&double_value, &bits, 8)
-        value[0] = double_value
-        at[0] = position + 9
-        return True
-    if position < end and data[position] == 0xCA and end - position >= 5:
-        bits = _big_endian(data + position + 1, 4)
-        memcpy(&single, &bits, 4)
-        value[0] = single
-        at[0] = position + 5
+    cdef uint32_t single_bits
+    cdef int size
+    if position < end and (data[position] == 0xCB or data[position] == 0xCA):  # float64, float32
+        size = 8 if data[position] == 0xCB else 4
+        if end - position < 1 + size:
+            return False
+        bits = _big_endian(data + position + 1, size)
+        if size == 8:
+            memcpy(&double_value, &bits, 8)
+            value[0] = double_value
+        else:
+            single_bits = <uint32_t>bits
+            memcpy(&single, &single_bits, 4)
+            value[0] = single
+        at[0] = position + 1 + size
         return True
     kind = _int_at(data, end, at, &bits)
     if kind == 1:
@@ -1545,29 +1546,35 @@ cdef class OneEventFront:
         self.general_wire = general_wire
         self.shared_masks_limit = shared_masks_limit
 
+    cdef object _writer_of(self, backend_name):
+        """The backend's compiled writer, or None (no backend yet, no writer yet, or the shared
+        masks due to be dropped): the Python entry takes the call. The caller holds the lock."""
+        cdef PyObject* found = PyDict_GetItemWithError(self.backends, backend_name)
+        if found is NULL or PyDict_GET_SIZE(self.shared_masks) > self.shared_masks_limit:
+            return None
+        writer = (<object>found).compiled_writer
+        return writer if isinstance(writer, BackendWriter) else None
+
     def apply_wire(self, backend_name, list batches):
         """Apply scanned batches (`scan_batch`) in order (`PrefixIndex.apply_wire`): while the
         backend's writer takes every event, here, under the lock; from the first event it
         refuses, `general_wire(backend_name, batches_left, start)` (the index's Python entry),
         `start` the refused event's position in the first batch left."""
-        cdef PyObject* found
         cdef Py_ssize_t position = 0, count = PyList_GET_SIZE(batches), stopped = 0
         cdef WireBatch batch
         if count == 0:
             return
         self.lock.take()
         try:
-            found = PyDict_GetItemWithError(self.backends, backend_name)
-            if found is not NULL and PyDict_GET_SIZE(self.shared_masks) <= self.shared_masks_limit:
-                writer = (<object>found).compiled_writer
-                if isinstance(writer, BackendWriter):
-                    while position < count:
-                        batch = <WireBatch?>PyList_GET_ITEM(batches, position)
-                        stopped = (<BackendWriter>writer)._store_wire(batch, 0)
-                        if stopped < batch.count:
-                            break
-                        self.applied += batch.count
-                        position += 1
+            writer = self._writer_of(backend_name)
+            if writer is not None:
+                while position < count:
+                    batch = <WireBatch?>PyList_GET_ITEM(batches, position)
+                    stopped = (<BackendWriter>writer)._store_wire(batch, 0)
+                    if stopped < batch.count:
+                        break
+                    self.applied += batch.count
+                    position += 1
         finally:
             self.lock.give()
         if position < count:
@@ -1575,18 +1582,15 @@ cdef class OneEventFront:
 
     def apply(self, backend_name, events):
         """Apply the events of one batch, in order (`PrefixIndex.apply`)."""
-        cdef PyObject* found
         cdef bint stored = False
         if type(events) is list and PyList_GET_SIZE(events) == 1:
             self.lock.take()
             try:
-                found = PyDict_GetItemWithError(self.backends, backend_name)
-                if found is not NULL and PyDict_GET_SIZE(self.shared_masks) <= self.shared_masks_limit:
-                    writer = (<object>found).compiled_writer
-                    if isinstance(writer, BackendWriter):
-                        # The event's stats stay pending in the writer (`flush_stats`): adding them
-                        # to the backend's dicts would cost about a tenth of the event.
-                        stored = (<BackendWriter>writer)._apply_one(<object>PyList_GET_ITEM(events, 0))
+                writer = self._writer_of(backend_name)
+                if writer is not None:
+                    # The event's stats stay pending in the writer (`flush_stats`): adding them
+                    # to the backend's dicts would cost about a tenth of the event.
+                    stored = (<BackendWriter>writer)._apply_one(<object>PyList_GET_ITEM(events, 0))
             finally:
                 self.lock.give()
             if stored:

@@ -582,13 +582,19 @@ class PrefixIndex:
         `_apply_python` for the rest.)"""
         self._apply_python(backend_name, events)
 
+    def _backend_to_write_locked(self, backend_name: str) -> _Backend:
+        """The backend events for `backend_name` go to (made at its first event); the shared mask
+        objects dropped first when there are too many of them."""
+        backend = self._backends.get(backend_name)
+        if backend is None:
+            backend = self._backends[backend_name] = _Backend(backend_name)
+        if len(self._shared_masks) > _SHARED_MASKS_LIMIT:
+            self._shared_masks.clear()
+        return backend
+
     def _apply_python(self, backend_name: str, events: list[KVEvent]) -> None:
         with self._lock:
-            backend = self._backends.get(backend_name)
-            if backend is None:
-                backend = self._backends[backend_name] = _Backend(backend_name)
-            if len(self._shared_masks) > _SHARED_MASKS_LIMIT:
-                self._shared_masks.clear()
+            backend = self._backend_to_write_locked(backend_name)
             # One-block events of the decode shape (each engine step that fills a block publishes
             # one per request), removals (one per evicted block from vLLM) and a prefill alone in
             # its batch go the compiled path when it is built (`apply_one`, `_apply_compiled_locked`),
@@ -648,11 +654,7 @@ class PrefixIndex:
     def _apply_wire_python(self, backend_name: str, batches: list[Any], start: int) -> None:
         """`apply_wire`, the first batch from its event at `start`."""
         with self._lock:
-            backend = self._backends.get(backend_name)
-            if backend is None:
-                backend = self._backends[backend_name] = _Backend(backend_name)
-            if len(self._shared_masks) > _SHARED_MASKS_LIMIT:
-                self._shared_masks.clear()
+            backend = self._backend_to_write_locked(backend_name)
             writer = backend.compiled_writer
             if writer is None:
                 writer = backend.compiled_writer = self._compiled_writer(self, backend)
