@@ -36,6 +36,10 @@ as an unknown removal) or a plain node: no tail, and no second reference to any 
 the last bit), the node loses it too (the node goes with its last slot, and its chain with its
 last node), and the stats follow. An event with any other block is left whole to the Python path.
 
+The same shapes are taken from msgpack payloads without decoding them: `scan_batch` checks a
+payload and notes where each event's fields lie, and `BackendWriter.store_wire` reads hashes and
+token ids from the bytes (the section "msgpack payloads read in place" below).
+
 Callers hold the index's writer lock; lookups read the same dicts without it (each insert is one
 dict store, as in the Python paths).
 """
