@@ -121,6 +121,17 @@ def rss_bytes() -> int:
     return 0
 
 
+def apply_payload(index: Any, wire: WireIngest | None, backend: str, payload: bytes,
+                  decode: Callable[[bytes], Any] = decode_batch) -> None:  # fmt: skip
+    """One message's payload to `index` as the subscriber hands it over: scanned and applied
+    undecoded when `wire` (the index's `wire_ingest`) takes it, else decoded and applied."""
+    scanned = wire.scan(payload) if wire is not None else None
+    if scanned is not None:
+        wire.apply([scanned])  # type: ignore[union-attr]
+    else:
+        index.apply(backend, decode(payload).events)
+
+
 class SideBySide:
     """Applies each batch to every implementation's index in turn and sums each one's CPU time."""
 
@@ -175,11 +186,7 @@ class SideBySide:
             gc.disable()
             started = time.process_time()
             for payload in payloads:
-                scanned = wire.scan(payload) if wire is not None else None
-                if scanned is not None:
-                    wire.apply([scanned])
-                else:
-                    index.apply(backend, decode(payload).events)
+                apply_payload(index, wire, backend, payload, decode)
             self.seconds[name] += time.process_time() - started
             gc.enable()
 
@@ -419,11 +426,7 @@ def _drain_socket(port: int, publisher: Any, stage: str, index: Any, backend: st
             received += 1
             if stage == "recv_scan_apply":
                 decode_seq(seq_frame)
-                scanned = wire.scan(payload)
-                if scanned is not None:
-                    wire.apply([scanned])
-                else:
-                    index.apply(backend, decode_batch(payload).events)
+                apply_payload(index, wire, backend, payload)
             elif stage != "recv":
                 decode_seq(seq_frame)
                 batch = decode_batch(payload)

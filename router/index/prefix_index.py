@@ -583,11 +583,14 @@ class PrefixIndex:
         self._apply_python(backend_name, events)
 
     def _backend_to_write_locked(self, backend_name: str) -> _Backend:
-        """The backend events for `backend_name` go to (made at its first event); the shared mask
-        objects dropped first when there are too many of them."""
+        """The backend events for `backend_name` go to, and its compiled writer where the
+        extension is built (both made at its first event); the shared mask objects dropped first
+        when there are too many of them."""
         backend = self._backends.get(backend_name)
         if backend is None:
             backend = self._backends[backend_name] = _Backend(backend_name)
+        if backend.compiled_writer is None and self._compiled_writer is not None:
+            backend.compiled_writer = self._compiled_writer(self, backend)
         if len(self._shared_masks) > _SHARED_MASKS_LIMIT:
             self._shared_masks.clear()
         return backend
@@ -601,8 +604,6 @@ class PrefixIndex:
             # else the pure-Python paths below. A lone event the compiled path takes gets no GC
             # pause, which would cost more than it saves.
             writer = backend.compiled_writer
-            if writer is None and self._compiled_writer is not None:
-                writer = backend.compiled_writer = self._compiled_writer(self, backend)
             if writer is not None:
                 if events.__class__ is not list:  # (the compiled path reads a list)
                     events = list(events)
@@ -656,8 +657,6 @@ class PrefixIndex:
         with self._lock:
             backend = self._backend_to_write_locked(backend_name)
             writer = backend.compiled_writer
-            if writer is None:
-                writer = backend.compiled_writer = self._compiled_writer(self, backend)
             collecting = gc.isenabled()
             gc.disable()
             try:

@@ -430,12 +430,7 @@ class EventSubscriber:
         if in_order and self._wire is not None:
             scanned = self._wire.scan(payload)
             if scanned is not None:  # held undecoded for one apply per drain
-                if self._held_batches:
-                    self._release_held()
-                stats.last_message_at = time.time()
-                stats.last_seq = seq
-                if self._held_from is None:
-                    self._held_from = seq
+                self._hold(seq, scanned=True)
                 self._held_scanned.append(scanned)
                 self._held_scanned_events += len(scanned)
                 return
@@ -448,18 +443,25 @@ class EventSubscriber:
             return
         if in_order:
             # Held for one apply per drain (batches and event kinds are counted then).
-            if self._held_scanned:
-                self._release_held()
-            stats.last_message_at = time.time()
-            stats.last_seq = seq
+            self._hold(seq, scanned=False)
             if batch.skipped_events:
                 self._count_skipped(seq, batch)
-            if self._held_from is None:
-                self._held_from = seq
             self._held_events += batch.events
             self._held_batches.append(batch)
             return
         self._advance(seq, batch)
+
+    def _hold(self, seq: int, *, scanned: bool) -> None:
+        """Take the in-order message `seq` as held, of one kind (`scanned`, or decoded): held
+        messages of the other kind go to the index first, so the order holds."""
+        other_kind_held = self._held_batches if scanned else self._held_scanned
+        if other_kind_held:
+            self._release_held()
+        stats = self.stats
+        stats.last_message_at = time.time()
+        stats.last_seq = seq
+        if self._held_from is None:
+            self._held_from = seq
 
     def _advance(self, seq: int, batch: DecodedBatch | None) -> None:
         stats = self.stats
