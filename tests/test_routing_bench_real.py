@@ -12,10 +12,11 @@ from __future__ import annotations
 
 import os
 
+import httpx
 import pytest
 
 from benchmarks import workloads as workload_catalog
-from benchmarks.real_fleet import RealEngineFleet
+from benchmarks.real_fleet import DEFAULT_MODEL_LAYERS, RealEngineFleet, model_dir_for
 from benchmarks.routing_bench import REAL_DEFAULT_BLOCKS, run_policy
 from tests.support.vllm import require_vllm
 
@@ -47,6 +48,10 @@ def reuse_workload() -> workload_catalog.Workload:
 
 
 def test_real_tier_reports_the_measures_and_kv_aware_beats_round_robin_on_reuse(real_fleet, reuse_workload):
+    # The tier serves the deeper build of the tiny model (a prefill costs several times a hit there).
+    for engine in real_fleet.engines:
+        served = httpx.get(f"{engine.url}/v1/models", timeout=30).json()["data"]
+        assert [model["root"] for model in served] == [str(model_dir_for(DEFAULT_MODEL_LAYERS))], served
     if len(os.sched_getaffinity(0)) >= 2:  # each engine on a core of its own
         assert real_fleet.pinned_cores is not None and len(set(real_fleet.pinned_cores)) == 2
     results = {

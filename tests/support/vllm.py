@@ -30,6 +30,8 @@ VLLM_VENV = Path(os.environ.get("VLLM_VENV", REPO_ROOT / ".cache" / "vllm-venv")
 VLLM_BIN = VLLM_VENV / "bin" / "vllm"
 TINY_MODEL = REPO_ROOT / ".cache" / "tiny-qwen3"
 SERVED_MODEL = "tiny-qwen3"
+# Decoder layers of TINY_MODEL (scripts/build_tiny_model.py's default).
+TINY_MODEL_LAYERS = 2
 # A cold start on 2 busy cores takes ~40-90 s with --enforce-eager.
 VLLM_START_TIMEOUT_S = float(os.environ.get("KVGATE_VLLM_START_TIMEOUT_S", "300"))
 CONNECTOR_CONFIG = {
@@ -109,13 +111,15 @@ def start_vllm(
     max_model_len: int = 4096,
     extra_args: list[str] | None = None,
     extra_env: dict[str, str] | None = None,
+    model_dir: Path = TINY_MODEL,
 ) -> VllmServer:
-    """Start a real vLLM serving the tiny Qwen3 on a free port; the caller must stop() it
-    (use running_vllm / running_vllms, which do). Does not wait for it to be healthy."""
+    """Start a real vLLM serving the tiny Qwen3 (or another build of it: `model_dir`, served under
+    the same name) on a free port; the caller must stop() it (use running_vllm / running_vllms,
+    which do). Does not wait for it to be healthy."""
     require_vllm()
     port = free_port()
     args = [
-        str(VLLM_BIN), "serve", str(TINY_MODEL),
+        str(VLLM_BIN), "serve", str(model_dir),
         "--served-model-name", SERVED_MODEL,
         "--host", "127.0.0.1", "--port", str(port),
         "--block-size", "32", "--max-model-len", str(max_model_len),
