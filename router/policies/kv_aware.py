@@ -20,9 +20,10 @@ The cheapest backend wins, with these guards:
 - in-flight hot spots: a backend whose in-flight count is over max_load_ratio * mean + load_slack
   is skipped while another candidate is under that line;
 - nothing cached: when no candidate holds (or is predicted to hold) any of the prompt, among the
-  candidates within one request in flight of the least loaded, the fewest recent cold placements,
-  then the fewest in flight, ties taken in turn. Different cold
-  prefixes therefore spread evenly over the engines instead of piling onto the first one
+  candidates within one request in flight of the least loaded, the fewest prompt tokens placed to
+  compute lately (`cold_spread_by: prefill_tokens`; `new_prefixes`: the fewest recent cold
+  placements), then the fewest in flight, ties taken in turn. Different cold
+  prefixes therefore spread over the engines by what they fill instead of piling onto the first one
   (architecture.md, "what measuring the peers taught us"); between equal costs otherwise, the
   backend with the fewest recently placed prompt tokens wins, then the one whose cache holds least.
 With measure_load_costs (off by default), the TTFTs of streamed requests measure what a request in
@@ -271,17 +272,18 @@ class CacheAwarePolicy:
 
         When no candidate holds any of the prompt (the cost would only restate the loads): among
         the candidates within COLD_IN_FLIGHT_SLACK in flight of the least loaded, those with the
-        fewest recent cold placements, then least_loaded's choice (fewest in flight, its rotation
-        between equals). The rotation advances on cold requests only, so cold prefixes (first
-        turns, new documents) are dealt out evenly and need no guard.
+        least recent cold spread (`cold_spread_by`: prompt tokens placed to compute, or cold
+        placements), then least_loaded's choice (fewest in flight, its rotation between equals).
+        The rotation advances on cold requests only, so cold prefixes (first turns, new documents)
+        are dealt out evenly and need no guard.
         """
         if self.is_cold(cached):
             self._turn += 1
             # A new prefix brings its follow-ups to the engine it lands on (a conversation's next
-            # turns, a document's next questions), so the count of new prefixes per engine decides
+            # turns, a document's next questions), so what each engine was given lately decides
             # the load and the cache pressure of minutes to come, one request in flight more only
             # this instant: among the engines within COLD_IN_FLIGHT_SLACK of the least loaded, the
-            # fewest recent cold placements first. (By in-flight count first, 2 real engines got
+            # least recent cold spread first. (By in-flight count first, 2 real engines got
             # 7 and 5 of 12 conversations when the engine with fewer had a request running as the
             # last ones began; the 7 outgrew the engine's cache and their later turns missed.)
             lowest = min(b.in_flight for b in candidates)
