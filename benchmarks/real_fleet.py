@@ -40,11 +40,10 @@ MAX_MODEL_LEN = 4096
 # `pin_engines_to_cores` instead (process trees, every thread), after they start.
 ENGINE_ENV = {"VLLM_CPU_OMP_THREADS_BIND": "nobind", "OMP_NUM_THREADS": "1"}
 # Decoder layers of the model the tier serves by default: the tests' tiny Qwen3 (hidden 128) with 16
-# layers instead of 2. With 2 layers a cache hit saved almost nothing on one CPU core (a 1400-token
-# chat prompt: 40 ms cold, 20 ms cached; its TTFT through a router was mostly fixed costs), so the
-# tier measured the routers' own overhead, not their routing. With 16: 175 ms cold against 38 ms
-# cached, and a 3000-token document 580 against 45 (direct to one pinned engine, docs/benchmarks.md),
-# closer to what a hit saves on an accelerator serving a real model.
+# layers instead of 2. With 2 layers a cache hit saved little on one pinned core (a 1518-token chat
+# prompt: 107 ms cold, 79 cached), so the tier measured the routers' own overhead, not their routing.
+# With 16: 247 ms cold against 98, a 3018-token document 602 against 106
+# (benchmarks/results/real_hit_savings.md), closer to what a hit saves on an accelerator.
 DEFAULT_MODEL_LAYERS = 16
 # Prompt lengths (words of one token each) of the warm-up requests: the workloads' range.
 WARM_UP_PROMPT_WORDS = (40, 600, 1500, 2900)

