@@ -479,6 +479,8 @@ def main(argv: list[str] | None = None) -> int:
             setattr(args, key, value)
     if real and args.sim_arg:
         parser.error("--sim-arg applies to simulated engines only; leave it out with --real-engines")
+    if args.real_model_layers < 1:
+        parser.error(f"--real-model-layers must be at least 1, got {args.real_model_layers}")
     engine_count = args.real_engines if real else args.engines
 
     names = [n for n in args.workloads.split(",") if n]

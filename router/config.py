@@ -164,8 +164,9 @@ class KVAwarePolicy(CacheAwareGuards, tag="kv_aware", tag_field="name"):
     load_fit_min_requests: Annotated[int, msgspec.Meta(ge=8)] = 32
     # Cold prompts spread by the prompt tokens each engine took in lately, not by their count: new
     # conversations then go where less is being cached, and fewer outgrow an engine's pool before
-    # their last turns (2 real engines, chat: hit ratio 0.776 against 0.713 and TTFT p90 260 ms
-    # against 1120; the simulated fleet: equal or better on every workload; docs/benchmarks.md).
+    # their last turns (2 real engines, chat: hit ratio 0.770 against 0.743 over two runs, TTFT
+    # within noise; the simulated fleet: document_qa 0.756 against 0.718, the rest alike;
+    # docs/benchmarks.md).
     cold_spread_by: Literal["new_prefixes", "prefill_tokens"] = "prefill_tokens"
 
 

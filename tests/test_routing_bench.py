@@ -273,3 +273,10 @@ def test_no_reuse_verdict_reads_the_interval_against_a_five_percent_margin():
         "tied": ("within noise", False),
         "clearly_slower": ("not met", False),
     }
+
+
+def test_a_real_model_of_no_layers_is_refused_before_anything_starts(capsys) -> None:
+    with pytest.raises(SystemExit) as exited:
+        routing_bench.main(["--real-engines", "2", "--real-model-layers", "0"])
+    assert exited.value.code == 2
+    assert "--real-model-layers must be at least 1, got 0" in capsys.readouterr().err
