@@ -43,6 +43,7 @@ from benchmarks.real_fleet import (
     ensure_vllm_installed,
     pin_engines_to_cores,
 )
+from benchmarks.replay import sse_chunks
 from benchmarks.routing_bench import REAL_DEFAULT_BLOCKS
 from tests.support.processes import wait_for_http
 from tests.support.vllm import (
@@ -74,10 +75,7 @@ def streamed(url: str, messages: list[dict], max_tokens: int) -> tuple[float, fl
     prompt = cached = produced = 0
     with httpx.stream("POST", f"{url}/v1/chat/completions", json=body, timeout=300) as response:
         response.raise_for_status()
-        for line in response.iter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            event = json.loads(line[6:])
+        for event in sse_chunks(response.iter_lines()):
             choices = event.get("choices") or []
             if first is None and choices and choices[0].get("delta", {}).get("content"):
                 first = time.perf_counter() - started

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
 import httpx
@@ -18,6 +19,14 @@ import numpy as np
 from benchmarks.workloads import Workload, WorkloadRequest
 
 _decode = msgspec.json.Decoder()
+
+
+def sse_chunks(lines: Iterable[str]) -> Iterator[dict]:
+    """The JSON chunks of an OpenAI-style event stream's lines (`data: {...}`; `[DONE]` and
+    anything else skipped), for the benchmarks that read a stream synchronously."""
+    for line in lines:
+        if line.startswith("data: ") and line != "data: [DONE]":
+            yield _decode.decode(line[6:])
 
 
 @dataclass(slots=True)

@@ -34,6 +34,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from benchmarks.replay import sse_chunks
 from cachelayer.server import KeySpace, StoreClient
 from tests.support.vllm import (
     SERVED_MODEL,
@@ -64,10 +65,7 @@ def streamed_ttft(url: str, prompt: list[int]) -> tuple[float, int]:
     cached = 0
     with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=120) as response:
         response.raise_for_status()
-        for line in response.iter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            event = json.loads(line[6:])
+        for event in sse_chunks(response.iter_lines()):
             if first is None and event.get("choices"):
                 first = time.perf_counter() - started
             usage = event.get("usage")

@@ -280,3 +280,11 @@ def test_a_real_model_of_no_layers_is_refused_before_anything_starts(capsys) -> 
         routing_bench.main(["--real-engines", "2", "--real-model-layers", "0"])
     assert exited.value.code == 2
     assert "--real-model-layers must be at least 1, got 0" in capsys.readouterr().err
+
+
+def test_sse_chunks_yields_the_data_lines_json_and_skips_the_rest() -> None:
+    from benchmarks.replay import sse_chunks
+
+    usage = 'data: {"usage": {"prompt_tokens": 3}}'
+    lines = ['data: {"choices": []}', "", ": keep-alive", "event: ping", usage]
+    assert list(sse_chunks([*lines, "data: [DONE]"])) == [{"choices": []}, {"usage": {"prompt_tokens": 3}}]
