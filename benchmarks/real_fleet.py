@@ -162,10 +162,6 @@ class RealEngineFleet(EngineFleet):
             "caching and KV events on, 1 OpenMP thread, --enable-scale-out for vllm-router's render calls)"
         )
 
-    @property
-    def description(self) -> str:
-        return self.describe(self.model_layers)
-
     def start(self, timeout_s: float = VLLM_START_TIMEOUT_S) -> None:
         model_dir = ensure_vllm_installed(self.model_layers)
         try:
