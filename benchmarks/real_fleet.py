@@ -7,7 +7,8 @@ Each engine runs vLLM's own prefix cache with KV events on, a small KV pool
 workloads evict as they do on the simulated fleet, and one OpenMP thread, so two engines, the router
 and the client share a 2-core machine. Where the machine has a core for each engine, each engine's
 processes are pinned to a core of their own (`pin_engines_to_cores`), as each engine of a real
-fleet has its own accelerator; the router and the client run on any core. vLLM's KV-event PUB
+fleet has its own accelerator; with more engines than cores, engines share the cores evenly, each on
+one. The router and the client run on any core. vLLM's KV-event PUB
 connects out to a loopback endpoint, so the router binds it (`events_bind`).
 """
 
@@ -71,21 +72,23 @@ def process_tree(pid: int) -> list[int]:
     return tree
 
 
-def pin_engines_to_cores(pids: list[int]) -> list[int] | None:
-    """Pin engine i's process tree (every thread of every process) to the i-th core this process
-    may run on; the cores used, or None (nothing pinned) when there are fewer cores than engines.
-    Threads and processes the engines start later inherit the pin.
+def pin_engines_to_cores(pids: list[int]) -> list[int]:
+    """Pin engine i's process tree (every thread of every process) to the (i mod n)-th of the n cores
+    this process may run on; the core of each engine. With a core per engine each engine has one of
+    its own; with more engines than cores they share the cores evenly (engines 0 and 2 on the first of
+    two, 1 and 3 on the second), each engine still on one core. Threads and processes the engines
+    start later inherit the pin.
 
     Why: left to the scheduler on a 2-core machine, the two engines' busy threads, the router and
     the client migrate and land on one core while the other idles, and every router's TTFT tail
     measures that. On the real tier's shared-prompts workload at rate 0.25 (two runs each,
     2026-11-29), pinned: TTFT p90 80-83 ms for kv_aware and 83-87 for sglang-router; unpinned, the
     same runs read 291-357 and 201-274 ms."""
-    cores = sorted(os.sched_getaffinity(0))
-    if len(cores) < len(pids):
-        logger.warning("%d cores for %d engines: engines left unpinned", len(cores), len(pids))
-        return None
-    for core, pid in zip(cores, pids, strict=False):
+    allowed = sorted(os.sched_getaffinity(0))
+    cores = [allowed[index % len(allowed)] for index in range(len(pids))]
+    if len(allowed) < len(pids):
+        logger.warning("%d cores for %d engines: engines share cores %s", len(allowed), len(pids), cores)
+    for core, pid in zip(cores, pids, strict=True):
         for process in process_tree(pid):
             try:
                 threads = os.listdir(f"/proc/{process}/task")
@@ -94,7 +97,7 @@ def pin_engines_to_cores(pids: list[int]) -> list[int] | None:
             for thread in threads:
                 with contextlib.suppress(OSError):  # a thread that just ended
                     os.sched_setaffinity(int(thread), {core})
-    return cores[: len(pids)]
+    return cores
 
 
 def model_dir_for(layers: int) -> Path:
@@ -152,8 +155,8 @@ class RealEngineFleet(EngineFleet):
         super().__init__(count, num_gpu_blocks, block_size)
         self.model_layers = model_layers
         self._servers: list[VllmServer] = []
-        # The core each engine is pinned to (None: unpinned, fewer cores than engines).
-        self.pinned_cores: list[int] | None = None
+        # The core each engine is pinned to (shared by several where there are fewer cores than engines).
+        self.pinned_cores: list[int] = []
 
     @staticmethod
     def describe(model_layers: int) -> str:

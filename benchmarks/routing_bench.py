@@ -263,9 +263,13 @@ def _engine_cores_remark(meta: dict) -> str:
     if "engine_cores" not in meta:  # simulated engines, or a run before pinning
         return ""
     cores = meta["engine_cores"]
-    if not cores:
+    if not cores:  # runs before engines shared cores left them unpinned
         return ", engines not pinned (fewer cores than engines)"
-    return f", each engine's processes pinned to a core of their own ({', '.join(map(str, cores))})"
+    listed = ", ".join(map(str, cores))
+    if len(set(cores)) < len(cores):
+        shared = len(set(cores))
+        return f", each engine's processes pinned to one core, {shared} cores shared evenly ({listed})"
+    return f", each engine's processes pinned to a core of their own ({listed})"
 
 
 def _load_remark(meta: dict) -> str:
@@ -558,7 +562,7 @@ def main(argv: list[str] | None = None) -> int:
         pinned = getattr(fleet, "pinned_cores", None)
         if real:
             results["meta"]["engine_cores"] = pinned
-            _log(f"engines pinned to cores {pinned}" if pinned else "engines unpinned: too few cores")
+            _log(f"engines pinned to cores {pinned}")
         for workload in built:
             runs: dict[str, list[dict]] = {policy: [] for policy in policies}
             pooled: dict[str, list] = {policy: [] for policy in policies}

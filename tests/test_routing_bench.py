@@ -179,23 +179,25 @@ def test_repeated_runs_pool_every_request_and_keep_each_run() -> None:
 
 def test_real_engines_are_pinned_one_per_core_with_their_children() -> None:
     """`pin_engines_to_cores`: engine i's processes (the server and what it spawned, every thread)
-    run on the i-th allowed core; with more engines than cores nothing is pinned."""
+    run on the i-th allowed core; with more engines than cores, engine i runs on core i mod n."""
     allowed = sorted(os.sched_getaffinity(0))
     spawn_child = (
         "import subprocess, sys, time; "
         "subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(30)']); time.sleep(30)"
     )
-    servers = [subprocess.Popen([sys.executable, "-c", spawn_child]) for _ in range(min(2, len(allowed)))]
+    # One engine more than there are cores: the last shares the first core.
+    servers = [subprocess.Popen([sys.executable, "-c", spawn_child]) for _ in range(len(allowed) + 1)]
     try:
         deadline = time.monotonic() + 10
         while any(len(process_tree(s.pid)) < 2 for s in servers) and time.monotonic() < deadline:
             time.sleep(0.05)
         trees = [process_tree(s.pid) for s in servers]
         assert all(len(tree) == 2 for tree in trees), trees
-        assert pin_engines_to_cores([s.pid for s in servers] * (len(allowed) + 1)) is None
         assert all(os.sched_getaffinity(pid) == set(allowed) for tree in trees for pid in tree)
+        cores = pin_engines_to_cores([s.pid for s in servers[:-1]])
+        assert cores == allowed
         cores = pin_engines_to_cores([s.pid for s in servers])
-        assert cores == allowed[: len(servers)]
+        assert cores == [*allowed, allowed[0]]
         for core, tree in zip(cores, trees, strict=True):
             for pid in tree:
                 for thread in os.listdir(f"/proc/{pid}/task"):
@@ -288,3 +290,13 @@ def test_sse_chunks_yields_the_data_lines_json_and_skips_the_rest() -> None:
     usage = 'data: {"usage": {"prompt_tokens": 3}}'
     lines = ['data: {"choices": []}', "", ": keep-alive", "event: ping", usage]
     assert list(sse_chunks([*lines, "data: [DONE]"])) == [{"choices": []}, {"usage": {"prompt_tokens": 3}}]
+
+
+def test_report_names_how_real_engines_were_pinned() -> None:
+    """The report says whether each engine had a core of its own or engines shared cores."""
+    remark = routing_bench._engine_cores_remark
+    assert remark({}) == ""
+    own = remark({"engine_cores": [0, 1]})
+    assert own == ", each engine's processes pinned to a core of their own (0, 1)"
+    shared = remark({"engine_cores": [0, 1, 0, 1]})
+    assert shared == ", each engine's processes pinned to one core, 2 cores shared evenly (0, 1, 0, 1)"

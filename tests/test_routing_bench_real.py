@@ -53,7 +53,7 @@ def test_real_tier_reports_the_measures_and_kv_aware_beats_round_robin_on_reuse(
         served = httpx.get(f"{engine.url}/v1/models", timeout=30).json()["data"]
         assert [model["root"] for model in served] == [str(model_dir_for(DEFAULT_MODEL_LAYERS))], served
     if len(os.sched_getaffinity(0)) >= 2:  # each engine on a core of its own
-        assert real_fleet.pinned_cores is not None and len(set(real_fleet.pinned_cores)) == 2
+        assert len(set(real_fleet.pinned_cores)) == 2
     results = {
         policy: run_policy(real_fleet, policy, reuse_workload, concurrency=16)
         for policy in ("round_robin", "kv_aware")
