@@ -41,7 +41,7 @@ class RunningRouter:
     stop: Callable[[], None]
     # True when responses carry x-kvgate-backend (kvgate), so the client can count load itself.
     names_backend: bool = False
-    # A peer's own Prometheus endpoint: its routing-decision counters go into the results.
+    # The router's Prometheus endpoint: its routing-decision counters go into the results.
     metrics_url: str | None = None
 
 
@@ -100,7 +100,14 @@ def _start_kvgate(
     except BaseException:
         gateway.stop()
         raise
-    return RunningRouter(label, gateway.url, gateway.process, gateway.stop, names_backend=True)
+    return RunningRouter(
+        label,
+        gateway.url,
+        gateway.process,
+        gateway.stop,
+        names_backend=True,
+        metrics_url=f"{gateway.url}/metrics",
+    )
 
 
 def wait_until_synced(url: str, timeout_s: float) -> None:
@@ -183,17 +190,20 @@ def _start_peer(policy: str, fleet: EngineFleet, timeout_s: float) -> RunningRou
     )
 
 
-# The peers' counters of how each request was routed, kept per run: vllm-router's cache_aware
+# The routers' counters of how each request was routed, kept per run. vllm-router's cache_aware
 # tokenizes every request on every worker over HTTP before it matches prefixes; when those calls time
 # out it routes with no prefix at all (outcome="missing_tokens", result="preparation_unavailable").
-PEER_DECISION_COUNTERS = (
+# kvgate's cache-aware policies count their decisions by reason (cache_hit, cache_vs_load, load_guard,
+# cold_spread, ...: docs/gateway.md): a conversation moved off its engine shows there.
+DECISION_COUNTERS = (
     "vllm_router_prefix_routing_decisions_total",
     "vllm_router_kv_routing_inputs_total",
+    "kvgate_route_decisions_total",
 )
 
 
-def peer_decision_counters(router: RunningRouter) -> dict[str, float]:
-    """The peer's routing-decision counters (PEER_DECISION_COUNTERS, by label set); {} for kvgate."""
+def decision_counters(router: RunningRouter) -> dict[str, float]:
+    """The router's routing-decision counters (DECISION_COUNTERS, by label set); {} where it has none."""
     if router.metrics_url is None:
         return {}
     try:
@@ -202,7 +212,7 @@ def peer_decision_counters(router: RunningRouter) -> dict[str, float]:
         return {}
     counters: dict[str, float] = {}
     for line in text.splitlines():
-        if line.startswith(PEER_DECISION_COUNTERS):
+        if line.startswith(DECISION_COUNTERS):
             name, _, value = line.rpartition(" ")
             counters[name] = counters.get(name, 0.0) + float(value)
     return counters

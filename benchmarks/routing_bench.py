@@ -28,6 +28,7 @@ import datetime
 import json
 import os
 import platform
+import signal
 import sys
 import time
 from pathlib import Path
@@ -45,7 +46,7 @@ from benchmarks.routers import (
     ALL_POLICIES,
     DEFAULT_POLICIES,
     PEER_POLICIES,
-    peer_decision_counters,
+    decision_counters,
     start_router,
 )
 from benchmarks.sim_fleet import MODEL, EngineFleet
@@ -105,7 +106,7 @@ def run_policy(
     profiler = None
     try:
         before = fleet.counters()  # after the router's readiness probe
-        decisions_before = peer_decision_counters(router)
+        decisions_before = decision_counters(router)
         cpu_before = _cpu_seconds(router.process.pid)
         if profile_to is not None:
             profiler = Profiler(router.process.pid, profile_to)
@@ -114,7 +115,7 @@ def run_policy(
         if profiler is not None:
             profiler.stop()
         after = fleet.counters()
-        decisions_after = peer_decision_counters(router)
+        decisions_after = decision_counters(router)
     finally:
         router.stop()
     if outcomes_to is not None:
@@ -129,7 +130,7 @@ def run_policy(
     result = summarize(workload, outcomes)
     # The router process's CPU time (all threads) over the replay, per request it forwarded.
     result["router_cpu_ms_per_request"] = round(router_cpu_s * 1000.0 / max(1, len(outcomes)), 3)
-    if decisions_after:  # a peer's own counts of how it routed this replay (labels as it names them)
+    if decisions_after:  # the router's own counts of how it routed this replay (labels as it names them)
         result["router_decisions"] = {
             name: round(value - decisions_before.get(name, 0.0))
             for name, value in decisions_after.items()
@@ -155,8 +156,8 @@ def run_policy(
 def combine_repeats(runs: list[dict], pooled: list) -> dict:
     """One policy's measures over repeated runs of a workload (`--repeats`): hit ratio and TTFT
     percentiles over every request of every run (`pooled`: their outcomes), loads, throughput and
-    router CPU the mean of the runs, errors summed; each run's own hit ratio, p50, p90 and load in
-    `repeats`. A failed run fails the whole."""
+    router CPU the mean of the runs, errors and the router's decision counters summed; each run's own
+    hit ratio, p50, p90 and load in `repeats`. A failed run fails the whole."""
     failed = [run for run in runs if "failed" in run]
     if failed:
         return failed[0]
@@ -173,6 +174,12 @@ def combine_repeats(runs: list[dict], pooled: list) -> dict:
     combined["repeats"] = [
         {key: run[key] for key in ("hit_ratio", "ttft_p50", "ttft_p90", "max_over_mean_load")} for run in runs
     ]
+    decisions: dict[str, int] = {}
+    for run in runs:
+        for name, count in run.get("router_decisions", {}).items():
+            decisions[name] = decisions.get(name, 0) + count
+    if decisions:
+        combined["router_decisions"] = decisions
     return combined
 
 
@@ -350,8 +357,10 @@ def write_markdown(results: dict, path: Path) -> None:
         for policy, measured in entry["policies"].items():
             decisions = measured.get("router_decisions")
             if decisions:
-                counts = ", ".join(f"`{name}` {count}" for name, count in decisions.items())
-                lines += [f"{policy}'s own routing counters over this replay: {counts}", ""]
+                counts = ", ".join(f"`{name}` {count}" for name, count in sorted(decisions.items()))
+                runs = len(measured.get("repeats", [])) or 1
+                over = f"its {runs} runs" if runs > 1 else "this replay"
+                lines += [f"{policy}'s own routing counters over {over}: {counts}", ""]
         for policy, measured in entry["policies"].items():
             profile = measured.get("profile")
             if profile and profile["samples"]:
@@ -614,5 +623,12 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def _exit_on_sigterm(signum: int, _frame: object) -> None:
+    # Python's default for SIGTERM ends the process at once: the engines and the router, each in a
+    # session of its own, would outlive it. As SystemExit the `with fleet` and the routers' cleanup run.
+    raise SystemExit(128 + signum)
+
+
 if __name__ == "__main__":
+    signal.signal(signal.SIGTERM, _exit_on_sigterm)
     sys.exit(main())

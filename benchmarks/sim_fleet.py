@@ -71,6 +71,13 @@ class EngineFleet:
         self._client = httpx.Client(timeout=10.0)
 
     def start(self, timeout_s: float = 120.0) -> None:
+        try:
+            self._start_engines(timeout_s)
+        except BaseException:  # a failed start, or SIGTERM as SystemExit: no engine outlives it
+            self.stop()
+            raise
+
+    def _start_engines(self, timeout_s: float) -> None:
         taken: set[int] = set()
         for index in range(self.count):
             http_port, events_port, replay_port = _distinct_free_ports(3, taken)
@@ -99,12 +106,8 @@ class EngineFleet:
             ]  # fmt: skip
             self.engines.append(engine)
             self._processes.append(ManagedProcess(args))
-        try:
-            for engine, process in zip(self.engines, self._processes, strict=True):
-                wait_for_http(f"{engine.url}/health", process, timeout_s)
-        except BaseException:
-            self.stop()
-            raise
+        for engine, process in zip(self.engines, self._processes, strict=True):
+            wait_for_http(f"{engine.url}/health", process, timeout_s)
 
     def reset_caches(self, timeout_s: float = 30.0) -> None:
         """Empty every engine's prefix cache (POST /reset_prefix_cache, refused while requests run)."""

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -15,6 +17,7 @@ from benchmarks import routing_bench, workloads
 from benchmarks.real_fleet import pin_engines_to_cores, process_tree
 from benchmarks.replay import Outcome
 from benchmarks.sim_fleet import EngineFleet
+from tests.support.processes import REPO_ROOT
 
 
 @pytest.fixture(scope="module")
@@ -149,7 +152,8 @@ def test_profiler_names_the_function_that_burns_the_cpu(tmp_path):
 
 
 def test_repeated_runs_pool_every_request_and_keep_each_run() -> None:
-    """`--repeats`: percentiles and hit ratio over the requests of all runs, not a mean of the runs'."""
+    """`--repeats`: percentiles and hit ratio over the requests of all runs, not a mean of the runs';
+    the router's decision counters summed over the runs."""
 
     def outcome(ttft_ms: float, prompt: int, cached: int, ok: bool = True) -> Outcome:
         return Outcome(index=0, ok=ok, sent_at=1.0, first_content_at=1.0 + ttft_ms / 1000, done_at=2.0,
@@ -160,10 +164,10 @@ def test_repeated_runs_pool_every_request_and_keep_each_run() -> None:
     runs = [
         {"hit_ratio": 0.5, "ttft_p50": 25.0, "ttft_p90": 37.0, "max_over_mean_load": 1.0, "throughput": 2.0,
          "requests": 4, "completed": 4, "errors": 0, "send_lag_p99_ms": 3.0,
-         "router_cpu_ms_per_request": 1.0},
+         "router_cpu_ms_per_request": 1.0, "router_decisions": {'reason="cache_hit"': 3, 'reason="cold"': 1}},
         {"hit_ratio": 1.0, "ttft_p50": 65.0, "ttft_p90": 371.0, "max_over_mean_load": 1.5, "throughput": 4.0,
          "requests": 5, "completed": 4, "errors": 1, "send_lag_p99_ms": 9.0,
-         "router_cpu_ms_per_request": 3.0},
+         "router_cpu_ms_per_request": 3.0, "router_decisions": {'reason="cache_hit"': 4}},
     ]  # fmt: skip
     combined = routing_bench.combine_repeats(runs, first + second)
     everything = [10, 20, 30, 40, 50, 60, 70, 500]
@@ -174,6 +178,7 @@ def test_repeated_runs_pool_every_request_and_keep_each_run() -> None:
     assert combined["max_over_mean_load"] == 1.25 and combined["throughput"] == 3.0
     assert combined["send_lag_p99_ms"] == 9.0 and combined["router_cpu_ms_per_request"] == 2.0
     assert [run["ttft_p90"] for run in combined["repeats"]] == [37.0, 371.0]
+    assert combined["router_decisions"] == {'reason="cache_hit"': 7, 'reason="cold"': 1}  # summed
     assert routing_bench.combine_repeats([runs[0], {"failed": "boom"}], first) == {"failed": "boom"}
 
 
@@ -300,3 +305,41 @@ def test_report_names_how_real_engines_were_pinned() -> None:
     assert own == ", each engine's processes pinned to a core of their own (0, 1)"
     shared = remark({"engine_cores": [0, 1, 0, 1]})
     assert shared == ", each engine's processes pinned to one core, 2 cores shared evenly (0, 1, 0, 1)"
+
+
+def test_sigterm_stops_the_benchmark_with_its_engines_and_router(tmp_path) -> None:
+    """SIGTERM (a job scheduler's stop, `timeout`, `kill`) ends the benchmark and everything it
+    started: the engines and the router run in sessions of their own, so nothing else would."""
+    log = tmp_path / "bench.log"
+    command = [
+        sys.executable, "-m", "benchmarks.routing_bench", "--engines", "2", "--workloads", "no_reuse",
+        "--policies", "round_robin", "--repeats", "50", "--output", str(tmp_path / "routing"),
+    ]  # fmt: skip
+    with log.open("w") as output:
+        bench = subprocess.Popen(command, stdout=output, stderr=subprocess.STDOUT, cwd=REPO_ROOT)
+    try:
+        deadline = time.monotonic() + 120
+        while "no_reuse: round_robin" not in log.read_text() and time.monotonic() < deadline:
+            assert bench.poll() is None, log.read_text()
+            time.sleep(0.1)
+        time.sleep(1.0)  # the router started, the replay running
+        started = process_tree(bench.pid)
+        assert len(started) >= 4, (started, log.read_text())  # the benchmark, 2 engines, a router
+        bench.send_signal(signal.SIGTERM)
+        assert bench.wait(60) == 128 + signal.SIGTERM
+        deadline = time.monotonic() + 15
+        while (alive := [pid for pid in started if _running(pid)]) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not alive, (alive, log.read_text())
+    finally:
+        if bench.poll() is None:
+            bench.kill()
+            bench.wait(10)
+
+
+def _running(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0]
+    except OSError:
+        return False
+    return state != "Z"  # a zombie has ended; only its parent's wait is missing
