@@ -150,7 +150,8 @@ class KVAwarePolicy(CacheAwareGuards, tag="kv_aware", tag_field="name"):
     # second copy that evicts other prefixes, which the queue alone does not show.
     uncached_token_weight: Annotated[float, msgspec.Meta(ge=1.0)] = 1.5
     # N > 0: only requests whose best cached prefix N recent requests matched (a hot prefix) are
-    # held to the share line, so a conversation of its own stays home; 0: every request is.
+    # held to the share line and the in-flight line, so a conversation of its own stays home;
+    # 0: every request is.
     hot_prefix_requests: Annotated[int, msgspec.Meta(ge=0)] = 2
     # How long a routed prompt counts as cached on its backend before its events confirm it.
     prediction_ttl_s: float = 5.0

@@ -87,15 +87,25 @@ def test_load_outweighs_a_small_cache_hit() -> None:
     assert req.decision["reason"] == "least_load"
 
 
-def test_hot_spot_guard_skips_an_overloaded_holder() -> None:
+def test_in_flight_guard_moves_a_hot_prefix_but_leaves_a_conversation_home() -> None:
+    """The in-flight line skips an overloaded holder of a hot prefix (the next requests share the
+    replica it makes), not the holder of a prefix one conversation uses: moving that pays its whole
+    prefill again, and the cost's load terms already weigh the holder's queue."""
     index = PrefixIndex()
-    store(index, "b0", PROMPTS[0])
+    store(index, "b0", PROMPTS[0][:480])
     candidates = backends(4)
-    candidates[0].in_flight = 12
-    policy = KVAware(KVAwarePolicy(request_load_weight=0, prefill_load_weight=0), index)
-    req = request(PROMPTS[0])
-    assert policy.choose(req, candidates).name != "b0"
-    assert req.decision["reason"] == "load_guard"
+    candidates[0].in_flight = 4  # over 1.25 x mean (1) + 2; the cost still favours b0 (32 tokens to compute)
+    policy = KVAware(KVAwarePolicy(max_share_ratio=100, share_noise=0), index)
+    for turn in range(4):
+        own = request(PROMPTS[0], rid=f"turn-{turn}")
+        assert route(policy, own, candidates).name == "b0"
+        assert own.decision["reason"] == "cache_hit"
+    # The first matched 480 tokens (the index), the next ones all 512 (predicted after the first).
+    # Uses decay (share_half_life_s), so two read just under 2; with three the prefix is hot
+    # (hot_prefix_requests 2) and the guard applies.
+    hot = request(PROMPTS[0], rid="another-user")
+    assert route(policy, hot, candidates).name != "b0"
+    assert hot.decision["reason"] == "load_guard"
 
 
 def test_cold_prefixes_arriving_one_at_a_time_spread_over_all_engines() -> None:

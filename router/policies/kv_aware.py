@@ -18,7 +18,9 @@ The cheapest backend wins, with these guards:
   for it share), as a perfect-knowledge placement would. With N > 0 a prefix only one
   conversation uses is not moved (moving it costs its whole prefill and replicates nothing);
 - in-flight hot spots: a backend whose in-flight count is over max_load_ratio * mean + load_slack
-  is skipped while another candidate is under that line;
+  is skipped while another candidate is under that line (with hot_prefix_requests N > 0, like the
+  share guard, only for a hot prefix: a conversation's or a document's own prefix is not moved for
+  the instant's in-flight count, the cost's load terms weigh it);
 - nothing cached: when no candidate holds (or is predicted to hold) any of the prompt, among the
   candidates within one request in flight of the least loaded, the fewest prompt tokens placed to
   compute lately (`cold_spread_by: prefill_tokens`; `new_prefixes`: the fewest recent cold
@@ -396,7 +398,14 @@ class KVAware(CacheAwarePolicy):
                 and self.prefix_uses.value(hot_key, now) >= self.config.hot_prefix_requests - 1e-9
             )
         )
-        allowed = self.guarded(candidates, now, by_share=hot)
+        # The guards move a request off the engine that holds its prefix. For a hot prefix that makes
+        # a replica the prefix's next requests share. A prefix of one conversation or one document
+        # moved pays its whole prefill again and leaves the conversation split over two engines, for
+        # an in-flight count that is mostly requests past their prefill, which delay a new one little:
+        # such a request stays home unless its cost says otherwise. (On 4 real engines the in-flight
+        # guard moved 5-9 chat turns a run, each a whole-conversation miss, some back and forth;
+        # docs/benchmarks.md.)
+        allowed = self.guarded(candidates, now) if hot else candidates
         winner = self.pick(candidates, allowed, costs, cached, now)
         reason = self._reason(tokens, candidates, allowed, winner, cached)
         self.record(request, winner.name, reason, scores, prompt_tokens, cached[winner.name])
