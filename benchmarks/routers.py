@@ -194,7 +194,7 @@ def _start_peer(policy: str, fleet: EngineFleet, timeout_s: float) -> RunningRou
 # tokenizes every request on every worker over HTTP before it matches prefixes; when those calls time
 # out it routes with no prefix at all (outcome="missing_tokens", result="preparation_unavailable").
 # kvgate's cache-aware policies count their decisions by reason (cache_hit, cache_vs_load, load_guard,
-# cold_spread, ...: docs/gateway.md): a conversation moved off its engine shows there.
+# cold_spread, ...: docs/index.md): a conversation moved off its engine shows there.
 DECISION_COUNTERS = (
     "vllm_router_prefix_routing_decisions_total",
     "vllm_router_kv_routing_inputs_total",
