@@ -48,10 +48,15 @@ ENGINE_ENV = {"VLLM_CPU_OMP_THREADS_BIND": "nobind", "OMP_NUM_THREADS": "1"}
 DEFAULT_MODEL_LAYERS = 16
 # Prompt lengths (words of one token each) of the warm-up requests: the workloads' range.
 WARM_UP_PROMPT_WORDS = (40, 600, 1500, 2900)
-WARM_UP_WORDS = ("the", "quick", "brown", "fox", "jumps", "over", "a", "lazy", "dog", "by", "the", "river")
+FILLER_WORDS = ("the", "quick", "brown", "fox", "jumps", "over", "a", "lazy", "dog", "by", "the", "river")
 
 
 logger = logging.getLogger(__name__)
+
+
+def filler_text(words: int) -> str:
+    """`words` ordinary English words of one token each: a prompt of a known length in plain text."""
+    return " ".join(FILLER_WORDS[n % len(FILLER_WORDS)] for n in range(words))
 
 
 def process_tree(pid: int) -> list[int]:
@@ -201,8 +206,7 @@ class RealEngineFleet(EngineFleet):
         run does not pay for that (its cache is emptied before the run like every other's)."""
         for engine in self.engines:
             for words in WARM_UP_PROMPT_WORDS:
-                filler = " ".join(WARM_UP_WORDS[n % len(WARM_UP_WORDS)] for n in range(words))
-                text = f"{engine.name} warm-up: {filler}"
+                text = f"{engine.name} warm-up: {filler_text(words)}"
                 for _ in range(2):
                     body = {
                         "model": SERVED_MODEL,

@@ -41,6 +41,7 @@ from benchmarks.real_fleet import (
     MAX_MODEL_LEN,
     REAL_BLOCK_SIZE,
     ensure_vllm_installed,
+    filler_text,
     pin_engines_to_cores,
 )
 from benchmarks.replay import sse_chunks
@@ -57,7 +58,6 @@ RESULTS = Path(__file__).parent / "results"
 # A chat turn's prompt, a shared system prompt with its question, a document with its question.
 PROMPT_LENGTHS = (500, 1500, 3000)
 OUTPUT_TOKENS = 16
-WORDS = ("the", "quick", "brown", "fox", "jumps", "over", "a", "lazy", "dog", "by", "the", "river")
 
 
 def streamed(url: str, messages: list[dict], max_tokens: int) -> tuple[float, float, int, int, int]:
@@ -92,8 +92,7 @@ def streamed(url: str, messages: list[dict], max_tokens: int) -> tuple[float, fl
 def conversation(words: int, tag: str) -> tuple[list[dict], list[dict]]:
     """A first turn of about `words` tokens (one token a word; `tag` keeps prompts apart from their
     first block on) and its next turn, which resends it with a reply and a short question."""
-    filler = " ".join(WORDS[n % len(WORDS)] for n in range(words))
-    first = [{"role": "user", "content": f"{tag}: {filler}"}]
+    first = [{"role": "user", "content": f"{tag}: {filler_text(words)}"}]
     follow_up = [
         *first,
         {"role": "assistant", "content": "Noted; the list goes on by the river."},

@@ -182,28 +182,23 @@ class CacheAwarePolicy:
         self.recent_decisions: deque[dict[str, Any]] = deque(maxlen=DECISIONS_KEPT)
         self.metrics = RoutingMetrics(registry) if registry is not None else None
 
-    def guarded(
-        self, candidates: list[BackendState], now: float, *, by_share: bool = True
-    ) -> list[BackendState]:
-        """Candidates under the share line (when `by_share`) and the in-flight line (see the module
-        docstring).
+    def guarded(self, candidates: list[BackendState], now: float) -> list[BackendState]:
+        """Candidates under the share line and the in-flight line (see the module docstring).
 
         The share line always lets through the backend with the smallest share (it is at most the
         mean), so the result is never empty.
         """
         if len(candidates) < 2:
             return candidates
-        allowed = candidates
-        if by_share:
-            shares = [self.request_shares.value(b.name, now) for b in candidates]
-            mean_share = (sum(shares) + 1) / len(candidates)
-            # The larger of a proportional tolerance and the chance spread of small counts: the
-            # latter wins below (share_noise / (max_share_ratio - 1))^2 requests per backend.
-            share_line = self.share_slack + max(
-                self.max_share_ratio * mean_share, mean_share + self.share_noise * math.sqrt(mean_share)
-            )
-            allowed = [b for b, share in zip(candidates, shares, strict=True) if share + 1 <= share_line]
-            allowed = allowed or candidates
+        shares = [self.request_shares.value(b.name, now) for b in candidates]
+        mean_share = (sum(shares) + 1) / len(candidates)
+        # The larger of a proportional tolerance and the chance spread of small counts: the
+        # latter wins below (share_noise / (max_share_ratio - 1))^2 requests per backend.
+        share_line = self.share_slack + max(
+            self.max_share_ratio * mean_share, mean_share + self.share_noise * math.sqrt(mean_share)
+        )
+        allowed = [b for b, share in zip(candidates, shares, strict=True) if share + 1 <= share_line]
+        allowed = allowed or candidates
         mean = sum(b.in_flight for b in allowed) / len(allowed)
         line = self.max_load_ratio * mean + self.load_slack
         under = [b for b in allowed if b.in_flight <= line]
@@ -403,7 +398,7 @@ class KVAware(CacheAwarePolicy):
         # moved pays its whole prefill again and leaves the conversation split over two engines, for
         # an in-flight count that is mostly requests past their prefill, which delay a new one little:
         # such a request stays home unless its cost says otherwise. (On 4 real engines the in-flight
-        # guard moved 5-9 chat turns a run, each a whole-conversation miss, some back and forth;
+        # guard moved 5-13 chat turns a run, each a whole-conversation miss, some back and forth;
         # docs/benchmarks.md.)
         allowed = self.guarded(candidates, now) if hot else candidates
         winner = self.pick(candidates, allowed, costs, cached, now)
