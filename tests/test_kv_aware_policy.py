@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import time
 
+import msgspec
 import numpy as np
 import pytest
 from prometheus_client import CollectorRegistry
@@ -95,7 +96,9 @@ def test_in_flight_guard_moves_a_hot_prefix_but_leaves_a_conversation_home() -> 
     store(index, "b0", PROMPTS[0][:480])
     candidates = backends(4)
     candidates[0].in_flight = 4  # over 1.25 x mean (1) + 2; the cost still favours b0 (32 tokens to compute)
-    policy = KVAware(KVAwarePolicy(max_share_ratio=100, share_noise=0), index)
+    # replica_must_pay off: the line alone (with it, 3 uses of a 512-token prefix do not pay a copy:
+    # the next test).
+    policy = KVAware(KVAwarePolicy(max_share_ratio=100, share_noise=0, replica_must_pay=False), index)
     for turn in range(4):
         own = request(PROMPTS[0], rid=f"turn-{turn}")
         assert route(policy, own, candidates).name == "b0"
@@ -106,6 +109,32 @@ def test_in_flight_guard_moves_a_hot_prefix_but_leaves_a_conversation_home() -> 
     hot = request(PROMPTS[0], rid="another-user")
     assert route(policy, hot, candidates).name != "b0"
     assert hot.decision["reason"] == "load_guard"
+
+
+def test_with_replica_must_pay_a_hot_prefix_moves_only_once_its_uses_outweigh_the_copy() -> None:
+    """replica_must_pay (the default): the guard copies a hot prefix to another engine only when its recent
+    requests, at request_load_weight prompt tokens each, outweigh the prefill the copy costs (the
+    512 tokens held here): a document's few questions stay with it, a much-shared prefix moves."""
+    index = PrefixIndex()
+    store(index, "b0", PROMPTS[0][:480])
+    candidates = backends(4)
+    candidates[0].in_flight = 4  # over the in-flight line, as above
+    policy = KVAware(KVAwarePolicy(max_share_ratio=100, share_noise=0, request_load_weight=100), index)
+    homes, reasons = [], []
+    for n in range(8):
+        req = request(PROMPTS[0], rid=f"user-{n}")
+        homes.append(route(policy, req, candidates).name)
+        reasons.append(req.decision["reason"])
+    # Uses of the 512-token prefix before each request: 0, 0 (the 480 one was matched first), 1, 2,
+    # ... 6; each just under its count (decay). Hot from the 3rd (hot_prefix_requests 2), but
+    # 100 x uses stays under 512 through 5 uses.
+    assert homes[:7] == ["b0"] * 7 and reasons[:7] == ["cache_hit"] * 7
+    assert homes[7] != "b0" and reasons[7] == "load_guard"
+    # Without the check, the same prefix moves as soon as it is hot (see the test above).
+    eager_config = KVAwarePolicy(max_share_ratio=100, share_noise=0, request_load_weight=100)
+    eager = KVAware(msgspec.structs.replace(eager_config, replica_must_pay=False), index)
+    eager_homes = [route(eager, request(PROMPTS[0], rid=f"eager-{n}"), candidates).name for n in range(5)]
+    assert eager_homes[:4] == ["b0"] * 4 and eager_homes[4] != "b0"
 
 
 def test_cold_prefixes_arriving_one_at_a_time_spread_over_all_engines() -> None:

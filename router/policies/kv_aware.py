@@ -11,7 +11,10 @@ The cheapest backend wins, with these guards:
   a backend whose count, with this request, would exceed max_share_ratio * the mean, or the
   mean plus share_noise * sqrt(mean) (the chance spread of small counts) when that is more, plus
   share_slack, is skipped while another is under that line (with hot_prefix_requests N > 0, only
-  for prompts whose best cached prefix N recent requests matched, same decay).
+  for prompts whose best cached prefix N recent requests matched, same decay; with
+  replica_must_pay, only when those requests, at request_load_weight prompt tokens each, outweigh
+  the prefill of the cached prefix the move forfeits: a shared system prompt's copy pays, one of a
+  document with a few questions does not).
   In-flight counts alone cannot see a hot prefix when requests finish fast (about one in flight per
   engine); the decayed share can, and the request then goes to the cheapest under-share backend,
   which pays the prefill once and caches the hot prefix too (a second replica, which later requests
@@ -382,16 +385,17 @@ class KVAware(CacheAwarePolicy):
                 "cost": costs[backend.name],
             }
         hot_key = None
-        best_blocks = min(len(keys), max(cached.values(), default=0) // ROUTER_BLOCK_TOKENS)
+        best_held = max(cached.values(), default=0)
+        best_blocks = min(len(keys), best_held // ROUTER_BLOCK_TOKENS)
         if best_blocks:
             hot_key = keys[best_blocks - 1]
             request.decision["hot_prefix_key"] = hot_key
-        hot = (
-            self.config.hot_prefix_requests == 0
-            or (
-                hot_key is not None
-                and self.prefix_uses.value(hot_key, now) >= self.config.hot_prefix_requests - 1e-9
-            )
+        uses = self.prefix_uses.value(hot_key, now) if hot_key is not None else 0.0
+        # A copy made for a hot prefix pays when its recent requests, each worth a request in
+        # flight, outweigh the prefill of the tokens the move forfeits (replica_must_pay).
+        replica_pays = not self.config.replica_must_pay or uses * request_weight >= best_held
+        hot = self.config.hot_prefix_requests == 0 or (
+            hot_key is not None and uses >= self.config.hot_prefix_requests - 1e-9 and replica_pays
         )
         # The guards move a request off the engine that holds its prefix. For a hot prefix that makes
         # a replica the prefix's next requests share. A prefix of one conversation or one document
