@@ -39,7 +39,19 @@ REAL_BLOCK_SIZE = 32
 MAX_MODEL_LEN = 4096
 # One compute thread per engine; vLLM's own OpenMP binding off: the engines are pinned by
 # `pin_engines_to_cores` instead (process trees, every thread), after they start.
-ENGINE_ENV = {"VLLM_CPU_OMP_THREADS_BIND": "nobind", "OMP_NUM_THREADS": "1"}
+# VLLM_ENABLE_V1_MULTIPROCESSING=0: the model runs in the engine-core process (the uniprocess
+# executor) instead of a worker process of its own. With the worker, its shared-memory queue spins
+# (sched_yield) for 1 s after every step: each request left its engine burning a core for a second
+# after it (1.03 s of CPU in the 2 s after a 40-token request, 0.05 s without), taken from whatever
+# shared that core: the core-mate engine on the 4-engine tier, where a 3000-token prefill then took
+# 920-1100 ms instead of 580-650 (the first request after any router's readiness probe, and every
+# document placed next to a busy engine), and the router and the client on every tier. TTFT of the
+# same prompt alone is unchanged (580-600 ms either way).
+ENGINE_ENV = {
+    "VLLM_CPU_OMP_THREADS_BIND": "nobind",
+    "OMP_NUM_THREADS": "1",
+    "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+}
 # Decoder layers of the model the tier serves by default: the tests' tiny Qwen3 (hidden 128) with 16
 # layers instead of 2. With 2 layers a cache hit saved little on one pinned core (a 1518-token chat
 # prompt: 107 ms cold, 79 cached), so the tier measured the routers' own overhead, not their routing.
