@@ -44,7 +44,7 @@ MAX_MODEL_LEN = 4096
 # (sched_yield) for 1 s after every step: each request left its engine burning a core for a second
 # after it (1.03 s of CPU in the 2 s after a 40-token request, 0.05 s without), taken from whatever
 # shared that core: the core-mate engine on the 4-engine tier, where a 3000-token prefill then took
-# 920-1100 ms instead of 580-650 (the first request after any router's readiness probe, and every
+# 920-1120 ms instead of 580-650 (the first request after any router's readiness probe, and every
 # document placed next to a busy engine), and the router and the client on every tier. TTFT of the
 # same prompt alone is unchanged (580-600 ms either way).
 ENGINE_ENV = {
