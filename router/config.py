@@ -123,7 +123,7 @@ class CacheAwareGuards(_Struct):
     # a prompt is placed as a cold one (spread by load and recent cold placements), not drawn to
     # whichever engine served the header first.
     affinity_min_tokens: Annotated[int, msgspec.Meta(ge=0)] = 64
-    # Where a cold prompt goes among the engines within one request in flight of the least loaded:
+    # Where a cold prompt goes among the engines under the in-flight line with the least prefill queued:
     # "new_prefixes", the fewest cold prompts placed recently (decayed, share_half_life_s);
     # "prefill_tokens", the fewest prompt tokens sent there to compute recently (decayed, 30 s):
     # the follow-ups of its conversations and documents count too, as they fill its cache.

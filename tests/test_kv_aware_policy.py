@@ -347,32 +347,34 @@ def test_nothing_cached_deals_new_prefixes_out_among_the_least_loaded() -> None:
     # Counted by new prefixes (prompts of unequal lengths here; by prefill tokens see the test above).
     policy = KVAware(KVAwarePolicy(cold_spread_by="new_prefixes"), PrefixIndex())
     candidates = backends(4)
-    for backend, in_flight in zip(candidates, [3, 1, 2, 1], strict=True):
-        backend.in_flight = in_flight  # every request past its prefill (see the slack test below)
+    for backend, in_flight in zip(candidates, [8, 1, 2, 1], strict=True):
+        backend.in_flight = in_flight  # every request past its prefill: no prefill queued anywhere
     req = request(PROMPTS[2])
     # No cold placements yet: fewest in flight (b1 or b3).
     first = route(policy, req, candidates).name
     assert first in {"b1", "b3"}
     assert req.decision["reason"] == "cold_spread"
-    # Then the fewest recent cold placements among those within one request of the least loaded
-    # (b2 with 2 in flight, never b0 with 3), the fewest in flight first between equals.
+    # Then the fewest recent cold placements among those under the in-flight line (1.25 * mean 3
+    # + 2 = 5.75: b2 with 2 in flight, never b0 with 8), the fewest in flight first between equals.
     picks = [route(policy, request(_family_prompt(PROMPTS[0][:0], n)), candidates).name for n in range(5)]
     assert picks[0] == ({"b1", "b3"} - {first}).pop()
     assert picks[1] == "b2" and "b0" not in picks
     assert sorted(picks[2:]) == ["b1", "b2", "b3"]
 
 
-def test_an_engine_busy_at_the_instant_still_gets_its_share_of_new_conversations() -> None:
-    """Two engines, new conversations one at a time while earlier ones run: the one engine with a
-    request in flight at that instant must not be skipped every time (it would get 5 of 12)."""
+@pytest.mark.parametrize("busy, other", [(1, 0), (3, 1)])
+def test_an_engine_busy_at_the_instant_still_gets_its_share_of_new_conversations(busy, other) -> None:
+    """Two engines, new conversations one at a time while earlier ones run: the one engine with
+    more requests decoding at that instant must not be skipped every time (it would get 5 of 12).
+    (3 against 1 is what 2 real engines showed at the simulated tier's request rate.)"""
     policy = KVAware(KVAwarePolicy(), PrefixIndex())
     candidates = backends(2)
     homes = []
     for n in range(12):
-        # The engine with fewer conversations so far happens to have one request running.
+        # The engine with fewer conversations so far happens to have more requests running.
         fewer = min(candidates, key=lambda b: (homes.count(b.name), b.name))
         for backend in candidates:
-            backend.in_flight = 1 if backend is fewer else 0
+            backend.in_flight = busy if backend is fewer else other
         homes.append(route(policy, request(_family_prompt(PROMPTS[0][:0], n)), candidates).name)
     assert sorted(homes.count(name) for name in ("b0", "b1")) == [6, 6]
 

@@ -25,7 +25,8 @@ The cheapest backend wins, with these guards:
   share guard, only for a hot prefix: a conversation's or a document's own prefix is not moved for
   the instant's in-flight count, the cost's load terms weigh it);
 - nothing cached: when no candidate holds (or is predicted to hold) any of the prompt, among the
-  candidates within one request in flight of the least loaded, the fewest prompt tokens placed to
+  candidates under the in-flight line (max_load_ratio * mean + load_slack), those with the fewest
+  prompt tokens still to prefill, then the fewest prompt tokens placed to
   compute lately (`cold_spread_by: prefill_tokens`; `new_prefixes`: the fewest recent cold
   placements), then the fewest in flight, ties taken in turn. Different cold
   prefixes therefore spread over the engines by what they fill instead of piling onto the first one
@@ -63,9 +64,6 @@ logger = logging.getLogger("kvgate.policy")
 # Recent placements decay with this half-life (seconds): long enough to spread a burst of cold
 # prefixes, short enough that yesterday's traffic does not steer today's.
 PLACEMENT_HALF_LIFE_S = 30.0
-# A cold prompt may go to an engine with this many more requests in flight than the least loaded
-# one when that engine has had fewer new prefixes lately (`CacheAwarePolicy.pick`).
-COLD_IN_FLIGHT_SLACK = 1
 DECISIONS_KEPT = 200
 
 
@@ -271,9 +269,10 @@ class CacheAwarePolicy:
         then the emptiest cache.
 
         When no candidate holds any of the prompt (the cost would only restate the loads): among
-        the candidates within COLD_IN_FLIGHT_SLACK in flight of the least loaded, those with the
-        least recent cold spread (`cold_spread_by`: prompt tokens placed to compute, or cold
-        placements), then least_loaded's choice (fewest in flight, its rotation between equals).
+        the candidates under the in-flight line (the in-flight guard's), those with the fewest
+        prompt tokens still to prefill, then those with the least recent cold spread
+        (`cold_spread_by`: prompt tokens placed to compute, or cold placements), then
+        least_loaded's choice (fewest in flight, its rotation between equals).
         The rotation advances on cold requests only, so cold prefixes (first turns, new documents)
         are dealt out evenly and need no guard.
         """
@@ -281,18 +280,19 @@ class CacheAwarePolicy:
             self._turn += 1
             # A new prefix brings its follow-ups to the engine it lands on (a conversation's next
             # turns, a document's next questions), so what each engine was given lately decides
-            # the load and the cache pressure of minutes to come, one request in flight more only
-            # this instant: among the engines within COLD_IN_FLIGHT_SLACK of the least loaded, the
-            # least recent cold spread first. (By in-flight count first, 2 real engines got
-            # 7 and 5 of 12 conversations when the engine with fewer had a request running as the
-            # last ones began; the 7 outgrew the engine's cache and their later turns missed.)
-            lowest = min(b.in_flight for b in candidates)
-            near = [b for b in candidates if b.in_flight <= lowest + COLD_IN_FLIGHT_SLACK]
-            # The slack is for requests past their prefill (decoding, which delays a new prefill
-            # little); one behind a prefill still running waits for all of it. So among those, the
-            # engines with the fewest prompt tokens still to prefill. (Taking the slack regardless,
-            # the no-reuse control, where every prompt is cold, read a paired TTFT 8-10 ms above
-            # least_loaded's at the median on 2 real engines: docs/benchmarks.md.)
+            # the load and the cache pressure of minutes to come; the instant's in-flight count
+            # mostly counts requests past their prefill, which delay a new prefill little. So every
+            # engine under the in-flight guard's line is a candidate. (Within one request in flight
+            # of the least loaded, 2 real engines at the simulated tier's request rate got 7 and 5
+            # of 12 conversations: the last two began while the other engine had 3 decoding
+            # against 1; the 7 outgrew the engine's cache and their later turns missed whole.)
+            mean = sum(b.in_flight for b in candidates) / len(candidates)
+            line = self.max_load_ratio * mean + self.load_slack
+            near = [b for b in candidates if b.in_flight <= line] or candidates  # (max_load_ratio < 1)
+            # A new prompt behind a prefill still running waits for all of it: among those, the
+            # engines with the fewest prompt tokens still to prefill. (Without this, the no-reuse
+            # control, where every prompt is cold, read a paired TTFT 8-10 ms above least_loaded's
+            # at the median on 2 real engines: docs/benchmarks.md.)
             least_queued = min(b.in_flight_prefill_tokens for b in near)
             near = [b for b in near if b.in_flight_prefill_tokens <= least_queued]
             placed = {b.name: self.cold_spread.value(b.name, now) for b in near}
