@@ -26,9 +26,9 @@ The cheapest backend wins, with these guards:
   the instant's in-flight count, the cost's load terms weigh it);
 - nothing cached: when no candidate holds (or is predicted to hold) any of the prompt, among the
   candidates under the in-flight line (max_load_ratio * mean + load_slack), those with the fewest
-  prompt tokens still to prefill, then the fewest prompt tokens placed to
-  compute lately (`cold_spread_by: prefill_tokens`; `new_prefixes`: the fewest recent cold
-  placements), then the fewest in flight, ties taken in turn. Different cold
+  prompt tokens still to prefill, then the fewest prompt tokens placed to compute lately
+  (`cold_spread_by: prefill_tokens`; `new_prefixes`: the fewest recent cold placements), then
+  the fewest in flight, ties taken in turn. Different cold
   prefixes therefore spread over the engines by what they fill instead of piling onto the first one
   (architecture.md, "what measuring the peers taught us"); between equal costs otherwise, the
   backend with the fewest recently placed prompt tokens wins, then the one whose cache holds least.
@@ -288,7 +288,7 @@ class CacheAwarePolicy:
             # against 1; the 7 outgrew the engine's cache and their later turns missed whole.)
             mean = sum(b.in_flight for b in candidates) / len(candidates)
             line = self.max_load_ratio * mean + self.load_slack
-            near = [b for b in candidates if b.in_flight <= line] or candidates  # (max_load_ratio < 1)
+            near = [b for b in candidates if b.in_flight <= line] or candidates  # none: max_load_ratio < 1
             # A new prompt behind a prefill still running waits for all of it: among those, the
             # engines with the fewest prompt tokens still to prefill. (Without this, the no-reuse
             # control, where every prompt is cold, read a paired TTFT 8-10 ms above least_loaded's
