@@ -200,10 +200,14 @@ class CacheAwarePolicy:
         )
         allowed = [b for b, share in zip(candidates, shares, strict=True) if share + 1 <= share_line]
         allowed = allowed or candidates
-        mean = sum(b.in_flight for b in allowed) / len(allowed)
+        return self.under_in_flight_line(allowed)
+
+    def under_in_flight_line(self, backends: list[BackendState]) -> list[BackendState]:
+        """The backends whose in-flight count is at most max_load_ratio * their mean + load_slack;
+        all of them when none is (only possible with max_load_ratio < 1)."""
+        mean = sum(b.in_flight for b in backends) / len(backends)
         line = self.max_load_ratio * mean + self.load_slack
-        under = [b for b in allowed if b.in_flight <= line]
-        return under or allowed
+        return [b for b in backends if b.in_flight <= line] or backends
 
     def record(self, request: RouteRequest, winner: str, reason: str, scores: dict[str, dict[str, Any]],
                prompt_tokens: int, cached_tokens: int) -> None:  # fmt: skip
@@ -286,9 +290,7 @@ class CacheAwarePolicy:
             # of the least loaded, 2 real engines at the simulated tier's request rate got 7 and 5
             # of 12 conversations: the last two began while the other engine had 3 decoding
             # against 1; the 7 outgrew the engine's cache and their later turns missed whole.)
-            mean = sum(b.in_flight for b in candidates) / len(candidates)
-            line = self.max_load_ratio * mean + self.load_slack
-            near = [b for b in candidates if b.in_flight <= line] or candidates  # none: max_load_ratio < 1
+            near = self.under_in_flight_line(candidates)
             # A new prompt behind a prefill still running waits for all of it: among those, the
             # engines with the fewest prompt tokens still to prefill. (Without this, the no-reuse
             # control, where every prompt is cold, read a paired TTFT 8-10 ms above least_loaded's
