@@ -32,6 +32,7 @@ class OracleResult:
     prompt_tokens: int
     requests_per_engine: list[int]
     slack: int | None  # the running-cap slack of the placement that won
+    engine_of_request: list[int]  # where the placement sent each request, in workload order
 
     @property
     def max_over_mean_load(self) -> float:
@@ -122,6 +123,7 @@ def _greedy_placement(
     assigned = [0] * engines
     cached_total = 0
     prompt_total = 0
+    engine_of_request: list[int] = []
     total = len(workload.requests)
     # The whole-run cap bounds the measured quantity itself: total requests per engine.
     total_cap = max(math.ceil(total / engines), math.floor(max_over_mean * total / engines))
@@ -138,5 +140,8 @@ def _greedy_placement(
         best = max(eligible, key=lambda e: (caches[e].longest_cached_prefix(usable), -assigned[e], -e))
         cached_total += caches[best].serve(keys, request.prompt_tokens, request.max_tokens, routed)
         assigned[best] += 1
+        engine_of_request.append(best)
         prompt_total += request.prompt_tokens
-    return OracleResult(cached_total / max(1, prompt_total), cached_total, prompt_total, assigned, slack)
+    return OracleResult(
+        cached_total / max(1, prompt_total), cached_total, prompt_total, assigned, slack, engine_of_request
+    )

@@ -237,6 +237,15 @@ class RealEngineFleet(EngineFleet):
                         for _ in response.iter_bytes():
                             pass
 
+    def lanes(self) -> list[list[int]]:
+        """Engines pinned to one core share it: they form a lane. Unpinned engines all share the machine."""
+        if not self.pinned_cores:
+            return [list(range(len(self.engines)))]
+        by_core: dict[int, list[int]] = {}
+        for index, core in enumerate(self.pinned_cores):
+            by_core.setdefault(core, []).append(index)
+        return list(by_core.values())
+
     def reset_caches(self, timeout_s: float = 60.0) -> None:
         """Empty every engine's prefix cache. vLLM answers 200 with {"success": false} while blocks are
         still held (requests finishing): retry until every engine says success."""

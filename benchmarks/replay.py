@@ -111,6 +111,44 @@ async def replay(
     return outcomes
 
 
+async def replay_one_at_a_time(
+    urls: list[str],
+    workload: Workload,
+    engine_of_request: list[int],
+    lanes: list[list[int]],
+    model: str,
+    request_timeout_s: float = 60.0,
+) -> list[Outcome]:
+    """Send request i of `workload` straight to engine `engine_of_request[i]` (an index into `urls`),
+    ignoring arrival times: within a lane (engines that share hardware) one request at a time, the
+    next once the last has finished, in workload order; lanes run side by side. No request ever
+    waits for another, so each TTFT is that request's prefill alone on its engine."""
+    if len(engine_of_request) != len(workload.requests):
+        raise ValueError(f"{len(engine_of_request)} placements for {len(workload.requests)} requests")
+    unserved = set(engine_of_request) - {engine for engines in lanes for engine in engines}
+    if unserved:
+        raise ValueError(f"engines {sorted(unserved)} get requests but are in no lane")
+    outcomes = [Outcome(r.index, ok=False) for r in workload.requests]
+    timeout = httpx.Timeout(request_timeout_s, connect=5.0)
+    clients = [httpx.AsyncClient(base_url=url, timeout=timeout) for url in urls]
+    try:
+
+        async def lane(engines: set[int]) -> None:
+            for request, outcome, engine in zip(workload.requests, outcomes, engine_of_request, strict=True):
+                if engine in engines:
+                    outcome.scheduled_at = time.monotonic()
+                    try:
+                        await _send(clients[engine], model, request, outcome)
+                    except (httpx.HTTPError, msgspec.DecodeError) as exc:
+                        outcome.error = f"{type(exc).__name__}: {exc}"
+
+        await asyncio.gather(*(lane(set(engines)) for engines in lanes))
+    finally:
+        for client in clients:
+            await client.aclose()
+    return outcomes
+
+
 def hit_and_ttft(outcomes: list[Outcome]) -> dict:
     """Hit ratio from usage and TTFT percentiles (ms) over the completed requests of `outcomes`."""
     done = [o for o in outcomes if o.ok]

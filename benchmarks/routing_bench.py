@@ -7,7 +7,8 @@ fresh router process starts in front of them, the workload is replayed open-loop
 stopped. Measured per run: hit ratio (sum cached_tokens / sum prompt_tokens from the responses'
 usage), TTFT p50/p90/p99 in ms (streaming, to the first content chunk), throughput (completed
 requests/s), and load imbalance (max/mean requests per engine, from the engines' own
-vllm:request_success_total). Each workload also gets the oracle hit ratio (benchmarks/oracle.py).
+vllm:request_success_total). Each workload also gets the oracle hit ratio (benchmarks/oracle.py) and
+a floor: the oracle's placement replayed with no request ever waiting for another (`run_floor`).
 
     .venv/bin/python -m benchmarks.routing_bench                      # the default run (8 engines)
     .venv/bin/python -m benchmarks.routing_bench --engines 64 --output benchmarks/results/routing_64
@@ -41,7 +42,14 @@ from benchmarks.oracle import oracle_hit_ratio
 from benchmarks.profiling import Profiler
 from benchmarks.profiling import summarize as summarize_profile
 from benchmarks.real_fleet import DEFAULT_MODEL_LAYERS, REAL_BLOCK_SIZE, RealEngineFleet
-from benchmarks.replay import hit_and_ttft, p90_difference_interval, replay, summarize, ttft_ms
+from benchmarks.replay import (
+    hit_and_ttft,
+    p90_difference_interval,
+    replay,
+    replay_one_at_a_time,
+    summarize,
+    ttft_ms,
+)
 from benchmarks.routers import (
     ALL_POLICIES,
     DEFAULT_POLICIES,
@@ -157,6 +165,37 @@ def run_policy(
     return result
 
 
+def run_floor(
+    fleet: EngineFleet, workload: workload_catalog.Workload, engine_of_request: list[int], outcomes_to: Path
+) -> dict:
+    """The floor of a workload's TTFTs: the oracle's placement (`engine_of_request`), each request sent
+    straight to its engine once the requests before it on that engine's lane have finished
+    (`replay_one_at_a_time`). No request queues behind another's prefill or shares a batch, so each
+    TTFT is its own prefill, of what the oracle's placement leaves uncached, on an idle engine.
+
+    A reference, not a bound: arrivals that overlap make every router's requests wait for one
+    another, which the floor never does, and the oracle's placement is greedy, not optimal. What it
+    shows is where a p90 comes from: when it equals the floor's, the p90 is the prefill of prompts that
+    no placement could have found cached (first reads, capacity misses), and no router gets under it."""
+    fleet.reset_caches()
+    urls = [engine.url for engine in fleet.engines]
+    outcomes = asyncio.run(replay_one_at_a_time(urls, workload, engine_of_request, fleet.lanes(), MODEL))
+    outcomes_to.parent.mkdir(parents=True, exist_ok=True)
+    with outcomes_to.open("w") as file:
+        for request, outcome, engine in zip(workload.requests, outcomes, engine_of_request, strict=True):
+            record = dataclasses.asdict(outcome)
+            record.update(session=request.session_id, ttft_s=outcome.ttft_s, engine=engine)
+            file.write(json.dumps(record) + "\n")
+    errors = [o.error for o in outcomes if not o.ok]
+    return {
+        **hit_and_ttft(outcomes),
+        "requests": len(outcomes),
+        "completed": len(outcomes) - len(errors),
+        "errors": len(errors),
+        "first_errors": errors[:3],
+    }
+
+
 def combine_repeats(runs: list[dict], pooled: list) -> dict:
     """One policy's measures over repeated runs of a workload (`--repeats`): hit ratio and TTFT
     percentiles over every request of every run (`pooled`: their outcomes), loads, throughput and
@@ -215,6 +254,9 @@ def check_targets(results: dict, ttft_runs: dict[str, dict[str, list]] | None = 
             if peers:
                 best_peer = min(peers, key=peers.get)
                 measured = f"{kv['ttft_p90']:.1f} ms vs best peer {best_peer} {peers[best_peer]:.1f} ms"
+                floor = entry.get("floor", {})
+                if "ttft_p90" in floor:  # where the p90 comes from; a reference, not part of the verdict
+                    measured += f" (floor {floor['ttft_p90']:.1f} ms)"
                 intervals = {peer: _kv_aware_interval(samples, peer) for peer in peers}
                 if all(bounds is not None for bounds in intervals.values()):
                     measured += "; kv_aware minus peer, 95% interval: " + ", ".join(
@@ -347,6 +389,7 @@ def write_markdown(results: dict, path: Path) -> None:
                 f"{measured['errors']} |"
             )
         lines.append("")
+        lines += _floor_lines(entry)
         repeated = {policy: m["repeats"] for policy, m in entry["policies"].items() if "repeats" in m}
         if repeated:
             lines += [
@@ -390,6 +433,22 @@ def write_markdown(results: dict, path: Path) -> None:
     path.write_text("\n".join(lines))
 
 
+def _floor_lines(entry: dict) -> list[str]:
+    floor = entry.get("floor")
+    if not floor:
+        return []
+    if "failed" in floor or floor["errors"]:
+        reason = floor.get("failed") or "; ".join(floor["first_errors"])
+        return [f"Floor: not measured ({reason[:200]}).", ""]
+    return [
+        f"Floor (`run_floor`: the oracle's placement, each request alone on its engine, none waiting for "
+        f"another): hit ratio {floor['hit_ratio']:.3f}, TTFT p50 {floor['ttft_p50']:.1f}, p90 "
+        f"{floor['ttft_p90']:.1f}, p99 {floor['ttft_p99']:.1f} ms. A policy's TTFT above it is queueing "
+        "behind other requests and prefixes it did not find cached.",
+        "",
+    ]
+
+
 def write_plot(results: dict, path: Path) -> None:
     import matplotlib
 
@@ -415,6 +474,8 @@ def write_plot(results: dict, path: Path) -> None:
             axis.set_ylim(0, 1)
         if key == "ttft_p90":
             axis.set_yscale("log")  # a starved run can be 50x the others
+            floors = [results["workloads"][n].get("floor", {}).get("ttft_p90", np.nan) for n in names]
+            axis.hlines(floors, x - 0.42, x + 0.42, colors="black", linewidth=2, zorder=3, label="floor")
         if key == "max_over_mean_load":
             axis.axhline(TARGET_MAX_OVER_MEAN, color="gray", linestyle="--", linewidth=1)
         axis.set_xticks(x, names)
@@ -479,6 +540,11 @@ def main(argv: list[str] | None = None) -> int:
         help="runs of each policy per workload, interleaved (A B A B); measures pooled (`combine_repeats`)",
     )
     parser.add_argument("--output", help="path prefix of the results (default benchmarks/results/routing)")
+    parser.add_argument(
+        "--no-floor",
+        action="store_true",
+        help="skip each workload's floor (the oracle's placement, one request at a time: `run_floor`)",
+    )
     parser.add_argument(
         "--profile", default="", help="policy whose router py-spy samples during each replay (e.g. kv_aware)"
     )
@@ -547,9 +613,11 @@ def main(argv: list[str] | None = None) -> int:
         },
         "workloads": {},
     }
+    oracle_placements: dict[str, list[int]] = {}
     for workload in built:
         _log(f"oracle for {workload.name}")
         oracle = oracle_hit_ratio(workload, engine_count, args.num_gpu_blocks, args.block_size)
+        oracle_placements[workload.name] = oracle.engine_of_request
         results["workloads"][workload.name] = {
             "oracle_hit_ratio": round(oracle.hit_ratio, 4),
             "oracle": {
@@ -580,6 +648,18 @@ def main(argv: list[str] | None = None) -> int:
             runs: dict[str, list[dict]] = {policy: [] for policy in policies}
             pooled: dict[str, list] = {policy: [] for policy in policies}
             run_ttfts = ttft_runs.setdefault(workload.name, {policy: [] for policy in policies})
+            if not args.no_floor:
+                _log(f"{workload.name}: floor (the oracle's placement, one request at a time per lane)")
+                floor_to = OUTCOMES_DIR / f"{Path(args.output).name}_{workload.name}_floor.jsonl"
+                try:
+                    floor = run_floor(fleet, workload, oracle_placements[workload.name], floor_to)
+                except Exception as exc:  # the policies' runs still count without it
+                    _log(f"{workload.name}: floor failed: {exc}")
+                    floor = {"failed": str(exc)[-2000:]}
+                else:
+                    _log(f"  hit {floor['hit_ratio']:.3f}  ttft p50/p90 {floor['ttft_p50']:.0f}/"
+                         f"{floor['ttft_p90']:.0f} ms  errors {floor['errors']}")  # fmt: skip
+                results["workloads"][workload.name]["floor"] = floor
             for repeat in range(args.repeats):
                 for policy in policies:
                     which = f" (run {repeat + 1}/{args.repeats})" if args.repeats > 1 else ""

@@ -122,6 +122,11 @@ class EngineFleet:
             if pending:
                 time.sleep(0.2)
 
+    def lanes(self) -> list[list[int]]:
+        """Groups of engines that share hardware, so that a request on one slows the others: each
+        simulated engine times its requests by its own clock, so each is a lane of its own."""
+        return [[index] for index in range(len(self.engines))]
+
     def counters(self) -> list[EngineCounters]:
         with ThreadPoolExecutor(max_workers=min(16, self.count)) as pool:
             return list(pool.map(self._counters_of, self.engines))

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+import itertools
 import json
 import os
 import signal
@@ -14,8 +16,9 @@ import numpy as np
 import pytest
 
 from benchmarks import routing_bench, workloads
+from benchmarks.oracle import oracle_hit_ratio
 from benchmarks.real_fleet import pin_engines_to_cores, process_tree
-from benchmarks.replay import Outcome
+from benchmarks.replay import Outcome, replay_one_at_a_time
 from benchmarks.sim_fleet import EngineFleet
 from tests.support.processes import REPO_ROOT
 
@@ -58,6 +61,33 @@ def test_a_policy_run_counts_hits_load_and_token_parity(fleet, chat):
     # Caches are emptied before each run: the same run again measures the same hits.
     again = routing_bench.run_policy(fleet, "session", chat, concurrency=8)
     assert again["hit_ratio"] == measured["hit_ratio"]
+
+
+def test_the_floor_serves_the_oracle_placement_one_request_at_a_time_per_engine(fleet, chat, tmp_path):
+    oracle = oracle_hit_ratio(chat, engines=2, num_gpu_blocks=256, block_size=16)
+    assert len(set(oracle.engine_of_request)) == 2  # both engines, so both lanes, get requests
+    before = fleet.counters()
+    floor = routing_bench.run_floor(fleet, chat, oracle.engine_of_request, tmp_path / "floor.jsonl")
+    after = fleet.counters()
+    assert floor["errors"] == 0 and floor["completed"] == len(chat.requests)
+    # Each request went where the oracle put it, and found cached what the oracle's block pools say.
+    served = [round(a.minus(b).requests) for a, b in zip(after, before, strict=True)]
+    assert served == oracle.requests_per_engine
+    assert floor["hit_ratio"] == pytest.approx(oracle.hit_ratio, abs=1e-4)
+    # Within an engine's lane, a request leaves only once the one before it has finished.
+    records = [json.loads(line) for line in (tmp_path / "floor.jsonl").read_text().splitlines()]
+    assert [r["engine"] for r in records] == oracle.engine_of_request
+    for engine in (0, 1):
+        mine = [r for r in records if r["engine"] == engine]
+        assert all(later["sent_at"] >= earlier["done_at"] for earlier, later in itertools.pairwise(mine))
+
+
+def test_a_placement_that_does_not_fit_the_workload_or_the_lanes_is_refused(chat):
+    urls = ["http://127.0.0.1:9", "http://127.0.0.1:9"]
+    with pytest.raises(ValueError, match="placements for"):
+        asyncio.run(replay_one_at_a_time(urls, chat, [0], [[0], [1]], "m"))
+    with pytest.raises(ValueError, match=r"engines \[1\] get requests but are in no lane"):
+        asyncio.run(replay_one_at_a_time(urls, chat, [1] * len(chat.requests), [[0]], "m"))
 
 
 def test_targets_are_checked_against_the_measurements_not_assumed():
@@ -114,9 +144,12 @@ def test_the_command_writes_json_markdown_and_plot_in_the_agreed_shape(tmp_path)
             for key in ("hit_ratio", "ttft_p50", "ttft_p90", "ttft_p99", "throughput", "max_over_mean_load"):
                 assert isinstance(measured[key], float | int), key
             assert measured["errors"] == 0
+        assert entry["floor"]["errors"] == 0
+        assert entry["floor"]["hit_ratio"] == pytest.approx(entry["oracle_hit_ratio"], abs=1e-4)
     assert results["workloads"]["no_reuse"]["policies"]["round_robin"]["hit_ratio"] == 0.0
     markdown = output.with_suffix(".md").read_text()
     assert "## shared_system_prompts" in markdown and "| least_loaded |" in markdown
+    assert "Floor (`run_floor`" in markdown
     assert output.with_suffix(".png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
