@@ -475,7 +475,16 @@ def write_plot(results: dict, path: Path) -> None:
         if key == "ttft_p90":
             axis.set_yscale("log")  # a starved run can be 50x the others
             floors = [results["workloads"][n].get("floor", {}).get("ttft_p90", np.nan) for n in names]
-            axis.hlines(floors, x - 0.42, x + 0.42, colors="black", linewidth=2, zorder=3, label="floor")
+            axis.hlines(
+                floors,
+                x - 0.42,
+                x + 0.42,
+                colors="black",
+                linestyles="--",
+                linewidth=2,
+                zorder=3,
+                label="floor",
+            )
         if key == "max_over_mean_load":
             axis.axhline(TARGET_MAX_OVER_MEAN, color="gray", linestyle="--", linewidth=1)
         axis.set_xticks(x, names)
@@ -486,8 +495,11 @@ def write_plot(results: dict, path: Path) -> None:
         f"Routing quality: {meta['engines']} {meta.get('engine_kind', 'simulated')} engines, "
         f"{meta['num_gpu_blocks']} blocks of {meta['block_size']} tokens each"
     )
-    handles, labels = axes[0].get_legend_handles_labels()
-    figure.legend(handles, labels, loc="outside right upper", fontsize=9)
+    legend: dict[str, Any] = {}  # label -> handle, over every panel: the floor is drawn on the p90 one
+    for axis in axes:
+        for handle, label in zip(*axis.get_legend_handles_labels(), strict=True):
+            legend.setdefault(label, handle)
+    figure.legend(list(legend.values()), list(legend), loc="outside right upper", fontsize=9)
     figure.savefig(path, dpi=110)
     plt.close(figure)
 
