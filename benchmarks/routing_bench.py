@@ -131,12 +131,7 @@ def run_policy(
     finally:
         router.stop()
     if outcomes_to is not None:
-        outcomes_to.parent.mkdir(parents=True, exist_ok=True)
-        with outcomes_to.open("w") as file:
-            for request, outcome in zip(workload.requests, outcomes, strict=True):
-                record = dataclasses.asdict(outcome)
-                record.update(session=request.session_id, ttft_s=outcome.ttft_s)
-                file.write(json.dumps(record) + "\n")
+        write_outcomes(outcomes_to, workload, outcomes)
     if outcomes_sink is not None:
         outcomes_sink.extend(outcomes)
     result = summarize(workload, outcomes)
@@ -165,6 +160,23 @@ def run_policy(
     return result
 
 
+def write_outcomes(
+    path: Path,
+    workload: workload_catalog.Workload,
+    outcomes: list,
+    engine_of_request: list[int] | None = None,
+) -> None:
+    """One JSON line per request: its outcome, session and TTFT (and `engine`, where it was placed)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("w") as file:
+        for position, (request, outcome) in enumerate(zip(workload.requests, outcomes, strict=True)):
+            record = dataclasses.asdict(outcome)
+            record.update(session=request.session_id, ttft_s=outcome.ttft_s)
+            if engine_of_request is not None:
+                record["engine"] = engine_of_request[position]
+            file.write(json.dumps(record) + "\n")
+
+
 def run_floor(
     fleet: EngineFleet, workload: workload_catalog.Workload, engine_of_request: list[int], outcomes_to: Path
 ) -> dict:
@@ -180,12 +192,7 @@ def run_floor(
     fleet.reset_caches()
     urls = [engine.url for engine in fleet.engines]
     outcomes = asyncio.run(replay_one_at_a_time(urls, workload, engine_of_request, fleet.lanes(), MODEL))
-    outcomes_to.parent.mkdir(parents=True, exist_ok=True)
-    with outcomes_to.open("w") as file:
-        for request, outcome, engine in zip(workload.requests, outcomes, engine_of_request, strict=True):
-            record = dataclasses.asdict(outcome)
-            record.update(session=request.session_id, ttft_s=outcome.ttft_s, engine=engine)
-            file.write(json.dumps(record) + "\n")
+    write_outcomes(outcomes_to, workload, outcomes, engine_of_request)
     errors = [o.error for o in outcomes if not o.ok]
     return {
         **hit_and_ttft(outcomes),
