@@ -49,6 +49,15 @@ class Outcome:
 
 
 async def _send(client: httpx.AsyncClient, model: str, request: WorkloadRequest, outcome: Outcome) -> None:
+    """Send one request and stream its answer into `outcome`; a failure of any kind (an HTTP status,
+    the connection, a malformed chunk) ends up in `outcome.error`, never raised."""
+    try:
+        await _stream(client, model, request, outcome)
+    except (httpx.HTTPError, msgspec.DecodeError) as exc:
+        outcome.error = f"{type(exc).__name__}: {exc}"
+
+
+async def _stream(client: httpx.AsyncClient, model: str, request: WorkloadRequest, outcome: Outcome) -> None:
     body = {
         "model": model,
         "messages": request.messages,
@@ -102,10 +111,7 @@ async def replay(
             outcome.scheduled_at = start + request.arrival_s
             await asyncio.sleep(max(0.0, outcome.scheduled_at - time.monotonic()))
             async with slots:
-                try:
-                    await _send(client, model, request, outcome)
-                except (httpx.HTTPError, msgspec.DecodeError) as exc:
-                    outcome.error = f"{type(exc).__name__}: {exc}"
+                await _send(client, model, request, outcome)
 
         await asyncio.gather(*(one(r, o) for r, o in zip(workload.requests, outcomes, strict=True)))
     return outcomes
@@ -137,10 +143,7 @@ async def replay_one_at_a_time(
             for request, outcome, engine in zip(workload.requests, outcomes, engine_of_request, strict=True):
                 if engine in engines:
                     outcome.scheduled_at = time.monotonic()
-                    try:
-                        await _send(clients[engine], model, request, outcome)
-                    except (httpx.HTTPError, msgspec.DecodeError) as exc:
-                        outcome.error = f"{type(exc).__name__}: {exc}"
+                    await _send(clients[engine], model, request, outcome)
 
         await asyncio.gather(*(lane(set(engines)) for engines in lanes))
     finally:
