@@ -10,6 +10,7 @@ import httpx
 import pytest
 
 from tests.support import running_backends, start_gateway
+from tests.support.metrics import metric_samples, sample_key
 
 MODEL = "test-model"
 
@@ -73,23 +74,26 @@ def test_a_503_is_retried_on_another_backend_then_the_backend_recovers(client, g
     # /health stays 200, so only the 503 answers (the passive path) take a out of the rotation;
     # the probe brings it back after min_down_s, and each request that reached it is retried on b.
     a.set_mode(status=503)
+    retries = sample_key("kvgate_retries_total", backend="a", reason="503")
+    retries_before = metric_samples(client.get("/metrics").text).get(retries, 0.0)
     responses = [send(client, f"p{i}") for i in range(10)]
     assert [r.status_code for r in responses] == [200] * 10
     assert {r.headers["x-kvgate-backend"] for r in responses} == {"b"}
     reached_a = len(a.received())
     assert reached_a >= 1
     assert len(b.received()) == 10
-    retries = f'kvgate_retries_total{{backend="a",reason="503"}} {float(reached_a)}'
-    assert retries in client.get("/metrics").text
+    assert metric_samples(client.get("/metrics").text)[retries] == retries_before + reached_a
     # A failing /health keeps it out for good.
     a.set_mode(status=503, health_status=503)
     wait_until_state(gateway.url, "a", "down")
     assert {send(client, f"r{i}").headers["x-kvgate-backend"] for i in range(4)} == {"b"}
     assert len(a.received()) == reached_a
+    came_up = sample_key("kvgate_health_transitions_total", backend="a", to="up")
+    came_up_before = metric_samples(client.get("/metrics").text).get(came_up, 0.0)
     a.set_mode()  # recovered
     wait_until_healthy(gateway.url, {"a"})
     assert {send(client, f"q{i}").headers["x-kvgate-backend"] for i in range(4)} == {"a", "b"}
-    assert 'kvgate_health_transitions_total{backend="a",to="up"}' in client.get("/metrics").text
+    assert metric_samples(client.get("/metrics").text)[came_up] == came_up_before + 1
 
 
 def test_when_every_backend_answers_503_the_client_gets_503(client, backends):

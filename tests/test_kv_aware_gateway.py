@@ -16,6 +16,7 @@ from router.config import builtin_tokenizer_dir
 from router.tokenize import PromptTokenizer
 from tests.support import free_port, start_backend, start_gateway
 from tests.support.event_publisher import EventPublisher, block_stored
+from tests.support.metrics import metric_samples, sample_key
 
 MODEL = "test-model"
 DOCS = {
@@ -173,12 +174,19 @@ def test_lookup_rejects_bad_bodies_with_a_message(fleet: Fleet, body: bytes) -> 
 
 
 def test_metrics_export_index_and_routing_counters(fleet: Fleet) -> None:
-    text = fleet.client.get("/metrics").text
-    assert 'kvgate_kv_events_total{backend="b1",type="BlockStored"} 1.0' in text
-    assert "kvgate_index_lookup_seconds_count" in text
-    assert 'kvgate_route_decisions_total{policy="kv_aware",reason="cache_hit"}' in text
-    assert 'kvgate_routed_prompt_tokens_total{kind="cached",policy="kv_aware"}' in text
-    assert "kvgate_index_router_keys" in text
+    """A request routed to its cached prefix moves the decision and cached-token counters; the
+    index's event and lookup counters are on the same page."""
+    cache_hit = sample_key("kvgate_route_decisions_total", policy="kv_aware", reason="cache_hit")
+    cached = sample_key("kvgate_routed_prompt_tokens_total", kind="cached", policy="kv_aware")
+    before = metric_samples(fleet.client.get("/metrics").text)
+    response = fleet.client.post("/v1/chat/completions", json=chat_body(DOCS["b1"], "And the metrics?"))
+    assert response.headers["x-kvgate-backend"] == "b1"
+    after = metric_samples(fleet.client.get("/metrics").text)
+    assert after[cache_hit] == before.get(cache_hit, 0.0) + 1
+    assert after[cached] - before.get(cached, 0.0) >= 64  # the document's blocks
+    assert after[sample_key("kvgate_kv_events_total", backend="b1", type="BlockStored")] == 1.0
+    assert after[sample_key("kvgate_index_lookup_seconds_count")] >= 1
+    assert any(name == "kvgate_index_router_keys" for name, _labels in after)
 
 
 def test_admin_token_protects_the_page_and_redaction_hides_prompts(qwen3: PromptTokenizer) -> None:
@@ -197,14 +205,20 @@ def test_admin_token_protects_the_page_and_redaction_hides_prompts(qwen3: Prompt
         fleet.close()
 
 
-def test_cold_prefixes_sent_one_at_a_time_spread_over_the_engines(fleet: Fleet) -> None:
-    homes = []
-    for n in range(3):
-        doc = f"Cold document number {n} about an unrelated subject, repeated to make it long. " * 8
-        response = fleet.client.post("/v1/chat/completions", json=chat_body(doc, "Question?"))
-        assert response.status_code == 200
-        homes.append(response.headers["x-kvgate-backend"])
-    assert len(set(homes)) == 3, homes
+def test_cold_prefixes_sent_one_at_a_time_spread_over_the_engines() -> None:
+    # A fleet of its own: the module's fleet carries the recent prefills of the other tests,
+    # which rightly steer cold prompts away from the engines that did them.
+    fleet = Fleet()
+    try:
+        homes = []
+        for n in range(3):
+            doc = f"Cold document number {n} about an unrelated subject, repeated to make it long. " * 8
+            response = fleet.client.post("/v1/chat/completions", json=chat_body(doc, "Question?"))
+            assert response.status_code == 200
+            homes.append(response.headers["x-kvgate-backend"])
+        assert len(set(homes)) == 3, homes
+    finally:
+        fleet.close()
 
 
 def test_a_prompt_still_being_answered_draws_the_requests_that_share_it(fleet: Fleet) -> None:

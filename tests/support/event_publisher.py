@@ -107,6 +107,7 @@ class EventPublisher:
         buffer_steps: int = 10_000,
         replay_format: Literal["new", "old"] = "new",
         connect: bool = False,
+        sndhwm: int = 100_000,
     ) -> None:
         self.topic = topic.encode()
         self.buffer_steps = buffer_steps
@@ -119,6 +120,10 @@ class EventPublisher:
         self._context = zmq.Context()
         self._pub = self._context.socket(zmq.PUB)
         self._pub.setsockopt(zmq.LINGER, 0)
+        # vLLM's publisher queues up to 100_000 messages per subscriber (ZMQ's default is 1000).
+        # With the default, a burst of over 1000 messages on a busy machine drops its tail at the
+        # PUB socket, and a dropped last message leaves no later seq to reveal the gap.
+        self._pub.setsockopt(zmq.SNDHWM, sndhwm)
         if connect:  # the engine connects out; the gateway binds (kv_events.bind: true)
             self._pub.connect(endpoint)
         else:
