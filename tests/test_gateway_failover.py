@@ -93,7 +93,8 @@ def test_a_503_is_retried_on_another_backend_then_the_backend_recovers(client, g
     a.set_mode()  # recovered
     wait_until_healthy(gateway.url, {"a"})
     assert {send(client, f"q{i}").headers["x-kvgate-backend"] for i in range(4)} == {"a", "b"}
-    assert metric_samples(client.get("/metrics").text)[came_up] == came_up_before + 1
+    # At least one: under load a probe may time out and the backend go down and up once more.
+    assert metric_samples(client.get("/metrics").text)[came_up] >= came_up_before + 1
 
 
 def test_when_every_backend_answers_503_the_client_gets_503(client, backends):
