@@ -14,6 +14,7 @@ from transformers import AutoTokenizer
 from router.config import builtin_tokenizer_dir
 from router.index.events import AllBlocksCleared, BlockStored, decode_batch
 from tests.support import free_port, start_process
+from tests.support.metrics import metric_samples
 from tests.support.processes import python_command
 
 MODEL = "tiny-qwen3"
@@ -117,16 +118,14 @@ def test_completion_stream_chunks(sim):
     assert "usage" not in chunks[0]  # only with stream_options.include_usage
 
 
-def test_metrics_use_vllm_names_and_count_prefix_hits(sim):
-    def scrape() -> dict[str, float]:
-        values = {}
-        for line in sim.client.get("/metrics").text.splitlines():
-            if line.startswith("vllm:"):
-                name, _, value = line.rpartition(" ")
-                values[name.split("{")[0]] = float(value)
-        return values
+def vllm_metrics(sim) -> dict[str, float]:
+    """The simulator's vllm:* samples by name (each has one series, labelled with the model)."""
+    samples = metric_samples(sim.client.get("/metrics").text)
+    return {name: value for (name, _labels), value in samples.items() if name.startswith("vllm:")}
 
-    before = scrape()
+
+def test_metrics_use_vllm_names_and_count_prefix_hits(sim):
+    before = vllm_metrics(sim)
     for name in ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
                  "vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total"):  # fmt: skip
         assert name in before
@@ -134,7 +133,7 @@ def test_metrics_use_vllm_names_and_count_prefix_hits(sim):
     prompt = "metrics " + LONG_PROMPT
     first = sim.post("/v1/completions", {"model": MODEL, "prompt": prompt, "max_tokens": 1}).json()
     second = sim.post("/v1/completions", {"model": MODEL, "prompt": prompt, "max_tokens": 1}).json()
-    after = scrape()
+    after = vllm_metrics(sim)
     prompt_tokens = second["usage"]["prompt_tokens"]
     cached = second["usage"]["prompt_tokens_details"]["cached_tokens"]
     assert first["usage"]["prompt_tokens_details"]["cached_tokens"] == 0 < cached
@@ -155,9 +154,7 @@ def test_a_running_request_shows_in_metrics(sim):
         deadline = time.monotonic() + 10
         running = 0.0
         while time.monotonic() < deadline and running < 1:
-            for line in sim.client.get("/metrics").text.splitlines():
-                if line.startswith("vllm:num_requests_running"):
-                    running = float(line.rpartition(" ")[2])
+            running = vllm_metrics(sim)["vllm:num_requests_running"]
             time.sleep(0.01)
         assert running == 1
     finally:
