@@ -177,7 +177,11 @@ class CacheEngine:
         if config.enable_controller and start_controller_worker:
             from cachelayer.controller.worker import ControllerWorker
 
-            self.controller_worker = ControllerWorker(self, config)
+            try:
+                self.controller_worker = ControllerWorker(self, config)
+            except BaseException:  # e.g. a refused secret or address: stop the threads started above
+                self.close()
+                raise
 
     @classmethod
     def from_config(

@@ -72,7 +72,7 @@ class ControllerWorker:
         # The largest legitimate command: its tokens, plus a chunk (import_chunk) of at most twice
         # the raw size (an encoded chunk's worst case) and its headers. A larger message is dropped
         # by ZMQ before it is buffered.
-        raw_chunk = engine.chunk_size * engine._bytes_per_token
+        raw_chunk = engine._raw_nbytes(engine.chunk_size)
         self._commands.setsockopt(
             zmq.MAXMSGSIZE, MAX_BYTES_PER_TOKEN * config.controller_max_tokens + 2 * raw_chunk + (1 << 20)
         )
