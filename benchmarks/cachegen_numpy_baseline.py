@@ -23,6 +23,7 @@ from cachelayer.compress.cachegen import (
     _parse,
     cumulative_frequencies,
     normalized_frequencies,
+    sealed,
     symbol_lookup,
 )
 
@@ -74,7 +75,7 @@ def encode(codec: CacheGenCodec, kv: Tensor, layer_offset: int = 0, total_layers
     for name, array in sections.items():
         start, size = layout.offsets[name]
         blob[start : start + size] = array.tobytes()
-    return bytes(blob)
+    return sealed(bytes(blob))
 
 
 def decode(blob: bytes, dtype: torch.dtype | None = None) -> Tensor:

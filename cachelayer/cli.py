@@ -17,12 +17,36 @@ def _configure_controller(parser: argparse.ArgumentParser) -> None:
         default=9001,
         help="ZMQ port workers register and heartbeat on (controller_pull_url)",
     )
+    parser.add_argument(
+        "--auth-secret-env",
+        metavar="NAME",
+        help="environment variable holding the shared secret: HTTP callers send it as a bearer token, "
+        "workers sign their messages with it (controller_auth_secret_env on the engines)",
+    )
+    parser.add_argument(
+        "--allow-unauthenticated",
+        action="store_true",
+        help="listen beyond loopback without a secret (only on a network where every host is trusted)",
+    )
+    parser.add_argument(
+        "--max-tokens",
+        type=int,
+        default=1 << 20,
+        help="most tokens one request may carry (413 beyond); engines: controller_max_tokens",
+    )
 
 
 def _run_controller(args: argparse.Namespace) -> int:
     from cachelayer.controller.server import serve
 
-    serve(args.host, args.port, args.monitor_port)
+    serve(
+        args.host,
+        args.port,
+        args.monitor_port,
+        auth_secret_env=args.auth_secret_env,
+        allow_unauthenticated=args.allow_unauthenticated,
+        max_tokens=args.max_tokens,
+    )
     return 0
 
 

@@ -52,7 +52,15 @@ class CacheLayerConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True)
     # Seconds between heartbeats; the controller drops a worker silent for three intervals.
     # LMCache defaults to no heartbeat, which silently empties its index; here it is on.
     lmcache_worker_heartbeat_time: Annotated[float, msgspec.Meta(gt=0)] = 2.0
-    # Accepted for compatibility; peer-to-peer transfer is not implemented (see docs/cachelayer.md).
+    # Name of the environment variable holding the secret shared with the controller (its
+    # --auth-secret-env): every report, command and reply is signed with it. Never the secret itself.
+    controller_auth_secret_env: str | None = None
+    # Without a secret, a command socket bound beyond loopback (p2p_host) is refused unless this is true.
+    controller_allow_unauthenticated: bool = False
+    # Most tokens one controller command may carry (the controller's --max-tokens); more is refused.
+    controller_max_tokens: Annotated[int, msgspec.Meta(ge=1)] = 1 << 20
+    # The address the workers' command sockets bind (default 127.0.0.1). Peer-to-peer transfer is
+    # not implemented (see docs/cachelayer.md).
     p2p_host: str | None = None
     p2p_init_ports: list[int] | None = None
     # The cache layer's own KV-event publisher (vLLM's protocol), used when enable_kv_events is

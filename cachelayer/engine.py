@@ -177,7 +177,11 @@ class CacheEngine:
         if config.enable_controller and start_controller_worker:
             from cachelayer.controller.worker import ControllerWorker
 
-            self.controller_worker = ControllerWorker(self, config)
+            try:
+                self.controller_worker = ControllerWorker(self, config)
+            except BaseException:  # e.g. a refused secret or address: stop the threads started above
+                self.close()
+                raise
 
     @classmethod
     def from_config(
@@ -319,11 +323,30 @@ class CacheEngine:
         return num_tokens * self._bytes_per_token
 
     def _chunk_view(self, payload: torch.Tensor, meta: ChunkMeta) -> torch.Tensor:
-        """A chunk's KV [num_layers, 2, n, channels] from its stored bytes (decoded if compressed)."""
+        """A chunk's KV [num_layers, 2, n, channels] from its stored bytes (decoded if compressed).
+
+        An encoded chunk whose header, checksum or shape is wrong raises CacheEngineError before
+        anything is allocated for its values."""
         if meta.fmt == "raw":
             return payload.view(self.dtype).view(self.num_layers, 2, meta.num_tokens, self.channels)
         blob = payload.numpy().tobytes()
+        self._check_blob(meta.fmt, blob, meta.num_tokens, f"chunk {meta.key:#x}")
         return get_codec(meta.fmt).decode(blob, device="cpu", dtype=self.dtype)
+
+    def _check_blob(self, fmt: str, blob: bytes, num_tokens: int, name: str) -> None:
+        """Refuse an encoded chunk unless its header, length and checksum check out and it holds
+        exactly [num_layers, 2, num_tokens, channels] of this engine's dtype."""
+        try:
+            info = get_codec(fmt).inspect(blob)
+        except ValueError as exc:
+            raise CacheEngineError(f"{name} ({fmt}) refused: {exc}") from None
+        expected = (self.num_layers, 2, num_tokens, self.channels)
+        if tuple(info.shape) != expected or info.dtype != self.dtype:
+            raise CacheEngineError(
+                f"{name} ({fmt}) refused: it holds {list(info.shape)} {info.dtype}, this engine "
+                f"keeps [num_layers={self.num_layers}, 2, {num_tokens} tokens, channels={self.channels}] "
+                f"{self.dtype}"
+            )
 
     def _read_payload(self, tier: Tier, entry: TierEntry) -> torch.Tensor:
         if isinstance(tier, CpuTier):
@@ -534,7 +557,7 @@ class CacheEngine:
             return 0, None
         hit = plan[-1][0].end
         done: list[TierEntry] = []
-        failed: list[TierEntry] = []
+        failed: list[tuple[Tier, TierEntry]] = []
         try:
             result = (
                 out[:, :, :hit]
@@ -547,20 +570,22 @@ class CacheEngine:
                         assert isinstance(tier, DiskTier)
                         tier.read_into(entry, self.cpu.view(promoted))
                         payload = self.cpu.view(promoted)
-                        done.append(promoted)
                     else:
                         payload = self._read_payload(tier, entry)
-                except OSError as exc:
+                    chunk = self._chunk_view(payload, entry.meta)
+                except (OSError, ValueError) as exc:  # unreadable file, corrupt or foreign blob
                     log.error(
-                        "cachelayer: chunk %#x unreadable from %s (%s); treated as a miss",
+                        "cachelayer: chunk %#x unusable in %s (%s); treated as a miss and removed",
                         span.key,
                         tier.name,
                         exc,
                     )
-                    failed.append(entry)
+                    failed.append((tier, entry))
                     hit = span.start
                     break
-                _copy(result[:, :, span.start : span.end], self._chunk_view(payload, entry.meta))
+                if promoted is not None:
+                    done.append(promoted)
+                _copy(result[:, :, span.start : span.end], chunk)
             result = result[:, :, :hit]
         finally:
             with self._lock:
@@ -574,10 +599,10 @@ class CacheEngine:
                         stored_events.append(self._stored_event(self.cpu, promoted.meta))
                     else:
                         self.cpu.abort(promoted)
-                for entry in failed:
-                    removed = self.disk.remove(entry.meta.key) if self.disk is not None else None
-                    if removed is not None and self.disk is not None:
-                        stored_events.extend(self._removal_events(self.disk, [removed.meta]))
+                for tier, entry in failed:
+                    if tier.get(entry.meta.key) is entry:  # not a replacement written since
+                        tier.remove(entry.meta.key)
+                        stored_events.extend(self._removal_events(tier, [entry.meta]))
                 self.counters["read_chunks"] += sum(1 for span, *_ in plan if span.end <= hit)
                 self._emit(stored_events)
         if hit == 0:
@@ -774,7 +799,9 @@ class CacheEngine:
                     f"chunk {index} has {len(data)} bytes; {span.num_tokens} tokens of raw KV need {expected}"
                 )
         else:
-            get_codec(fmt)  # an unknown format is refused before anything is reserved
+            # An unknown format, a wrong shape, dtype or token count, or a corrupted blob is refused
+            # before anything is reserved: an import must never store what a retrieve cannot use.
+            self._check_blob(fmt, data, span.num_tokens, f"chunk {index}")
         if not data:
             raise CacheEngineError(f"chunk {index} arrived without bytes")
         with self._lock:

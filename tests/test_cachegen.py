@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import struct
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -26,6 +27,7 @@ from cachelayer.compress.cachegen import (
     _parse,
     error_bound,
     layer_qmax,
+    sealed,
 )
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (runs on the GPU machine)")
@@ -66,6 +68,15 @@ def golden_input(case: dict) -> torch.Tensor:
     elif kind == "skewed":
         values = np.where(rng.random(values.shape) < 0.02, values * 50, values * 0.01).astype(np.float32)
     return torch.from_numpy(values).to(getattr(torch, case["dtype"]))
+
+
+def version_1_bytes(blob: bytes) -> bytes:
+    """The blob as version 1 wrote it (the golden hashes predate version 2): the same sections
+    behind a header without the checksum, which was the only change."""
+    fields = list(struct.unpack_from("<4sHBBIIIIIIQQ", blob))
+    assert fields[1] == 2
+    fields[1] = 1
+    return struct.pack("<4sHBBIIIIIIQ", *fields[:-1]) + blob[48:]
 
 
 def sha256(tensor: torch.Tensor) -> str:
@@ -168,8 +179,8 @@ def test_cpu_blobs_and_decoded_values_are_those_of_the_reference_implementation(
     assert sha256(kv) == expected["input_sha256"], "the seeded input changed, not the codec"
     codec = CacheGenCodec()
     blob = codec.encode(kv, layer_offset=case.get("layer_offset", 0), total_layers=case.get("total_layers"))
-    assert len(blob) == expected["blob_bytes"]
-    assert hashlib.sha256(blob).hexdigest() == expected["blob_sha256"]
+    assert len(version_1_bytes(blob)) == expected["blob_bytes"]
+    assert hashlib.sha256(version_1_bytes(blob)).hexdigest() == expected["blob_sha256"]
     assert sha256(codec.decode(blob)) == expected["decoded_sha256"]
     assert sha256(codec.decode(blob, dtype=torch.float32)) == expected["decoded_float32_sha256"]
 
@@ -228,8 +239,9 @@ def test_a_blob_whose_lanes_disagree_with_its_words_is_refused():
     counts[0] -= 1
     counts[1] += 1
     blob[start : start + 4] = counts.tobytes()
+    # Resealed, so that the checksum passes and the rANS check is the one that refuses it.
     with pytest.raises(CacheGenError, match="did not decode to their initial state"):
-        codec.decode(bytes(blob))
+        codec.decode(sealed(bytes(blob)))
 
 
 @cuda
@@ -257,7 +269,7 @@ def test_cuda_llama_shaped_chunk_round_trips_and_corruption_is_caught():
     restored = codec.decode_device(blob, dtype=torch.float32)
     bound = error_bound(expected_scales(kv)).cuda()[..., None]
     assert torch.all((restored - kv.float()).abs() <= bound)
-    assert bytes(blob.cpu().numpy()) == codec.encode(kv.cpu())
+    assert sealed(bytes(blob.cpu().numpy())) == codec.encode(kv.cpu())
     broken = blob.clone()
     broken[-64:] = 0
     with pytest.raises(CacheGenError, match="corrupt"):

@@ -1,7 +1,10 @@
 """The codec registry: `get_codec(name)` returns an object that encodes a KV chunk to bytes and back.
 
 Every codec takes kv shaped [layers, 2, tokens, channels] and returns a self-describing blob
-(shape and dtype inside), so a chunk can be decoded anywhere without side information.
+(shape, dtype and a checksum inside), so a chunk can be decoded anywhere without side information.
+`inspect(blob)` reads and checks a blob's header, size and checksum without decoding it: a blob
+from a socket or a file is checked against the shape its holder expects before anything is
+allocated for its values.
 `layer_offset` / `total_layers` tell a codec where the given layers sit in the model (CacheGen
 quantizes early layers finer). Codecs live in modules of this package; the registry imports
 them on first use, so an optional codec costs nothing until asked for.
@@ -10,9 +13,16 @@ them on first use, so an optional codec costs nothing until asked for.
 from __future__ import annotations
 
 import importlib
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 import torch
+
+
+class BlobInfo(NamedTuple):
+    """What a blob's header says it holds; `inspect` has checked its size and checksum."""
+
+    shape: tuple[int, int, int, int]  # [layers, 2, tokens, channels]
+    dtype: torch.dtype
 
 
 class Codec(Protocol):
@@ -23,6 +33,10 @@ class Codec(Protocol):
     def decode(
         self, blob: bytes, *, device: str | torch.device = "cpu", dtype: torch.dtype | None = None
     ) -> torch.Tensor: ...
+
+    def inspect(self, blob: bytes | memoryview) -> BlobInfo:
+        """The blob's shape and dtype, after checking its header, length and checksum (ValueError)."""
+        ...
 
 
 # name -> "module:class"; the class is instantiated without arguments.

@@ -14,12 +14,16 @@ One format on CPU and CUDA (a blob encoded on either decodes on either, bit for 
    tokens. Lanes share no state, so the CPU runs blocks of lanes on every core (numba kernels in
    cachegen_cpu.py) and the GPU runs one lane per thread (cachelayer/gpu/cachegen_kernels.py).
 
-Blob (little-endian; every section starts on an 8-byte boundary):
+Blob, version 2 (little-endian; every section starts on an 8-byte boundary):
   header `_HEADER`: magic b"KVCG", version, dtype code, probability bits, num_layers, num_tokens,
-  channels, layer_offset, total_layers, group_tokens, total_words;
+  channels, layer_offset, total_layers, group_tokens, total_words, checksum;
   qmax uint8[num_layers]; scales float32[num_layers, 2, num_tokens];
   frequencies uint16[num_layers * 2, 64]; final states uint32[lanes]; words per lane uint16[lanes];
   words uint16[total_words] (lane after lane, each lane's words in the order its decoder reads them).
+The checksum is xxh3_64 of the header before it and of every section after it: the rANS checks
+alone let about one corrupted blob in ten decode to wrong values. Blobs in host memory always
+carry it; a blob built on the GPU (`encode_to_device`) gets it when it is copied out (`sealed`),
+so that the GPU path never waits for a host copy. Version 1 had no checksum and is refused.
 """
 
 from __future__ import annotations
@@ -28,10 +32,13 @@ import struct
 
 import numpy as np
 import torch
+import xxhash
 from torch import Tensor
 
+from cachelayer.compress import BlobInfo
+
 MAGIC = b"KVCG"
-VERSION = 1
+VERSION = 2
 PROBABILITY_BITS = 12
 PROBABILITY_SCALE = 1 << PROBABILITY_BITS
 STATE_LOWER_BOUND = 1 << 16  # rANS state lives in [2**16, 2**32); renormalization moves 16-bit words
@@ -39,7 +46,10 @@ GROUP_TOKENS = 256
 ALPHABET = 64  # symbols 0 .. 2 * qmax; qmax <= 31
 DEFAULT_LEVELS = (31, 15, 7)
 
-_HEADER = struct.Struct("<4sHBBIIIIIIQ")
+_HEADER = struct.Struct("<4sHBBIIIIIIQQ")
+_CHECKSUM = struct.Struct("<Q")
+_CHECKSUM_OFFSET = _HEADER.size - _CHECKSUM.size
+_MAGIC_AND_VERSION = struct.Struct("<4sH")
 _DTYPE_CODES = {torch.bfloat16: 1, torch.float16: 2, torch.float32: 3}
 _CODE_DTYPES = {code: dtype for dtype, code in _DTYPE_CODES.items()}
 
@@ -127,18 +137,15 @@ class CacheGenCodec:
     def encode(self, kv: Tensor, *, layer_offset: int = 0, total_layers: int | None = None) -> bytes:
         """Encode kv [layers, 2, tokens, channels] (bf16, fp16 or fp32; CPU or CUDA) to a blob."""
         if kv.device.type == "cuda":
-            return (
-                self.encode_to_device(kv, layer_offset=layer_offset, total_layers=total_layers)
-                .cpu()
-                .numpy()
-                .tobytes()
-            )
+            blob = self.encode_to_device(kv, layer_offset=layer_offset, total_layers=total_layers)
+            return sealed(blob.cpu().numpy().tobytes())
         return self._encode_cpu(kv, layer_offset, total_layers)
 
     def encode_to_device(
         self, kv: Tensor, *, layer_offset: int = 0, total_layers: int | None = None
     ) -> Tensor:
-        """Encode a CUDA kv to a blob that stays on the GPU (a uint8 tensor with encode()'s bytes)."""
+        """Encode a CUDA kv to a blob that stays on the GPU (a uint8 tensor with encode()'s bytes,
+        but for the checksum, which `sealed` adds once the bytes are in host memory)."""
         from cachelayer.gpu import cachegen_kernels
 
         qmax = self._check_input(kv, layer_offset, total_layers)
@@ -216,6 +223,7 @@ class CacheGenCodec:
         for name, array in sections.items():
             start, size = layout.offsets[name]
             blob[start : start + size] = memoryview(array).cast("B")
+        _seal(blob)
         return bytes(blob)
 
     def _check_input(self, kv: Tensor, layer_offset: int, total_layers: int | None) -> list[int]:
@@ -250,6 +258,7 @@ class CacheGenCodec:
             total,
             GROUP_TOKENS,
             total_words,
+            0,  # the checksum, filled in by _seal once the sections are written
         )
 
     # ---- decoding -------------------------------------------------------------------------------
@@ -258,14 +267,23 @@ class CacheGenCodec:
     ) -> Tensor:
         """Decode a blob to kv [layers, 2, tokens, channels] on `device` (CUDA decodes on the GPU)."""
         device = torch.device(device)
+        header, layout = _parse(memoryview(blob))  # header, size and checksum, before any allocation
         if device.type == "cuda":
             data = torch.frombuffer(bytearray(blob), dtype=torch.uint8).to(device)
             return self.decode_device(data, dtype=dtype)
-        header, layout = _parse(memoryview(blob))
         return self._decode_cpu(memoryview(blob), header, layout, dtype)
 
+    def inspect(self, blob: bytes | memoryview) -> BlobInfo:
+        """The blob's shape and dtype, once its header, length and checksum check out (CacheGenError)."""
+        header, _ = _parse(memoryview(blob))
+        shape = (header["num_layers"], 2, header["num_tokens"], header["channels"])
+        return BlobInfo(shape, header["dtype"])
+
     def decode_device(self, blob: Tensor, *, dtype: torch.dtype | None = None) -> Tensor:
-        """Decode a blob held in a CUDA uint8 tensor, on that GPU."""
+        """Decode a blob held in a CUDA uint8 tensor, on that GPU.
+
+        The header and sizes are checked here; the checksum is not (it would need the bytes in host
+        memory): bytes that arrive from outside go through `decode` or `inspect`, which check it."""
         from cachelayer.gpu import cachegen_kernels
 
         head = bytes(blob[: _align(_HEADER.size)].cpu().numpy())
@@ -355,27 +373,61 @@ def _check_frequencies(frequencies: np.ndarray) -> None:
         raise CacheGenError("corrupt CacheGen blob: a frequency table does not sum to 4096")
 
 
+def _checksum(blob: memoryview | bytearray) -> int:
+    digest = xxhash.xxh3_64(blob[:_CHECKSUM_OFFSET])
+    digest.update(blob[_HEADER.size :])
+    return digest.intdigest()
+
+
+def _seal(blob: bytearray) -> None:
+    _CHECKSUM.pack_into(blob, _CHECKSUM_OFFSET, _checksum(blob))
+
+
+def sealed(blob: bytes) -> bytes:
+    """A blob copied out of the GPU (`encode_to_device`), with its checksum filled in."""
+    writable = bytearray(blob)
+    _seal(writable)
+    return bytes(writable)
+
+
 def _parse(blob: memoryview, total_size: int | None = None) -> tuple[dict, _Layout]:
+    """The header's fields and the section layout, checked against the blob's length and, when the
+    whole blob is given (no `total_size`), its checksum. Nothing here allocates by the header's claims."""
+    if len(blob) < _MAGIC_AND_VERSION.size:
+        raise CacheGenError(f"not a CacheGen blob: {len(blob)} bytes is shorter than its header")
+    magic, version = _MAGIC_AND_VERSION.unpack_from(blob)
+    if magic != MAGIC:
+        raise CacheGenError(f"not a CacheGen blob: magic {magic!r}, expected {MAGIC!r}")
+    if version != VERSION:
+        raise CacheGenError(
+            f"CacheGen blob of version {version}; this build reads version {VERSION} only "
+            "(version 1 had no checksum): compress the chunk again"
+        )
     if len(blob) < _HEADER.size:
         raise CacheGenError(f"not a CacheGen blob: {len(blob)} bytes is shorter than its header")
     fields = _HEADER.unpack_from(blob)
-    magic, version, dtype_code, probability_bits, num_layers, num_tokens, channels = fields[:7]
-    layer_offset, total_layers, group_tokens, total_words = fields[7:]
-    if magic != MAGIC:
-        raise CacheGenError(f"not a CacheGen blob: magic {magic!r}, expected {MAGIC!r}")
-    if version != VERSION or probability_bits != PROBABILITY_BITS or group_tokens != GROUP_TOKENS:
+    _, _, dtype_code, probability_bits, num_layers, num_tokens, channels = fields[:7]
+    layer_offset, total_layers, group_tokens, total_words, checksum = fields[7:]
+    if probability_bits != PROBABILITY_BITS or group_tokens != GROUP_TOKENS:
         raise CacheGenError(
-            f"CacheGen blob of version {version} (probability bits {probability_bits}, group "
-            f"{group_tokens}); this build reads version {VERSION} ({PROBABILITY_BITS}, {GROUP_TOKENS})"
+            f"CacheGen blob with probability bits {probability_bits} and groups of {group_tokens} tokens; "
+            f"this build reads {PROBABILITY_BITS} and {GROUP_TOKENS}"
         )
     if dtype_code not in _CODE_DTYPES:
         raise CacheGenError(f"corrupt CacheGen blob: unknown dtype code {dtype_code}")
+    if min(num_layers, num_tokens, channels) == 0 or layer_offset + num_layers > total_layers:
+        raise CacheGenError(
+            f"corrupt CacheGen blob: {num_layers} layers from {layer_offset} of {total_layers}, "
+            f"{num_tokens} tokens, {channels} channels"
+        )
     layout = _Layout(num_layers, num_tokens, channels, total_words)
     size = total_size if total_size is not None else len(blob)
     if size != layout.total_size:
         raise CacheGenError(
             f"corrupt or truncated CacheGen blob: {size} bytes, but its header describes {layout.total_size}"
         )
+    if total_size is None and _checksum(blob) != checksum:
+        raise CacheGenError("corrupt CacheGen blob: checksum mismatch")
     header = {
         "dtype": _CODE_DTYPES[dtype_code],
         "num_layers": num_layers,

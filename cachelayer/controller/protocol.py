@@ -3,6 +3,8 @@
 - Worker -> controller, PUSH to the controller's monitor PULL socket (`controller_pull_url`):
   `WorkerReport` with kind "register", "heartbeat" or "deregister". A heartbeat carries the
   whole registration, so a restarted controller relearns its workers within one interval.
+- With a shared secret, every message starts with an authentication frame (auth.py); the frames
+  below follow it.
 - Controller -> worker, REQ to the worker's REP command socket (the `url` it registered):
   `Command` answered by `Reply`. A move between instances relays chunks through the controller
   one at a time: "export_chunk" is answered by a `Reply` frame followed by the chunk's stored
@@ -14,6 +16,12 @@ from __future__ import annotations
 from typing import Any, Literal
 
 import msgspec
+
+# Tokens one request or command may carry unless configured otherwise (--max-tokens,
+# controller_max_tokens): a bound on the work and memory one call can cost.
+DEFAULT_MAX_TOKENS = 1 << 20
+# A token id takes at most this many bytes in msgpack (uint64) and in JSON (with its comma).
+MAX_BYTES_PER_TOKEN = 21
 
 ReportKind = Literal["register", "heartbeat", "deregister"]
 Operation = Literal[

@@ -1,6 +1,6 @@
 """The controller: LMCache's controller HTTP API over the cache engines that register with it.
 
-HTTP (Starlette), all POST with JSON, errors as `{"detail": ...}`:
+HTTP (Starlette), all POST with JSON, every error (401, 404, 405, 413, 500 included) as `{"detail": ...}`:
 /lookup, /clear, /pin, /compress, /decompress, /move, /health, /query_worker_info
 (schemas in protocols.md section 3), and /check_finish {event_id} -> {status: "finished"} for
 clients that poll (every operation here completes before it answers).
@@ -8,6 +8,8 @@ Workers report on a ZMQ PULL socket (the monitor port): register, heartbeat, der
 worker silent for `MISSED_HEARTBEATS` of its own intervals is dropped. Each operation on an
 instance fans out to all its (tensor-parallel) workers in parallel; they must all report the
 same token count, or the answer is a 500 naming the counts.
+With a shared secret (auth.py) the HTTP API needs `Authorization: Bearer <secret>` and every worker
+message is signed; unsigned reports are dropped. A request carries at most `max_tokens` tokens (413).
 """
 
 from __future__ import annotations
@@ -26,16 +28,36 @@ import msgspec
 import zmq
 import zmq.asyncio
 from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse
 from starlette.routing import Route
 
-from cachelayer.controller.protocol import Command, Reply, WorkerReport, encode
+from cachelayer.controller.auth import (
+    COMMAND,
+    REPLY,
+    REPORT,
+    AuthConfigError,
+    AuthError,
+    MessageAuth,
+    bearer_token_matches,
+    refuse_open_socket_beyond_loopback,
+    secret_from_env,
+)
+from cachelayer.controller.protocol import (
+    DEFAULT_MAX_TOKENS,
+    MAX_BYTES_PER_TOKEN,
+    Command,
+    Reply,
+    WorkerReport,
+    encode,
+)
 
 log = logging.getLogger(__name__)
 
 MISSED_HEARTBEATS = 3
 COMMAND_TIMEOUT_S = 5.0
+_MAX_REPORT_BYTES = 64 * 1024  # a WorkerReport is ~200 bytes; ZMQ drops larger messages unread
 
 
 class ApiError(Exception):
@@ -119,10 +141,19 @@ class WorkerRecord:
 class Controller:
     """The worker registry and the fan-out of operations; the HTTP layer is `build_app`."""
 
-    def __init__(self, monitor_endpoint: str, *, context: zmq.asyncio.Context | None = None) -> None:
+    def __init__(
+        self,
+        monitor_endpoint: str,
+        *,
+        secret: bytes | None = None,
+        context: zmq.asyncio.Context | None = None,
+    ) -> None:
         self._context = context or zmq.asyncio.Context()
+        self.secret = secret
+        self._auth = MessageAuth(secret)
         self._pull = self._context.socket(zmq.PULL)
         self._pull.setsockopt(zmq.LINGER, 0)
+        self._pull.setsockopt(zmq.MAXMSGSIZE, _MAX_REPORT_BYTES)
         self._pull.bind(monitor_endpoint)
         self.monitor_endpoint = self._pull.getsockopt_string(zmq.LAST_ENDPOINT)
         self.instances: dict[str, dict[int, WorkerRecord]] = {}
@@ -181,11 +212,17 @@ class Controller:
 
     async def _receive_reports(self) -> None:
         decoder = msgspec.msgpack.Decoder(WorkerReport)
+        last_refusal_logged = 0.0
         while True:
-            payload = await self._pull.recv()
+            frames = await self._pull.recv_multipart()
             try:
-                self.apply_report(decoder.decode(payload))
-            except msgspec.DecodeError as exc:
+                payload, _ = self._auth.open(REPORT, frames)
+                self.apply_report(decoder.decode(payload[0]))
+            except AuthError as exc:
+                if time.monotonic() - last_refusal_logged > 10:  # one line per 10 s of attack at most
+                    last_refusal_logged = time.monotonic()
+                    log.warning("controller: unauthenticated worker report dropped: %s", exc)
+            except (msgspec.DecodeError, IndexError) as exc:
                 log.warning("controller: malformed worker report ignored: %s", exc)
 
     async def _reap(self) -> None:
@@ -214,17 +251,25 @@ class Controller:
         socket.connect(record.url)
         try:
             frames = [encode(command)] if chunk_bytes is None else [encode(command), chunk_bytes]
+            frames, nonce = self._auth.seal(COMMAND, frames)
             await socket.send_multipart(frames, copy=False)
             if not await socket.poll(int(COMMAND_TIMEOUT_S * 1000)):
                 error = f"worker {record.report.worker_id} did not answer in {COMMAND_TIMEOUT_S}s"
                 return Reply(ok=False, error=error), None
             answer = await socket.recv_multipart()
-            return msgspec.msgpack.decode(answer[0], type=Reply), (answer[1] if len(answer) > 1 else None)
+            try:
+                answer, _ = self._auth.open(REPLY, answer, answering=nonce)
+                reply = msgspec.msgpack.decode(answer[0], type=Reply)
+            except (AuthError, msgspec.DecodeError, IndexError) as exc:
+                error = f"worker {record.report.worker_id} at {record.url} gave an unusable answer: {exc}"
+                return Reply(ok=False, error=error), None
+            return reply, (answer[1] if len(answer) > 1 else None)
         finally:
             socket.close(linger=0)
 
     async def fan_out(self, instance_id: str, command: Command) -> dict[int, Reply]:
-        workers = self.workers_of(instance_id)
+        # A copy: the reaper and new reports change the registry while the replies are awaited.
+        workers = dict(self.workers_of(instance_id))
         replies = await asyncio.gather(*(self._ask(record, command) for record in workers.values()))
         return dict(zip(workers, replies, strict=True))
 
@@ -256,7 +301,9 @@ class Controller:
         source then drops what moved. Returns the tokens now held at the destination.
         """
         (source_instance, source_location), (destination_instance, destination_location) = source, destination
-        senders, receivers = self.workers_of(source_instance), self.workers_of(destination_instance)
+        # Copies: the registry may change while the chunks move; the move keeps the workers it began with.
+        senders = dict(self.workers_of(source_instance))
+        receivers = dict(self.workers_of(destination_instance))
         if sorted(senders) != sorted(receivers):
             raise ApiError(
                 400,
@@ -376,15 +423,59 @@ def _event_id(operation: str) -> str:
 _REMEMBERED_EVENTS = 10_000
 
 
-def build_app(controller: Controller) -> Starlette:
+def _error(status: int, detail: str, headers: dict[str, str] | None = None) -> JSONResponse:
+    return JSONResponse({"detail": detail}, status_code=status, headers=headers)
+
+
+async def _read_body(request: Request, limit: int) -> bytes:
+    """The request body, refused with a 413 as soon as it passes `limit` bytes."""
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limit:
+        raise ApiError(413, _too_large(int(declared), limit))
+    body = bytearray()
+    async for piece in request.stream():
+        body += piece
+        if len(body) > limit:
+            raise ApiError(413, _too_large(len(body), limit))
+    return bytes(body)
+
+
+def _too_large(size: int, limit: int) -> str:
+    return (
+        f"request body of {size} bytes or more; at most {limit} are accepted "
+        "(a bound that follows the controller's --max-tokens)"
+    )
+
+
+def build_app(controller: Controller, *, max_tokens: int = DEFAULT_MAX_TOKENS) -> Starlette:
+    """The HTTP API; with `controller.secret` set every call needs `Authorization: Bearer <secret>`."""
     # Every operation completes before its answer, so an event id is finished as soon as it is issued;
     # /check_finish serves LMCache clients that poll for it.
     finished_events: OrderedDict[str, None] = OrderedDict()
+    body_limit = MAX_BYTES_PER_TOKEN * max_tokens + 64 * 1024
 
     def endpoint(body_type: type[_Body], operation: str, handler: Any) -> Any:
         async def handle(request: Request) -> JSONResponse:
+            if controller.secret is not None and not bearer_token_matches(
+                request.headers.get("authorization", ""), controller.secret
+            ):
+                return _error(
+                    401,
+                    "this controller needs `Authorization: Bearer <secret>`, the secret of its "
+                    "--auth-secret-env variable",
+                    {"WWW-Authenticate": "Bearer"},
+                )
             try:
-                body = msgspec.json.decode(await request.body(), type=body_type)
+                body = msgspec.json.decode(await _read_body(request, body_limit), type=body_type)
+                tokens = getattr(body, "tokens", ())
+                if len(tokens) > max_tokens:
+                    raise ApiError(
+                        413,
+                        f"{len(tokens)} tokens in one request; this controller accepts at most {max_tokens} "
+                        "(--max-tokens): split the request",
+                    )
+            except ApiError as exc:
+                return _error(exc.status, exc.detail)
             except msgspec.ValidationError as exc:
                 return JSONResponse({"detail": f"malformed {request.url.path} body: {exc}"}, status_code=422)
             except msgspec.DecodeError as exc:
@@ -394,7 +485,10 @@ def build_app(controller: Controller) -> Starlette:
             try:
                 result = await handler(body)
             except ApiError as exc:
-                return JSONResponse({"detail": exc.detail}, status_code=exc.status)
+                return _error(exc.status, exc.detail)
+            except Exception as exc:  # a bug here must still answer in the API's error shape
+                log.exception("controller: %s failed", request.url.path)
+                return _error(500, f"{request.url.path} failed inside the controller: {exc!r}")
             event_id = _event_id(operation)
             finished_events[event_id] = None
             while len(finished_events) > _REMEMBERED_EVENTS:
@@ -478,13 +572,51 @@ def build_app(controller: Controller) -> Starlette:
         finally:
             await controller.stop()
 
-    return Starlette(routes=routes, lifespan=lifespan)
+    async def http_error(request: Request, exc: Exception) -> JSONResponse:
+        assert isinstance(exc, HTTPException)
+        if exc.status_code == 405:
+            detail = f"{request.method} {request.url.path}: every controller route takes POST with JSON"
+        elif exc.status_code == 404:
+            detail = (
+                f"no route {request.url.path}; the routes are {', '.join(route.path for route in routes)}"
+            )
+        else:
+            detail = str(exc.detail)
+        return _error(exc.status_code, detail, exc.headers)
+
+    return Starlette(routes=routes, lifespan=lifespan, exception_handlers={HTTPException: http_error})
 
 
-def serve(host: str, port: int, monitor_port: int) -> None:
+def serve(
+    host: str,
+    port: int,
+    monitor_port: int,
+    *,
+    auth_secret_env: str | None = None,
+    allow_unauthenticated: bool = False,
+    max_tokens: int = DEFAULT_MAX_TOKENS,
+) -> None:
     """Run the controller until interrupted (the `cachelayer controller` command)."""
     import uvicorn
 
-    controller = Controller(f"tcp://{host}:{monitor_port}")
-    log.info("controller: HTTP on %s:%d, worker monitor on %s", host, port, controller.monitor_endpoint)
-    uvicorn.run(build_app(controller), host=host, port=port, log_level="info")
+    try:
+        secret = secret_from_env(auth_secret_env, "--auth-secret-env")
+        refuse_open_socket_beyond_loopback(
+            host,
+            secret,
+            allow_unauthenticated,
+            "the controller (HTTP API and worker monitor socket)",
+            "Pass --auth-secret-env NAME (and set controller_auth_secret_env: NAME on the engines), or "
+            "--allow-unauthenticated if the network is trusted.",
+        )
+    except AuthConfigError as exc:
+        raise SystemExit(f"cachelayer controller: {exc}") from None
+    controller = Controller(f"tcp://{host}:{monitor_port}", secret=secret)
+    log.info(
+        "controller: HTTP on %s:%d, worker monitor on %s, %s",
+        host,
+        port,
+        controller.monitor_endpoint,
+        "authenticated (shared secret)" if secret else "unauthenticated",
+    )
+    uvicorn.run(build_app(controller, max_tokens=max_tokens), host=host, port=port, log_level="info")

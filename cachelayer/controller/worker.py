@@ -1,8 +1,11 @@
 """The cache engine's side of the controller: register, heartbeat, and serve the controller's commands.
 
-One thread per engine owns two sockets: a PUSH to the controller's monitor socket for reports,
-and a REP bound on `p2p_host` (default 127.0.0.1) at `lmcache_worker_ports[worker_id]` (or a port
-the OS picks) for commands. Commands run on the engine exactly like a local call.
+Two threads per engine, one socket each: a PUSH to the controller's monitor socket for reports
+(register, a heartbeat every interval, deregister), and a REP bound on `p2p_host` (default
+127.0.0.1) at `lmcache_worker_ports[worker_id]` (or a port the OS picks) for commands. Heartbeats
+have their own thread so that a long command never makes the controller drop the worker. Commands
+run on the engine exactly like a local call. With `controller_auth_secret_env` every message is
+signed (cachelayer/controller/auth.py); an unsigned command is answered with a refusal, never run.
 """
 
 from __future__ import annotations
@@ -16,7 +19,23 @@ import msgspec
 import zmq
 
 from cachelayer.config import CacheLayerConfig
-from cachelayer.controller.protocol import Command, Reply, WorkerReport, encode, normalize_url
+from cachelayer.controller.auth import (
+    COMMAND,
+    REPLY,
+    REPORT,
+    AuthError,
+    MessageAuth,
+    refuse_open_socket_beyond_loopback,
+    secret_from_env,
+)
+from cachelayer.controller.protocol import (
+    MAX_BYTES_PER_TOKEN,
+    Command,
+    Reply,
+    WorkerReport,
+    encode,
+    normalize_url,
+)
 
 if TYPE_CHECKING:
     from cachelayer.engine import CacheEngine
@@ -32,6 +51,17 @@ class ControllerWorker:
             )
         self._engine = engine
         self._config = config
+        self.ip = config.p2p_host or "127.0.0.1"
+        secret = secret_from_env(config.controller_auth_secret_env, "controller_auth_secret_env")
+        refuse_open_socket_beyond_loopback(
+            self.ip,
+            secret,
+            config.controller_allow_unauthenticated,
+            "the controller worker's command socket (p2p_host)",
+            "Set controller_auth_secret_env (and the controller's --auth-secret-env), or set "
+            "controller_allow_unauthenticated: true if the network is trusted.",
+        )
+        self._auth = MessageAuth(secret)
         self._context = zmq.Context.instance()
         self._push = self._context.socket(zmq.PUSH)
         self._push.setsockopt(zmq.LINGER, 1000)
@@ -39,7 +69,13 @@ class ControllerWorker:
         self._push.connect(normalize_url(config.controller_pull_url))
         self._commands = self._context.socket(zmq.REP)
         self._commands.setsockopt(zmq.LINGER, 0)
-        self.ip = config.p2p_host or "127.0.0.1"
+        # The largest legitimate command: its tokens, plus a chunk (import_chunk) of at most twice
+        # the raw size (an encoded chunk's worst case) and its headers. A larger message is dropped
+        # by ZMQ before it is buffered.
+        raw_chunk = engine._raw_nbytes(engine.chunk_size)
+        self._commands.setsockopt(
+            zmq.MAXMSGSIZE, MAX_BYTES_PER_TOKEN * config.controller_max_tokens + 2 * raw_chunk + (1 << 20)
+        )
         ports = config.lmcache_worker_ports or []
         wanted_port = ports[engine.worker_id] if engine.worker_id < len(ports) else 0
         if wanted_port:
@@ -48,8 +84,14 @@ class ControllerWorker:
         else:
             self.port = self._commands.bind_to_random_port(f"tcp://{self.ip}")
         self._closed = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="cachelayer-controller-worker", daemon=True)
-        self._thread.start()
+        self._threads = [
+            threading.Thread(target=self._serve_commands, name="cachelayer-controller-worker", daemon=True),
+            threading.Thread(
+                target=self._send_heartbeats, name="cachelayer-controller-heartbeat", daemon=True
+            ),
+        ]
+        for thread in self._threads:
+            thread.start()
 
     def _report(self, kind: str) -> WorkerReport:
         return WorkerReport(
@@ -64,8 +106,9 @@ class ControllerWorker:
         )
 
     def _send_report(self, kind: str) -> None:
+        frames, _ = self._auth.seal(REPORT, [encode(self._report(kind))])
         try:
-            self._push.send(encode(self._report(kind)), zmq.NOBLOCK)
+            self._push.send_multipart(frames, zmq.NOBLOCK)
         except zmq.Again:
             log.warning(
                 "cachelayer worker: controller at %s is not reachable yet", self._config.controller_pull_url
@@ -75,30 +118,51 @@ class ControllerWorker:
         if self._closed.is_set():
             return
         self._closed.set()
-        self._thread.join(timeout=5)
-        self._send_report("deregister")
+        for thread in self._threads:
+            thread.join(timeout=5)
+        self._send_report("deregister")  # the heartbeat thread has ended: the PUSH socket is ours now
         self._push.close(linger=500)
         self._commands.close(linger=0)
 
-    def _run(self) -> None:
-        decoder = msgspec.msgpack.Decoder(Command)
+    def _send_heartbeats(self) -> None:
         self._send_report("register")
-        next_heartbeat = time.monotonic() + self._config.lmcache_worker_heartbeat_time
+        while not self._closed.wait(self._config.lmcache_worker_heartbeat_time):
+            self._send_report("heartbeat")
+
+    def _serve_commands(self) -> None:
+        decoder = msgspec.msgpack.Decoder(Command)
+        last_refusal_logged = 0.0
         while not self._closed.is_set():
-            timeout_ms = max(0, min(100, int((next_heartbeat - time.monotonic()) * 1000)))
-            if self._commands.poll(timeout_ms):
-                frames = self._commands.recv_multipart(copy=True)
-                chunk_bytes: bytes | None = None
-                try:
-                    reply, chunk_bytes = self._execute(decoder.decode(frames[0]), frames[1:])
-                except msgspec.DecodeError as exc:
-                    reply = Reply(ok=False, error=f"malformed command: {exc}")
-                self._commands.send_multipart(
-                    [encode(reply)] if chunk_bytes is None else [encode(reply), chunk_bytes]
-                )
-            if time.monotonic() >= next_heartbeat:
-                self._send_report("heartbeat")
-                next_heartbeat = time.monotonic() + self._config.lmcache_worker_heartbeat_time
+            if not self._commands.poll(100):
+                continue
+            frames = self._commands.recv_multipart(copy=True)
+            chunk_bytes: bytes | None = None
+            nonce = b""
+            try:
+                frames, nonce = self._auth.open(COMMAND, frames)
+                reply, chunk_bytes = self._execute(self._checked(decoder.decode(frames[0])), frames[1:])
+            except AuthError as exc:
+                if time.monotonic() - last_refusal_logged > 10:  # at most one line per 10 s of attack
+                    last_refusal_logged = time.monotonic()
+                    log.warning("cachelayer worker: unauthenticated command refused: %s", exc)
+                reply = Reply(ok=False, error=f"command refused: {exc}")
+            except (msgspec.DecodeError, IndexError) as exc:
+                reply = Reply(ok=False, error=f"malformed command: {exc}")
+            except ValueError as exc:  # _checked's refusals
+                reply = Reply(ok=False, error=str(exc))
+            answer = [encode(reply)] if chunk_bytes is None else [encode(reply), chunk_bytes]
+            self._commands.send_multipart(
+                self._auth.seal(REPLY, answer, answering=nonce)[0] if nonce else answer
+            )
+
+    def _checked(self, command: Command) -> Command:
+        limit = self._config.controller_max_tokens
+        if len(command.tokens) > limit:
+            raise ValueError(
+                f"{command.op} carries {len(command.tokens)} tokens; this worker accepts at most "
+                f"{limit} per command (controller_max_tokens)"
+            )
+        return command
 
     def _execute(self, command: Command, extra_frames: list[bytes]) -> tuple[Reply, bytes | None]:
         """The reply, and the chunk bytes that follow it as a raw frame (export_chunk only)."""
