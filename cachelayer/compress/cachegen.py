@@ -20,7 +20,8 @@ Blob, version 2 (little-endian; every section starts on an 8-byte boundary):
   qmax uint8[num_layers]; scales float32[num_layers, 2, num_tokens];
   frequencies uint16[num_layers * 2, 64]; final states uint32[lanes]; words per lane uint16[lanes];
   words uint16[total_words] (lane after lane, each lane's words in the order its decoder reads them).
-The checksum is xxh3_64 of the header before it and of every section after it: the rANS checks
+The checksum (cachelayer.compress.checksum: xxh3_64 over 4 MiB segments) covers the header before
+it and every section after it: the rANS checks
 alone let about one corrupted blob in ten decode to wrong values. Blobs in host memory always
 carry it; a blob built on the GPU (`encode_to_device`) gets it when it is copied out (`sealed`),
 so that the GPU path never waits for a host copy. Version 1 had no checksum and is refused.
@@ -32,10 +33,10 @@ import struct
 
 import numpy as np
 import torch
-import xxhash
 from torch import Tensor
 
 from cachelayer.compress import BlobInfo
+from cachelayer.compress.checksum import checksum
 
 MAGIC = b"KVCG"
 VERSION = 2
@@ -430,9 +431,8 @@ def _check_frequencies(frequencies: np.ndarray) -> None:
 
 
 def _checksum(blob: memoryview | bytearray) -> int:
-    digest = xxhash.xxh3_64(blob[:_CHECKSUM_OFFSET])
-    digest.update(blob[_HEADER.size :])
-    return digest.intdigest()
+    view = memoryview(blob)
+    return checksum(view[:_CHECKSUM_OFFSET], view[_HEADER.size :])
 
 
 def _seal(blob: bytearray) -> None:
