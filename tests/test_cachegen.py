@@ -274,3 +274,26 @@ def test_cuda_llama_shaped_chunk_round_trips_and_corruption_is_caught():
     broken[-64:] = 0
     with pytest.raises(CacheGenError, match="corrupt"):
         codec.decode_device(broken)
+
+
+@cuda
+@pytest.mark.parametrize("pinned", [True, False])
+def test_cuda_host_paths_carry_the_same_blob_through_pinned_memory(pinned):
+    codec = CacheGenCodec()
+    kv = kv_like(4, 300, 128, torch.bfloat16, device="cuda", seed=11)
+    host = codec.encode_to_host(kv)
+    assert host.device.type == "cpu" and host.is_pinned() and host.dtype == torch.uint8
+    on_device = codec.encode_to_device(kv)
+    assert bytes(host.numpy()) == sealed(bytes(on_device.cpu().numpy())) == codec.encode(kv.cpu())
+    source = host if pinned else host.clone()  # a pageable tensor goes through a pinned copy
+    assert source.is_pinned() == pinned
+    decoded = codec.decode_from_host(source, dtype=torch.float32)
+    assert decoded.device.type == "cuda"
+    assert torch.equal(decoded.cpu(), codec.decode(bytes(host.numpy()), dtype=torch.float32))
+    assert torch.equal(codec.decode_from_host(memoryview(host.numpy()), dtype=torch.float32), decoded)
+    with pytest.raises(CacheGenError, match="1-D uint8"):
+        codec.decode_from_host(host.view(torch.int16))
+    corrupted = host.clone().pin_memory()
+    corrupted[-3] ^= 0x40
+    with pytest.raises(CacheGenError, match="checksum"):
+        codec.decode_from_host(corrupted)

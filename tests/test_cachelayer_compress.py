@@ -1,5 +1,6 @@
 """compress/decompress through the engine: naive is lossless, cachegen stays within its stated bound."""
 
+import numpy as np
 import pytest
 import torch
 
@@ -49,3 +50,24 @@ def test_cachegen_through_the_engine_is_within_its_error_bound_and_smaller():
     assert engine.decompress(tokens, "cachegen", "LocalCPUBackend") == 3 * chunk
     hit, restored = engine.retrieve(tokens)
     assert torch.equal(restored, decoded)  # decompress keeps the decoded values, now stored raw
+
+
+def test_chunk_checksum_is_the_same_on_one_thread_or_many_and_sees_one_flipped_bit(monkeypatch):
+    import xxhash
+
+    from cachelayer.compress import checksum as checksum_module
+
+    size = 3 * checksum_module.SEGMENT_BYTES + 12345
+    data = np.random.default_rng(5).integers(0, 256, size, dtype=np.uint8)
+    head = b"header bytes"
+    segments = [head] + [
+        data[start : start + checksum_module.SEGMENT_BYTES]
+        for start in range(0, len(data), checksum_module.SEGMENT_BYTES)
+    ]
+    digests = np.asarray([xxhash.xxh3_64_intdigest(segment) for segment in segments], dtype="<u8")
+    expected = xxhash.xxh3_64_intdigest(digests.tobytes())
+    assert checksum_module.checksum(head, data) == expected  # 5 segments: the thread pool's path
+    monkeypatch.setattr(checksum_module, "_PARALLEL_MIN_SEGMENTS", 10**9)
+    assert checksum_module.checksum(head, data) == expected  # one thread
+    data[len(data) // 2] ^= 1
+    assert checksum_module.checksum(head, data) != expected

@@ -20,7 +20,8 @@ Blob, version 2 (little-endian; every section starts on an 8-byte boundary):
   qmax uint8[num_layers]; scales float32[num_layers, 2, num_tokens];
   frequencies uint16[num_layers * 2, 64]; final states uint32[lanes]; words per lane uint16[lanes];
   words uint16[total_words] (lane after lane, each lane's words in the order its decoder reads them).
-The checksum is xxh3_64 of the header before it and of every section after it: the rANS checks
+The checksum (cachelayer.compress.checksum: xxh3_64 over 4 MiB segments) covers the header before
+it and every section after it: the rANS checks
 alone let about one corrupted blob in ten decode to wrong values. Blobs in host memory always
 carry it; a blob built on the GPU (`encode_to_device`) gets it when it is copied out (`sealed`),
 so that the GPU path never waits for a host copy. Version 1 had no checksum and is refused.
@@ -32,10 +33,10 @@ import struct
 
 import numpy as np
 import torch
-import xxhash
 from torch import Tensor
 
 from cachelayer.compress import BlobInfo
+from cachelayer.compress.checksum import checksum
 
 MAGIC = b"KVCG"
 VERSION = 2
@@ -137,9 +138,25 @@ class CacheGenCodec:
     def encode(self, kv: Tensor, *, layer_offset: int = 0, total_layers: int | None = None) -> bytes:
         """Encode kv [layers, 2, tokens, channels] (bf16, fp16 or fp32; CPU or CUDA) to a blob."""
         if kv.device.type == "cuda":
-            blob = self.encode_to_device(kv, layer_offset=layer_offset, total_layers=total_layers)
-            return sealed(blob.cpu().numpy().tobytes())
+            host = self.encode_to_host(kv, layer_offset=layer_offset, total_layers=total_layers)
+            return bytes(host.numpy())
         return self._encode_cpu(kv, layer_offset, total_layers)
+
+    def encode_to_host(self, kv: Tensor, *, layer_offset: int = 0, total_layers: int | None = None) -> Tensor:
+        """Encode a CUDA kv to a blob in pinned host memory (a uint8 CPU tensor with encode()'s bytes).
+
+        The blob crosses PCIe in one DMA into page-locked memory, and the caller gets that memory
+        itself: `.numpy()` is a buffer a socket or a store can send without another copy. (A
+        pageable copy and a conversion to `bytes` each cost more than the encoding.)
+        """
+        blob = self.encode_to_device(kv, layer_offset=layer_offset, total_layers=total_layers)
+        # torch's caching host allocator hands back a freed pinned block of this size class, so a
+        # steady stream of chunks does not pay for page-locking memory every time.
+        host = torch.empty(blob.numel(), dtype=torch.uint8, pin_memory=True)
+        host.copy_(blob, non_blocking=True)
+        torch.cuda.current_stream(blob.device).synchronize()
+        _seal(memoryview(host.numpy()))
+        return host
 
     def encode_to_device(
         self, kv: Tensor, *, layer_offset: int = 0, total_layers: int | None = None
@@ -267,10 +284,9 @@ class CacheGenCodec:
     ) -> Tensor:
         """Decode a blob to kv [layers, 2, tokens, channels] on `device` (CUDA decodes on the GPU)."""
         device = torch.device(device)
-        header, layout = _parse(memoryview(blob))  # header, size and checksum, before any allocation
         if device.type == "cuda":
-            data = torch.frombuffer(bytearray(blob), dtype=torch.uint8).to(device)
-            return self.decode_device(data, dtype=dtype)
+            return self.decode_from_host(blob, device=device, dtype=dtype)
+        header, layout = _parse(memoryview(blob))  # header, size and checksum, before any allocation
         return self._decode_cpu(memoryview(blob), header, layout, dtype)
 
     def inspect(self, blob: bytes | memoryview) -> BlobInfo:
@@ -279,15 +295,49 @@ class CacheGenCodec:
         shape = (header["num_layers"], 2, header["num_tokens"], header["channels"])
         return BlobInfo(shape, header["dtype"])
 
-    def decode_device(self, blob: Tensor, *, dtype: torch.dtype | None = None) -> Tensor:
-        """Decode a blob held in a CUDA uint8 tensor, on that GPU.
+    def decode_from_host(
+        self,
+        blob: bytes | bytearray | memoryview | Tensor,
+        *,
+        device: str | torch.device = "cuda",
+        dtype: torch.dtype | None = None,
+    ) -> Tensor:
+        """Decode a blob held in host memory on a GPU: a pinned uint8 tensor (encode_to_host's)
+        goes straight over PCIe; any other buffer is first copied once into pinned memory, since a
+        pageable host-to-device copy is both slower and synchronous. The header, sizes and checksum
+        are checked on the host first."""
+        device = torch.device(device)
+        if isinstance(blob, Tensor):
+            if blob.dtype != torch.uint8 or blob.dim() != 1 or blob.device.type != "cpu":
+                raise CacheGenError(
+                    f"a host blob tensor must be 1-D uint8 on the CPU, got {blob.dtype} "
+                    f"{tuple(blob.shape)} on {blob.device}"
+                )
+            parsed = _parse(memoryview(blob.numpy()))
+            source = blob if blob.is_pinned() else _pinned_copy(blob.numpy())
+        else:
+            parsed = _parse(memoryview(blob))
+            source = _pinned_copy(np.frombuffer(blob, dtype=np.uint8))
+        # torch's caching host allocator keeps a pinned block from reuse until the copies queued on it
+        # have run, so `source` may go out of scope before the copy completes.
+        on_device = source.to(device, non_blocking=True)
+        return self.decode_device(on_device, dtype=dtype, parsed=parsed)
 
-        The header and sizes are checked here; the checksum is not (it would need the bytes in host
-        memory): bytes that arrive from outside go through `decode` or `inspect`, which check it."""
+    def decode_device(
+        self, blob: Tensor, *, dtype: torch.dtype | None = None, parsed: tuple[dict, _Layout] | None = None
+    ) -> Tensor:
+        """Decode a blob held in a CUDA uint8 tensor, on that GPU (`parsed`: its header, when the
+        caller already read and checked it on the host, which saves a device-to-host round trip).
+
+        Without `parsed`, the header and sizes are checked here but the checksum is not (it would
+        need the bytes in host memory): bytes that arrive from outside go through `decode`,
+        `decode_from_host` or `inspect`, which check it."""
         from cachelayer.gpu import cachegen_kernels
 
-        head = bytes(blob[: _align(_HEADER.size)].cpu().numpy())
-        header, layout = _parse(memoryview(head), total_size=blob.numel())
+        if parsed is None:
+            head = bytes(blob[: _align(_HEADER.size)].cpu().numpy())
+            parsed = _parse(memoryview(head), total_size=blob.numel())
+        header, layout = parsed
         num_layers, num_tokens, channels = header["num_layers"], header["num_tokens"], header["channels"]
 
         def section(name: str, torch_dtype: torch.dtype) -> Tensor:
@@ -368,15 +418,21 @@ class CacheGenCodec:
         return out.to(out_dtype)
 
 
+def _pinned_copy(data: np.ndarray) -> Tensor:
+    """`data` (uint8) copied into page-locked host memory."""
+    pinned = torch.empty(len(data), dtype=torch.uint8, pin_memory=True)
+    np.copyto(pinned.numpy(), data)
+    return pinned
+
+
 def _check_frequencies(frequencies: np.ndarray) -> None:
     if (frequencies.sum(axis=1) != PROBABILITY_SCALE).any():
         raise CacheGenError("corrupt CacheGen blob: a frequency table does not sum to 4096")
 
 
 def _checksum(blob: memoryview | bytearray) -> int:
-    digest = xxhash.xxh3_64(blob[:_CHECKSUM_OFFSET])
-    digest.update(blob[_HEADER.size :])
-    return digest.intdigest()
+    view = memoryview(blob)
+    return checksum(view[:_CHECKSUM_OFFSET], view[_HEADER.size :])
 
 
 def _seal(blob: bytearray) -> None:

@@ -1,8 +1,8 @@
 """The `naive` codec: no compression, the raw tensor bytes behind a small header (lossless).
 
 Blob (little-endian): magic b"KVNAIVE2", u8 dtype-name length, the dtype name, shape int64[4],
-checksum u64 = xxh3_64 of everything before it and of the payload; then the payload, the tensor's
-bytes. Version 1 (b"KVNAIVE1") had no checksum and is refused.
+checksum u64 (cachelayer.compress.checksum) of everything before it and of the payload; then the
+payload, the tensor's bytes. Version 1 (b"KVNAIVE1") had no checksum and is refused.
 """
 
 from __future__ import annotations
@@ -11,9 +11,9 @@ import struct
 
 import numpy as np
 import torch
-import xxhash
 
 from cachelayer.compress import BlobInfo
+from cachelayer.compress.checksum import checksum
 
 _MAGIC = b"KVNAIVE2"
 _OLD_MAGICS = (b"KVNAIVE1",)
@@ -34,9 +34,7 @@ class NaiveCodecError(ValueError):
 
 
 def _checksum(head: bytes | memoryview, payload: bytes | memoryview) -> int:
-    digest = xxhash.xxh3_64(head)
-    digest.update(payload)
-    return digest.intdigest()
+    return checksum(head, payload)
 
 
 class NaiveCodec:
