@@ -65,6 +65,12 @@ class GatewayMetrics:
             ["backend", "to"],
             registry=self.registry,
         )
+        self.client_connections_refused = Counter(
+            "kvgate_client_connections_refused",
+            "Client connections accepted past limits.max_client_connections (answered 503, except "
+            "GET /health and /metrics)",
+            registry=self.registry,
+        )
         self._request_children: dict[tuple[str, int], Counter] = {}
         self._upstream_children: dict[str, Histogram] = {}
 
