@@ -1,9 +1,9 @@
-"""Client limits of the gateway's HTTP server (router/http_server.py), against the real process
-over raw sockets.
+"""Client limits of the gateway's HTTP server (router/http_server.py) and health probing under a
+stalled event loop (router/health.py), against the real process over raw sockets.
 
 A request head over limits.max_header_bytes gets 431 as it arrives; a head or body that does not
 arrive in time gets 408; connections past limits.max_client_connections get 503 while open ones
-keep working and /health answers.
+keep working and /health answers; a loop blocked by the gateway itself marks no backend down.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ import httpx
 import pytest
 
 from tests.support import start_backend, start_gateway
+from tests.support.loop_blocker import FACTORY as LOOP_BLOCKER
 from tests.support.metrics import metric_samples, sample_key
 from tests.support.waiting import wait_for
 
@@ -241,3 +242,37 @@ def test_connections_past_the_limit_are_refused_while_open_ones_keep_working(sma
             lambda: httpx.post(f"{url}/v1/completions", json=completion, timeout=10).status_code == 200,
             what="a new connection served after the idle ones closed",
         )
+
+
+# ---- health probing while the gateway's own loop is blocked ----
+
+
+@pytest.fixture
+def blocking_gateway(backend):
+    config = {
+        "models": [{"name": MODEL}],
+        "backends": [{"name": "a", "url": backend.url}],
+        "health": {"interval_s": 0.1, "timeout_s": 0.5, "min_down_s": 0.2},
+    }
+    # The probe's answer then arrives while the loop is blocked, never before the block.
+    backend.set_mode(health_delay_ms=50)
+    try:
+        with start_gateway(config, extensions=[LOOP_BLOCKER]) as running:
+            yield running
+    finally:
+        backend.set_mode()
+
+
+def test_a_blocked_event_loop_marks_no_backend_down(blocking_gateway):
+    url = blocking_gateway.url
+    wait_for(lambda: httpx.get(f"{url}/health").json()["backends"] == {"a": "healthy"})
+    went_down = sample_key("kvgate_health_transitions_total", backend="a", to="down")
+    before = metric_samples(httpx.get(f"{url}/metrics").text)
+    # Blocked for three probe timeouts while a probe is in flight.
+    httpx.post(f"{url}/_test/block-loop", json={"seconds": 1.5}, timeout=10).raise_for_status()
+    wait_for(lambda: httpx.get(f"{url}/_test/block-loop", timeout=10).json()["blocks"] == 1, what="the block")
+    time.sleep(0.5)  # several probe rounds after the block
+    after = metric_samples(httpx.get(f"{url}/metrics").text)
+    assert after.get(went_down, 0.0) == before.get(went_down, 0.0)
+    assert httpx.get(f"{url}/health").json()["backends"] == {"a": "healthy"}
+    assert after[sample_key("kvgate_event_loop_stall_seconds_count")] >= 1
