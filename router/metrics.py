@@ -60,6 +60,12 @@ class GatewayMetrics:
             ["backend", "reason"],
             registry=self.registry,
         )
+        self.panic_routed = Counter(
+            "kvgate_panic_routed",
+            "Attempts sent to a backend marked down because no backend for the model was healthy",
+            ["backend"],
+            registry=self.registry,
+        )
         self.health_transitions = Counter(
             "kvgate_health_transitions",
             "Backend health changes, by backend and new state (up or down)",
