@@ -244,6 +244,30 @@ def test_connections_past_the_limit_are_refused_while_open_ones_keep_working(sma
         )
 
 
+def test_a_flood_of_idle_connections_under_a_low_file_limit_gets_503_and_marks_no_backend_down(backend):
+    # With 512 file descriptors the default limit is (512 - 192) // 2 = 160 client connections, 64
+    # more for monitoring. Without it, 600 idle connections ran the gateway out of descriptors:
+    # new clients were reset and the health probes, unable to connect, marked the backend down.
+    config = {"models": [{"name": MODEL}], "backends": [{"name": "a", "url": backend.url}]}
+    config["health"] = {"interval_s": 0.1, "timeout_s": 0.5, "min_down_s": 0.2}
+    with start_gateway(config, open_file_limit=512) as running:
+        url = running.url
+        with httpx.Client(base_url=url, timeout=10, limits=httpx.Limits(max_connections=1)) as kept:
+            assert kept.get("/health").json()["backends"] == {"a": "healthy"}
+            flood = [_connect(url) for _ in range(600)]
+            try:
+                completion = {"model": MODEL, "prompt": "hi"}
+                refused = httpx.post(f"{url}/v1/completions", json=completion, timeout=5)
+                assert refused.status_code == 503
+                time.sleep(0.5)  # several probe rounds
+                health = kept.get("/health").json()
+                assert health == {"status": "ok", "backends": {"a": "healthy"}}
+                assert kept.post("/v1/completions", json=completion).status_code == 200
+            finally:
+                for sock in flood:
+                    sock.close()
+
+
 # ---- health probing while the gateway's own loop is blocked ----
 
 

@@ -36,11 +36,13 @@ def start_gateway(
     extra_args: list[str] | None = None,
     timeout_s: float = 60.0,
     extensions: list[str] | None = None,
+    open_file_limit: int | None = None,
 ) -> GatewayProcess:
     """Write `config` (a proxy.yaml mapping; `listen` is filled in) and start the gateway on it.
 
     `extensions` adds test-only extension factories ("module:function") to the gateway's own
-    (tests/support/gateway_with_extensions.py). Returns once GET /health answers, with any status
+    (tests/support/gateway_with_extensions.py); `open_file_limit` runs it under that RLIMIT_NOFILE
+    (util-linux prlimit). Returns once GET /health answers, with any status
     (it says 503 while no backend is healthy). The caller must stop() it, or use it as a context manager.
     """
     config = dict(config)
@@ -53,6 +55,8 @@ def start_gateway(
     if extensions:
         command = ["-m", "tests.support.gateway_with_extensions", ",".join(extensions)]
     args = python_command(*command, "serve", "--config", name, *(extra_args or []))
+    if open_file_limit is not None:
+        args = ["prlimit", f"--nofile={open_file_limit}", *args]
     try:
         process = start_process(args, f"http://127.0.0.1:{port}/health", timeout_s=timeout_s, any_status=True)
     except BaseException:
