@@ -183,7 +183,8 @@ class GatewayHttpProtocol(HttpToolsProtocol):
                 self._head_bytes += allowance
                 if not self._feed(head_part):
                     return
-                if self._read_phase == _HEAD:
+                # Still the same head (a pipelined request begun meanwhile restarted the count at 0).
+                if self._read_phase == _HEAD and self._head_bytes >= self.limits.max_header_bytes:
                     self._refuse_head()
                     return
             else:

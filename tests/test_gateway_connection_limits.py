@@ -101,6 +101,7 @@ def test_a_head_over_the_limit_gets_431_and_the_connection_closes(gateway, metho
     assert _status(response) == 431
     assert b"connection: close" in response.lower()
     assert b"limits.max_header_bytes" in response
+    assert b'"type":"invalid_request_error"' in response
 
 
 def test_a_head_under_the_limit_is_served(gateway):
@@ -110,6 +111,16 @@ def test_a_head_under_the_limit_is_served(gateway):
         f"{gateway.url}/v1/completions", json={"model": MODEL, "prompt": "hi"}, headers=headers, timeout=10
     )
     assert response.status_code == 200
+
+
+def test_pipelined_requests_totalling_more_than_the_limit_are_all_answered(gateway):
+    # The limit is per request head: 150 pipelined requests of 2 KiB each arrive in reads far over 64 KiB.
+    request = b"GET /health HTTP/1.1\r\nhost: gateway\r\nx-filler: " + b"f" * 2000 + b"\r\n\r\n"
+    with _connect(gateway.url) as sock:
+        sock.sendall(request * 150 + b"GET /health HTTP/1.1\r\nhost: gateway\r\nconnection: close\r\n\r\n")
+        responses = _read_until_closed(sock)
+    assert responses.count(b"HTTP/1.1 200 OK\r\n") == 151
+    assert b" 431 " not in responses
 
 
 def test_health_stays_fast_during_a_burst_of_huge_heads(gateway):
