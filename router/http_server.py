@@ -206,6 +206,7 @@ class GatewayHttpProtocol(HttpToolsProtocol):
         except httptools.HttpParserUpgrade:
             # As uvicorn's data_received: the gateway serves no WebSocket route.
             if self._should_upgrade():
+                self._read_phase = _IDLE  # the connection is the WebSocket protocol's from here
                 self.handle_websocket_upgrade()
             else:
                 self._unsupported_upgrade_warning()
@@ -240,6 +241,7 @@ class GatewayHttpProtocol(HttpToolsProtocol):
         return (
             self.answering is not None
             or bool(self.waiting)
+            or bool(self.pipeline)  # ASGI requests parsed behind one whose answer is not out yet
             or (cycle is not None and cycle.response_started and not cycle.response_complete)
         )
 
