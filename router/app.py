@@ -102,6 +102,19 @@ class Gateway:
             if backend.healthy and not backend.draining and backend.serves(model) and backend not in exclude
         ]
 
+    def panic_candidates(self, model: str, exclude: list[BackendState] = ()) -> list[BackendState]:
+        """Backends serving `model` that are marked down (not draining), least recently failed first.
+
+        Tried when no backend is a candidate, before answering 503 (as Envoy's panic threshold
+        does): a backend may be back before its next probe says so.
+        """
+        down = [
+            backend
+            for backend in self.backends.values()
+            if not (backend.healthy or backend.draining) and backend.serves(model) and backend not in exclude
+        ]
+        return sorted(down, key=lambda backend: backend.down_since)
+
     def mark_down(self, backend: BackendState, reason: str) -> None:
         backend.down_since = time.monotonic()
         backend.down_reason = reason

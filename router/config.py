@@ -191,6 +191,16 @@ POLICY_NAMES = ("round_robin", "least_loaded", "session", "kv_aware", "approxima
 
 class Limits(_Struct):
     max_body_bytes: Annotated[int, msgspec.Meta(ge=1)] = 32 * 1024 * 1024
+    # Request line plus headers of one request; a larger head is answered 431 and the connection closed.
+    max_header_bytes: Annotated[int, msgspec.Meta(ge=1024)] = 64 * 1024
+    # A request's head must arrive within header_timeout_s (counted from its first byte, or from the
+    # connection's accept for its first request) and its body within body_timeout_s of the head;
+    # else 408 and the connection closes. Both are totals, so a client trickling bytes cannot extend them.
+    header_timeout_s: Annotated[float, msgspec.Meta(gt=0)] = 10.0
+    body_timeout_s: Annotated[float, msgspec.Meta(gt=0)] = 30.0
+    # Client connections served at once. Unset: derived from the process's open-file limit
+    # (router/http_server.py, default_max_client_connections), leaving room for upstream connections.
+    max_client_connections: Annotated[int, msgspec.Meta(ge=1)] | None = None
     connect_timeout_s: Annotated[float, msgspec.Meta(gt=0)] = 2.0
     # Time to wait for the upstream's response headers and for each following chunk.
     upstream_timeout_s: Annotated[float, msgspec.Meta(gt=0)] = 600.0

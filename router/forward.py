@@ -242,10 +242,12 @@ class ProxyEndpoint:
         timeout_s = limits.upstream_timeout_s
         tried: list[BackendState] = []
         for attempt in range(limits.max_attempts):
-            candidates = gateway.candidates(route_request.model, exclude=tried)
+            candidates = _candidates(gateway, route_request.model, tried)
             if not candidates:
                 break
             backend = gateway.policy.choose(route_request, candidates)
+            if not backend.healthy:
+                gateway.metrics.panic_routed.labels(backend.name).inc()
             tried.append(backend)
             # Counted from the moment the request is sent: the engine is busy with it from then on.
             prefill_tokens = _prefill_tokens(route_request)
@@ -283,12 +285,14 @@ class ProxyEndpoint:
                 if (
                     status in _RETRYABLE_STATUSES
                     and attempt + 1 < limits.max_attempts
-                    and gateway.candidates(route_request.model, exclude=tried)
+                    and _candidates(gateway, route_request.model, tried)
                 ):
                     _release(backend, prefill_tokens)
                     response.close()  # unread body: the connection is dropped, not reused
                     gateway.metrics.retries.labels(backend.name, str(status)).inc()
                     continue
+            elif not backend.healthy:
+                gateway.mark_up(backend)  # marked down, yet it answered: it is back
             await self._relay(
                 route_request,
                 backend,
@@ -371,6 +375,15 @@ class ProxyEndpoint:
             backend.requests_total += 1
             gateway.metrics.count_request(backend.name, outcome_status)
             policy.on_finished(route_request, backend)
+
+
+def _candidates(gateway: Gateway, model: str, tried: list[BackendState]) -> list[BackendState]:
+    """The healthy candidates not tried yet; when there are none, the marked-down backend that failed
+    longest ago (panic routing: one that is back answers instead of a 503)."""
+    candidates = gateway.candidates(model, exclude=tried)
+    if candidates:
+        return candidates
+    return gateway.panic_candidates(model, exclude=tried)[:1]
 
 
 def _prefill_tokens(route_request: RouteRequest) -> int:

@@ -12,6 +12,13 @@ HTTP/1.0, `Connection: close`, `Expect: 100-continue`, an upgrade, a request pip
 ASGI one), goes through uvicorn's own ASGI path to the Starlette app, unchanged. Pipelined requests
 are answered in order whichever path they take.
 
+Slow and oversized clients are bounded here, on both paths, before a request reaches either: a
+request head over `limits.max_header_bytes` is refused with 431 as its bytes arrive (the parser
+never buffers more than the limit), a head or body that does not arrive within
+`limits.header_timeout_s` / `limits.body_timeout_s` gets 408, and connections past
+`limits.max_client_connections` are refused with 503 (a few more are still read so that GET /health
+and /metrics answer while the gateway is full). Each answer closes the connection.
+
 Built on uvicorn 0.5x internals (`HttpToolsProtocol`'s parser callbacks, `cycle`, `pipeline`,
 `flow`, `_start_asgi_task`); tests/test_gateway_*.py exercise both paths through the real process.
 """
@@ -20,21 +27,48 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import resource
 from collections.abc import Callable, Iterable
 from functools import partial
 from time import perf_counter
 from typing import TYPE_CHECKING, Any
 
+import httptools
 from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
 
 from router.errors import GatewayError, error_body
 from router.forward import body_too_large
 
 if TYPE_CHECKING:
+    from router.app import Gateway
+    from router.config import Limits
     from router.forward import ProxyEndpoint
 
 # Requests queued behind the one being answered before the connection stops reading.
 _MAX_WAITING = 16
+# Connections past limits.max_client_connections that are still read, so that GET /health and
+# /metrics answer while the gateway is full; a connection past these is refused without being read.
+OVER_CAPACITY_CONNECTIONS = 64
+_MONITORING_PATHS = frozenset({b"/health", b"/metrics"})
+# File descriptors left out of the default client-connection budget: listening and KV-event
+# sockets, log and tokenizer files, and the over-capacity connections.
+_RESERVED_FILE_DESCRIPTORS = 128 + OVER_CAPACITY_CONNECTIONS
+# What a connection is reading: nothing (idle between requests), a request head, a request body.
+_IDLE, _HEAD, _BODY = 0, 1, 2
+
+
+def default_max_client_connections() -> int:
+    """The client-connection limit when limits.max_client_connections is unset: half of the open-file
+    limit (RLIMIT_NOFILE) left after a fixed reserve, since each client request in flight also holds
+    an upstream connection."""
+    soft_limit, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft_limit == resource.RLIM_INFINITY:
+        soft_limit = 1 << 20
+    return max(16, (soft_limit - _RESERVED_FILE_DESCRIPTORS) // 2)
+
+
+class _Answered(Exception):
+    """Raised from a parser callback that has answered and closed the connection: stops the parser."""
 
 
 class _Exchange:
@@ -106,9 +140,13 @@ class _Exchange:
 
 
 class GatewayHttpProtocol(HttpToolsProtocol):
-    """uvicorn's HttpToolsProtocol with the direct path; `fast_endpoints` maps a path to its endpoint."""
+    """uvicorn's HttpToolsProtocol with the direct path and the client limits; gateway_http_protocol()
+    sets the class attributes: `fast_endpoints` maps a path to its endpoint."""
 
     fast_endpoints: dict[bytes, ProxyEndpoint] = {}
+    gateway: Gateway
+    limits: Limits
+    max_client_connections: int
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -120,10 +158,144 @@ class GatewayHttpProtocol(HttpToolsProtocol):
         self.messages = 0
         self._idle_timer: asyncio.TimerHandle | None = None
         self._messages_at_idle = 0
+        # Past max_client_connections: only GET /health and /metrics are answered, then it closes.
+        self.over_capacity = False
+        # The read deadlines: one timer per connection, re-armed only when it fires (as the idle timer).
+        self._read_phase = _HEAD
+        self._phase_started = 0.0
+        self._head_bytes = 0
+        self._read_timer: asyncio.TimerHandle | None = None
+
+    # ---- bytes in: the header limit is applied before the parser sees them ----
+
+    def data_received(self, data: bytes) -> None:
+        if self.transport.is_closing():
+            return  # answered and closing: whatever else the client sends is dropped
+        self._unset_keepalive_if_required()
+        if self._read_phase == _IDLE:
+            self._start_reading(_HEAD)
+        if self._read_phase == _HEAD:
+            allowance = self.limits.max_header_bytes - self._head_bytes
+            if len(data) > allowance:
+                # Feed only what the limit allows; a head still incomplete then is refused before
+                # the parser buffers (and re-copies) more of it.
+                head_part, data = data[:allowance], data[allowance:]
+                self._head_bytes += allowance
+                if not self._feed(head_part):
+                    return
+                # Still the same head (a pipelined request begun meanwhile restarted the count at 0).
+                if self._read_phase == _HEAD and self._head_bytes >= self.limits.max_header_bytes:
+                    self._refuse_head()
+                    return
+            else:
+                self._head_bytes += len(data)
+        self._feed(data)
+
+    def _feed(self, data: bytes) -> bool:
+        """Parse `data`; False when the connection was answered and closed on the way."""
+        try:
+            self.parser.feed_data(data)
+        except httptools.HttpParserCallbackError as exc:
+            if isinstance(exc.__context__, _Answered):
+                return False
+            self._invalid_request()
+            return False
+        except httptools.HttpParserError:
+            self._invalid_request()
+            return False
+        except httptools.HttpParserUpgrade:
+            # As uvicorn's data_received: the gateway serves no WebSocket route.
+            if self._should_upgrade():
+                self._read_phase = _IDLE  # the connection is the WebSocket protocol's from here
+                self.handle_websocket_upgrade()
+            else:
+                self._unsupported_upgrade_warning()
+            return False
+        return True
+
+    def _invalid_request(self) -> None:
+        message = "Invalid HTTP request received."
+        self.logger.warning(message)
+        self.send_400_response(message)
+
+    def _refuse_head(self) -> None:
+        limit = self.limits.max_header_bytes
+        self._answer_and_close(
+            431,
+            f"request head (request line and headers) is over the limit of {limit} bytes "
+            "(limits.max_header_bytes)",
+        )
+
+    def _answer_and_close(self, status: int, message: str) -> None:
+        """Answer an error the gateway detected on the connection itself, then close it. When an
+        answer is already going out on it, the connection just closes (a second one would garble it)."""
+        self.gateway.metrics.gateway_errors.labels(str(status)).inc()
+        if not self._answer_in_progress():
+            body = error_body(status, message)
+            head = b"content-type: application/json\r\ncontent-length: %d\r\nconnection: close\r\n\r\n"
+            self.transport.write(STATUS_LINE[status] + head % len(body) + body)
+        self.transport.close()
+
+    def _answer_in_progress(self) -> bool:
+        cycle = self.cycle
+        return (
+            self.answering is not None
+            or bool(self.waiting)
+            or bool(self.pipeline)  # ASGI requests parsed behind one whose answer is not out yet
+            or (cycle is not None and cycle.response_started and not cycle.response_complete)
+        )
+
+    # ---- read deadlines: a head within header_timeout_s, a body within body_timeout_s ----
+
+    def _start_reading(self, phase: int) -> None:
+        self._read_phase = phase
+        now = self._phase_started = self.loop.time()
+        if phase == _HEAD:
+            self._head_bytes = 0
+        timeout_s = self.limits.header_timeout_s if phase == _HEAD else self.limits.body_timeout_s
+        timer = self._read_timer
+        if timer is not None:
+            if timer.when() <= now + timeout_s:
+                return  # it fires in time and re-arms itself for what is left
+            timer.cancel()
+        self._read_timer = self.loop.call_later(timeout_s, self._read_deadline)
+
+    def _read_deadline(self) -> None:
+        self._read_timer = None
+        phase = self._read_phase
+        if phase == _IDLE or self.transport.is_closing():
+            return
+        head = phase == _HEAD
+        timeout_s = self.limits.header_timeout_s if head else self.limits.body_timeout_s
+        now = self.loop.time()
+        if self._answer_in_progress() or self.flow.read_paused:
+            # Not the client's delay: the gateway is still answering on this connection, or not reading.
+            self._phase_started = now
+        remaining = self._phase_started + timeout_s - now
+        if remaining > 0:
+            self._read_timer = self.loop.call_later(remaining, self._read_deadline)
+            return
+        if head and self._head_bytes == 0:
+            # Connected and never began a request: closed quietly, as an idle keep-alive connection is.
+            self.transport.close()
+            return
+        if not head and self._request_answered():
+            self.transport.close()  # answered early (413): only the rest of its body was awaited
+            return
+        what, key = ("head", "header_timeout_s") if head else ("body", "body_timeout_s")
+        self._answer_and_close(408, f"request {what} not received within {timeout_s:g} s (limits.{key})")
+
+    def _request_answered(self) -> bool:
+        """While a body is read: whether its request was answered already (before its body ended)."""
+        if self.exchange is not None:
+            return self.exchange.rejected
+        return self.cycle is not None and self.cycle.response_started
 
     # ---- parser callbacks ----
 
     def on_message_begin(self) -> None:
+        if self._read_phase == _IDLE:  # a pipelined request: its head began inside the last read
+            self._start_reading(_HEAD)
         # The ASGI scope is built only when the request turns out not to take the direct path.
         self.url = b""
         self.expect_100_continue = False
@@ -132,7 +304,11 @@ class GatewayHttpProtocol(HttpToolsProtocol):
         self.messages += 1
 
     def on_headers_complete(self) -> None:
+        self._start_reading(_BODY)
         parser = self.parser
+        if self.over_capacity:
+            self._over_capacity_request()
+            return
         endpoint = self.fast_endpoints.get(self.url)
         if (
             endpoint is not None
@@ -165,6 +341,7 @@ class GatewayHttpProtocol(HttpToolsProtocol):
             self._reject(exchange, body_too_large(exchange.endpoint.gateway.config.limits.max_body_bytes))
 
     def on_message_complete(self) -> None:
+        self._read_phase = _IDLE
         exchange = self.exchange
         if exchange is None:
             super().on_message_complete()
@@ -183,6 +360,39 @@ class GatewayHttpProtocol(HttpToolsProtocol):
                 exchange.started,
             )
             self._submit(exchange, coroutine)
+
+    # ---- past max_client_connections ----
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        self._start_reading(_HEAD)
+        open_connections = len(self.connections)
+        if open_connections <= self.max_client_connections:
+            return
+        self.gateway.metrics.client_connections_refused.inc()
+        if open_connections > self.max_client_connections + OVER_CAPACITY_CONNECTIONS:
+            self._answer_and_close(503, self._over_capacity_message())
+            return
+        self.over_capacity = True
+
+    def _over_capacity_request(self) -> None:
+        """GET /health and /metrics are answered (ASGI path, then the connection closes); the rest 503."""
+        if self.parser.get_method() != b"GET" or self.url.partition(b"?")[0] not in _MONITORING_PATHS:
+            self._answer_and_close(503, self._over_capacity_message())
+            raise _Answered
+        url, headers = self.url, self.headers
+        super().on_message_begin()
+        self.url, self.headers = url, headers
+        self.scope["headers"] = headers
+        super().on_headers_complete()
+        if self.cycle is not None:
+            self.cycle.keep_alive = False
+
+    def _over_capacity_message(self) -> str:
+        return (
+            f"the gateway is serving its limit of {self.max_client_connections} client connections "
+            "(limits.max_client_connections); retry shortly"
+        )
 
     # ---- the direct path ----
 
@@ -280,6 +490,9 @@ class GatewayHttpProtocol(HttpToolsProtocol):
         if self._idle_timer is not None:
             self._idle_timer.cancel()
             self._idle_timer = None
+        if self._read_timer is not None:
+            self._read_timer.cancel()
+            self._read_timer = None
         super().connection_lost(exc)
 
     def shutdown(self) -> None:
@@ -300,7 +513,14 @@ async def _answer_error(exchange: _Exchange, error: GatewayError) -> None:
     await exchange.body(body, False)
 
 
-def gateway_http_protocol(endpoints: Iterable[ProxyEndpoint]) -> type[GatewayHttpProtocol]:
-    """The protocol class for uvicorn's `http=` option, with the direct path to `endpoints`."""
-    fast_endpoints = {endpoint.path: endpoint for endpoint in endpoints}
-    return type("GatewayHttpProtocol", (GatewayHttpProtocol,), {"fast_endpoints": fast_endpoints})
+def gateway_http_protocol(gateway: Gateway, endpoints: Iterable[ProxyEndpoint]) -> type[GatewayHttpProtocol]:
+    """The protocol class for uvicorn's `http=` option, with the direct path to `endpoints` and the
+    client limits of `gateway.config.limits`."""
+    limits = gateway.config.limits
+    attributes = {
+        "fast_endpoints": {endpoint.path: endpoint for endpoint in endpoints},
+        "gateway": gateway,
+        "limits": limits,
+        "max_client_connections": limits.max_client_connections or default_max_client_connections(),
+    }
+    return type("GatewayHttpProtocol", (GatewayHttpProtocol,), attributes)

@@ -11,6 +11,7 @@ from router.backends import BackendState
 
 # Gateway overhead is tens of microseconds; upstream time is milliseconds to minutes.
 _OVERHEAD_BUCKETS = (25e-6, 50e-6, 100e-6, 200e-6, 400e-6, 800e-6, 1.6e-3, 3.2e-3, 6.4e-3, 12.8e-3, 0.1)
+_STALL_BUCKETS = (0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
 _UPSTREAM_BUCKETS = (1e-3, 5e-3, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
 
 
@@ -59,10 +60,28 @@ class GatewayMetrics:
             ["backend", "reason"],
             registry=self.registry,
         )
+        self.panic_routed = Counter(
+            "kvgate_panic_routed",
+            "Attempts sent to a backend marked down because no backend for the model was healthy",
+            ["backend"],
+            registry=self.registry,
+        )
         self.health_transitions = Counter(
             "kvgate_health_transitions",
             "Backend health changes, by backend and new state (up or down)",
             ["backend", "to"],
+            registry=self.registry,
+        )
+        self.client_connections_refused = Counter(
+            "kvgate_client_connections_refused",
+            "Client connections accepted past limits.max_client_connections (answered 503, except "
+            "GET /health and /metrics)",
+            registry=self.registry,
+        )
+        self.loop_stalls = Histogram(
+            "kvgate_event_loop_stall_seconds",
+            "Times the gateway's event loop ran nothing for over 0.1 s (a blocking call on it), by how long",
+            buckets=_STALL_BUCKETS,
             registry=self.registry,
         )
         self._request_children: dict[tuple[str, int], Counter] = {}

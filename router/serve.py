@@ -58,7 +58,7 @@ def run(args: argparse.Namespace) -> int:
                 port=port,
                 loop="uvloop",
                 # uvicorn's httptools protocol plus the direct path for the generation routes.
-                http=gateway_http_protocol(app.fast_endpoints.values()),
+                http=gateway_http_protocol(app.state.gateway, app.fast_endpoints.values()),
                 log_level=log_level,
                 access_log=False,
                 # X-Forwarded-* rewriting is not used by the gateway and costs CPU on every request.

@@ -47,6 +47,8 @@ def test_the_issue_example_loads(tmp_path):
     assert config.backends[0].kv_events.replay_endpoint == "tcp://127.0.0.1:5558"
     assert config.policy.__struct_config__.tag == "round_robin"
     assert config.limits.max_body_bytes == 32 * 1024 * 1024
+    assert config.limits.max_header_bytes == 64 * 1024
+    assert config.limits.max_client_connections is None  # derived from RLIMIT_NOFILE at start
 
 
 @pytest.mark.parametrize(
@@ -60,6 +62,9 @@ def test_the_issue_example_loads(tmp_path):
         ),
         (with_changes(listen={"host": "127.0.0.1", "port": "eighty"}), "listen.port", "Expected `int`"),
         (with_changes(limits={"max_body_bytes": -5}), "limits.max_body_bytes", ">= 1"),
+        (with_changes(limits={"max_header_bytes": 100}), "limits.max_header_bytes", ">= 1024"),
+        (with_changes(limits={"header_timeout_s": 0}), "limits.header_timeout_s", "> 0"),
+        (with_changes(limits={"max_client_connections": 0}), "limits.max_client_connections", ">= 1"),
         (
             with_changes(backends=[{"name": "a", "url": "http://h:1"}, {"name": "a", "url": "http://h:2"}]),
             "backends[1].name",

@@ -170,3 +170,70 @@ def test_a_client_that_leaves_mid_stream_stops_the_backend(client, backends):
         time.sleep(0.05)
     assert record["stream_end"] == "client_disconnected"
     assert record["chunks_sent"] < 20
+
+
+# ---- panic routing: every backend marked down ----
+
+
+@pytest.fixture
+def sticky_down_gateway(backends):
+    """A gateway whose probes never bring a backend back within a test (min_down_s 60 s)."""
+    for backend in backends:
+        if backend.process is None or not backend.process.alive():
+            backend.start()
+        backend.reset()
+    config = {
+        "models": [{"name": MODEL}],
+        "backends": [{"name": b.name, "url": b.url} for b in backends],
+        "health": {"interval_s": 0.1, "timeout_s": 0.5, "min_down_s": 60},
+    }
+    with start_gateway(config) as running:
+        wait_until_healthy(running.url, {"a", "b"})
+        yield running
+    for backend in backends:
+        backend.reset()
+
+
+def test_when_every_backend_is_marked_down_the_one_back_answers_least_recently_failed_first(
+    sticky_down_gateway, backends
+):
+    url = sticky_down_gateway.url
+    a, b = backends
+    # a fails its probes first, then b: both are marked down, a the longer ago.
+    a.set_mode(health_status=503)
+    wait_until_state(url, "a", "down")
+    b.set_mode(health_status=503)
+    wait_until_state(url, "b", "down")
+    # b is back (its probes pass, but min_down_s keeps it out); a still answers 503.
+    a.set_mode(status=503, health_status=503)
+    b.set_mode()
+    with httpx.Client(base_url=url, timeout=30) as client:
+        assert client.get("/health").status_code == 503  # nothing in the rotation
+        response = send(client, "panic")
+        assert response.status_code == 200, response.text
+        assert response.headers["x-kvgate-backend"] == "b"
+        # a, the least recently failed, was tried first; b answered and is back in the rotation.
+        assert len(a.received()) == 1
+        assert len(b.received()) == 1
+        assert backend_states(url) == {"a": "down", "b": "healthy"}
+        panic = metric_samples(client.get("/metrics").text)
+        assert panic[sample_key("kvgate_panic_routed_total", backend="a")] == 1
+        assert panic[sample_key("kvgate_panic_routed_total", backend="b")] == 1
+        # b is a candidate again: the next request goes straight to it.
+        assert send(client, "after").headers["x-kvgate-backend"] == "b"
+        assert len(a.received()) == 1
+
+
+def test_when_every_backend_is_marked_down_and_none_is_back_the_client_gets_503(
+    sticky_down_gateway, backends
+):
+    url = sticky_down_gateway.url
+    for backend in backends:
+        backend.set_mode(status=503, health_status=503)
+    for backend in backends:
+        wait_until_state(url, backend.name, "down")
+    with httpx.Client(base_url=url, timeout=30) as client:
+        response = send(client, "nobody")
+    assert response.status_code == 503
+    # Each marked-down backend was tried once.
+    assert [len(backend.received()) for backend in backends] == [1, 1]

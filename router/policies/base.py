@@ -38,7 +38,8 @@ class Policy(Protocol):
     needs_tokens: bool
 
     def choose(self, request: RouteRequest, candidates: list[BackendState]) -> BackendState:
-        """Pick one of the candidates (never empty, all healthy and accepting)."""
+        """Pick one of the candidates (never empty, all healthy and accepting; or, when none is,
+        the one marked-down backend that router/forward.py tries before answering 503)."""
         ...
 
     def on_routed(self, request: RouteRequest, backend: BackendState) -> None:

@@ -32,12 +32,18 @@ class GatewayProcess:
 
 
 def start_gateway(
-    config: dict, extra_args: list[str] | None = None, timeout_s: float = 60.0
+    config: dict,
+    extra_args: list[str] | None = None,
+    timeout_s: float = 60.0,
+    extensions: list[str] | None = None,
+    open_file_limit: int | None = None,
 ) -> GatewayProcess:
     """Write `config` (a proxy.yaml mapping; `listen` is filled in) and start the gateway on it.
 
-    Returns once GET /health answers, with any status (it says 503 while no backend is healthy).
-    The caller must stop() it, or use it as a context manager.
+    `extensions` adds test-only extension factories ("module:function") to the gateway's own
+    (tests/support/gateway_with_extensions.py); `open_file_limit` runs it under that RLIMIT_NOFILE
+    (util-linux prlimit). Returns once GET /health answers, with any status
+    (it says 503 while no backend is healthy). The caller must stop() it, or use it as a context manager.
     """
     config = dict(config)
     port = free_port()
@@ -45,7 +51,12 @@ def start_gateway(
     handle, name = tempfile.mkstemp(prefix="kvgate-test-", suffix=".yaml")
     with os.fdopen(handle, "w") as file:
         yaml.safe_dump(config, file)
-    args = python_command("-m", "router.cli", "serve", "--config", name, *(extra_args or []))
+    command = ["-m", "router.cli"]
+    if extensions:
+        command = ["-m", "tests.support.gateway_with_extensions", ",".join(extensions)]
+    args = python_command(*command, "serve", "--config", name, *(extra_args or []))
+    if open_file_limit is not None:
+        args = ["prlimit", f"--nofile={open_file_limit}", *args]
     try:
         process = start_process(args, f"http://127.0.0.1:{port}/health", timeout_s=timeout_s, any_status=True)
     except BaseException:

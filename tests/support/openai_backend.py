@@ -6,7 +6,8 @@ Behaviour per request, chosen by headers the gateway forwards unchanged:
 - `x-test-status: 503` answers that status (OpenAI error shape);
 - `x-test-delay-ms: N` waits before the response headers (upstream timeouts);
 - `x-test-chunks: N` and `x-test-chunk-delay-ms: N` shape a streamed (`"stream": true`) answer.
-Behaviour for every request, set with POST /_test/mode {"status": 503, "health_status": 503}.
+Behaviour for every request, set with POST /_test/mode {"status": 503, "health_status": 503}
+(and "health_delay_ms": N, a /health that takes N ms to answer).
 GET /_test/received lists what it received (request id, path, body) unless started with --no-record;
 POST /_test/reset clears that list and the mode.
 
@@ -60,6 +61,9 @@ class OpenAIBackend:
         headers = {k.decode("latin-1"): v.decode("latin-1") for k, v in scope["headers"]}
         if path == "/health":
             status = int(self.mode.get("health_status", 200))
+            health_delay_ms = float(self.mode.get("health_delay_ms", 0))
+            if health_delay_ms:
+                await asyncio.sleep(health_delay_ms / 1000)
             await self._send(send, status, b'{"status":"ok"}' if status == 200 else b'{"status":"down"}')
         elif path == "/v1/models":
             await self._send(send, 200, self._models_body)
