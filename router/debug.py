@@ -167,9 +167,9 @@ class KVIndexExtension:
     # ---- /lookup ----
 
     async def lookup_endpoint(self, request: Request) -> Response:
-        from router.admin import require_admin
+        from router.admin import require_admin, require_json
 
-        if (denied := require_admin(self.gateway, request)) is not None:
+        if (denied := require_admin(self.gateway, request) or require_json(request)) is not None:
             return denied
         raw = await request.body()
         try:
