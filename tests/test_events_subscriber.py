@@ -208,6 +208,30 @@ def test_engine_restart_clears_the_backend_and_continues(harness: Harness) -> No
     assert harness.subscriber.stats.last_seq == 0
 
 
+def test_a_duplicated_or_stepped_back_seq_is_ignored_while_a_reset_to_zero_clears(harness: Harness) -> None:
+    publisher = harness.publisher
+    for n in range(3):
+        publisher.publish([stored(n)])
+    wait_until(lambda: harness.subscriber.stats.last_seq == 2)
+    sent = dict(publisher.buffer)
+    # The same messages again: the last one twice, then one stepped back (published earlier).
+    for seq in (2, 2, 1):
+        publisher.send_raw([publisher.topic, seq.to_bytes(8, "big"), sent[seq]])
+    publisher.publish([stored(3)])  # seq 3, the next one: applied, no gap
+    wait_until(lambda: harness.subscriber.stats.last_seq == 3)
+    stats = harness.subscriber.stats
+    # Not taken for a restart: nothing was cleared (nor replayed back from seq 0).
+    assert (stats.restarts, stats.replays) == (0, 0)
+    assert stats.duplicates == 3
+    assert [harness.cached(n) for n in range(4)] == [64, 64, 64, 64]
+    # The engine restarts as vLLM's does: a new process publishes from seq 0 again, later.
+    publisher.next_seq = 0
+    publisher.publish([stored(4)])
+    wait_until(lambda: harness.subscriber.stats.restarts == 1)
+    assert [harness.cached(n) for n in range(5)] == [0, 0, 0, 0, 64]
+    assert stats.last_seq == 0 and stats.duplicates == 3
+
+
 def test_a_late_subscriber_recovers_the_engine_history_by_replay() -> None:
     h = Harness()
     try:

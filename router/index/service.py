@@ -187,6 +187,7 @@ class KVIndexService:
                         "superseded_events": stats.superseded_events,
                         "unrecovered_gaps": stats.unrecovered_gaps,
                         "restarts": stats.restarts,
+                        "duplicates": stats.duplicates,
                         "malformed": stats.malformed,
                         "apply_errors": stats.apply_errors,
                         "uncertain": stats.uncertain,
@@ -218,6 +219,7 @@ class KVIndexService:
                 "superseded_batches": total("superseded_batches"),
                 "unrecovered_gaps": total("unrecovered_gaps"),
                 "restarts": total("restarts"),
+                "duplicates": total("duplicates"),
                 "snapshots": total("snapshots"),
                 "snapshot_failures": total("snapshot_failures"),
                 "malformed": total("malformed"),
@@ -257,7 +259,12 @@ class _IndexCollector:
             "kvgate_kv_unrecovered_gaps", "Gaps the replay could not fill", labels=["backend"]
         )
         restarts = CounterMetricFamily(
-            "kvgate_kv_restarts", "Engine restarts detected (seq went back)", labels=["backend"]
+            "kvgate_kv_restarts", "Engine restarts detected (seq back, later ts)", labels=["backend"]
+        )
+        duplicates = CounterMetricFamily(
+            "kvgate_kv_duplicates",
+            "Messages ignored as duplicates or stale (seq not past the last, published no later)",
+            labels=["backend"],
         )
         snapshots = CounterMetricFamily(
             "kvgate_kv_snapshots",
@@ -289,6 +296,7 @@ class _IndexCollector:
             replays.add_metric([name], status["replays"])
             gaps.add_metric([name], status["unrecovered_gaps"])
             restarts.add_metric([name], status["restarts"])
+            duplicates.add_metric([name], status["duplicates"])
             if self._service.snapshots_enabled(name):
                 snapshots.add_metric([name, "ok"], status["snapshots"])
                 snapshots.add_metric([name, "failed"], status["snapshot_failures"])
@@ -305,6 +313,7 @@ class _IndexCollector:
             replays,
             gaps,
             restarts,
+            duplicates,
             snapshots,
             malformed,
             uncertain,

@@ -9,8 +9,12 @@ Sequence rules (protocols.md section 1):
 - seq > last + 1: a gap. Replay from last + 1 over a DEALER socket (`[b"", start_seq]`), accept
   replies of 2 or 3 frames after the empty delimiter, stop at the end marker (seq -1) or a timeout,
   drop duplicates. A gap the replay cannot fill marks the backend uncertain (shown and counted).
-- seq <= last: the engine restarted (seq starts at 0 in every engine process): clear the backend
-  and continue from this message.
+- seq <= last, in a batch published after the newest batch applied (its `ts` is later): the
+  engine restarted (every engine process publishes from seq 0, so only a new stream steps back
+  while time goes forward): clear the backend and continue from this message. An undecodable
+  message says nothing of when it was published: it counts as a restart only at seq 0.
+- seq <= last otherwise: a duplicate or stale message (delivered twice, resent by a peer, an old
+  replay): ignored and counted in `duplicates`; the index is left as it is.
 - Catch-up: on its first connection the subscriber asks for a replay from seq 0 at once, without
   waiting for a live message, so what the engine still buffers is in the index before traffic
   arrives; `stats.synced` turns true when that answer is in (or at once when there is no replay
@@ -142,6 +146,8 @@ class SubscriberStats:
     synced: bool = False
     unrecovered_gaps: int = 0
     restarts: int = 0
+    # Messages whose seq was not past the last one applied, and not from a restarted engine.
+    duplicates: int = 0
     # Set when a gap could not be filled or a late start found the engine's history gone: the
     # index may hold blocks the engine already dropped (or lack some it holds).
     uncertain: bool = False
@@ -219,6 +225,10 @@ class EventSubscriber:
         self._thread = threading.Thread(target=self._run, name=f"kv-events-{name}", daemon=True)
         self._dealer: zmq.Socket | None = None
         self._last_malformed_log = 0.0
+        self._last_duplicate_log = 0.0
+        # The `ts` of the newest batch applied (its publisher's clock): a message whose seq steps
+        # back comes from a restarted engine only when it was published later than that.
+        self._last_ts = 0.0
         # Snapshots need the replay socket and somewhere to put them.
         self._replace = replace if replay_endpoint is not None else None
         self.snapshot_after_outage_s = snapshot_after_outage_s
@@ -346,6 +356,7 @@ class EventSubscriber:
             return
         events, batches, first = self._held_events, self._held_batches, self._held_from
         self._held_events, self._held_batches, self._held_from = [], [], None
+        self._last_ts = batches[-1].ts
         self.stats.batches += len(batches)
         _count_kinds(self.stats.events, events)
         if events:
@@ -357,6 +368,7 @@ class EventSubscriber:
     def _release_scanned(self) -> None:
         scanned, first = self._held_scanned, self._held_from
         self._held_scanned, self._held_scanned_events, self._held_from = [], 0, None
+        self._last_ts = scanned[-1].ts
         stats = self.stats
         stats.batches += len(scanned)
         stats.scanned_batches += len(scanned)
@@ -483,6 +495,9 @@ class EventSubscriber:
                 recovered = self._recover(0, seq, late_start=True)
             stats.synced = True
         elif seq <= last:
+            if not self._from_new_stream(seq, batch):
+                self._duplicate(seq, last)
+                return
             stats.restarts += 1
             logger.warning(
                 "kv events %s: seq went back from %d to %d: engine restarted, its cache entries dropped",
@@ -508,6 +523,25 @@ class EventSubscriber:
             self._continue_after_snapshot(seq, batch)
             return
         self._apply_batch(seq, batch)
+
+    def _from_new_stream(self, seq: int, batch: DecodedBatch | None) -> bool:
+        """Whether a message whose seq is not past the last one comes from a restarted engine."""
+        if batch is None:
+            return seq == 0
+        return batch.ts > self._last_ts
+
+    def _duplicate(self, seq: int, last: int) -> None:
+        self.stats.duplicates += 1
+        now = time.monotonic()
+        if now - self._last_duplicate_log > 5.0:  # rate-limited: a looping peer must not flood the log
+            self._last_duplicate_log = now
+            logger.warning(
+                "kv events %s: seq %d (last applied %d) published no later than the last batch: "
+                "a duplicate or stale message, ignored",
+                self.name,
+                seq,
+                last,
+            )
 
     def _continue_after_snapshot(self, seq: int, batch: DecodedBatch | None) -> None:
         """Handle the live batch that led to a snapshot: drop it if the snapshot holds it."""
@@ -550,6 +584,7 @@ class EventSubscriber:
         stats.uncertain_reason = None
         stats.last_snapshot_error = None
         self._live_floor = (next_seq, batch.ts)
+        self._last_ts = batch.ts
         logger.info(
             "kv events %s: snapshot on %s: %d blocks, live from seq %d",
             self.name,
@@ -580,6 +615,7 @@ class EventSubscriber:
         self.stats.last_seq = seq
         if batch is None:
             return
+        self._last_ts = batch.ts
         self._count_batch(seq, batch)
         if batch.events:
             self._apply_events(batch.events, f"seq {seq}")
@@ -707,6 +743,7 @@ class EventSubscriber:
         if self._on_batch is not None:
             for batch in applied:
                 self._on_batch(self.name, batch)
+        self._last_ts = max(self._last_ts, newest_ts)
         return cleared_at, newest_ts
 
     def _decode_replayed(self, seq: int, payload: bytes) -> DecodedBatch | None:
