@@ -52,6 +52,10 @@ class KVEvents(_Struct):
     # Ask the replay endpoint for a snapshot of everything held (cache-layer publishers only:
     # vLLM's has no such request) on start, restart, long outage or unrecoverable gap.
     snapshot: bool = False
+    # The most engine blocks the index keeps for this backend (per DP rank, all tiers together);
+    # past it the oldest go. None: 4M tokens' worth (router/index/prefix_index.py DEFAULT_MAX_BLOCKS),
+    # or, for `launch.simulated_engines`, their pool plus an eighth.
+    max_blocks: Annotated[int, msgspec.Meta(ge=1)] | None = None
 
     def __post_init__(self) -> None:
         for field, value in (("endpoint", self.endpoint), ("replay_endpoint", self.replay_endpoint)):

@@ -20,7 +20,13 @@ from prometheus_client import CollectorRegistry, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from router.config import KVEvents
-from router.index.prefix_index import DEFAULT_NAMESPACE, BackendMatch, Namespace, PrefixIndex
+from router.index.prefix_index import (
+    DEFAULT_MAX_BLOCKS,
+    DEFAULT_NAMESPACE,
+    BackendMatch,
+    Namespace,
+    PrefixIndex,
+)
 from router.index.subscriber import EventSubscriber, rank_endpoint
 
 logger = logging.getLogger("kvgate.index")
@@ -80,7 +86,7 @@ class KVIndexService:
         streams = []
         for rank in range(kv_events.dp_ranks):
             index_name = name if kv_events.dp_ranks == 1 else f"{name}@dp{rank}"
-            self.index.add_backend(index_name)
+            self.index.add_backend(index_name, kv_events.max_blocks or DEFAULT_MAX_BLOCKS)
             subscriber = EventSubscriber(
                 index_name,
                 rank_endpoint(kv_events.endpoint, rank),
@@ -193,6 +199,7 @@ class KVIndexService:
                         "uncertain": stats.uncertain,
                         "uncertain_reason": stats.uncertain_reason,
                         "unplaced_blocks": index_stats.unplaced_blocks if index_stats else 0,
+                        "evicted_blocks": index_stats.evicted_blocks if index_stats else 0,
                         "last_message_at": stats.last_message_at,
                         "last_error": stats.last_error,
                         "snapshots": stats.snapshots,
@@ -224,6 +231,7 @@ class KVIndexService:
                 "snapshot_failures": total("snapshot_failures"),
                 "malformed": total("malformed"),
                 "unplaced_blocks": total("unplaced_blocks"),
+                "evicted_blocks": total("evicted_blocks"),
                 "uncertain": any(rank["uncertain"] for rank in ranks),
                 "ranks": ranks,
             }
@@ -288,6 +296,11 @@ class _IndexCollector:
             "Tokens covered by the engine blocks in the index",
             labels=["backend", "tier"],
         )
+        evicted = CounterMetricFamily(
+            "kvgate_index_evicted_blocks",
+            "Engine blocks the index dropped, oldest first, to keep a backend within kv_events.max_blocks",
+            labels=["backend"],
+        )
         keys = GaugeMetricFamily("kvgate_index_router_keys", "Distinct cached prefixes (router blocks)")
         for name, status in self._service.status().items():
             for rank in status["ranks"]:
@@ -307,6 +320,7 @@ class _IndexCollector:
                 blocks.add_metric([name, tier], count)
             for tier, count in status["tokens"].items():
                 tokens.add_metric([name, tier], count)
+            evicted.add_metric([name], status["evicted_blocks"])
         keys.add_metric([], self._service.index.size()["router_keys"])
         yield from (
             events,
@@ -320,5 +334,6 @@ class _IndexCollector:
             connected,
             blocks,
             tokens,
+            evicted,
             keys,
         )
