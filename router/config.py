@@ -41,6 +41,12 @@ class Model(_Struct):
     served_name: str | None = None
 
 
+# Bounds of one KV-event stream (router/index/subscriber.py): a message's payload, and the live
+# messages read while a replay request waits.
+DEFAULT_MAX_MESSAGE_BYTES = 16 * 1024 * 1024
+DEFAULT_MAX_QUEUED_BYTES = 64 * 1024 * 1024
+
+
 class KVEvents(_Struct):
     endpoint: str
     replay_endpoint: str | None = None
@@ -56,6 +62,10 @@ class KVEvents(_Struct):
     # past it the oldest go. None: 4M tokens' worth (router/index/prefix_index.py DEFAULT_MAX_BLOCKS),
     # or, for `launch.simulated_engines`, their pool plus an eighth.
     max_blocks: Annotated[int, msgspec.Meta(ge=1)] | None = None
+    # A live message with a bigger payload is dropped (counted; the backend is then uncertain).
+    max_message_bytes: Annotated[int, msgspec.Meta(ge=1024)] = DEFAULT_MAX_MESSAGE_BYTES
+    # Live messages read while a replay or snapshot request waits, at most this many bytes.
+    max_queued_bytes: Annotated[int, msgspec.Meta(ge=1024)] = DEFAULT_MAX_QUEUED_BYTES
 
     def __post_init__(self) -> None:
         for field, value in (("endpoint", self.endpoint), ("replay_endpoint", self.replay_endpoint)):

@@ -154,3 +154,97 @@ def test_an_eviction_leaves_the_index_as_removals_of_the_same_blocks_would(compi
     assert {c.preview for c in capped._backends["engine"].chains.values()} == {
         c.preview for c in reference._backends["engine"].chains.values()
     }
+
+
+def big_batch(n: int, blocks: int = 2000) -> bytes:
+    """A batch of one prefill of `blocks` 16-token blocks (about 130 kB with 2000 blocks)."""
+    tokens = [(n * 7919 + i) % 150_000 for i in range(16 * blocks)]
+    hashes = [n * 100_000 + i + 1 for i in range(blocks)]
+    return encode_batch([block_stored(hashes, tokens, 16)])
+
+
+def test_a_silent_replay_endpoint_costs_its_own_stream_little_and_queues_a_bounded_number_of_bytes() -> None:
+    silent_live, silent_replay, healthy_live = (f"tcp://127.0.0.1:{free_port()}" for _ in range(3))
+    budget = 1024 * 1024
+    registry = CollectorRegistry()
+    service = KVIndexService(registry=registry, replay_timeout_s=0.5)
+    silent = EventPublisher(silent_live, silent_replay, topic="")
+    silent.drop_replays = True  # its ROUTER takes requests and never answers
+    healthy = EventPublisher(healthy_live, topic="")
+    service.add_backend(
+        "silent", KVEvents(endpoint=silent_live, replay_endpoint=silent_replay, max_queued_bytes=budget)
+    )
+    service.add_backend("healthy", KVEvents(endpoint=healthy_live))
+    service.start()
+    try:
+        [subscriber] = service.subscribers("silent")
+        wait_for(
+            lambda: subscriber.stats.connected and service.status()["healthy"]["connected"], what="connected"
+        )
+        time.sleep(0.6)  # the subscriptions reach the publishers; the silent catch-up times out
+        # 60 batches of 130 kB, every other one lost on the way: 30 gaps, 3.9 MB sent.
+        for n in range(60):
+            silent.publish_payload(big_batch(n), send=n % 2 == 0)
+        flood_sent = time.monotonic()
+        # The other backend's events are applied at once meanwhile.
+        delays = []
+        for n in range(20):
+            prompt = list(range(100_000 + 16 * n, 100_016 + 16 * n))
+            published = time.monotonic()
+            healthy.publish([block_stored([n + 1], prompt, 16)])
+            wait_for(
+                lambda p=prompt: service.longest_cached_prefix(p)["healthy"].tokens == 16, what="healthy"
+            )
+            delays.append(time.monotonic() - published)
+            time.sleep(0.05)
+        # The silent backend's own stream is through its 30 gaps (and what the full queue dropped,
+        # which the next message shows) in a few replay timeouts, not 30.
+        final = silent.publish([block_stored([7], list(range(16)), 16)])
+        wait_for(lambda: subscriber.stats.last_seq == final, timeout_s=8, what="the flood")
+        caught_up_s = time.monotonic() - flood_sent
+        stats = subscriber.stats
+        assert max(delays) < 0.5, delays
+        assert caught_up_s < 4.0
+        assert stats.skipped_replays > 0 and stats.uncertain
+        # What was read while a request waited stayed within the budget; the rest was dropped.
+        assert 0 < stats.queued_bytes_peak <= budget
+        assert stats.dropped_messages > 0 and stats.queued_bytes == 0
+        samples = metric_samples(generate_latest(registry).decode())
+        key = sample_key("kvgate_kv_dropped_messages_total", backend="silent", reason="queue_full")
+        assert samples[key] == stats.dropped_messages
+    finally:
+        service.stop()
+        silent.close()
+        healthy.close()
+
+
+def test_an_oversized_message_is_dropped_counted_and_the_stream_goes_on(endpoints) -> None:
+    endpoint, replay_endpoint = endpoints
+    registry = CollectorRegistry()
+    service = KVIndexService(registry=registry)
+    publisher = EventPublisher(endpoint, replay_endpoint, topic="")
+    service.add_backend(
+        "engine", KVEvents(endpoint=endpoint, replay_endpoint=replay_endpoint, max_message_bytes=64 * 1024)
+    )
+    service.start()
+    try:
+        wait_for(lambda: service.all_synced(), what="the subscriber's catch-up")
+        time.sleep(0.3)
+        first, last = list(range(16)), list(range(16, 32))
+        publisher.publish([block_stored([1], first, 16)])
+        publisher.publish_payload(big_batch(1))  # seq 1: 130 kB
+        publisher.publish([block_stored([2], last, 16)])
+        [subscriber] = service.subscribers("engine")
+        wait_for(lambda: subscriber.stats.last_seq == 2, what="seq 2")
+        assert service.longest_cached_prefix(last)["engine"].tokens == 16
+        assert service.index.stats("engine").blocks == {"gpu": 2}  # the big batch's 2000 blocks are not in
+        stats = subscriber.stats
+        assert stats.oversized == 1 and stats.replays == 0
+        assert stats.uncertain and "seq 1 dropped" in (stats.uncertain_reason or "")
+        samples = metric_samples(generate_latest(registry).decode())
+        assert (
+            samples[sample_key("kvgate_kv_dropped_messages_total", backend="engine", reason="oversized")] == 1
+        )
+    finally:
+        service.stop()
+        publisher.close()

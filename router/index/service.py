@@ -100,6 +100,8 @@ class KVIndexService:
                 topic=kv_events.topic,
                 bind=kv_events.bind,
                 replay_timeout_s=self.replay_timeout_s,
+                max_message_bytes=kv_events.max_message_bytes,
+                max_queued_bytes=kv_events.max_queued_bytes,
                 replace=(
                     (lambda events, target=index_name: self.index.replace_backend(target, events))
                     if kv_events.snapshot
@@ -194,6 +196,12 @@ class KVIndexService:
                         "unrecovered_gaps": stats.unrecovered_gaps,
                         "restarts": stats.restarts,
                         "duplicates": stats.duplicates,
+                        "oversized": stats.oversized,
+                        "dropped_messages": stats.dropped_messages,
+                        "dropped_bytes": stats.dropped_bytes,
+                        "queued_bytes": stats.queued_bytes,
+                        "queued_bytes_peak": stats.queued_bytes_peak,
+                        "skipped_replays": stats.skipped_replays,
                         "malformed": stats.malformed,
                         "apply_errors": stats.apply_errors,
                         "uncertain": stats.uncertain,
@@ -227,6 +235,10 @@ class KVIndexService:
                 "unrecovered_gaps": total("unrecovered_gaps"),
                 "restarts": total("restarts"),
                 "duplicates": total("duplicates"),
+                "oversized": total("oversized"),
+                "dropped_messages": total("dropped_messages"),
+                "queued_bytes": total("queued_bytes"),
+                "skipped_replays": total("skipped_replays"),
                 "snapshots": total("snapshots"),
                 "snapshot_failures": total("snapshot_failures"),
                 "malformed": total("malformed"),
@@ -274,6 +286,20 @@ class _IndexCollector:
             "Messages ignored as duplicates or stale (seq not past the last, published no later)",
             labels=["backend"],
         )
+        dropped = CounterMetricFamily(
+            "kvgate_kv_dropped_messages",
+            "Live messages dropped: over kv_events.max_message_bytes (oversized) or past "
+            "max_queued_bytes while a replay waited (queue_full)",
+            labels=["backend", "reason"],
+        )
+        queued = GaugeMetricFamily(
+            "kvgate_kv_queued_bytes", "Live message bytes read while a replay waits", labels=["backend"]
+        )
+        skipped = CounterMetricFamily(
+            "kvgate_kv_skipped_replays",
+            "Replays not asked because the replay endpoint answered nothing lately",
+            labels=["backend"],
+        )
         snapshots = CounterMetricFamily(
             "kvgate_kv_snapshots",
             "Snapshots asked of cache-layer publishers (kv_events.snapshot), by outcome (ok, failed)",
@@ -310,6 +336,10 @@ class _IndexCollector:
             gaps.add_metric([name], status["unrecovered_gaps"])
             restarts.add_metric([name], status["restarts"])
             duplicates.add_metric([name], status["duplicates"])
+            dropped.add_metric([name, "oversized"], status["oversized"])
+            dropped.add_metric([name, "queue_full"], status["dropped_messages"])
+            queued.add_metric([name], status["queued_bytes"])
+            skipped.add_metric([name], status["skipped_replays"])
             if self._service.snapshots_enabled(name):
                 snapshots.add_metric([name, "ok"], status["snapshots"])
                 snapshots.add_metric([name, "failed"], status["snapshot_failures"])
@@ -328,6 +358,9 @@ class _IndexCollector:
             gaps,
             restarts,
             duplicates,
+            dropped,
+            queued,
+            skipped,
             snapshots,
             malformed,
             uncertain,
