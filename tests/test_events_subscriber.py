@@ -12,10 +12,13 @@ import numpy as np
 import pytest
 import zmq
 
-from router.config import KVEvents
+from router.backends import BackendState
+from router.config import KVAwarePolicy, KVEvents
 from router.index.prefix_index import PrefixIndex
 from router.index.service import KVIndexService
 from router.index.subscriber import EventSubscriber, connectable, rank_endpoint
+from router.policies.base import RouteRequest
+from router.policies.kv_aware import KVAware
 from tests.support import free_port, waiting
 from tests.support.event_publisher import EventPublisher, all_blocks_cleared, block_removed, block_stored
 
@@ -397,3 +400,37 @@ def test_a_batch_the_index_cannot_apply_is_logged_and_the_stream_continues(harne
     stats = harness.subscriber.stats
     assert stats.apply_errors == 1 and stats.uncertain
     assert harness.cached(1) == 64
+
+
+def test_kv_aware_does_not_credit_the_entries_of_a_disconnected_stream() -> None:
+    endpoints = {name: f"tcp://127.0.0.1:{free_port()}" for name in ("e0", "e1")}
+    publishers = {name: EventPublisher(endpoint, topic="") for name, endpoint in endpoints.items()}
+    service = KVIndexService()
+    for name, endpoint in endpoints.items():
+        service.add_backend(name, KVEvents(endpoint=endpoint))
+    service.start()
+    policy = KVAware(KVAwarePolicy(hot_prefix_requests=0), service)
+    candidates = [BackendState(name=name, url="http://127.0.0.1:1") for name in endpoints]
+    prompt = np.asarray(PROMPTS[0], dtype=np.uint32)
+
+    def cached_per_backend() -> dict[str, int]:
+        request = RouteRequest(request_id="r", model="m", body={}, tokens=prompt, namespace=("m", None, None))
+        policy.choose(request, candidates)
+        return {name: score["cached"] for name, score in request.decision["candidates"].items()}
+
+    try:
+        wait_until(lambda: all(s.stats.connected for name in endpoints for s in service.subscribers(name)))
+        time.sleep(0.3)
+        publishers["e0"].publish([stored(0)])
+        wait_until(lambda: service.longest_cached_prefix(PROMPTS[0])["e0"].tokens == 64)
+        assert cached_per_backend() == {"e0": 64, "e1": 0}
+        publishers.pop("e0").close()  # e0's event stream goes away; its HTTP side may well be up
+        wait_until(lambda: not service.subscribers("e0")[0].stats.connected)
+        assert cached_per_backend() == {"e0": 0, "e1": 0}
+        assert service.disconnected_streams() == {"e0": "event stream disconnected"}
+        # The entries are kept (the stream may come back); asked for, they are still there.
+        assert service.longest_cached_prefix(PROMPTS[0], disconnected=True)["e0"].tokens == 64
+    finally:
+        service.stop()
+        for publisher in publishers.values():
+            publisher.close()

@@ -134,14 +134,22 @@ class KVIndexService:
         backends: Iterable[str] | None = None,
         *,
         keys: Sequence[int] | np.ndarray | None = None,
+        disconnected: bool = False,
     ) -> dict[str, BackendMatch]:
         """Per backend, the leading tokens of the prompt its engine holds, per tier (events only).
 
         `keys`: the prompt's router keys when the caller has them (prompt_prefix_keys), not recomputed.
+        A rank whose event stream is disconnected holds nothing here (what it announced may be
+        gone, and its removals do not reach the index) unless `disconnected` is true.
         """
         started = time.perf_counter()
         wanted = list(self._streams) if backends is None else [b for b in backends if b in self._streams]
-        index_names = [stream.index_name for name in wanted for stream in self._streams[name]]
+        index_names = [
+            stream.index_name
+            for name in wanted
+            for stream in self._streams[name]
+            if disconnected or stream.subscriber.stats.connected
+        ]
         matches = self.index.longest_cached_prefix(tokens, namespace, index_names, keys=keys)
         result: dict[str, BackendMatch] = {}
         for name in wanted:
@@ -153,6 +161,16 @@ class KVIndexService:
             result[name] = best or BackendMatch({}, [])
         self.lookup_seconds.observe(time.perf_counter() - started)
         return result
+
+    def disconnected_streams(self) -> dict[str, str]:
+        """Backends with a disconnected event stream (some rank's), each with the reason to show."""
+        found = {}
+        for name, streams in self._streams.items():
+            ranks = [stream.rank for stream in streams if not stream.subscriber.stats.connected]
+            if ranks:
+                which = "" if len(streams) == 1 else f" (rank {', '.join(map(str, ranks))})"
+                found[name] = f"event stream disconnected{which}"
+        return found
 
     def namespace_for(self, model: str, cache_salt: str | None) -> Namespace:
         """The index namespace of a request: its model names a LoRA adapter when engines said so."""
