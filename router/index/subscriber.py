@@ -763,7 +763,7 @@ class EventSubscriber:
     def _recover(self, start: int, until: int, *, late_start: bool) -> bool:
         """Replay batches start..until-1 and apply them; mark the backend uncertain when that fails."""
         batches: dict[int, bytes] = {}
-        if self.replay_endpoint is not None:
+        if self.replay_endpoint is not None and not self._replay_paused():
             self.stats.replays += 1
             replies, _complete = self._request(encode_seq(start), f"replay from seq {start}")
             batches = _in_range(replies, start, until)
@@ -854,8 +854,7 @@ class EventSubscriber:
         never later than `_REPLAY_MAX_TIMEOUTS` times that after the request.
         """
         assert self.replay_endpoint is not None
-        if time.monotonic() < self._replay_quiet_until:
-            self.stats.skipped_replays += 1
+        if self._replay_paused():
             return [], False
         if self._dealer is None:
             self._dealer = self._context.socket(zmq.DEALER)
@@ -919,6 +918,13 @@ class EventSubscriber:
                 self._malformed(f"replay seq {seq}: {len(frames[1])} bytes, over max_message_bytes")
                 continue
             replies.append((seq, frames[1]))
+
+    def _replay_paused(self) -> bool:
+        """True (and counted) while the replay endpoint is not asked, having answered nothing."""
+        if time.monotonic() < self._replay_quiet_until:
+            self.stats.skipped_replays += 1
+            return True
+        return False
 
     def _back_off_replays(self) -> None:
         """The replay endpoint answered nothing: after the second time in a row, do not ask it
