@@ -1,6 +1,9 @@
 """Runtime backend management: GET /backends, POST /backends, DELETE /backends/{name}.
 
 With `admin.token` (or `admin.token_env`) configured, every call needs `Authorization: Bearer <token>`.
+An admin POST must say `Content-Type: application/json` (415 otherwise): a web page can send a
+text/plain POST to any address without asking, an application/json one only with CORS consent,
+which the gateway never gives.
 """
 
 from __future__ import annotations
@@ -43,6 +46,17 @@ def require_admin(gateway: Gateway, request: Request) -> Response | None:
     )
 
 
+def require_json(request: Request) -> Response | None:
+    """None when the request's body is declared JSON, else the 415 response to send."""
+    media_type = request.headers.get("content-type", "").partition(";")[0].strip().lower()
+    if media_type == "application/json":
+        return None
+    return _error(
+        415,
+        f"admin requests need `Content-Type: application/json`, got {media_type or 'none'!r}",
+    )
+
+
 def admin_routes(gateway: Gateway) -> list[Route]:
     async def list_backends(request: Request) -> Response:
         if (denied := require_admin(gateway, request)) is not None:
@@ -50,7 +64,7 @@ def admin_routes(gateway: Gateway) -> list[Route]:
         return JSONResponse({"backends": [backend.describe() for backend in gateway.backends.values()]})
 
     async def add_backend(request: Request) -> Response:
-        if (denied := require_admin(gateway, request)) is not None:
+        if (denied := require_admin(gateway, request) or require_json(request)) is not None:
             return denied
         body = await request.body()
         try:

@@ -7,6 +7,7 @@ is refused before anything starts, with the file, the key path and what was expe
 from __future__ import annotations
 
 import importlib.util
+import ipaddress
 import os
 from pathlib import Path
 from typing import Annotated, Any, Literal
@@ -40,6 +41,12 @@ class Model(_Struct):
     served_name: str | None = None
 
 
+# Bounds of one KV-event stream (router/index/subscriber.py): a message's payload, and the live
+# messages read while a replay request waits.
+DEFAULT_MAX_MESSAGE_BYTES = 16 * 1024 * 1024
+DEFAULT_MAX_QUEUED_BYTES = 64 * 1024 * 1024
+
+
 class KVEvents(_Struct):
     endpoint: str
     replay_endpoint: str | None = None
@@ -51,6 +58,14 @@ class KVEvents(_Struct):
     # Ask the replay endpoint for a snapshot of everything held (cache-layer publishers only:
     # vLLM's has no such request) on start, restart, long outage or unrecoverable gap.
     snapshot: bool = False
+    # The most engine blocks the index keeps for this backend (per DP rank, all tiers together);
+    # past it the oldest go. None: 4M tokens' worth (router/index/prefix_index.py DEFAULT_MAX_BLOCKS),
+    # or, for `launch.simulated_engines`, their pool plus an eighth.
+    max_blocks: Annotated[int, msgspec.Meta(ge=1)] | None = None
+    # A live message with a bigger payload is dropped (counted; the backend is then uncertain).
+    max_message_bytes: Annotated[int, msgspec.Meta(ge=1024)] = DEFAULT_MAX_MESSAGE_BYTES
+    # Live messages read while a replay or snapshot request waits, at most this many bytes.
+    max_queued_bytes: Annotated[int, msgspec.Meta(ge=1024)] = DEFAULT_MAX_QUEUED_BYTES
 
     def __post_init__(self) -> None:
         for field, value in (("endpoint", self.endpoint), ("replay_endpoint", self.replay_endpoint)):
@@ -219,14 +234,17 @@ class Health(_Struct):
 class Admin(_Struct):
     # Bearer token for /backends, /debug/prefix-map and /lookup; None leaves them open.
     token: str | None = None
-    # Read the token from this environment variable instead of the file.
+    # Read the token from this environment variable instead of the file (it must be set and not
+    # empty when the gateway starts).
     token_env: str | None = None
+    # Leave the admin endpoints open without a token on a listener that is not loopback-only.
+    open: bool = False
     # Show token counts instead of prompt text on the debug page.
     redact_prompts: bool = False
 
     def resolved_token(self) -> str | None:
         if self.token_env:
-            return os.environ.get(self.token_env) or self.token
+            return os.environ.get(self.token_env) or None
         return self.token
 
 
@@ -329,11 +347,43 @@ def _check_semantics(config: Config, source: str, base_dir: Path | None) -> None
                 "does not exist; give a local tokenizer directory or builtin:qwen3"
             )
         model.tokenizer = str(path)
+    if config.admin.token_env and not os.environ.get(config.admin.token_env):
+        raise ConfigError(
+            f"{source}: invalid configuration at `admin.token_env`: the environment variable "
+            f"{config.admin.token_env!r} is not set or empty, which would leave /backends, /lookup and "
+            f"/debug/prefix-map open; export {config.admin.token_env} with the admin token, or remove "
+            "admin.token_env"
+        )
     if not config.backends and not (config.launch and config.launch.simulated_engines):
         raise ConfigError(
             f"{source}: invalid configuration at `backends`: no backends; list at least one, "
             "or add `launch: {simulated_engines: {count: N}}`"
         )
+
+
+def is_loopback_host(host: str) -> bool:
+    """True when `host` is a loopback name or address: a listener on it is reachable from this
+    machine only (`0.0.0.0`, `::`, other names and addresses are not)."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+def check_admin_exposure(config: Config, host: str, source: str, where: str) -> None:
+    """Refuse admin endpoints left open (no token) on a listener beyond loopback, unless the
+    configuration says `admin: {open: true}`. `kvgate serve` calls it with the host it will listen
+    on; `where` names the setting that gave it (listen.host or --host)."""
+    if config.admin.resolved_token() is not None or config.admin.open or is_loopback_host(host):
+        return
+    raise ConfigError(
+        f"{source}: invalid configuration at `{where}`: the gateway would listen on {host!r}, beyond "
+        "loopback, with no admin token, leaving /backends, /lookup and /debug/prefix-map open to "
+        "anyone who reaches it; set admin.token or admin.token_env, listen on 127.0.0.1, or accept "
+        "the exposure with `admin: {open: true}`"
+    )
 
 
 def parse_config(data: Any, source: str = "<config>", base_dir: Path | None = None) -> Config:

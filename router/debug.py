@@ -9,6 +9,12 @@
   only (kv_aware's predictions are not in the index).
 Both need the admin token when one is configured.
 
+Stale holders: a backend that is down, or whose event stream is disconnected, may no longer hold
+what it announced (and its removals do not arrive). Both endpoints leave it out of the holders
+(`layout_info`, a prefix's `backends`) and list it apart, with the reason, under `stale_holders`;
+kv_aware does not count a disconnected stream's entries either (KVIndexService.longest_cached_prefix)
+and never routes to a down backend.
+
 `create_extension(gateway)` wires the index service (gateway.kv_index), the tokenizer (a request
 preparer for policies that need tokens) and these routes into the gateway through its seams.
 """
@@ -93,6 +99,16 @@ class KVIndexExtension:
     def backend_removed(self, backend: BackendState) -> None:
         self.service.remove_backend(backend.name)
 
+    def stale_holders(self) -> dict[str, str]:
+        """Backends with KV events whose index entries are not to be trusted now, and why."""
+        stale = self.service.disconnected_streams()
+        for name in self.service.backends():
+            backend = self.gateway.backends.get(name)
+            if backend is not None and not backend.healthy:
+                down = f"backend down: {backend.down_reason}"
+                stale[name] = f"{down}; {stale[name]}" if name in stale else down
+        return stale
+
     # ---- /debug/prefix-map ----
 
     def prefix_map(self) -> dict[str, Any]:
@@ -100,6 +116,7 @@ class KVIndexExtension:
         gateway = self.gateway
         redact = gateway.config.admin.redact_prompts
         status = self.service.status()
+        stale = self.stale_holders()
         backends: dict[str, Any] = {}
         for name, backend in gateway.backends.items():
             entry: dict[str, Any] = {
@@ -107,6 +124,7 @@ class KVIndexExtension:
                 "healthy": backend.healthy,
                 "in_flight": backend.in_flight,
                 "events": backend.kv_events is not None,
+                "stale": stale.get(name),
             }
             stream = status.get(name)
             if stream is None:
@@ -118,9 +136,15 @@ class KVIndexExtension:
         prefixes = []
         for top in self.service.index.top_prefixes(TOP_PREFIXES):
             lora_name, salt = top["namespace"]
+            holders = {name: tokens for name, tokens in top["backends"].items() if name not in stale}
             item: dict[str, Any] = {
-                "tokens": top["tokens"],
-                "backends": top["backends"],
+                "tokens": max(holders.values(), default=0),
+                "backends": holders,
+                "stale_holders": {
+                    name: {"tokens": tokens, "reason": stale[name]}
+                    for name, tokens in top["backends"].items()
+                    if name in stale
+                },
                 "lora_name": lora_name,
                 "salted": salt is not None,
                 "preview_tokens": len(top["preview_tokens"]),
@@ -167,9 +191,9 @@ class KVIndexExtension:
     # ---- /lookup ----
 
     async def lookup_endpoint(self, request: Request) -> Response:
-        from router.admin import require_admin
+        from router.admin import require_admin, require_json
 
-        if (denied := require_admin(self.gateway, request)) is not None:
+        if (denied := require_admin(self.gateway, request) or require_json(request)) is not None:
             return denied
         raw = await request.body()
         try:
@@ -180,13 +204,23 @@ class KVIndexExtension:
             )
         if any(token < 0 or token >= 2**32 for token in body.tokens):
             return JSONResponse({"detail": "tokens must be integers in 0..2^32-1"}, status_code=400)
-        matches = self.service.longest_cached_prefix(body.tokens, (body.lora_name, body.cache_salt))
-        layout = {}
+        namespace = (body.lora_name, body.cache_salt)
+        matches = self.service.longest_cached_prefix(body.tokens, namespace, disconnected=True)
+        stale = self.stale_holders()
+        layout: dict[str, list[Any]] = {}
+        stale_holders: dict[str, dict[str, Any]] = {}
         for name, match in matches.items():
             tier = match.best_tier()
-            if tier is not None:
-                layout[name] = [_LOOKUP_MEDIUM.get(tier, tier), match.tokens]
-        return JSONResponse({"event_id": f"Lookup{uuid.uuid4().hex}", "layout_info": layout})
+            if tier is None:
+                continue
+            medium = _LOOKUP_MEDIUM.get(tier, tier)
+            if name in stale:
+                stale_holders[name] = {"medium": medium, "tokens": match.tokens, "reason": stale[name]}
+            else:
+                layout[name] = [medium, match.tokens]
+        return JSONResponse(
+            {"event_id": f"Lookup{uuid.uuid4().hex}", "layout_info": layout, "stale_holders": stale_holders}
+        )
 
 
 def create_extension(gateway: Gateway) -> KVIndexExtension:
@@ -212,6 +246,8 @@ def _stream_cell(entry: dict[str, Any]) -> str:
     )
     if entry.get("connected") and entry.get("synced") is False:
         state += ' <span class="warn" title="replaying what the engine still buffers">catching up</span>'
+    if entry.get("stale"):
+        state += f' <span class="warn" title="{html.escape(entry["stale"])}">stale</span>'
     if entry.get("uncertain"):
         reasons = "; ".join(r["uncertain_reason"] or "" for r in entry.get("ranks", []) if r.get("uncertain"))
         state += f' <span class="warn" title="{html.escape(reasons)}">uncertain</span>'
@@ -253,6 +289,11 @@ def render_page(data: dict[str, Any], refresh: str | None = None) -> str:
         holders = " ".join(
             f'<span class="pill">{html.escape(n)} {t:,}</span>' for n, t in sorted(prefix["backends"].items())
         )
+        for n, held in sorted(prefix.get("stale_holders", {}).items()):
+            holders += (
+                f' <span class="pill warn" title="{html.escape(held["reason"])}">'
+                f"{html.escape(n)} {held['tokens']:,} stale</span>"
+            )
         if data["redacted"]:
             text = f'<span class="muted">redacted ({prefix["preview_tokens"]} tokens shown as a count)</span>'
         elif prefix.get("text") is not None:

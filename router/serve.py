@@ -21,16 +21,17 @@ def run(args: argparse.Namespace) -> int:
     import uvicorn
 
     from router.app import create_app
-    from router.config import ConfigError, load_config
+    from router.config import ConfigError, check_admin_exposure, load_config
     from router.http_server import gateway_http_protocol
     from router.policies import PolicyUnavailable
 
     try:
         config = load_config(args.config)
+        host = args.host or config.listen.host
+        check_admin_exposure(config, host, args.config, "--host" if args.host else "listen.host")
     except ConfigError as exc:
         print(f"kvgate: {exc}", file=sys.stderr)
         return 2
-    host = args.host or config.listen.host
     port = config.listen.port if args.port is None else args.port
     log_level = args.log_level or config.log_level
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")

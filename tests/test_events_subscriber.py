@@ -12,10 +12,13 @@ import numpy as np
 import pytest
 import zmq
 
-from router.config import KVEvents
+from router.backends import BackendState
+from router.config import KVAwarePolicy, KVEvents
 from router.index.prefix_index import PrefixIndex
 from router.index.service import KVIndexService
 from router.index.subscriber import EventSubscriber, connectable, rank_endpoint
+from router.policies.base import RouteRequest
+from router.policies.kv_aware import KVAware
 from tests.support import free_port, waiting
 from tests.support.event_publisher import EventPublisher, all_blocks_cleared, block_removed, block_stored
 
@@ -208,6 +211,30 @@ def test_engine_restart_clears_the_backend_and_continues(harness: Harness) -> No
     assert harness.subscriber.stats.last_seq == 0
 
 
+def test_a_duplicated_or_stepped_back_seq_is_ignored_while_a_reset_to_zero_clears(harness: Harness) -> None:
+    publisher = harness.publisher
+    for n in range(3):
+        publisher.publish([stored(n)])
+    wait_until(lambda: harness.subscriber.stats.last_seq == 2)
+    sent = dict(publisher.buffer)
+    # The same messages again: the last one twice, then one stepped back (published earlier).
+    for seq in (2, 2, 1):
+        publisher.send_raw([publisher.topic, seq.to_bytes(8, "big"), sent[seq]])
+    publisher.publish([stored(3)])  # seq 3, the next one: applied, no gap
+    wait_until(lambda: harness.subscriber.stats.last_seq == 3)
+    stats = harness.subscriber.stats
+    # Not taken for a restart: nothing was cleared (nor replayed back from seq 0).
+    assert (stats.restarts, stats.replays) == (0, 0)
+    assert stats.duplicates == 3
+    assert [harness.cached(n) for n in range(4)] == [64, 64, 64, 64]
+    # The engine restarts as vLLM's does: a new process publishes from seq 0 again, later.
+    publisher.next_seq = 0
+    publisher.publish([stored(4)])
+    wait_until(lambda: harness.subscriber.stats.restarts == 1)
+    assert [harness.cached(n) for n in range(5)] == [0, 0, 0, 0, 64]
+    assert stats.last_seq == 0 and stats.duplicates == 3
+
+
 def test_a_late_subscriber_recovers_the_engine_history_by_replay() -> None:
     h = Harness()
     try:
@@ -373,3 +400,37 @@ def test_a_batch_the_index_cannot_apply_is_logged_and_the_stream_continues(harne
     stats = harness.subscriber.stats
     assert stats.apply_errors == 1 and stats.uncertain
     assert harness.cached(1) == 64
+
+
+def test_kv_aware_does_not_credit_the_entries_of_a_disconnected_stream() -> None:
+    endpoints = {name: f"tcp://127.0.0.1:{free_port()}" for name in ("e0", "e1")}
+    publishers = {name: EventPublisher(endpoint, topic="") for name, endpoint in endpoints.items()}
+    service = KVIndexService()
+    for name, endpoint in endpoints.items():
+        service.add_backend(name, KVEvents(endpoint=endpoint))
+    service.start()
+    policy = KVAware(KVAwarePolicy(hot_prefix_requests=0), service)
+    candidates = [BackendState(name=name, url="http://127.0.0.1:1") for name in endpoints]
+    prompt = np.asarray(PROMPTS[0], dtype=np.uint32)
+
+    def cached_per_backend() -> dict[str, int]:
+        request = RouteRequest(request_id="r", model="m", body={}, tokens=prompt, namespace=("m", None, None))
+        policy.choose(request, candidates)
+        return {name: score["cached"] for name, score in request.decision["candidates"].items()}
+
+    try:
+        wait_until(lambda: all(s.stats.connected for name in endpoints for s in service.subscribers(name)))
+        time.sleep(0.3)
+        publishers["e0"].publish([stored(0)])
+        wait_until(lambda: service.longest_cached_prefix(PROMPTS[0])["e0"].tokens == 64)
+        assert cached_per_backend() == {"e0": 64, "e1": 0}
+        publishers.pop("e0").close()  # e0's event stream goes away; its HTTP side may well be up
+        wait_until(lambda: not service.subscribers("e0")[0].stats.connected)
+        assert cached_per_backend() == {"e0": 0, "e1": 0}
+        assert service.disconnected_streams() == {"e0": "event stream disconnected"}
+        # The entries are kept (the stream may come back); asked for, they are still there.
+        assert service.longest_cached_prefix(PROMPTS[0], disconnected=True)["e0"].tokens == 64
+    finally:
+        service.stop()
+        for publisher in publishers.values():
+            publisher.close()

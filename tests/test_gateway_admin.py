@@ -2,14 +2,20 @@
 
 from __future__ import annotations
 
+import json
 import os
+import subprocess
+import tempfile
 import threading
 import time
+from pathlib import Path
 
 import httpx
 import pytest
+import yaml
 
-from tests.support import running_backends, start_gateway
+from tests.support import free_port, running_backends, start_gateway
+from tests.support.processes import REPO_ROOT, python_command
 
 MODEL = "test-model"
 TOKEN = "s3cret-token"
@@ -155,3 +161,61 @@ def test_delete_unknown_backend_is_404(client):
     response = client.delete("/backends/ghost", headers=AUTH)
     assert response.status_code == 404
     assert "ghost" in response.json()["error"]["message"]
+
+
+@pytest.mark.parametrize("content_type", ["text/plain", "application/x-www-form-urlencoded", None])
+def test_an_admin_post_that_is_not_json_is_refused_with_415_and_adds_nothing(client, backends, content_type):
+    # A web page can POST text/plain (or a form) to any address without a CORS preflight.
+    headers = dict(AUTH) if content_type is None else {**AUTH, "content-type": content_type}
+    body = json.dumps({"name": "b", "url": backends[1].url})
+    response = client.post("/backends", headers=headers, content=body)
+    assert response.status_code == 415
+    assert "application/json" in response.json()["error"]["message"]
+    assert names(client) == ["a"]
+
+
+def serve_refusal(config: dict, *args: str, env: dict[str, str] | None = None) -> tuple[int, str]:
+    """Run `kvgate serve` on `config`, expecting it to refuse at once: its exit status and stderr."""
+    with tempfile.NamedTemporaryFile("w", suffix=".yaml", delete=False) as file:
+        yaml.safe_dump(config, file)
+    try:
+        environment = {**os.environ, "PYTHONPATH": str(REPO_ROOT), **(env or {})}
+        environment.pop("KVGATE_TEST_UNSET_TOKEN", None)
+        done = subprocess.run(
+            python_command("-m", "router.cli", "serve", "--config", file.name, *args),
+            capture_output=True,
+            text=True,
+            timeout=30,
+            env=environment,
+        )
+    finally:
+        Path(file.name).unlink()
+    return done.returncode, done.stderr
+
+
+def test_a_token_env_naming_an_unset_variable_refuses_to_start(backends):
+    config = {
+        "models": [{"name": MODEL}],
+        "backends": [{"name": "a", "url": backends[0].url}],
+        "listen": {"host": "127.0.0.1", "port": free_port()},
+        "admin": {"token_env": "KVGATE_TEST_UNSET_TOKEN"},
+    }
+    status, stderr = serve_refusal(config)
+    assert status == 2
+    [line] = stderr.strip().splitlines()
+    assert "`admin.token_env`" in line and "'KVGATE_TEST_UNSET_TOKEN' is not set" in line
+    assert "export KVGATE_TEST_UNSET_TOKEN" in line
+
+
+def test_admin_endpoints_without_a_token_beyond_loopback_need_admin_open(backends):
+    config = {"models": [{"name": MODEL}], "backends": [{"name": "a", "url": backends[0].url}]}
+    status, stderr = serve_refusal({**config, "listen": {"host": "0.0.0.0", "port": free_port()}})
+    assert status == 2
+    assert "`listen.host`" in stderr and "admin: {open: true}" in stderr
+    # --host overrides the configured (loopback) address, and is checked the same way.
+    status, stderr = serve_refusal(config, "--host", "0.0.0.0")
+    assert status == 2 and "`--host`" in stderr
+    # An explicit opt-in starts it, and its admin endpoints are open.
+    with start_gateway({**config, "admin": {"open": True}}, extra_args=["--host", "0.0.0.0"]) as running:
+        listed = httpx.get(f"{running.url}/backends", timeout=10)
+        assert listed.status_code == 200 and [b["name"] for b in listed.json()["backends"]] == ["a"]

@@ -115,7 +115,7 @@ def test_the_compiled_block_value_is_the_python_one() -> None:
 def test_a_mismatched_configuration_is_refused_and_leaves_the_module_working() -> None:
     weights = prefix_index._WORD_WEIGHTS.tolist()
     constants = (prefix_index._POSITION_WEIGHT_PY, prefix_index._MIX_1_PY, prefix_index._MIX_2_PY)
-    preview = {"preview_tokens": prefix_index.PREVIEW_TOKENS}
+    preview = {"preview_tokens": prefix_index.PREVIEW_TOKENS, "capacity_field": "max_blocks"}
     with pytest.raises(ValueError, match="node tuples"):
         ingest.configure(
             weights, *constants, 16, ("end", "keys"), BlockStored, prefix_index._Chain, **preview

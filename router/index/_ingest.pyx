@@ -103,6 +103,8 @@ cdef uint64_t _position_weight = 0, _mix_1 = 0, _mix_2 = 0
 cdef bint _configured = False
 # Tokens of a root's start that name its chain (the index's PREVIEW_TOKENS).
 cdef Py_ssize_t _preview_tokens = 0
+# The backend attribute with the most blocks it may hold (`_Backend.max_blocks`).
+cdef str _capacity_field = None
 
 # Events, chains and their fields are read and written at their slot offsets (msgspec Structs and
 # slotted dataclasses keep each field in a fixed slot, exposed by a member descriptor): one load
@@ -156,13 +158,14 @@ _REMOVED_FIELDS = ("block_hashes", "medium", "group_idx")
 
 def configure(word_weights, uint64_t position_weight, uint64_t mix_1, uint64_t mix_2,
               int block_tokens, tuple node_layout, block_stored_class, chain_class,
-              block_removed_class=None, *, Py_ssize_t preview_tokens):
+              block_removed_class=None, *, Py_ssize_t preview_tokens, str capacity_field):
     """Hand over the index's key constants, the BlockStored class, the index's chain class
-    (`_Chain`), the BlockRemoved class (None: removals stay with the Python path) and the tokens
-    that name a root's chain (`PREVIEW_TOKENS`); ValueError for a mismatch (another block size,
-    node layout or field layout)."""
+    (`_Chain`), the BlockRemoved class (None: removals stay with the Python path), the tokens
+    that name a root's chain (`PREVIEW_TOKENS`) and the backend attribute holding its most
+    blocks (`_Backend.max_blocks`); ValueError for a mismatch (another block size, node layout
+    or field layout)."""
     global _position_weight, _mix_1, _mix_2, _configured, _event_class, _event_subclass, _chain_class
-    global _preview_tokens
+    global _preview_tokens, _capacity_field
     global _block_hashes_at, _parent_hash_at, _token_ids_at, _block_size_at, _medium_at, _group_at
     global _chain_nodes_at, _chain_longest_at
     global _removed_class, _removed_subclass, _removed_hashes_at, _removed_medium_at, _removed_group_at
@@ -180,6 +183,7 @@ def configure(word_weights, uint64_t position_weight, uint64_t mix_1, uint64_t m
         _word_weights[position] = weights[position]
     _position_weight, _mix_1, _mix_2 = position_weight, mix_1, mix_2
     _preview_tokens = preview_tokens
+    _capacity_field = capacity_field
     _block_hashes_at = _slot_offset(block_stored_class, "block_hashes")
     _parent_hash_at = _slot_offset(block_stored_class, "parent_block_hash")
     _token_ids_at = _slot_offset(block_stored_class, "token_ids")
@@ -934,6 +938,9 @@ cdef class BackendWriter:
     # `pending_tier` (negative for removals), events stored and removed.
     cdef object pending_tier
     cdef Py_ssize_t pending_blocks, pending_token_count, pending_events, pending_removed_events
+    # The backend's `max_blocks` (the index sets it again when it changes): `OneEventFront` asks
+    # the index to evict when an event it applied took `nodes` past it.
+    cdef public Py_ssize_t max_nodes
 
     def __init__(self, index, backend):
         if not _configured:
@@ -949,6 +956,7 @@ cdef class BackendWriter:
         self.stats = backend.stats
         self.stats_blocks = backend.stats.blocks
         self.stats_tokens = backend.stats.tokens
+        self.max_nodes = getattr(backend, _capacity_field)
 
     def store(self, list events, Py_ssize_t start):
         """Apply `events[start:]` in order while each is a one-block BlockStored of the decode
@@ -1532,22 +1540,25 @@ cdef class OneEventFront:
     in C, under the index's `WriterLock`, through the backend's `BackendWriter`; every other call,
     and that one when the event is refused, goes to `general(backend_name, events)` (the index's Python
     `apply`), which decides everything else exactly as before. The backend is looked up under the
-    lock: a replaced or cleared backend is never written through a stale writer."""
+    lock: a replaced or cleared backend is never written through a stale writer. When what it
+    applied took the backend past its `max_blocks`, `over_capacity(backend_name)` (the index's
+    eviction) runs once the lock is given back."""
 
     cdef dict backends, shared_masks
     cdef WriterLock lock
-    cdef object general, general_wire
+    cdef object general, general_wire, over_capacity
     cdef Py_ssize_t shared_masks_limit
     # Events this entry applied itself (the rest went to `general` or `general_wire`).
     cdef readonly Py_ssize_t applied
 
     def __init__(self, dict backends, dict shared_masks, WriterLock lock, general, Py_ssize_t shared_masks_limit,
-                 general_wire=None):
+                 general_wire=None, *, over_capacity):
         self.backends = backends
         self.shared_masks = shared_masks
         self.lock = lock
         self.general = general
         self.general_wire = general_wire
+        self.over_capacity = over_capacity
         self.shared_masks_limit = shared_masks_limit
 
     cdef object _writer_of(self, backend_name):
@@ -1566,6 +1577,7 @@ cdef class OneEventFront:
         `start` the refused event's position in the first batch left."""
         cdef Py_ssize_t position = 0, count = PyList_GET_SIZE(batches), stopped = 0
         cdef WireBatch batch
+        cdef bint over = False
         if count == 0:
             return
         self.lock.take()
@@ -1579,14 +1591,17 @@ cdef class OneEventFront:
                         break
                     self.applied += batch.count
                     position += 1
+                over = PyDict_GET_SIZE((<BackendWriter>writer).nodes) > (<BackendWriter>writer).max_nodes
         finally:
             self.lock.give()
         if position < count:
-            self.general_wire(backend_name, batches[position:], stopped)
+            self.general_wire(backend_name, batches[position:], stopped)  # (it evicts itself)
+        elif over:
+            self.over_capacity(backend_name)
 
     def apply(self, backend_name, events):
         """Apply the events of one batch, in order (`PrefixIndex.apply`)."""
-        cdef bint stored = False
+        cdef bint stored = False, over = False
         if type(events) is list and PyList_GET_SIZE(events) == 1:
             self.lock.take()
             try:
@@ -1595,9 +1610,12 @@ cdef class OneEventFront:
                     # The event's stats stay pending in the writer (`flush_stats`): adding them
                     # to the backend's dicts would cost about a tenth of the event.
                     stored = (<BackendWriter>writer)._apply_one(<object>PyList_GET_ITEM(events, 0))
+                    over = PyDict_GET_SIZE((<BackendWriter>writer).nodes) > (<BackendWriter>writer).max_nodes
             finally:
                 self.lock.give()
             if stored:
                 self.applied += 1
+                if over:
+                    self.over_capacity(backend_name)
                 return
         self.general(backend_name, events)

@@ -61,6 +61,9 @@ DEFAULT_NAMESPACE: Namespace = (None, None)
 TIER_ORDER = ("gpu", "cpu", "disk")
 # How many tokens of each chain's first event are kept to show the prefix on the debug page.
 PREVIEW_TOKENS = 96
+# Engine blocks one backend (one DP rank) may hold in the index when its engine's capacity is not
+# known: 4M tokens of 16-token blocks, more than an engine's GPU and CPU tiers hold in practice.
+DEFAULT_MAX_BLOCKS = 1 << 18
 
 _rng = np.random.default_rng(0x6B76676174)
 # A router block's 16 uint32 tokens are read as 8 little-endian uint64 words (two tokens each) and
@@ -278,7 +281,7 @@ def _load_compiled_ingest() -> Any:
         _ingest.configure(
             _WORD_WEIGHTS.tolist(), _POSITION_WEIGHT_PY, _MIX_1_PY, _MIX_2_PY, ROUTER_BLOCK_TOKENS,
             _NODE_FIELDS, BlockStored, _Chain,
-            block_removed_class=BlockRemoved, preview_tokens=PREVIEW_TOKENS,
+            block_removed_class=BlockRemoved, preview_tokens=PREVIEW_TOKENS, capacity_field="max_blocks",
         )  # fmt: skip
     except (ValueError, TypeError) as mismatch:  # built from another version of the index: stale
         logger.warning("compiled ingest does not match the index (%s): not used; %s", mismatch, _REBUILD_HINT)
@@ -330,6 +333,8 @@ class BackendIndexStats:
     unplaced_blocks: int = 0
     # BlockRemoved for blocks the index never placed.
     unknown_removals: int = 0
+    # Blocks the index dropped itself, oldest first, to keep the backend within `max_blocks`.
+    evicted_blocks: int = 0
 
 
 class _Backend:
@@ -337,6 +342,7 @@ class _Backend:
         "chain_ids",
         "chains",
         "compiled_writer",
+        "max_blocks",
         "medium_slots",
         "name",
         "next_chain_id",
@@ -346,8 +352,10 @@ class _Backend:
         "visible",
     )
 
-    def __init__(self, name: str, *, visible: bool = True) -> None:
+    def __init__(self, name: str, *, visible: bool = True, max_blocks: int = DEFAULT_MAX_BLOCKS) -> None:
         self.name = name
+        # The most engine blocks (`nodes`) it may hold; past it the oldest go (`_evict_locked`).
+        self.max_blocks = max_blocks
         # The compiled path's writer for this backend (made at its first event when built). It
         # keeps `nodes`, `medium_slots`, `chains`, `stats` and the stats' dicts: never rebind them.
         self.compiled_writer: Any = None
@@ -507,16 +515,23 @@ class PrefixIndex:
             # call, the lock and the checks of `apply`); it hands every other batch to `apply`.
             self._front = compiled.OneEventFront(
                 self._backends, self._shared_masks, self._lock, self._apply_python, _SHARED_MASKS_LIMIT,
-                general_wire=self._apply_wire_python,
+                general_wire=self._apply_wire_python, over_capacity=self.evict_over_capacity,
             )
             self.apply = self._front.apply  # type: ignore[method-assign]
             self.apply_wire = self._front.apply_wire  # type: ignore[method-assign]
 
     # ---- backends ----
 
-    def add_backend(self, name: str) -> None:
+    def add_backend(self, name: str, max_blocks: int = DEFAULT_MAX_BLOCKS) -> None:
+        """Make room for a backend (or DP rank) that holds at most `max_blocks` engine blocks."""
+        if max_blocks < 1:
+            raise ValueError(f"max_blocks must be at least 1, got {max_blocks}")
         with self._lock:
-            self._backends.setdefault(name, _Backend(name))
+            backend = self._backends.setdefault(name, _Backend(name, max_blocks=max_blocks))
+            backend.max_blocks = max_blocks
+            if backend.compiled_writer is not None:
+                backend.compiled_writer.max_nodes = max_blocks
+            self._evict_over_capacity_locked(backend)
 
     def remove_backend(self, name: str) -> None:
         with self._lock:
@@ -544,15 +559,17 @@ class PrefixIndex:
         freed. Counters carry over; blocks and tokens are the snapshot's.
         """
         with self._lock:
-            fresh = _Backend(name, visible=False)
+            old = self._backends.get(name)
+            max_blocks = DEFAULT_MAX_BLOCKS if old is None else old.max_blocks
+            fresh = _Backend(name, visible=False, max_blocks=max_blocks)
             collecting = gc.isenabled()
             gc.disable()
             try:
                 self._apply_locked(fresh, snapshot_order(events))
+                self._evict_over_capacity_locked(fresh)
             finally:
                 if collecting:
                     gc.enable()
-            old = self._backends.get(name)
             fresh.visible = True
             self._backends[name] = fresh
             layout = {k: v for k, v in self._layout.items() if k != name}
@@ -568,6 +585,7 @@ class PrefixIndex:
             stats.cleared_events += previous.cleared_events
             stats.unplaced_blocks += previous.unplaced_blocks
             stats.unknown_removals += previous.unknown_removals
+            stats.evicted_blocks += previous.evicted_blocks
             self._clear_locked(old)
             self._free_slots.extend(old.tier_slots.values())
 
@@ -598,36 +616,43 @@ class PrefixIndex:
     def _apply_python(self, backend_name: str, events: list[KVEvent]) -> None:
         with self._lock:
             backend = self._backend_to_write_locked(backend_name)
-            # One-block events of the decode shape (each engine step that fills a block publishes
-            # one per request), removals (one per evicted block from vLLM) and a prefill alone in
-            # its batch go the compiled path when it is built (`apply_one`, `_apply_compiled_locked`),
-            # else the pure-Python paths below. A lone event the compiled path takes gets no GC
-            # pause, which would cost more than it saves.
-            writer = backend.compiled_writer
-            if writer is not None:
-                if events.__class__ is not list:  # (the compiled path reads a list)
-                    events = list(events)
-                if len(events) == 1 and writer.apply_one(events[0]):
-                    return
-            elif len(events) == 1 and self._store_one_block_locked(backend, events[0]):
-                return
-            # The cyclic GC is paused while a batch is applied: a batch allocates thousands of
-            # small tuples of ints, which hold no cycles; left on, the collector would run every few
-            # hundred of them and sweep the whole index (millions of entries) now and then, about a
-            # quarter of the ingest time. Callers hold the lock, so pauses do not nest.
-            collecting = gc.isenabled()
-            gc.disable()
             try:
-                if writer is not None:
-                    if len(events) == 1:  # (refused above)
-                        self._apply_locked(backend, events)
-                    else:
-                        self._apply_compiled_locked(backend, writer, events)
-                elif len(events) == 1 or not self._store_decode_step_locked(backend, events):
-                    self._apply_in_runs_locked(backend, events)
+                self._apply_python_locked(backend, events)
             finally:
-                if collecting:
-                    gc.enable()
+                if len(backend.nodes) > backend.max_blocks:
+                    self._evict_over_capacity_locked(backend)
+
+    def _apply_python_locked(self, backend: _Backend, events: list[KVEvent]) -> None:
+        # One-block events of the decode shape (each engine step that fills a block publishes
+        # one per request), removals (one per evicted block from vLLM) and a prefill alone in
+        # its batch go the compiled path when it is built (`apply_one`, `_apply_compiled_locked`),
+        # else the pure-Python paths below. A lone event the compiled path takes gets no GC
+        # pause, which would cost more than it saves.
+        writer = backend.compiled_writer
+        if writer is not None:
+            if events.__class__ is not list:  # (the compiled path reads a list)
+                events = list(events)
+            if len(events) == 1 and writer.apply_one(events[0]):
+                return
+        elif len(events) == 1 and self._store_one_block_locked(backend, events[0]):
+            return
+        # The cyclic GC is paused while a batch is applied: a batch allocates thousands of
+        # small tuples of ints, which hold no cycles; left on, the collector would run every few
+        # hundred of them and sweep the whole index (millions of entries) now and then, about a
+        # quarter of the ingest time. Callers hold the lock, so pauses do not nest.
+        collecting = gc.isenabled()
+        gc.disable()
+        try:
+            if writer is not None:
+                if len(events) == 1:  # (refused above)
+                    self._apply_locked(backend, events)
+                else:
+                    self._apply_compiled_locked(backend, writer, events)
+            elif len(events) == 1 or not self._store_decode_step_locked(backend, events):
+                self._apply_in_runs_locked(backend, events)
+        finally:
+            if collecting:
+                gc.enable()
 
     def _apply_compiled_locked(self, backend: _Backend, writer: Any, events: list[KVEvent]) -> None:
         """Events in order: the compiled path applies each run of events it takes in a batch
@@ -669,8 +694,46 @@ class PrefixIndex:
                             raise RuntimeError("the decoder and the scan disagree on a payload's events")
                         self._apply_compiled_locked(backend, writer, decoded.events[position:])
             finally:
+                if len(backend.nodes) > backend.max_blocks:
+                    self._evict_over_capacity_locked(backend)
                 if collecting:
                     gc.enable()
+
+    def evict_over_capacity(self, backend_name: str) -> None:
+        """Bring a backend back within its `max_blocks` (the compiled entry calls it when a batch
+        it applied took the backend past them)."""
+        with self._lock:
+            backend = self._backends.get(backend_name)
+            if backend is not None:
+                self._evict_over_capacity_locked(backend)
+
+    def _evict_over_capacity_locked(self, backend: _Backend) -> None:
+        """Past `max_blocks`, drop the backend's oldest blocks (first stored), down to 1/32 under
+        the cap so the next evictions come in batches, not one per event.
+
+        The index keeps the newest blocks an engine announced, as the engine's own LRU keeps the
+        recently used ones; refusing new blocks instead would freeze the index on what the engine
+        most likely evicted long ago. A block is dropped as a BlockRemoved for it in every tier
+        would drop it (holder bits, shared prefixes' references, tails, chains and stats stay
+        consistent); a child whose parent went is kept but unreachable by lookups, which stop at
+        the missing parent, and goes in its turn as it gets old."""
+        nodes = backend.nodes
+        excess = len(nodes) - backend.max_blocks
+        if excess <= 0:
+            return
+        self._sync_stats_locked(backend)
+        victims = list(itertools.islice(nodes, excess + backend.max_blocks // 32))
+        tier_of_slot = [(tier, slot, 1 << slot) for tier, slot in backend.tier_slots.items()]
+        stats = backend.stats
+        for node_key in victims:
+            node = nodes[node_key]
+            for tier, slot, bit in tier_of_slot:
+                if node[_SLOTS] & bit:
+                    node = self._unregister_locked(node, slot, bit)
+                    stats.blocks[tier] -= 1
+                    stats.tokens[tier] -= node[_TOKENS]
+            self._forget_node_locked(backend, node_key, node)
+        stats.evicted_blocks += len(victims)
 
     def wire_ingest(self, backend_name: str) -> WireIngest | None:
         """What a subscriber uses to hand `backend_name` payloads without decoding them, or None
@@ -1423,13 +1486,18 @@ class PrefixIndex:
             if node[_SLOTS]:
                 nodes[node_key] = node
             else:
-                del nodes[node_key]
-                chain = backend.chains.get(node[_CHAIN])
-                if chain is not None:
-                    chain.nodes -= 1
-                    if chain.nodes <= 0:
-                        del backend.chains[node[_CHAIN]]
-                        backend.chain_ids.pop((chain.namespace, chain.preview), None)
+                self._forget_node_locked(backend, node_key, node)
+
+    @staticmethod
+    def _forget_node_locked(backend: _Backend, node_key: Any, node: _Node) -> None:
+        """Drop a node no slot holds any more, and its chain with the chain's last node."""
+        del backend.nodes[node_key]
+        chain = backend.chains.get(node[_CHAIN])
+        if chain is not None:
+            chain.nodes -= 1
+            if chain.nodes <= 0:
+                del backend.chains[node[_CHAIN]]
+                backend.chain_ids.pop((chain.namespace, chain.preview), None)
 
     @staticmethod
     def _sync_stats_locked(backend: _Backend) -> None:
@@ -1671,6 +1739,7 @@ class PrefixIndex:
                 cleared_events=stats.cleared_events,
                 unplaced_blocks=stats.unplaced_blocks,
                 unknown_removals=stats.unknown_removals,
+                evicted_blocks=stats.evicted_blocks,
             )
 
     def namespace_for(self, model: str, cache_salt: str | None) -> Namespace:

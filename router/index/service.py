@@ -20,7 +20,13 @@ from prometheus_client import CollectorRegistry, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from router.config import KVEvents
-from router.index.prefix_index import DEFAULT_NAMESPACE, BackendMatch, Namespace, PrefixIndex
+from router.index.prefix_index import (
+    DEFAULT_MAX_BLOCKS,
+    DEFAULT_NAMESPACE,
+    BackendMatch,
+    Namespace,
+    PrefixIndex,
+)
 from router.index.subscriber import EventSubscriber, rank_endpoint
 
 logger = logging.getLogger("kvgate.index")
@@ -80,7 +86,7 @@ class KVIndexService:
         streams = []
         for rank in range(kv_events.dp_ranks):
             index_name = name if kv_events.dp_ranks == 1 else f"{name}@dp{rank}"
-            self.index.add_backend(index_name)
+            self.index.add_backend(index_name, kv_events.max_blocks or DEFAULT_MAX_BLOCKS)
             subscriber = EventSubscriber(
                 index_name,
                 rank_endpoint(kv_events.endpoint, rank),
@@ -94,6 +100,8 @@ class KVIndexService:
                 topic=kv_events.topic,
                 bind=kv_events.bind,
                 replay_timeout_s=self.replay_timeout_s,
+                max_message_bytes=kv_events.max_message_bytes,
+                max_queued_bytes=kv_events.max_queued_bytes,
                 replace=(
                     (lambda events, target=index_name: self.index.replace_backend(target, events))
                     if kv_events.snapshot
@@ -126,14 +134,22 @@ class KVIndexService:
         backends: Iterable[str] | None = None,
         *,
         keys: Sequence[int] | np.ndarray | None = None,
+        disconnected: bool = False,
     ) -> dict[str, BackendMatch]:
         """Per backend, the leading tokens of the prompt its engine holds, per tier (events only).
 
         `keys`: the prompt's router keys when the caller has them (prompt_prefix_keys), not recomputed.
+        A rank whose event stream is disconnected holds nothing here (what it announced may be
+        gone, and its removals do not reach the index) unless `disconnected` is true.
         """
         started = time.perf_counter()
         wanted = list(self._streams) if backends is None else [b for b in backends if b in self._streams]
-        index_names = [stream.index_name for name in wanted for stream in self._streams[name]]
+        index_names = [
+            stream.index_name
+            for name in wanted
+            for stream in self._streams[name]
+            if disconnected or stream.subscriber.stats.connected
+        ]
         matches = self.index.longest_cached_prefix(tokens, namespace, index_names, keys=keys)
         result: dict[str, BackendMatch] = {}
         for name in wanted:
@@ -145,6 +161,16 @@ class KVIndexService:
             result[name] = best or BackendMatch({}, [])
         self.lookup_seconds.observe(time.perf_counter() - started)
         return result
+
+    def disconnected_streams(self) -> dict[str, str]:
+        """Backends with a disconnected event stream (some rank's), each with the reason to show."""
+        found = {}
+        for name, streams in self._streams.items():
+            ranks = [stream.rank for stream in streams if not stream.subscriber.stats.connected]
+            if ranks:
+                which = "" if len(streams) == 1 else f" (rank {', '.join(map(str, ranks))})"
+                found[name] = f"event stream disconnected{which}"
+        return found
 
     def namespace_for(self, model: str, cache_salt: str | None) -> Namespace:
         """The index namespace of a request: its model names a LoRA adapter when engines said so."""
@@ -187,11 +213,19 @@ class KVIndexService:
                         "superseded_events": stats.superseded_events,
                         "unrecovered_gaps": stats.unrecovered_gaps,
                         "restarts": stats.restarts,
+                        "duplicates": stats.duplicates,
+                        "oversized": stats.oversized,
+                        "dropped_messages": stats.dropped_messages,
+                        "dropped_bytes": stats.dropped_bytes,
+                        "queued_bytes": stats.queued_bytes,
+                        "queued_bytes_peak": stats.queued_bytes_peak,
+                        "skipped_replays": stats.skipped_replays,
                         "malformed": stats.malformed,
                         "apply_errors": stats.apply_errors,
                         "uncertain": stats.uncertain,
                         "uncertain_reason": stats.uncertain_reason,
                         "unplaced_blocks": index_stats.unplaced_blocks if index_stats else 0,
+                        "evicted_blocks": index_stats.evicted_blocks if index_stats else 0,
                         "last_message_at": stats.last_message_at,
                         "last_error": stats.last_error,
                         "snapshots": stats.snapshots,
@@ -218,10 +252,16 @@ class KVIndexService:
                 "superseded_batches": total("superseded_batches"),
                 "unrecovered_gaps": total("unrecovered_gaps"),
                 "restarts": total("restarts"),
+                "duplicates": total("duplicates"),
+                "oversized": total("oversized"),
+                "dropped_messages": total("dropped_messages"),
+                "queued_bytes": total("queued_bytes"),
+                "skipped_replays": total("skipped_replays"),
                 "snapshots": total("snapshots"),
                 "snapshot_failures": total("snapshot_failures"),
                 "malformed": total("malformed"),
                 "unplaced_blocks": total("unplaced_blocks"),
+                "evicted_blocks": total("evicted_blocks"),
                 "uncertain": any(rank["uncertain"] for rank in ranks),
                 "ranks": ranks,
             }
@@ -257,7 +297,26 @@ class _IndexCollector:
             "kvgate_kv_unrecovered_gaps", "Gaps the replay could not fill", labels=["backend"]
         )
         restarts = CounterMetricFamily(
-            "kvgate_kv_restarts", "Engine restarts detected (seq went back)", labels=["backend"]
+            "kvgate_kv_restarts", "Engine restarts detected (seq back, later ts)", labels=["backend"]
+        )
+        duplicates = CounterMetricFamily(
+            "kvgate_kv_duplicates",
+            "Messages ignored as duplicates or stale (seq not past the last, published no later)",
+            labels=["backend"],
+        )
+        dropped = CounterMetricFamily(
+            "kvgate_kv_dropped_messages",
+            "Live messages dropped: over kv_events.max_message_bytes (oversized) or past "
+            "max_queued_bytes while a replay waited (queue_full)",
+            labels=["backend", "reason"],
+        )
+        queued = GaugeMetricFamily(
+            "kvgate_kv_queued_bytes", "Live message bytes read while a replay waits", labels=["backend"]
+        )
+        skipped = CounterMetricFamily(
+            "kvgate_kv_skipped_replays",
+            "Replays not asked because the replay endpoint answered nothing lately",
+            labels=["backend"],
         )
         snapshots = CounterMetricFamily(
             "kvgate_kv_snapshots",
@@ -281,6 +340,11 @@ class _IndexCollector:
             "Tokens covered by the engine blocks in the index",
             labels=["backend", "tier"],
         )
+        evicted = CounterMetricFamily(
+            "kvgate_index_evicted_blocks",
+            "Engine blocks the index dropped, oldest first, to keep a backend within kv_events.max_blocks",
+            labels=["backend"],
+        )
         keys = GaugeMetricFamily("kvgate_index_router_keys", "Distinct cached prefixes (router blocks)")
         for name, status in self._service.status().items():
             for rank in status["ranks"]:
@@ -289,6 +353,11 @@ class _IndexCollector:
             replays.add_metric([name], status["replays"])
             gaps.add_metric([name], status["unrecovered_gaps"])
             restarts.add_metric([name], status["restarts"])
+            duplicates.add_metric([name], status["duplicates"])
+            dropped.add_metric([name, "oversized"], status["oversized"])
+            dropped.add_metric([name, "queue_full"], status["dropped_messages"])
+            queued.add_metric([name], status["queued_bytes"])
+            skipped.add_metric([name], status["skipped_replays"])
             if self._service.snapshots_enabled(name):
                 snapshots.add_metric([name, "ok"], status["snapshots"])
                 snapshots.add_metric([name, "failed"], status["snapshot_failures"])
@@ -299,17 +368,23 @@ class _IndexCollector:
                 blocks.add_metric([name, tier], count)
             for tier, count in status["tokens"].items():
                 tokens.add_metric([name, tier], count)
+            evicted.add_metric([name], status["evicted_blocks"])
         keys.add_metric([], self._service.index.size()["router_keys"])
         yield from (
             events,
             replays,
             gaps,
             restarts,
+            duplicates,
+            dropped,
+            queued,
+            skipped,
             snapshots,
             malformed,
             uncertain,
             connected,
             blocks,
             tokens,
+            evicted,
             keys,
         )

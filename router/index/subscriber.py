@@ -9,8 +9,12 @@ Sequence rules (protocols.md section 1):
 - seq > last + 1: a gap. Replay from last + 1 over a DEALER socket (`[b"", start_seq]`), accept
   replies of 2 or 3 frames after the empty delimiter, stop at the end marker (seq -1) or a timeout,
   drop duplicates. A gap the replay cannot fill marks the backend uncertain (shown and counted).
-- seq <= last: the engine restarted (seq starts at 0 in every engine process): clear the backend
-  and continue from this message.
+- seq <= last, in a batch published after the newest batch applied (its `ts` is later): the
+  engine restarted (every engine process publishes from seq 0, so only a new stream steps back
+  while time goes forward): clear the backend and continue from this message. An undecodable
+  message says nothing of when it was published: it counts as a restart only at seq 0.
+- seq <= last otherwise: a duplicate or stale message (delivered twice, resent by a peer, an old
+  replay): ignored and counted in `duplicates`; the index is left as it is.
 - Catch-up: on its first connection the subscriber asks for a replay from seq 0 at once, without
   waiting for a live message, so what the engine still buffers is in the index before traffic
   arrives; `stats.synced` turns true when that answer is in (or at once when there is no replay
@@ -30,6 +34,21 @@ Sequence rules (protocols.md section 1):
   order and a burst of one-block messages pays one index call, not one per message.
 Malformed messages are counted and logged, never fatal. ZMQ reconnects on its own, with
 exponential backoff between `reconnect_initial_s` and `reconnect_max_s`.
+
+Bounds (one bad engine costs its own stream little and the others nothing):
+- A live message whose payload is over `max_message_bytes` is dropped (counted in `oversized`,
+  logged rate-limited): its seq advances and the backend is uncertain (its events are lost). ZMQ
+  refuses a frame over twice that before buffering it (MAXMSGSIZE: the connection is dropped and
+  comes back, and what it carried shows as a gap); a replay reply over it is dropped like a lost one.
+- While a replay or snapshot request waits, live messages keep being read, into a queue of at
+  most `max_queued_bytes` (tail drop past it: `dropped_messages`; the lost seqs are a gap the next
+  message finds), handled in order once the request ends; ZMQ's own queue is not left to grow.
+- A replay endpoint that answered nothing to two requests in a row (one lost answer is a
+  ROUTER at its high-water mark; two, an endpoint that does not answer) is not asked again for a
+  while (`replay_timeout_s` at first, doubling up to `_REPLAY_BACKOFF_MAX_S`; any answer resets
+  it): meanwhile a gap is unrecovered at once (`skipped_replays`), not one timeout per gap.
+Each subscriber has its own thread and sockets, so these waits never hold up another backend's
+stream.
 
 Snapshots (`kv_events.snapshot: true`, cache-layer publishers only: vLLM's has no such request):
 the request `[b"", b"KVSNAPSHOT"]` on the replay socket is answered with one batch holding
@@ -63,6 +82,7 @@ from typing import TYPE_CHECKING, Any
 
 import zmq
 
+from router.config import DEFAULT_MAX_MESSAGE_BYTES, DEFAULT_MAX_QUEUED_BYTES
 from router.index.events import (
     AllBlocksCleared,
     DecodedBatch,
@@ -100,6 +120,10 @@ _DRAIN_APPLY_EVENTS = 512
 # A replay answer still flowing gets this many replay timeouts in all; replies queued per DEALER.
 _REPLAY_MAX_TIMEOUTS = 10
 _REPLAY_RCVHWM = 200_000
+# The longest pause between requests to a replay endpoint that answered nothing.
+_REPLAY_BACKOFF_MAX_S = 30.0
+# Live messages read into the queue per wakeup of a request's wait (then the wait goes on).
+_QUEUE_READ_BATCH = 1000
 
 
 def receive_frames(socket: zmq.Socket) -> list[bytes]:
@@ -142,6 +166,18 @@ class SubscriberStats:
     synced: bool = False
     unrecovered_gaps: int = 0
     restarts: int = 0
+    # Messages whose seq was not past the last one applied, and not from a restarted engine.
+    duplicates: int = 0
+    # Live messages over `max_message_bytes` (dropped), and live messages dropped because the
+    # queue read during a replay wait was full (`max_queued_bytes`), with their bytes.
+    oversized: int = 0
+    dropped_messages: int = 0
+    dropped_bytes: int = 0
+    # Bytes in that queue now, and the most it held.
+    queued_bytes: int = 0
+    queued_bytes_peak: int = 0
+    # Replays and snapshots not asked because the endpoint answered nothing lately.
+    skipped_replays: int = 0
     # Set when a gap could not be filled or a late start found the engine's history gone: the
     # index may hold blocks the engine already dropped (or lack some it holds).
     uncertain: bool = False
@@ -192,6 +228,8 @@ class EventSubscriber:
         replace: ReplaceBackend | None = None,
         snapshot_after_outage_s: float = 0.0,
         wire: WireIngest | None = None,
+        max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+        max_queued_bytes: int = DEFAULT_MAX_QUEUED_BYTES,
     ) -> None:
         self.name = name
         self.endpoint = endpoint
@@ -201,6 +239,8 @@ class EventSubscriber:
         self.replay_timeout_s = replay_timeout_s
         self.reconnect_initial_s = reconnect_initial_s
         self.reconnect_max_s = reconnect_max_s
+        self.max_message_bytes = max_message_bytes
+        self.max_queued_bytes = max_queued_bytes
         self.stats = SubscriberStats()
         self._apply = apply
         self._clear = clear
@@ -218,7 +258,19 @@ class EventSubscriber:
         self._ready = threading.Event()
         self._thread = threading.Thread(target=self._run, name=f"kv-events-{name}", daemon=True)
         self._dealer: zmq.Socket | None = None
+        self._sub: zmq.Socket | None = None
+        # Live messages read while a request waited, in order, handled before the socket's next.
+        self._queued: collections.deque[list[bytes]] = collections.deque()
+        # A silent replay endpoint is not asked again before this time (monotonic).
+        self._replay_quiet_until = 0.0
+        self._replay_backoff_s = 0.0
+        self._unanswered_requests = 0
         self._last_malformed_log = 0.0
+        self._last_drop_log = 0.0
+        self._last_duplicate_log = 0.0
+        # The `ts` of the newest batch applied (its publisher's clock): a message whose seq steps
+        # back comes from a restarted engine only when it was published later than that.
+        self._last_ts = 0.0
         # Snapshots need the replay socket and somewhere to put them.
         self._replace = replace if replay_endpoint is not None else None
         self.snapshot_after_outage_s = snapshot_after_outage_s
@@ -268,6 +320,8 @@ class EventSubscriber:
         sub = self._context.socket(zmq.SUB)
         sub.setsockopt(zmq.LINGER, 0)
         sub.setsockopt(zmq.RCVHWM, 100_000)
+        # ZMQ buffers a whole message before handing it over: refuse absurd frames before that.
+        sub.setsockopt(zmq.MAXMSGSIZE, 2 * self.max_message_bytes)
         sub.setsockopt(zmq.RECONNECT_IVL, int(self.reconnect_initial_s * 1000))
         sub.setsockopt(zmq.RECONNECT_IVL_MAX, int(self.reconnect_max_s * 1000))
         sub.setsockopt(zmq.SUBSCRIBE, self.topic)
@@ -288,16 +342,17 @@ class EventSubscriber:
             self._wake_reader.close()
             return
         self._ready.set()
+        self._sub = sub
         poller = zmq.Poller()
         poller.register(sub, zmq.POLLIN)
         poller.register(monitor, zmq.POLLIN)
         poller.register(self._wake_reader, zmq.POLLIN)
         try:
             while not self._stop.is_set():
-                ready = dict(poller.poll())
+                ready = dict(poller.poll(0 if self._queued else None))
                 if monitor in ready:
                     self._drain_monitor(monitor)
-                if sub in ready:
+                if sub in ready or self._queued:
                     self._drain(sub)
         finally:
             self._wake_reader.close()
@@ -320,11 +375,16 @@ class EventSubscriber:
         collecting = gc.isenabled()
         gc.disable()
         try:
+            queued = self._queued
             for _ in range(_DRAIN_MAX_MESSAGES):
-                try:
-                    frames = receive_frames(sub)
-                except zmq.Again:
-                    break
+                if queued:  # read while a request waited: older than what the socket holds
+                    frames = queued.popleft()
+                    self.stats.queued_bytes -= _size(frames)
+                else:
+                    try:
+                        frames = receive_frames(sub)
+                    except zmq.Again:
+                        break
                 self._handle_live(frames)
                 if len(self._held_events) + self._held_scanned_events >= _DRAIN_APPLY_EVENTS:
                     self._release_held()
@@ -346,6 +406,7 @@ class EventSubscriber:
             return
         events, batches, first = self._held_events, self._held_batches, self._held_from
         self._held_events, self._held_batches, self._held_from = [], [], None
+        self._last_ts = batches[-1].ts
         self.stats.batches += len(batches)
         _count_kinds(self.stats.events, events)
         if events:
@@ -357,6 +418,7 @@ class EventSubscriber:
     def _release_scanned(self) -> None:
         scanned, first = self._held_scanned, self._held_from
         self._held_scanned, self._held_scanned_events, self._held_from = [], 0, None
+        self._last_ts = scanned[-1].ts
         stats = self.stats
         stats.batches += len(scanned)
         stats.scanned_batches += len(scanned)
@@ -424,6 +486,9 @@ class EventSubscriber:
         if seq < 0:
             self._malformed(f"negative seq {seq} on the live stream")
             return
+        if len(payload) > self.max_message_bytes:
+            self._oversized(seq, len(payload))
+            return
         stats = self.stats
         # The usual message: the next seq while draining, nothing to check.
         in_order = self._draining and stats.last_seq == seq - 1 and self._live_floor is None
@@ -483,6 +548,9 @@ class EventSubscriber:
                 recovered = self._recover(0, seq, late_start=True)
             stats.synced = True
         elif seq <= last:
+            if not self._from_new_stream(seq, batch):
+                self._duplicate(seq, last)
+                return
             stats.restarts += 1
             logger.warning(
                 "kv events %s: seq went back from %d to %d: engine restarted, its cache entries dropped",
@@ -508,6 +576,64 @@ class EventSubscriber:
             self._continue_after_snapshot(seq, batch)
             return
         self._apply_batch(seq, batch)
+
+    def _oversized(self, seq: int, size: int) -> None:
+        """Drop a live message over `max_message_bytes`: its seq advances (no false gap), and the
+        backend is uncertain, since the events it carried are lost."""
+        self.stats.oversized += 1
+        reason = f"seq {seq} dropped: {size} bytes, over max_message_bytes ({self.max_message_bytes})"
+        self._log_drop(f"the live message of {reason}")
+        self._advance(seq, None)
+        if self.stats.last_seq == seq:  # (applied as the next seq, not taken for a duplicate)
+            self.stats.uncertain = True
+            self.stats.uncertain_reason = reason
+
+    def _log_drop(self, what: str) -> None:
+        now = time.monotonic()
+        if now - self._last_drop_log > 5.0:  # rate-limited: a flooding peer must not flood the log
+            self._last_drop_log = now
+            logger.warning("kv events %s: dropped %s", self.name, what)
+
+    def _queue_live(self, sub: zmq.Socket) -> None:
+        """Read the live messages queued on the socket into `_queued` (a request is waiting), at
+        most `max_queued_bytes` in all: past that, messages are dropped (their seqs become a gap)."""
+        stats = self.stats
+        for _ in range(_QUEUE_READ_BATCH):
+            try:
+                frames = receive_frames(sub)
+            except zmq.Again:
+                return
+            size = _size(frames)
+            if stats.queued_bytes + size > self.max_queued_bytes:
+                stats.dropped_messages += 1
+                stats.dropped_bytes += size
+                self._log_drop(
+                    f"a live message of {size} bytes: {stats.queued_bytes} bytes already queued while "
+                    f"the replay endpoint is asked (max_queued_bytes {self.max_queued_bytes})"
+                )
+                continue
+            self._queued.append(frames)
+            stats.queued_bytes += size
+            stats.queued_bytes_peak = max(stats.queued_bytes_peak, stats.queued_bytes)
+
+    def _from_new_stream(self, seq: int, batch: DecodedBatch | None) -> bool:
+        """Whether a message whose seq is not past the last one comes from a restarted engine."""
+        if batch is None:
+            return seq == 0
+        return batch.ts > self._last_ts
+
+    def _duplicate(self, seq: int, last: int) -> None:
+        self.stats.duplicates += 1
+        now = time.monotonic()
+        if now - self._last_duplicate_log > 5.0:  # rate-limited: a looping peer must not flood the log
+            self._last_duplicate_log = now
+            logger.warning(
+                "kv events %s: seq %d (last applied %d) published no later than the last batch: "
+                "a duplicate or stale message, ignored",
+                self.name,
+                seq,
+                last,
+            )
 
     def _continue_after_snapshot(self, seq: int, batch: DecodedBatch | None) -> None:
         """Handle the live batch that led to a snapshot: drop it if the snapshot holds it."""
@@ -550,6 +676,7 @@ class EventSubscriber:
         stats.uncertain_reason = None
         stats.last_snapshot_error = None
         self._live_floor = (next_seq, batch.ts)
+        self._last_ts = batch.ts
         logger.info(
             "kv events %s: snapshot on %s: %d blocks, live from seq %d",
             self.name,
@@ -580,6 +707,7 @@ class EventSubscriber:
         self.stats.last_seq = seq
         if batch is None:
             return
+        self._last_ts = batch.ts
         self._count_batch(seq, batch)
         if batch.events:
             self._apply_events(batch.events, f"seq {seq}")
@@ -635,7 +763,7 @@ class EventSubscriber:
     def _recover(self, start: int, until: int, *, late_start: bool) -> bool:
         """Replay batches start..until-1 and apply them; mark the backend uncertain when that fails."""
         batches: dict[int, bytes] = {}
-        if self.replay_endpoint is not None:
+        if self.replay_endpoint is not None and not self._replay_paused():
             self.stats.replays += 1
             replies, _complete = self._request(encode_seq(start), f"replay from seq {start}")
             batches = _in_range(replies, start, until)
@@ -707,6 +835,7 @@ class EventSubscriber:
         if self._on_batch is not None:
             for batch in applied:
                 self._on_batch(self.name, batch)
+        self._last_ts = max(self._last_ts, newest_ts)
         return cleared_at, newest_ts
 
     def _decode_replayed(self, seq: int, payload: bytes) -> DecodedBatch | None:
@@ -725,9 +854,12 @@ class EventSubscriber:
         never later than `_REPLAY_MAX_TIMEOUTS` times that after the request.
         """
         assert self.replay_endpoint is not None
+        if self._replay_paused():
+            return [], False
         if self._dealer is None:
             self._dealer = self._context.socket(zmq.DEALER)
             self._dealer.setsockopt(zmq.LINGER, 0)
+            self._dealer.setsockopt(zmq.MAXMSGSIZE, 2 * self.max_message_bytes)
             # The engine's ROUTER drops replies beyond its send high-water mark (1000 by default)
             # when this thread reads more slowly than it sends: let ZMQ's I/O thread queue the
             # whole answer here instead.
@@ -739,16 +871,33 @@ class EventSubscriber:
         cap = started + self.replay_timeout_s * _REPLAY_MAX_TIMEOUTS
         deadline = started + self.replay_timeout_s
         replies: list[tuple[int, bytes]] = []
+        # Live messages go on being read meanwhile (`_queue_live`).
+        poller = zmq.Poller()
+        poller.register(dealer, zmq.POLLIN)
+        sub = self._sub
+        if sub is not None:
+            poller.register(sub, zmq.POLLIN)
+        answered = False
         while True:
             remaining = min(deadline, cap) - time.monotonic()
-            if remaining <= 0 or not dealer.poll(int(remaining * 1000) + 1):
+            ready = dict(poller.poll(int(remaining * 1000) + 1)) if remaining > 0 else {}
+            if sub is not None and sub in ready:
+                self._queue_live(sub)
+            if dealer not in ready:
+                if remaining > 0 and time.monotonic() < min(deadline, cap):
+                    continue
                 # The ROUTER drops at its high-water mark, end marker included. A late answer
                 # must not be taken for the next replay's: start that one on a fresh socket.
                 logger.warning("kv events %s: %s timed out", self.name, what)
                 dealer.close(0)
                 self._dealer = None
+                if not answered:
+                    self._back_off_replays()
                 return replies, False
             frames = dealer.recv_multipart()
+            answered = True
+            self._unanswered_requests = 0
+            self._replay_backoff_s = 0.0
             deadline = time.monotonic() + self.replay_timeout_s
             # [b"", seq, payload] (vLLM < 0.26) or [b"", topic, seq, payload] (later).
             if frames and frames[0] == b"":
@@ -765,7 +914,36 @@ class EventSubscriber:
                 continue
             if seq == -1:
                 return replies, True
+            if len(frames[1]) > self.max_message_bytes:
+                self._malformed(f"replay seq {seq}: {len(frames[1])} bytes, over max_message_bytes")
+                continue
             replies.append((seq, frames[1]))
+
+    def _replay_paused(self) -> bool:
+        """True (and counted) while the replay endpoint is not asked, having answered nothing."""
+        if time.monotonic() < self._replay_quiet_until:
+            self.stats.skipped_replays += 1
+            return True
+        return False
+
+    def _back_off_replays(self) -> None:
+        """The replay endpoint answered nothing: after the second time in a row, do not ask it
+        again for a while, twice as long each time."""
+        self._unanswered_requests += 1
+        if self._unanswered_requests < 2:
+            return
+        backoff = max(self.replay_timeout_s, 2 * self._replay_backoff_s)
+        self._replay_backoff_s = min(_REPLAY_BACKOFF_MAX_S, backoff)
+        self._replay_quiet_until = time.monotonic() + self._replay_backoff_s
+        logger.warning(
+            "kv events %s: the replay endpoint answers nothing; not asked again for %.1f s",
+            self.name,
+            self._replay_backoff_s,
+        )
+
+
+def _size(frames: list[bytes]) -> int:
+    return sum(map(len, frames))
 
 
 def _in_range(replies: list[tuple[int, bytes]], start: int, until: int | None) -> dict[int, bytes]:

@@ -154,7 +154,14 @@ def launch_simulated_engines(
                     name=name,
                     url=f"http://{host}:{http_ports[i]}",
                     models=[model.name],
-                    kv_events=KVEvents(endpoint=endpoint, replay_endpoint=replay_endpoint, topic=TOPIC),
+                    kv_events=KVEvents(
+                        endpoint=endpoint,
+                        replay_endpoint=replay_endpoint,
+                        topic=TOPIC,
+                        # The engine holds at most its pool; an eighth more leaves room for a
+                        # removal that arrives after the store that replaced its block.
+                        max_blocks=spec.num_gpu_blocks + spec.num_gpu_blocks // 8,
+                    ),
                 )
             )
         # Every engine imports and loads its tokenizer at once: on two cores, start-up grows with the count.
