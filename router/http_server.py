@@ -55,6 +55,12 @@ _MONITORING_PATHS = frozenset({b"/health", b"/metrics"})
 _RESERVED_FILE_DESCRIPTORS = 128 + OVER_CAPACITY_CONNECTIONS
 # What a connection is reading: nothing (idle between requests), a request head, a request body.
 _IDLE, _HEAD, _BODY = 0, 1, 2
+# After an error answer that closes the connection: how long, and how many more bytes, the gateway
+# keeps reading (and dropping) what the client still sends before it closes its side. Closing with
+# unread bytes makes the kernel send a reset, and a reset can destroy the answer in the client's
+# receive buffer before the client reads it (nginx's "lingering close" exists for the same reason).
+_LINGER_S = 1.0
+_LINGER_MAX_BYTES = 1 << 20
 
 
 def default_max_client_connections() -> int:
@@ -163,6 +169,8 @@ class GatewayHttpProtocol(HttpToolsProtocol):
         # The read deadlines: one timer per connection, re-armed only when it fires (as the idle timer).
         self._read_phase = _HEAD
         self._phase_started = 0.0
+        self._lingering_bytes: int | None = None  # bytes dropped since an error answer; None: not lingering
+        self._linger_timer: asyncio.TimerHandle | None = None
         self._head_bytes = 0
         self._read_timer: asyncio.TimerHandle | None = None
 
@@ -171,6 +179,11 @@ class GatewayHttpProtocol(HttpToolsProtocol):
     def data_received(self, data: bytes) -> None:
         if self.transport.is_closing():
             return  # answered and closing: whatever else the client sends is dropped
+        if self._lingering_bytes is not None:
+            self._lingering_bytes += len(data)
+            if self._lingering_bytes > _LINGER_MAX_BYTES:
+                self.transport.close()
+            return
         self._unset_keepalive_if_required()
         if self._read_phase == _IDLE:
             self._start_reading(_HEAD)
@@ -226,15 +239,38 @@ class GatewayHttpProtocol(HttpToolsProtocol):
             "(limits.max_header_bytes)",
         )
 
-    def _answer_and_close(self, status: int, message: str) -> None:
-        """Answer an error the gateway detected on the connection itself, then close it. When an
-        answer is already going out on it, the connection just closes (a second one would garble it)."""
+    def _answer_and_close(self, status: int, message: str, linger: bool = True) -> None:
+        """Answer an error the gateway detected on the connection itself, then close it (lingering:
+        see _LINGER_S). When an answer is already going out on it, the connection just closes (a
+        second one would garble it)."""
         self.gateway.metrics.gateway_errors.labels(str(status)).inc()
         if not self._answer_in_progress():
             body = error_body(status, message)
             head = b"content-type: application/json\r\ncontent-length: %d\r\nconnection: close\r\n\r\n"
             self.transport.write(STATUS_LINE[status] + head % len(body) + body)
-        self.transport.close()
+        if linger:
+            self._close_lingering()
+        else:
+            self.transport.close()
+
+    def _close_lingering(self) -> None:
+        """Send what is queued and a FIN, then drop what the client still sends until it closes, for
+        at most _LINGER_S and _LINGER_MAX_BYTES, and close (see _LINGER_S)."""
+        transport = self.transport
+        if transport.is_closing() or self._lingering_bytes is not None:
+            return
+        if not transport.can_write_eof():
+            transport.close()
+            return
+        self._lingering_bytes = 0
+        self._read_phase = _IDLE
+        for timer in (self._read_timer, self._idle_timer):
+            if timer is not None:
+                timer.cancel()
+        self._read_timer = self._idle_timer = None
+        transport.write_eof()
+        transport.resume_reading()
+        self._linger_timer = self.loop.call_later(_LINGER_S, transport.close)
 
     def _answer_in_progress(self) -> bool:
         cycle = self.cycle
@@ -371,7 +407,9 @@ class GatewayHttpProtocol(HttpToolsProtocol):
             return
         self.gateway.metrics.client_connections_refused.inc()
         if open_connections > self.max_client_connections + OVER_CAPACITY_CONNECTIONS:
-            self._answer_and_close(503, self._over_capacity_message())
+            # Closed at once, without lingering: the descriptor is what a flood of connections
+            # would exhaust, and nothing was read from this one yet.
+            self._answer_and_close(503, self._over_capacity_message(), linger=False)
             return
         self.over_capacity = True
 
@@ -493,6 +531,9 @@ class GatewayHttpProtocol(HttpToolsProtocol):
         if self._read_timer is not None:
             self._read_timer.cancel()
             self._read_timer = None
+        if self._linger_timer is not None:
+            self._linger_timer.cancel()
+            self._linger_timer = None
         super().connection_lost(exc)
 
     def shutdown(self) -> None:
