@@ -7,10 +7,12 @@ project's own venv and must satisfy the ranges of pyproject.toml.
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
-import textwrap
+import sys
 import tomllib
+from importlib import metadata
 
 from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
@@ -18,6 +20,9 @@ from packaging.utils import canonicalize_name
 from tests.support.processes import REPO_ROOT, python_command
 
 CACHE_LAYER_ONLY = ("torch", "numba", "triton", "cachelayer")
+# Imported by a dependency only when present: transformers loads Pillow for its image processors
+# when it is installed; the tokenizers work without it.
+OPTIONAL = {"pillow"}
 
 
 def _pyproject() -> dict:
@@ -28,34 +33,43 @@ def _names(requirements: list[str]) -> set[str]:
     return {canonicalize_name(Requirement(line).name) for line in requirements}
 
 
-def test_the_gateway_imports_serves_and_tokenizes_with_torch_and_numba_absent():
+_GATEWAY_PATH = """
+import sys
+already_loaded = set(sys.modules)  # the interpreter's own start-up (site, .pth hooks)
+import importlib, json, pkgutil
+for name in {blocked!r}:
+    sys.modules[name] = None
+import router
+for module in pkgutil.walk_packages(router.__path__, "router."):
+    if not module.name.endswith("__main__"):  # runs a program when imported
+        importlib.import_module(module.name)
+from router.app import create_app
+from router.config import parse_config
+from router.tokenize import PromptTokenizer
+config = parse_config({{
+    "models": [{{"name": "tiny-qwen3", "tokenizer": "builtin:qwen3"}}],
+    "backends": [{{"name": "e0", "url": "http://127.0.0.1:9"}}],
+    "policy": {{"name": "kv_aware"}},
+}})
+create_app(config)
+tokenizer = PromptTokenizer(config.models[0].tokenizer)
+chat = tokenizer.tokens_for({{"messages": [{{"role": "system", "content": "Be brief."}},
+                                          {{"role": "user", "content": "What is a KV cache?"}}]}})
+completion = tokenizer.tokens_for({{"prompt": "a KV cache keeps the attention keys"}})
+print(json.dumps({{"tokens": [len(chat), len(completion)],
+                   "modules": sorted({{name.split(".")[0] for name, module in sys.modules.items()
+                                       if module is not None and name not in already_loaded}})}}))
+"""
+
+
+def _run_gateway_path() -> dict:
+    """Import every router module, build a kv_aware app and tokenize a chat and a completion, with
+    the cache layer's packages absent; returns the token counts and the top-level modules loaded."""
     # sys.modules[name] = None is how Python marks a package absent: `import torch` raises
     # ModuleNotFoundError and importlib.util.find_spec("torch") (transformers asks it) says None,
     # as in a venv with only `pip install kvgate`.
-    script = textwrap.dedent(
-        f"""
-        import importlib, pkgutil, sys
-        for name in {CACHE_LAYER_ONLY!r}:
-            sys.modules[name] = None
-        import router
-        for module in pkgutil.walk_packages(router.__path__, "router."):
-            if not module.name.endswith("__main__"):  # runs a program when imported
-                importlib.import_module(module.name)
-        from router.app import create_app
-        from router.config import parse_config
-        from router.tokenize import PromptTokenizer
-        config = parse_config({{
-            "models": [{{"name": "tiny-qwen3", "tokenizer": "builtin:qwen3"}}],
-            "backends": [{{"name": "e0", "url": "http://127.0.0.1:9"}}],
-            "policy": {{"name": "kv_aware"}},
-        }})
-        create_app(config)
-        tokenizer = PromptTokenizer(config.models[0].tokenizer)
-        print(len(tokenizer.tokenizer("a KV cache keeps the attention keys")["input_ids"]))
-        """
-    )
     result = subprocess.run(
-        python_command("-c", script),
+        python_command("-c", _GATEWAY_PATH.format(blocked=CACHE_LAYER_ONLY)),
         capture_output=True,
         text=True,
         timeout=120,
@@ -63,7 +77,51 @@ def test_the_gateway_imports_serves_and_tokenizes_with_torch_and_numba_absent():
         env=dict(os.environ, PYTHONPATH=str(REPO_ROOT)),
     )
     assert result.returncode == 0, f"the gateway needs a cache-layer package:\n{result.stderr[-3000:]}"
-    assert int(result.stdout.split()[-1]) > 0
+    return json.loads(result.stdout.splitlines()[-1])
+
+
+def _gateway_install() -> set[str]:
+    """The distributions `pip install kvgate` brings: pyproject's dependencies, then what each of
+    them requires (read from the installed packages' metadata)."""
+    closure: set[str] = {"kvgate"}
+    pending: list[tuple[str, tuple[str, ...]]] = [("kvgate", ("",))]
+    while pending:
+        name, wanted = pending.pop()
+        lines = _pyproject()["project"]["dependencies"] if name == "kvgate" else metadata.requires(name)
+        for line in lines or []:
+            requirement = Requirement(line)
+            if requirement.marker is not None and not any(
+                requirement.marker.evaluate({"extra": extra}) for extra in wanted
+            ):
+                continue
+            key = canonicalize_name(requirement.name)
+            if key in closure and not requirement.extras:
+                continue
+            closure.add(key)
+            pending.append((requirement.name, ("", *requirement.extras)))
+    return closure
+
+
+def test_the_gateway_imports_serves_and_tokenizes_with_torch_and_numba_absent():
+    run = _run_gateway_path()
+    assert min(run["tokens"]) > 0
+
+
+def test_every_package_the_gateway_loads_comes_with_pip_install_kvgate():
+    """A package the serve path imports that only another package's requirements bring (jinja2,
+    which transformers needs for chat templates and torch happened to install) breaks
+    `pip install kvgate` alone."""
+    loaded = _run_gateway_path()["modules"]
+    providers = metadata.packages_distributions()
+    installed_by_kvgate = _gateway_install()
+    outside = sorted(
+        f"{module} (from {', '.join(providers[module])})"
+        for module in loaded
+        if module not in sys.stdlib_module_names
+        and module in providers
+        and not {canonicalize_name(d) for d in providers[module]} & (installed_by_kvgate | OPTIONAL)
+    )
+    assert not outside, "imported by the gateway but not required by kvgate: " + "; ".join(outside)
 
 
 def test_pip_install_kvgate_brings_no_torch_and_the_extras_bring_the_cache_layer():
