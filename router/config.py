@@ -304,7 +304,7 @@ def _format_error(source: str, exc: Exception) -> str:
     if where == "policy.name" and message.startswith("Invalid value"):
         message += f"; known policies: {', '.join(POLICY_NAMES)}"
     elif message.startswith("Object contains unknown field"):
-        message += "; check its spelling or remove it (docs/gateway.md lists the keys)"
+        message += "; check its spelling or remove it (docs/configuration.md lists the keys)"
     return f"{source}: invalid configuration at `{where}`: {message}"
 
 

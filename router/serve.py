@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import socket
 import sys
 
 
@@ -15,6 +16,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--log-level", choices=["debug", "info", "warning", "error"], help="overrides log_level of the config"
     )
+
+
+def check_listen_address(host: str, port: int) -> None:
+    """Bind every address `host` resolves to on `port` as uvicorn will (SO_REUSEADDR), then let go:
+    a port another process listens on fails here, at once, instead of after the simulated engines
+    have started. Raises OSError (strerror says why)."""
+    for family, kind, proto, _, address in socket.getaddrinfo(
+        host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+    ):
+        with socket.socket(family, kind, proto) as sock:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            if family == socket.AF_INET6:
+                # As asyncio's create_server: the IPv6 socket does not also claim the IPv4 port.
+                sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+            sock.bind(address)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -35,6 +51,15 @@ def run(args: argparse.Namespace) -> int:
     port = config.listen.port if args.port is None else args.port
     log_level = args.log_level or config.log_level
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        check_listen_address(host, port)
+    except OSError as exc:
+        print(
+            f"kvgate: cannot listen on {host}:{port} ({exc.strerror}): stop what holds the port, "
+            "or choose another with listen.port in the config or --port",
+            file=sys.stderr,
+        )
+        return 2
     fleet = None
     if config.launch is not None and config.launch.simulated_engines is not None:
         # `launch:` asks for simulated engines (router/sim): start them, route to them, stop them on exit.

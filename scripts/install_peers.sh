@@ -1,19 +1,24 @@
 #!/usr/bin/env bash
-# Install the peer routers used by benchmarks/gateway_overhead.py, each into its own virtual
-# environment under .cache/peers/<name>/ (ignored by git), so they never touch the project's venv.
+# Install the peer routers that benchmarks compare kvgate with (benchmarks/routers.py,
+# benchmarks/gateway_overhead.py), each into its own virtual environment under .cache/peers/<name>/
+# (ignored by git), so they never touch the project's venv. Pinned, so that runs compare the same
+# peers; the reports record the versions installed (benchmarks.routers.peer_versions).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON="${PYTHON:-python3}"
 PEERS_DIR=".cache/peers"
 mkdir -p "$PEERS_DIR"
-for peer in sglang-router vllm-router; do
+for spec in sglang-router==0.3.2 vllm-router==0.1.17; do
+    peer="${spec%%==*}"
+    version="${spec##*==}"
     venv="$PEERS_DIR/$peer"
-    if [ -x "$venv/bin/python" ] && "$venv/bin/pip" show -q "$peer" >/dev/null 2>&1; then
-        echo "$peer: already installed in $venv"
+    installed="$("$venv/bin/python" -c "import importlib.metadata as m; print(m.version('$peer'))" 2>/dev/null || true)"
+    if [ "$installed" = "$version" ]; then
+        echo "$peer $version: already installed in $venv"
         continue
     fi
-    "$PYTHON" -m venv "$venv"
+    [ -x "$venv/bin/python" ] || "$PYTHON" -m venv "$venv"
     "$venv/bin/pip" install -q --upgrade pip
-    "$venv/bin/pip" install -q "$peer"
-    echo "$peer: installed in $venv"
+    "$venv/bin/pip" install -q "$spec"
+    echo "$peer $version: installed in $venv"
 done

@@ -11,7 +11,9 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
+from benchmarks import routers
 from benchmarks.routers import wait_until_synced
+from tests.support.processes import REPO_ROOT
 
 
 class PrefixMapServer:
@@ -87,3 +89,25 @@ def test_the_wait_reports_a_gateway_that_does_not_answer(server: PrefixMapServer
     server.close()
     with pytest.raises(TimeoutError, match="prefix-map"):
         wait_until_synced(url, timeout_s=0.3)
+
+
+def test_peer_versions_are_read_from_each_peer_environment(tmp_path, monkeypatch):
+    site_packages = tmp_path / "sglang-router" / "lib" / "python3.11" / "site-packages"
+    dist_info = site_packages / "sglang_router-0.3.2.dist-info"
+    dist_info.mkdir(parents=True)
+    (dist_info / "METADATA").write_text("Metadata-Version: 2.1\nName: sglang-router\nVersion: 0.3.2\n")
+    monkeypatch.setattr(routers, "PEERS_DIR", tmp_path)
+    versions = routers.peer_versions()
+    assert versions == {"sglang-router": "0.3.2", "vllm-router": "not installed"}
+    assert routers.peer_versions_line(versions) == (
+        "Peer routers: sglang-router 0.3.2, vllm-router not installed "
+        "(PyPI, installed by scripts/install_peers.sh)."
+    )
+
+
+def test_a_routing_report_that_ran_the_peers_names_their_versions(tmp_path):
+    from benchmarks import routing_bench
+
+    results = json.loads((REPO_ROOT / "benchmarks" / "results" / "routing_real.json").read_text())
+    routing_bench.write_markdown(results, tmp_path / "report.md")
+    assert "Peer routers: sglang-router 0.3.2, vllm-router 0.1.17 (" in (tmp_path / "report.md").read_text()

@@ -1,5 +1,6 @@
 """Every KV-event dialect decodes: array/map batches and events, int/bytes hashes, vLLM and SGLang
-field sets, unknown fields and event types, cache-layer chunks, and the real examples of protocols.md."""
+field sets, unknown fields and event types, cache-layer chunks, and the examples of LMCache's
+documentation (docs/index.md, "Events")."""
 
 from __future__ import annotations
 
@@ -23,11 +24,11 @@ from tests.support.event_publisher import all_blocks_cleared, block_removed, blo
 
 TOKENS = list(range(100, 132))
 
-# protocols.md section 2, vLLM + LMCache (chunk_size 8): the documented event shows the first three
+# LMCache's documentation, vLLM + LMCache (chunk_size 8): the documented event shows the first three
 # and the last token ids of 36; the middle ones here are stand-ins, the shape is the documented one.
 LMCACHE_VLLM_HASH = b"\x96\x95[h6\x1dE$v\x03\xe8\xf0\xc20\xcd\xe8\xa7#\x9cS\xe0\x16\xba\xab7\xf7z\x10P]\xfaT"
 LMCACHE_VLLM_TOKENS = [27, 91, 7265, *range(1000, 1032), 29]
-# protocols.md section 2, SGLang + LMCache (chunk_size 8): exactly as documented.
+# LMCache's documentation, SGLang + LMCache (chunk_size 8): exactly as documented.
 SGLANG_FIRST = [151644, 872, 198, 48, 16948, 18, 374, 279, 5535]
 SGLANG_SECOND = [5535, 9471, 315, 3460, 4128, 4119, 304, 1207, 16948]
 
@@ -162,7 +163,7 @@ def test_cache_salt_is_found_beside_a_lora_name_and_multimodal_keys() -> None:
 
 
 def test_real_example_vllm_with_lmcache_chunk() -> None:
-    """The vLLM + LMCache event of protocols.md: one 36-token chunk, a 32-byte hash, medium 'cpu'."""
+    """LMCache's documented vLLM + LMCache event: one 36-token chunk, a 32-byte hash, medium 'cpu'."""
     event = ["BlockStored", [LMCACHE_VLLM_HASH], None, LMCACHE_VLLM_TOKENS, 36, None, "cpu"]
     batch = decode_batch(encode_batch([event]))
     stored = batch.events[0]
@@ -178,7 +179,7 @@ def test_real_example_vllm_with_lmcache_chunk() -> None:
 
 
 def test_real_example_sglang_with_lmcache_overlapping_chunks() -> None:
-    """The SGLang + LMCache pair of protocols.md: signed hashes, chunks of 8 carrying 9 tokens."""
+    """The SGLang + LMCache pair of LMCache's documentation: signed hashes, chunks of 8 carrying 9 tokens."""
     first = ["BlockStored", [-7651984371600085018], None, SGLANG_FIRST, 8, None]
     second = ["BlockStored", [1717827842932260036], -7651984371600085018, SGLANG_SECOND, 8, None]
     batch = decode_batch(encode_batch([first, second], encoding="sglang-map", rank=0))

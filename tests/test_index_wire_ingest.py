@@ -326,7 +326,7 @@ def test_an_index_without_the_compiled_path_has_no_wire_ingest() -> None:
     assert PrefixIndex().wire_ingest("a") is not None
 
 
-def test_the_real_examples_of_protocols_md_are_scanned_and_build_the_decoded_index() -> None:
+def test_the_examples_of_lmcache_docs_are_scanned_and_build_the_decoded_index() -> None:
     """vLLM + LMCache (a 36-token chunk, a 32-byte hash, medium "cpu") and SGLang + LMCache (signed
     hashes, chunks of 8 carrying 9 tokens, SGLang's map batch), scanned and applied undecoded."""
     lmcache = ["BlockStored", [LMCACHE_VLLM_HASH], None, LMCACHE_VLLM_TOKENS, 36, None, "cpu"]

@@ -2,7 +2,7 @@
 
 HTTP (Starlette), all POST with JSON, every error (401, 404, 405, 413, 500 included) as `{"detail": ...}`:
 /lookup, /clear, /pin, /compress, /decompress, /move, /health, /query_worker_info
-(schemas in protocols.md section 3), and /check_finish {event_id} -> {status: "finished"} for
+(schemas in docs/cachelayer.md, "Controller"), and /check_finish {event_id} -> {status: "finished"} for
 clients that poll (every operation here completes before it answers).
 Workers report on a ZMQ PULL socket (the monitor port): register, heartbeat, deregister. A
 worker silent for `MISSED_HEARTBEATS` of its own intervals is dropped. Each operation on an

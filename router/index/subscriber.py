@@ -4,7 +4,7 @@ Each subscriber runs in its own thread (blocking zmq polls release the GIL), dec
 with `router.index.events` and hands the events to a callback (the index). The request path never
 waits on it.
 
-Sequence rules (protocols.md section 1):
+Sequence rules (vLLM's publisher; docs/index.md, "Subscriber"):
 - seq == last + 1: apply.
 - seq > last + 1: a gap. Replay from last + 1 over a DEALER socket (`[b"", start_seq]`), accept
   replies of 2 or 3 frames after the empty delimiter, stop at the end marker (seq -1) or a timeout,

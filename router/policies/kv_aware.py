@@ -30,7 +30,7 @@ The cheapest backend wins, with these guards:
   (`cold_spread_by: prefill_tokens`; `new_prefixes`: the fewest recent cold placements), then
   the fewest in flight, ties taken in turn. Different cold
   prefixes therefore spread over the engines by what they fill instead of piling onto the first one
-  (architecture.md, "what measuring the peers taught us"); between equal costs otherwise, the
+  (docs/benchmarks.md has the runs that showed it); between equal costs otherwise, the
   backend with the fewest recently placed prompt tokens wins, then the one whose cache holds least.
 With measure_load_costs (off by default), the TTFTs of streamed requests measure what a request in
 flight and a queued prompt token cost on these engines, in prompt tokens, and the larger of

@@ -1,6 +1,6 @@
 """KV events of the simulated engine: the wire types and the ZMQ publisher with replay.
 
-The wire protocol is vLLM's (docs/protocols.md section 1):
+The wire protocol is vLLM's (docs/index.md, "Events" and "Subscriber"):
 - PUB socket, messages of three frames [topic, seq (8 bytes big endian), msgpack(batch)];
 - ROUTER socket for replay: a request [b"", start_seq] is answered with [b"", topic, seq, payload]
   for every buffered batch with seq >= start_seq, then [b"", topic, seq=-1, b""];

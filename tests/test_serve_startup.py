@@ -1,0 +1,70 @@
+"""`kvgate serve` start-up checks that fail at once, before anything is launched: a taken listen port."""
+
+from __future__ import annotations
+
+import errno
+import os
+import socket
+import subprocess
+import time
+
+import pytest
+import yaml
+
+from tests.support import free_port
+from tests.support.processes import REPO_ROOT, python_command
+
+
+def test_a_taken_listen_port_fails_at_once_with_one_line_before_any_engine_starts(tmp_path):
+    engine_port = free_port()
+    config = {
+        "models": [{"name": "tiny-qwen3", "tokenizer": "builtin:qwen3"}],
+        # Four simulated engines take tens of seconds to start on a busy machine: the port check
+        # must come first.
+        "launch": {
+            "simulated_engines": {"count": 4, "base_port": engine_port, "events_base_port": free_port()}
+        },
+        "policy": {"name": "kv_aware"},
+    }
+    config_path = tmp_path / "proxy.yaml"
+    config_path.write_text(yaml.safe_dump(config))
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as holder:
+        holder.bind(("127.0.0.1", 0))
+        holder.listen()
+        taken = holder.getsockname()[1]
+        started = time.monotonic()
+        result = subprocess.run(
+            python_command("-m", "router.cli", "serve", "--config", str(config_path), "--port", str(taken)),
+            capture_output=True,
+            text=True,
+            timeout=120,
+            cwd=REPO_ROOT,
+            env=dict(os.environ, PYTHONPATH=str(REPO_ROOT)),
+        )
+        elapsed = time.monotonic() - started
+    assert result.returncode == 2, result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1, result.stderr
+    assert f"cannot listen on 127.0.0.1:{taken}" in lines[0]
+    assert "Address already in use" in lines[0]
+    assert "--port" in lines[0]  # how to fix it
+    # Nothing was launched: the first engine's port was never taken, and the answer came quickly.
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        assert probe.connect_ex(("127.0.0.1", engine_port)) != 0
+    assert elapsed < 20, f"the taken port was reported after {elapsed:.1f} s"
+
+
+def test_the_check_refuses_a_listening_port_and_leaves_a_free_one_free():
+    from router.serve import check_listen_address
+
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as holder:
+        holder.bind(("127.0.0.1", 0))
+        holder.listen()
+        with pytest.raises(OSError) as refused:
+            check_listen_address("127.0.0.1", holder.getsockname()[1])
+        assert refused.value.errno == errno.EADDRINUSE
+    port = free_port()
+    check_listen_address("127.0.0.1", port)
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as server:  # the server binds it next
+        server.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        server.bind(("127.0.0.1", port))
