@@ -39,6 +39,7 @@ from starlette.routing import BaseRoute, Route
 
 from router.config import ApproximatePolicy, KVAwarePolicy
 from router.index.service import KVIndexService
+from router.prefix_treemap import sharing_legend, sharing_svg
 from router.tokenize import RequestTokenizer
 
 if TYPE_CHECKING:
@@ -214,6 +215,8 @@ class KVIndexExtension:
         for name, backend in gateway.backends.items():
             entry: dict[str, Any] = {
                 "url": backend.url,
+                "state": backend.describe()["state"],
+                "down_reason": None if backend.healthy else backend.down_reason,
                 "healthy": backend.healthy,
                 "in_flight": backend.in_flight,
                 "events": backend.kv_events is not None,
@@ -231,6 +234,7 @@ class KVIndexExtension:
             item: dict[str, Any] = {
                 "tokens": top["tokens"],
                 "backends": top["backends"],
+                "blocks": top["blocks"],
                 "lora_name": lora_name,
                 "salted": salt is not None,
                 "preview_tokens": len(top["preview_tokens"]),
@@ -273,7 +277,7 @@ class KVIndexExtension:
         if request.query_params.get("format") == "json":
             return JSONResponse(data)
         refresh = request.query_params.get("refresh", "")
-        return HTMLResponse(render_page(data, refresh if refresh.isdigit() else None))
+        return HTMLResponse(render_page(data, refresh if refresh.isdigit() and int(refresh) > 0 else None))
 
     # ---- /lookup ----
 
@@ -370,6 +374,42 @@ def _snapshots(entry: dict[str, Any]) -> str:
     return f'{taken} <span class="warn" title="{html.escape(errors)}">/ {failed} failed</span>'
 
 
+# The page's legend of decision reasons (kv_aware's and approximate's `reason`).
+DECISION_REASONS = {
+    "cache_hit": "sent where the longest part of the prompt is cached (or predicted: just routed there)",
+    "cache_vs_load": "a backend with part of the prompt cached won on cost over one with more, "
+    "whose queue made it dearer",
+    "learned_hit": "approximate: sent where the gateway sent this prefix before (no events needed)",
+    "load_guard": "the backend holding the prefix is over its in-flight or share line for a hot "
+    "prefix; moved to the cheapest one under it (which caches the prefix too)",
+    "cold_spread": "nothing of the prompt is cached anywhere: placed where the least has been "
+    "placed lately, so new prefixes spread over the engines",
+    "least_load": "nothing cached was worth it: the cheapest by load",
+    "no_tokens": "the prompt could not be tokenized (no tokenizer, or an unusable prompt): routed by "
+    "load alone, blind to the cache",
+}
+
+
+def _health_cell(entry: dict[str, Any]) -> str:
+    state = entry.get("state", "healthy" if entry.get("healthy") else "down")
+    if state == "healthy":
+        return '<span class="ok">healthy</span>'
+    if state == "draining":
+        return '<span class="warn" title="finishing its requests, taking no new ones">draining</span>'
+    reason = html.escape(entry.get("down_reason") or "")
+    return f'<span class="bad">down</span><br><span class="muted">{reason}</span>'
+
+
+def _refresh_links(refresh: str | None) -> str:
+    links = []
+    for seconds in (2, 5, 30):
+        current = refresh == str(seconds)
+        label = f"every {seconds} s"
+        links.append(f"<b>{label}</b>" if current else f'<a href="?refresh={seconds}">{label}</a>')
+    links.append('<a href="?">off</a>' if refresh else "<b>off</b>")
+    return "Reload: " + " · ".join(links)
+
+
 def render_page(data: dict[str, Any], refresh: str | None = None) -> str:
     rows = []
     warned: dict[str, set[str]] = {}
@@ -380,6 +420,7 @@ def render_page(data: dict[str, Any], refresh: str | None = None) -> str:
         rows.append(
             "<tr>"
             f'<td><b>{html.escape(name)}</b><br><span class="muted">{html.escape(entry["url"])}</span></td>'
+            f"<td>{_health_cell(entry)}</td>"
             f"<td>{_stream_cell(entry, warned.get(name, set()))}</td>"
             f'<td class="num">{"" if last_seq is None else html.escape(str(last_seq))}</td>'
             f'<td class="num">{entry.get("replays", 0)}</td>'
@@ -426,7 +467,7 @@ def render_page(data: dict[str, Any], refresh: str | None = None) -> str:
             f'<td class="num">{decision["cached_tokens"]:,} / {decision["prompt_tokens"]:,}</td>'
             f"<td>{candidates}</td></tr>"
         )
-    empty = '<tr><td colspan="10" class="muted">{}</td></tr>'
+    empty = '<tr><td colspan="12" class="muted">{}</td></tr>'
     index = data["index"]
     summary = (
         f"policy <b>{html.escape(str(data['policy']))}</b> · {len(data['backends'])} backends · "
@@ -444,6 +485,13 @@ def render_page(data: dict[str, Any], refresh: str | None = None) -> str:
     return _TEMPLATE.substitute(
         warnings=warnings,
         refresh=f'<meta http-equiv="refresh" content="{refresh}">' if refresh else "",
+        refresh_links=_refresh_links(refresh),
+        sharing_map=sharing_svg(data["prefixes"], data["backends"], data["redacted"]),
+        sharing_key=sharing_legend(data["prefixes"], data["redacted"]),
+        reason_rows="\n".join(
+            f"<tr><td><code>{reason}</code></td><td>{html.escape(meaning)}</td></tr>"
+            for reason, meaning in DECISION_REASONS.items()
+        ),
         summary=summary,
         backend_rows="\n".join(rows) or empty.format("no backends"),
         prefix_rows="\n".join(prefix_rows) or empty.format("nothing cached yet"),
