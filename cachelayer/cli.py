@@ -6,6 +6,10 @@ import argparse
 import logging
 import sys
 from collections.abc import Callable, Sequence
+from typing import NamedTuple
+
+# The same --help layout as `kvgate` (each flag's default shown).
+from router.cli import DefaultsHelpFormatter
 
 
 def _configure_controller(parser: argparse.ArgumentParser) -> None:
@@ -62,23 +66,49 @@ def _run_server(args: argparse.Namespace) -> int:
     return run(args)
 
 
-# name -> (help, add the arguments, run)
-COMMANDS: dict[
-    str, tuple[str, Callable[[argparse.ArgumentParser], None], Callable[[argparse.Namespace], int]]
-] = {
-    "controller": ("LMCache-compatible controller API", _configure_controller, _run_controller),
-    "server": ("shared cache daemon: ZMQ data plane, /healthcheck, /metrics", _configure_server, _run_server),
+class Command(NamedTuple):
+    help: str  # one line, in `cachelayer --help`
+    description: str  # what `cachelayer NAME --help` explains
+    configure: Callable[[argparse.ArgumentParser], None]
+    run: Callable[[argparse.Namespace], int]
+
+
+COMMANDS: dict[str, Command] = {
+    "controller": Command(
+        "LMCache-compatible controller API",
+        "Serve the LMCache controller's HTTP API (lookup, clear, pin, move, compress, health) over the "
+        "cache-layer workers that register on the monitor socket; tools written for LMCache's "
+        "controller work against it unchanged.",
+        _configure_controller,
+        _run_controller,
+    ),
+    "server": Command(
+        "shared cache daemon: ZMQ data plane, /healthcheck, /metrics",
+        "Run the cache daemon several engines share: their connectors store and fetch KV chunks over "
+        "its ZMQ data plane (the port of LMCache's multiprocess server), so a prefix one engine "
+        "computed is loaded by the others; /healthcheck and /metrics on the HTTP port.",
+        _configure_server,
+        _run_server,
+    ),
 }
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="cachelayer", description="kvgate's KV cache layer")
-    subcommands = parser.add_subparsers(dest="command", required=True)
-    for name, (help_text, configure, _) in COMMANDS.items():
-        configure(subcommands.add_parser(name, help=help_text))
+    parser = argparse.ArgumentParser(
+        prog="cachelayer", description="kvgate's KV cache layer", formatter_class=DefaultsHelpFormatter
+    )
+    subcommands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for name, command in COMMANDS.items():
+        subparser = subcommands.add_parser(
+            name, help=command.help, description=command.description, formatter_class=DefaultsHelpFormatter
+        )
+        command.configure(subparser)
+        subparser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    return COMMANDS[args.command][2](args)
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    return COMMANDS[args.command].run(args)
 
 
 if __name__ == "__main__":

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import importlib.metadata
 import os
 import sys
 from typing import NamedTuple
@@ -26,13 +27,39 @@ SUBCOMMANDS: dict[str, Subcommand] = {
 }
 
 
+class DefaultsHelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """--help shows each flag's default, except where there is none to show (None, off)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        if action.default is None or action.default is False or action.default == []:
+            return action.help
+        return super()._get_help_string(action)
+
+
+def version() -> str:
+    """The installed kvgate's version (a checkout run without installing says so)."""
+    try:
+        return importlib.metadata.version("kvgate")
+    except importlib.metadata.PackageNotFoundError:
+        return "unknown (not installed: pip install -e .)"
+
+
 def build_parser(chosen: str | None) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="kvgate", description="KV-cache-aware gateway for LLM inference engines"
+        prog="kvgate",
+        description="KV-cache-aware gateway for LLM inference engines",
+        formatter_class=DefaultsHelpFormatter,
     )
+    parser.add_argument("--version", action="version", version=f"kvgate {version()}")
     subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name, subcommand in SUBCOMMANDS.items():
-        subparser = subparsers.add_parser(name, help=subcommand.help, description=subcommand.help)
+        subparser = subparsers.add_parser(
+            name,
+            help=subcommand.help,
+            description=subcommand.help,
+            # --help shows each flag's default.
+            formatter_class=DefaultsHelpFormatter,
+        )
         if name == chosen:
             importlib.import_module(subcommand.module).add_arguments(subparser)
     return parser

@@ -248,6 +248,30 @@ class Admin(_Struct):
         return self.token
 
 
+class Auth(_Struct):
+    """API keys clients must send as `Authorization: Bearer <key>` (router/auth.py); none: open."""
+
+    # Names of environment variables, each holding one key or several separated by commas: the
+    # secrets stay out of the file. A named variable that is unset or empty stops the start.
+    api_keys_env: list[str] = []
+    # Keys written in the file itself (readable by whoever reads the file: prefer api_keys_env).
+    api_keys: list[str] = []
+
+    def resolved_keys(self) -> list[str]:
+        """Every configured key; raises ValueError naming an environment variable that is unset."""
+        keys = [key for key in self.api_keys if key]
+        for name in self.api_keys_env:
+            value = os.environ.get(name, "")
+            found = [key.strip() for key in value.split(",") if key.strip()]
+            if not found:
+                raise ValueError(
+                    f"environment variable {name} is unset or empty; export it with the API key(s) "
+                    "(comma-separated) or remove it from auth.api_keys_env"
+                )
+            keys += found
+        return keys
+
+
 class SimulatedEngines(_Struct):
     """Simulated vLLM-compatible engines that `kvgate serve` starts itself (router/sim)."""
 
@@ -274,6 +298,7 @@ class Config(_Struct):
     limits: Limits = msgspec.field(default_factory=Limits)
     health: Health = msgspec.field(default_factory=Health)
     admin: Admin = msgspec.field(default_factory=Admin)
+    auth: Auth = msgspec.field(default_factory=Auth)
     launch: Launch | None = None
     log_level: Literal["debug", "info", "warning", "error"] = "info"
 
@@ -354,6 +379,10 @@ def _check_semantics(config: Config, source: str, base_dir: Path | None) -> None
             f"/debug/prefix-map open; export {config.admin.token_env} with the admin token, or remove "
             "admin.token_env"
         )
+    try:
+        config.auth.resolved_keys()
+    except ValueError as exc:
+        raise ConfigError(f"{source}: invalid configuration at `auth.api_keys_env`: {exc}") from None
     if not config.backends and not (config.launch and config.launch.simulated_engines):
         raise ConfigError(
             f"{source}: invalid configuration at `backends`: no backends; list at least one, "

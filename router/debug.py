@@ -4,6 +4,11 @@
   can read or as JSON (`?format=json`): per backend the event stream's state and the blocks and
   tokens per tier; the top cached prefixes (decoded text, or token counts only when
   `admin.redact_prompts`); the recent routing decisions.
+- Routing warnings (`routing_warnings`): the ways kv_aware can go blind without failing: a model
+  with no tokenizer (every decision `no_tokens`), a subscribed backend that takes requests but
+  whose events never arrive (a topic mismatch looks connected), an event socket that could not
+  be bound or connected. Shown on the page and in its JSON, logged (each at most once every
+  WARNING_LOG_EVERY_S while it lasts), and counted in kvgate_routing_warnings.
 - POST /lookup: LMCache-controller compatible `{"tokens": [...]}` ->
   `{"event_id", "layout_info": {backend: [medium, matched_tokens]}}`, from event-confirmed entries
   only (kv_aware's predictions are not in the index).
@@ -25,18 +30,22 @@ import asyncio
 import datetime as dt
 import html
 import logging
+import time
 import uuid
+from collections.abc import Iterable
 from pathlib import Path
 from string import Template
 from typing import TYPE_CHECKING, Any
 
 import msgspec
+from prometheus_client.core import GaugeMetricFamily
 from starlette.requests import Request
 from starlette.responses import HTMLResponse, JSONResponse, Response
 from starlette.routing import BaseRoute, Route
 
 from router.config import ApproximatePolicy, KVAwarePolicy
 from router.index.service import KVIndexService
+from router.prefix_treemap import sharing_legend, sharing_svg
 from router.tokenize import RequestTokenizer
 
 if TYPE_CHECKING:
@@ -49,6 +58,15 @@ _TEMPLATE = Template((Path(__file__).parent / "debug_page.html").read_text())
 TOP_PREFIXES = 20
 PREVIEW_CHARS = 240
 _LOOKUP_MEDIUM = {"gpu": "GPU", "cpu": "CPU", "disk": "DISK"}
+# A subscribed backend is called silent when it took SILENT_MIN_REQUESTS requests with at least a
+# block to prefill, routed SILENT_AFTER_S or more after its last event (or its subscription): an
+# engine publishes a prefill's blocks within milliseconds, so none arriving means none reach us.
+SILENT_MIN_REQUESTS = 3
+SILENT_AFTER_S = 5.0
+SILENT_MIN_PREFILL_TOKENS = 16
+WARNING_LOG_EVERY_S = 300.0
+WARNING_CHECK_EVERY_S = 2.0
+WARNING_KINDS = ("no_tokenizer", "silent_events", "socket_error")
 
 
 class _LookupBody(msgspec.Struct):
@@ -71,6 +89,12 @@ class KVIndexExtension:
         self.needs_tokens = isinstance(gateway.config.policy, (KVAwarePolicy, ApproximatePolicy))
         if self.needs_tokens:
             gateway.request_preparers.append(self.tokenizer.prepare)
+        # model -> why its tokenizer failed to load; backend -> when its events were first awaited.
+        self.tokenizer_errors: dict[str, str] = {}
+        self._subscribed_at: dict[str, float] = {}
+        self._logged_at: dict[tuple[str, str], float] = {}
+        self._watch_task: asyncio.Task | None = None
+        gateway.metrics.registry.register(_WarningsCollector(self))
 
     # ---- Extension protocol ----
 
@@ -82,21 +106,27 @@ class KVIndexExtension:
 
     async def start(self) -> None:
         self.service.start()
-        if not self.needs_tokens:
-            return  # the debug page loads a tokenizer when it first shows prefixes
-        try:  # load tokenizers now, not on the first request (about 2 s for Qwen3)
-            await asyncio.to_thread(self.tokenizer.preload)
-        except Exception as exc:
-            logger.error("tokenizer failed to load: %s; kv-aware routing will use load only", exc)
+        if self.needs_tokens:
+            # Load tokenizers now, not on the first request (about 2 s for Qwen3).
+            for model in self.gateway.config.models:
+                try:
+                    await asyncio.to_thread(self.tokenizer.tokenizer, model.name)
+                except Exception as exc:
+                    self.tokenizer_errors[model.name] = str(exc)
+            self._watch_task = asyncio.get_running_loop().create_task(self._watch_warnings())
 
     async def stop(self) -> None:
+        if self._watch_task is not None:
+            self._watch_task.cancel()
         self.service.stop()
         await self.tokenizer.close()
 
     def backend_added(self, backend: BackendState) -> None:
+        self._subscribed_at[backend.name] = time.time()
         self.service.add_backend(backend.name, backend.kv_events)
 
     def backend_removed(self, backend: BackendState) -> None:
+        self._subscribed_at.pop(backend.name, None)
         self.service.remove_backend(backend.name)
 
     def stale_holders(self) -> dict[str, str]:
@@ -108,6 +138,87 @@ class KVIndexExtension:
                 down = f"backend down: {backend.down_reason}"
                 stale[name] = f"{down}; {stale[name]}" if name in stale else down
         return stale
+
+    # ---- routing warnings ----
+
+    def routing_warnings(self, status: dict[str, dict[str, Any]] | None = None) -> list[dict[str, str]]:
+        """Why kv_aware routes (part of) the traffic blind now: [{kind, subject, message}]."""
+        if not self.needs_tokens:
+            return []
+        warnings = []
+        for model in self.gateway.config.models:
+            if model.name in self.tokenizer_errors:
+                problem = f"its tokenizer failed to load ({self.tokenizer_errors[model.name]})"
+            elif model.tokenize == "local" and model.tokenizer is None:
+                problem = "it has no `tokenizer:`"
+            else:
+                continue
+            warnings.append(
+                {
+                    "kind": "no_tokenizer",
+                    "subject": model.name,
+                    "message": f"model {model.name}: {problem}, so the gateway cannot read its prompts' "
+                    "tokens and routes every request for it by load alone (decision `no_tokens`); give "
+                    "`tokenizer:` a local tokenizer directory (or builtin:qwen3), or set `tokenize: engine`",
+                }
+            )
+        status = self.service.status() if status is None else status
+        decisions = list(getattr(self.gateway.policy, "recent_decisions", []))
+        for name, stream in status.items():
+            if stream["socket_errors"]:
+                warnings.append(
+                    {
+                        "kind": "socket_error",
+                        "subject": name,
+                        "message": f"backend {name}: its KV-event socket failed "
+                        f"({'; '.join(stream['socket_errors'])}), so none of its events can arrive and "
+                        "kv_aware treats its cache as empty; free the address or fix kv_events, then "
+                        "restart the gateway (or DELETE and POST the backend)",
+                    }
+                )
+                continue
+            since = stream["last_message_at"] or self._subscribed_at.get(name, time.time())
+            unannounced = [
+                decision
+                for decision in decisions
+                if decision["backend"] == name
+                and decision["at"] >= since + SILENT_AFTER_S
+                and decision["prompt_tokens"] - decision["cached_tokens"] >= SILENT_MIN_PREFILL_TOKENS
+            ]
+            if len(unannounced) >= SILENT_MIN_REQUESTS:
+                last = "no event yet" if stream["last_message_at"] is None else "no event since"
+                waited = time.time() - since
+                warnings.append(
+                    {
+                        "kind": "silent_events",
+                        "subject": name,
+                        "message": f"backend {name}: took {len(unannounced)} requests with prompts to "
+                        f"cache but {last} ({waited:.0f} s), though its stream reads "
+                        f"{'connected' if stream['connected'] else 'disconnected'}: check that the engine "
+                        "publishes KV events (vLLM --kv-events-config, SGLang --kv-events-config), that "
+                        "kv_events.topic equals the engine's topic, and that endpoint and bind match "
+                        "who binds (docs/real-engines.md)",
+                    }
+                )
+        return warnings
+
+    def log_warnings(self, warnings: Iterable[dict[str, str]]) -> None:
+        """Log each warning when it appears and again every WARNING_LOG_EVERY_S while it lasts."""
+        now = time.monotonic()
+        for warning in warnings:
+            key = (warning["kind"], warning["subject"])
+            logged = self._logged_at.get(key)
+            if logged is None or now - logged >= WARNING_LOG_EVERY_S:
+                self._logged_at[key] = now
+                logger.warning("kv_aware routes blind: %s", warning["message"])
+
+    async def _watch_warnings(self) -> None:
+        while True:
+            try:
+                self.log_warnings(await asyncio.to_thread(self.routing_warnings))
+            except Exception:  # the watch must outlive a bug in one check
+                logger.exception("checking for routing warnings failed")
+            await asyncio.sleep(WARNING_CHECK_EVERY_S)
 
     # ---- /debug/prefix-map ----
 
@@ -121,6 +232,8 @@ class KVIndexExtension:
         for name, backend in gateway.backends.items():
             entry: dict[str, Any] = {
                 "url": backend.url,
+                "state": backend.describe()["state"],
+                "down_reason": None if backend.healthy else backend.down_reason,
                 "healthy": backend.healthy,
                 "in_flight": backend.in_flight,
                 "events": backend.kv_events is not None,
@@ -140,6 +253,7 @@ class KVIndexExtension:
             item: dict[str, Any] = {
                 "tokens": max(holders.values(), default=0),
                 "backends": holders,
+                "blocks": {name: blocks for name, blocks in top["blocks"].items() if name not in stale},
                 "stale_holders": {
                     name: {"tokens": tokens, "reason": stale[name]}
                     for name, tokens in top["backends"].items()
@@ -156,6 +270,7 @@ class KVIndexExtension:
         decisions = list(getattr(gateway.policy, "recent_decisions", []))[-50:][::-1]
         load_costs = getattr(gateway.policy, "load_costs", None)
         return {
+            "warnings": self.routing_warnings(status),
             "backends": backends,
             "prefixes": prefixes,
             "decisions": decisions,
@@ -186,7 +301,7 @@ class KVIndexExtension:
         if request.query_params.get("format") == "json":
             return JSONResponse(data)
         refresh = request.query_params.get("refresh", "")
-        return HTMLResponse(render_page(data, refresh if refresh.isdigit() else None))
+        return HTMLResponse(render_page(data, refresh if refresh.isdigit() and int(refresh) > 0 else None))
 
     # ---- /lookup ----
 
@@ -227,6 +342,29 @@ def create_extension(gateway: Gateway) -> KVIndexExtension:
     return KVIndexExtension(gateway)
 
 
+class _WarningsCollector:
+    """kvgate_routing_warnings{kind}: how many routing warnings of each kind hold at scrape time."""
+
+    def __init__(self, extension: KVIndexExtension) -> None:
+        self._extension = extension
+
+    def describe(self) -> list:
+        return []
+
+    def collect(self) -> Iterable[Any]:
+        gauge = GaugeMetricFamily(
+            "kvgate_routing_warnings",
+            "Reasons kv_aware routes part of the traffic blind now (see /debug/prefix-map), by kind",
+            labels=["kind"],
+        )
+        counts = dict.fromkeys(WARNING_KINDS, 0)
+        for warning in self._extension.routing_warnings():
+            counts[warning["kind"]] += 1
+        for kind, count in counts.items():
+            gauge.add_metric([kind], count)
+        yield gauge
+
+
 # ---- HTML ----
 
 
@@ -236,9 +374,12 @@ def _tiers(values: dict[str, int]) -> str:
     return " ".join(f'<span class="pill">{html.escape(t)} {n:,}</span>' for t, n in sorted(values.items()))
 
 
-def _stream_cell(entry: dict[str, Any]) -> str:
+def _stream_cell(entry: dict[str, Any], warned: set[str]) -> str:
     if not entry.get("events"):
         return '<span class="muted">no kv_events configured</span>'
+    if entry.get("socket_errors"):
+        errors = "; ".join(entry["socket_errors"])
+        return f'<span class="bad" title="{html.escape(errors)}">socket failed</span>'
     state = (
         '<span class="ok">connected</span>'
         if entry.get("connected")
@@ -251,6 +392,10 @@ def _stream_cell(entry: dict[str, Any]) -> str:
     if entry.get("uncertain"):
         reasons = "; ".join(r["uncertain_reason"] or "" for r in entry.get("ranks", []) if r.get("uncertain"))
         state += f' <span class="warn" title="{html.escape(reasons)}">uncertain</span>'
+    if "silent_events" in warned:
+        state += (
+            ' <span class="warn" title="requests served, no events received: see the warnings">silent</span>'
+        )
     return state
 
 
@@ -265,14 +410,54 @@ def _snapshots(entry: dict[str, Any]) -> str:
     return f'{taken} <span class="warn" title="{html.escape(errors)}">/ {failed} failed</span>'
 
 
+# The page's legend of decision reasons (kv_aware's and approximate's `reason`).
+DECISION_REASONS = {
+    "cache_hit": "sent where the longest part of the prompt is cached (or predicted: just routed there)",
+    "cache_vs_load": "a backend with part of the prompt cached won on cost over one with more, "
+    "whose queue made it dearer",
+    "learned_hit": "approximate: sent where the gateway sent this prefix before (no events needed)",
+    "load_guard": "the backend holding the prefix is over its in-flight or share line for a hot "
+    "prefix; moved to the cheapest one under it (which caches the prefix too)",
+    "cold_spread": "nothing of the prompt is cached anywhere: placed where the least has been "
+    "placed lately, so new prefixes spread over the engines",
+    "least_load": "nothing cached was worth it: the cheapest by load",
+    "no_tokens": "the prompt could not be tokenized (no tokenizer, or an unusable prompt): routed by "
+    "load alone, blind to the cache",
+}
+
+
+def _health_cell(entry: dict[str, Any]) -> str:
+    state = entry.get("state", "healthy" if entry.get("healthy") else "down")
+    if state == "healthy":
+        return '<span class="ok">healthy</span>'
+    if state == "draining":
+        return '<span class="warn" title="finishing its requests, taking no new ones">draining</span>'
+    reason = html.escape(entry.get("down_reason") or "")
+    return f'<span class="bad">down</span><br><span class="muted">{reason}</span>'
+
+
+def _refresh_links(refresh: str | None) -> str:
+    links = []
+    for seconds in (2, 5, 30):
+        current = refresh == str(seconds)
+        label = f"every {seconds} s"
+        links.append(f"<b>{label}</b>" if current else f'<a href="?refresh={seconds}">{label}</a>')
+    links.append('<a href="?">off</a>' if refresh else "<b>off</b>")
+    return "Reload: " + " · ".join(links)
+
+
 def render_page(data: dict[str, Any], refresh: str | None = None) -> str:
     rows = []
+    warned: dict[str, set[str]] = {}
+    for warning in data.get("warnings", []):
+        warned.setdefault(warning["subject"], set()).add(warning["kind"])
     for name, entry in data["backends"].items():
         last_seq = entry.get("last_seq")
         rows.append(
             "<tr>"
             f'<td><b>{html.escape(name)}</b><br><span class="muted">{html.escape(entry["url"])}</span></td>'
-            f"<td>{_stream_cell(entry)}</td>"
+            f"<td>{_health_cell(entry)}</td>"
+            f"<td>{_stream_cell(entry, warned.get(name, set()))}</td>"
             f'<td class="num">{"" if last_seq is None else html.escape(str(last_seq))}</td>'
             f'<td class="num">{entry.get("replays", 0)}</td>'
             f'<td class="num">{entry.get("unrecovered_gaps", 0)}</td>'
@@ -323,7 +508,7 @@ def render_page(data: dict[str, Any], refresh: str | None = None) -> str:
             f'<td class="num">{decision["cached_tokens"]:,} / {decision["prompt_tokens"]:,}</td>'
             f"<td>{candidates}</td></tr>"
         )
-    empty = '<tr><td colspan="10" class="muted">{}</td></tr>'
+    empty = '<tr><td colspan="12" class="muted">{}</td></tr>'
     index = data["index"]
     summary = (
         f"policy <b>{html.escape(str(data['policy']))}</b> · {len(data['backends'])} backends · "
@@ -331,8 +516,23 @@ def render_page(data: dict[str, Any], refresh: str | None = None) -> str:
         f"{index['router_keys']:,} cached prefixes (16-token blocks) · "
         f"generated {html.escape(data['generated_at'])}"
     )
+    warnings = "".join(
+        f'<div class="warning"><b>{html.escape(warning["kind"].replace("_", " "))}</b>: '
+        f"{html.escape(warning['message'])}</div>"
+        for warning in data.get("warnings", [])
+    )
+    if warnings:
+        warnings = f'<div id="warnings"><h2>Routing blind spots</h2>{warnings}</div>'
     return _TEMPLATE.substitute(
+        warnings=warnings,
         refresh=f'<meta http-equiv="refresh" content="{refresh}">' if refresh else "",
+        refresh_links=_refresh_links(refresh),
+        sharing_map=sharing_svg(data["prefixes"], data["backends"], data["redacted"]),
+        sharing_key=sharing_legend(data["prefixes"], data["redacted"]),
+        reason_rows="\n".join(
+            f"<tr><td><code>{reason}</code></td><td>{html.escape(meaning)}</td></tr>"
+            for reason, meaning in DECISION_REASONS.items()
+        ),
         summary=summary,
         backend_rows="\n".join(rows) or empty.format("no backends"),
         prefix_rows="\n".join(prefix_rows) or empty.format("nothing cached yet"),

@@ -1,4 +1,9 @@
-"""Forwarding of POST /v1/completions and /v1/chat/completions: validate, route, pass the bytes through.
+"""Forwarding of the POST paths engines serve (FORWARDED_ROUTES): validate, route, pass the bytes through.
+
+The generation paths (/v1/completions, /v1/chat/completions) carry the load; the others are
+vLLM's and SGLang's pooling and tokenizer paths (/v1/embeddings, rerank, score, /tokenize,
+/detokenize). Each `ForwardedRoute` says which fields a request must carry and what prompt, if
+any, the policy routes it by.
 
 `ProxyEndpoint.serve` does the work for a request whose body has been read, writing through a
 `Responder`: router/http_server.py's direct path calls it, and the endpoint itself is a raw ASGI app
@@ -13,14 +18,18 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+from collections.abc import Callable
+from dataclasses import dataclass
 from random import getrandbits
 from time import perf_counter
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import msgspec
 
+from router.auth import UNAUTHORIZED_HEADERS, UNAUTHORIZED_MESSAGE
 from router.errors import GatewayError, error_body, send_error
 from router.policies.base import RouteRequest
+from router.policies.least_loaded import LeastLoaded
 from router.upstream import UpstreamError, UpstreamResponse, UpstreamTimeout
 
 if TYPE_CHECKING:
@@ -80,14 +89,80 @@ class Responder(Protocol):
     async def body(self, piece: bytes, more: bool) -> None: ...
 
 
-class ProxyEndpoint:
-    """One OpenAI generation path: `serve` does the work; calling it serves the request as ASGI."""
+def _whole_body(body: dict[str, Any]) -> dict[str, Any]:
+    return body
 
-    def __init__(self, gateway: Gateway, path: str, prompt_field: str):
+
+def _input_prompt(body: dict[str, Any]) -> dict[str, Any] | None:
+    """/v1/embeddings: `input` (text, texts, token ids) read as a completion prompt; chat-style
+    embedding requests (`messages`, vLLM) as a chat."""
+    if "messages" in body:
+        return body
+    view = {"prompt": body.get("input")}
+    if "add_special_tokens" in body:
+        view["add_special_tokens"] = body["add_special_tokens"]
+    return view
+
+
+def _first_text(*fields: str) -> Callable[[dict[str, Any]], dict[str, Any] | None]:
+    """Rerank and score: the engine pairs the query (or text_1) with each document, so what every
+    pair of one request shares, and what a cache can hold, is the leading text: route by it."""
+
+    def view(body: dict[str, Any]) -> dict[str, Any] | None:
+        for field in fields:
+            value = body.get(field)
+            if isinstance(value, list) and value and isinstance(value[0], str):
+                value = value[0]
+            if isinstance(value, str):
+                return {"prompt": value}
+        return None
+
+    return view
+
+
+@dataclass(frozen=True, slots=True)
+class ForwardedRoute:
+    """One POST path forwarded to the engines, and how a request on it is checked and routed."""
+
+    path: str
+    # The body must hold at least one of these fields.
+    required: tuple[str, ...]
+    # The request as the policy reads it (`prompt` or `messages`, for a tokenizer); returning
+    # None routes it to the least-loaded backend. None here: the request holds no prompt at all.
+    routing_view: Callable[[dict[str, Any]], dict[str, Any] | None] | None = _whole_body
+    # vLLM and SGLang make `model` optional on these paths; with one configured model it is that one.
+    model_optional: bool = False
+
+
+# vLLM's OpenAI-compatible server and SGLang's serve these paths under these names (vLLM also
+# answers /rerank, /v2/rerank and /score for the same handlers). /tokenize and /detokenize compute
+# no KV cache, so where they land does not matter to one: they go to the least-loaded backend.
+FORWARDED_ROUTES = (
+    ForwardedRoute("/v1/completions", ("prompt",)),
+    ForwardedRoute("/v1/chat/completions", ("messages",)),
+    ForwardedRoute("/v1/embeddings", ("input", "messages"), _input_prompt),
+    *(
+        ForwardedRoute(path, ("query",), _first_text("query"), model_optional=True)
+        for path in ("/v1/rerank", "/rerank", "/v2/rerank")
+    ),
+    *(
+        ForwardedRoute(path, ("text_1", "queries"), _first_text("text_1", "queries"), model_optional=True)
+        for path in ("/v1/score", "/score")
+    ),
+    ForwardedRoute("/tokenize", ("prompt", "messages"), None, model_optional=True),
+    ForwardedRoute("/detokenize", ("tokens",), None, model_optional=True),
+)
+
+
+class ProxyEndpoint:
+    """One forwarded path: `serve` does the work; calling it serves the request as ASGI."""
+
+    def __init__(self, gateway: Gateway, route: ForwardedRoute):
         self.gateway = gateway
-        self.path = path.encode()
-        # "prompt" for completions, "messages" for chat completions.
-        self.prompt_field = prompt_field
+        self.route = route
+        self.path = route.path.encode()
+        # Where requests with no prompt to route by go, whatever the configured policy.
+        self.least_loaded = LeastLoaded()
 
     def split_headers(
         self, headers: list[tuple[bytes, bytes]]
@@ -149,10 +224,16 @@ class ProxyEndpoint:
         error in the OpenAI shape. Returns quietly when the client left (its task was cancelled)."""
         gateway = self.gateway
         id_header = (b"x-request-id", request_id)
+        keys = gateway.client_keys
+        if keys is not None and not keys.allows_headers(forward_headers):
+            gateway.metrics.gateway_errors.labels("401").inc()
+            await _respond_error(responder, 401, UNAUTHORIZED_MESSAGE, id_header, UNAUTHORIZED_HEADERS)
+            return
         try:
             route_request = self._parse(body, request_id, session_value)
-            for prepare in gateway.request_preparers:
-                await prepare(route_request)
+            if route_request.decision.get("by_policy", True):
+                for prepare in gateway.request_preparers:
+                    await prepare(route_request)
             try:
                 await self._forward(route_request, body, forward_headers, id_header, responder, started)
             except asyncio.CancelledError:
@@ -209,11 +290,15 @@ class ProxyEndpoint:
             raise GatewayError(400, f"request body is not valid JSON: {exc}") from None
         if not isinstance(data, dict):
             raise GatewayError(400, f"request body must be a JSON object, got {type(data).__name__}")
+        route = self.route
         model = data.get("model")
+        if model is None and route.model_optional and len(self.gateway.config.models) == 1:
+            model = self.gateway.config.models[0].name
         if not isinstance(model, str) or not model:
             raise GatewayError(400, "missing `model`: name one of the models listed by GET /v1/models")
-        if self.prompt_field not in data:
-            raise GatewayError(400, f"missing `{self.prompt_field}` for {self.path.decode()}")
+        if not any(field in data for field in route.required):
+            fields = " or ".join(f"`{field}`" for field in route.required)
+            raise GatewayError(400, f"missing {fields} for {route.path}")
         if model not in self.gateway.model_names:
             known = ", ".join(m.name for m in self.gateway.config.models)
             raise GatewayError(404, f"the model `{model}` does not exist; configured models: {known}")
@@ -222,7 +307,14 @@ class ProxyEndpoint:
         else:
             user = data.get("user")
             session_key = user if isinstance(user, str) and user else None
-        return RouteRequest(request_id.decode("latin-1"), model, data, session_key)
+        view = data if route.routing_view is None else route.routing_view(data)
+        route_request = RouteRequest(request_id.decode("latin-1"), model, view or {}, session_key)
+        if view is None:
+            # Nothing to route by: the least-loaded backend takes it and the policy never sees it.
+            route_request.decision["by_policy"] = False
+        elif view is not data:
+            route_request.decision["original_body"] = data
+        return route_request
 
     async def _forward(
         self,
@@ -234,10 +326,14 @@ class ProxyEndpoint:
         started: float,
     ) -> None:
         gateway = self.gateway
+        decision = route_request.decision
+        original = decision.pop("original_body", route_request.body)
         served_name = gateway.served_names.get(route_request.model)
         if served_name is not None:
             # The one case where the body is re-encoded: the engines know the model by another name.
-            body = _encoder.encode({**route_request.body, "model": served_name})
+            body = _encoder.encode({**original, "model": served_name})
+        by_policy = decision.pop("by_policy", True)
+        policy = gateway.policy if by_policy else self.least_loaded
         limits = gateway.config.limits
         timeout_s = limits.upstream_timeout_s
         tried: list[BackendState] = []
@@ -245,7 +341,7 @@ class ProxyEndpoint:
             candidates = _candidates(gateway, route_request.model, tried)
             if not candidates:
                 break
-            backend = gateway.policy.choose(route_request, candidates)
+            backend = policy.choose(route_request, candidates)
             if not backend.healthy:
                 gateway.metrics.panic_routed.labels(backend.name).inc()
             tried.append(backend)
@@ -256,7 +352,7 @@ class ProxyEndpoint:
             # The policy learns of the placement now, not when the answer starts: a non-streamed
             # answer starts only when it is complete, and requests sharing this prompt that arrive
             # meanwhile must already see it placed (kv_aware's predictions, approximate's blocks).
-            gateway.policy.on_routed(route_request, backend)
+            policy.on_routed(route_request, backend)
             upstream_started = perf_counter()
             try:
                 response = await gateway.pool.request(
@@ -294,6 +390,7 @@ class ProxyEndpoint:
             elif not backend.healthy:
                 gateway.mark_up(backend)  # marked down, yet it answered: it is back
             await self._relay(
+                policy,
                 route_request,
                 backend,
                 prefill_tokens,
@@ -313,6 +410,7 @@ class ProxyEndpoint:
 
     async def _relay(
         self,
+        policy: Any,
         route_request: RouteRequest,
         backend: BackendState,
         prefill_tokens: int,
@@ -324,7 +422,6 @@ class ProxyEndpoint:
     ) -> None:
         """Stream the answer to the client; release the backend's in-flight share when it ends."""
         gateway = self.gateway
-        policy = gateway.policy
         status = response.status
         headers = [(name, value) for name, value in response.headers if name not in _RESPONSE_DROPPED]
         headers.append((b"x-kvgate-backend", backend.name_bytes))
@@ -455,9 +552,18 @@ class _AsgiResponder:
 
 
 async def _respond_error(
-    responder: Responder, status: int, message: str, id_header: tuple[bytes, bytes]
+    responder: Responder,
+    status: int,
+    message: str,
+    id_header: tuple[bytes, bytes],
+    extra_headers: list[tuple[bytes, bytes]] = (),
 ) -> None:
     body = error_body(status, message)
-    headers = [(b"content-type", b"application/json"), (b"content-length", b"%d" % len(body)), id_header]
+    headers = [
+        (b"content-type", b"application/json"),
+        (b"content-length", b"%d" % len(body)),
+        id_header,
+        *extra_headers,
+    ]
     await responder.start(status, headers)
     await responder.body(body, False)

@@ -5,12 +5,22 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import socket
 import sys
 
+# Where --config is read from when the flag is not given (a container sets it once).
+CONFIG_ENV = "KVGATE_CONFIG"
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--config", required=True, help="path to proxy.yaml")
+    from_env = os.environ.get(CONFIG_ENV) or None
+    parser.add_argument(
+        "--config",
+        default=from_env,
+        required=from_env is None,
+        help=f"path to proxy.yaml; the environment variable {CONFIG_ENV} gives it for every run",
+    )
     parser.add_argument("--host", help="listen address (overrides listen.host)")
     parser.add_argument("--port", type=int, help="listen port (overrides listen.port)")
     parser.add_argument(

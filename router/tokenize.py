@@ -474,11 +474,6 @@ class RequestTokenizer:
                 self._tokenizers[model] = PromptTokenizer(spec.tokenizer)
         return self._tokenizers[model]
 
-    def preload(self) -> None:
-        """Load every local tokenizer now (at startup) rather than on the first request."""
-        for model in self._config.models:
-            self.tokenizer(model.name)
-
     async def prepare(self, request: RouteRequest) -> None:
         """Fill `request.tokens` (None when the prompt cannot be tokenized) and `request.namespace`."""
         body = request.body

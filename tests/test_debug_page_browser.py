@@ -1,9 +1,11 @@
-"""/debug/prefix-map rendered by a real headless Chromium: the DOM shows the backends' stream state,
-the cached prefixes as decoded text and the routing decisions."""
+"""/debug/prefix-map rendered by a real headless Chromium: the DOM shows the backends' health and
+stream state, the legend of decision reasons and costs, the reload links, the picture of prefix
+sharing across engines, the cached prefixes as decoded text and the routing decisions."""
 
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import subprocess
 from collections.abc import Iterator
@@ -12,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from router.config import builtin_tokenizer_dir
+from router.debug import DECISION_REASONS
 from router.tokenize import PromptTokenizer
 from tests.test_kv_aware_gateway import DOCS, Fleet, chat_body
 
@@ -56,6 +59,15 @@ def fleet() -> Iterator[Fleet]:
         for n, (name, doc) in enumerate(DOCS.items()):
             fleet.cache(name, qwen3.tokens_for(chat_body(doc, "What is this about?")), 100 * (n + 1))
         fleet.wait_for(lambda m: len(m["prefixes"]) == 2)
+        # More cached prefixes for the sharing picture: three of b0's own, and one (a shared
+        # system prompt) cached on b0 and b2 alike.
+        for n, topic in enumerate(["glacier mapping", "sourdough starters", "tram timetables"]):
+            prompt = f"Notes on {topic}: " + f"the {topic} chapter goes on and on. " * (12 * (n + 1))
+            fleet.cache("b0", qwen3.tokens_for({"prompt": prompt}), 5000 + 1000 * n)
+        shared = qwen3.tokens_for(chat_body("You are a patient assistant for a railway museum. " * 10, "Hi"))
+        fleet.cache("b0", shared, 9000)
+        fleet.cache("b2", shared, 9000)
+        fleet.wait_for(lambda m: len(m["prefixes"]) == 6)
         for name, doc in DOCS.items():
             response = fleet.client.post("/v1/chat/completions", json=chat_body(doc, "Next?"))
             assert response.headers["x-kvgate-backend"] == name
@@ -78,13 +90,48 @@ def test_the_page_renders_in_chromium(fleet: Fleet, tmp_path: Path) -> None:
     assert "cache_hit" in decisions and "<b>b1</b>" in decisions and "<b>b2</b>" in decisions
 
 
+def test_the_page_explains_itself(fleet: Fleet, tmp_path: Path) -> None:
+    dom = run_chromium(["--dump-dom", f"{fleet.gateway.url}/debug/prefix-map"], tmp_path / "profile")
+    legend = dom.split('id="legend"')[1].split("</details>")[0]
+    for reason in DECISION_REASONS:
+        assert f"<code>{reason}</code>" in legend
+    assert "<b>Cost</b>" in legend and "request_load_weight" in legend
+    backends = dom.split('id="backends"')[1].split("</table>")[0]
+    assert "<th>Health</th>" in backends and backends.count('class="ok">healthy<') == 3
+    assert 'href="?refresh=5"' in dom.split('id="refresh"')[1]
+    reloading = run_chromium(
+        ["--dump-dom", f"{fleet.gateway.url}/debug/prefix-map?refresh=5"], tmp_path / "p2"
+    )
+    assert '<meta http-equiv="refresh" content="5">' in reloading
+    assert "<b>every 5 s</b>" in reloading
+
+
+def test_the_page_draws_prefix_sharing_across_engines(fleet: Fleet, tmp_path: Path) -> None:
+    dom = run_chromium(["--dump-dom", f"{fleet.gateway.url}/debug/prefix-map"], tmp_path / "profile")
+    picture = dom.split('<svg id="sharing-map"')[1].split("</svg>")[0]
+    # One column per engine, each labelled, each holding the prefixes its engine caches.
+    columns = re.findall(r'class="map-engine">([^<]+)<', picture)
+    assert columns == ["b0", "b1", "b2"]
+    cells = re.findall(
+        r'<g class="map-cell"><title>#(\d+): ([^<]*)</title><rect [^>]*fill="([^"]+)"', picture
+    )
+    ranks = [int(rank) for rank, _, _ in cells]
+    assert sorted(set(ranks)) == [1, 2, 3, 4, 5, 6]
+    # The prefix cached on two engines: drawn in two columns, in one colour, said to be shared.
+    shared = [rank for rank in set(ranks) if ranks.count(rank) == 2]
+    assert len(shared) == 1 and len(cells) == 7
+    drawn = [(tip, fill) for rank, tip, fill in cells if int(rank) == shared[0]]
+    assert drawn[0][1] == drawn[1][1] and all("cached on 2 engines" in tip for tip, _ in drawn)
+    assert "patient assistant for a railway museum" in dom.split('class="map-key"')[1]
+
+
 def test_a_screenshot_of_the_page(fleet: Fleet, tmp_path: Path) -> None:
     # Kept where a person can look at it (KVGATE_SCREENSHOT_DIR), else in the test's temp dir.
     out_dir = Path(os.environ.get("KVGATE_SCREENSHOT_DIR", tmp_path))
     out_dir.mkdir(parents=True, exist_ok=True)
     shot = out_dir / "prefix-map.png"
     run_chromium(
-        [f"--screenshot={shot}", "--window-size=1400,1000", f"{fleet.gateway.url}/debug/prefix-map"],
+        [f"--screenshot={shot}", "--window-size=1400,1900", f"{fleet.gateway.url}/debug/prefix-map"],
         tmp_path / "profile",
     )
     assert shot.stat().st_size > 10_000  # a rendered page, not a blank image

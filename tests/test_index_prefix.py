@@ -218,6 +218,7 @@ def test_top_prefixes_merge_backends_and_rank_by_length() -> None:
     top = index.top_prefixes()
     assert top[0]["tokens"] == 128
     assert top[0]["backends"] == {"a": 128, "b": 64}
+    assert top[0]["blocks"] == {"a": 8, "b": 4}  # engine blocks of the chain on each backend
     assert top[1]["tokens"] == 64 and top[1]["backends"] == {"b": 64}
     assert top[0]["preview_tokens"][:ROUTER_BLOCK_TOKENS] == PROMPT[:ROUTER_BLOCK_TOKENS]
 

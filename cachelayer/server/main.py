@@ -15,11 +15,15 @@ log = logging.getLogger(__name__)
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--host", default="127.0.0.1", help="interface of the ZMQ data plane and HTTP side")
-    parser.add_argument("--port", type=int, default=5556, help="ZMQ data-plane port (0: any free port)")
+    # 5555: the ZMQ port of LMCache's multiprocess server (MPServerConfig.port), so connectors
+    # configured for LMCache's daemon find this one where they look.
+    parser.add_argument("--port", type=int, default=5555, help="ZMQ data-plane port (0: any free port)")
     parser.add_argument("--http-port", type=int, default=7000, help="HTTP port for /healthcheck and /metrics")
     parser.add_argument("--chunk-size", type=int, default=256, help="tokens per chunk; clients must agree")
     parser.add_argument("--l1-size-gb", type=float, default=8.0, help="CPU store size per key space, in GB")
-    parser.add_argument("--eviction-policy", default="LRU", choices=["LRU", "LFU", "FIFO"])
+    parser.add_argument(
+        "--eviction-policy", default="LRU", choices=["LRU", "LFU", "FIFO"], help="what a full store drops"
+    )
 
 
 def run(args: argparse.Namespace, server_class: type[StoreServer] = StoreServer) -> int:

@@ -1756,7 +1756,8 @@ class PrefixIndex:
         return sum(list(backend.stats.tokens.values())) + pending
 
     def top_prefixes(self, limit: int = 20) -> list[dict[str, Any]]:
-        """The longest cached chains, merged across backends: preview tokens, length, holders."""
+        """The longest cached chains, merged across backends: preview tokens, length, holders (the
+        longest prefix each holds, `backends`, and the engine blocks of the chain there, `blocks`)."""
         merged: dict[tuple[Namespace, tuple[int, ...]], dict[str, Any]] = {}
         with self._lock:
             for backend in self._backends.values():
@@ -1769,9 +1770,12 @@ class PrefixIndex:
                             "namespace": namespace,
                             "tokens": 0,
                             "backends": {},
+                            "blocks": {},
                         },
                     )
                     entry["backends"][backend.name] = chain.longest
+                    # Engine blocks of the chain on this backend: its branches too, not just the longest.
+                    entry["blocks"][backend.name] = chain.nodes
                     entry["tokens"] = max(entry["tokens"], chain.longest)
         ranked = sorted(merged.values(), key=lambda entry: (-entry["tokens"], entry["preview_tokens"]))
         return ranked[:limit]

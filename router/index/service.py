@@ -64,10 +64,26 @@ class KVIndexService:
 
     def start(self) -> None:
         self._started = True
-        for streams in self._streams.values():
-            for stream in streams:
-                if not stream.subscriber.running:
-                    stream.subscriber.start()
+        for name, streams in self._streams.items():
+            self._start_streams(name, streams)
+
+    def _start_streams(self, name: str, streams: list[_Stream]) -> None:
+        """Start the backend's subscribers and say whether they could subscribe at all."""
+        for stream in streams:
+            if not stream.subscriber.running and stream.subscriber.stats.socket_error is None:
+                stream.subscriber.start()
+        failed = [stream.subscriber.stats.socket_error for stream in streams]
+        failed = [error for error in failed if error is not None]
+        if failed:
+            logger.error(
+                "kv events: %s is NOT subscribed (%s); kv_aware sees none of its cache and routes it by "
+                "load alone",
+                name,
+                "; ".join(failed),
+            )
+        else:
+            endpoint = self._configs[name].endpoint
+            logger.info("kv events: subscribed to %s (%d rank(s)) at %s", name, len(streams), endpoint)
 
     def stop(self) -> None:
         self._started = False
@@ -112,9 +128,7 @@ class KVIndexService:
         self._streams[name] = streams
         self._configs[name] = kv_events
         if self._started:
-            for stream in streams:
-                stream.subscriber.start()
-        logger.info("kv events: subscribed to %s (%d rank(s)) at %s", name, len(streams), kv_events.endpoint)
+            self._start_streams(name, streams)
 
     def remove_backend(self, name: str) -> None:
         for stream in self._streams.pop(name, []):
@@ -228,6 +242,7 @@ class KVIndexService:
                         "evicted_blocks": index_stats.evicted_blocks if index_stats else 0,
                         "last_message_at": stats.last_message_at,
                         "last_error": stats.last_error,
+                        "socket_error": stats.socket_error,
                         "snapshots": stats.snapshots,
                         "snapshot_failures": stats.snapshot_failures,
                         "snapshot_blocks": stats.snapshot_blocks,
@@ -263,6 +278,12 @@ class KVIndexService:
                 "unplaced_blocks": total("unplaced_blocks"),
                 "evicted_blocks": total("evicted_blocks"),
                 "uncertain": any(rank["uncertain"] for rank in ranks),
+                # The newest event from any rank (time.time()), None before the first.
+                "last_message_at": max(
+                    (rank["last_message_at"] for rank in ranks if rank["last_message_at"] is not None),
+                    default=None,
+                ),
+                "socket_errors": [rank["socket_error"] for rank in ranks if rank["socket_error"]],
                 "ranks": ranks,
             }
         return out

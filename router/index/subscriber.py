@@ -183,6 +183,8 @@ class SubscriberStats:
     uncertain: bool = False
     uncertain_reason: str | None = None
     last_message_at: float | None = None
+    # Set when the socket could not be bound or connected at all: nothing will ever arrive.
+    socket_error: str | None = None
     apply_errors: int = 0
     last_error: str | None = None
     snapshots: int = 0
@@ -335,6 +337,7 @@ class EventSubscriber:
                 sub.connect(connectable(self.endpoint))
         except zmq.ZMQError as exc:
             self.stats.last_error = f"cannot {'bind' if self.bind else 'connect'} {self.endpoint}: {exc}"
+            self.stats.socket_error = self.stats.last_error
             logger.error("kv events %s: %s", self.name, self.stats.last_error)
             self._ready.set()
             sub.close(0)

@@ -1,14 +1,23 @@
 """The simulated engine's HTTP API: vLLM's OpenAI-compatible endpoints and its /metrics names.
 
 Endpoints: POST /v1/completions, POST /v1/chat/completions (both with SSE streaming in vLLM's chunk
-format), GET /v1/models, POST /tokenize, GET /health, GET /metrics, POST /reset_prefix_cache,
-GET /version. Every response's usage carries prompt_tokens_details.cached_tokens.
+format), GET /v1/models, POST /tokenize, POST /detokenize, GET /health, GET /metrics,
+POST /reset_prefix_cache, GET /version. Every response's usage carries
+prompt_tokens_details.cached_tokens.
+
+Simulated pooling endpoints, in vLLM's request and response shapes but with made-up numbers (no
+model runs): POST /v1/embeddings prefills each input through the simulated engine (so it is cached
+and published like a prompt) and answers a unit vector derived from a hash of its tokens;
+POST /v1/rerank (/rerank, /v2/rerank) and POST /v1/score (/score) score pairs by the share of
+words they have in common. They exist so the gateway's forwarding of these paths can be tested.
 """
 
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import logging
+import math
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -16,6 +25,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import msgspec
+import numpy as np
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from starlette.applications import Starlette
@@ -362,6 +372,92 @@ def build_app(
             }
         )
 
+    async def detokenize(request: Request) -> Response:
+        try:
+            body = await read_body(request)
+            tokens = body.get("tokens")
+            if not isinstance(tokens, list) or not all(isinstance(t, int) and t >= 0 for t in tokens):
+                raise _BadRequest("`tokens` must be a list of token ids", param="tokens")
+        except _BadRequest as exc:
+            return _error(str(exc), exc.status, exc.param)
+        return _ok({"prompt": tokenizer.tokenizer.decode(tokens)})
+
+    async def embeddings(request: Request) -> Response:
+        try:
+            body = await read_body(request)
+            inputs = body.get("input")
+            if isinstance(inputs, str) or (
+                isinstance(inputs, list) and inputs and all(isinstance(t, int) for t in inputs)
+            ):
+                inputs = [inputs]
+            if not isinstance(inputs, list) or not inputs:
+                raise _BadRequest("`input` must be a string, token ids, or a non-empty list of those")
+            add_special = bool(body.get("add_special_tokens", True))
+            try:
+                prompts = [tokenizer.completion_prompt(item, add_special) for item in inputs]
+            except PromptError as exc:
+                raise _BadRequest(str(exc), param="input") from None
+            generations = [generation_request({}, prompt, "max_tokens") for prompt in prompts]
+        except _BadRequest as exc:
+            return _error(str(exc), exc.status, exc.param)
+        data = []
+        for index, (prompt, generation) in enumerate(zip(prompts, generations, strict=True)):
+            generation.max_tokens = 1  # a prefill: the prompt is cached and its blocks published
+            async for _ in engine.generate(generation):
+                pass
+            data.append({"index": index, "object": "embedding", "embedding": _simulated_embedding(prompt)})
+        prompt_tokens = sum(len(prompt) for prompt in prompts)
+        return _ok(
+            {
+                "id": f"embd-{uuid.uuid4().hex}",
+                "object": "list",
+                "created": int(time.time()),
+                "model": model.name,
+                "data": data,
+                "usage": {"prompt_tokens": prompt_tokens, "total_tokens": prompt_tokens},
+            }
+        )
+
+    async def rerank(request: Request) -> Response:
+        try:
+            body = await read_body(request)
+            query, documents = body.get("query"), body.get("documents")
+            if not isinstance(query, str) or not isinstance(documents, list):
+                raise _BadRequest(
+                    "give `query` (a string) and `documents` (a list of strings)", param="query"
+                )
+        except _BadRequest as exc:
+            return _error(str(exc), exc.status, exc.param)
+        results = [
+            {"index": i, "document": {"text": str(doc)}, "relevance_score": _word_overlap(query, str(doc))}
+            for i, doc in enumerate(documents)
+        ]
+        results.sort(key=lambda result: -result["relevance_score"])
+        top_n = body.get("top_n")
+        if isinstance(top_n, int) and top_n > 0:
+            results = results[:top_n]
+        return _ok({"id": f"rerank-{uuid.uuid4().hex}", "model": model.name, "results": results})
+
+    async def score(request: Request) -> Response:
+        try:
+            body = await read_body(request)
+            first, second = body.get("text_1", body.get("queries")), body.get("text_2", body.get("documents"))
+            firsts = [first] if isinstance(first, str) else first
+            seconds = [second] if isinstance(second, str) else second
+            if not isinstance(firsts, list) or not isinstance(seconds, list) or not seconds:
+                raise _BadRequest("give `text_1` and `text_2` (strings or lists of strings)", param="text_1")
+            if len(firsts) == 1:
+                firsts = firsts * len(seconds)
+            if len(firsts) != len(seconds):
+                raise _BadRequest("`text_1` must hold one text or as many as `text_2`", param="text_1")
+        except _BadRequest as exc:
+            return _error(str(exc), exc.status, exc.param)
+        data = [
+            {"index": i, "object": "score", "score": _word_overlap(str(a), str(b))}
+            for i, (a, b) in enumerate(zip(firsts, seconds, strict=True))
+        ]
+        return _ok({"id": f"score-{uuid.uuid4().hex}", "object": "list", "model": model.name, "data": data})
+
     async def health(request: Request) -> Response:
         return Response(status_code=200)
 
@@ -388,6 +484,10 @@ def build_app(
             Route("/v1/chat/completions", chat_completions, methods=["POST"]),
             Route("/v1/models", models, methods=["GET"]),
             Route("/tokenize", tokenize, methods=["POST"]),
+            Route("/detokenize", detokenize, methods=["POST"]),
+            Route("/v1/embeddings", embeddings, methods=["POST"]),
+            *(Route(path, rerank, methods=["POST"]) for path in ("/v1/rerank", "/rerank", "/v2/rerank")),
+            *(Route(path, score, methods=["POST"]) for path in ("/v1/score", "/score")),
             Route("/health", health, methods=["GET"]),
             Route("/metrics", metrics, methods=["GET"]),
             Route("/reset_prefix_cache", reset_prefix_cache, methods=["POST"]),
@@ -436,6 +536,20 @@ def _sse(
         yield b"data: [DONE]\n\n"
 
     return StreamingResponse(events(), media_type="text/event-stream")
+
+
+def _simulated_embedding(tokens, dimensions: int = 8) -> list[float]:
+    """A made-up unit vector, the same for the same tokens (no model runs in the simulator)."""
+    digest = hashlib.sha256(np.asarray(tokens, dtype=np.uint32).tobytes()).digest()
+    values = [byte - 127.5 for byte in digest[:dimensions]]
+    norm = math.sqrt(sum(value * value for value in values)) or 1.0
+    return [value / norm for value in values]
+
+
+def _word_overlap(first: str, second: str) -> float:
+    """A made-up relevance: the share of distinct words the two texts have in common."""
+    a, b = set(first.lower().split()), set(second.lower().split())
+    return len(a & b) / len(a | b) if a | b else 0.0
 
 
 def _frame(payload: dict, usage_field: bool) -> bytes:

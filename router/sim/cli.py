@@ -14,7 +14,7 @@ log = logging.getLogger("kvgate.sim")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", default="tiny-qwen3", help="model name served (default: tiny-qwen3)")
+    parser.add_argument("--model", default="tiny-qwen3", help="model name served")
     parser.add_argument("--served-model-name", default=None, help="served name, overriding --model (as vLLM)")
     parser.add_argument("--tokenizer", default="builtin:qwen3", help="tokenizer directory or builtin:qwen3")
     parser.add_argument("--host", default="127.0.0.1")
