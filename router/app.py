@@ -24,7 +24,7 @@ from starlette.routing import Route
 from router import config as config_schema
 from router.admin import admin_routes
 from router.backends import BackendState
-from router.errors import error_body
+from router.errors import error_body, log_unexpected
 from router.extensions import Extension, load_extensions
 from router.forward import ProxyEndpoint
 from router.health import HealthChecker
@@ -37,6 +37,8 @@ log = logging.getLogger("kvgate")
 
 # How long a /v1/models answer assembled from the backends is reused.
 MODELS_CACHE_S = 2.0
+# Set in a request's scope once _internal_error has answered its 500.
+_ANSWERED_500 = "kvgate.answered_500"
 
 
 class Gateway:
@@ -52,6 +54,10 @@ class Gateway:
         self.served_names = {
             m.name: m.served_name for m in config.models if m.served_name not in (None, m.name)
         }
+        # Models whose clients may send their own chat template (refused with a 400 for the others).
+        self.request_template_models = frozenset(
+            m.name for m in config.models if m.trust_request_chat_template
+        )
         policy_config = config.policy
         header = (
             policy_config.header if isinstance(policy_config, config_schema.SessionPolicy) else "x-session-id"
@@ -180,7 +186,13 @@ class GatewayApp(Starlette):
             if endpoint is not None:
                 await endpoint(scope, receive, send)
                 return
-        await super().__call__(scope, receive, send)
+        try:
+            await super().__call__(scope, receive, send)
+        except Exception:
+            # Starlette re-raises an error its handler has answered, for the server to log again
+            # with its traceback; _internal_error has logged it already (throttled).
+            if not scope.get(_ANSWERED_500):
+                raise
 
 
 def create_app(config: config_schema.Config, extension_factories: list[str] | None = None) -> Starlette:
@@ -243,5 +255,6 @@ async def _not_allowed(request: Request, exc: Exception) -> Response:
 
 
 async def _internal_error(request: Request, exc: Exception) -> Response:
-    log.error("unhandled error on %s %s", request.method, request.url.path, exc_info=exc)
+    log_unexpected(log, exc, "unhandled error on %s %s", request.method, request.url.path)
+    request.scope[_ANSWERED_500] = True
     return _error_response(500, "internal gateway error; see the gateway log")

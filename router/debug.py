@@ -30,6 +30,7 @@ from starlette.responses import HTMLResponse, JSONResponse, Response
 from starlette.routing import BaseRoute, Route
 
 from router.config import ApproximatePolicy, KVAwarePolicy
+from router.errors import decode_json_body
 from router.index.service import KVIndexService
 from router.tokenize import RequestTokenizer
 
@@ -82,6 +83,7 @@ class KVIndexExtension:
             await asyncio.to_thread(self.tokenizer.preload)
         except Exception as exc:
             logger.error("tokenizer failed to load: %s; kv-aware routing will use load only", exc)
+        self.tokenizer.start_sandboxes()  # for models that accept client templates, if any
 
     async def stop(self) -> None:
         self.service.stop()
@@ -173,7 +175,7 @@ class KVIndexExtension:
             return denied
         raw = await request.body()
         try:
-            body = _lookup_decoder.decode(raw)
+            body = decode_json_body(_lookup_decoder, raw)
         except (msgspec.ValidationError, msgspec.DecodeError) as exc:
             return JSONResponse(
                 {"detail": f'invalid lookup body: {exc}; expected {{"tokens": [int, ...]}}'}, status_code=400

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Protocol
 
 import msgspec
 
-from router.errors import GatewayError, error_body, send_error
+from router.errors import GatewayError, decode_json_body, error_body, log_unexpected, send_error
 from router.policies.base import RouteRequest
 from router.upstream import UpstreamError, UpstreamResponse, UpstreamTimeout
 
@@ -162,9 +162,11 @@ class ProxyEndpoint:
         except GatewayError as exc:
             gateway.metrics.gateway_errors.labels(str(exc.status)).inc()
             await _respond_error(responder, exc.status, exc.message, id_header)
-        except Exception:
-            # Never a stack trace to the client; the log keeps it for the operator.
-            log.exception("request %s failed inside the gateway", request_id.decode(errors="replace"))
+        except Exception as exc:
+            # Never a stack trace to the client; the log keeps it for the operator (throttled).
+            log_unexpected(
+                log, exc, "request %s failed inside the gateway", request_id.decode(errors="replace")
+            )
             gateway.metrics.gateway_errors.labels("500").inc()
             with contextlib.suppress(Exception):
                 await _respond_error(responder, 500, "internal gateway error; see the gateway log", id_header)
@@ -204,7 +206,7 @@ class ProxyEndpoint:
         if not body:
             raise GatewayError(400, "empty request body; send a JSON object")
         try:
-            data = _decoder.decode(body)
+            data = decode_json_body(_decoder, body)
         except msgspec.DecodeError as exc:
             raise GatewayError(400, f"request body is not valid JSON: {exc}") from None
         if not isinstance(data, dict):
@@ -217,12 +219,23 @@ class ProxyEndpoint:
         if model not in self.gateway.model_names:
             known = ", ".join(m.name for m in self.gateway.config.models)
             raise GatewayError(404, f"the model `{model}` does not exist; configured models: {known}")
+        if model not in self.gateway.request_template_models and _carries_chat_template(data):
+            raise GatewayError(
+                400,
+                "the request carries its own chat template (`chat_template`, or `chat_template` in "
+                "`chat_template_kwargs`), which this gateway refuses: a template is code that would run "
+                "on the gateway and the engines. Leave it out to use the model's own template; an "
+                f"operator who trusts every client can set `trust_request_chat_template: true` on the "
+                f"model `{model}` in the gateway configuration (and --trust-request-chat-template on vLLM)",
+            )
         if session_value is not None:
             session_key = session_value.decode("latin-1")
         else:
             user = data.get("user")
             session_key = user if isinstance(user, str) and user else None
-        return RouteRequest(request_id.decode("latin-1"), model, data, session_key)
+        route_request = RouteRequest(request_id.decode("latin-1"), model, data, session_key)
+        route_request.body_size = len(body)
+        return route_request
 
     async def _forward(
         self,
@@ -237,7 +250,10 @@ class ProxyEndpoint:
         served_name = gateway.served_names.get(route_request.model)
         if served_name is not None:
             # The one case where the body is re-encoded: the engines know the model by another name.
-            body = _encoder.encode({**route_request.body, "model": served_name})
+            try:
+                body = _encoder.encode({**route_request.body, "model": served_name})
+            except RecursionError:
+                raise GatewayError(400, "request body is JSON nested too deeply to forward") from None
         limits = gateway.config.limits
         timeout_s = limits.upstream_timeout_s
         tried: list[BackendState] = []
@@ -371,6 +387,15 @@ class ProxyEndpoint:
             backend.requests_total += 1
             gateway.metrics.count_request(backend.name, outcome_status)
             policy.on_finished(route_request, backend)
+
+
+def _carries_chat_template(data: dict) -> bool:
+    """Whether a request body brings a chat template of its own (as vLLM reads it: a top-level
+    `chat_template`, or one inside `chat_template_kwargs`)."""
+    if data.get("chat_template") is not None:
+        return True
+    kwargs = data.get("chat_template_kwargs")
+    return isinstance(kwargs, dict) and kwargs.get("chat_template") is not None
 
 
 def _prefill_tokens(route_request: RouteRequest) -> int:
