@@ -219,7 +219,11 @@ class ProxyEndpoint:
         if model not in self.gateway.model_names:
             known = ", ".join(m.name for m in self.gateway.config.models)
             raise GatewayError(404, f"the model `{model}` does not exist; configured models: {known}")
-        if model not in self.gateway.request_template_models and _carries_chat_template(data):
+        if (
+            self.prompt_field == "messages"
+            and model not in self.gateway.request_template_models
+            and _carries_chat_template(data)
+        ):
             raise GatewayError(
                 400,
                 "the request carries its own chat template (`chat_template`, or `chat_template` in "

@@ -656,7 +656,7 @@ class RequestTokenizer:
         served = (spec.served_name if spec is not None else None) or model
         request: dict[str, Any] = {"model": served}
         if "messages" in body:
-            for key in ("messages", "tools", "chat_template_kwargs", "add_generation_prompt",
+            for key in ("messages", "tools", "chat_template", "chat_template_kwargs", "add_generation_prompt",
                         "continue_final_message", "add_special_tokens"):  # fmt: skip
                 if key in body:
                     request[key] = body[key]
