@@ -454,7 +454,8 @@ def render_chat(tokenizer: Any, body: dict[str, Any]) -> str:
             **kwargs,
         )
     except Exception as exc:  # jinja errors, template exceptions: the request's fault
-        raise TokenizeError(f"the chat template cannot render these messages: {exc}") from None
+        reason = str(exc) or type(exc).__name__
+        raise TokenizeError(f"the chat template cannot render these messages: {reason}") from None
 
 
 def request_chat_template(body: dict[str, Any]) -> str | None:

@@ -180,6 +180,32 @@ def test_trusted_client_template_renders_like_the_engine(
     assert decision["prompt_tokens"] == len(expected)
 
 
+@pytest.mark.parametrize(
+    ("kind", "template"),
+    [
+        ("memory", "{% set x = 'a' * 3000000000 %}{{ x|length }}"),  # 3 GB: over its address space
+        ("output", "{% for i in range(100000) %}{{ 'x' * 1000 }}{% endfor %}"),  # 100 MB: over the cap
+        ("internals", "{{ ''.__class__.__mro__[1].__subclasses__() }}"),  # jinja's sandbox refuses
+        ("mutation", "{{ messages.append(messages[0]) }}"),  # changing its inputs: refused too
+    ],
+    ids=["memory", "output", "internals", "mutation"],
+)
+def test_trusted_templates_stay_inside_the_sandbox(
+    trusting, client: httpx.Client, kind: str, template: str
+) -> None:
+    plain = chat(chat_template_kwargs={"chat_template": PLAIN_TEMPLATE})
+    routed_with_tokens(trusting, client, plain)
+    url = f"{trusting.url}/v1/chat/completions"
+    response = client.post(
+        url, json=chat(chat_template=template), headers={"x-request-id": f"contained-{kind}"}
+    )
+    assert response.status_code == 200
+    assert last_decision(trusting.url, f"contained-{kind}")["reason"] == "no_tokens"
+    # The child refused the render and lives on: the next template renders at once.
+    client.post(url, json=plain, headers={"x-request-id": f"next-{kind}"})
+    assert last_decision(trusting.url, f"next-{kind}")["reason"] != "no_tokens"
+
+
 def test_trusted_hostile_template_costs_a_bounded_time_and_does_not_stall(
     trusting, client: httpx.Client
 ) -> None:
