@@ -24,7 +24,7 @@ from starlette.routing import Route
 from router import config as config_schema
 from router.admin import admin_routes
 from router.backends import BackendState
-from router.errors import error_body, log_unexpected
+from router.errors import decode_json_body, error_body, log_unexpected
 from router.extensions import Extension, load_extensions
 from router.forward import ProxyEndpoint
 from router.health import HealthChecker
@@ -39,6 +39,7 @@ log = logging.getLogger("kvgate")
 MODELS_CACHE_S = 2.0
 # Set in a request's scope once _internal_error has answered its 500.
 _ANSWERED_500 = "kvgate.answered_500"
+_json_decoder = msgspec.json.Decoder()
 
 
 class Gateway:
@@ -168,7 +169,7 @@ class Gateway:
             status, body = await self.pool.get(backend.url + "/v1/models", self.config.health.timeout_s)
             if status != 200:
                 return {}
-            listed = msgspec.json.decode(body).get("data", [])
+            listed = decode_json_body(_json_decoder, body).get("data", [])
             return {card["id"]: card for card in listed if isinstance(card, dict) and "id" in card}
         except (UpstreamError, TimeoutError, msgspec.DecodeError, AttributeError, TypeError):
             return {}
