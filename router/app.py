@@ -25,7 +25,7 @@ from router import config as config_schema
 from router.admin import admin_routes
 from router.auth import OPEN_PATHS, UNAUTHORIZED_HEADERS, UNAUTHORIZED_MESSAGE, ClientKeys
 from router.backends import BackendState
-from router.errors import error_body, send_error
+from router.errors import decode_json_body, error_body, log_unexpected, send_error
 from router.extensions import Extension, load_extensions
 from router.forward import FORWARDED_ROUTES, ProxyEndpoint
 from router.health import HealthChecker
@@ -38,6 +38,9 @@ log = logging.getLogger("kvgate")
 
 # How long a /v1/models answer assembled from the backends is reused.
 MODELS_CACHE_S = 2.0
+# Set in a request's scope once _internal_error has answered its 500.
+_ANSWERED_500 = "kvgate.answered_500"
+_json_decoder = msgspec.json.Decoder()
 
 
 class Gateway:
@@ -58,6 +61,10 @@ class Gateway:
         self.served_names = {
             m.name: m.served_name for m in config.models if m.served_name not in (None, m.name)
         }
+        # Models whose clients may send their own chat template (refused with a 400 for the others).
+        self.request_template_models = frozenset(
+            m.name for m in config.models if m.trust_request_chat_template
+        )
         policy_config = config.policy
         header = (
             policy_config.header if isinstance(policy_config, config_schema.SessionPolicy) else "x-session-id"
@@ -188,7 +195,7 @@ class Gateway:
             status, body = await self.pool.get(backend.url + "/v1/models", self.config.health.timeout_s)
             if status != 200:
                 return {}
-            listed = msgspec.json.decode(body).get("data", [])
+            listed = decode_json_body(_json_decoder, body).get("data", [])
             return {card["id"]: card for card in listed if isinstance(card, dict) and "id" in card}
         except (UpstreamError, TimeoutError, msgspec.DecodeError, AttributeError, TypeError):
             return {}
@@ -217,7 +224,13 @@ class GatewayApp(Starlette):
             if endpoint is not None:
                 await endpoint(scope, receive, send)
                 return
-        await super().__call__(scope, receive, send)
+        try:
+            await super().__call__(scope, receive, send)
+        except Exception:
+            # Starlette re-raises an error its handler has answered, for the server to log again
+            # with its traceback; _internal_error has logged it already (throttled).
+            if not scope.get(_ANSWERED_500):
+                raise
 
 
 def create_app(config: config_schema.Config, extension_factories: list[str] | None = None) -> Starlette:
@@ -292,5 +305,6 @@ async def _not_allowed(request: Request, exc: Exception) -> Response:
 
 
 async def _internal_error(request: Request, exc: Exception) -> Response:
-    log.error("unhandled error on %s %s", request.method, request.url.path, exc_info=exc)
+    log_unexpected(log, exc, "unhandled error on %s %s", request.method, request.url.path)
+    request.scope[_ANSWERED_500] = True
     return _error_response(500, "internal gateway error; see the gateway log")

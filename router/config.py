@@ -39,6 +39,11 @@ class Model(_Struct):
     tokenize: Literal["local", "engine"] = "local"
     # Name the engines serve this model under, when it differs from what clients send.
     served_name: str | None = None
+    # Accept a chat template sent in the request (`chat_template`, or inside `chat_template_kwargs`)
+    # for this model, as vLLM's --trust-request-chat-template does. A template is code: off, such a
+    # request gets a 400; on, it is rendered in a child process with a time and memory budget
+    # (router/template_sandbox.py). Only for operators who trust every client.
+    trust_request_chat_template: bool = False
 
 
 # Bounds of one KV-event stream (router/index/subscriber.py): a message's payload, and the live

@@ -44,6 +44,7 @@ from starlette.responses import HTMLResponse, JSONResponse, Response
 from starlette.routing import BaseRoute, Route
 
 from router.config import ApproximatePolicy, KVAwarePolicy
+from router.errors import decode_json_body
 from router.index.service import KVIndexService
 from router.prefix_treemap import sharing_legend, sharing_svg
 from router.tokenize import RequestTokenizer
@@ -113,6 +114,7 @@ class KVIndexExtension:
                     await asyncio.to_thread(self.tokenizer.tokenizer, model.name)
                 except Exception as exc:
                     self.tokenizer_errors[model.name] = str(exc)
+            self.tokenizer.start_sandboxes()  # for models that accept client templates, if any
             self._watch_task = asyncio.get_running_loop().create_task(self._watch_warnings())
 
     async def stop(self) -> None:
@@ -312,7 +314,7 @@ class KVIndexExtension:
             return denied
         raw = await request.body()
         try:
-            body = _lookup_decoder.decode(raw)
+            body = decode_json_body(_lookup_decoder, raw)
         except (msgspec.ValidationError, msgspec.DecodeError) as exc:
             return JSONResponse(
                 {"detail": f'invalid lookup body: {exc}; expected {{"tokens": [int, ...]}}'}, status_code=400

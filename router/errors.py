@@ -1,6 +1,13 @@
-"""The one error shape the gateway answers with: OpenAI's `{"error": {"message", "type", "code"}}`."""
+"""How the gateway's request paths fail: the one error shape it answers with (OpenAI's
+`{"error": {"message", "type", "code"}}`), request bodies decoded so that bad JSON is always the
+client's 400, and unexpected errors logged without letting a flood of them flood the log."""
 
 from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import Any
 
 import msgspec
 
@@ -21,6 +28,11 @@ ERROR_TYPES = {
     503: "service_unavailable",
     504: "timeout",
 }
+# One traceback per kind of unexpected error (exception type and the line that raised it) per this
+# many seconds; the others are counted and the count is logged with the next traceback.
+TRACEBACK_INTERVAL_S = 60.0
+# Kinds remembered at most (they are code locations, so few; the bound is for safety).
+_MAX_KINDS = 1024
 
 
 class GatewayError(Exception):
@@ -48,3 +60,61 @@ async def send_error(send, status: int, message: str, extra_headers: list[tuple[
     ]
     await send({"type": "http.response.start", "status": status, "headers": headers})
     await send({"type": "http.response.body", "body": body})
+
+
+def decode_json_body(decoder: msgspec.json.Decoder, body: bytes) -> Any:
+    """`decoder.decode(body)`; JSON nested deeper than the decoder can follow is a msgspec.DecodeError
+    like any other invalid body (msgspec raises RecursionError, which would otherwise be a 500)."""
+    try:
+        return decoder.decode(body)
+    except RecursionError:
+        raise msgspec.DecodeError(
+            "JSON nested too deeply to decode (an OpenAI request nests a few levels, not hundreds)"
+        ) from None
+
+
+class _TracebackThrottle:
+    """Per kind of error: when its last traceback was logged, and how many were not logged since."""
+
+    def __init__(self) -> None:
+        self._kinds: dict[tuple[str, str, int], tuple[float, int]] = {}
+        self._lock = threading.Lock()
+
+    def admit(self, kind: tuple[str, str, int], interval_s: float) -> int | None:
+        """The count suppressed since the last traceback of `kind` if one may be logged now, else None."""
+        now = time.monotonic()
+        with self._lock:
+            logged_at, suppressed = self._kinds.get(kind, (float("-inf"), 0))
+            if now - logged_at < interval_s:
+                self._kinds[kind] = (logged_at, suppressed + 1)
+                return None
+            if kind not in self._kinds and len(self._kinds) >= _MAX_KINDS:
+                self._kinds.clear()
+            self._kinds[kind] = (now, 0)
+            return suppressed
+
+
+_throttle = _TracebackThrottle()
+
+
+def log_unexpected(
+    logger: logging.Logger,
+    exc: BaseException,
+    message: str,
+    *args: object,
+    level: int = logging.ERROR,
+    interval_s: float = TRACEBACK_INTERVAL_S,
+) -> None:
+    """Log an error the gateway did not expect (a bug, a broken tokenizer) with its traceback, at most
+    once per kind per `interval_s`: one request that triggers it again and again must not fill the
+    disk nor drown the other messages. The next traceback of that kind says how many were skipped."""
+    frame = exc.__traceback__
+    while frame is not None and frame.tb_next is not None:
+        frame = frame.tb_next
+    where = ("", 0) if frame is None else (frame.tb_frame.f_code.co_filename, frame.tb_lineno)
+    suppressed = _throttle.admit((type(exc).__qualname__, *where), interval_s)
+    if suppressed is None:
+        return
+    if suppressed:
+        message += f" ({suppressed} more like it since the last one were not logged)"
+    logger.log(level, message, *args, exc_info=exc)

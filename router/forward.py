@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import msgspec
 
 from router.auth import UNAUTHORIZED_HEADERS, UNAUTHORIZED_MESSAGE
-from router.errors import GatewayError, error_body, send_error
+from router.errors import GatewayError, decode_json_body, error_body, log_unexpected, send_error
 from router.policies.base import RouteRequest
 from router.policies.least_loaded import LeastLoaded
 from router.upstream import UpstreamError, UpstreamResponse, UpstreamTimeout
@@ -243,9 +243,11 @@ class ProxyEndpoint:
         except GatewayError as exc:
             gateway.metrics.gateway_errors.labels(str(exc.status)).inc()
             await _respond_error(responder, exc.status, exc.message, id_header)
-        except Exception:
-            # Never a stack trace to the client; the log keeps it for the operator.
-            log.exception("request %s failed inside the gateway", request_id.decode(errors="replace"))
+        except Exception as exc:
+            # Never a stack trace to the client; the log keeps it for the operator (throttled).
+            log_unexpected(
+                log, exc, "request %s failed inside the gateway", request_id.decode(errors="replace")
+            )
             gateway.metrics.gateway_errors.labels("500").inc()
             with contextlib.suppress(Exception):
                 await _respond_error(responder, 500, "internal gateway error; see the gateway log", id_header)
@@ -285,7 +287,7 @@ class ProxyEndpoint:
         if not body:
             raise GatewayError(400, "empty request body; send a JSON object")
         try:
-            data = _decoder.decode(body)
+            data = decode_json_body(_decoder, body)
         except msgspec.DecodeError as exc:
             raise GatewayError(400, f"request body is not valid JSON: {exc}") from None
         if not isinstance(data, dict):
@@ -302,6 +304,22 @@ class ProxyEndpoint:
         if model not in self.gateway.model_names:
             known = ", ".join(m.name for m in self.gateway.config.models)
             raise GatewayError(404, f"the model `{model}` does not exist; configured models: {known}")
+        if (
+            # Where the gateway renders the messages itself (a routed path); /tokenize leaves the
+            # rendering to the engine, which has its own --trust-request-chat-template.
+            route.routing_view is not None
+            and "messages" in data
+            and model not in self.gateway.request_template_models
+            and _carries_chat_template(data)
+        ):
+            raise GatewayError(
+                400,
+                "the request carries its own chat template (`chat_template`, or `chat_template` in "
+                "`chat_template_kwargs`), which this gateway refuses: a template is code that would run "
+                "on the gateway and the engines. Leave it out to use the model's own template; an "
+                f"operator who trusts every client can set `trust_request_chat_template: true` on the "
+                f"model `{model}` in the gateway configuration (and --trust-request-chat-template on vLLM)",
+            )
         if session_value is not None:
             session_key = session_value.decode("latin-1")
         else:
@@ -309,6 +327,7 @@ class ProxyEndpoint:
             session_key = user if isinstance(user, str) and user else None
         view = data if route.routing_view is None else route.routing_view(data)
         route_request = RouteRequest(request_id.decode("latin-1"), model, view or {}, session_key)
+        route_request.body_size = len(body)
         if view is None:
             # Nothing to route by: the least-loaded backend takes it and the policy never sees it.
             route_request.decision["by_policy"] = False
@@ -331,7 +350,10 @@ class ProxyEndpoint:
         served_name = gateway.served_names.get(route_request.model)
         if served_name is not None:
             # The one case where the body is re-encoded: the engines know the model by another name.
-            body = _encoder.encode({**original, "model": served_name})
+            try:
+                body = _encoder.encode({**original, "model": served_name})
+            except RecursionError:
+                raise GatewayError(400, "request body is JSON nested too deeply to forward") from None
         by_policy = decision.pop("by_policy", True)
         policy = gateway.policy if by_policy else self.least_loaded
         limits = gateway.config.limits
@@ -481,6 +503,15 @@ def _candidates(gateway: Gateway, model: str, tried: list[BackendState]) -> list
     if candidates:
         return candidates
     return gateway.panic_candidates(model, exclude=tried)[:1]
+
+
+def _carries_chat_template(data: dict) -> bool:
+    """Whether a request body brings a chat template of its own (as vLLM reads it: a top-level
+    `chat_template`, or one inside `chat_template_kwargs`)."""
+    if data.get("chat_template") is not None:
+        return True
+    kwargs = data.get("chat_template_kwargs")
+    return isinstance(kwargs, dict) and kwargs.get("chat_template") is not None
 
 
 def _prefill_tokens(route_request: RouteRequest) -> int:

@@ -38,12 +38,15 @@ import logging
 import re
 import threading
 from collections import OrderedDict
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from router.ascii_encoder import AsciiEncoder
+from router.errors import log_unexpected
+from router.template_sandbox import TemplateSandbox, TemplateSandboxError
 
 if TYPE_CHECKING:
     from router.backends import BackendState
@@ -63,6 +66,25 @@ logger = logging.getLogger("kvgate.tokenize")
 OFF_LOOP_MIN_CHARS = 2048
 OFF_LOOP_MIN_ASCII_CHARS = 65536
 OFF_LOOP_MIN_MESSAGES = 128
+# Whatever the request holds, the whole of its tokenization (template included) runs in the thread
+# when the body has this many bytes besides its plain text (tools, content parts, token ids), or
+# this many bytes in all: that work is Python's, in proportion to the input, and a client sets it.
+OFF_LOOP_MIN_STRUCTURE_BYTES = 65536
+OFF_LOOP_MIN_BODY_BYTES = 1 << 20
+OFF_LOOP_MIN_TOKEN_IDS = 16384
+# A prompt longer than this is routed without tokens (by load): no engine takes it whole, and the
+# policy's work on its blocks is the event loop's. A body over ROUTING_MAX_BODY_BYTES is not even
+# tokenized: its prompt would be about that long or longer, and the work (seconds, in the thread
+# but under the GIL) would slow the loop for nothing.
+ROUTING_MAX_TOKENS = 1 << 20
+ROUTING_MAX_BODY_BYTES = 8 << 20
+# A request waits this long for work in the thread, then is routed without tokens.
+OFF_LOOP_TIMEOUT_S = 5.0
+# Token ids converted per step (the conversion holds the GIL; see _as_tokens).
+_TOKEN_ID_CHUNK = 65536
+# Longest text a client's template may render: this many characters per body byte, plus a floor.
+RENDERED_MAX_CHARS_PER_BODY_BYTE = 4
+RENDERED_MIN_CHARS = 1 << 20
 # Pieces at least this long are encoded and cached by segments of about SEGMENT_CHARS characters.
 SEGMENTED_MIN_CHARS = 2048
 SEGMENT_CHARS = 512
@@ -197,27 +219,7 @@ class PromptTokenizer:
         return slow, fast
 
     def render_chat(self, body: dict[str, Any]) -> str:
-        messages = body.get("messages")
-        if not isinstance(messages, list) or not messages:
-            raise TokenizeError("`messages` must be a non-empty list")
-        continue_final = bool(body.get("continue_final_message", False))
-        add_generation_prompt = body.get("add_generation_prompt")
-        if add_generation_prompt is None:
-            add_generation_prompt = not continue_final
-        kwargs = body.get("chat_template_kwargs") or {}
-        if not isinstance(kwargs, dict):
-            raise TokenizeError("`chat_template_kwargs` must be an object")
-        try:
-            return self.tokenizer.apply_chat_template(
-                [_flatten_content(message) for message in messages],
-                tools=body.get("tools") or None,
-                add_generation_prompt=bool(add_generation_prompt),
-                continue_final_message=continue_final,
-                tokenize=False,
-                **kwargs,
-            )
-        except Exception as exc:  # jinja errors, template exceptions: the request's fault
-            raise TokenizeError(f"the chat template cannot render these messages: {exc}") from None
+        return render_chat(self.tokenizer, body)
 
     def encode_text(self, text: str, *, add_special_tokens: bool) -> np.ndarray:
         if add_special_tokens or not self.piecewise:
@@ -422,6 +424,51 @@ class PromptTokenizer:
         return True
 
 
+def render_chat(tokenizer: Any, body: dict[str, Any]) -> str:
+    """A chat request's prompt text: the tokenizer's chat template (or the request's own, which the
+    gateway passes here only from its template sandbox) applied as vLLM applies it.
+
+    transformers renders every template in jinja2's ImmutableSandboxedEnvironment: a template cannot
+    reach Python internals nor change its inputs; what it costs is bounded by its caller."""
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise TokenizeError("`messages` must be a non-empty list")
+    continue_final = bool(body.get("continue_final_message", False))
+    add_generation_prompt = body.get("add_generation_prompt")
+    if add_generation_prompt is None:
+        add_generation_prompt = not continue_final
+    kwargs = body.get("chat_template_kwargs") or {}
+    if not isinstance(kwargs, dict):
+        raise TokenizeError("`chat_template_kwargs` must be an object")
+    template = request_chat_template(body)
+    if template is not None:
+        # vLLM merges chat_template_kwargs over its chat_template argument: the same here.
+        kwargs = {**kwargs, "chat_template": template}
+    try:
+        return tokenizer.apply_chat_template(
+            [_flatten_content(message) for message in messages],
+            tools=body.get("tools") or None,
+            add_generation_prompt=bool(add_generation_prompt),
+            continue_final_message=continue_final,
+            tokenize=False,
+            **kwargs,
+        )
+    except Exception as exc:  # jinja errors, template exceptions: the request's fault
+        reason = str(exc) or type(exc).__name__
+        raise TokenizeError(f"the chat template cannot render these messages: {reason}") from None
+
+
+def request_chat_template(body: dict[str, Any]) -> str | None:
+    """The chat template a request brings itself (inside `chat_template_kwargs`, else top-level), if any."""
+    kwargs = body.get("chat_template_kwargs")
+    template = kwargs.get("chat_template") if isinstance(kwargs, dict) else None
+    if template is None:
+        template = body.get("chat_template")
+    if template is not None and not isinstance(template, str):
+        raise TokenizeError("`chat_template` must be a string")
+    return template
+
+
 def _flatten_content(message: Any) -> Any:
     """vLLM's "string" content format: a list of text parts becomes their texts joined by newlines."""
     if not isinstance(message, dict):
@@ -436,15 +483,28 @@ def _flatten_content(message: Any) -> Any:
 
 
 def _as_tokens(ids: list[Any]) -> np.ndarray:
-    if not all(isinstance(token, int) and 0 <= token < 2**32 for token in ids):
-        raise TokenizeError("token-id prompts must hold non-negative integers")
-    return np.asarray(ids, dtype=np.uint32)
+    # By chunks: the conversion holds the GIL, so a long list in the tokenizer thread must let the
+    # event loop in between.
+    chunks = []
+    for start in range(0, len(ids), _TOKEN_ID_CHUNK):
+        chunk = ids[start : start + _TOKEN_ID_CHUNK]
+        if not all(isinstance(token, int) and 0 <= token < 2**32 for token in chunk):
+            raise TokenizeError("token-id prompts must hold non-negative integers")
+        chunks.append(np.asarray(chunk, dtype=np.uint32))
+    if len(chunks) == 1:
+        return chunks[0]
+    return np.concatenate(chunks) if chunks else np.empty(0, dtype=np.uint32)
 
 
 def _text_size(body: dict[str, Any]) -> int:
+    """Characters of the prompt's plain text: string contents of the messages, or a string prompt."""
     messages = body.get("messages")
     if isinstance(messages, list):
-        return sum(len(str(m.get("content", ""))) for m in messages if isinstance(m, dict))
+        return sum(
+            len(content)
+            for message in messages
+            if isinstance(message, dict) and isinstance(content := message.get("content"), str)
+        )
     prompt = body.get("prompt")
     return len(prompt) if isinstance(prompt, str) else 0
 
@@ -459,6 +519,7 @@ class RequestTokenizer:
         self._load_lock = threading.Lock()
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvgate-tokenize")
         self._http: Any = None
+        self._sandboxes: dict[str, TemplateSandbox] = {}
         self.failures = 0
 
     def tokenizer(self, model: str) -> PromptTokenizer | None:
@@ -474,44 +535,107 @@ class RequestTokenizer:
                 self._tokenizers[model] = PromptTokenizer(spec.tokenizer)
         return self._tokenizers[model]
 
+    def start_sandboxes(self) -> None:
+        """Start the template sandbox of every model that accepts client templates (in the background)."""
+        for model in self._config.models:
+            if model.trust_request_chat_template and self.tokenizer(model.name) is not None:
+                self._sandbox(model.name).start()
     async def prepare(self, request: RouteRequest) -> None:
         """Fill `request.tokens` (None when the prompt cannot be tokenized) and `request.namespace`."""
         body = request.body
         salt = body.get("cache_salt")
         request.namespace = (request.model, None, salt if isinstance(salt, str) and salt else None)
         try:
-            request.tokens = await self.tokens_for(request.model, body)
+            tokens = await self.tokens_for(request.model, body, body_size=request.body_size)
+            if tokens is not None and len(tokens) > ROUTING_MAX_TOKENS:
+                # Longer than engines take; routing it by its blocks would cost the loop in proportion.
+                raise TokenizeError(f"the prompt has {len(tokens)} tokens, over {ROUTING_MAX_TOKENS}")
+            request.tokens = tokens
         except TokenizeError as exc:
             self.failures += 1
             logger.debug("request %s: no tokens for routing: %s", request.request_id, exc)
             request.tokens = None
-        except Exception:  # a broken tokenizer must not fail the request: it is routed by load
+        except Exception as exc:  # a broken tokenizer must not fail the request: it is routed by load
             self.failures += 1
-            logger.warning("request %s: tokenizer failed; routing by load", request.request_id, exc_info=True)
+            log_unexpected(
+                logger, exc, "request %s: tokenizer failed; routing by load", request.request_id,
+                level=logging.WARNING,
+            )  # fmt: skip
             request.tokens = None
 
-    async def tokens_for(self, model: str, body: dict[str, Any]) -> np.ndarray | None:
+    async def tokens_for(self, model: str, body: dict[str, Any], *, body_size: int = 0) -> np.ndarray | None:
+        """The prompt tokens of a request for `model`; `body_size` (its bytes as received, 0 when
+        unknown) decides with the text's length whether the work leaves the event loop."""
         spec = self._config.model(model)
         if spec is not None and spec.tokenize == "engine":
             return await self._engine_tokens(model, body)
         tokenizer = self.tokenizer(model)
         if tokenizer is None:
             return None
-        if _text_size(body) < OFF_LOOP_MIN_CHARS:
+        if body_size > ROUTING_MAX_BODY_BYTES:
+            raise TokenizeError(f"the body has {body_size} bytes, over {ROUTING_MAX_BODY_BYTES}")
+        if "messages" in body and request_chat_template(body) is not None:
+            return await self._tokens_with_request_template(model, tokenizer, body, body_size)
+        text_chars = _text_size(body)
+        # What the body holds besides plain text (tools, content parts, token ids, many messages)
+        # costs Python work in proportion to its size, and the chat template renders all of it.
+        structure_bytes = body_size - text_chars
+        if text_chars < OFF_LOOP_MIN_CHARS and structure_bytes < OFF_LOOP_MIN_STRUCTURE_BYTES:
             return tokenizer.tokens_for(body)  # most requests: nothing long enough to move
-        loop = asyncio.get_running_loop()
         messages = body.get("messages")
-        if isinstance(messages, list) and len(messages) >= OFF_LOOP_MIN_MESSAGES:
-            return await loop.run_in_executor(self._executor, tokenizer.tokens_for, body)
+        if (
+            structure_bytes >= OFF_LOOP_MIN_STRUCTURE_BYTES
+            or body_size >= OFF_LOOP_MIN_BODY_BYTES
+            or (isinstance(messages, list) and len(messages) >= OFF_LOOP_MIN_MESSAGES)
+        ):
+            return await self._off_loop(tokenizer.tokens_for, body)
         prompt = tokenizer.prompt_text(body)
         if isinstance(prompt, np.ndarray):
             return prompt
         text, add_special_tokens = prompt
+        return await self._encode(tokenizer, text, add_special_tokens)
+
+    async def _encode(self, tokenizer: PromptTokenizer, text: str, add_special_tokens: bool) -> np.ndarray:
+        """`text`'s tokens, encoded on the loop when little of it is uncached, else in the thread."""
         slow, fast = tokenizer.uncached_chars(text, add_special_tokens=add_special_tokens)
         if slow < OFF_LOOP_MIN_CHARS and fast < OFF_LOOP_MIN_ASCII_CHARS:
             return tokenizer.encode_text(text, add_special_tokens=add_special_tokens)
         encode = functools.partial(tokenizer.encode_text, text, add_special_tokens=add_special_tokens)
-        return await loop.run_in_executor(self._executor, encode)
+        return await self._off_loop(encode)
+
+    async def _off_loop(self, work: Callable[..., np.ndarray], *args: Any) -> np.ndarray:
+        """`work(*args)` in the tokenizer thread. A request waits for it at most OFF_LOOP_TIMEOUT_S,
+        then is routed without tokens; work still queued for it then never starts."""
+        future = asyncio.get_running_loop().run_in_executor(self._executor, work, *args)
+        try:
+            return await asyncio.wait_for(future, OFF_LOOP_TIMEOUT_S)
+        except TimeoutError:
+            raise TokenizeError(
+                f"tokenizing took over {OFF_LOOP_TIMEOUT_S:g} s; routed without tokens"
+            ) from None
+
+    async def _tokens_with_request_template(
+        self, model: str, tokenizer: PromptTokenizer, body: dict[str, Any], body_size: int
+    ) -> np.ndarray:
+        """Tokens of a chat request that brings its own template: rendered in the model's sandbox."""
+        spec = self._config.model(model)
+        if spec is None or not spec.trust_request_chat_template:
+            # The forwarder refuses these requests; this keeps any other caller from rendering one.
+            raise TokenizeError(f"the model `{model}` does not accept a request's own chat template")
+        max_chars = RENDERED_MAX_CHARS_PER_BODY_BYTE * max(body_size, 0) + RENDERED_MIN_CHARS
+        try:
+            text = await self._sandbox(model).render(body, max_chars)
+        except TemplateSandboxError as exc:
+            raise TokenizeError(str(exc)) from None
+        return await self._encode(tokenizer, text, bool(body.get("add_special_tokens")))
+
+    def _sandbox(self, model: str) -> TemplateSandbox:
+        sandbox = self._sandboxes.get(model)
+        if sandbox is None:
+            spec = self._config.model(model)
+            assert spec is not None and spec.tokenizer is not None
+            sandbox = self._sandboxes[model] = TemplateSandbox(spec.tokenizer)
+        return sandbox
 
     async def _engine_tokens(self, model: str, body: dict[str, Any]) -> np.ndarray | None:
         """Ask a backend serving the model for its own tokens (POST /tokenize)."""
@@ -527,14 +651,16 @@ class RequestTokenizer:
         served = (spec.served_name if spec is not None else None) or model
         request: dict[str, Any] = {"model": served}
         if "messages" in body:
-            for key in ("messages", "tools", "chat_template_kwargs", "add_generation_prompt",
+            for key in ("messages", "tools", "chat_template", "chat_template_kwargs", "add_generation_prompt",
                         "continue_final_message", "add_special_tokens"):  # fmt: skip
                 if key in body:
                     request[key] = body[key]
         elif "prompt" in body:
             prompt = body["prompt"]
             if isinstance(prompt, list) and prompt and isinstance(prompt[0], int):
-                return _as_tokens(prompt)
+                if len(prompt) < OFF_LOOP_MIN_TOKEN_IDS:
+                    return _as_tokens(prompt)
+                return await self._off_loop(_as_tokens, prompt)
             request["prompt"] = prompt[0] if isinstance(prompt, list) and prompt else prompt
             if "add_special_tokens" in body:
                 request["add_special_tokens"] = body["add_special_tokens"]
@@ -550,6 +676,8 @@ class RequestTokenizer:
             raise TokenizeError(f"backend {backend.name} /tokenize failed: {exc}") from None
 
     async def close(self) -> None:
+        for sandbox in self._sandboxes.values():
+            await sandbox.close()
         self._executor.shutdown(wait=False, cancel_futures=True)
         if self._http is not None:
             await self._http.aclose()

@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import logging
+import time
+
 import httpx
 import pytest
 
+from router.errors import log_unexpected
 from tests.support import free_port, start_backend, start_gateway
 
 MODEL = "test-model"
@@ -122,3 +126,23 @@ def test_no_healthy_backend_gets_503():
         )
         assert_openai_error(response, 503, "no backend could take the request for `test-model` (tried dead)")
         assert httpx.get(f"{gateway.url}/health").status_code == 503
+
+
+def test_repeated_unexpected_errors_log_one_traceback_per_interval(caplog: pytest.LogCaptureFixture) -> None:
+    logger = logging.getLogger("kvgate.test_throttle")
+
+    def fail(kind: type[Exception]) -> Exception:
+        try:
+            raise kind("boom")
+        except Exception as exc:
+            return exc
+
+    with caplog.at_level(logging.ERROR, logger="kvgate.test_throttle"):
+        for _ in range(20):
+            log_unexpected(logger, fail(ValueError), "request failed", interval_s=0.2)
+        log_unexpected(logger, fail(KeyError), "request failed", interval_s=0.2)  # another kind: logged
+        time.sleep(0.25)
+        log_unexpected(logger, fail(ValueError), "request failed", interval_s=0.2)
+    records = [record for record in caplog.records if record.name == "kvgate.test_throttle"]
+    assert [record.exc_info[0] for record in records] == [ValueError, KeyError, ValueError]
+    assert "19 more like it since the last one were not logged" in records[-1].getMessage()

@@ -30,6 +30,9 @@ class RouteRequest:
     namespace: tuple[str, str | None, str | None] = ("", None, None)
     # Filled by the policy: why it chose what it chose (for metrics and /debug/prefix-map).
     decision: dict = field(default_factory=dict)
+    # Bytes of the request body as received: how much parsing it further may cost (the tokenizer
+    # moves large bodies off the event loop).
+    body_size: int = 0
 
 
 class Policy(Protocol):
