@@ -107,7 +107,11 @@ class CacheEngine:
         world_size: int = 1,
         worker_id: int = 0,
         start_controller_worker: bool = True,
+        cpu_tier: CpuTier | None = None,
+        lock: threading.RLock | None = None,
     ) -> None:
+        """`cpu_tier` and `lock`: an L1 pool shared with other engines (the daemon's one budget
+        over all key spaces) and the lock that guards it; by default the engine owns both."""
         if min(num_layers, num_kv_heads, head_dim) < 1:
             raise CacheEngineError(
                 "num_layers, num_kv_heads and head_dim must be >= 1, "
@@ -127,8 +131,10 @@ class CacheEngine:
             worker_id=worker_id,
         )
         self._bytes_per_token = num_layers * 2 * self.channels * self.dtype.itemsize
-        self._lock = threading.RLock()
-        self.cpu = CpuTier(config.max_local_cpu_bytes, config.cache_policy)
+        self._lock = lock if lock is not None else threading.RLock()
+        self.cpu = (
+            cpu_tier if cpu_tier is not None else CpuTier(config.max_local_cpu_bytes, config.cache_policy)
+        )
         self.disk: DiskTier | None = None
         if config.local_disk_path is not None:
             self.disk = DiskTier(

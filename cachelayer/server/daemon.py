@@ -6,8 +6,11 @@ first use. `cachelayer server` runs it with an HTTP side (GET /healthcheck, GET 
 LMCache's multiprocess metric names). The vLLM connector's in-process mode runs the same server on
 an ipc:// socket inside the worker, so its scheduler side can ask the worker's store for lookups.
 
-Every engine gets the configured L1 size: `--l1-size-gb` is a budget per key space (in practice
-one per model and TP rank), not a total over all of them.
+All key spaces share one L1 pool and one lock: `--l1-size-gb` bounds the daemon's KV memory
+whatever model names clients send, and a store of one key space may evict another's chunks (the
+eviction policy runs over the whole pool). The number of key spaces is capped too
+(`MAX_KEY_SPACES`), so clients inventing identities cannot grow the daemon's bookkeeping without
+bound.
 """
 
 from __future__ import annotations
@@ -23,8 +26,13 @@ from cachelayer.engine import CacheEngine
 from cachelayer.events import BlockRemoved, BlockStored, Event
 from cachelayer.server import protocol
 from cachelayer.server.protocol import ChunkEvent, KeySpace, Reply
+from cachelayer.storage.cpu import CpuTier
 
 log = logging.getLogger(__name__)
+
+# Key spaces one daemon serves (models x TP ranks x dtypes in practice): a bound on bookkeeping,
+# far above any real deployment's count.
+MAX_KEY_SPACES = 256
 
 # LMCache's multiprocess-server metric names, so existing dashboards work unchanged.
 METRIC_HELP = {
@@ -35,6 +43,10 @@ METRIC_HELP = {
     "lmcache_mp_lookup_requested_tokens_total": ("counter", "Tokens asked for by lookups"),
     "lmcache_mp_lookup_hit_tokens_total": ("counter", "Tokens found by lookups"),
 }
+
+
+class KeySpaceLimitError(RuntimeError):
+    """A store asked for a key space beyond MAX_KEY_SPACES."""
 
 
 class StoreServer:
@@ -54,6 +66,9 @@ class StoreServer:
         self._start_controller_worker = start_controller_worker
         self._engines: dict[KeySpace, CacheEngine] = {}
         self._engines_lock = threading.Lock()
+        # One L1 pool and one lock for every key space's engine: one memory budget in total.
+        self.cpu = CpuTier(config.max_local_cpu_bytes, config.cache_policy)
+        self.store_lock = threading.RLock()
         self._context = context or zmq.Context.instance()
         self._socket = self._context.socket(zmq.ROUTER)
         self._socket.setsockopt(zmq.LINGER, 0)
@@ -75,12 +90,19 @@ class StoreServer:
             world_size=space.world_size,
             worker_id=space.worker_id,
             start_controller_worker=self._start_controller_worker,
+            cpu_tier=self.cpu,
+            lock=self.store_lock,
         )
 
     def engine_for(self, space: KeySpace, *, create: bool = True) -> CacheEngine | None:
         with self._engines_lock:
             engine = self._engines.get(space)
             if engine is None and create:
+                if len(self._engines) >= MAX_KEY_SPACES:
+                    raise KeySpaceLimitError(
+                        f"this daemon already serves {MAX_KEY_SPACES} key spaces (model, dtype, TP "
+                        "rank, KV shape): refusing a new one; run another `cachelayer server` for more models"
+                    )
                 engine = self._new_engine(space)
                 self._engines[space] = engine
             return engine
@@ -168,17 +190,15 @@ class StoreServer:
     # ---- metrics ----
     def metric_values(self) -> dict[str, float]:
         totals = dict.fromkeys(METRIC_HELP, 0.0)
-        used = capacity = 0
         for engine in self.engines():
             stats = engine.stats()
             totals["lmcache_mp_l1_read_chunks_total"] += stats["read_chunks"]
             totals["lmcache_mp_l1_write_chunks_total"] += stats["write_chunks"]
-            totals["lmcache_mp_l1_evicted_chunks_total"] += stats["cpu_evicted_chunks"]
             totals["lmcache_mp_lookup_requested_tokens_total"] += stats["lookup_requested_tokens"]
             totals["lmcache_mp_lookup_hit_tokens_total"] += stats["lookup_hit_tokens"]
-            used += engine.cpu.allocator.allocated_bytes
-            capacity += engine.cpu.allocator.capacity
-        totals["lmcache_mp_l1_usage_ratio"] = used / capacity if capacity else 0.0
+        with self.store_lock:
+            totals["lmcache_mp_l1_evicted_chunks_total"] = self.cpu.evicted_chunks
+            totals["lmcache_mp_l1_usage_ratio"] = self.cpu.usage_ratio
         return totals
 
     def metrics_text(self) -> str:

@@ -18,7 +18,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--port", type=int, default=5556, help="ZMQ data-plane port (0: any free port)")
     parser.add_argument("--http-port", type=int, default=7000, help="HTTP port for /healthcheck and /metrics")
     parser.add_argument("--chunk-size", type=int, default=256, help="tokens per chunk; clients must agree")
-    parser.add_argument("--l1-size-gb", type=float, default=8.0, help="CPU store size per key space, in GB")
+    parser.add_argument(
+        "--l1-size-gb", type=float, default=8.0, help="CPU store size in GB, shared by every key space"
+    )
     parser.add_argument("--eviction-policy", default="LRU", choices=["LRU", "LFU", "FIFO"])
 
 
