@@ -30,10 +30,11 @@ def make_kv(num_tokens: int, seed: int = 0, space: KeySpace = SPACE) -> torch.Te
     return torch.randn(space.num_layers, 2, num_tokens, channels, generator=generator).to(torch.bfloat16)
 
 
-@pytest.fixture
-def daemon():
+@pytest.fixture(params=["tcp", "shared-memory"])
+def daemon(request):
+    """The daemon, without and with its shared-memory path (its clients pick the path on their own)."""
     config = parse_config({"chunk_size": CHUNK, "max_local_cpu_size": 0.001, "save_unfull_chunk": False})
-    server = StoreServer(config, "tcp://127.0.0.1:0").start()
+    server = StoreServer(config, "tcp://127.0.0.1:0", shared_memory=request.param == "shared-memory").start()
     http = start_http(server, "127.0.0.1", 0)
     yield server, f"http://127.0.0.1:{http.server_address[1]}"
     http.shutdown()
@@ -178,6 +179,10 @@ def test_metrics_use_lmcache_names_and_count_reads_writes_evictions(daemon, clie
         "lmcache_mp_l1_usage_ratio",
         "lmcache_mp_lookup_requested_tokens_total",
         "lmcache_mp_lookup_hit_tokens_total",
+        "cachelayer_daemon_l1_used_bytes",
+        "cachelayer_daemon_open_leases",
+        "cachelayer_daemon_expired_leases_total",
+        "cachelayer_daemon_reclaimed_leases_total",
     }
     assert values["lmcache_mp_l1_write_chunks_total"] > 0
     assert values["lmcache_mp_l1_evicted_chunks_total"] > 0
