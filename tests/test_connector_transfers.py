@@ -3,10 +3,14 @@ saves, and load failures reported block by block (no vLLM needed)."""
 
 from __future__ import annotations
 
+import threading
+import time
+
 import pytest
 import torch
 
 from cachelayer.connectors.transfers import (
+    BackgroundSaver,
     LocalChunkStore,
     PagedKV,
     RemoteChunkStore,
@@ -151,3 +155,73 @@ def test_an_unreachable_daemon_fails_the_load_and_skips_the_save():
         assert torch.equal(reader.kv_caches[0][5], before)
     finally:
         client.close()
+
+
+class _GatedStore:
+    """A real store whose stores wait for a gate: a daemon that is slow to answer."""
+
+    def __init__(self, store: LocalChunkStore) -> None:
+        self.inner, self.gate = store, threading.Event()
+
+    def lookup(self, tokens, cache_salt):
+        return self.inner.lookup(tokens, cache_salt)
+
+    def store(self, tokens, kv, cache_salt):
+        assert self.gate.wait(10), "the test never opened the gate"
+        return self.inner.store(tokens, kv, cache_salt)
+
+    def retrieve(self, tokens, cache_salt):
+        return self.inner.retrieve(tokens, cache_salt)
+
+
+@pytest.mark.parametrize("make_cache", [cpu_cache, flash_cache], ids=["cpu_blocks", "flash_attn"])
+def test_a_background_save_returns_at_once_and_stores_the_blocks_as_they_were(make_cache):
+    tokens = list(range(500, 500 + 4 * BLOCK))  # 2 chunks
+    store = _GatedStore(LocalChunkStore(engine()))
+    writer, reader = paged(make_cache(0)), paged(make_cache(1))
+    expected = writer.gather([1, 2, 3, 4])
+    saver = BackgroundSaver(writer, store)
+    try:
+        started = time.perf_counter()
+        assert saver.submit(request_id="r1", token_ids=tokens, block_ids=[1, 2, 3, 4], cache_salt=None)
+        assert time.perf_counter() - started < 2  # the store is still blocked
+        assert saver.take_completed() == [] and not saver.wait_idle(0.05)
+        for layer in writer.kv_caches:  # the engine frees and reuses the blocks at once
+            layer.zero_()
+        store.gate.set()
+        assert saver.wait_idle(10)
+        [completed] = saver.take_completed()
+        assert completed.request_id == "r1" and completed.tokens == 4 * BLOCK
+        assert [event.kind for event in completed.events] == ["stored", "stored"]
+        failed = load_request(
+            reader, store, token_ids=tokens, block_ids=[20, 21, 22, 23], first_block=0, cache_salt=None
+        )
+        assert failed == set()
+        assert torch.equal(reader.gather([20, 21, 22, 23]), expected)  # the KV as it was when submitted
+    finally:
+        store.gate.set()
+        saver.close()
+
+
+def test_saves_beyond_the_pending_budget_are_dropped_not_queued():
+    store = _GatedStore(LocalChunkStore(engine()))
+    writer = paged(cpu_cache(0))
+    one_save = 2 * BLOCK * LAYERS * 2 * HEADS * HEAD_DIM * 2  # 2 blocks of bf16 KV
+    saver = BackgroundSaver(writer, store, max_pending_bytes=one_save)
+    try:
+        assert saver.submit(
+            request_id="a", token_ids=list(range(2 * BLOCK)), block_ids=[1, 2], cache_salt=None
+        )
+        assert not saver.submit(
+            request_id="b", token_ids=list(range(9, 9 + 2 * BLOCK)), block_ids=[3, 4], cache_salt=None
+        )
+        assert saver.dropped_saves == 1
+        store.gate.set()
+        assert saver.wait_idle(10)
+        assert [save.request_id for save in saver.take_completed()] == ["a"]
+        # Room again once the first save is stored.
+        assert saver.submit(
+            request_id="c", token_ids=list(range(7, 7 + 2 * BLOCK)), block_ids=[5, 6], cache_salt=None
+        )
+    finally:
+        saver.close()
