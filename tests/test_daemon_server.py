@@ -181,6 +181,7 @@ def test_metrics_use_lmcache_names_and_count_reads_writes_evictions(daemon, clie
         "lmcache_mp_lookup_hit_tokens_total",
         "cachelayer_daemon_l1_used_bytes",
         "cachelayer_daemon_open_leases",
+        "cachelayer_daemon_leases_total",
         "cachelayer_daemon_expired_leases_total",
         "cachelayer_daemon_reclaimed_leases_total",
     }

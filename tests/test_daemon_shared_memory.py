@@ -83,7 +83,10 @@ def test_shared_memory_and_tcp_clients_of_one_daemon_exchange_bit_exact_kv(clien
         # A store of held chunks through either path writes nothing and reports nothing.
         assert shared.store(SPACE, second, kv_first) == (64, [])
         assert same_bits(tcp.retrieve(SPACE, second)[1], kv_second)
-        assert server.metric_values()["cachelayer_daemon_open_leases"] == 0
+        metrics = server.metric_values()
+        assert metrics["cachelayer_daemon_open_leases"] == 0
+        # The shm client's store, its two retrieves and its retrieve into `out`; TCP opens none.
+        assert metrics["cachelayer_daemon_leases_total"] == 4
     finally:
         server.close()
 

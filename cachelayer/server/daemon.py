@@ -54,6 +54,7 @@ METRIC_HELP = {
     "lmcache_mp_lookup_hit_tokens_total": ("counter", "Tokens found by lookups"),
     "cachelayer_daemon_l1_used_bytes": ("gauge", "Bytes of the L1 pool allocated to chunks"),
     "cachelayer_daemon_open_leases": ("gauge", "Shared-memory leases open now"),
+    "cachelayer_daemon_leases_total": ("counter", "Shared-memory leases opened (same-host stores and reads)"),
     "cachelayer_daemon_expired_leases_total": ("counter", "Leases ended by their deadline"),
     "cachelayer_daemon_reclaimed_leases_total": ("counter", "Leases ended because their client died"),
 }
@@ -308,6 +309,7 @@ class StoreServer:
             totals["lmcache_mp_l1_usage_ratio"] = self.cpu.usage_ratio
             totals["cachelayer_daemon_l1_used_bytes"] = self.cpu.allocator.allocated_bytes
         totals["cachelayer_daemon_open_leases"] = len(self.leases)
+        totals["cachelayer_daemon_leases_total"] = self.leases.opened_total
         totals["cachelayer_daemon_expired_leases_total"] = self.leases.expired_total
         totals["cachelayer_daemon_reclaimed_leases_total"] = self.leases.reclaimed_total
         return totals

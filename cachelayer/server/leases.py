@@ -82,6 +82,7 @@ class LeaseTable:
         self._leases: dict[int, Lease] = {}
         self._ids = itertools.count(1)
         self._next_liveness_check = 0.0
+        self.opened_total = 0
         self.expired_total = 0
         self.reclaimed_total = 0  # leases ended because their owner died
 
@@ -96,6 +97,7 @@ class LeaseTable:
                 f"client process {lease.owner.pid} already holds {held} leases: release or commit them first"
             )
         self._leases[lease.lease_id] = lease
+        self.opened_total += 1
         return lease
 
     def open_read(self, owner: ClientProcess, engine: CacheEngine, entries: list[TierEntry]) -> Lease:
