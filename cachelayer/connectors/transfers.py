@@ -22,11 +22,12 @@ preempted or reused at once: nothing later reads them.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import queue
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -143,8 +144,17 @@ class PagedKV:
         ).wait()
 
 
+HeldChunk = tuple[int, int, Tensor]  # tokens [start, end) and their KV [num_layers, 2, end - start, channels]
+
+
 class ChunkStore(Protocol):
     def lookup(self, tokens: Sequence[int], cache_salt: str | None) -> int: ...
+
+    def held_chunks(
+        self, tokens: Sequence[int], cache_salt: str | None
+    ) -> contextlib.AbstractContextManager[list[HeldChunk]]:
+        """The longest held prefix of tokens, readable inside the block."""
+        ...
 
     def store(
         self, tokens: Sequence[int], kv: Tensor, cache_salt: str | None
@@ -170,6 +180,12 @@ class LocalChunkStore:
     def retrieve(self, tokens: Sequence[int], cache_salt: str | None) -> tuple[int, Tensor | None]:
         return self.engine.retrieve(tokens, cache_salt=cache_salt)
 
+    @contextlib.contextmanager
+    def held_chunks(self, tokens: Sequence[int], cache_salt: str | None) -> Iterator[list[HeldChunk]]:
+        # retrieve, not the pool's views: it also promotes chunks from disk and decodes compressed ones.
+        hit, kv = self.retrieve(tokens, cache_salt)
+        yield [(0, hit, kv)] if kv is not None else []
+
 
 class RemoteChunkStore:
     """The shared daemon, over its ZMQ data plane (daemon mode)."""
@@ -189,6 +205,17 @@ class RemoteChunkStore:
     def retrieve(self, tokens: Sequence[int], cache_salt: str | None) -> tuple[int, Tensor | None]:
         return self.client.retrieve(self.space, list(tokens), cache_salt=cache_salt)
 
+    @contextlib.contextmanager
+    def held_chunks(self, tokens: Sequence[int], cache_salt: str | None) -> Iterator[list[HeldChunk]]:
+        """On the same host, views of the daemon's pool under a lease (read in place, no copy into
+        an intermediate tensor); LeaseExpired at the end if the daemon ended the lease first."""
+        if self.client.transport != "shm":
+            hit, kv = self.retrieve(tokens, cache_salt)
+            yield [(0, hit, kv)] if kv is not None else []
+            return
+        with self.client.leased(self.space, list(tokens), cache_salt=cache_salt) as lease:
+            yield [(chunk.start, chunk.end, chunk.kv) for chunk in lease.chunks]
+
 
 def load_request(
     paged: PagedKV,
@@ -201,19 +228,28 @@ def load_request(
 ) -> set[int]:
     """Load a request's stored prefix into its blocks; returns the block ids that could not be loaded.
 
-    A shorter hit than planned (evicted meanwhile) or an unreachable store fails the blocks past
-    what was loaded, so vLLM recomputes them instead of reading whatever they held.
+    A shorter hit than planned (evicted meanwhile), an unreachable store, or a lease the daemon
+    ended before the load finished fails the blocks past what was loaded, so vLLM recomputes them
+    instead of reading whatever they hold.
     """
-    wanted_blocks = list(block_ids[: len(token_ids) // paged.block_size])
+    block_size = paged.block_size
+    wanted_blocks = list(block_ids[: len(token_ids) // block_size])
+    loaded_blocks = 0
     try:
-        hit, kv = store.retrieve(token_ids, cache_salt)
-    except StoreUnavailable as exc:
+        with store.held_chunks(token_ids, cache_salt) as chunks:
+            for start, end, kv in chunks:
+                if start != loaded_blocks * block_size:
+                    break  # not contiguous with what is loaded: stop here
+                blocks = wanted_blocks[loaded_blocks : end // block_size]
+                skip = min(len(blocks), max(0, first_block - loaded_blocks))
+                if skip < len(blocks):
+                    paged.scatter(kv[:, :, : len(blocks) * block_size], blocks, skip_blocks=skip)
+                loaded_blocks += len(blocks)
+                if end % block_size:
+                    break
+    except StoreUnavailable as exc:  # LeaseExpired included: what was scattered may be wrong
         log.warning("cachelayer: load failed, vLLM will recompute: %s", exc)
-        hit, kv = 0, None
-    loaded_blocks = hit // paged.block_size if kv is not None else 0
-    if loaded_blocks > first_block:
-        usable = kv[:, :, : loaded_blocks * paged.block_size]
-        paged.scatter(usable, wanted_blocks[:loaded_blocks], skip_blocks=first_block)
+        loaded_blocks = 0
     return set(wanted_blocks[max(loaded_blocks, first_block) :])
 
 
