@@ -22,6 +22,7 @@ import queue
 import threading
 from array import array
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -46,6 +47,14 @@ _LOCATION_ALIASES = {
     "LocalDiskBackend": "disk",
     "disk": "disk",
 }
+
+
+@dataclass(slots=True)
+class StoreReservation:
+    """L1 space reserved for a store: the chunks to write, and the leading tokens held once they are."""
+
+    held_end: int
+    chunks: list[tuple[ChunkSpan, TierEntry]]
 
 
 class CacheEngineError(ValueError):
@@ -81,7 +90,7 @@ def _token_list(tokens: Tokens) -> list[int]:
 _SAME_WIDTH_INTEGER = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
-def _copy(destination: torch.Tensor, source: torch.Tensor) -> None:
+def copy_tensor(destination: torch.Tensor, source: torch.Tensor) -> None:
     """destination[...] = source. Between CPU tensors numpy's copy moves the strided chunk slices
     at memcpy speed (measured: torch's strided copy_ reached ~60% of it on these machines)."""
     if destination.device.type == "cpu" and source.device.type == "cpu" and destination.dtype == source.dtype:
@@ -107,7 +116,11 @@ class CacheEngine:
         world_size: int = 1,
         worker_id: int = 0,
         start_controller_worker: bool = True,
+        cpu_tier: CpuTier | None = None,
+        lock: threading.RLock | None = None,
     ) -> None:
+        """`cpu_tier` and `lock`: an L1 pool shared with other engines (the daemon's one budget
+        over all key spaces) and the lock that guards it; by default the engine owns both."""
         if min(num_layers, num_kv_heads, head_dim) < 1:
             raise CacheEngineError(
                 "num_layers, num_kv_heads and head_dim must be >= 1, "
@@ -127,8 +140,10 @@ class CacheEngine:
             worker_id=worker_id,
         )
         self._bytes_per_token = num_layers * 2 * self.channels * self.dtype.itemsize
-        self._lock = threading.RLock()
-        self.cpu = CpuTier(config.max_local_cpu_bytes, config.cache_policy)
+        self._lock = lock if lock is not None else threading.RLock()
+        self.cpu = (
+            cpu_tier if cpu_tier is not None else CpuTier(config.max_local_cpu_bytes, config.cache_policy)
+        )
         self.disk: DiskTier | None = None
         if config.local_disk_path is not None:
             self.disk = DiskTier(
@@ -356,7 +371,7 @@ class CacheEngine:
 
     def _write_payload(self, tier: Tier, entry: TierEntry, payload: torch.Tensor) -> None:
         if isinstance(tier, CpuTier):
-            _copy(tier.view(entry), payload)
+            copy_tensor(tier.view(entry), payload)
         else:
             assert isinstance(tier, DiskTier)
             tier.write(entry, payload)
@@ -368,9 +383,26 @@ class CacheEngine:
         """Store the chunks of `tokens`; returns how many leading tokens are now held."""
         token_list = _token_list(tokens)
         self._check_kv(kv, len(token_list), "kv")
+        reservation = self.reserve_chunks(token_list, cache_salt=cache_salt, lora=lora)
+        try:
+            for span, entry in reservation.chunks:
+                copy_tensor(self.chunk_buffer(entry), kv[:, :, span.start : span.end])
+        except BaseException:
+            self.abort_chunks(reservation)
+            raise
+        self.commit_chunks(reservation)
+        return reservation.held_end
+
+    def reserve_chunks(
+        self, tokens: Tokens, *, cache_salt: str | None = None, lora: str | None = None
+    ) -> StoreReservation:
+        """The first half of a store: L1 space for each chunk of `tokens` not held yet, in order,
+        stopping at the first that does not fit. The caller writes each chunk into
+        `chunk_buffer(entry)`, then calls `commit_chunks` (or `abort_chunks`); until then the
+        chunks are invisible to lookups and never evicted."""
+        token_list = _token_list(tokens)
         spans = self._spans(token_list, cache_salt, lora)
-        reserved: list[tuple[ChunkSpan, TierEntry]] = []
-        held_end = 0
+        reservation = StoreReservation(held_end=0, chunks=[])
         with self._lock:
             evicted: list[ChunkMeta] = []
             for span in spans:
@@ -378,38 +410,75 @@ class CacheEngine:
                 if any(tier.has_key(span.key) for tier in self._tiers.values()):
                     for tier in self._tiers.values():
                         tier.touch(span.key)
-                    held_end = span.end
+                    reservation.held_end = span.end
                     continue
                 meta = ChunkMeta(span.key, span.parent_key, array("q", token_list[span.start : span.end]))
                 entry, evicted_now = self.cpu.reserve(meta, self._raw_nbytes(span.num_tokens))
                 evicted.extend(evicted_now)
                 if entry is None:
                     break
-                reserved.append((span, entry))
-                held_end = span.end
+                reservation.chunks.append((span, entry))
+                reservation.held_end = span.end
             self._emit(self._removal_events(self.cpu, evicted))
-        if not reserved:
-            return held_end
-        try:
-            for span, entry in reserved:
-                _copy(self._chunk_view(self.cpu.view(entry), entry.meta), kv[:, :, span.start : span.end])
-        except BaseException:
-            with self._lock:
-                for _, entry in reserved:
-                    self.cpu.abort(entry)
-            raise
+        return reservation
+
+    def chunk_buffer(self, entry: TierEntry) -> torch.Tensor:
+        """An L1 chunk's KV [num_layers, 2, num_tokens, channels], a view of the pool (no copy)."""
+        return self._chunk_view(self.cpu.view(entry), entry.meta)
+
+    def commit_chunks(self, reservation: StoreReservation) -> None:
+        """Make written chunks visible (and queue them for the disk tier)."""
+        if not reservation.chunks:
+            return
         with self._lock:
-            for _, entry in reserved:
+            for _, entry in reservation.chunks:
                 self.cpu.commit(entry)
-            self.counters["write_chunks"] += len(reserved)
-            self._emit([self._stored_event(self.cpu, entry.meta) for _, entry in reserved])
+            self.counters["write_chunks"] += len(reservation.chunks)
+            self._emit([self._stored_event(self.cpu, entry.meta) for _, entry in reservation.chunks])
         if self._disk_writer is not None:
             with self._disk_idle:
                 self._disk_backlog += 1
             with self._lock:
                 generation = self._clear_generation
-            self._disk_queue.put((generation, [entry.meta for _, entry in reserved]))
-        return held_end
+            self._disk_queue.put((generation, [entry.meta for _, entry in reservation.chunks]))
+
+    def abort_chunks(self, reservation: StoreReservation) -> None:
+        """Give back the space of chunks that will not be written; nothing becomes visible."""
+        with self._lock:
+            for _, entry in reservation.chunks:
+                self.cpu.abort(entry)
+
+    def withdraw_chunks(self, reservation: StoreReservation) -> None:
+        """Take reserved chunks out of the store but keep their space allocated: a writer that may
+        still be copying into it must not have the space handed to another chunk. Free it later
+        with `release_chunks`."""
+        with self._lock:
+            for _, entry in reservation.chunks:
+                self.cpu.withdraw(entry)
+
+    def acquire_chunks(
+        self, tokens: Tokens, *, cache_salt: str | None = None, lora: str | None = None
+    ) -> list[tuple[ChunkSpan, TierEntry]]:
+        """The longest prefix of `tokens` held raw in L1, each chunk referenced (never evicted nor
+        reused) until `release_chunks`: a reader outside this process copies from the pool itself."""
+        spans = self._spans(_token_list(tokens), cache_salt, lora)
+        acquired: list[tuple[ChunkSpan, TierEntry]] = []
+        with self._lock:
+            for span in spans:
+                entry = self.cpu.get(span.key)
+                if entry is None or entry.meta.fmt != "raw":
+                    break
+                self.cpu.acquire(entry)
+                self.cpu.touch(span.key)
+                acquired.append((span, entry))
+            self.counters["read_chunks"] += len(acquired)
+        return acquired
+
+    def release_chunks(self, entries: Sequence[TierEntry]) -> None:
+        """Drop the references `acquire_chunks` or a withdrawn reservation held."""
+        with self._lock:
+            for entry in entries:
+                self.cpu.release(entry)
 
     def flush(self) -> None:
         """Wait until every chunk stored so far has been written to the disk tier (or skipped)."""
@@ -585,7 +654,7 @@ class CacheEngine:
                     break
                 if promoted is not None:
                     done.append(promoted)
-                _copy(result[:, :, span.start : span.end], chunk)
+                copy_tensor(result[:, :, span.start : span.end], chunk)
             result = result[:, :, :hit]
         finally:
             with self._lock:

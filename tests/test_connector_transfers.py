@@ -3,10 +3,14 @@ saves, and load failures reported block by block (no vLLM needed)."""
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 import torch
 
+from cachelayer.config import parse_config
 from cachelayer.connectors.transfers import (
+    BackgroundSaver,
     LocalChunkStore,
     PagedKV,
     RemoteChunkStore,
@@ -15,7 +19,7 @@ from cachelayer.connectors.transfers import (
     save_request,
 )
 from cachelayer.engine import CacheEngine
-from cachelayer.server import KeySpace, StoreClient
+from cachelayer.server import KeySpace, StoreClient, StoreServer
 from tests.support.ports import free_port
 
 LAYERS, HEADS, HEAD_DIM, BLOCK, NUM_BLOCKS, CHUNK = 2, 2, 8, 32, 40, 64
@@ -149,5 +153,154 @@ def test_an_unreachable_daemon_fails_the_load_and_skips_the_save():
         )
         assert failed == {5, 6}
         assert torch.equal(reader.kv_caches[0][5], before)
+    finally:
+        client.close()
+
+
+class _GatedStore:
+    """A real store whose stores wait for a gate: a daemon that is slow to answer."""
+
+    def __init__(self, store: LocalChunkStore) -> None:
+        self.inner, self.gate = store, threading.Event()
+
+    def lookup(self, tokens, cache_salt):
+        return self.inner.lookup(tokens, cache_salt)
+
+    def store(self, tokens, kv, cache_salt):
+        assert self.gate.wait(10), "the test never opened the gate"
+        return self.inner.store(tokens, kv, cache_salt)
+
+    def retrieve(self, tokens, cache_salt):
+        return self.inner.retrieve(tokens, cache_salt)
+
+    def held_chunks(self, tokens, cache_salt):
+        return self.inner.held_chunks(tokens, cache_salt)
+
+
+@pytest.mark.parametrize("make_cache", [cpu_cache, flash_cache], ids=["cpu_blocks", "flash_attn"])
+def test_a_background_save_returns_at_once_and_stores_the_blocks_as_they_were(make_cache):
+    tokens = list(range(500, 500 + 4 * BLOCK))  # 2 chunks
+    store = _GatedStore(LocalChunkStore(engine()))
+    writer, reader = paged(make_cache(0)), paged(make_cache(1))
+    expected = writer.gather([1, 2, 3, 4])
+    saver = BackgroundSaver(writer, store)
+    try:
+        # submit returns while the store is blocked on its gate: the save is still pending.
+        assert saver.submit(request_id="r1", token_ids=tokens, block_ids=[1, 2, 3, 4], cache_salt=None)
+        assert saver.take_completed() == [] and not saver.wait_idle(0.05)
+        for layer in writer.kv_caches:  # the engine frees and reuses the blocks at once
+            layer.zero_()
+        store.gate.set()
+        assert saver.wait_idle(10)
+        [completed] = saver.take_completed()
+        assert completed.request_id == "r1" and completed.tokens == 4 * BLOCK
+        assert [event.kind for event in completed.events] == ["stored", "stored"]
+        failed = load_request(
+            reader, store, token_ids=tokens, block_ids=[20, 21, 22, 23], first_block=0, cache_salt=None
+        )
+        assert failed == set()
+        assert torch.equal(reader.gather([20, 21, 22, 23]), expected)  # the KV as it was when submitted
+    finally:
+        store.gate.set()
+        saver.close()
+
+
+def test_saves_beyond_the_pending_budget_are_dropped_not_queued():
+    store = _GatedStore(LocalChunkStore(engine()))
+    writer = paged(cpu_cache(0))
+    one_save = 2 * BLOCK * LAYERS * 2 * HEADS * HEAD_DIM * 2  # 2 blocks of bf16 KV
+    saver = BackgroundSaver(writer, store, max_pending_bytes=one_save)
+    try:
+        assert saver.submit(
+            request_id="a", token_ids=list(range(2 * BLOCK)), block_ids=[1, 2], cache_salt=None
+        )
+        assert not saver.submit(
+            request_id="b", token_ids=list(range(9, 9 + 2 * BLOCK)), block_ids=[3, 4], cache_salt=None
+        )
+        assert saver.dropped_saves == 1
+        store.gate.set()
+        assert saver.wait_idle(10)
+        assert [save.request_id for save in saver.take_completed()] == ["a"]
+        # Room again once the first save is stored.
+        assert saver.submit(
+            request_id="c", token_ids=list(range(7, 7 + 2 * BLOCK)), block_ids=[5, 6], cache_salt=None
+        )
+    finally:
+        saver.close()
+
+
+@pytest.fixture
+def shared_daemon():
+    config = parse_config({"chunk_size": CHUNK, "max_local_cpu_size": 0.01, "save_unfull_chunk": False})
+    servers: list[StoreServer] = []
+
+    def start(lease_ttl_s: float = 30.0) -> StoreServer:
+        server = StoreServer(config, "tcp://127.0.0.1:0", shared_memory=True, lease_ttl_s=lease_ttl_s)
+        servers.append(server.start())
+        return server
+
+    yield start
+    for server in servers:
+        server.close()
+
+
+def test_a_load_through_the_daemon_reads_its_shared_pool_in_place_like_the_tcp_path(shared_daemon):
+    server = shared_daemon()
+    space = KeySpace(model="m", dtype="bfloat16", num_layers=LAYERS, num_kv_heads=HEADS, head_dim=HEAD_DIM)
+    shm = StoreClient(server.endpoint, chunk_size=CHUNK, timeout_s=5)
+    tcp = StoreClient(server.endpoint, chunk_size=CHUNK, timeout_s=5, transport="tcp")
+    try:
+        assert shm.transport == "shm"
+        tokens = list(range(300, 300 + 4 * BLOCK))  # 2 chunks
+        writer = paged(cpu_cache(0))
+        save_request(
+            writer, RemoteChunkStore(shm, space), token_ids=tokens, block_ids=[1, 2, 3, 4], cache_salt=None
+        )
+        readers = {"shm": paged(cpu_cache(1)), "tcp": paged(cpu_cache(1))}
+        untouched = readers["shm"].kv_caches[0][10].clone()
+        for name, client in (("shm", shm), ("tcp", tcp)):
+            failed = load_request(
+                readers[name],
+                RemoteChunkStore(client, space),
+                token_ids=tokens,
+                block_ids=[10, 11, 12, 13],
+                first_block=1,
+                cache_salt=None,
+            )
+            assert failed == set(), name
+        for layer in range(LAYERS):
+            assert torch.equal(readers["shm"].kv_caches[layer], readers["tcp"].kv_caches[layer])
+            for src, dst in zip([2, 3, 4], [11, 12, 13], strict=True):
+                assert torch.equal(readers["shm"].kv_caches[layer][dst], writer.kv_caches[layer][src])
+        assert torch.equal(readers["shm"].kv_caches[0][10], untouched)  # the engine's own block
+        metrics = server.metric_values()
+        assert metrics["cachelayer_daemon_leases_total"] == 2  # the save and the shm load
+        assert metrics["cachelayer_daemon_open_leases"] == 0
+    finally:
+        shm.close()
+        tcp.close()
+
+
+def test_a_lease_the_daemon_ends_during_the_load_fails_every_block(shared_daemon, monkeypatch):
+    server = shared_daemon(lease_ttl_s=0.2)
+    space = KeySpace(model="m", dtype="bfloat16", num_layers=LAYERS, num_kv_heads=HEADS, head_dim=HEAD_DIM)
+    client = StoreClient(server.endpoint, chunk_size=CHUNK, timeout_s=5)
+    try:
+        store = RemoteChunkStore(client, space)
+        tokens = list(range(4 * BLOCK))
+        save_request(paged(cpu_cache(0)), store, token_ids=tokens, block_ids=[1, 2, 3, 4], cache_salt=None)
+        reader = paged(cpu_cache(1))
+        scatter = reader.scatter
+
+        def slow_scatter(*args, **kwargs):  # a worker descheduled mid-load, past the lease's TTL
+            scatter(*args, **kwargs)
+            threading.Event().wait(0.5)
+
+        monkeypatch.setattr(reader, "scatter", slow_scatter)
+        failed = load_request(
+            reader, store, token_ids=tokens, block_ids=[5, 6, 7, 8], first_block=0, cache_salt=None
+        )
+        assert failed == {5, 6, 7, 8}  # recomputed: the daemon may have reused what was read
+        assert server.metric_values()["cachelayer_daemon_expired_leases_total"] == 1
     finally:
         client.close()

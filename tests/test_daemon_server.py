@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from pathlib import Path
 
 import httpx
+import msgspec
 import pytest
 import torch
 import zmq
@@ -28,10 +30,11 @@ def make_kv(num_tokens: int, seed: int = 0, space: KeySpace = SPACE) -> torch.Te
     return torch.randn(space.num_layers, 2, num_tokens, channels, generator=generator).to(torch.bfloat16)
 
 
-@pytest.fixture
-def daemon():
+@pytest.fixture(params=["tcp", "shared-memory"])
+def daemon(request):
+    """The daemon, without and with its shared-memory path (its clients pick the path on their own)."""
     config = parse_config({"chunk_size": CHUNK, "max_local_cpu_size": 0.001, "save_unfull_chunk": False})
-    server = StoreServer(config, "tcp://127.0.0.1:0").start()
+    server = StoreServer(config, "tcp://127.0.0.1:0", shared_memory=request.param == "shared-memory").start()
     http = start_http(server, "127.0.0.1", 0)
     yield server, f"http://127.0.0.1:{http.server_address[1]}"
     http.shutdown()
@@ -176,6 +179,11 @@ def test_metrics_use_lmcache_names_and_count_reads_writes_evictions(daemon, clie
         "lmcache_mp_l1_usage_ratio",
         "lmcache_mp_lookup_requested_tokens_total",
         "lmcache_mp_lookup_hit_tokens_total",
+        "cachelayer_daemon_l1_used_bytes",
+        "cachelayer_daemon_open_leases",
+        "cachelayer_daemon_leases_total",
+        "cachelayer_daemon_expired_leases_total",
+        "cachelayer_daemon_reclaimed_leases_total",
     }
     assert values["lmcache_mp_l1_write_chunks_total"] > 0
     assert values["lmcache_mp_l1_evicted_chunks_total"] > 0
@@ -207,3 +215,43 @@ def test_the_cachelayer_server_command_serves_healthcheck_and_the_data_plane():
         timeout=60,
     )
     assert bad.returncode == 2 and "chunk_size" in bad.stdout
+
+
+def _resident_bytes(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    raise AssertionError(f"no VmRSS for pid {pid}")
+
+
+def test_the_l1_budget_bounds_the_daemon_over_every_key_space_clients_invent():
+    """Issue 21 item 12: eight invented model names, each storing a full budget's worth of KV,
+    must not grow a real `cachelayer server` past one budget (it grew by one budget per name)."""
+    port, http_port = free_port(), free_port()
+    budget_gb = 0.016  # ~16 MiB of L1 in total
+    args = [sys.executable, "-m", "cachelayer.cli", "server", "--host", "127.0.0.1", "--port", str(port),
+            "--http-port", str(http_port), "--chunk-size", "256", "--l1-size-gb", str(budget_gb)]  # fmt: skip
+    space = KeySpace(model="m", dtype="bfloat16", num_layers=4, num_kv_heads=8, head_dim=128)
+    tokens_per_store = 2048  # 4 layers x 2 x 2048 x 1024 channels x 2 bytes = 32 MiB > the budget
+    with ManagedProcess(args) as process:
+        wait_for_http(f"http://127.0.0.1:{http_port}/healthcheck", process, timeout_s=60)
+        client = StoreClient(f"tcp://127.0.0.1:{port}", chunk_size=256, timeout_s=30)
+        try:
+            warm = KeySpace(**{**msgspec.structs.asdict(space), "model": "warm-up"})
+            client.store(warm, list(range(256)), make_kv(256, space=warm))
+            baseline = _resident_bytes(process.pid)
+            kv = make_kv(tokens_per_store, space=space)
+            for index in range(8):
+                invented = KeySpace(**{**msgspec.structs.asdict(space), "model": f"invented-{index}"})
+                held, _ = client.store(invented, list(range(tokens_per_store)), kv)
+                assert held > 0
+            grown = _resident_bytes(process.pid) - baseline
+            usage = httpx.get(f"http://127.0.0.1:{http_port}/metrics").text
+        finally:
+            client.close()
+    budget_bytes = budget_gb * (1 << 30)
+    # One budget of KV plus the transient receive buffers of one store; eight budgets before the fix.
+    assert grown < 3 * budget_bytes + 32 * (1 << 20), f"daemon grew by {grown / (1 << 20):.0f} MiB"
+    values = {line.split()[0]: float(line.split()[1]) for line in usage.splitlines() if line[0] != "#"}
+    assert values["lmcache_mp_l1_evicted_chunks_total"] > 0  # the stores competed for one pool
+    assert values["lmcache_mp_l1_usage_ratio"] <= 1

@@ -3,6 +3,8 @@
 Instance B has never seen the prompt: its hit can only come from the chunks instance A stored in
 the daemon. A salted request must not see them (0 chunks read), and the greedy outputs of the
 cold, hit and salted requests must be identical: the cache layer changes speed, never results.
+Both engines run on the daemon's host, so their KV moves through its shared memory (leases), and
+their saves finish in the background: the daemon's counters are read once the writes landed.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from tests.support.vllm import (
     prompt_tokens,
     running_cache_daemon,
     running_vllms,
+    wait_until,
     write_cache_config,
 )
 
@@ -23,6 +26,13 @@ pytestmark = pytest.mark.real_engine
 CHUNK = 256
 READS = "lmcache_mp_l1_read_chunks_total"
 WRITES = "lmcache_mp_l1_write_chunks_total"
+LEASES = "cachelayer_daemon_leases_total"
+
+
+def metrics_once_written(daemon, writes: int) -> dict[str, float]:
+    """The daemon's metrics once `writes` chunks were written (saves finish after the response)."""
+    wait_until(lambda: daemon.metrics()[WRITES] >= writes, timeout_s=30)
+    return daemon.metrics()
 
 
 def test_instance_b_hits_what_instance_a_stored_in_the_daemon(tmp_path):
@@ -35,20 +45,22 @@ def test_instance_b_hits_what_instance_a_stored_in_the_daemon(tmp_path):
             engine_b,
         ):
             cold = engine_a.complete(prompt, max_tokens=12)
-            after_store = daemon.metrics()
+            after_store = metrics_once_written(daemon, 2)
             hit = engine_b.complete(prompt, max_tokens=12)
             after_hit = daemon.metrics()
             salted_cold = engine_b.complete(prompt, max_tokens=12, cache_salt="tenant-1")
-            after_salted_cold = daemon.metrics()
+            after_salted_cold = metrics_once_written(daemon, 4)
             salted_hit = engine_a.complete(prompt, max_tokens=12, cache_salt="tenant-1")
             after_salted_hit = daemon.metrics()
 
     assert cached_tokens(cold) == 0
     assert after_store[WRITES] == 2  # the 2 whole chunks of the 700-token prompt
 
-    # B loaded A's two chunks from the daemon.
+    # B loaded A's two chunks from the daemon, through its shared memory (a read lease).
     assert cached_tokens(hit) == 2 * CHUNK
     assert after_hit[READS] - after_store[READS] == 2
+    assert after_store[LEASES] >= 1 and after_hit[LEASES] > after_store[LEASES]
+    assert after_salted_hit["cachelayer_daemon_open_leases"] == 0
 
     # The salted request reads nothing (its keys differ), computes everything, and stores its own.
     assert cached_tokens(salted_cold) == 0

@@ -13,12 +13,22 @@ every layout):
 
 `ChunkStore` is what the worker stores to: the in-process `CacheEngine` (`LocalChunkStore`) or
 the shared daemon (`RemoteChunkStore`). Both report the chunks a store added or evicted.
+
+`BackgroundSaver` keeps saves off the step that computed the prompt: the step copies the
+request's blocks out of the paged cache (one copy, `PagedKV.snapshot`), and a background thread
+turns that snapshot into chunks and stores them. Once copied out, the blocks may be freed,
+preempted or reused at once: nothing later reads them.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
-from collections.abc import Sequence
+import queue
+import threading
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 from typing import Protocol
 
 import torch
@@ -79,24 +89,37 @@ class PagedKV:
 
     def gather(self, block_ids: Sequence[int]) -> Tensor:
         """The chunk [num_layers, 2, len(block_ids) * block_size, channels] of these blocks, on the CPU."""
-        num_tokens = len(block_ids) * self.block_size
+        return self.chunk_from_snapshot(self.snapshot(block_ids))
+
+    def snapshot(self, block_ids: Sequence[int]) -> Tensor:
+        """These blocks' KV copied out of the paged cache (one copy, on the CPU), in the layout
+        `chunk_from_snapshot` turns into a chunk; the blocks may be reused once this returns."""
         if self.layout == "cpu_blocks":
             blocks = torch.empty(
                 gpu.block_chunk_shape(self.kv_caches, self.layout, len(block_ids)), dtype=self.dtype
             )
             gpu.gather_blocks(self.kv_caches, self.layout, self._block_tensor(block_ids), blocks)
-            halves = blocks.view(self.num_layers, len(block_ids), 2, self.block_size, self.channels)
-            return halves.permute(0, 2, 1, 3, 4).reshape(self.num_layers, 2, num_tokens, self.channels)
+            return blocks
         host = torch.empty(
             self.num_layers,
             2,
-            num_tokens,
+            len(block_ids) * self.block_size,
             self.channels,
             dtype=self.dtype,
             pin_memory=self.device.type == "cuda",
         )
         gpu.store(self.kv_caches, self.layout, self._slot_mapping(block_ids), host, check_range=False).wait()
         return host
+
+    def chunk_from_snapshot(self, snapshot: Tensor) -> Tensor:
+        """The chunk [num_layers, 2, num_tokens, channels] of a `snapshot`."""
+        if self.layout != "cpu_blocks":
+            return snapshot
+        num_blocks = snapshot.numel() // (self.num_layers * 2 * self.block_size * self.channels)
+        halves = snapshot.view(self.num_layers, num_blocks, 2, self.block_size, self.channels)
+        return halves.permute(0, 2, 1, 3, 4).reshape(
+            self.num_layers, 2, num_blocks * self.block_size, self.channels
+        )
 
     def scatter(self, chunk: Tensor, block_ids: Sequence[int], *, skip_blocks: int = 0) -> None:
         """Write chunk (tokens of block_ids, in order) into the cache, leaving the first skip_blocks alone."""
@@ -121,8 +144,17 @@ class PagedKV:
         ).wait()
 
 
+HeldChunk = tuple[int, int, Tensor]  # tokens [start, end) and their KV [num_layers, 2, end - start, channels]
+
+
 class ChunkStore(Protocol):
     def lookup(self, tokens: Sequence[int], cache_salt: str | None) -> int: ...
+
+    def held_chunks(
+        self, tokens: Sequence[int], cache_salt: str | None
+    ) -> contextlib.AbstractContextManager[list[HeldChunk]]:
+        """The longest held prefix of tokens, readable inside the block."""
+        ...
 
     def store(
         self, tokens: Sequence[int], kv: Tensor, cache_salt: str | None
@@ -148,6 +180,12 @@ class LocalChunkStore:
     def retrieve(self, tokens: Sequence[int], cache_salt: str | None) -> tuple[int, Tensor | None]:
         return self.engine.retrieve(tokens, cache_salt=cache_salt)
 
+    @contextlib.contextmanager
+    def held_chunks(self, tokens: Sequence[int], cache_salt: str | None) -> Iterator[list[HeldChunk]]:
+        # retrieve, not the pool's views: it also promotes chunks from disk and decodes compressed ones.
+        hit, kv = self.retrieve(tokens, cache_salt)
+        yield [(0, hit, kv)] if kv is not None else []
+
 
 class RemoteChunkStore:
     """The shared daemon, over its ZMQ data plane (daemon mode)."""
@@ -167,6 +205,17 @@ class RemoteChunkStore:
     def retrieve(self, tokens: Sequence[int], cache_salt: str | None) -> tuple[int, Tensor | None]:
         return self.client.retrieve(self.space, list(tokens), cache_salt=cache_salt)
 
+    @contextlib.contextmanager
+    def held_chunks(self, tokens: Sequence[int], cache_salt: str | None) -> Iterator[list[HeldChunk]]:
+        """On the same host, views of the daemon's pool under a lease (read in place, no copy into
+        an intermediate tensor); LeaseExpired at the end if the daemon ended the lease first."""
+        if self.client.transport != "shm":
+            hit, kv = self.retrieve(tokens, cache_salt)
+            yield [(0, hit, kv)] if kv is not None else []
+            return
+        with self.client.leased(self.space, list(tokens), cache_salt=cache_salt) as lease:
+            yield [(chunk.start, chunk.end, chunk.kv) for chunk in lease.chunks]
+
 
 def load_request(
     paged: PagedKV,
@@ -179,19 +228,28 @@ def load_request(
 ) -> set[int]:
     """Load a request's stored prefix into its blocks; returns the block ids that could not be loaded.
 
-    A shorter hit than planned (evicted meanwhile) or an unreachable store fails the blocks past
-    what was loaded, so vLLM recomputes them instead of reading whatever they held.
+    A shorter hit than planned (evicted meanwhile), an unreachable store, or a lease the daemon
+    ended before the load finished fails the blocks past what was loaded, so vLLM recomputes them
+    instead of reading whatever they hold.
     """
-    wanted_blocks = list(block_ids[: len(token_ids) // paged.block_size])
+    block_size = paged.block_size
+    wanted_blocks = list(block_ids[: len(token_ids) // block_size])
+    loaded_blocks = 0
     try:
-        hit, kv = store.retrieve(token_ids, cache_salt)
-    except StoreUnavailable as exc:
+        with store.held_chunks(token_ids, cache_salt) as chunks:
+            for start, end, kv in chunks:
+                if start != loaded_blocks * block_size:
+                    break  # not contiguous with what is loaded: stop here
+                blocks = wanted_blocks[loaded_blocks : end // block_size]
+                skip = min(len(blocks), max(0, first_block - loaded_blocks))
+                if skip < len(blocks):
+                    paged.scatter(kv[:, :, : len(blocks) * block_size], blocks, skip_blocks=skip)
+                loaded_blocks += len(blocks)
+                if end % block_size:
+                    break
+    except StoreUnavailable as exc:  # LeaseExpired included: what was scattered may be wrong
         log.warning("cachelayer: load failed, vLLM will recompute: %s", exc)
-        hit, kv = 0, None
-    loaded_blocks = hit // paged.block_size if kv is not None else 0
-    if loaded_blocks > first_block:
-        usable = kv[:, :, : loaded_blocks * paged.block_size]
-        paged.scatter(usable, wanted_blocks[:loaded_blocks], skip_blocks=first_block)
+        loaded_blocks = 0
     return set(wanted_blocks[max(loaded_blocks, first_block) :])
 
 
@@ -214,3 +272,121 @@ def save_request(
         log.warning("cachelayer: save skipped: %s", exc)
         return []
     return events
+
+
+@dataclass(slots=True)
+class CompletedSave:
+    """A save the background thread finished: what it stored or evicted, and how long it took."""
+
+    request_id: str
+    cache_salt: str | None
+    tokens: int
+    events: list[ChunkEvent]
+    seconds: float
+
+
+@dataclass(slots=True)
+class _StagedSave:
+    request_id: str
+    token_ids: list[int]
+    snapshot: Tensor
+    cache_salt: str | None
+    nbytes: int
+
+
+class BackgroundSaver:
+    """Stores saved prompts from one background thread; the caller pays only for `snapshot`.
+
+    Staged snapshots wait in memory until stored: past `max_pending_bytes` a new save is dropped
+    (counted in `dropped_saves`) rather than growing the worker or blocking its step; a cache is
+    best effort.
+    """
+
+    def __init__(self, paged: PagedKV, store: ChunkStore, *, max_pending_bytes: int = 1 << 30) -> None:
+        self.paged = paged
+        self.store = store
+        self.max_pending_bytes = max_pending_bytes
+        self.dropped_saves = 0
+        self._queue: queue.SimpleQueue[_StagedSave | None] = queue.SimpleQueue()
+        self._state = threading.Condition()
+        self._pending_bytes = 0
+        self._outstanding = 0
+        self._completed: list[CompletedSave] = []
+        self._thread = threading.Thread(target=self._run, name="cachelayer-saver", daemon=True)
+        self._thread.start()
+
+    def submit(
+        self, *, request_id: str, token_ids: Sequence[int], block_ids: Sequence[int], cache_salt: str | None
+    ) -> bool:
+        """Copy a prompt's whole blocks out now and store them later; False when nothing is saved."""
+        num_blocks = len(token_ids) // self.paged.block_size
+        if num_blocks == 0:
+            return False
+        nbytes = num_blocks * self.paged.block_size * self.paged.num_layers * 2 * self.paged.channels
+        nbytes *= self.paged.dtype.itemsize
+        with self._state:
+            if self._pending_bytes + nbytes > self.max_pending_bytes:
+                self.dropped_saves += 1
+                log.warning(
+                    "cachelayer: save of request %s dropped: %d bytes already wait for the store "
+                    "(is the cache daemon slow or down?)",
+                    request_id,
+                    self._pending_bytes,
+                )
+                return False
+            self._pending_bytes += nbytes
+            self._outstanding += 1
+        try:
+            snapshot = self.paged.snapshot(block_ids[:num_blocks])
+        except BaseException:
+            self._settle(nbytes, None)
+            raise
+        tokens = list(token_ids[: num_blocks * self.paged.block_size])
+        self._queue.put(_StagedSave(request_id, tokens, snapshot, cache_salt, nbytes))
+        return True
+
+    def take_completed(self) -> list[CompletedSave]:
+        """The saves finished since the last call."""
+        with self._state:
+            completed, self._completed = self._completed, []
+        return completed
+
+    def wait_idle(self, timeout_s: float) -> bool:
+        """Wait until every submitted save is finished; False on timeout."""
+        with self._state:
+            return self._state.wait_for(lambda: self._outstanding == 0, timeout=timeout_s)
+
+    def close(self, timeout_s: float = 30.0) -> None:
+        """Finish the saves already submitted (up to timeout_s), then stop the thread."""
+        if not self.wait_idle(timeout_s):
+            log.warning("cachelayer: %d saves still pending at shutdown are dropped", self._outstanding)
+        self._queue.put(None)
+        self._thread.join(timeout=5)
+
+    def _settle(self, nbytes: int, completed: CompletedSave | None) -> None:
+        with self._state:
+            self._pending_bytes -= nbytes
+            self._outstanding -= 1
+            if completed is not None:
+                self._completed.append(completed)
+            self._state.notify_all()
+
+    def _run(self) -> None:
+        while (staged := self._queue.get()) is not None:
+            started = time.perf_counter()
+            events: list[ChunkEvent] = []
+            try:
+                kv = self.paged.chunk_from_snapshot(staged.snapshot)
+                _, events = self.store.store(staged.token_ids, kv, staged.cache_salt)
+            except StoreUnavailable as exc:
+                log.warning("cachelayer: save skipped: %s", exc)
+            except Exception:  # the saver must outlive one bad save
+                log.exception("cachelayer: save of request %s failed", staged.request_id)
+            completed = CompletedSave(
+                staged.request_id,
+                staged.cache_salt,
+                len(staged.token_ids),
+                events,
+                time.perf_counter() - started,
+            )
+            self._settle(staged.nbytes, completed)

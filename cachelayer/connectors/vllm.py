@@ -38,13 +38,13 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 from cachelayer.config import load_config
 from cachelayer.connectors.planning import SchedulerPlanner, StepPlan
 from cachelayer.connectors.transfers import (
+    BackgroundSaver,
     ChunkStore,
     LocalChunkStore,
     PagedKV,
     RemoteChunkStore,
     detect_layout,
     load_request,
-    save_request,
 )
 from cachelayer.server.client import StoreClient, StoreUnavailable
 from cachelayer.server.daemon import StoreServer
@@ -210,9 +210,13 @@ class _HookTimings:
         self.lock = threading.Lock()
 
     def record(self, hook: str, started: float, **details: Any) -> None:
+        if self.path:
+            self.record_seconds(hook, time.perf_counter() - started, **details)
+
+    def record_seconds(self, hook: str, seconds: float, **details: Any) -> None:
         if not self.path:
             return
-        line = {"role": self.role, "hook": hook, "seconds": time.perf_counter() - started, **details}
+        line = {"role": self.role, "hook": hook, "seconds": seconds, **details}
         with self.lock, open(self.path, "a") as out:
             out.write(json.dumps(line) + "\n")
 
@@ -337,7 +341,8 @@ class CacheLayerConnector(KVConnectorBase_V1):
         return CacheLayerConnectorMetadata(plan=plan)
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
-        # Saves are synchronous within the step that computes the prompt: blocks may be freed now.
+        # A save copies its blocks out within the step that computes the prompt (the store itself
+        # finishes in the background from that copy): the blocks may be freed now.
         self.planner.finished(request.request_id)
         return False, None
 
@@ -368,6 +373,7 @@ class CacheLayerConnector(KVConnectorBase_V1):
         self._vllm_config = vllm_config
         self.paged: PagedKV | None = None
         self.store: ChunkStore | None = None
+        self.saver: BackgroundSaver | None = None
         self.lookup_server: StoreServer | None = None
         self._failed_blocks: set[int] = set()
         self._step_events: list[KVCacheEvent] = []
@@ -415,6 +421,7 @@ class CacheLayerConnector(KVConnectorBase_V1):
             self.lookup_server.start()
             self.store = LocalChunkStore(engine)
             where = f"in-process, lookups served on {self.lookup_server.endpoint}"
+        self.saver = BackgroundSaver(self.paged, self.store)
         log.info(
             "cachelayer connector (worker %d): layout %s, %d layers, store %s",
             self.tp_rank,
@@ -458,25 +465,34 @@ class CacheLayerConnector(KVConnectorBase_V1):
         return
 
     def wait_for_save(self) -> None:
+        """Copy each prompt saved this step out of the paged cache; the background saver stores it
+        (the step, and so the request's first token, does not wait for the store)."""
         if not self.has_connector_metadata():
             return
         metadata = self._get_connector_metadata()
         assert isinstance(metadata, CacheLayerConnectorMetadata)
-        if not metadata.plan.saves or self.paged is None or self.store is None:
+        if not metadata.plan.saves or self.saver is None:
             return
         for save in metadata.plan.saves:
             started = time.perf_counter()
-            chunk_events = save_request(
-                self.paged,
-                self.store,
+            self.saver.submit(
+                request_id=save.request_id,
                 token_ids=save.token_ids,
                 block_ids=save.block_ids,
                 cache_salt=save.cache_salt,
             )
-            if self.tp_rank == 0:
-                self._step_events.extend(to_vllm_events(chunk_events, save.cache_salt))
             self.timings.record(
                 "wait_for_save", started, request_id=save.request_id, tokens=len(save.token_ids)
+            )
+
+    def _collect_completed_saves(self) -> None:
+        if self.saver is None:
+            return
+        for completed in self.saver.take_completed():
+            if self.tp_rank == 0:
+                self._step_events.extend(to_vllm_events(completed.events, completed.cache_salt))
+            self.timings.record_seconds(
+                "background_save", completed.seconds, request_id=completed.request_id, tokens=completed.tokens
             )
 
     def get_block_ids_with_load_errors(self) -> set[int]:
@@ -484,12 +500,16 @@ class CacheLayerConnector(KVConnectorBase_V1):
         return failed
 
     def get_kv_connector_kv_cache_events(self) -> CacheLayerKVEvents | None:
+        self._collect_completed_saves()
         if not self._step_events:
             return None
         events, self._step_events = self._step_events, []
         return CacheLayerKVEvents(events)
 
     def _shutdown_worker(self) -> None:
+        if self.saver is not None:
+            self.saver.close()
+            self.saver = None
         if self.lookup_server is not None:
             self.lookup_server.close()
             self.lookup_server = None

@@ -3,22 +3,71 @@
 One request at a time per client, each with a timeout: a daemon that does not answer makes the
 call raise `StoreUnavailable` (the connector then treats it as a miss), and the socket is rebuilt
 so a late reply can never be taken for the answer to the next request.
+
+Transport: with `transport="auto"` (the default) the client asks the daemon for its shared pool
+once and, when it can map it (same host, same user: cachelayer.server.shared_pool), copies KV
+in and out of the pool itself under leases; the socket then carries keys, offsets and lease ids
+only. Otherwise KV travels in the messages (TCP). The copies run outside the request lock, so
+several threads may share one client.
 """
 
 from __future__ import annotations
 
+import contextlib
+import logging
+import os
 import threading
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Literal
 
 import numpy as np
 import torch
 import zmq
 
+from cachelayer.engine import copy_tensor
 from cachelayer.server import protocol
-from cachelayer.server.protocol import ChunkEvent, KeySpace, Reply, Request
+from cachelayer.server.leases import process_start_time
+from cachelayer.server.protocol import ChunkEvent, KeySpace, Reply, Request, Slot
+from cachelayer.server.shared_pool import SharedPool, SharedPoolUnavailable
+
+log = logging.getLogger(__name__)
+
+Transport = Literal["auto", "shm", "tcp"]
+
+
+@dataclass(slots=True)
+class LeasedChunk:
+    """Tokens [start, end) of a request: `kv` [num_layers, 2, end - start, channels] views the pool."""
+
+    start: int
+    end: int
+    kv: torch.Tensor
+
+
+@dataclass(slots=True)
+class Lease:
+    hit_tokens: int
+    chunks: list[LeasedChunk]
+
+
+@dataclass(slots=True)
+class Reservation:
+    held_tokens: int
+    events: list[ChunkEvent]
+    chunks: list[LeasedChunk]
 
 
 class StoreUnavailable(RuntimeError):
     """The daemon did not answer in time, or answered with an error."""
+
+
+class StoreRefused(StoreUnavailable):
+    """The daemon answered with an error (it is up, but would not do what was asked)."""
+
+
+class LeaseExpired(StoreRefused):
+    """The daemon ended a lease before the client released it: data read under it is void."""
 
 
 class StoreClient:
@@ -29,13 +78,22 @@ class StoreClient:
         chunk_size: int,
         timeout_s: float = 5.0,
         context: zmq.Context | None = None,
+        transport: Transport = "auto",
     ) -> None:
+        if transport not in ("auto", "shm", "tcp"):
+            raise ValueError(f"transport must be 'auto', 'shm' or 'tcp', got {transport!r}")
         self.endpoint = endpoint
         self.chunk_size = chunk_size
         self.timeout_ms = int(timeout_s * 1000)
         self._context = context or zmq.Context.instance()
         self._lock = threading.Lock()
+        self._transport_lock = threading.Lock()
         self._socket: zmq.Socket | None = None
+        self._requested_transport = transport
+        self._shared: SharedPool | None = None
+        self._transport_chosen = transport == "tcp"
+        self._pid = os.getpid()
+        self._pid_start = process_start_time(self._pid) or 0
 
     def _connect(self) -> zmq.Socket:
         if self._socket is None:
@@ -50,6 +108,38 @@ class StoreClient:
             if self._socket is not None:
                 self._socket.close(linger=0)
                 self._socket = None
+            if self._shared is not None:
+                self._shared.close()
+                self._shared = None
+            self._transport_chosen = self._requested_transport == "tcp"
+
+    @property
+    def transport(self) -> Literal["shm", "tcp"]:
+        """The path this client's KV takes (decided on first use, by asking the daemon)."""
+        return "shm" if self._shared_pool() is not None else "tcp"
+
+    def _shared_pool(self) -> SharedPool | None:
+        """The daemon's mapped pool, or None for the TCP path. A daemon that does not answer
+        decides nothing (StoreUnavailable): the choice is made on the first answer."""
+        with self._transport_lock:
+            if self._transport_chosen:
+                return self._shared
+            try:
+                reply, _ = self._call(Request(op="attach", pid=self._pid, pid_start=self._pid_start))
+                if reply.segment is None:
+                    raise SharedPoolUnavailable("the daemon answered attach without a segment")
+                segment = reply.segment
+                self._shared = SharedPool.attach(segment.pid, segment.fd, segment.pool_bytes, segment.token)
+            except (StoreRefused, SharedPoolUnavailable) as exc:
+                if self._requested_transport == "shm":
+                    raise StoreUnavailable(
+                        f"no shared memory with the daemon at {self.endpoint}: {exc}"
+                    ) from exc
+                log.info(
+                    "cachelayer: KV to %s goes over the socket (no shared memory: %s)", self.endpoint, exc
+                )
+            self._transport_chosen = True
+            return self._shared
 
     def _call(self, request: Request, payload: memoryview | None = None) -> tuple[Reply, zmq.Frame | None]:
         request.chunk_size = self.chunk_size
@@ -70,7 +160,7 @@ class StoreClient:
         # [b"", header(, payload)]
         reply = protocol.decode_reply(reply_frames[1].buffer)
         if not reply.ok:
-            raise StoreUnavailable(f"cache daemon at {self.endpoint} refused {request.op}: {reply.error}")
+            raise StoreRefused(f"cache daemon at {self.endpoint} refused {request.op}: {reply.error}")
         return reply, reply_frames[2] if len(reply_frames) > 2 else None
 
     def hello(self) -> int:
@@ -95,20 +185,161 @@ class StoreClient:
         cache_salt: str | None = None,
     ) -> tuple[int, list[ChunkEvent]]:
         """Store the chunks of tokens; returns (leading tokens now held, chunks stored/evicted)."""
-        request = Request(
-            op="store", space=space, tokens=protocol.tokens_to_bytes(tokens), cache_salt=cache_salt
-        )
-        reply, _ = self._call(request, protocol.kv_to_bytes(kv))
-        return reply.hit_tokens, reply.events
+        if self._shared_pool() is None:
+            request = Request(
+                op="store", space=space, tokens=protocol.tokens_to_bytes(tokens), cache_salt=cache_salt
+            )
+            reply, _ = self._call(request, protocol.kv_to_bytes(kv))
+            return reply.hit_tokens, reply.events
+        try:
+            protocol.check_kv_size(kv.numel() * kv.element_size(), space, len(tokens))
+            if kv.dtype != protocol.torch_dtype(space.dtype):
+                raise ValueError(f"KV is {kv.dtype}, the key space says {space.dtype}")
+        except ValueError as exc:
+            raise StoreRefused(f"cache daemon at {self.endpoint} refused store: {exc}") from exc
+        kv = kv.detach().to("cpu").view(space.num_layers, 2, len(tokens), -1)
+        with self.reserved(space, tokens, cache_salt=cache_salt) as reservation:
+            for chunk in reservation.chunks:
+                copy_tensor(chunk.kv, kv[:, :, chunk.start : chunk.end])
+        return reservation.held_tokens, reservation.events
 
     def retrieve(
-        self, space: KeySpace, tokens: list[int] | np.ndarray, *, cache_salt: str | None = None
+        self,
+        space: KeySpace,
+        tokens: list[int] | np.ndarray,
+        *,
+        cache_salt: str | None = None,
+        out: torch.Tensor | None = None,
     ) -> tuple[int, torch.Tensor | None]:
-        """(hit_tokens, kv [num_layers, 2, hit_tokens, channels] or None) for the longest held prefix."""
-        request = Request(
-            op="retrieve", space=space, tokens=protocol.tokens_to_bytes(tokens), cache_salt=cache_salt
-        )
-        reply, payload = self._call(request)
-        if reply.hit_tokens == 0 or payload is None:
+        """(hit_tokens, kv [num_layers, 2, hit_tokens, channels] or None) for the longest held prefix.
+
+        With `out` ([num_layers, 2, >= len(tokens), channels] on the CPU) the KV lands in
+        out[:, :, :hit_tokens] and that view is returned."""
+        if self._shared_pool() is None:
+            request = Request(
+                op="retrieve", space=space, tokens=protocol.tokens_to_bytes(tokens), cache_salt=cache_salt
+            )
+            reply, payload = self._call(request)
+            if reply.hit_tokens == 0 or payload is None:
+                return 0, None
+            kv = protocol.kv_from_bytes(payload.buffer, space, reply.hit_tokens)
+            if out is None:
+                return reply.hit_tokens, kv
+            copy_tensor(out[:, :, : reply.hit_tokens], kv)
+            return reply.hit_tokens, out[:, :, : reply.hit_tokens]
+        try:
+            with self.leased(space, tokens, cache_salt=cache_salt) as lease:
+                if lease.hit_tokens == 0:
+                    return 0, None
+                if out is None:
+                    channels = space.num_kv_heads * space.head_dim
+                    dtype = protocol.torch_dtype(space.dtype)
+                    out = torch.empty(space.num_layers, 2, lease.hit_tokens, channels, dtype=dtype)
+                for chunk in lease.chunks:
+                    copy_tensor(out[:, :, chunk.start : chunk.end], chunk.kv)
+        except LeaseExpired as exc:
+            log.warning("cachelayer: retrieve treated as a miss: %s", exc)
             return 0, None
-        return reply.hit_tokens, protocol.kv_from_bytes(payload.buffer, space, reply.hit_tokens)
+        return lease.hit_tokens, out[:, :, : lease.hit_tokens]
+
+    @contextlib.contextmanager
+    def reserved(
+        self, space: KeySpace, tokens: list[int] | np.ndarray, *, cache_salt: str | None = None
+    ) -> Iterator[Reservation]:
+        """Space in the daemon's shared pool for the chunks of `tokens` it does not hold: write each
+        `chunk.kv` (a view of the pool) inside the block; they are committed when it ends, or given
+        back if it raises. After the block, `held_tokens` and `events` say what the store did.
+        StoreRefused if the lease expired first (nothing was stored)."""
+        shared = self._require_shared_pool()
+        reply, _ = self._call(self._lease_request("reserve", space, tokens, cache_salt))
+        reservation = Reservation(
+            held_tokens=reply.hit_tokens,
+            events=list(reply.events),
+            chunks=[self._leased_chunk(shared, space, slot) for slot in reply.slots],
+        )
+        if not reply.slots:
+            yield reservation
+            return
+        try:
+            yield reservation
+        except BaseException:
+            self._end_lease("release", reply.lease)
+            raise
+        committed, _ = self._call(self._lease_request("commit", lease=reply.lease))
+        reservation.held_tokens = committed.hit_tokens
+        reservation.events += committed.events
+
+    @contextlib.contextmanager
+    def leased(
+        self, space: KeySpace, tokens: list[int] | np.ndarray, *, cache_salt: str | None = None
+    ) -> Iterator[Lease]:
+        """The longest held prefix of `tokens`, as views of the daemon's shared pool that stay valid
+        inside the block (the daemon neither evicts nor reuses them). LeaseExpired at the end when
+        the daemon ended the lease first: what was read from the views must then be discarded."""
+        shared = self._require_shared_pool()
+        reply, _ = self._call(self._lease_request("lease", space, tokens, cache_salt))
+        lease = Lease(
+            hit_tokens=reply.hit_tokens if reply.slots else 0,
+            chunks=[self._leased_chunk(shared, space, slot) for slot in reply.slots],
+        )
+        if not reply.slots:
+            yield lease
+            return
+        try:
+            yield lease
+        except BaseException:
+            self._end_lease("release", reply.lease)
+            raise
+        if not self._end_lease("release", reply.lease):
+            raise LeaseExpired(
+                f"the daemon at {self.endpoint} ended lease {reply.lease} before it was released"
+            )
+
+    # ---- shared-memory helpers ----
+    def _lease_request(
+        self,
+        op: protocol.Operation,
+        space: KeySpace | None = None,
+        tokens: list[int] | np.ndarray = (),
+        cache_salt: str | None = None,
+        *,
+        lease: int = 0,
+    ) -> Request:
+        return Request(
+            op=op,
+            space=space,
+            tokens=protocol.tokens_to_bytes(tokens) if len(tokens) else b"",
+            cache_salt=cache_salt,
+            pid=self._pid,
+            pid_start=self._pid_start,
+            lease=lease,
+        )
+
+    def _end_lease(self, op: protocol.Operation, lease: int) -> bool:
+        """Release a lease; False (logged) when the daemon had ended it already."""
+        try:
+            self._call(self._lease_request(op, lease=lease))
+        except StoreUnavailable as exc:
+            log.debug("cachelayer: %s", exc)
+            return False
+        return True
+
+    def _require_shared_pool(self) -> SharedPool:
+        shared = self._shared_pool()
+        if shared is None:
+            raise StoreUnavailable(f"the daemon at {self.endpoint} shares no memory with this process")
+        return shared
+
+    @staticmethod
+    def _leased_chunk(shared: SharedPool, space: KeySpace, slot: Slot) -> LeasedChunk:
+        """The pool's bytes of one chunk as KV [num_layers, 2, tokens, channels] (a view)."""
+        num_tokens = slot.end - slot.start
+        nbytes = protocol.kv_nbytes(space, num_tokens)
+        if slot.offset < 0 or slot.offset + nbytes > shared.pool_bytes or num_tokens <= 0:
+            raise StoreUnavailable(
+                f"the daemon named bytes {slot.offset}..{slot.offset + nbytes} of its "
+                f"{shared.pool_bytes}-byte pool for tokens {slot.start}..{slot.end}: out of range"
+            )
+        flat = shared.pool[slot.offset : slot.offset + nbytes].view(protocol.torch_dtype(space.dtype))
+        kv = flat.view(space.num_layers, 2, num_tokens, space.num_kv_heads * space.head_dim)
+        return LeasedChunk(slot.start, slot.end, kv)

@@ -6,14 +6,24 @@ first use. `cachelayer server` runs it with an HTTP side (GET /healthcheck, GET 
 LMCache's multiprocess metric names). The vLLM connector's in-process mode runs the same server on
 an ipc:// socket inside the worker, so its scheduler side can ask the worker's store for lookups.
 
-Every engine gets the configured L1 size: `--l1-size-gb` is a budget per key space (in practice
-one per model and TP rank), not a total over all of them.
+With `shared_memory`, the L1 pool lives in a shared segment (cachelayer.server.shared_pool) and
+same-host clients copy KV in and out of it themselves, under leases (cachelayer.server.leases);
+the socket then carries only keys, offsets and lease ids. Remote clients keep the TCP path.
+
+All key spaces share one L1 pool and one lock: `--l1-size-gb` bounds the daemon's KV memory
+whatever model names clients send, and a store of one key space may evict another's chunks (the
+eviction policy runs over the whole pool). The number of key spaces is capped too
+(`MAX_KEY_SPACES`), so clients inventing identities cannot grow the daemon's bookkeeping without
+bound.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import os
 import threading
+from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import zmq
@@ -22,9 +32,17 @@ from cachelayer.config import CacheLayerConfig
 from cachelayer.engine import CacheEngine
 from cachelayer.events import BlockRemoved, BlockStored, Event
 from cachelayer.server import protocol
-from cachelayer.server.protocol import ChunkEvent, KeySpace, Reply
+from cachelayer.server.leases import ClientProcess, LeaseLimitError, LeaseTable
+from cachelayer.server.protocol import ChunkEvent, KeySpace, Reply, Request, SharedSegment, Slot
+from cachelayer.server.shared_pool import SharedPool
+from cachelayer.storage.allocator import ALIGNMENT
+from cachelayer.storage.cpu import CpuTier
 
 log = logging.getLogger(__name__)
+
+# Key spaces one daemon serves (models x TP ranks x dtypes in practice): a bound on bookkeeping,
+# far above any real deployment's count.
+MAX_KEY_SPACES = 256
 
 # LMCache's multiprocess-server metric names, so existing dashboards work unchanged.
 METRIC_HELP = {
@@ -34,7 +52,16 @@ METRIC_HELP = {
     "lmcache_mp_l1_usage_ratio": ("gauge", "Fraction of the L1 store in use"),
     "lmcache_mp_lookup_requested_tokens_total": ("counter", "Tokens asked for by lookups"),
     "lmcache_mp_lookup_hit_tokens_total": ("counter", "Tokens found by lookups"),
+    "cachelayer_daemon_l1_used_bytes": ("gauge", "Bytes of the L1 pool allocated to chunks"),
+    "cachelayer_daemon_open_leases": ("gauge", "Shared-memory leases open now"),
+    "cachelayer_daemon_leases_total": ("counter", "Shared-memory leases opened (same-host stores and reads)"),
+    "cachelayer_daemon_expired_leases_total": ("counter", "Leases ended by their deadline"),
+    "cachelayer_daemon_reclaimed_leases_total": ("counter", "Leases ended because their client died"),
 }
+
+
+class KeySpaceLimitError(RuntimeError):
+    """A store asked for a key space beyond MAX_KEY_SPACES."""
 
 
 class StoreServer:
@@ -47,13 +74,26 @@ class StoreServer:
         *,
         context: zmq.Context | None = None,
         start_controller_worker: bool = False,
+        shared_memory: bool = False,
+        lease_ttl_s: float = 30.0,
     ) -> None:
+        """`shared_memory`: put the L1 pool in a shared segment that same-host clients map;
+        `lease_ttl_s`: how long such a client may hold chunks between two messages."""
         self.config = config
         # The shared daemon serves many engines and registers with no controller itself; a store
         # inside one vLLM worker honours the whole config (controller registration included).
         self._start_controller_worker = start_controller_worker
         self._engines: dict[KeySpace, CacheEngine] = {}
         self._engines_lock = threading.Lock()
+        # One L1 pool and one lock for every key space's engine: one memory budget in total.
+        self.shared_pool: SharedPool | None = None
+        if shared_memory:
+            capacity = config.max_local_cpu_bytes
+            self.shared_pool = SharedPool.create(capacity - capacity % ALIGNMENT)
+        pool = self.shared_pool.pool if self.shared_pool is not None else None
+        self.cpu = CpuTier(config.max_local_cpu_bytes, config.cache_policy, pool=pool)
+        self.store_lock = threading.RLock()
+        self.leases = LeaseTable(ttl_s=lease_ttl_s)
         self._context = context or zmq.Context.instance()
         self._socket = self._context.socket(zmq.ROUTER)
         self._socket.setsockopt(zmq.LINGER, 0)
@@ -75,12 +115,19 @@ class StoreServer:
             world_size=space.world_size,
             worker_id=space.worker_id,
             start_controller_worker=self._start_controller_worker,
+            cpu_tier=self.cpu,
+            lock=self.store_lock,
         )
 
     def engine_for(self, space: KeySpace, *, create: bool = True) -> CacheEngine | None:
         with self._engines_lock:
             engine = self._engines.get(space)
             if engine is None and create:
+                if len(self._engines) >= MAX_KEY_SPACES:
+                    raise KeySpaceLimitError(
+                        f"this daemon already serves {MAX_KEY_SPACES} key spaces (model, dtype, TP "
+                        "rank, KV shape): refusing a new one; run another `cachelayer server` for more models"
+                    )
                 engine = self._new_engine(space)
                 self._engines[space] = engine
             return engine
@@ -101,12 +148,15 @@ class StoreServer:
         poller = zmq.Poller()
         poller.register(self._socket, zmq.POLLIN)
         while not self._stop.is_set():
+            self.leases.reap()
             if not poller.poll(100):
                 continue
             frames = self._socket.recv_multipart(copy=False)
             client = frames[0].bytes
             try:
                 reply, payload = self._handle(frames[1:])
+            except (PermissionError, LeaseLimitError, KeySpaceLimitError) as exc:  # refusals, no traceback
+                reply, payload = Reply(ok=False, error=f"{type(exc).__name__}: {exc}"), None
             except Exception as exc:  # a bad request must never stop the daemon
                 log.exception("cachelayer server: request failed")
                 reply, payload = Reply(ok=False, error=f"{type(exc).__name__}: {exc}"), None
@@ -121,8 +171,11 @@ class StoreServer:
         if self._thread is not None:
             self._thread.join(timeout=5)
         self._socket.close(linger=0)
+        self.leases.close()
         for engine in self.engines():
             engine.close()
+        if self.shared_pool is not None:
+            self.shared_pool.close()
 
     def _handle(self, frames: list[zmq.Frame]) -> tuple[Reply, memoryview | None]:
         # frames: [b"", header] or [b"", header, payload]; tolerate a client that omits the delimiter.
@@ -134,6 +187,10 @@ class StoreServer:
         chunk_size = self.config.chunk_size
         if request.op == "hello":
             return Reply(chunk_size=chunk_size), None
+        if request.op == "attach":
+            return self._attach(request), None
+        if request.op in ("commit", "release"):
+            return self._end_lease(request), None
         if request.space is None:
             return Reply(ok=False, error=f"{request.op} needs a key space ('space')"), None
         if request.chunk_size and request.chunk_size != chunk_size:
@@ -143,6 +200,8 @@ class StoreServer:
                 "set the connector's chunk_size to the daemon's --chunk-size",
             ), None
         tokens = protocol.tokens_from_bytes(request.tokens)
+        if request.op in ("reserve", "lease"):
+            return self._open_lease(request, tokens), None
         if request.op == "lookup":
             engine = self.engine_for(request.space, create=False)
             hit = engine.lookup(tokens, cache_salt=request.cache_salt) if engine is not None else 0
@@ -165,20 +224,94 @@ class StoreServer:
             return Reply(hit_tokens=held, chunk_size=chunk_size, events=events), None
         return Reply(ok=False, error=f"unknown operation {request.op!r}"), None
 
+    # ---- shared memory ----
+    def _client_process(self, request: Request) -> ClientProcess:
+        owner = ClientProcess(request.pid, request.pid_start)
+        if self.shared_pool is None:
+            raise PermissionError("this daemon serves no shared memory: use store / retrieve (TCP)")
+        if request.pid <= 0 or not owner.alive():
+            raise PermissionError(
+                f"client process {request.pid} (start {request.pid_start}) is not visible to the daemon "
+                "(another host or PID namespace): use store / retrieve (TCP)"
+            )
+        return owner
+
+    def _attach(self, request: Request) -> Reply:
+        self._client_process(request)
+        assert self.shared_pool is not None
+        segment = SharedSegment(
+            pid=os.getpid(),
+            fd=self.shared_pool.fd,
+            pool_bytes=self.shared_pool.pool_bytes,
+            token=self.shared_pool.token,
+            lease_ttl_s=self.leases.ttl_s,
+        )
+        return Reply(chunk_size=self.config.chunk_size, segment=segment)
+
+    def _open_lease(self, request: Request, tokens) -> Reply:
+        """`lease`: reference the held prefix for the client to copy out; `reserve`: reserve space
+        for the chunks not held, for the client to write. The reply names each chunk's offset."""
+        owner = self._client_process(request)
+        assert request.space is not None
+        chunk_size = self.config.chunk_size
+        if request.op == "lease":
+            engine = self.engine_for(request.space, create=False)
+            chunks = engine.acquire_chunks(tokens, cache_salt=request.cache_salt) if engine else []
+            if engine is None or not chunks:
+                return Reply(hit_tokens=0, chunk_size=chunk_size)
+            lease = self.leases.open_read(owner, engine, [entry for _, entry in chunks])
+            hit = chunks[-1][0].end
+        else:
+            engine = self.engine_for(request.space)
+            assert engine is not None
+            with collected_events(engine) as collected:
+                reservation = engine.reserve_chunks(tokens, cache_salt=request.cache_salt)
+            evicted = to_chunk_events(engine, collected)
+            chunks, hit = reservation.chunks, reservation.held_end
+            if not chunks:  # everything held already: nothing to write, nothing to commit
+                return Reply(hit_tokens=hit, chunk_size=chunk_size, events=evicted)
+            lease = self.leases.open_write(owner, engine, reservation, evicted)
+        slots = [Slot(span.start, span.end, entry.location) for span, entry in chunks]
+        return Reply(hit_tokens=hit, chunk_size=chunk_size, lease=lease.lease_id, slots=slots)
+
+    def _end_lease(self, request: Request) -> Reply:
+        owner = self._client_process(request)
+        lease = self.leases.take(request.lease, owner)
+        if lease is None or lease.expired:
+            if lease is not None:
+                self.leases.finish(lease)
+            return Reply(
+                ok=False,
+                error=f"lease {request.lease} expired or unknown (leases last {self.leases.ttl_s:g} s): "
+                "what was copied under it is not valid",
+            )
+        if request.op == "release" or lease.kind == "read":
+            self.leases.finish(lease)
+            return Reply(chunk_size=self.config.chunk_size)
+        reservation = lease.reservation
+        assert reservation is not None
+        with collected_events(lease.engine) as collected:
+            lease.engine.commit_chunks(reservation)
+        events = lease.events + to_chunk_events(lease.engine, collected)
+        return Reply(hit_tokens=reservation.held_end, chunk_size=self.config.chunk_size, events=events)
+
     # ---- metrics ----
     def metric_values(self) -> dict[str, float]:
         totals = dict.fromkeys(METRIC_HELP, 0.0)
-        used = capacity = 0
         for engine in self.engines():
             stats = engine.stats()
             totals["lmcache_mp_l1_read_chunks_total"] += stats["read_chunks"]
             totals["lmcache_mp_l1_write_chunks_total"] += stats["write_chunks"]
-            totals["lmcache_mp_l1_evicted_chunks_total"] += stats["cpu_evicted_chunks"]
             totals["lmcache_mp_lookup_requested_tokens_total"] += stats["lookup_requested_tokens"]
             totals["lmcache_mp_lookup_hit_tokens_total"] += stats["lookup_hit_tokens"]
-            used += engine.cpu.allocator.allocated_bytes
-            capacity += engine.cpu.allocator.capacity
-        totals["lmcache_mp_l1_usage_ratio"] = used / capacity if capacity else 0.0
+        with self.store_lock:
+            totals["lmcache_mp_l1_evicted_chunks_total"] = self.cpu.evicted_chunks
+            totals["lmcache_mp_l1_usage_ratio"] = self.cpu.usage_ratio
+            totals["cachelayer_daemon_l1_used_bytes"] = self.cpu.allocator.allocated_bytes
+        totals["cachelayer_daemon_open_leases"] = len(self.leases)
+        totals["cachelayer_daemon_leases_total"] = self.leases.opened_total
+        totals["cachelayer_daemon_expired_leases_total"] = self.leases.expired_total
+        totals["cachelayer_daemon_reclaimed_leases_total"] = self.leases.reclaimed_total
         return totals
 
     def metrics_text(self) -> str:
@@ -200,10 +333,9 @@ def _collect_into_current_thread(events: list[Event]) -> None:
         sink.extend(events)
 
 
-def store_with_events(
-    engine: CacheEngine, tokens, kv, cache_salt: str | None
-) -> tuple[int, list[ChunkEvent]]:
-    """engine.store, returning the chunks it added to or evicted from the CPU tier on the way.
+@contextlib.contextmanager
+def collected_events(engine: CacheEngine) -> Iterator[list[Event]]:
+    """The events `engine` announces in this thread inside the block.
 
     The engine announces changes synchronously, in the thread that makes them; one listener per
     engine hands them to whichever thread is collecting, so concurrent stores never mix events.
@@ -215,18 +347,31 @@ def store_with_events(
     collected: list[Event] = []
     _collector.events = collected
     try:
-        held = engine.store(tokens, kv, cache_salt=cache_salt)
+        yield collected
     finally:
         _collector.events = None
-    events: list[ChunkEvent] = []
-    for event in collected:
+
+
+def to_chunk_events(engine: CacheEngine, events: list[Event]) -> list[ChunkEvent]:
+    """The L1 chunks stored and removed, as the daemon reports them to the client that caused them."""
+    chunk_events: list[ChunkEvent] = []
+    for event in events:
         if isinstance(event, BlockStored) and event.medium == engine.cpu.medium:
-            events.append(
+            chunk_events.append(
                 ChunkEvent("stored", event.block_hashes[0], event.parent_block_hash, event.token_ids)
             )
         elif isinstance(event, BlockRemoved) and event.medium == engine.cpu.medium:
-            events.extend(ChunkEvent("removed", key) for key in event.block_hashes)
-    return held, events
+            chunk_events.extend(ChunkEvent("removed", key) for key in event.block_hashes)
+    return chunk_events
+
+
+def store_with_events(
+    engine: CacheEngine, tokens, kv, cache_salt: str | None
+) -> tuple[int, list[ChunkEvent]]:
+    """engine.store, returning the chunks it added to or evicted from the CPU tier on the way."""
+    with collected_events(engine) as collected:
+        held = engine.store(tokens, kv, cache_salt=cache_salt)
+    return held, to_chunk_events(engine, collected)
 
 
 class _HTTPHandler(BaseHTTPRequestHandler):

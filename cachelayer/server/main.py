@@ -20,9 +20,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--port", type=int, default=5555, help="ZMQ data-plane port (0: any free port)")
     parser.add_argument("--http-port", type=int, default=7000, help="HTTP port for /healthcheck and /metrics")
     parser.add_argument("--chunk-size", type=int, default=256, help="tokens per chunk; clients must agree")
-    parser.add_argument("--l1-size-gb", type=float, default=8.0, help="CPU store size per key space, in GB")
+    parser.add_argument(
+        "--l1-size-gb", type=float, default=8.0, help="CPU store size in GB, shared by every key space"
+    )
     parser.add_argument(
         "--eviction-policy", default="LRU", choices=["LRU", "LFU", "FIFO"], help="what a full store drops"
+    )
+    parser.add_argument(
+        "--no-shared-memory",
+        action="store_true",
+        help="keep the L1 pool private: every client's KV travels over the socket",
+    )
+    parser.add_argument(
+        "--lease-ttl-s",
+        type=float,
+        default=30.0,
+        help="how long a same-host client may hold chunks between two messages (shared memory)",
     )
 
 
@@ -41,12 +54,21 @@ def run(args: argparse.Namespace, server_class: type[StoreServer] = StoreServer)
     except CacheLayerConfigError as exc:
         print(f"cachelayer server: {exc}")
         return 2
-    server = server_class(config, f"tcp://{args.host}:{args.port}")
+    if args.lease_ttl_s <= 0:
+        print(f"cachelayer server: --lease-ttl-s must be > 0, got {args.lease_ttl_s}")
+        return 2
+    server = server_class(
+        config,
+        f"tcp://{args.host}:{args.port}",
+        shared_memory=not args.no_shared_memory,
+        lease_ttl_s=args.lease_ttl_s,
+    )
     http = start_http(server, args.host, args.http_port)
     server.start()
     # One line a supervisor (or a test) can wait for, with the ports actually bound.
     print(
-        f"cachelayer server ready: data plane {server.endpoint}, "
+        f"cachelayer server ready: data plane {server.endpoint}"
+        f"{' (+ shared memory)' if server.shared_pool is not None else ''}, "
         f"http http://{args.host}:{http.server_address[1]}",
         flush=True,
     )

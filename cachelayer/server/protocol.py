@@ -5,6 +5,12 @@ A request is the frames `[b"", header]`, or `[b"", header, kv bytes]` for a stor
 little-endian bytes. KV travels as the engine's chunk `[num_layers, 2, num_tokens, channels]`,
 C-contiguous, in the dtype named by the key space.
 
+Same-host clients move no KV over the socket (cachelayer.server.shared_pool): `attach` answers
+where the daemon's pool is; `reserve` + `commit` store (the client writes each chunk at its
+`Slot` offset in between), `lease` + `release` retrieve (the client copies the slots out in
+between). Those requests carry the client's pid and process start time: leases end when that
+process does (cachelayer.server.leases).
+
 The key space (`KeySpace`) is the cache identity contract: every field must agree between the
 writer and the reader of a chunk, or it is a miss. `model` carries the model name, its revision,
 the engine's block size and KV layout (see cachelayer.connectors.vllm.cache_model_identity);
@@ -21,7 +27,7 @@ import msgspec
 import numpy as np
 import torch
 
-Operation = Literal["lookup", "store", "retrieve", "hello"]
+Operation = Literal["lookup", "store", "retrieve", "hello", "attach", "reserve", "commit", "lease", "release"]
 
 
 class KeySpace(msgspec.Struct, frozen=True, kw_only=True):
@@ -41,6 +47,29 @@ class Request(msgspec.Struct, kw_only=True):
     cache_salt: str | None = None
     # The client's chunk size: a daemon with another chunk size refuses it (different key space).
     chunk_size: int = 0
+    # Shared-memory operations: the client process (pid, start time in /proc ticks) and its lease.
+    pid: int = 0
+    pid_start: int = 0
+    lease: int = 0
+
+
+class Slot(msgspec.Struct, array_like=True):
+    """Tokens [start, end) of a request live at `offset` of the shared pool, as one chunk
+    [num_layers, 2, end - start, channels] in the key space's dtype."""
+
+    start: int
+    end: int
+    offset: int
+
+
+class SharedSegment(msgspec.Struct, kw_only=True):
+    """Where a same-host client maps the daemon's pool: /proc/<pid>/fd/<fd>, checked by `token`."""
+
+    pid: int
+    fd: int
+    pool_bytes: int
+    token: bytes
+    lease_ttl_s: float
 
 
 class ChunkEvent(msgspec.Struct, array_like=True):
@@ -59,6 +88,10 @@ class Reply(msgspec.Struct, kw_only=True):
     hit_tokens: int = 0
     chunk_size: int = 0
     events: list[ChunkEvent] = []
+    # attach: the segment; reserve / lease: the lease and where its chunks are.
+    segment: SharedSegment | None = None
+    lease: int = 0
+    slots: list[Slot] = []
 
 
 _request_encoder = msgspec.msgpack.Encoder()
@@ -95,16 +128,27 @@ def torch_dtype(name: str) -> torch.dtype:
     return dtype
 
 
+def kv_nbytes(space: KeySpace, num_tokens: int) -> int:
+    channels = space.num_kv_heads * space.head_dim
+    return space.num_layers * 2 * num_tokens * channels * torch_dtype(space.dtype).itemsize
+
+
+def check_kv_size(nbytes: int, space: KeySpace, num_tokens: int) -> None:
+    """ValueError unless `nbytes` is exactly the KV of `num_tokens` tokens of `space`."""
+    expected = kv_nbytes(space, num_tokens)
+    if nbytes != expected:
+        raise ValueError(
+            f"KV payload has {nbytes} bytes, expected {expected} for {num_tokens} tokens of "
+            f"{space.num_layers} layers x 2 x {space.num_kv_heads * space.head_dim} channels of {space.dtype}"
+        )
+
+
 def kv_from_bytes(data: bytes | memoryview, space: KeySpace, num_tokens: int) -> torch.Tensor:
-    """The chunk tensor [num_layers, 2, num_tokens, channels] over `data` (no copy)."""
+    """The chunk tensor [num_layers, 2, num_tokens, channels] over `data` (a private copy)."""
     dtype = torch_dtype(space.dtype)
     channels = space.num_kv_heads * space.head_dim
-    expected = space.num_layers * 2 * num_tokens * channels * dtype.itemsize
-    if len(data) != expected:
-        raise ValueError(
-            f"KV payload has {len(data)} bytes, expected {expected} for {num_tokens} tokens of "
-            f"{space.num_layers} layers x 2 x {channels} channels of {space.dtype}"
-        )
+    check_kv_size(len(data), space, num_tokens)
+    expected = len(data)
     if expected == 0:
         return torch.empty(space.num_layers, 2, 0, channels, dtype=dtype)
     # A private, writable copy: the frame's memory belongs to ZMQ and is read-only.

@@ -12,12 +12,15 @@ class CpuTier(Tier):
     name = "LocalCPUBackend"
     medium = "cpu"
 
-    def __init__(self, capacity_bytes: int, cache_policy: str) -> None:
+    def __init__(self, capacity_bytes: int, cache_policy: str, pool: torch.Tensor | None = None) -> None:
+        """`pool`: bytes to carve (e.g. a shared-memory segment); by default a private allocation."""
         super().__init__(cache_policy)
-        self.allocator = FreeListAllocator(capacity_bytes)
+        self.allocator = FreeListAllocator(capacity_bytes if pool is None else pool.numel())
         # torch.empty only reserves address space; pages are touched as chunks are written.
-        self.pool = torch.empty(
-            self.allocator.capacity, dtype=torch.uint8, pin_memory=torch.cuda.is_available()
+        self.pool = (
+            torch.empty(self.allocator.capacity, dtype=torch.uint8, pin_memory=torch.cuda.is_available())
+            if pool is None
+            else pool
         )
 
     def _allocate(self, nbytes: int) -> int | None:

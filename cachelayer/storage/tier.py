@@ -126,6 +126,13 @@ class Tier:
         entry.removed = True
         self.release(entry)
 
+    def withdraw(self, entry: TierEntry) -> None:
+        """Drop an uncommitted entry from the index but keep the writer's reference (and so its
+        space) until the writer is known to have stopped: then `release` frees it."""
+        if self._pending.get(entry.meta.key) is entry:
+            del self._pending[entry.meta.key]
+        entry.removed = True
+
     def acquire(self, entry: TierEntry) -> None:
         entry.refcount += 1
 

@@ -20,7 +20,7 @@ from cachelayer.server.protocol import Reply
 class ForgetfulStoreServer(StoreServer):
     def _handle(self, frames: list[zmq.Frame]) -> tuple[Reply, memoryview | None]:
         header = frames[1] if frames and len(frames[0].bytes) == 0 else frames[0]
-        if protocol.decode_request(header.buffer).op == "retrieve":
+        if protocol.decode_request(header.buffer).op in ("retrieve", "lease"):
             return Reply(hit_tokens=0, chunk_size=self.config.chunk_size), None
         return super()._handle(frames)
 

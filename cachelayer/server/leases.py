@@ -1,0 +1,181 @@
+"""Leases on L1 chunks that same-host clients read or write in the shared pool themselves.
+
+A shared-memory client copies KV between its memory and the daemon's pool between two control
+messages. In between, the chunks it touches are held by a lease, so that neither eviction nor a
+concurrent store can hand their space to another chunk:
+- a read lease holds a reference on each chunk it covers; `release` drops them. A read lease that
+  outlives `ttl_s` is ended by the daemon (the chunks may then be evicted) and its release is
+  answered "expired": the client discards what it copied, so a reader never uses reused memory.
+- a write lease holds the reserved chunks until `commit` makes them visible. One that outlives
+  `ttl_s` is withdrawn (its keys may be stored by others) but its space stays allocated while
+  its owner lives, because the owner may still be copying into it; it is freed when the owner
+  commits (answered "expired") or dies.
+- every lease belongs to a client process (pid and start time, checked in /proc): when that
+  process is gone, its leases end at once, so a client killed mid-transfer leaks nothing.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from dataclasses import dataclass, field
+from typing import Literal
+
+from cachelayer.engine import CacheEngine, StoreReservation
+from cachelayer.server.protocol import ChunkEvent
+from cachelayer.storage.tier import TierEntry
+
+# How often owners' liveness is checked (a /proc read per client process).
+LIVENESS_INTERVAL_S = 0.2
+
+
+def process_start_time(pid: int) -> int | None:
+    """The process's start time in clock ticks since boot (field 22 of /proc/<pid>/stat), or None
+    when no such process is visible: with the pid, an identity that survives pid reuse."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as stat:
+            data = stat.read()
+    except OSError:
+        return None
+    # The command name (field 2) may hold spaces and parentheses: fields resume after the last ')'.
+    fields = data[data.rfind(b")") + 2 :].split()
+    try:
+        return int(fields[19])
+    except (IndexError, ValueError):
+        return None
+
+
+@dataclass(frozen=True, slots=True)
+class ClientProcess:
+    pid: int
+    start_time: int
+
+    def alive(self) -> bool:
+        return process_start_time(self.pid) == self.start_time
+
+
+@dataclass(slots=True)
+class Lease:
+    lease_id: int
+    owner: ClientProcess
+    engine: CacheEngine
+    kind: Literal["read", "write"]
+    deadline: float
+    # read: the chunks referenced; write: the reservation being filled.
+    entries: list[TierEntry] = field(default_factory=list)
+    reservation: StoreReservation | None = None
+    # write: chunks evicted while reserving, reported with the commit.
+    events: list[ChunkEvent] = field(default_factory=list)
+    expired: bool = False
+
+
+class LeaseLimitError(RuntimeError):
+    """A client holds too many leases at once."""
+
+
+class LeaseTable:
+    """Every open lease of one daemon. Not thread-safe: the daemon's serving thread owns it."""
+
+    def __init__(self, *, ttl_s: float, max_per_client: int = 64) -> None:
+        self.ttl_s = ttl_s
+        self.max_per_client = max_per_client
+        self._leases: dict[int, Lease] = {}
+        self._ids = itertools.count(1)
+        self._next_liveness_check = 0.0
+        self.opened_total = 0
+        self.expired_total = 0
+        self.reclaimed_total = 0  # leases ended because their owner died
+
+    def __len__(self) -> int:
+        return len(self._leases)
+
+    def _open(self, lease: Lease) -> Lease:
+        held = sum(1 for other in self._leases.values() if other.owner == lease.owner)
+        if held >= self.max_per_client:
+            self._end(lease)
+            raise LeaseLimitError(
+                f"client process {lease.owner.pid} already holds {held} leases: release or commit them first"
+            )
+        self._leases[lease.lease_id] = lease
+        self.opened_total += 1
+        return lease
+
+    def open_read(self, owner: ClientProcess, engine: CacheEngine, entries: list[TierEntry]) -> Lease:
+        return self._open(
+            Lease(next(self._ids), owner, engine, "read", time.monotonic() + self.ttl_s, entries=entries)
+        )
+
+    def open_write(
+        self,
+        owner: ClientProcess,
+        engine: CacheEngine,
+        reservation: StoreReservation,
+        events: list[ChunkEvent],
+    ) -> Lease:
+        lease = Lease(
+            next(self._ids),
+            owner,
+            engine,
+            "write",
+            time.monotonic() + self.ttl_s,
+            reservation=reservation,
+            events=events,
+        )
+        return self._open(lease)
+
+    def take(self, lease_id: int, owner: ClientProcess) -> Lease | None:
+        """Remove and return the owner's lease (expired ones included); None if it has none of that id."""
+        lease = self._leases.get(lease_id)
+        if lease is None or lease.owner != owner:
+            return None
+        return self._leases.pop(lease_id)
+
+    def finish(self, lease: Lease) -> None:
+        """End a taken lease without committing: release what it holds."""
+        self._end(lease)
+
+    def reap(self, now: float | None = None) -> None:
+        """Expire overdue leases; end every lease of a client process that is gone."""
+        now = time.monotonic() if now is None else now
+        for lease in list(self._leases.values()):
+            if not lease.expired and now > lease.deadline:
+                self._expire(lease)
+        if now < self._next_liveness_check:
+            return
+        self._next_liveness_check = now + LIVENESS_INTERVAL_S
+        owners = {lease.owner for lease in self._leases.values()}
+        dead = {owner for owner in owners if not owner.alive()}
+        for lease_id, lease in list(self._leases.items()):
+            if lease.owner in dead:
+                del self._leases[lease_id]
+                self._end(lease)
+                self.reclaimed_total += 1
+        # Expired read leases have released everything already; forget them after one more TTL.
+        for lease_id, lease in list(self._leases.items()):
+            if lease.expired and lease.kind == "read" and now > lease.deadline + self.ttl_s:
+                del self._leases[lease_id]
+
+    def close(self) -> None:
+        for lease in list(self._leases.values()):
+            self._end(lease)
+        self._leases.clear()
+
+    def _expire(self, lease: Lease) -> None:
+        lease.expired = True
+        self.expired_total += 1
+        if lease.kind == "read":
+            lease.engine.release_chunks(lease.entries)
+            lease.entries = []
+        elif lease.reservation is not None:
+            lease.engine.withdraw_chunks(lease.reservation)
+
+    def _end(self, lease: Lease) -> None:
+        if lease.kind == "read":
+            lease.engine.release_chunks(lease.entries)
+            lease.entries = []
+        elif lease.reservation is not None:
+            if lease.expired:  # withdrawn already: only the space is left to free
+                lease.engine.release_chunks([entry for _, entry in lease.reservation.chunks])
+            else:
+                lease.engine.abort_chunks(lease.reservation)
+            lease.reservation = None
