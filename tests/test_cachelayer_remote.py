@@ -333,3 +333,24 @@ def test_unknown_keys_still_fail_clearly():
     accepted = r"unknown field `remote_urls`.*accepted keys: .*remote_url"
     with pytest.raises(CacheLayerConfigError, match=accepted):
         parse_config({"remote_urls": "redis://x:1"}, "lmcache.yaml")
+
+
+def test_the_daemon_reports_the_remote_tier_in_its_metrics(redis_server):
+    from cachelayer.server.daemon import StoreServer
+    from cachelayer.server.protocol import KeySpace
+    from tests.support.metrics import metric_samples, sample_key
+
+    config = parse_config({"chunk_size": CHUNK, "remote_url": redis_server.url, **FAST})
+    server = StoreServer(config, "tcp://127.0.0.1:0")
+    try:
+        space = KeySpace(model="m", dtype="bfloat16", world_size=1, worker_id=0,
+                         num_layers=2, num_kv_heads=2, head_dim=8)  # fmt: skip
+        engine = server.engine_for(space)
+        tokens, kv = request(12, 2)
+        engine.store(tokens, kv)
+        assert engine.flush_remote(timeout_s=10)
+        samples = metric_samples(server.metrics_text())
+        assert samples[sample_key("cachelayer_remote_bytes_out_total")] > kv.numel() * 2
+        assert samples[sample_key("cachelayer_remote_circuit_open")] == 0
+    finally:
+        server.close()

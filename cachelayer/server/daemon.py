@@ -35,6 +35,23 @@ METRIC_HELP = {
     "lmcache_mp_lookup_requested_tokens_total": ("counter", "Tokens asked for by lookups"),
     "lmcache_mp_lookup_hit_tokens_total": ("counter", "Tokens found by lookups"),
 }
+# The remote tier's counters (present when remote_url is set), named cachelayer_<stats key>
+# (counters with _total): engine.stats() key -> (kind, help).
+REMOTE_METRIC_HELP = {
+    "remote_hit_chunks": ("counter", "Chunks found in the remote tier"),
+    "remote_miss_chunks": ("counter", "Chunks asked of the remote tier and not found"),
+    "remote_errors": ("counter", "Remote calls that failed or timed out"),
+    "remote_bytes_in": ("counter", "Bytes read from the remote tier"),
+    "remote_bytes_out": ("counter", "Bytes written to the remote tier"),
+    "remote_dropped_writes": ("counter", "Chunks not written through (queue full or remote down)"),
+    "remote_corrupt_chunks": ("counter", "Remote values that failed their check, refused and deleted"),
+    "remote_circuit_open": ("gauge", "Engines whose remote circuit breaker is open"),
+}
+
+
+def _remote_metric_name(field: str) -> str:
+    kind, _ = REMOTE_METRIC_HELP[field]
+    return f"cachelayer_{field}_total" if kind == "counter" else f"cachelayer_{field}"
 
 
 class StoreServer:
@@ -178,13 +195,18 @@ class StoreServer:
             totals["lmcache_mp_lookup_hit_tokens_total"] += stats["lookup_hit_tokens"]
             used += engine.cpu.allocator.allocated_bytes
             capacity += engine.cpu.allocator.capacity
+            for field in REMOTE_METRIC_HELP:
+                if field in stats:
+                    name = _remote_metric_name(field)
+                    totals[name] = totals.get(name, 0.0) + float(stats[field])
         totals["lmcache_mp_l1_usage_ratio"] = used / capacity if capacity else 0.0
         return totals
 
     def metrics_text(self) -> str:
         lines = []
+        help_by_name = METRIC_HELP | {_remote_metric_name(f): help for f, help in REMOTE_METRIC_HELP.items()}
         for name, value in self.metric_values().items():
-            kind, help_text = METRIC_HELP[name]
+            kind, help_text = help_by_name[name]
             lines += [f"# HELP {name} {help_text}", f"# TYPE {name} {kind}", f"{name} {value:g}"]
         return "\n".join(lines) + "\n"
 

@@ -20,6 +20,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--chunk-size", type=int, default=256, help="tokens per chunk; clients must agree")
     parser.add_argument("--l1-size-gb", type=float, default=8.0, help="CPU store size per key space, in GB")
     parser.add_argument("--eviction-policy", default="LRU", choices=["LRU", "LFU", "FIFO"])
+    parser.add_argument(
+        "--remote-url", default=None, help="shared remote tier below L1 (redis://HOST:PORT); none by default"
+    )
+    parser.add_argument("--remote-serde", default="naive", choices=["naive", "cachegen"])
 
 
 def run(args: argparse.Namespace, server_class: type[StoreServer] = StoreServer) -> int:
@@ -31,6 +35,8 @@ def run(args: argparse.Namespace, server_class: type[StoreServer] = StoreServer)
                 "cache_policy": args.eviction_policy,
                 # Only full chunks are shared between engines (a tail chunk differs per prompt).
                 "save_unfull_chunk": False,
+                "remote_url": args.remote_url,
+                "remote_serde": args.remote_serde,
             },
             source="cachelayer server flags",
         )
