@@ -279,6 +279,7 @@ class CacheEngine:
             token_ids=list(meta.token_ids),
             block_size=meta.num_tokens,
             medium=tier.medium,
+            extra_keys=[(meta.cache_salt,)] if meta.cache_salt is not None else None,
         )
 
     def snapshot_events(self) -> list[Event]:
@@ -391,7 +392,12 @@ class CacheEngine:
                         tier.touch(span.key)
                     held_end = span.end
                     continue
-                meta = ChunkMeta(span.key, span.parent_key, array("q", token_list[span.start : span.end]))
+                meta = ChunkMeta(
+                    span.key,
+                    span.parent_key,
+                    array("q", token_list[span.start : span.end]),
+                    cache_salt=cache_salt if span.parent_key is None else None,
+                )
                 entry, evicted_now = self.cpu.reserve(meta, self._raw_nbytes(span.num_tokens))
                 evicted.extend(evicted_now)
                 if entry is None:

@@ -354,3 +354,16 @@ def test_the_daemon_reports_the_remote_tier_in_its_metrics(redis_server):
         assert samples[sample_key("cachelayer_remote_circuit_open")] == 0
     finally:
         server.close()
+
+
+def test_the_remote_tier_announces_what_it_wrote_with_the_chain_salt(redis_server):
+    tokens, kv = request(13, 2)
+    announced = []
+    with remote_engine(redis_server) as engine:
+        engine.add_event_listener(lambda events: announced.extend(e for e in events if e.medium == "remote"))
+        engine.store(tokens, kv, cache_salt="tenant-a")
+        assert engine.flush_remote(timeout_s=10)
+        spans = engine._spans(tokens, "tenant-a", None)
+    assert [event.block_hashes for event in announced] == [[spans[0].key], [spans[1].key]]
+    assert announced[0].extra_keys == [("tenant-a",)] and announced[1].extra_keys is None
+    assert announced[1].parent_block_hash == spans[0].key
