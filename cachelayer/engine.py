@@ -37,7 +37,7 @@ from cachelayer.events import AllBlocksCleared, BlockRemoved, BlockStored, Event
 from cachelayer.keys import CacheIdentity, ChunkSpan, chunk_spans
 from cachelayer.storage.cpu import CpuTier
 from cachelayer.storage.disk import DiskTier
-from cachelayer.storage.remote import CorruptValue, RemoteTier, decode_value, encode_value
+from cachelayer.storage.remote import CorruptValue, RemoteTier, decode_value, value_trailer
 from cachelayer.storage.tier import ChunkMeta, Tier, TierEntry
 
 log = logging.getLogger(__name__)
@@ -473,27 +473,29 @@ class CacheEngine:
             remote.note_dropped_write(len(metas))
             return
         wanted = set(missing)
-        values: list[tuple[int, bytearray]] = []
+        values: list[tuple[int, list[Any]]] = []
+        held: list[TierEntry] = []
         written: list[ChunkMeta] = []
-        codec_name = self.config.remote_serde
-        for meta in metas:
-            if meta.key not in wanted:
-                continue
-            with self._lock:
-                if generation != self._clear_generation:
-                    return
-                entry = self.cpu.get(meta.key)
-                if entry is None:
+        try:
+            for meta in metas:
+                if meta.key not in wanted:
                     continue
-                self.cpu.acquire(entry)
-            try:
+                with self._lock:
+                    if generation != self._clear_generation:
+                        return
+                    entry = self.cpu.get(meta.key)
+                    if entry is None:
+                        continue
+                    # Held until sent: the value goes to the socket straight from the L1 bytes.
+                    self.cpu.acquire(entry)
+                    held.append(entry)
                 payload: Any = self.cpu.view(entry).numpy()
                 fmt = entry.meta.fmt
-                if fmt == "raw" and codec_name == "cachegen":
+                if fmt == "raw" and self.config.remote_serde == "cachegen":
                     kv = self._chunk_view(self.cpu.view(entry), entry.meta)
                     payload = get_codec("cachegen").encode(kv, layer_offset=0, total_layers=self.num_layers)
                     fmt = "cachegen"
-                value = encode_value(
+                trailer = value_trailer(
                     meta.key,
                     payload,
                     codec=fmt,
@@ -502,14 +504,15 @@ class CacheEngine:
                     num_tokens=meta.num_tokens,
                     channels=self.channels,
                 )
-            finally:
+                values.append((meta.key, [memoryview(payload).cast("B"), trailer]))
+                written.append(meta)
+            if values and remote.put(values):
                 with self._lock:
-                    self.cpu.release(entry)
-            values.append((meta.key, value))
-            written.append(meta)
-        if values and remote.put(values):
+                    self._emit([self._stored_event(remote, meta) for meta in written])
+        finally:
             with self._lock:
-                self._emit([self._stored_event(remote, meta) for meta in written])
+                for entry in held:
+                    self.cpu.release(entry)
 
     def flush(self) -> None:
         """Wait until every chunk stored so far has been written to the disk tier (or skipped)."""

@@ -165,7 +165,7 @@ def test_a_corrupted_value_is_a_miss_and_is_deleted(redis_server):
         second = writer.remote.redis_key(writer._spans(tokens, None, None)[1].key)
     with redis_server.client() as client:
         value = bytearray(client.get(second))
-        value[-5] ^= 0xFF  # one flipped bit pattern deep in the KV payload
+        value[100] ^= 0xFF  # one damaged byte in the KV payload
         client.set(second, bytes(value))
     with remote_engine(redis_server) as reader:
         hit, loaded = reader.retrieve(tokens)

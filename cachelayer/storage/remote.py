@@ -9,12 +9,15 @@ the cache identity (model and revision, KV dtype, layout, TP size and rank, salt
 digest adds the KV geometry and the key algorithm, so engines that could not read each other's
 bytes never even look at them.
 
-Values: a fixed little-endian header, the codec and dtype names, then the payload:
-    magic b"CLKV", version u8, codec-name length u8, dtype-name length u8, reserved u8,
-    num_layers u32, num_tokens u32, channels u32, chunk key u64, payload length u64,
-    checksum u64 = xxh3_64 over everything before it (header fields and names) and the payload.
-A value whose header or checksum disagrees with what the reader expects is never loaded: the
-reader treats it as a miss and deletes it.
+Values: the payload first, then the codec and dtype names, then a fixed little-endian footer:
+    chunk key u64, num_layers u32, num_tokens u32, channels u32, payload length u64,
+    codec-name length u8, dtype-name length u8, version u8, reserved u8,
+    checksum u64 = xxh3_64 over the payload, the names and the footer up to the checksum,
+    magic b"CLKV".
+Payload first lets the writer send a chunk straight from its L1 bytes (the value's pieces go to
+the socket one after the other; no copy of the KV is assembled). A value whose footer or checksum
+disagrees with what the reader expects is never loaded: the reader treats it as a miss and
+deletes it.
 """
 
 from __future__ import annotations
@@ -37,11 +40,12 @@ log = logging.getLogger(__name__)
 MAGIC = b"CLKV"
 VALUE_VERSION = 1
 KEY_PREFIX = "cachelayer:v1"
-# magic, version, codec length, dtype length, reserved, layers, tokens, channels, key, payload length
-_HEADER = struct.Struct("<4sBBBBIIIQQ")
-_CHECKSUM = struct.Struct("<Q")
+# key, layers, tokens, channels, payload length, codec length, dtype length, version, reserved
+_FOOTER_FIELDS = struct.Struct("<QIIIQBBBB")
+_FOOTER = struct.Struct("<QIIIQBBBBQ4s")  # the fields, then checksum and magic
 
 T = TypeVar("T")
+Buffer = bytes | bytearray | memoryview
 
 
 class CorruptValue(ValueError):
@@ -60,59 +64,58 @@ class ChunkValue:
     payload: memoryview
 
 
-def encode_value(
+def value_trailer(
     key: int,
-    payload: bytes | memoryview,
+    payload: Buffer,
     *,
     codec: str,
     dtype: str,
     num_layers: int,
     num_tokens: int,
     channels: int,
-) -> bytearray:
-    """One chunk as a self-checking remote value (header, names, payload, one copy of the bytes)."""
+) -> bytes:
+    """What follows `payload` in its remote value: the names and the footer with the checksum."""
     codec_name, dtype_name = codec.encode(), dtype.encode()
     payload = memoryview(payload).cast("B")
-    head = _HEADER.pack(
-        MAGIC, VALUE_VERSION, len(codec_name), len(dtype_name), 0,
-        num_layers, num_tokens, channels, key, payload.nbytes,
-    ) + codec_name + dtype_name  # fmt: skip
-    hasher = xxhash.xxh3_64(head)
-    hasher.update(payload)
-    value = bytearray(len(head) + _CHECKSUM.size + payload.nbytes)
-    value[: len(head)] = head
-    _CHECKSUM.pack_into(value, len(head), hasher.intdigest())
-    value[len(head) + _CHECKSUM.size :] = payload
-    return value
+    fields = _FOOTER_FIELDS.pack(
+        key, num_layers, num_tokens, channels, payload.nbytes, len(codec_name), len(dtype_name),
+        VALUE_VERSION, 0,
+    )  # fmt: skip
+    hasher = xxhash.xxh3_64(payload)
+    hasher.update(codec_name + dtype_name + fields)
+    return codec_name + dtype_name + fields + struct.pack("<Q4s", hasher.intdigest(), MAGIC)
+
+
+def encode_value(key: int, payload: Buffer, **chunk: Any) -> bytes:
+    """One chunk as a self-checking remote value (`value_trailer` for the keyword arguments)."""
+    return bytes(payload) + value_trailer(key, payload, **chunk)
 
 
 def decode_value(value: bytes, key: int) -> ChunkValue:
     """The chunk in a remote value, after checking it names `key` and its checksum holds."""
-    if len(value) < _HEADER.size + _CHECKSUM.size:
-        raise CorruptValue(f"{len(value)} bytes: shorter than a header")
-    magic, version, codec_len, dtype_len, _, layers, tokens, channels, stored_key, length = (
-        _HEADER.unpack_from(value)
+    if len(value) < _FOOTER.size:
+        raise CorruptValue(f"{len(value)} bytes: shorter than a footer")
+    footer_start = len(value) - _FOOTER.size
+    (stored_key, layers, tokens, channels, length, codec_len, dtype_len, version, _, checksum, magic) = (
+        _FOOTER.unpack_from(value, footer_start)
     )
     if magic != MAGIC or version != VALUE_VERSION:
         raise CorruptValue(f"not a version-{VALUE_VERSION} chunk value (magic {magic!r}, version {version})")
-    names_end = _HEADER.size + codec_len + dtype_len
-    payload_start = names_end + _CHECKSUM.size
-    if len(value) != payload_start + length:
-        raise CorruptValue(f"{len(value)} bytes, the header says {payload_start + length}")
+    if length + codec_len + dtype_len != footer_start:
+        expected = length + codec_len + dtype_len + _FOOTER.size
+        raise CorruptValue(f"{len(value)} bytes, the footer says {expected}")
     if stored_key != key:
         raise CorruptValue(f"holds chunk {stored_key:#x}, not {key:#x}")
     view = memoryview(value)
-    hasher = xxhash.xxh3_64(view[:names_end])
-    hasher.update(view[payload_start:])
-    (checksum,) = _CHECKSUM.unpack_from(value, names_end)
+    hasher = xxhash.xxh3_64(view[: footer_start + _FOOTER_FIELDS.size])
     if hasher.intdigest() != checksum:
         raise CorruptValue("checksum mismatch")
     try:
-        codec = bytes(view[_HEADER.size : _HEADER.size + codec_len]).decode()
-        dtype = bytes(view[_HEADER.size + codec_len : names_end]).decode()
+        codec = bytes(view[length : length + codec_len]).decode()
+        dtype = bytes(view[length + codec_len : footer_start]).decode()
     except UnicodeDecodeError:
         raise CorruptValue("codec or dtype name is not text") from None
-    return ChunkValue(codec, dtype, layers, tokens, channels, view[payload_start:])
+    return ChunkValue(codec, dtype, layers, tokens, channels, view[:length])
 
 
 class CircuitBreaker:
@@ -273,18 +276,35 @@ class RemoteTier:
             return None
         return [key for key, held in zip(keys, present, strict=True) if not held]
 
-    def put(self, values: Sequence[tuple[int, bytes | bytearray]]) -> bool:
-        """SET every (key, value) in one round trip; False when Redis failed."""
+    def put(self, values: Sequence[tuple[int, Sequence[Buffer]]]) -> bool:
+        """SET every key to its value, given as pieces sent one after the other (no copy made), in
+        one round trip; False when Redis failed."""
         if not values:
             return True
-
-        def set_all(pipeline: Any) -> None:
-            for key, value in values:
-                pipeline.set(self.redis_key(key), memoryview(value))
-
-        if self._call("write", lambda: self._pipelined(set_all)) is None:
+        if self._call("write", lambda: self._send_sets(values)) is None:
             return False
-        self._count(bytes_out=sum(len(value) for _, value in values), written_chunks=len(values))
+        sent = sum(memoryview(piece).nbytes for _, pieces in values for piece in pieces)
+        self._count(bytes_out=sent, written_chunks=len(values))
+        return True
+
+    def _send_sets(self, values: Sequence[tuple[int, Sequence[Buffer]]]) -> bool:
+        # redis-py joins a value's pieces into one bytes object first; a chunk is tens of MB, so the
+        # SETs are written here in RESP, each value's pieces straight to the socket.
+        pool = self._client.connection_pool
+        connection = pool.get_connection()
+        try:
+            for key, pieces in values:
+                name = self.redis_key(key).encode()
+                length = sum(memoryview(piece).nbytes for piece in pieces)
+                head = b"*3\r\n$3\r\nSET\r\n$%d\r\n%s\r\n$%d\r\n" % (len(name), name, length)
+                connection.send_packed_command([head, *pieces, b"\r\n"], check_health=False)
+            for _ in values:
+                connection.read_response()  # raises the server's error, if any
+        except BaseException:
+            connection.disconnect()  # replies may be pending: never reuse this connection
+            raise
+        finally:
+            pool.release(connection)
         return True
 
     def delete(self, key: int) -> None:
