@@ -42,6 +42,9 @@ if [ ! -f "$STAMP" ]; then
     touch "$STAMP"
 fi
 
+# Dependencies the project gained after a venv was stamped (the editable install ran before them).
+"$PY" -c 'import redis' 2>/dev/null || "$PY" -m pip install -q "redis>=5.3,<8"
+
 # Workaround 3 (block size a multiple of 32 on the CPU attention backend) is a serve flag:
 # tests/support/vllm.py always passes --block-size 32.
 
