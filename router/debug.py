@@ -185,7 +185,7 @@ class KVIndexExtension:
         for name, match in matches.items():
             tier = match.best_tier()
             if tier is not None:
-                layout[name] = [_LOOKUP_MEDIUM.get(tier, tier), match.tokens]
+                layout[name] = [_LOOKUP_MEDIUM.get(tier, tier.upper()), match.tokens]
         return JSONResponse({"event_id": f"Lookup{uuid.uuid4().hex}", "layout_info": layout})
 
 
