@@ -278,9 +278,14 @@ def redis_version() -> str:
     return output.strip()
 
 
+def round_ratios(rounds: dict[str, list[float]], raw: str, ours: str) -> str:
+    return ", ".join(f"{r / o:.2f}" for r, o in zip(rounds[raw], rounds[ours], strict=True))
+
+
 def write_report(results: dict) -> None:
     shape = results["shape"]
     gbps = results["GBps"]
+    rounds = results["rounds_s"]
     lines = [
         "# Remote tier on Redis: two cache-layer processes, one redis-server",
         "",
@@ -298,6 +303,9 @@ def write_report(results: dict) -> None:
         f"{results['write_through_over_raw_redis']:.2f} |",
         f"| retrieve (B, promote to L1) | {gbps['retrieve']:.2f} GB/s | MGET {gbps['raw_get']:.2f} GB/s "
         f"| {results['retrieve_over_raw_redis']:.2f} |",
+        "",
+        f"Per-round ratios (this machine's load moves them a lot): retrieve "
+        f"{round_ratios(rounds, 'raw_get', 'retrieve')}; store {round_ratios(rounds, 'raw_set', 'store')}.",
         "",
         f"Lookup of the whole prompt from B (one EXISTS round trip): {results['lookup_ms']:.1f} ms.",
         "",
