@@ -204,5 +204,6 @@ def test_the_gateway_routes_by_gpu_and_cpu_tier_events_of_engines_sharing_the_da
             assert cached_tokens(response) > 0
 
             tiers = {name: entry["tokens"] for name, entry in prefix_map(gateway.url)["backends"].items()}
-            assert tiers[engine_a.name].get("cpu", 0) >= whole_chunks
+            assert tiers[engine_a.name].get("shared", 0) >= whole_chunks
+            assert "cpu" not in tiers[engine_a.name]  # the daemon's chunks are not its own CPU tier
             assert tiers[engine_b.name].get("gpu", 0) > 0
