@@ -367,3 +367,18 @@ def test_the_remote_tier_announces_what_it_wrote_with_the_chain_salt(redis_serve
     assert [event.block_hashes for event in announced] == [[spans[0].key], [spans[1].key]]
     assert announced[0].extra_keys == [("tenant-a",)] and announced[1].extra_keys is None
     assert announced[1].parent_block_hash == spans[0].key
+
+
+def test_a_prompt_costs_one_mget_to_load_and_one_exists_pipeline_to_look_up(redis_server):
+    tokens, kv = request(14, 6)
+    with remote_engine(redis_server) as writer:
+        writer.store(tokens, kv)
+        assert writer.flush_remote(timeout_s=10)
+    with redis_server.client() as client, remote_engine(redis_server) as reader:
+        client.config_resetstat()
+        assert reader.lookup(tokens) == len(tokens)
+        assert reader.retrieve(tokens)[0] == len(tokens)
+        stats = client.info("commandstats")
+    assert stats["cmdstat_mget"]["calls"] == 1  # the whole prompt's chunks in one command
+    assert "cmdstat_get" not in stats
+    assert stats["cmdstat_exists"]["calls"] == 6  # one per chunk, sent as one pipeline
