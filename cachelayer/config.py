@@ -7,6 +7,7 @@ validates it, so a bad file is refused with the file, the key and what was expec
 
 from __future__ import annotations
 
+import logging
 import os
 import typing
 from pathlib import Path
@@ -15,6 +16,8 @@ from typing import Annotated, Any, Literal
 import msgspec
 import yaml
 
+log = logging.getLogger(__name__)
+
 CONFIG_FILE_ENV_VARS = ("CACHELAYER_CONFIG_FILE", "LMCACHE_CONFIG_FILE")
 
 # LMCache's default instance id: the key its controller answers /lookup under.
@@ -22,6 +25,13 @@ DEFAULT_INSTANCE_ID = "lmcache_default_instance"
 
 HashAlgorithm = Literal["sha256_cbor_64bit", "xxhash", "builtin"]
 CachePolicy = Literal["LRU", "LFU", "FIFO"]
+RemoteSerde = Literal["naive", "cachegen"]
+
+# Schemes of `remote_url` the remote tier speaks (Redis and Valkey speak the same protocol).
+REMOTE_URL_SCHEMES = ("redis", "rediss", "unix")
+
+# LMCache's deprecated key names -> the current ones (as LMCache's own alias table maps them).
+_DEPRECATED_ALIASES = {"lmcache_worker_port": "lmcache_worker_ports", "controller_url": "controller_pull_url"}
 
 
 class CacheLayerConfigError(Exception):
@@ -63,6 +73,22 @@ class CacheLayerConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True)
     # not implemented (see docs/cachelayer.md).
     p2p_host: str | None = None
     p2p_init_ports: list[int] | None = None
+    # The shared remote tier below L1/L2 (docs/cachelayer.md, "Remote tier"): redis://HOST:PORT,
+    # rediss://HOST:PORT, redis://:PASSWORD@HOST:PORT/DB or unix:///path; None for no remote tier.
+    remote_url: str | None = None
+    # How chunks travel to the remote tier: "naive" (the KV bytes as stored) or "cachegen" (encoded).
+    remote_serde: RemoteSerde = "naive"
+    # LMCache's bound on a blocking remote read (seconds); here the ceiling of remote_timeout_s.
+    blocking_timeout_secs: Annotated[int, msgspec.Meta(ge=1)] = 10
+    # Not LMCache's: the socket timeout of every remote call (connect and each read/write).
+    remote_timeout_s: Annotated[float, msgspec.Meta(gt=0, le=60)] = 1.0
+    # Not LMCache's: consecutive remote failures that open the circuit breaker, and the seconds
+    # it stays open before one probe call may close it again.
+    remote_failure_threshold: Annotated[int, msgspec.Meta(ge=1)] = 3
+    remote_retry_after_s: Annotated[float, msgspec.Meta(gt=0)] = 5.0
+    # Not LMCache's: store batches waiting for the remote writer; a store finding it full is not
+    # written through (counted as dropped), so a slow remote never delays the engine.
+    remote_write_queue_batches: Annotated[int, msgspec.Meta(ge=1)] = 64
     # The cache layer's own KV-event publisher (vLLM's protocol), used when enable_kv_events is
     # true and the engine does not forward the events itself.
     kv_events_endpoint: str | None = None
@@ -83,6 +109,19 @@ class CacheLayerConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True)
         ):
             if value is not None and not value.startswith(("tcp://", "ipc://", "inproc://")):
                 raise ValueError(f"{field} {value!r} must start with tcp://, ipc:// or inproc://")
+        if self.remote_url is not None:
+            scheme = self.remote_url.partition("://")[0] if "://" in self.remote_url else ""
+            if scheme not in REMOTE_URL_SCHEMES:
+                raise ValueError(
+                    f"remote_url {self.remote_url!r}: the remote tier speaks Redis (and Valkey): "
+                    "use redis://HOST:PORT, rediss://HOST:PORT or unix:///path (LMCache's lm://, "
+                    "mooncakestore://, infinistore:// and s3:// backends are not implemented)"
+                )
+
+    @property
+    def remote_call_timeout_s(self) -> float:
+        """Every remote call's socket timeout: remote_timeout_s, never above blocking_timeout_secs."""
+        return min(self.remote_timeout_s, float(self.blocking_timeout_secs))
 
     @property
     def local_disk_path(self) -> Path | None:
@@ -117,7 +156,28 @@ def _format_error(source: str, exc: Exception) -> str:
 _CHOICES = {
     "pre_caching_hash_algorithm": typing.get_args(HashAlgorithm),
     "cache_policy": typing.get_args(CachePolicy),
+    "remote_serde": typing.get_args(RemoteSerde),
 }
+
+
+def _resolve_deprecated_keys(data: dict[str, Any], source: str) -> dict[str, Any]:
+    """LMCache's deprecated names under their current ones (`lmcache_worker_port: 9001` is read as
+    `lmcache_worker_ports: [9001]`); both spellings at once are refused rather than one ignored."""
+    resolved = dict(data)
+    for old, new in _DEPRECATED_ALIASES.items():
+        if old not in resolved:
+            continue
+        if new in resolved:
+            raise CacheLayerConfigError(
+                f"{source}: invalid cache-layer configuration at `{old}`: it is LMCache's deprecated "
+                f"name of `{new}`, which is set too; keep only `{new}`"
+            )
+        value = resolved.pop(old)
+        if new == "lmcache_worker_ports" and isinstance(value, int) and not isinstance(value, bool):
+            value = [value]
+        resolved[new] = value
+        log.warning("%s: `%s` is deprecated (LMCache's old name), read as `%s`", source, old, new)
+    return resolved
 
 
 def parse_config(data: dict[str, Any] | None, source: str = "<config>") -> CacheLayerConfig:
@@ -128,6 +188,7 @@ def parse_config(data: dict[str, Any] | None, source: str = "<config>") -> Cache
         raise CacheLayerConfigError(
             f"{source}: the configuration must be a mapping, got {type(data).__name__}"
         )
+    data = _resolve_deprecated_keys(data, source)
     try:
         return msgspec.convert(data, CacheLayerConfig)
     except msgspec.ValidationError as exc:

@@ -1,4 +1,5 @@
-"""CacheEngine: store, find and load KV chunks across the CPU pool (L1) and the disk tier (L2).
+"""CacheEngine: store, find and load KV chunks across the CPU pool (L1), the disk tier (L2) and
+the shared remote tier (Redis, when `remote_url` is set).
 
 KV comes in and goes out as one tensor `[num_layers, 2, num_tokens, num_kv_heads * head_dim]`
 (K then V). Tokens are cut into chunks of `chunk_size` (the shorter tail chunk too when
@@ -8,6 +9,9 @@ KV comes in and goes out as one tensor `[num_layers, 2, num_tokens, num_kv_heads
   stored is always a prefix. Chunks already held are not rewritten.
 - `retrieve` and `lookup` walk the chunks in order and stop at the first one held nowhere, so a
   hit always ends on a chunk boundary (or at the end of the tokens).
+- The remote tier is written behind the store (a bounded queue, one writer thread) and asked
+  only for the chunks after the local prefix, in one round trip; a retrieve promotes what it
+  fetches to L1. A failing remote is a miss, never an error (cachelayer.storage.remote).
 
 Thread safety: one lock guards the index of every tier; tensor copies run outside it, protected
 by the reference each reader or writer holds on its chunks (a referenced chunk is never evicted,
@@ -28,12 +32,13 @@ from typing import Any
 import numpy as np
 import torch
 
-from cachelayer.compress import get_codec
+from cachelayer.compress import codec_names, get_codec
 from cachelayer.config import CacheLayerConfig, as_config
 from cachelayer.events import AllBlocksCleared, BlockRemoved, BlockStored, Event, ZmqEventPublisher
 from cachelayer.keys import CacheIdentity, ChunkSpan, chunk_spans
 from cachelayer.storage.cpu import CpuTier
 from cachelayer.storage.disk import DiskTier
+from cachelayer.storage.remote import CorruptValue, RemoteTier, decode_value, value_trailer
 from cachelayer.storage.tier import ChunkMeta, Tier, TierEntry
 
 log = logging.getLogger(__name__)
@@ -158,6 +163,16 @@ class CacheEngine:
         self._tiers: dict[str, Tier] = {"cpu": self.cpu}
         if self.disk is not None:
             self._tiers["disk"] = self.disk
+        self.remote: RemoteTier | None = None
+        if config.remote_url is not None:
+            self.remote = RemoteTier(
+                config.remote_url,
+                # What decides whether two engines can read each other's bytes, beyond the chunk key.
+                layout=(num_layers, self.channels, self.identity.dtype, config.pre_caching_hash_algorithm),
+                timeout_s=config.remote_call_timeout_s,
+                failure_threshold=config.remote_failure_threshold,
+                retry_after_s=config.remote_retry_after_s,
+            )
         self._listeners: list[EventListener] = []
         self.counters = {
             "read_chunks": 0,
@@ -188,6 +203,18 @@ class CacheEngine:
                 target=self._write_disk_backlog, name="cachelayer-disk", daemon=True
             )
             self._disk_writer.start()
+        # Remote writes happen behind the store too; a full queue drops the batch (never waits).
+        self._remote_queue: queue.Queue[tuple[int, list[ChunkMeta]] | None] = queue.Queue(
+            maxsize=config.remote_write_queue_batches
+        )
+        self._remote_backlog = 0
+        self._remote_idle = threading.Condition()
+        self._remote_writer: threading.Thread | None = None
+        if self.remote is not None:
+            self._remote_writer = threading.Thread(
+                target=self._write_remote_backlog, name="cachelayer-remote", daemon=True
+            )
+            self._remote_writer.start()
         self.controller_worker: Any = None
         if config.enable_controller and start_controller_worker:
             from cachelayer.controller.worker import ControllerWorker
@@ -229,6 +256,13 @@ class CacheEngine:
             self._disk_queue.put(None)
             self._disk_writer.join(timeout=30)
             self._disk_writer = None
+        if self._remote_writer is not None:
+            self.flush_remote(timeout_s=30)
+            self._remote_queue.put(None)
+            self._remote_writer.join(timeout=30)
+            self._remote_writer = None
+        if self.remote is not None:
+            self.remote.close()
         if self.controller_worker is not None:
             self.controller_worker.close()
             self.controller_worker = None
@@ -253,17 +287,18 @@ class CacheEngine:
             for listener in self._listeners:
                 listener(events)
 
-    def _removal_events(self, tier: Tier, metas: list[ChunkMeta]) -> list[Event]:
+    def _removal_events(self, tier: Tier | RemoteTier, metas: list[ChunkMeta]) -> list[Event]:
         return [BlockRemoved(block_hashes=[meta.key for meta in metas], medium=tier.medium)] if metas else []
 
     @staticmethod
-    def _stored_event(tier: Tier, meta: ChunkMeta) -> BlockStored:
+    def _stored_event(tier: Tier | RemoteTier, meta: ChunkMeta) -> BlockStored:
         return BlockStored(
             block_hashes=[meta.key],
             parent_block_hash=meta.parent_key,
             token_ids=list(meta.token_ids),
             block_size=meta.num_tokens,
             medium=tier.medium,
+            extra_keys=[(meta.cache_salt,)] if meta.cache_salt is not None else None,
         )
 
     def snapshot_events(self) -> list[Event]:
@@ -412,7 +447,12 @@ class CacheEngine:
                         tier.touch(span.key)
                     reservation.held_end = span.end
                     continue
-                meta = ChunkMeta(span.key, span.parent_key, array("q", token_list[span.start : span.end]))
+                meta = ChunkMeta(
+                    span.key,
+                    span.parent_key,
+                    array("q", token_list[span.start : span.end]),
+                    cache_salt=cache_salt if span.parent_key is None else None,
+                )
                 entry, evicted_now = self.cpu.reserve(meta, self._raw_nbytes(span.num_tokens))
                 evicted.extend(evicted_now)
                 if entry is None:
@@ -441,6 +481,8 @@ class CacheEngine:
             with self._lock:
                 generation = self._clear_generation
             self._disk_queue.put((generation, [entry.meta for _, entry in reservation.chunks]))
+        if self._remote_writer is not None:
+            self._queue_remote_write([entry.meta for _, entry in reservation.chunks])
 
     def abort_chunks(self, reservation: StoreReservation) -> None:
         """Give back the space of chunks that will not be written; nothing becomes visible."""
@@ -479,6 +521,90 @@ class CacheEngine:
         with self._lock:
             for entry in entries:
                 self.cpu.release(entry)
+
+    def _queue_remote_write(self, metas: list[ChunkMeta]) -> None:
+        assert self.remote is not None
+        with self._lock:
+            generation = self._clear_generation
+        with self._remote_idle:
+            try:
+                self._remote_queue.put_nowait((generation, metas))
+            except queue.Full:
+                self.remote.note_dropped_write(len(metas))
+                return
+            self._remote_backlog += 1
+
+    def flush_remote(self, timeout_s: float | None = None) -> bool:
+        """Wait until every chunk stored so far was written to the remote tier (or dropped);
+        False when `timeout_s` passed first."""
+        with self._remote_idle:
+            return self._remote_idle.wait_for(lambda: self._remote_backlog == 0, timeout=timeout_s)
+
+    def _write_remote_backlog(self) -> None:
+        while True:
+            item = self._remote_queue.get()
+            if item is None:
+                return
+            try:
+                self._write_remote(*item)
+            except Exception:  # the writer must outlive one bad batch
+                log.exception("cachelayer: writing chunks to the remote tier failed")
+            finally:
+                with self._remote_idle:
+                    self._remote_backlog -= 1
+                    self._remote_idle.notify_all()
+
+    def _write_remote(self, generation: int, metas: list[ChunkMeta]) -> None:
+        """Copy stored chunks from L1 to the remote tier: the ones it does not hold yet (another
+        engine may have written them), in one round trip. A chunk that left L1 meanwhile, or was
+        stored before a clear(), is skipped: the remote tier is a best-effort copy."""
+        remote = self.remote
+        assert remote is not None
+        missing = remote.missing([meta.key for meta in metas])
+        if missing is None:  # remote down: not written (a later store of the prompt retries)
+            remote.note_dropped_write(len(metas))
+            return
+        wanted = set(missing)
+        values: list[tuple[int, list[Any]]] = []
+        held: list[TierEntry] = []
+        written: list[ChunkMeta] = []
+        try:
+            for meta in metas:
+                if meta.key not in wanted:
+                    continue
+                with self._lock:
+                    if generation != self._clear_generation:
+                        return
+                    entry = self.cpu.get(meta.key)
+                    if entry is None:
+                        continue
+                    # Held until sent: the value goes to the socket straight from the L1 bytes.
+                    self.cpu.acquire(entry)
+                    held.append(entry)
+                payload: Any = self.cpu.view(entry).numpy()
+                fmt = entry.meta.fmt
+                if fmt == "raw" and self.config.remote_serde == "cachegen":
+                    kv = self._chunk_view(self.cpu.view(entry), entry.meta)
+                    payload = get_codec("cachegen").encode(kv, layer_offset=0, total_layers=self.num_layers)
+                    fmt = "cachegen"
+                trailer = value_trailer(
+                    meta.key,
+                    payload,
+                    codec=fmt,
+                    dtype=self.identity.dtype,
+                    num_layers=self.num_layers,
+                    num_tokens=meta.num_tokens,
+                    channels=self.channels,
+                )
+                values.append((meta.key, [memoryview(payload).cast("B"), trailer]))
+                written.append(meta)
+            if values and remote.put(values):
+                with self._lock:
+                    self._emit([self._stored_event(remote, meta) for meta in written])
+        finally:
+            with self._lock:
+                for entry in held:
+                    self.cpu.release(entry)
 
     def flush(self) -> None:
         """Wait until every chunk stored so far has been written to the disk tier (or skipped)."""
@@ -557,7 +683,14 @@ class CacheEngine:
         spans = self._spans(token_list, cache_salt, lora)
         with self._lock:
             held = self._held_prefix(spans)
-            hit = held[-1][0].end if held else 0
+        hit = held[-1][0].end if held else 0
+        if self.remote is not None and len(held) < len(spans):
+            rest = spans[len(held) :]
+            found = self.remote.held_prefix([span.key for span in rest])
+            self.remote.note_lookup(found, len(rest) - found)
+            if found:
+                hit = rest[found - 1].end
+        with self._lock:
             self.counters["lookup_requested_tokens"] += len(token_list)
             self.counters["lookup_hit_tokens"] += hit
         return hit
@@ -598,6 +731,8 @@ class CacheEngine:
         if out is not None:
             self._check_kv(out, len(token_list), "out", at_least=True)
         spans = self._spans(token_list, cache_salt, lora)
+        if self.remote is not None:
+            self._promote_from_remote(spans, token_list)
         plan: list[tuple[ChunkSpan, Tier, TierEntry, TierEntry | None]] = []
         with self._lock:
             generation = self._clear_generation
@@ -677,6 +812,86 @@ class CacheEngine:
         if hit == 0:
             return 0, None
         return hit, result
+
+    def _promote_from_remote(self, spans: list[ChunkSpan], token_list: list[int]) -> None:
+        """Fetch the chunks after the local prefix from the remote tier (one round trip) and put the
+        leading ones that check out into L1, for the retrieve that follows. A value that fails its
+        check is a miss and is deleted from the remote tier."""
+        remote = self.remote
+        assert remote is not None
+        with self._lock:
+            local = len(self._held_prefix(spans))
+        rest = spans[local:]
+        if not rest:
+            return
+        values = remote.fetch([span.key for span in rest])
+        accepted: list[tuple[ChunkSpan, memoryview, str]] = []
+        for span, value in zip(rest, values, strict=True):
+            if value is None:
+                break
+            try:
+                chunk = decode_value(value, span.key)
+                self._check_remote_chunk(chunk, span)
+            except CorruptValue as exc:
+                log.error(
+                    "cachelayer: remote chunk %#x rejected (%s); deleted, treated as a miss", span.key, exc
+                )
+                remote.note_corrupt()
+                remote.delete(span.key)
+                break
+            accepted.append((span, chunk.payload, chunk.codec))
+        remote.note_lookup(len(accepted), len(rest) - len(accepted))
+        if not accepted:
+            return
+        reserved: list[tuple[TierEntry, memoryview]] = []
+        with self._lock:
+            generation = self._clear_generation
+            evicted: list[ChunkMeta] = []
+            for span, payload, codec in accepted:
+                if self.cpu.has_key(span.key):
+                    continue
+                tokens = array("q", token_list[span.start : span.end])
+                meta = ChunkMeta(span.key, span.parent_key, tokens, codec)
+                entry, evicted_now = self.cpu.reserve(meta, payload.nbytes)
+                evicted.extend(evicted_now)
+                if entry is None:
+                    break
+                reserved.append((entry, payload))
+            self._emit(self._removal_events(self.cpu, evicted))
+        try:
+            for entry, payload in reserved:
+                np.copyto(self.cpu.view(entry).numpy(), np.frombuffer(payload, dtype=np.uint8))
+        except BaseException:
+            with self._lock:
+                for entry, _ in reserved:
+                    self.cpu.abort(entry)
+            raise
+        with self._lock:
+            stored: list[Event] = []
+            for entry, _ in reserved:
+                if generation != self._clear_generation:
+                    self.cpu.abort(entry)
+                    continue
+                self.cpu.commit(entry)
+                stored.append(self._stored_event(self.cpu, entry.meta))
+            self._emit(stored)
+
+    def _check_remote_chunk(self, chunk: Any, span: ChunkSpan) -> None:
+        """Refuse a remote chunk of another geometry, dtype or an unknown codec (CorruptValue)."""
+        geometry = (chunk.num_layers, chunk.num_tokens, chunk.channels)
+        expected = (self.num_layers, span.num_tokens, self.channels)
+        if geometry != expected or chunk.dtype != self.identity.dtype:
+            raise CorruptValue(
+                f"holds [layers, tokens, channels] {list(geometry)} in {chunk.dtype}, expected "
+                f"{list(expected)} in {self.identity.dtype}"
+            )
+        if chunk.codec == "raw":
+            if chunk.payload.nbytes != self._raw_nbytes(span.num_tokens):
+                raise CorruptValue(
+                    f"raw payload of {chunk.payload.nbytes} bytes for {span.num_tokens} tokens"
+                )
+        elif chunk.codec not in codec_names():
+            raise CorruptValue(f"unknown codec {chunk.codec!r}")
 
     # ---- pins ----
     def pin(
@@ -1026,4 +1241,6 @@ class CacheEngine:
                 stats["disk_chunks"] = self.disk.num_chunks
                 stats["disk_evicted_chunks"] = self.disk.evicted_chunks
                 stats["disk_used_bytes"] = self.disk.used_bytes
-            return stats
+        if self.remote is not None:
+            stats.update(self.remote.stats())
+        return stats

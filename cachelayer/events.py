@@ -3,7 +3,8 @@
 Wire types (msgpack, array-like, tagged by class name as vLLM encodes them):
 - BlockStored: one per chunk; block_hashes = [chunk key], parent_block_hash = the previous
   chunk's key, token_ids = exactly the chunk's tokens (no one-token overlap), block_size = the
-  chunk's token count, medium "cpu" or "disk".
+  chunk's token count, medium "cpu", "disk" or "remote" (the shared Redis tier); a salted
+  chain's first chunk carries [(cache_salt,)] in extra_keys, as vLLM's events do.
 - BlockRemoved: the keys of chunks that left a tier (eviction, clear, move).
 - AllBlocksCleared: everything is gone.
 
@@ -50,6 +51,9 @@ class BlockStored(KVCacheEvent):
     lora_id: int | None = None
     medium: str | None = None
     lora_name: str | None = None
+    # As vLLM: per block, the extra keys of its hash; the cache layer sets [(cache_salt,)] on a
+    # salted chain's first chunk.
+    extra_keys: list[tuple[str, ...] | None] | None = None
 
 
 class BlockRemoved(KVCacheEvent):

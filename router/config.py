@@ -291,6 +291,19 @@ class SimulatedEngines(_Struct):
     extra_args: list[str] = []
 
 
+class SharedTier(_Struct):
+    """A KV store several backends read (a cache daemon they share, a Redis tier): a prefix any of
+    them put there is a hit for every one of them (router/policies/shared_tiers.py)."""
+
+    # The tier as the engines' KV events spell it in `medium` (case does not matter): the cache
+    # layer reports its Redis tier as "remote" and, in daemon mode, the daemon's store as "shared".
+    name: Annotated[str, msgspec.Meta(min_length=1)]
+    backends: Annotated[list[str], msgspec.Meta(min_length=1)]
+    # Prompt tokens one token loadable from this tier saves, as cpu_hit_weight does for a CPU tier:
+    # a load, not a GPU hit.
+    hit_weight: Annotated[float, msgspec.Meta(ge=0)] = 0.6
+
+
 class Launch(_Struct):
     simulated_engines: SimulatedEngines | None = None
 
@@ -305,6 +318,7 @@ class Config(_Struct):
     admin: Admin = msgspec.field(default_factory=Admin)
     auth: Auth = msgspec.field(default_factory=Auth)
     launch: Launch | None = None
+    shared_tiers: list[SharedTier] = []
     log_level: Literal["debug", "info", "warning", "error"] = "info"
 
     def model(self, name: str) -> Model | None:
@@ -388,6 +402,7 @@ def _check_semantics(config: Config, source: str, base_dir: Path | None) -> None
         config.auth.resolved_keys()
     except ValueError as exc:
         raise ConfigError(f"{source}: invalid configuration at `auth.api_keys_env`: {exc}") from None
+    _check_shared_tiers(config, source)
     if not config.backends and not (config.launch and config.launch.simulated_engines):
         raise ConfigError(
             f"{source}: invalid configuration at `backends`: no backends; list at least one, "
@@ -418,6 +433,34 @@ def check_admin_exposure(config: Config, host: str, source: str, where: str) -> 
         "anyone who reaches it; set admin.token or admin.token_env, listen on 127.0.0.1, or accept "
         "the exposure with `admin: {open: true}`"
     )
+
+
+def _check_shared_tiers(config: Config, source: str) -> None:
+    names = {backend.name for backend in config.backends}
+    attached: dict[tuple[str, str], int] = {}
+    weights: dict[str, float] = {}
+    for i, tier in enumerate(config.shared_tiers):
+        where = f"{source}: invalid configuration at `shared_tiers[{i}]"
+        tier_name = tier.name.lower()
+        if tier_name in ("gpu", "cuda"):
+            raise ConfigError(f"{where}.name`: {tier.name!r} is an engine's own GPU tier, never shared")
+        if weights.setdefault(tier_name, tier.hit_weight) != tier.hit_weight:
+            raise ConfigError(
+                f"{where}.hit_weight`: tier {tier.name!r} is listed with two hit weights; give its "
+                "entries the same one"
+            )
+        for backend in tier.backends:
+            if config.backends and backend not in names:
+                raise ConfigError(
+                    f"{where}.backends`: unknown backend {backend!r}; configured backends are "
+                    f"{sorted(names)}"
+                )
+            earlier = attached.setdefault((tier_name, backend), i)
+            if earlier != i:
+                raise ConfigError(
+                    f"{where}.backends`: backend {backend!r} is attached to tier {tier.name!r} in "
+                    f"shared_tiers[{earlier}] already; a backend reads one store per tier name"
+                )
 
 
 def parse_config(data: Any, source: str = "<config>", base_dir: Path | None = None) -> Config:

@@ -330,7 +330,7 @@ class KVIndexExtension:
             tier = match.best_tier()
             if tier is None:
                 continue
-            medium = _LOOKUP_MEDIUM.get(tier, tier)
+            medium = _LOOKUP_MEDIUM.get(tier, tier.upper())
             if name in stale:
                 stale_holders[name] = {"medium": medium, "tokens": match.tokens, "reason": stale[name]}
             else:

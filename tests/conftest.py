@@ -2,15 +2,25 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import pytest
 
 from tests.support import free_port
+from tests.support.redis_server import RedisServer, running_redis
 
 
 @pytest.fixture
 def port() -> int:
     """A free loopback port."""
     return free_port()
+
+
+@pytest.fixture
+def redis_server() -> Iterator[RedisServer]:
+    """A fresh redis-server on a free loopback port for one test, killed afterwards."""
+    with running_redis() as server:
+        yield server
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:

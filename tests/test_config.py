@@ -124,3 +124,43 @@ def test_kvgate_serve_refuses_a_bad_configuration(tmp_path):
     assert result.returncode == 2
     assert f"{path}: invalid configuration at `policy.name`" in result.stderr
     assert "Traceback" not in result.stderr
+
+
+def test_shared_tiers_name_the_backends_that_read_one_store():
+    two_backends = VALID["backends"] + [{"name": "engine-b", "url": "http://127.0.0.1:8002"}]
+    config = parse_config(
+        with_changes(
+            backends=two_backends,
+            shared_tiers=[{"name": "remote", "backends": ["engine-a", "engine-b"], "hit_weight": 0.7}],
+        )
+    )
+    assert [(t.name, t.backends, t.hit_weight) for t in config.shared_tiers] == [
+        ("remote", ["engine-a", "engine-b"], 0.7)
+    ]
+
+
+@pytest.mark.parametrize(
+    ("tiers", "expected"),
+    [
+        (
+            [{"name": "remote", "backends": ["engine-z"]}],
+            "shared_tiers[0].backends`: unknown backend 'engine-z'",
+        ),
+        (
+            [{"name": "GPU", "backends": ["engine-a"]}],
+            "shared_tiers[0].name`: 'GPU' is an engine's own GPU tier",
+        ),
+        (
+            [{"name": "remote", "backends": ["engine-a"]}, {"name": "Remote", "backends": ["engine-a"]}],
+            "backend 'engine-a' is attached to tier 'Remote' in shared_tiers[0] already",
+        ),
+        (
+            [{"name": "remote", "backends": ["engine-a"]}, {"name": "remote", "backends": []}],
+            "shared_tiers[1].backends`: Expected `array` of length >= 1",
+        ),
+    ],
+)
+def test_bad_shared_tiers_are_refused_with_the_key(tiers, expected):
+    with pytest.raises(ConfigError) as error:
+        parse_config(with_changes(shared_tiers=tiers), "proxy.yaml")
+    assert expected in str(error.value)

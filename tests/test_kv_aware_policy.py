@@ -467,3 +467,61 @@ def test_a_shared_header_alone_does_not_draw_cold_prompts_to_one_engine() -> Non
     drawn = KVAware(KVAwarePolicy(affinity_min_tokens=0), index)
     documents = [request(np.concatenate([header, PROMPTS[4 + n]])) for n in range(2)]
     assert [route(drawn, document, candidates).name for document in documents] == ["b0", "b0"]
+
+
+def shared_tier_fleet(in_flight: list[int]) -> list[BackendState]:
+    fleet = backends(len(in_flight))
+    for backend, count in zip(fleet, in_flight, strict=True):
+        backend.in_flight = count
+    return fleet
+
+
+def test_a_prefix_held_only_in_a_shared_tier_is_a_hit_for_every_attached_backend_and_load_picks() -> None:
+    from router.config import SharedTier
+    from router.policies.shared_tiers import SharedTiers
+
+    index = PrefixIndex()
+    # b0 stored the prompt into the Redis tier that b0, b1 and b2 read; b3 is not attached.
+    store(index, "b0", PROMPTS[0], medium="REMOTE")
+    fleet = shared_tier_fleet([2, 0, 1, 0])
+    tiers = SharedTiers([SharedTier(name="remote", backends=["b0", "b1", "b2"], hit_weight=0.6)])
+
+    unaware = KVAware(KVAwarePolicy(), index)
+    assert unaware.choose(request(PROMPTS[0]), fleet).name == "b0"  # pinned to the engine that stored it
+
+    aware = KVAware(KVAwarePolicy(), index, shared_tiers=tiers)
+    req = request(PROMPTS[0])
+    assert aware.choose(req, fleet).name == "b1"  # the least loaded of those that can load it
+    candidates = req.decision["candidates"]
+    assert candidates["b1"]["by_tier"] == {"remote": 512} and candidates["b2"]["cached"] == 512
+    assert candidates["b3"]["cached"] == 0
+    # Weighted as a load from that tier (0.6 a token), not as a GPU hit (1.0 a token).
+    assert candidates["b1"]["cost"] == pytest.approx(KVAwarePolicy().uncached_token_weight * 512 * 0.4)
+
+
+def test_an_own_gpu_hit_beats_the_same_prefix_in_the_shared_tier() -> None:
+    from router.config import SharedTier
+    from router.policies.shared_tiers import SharedTiers
+
+    index = PrefixIndex()
+    store(index, "b0", PROMPTS[1], medium="REMOTE")
+    store(index, "b2", PROMPTS[1], medium="GPU")
+    tiers = SharedTiers([SharedTier(name="remote", backends=["b0", "b1", "b2"])])
+    policy = KVAware(KVAwarePolicy(), index, shared_tiers=tiers)
+    req = request(PROMPTS[1])
+    assert policy.choose(req, shared_tier_fleet([0, 0, 0])).name == "b2"
+    assert req.decision["candidates"]["b2"]["cost"] < req.decision["candidates"]["b1"]["cost"]
+
+
+def test_a_shared_tier_stored_by_a_backend_that_is_not_a_candidate_still_counts() -> None:
+    from router.config import SharedTier
+    from router.policies.shared_tiers import SharedTiers
+
+    index = PrefixIndex()
+    store(index, "b0", PROMPTS[2], medium="SHARED")  # the daemon's store, reported by b0
+    tiers = SharedTiers([SharedTier(name="shared", backends=["b0", "b1", "b2", "b3"])])
+    policy = KVAware(KVAwarePolicy(), index, shared_tiers=tiers)
+    req = request(PROMPTS[2])
+    fleet = shared_tier_fleet([0, 3, 1, 2])[1:]  # b0 is down
+    assert policy.choose(req, fleet).name == "b2"
+    assert req.decision["cached_tokens"] == 512

@@ -4,8 +4,9 @@
   that cached it, which reports cached_tokens > 0; /debug/prefix-map agrees with the events the
   engines themselves still buffer (read back over their replay sockets).
 - Issue 6: engines with the cache layer (shared daemon) and a tiny GPU cache: the gateway takes
-  both tiers from each engine's stream (vLLM's "GPU" blocks, the connector's "CPU" chunks) and
-  routes by them: a prompt whose GPU blocks were evicted still goes where its CPU chunks are.
+  both tiers from each engine's stream (vLLM's "GPU" blocks, the connector's "SHARED" chunks: the
+  daemon's, reported by the engine that stored them) and routes by them: a prompt whose GPU blocks
+  were evicted still goes where its chunks were reported (no `shared_tiers` configured here).
 """
 
 from __future__ import annotations
@@ -182,9 +183,9 @@ def test_the_gateway_routes_by_gpu_and_cpu_tier_events_of_engines_sharing_the_da
             for filler in range(3):
                 engine_a.complete(long_text(seed=100 + filler, words=600), max_tokens=2)
 
-            # The index now holds the prompt on engine A in the CPU tier only.
+            # The index now holds the prompt on engine A in the daemon's (shared) tier only.
             assert wait_until(
-                lambda: lookup(gateway.url, cpu_tokens).get(engine_a.name) == ["CPU", whole_chunks],
+                lambda: lookup(gateway.url, cpu_tokens).get(engine_a.name) == ["SHARED", whole_chunks],
                 timeout_s=15,
             ), lookup(gateway.url, cpu_tokens)
             backend, response = complete(gateway.url, cpu_prompt + " and then")
@@ -203,5 +204,6 @@ def test_the_gateway_routes_by_gpu_and_cpu_tier_events_of_engines_sharing_the_da
             assert cached_tokens(response) > 0
 
             tiers = {name: entry["tokens"] for name, entry in prefix_map(gateway.url)["backends"].items()}
-            assert tiers[engine_a.name].get("cpu", 0) >= whole_chunks
+            assert tiers[engine_a.name].get("shared", 0) >= whole_chunks
+            assert "cpu" not in tiers[engine_a.name]  # the daemon's chunks are not its own CPU tier
             assert tiers[engine_b.name].get("gpu", 0) > 0

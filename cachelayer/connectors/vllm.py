@@ -64,8 +64,13 @@ if TYPE_CHECKING:
 log = logging.getLogger("vllm.cachelayer_connector")
 
 SERVER_KEY = "cachelayer_server"
-# Medium of the cache layer's chunks in vLLM's KV-event stream (vLLM's own blocks say "GPU").
+# Medium of the cache layer's chunks in vLLM's KV-event stream (vLLM's own blocks say "GPU"):
+# the worker's own store is this engine's CPU tier; the daemon's store is shared by every engine
+# attached to it, and the remote tier (Redis) by every engine configured with it. A router told
+# which backends share a tier (kvgate's `shared_tiers`) credits those chunks to all of them.
 EVENT_MEDIUM = "CPU"
+SHARED_DAEMON_MEDIUM = "SHARED"
+REMOTE_MEDIUM = "REMOTE"
 # Set to a file path to get one JSON line per hook call with its duration (benchmarks read it).
 TIMINGS_ENV = "CACHELAYER_CONNECTOR_TIMINGS"
 
@@ -177,7 +182,9 @@ class CacheLayerKVEvents(KVConnectorKVEvents):
         self._events.clear()
 
 
-def to_vllm_events(chunk_events: list[ChunkEvent], cache_salt: str | None) -> list[KVCacheEvent]:
+def to_vllm_events(
+    chunk_events: list[ChunkEvent], cache_salt: str | None, medium: str = EVENT_MEDIUM
+) -> list[KVCacheEvent]:
     """Chunk events of the store as vLLM KV events; a salted chain's first chunk carries its salt
     in extra_keys, as vLLM's own events do, so a router can keep salted prefixes apart."""
     events: list[KVCacheEvent] = []
@@ -191,14 +198,39 @@ def to_vllm_events(chunk_events: list[ChunkEvent], cache_salt: str | None) -> li
                     token_ids=list(chunk.token_ids),
                     block_size=len(chunk.token_ids),
                     lora_id=None,
-                    medium=EVENT_MEDIUM,
+                    medium=medium,
                     lora_name=None,
                     extra_keys=extra_keys,
                 )
             )
         else:
-            events.append(BlockRemoved(block_hashes=[chunk.key], medium=EVENT_MEDIUM))
+            events.append(BlockRemoved(block_hashes=[chunk.key], medium=medium))
     return events
+
+
+def remote_tier_events(events: list[Any]) -> list[KVCacheEvent]:
+    """The cache layer's own events for its remote tier (written there behind the store) as vLLM
+    KV events of medium REMOTE; the other tiers' events reach vLLM through the saves."""
+    converted: list[KVCacheEvent] = []
+    for event in events:
+        if getattr(event, "medium", None) != "remote":
+            continue
+        if hasattr(event, "token_ids"):
+            converted.append(
+                BlockStored(
+                    block_hashes=list(event.block_hashes),
+                    parent_block_hash=event.parent_block_hash,
+                    token_ids=list(event.token_ids),
+                    block_size=event.block_size,
+                    lora_id=None,
+                    medium=REMOTE_MEDIUM,
+                    lora_name=None,
+                    extra_keys=event.extra_keys,
+                )
+            )
+        else:
+            converted.append(BlockRemoved(block_hashes=list(event.block_hashes), medium=REMOTE_MEDIUM))
+    return converted
 
 
 class _HookTimings:
@@ -377,6 +409,9 @@ class CacheLayerConnector(KVConnectorBase_V1):
         self.lookup_server: StoreServer | None = None
         self._failed_blocks: set[int] = set()
         self._step_events: list[KVCacheEvent] = []
+        # The remote tier's events arrive from the store's writer thread, between steps.
+        self._remote_events: list[KVCacheEvent] = []
+        self._remote_events_lock = threading.Lock()
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         names = sorted(kv_caches, key=_layer_index)
@@ -418,6 +453,8 @@ class CacheLayerConnector(KVConnectorBase_V1):
             )
             engine = self.lookup_server.engine_for(space)
             assert engine is not None
+            if engine.remote is not None and self.tp_rank == 0:
+                engine.add_event_listener(self._collect_remote_events)
             self.lookup_server.start()
             self.store = LocalChunkStore(engine)
             where = f"in-process, lookups served on {self.lookup_server.endpoint}"
@@ -488,9 +525,11 @@ class CacheLayerConnector(KVConnectorBase_V1):
     def _collect_completed_saves(self) -> None:
         if self.saver is None:
             return
+        # The daemon's chunks are every attached engine's, not this engine's CPU tier.
+        medium = SHARED_DAEMON_MEDIUM if self.server_endpoint else EVENT_MEDIUM
         for completed in self.saver.take_completed():
             if self.tp_rank == 0:
-                self._step_events.extend(to_vllm_events(completed.events, completed.cache_salt))
+                self._step_events.extend(to_vllm_events(completed.events, completed.cache_salt, medium))
             self.timings.record_seconds(
                 "background_save", completed.seconds, request_id=completed.request_id, tokens=completed.tokens
             )
@@ -499,11 +538,19 @@ class CacheLayerConnector(KVConnectorBase_V1):
         failed, self._failed_blocks = self._failed_blocks, set()
         return failed
 
+    def _collect_remote_events(self, events: list[Any]) -> None:
+        converted = remote_tier_events(events)
+        if converted:
+            with self._remote_events_lock:
+                self._remote_events.extend(converted)
+
     def get_kv_connector_kv_cache_events(self) -> CacheLayerKVEvents | None:
         self._collect_completed_saves()
-        if not self._step_events:
+        with self._remote_events_lock:
+            remote, self._remote_events = self._remote_events, []
+        if not self._step_events and not remote:
             return None
-        events, self._step_events = self._step_events, []
+        events, self._step_events = self._step_events + remote, []
         return CacheLayerKVEvents(events)
 
     def _shutdown_worker(self) -> None:

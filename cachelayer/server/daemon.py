@@ -58,6 +58,23 @@ METRIC_HELP = {
     "cachelayer_daemon_expired_leases_total": ("counter", "Leases ended by their deadline"),
     "cachelayer_daemon_reclaimed_leases_total": ("counter", "Leases ended because their client died"),
 }
+# The remote tier's counters (present when remote_url is set), named cachelayer_<stats key>
+# (counters with _total): engine.stats() key -> (kind, help).
+REMOTE_METRIC_HELP = {
+    "remote_hit_chunks": ("counter", "Chunks found in the remote tier"),
+    "remote_miss_chunks": ("counter", "Chunks asked of the remote tier and not found"),
+    "remote_errors": ("counter", "Remote calls that failed or timed out"),
+    "remote_bytes_in": ("counter", "Bytes read from the remote tier"),
+    "remote_bytes_out": ("counter", "Bytes written to the remote tier"),
+    "remote_dropped_writes": ("counter", "Chunks not written through (queue full or remote down)"),
+    "remote_corrupt_chunks": ("counter", "Remote values that failed their check, refused and deleted"),
+    "remote_circuit_open": ("gauge", "Engines whose remote circuit breaker is open"),
+}
+
+
+def _remote_metric_name(field: str) -> str:
+    kind, _ = REMOTE_METRIC_HELP[field]
+    return f"cachelayer_{field}_total" if kind == "counter" else f"cachelayer_{field}"
 
 
 class KeySpaceLimitError(RuntimeError):
@@ -304,6 +321,10 @@ class StoreServer:
             totals["lmcache_mp_l1_write_chunks_total"] += stats["write_chunks"]
             totals["lmcache_mp_lookup_requested_tokens_total"] += stats["lookup_requested_tokens"]
             totals["lmcache_mp_lookup_hit_tokens_total"] += stats["lookup_hit_tokens"]
+            for field in REMOTE_METRIC_HELP:
+                if field in stats:
+                    name = _remote_metric_name(field)
+                    totals[name] = totals.get(name, 0.0) + float(stats[field])
         with self.store_lock:
             totals["lmcache_mp_l1_evicted_chunks_total"] = self.cpu.evicted_chunks
             totals["lmcache_mp_l1_usage_ratio"] = self.cpu.usage_ratio
@@ -316,8 +337,9 @@ class StoreServer:
 
     def metrics_text(self) -> str:
         lines = []
+        help_by_name = METRIC_HELP | {_remote_metric_name(f): help for f, help in REMOTE_METRIC_HELP.items()}
         for name, value in self.metric_values().items():
-            kind, help_text = METRIC_HELP[name]
+            kind, help_text = help_by_name[name]
             lines += [f"# HELP {name} {help_text}", f"# TYPE {name} {kind}", f"{name} {value:g}"]
         return "\n".join(lines) + "\n"
 

@@ -37,6 +37,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=30.0,
         help="how long a same-host client may hold chunks between two messages (shared memory)",
     )
+    parser.add_argument(
+        "--remote-url", default=None, help="shared remote tier below L1 (redis://HOST:PORT); none by default"
+    )
+    parser.add_argument("--remote-serde", default="naive", choices=["naive", "cachegen"])
 
 
 def run(args: argparse.Namespace, server_class: type[StoreServer] = StoreServer) -> int:
@@ -48,6 +52,8 @@ def run(args: argparse.Namespace, server_class: type[StoreServer] = StoreServer)
                 "cache_policy": args.eviction_policy,
                 # Only full chunks are shared between engines (a tail chunk differs per prompt).
                 "save_unfull_chunk": False,
+                "remote_url": args.remote_url,
+                "remote_serde": args.remote_serde,
             },
             source="cachelayer server flags",
         )

@@ -27,6 +27,9 @@ class ChunkMeta:
     # "raw": the KV as [num_layers, 2, num_tokens, channels] in the engine's dtype; otherwise the
     # name of the codec whose blob is stored.
     fmt: str = "raw"
+    # The cache_salt of a chain's first chunk, for its KV event (vLLM carries it in extra_keys so a
+    # router keeps salted prefixes apart); None for later chunks (their keys chain from it).
+    cache_salt: str | None = None
 
     @property
     def num_tokens(self) -> int:

@@ -35,6 +35,9 @@ The cheapest backend wins, with these guards:
 With measure_load_costs (off by default), the TTFTs of streamed requests measure what a request in
 flight and a queued prompt token cost on these engines, in prompt tokens, and the larger of
 measured and configured weight applies (router/policies/load_costs.py, docs/index.md).
+With `shared_tiers` configured, a prefix held in a store several backends read (a shared cache
+daemon, a Redis tier) counts for every backend attached to it, at that tier's hit weight
+(router/policies/shared_tiers.py), so the load terms choose among them.
 After routing, the prompt is credited to the chosen backend for prediction_ttl_s (its events arrive
 only after the prefill); predictions steer routing but never appear in the index or /lookup.
 """
@@ -54,6 +57,7 @@ from router.config import CacheAwareGuards, KVAwarePolicy
 from router.index.prefix_index import ROUTER_BLOCK_TOKENS, BackendMatch, prompt_prefix_keys
 from router.policies.least_loaded import fewest_in_flight
 from router.policies.load_costs import MeasuredLoadCosts
+from router.policies.shared_tiers import SharedTiers
 
 if TYPE_CHECKING:
     from router.backends import BackendState
@@ -332,10 +336,17 @@ class CacheAwarePolicy:
 class KVAware(CacheAwarePolicy):
     name = "kv_aware"
 
-    def __init__(self, config: KVAwarePolicy, kv_index: Any = None, registry: Any = None) -> None:
+    def __init__(
+        self,
+        config: KVAwarePolicy,
+        kv_index: Any = None,
+        registry: Any = None,
+        shared_tiers: SharedTiers | None = None,
+    ) -> None:
         super().__init__(config, registry)
         self.config = config
         self.kv_index = kv_index
+        self.shared_tiers = shared_tiers or SharedTiers([])
         self.predictions = Predictions(config.prediction_ttl_s)
         self.prefix_uses = RecentPrefixUses(config.share_half_life_s)
         self.load_costs = (
@@ -347,6 +358,7 @@ class KVAware(CacheAwarePolicy):
             "gpu": config.gpu_hit_weight,
             "cpu": config.cpu_hit_weight,
             "disk": config.disk_hit_weight,
+            **self.shared_tiers.hit_weights,
         }
 
     def choose(self, request: RouteRequest, candidates: list[BackendState]) -> BackendState:
@@ -365,7 +377,12 @@ class KVAware(CacheAwarePolicy):
             keys = prompt_prefix_keys(tokens, namespace)
             if self.kv_index is not None:
                 backends = [b.name for b in candidates]
+                if self.shared_tiers:
+                    # A member that is no candidate now (unhealthy, another model) may have stored it.
+                    backends += [name for name in self.shared_tiers.members if name not in backends]
                 matches = self.kv_index.longest_cached_prefix(tokens, namespace, backends, keys=keys)
+                if self.shared_tiers:
+                    matches = self.shared_tiers.credit(matches)
             request.decision["prefix_keys"] = keys
         costs: dict[str, float] = {}
         cached: dict[str, int] = {}
@@ -481,4 +498,6 @@ class KVAware(CacheAwarePolicy):
 
 def create(policy_config: KVAwarePolicy, gateway: Any) -> KVAware:
     registry = getattr(getattr(gateway, "metrics", None), "registry", None)
-    return KVAware(policy_config, getattr(gateway, "kv_index", None), registry)
+    config = getattr(gateway, "config", None)
+    shared_tiers = SharedTiers(getattr(config, "shared_tiers", []))
+    return KVAware(policy_config, getattr(gateway, "kv_index", None), registry, shared_tiers)

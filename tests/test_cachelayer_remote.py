@@ -1,0 +1,384 @@
+"""The shared remote tier on a real redis-server: sharing, integrity, failures and capacity."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from cachelayer.config import CacheLayerConfigError, parse_config
+from cachelayer.storage.remote import CircuitBreaker, CorruptValue, decode_value, encode_value
+from tests.support.cachelayer import CHUNK, make_engine, request
+from tests.support.processes import REPO_ROOT
+from tests.support.redis_server import RedisServer, running_redis
+
+# Short time boxes: a failing Redis must cost at most this long per call in these tests.
+FAST = {"remote_timeout_s": 0.2, "remote_failure_threshold": 2, "remote_retry_after_s": 0.3}
+
+
+def remote_engine(server: RedisServer, chunks_in_pool: float = 64, **config):
+    return make_engine(chunks_in_pool, remote_url=server.url, **FAST, **config)
+
+
+def store_in_another_process(url: str, seed: int, chunks: int, **config: object) -> None:
+    """Store request(seed, chunks) from a separate Python process with its own L1, then exit."""
+    script = (
+        "import sys; from tests.support.cachelayer import make_engine, request\n"
+        f"engine = make_engine(64, remote_url={url!r}, **{config!r})\n"
+        f"tokens, kv = request({seed}, {chunks})\n"
+        "assert engine.store(tokens, kv) == len(tokens)\n"
+        "assert engine.flush_remote(timeout_s=20)\n"
+        "stats = engine.stats(); engine.close()\n"
+        "sys.exit(0 if stats['remote_written_chunks'] > 0 else 3)\n"
+    )
+    subprocess.run([sys.executable, "-c", script], cwd=REPO_ROOT, check=True, timeout=120)
+
+
+def remote_keys(server: RedisServer) -> list[bytes]:
+    with server.client() as client:
+        return sorted(client.keys("cachelayer:*"))
+
+
+# ---- values ----
+
+
+def test_a_value_round_trips_and_any_flipped_byte_is_refused():
+    payload = bytes(range(256)) * 4
+    value = encode_value(
+        0xABC, payload, codec="raw", dtype="bfloat16", num_layers=2, num_tokens=16, channels=16
+    )
+    chunk = decode_value(bytes(value), 0xABC)
+    assert (chunk.codec, chunk.dtype, chunk.num_layers, chunk.num_tokens, chunk.channels) == (
+        "raw", "bfloat16", 2, 16, 16,
+    )  # fmt: skip
+    assert bytes(chunk.payload) == payload
+    for position in (0, 10, 30, len(value) // 2, len(value) - 1):
+        damaged = bytearray(value)
+        damaged[position] ^= 0x01
+        with pytest.raises(CorruptValue):
+            decode_value(bytes(damaged), 0xABC)
+    with pytest.raises(CorruptValue, match="holds chunk"):
+        decode_value(bytes(value), 0xABD)
+    with pytest.raises(CorruptValue):
+        decode_value(bytes(value)[:-1], 0xABC)
+
+
+def test_the_breaker_opens_after_failures_and_lets_one_probe_through_later():
+    now = [0.0]
+    breaker = CircuitBreaker(failure_threshold=2, retry_after_s=5.0, clock=lambda: now[0])
+    breaker.failed()
+    assert breaker.allow()
+    breaker.failed()
+    assert breaker.is_open and not breaker.allow()
+    now[0] = 5.0
+    assert breaker.allow()  # the probe
+    assert not breaker.allow()  # only one at a time
+    breaker.failed()
+    assert breaker.is_open and not breaker.allow()
+    now[0] = 10.0
+    assert breaker.allow()
+    breaker.succeeded()
+    assert not breaker.is_open and breaker.allow()
+
+
+# ---- sharing across processes ----
+
+
+def test_a_prompt_stored_by_one_process_is_found_and_loaded_by_another(redis_server):
+    store_in_another_process(redis_server.url, seed=1, chunks=4, **FAST)
+    tokens, kv = request(1, 4)
+    assert len(remote_keys(redis_server)) == 4
+    with remote_engine(redis_server) as engine:
+        assert engine.cpu.num_chunks == 0  # its own L1 is empty: the hit comes from Redis
+        assert engine.lookup(tokens) == len(tokens)
+        hit, loaded = engine.retrieve(tokens)
+        assert hit == len(tokens)
+        assert torch.equal(loaded, kv)
+        assert engine.cpu.num_chunks == 4  # promoted to L1
+        stats = engine.stats()
+        assert stats["remote_hit_chunks"] == 8  # 4 by the lookup, 4 by the retrieve
+        assert stats["remote_bytes_in"] > kv.numel() * 2
+        # Longer prompt, same prefix: the prefix is a hit, the rest a miss.
+        longer = tokens + [7] * CHUNK
+        assert engine.lookup(longer) == len(tokens)
+
+
+def test_the_writer_skips_chunks_another_engine_already_wrote(redis_server):
+    store_in_another_process(redis_server.url, seed=2, chunks=3, **FAST)
+    tokens, kv = request(2, 3)
+    with remote_engine(redis_server) as engine:
+        engine.store(tokens, kv)
+        assert engine.flush_remote(timeout_s=10)
+        stats = engine.stats()
+        assert stats["remote_written_chunks"] == 0 and stats["remote_bytes_out"] == 0
+
+
+def test_cachegen_serde_sends_fewer_bytes_and_loads_close_to_the_original(redis_server):
+    tokens, kv = request(3, 2)
+    with remote_engine(redis_server, remote_serde="naive") as writer:
+        writer.store(tokens, kv)
+        assert writer.flush_remote(timeout_s=10)
+        naive_bytes = writer.stats()["remote_bytes_out"]
+    with redis_server.client() as client:
+        client.flushall()
+    with remote_engine(redis_server, remote_serde="cachegen") as writer:
+        writer.store(tokens, kv)
+        assert writer.flush_remote(timeout_s=60)
+        cachegen_bytes = writer.stats()["remote_bytes_out"]
+    assert 0 < cachegen_bytes < naive_bytes
+    with remote_engine(redis_server) as reader:
+        hit, loaded = reader.retrieve(tokens)
+        assert hit == len(tokens)
+        error = (loaded.float() - kv.float()).abs().mean() / kv.float().abs().mean()
+        assert error < 0.2
+
+
+# ---- identity and integrity ----
+
+
+def test_salts_and_identities_never_share_chunks(redis_server):
+    tokens, kv = request(4, 2)
+    with remote_engine(redis_server) as writer:
+        writer.store(tokens, kv, cache_salt="tenant-a")
+        assert writer.flush_remote(timeout_s=10)
+    with remote_engine(redis_server) as reader:
+        assert reader.lookup(tokens, cache_salt="tenant-a") == len(tokens)
+        assert reader.lookup(tokens, cache_salt="tenant-b") == 0
+        assert reader.lookup(tokens) == 0
+        assert reader.retrieve(tokens, cache_salt="tenant-b") == (0, None)
+    other_model = parse_config({"chunk_size": CHUNK, "remote_url": redis_server.url, **FAST})
+    from cachelayer import CacheEngine
+
+    with CacheEngine(other_model, num_layers=2, num_kv_heads=2, head_dim=8, dtype="bfloat16",
+                     model_name="another-model") as reader:  # fmt: skip
+        assert reader.lookup(tokens, cache_salt="tenant-a") == 0
+
+
+def test_a_corrupted_value_is_a_miss_and_is_deleted(redis_server):
+    tokens, kv = request(5, 3)
+    with remote_engine(redis_server) as writer:
+        writer.store(tokens, kv)
+        assert writer.flush_remote(timeout_s=10)
+        second = writer.remote.redis_key(writer._spans(tokens, None, None)[1].key)
+    with redis_server.client() as client:
+        value = bytearray(client.get(second))
+        value[100] ^= 0xFF  # one damaged byte in the KV payload
+        client.set(second, bytes(value))
+    with remote_engine(redis_server) as reader:
+        hit, loaded = reader.retrieve(tokens)
+        assert hit == CHUNK  # the first chunk only: the damaged second stops the prefix
+        assert torch.equal(loaded, kv[:, :, :CHUNK])
+        assert reader.stats()["remote_corrupt_chunks"] == 1
+    with redis_server.client() as client:
+        assert not client.exists(second)
+
+
+def test_a_chunk_whose_parent_was_evicted_is_not_a_prefix_hit(redis_server):
+    tokens, kv = request(6, 4)
+    with remote_engine(redis_server) as writer:
+        writer.store(tokens, kv)
+        assert writer.flush_remote(timeout_s=10)
+        spans = writer._spans(tokens, None, None)
+        parent_of_third = writer.remote.redis_key(spans[1].key)
+    with redis_server.client() as client:
+        client.delete(parent_of_third)  # what allkeys-lru does to a cold chunk
+        assert client.exists(*(k for k in remote_keys(redis_server))) == 3
+    with remote_engine(redis_server) as reader:
+        assert reader.lookup(tokens) == CHUNK
+        hit, _ = reader.retrieve(tokens)
+        assert hit == CHUNK
+        assert reader.cpu.num_chunks == 1  # chunks past the gap are not even promoted
+
+
+def test_under_real_lru_eviction_every_hit_is_a_held_prefix():
+    with running_redis("--maxmemory", "2mb", "--maxmemory-policy", "allkeys-lru") as server:
+        prompts = [request(100 + seed, 8) for seed in range(160)]  # ~2.7 MB in all: Redis must evict
+        with remote_engine(server, chunks_in_pool=2048) as writer:
+            for tokens, kv in prompts:
+                writer.store(tokens, kv)
+                assert writer.flush_remote(timeout_s=10)
+        with server.client() as client:
+            assert int(client.info("stats")["evicted_keys"]) > 0
+            with remote_engine(server) as reader:
+                hits = 0
+                for tokens, kv in prompts[-20:]:
+                    spans = reader._spans(tokens, None, None)
+                    held = [client.exists(reader.remote.redis_key(span.key)) for span in spans]
+                    expected = next((i for i, present in enumerate(held) if not present), len(held)) * CHUNK
+                    assert reader.lookup(tokens) == expected
+                    hit, loaded = reader.retrieve(tokens)
+                    assert hit == expected
+                    if hit:
+                        hits += 1
+                        assert torch.equal(loaded, kv[:, :, :hit])
+                assert hits > 0
+
+
+# ---- failures: degraded, never an error, never a stall ----
+
+
+def test_redis_killed_mid_run_degrades_to_local_tiers_without_errors_or_stalls(redis_server):
+    first, first_kv = request(7, 2)
+    second, second_kv = request(8, 2)
+    with remote_engine(redis_server) as engine:
+        engine.store(first, first_kv)
+        assert engine.flush_remote(timeout_s=10)
+        redis_server.kill()
+        started = time.monotonic()
+        assert engine.store(second, second_kv) == len(second)
+        assert engine.flush_remote(timeout_s=10)
+        assert engine.lookup(first) == len(first)  # from L1
+        assert engine.retrieve(first)[0] == len(first)
+        assert engine.lookup(second + [1] * CHUNK) == len(second)  # the remote part is a miss
+        assert engine.retrieve([9] * (3 * CHUNK)) == (0, None)
+        assert time.monotonic() - started < 2.0
+        stats = engine.stats()
+        assert stats["remote_errors"] >= 1 and stats["remote_circuit_open"]
+
+
+def test_a_hung_redis_costs_one_timeout_then_the_open_breaker_answers_at_once(redis_server):
+    tokens, kv = request(9, 2)
+    with remote_engine(redis_server) as engine:
+        redis_server.pause()
+        try:
+            started = time.monotonic()
+            assert engine.store(tokens, kv) == len(tokens)
+            assert time.monotonic() - started < 0.1  # the store never waits for the remote
+            for _ in range(2):  # remote_failure_threshold timeouts open the breaker
+                assert engine.lookup([5] * CHUNK) == 0
+            assert engine.stats()["remote_circuit_open"]
+            started = time.monotonic()
+            for _ in range(20):
+                assert engine.lookup([5] * CHUNK) == 0
+                assert engine.retrieve([5] * CHUNK) == (0, None)
+            assert time.monotonic() - started < 0.2
+        finally:
+            redis_server.resume()
+
+
+def test_a_full_write_queue_drops_and_counts_instead_of_waiting(redis_server):
+    with remote_engine(redis_server, remote_write_queue_batches=1) as engine:
+        redis_server.pause()
+        try:
+            started = time.monotonic()
+            for seed in range(20):
+                tokens, kv = request(200 + seed, 1)
+                engine.store(tokens, kv)
+            assert time.monotonic() - started < 0.5
+            assert engine.stats()["remote_dropped_writes"] > 0
+        finally:
+            redis_server.resume()
+
+
+def test_after_a_restart_the_tier_recovers(redis_server):
+    before, before_kv = request(10, 2)
+    after, after_kv = request(11, 2)
+    with remote_engine(redis_server) as engine:
+        engine.store(before, before_kv)
+        assert engine.flush_remote(timeout_s=10)
+        redis_server.kill()
+        for _ in range(3):
+            engine.lookup([3] * CHUNK)
+        assert engine.stats()["remote_circuit_open"]
+        redis_server.start()  # same port, empty: a restarted server without persistence
+        time.sleep(FAST["remote_retry_after_s"] + 0.05)
+        assert engine.lookup([3] * CHUNK) == 0  # the probe closes the breaker
+        assert not engine.stats()["remote_circuit_open"]
+        engine.store(after, after_kv)
+        assert engine.flush_remote(timeout_s=10)
+    with remote_engine(redis_server) as reader:
+        assert reader.lookup(before) == 0  # lost with the restart: a miss, nothing worse
+        hit, loaded = reader.retrieve(after)
+        assert hit == len(after) and torch.equal(loaded, after_kv)
+
+
+# ---- LMCache's configuration keys ----
+
+
+@pytest.mark.parametrize(
+    "url",
+    ["redis://127.0.0.1:6379", "rediss://cache.example:6380", "redis://:secret@10.0.0.5:6379/2", "unix:///tmp/r.sock"],
+)
+def test_lmcache_remote_url_forms_are_accepted(url):
+    config = parse_config({"remote_url": url, "remote_serde": "cachegen", "blocking_timeout_secs": 5})
+    assert (config.remote_url, config.remote_serde, config.blocking_timeout_secs) == (url, "cachegen", 5)
+
+
+def test_blocking_timeout_secs_caps_every_remote_call():
+    assert parse_config({"blocking_timeout_secs": 1, "remote_timeout_s": 30}).remote_call_timeout_s == 1.0
+    assert parse_config({}).remote_call_timeout_s == 1.0
+
+
+def test_remote_backends_other_than_redis_are_refused_with_what_to_use():
+    with pytest.raises(CacheLayerConfigError, match=r"remote_url.*redis://HOST:PORT"):
+        parse_config({"remote_url": "lm://localhost:65432"}, "lmcache.yaml")
+
+
+def test_an_unknown_serde_is_refused_with_the_choices():
+    with pytest.raises(CacheLayerConfigError, match=r"remote_serde.*naive, cachegen"):
+        parse_config({"remote_serde": "safetensor"}, "lmcache.yaml")
+
+
+def test_lmcache_worker_port_is_the_deprecated_alias_of_lmcache_worker_ports():
+    assert parse_config({"lmcache_worker_port": 9001}).lmcache_worker_ports == [9001]
+    assert parse_config({"lmcache_worker_port": [9001, 9002]}).lmcache_worker_ports == [9001, 9002]
+    with pytest.raises(CacheLayerConfigError, match=r"lmcache_worker_port.*keep only `lmcache_worker_ports`"):
+        parse_config({"lmcache_worker_port": 1, "lmcache_worker_ports": [2]}, "lmcache.yaml")
+
+
+def test_unknown_keys_still_fail_clearly():
+    accepted = r"unknown field `remote_urls`.*accepted keys: .*remote_url"
+    with pytest.raises(CacheLayerConfigError, match=accepted):
+        parse_config({"remote_urls": "redis://x:1"}, "lmcache.yaml")
+
+
+def test_the_daemon_reports_the_remote_tier_in_its_metrics(redis_server):
+    from cachelayer.server.daemon import StoreServer
+    from cachelayer.server.protocol import KeySpace
+    from tests.support.metrics import metric_samples, sample_key
+
+    config = parse_config({"chunk_size": CHUNK, "remote_url": redis_server.url, **FAST})
+    server = StoreServer(config, "tcp://127.0.0.1:0")
+    try:
+        space = KeySpace(model="m", dtype="bfloat16", world_size=1, worker_id=0,
+                         num_layers=2, num_kv_heads=2, head_dim=8)  # fmt: skip
+        engine = server.engine_for(space)
+        tokens, kv = request(12, 2)
+        engine.store(tokens, kv)
+        assert engine.flush_remote(timeout_s=10)
+        samples = metric_samples(server.metrics_text())
+        assert samples[sample_key("cachelayer_remote_bytes_out_total")] > kv.numel() * 2
+        assert samples[sample_key("cachelayer_remote_circuit_open")] == 0
+    finally:
+        server.close()
+
+
+def test_the_remote_tier_announces_what_it_wrote_with_the_chain_salt(redis_server):
+    tokens, kv = request(13, 2)
+    announced = []
+    with remote_engine(redis_server) as engine:
+        engine.add_event_listener(lambda events: announced.extend(e for e in events if e.medium == "remote"))
+        engine.store(tokens, kv, cache_salt="tenant-a")
+        assert engine.flush_remote(timeout_s=10)
+        spans = engine._spans(tokens, "tenant-a", None)
+    assert [event.block_hashes for event in announced] == [[spans[0].key], [spans[1].key]]
+    assert announced[0].extra_keys == [("tenant-a",)] and announced[1].extra_keys is None
+    assert announced[1].parent_block_hash == spans[0].key
+
+
+def test_a_prompt_costs_one_mget_to_load_and_one_exists_pipeline_to_look_up(redis_server):
+    tokens, kv = request(14, 6)
+    with remote_engine(redis_server) as writer:
+        writer.store(tokens, kv)
+        assert writer.flush_remote(timeout_s=10)
+    with redis_server.client() as client, remote_engine(redis_server) as reader:
+        client.config_resetstat()
+        assert reader.lookup(tokens) == len(tokens)
+        assert reader.retrieve(tokens)[0] == len(tokens)
+        stats = client.info("commandstats")
+    assert stats["cmdstat_mget"]["calls"] == 1  # the whole prompt's chunks in one command
+    assert "cmdstat_get" not in stats
+    assert stats["cmdstat_exists"]["calls"] == 6  # one per chunk, sent as one pipeline
