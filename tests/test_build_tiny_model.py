@@ -34,3 +34,14 @@ def test_the_tests_model_and_the_routing_tiers_model_live_apart():
     assert model_dir_for(TINY_MODEL_LAYERS) == TINY_MODEL
     deep = model_dir_for(DEFAULT_MODEL_LAYERS)
     assert deep != TINY_MODEL and deep.parent == TINY_MODEL.parent and str(DEFAULT_MODEL_LAYERS) in deep.name
+
+
+def test_the_prefill_preset_builds_qwen3_0_6b_widths_with_the_layers_asked_for(tmp_path):
+    out = tmp_path / "prefill"
+    assert build(out, layers=1, preset="prefill") is True
+    config = json.loads((out / "config.json").read_text())
+    assert (config["hidden_size"], config["num_key_value_heads"], config["head_dim"]) == (1024, 4, 128)
+    assert config["num_hidden_layers"] == 1
+    assert build(out, layers=1, preset="prefill") is False
+    with pytest.raises(ValueError, match="unknown preset"):
+        build(tmp_path / "other", preset="huge")
