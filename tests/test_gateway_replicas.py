@@ -213,7 +213,8 @@ def test_three_replicas_see_each_others_in_flight_requests_and_predicted_prefixe
 def test_a_killed_replicas_in_flight_requests_vanish_from_its_peers(
     start_replicas: Callable[..., list[GatewayProcess]],
 ) -> None:
-    first, second = start_replicas(2)
+    # least_loaded: the loads travel whatever the policy, and it starts without a tokenizer.
+    first, second = start_replicas(2, policy="least_loaded")
     slow = SlowRequest(first, chat("Which island had the most nests?", stream=True), seconds=20.0)
     try:
         wait_until(lambda: sum(peer_load(second).values()) == 1, 10, "replica b seeing a's request in flight")
@@ -230,7 +231,8 @@ def test_a_killed_replicas_in_flight_requests_vanish_from_its_peers(
 def test_replicas_route_on_their_own_view_while_redis_is_down_and_resync_after(
     redis_server: RedisServer, start_replicas: Callable[..., list[GatewayProcess]]
 ) -> None:
-    first, second = start_replicas(2)
+    # least_loaded: the loads travel whatever the policy, and it starts without a tokenizer.
+    first, second = start_replicas(2, policy="least_loaded")
     redis_server.kill()
     for replica in (first, second):
         wait_until(
@@ -287,7 +289,7 @@ def test_session_pins_follow_a_session_across_replicas(
 def test_two_workers_serve_one_port_restart_when_they_crash_and_stop_with_the_supervisor(
     engines: Engines, redis_server: RedisServer
 ) -> None:
-    config = replica_config(engines, redis_server, "host")
+    config = replica_config(engines, redis_server, "host", policy="least_loaded")
     with start_gateway(config, ["--workers", "2"]) as gateway:
         pids: set[str] = set()
         replicas: set[str] = set()
