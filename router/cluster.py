@@ -28,6 +28,7 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Annotated, Any
+from urllib.parse import urlsplit
 
 import msgspec
 from prometheus_client import Counter, Gauge
@@ -105,6 +106,9 @@ class ClusterSync:
     ) -> None:
         self.config = config
         self.replica_id = config.replica_id or default_replica_id()
+        # The URL as logs show it: a password in it (redis://user:secret@host) stays out of them.
+        parts = urlsplit(config.url)
+        self.where = parts._replace(netloc=parts.netloc.rpartition("@")[2]).geturl()
         self.backends = backends
         self.policy = policy
         self._peers: dict[str, _Peer] = {}
@@ -197,7 +201,7 @@ class ClusterSync:
             asyncio.create_task(self._publish_loop(), name="kvgate-cluster-publish"),
             asyncio.create_task(self._listen_loop(redis), name="kvgate-cluster-listen"),
         ]
-        log.info("replica %s syncs on %s channel %s", self.replica_id, self.config.url, self.config.channel)
+        log.info("replica %s syncs on %s channel %s", self.replica_id, self.where, self.config.channel)
 
     async def stop(self) -> None:
         for task in self._tasks:
@@ -242,14 +246,14 @@ class ClusterSync:
                 self._pending.clear()
                 if self.publishing:
                     log.warning(
-                        "replica sync: cannot publish to %s (%s); routing on the local view", config.url, exc
+                        "replica sync: cannot publish to %s (%s); routing on the local view", self.where, exc
                     )
                 self.publishing = False
                 await asyncio.sleep(config.heartbeat_s)
                 continue
             self._counters["sent"].inc()
             if not self.publishing:
-                log.info("replica sync: publishing to %s", config.url)
+                log.info("replica sync: publishing to %s", self.where)
             self.publishing = True
             if config.flush_interval_s:
                 await asyncio.sleep(config.flush_interval_s)
@@ -280,7 +284,7 @@ class ClusterSync:
                 raise
             except Exception as exc:  # any transport failure: retry after a heartbeat
                 if self.listening:
-                    log.warning("replica sync: lost the subscription on %s (%s); retrying", config.url, exc)
+                    log.warning("replica sync: lost the subscription on %s (%s); retrying", self.where, exc)
             finally:
                 self.listening = False
                 with contextlib.suppress(Exception):
@@ -304,7 +308,7 @@ class ClusterSync:
                 raise ConnectionError(f"no message on the channel for {self.config.peer_timeout_s:g} s")
             if not self.listening and now - self._last_echo < self.config.peer_timeout_s:
                 self.listening = True
-                log.info("replica sync: listening on %s", self.config.url)
+                log.info("replica sync: listening on %s", self.where)
 
     def receive(self, data: bytes, now: float) -> None:
         """Apply one message from the channel (checked: a bad one is counted and ignored)."""

@@ -101,3 +101,9 @@ def test_own_messages_only_prove_the_subscription_alive() -> None:
     sync, backends = make_sync()
     sync.receive(encode(SyncMessage("me", [BackendLoad("a", 4, 0)])), now=5.0)
     assert sync.peers == [] and backends["a"].in_flight == 0 and sync._last_echo == 5.0
+
+
+def test_the_logged_url_leaves_the_password_out() -> None:
+    config = Cluster(url="redis://kvgate:s3cret@10.0.0.5:6379/0")
+    sync = ClusterSync(config, {}, KVAware(KVAwarePolicy()), CollectorRegistry())
+    assert sync.where == "redis://10.0.0.5:6379/0"
