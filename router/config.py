@@ -439,6 +439,11 @@ def _check_semantics(config: Config, source: str, base_dir: Path | None) -> None
     except ValueError as exc:
         raise ConfigError(f"{source}: invalid configuration at `auth.api_keys_env`: {exc}") from None
     _check_shared_tiers(config, source)
+    if config.cluster is not None and importlib.util.find_spec("redis") is None:
+        raise ConfigError(
+            f"{source}: invalid configuration at `cluster`: replicas sync through Redis, and the redis "
+            "client is not installed; pip install 'kvgate[cluster]' (or remove `cluster:`)"
+        )
     if not config.backends and not (config.launch and config.launch.simulated_engines):
         raise ConfigError(
             f"{source}: invalid configuration at `backends`: no backends; list at least one, "
