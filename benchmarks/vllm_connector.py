@@ -278,8 +278,10 @@ def write_report(results: dict, path: Path) -> None:
         f"({shape.get('num_hidden_layers')} layers, hidden {shape.get('hidden_size')}, "
         f"{shape.get('num_key_value_heads')} KV heads x {shape.get('head_dim')}, bf16), block size 32, "
         f"chunk size {CHUNK}, {results['prompts']} prompts of {PROMPT_TOKENS} tokens, vLLM's own prefix "
-        "cache off on every engine; the engines run at once and each prompt goes to each engine in "
-        "turn, cold pass then repeat pass; TTFT measured by the client on a streamed completion. "
+        "cache off on every engine; the engines run two at a time (no connector with in process, then "
+        "the daemon's two) and each prompt goes to each engine of the pair in turn, cold pass then "
+        "repeat pass; TTFT measured by the client on a streamed completion. A hit loads 7 of a prompt's "
+        "8 chunks (the chunk holding the last prompt token is always computed). "
         "2 CPU cores shared with other jobs "
         f"(1-minute load average at the end: {results['load_average_1m_at_end']:.1f}). "
         f"Command: `.venv/bin/python benchmarks/vllm_connector.py --model {results.get('model', 'tiny')}`.",
