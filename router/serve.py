@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from router.config import Config
+    from router.sim.launcher import SimulatedFleet
 
 log = logging.getLogger("kvgate")
 
@@ -82,6 +83,7 @@ def run(args: argparse.Namespace) -> int:
     from router.config import ConfigError, check_admin_exposure, load_config
     from router.http_server import gateway_http_protocol
     from router.policies import PolicyUnavailable
+    from router.sim.launcher import LaunchError
 
     try:
         config = load_config(args.config)
@@ -112,17 +114,12 @@ def run(args: argparse.Namespace) -> int:
         listening = _reuse_port_socket(host, port)
         if config.cluster is not None and config.cluster.replica_id is not None:
             config.cluster.replica_id = f"{config.cluster.replica_id}-w{args.worker_index}"
-    fleet = None
-    if config.launch is not None and config.launch.simulated_engines is not None:
-        # `launch:` asks for simulated engines (router/sim): start them, route to them, stop them on exit.
-        from router.sim.launcher import LaunchError, launch_simulated_engines
-
-        try:
-            fleet = launch_simulated_engines(config.launch.simulated_engines, config)
-        except LaunchError as exc:
-            print(f"kvgate: {args.config}: {exc}", file=sys.stderr)
-            return 2
-        config.backends.extend(fleet.backends)
+    # `launch:` asks for simulated engines (router/sim): start them, route to them, stop them on exit.
+    try:
+        fleet = _launch_simulated_engines(config)
+    except LaunchError as exc:
+        print(f"kvgate: {args.config}: {exc}", file=sys.stderr)
+        return 2
     try:
         try:
             app = create_app(config)
@@ -161,6 +158,18 @@ def run(args: argparse.Namespace) -> int:
             fleet.stop()
 
 
+def _launch_simulated_engines(config: Config) -> SimulatedFleet | None:
+    """Start the simulated engines `launch:` asks for and add them to the backends (None when it asks
+    for none); raises LaunchError."""
+    if config.launch is None or config.launch.simulated_engines is None:
+        return None
+    from router.sim.launcher import launch_simulated_engines
+
+    fleet = launch_simulated_engines(config.launch.simulated_engines, config)
+    config.backends.extend(fleet.backends)
+    return fleet
+
+
 def _reuse_port_socket(host: str, port: int) -> socket.socket:
     """A listening socket other workers bind too; the kernel deals connections out among them."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
@@ -194,23 +203,21 @@ def _supervise(
     import msgspec
     import yaml
 
-    from router.sim.launcher import LaunchError, die_with_parent, launch_simulated_engines
+    from router.sim.launcher import LaunchError, die_with_parent
 
     refusal = _refusal(args.config, workers, config, port)
     if refusal is not None:
         print(f"kvgate: {refusal}", file=sys.stderr)
         return 2
-    fleet = None
     config_path = args.config
     written = None
-    if config.launch is not None and config.launch.simulated_engines is not None:
-        # Started once here, for every worker: the workers get a configuration naming them.
-        try:
-            fleet = launch_simulated_engines(config.launch.simulated_engines, config)
-        except LaunchError as exc:
-            print(f"kvgate: {args.config}: {exc}", file=sys.stderr)
-            return 2
-        config.backends.extend(fleet.backends)
+    # Started once here, for every worker: the workers get a configuration naming them.
+    try:
+        fleet = _launch_simulated_engines(config)
+    except LaunchError as exc:
+        print(f"kvgate: {args.config}: {exc}", file=sys.stderr)
+        return 2
+    if fleet is not None:
         config.launch = None
         handle, written = tempfile.mkstemp(prefix="kvgate-workers-", suffix=".yaml")
         with os.fdopen(handle, "w") as file:
