@@ -10,35 +10,14 @@ import zmq
 
 from cachelayer import CacheEngine
 from cachelayer.controller.protocol import WorkerReport
-from tests.support.cachelayer import CHUNK, HEAD_DIM, HEADS, LAYERS, make_engine, request
+from tests.support.cachelayer import CHUNK, HEAD_DIM, HEADS, LAYERS, controller_process, make_engine, request
 from tests.support.ports import free_port
-from tests.support.processes import python_command, start_process
 
 
 @pytest.fixture(scope="module")
 def controller():
-    port, monitor_port = free_port(), free_port()
-    process = start_process(
-        python_command(
-            "-m",
-            "cachelayer.cli",
-            "controller",
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(port),
-            "--monitor-port",
-            str(monitor_port),
-        ),
-        f"http://127.0.0.1:{port}/health",
-        any_status=True,  # every route is POST: any answer means it is up
-        timeout_s=120,  # imports alone can take half a minute on a saturated machine
-    )
-    try:
-        with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=10) as client:
-            yield client, monitor_port
-    finally:
-        process.stop()
+    with controller_process() as (url, monitor_port), httpx.Client(base_url=url, timeout=10) as client:
+        yield client, monitor_port
 
 
 def worker_config(monitor_port, instance_id, **extra):

@@ -2,7 +2,6 @@
 workers, real ZMQ sockets. Authentication (shared secret), checked imports, bounded requests and
 worker liveness (issue 21, items 9-11)."""
 
-import contextlib
 import os
 import threading
 import time
@@ -16,41 +15,13 @@ import zmq
 from cachelayer.compress import get_codec
 from cachelayer.controller.auth import COMMAND, REPORT, AuthConfigError, MessageAuth
 from cachelayer.controller.protocol import Command, Reply, WorkerReport, encode
-from tests.support.cachelayer import CHUNK, HEAD_DIM, HEADS, LAYERS, make_engine, request
+from tests.support.cachelayer import CHUNK, HEAD_DIM, HEADS, LAYERS, controller_process, make_engine, request
 from tests.support.ports import free_port
-from tests.support.processes import python_command, start_process
 from tests.test_cachelayer_controller import same_bits, wait_gone, wait_registered, worker_config
 
 SECRET_VARIABLE = "KVGATE_TEST_CONTROLLER_SECRET"
 SECRET = "test-secret-0123456789abcdef"
 MAX_TOKENS = 50_000
-
-
-@contextlib.contextmanager
-def controller_process(*extra_args, env=None):
-    port, monitor_port = free_port(), free_port()
-    process = start_process(
-        python_command(
-            "-m",
-            "cachelayer.cli",
-            "controller",
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(port),
-            "--monitor-port",
-            str(monitor_port),
-            *extra_args,
-        ),
-        f"http://127.0.0.1:{port}/health",
-        any_status=True,
-        timeout_s=120,
-        env=env,
-    )
-    try:
-        yield f"http://127.0.0.1:{port}", monitor_port
-    finally:
-        process.stop()
 
 
 @pytest.fixture(scope="module")
