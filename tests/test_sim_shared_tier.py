@@ -23,8 +23,8 @@ TIMING = TimingModel(
     shared_load_us_per_token=100.0,
 )
 PROMPT = np.arange(1000, dtype=np.uint32)
+EXTENDED = np.arange(1200, dtype=np.uint32)  # PROMPT and 200 tokens more
 FULL_BLOCKS = 1000 // 16
-LOADABLE_TOKENS = (1000 - 1) // 16 * 16  # the last token is always computed
 
 
 class RecordedEvents:
@@ -78,10 +78,11 @@ def test_a_prefix_one_member_computed_loads_on_another_between_hit_and_cold(redi
         request_a = GenerationRequest("a", PROMPT, 2)
         cold = await ttft(a, request_a)
         await until_written(b.shared_store, request_a.block_hashes)
-        request_b = GenerationRequest("b", PROMPT, 2)
+        # B's prompt is A's plus 200 tokens of its own: it loads A's blocks and computes the rest.
+        request_b = GenerationRequest("b", EXTENDED, 2)
         loaded = await ttft(b, request_b)
-        await until_written(b.shared_store, request_a.block_hashes)
-        await asyncio.sleep(0.05)  # B's background write and its announcement
+        await until_written(a.shared_store, request_b.block_hashes)
+        await asyncio.sleep(0.05)  # B's announcement follows its write
         gpu_hit = await ttft(a, GenerationRequest("a2", PROMPT, 2))
         await a.close()
         await b.close()
@@ -89,15 +90,20 @@ def test_a_prefix_one_member_computed_loads_on_another_between_hit_and_cold(redi
 
     cold, loaded, gpu_hit, request_a, request_b, events_a, events_b = asyncio.run(scenario())
     assert request_a.cached_tokens == 0
-    assert request_b.cached_tokens == request_b.shared_loaded_tokens == LOADABLE_TOKENS
-    # B's TTFT: 992 tokens loaded at 100 us + 8 computed at 500 us, about 0.1 s.
+    assert request_b.cached_tokens == request_b.shared_loaded_tokens == FULL_BLOCKS * 16
+    # B's TTFT: 992 tokens loaded at 100 us + 208 computed at 500 us, about 0.2 s; cold would be 0.6 s.
     assert gpu_hit < loaded < cold
-    assert loaded >= 0.095 and loaded < cold / 2
-    # Both members announce the whole prompt's full blocks in the shared medium: A wrote them, and B
-    # (which never had them on GPU before) reports the blocks it loaded and wrote back.
-    assert events_a.shared_stored() == request_a.block_hashes
+    assert loaded >= 0.19
+    assert loaded < 0.6 * 0.75
+    # Each member announces, with medium "shared", the blocks it wrote: A the prefix it computed, B
+    # its own blocks only, chained to A's prefix (as the cache layer's daemon and Redis tier report).
     assert len(request_a.block_hashes) == FULL_BLOCKS
-    assert events_b.shared_stored() == request_a.block_hashes
+    assert events_a.shared_stored() == request_a.block_hashes
+    assert request_b.block_hashes[:FULL_BLOCKS] == request_a.block_hashes
+    assert events_b.shared_stored() == request_b.block_hashes[FULL_BLOCKS:]
+    first_of_b = next(e for batch in events_b.batches for e in batch if e.medium == MEDIUM_SHARED)
+    assert first_of_b.parent_block_hash == request_a.block_hashes[-1]
+    assert first_of_b.token_ids == EXTENDED[FULL_BLOCKS * 16 : len(EXTENDED) // 16 * 16].tolist()
 
 
 def test_members_of_another_tier_do_not_see_the_prefix(redis_server: RedisServer):

@@ -10,8 +10,8 @@ Timing model (every knob a `kvgate sim` flag):
   other running sequence, so decode slows as the batch grows.
 - With a shared tier (`--shared-tier`, router/sim/shared_store.py), the prompt blocks the GPU pool
   misses but the shared store holds are loaded at `shared_load_us_per_token` each instead of
-  recomputed, on the same prefill timeline; once the prompt is computed, its full blocks are written
-  to the store.
+  recomputed, on the same prefill timeline; once the prompt is computed, the full blocks it computed
+  are written to the store (and announced with medium "shared").
 TTFT is therefore queueing + prefill of the uncached tokens (+ loads): it reflects cache hits.
 
 All waiting is asyncio sleeping, never CPU work, so many simulated engines share two cores.
@@ -103,8 +103,7 @@ class SimulatedEngine:
         self.max_num_seqs = max_num_seqs
         self.publisher = publisher
         self.shared_store = shared_store
-        # Blocks this engine has announced in the shared medium: each member reports the whole
-        # prefixes it wrote, since the router matches a backend's tier from the first block on.
+        # Blocks this engine wrote to the shared store and announced in the shared medium.
         self._announced_shared: set[int] = set()
         self._shared_writes: set[asyncio.Task] = set()
         self.counters = EngineCounters()
@@ -235,30 +234,34 @@ class SimulatedEngine:
         request.shared_prefix_blocks = await self.shared_store.longest_prefix(request.block_hashes)
 
     def _write_shared(self, request: GenerationRequest) -> None:
-        """Write the computed prompt's full blocks to the shared store in the background (the
-        token stream never waits for it), then announce the ones this engine had not announced."""
+        """Write the prompt's full blocks this engine computed (past its GPU hit and its loads) to
+        the shared store in the background (the token stream never waits for it), then announce
+        them, as the cache layer announces the chunks it writes to its shared tiers."""
         hashes = request.block_hashes
-        if not hashes or all(h in self._announced_shared for h in hashes):
+        if not hashes:
             return
-        task = asyncio.get_running_loop().create_task(self._store_shared(request, hashes))
+        first_computed = request.cached_tokens // self.pool.block_size
+        if all(h in self._announced_shared for h in hashes[first_computed:]):
+            return
+        task = asyncio.get_running_loop().create_task(self._store_shared(request, hashes, first_computed))
         self._shared_writes.add(task)
         task.add_done_callback(self._shared_writes.discard)
 
-    async def _store_shared(self, request: GenerationRequest, hashes: list[int]) -> None:
+    async def _store_shared(self, request: GenerationRequest, hashes: list[int], first_computed: int) -> None:
         assert self.shared_store is not None
-        if not await self.shared_store.written(hashes):
+        if not await self.shared_store.written(hashes[first_computed:]):
             return
         events: list[CacheEvent] = []
         size = self.pool.block_size
         start: int | None = None
-        for index in range(len(hashes) + 1):
+        for index in range(first_computed, len(hashes) + 1):
             new = index < len(hashes) and hashes[index] not in self._announced_shared
             if new and start is None:
                 start = index
             elif not new and start is not None:
                 events.append(self._shared_stored(request, hashes, start, index, size))
                 start = None
-        self._announced_shared.update(hashes)
+        self._announced_shared.update(hashes[first_computed:])
         self._publish(events)
 
     @staticmethod
