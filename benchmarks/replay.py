@@ -8,6 +8,7 @@ usage the engine reports (prompt and cached tokens), and the x-kvgate-backend he
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
@@ -97,23 +98,35 @@ async def _stream(client: httpx.AsyncClient, model: str, request: WorkloadReques
 
 
 async def replay(
-    url: str, workload: Workload, model: str, concurrency: int = 128, request_timeout_s: float = 60.0
+    url: str | list[str],
+    workload: Workload,
+    model: str,
+    concurrency: int = 128,
+    request_timeout_s: float = 60.0,
 ) -> list[Outcome]:
-    """Send every request of `workload` to `url` on schedule; return one Outcome per request, in order."""
+    """Send every request of `workload` to `url` on schedule; return one Outcome per request, in order.
+    With several URLs (replicas of a router), the requests go to them in turn."""
+    urls = [url] if isinstance(url, str) else url
     limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
     timeout = httpx.Timeout(request_timeout_s, connect=5.0)
     outcomes = [Outcome(r.index, ok=False) for r in workload.requests]
     slots = asyncio.Semaphore(concurrency)
-    async with httpx.AsyncClient(base_url=url, limits=limits, timeout=timeout) as client:
+    async with contextlib.AsyncExitStack() as stack:
+        clients = [
+            await stack.enter_async_context(httpx.AsyncClient(base_url=u, limits=limits, timeout=timeout))
+            for u in urls
+        ]
         start = time.monotonic() + 0.1
 
-        async def one(request: WorkloadRequest, outcome: Outcome) -> None:
+        async def one(position: int, request: WorkloadRequest, outcome: Outcome) -> None:
             outcome.scheduled_at = start + request.arrival_s
             await asyncio.sleep(max(0.0, outcome.scheduled_at - time.monotonic()))
             async with slots:
-                await _send(client, model, request, outcome)
+                await _send(clients[position % len(clients)], model, request, outcome)
 
-        await asyncio.gather(*(one(r, o) for r, o in zip(workload.requests, outcomes, strict=True)))
+        await asyncio.gather(
+            *(one(i, r, o) for i, (r, o) in enumerate(zip(workload.requests, outcomes, strict=True)))
+        )
     return outcomes
 
 

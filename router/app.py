@@ -13,7 +13,7 @@ import contextlib
 import logging
 import time
 from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 from starlette.applications import Starlette
@@ -33,6 +33,9 @@ from router.metrics import GatewayMetrics
 from router.policies import make_policy
 from router.policies.base import RouteRequest
 from router.upstream import UpstreamError, UpstreamPool
+
+if TYPE_CHECKING:
+    from router.cluster import ClusterSync
 
 log = logging.getLogger("kvgate")
 
@@ -77,6 +80,12 @@ class Gateway:
             self._register(spec)
         self.extensions: list[Extension] = load_extensions(self, extension_factories)
         self.policy = make_policy(policy_config, self)
+        # Replicas in front of the same engines share their loads and placements (`cluster:`).
+        self.cluster: ClusterSync | None = None
+        if config.cluster is not None:
+            from router.cluster import ClusterSync
+
+            self.cluster = ClusterSync(config.cluster, self.backends, self.policy, self.metrics.registry)
         self.health = HealthChecker(self)
         self._models_cache: tuple[float, bytes] | None = None
 
@@ -102,6 +111,8 @@ class Gateway:
         """Remove a backend at runtime (DELETE /backends/{name}, after draining)."""
         backend = self.backends.pop(name)
         self.metrics.untrack_backend(name)
+        if self.cluster is not None:
+            self.cluster.backend_removed(name)
         for extension in self.extensions:
             extension.backend_removed(backend)
         log.info("backend %s removed", name)
@@ -151,8 +162,12 @@ class Gateway:
         for backend in self.backends.values():
             for extension in self.extensions:
                 extension.backend_added(backend)
+        if self.cluster is not None:
+            await self.cluster.start()
 
     async def stop(self) -> None:
+        if self.cluster is not None:
+            await self.cluster.stop()
         for extension in reversed(self.extensions):
             try:
                 await extension.stop()

@@ -18,9 +18,14 @@ class BackendState:
     healthy: bool = True
     # A draining backend finishes what it has but takes nothing new (DELETE /backends/{name}).
     draining: bool = False
+    # Requests in flight there, this gateway's and (with a `cluster:`) its live peers' together:
+    # what the policies weigh.
     in_flight: int = 0
     # Prompt tokens of in-flight requests that the backend still has to prefill (tracked by the gateway).
     in_flight_prefill_tokens: int = 0
+    # The peers' part of the two counts above (router/cluster.py keeps it).
+    peer_in_flight: int = 0
+    peer_in_flight_prefill_tokens: int = 0
     # (host, port) the upstream client connects to; derived from url.
     origin: tuple[str, int] = ("", 0)
     # The name as the x-kvgate-backend header value, encoded once.
@@ -55,6 +60,7 @@ class BackendState:
             "down_reason": None if self.healthy else self.down_reason,
             "in_flight": self.in_flight,
             "in_flight_prefill_tokens": self.in_flight_prefill_tokens,
+            "in_flight_peers": self.peer_in_flight,
             "requests_total": self.requests_total,
             "kv_events": None if self.kv_events is None else self.kv_events.endpoint,
         }

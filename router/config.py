@@ -28,6 +28,9 @@ class _Struct(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
 class Listen(_Struct):
     host: str = "127.0.0.1"
     port: Annotated[int, msgspec.Meta(ge=0, le=65535)] = 8080
+    # Gateway processes serving this port (SO_REUSEPORT), each a replica with its own index; more
+    # than one needs a `cluster:` section so they share their load (`kvgate serve --workers`).
+    workers: Annotated[int, msgspec.Meta(ge=1, le=256)] = 1
 
 
 class Model(_Struct):
@@ -304,6 +307,38 @@ class SharedTier(_Struct):
     hit_weight: Annotated[float, msgspec.Meta(ge=0)] = 0.6
 
 
+class Cluster(_Struct, kw_only=True):
+    """Replicas of the gateway in front of the same engines share what KV events cannot tell them
+    (in-flight load, predicted prefixes, recent placements, session pins) through this transport
+    (router/cluster.py, docs/gateway.md "Running replicas and workers")."""
+
+    transport: Literal["redis"] = "redis"
+    # The Redis server the replicas publish to (the cache layer's remote tier may use the same one).
+    url: str
+    # Pub/sub channel; replicas of one deployment share it, another deployment picks another.
+    channel: Annotated[str, msgspec.Meta(min_length=1)] = "kvgate:cluster"
+    # This replica's name on the channel; default: host name and process id.
+    replica_id: Annotated[str, msgspec.Meta(min_length=1, max_length=128)] | None = None
+    # A replica publishes its loads at least this often; a peer silent for peer_timeout_s is
+    # forgotten (its in-flight requests no longer count).
+    heartbeat_s: Annotated[float, msgspec.Meta(gt=0)] = 1.0
+    peer_timeout_s: Annotated[float, msgspec.Meta(gt=0)] = 3.0
+    # Routing notes are batched: at most one publish per this interval.
+    flush_interval_s: Annotated[float, msgspec.Meta(ge=0)] = 0.005
+    # Notes waiting to be published while Redis is slow or away; the oldest are dropped beyond it.
+    max_pending_notes: Annotated[int, msgspec.Meta(ge=1)] = 10_000
+
+    def __post_init__(self) -> None:
+        parts = urlsplit(self.url)
+        if parts.scheme not in ("redis", "rediss", "unix") or not (parts.hostname or parts.path):
+            raise ValueError(f"url {self.url!r} must look like redis://host:port/db")
+        if self.peer_timeout_s <= self.heartbeat_s:
+            raise ValueError(
+                f"peer_timeout_s ({self.peer_timeout_s:g}) must be longer than heartbeat_s "
+                f"({self.heartbeat_s:g}), or live peers are forgotten between their heartbeats"
+            )
+
+
 class Launch(_Struct):
     simulated_engines: SimulatedEngines | None = None
 
@@ -319,6 +354,7 @@ class Config(_Struct):
     auth: Auth = msgspec.field(default_factory=Auth)
     launch: Launch | None = None
     shared_tiers: list[SharedTier] = []
+    cluster: Cluster | None = None
     log_level: Literal["debug", "info", "warning", "error"] = "info"
 
     def model(self, name: str) -> Model | None:
@@ -403,6 +439,11 @@ def _check_semantics(config: Config, source: str, base_dir: Path | None) -> None
     except ValueError as exc:
         raise ConfigError(f"{source}: invalid configuration at `auth.api_keys_env`: {exc}") from None
     _check_shared_tiers(config, source)
+    if config.cluster is not None and importlib.util.find_spec("redis") is None:
+        raise ConfigError(
+            f"{source}: invalid configuration at `cluster`: replicas sync through Redis, and the redis "
+            "client is not installed; pip install 'kvgate[cluster]' (or remove `cluster:`)"
+        )
     if not config.backends and not (config.launch and config.launch.simulated_engines):
         raise ConfigError(
             f"{source}: invalid configuration at `backends`: no backends; list at least one, "

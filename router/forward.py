@@ -371,6 +371,9 @@ class ProxyEndpoint:
             prefill_tokens = _prefill_tokens(route_request)
             backend.in_flight += 1
             backend.in_flight_prefill_tokens += prefill_tokens
+            if gateway.cluster is not None:
+                # Before on_routed, which consumes the decision's prefix keys.
+                gateway.cluster.routed(route_request, backend, prefill_tokens)
             # The policy learns of the placement now, not when the answer starts: a non-streamed
             # answer starts only when it is complete, and requests sharing this prompt that arrive
             # meanwhile must already see it placed (kv_aware's predictions, approximate's blocks).
@@ -463,6 +466,8 @@ class ProxyEndpoint:
                     if prefill_tokens:
                         backend.in_flight_prefill_tokens -= prefill_tokens
                         prefill_tokens = 0
+                        if gateway.cluster is not None:
+                            gateway.cluster.loads_changed()
                     if first_piece_pending:
                         route_request.decision["upstream_ttft_s"] = perf_counter() - upstream_started
                         first_piece_pending = False
@@ -491,6 +496,8 @@ class ProxyEndpoint:
             response.close()
             gateway.metrics.observe_upstream(backend.name, perf_counter() - upstream_started)
             _release(backend, prefill_tokens)
+            if gateway.cluster is not None:
+                gateway.cluster.loads_changed()
             backend.requests_total += 1
             gateway.metrics.count_request(backend.name, outcome_status)
             policy.on_finished(route_request, backend)

@@ -1,13 +1,39 @@
 """`kvgate serve`: load proxy.yaml, build the gateway app and run it on uvicorn (uvloop + httptools,
-with the gateway's own protocol class from router/http_server.py)."""
+with the gateway's own protocol class from router/http_server.py).
+
+With `--workers N` (or `listen.workers`) above 1 this process supervises N gateway processes that
+share the port through SO_REUSEPORT (the kernel spreads connections over them). Each is a replica
+with its own KV index fed by the same events, joined to the others by the `cluster:` sync; the
+supervisor restarts one that dies, stops them all on SIGINT/SIGTERM, and they die with it.
+"""
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import os
+import signal
 import socket
+import subprocess
 import sys
+import tempfile
+import threading
+import time
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from router.config import Config
+    from router.sim.launcher import SimulatedFleet
+
+log = logging.getLogger("kvgate")
+
+# A worker that dies sooner than this after its start is restarted after a growing delay (up to the
+# maximum), so a worker that cannot start does not spin.
+_HEALTHY_RUN_S = 10.0
+_MAX_RESTART_DELAY_S = 30.0
+# How long stopping workers get to finish their requests before they are killed.
+_STOP_GRACE_S = 15.0
 
 # Where --config is read from when the flag is not given (a container sets it once).
 CONFIG_ENV = "KVGATE_CONFIG"
@@ -26,6 +52,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--log-level", choices=["debug", "info", "warning", "error"], help="overrides log_level of the config"
     )
+    parser.add_argument(
+        "--workers",
+        type=int,
+        help="gateway processes on the port (overrides listen.workers); more than 1 needs `cluster:`",
+    )
+    # Set by the supervisor on the workers it starts.
+    parser.add_argument("--worker-index", type=int, help=argparse.SUPPRESS)
 
 
 def check_listen_address(host: str, port: int) -> None:
@@ -50,6 +83,7 @@ def run(args: argparse.Namespace) -> int:
     from router.config import ConfigError, check_admin_exposure, load_config
     from router.http_server import gateway_http_protocol
     from router.policies import PolicyUnavailable
+    from router.sim.launcher import LaunchError
 
     try:
         config = load_config(args.config)
@@ -61,26 +95,31 @@ def run(args: argparse.Namespace) -> int:
     port = config.listen.port if args.port is None else args.port
     log_level = args.log_level or config.log_level
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    try:
-        check_listen_address(host, port)
-    except OSError as exc:
-        print(
-            f"kvgate: cannot listen on {host}:{port} ({exc.strerror}): stop what holds the port, "
-            "or choose another with listen.port in the config or --port",
-            file=sys.stderr,
-        )
-        return 2
-    fleet = None
-    if config.launch is not None and config.launch.simulated_engines is not None:
-        # `launch:` asks for simulated engines (router/sim): start them, route to them, stop them on exit.
-        from router.sim.launcher import LaunchError, launch_simulated_engines
-
+    if args.worker_index is None:
+        # Checked once, by the process that owns the port: a worker binds it beside its siblings.
         try:
-            fleet = launch_simulated_engines(config.launch.simulated_engines, config)
-        except LaunchError as exc:
-            print(f"kvgate: {args.config}: {exc}", file=sys.stderr)
+            check_listen_address(host, port)
+        except OSError as exc:
+            print(
+                f"kvgate: cannot listen on {host}:{port} ({exc.strerror}): stop what holds the port, "
+                "or choose another with listen.port in the config or --port",
+                file=sys.stderr,
+            )
             return 2
-        config.backends.extend(fleet.backends)
+    workers = config.listen.workers if args.workers is None else args.workers
+    if args.worker_index is None and workers != 1:
+        return _supervise(args, config, workers, host, port, log_level)
+    listening = None
+    if args.worker_index is not None:
+        listening = _reuse_port_socket(host, port)
+        if config.cluster is not None and config.cluster.replica_id is not None:
+            config.cluster.replica_id = f"{config.cluster.replica_id}-w{args.worker_index}"
+    # `launch:` asks for simulated engines (router/sim): start them, route to them, stop them on exit.
+    try:
+        fleet = _launch_simulated_engines(config)
+    except LaunchError as exc:
+        print(f"kvgate: {args.config}: {exc}", file=sys.stderr)
+        return 2
     try:
         try:
             app = create_app(config)
@@ -108,7 +147,7 @@ def run(args: argparse.Namespace) -> int:
             )
         )
         try:
-            server.run()
+            server.run(sockets=None if listening is None else [listening])
         except KeyboardInterrupt:
             # uvicorn has already shut down gracefully; it re-raises the interrupt so the exit
             # status says so. Exit 130 (interrupted) without a traceback.
@@ -117,3 +156,131 @@ def run(args: argparse.Namespace) -> int:
     finally:
         if fleet is not None:
             fleet.stop()
+
+
+def _launch_simulated_engines(config: Config) -> SimulatedFleet | None:
+    """Start the simulated engines `launch:` asks for and add them to the backends (None when it asks
+    for none); raises LaunchError."""
+    if config.launch is None or config.launch.simulated_engines is None:
+        return None
+    from router.sim.launcher import launch_simulated_engines
+
+    fleet = launch_simulated_engines(config.launch.simulated_engines, config)
+    config.backends.extend(fleet.backends)
+    return fleet
+
+
+def _reuse_port_socket(host: str, port: int) -> socket.socket:
+    """A listening socket other workers bind too; the kernel deals connections out among them."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    listening = socket.socket(family, socket.SOCK_STREAM)
+    listening.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    listening.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+    listening.bind((host, port))
+    listening.set_inheritable(True)
+    return listening
+
+
+def _refusal(config_path: str, workers: int, config: Config, port: int) -> str | None:
+    if workers < 1:
+        return f"--workers {workers}: give 1 or more"
+    if config.cluster is None:
+        return (
+            f"{config_path}: {workers} workers are {workers} gateway replicas, and replicas need a "
+            "`cluster:` section to share their in-flight load and predictions (without it each would "
+            "route on a 1/N view); add `cluster: {url: redis://127.0.0.1:6379/0}` (a redis-server), "
+            'or run one worker (docs/gateway.md, "Running replicas and workers")'
+        )
+    if port == 0:
+        return "--workers needs a fixed port (listen.port or --port): port 0 would give each worker its own"
+    return None
+
+
+def _supervise(
+    args: argparse.Namespace, config: Config, workers: int, host: str, port: int, log_level: str
+) -> int:
+    """Run `workers` gateway processes on host:port and keep them running until SIGINT/SIGTERM."""
+    import msgspec
+    import yaml
+
+    from router.sim.launcher import LaunchError, die_with_parent
+
+    refusal = _refusal(args.config, workers, config, port)
+    if refusal is not None:
+        print(f"kvgate: {refusal}", file=sys.stderr)
+        return 2
+    config_path = args.config
+    written = None
+    # Started once here, for every worker: the workers get a configuration naming them.
+    try:
+        fleet = _launch_simulated_engines(config)
+    except LaunchError as exc:
+        print(f"kvgate: {args.config}: {exc}", file=sys.stderr)
+        return 2
+    if fleet is not None:
+        config.launch = None
+        handle, written = tempfile.mkstemp(prefix="kvgate-workers-", suffix=".yaml")
+        with os.fdopen(handle, "w") as file:
+            yaml.safe_dump(msgspec.to_builtins(config), file)
+        config_path = written
+    stopping = threading.Event()
+    interrupted = []
+
+    def request_stop(signum: int, frame: object) -> None:
+        interrupted.append(signum)
+        stopping.set()
+
+    previous = {sig: signal.signal(sig, request_stop) for sig in (signal.SIGINT, signal.SIGTERM)}
+
+    def start(index: int) -> subprocess.Popen:
+        command = [
+            sys.executable, "-m", "router.cli", "serve", "--config", config_path,
+            "--host", host, "--port", str(port), "--log-level", log_level, "--worker-index", str(index),
+        ]  # fmt: skip
+        return subprocess.Popen(command, preexec_fn=die_with_parent)
+
+    processes = [start(index) for index in range(workers)]
+    started = [time.monotonic()] * workers
+    delays = [1.0] * workers
+    restart_at: list[float | None] = [None] * workers
+    log.info("kvgate: %d workers on %s:%d (pids %s)", workers, host, port, [p.pid for p in processes])
+    try:
+        while not stopping.wait(0.2):
+            now = time.monotonic()
+            for index, process in enumerate(processes):
+                if restart_at[index] is not None:
+                    if now >= restart_at[index]:
+                        processes[index], started[index], restart_at[index] = start(index), now, None
+                    continue
+                status = process.poll()
+                if status is None:
+                    continue
+                ran_s = now - started[index]
+                delays[index] = (
+                    1.0 if ran_s >= _HEALTHY_RUN_S else min(2 * delays[index], _MAX_RESTART_DELAY_S)
+                )
+                wait_s = 0.0 if ran_s >= _HEALTHY_RUN_S else delays[index]
+                log.warning(
+                    "kvgate: worker %d (pid %d) exited with status %s; restarting it in %.0f s",
+                    index, process.pid, status, wait_s,
+                )  # fmt: skip
+                restart_at[index] = now + wait_s
+    finally:
+        for process in processes:
+            if process.poll() is None:
+                process.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + _STOP_GRACE_S
+        for process in processes:
+            try:
+                process.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        if fleet is not None:
+            fleet.stop()
+        if written is not None:
+            with contextlib.suppress(OSError):
+                os.unlink(written)
+    return 130 if signal.SIGINT in interrupted else 0

@@ -18,6 +18,7 @@ from router.policies.kv_aware import CacheAwarePolicy
 
 if TYPE_CHECKING:
     from router.backends import BackendState
+    from router.cluster import RoutedNote
     from router.policies.base import RouteRequest
 
 
@@ -88,8 +89,15 @@ class Approximate(CacheAwarePolicy):
         return winner
 
     def on_routed(self, request: RouteRequest, backend: BackendState) -> None:
-        keys = request.decision.pop("prefix_keys", None) or []
-        now = time.monotonic()
+        self._learn(backend.name, request.decision.pop("prefix_keys", None) or [], time.monotonic())
+        self.remember_routed(request, backend)
+
+    def on_peer_routed(self, note: RoutedNote) -> None:
+        # A peer's note carries this policy's block keys (its decision's prefix_keys).
+        self._learn(note.backend, note.prefix_keys, time.monotonic())
+        super().on_peer_routed(note)
+
+    def _learn(self, backend: str, keys: list[int], now: float) -> None:
         blocks = self._blocks
         for key in keys:
             holders = blocks.get(key)
@@ -97,14 +105,13 @@ class Approximate(CacheAwarePolicy):
                 holders = blocks[key] = {}
             else:
                 blocks.move_to_end(key)
-            if backend.name not in holders:
-                self._held[backend.name] = self._held.get(backend.name, 0) + 1
-            holders[backend.name] = now
+            if backend not in holders:
+                self._held[backend] = self._held.get(backend, 0) + 1
+            holders[backend] = now
         while len(blocks) > self.max_blocks:
             _, evicted = blocks.popitem(last=False)
             for name in evicted:
                 self._held[name] -= 1
-        self.remember_routed(request, backend)
 
     def on_finished(self, request: RouteRequest, backend: BackendState) -> None:
         pass

@@ -13,6 +13,7 @@ if TYPE_CHECKING:
     import numpy as np
 
     from router.backends import BackendState
+    from router.cluster import RoutedNote
 
 
 @dataclass(slots=True)
@@ -52,4 +53,9 @@ class Policy(Protocol):
 
     def on_finished(self, request: RouteRequest, backend: BackendState) -> None:
         """Called when the response to the request has ended, successfully or not."""
+        ...
+
+    def on_peer_routed(self, note: RoutedNote) -> None:
+        """Another replica of the gateway routed a request (router/cluster.py): take it into the
+        state that steers routing as if this one had (its in-flight count arrives separately)."""
         ...

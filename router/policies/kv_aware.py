@@ -61,6 +61,7 @@ from router.policies.shared_tiers import SharedTiers
 
 if TYPE_CHECKING:
     from router.backends import BackendState
+    from router.cluster import RoutedNote
     from router.policies.base import RouteRequest
 
 logger = logging.getLogger("kvgate.policy")
@@ -131,10 +132,12 @@ class Predictions:
         self._keys: dict[str, dict[int, float]] = {}
         self._expiries: deque[tuple[float, str, list[int]]] = deque()
 
-    def add(self, backend: str, keys: list[int], now: float) -> None:
-        if not keys or self.ttl_s <= 0:
+    def add(self, backend: str, keys: list[int], now: float, ttl_s: float | None = None) -> None:
+        """Credit `keys` to `backend` for prediction_ttl_s (or `ttl_s`, a peer's, when shorter)."""
+        ttl_s = self.ttl_s if ttl_s is None else min(ttl_s, self.ttl_s)
+        if not keys or ttl_s <= 0:
             return
-        expiry = now + self.ttl_s
+        expiry = now + ttl_s
         table = self._keys.setdefault(backend, {})
         table.update(dict.fromkeys(keys, expiry))
         self._expiries.append((expiry, backend, keys))
@@ -242,10 +245,9 @@ class CacheAwarePolicy:
         prompt_tokens = decision.get("prompt_tokens", 0)
         cached_tokens = decision.get("cached_tokens", 0)
         now = time.monotonic()
-        self.placements.add(backend.name, max(0, prompt_tokens - cached_tokens), now)
-        self.request_shares.add(backend.name, 1.0, now)
-        if decision.get("reason") == "cold_spread":
-            self.cold_placements.add(backend.name, 1.0, now)
+        self._count_placement(
+            backend.name, max(0, prompt_tokens - cached_tokens), decision.get("reason") == "cold_spread", now
+        )
         if self.metrics is not None and prompt_tokens:
             self.metrics.prompt_tokens.labels(self.name, "prompt").inc(prompt_tokens)
             self.metrics.prompt_tokens.labels(self.name, "cached").inc(cached_tokens)
@@ -264,6 +266,16 @@ class CacheAwarePolicy:
                 },
             }
         )
+
+    def _count_placement(self, backend: str, prefill_tokens: int, cold: bool, now: float) -> None:
+        self.placements.add(backend, prefill_tokens, now)
+        self.request_shares.add(backend, 1.0, now)
+        if cold:
+            self.cold_placements.add(backend, 1.0, now)
+
+    def on_peer_routed(self, note: RoutedNote) -> None:
+        # The guards and the cold spread count the fleet's recent placements, not this replica's only.
+        self._count_placement(note.backend, note.prefill_tokens, note.cold, time.monotonic())
 
     def pick(
         self,
@@ -487,6 +499,15 @@ class KVAware(CacheAwarePolicy):
                 backend.in_flight_prefill_tokens - prefill_tokens,
             )
         self.remember_routed(request, backend)
+
+    def on_peer_routed(self, note: RoutedNote) -> None:
+        now = time.monotonic()
+        # A prompt a peer just sent is predicted where it went, as one of ours would be: its
+        # events arrive only after the prefill.
+        self.predictions.add(note.backend, note.prefix_keys, now, note.ttl_s)
+        if note.hot_prefix_key is not None:
+            self.prefix_uses.add(note.hot_prefix_key, now)
+        super().on_peer_routed(note)
 
     def on_finished(self, request: RouteRequest, backend: BackendState) -> None:
         decision = request.decision

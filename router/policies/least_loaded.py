@@ -2,8 +2,13 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from router.backends import BackendState
 from router.policies.base import RouteRequest
+
+if TYPE_CHECKING:
+    from router.cluster import RoutedNote
 
 
 def fewest_in_flight(candidates: list[BackendState], turn: int) -> BackendState:
@@ -28,6 +33,9 @@ class LeastLoaded:
         pass
 
     def on_finished(self, request: RouteRequest, backend: BackendState) -> None:
+        pass
+
+    def on_peer_routed(self, note: RoutedNote) -> None:
         pass
 
 

@@ -4,9 +4,13 @@ backend while it is healthy; a new or orphaned session goes to the least-loaded 
 from __future__ import annotations
 
 from collections import OrderedDict
+from typing import TYPE_CHECKING
 
 from router.backends import BackendState
 from router.policies.base import RouteRequest
+
+if TYPE_CHECKING:
+    from router.cluster import RoutedNote
 from router.policies.least_loaded import fewest_in_flight
 
 # Sessions remembered, least recently used dropped first: bounds memory under unbounded keys.
@@ -40,16 +44,22 @@ class SessionAffinity:
 
     def on_routed(self, request: RouteRequest, backend: BackendState) -> None:
         # Pinned on every attempt: a retry pins again, so a session follows the backend that answered.
-        key = request.session_key
-        if key is None:
-            return
-        self._pins[key] = backend.name
-        self._pins.move_to_end(key)
-        if len(self._pins) > self.max_sessions:
-            self._pins.popitem(last=False)
+        if request.session_key is not None:
+            self._pin(request.session_key, backend.name)
 
     def on_finished(self, request: RouteRequest, backend: BackendState) -> None:
         pass
+
+    def on_peer_routed(self, note: RoutedNote) -> None:
+        # A session another replica placed stays there when its next request comes here.
+        if note.session is not None:
+            self._pin(note.session, note.backend)
+
+    def _pin(self, key: str, backend: str) -> None:
+        self._pins[key] = backend
+        self._pins.move_to_end(key)
+        if len(self._pins) > self.max_sessions:
+            self._pins.popitem(last=False)
 
 
 def create(policy_config, gateway) -> SessionAffinity:

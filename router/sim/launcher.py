@@ -87,7 +87,7 @@ def _pick_ports(host: str, wanted: list[int]) -> list[int]:
     return chosen
 
 
-def _die_with_parent() -> None:  # runs in the child between fork and exec
+def die_with_parent() -> None:  # runs in the child between fork and exec
     if sys.platform == "linux":
         import ctypes
 
@@ -147,7 +147,7 @@ def launch_simulated_engines(
             ]  # fmt: skip
             output = subprocess.DEVNULL if quiet else None
             fleet.processes.append(
-                subprocess.Popen(command, env=env, stdout=output, stderr=output, preexec_fn=_die_with_parent)
+                subprocess.Popen(command, env=env, stdout=output, stderr=output, preexec_fn=die_with_parent)
             )
             fleet.backends.append(
                 Backend(
