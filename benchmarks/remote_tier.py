@@ -317,8 +317,22 @@ def write_report(results: dict) -> None:
         "",
         "![throughput](remote_tier.png)",
         "",
+        *RELATED_RESULTS,
     ]
     (RESULTS / "remote_tier.md").write_text("\n".join(lines))
+
+
+# The other measurements, each in its own results file (written by its own benchmark).
+RELATED_RESULTS = [
+    "## The issue's other measurements",
+    "",
+    "| measurement | results |",
+    "|---|---|",
+    "| routing with a shared tier (simulated engines, `routing_bench --shared-tier`): kv_aware told of "
+    "the tier against kv_aware not told, least_loaded and the peers; load max/mean, TTFT p90 | "
+    "[routing_shared_tier.md](routing_shared_tier.md) |",
+    "",
+]
 
 
 def plot(results: dict) -> None:

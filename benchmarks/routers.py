@@ -28,7 +28,9 @@ PEERS_DIR = REPO_ROOT / ".cache" / "peers"
 PEER_DISTRIBUTIONS = ("sglang-router", "vllm-router")
 KVGATE_POLICIES = ("round_robin", "least_loaded", "session", "approximate", "kv_aware")
 PEER_POLICIES = ("sglang_router_cache_aware", "vllm_router_cache_aware", "vllm_router_kv_aware")
-ALL_POLICIES = KVGATE_POLICIES + PEER_POLICIES
+# kv_aware told which engines share a KV tier (the fleet's `shared_tiers`); needs a fleet with one.
+SHARED_TIER_POLICY = "kv_aware_shared_tiers"
+ALL_POLICIES = (*KVGATE_POLICIES, SHARED_TIER_POLICY, *PEER_POLICIES)
 # vllm-router's kv_aware is left out by default: against the simulated engines its debug log shows
 # credited_prefix_tokens=0 on every decision (it does not recognise the simulator's block hashes), so
 # its numbers would measure that mismatch, not its routing.
@@ -51,7 +53,7 @@ def start_router(policy: str, fleet: EngineFleet, timeout_s: float = 90.0) -> Ru
     """`policy` is a name from ALL_POLICIES; a kvgate policy may carry its config knobs after an @,
     e.g. `kv_aware@load_slack=0+max_load_ratio=1.2` (the keys of its section in proxy.yaml)."""
     name, _, knobs = policy.partition("@")
-    if name in KVGATE_POLICIES:
+    if name in (*KVGATE_POLICIES, SHARED_TIER_POLICY):
         return _start_kvgate(name, _parse_knobs(knobs), fleet, timeout_s, label=policy)
     if policy in PEER_POLICIES:
         return _start_peer(policy, fleet, timeout_s)
@@ -73,7 +75,8 @@ def kvgate_backends(fleet: EngineFleet, policy: str) -> list[dict]:
     backends = []
     for engine in fleet.engines:
         backend: dict = {"name": engine.name, "url": engine.url}
-        if policy == "kv_aware":  # only kv_aware reads KV events; the others would pay for nothing
+        # Only kv_aware reads KV events; the others would pay for nothing.
+        if policy in ("kv_aware", SHARED_TIER_POLICY):
             backend["kv_events"] = {
                 "endpoint": engine.events_endpoint,
                 "replay_endpoint": engine.replay_endpoint,
@@ -88,10 +91,16 @@ def kvgate_backends(fleet: EngineFleet, policy: str) -> list[dict]:
 def _start_kvgate(
     policy: str, knobs: dict, fleet: EngineFleet, timeout_s: float, label: str
 ) -> RunningRouter:
+    shared_tiers: dict = {}
+    if policy == SHARED_TIER_POLICY:
+        if not getattr(fleet, "shared_tiers", None):
+            raise ValueError(f"{policy} needs engines that share a KV tier (routing_bench --shared-tier)")
+        shared_tiers = {"shared_tiers": fleet.shared_tiers}
     config = {
         "models": [{"name": MODEL, "tokenizer": "builtin:qwen3"}],
         "backends": kvgate_backends(fleet, policy),
-        "policy": {"name": policy, **knobs},
+        "policy": {"name": "kv_aware" if policy == SHARED_TIER_POLICY else policy, **knobs},
+        **shared_tiers,
         "log_level": "warning",
         **getattr(fleet, "gateway_settings", {}),  # e.g. slower health checks for real engines
     }

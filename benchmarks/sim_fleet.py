@@ -15,8 +15,10 @@ from dataclasses import dataclass
 
 import httpx
 
+from router.sim.shared_store import MEDIUM_SHARED, tier_key
 from tests.support.ports import free_port
 from tests.support.processes import ManagedProcess, wait_for_http
+from tests.support.redis_server import RedisServer
 
 MODEL = "tiny-qwen3"
 EVENTS_TOPIC = "kv-events"
@@ -57,18 +59,36 @@ def _distinct_free_ports(count: int, taken: set[int]) -> list[int]:
 
 
 class EngineFleet:
-    """`count` simulated engines of `num_gpu_blocks` KV blocks each; `sim_args` go to `kvgate sim`."""
+    """`count` simulated engines of `num_gpu_blocks` KV blocks each; `sim_args` go to `kvgate sim`.
+
+    With `shared_tier` (a name), the engines share one simulated KV tier (router/sim/shared_store.py)
+    in a redis-server the fleet starts, and `shared_tiers` is the gateway's `shared_tiers` entry
+    for it; `reset_caches` empties that tier too."""
 
     def __init__(
-        self, count: int, num_gpu_blocks: int, block_size: int = 16, sim_args: list[str] | None = None
+        self,
+        count: int,
+        num_gpu_blocks: int,
+        block_size: int = 16,
+        sim_args: list[str] | None = None,
+        shared_tier: str | None = None,
     ):
         self.count = count
         self.num_gpu_blocks = num_gpu_blocks
         self.block_size = block_size
         self.sim_args = list(sim_args or [])
+        self.shared_tier = shared_tier
         self.engines: list[Engine] = []
         self._processes: list[ManagedProcess] = []
+        self._redis: RedisServer | None = None
         self._client = httpx.Client(timeout=10.0)
+
+    @property
+    def shared_tiers(self) -> list[dict]:
+        """The gateway's `shared_tiers` for this fleet (empty without a shared tier)."""
+        if self.shared_tier is None:
+            return []
+        return [{"name": MEDIUM_SHARED, "backends": [engine.name for engine in self.engines]}]
 
     def start(self, timeout_s: float = 120.0) -> None:
         try:
@@ -79,6 +99,10 @@ class EngineFleet:
 
     def _start_engines(self, timeout_s: float) -> None:
         taken: set[int] = set()
+        shared_args: list[str] = []
+        if self.shared_tier is not None:
+            self._redis = RedisServer().start()
+            shared_args = ["--shared-tier", self.shared_tier, "--shared-tier-url", self._redis.url]
         for index in range(self.count):
             http_port, events_port, replay_port = _distinct_free_ports(3, taken)
             engine = Engine(
@@ -102,6 +126,7 @@ class EngineFleet:
                 "--num-gpu-blocks-override", str(self.num_gpu_blocks),
                 "--kv-events-config", json.dumps(events_config),
                 "--log-level", "warning",
+                *shared_args,
                 *self.sim_args,
             ]  # fmt: skip
             self.engines.append(engine)
@@ -121,6 +146,9 @@ class EngineFleet:
                 raise TimeoutError(f"engines {[e.name for e in pending]} still refuse to reset their cache")
             if pending:
                 time.sleep(0.2)
+        if self._redis is not None:
+            with self._redis.client() as client:
+                client.delete(tier_key(self.shared_tier or ""))
 
     def lanes(self) -> list[list[int]]:
         """Groups of engines that share hardware, so that a request on one slows the others: each
@@ -154,6 +182,9 @@ class EngineFleet:
         self._processes.clear()
         self.engines.clear()
         self._client.close()
+        if self._redis is not None:
+            self._redis.close()
+            self._redis = None
 
     def __enter__(self) -> EngineFleet:
         self.start()

@@ -1,10 +1,13 @@
 """Seeded, parametrised request workloads for the routing benchmark, tokenized with the real Qwen3 tokenizer.
 
-Four shapes of traffic, each a list of chat requests with open-loop arrival times:
+Five shapes of traffic, each a list of chat requests with open-loop arrival times:
 - `chat_sessions`: multi-turn conversations; each turn resends the whole history;
 - `shared_system_prompts`: many users behind a few long system prompts (popularity is Zipf-like);
 - `document_qa`: several questions about each long document, asked over a stretch of time;
-- `no_reuse`: unique prompts only (the control: no routing can produce cache hits).
+- `no_reuse`: unique prompts only (the control: no routing can produce cache hits);
+- `shared_tier_documents`: long documents read again and again for the whole run, more of them than
+  the engines' GPU caches hold, so between reads they survive in a shared KV tier (the routing
+  benchmark's `--shared-tier` runs it; it is left out of its default workloads).
 
 Text is deterministic pseudo-text drawn from a fixed word list with a seeded generator, cut to the
 target token lengths. Every request carries the exact prompt token ids an engine will see (the
@@ -358,12 +361,69 @@ def no_reuse(params: NoReuseParams = NoReuseParams(), tokenizer: Any = None) -> 
     return _finish("no_reuse", f"{params.requests} unique prompts (control)", False, params, pending)
 
 
+@dataclass(frozen=True)
+class SharedTierDocumentsParams:
+    documents: int = 32
+    # 1500-token documents: 94 blocks of 16, so an engine of 256 blocks keeps two of them and the
+    # fleet's GPUs hold fewer than the 32 documents; the rest live only in the shared tier.
+    document_tokens: int = 1500
+    # 640 reads of 32 documents: the first reads, which nothing can hit, are 5% of the requests.
+    requests: int = 640
+    question_tokens: tuple[int, int] = (20, 80)
+    # Popularity of the documents (weight of document k is 1 / (k+1)^s): skewed, so that a router
+    # pinning each document to the engine that first stored it loads some engines far more.
+    zipf_exponent: float = 1.0
+    rate: float = 32.0
+    max_tokens: int = 32
+    seed: int = 5
+
+
+def shared_tier_documents(
+    params: SharedTierDocumentsParams = SharedTierDocumentsParams(), tokenizer: Any = None
+) -> Workload:
+    if params.requests < params.documents:
+        raise ValueError(
+            f"shared_tier_documents: requests ({params.requests}) must be at least documents "
+            f"({params.documents}): every document is read at least once"
+        )
+    maker = _TextMaker(tokenizer or qwen3_tokenizer())
+    rng = np.random.default_rng(params.seed)
+    documents = [maker.text(rng, params.document_tokens) for _ in range(params.documents)]
+    weights = 1.0 / np.arange(1, params.documents + 1) ** params.zipf_exponent
+    # Every document is read at least once; the rest of the reads follow the popularity, in any order.
+    popular = rng.choice(params.documents, size=params.requests - params.documents, p=weights / weights.sum())
+    reads = list(range(params.documents)) + [int(read) for read in popular]
+    rng.shuffle(reads)
+    arrivals = _poisson_arrivals(rng, len(reads), params.rate)
+    pending = []
+    for arrival, document_index in zip(arrivals, reads, strict=True):
+        question = maker.text(rng, _length(rng, params.question_tokens))
+        messages = [
+            {"role": "system", "content": _QA_INSTRUCTIONS},
+            {"role": "user", "content": f"Document:\n{documents[document_index]}\n\nQuestion: {question}?"},
+        ]
+        session = f"reader-{len(pending)}"  # readers are anonymous: no session to pin a document to
+        pending.append((arrival, session, messages, params.max_tokens, maker.prompt_ids(messages)))
+    return _finish(
+        "shared_tier_documents",
+        f"{params.requests} reads of {params.documents} documents of {params.document_tokens} tokens "
+        f"(Zipf {params.zipf_exponent}), spread over the whole run",
+        True,
+        params,
+        pending,
+    )
+
+
 WORKLOADS: dict[str, tuple[Callable[..., Workload], type]] = {
     "chat_sessions": (chat_sessions, ChatSessionsParams),
     "shared_system_prompts": (shared_system_prompts, SharedSystemPromptsParams),
     "document_qa": (document_qa, DocumentQAParams),
     "no_reuse": (no_reuse, NoReuseParams),
+    "shared_tier_documents": (shared_tier_documents, SharedTierDocumentsParams),
 }
+# Workloads made for a fleet with a shared KV tier (routing_bench --shared-tier), not run by default.
+SHARED_TIER_WORKLOADS = ("shared_tier_documents",)
+DEFAULT_WORKLOADS = tuple(name for name in WORKLOADS if name not in SHARED_TIER_WORKLOADS)
 
 
 def build(

@@ -22,6 +22,7 @@ def _small(name: str, tokenizer, **overrides):
         "shared_system_prompts": {"system_prompts": 3, "system_prompt_tokens": 200, "users": 8},
         "document_qa": {"documents": 3, "document_tokens": 300, "questions_per_document": 3},
         "no_reuse": {"requests": 12, "prompt_tokens": (50, 120)},
+        "shared_tier_documents": {"documents": 4, "document_tokens": 300, "requests": 16},
     }[name]
     return workloads.build(name, tokenizer, **{**sizes, **overrides})
 
@@ -104,6 +105,34 @@ def test_questions_on_one_document_share_it_and_documents_differ(tokenizer):
     common = next(i for i, (a, b) in enumerate(zip(same[0], same[1], strict=False)) if a != b)
     assert common >= 300 // 16
     assert sum(a == b for a, b in zip(same[0], other, strict=False)) <= 2  # only the instruction block
+
+
+def test_shared_tier_documents_are_reread_by_popularity_over_the_whole_run(tokenizer):
+    workload = _small("shared_tier_documents", tokenizer, documents=6, requests=90, rate=30.0)
+    document_blocks = 300 // 16
+    by_document: dict[bytes, list] = {}
+    for request in workload.requests:
+        # The document's last full block names it (the instruction before it is the same for all).
+        key = workloads.block_keys(request.prompt_token_ids, 16)[document_blocks]
+        by_document.setdefault(key, []).append(request.arrival_s)
+    assert len(by_document) == 6  # every document is read
+    reads = sorted((len(arrivals), arrivals) for arrivals in by_document.values())
+    # Skewed popularity: the most read document is read several times as often as the least read.
+    assert reads[-1][0] >= 3 * reads[0][0]
+    # Not in bursts: the popular documents' reads span most of the run, so between two reads the
+    # engines serve other documents (and, with small GPU caches, evict this one).
+    span = workload.requests[-1].arrival_s
+    for _count, arrivals in reads[-2:]:
+        assert max(arrivals) - min(arrivals) > span / 2
+    # Readers are anonymous: no session ties reads of a document together.
+    assert len({r.session_id for r in workload.requests}) == len(workload.requests)
+    assert workload.summary()["unbounded_cache_hit_ratio"] > 0.7
+    assert "shared_tier_documents" not in workloads.DEFAULT_WORKLOADS
+
+
+def test_shared_tier_documents_refuse_fewer_reads_than_documents(tokenizer):
+    with pytest.raises(ValueError, match=r"requests \(3\) must be at least documents \(4\)"):
+        _small("shared_tier_documents", tokenizer, requests=3)
 
 
 def test_no_reuse_control_has_nothing_to_reuse_and_the_others_do(tokenizer):

@@ -100,6 +100,12 @@ class _MetricsCollector:
                 "Prefix cache hits, in terms of number of cached tokens.",
                 counters.prefix_cache_hits,
             ),
+            (
+                "vllm:external_prefix_cache_hits",
+                "External prefix cache hits from KV connector cross-instance cache sharing, in terms "
+                "of number of cached tokens.",
+                counters.external_prefix_cache_hits,
+            ),
             ("vllm:prompt_tokens", "Number of prefill tokens processed.", counters.prompt_tokens),
             ("vllm:generation_tokens", "Number of generation tokens processed.", counters.generation_tokens),
         ):
@@ -477,6 +483,7 @@ def build_app(
         if on_startup is not None:
             on_startup()
         yield
+        await engine.close()
 
     return Starlette(
         routes=[

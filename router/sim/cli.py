@@ -46,6 +46,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="extra decode ms per token per other running sequence",
     )
     parser.add_argument(
+        "--shared-tier",
+        default=None,
+        metavar="NAME",
+        help="join the simulated shared KV tier NAME (engines of one name share one store; their KV "
+        'events report its blocks with medium "shared"); needs --shared-tier-url',
+    )
+    parser.add_argument(
+        "--shared-tier-url", default=None, help="redis:// URL of the Redis holding the simulated shared tier"
+    )
+    parser.add_argument(
+        "--shared-load-us-per-token",
+        type=float,
+        default=10.0,
+        help="cost of loading one prompt token's KV from the shared tier instead of computing it",
+    )
+    parser.add_argument(
         "--default-max-tokens", type=int, default=16, help="max_tokens when a request gives none"
     )
     parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
@@ -87,6 +103,13 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"kvgate sim: {exc}", file=sys.stderr)
         return 2
+    if bool(args.shared_tier) != bool(args.shared_tier_url):
+        message = "--shared-tier and --shared-tier-url go together; give both or neither"
+        print(f"kvgate sim: {message}", file=sys.stderr)
+        return 2
+    if args.shared_load_us_per_token < 0:
+        print("kvgate sim: --shared-load-us-per-token must not be negative", file=sys.stderr)
+        return 2
     events_config = None
     if args.kv_events_config:
         try:
@@ -101,6 +124,7 @@ def run(args: argparse.Namespace) -> int:
     from router.sim.blocks import BlockPool
     from router.sim.engine import SimulatedEngine, TimingModel
     from router.sim.prompts import PromptTokenizer, resolve_tokenizer_dir
+    from router.sim.shared_store import SharedBlockStore
 
     try:
         tokenizer = PromptTokenizer(resolve_tokenizer_dir(args.tokenizer))
@@ -113,7 +137,15 @@ def run(args: argparse.Namespace) -> int:
         prefill_overhead_ms=args.prefill_overhead_ms,
         decode_ms_per_token=args.decode_ms_per_token,
         decode_batch_slope_ms=args.decode_batch_slope,
+        shared_load_us_per_token=args.shared_load_us_per_token,
     )
+    shared_store = None
+    if args.shared_tier:
+        try:
+            shared_store = SharedBlockStore(args.shared_tier_url, args.shared_tier)
+        except ValueError as exc:
+            print(f"kvgate sim: {exc}", file=sys.stderr)
+            return 2
     publisher = None
     if (
         events_config is not None
@@ -138,6 +170,7 @@ def run(args: argparse.Namespace) -> int:
         tokenizer.output_vocabulary,
         args.max_num_seqs,
         publisher,
+        shared_store,
     )
     app = build_app(
         engine,
@@ -147,7 +180,7 @@ def run(args: argparse.Namespace) -> int:
     )
     log.warning(
         "SIMULATED engine (no model runs here): serving %r on http://%s:%d, %d KV blocks of %d tokens, "
-        "KV events %s (%s encoding); prefill %.1f us/token, decode %.2f ms/token",
+        "KV events %s (%s encoding); prefill %.1f us/token, decode %.2f ms/token; shared tier %s",
         model_name,
         args.host,
         args.port,
@@ -157,6 +190,7 @@ def run(args: argparse.Namespace) -> int:
         args.kv_events_encoding,
         args.prefill_us_per_token,
         args.decode_ms_per_token,
+        f"{args.shared_tier!r} ({args.shared_load_us_per_token} us/token)" if shared_store else "off",
     )
     config = uvicorn.Config(
         app,

@@ -8,7 +8,11 @@ Timing model (every knob a `kvgate sim` flag):
   blocks another request is still computing waits until they are ready.
 - Each further output token costs `decode_ms_per_token` plus `decode_batch_slope_ms` for every
   other running sequence, so decode slows as the batch grows.
-TTFT is therefore queueing + prefill of the uncached tokens: it reflects cache hits.
+- With a shared tier (`--shared-tier`, router/sim/shared_store.py), the prompt blocks the GPU pool
+  misses but the shared store holds are loaded at `shared_load_us_per_token` each instead of
+  recomputed, on the same prefill timeline; once the prompt is computed, the full blocks it computed
+  are written to the store (and announced with medium "shared").
+TTFT is therefore queueing + prefill of the uncached tokens (+ loads): it reflects cache hits.
 
 All waiting is asyncio sleeping, never CPU work, so many simulated engines share two cores.
 Output tokens are drawn from a seeded RNG (the prompt and the request's seed decide them), so the
@@ -26,8 +30,9 @@ from dataclasses import dataclass
 import numpy as np
 import xxhash
 
-from router.sim.blocks import BlockPool
-from router.sim.events import KVEventPublisher
+from router.sim.blocks import BlockPool, chained_block_hashes
+from router.sim.events import BlockStored, CacheEvent, KVEventPublisher
+from router.sim.shared_store import MEDIUM_SHARED, SharedBlockStore
 
 
 @dataclass(slots=True)
@@ -36,9 +41,13 @@ class TimingModel:
     prefill_overhead_ms: float = 2.0
     decode_ms_per_token: float = 5.0
     decode_batch_slope_ms: float = 0.05
+    # Loading one token's KV from the shared tier: between a GPU hit (free) and a recompute.
+    shared_load_us_per_token: float = 10.0
 
-    def prefill_seconds(self, uncached_tokens: int) -> float:
-        return (self.prefill_overhead_ms + uncached_tokens * self.prefill_us_per_token / 1000.0) / 1000.0
+    def prefill_seconds(self, uncached_tokens: int, loaded_tokens: int = 0) -> float:
+        computed_ms = uncached_tokens * self.prefill_us_per_token / 1000.0
+        loaded_ms = loaded_tokens * self.shared_load_us_per_token / 1000.0
+        return (self.prefill_overhead_ms + computed_ms + loaded_ms) / 1000.0
 
     def decode_seconds(self, running: int) -> float:
         return (self.decode_ms_per_token + self.decode_batch_slope_ms * max(running - 1, 0)) / 1000.0
@@ -50,6 +59,7 @@ class EngineCounters:
 
     prefix_cache_queries: int = 0  # prompt tokens looked up in the prefix cache
     prefix_cache_hits: int = 0  # of which served from it
+    external_prefix_cache_hits: int = 0  # of which loaded from the shared tier instead
     prompt_tokens: int = 0
     generation_tokens: int = 0
     finished_requests: int = 0
@@ -63,8 +73,13 @@ class GenerationRequest:
     lora_name: str | None = None
     cache_salt: str | None = None
     seed: int | None = None
-    # Filled at admission: prompt tokens served from the prefix cache.
+    # Filled at admission: prompt tokens served from the prefix cache (GPU hits and shared loads),
+    # and of those the ones loaded from the shared tier.
     cached_tokens: int = 0
+    shared_loaded_tokens: int = 0
+    # With a shared tier: the prompt's full-block hashes, and how many leading ones the store holds.
+    block_hashes: list[int] | None = None
+    shared_prefix_blocks: int = 0
 
 
 class InsufficientCapacity(ValueError):
@@ -79,6 +94,7 @@ class SimulatedEngine:
         output_vocabulary: np.ndarray,
         max_num_seqs: int = 256,
         publisher: KVEventPublisher | None = None,
+        shared_store: SharedBlockStore | None = None,
     ):
         if len(output_vocabulary) == 0:
             raise ValueError("the output vocabulary is empty")
@@ -86,6 +102,10 @@ class SimulatedEngine:
         self.timing = timing
         self.max_num_seqs = max_num_seqs
         self.publisher = publisher
+        self.shared_store = shared_store
+        # Blocks this engine wrote to the shared store and announced in the shared medium.
+        self._announced_shared: set[int] = set()
+        self._shared_writes: set[asyncio.Task] = set()
         self.counters = EngineCounters()
         self._output_vocabulary = [int(token) for token in output_vocabulary]
         self._waiting: deque[tuple[GenerationRequest, asyncio.Future[float]]] = deque()
@@ -113,10 +133,14 @@ class SimulatedEngine:
         """Yield the output token ids, each at the simulated time it is produced."""
         self.check_fits(request)
         loop = asyncio.get_running_loop()
+        if self.shared_store is not None:
+            await self._look_up_shared(request)
         first_token_at = await self._admit(request)
         try:
             outputs = self._output_tokens(request)
             await asyncio.sleep(max(first_token_at - loop.time(), 0.0))
+            if self.shared_store is not None:
+                self._write_shared(request)
             for index, token in enumerate(outputs):
                 if index:
                     await asyncio.sleep(self.timing.decode_seconds(self._running))
@@ -133,8 +157,15 @@ class SimulatedEngine:
         events = self.pool.reset()
         if events is None:
             return False
+        self._announced_shared.clear()  # AllBlocksCleared withdraws this engine's shared blocks too
         self._publish(events)
         return True
+
+    async def close(self) -> None:
+        for task in list(self._shared_writes):
+            task.cancel()
+        if self.shared_store is not None:
+            await self.shared_store.close()
 
     # ---- internals ----
 
@@ -174,17 +205,82 @@ class SimulatedEngine:
             self._waiting.popleft()
             sequence, events = admitted
             self._publish(events)
-            uncached = len(request.prompt) - sequence.cached_tokens
+            loaded = self._shared_tokens_to_load(request, sequence.cached_tokens)
+            uncached = len(request.prompt) - sequence.cached_tokens - loaded
             start = max(now, self._prefill_free_at, sequence.cached_ready_at)
-            first_token_at = start + self.timing.prefill_seconds(uncached)
+            first_token_at = start + self.timing.prefill_seconds(uncached, loaded)
             self._prefill_free_at = first_token_at
             self.pool.mark_prompt_ready(sequence, first_token_at)
-            request.cached_tokens = sequence.cached_tokens
+            request.cached_tokens = sequence.cached_tokens + loaded
+            request.shared_loaded_tokens = loaded
             self.counters.prefix_cache_queries += len(request.prompt)
             self.counters.prefix_cache_hits += sequence.cached_tokens
+            self.counters.external_prefix_cache_hits += loaded
             self.counters.prompt_tokens += len(request.prompt)
             self._running += 1
             future.set_result(first_token_at)
+
+    def _shared_tokens_to_load(self, request: GenerationRequest, gpu_hit_tokens: int) -> int:
+        """Prompt tokens past the GPU hit that the shared store holds (the last token is always
+        computed, as for a GPU hit)."""
+        size = self.pool.block_size
+        loadable_blocks = min(request.shared_prefix_blocks, (len(request.prompt) - 1) // size)
+        return max(loadable_blocks * size - gpu_hit_tokens, 0)
+
+    async def _look_up_shared(self, request: GenerationRequest) -> None:
+        assert self.shared_store is not None
+        extra_keys = tuple(key for key in (request.lora_name, request.cache_salt) if key) or None
+        request.block_hashes = chained_block_hashes(request.prompt, self.pool.block_size, extra_keys)
+        request.shared_prefix_blocks = await self.shared_store.longest_prefix(request.block_hashes)
+
+    def _write_shared(self, request: GenerationRequest) -> None:
+        """Write the prompt's full blocks this engine computed (past its GPU hit and its loads) to
+        the shared store in the background (the token stream never waits for it), then announce
+        them, as the cache layer announces the chunks it writes to its shared tiers."""
+        hashes = request.block_hashes
+        if not hashes:
+            return
+        first_computed = request.cached_tokens // self.pool.block_size
+        if all(h in self._announced_shared for h in hashes[first_computed:]):
+            return
+        task = asyncio.get_running_loop().create_task(self._store_shared(request, hashes, first_computed))
+        self._shared_writes.add(task)
+        task.add_done_callback(self._shared_writes.discard)
+
+    async def _store_shared(self, request: GenerationRequest, hashes: list[int], first_computed: int) -> None:
+        assert self.shared_store is not None
+        if not await self.shared_store.written(hashes[first_computed:]):
+            return
+        events: list[CacheEvent] = []
+        size = self.pool.block_size
+        start: int | None = None
+        for index in range(first_computed, len(hashes) + 1):
+            new = index < len(hashes) and hashes[index] not in self._announced_shared
+            if new and start is None:
+                start = index
+            elif not new and start is not None:
+                events.append(self._shared_stored(request, hashes, start, index, size))
+                start = None
+        self._announced_shared.update(hashes[first_computed:])
+        self._publish(events)
+
+    @staticmethod
+    def _shared_stored(
+        request: GenerationRequest, hashes: list[int], start: int, end: int, size: int
+    ) -> BlockStored:
+        extra = [key for key in (request.lora_name, request.cache_salt) if key]
+        extra_keys = None
+        if start == 0 and extra:
+            extra_keys = [extra] + [None] * (end - start - 1)
+        return BlockStored(
+            block_hashes=hashes[start:end],
+            parent_block_hash=hashes[start - 1] if start else None,
+            token_ids=request.prompt[start * size : end * size].tolist(),
+            block_size=size,
+            medium=MEDIUM_SHARED,
+            lora_name=request.lora_name,
+            extra_keys=extra_keys,
+        )
 
     def _output_tokens(self, request: GenerationRequest) -> list[int]:
         digest = xxhash.xxh3_64_intdigest(request.prompt.tobytes(), seed=request.seed or 0)
