@@ -165,6 +165,7 @@ class PromptTokenizer:
         self.segmented = (
             self.piecewise and self._pre_tokenizer is not None and self._segmented_encoding_is_exact()
         )
+        self.attribute_checks_memoized = _memoize_attribute_checks(self.tokenizer)
         if self.piecewise and not self.segmented:
             logger.info("tokenizer %s: segment cache for long messages off (checks failed)", tokenizer_dir)
 
@@ -422,6 +423,70 @@ class PromptTokenizer:
             if pieces != whole:
                 return False
         return True
+
+
+# The sandbox's answer to "may a template read attribute `attr` of `obj`" in the jinja2 versions
+# whose rule was read for this (3.1): is_safe_attribute ignores the value and decides by the
+# attribute's name and isinstance tests on the object, so (type of obj, name) determines it.
+_MEMOIZED_JINJA_SERIES = "3.1."
+# Distinct (type, attribute name) pairs remembered per template; a template reads a few dozen.
+ATTRIBUTE_CHECKS_MAX = 4096
+
+
+class _MemoizedAttributeCheck:
+    """A jinja2 sandbox's is_safe_attribute, remembered per (type of the object, attribute name).
+
+    The sandbox asks on every attribute a template reads (`message.content`, `content.split`...),
+    and answering costs a chain of isinstance tests each time: about a third of a chat template's
+    render. The answer is the sandbox's own, computed once per pair, never a different one."""
+
+    def __init__(self, check: Callable[[Any, str, Any], bool]) -> None:
+        self._check = check
+        self._answers: dict[tuple[type, str], bool] = {}
+
+    def __call__(self, obj: Any, attr: str, value: Any) -> bool:
+        key = (type(obj), attr)
+        answer = self._answers.get(key)
+        if answer is None:
+            answer = self._check(obj, attr, value)
+            if len(self._answers) < ATTRIBUTE_CHECKS_MAX:
+                self._answers[key] = answer
+        return answer
+
+
+def _memoize_attribute_checks(tokenizer: Any) -> bool:
+    """Remember the sandbox's attribute checks in the environment transformers compiles the
+    tokenizer's own chat templates into (a request's own template is rendered in the template
+    sandbox's process, untouched). False where the environment is not the one this was read for."""
+    import jinja2
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    try:
+        from transformers.utils.chat_template_utils import _compile_jinja_template
+    except ImportError:
+        return False
+    if not jinja2.__version__.startswith(_MEMOIZED_JINJA_SERIES):
+        return False
+    templates = getattr(tokenizer, "chat_template", None)
+    if isinstance(templates, str):
+        templates = [templates]
+    elif isinstance(templates, dict):
+        templates = [t for t in templates.values() if isinstance(t, str)]
+    else:
+        return False
+    memoized = False
+    for template in templates:
+        try:
+            environment = _compile_jinja_template(template).environment
+        except Exception:  # a template jinja cannot compile fails its requests as before
+            continue
+        if type(environment) is not ImmutableSandboxedEnvironment or (
+            "is_safe_attribute" in vars(environment)
+        ):
+            continue
+        environment.is_safe_attribute = _MemoizedAttributeCheck(environment.is_safe_attribute)
+        memoized = True
+    return memoized
 
 
 def render_chat(tokenizer: Any, body: dict[str, Any]) -> str:
