@@ -165,7 +165,7 @@ class PromptTokenizer:
         self.segmented = (
             self.piecewise and self._pre_tokenizer is not None and self._segmented_encoding_is_exact()
         )
-        self.attribute_checks_memoized = _memoize_attribute_checks(self.tokenizer)
+        self.template_reads_sped_up = _speed_up_template_reads(self.tokenizer)
         if self.piecewise and not self.segmented:
             logger.info("tokenizer %s: segment cache for long messages off (checks failed)", tokenizer_dir)
 
@@ -425,20 +425,23 @@ class PromptTokenizer:
         return True
 
 
-# The sandbox's answer to "may a template read attribute `attr` of `obj`" in the jinja2 versions
-# whose rule was read for this (3.1): is_safe_attribute ignores the value and decides by the
-# attribute's name and isinstance tests on the object, so (type of obj, name) determines it.
-_MEMOIZED_JINJA_SERIES = "3.1."
+# What the jinja2 sandbox does on each attribute a template reads, in the jinja2 versions whose
+# code was read for this (3.1): SandboxedEnvironment.getattr tries getattr(obj, name), falls back
+# to obj[name], and asks is_safe_attribute of what getattr found; is_safe_attribute ignores the
+# value and decides by the name and isinstance tests on the object, so by (type of obj, name).
+_FAST_READS_JINJA_SERIES = "3.1."
 # Distinct (type, attribute name) pairs remembered per template; a template reads a few dozen.
 ATTRIBUTE_CHECKS_MAX = 4096
+# Names getattr finds on a plain dict (its methods and object's); any other name it does not.
+_DICT_ATTRIBUTES = frozenset(dir(dict))
 
 
 class _MemoizedAttributeCheck:
     """A jinja2 sandbox's is_safe_attribute, remembered per (type of the object, attribute name).
 
-    The sandbox asks on every attribute a template reads (`message.content`, `content.split`...),
-    and answering costs a chain of isinstance tests each time: about a third of a chat template's
-    render. The answer is the sandbox's own, computed once per pair, never a different one."""
+    The sandbox asks on every attribute a template reads (`content.split`, `loop.index0`...), and
+    answering costs a chain of isinstance tests each time. The answer is the sandbox's own,
+    computed once per pair, never a different one."""
 
     def __init__(self, check: Callable[[Any, str, Any], bool]) -> None:
         self._check = check
@@ -454,18 +457,51 @@ class _MemoizedAttributeCheck:
         return answer
 
 
-def _memoize_attribute_checks(tokenizer: Any) -> bool:
-    """Remember the sandbox's attribute checks in the environment transformers compiles the
-    tokenizer's own chat templates into (a request's own template is rendered in the template
-    sandbox's process, untouched). False where the environment is not the one this was read for."""
+class _SandboxGetattr:
+    """A jinja2 sandbox's getattr, answering `message.role` on a plain dict without the failed
+    attribute lookup (an exception) the sandbox goes through first.
+
+    On an object of exactly type dict, getattr finds only the names in dir(dict), so for any other
+    name the sandbox's answer is obj[name], or undefined where the key is missing: the same here.
+    Everything else goes to the sandbox's own getattr."""
+
+    def __init__(self, environment: Any) -> None:
+        self._sandbox_getattr = environment.getattr
+        self._undefined = environment.undefined
+
+    def __call__(self, obj: Any, attribute: Any) -> Any:
+        if type(obj) is dict and type(attribute) is str and attribute not in _DICT_ATTRIBUTES:
+            try:
+                return obj[attribute]
+            except KeyError:
+                return self._undefined(obj=obj, name=attribute)
+        return self._sandbox_getattr(obj, attribute)
+
+
+def _speed_up_sandbox_reads(environment: Any) -> bool:
+    """Install the two shortcuts above on one jinja2 sandbox, where it is the one they were written
+    for (same answers: tests/test_tokenize_template_memo.py)."""
     import jinja2
     from jinja2.sandbox import ImmutableSandboxedEnvironment
 
+    if not jinja2.__version__.startswith(_FAST_READS_JINJA_SERIES):
+        return False
+    if type(environment) is not ImmutableSandboxedEnvironment:
+        return False
+    if "is_safe_attribute" in vars(environment) or "getattr" in vars(environment):
+        return False  # installed already (the environment is shared by every tokenizer using it)
+    environment.is_safe_attribute = _MemoizedAttributeCheck(environment.is_safe_attribute)
+    environment.getattr = _SandboxGetattr(environment)
+    return True
+
+
+def _speed_up_template_reads(tokenizer: Any) -> bool:
+    """Speed up attribute reads in the sandbox transformers compiles the tokenizer's own chat
+    templates into (a request's own template is rendered in the template sandbox's process,
+    untouched). Whether the tokenizer's templates render with the shortcuts."""
     try:
         from transformers.utils.chat_template_utils import _compile_jinja_template
     except ImportError:
-        return False
-    if not jinja2.__version__.startswith(_MEMOIZED_JINJA_SERIES):
         return False
     templates = getattr(tokenizer, "chat_template", None)
     if isinstance(templates, str):
@@ -474,19 +510,15 @@ def _memoize_attribute_checks(tokenizer: Any) -> bool:
         templates = [t for t in templates.values() if isinstance(t, str)]
     else:
         return False
-    memoized = False
+    sped_up = False
     for template in templates:
         try:
             environment = _compile_jinja_template(template).environment
         except Exception:  # a template jinja cannot compile fails its requests as before
             continue
-        if type(environment) is not ImmutableSandboxedEnvironment or (
-            "is_safe_attribute" in vars(environment)
-        ):
-            continue
-        environment.is_safe_attribute = _MemoizedAttributeCheck(environment.is_safe_attribute)
-        memoized = True
-    return memoized
+        _speed_up_sandbox_reads(environment)
+        sped_up = sped_up or isinstance(vars(environment).get("getattr"), _SandboxGetattr)
+    return sped_up
 
 
 def render_chat(tokenizer: Any, body: dict[str, Any]) -> str:

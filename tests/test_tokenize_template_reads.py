@@ -1,4 +1,4 @@
-"""The chat template's sandbox checks, remembered per (type, attribute): same answers, same text."""
+"""Faster attribute reads in the chat template's sandbox: the sandbox's answers, the same text."""
 
 from __future__ import annotations
 
@@ -7,12 +7,13 @@ import json
 import jinja2
 import numpy as np
 import pytest
+from jinja2.runtime import Undefined
 from jinja2.sandbox import ImmutableSandboxedEnvironment, SecurityError
 from transformers.utils.chat_template_utils import _compile_jinja_template
 
 import router.tokenize as tokenize_module
 from router.config import builtin_tokenizer_dir
-from router.tokenize import PromptTokenizer, _MemoizedAttributeCheck
+from router.tokenize import PromptTokenizer, _MemoizedAttributeCheck, _SandboxGetattr, _speed_up_sandbox_reads
 
 
 @pytest.fixture(scope="module")
@@ -20,10 +21,34 @@ def qwen3() -> PromptTokenizer:
     return PromptTokenizer(builtin_tokenizer_dir("qwen3"))
 
 
-def memoized_environment() -> ImmutableSandboxedEnvironment:
+def sped_up_environment() -> ImmutableSandboxedEnvironment:
     environment = ImmutableSandboxedEnvironment()
-    environment.is_safe_attribute = _MemoizedAttributeCheck(environment.is_safe_attribute)
+    assert _speed_up_sandbox_reads(environment)
+    assert not _speed_up_sandbox_reads(environment)  # once
     return environment
+
+
+class DictSubclass(dict):
+    role = "from the class"
+
+
+def same_read(left, right) -> bool:
+    if isinstance(left, Undefined) or isinstance(right, Undefined):
+        return type(left) is type(right) and left._undefined_name == right._undefined_name
+    return left == right
+
+
+def test_dict_reads_give_the_sandbox_answer() -> None:
+    sandbox = ImmutableSandboxedEnvironment()
+    reads = _SandboxGetattr(ImmutableSandboxedEnvironment())
+    message = {"role": "user", "content": "hi", "items": "shadowed by the method", 3: "three"}
+    cases = [
+        (message, "role"), (message, "missing"), (message, "items"), (message, "get"), (message, "clear"),
+        (message, "__class__"), (message, "_private"), (DictSubclass(role="key"), "role"),
+        (DictSubclass(), "content"), ([1, 2], "append"), ("text", "split"), ("text", "nothing"),
+    ]  # fmt: skip
+    for obj, attribute in cases:
+        assert same_read(reads(obj, attribute), sandbox.getattr(obj, attribute)), (obj, attribute)
 
 
 def test_memoized_check_gives_the_sandbox_answer_and_asks_once_per_pair() -> None:
@@ -59,12 +84,12 @@ def test_memoized_check_gives_the_sandbox_answer_and_asks_once_per_pair() -> Non
         "{{ f.__globals__.keys() }}",
     ],
 )
-def test_unsafe_reads_are_refused_every_time_with_the_memo(template: str) -> None:
-    environment = memoized_environment()
+def test_unsafe_reads_are_refused_every_time_with_the_shortcuts(template: str) -> None:
+    environment = sped_up_environment()
     compiled = environment.from_string(template)
     for _ in range(3):
         with pytest.raises(SecurityError):
-            compiled.render(x=[1, 2], f=test_unsafe_reads_are_refused_every_time_with_the_memo)
+            compiled.render(x=[1, 2], f=same_read)
 
 
 def test_memo_is_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -108,22 +133,24 @@ def random_conversation(rng: np.random.Generator) -> dict:
     return body
 
 
-def test_qwen3_renders_and_tokenizes_identically_with_and_without_the_memo(qwen3: PromptTokenizer) -> None:
-    assert jinja2.__version__.startswith(tokenize_module._MEMOIZED_JINJA_SERIES)
-    assert qwen3.attribute_checks_memoized
+def test_qwen3_renders_and_tokenizes_identically_with_and_without_the_shortcuts(
+    qwen3: PromptTokenizer,
+) -> None:
+    assert jinja2.__version__.startswith(tokenize_module._FAST_READS_JINJA_SERIES)
+    assert qwen3.template_reads_sped_up
     environment = _compile_jinja_template(qwen3.tokenizer.chat_template).environment
-    memo = vars(environment)["is_safe_attribute"]
-    assert isinstance(memo, _MemoizedAttributeCheck)
+    memo, reads = vars(environment)["is_safe_attribute"], vars(environment)["getattr"]
+    assert isinstance(memo, _MemoizedAttributeCheck) and isinstance(reads, _SandboxGetattr)
     rng = np.random.default_rng(25)
     bodies = [random_conversation(rng) for _ in range(60)]
-    with_memo = [qwen3.render_chat(body) for body in bodies]
-    assert memo._answers  # the renders went through the memo
-    del environment.is_safe_attribute  # the sandbox's own check, asked on every read
+    with_shortcuts = [qwen3.render_chat(body) for body in bodies]
+    assert memo._answers  # the renders went through the shortcuts
+    del environment.is_safe_attribute, environment.getattr  # the sandbox's own, on every read
     try:
-        without_memo = [qwen3.render_chat(body) for body in bodies]
+        without_shortcuts = [qwen3.render_chat(body) for body in bodies]
     finally:
-        environment.is_safe_attribute = memo
-    assert with_memo == without_memo
-    for body, text in zip(bodies, without_memo, strict=True):
+        environment.is_safe_attribute, environment.getattr = memo, reads
+    assert with_shortcuts == without_shortcuts
+    for body, text in zip(bodies, without_shortcuts, strict=True):
         whole = qwen3.tokenizer.encode(text, add_special_tokens=False)
         assert qwen3.tokens_for(body).tolist() == whole
