@@ -88,8 +88,9 @@ RENDERED_MIN_CHARS = 1 << 20
 # Pieces at least this long are encoded and cached by segments of about SEGMENT_CHARS characters.
 SEGMENTED_MIN_CHARS = 2048
 SEGMENT_CHARS = 512
-# Characters of long texts whose segmentation is remembered (_CutMemory): 32 Mi, ~64 MiB at most.
-CUT_MEMORY_CHARS = 32 << 20
+# Characters of long texts whose segmentation is remembered (_CutMemory): 8 Mi (~450 documents of
+# 18k characters); the memory holds their text (1-4 bytes a character) and tokens (~1 per 4 chars).
+CUT_MEMORY_CHARS = 8 << 20
 # A candidate cut: before a space between an ASCII letter or digit and an ASCII letter.
 _CUT_CANDIDATE = re.compile(r"(?<=[A-Za-z0-9]) (?=[A-Za-z])")
 # Characters each side of a cut that the pre-tokenizer sees to confirm it.
@@ -358,15 +359,13 @@ class PromptTokenizer:
                 break
             parts.append(ids)
         rest = segments[len(parts) :]
-        if not rest:
-            pass
-        elif self._ascii is not None and all(segment.isascii() for segment in rest):
+        if rest and self._ascii is not None and all(segment.isascii() for segment in rest):
             # Segments are pretoken boundaries: each encodes on its own to its share of the tokens.
             for segment in rest:
                 segment_ids = self._encode_plain(segment)
                 self.cache.put(segment, segment_ids)
                 parts.append(segment_ids)
-        else:
+        elif rest:
             # encode_batch releases the GIL (encode does not): the event loop runs meanwhile.
             encoding = self._pre_tokenizer_owner.encode_batch(["".join(rest)], add_special_tokens=False)[0]
             ids = np.asarray(encoding.ids, dtype=np.uint32)
