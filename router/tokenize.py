@@ -88,6 +88,9 @@ RENDERED_MIN_CHARS = 1 << 20
 # Pieces at least this long are encoded and cached by segments of about SEGMENT_CHARS characters.
 SEGMENTED_MIN_CHARS = 2048
 SEGMENT_CHARS = 512
+# Characters of long texts whose segmentation is remembered (_CutMemory): 8 Mi (~450 documents of
+# 18k characters); the memory holds their text (1-4 bytes a character) and tokens (~1 per 4 chars).
+CUT_MEMORY_CHARS = 8 << 20
 # A candidate cut: before a space between an ASCII letter or digit and an ASCII letter.
 _CUT_CANDIDATE = re.compile(r"(?<=[A-Za-z0-9]) (?=[A-Za-z])")
 # Characters each side of a cut that the pre-tokenizer sees to confirm it.
@@ -136,15 +139,66 @@ class _PieceCache:
                 self._tokens -= len(evicted)
 
 
+class _SegmentedText:
+    """A long piece's text before its added token, where it was cut, and each segment's tokens."""
+
+    __slots__ = ("body", "ends", "ids")
+
+    def __init__(self, body: str, ends: list[int], ids: list[np.ndarray]) -> None:
+        self.body = body  # the text the segments concatenate to
+        self.ends = ends  # each segment's end offset in body (the last one is len(body))
+        self.ids = ids  # each segment's tokens
+
+
+class _CutMemory:
+    """The last segmentation of each long text, by its first segment's worth of characters, so a
+    piece that repeats a long beginning (a new question after the same document) cuts and looks
+    up only what follows the shared part. LRU, bounded by the characters of the texts it holds."""
+
+    def __init__(self, max_chars: int) -> None:
+        self.max_chars = max_chars
+        self._entries: OrderedDict[tuple[int, str], _SegmentedText] = OrderedDict()
+        self._chars = 0
+        self._lock = threading.Lock()
+
+    def get(self, segment_chars: int, body: str) -> _SegmentedText | None:
+        key = (segment_chars, body[:segment_chars])
+        with self._lock:
+            found = self._entries.get(key)
+            if found is not None:
+                self._entries.move_to_end(key)
+            return found
+
+    def put(self, segment_chars: int, segmented: _SegmentedText) -> None:
+        if len(segmented.body) > self.max_chars:
+            return
+        key = (segment_chars, segmented.body[:segment_chars])
+        with self._lock:
+            replaced = self._entries.pop(key, None)
+            if replaced is not None:
+                self._chars -= len(replaced.body)
+            self._entries[key] = segmented
+            self._chars += len(segmented.body)
+            while self._chars > self.max_chars:
+                _, evicted = self._entries.popitem(last=False)
+                self._chars -= len(evicted.body)
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+
 class PromptTokenizer:
     """One model's tokenizer, rendering and encoding requests the way vLLM does."""
 
-    def __init__(self, tokenizer_dir: str, *, cache_tokens: int = 4_000_000) -> None:
+    def __init__(
+        self, tokenizer_dir: str, *, cache_tokens: int = 4_000_000, cut_memory_chars: int = CUT_MEMORY_CHARS
+    ) -> None:
         from transformers import AutoTokenizer  # heavy: imported only when a model needs it
 
         self.tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
         self.source = tokenizer_dir
         self.cache = _PieceCache(cache_tokens)
+        self.cuts = _CutMemory(cut_memory_chars)
         added = sorted(self.tokenizer.added_tokens_encoder, key=len, reverse=True)
         self._added_pattern = re.compile("|".join(re.escape(token) for token in added)) if added else None
         self.piecewise = self._added_pattern is not None and self._piecewise_encoding_is_exact()
@@ -165,6 +219,7 @@ class PromptTokenizer:
         self.segmented = (
             self.piecewise and self._pre_tokenizer is not None and self._segmented_encoding_is_exact()
         )
+        self.template_reads_sped_up = _speed_up_template_reads(self.tokenizer)
         if self.piecewise and not self.segmented:
             logger.info("tokenizer %s: segment cache for long messages off (checks failed)", tokenizer_dir)
 
@@ -203,8 +258,9 @@ class PromptTokenizer:
         """Characters encode_text(text) would encode, not finding them cached: (through the
         tokenizer, through the ASCII fast path). Reads the cache without counting hits or misses.
 
-        A long piece that is not cached whole counts whole, though its leading segments may be
-        cached: finding out would cut it into segments twice."""
+        A long piece that is not cached whole counts from the end of the segments remembered for
+        a text that began like it (self.cuts: a new question after the same document), else whole,
+        though its leading segments may be cached: finding out would cut it into segments twice."""
         if add_special_tokens or not self.piecewise:
             cached = not add_special_tokens and self.cache.peek(text)
             return (0 if cached else len(text)), 0
@@ -212,6 +268,10 @@ class PromptTokenizer:
         for piece in self._pieces(text):
             if self.cache.peek(piece):
                 continue
+            if self.segmented and len(piece) >= SEGMENTED_MIN_CHARS:
+                known_ends, _ = self._remembered_segments(self._split_added(piece)[0], SEGMENT_CHARS)
+                if known_ends:
+                    piece = piece[known_ends[-1] :]
             if self._ascii is not None and piece.isascii():
                 fast += len(piece)
             else:
@@ -277,39 +337,81 @@ class PromptTokenizer:
         return np.frombuffer(array.array("I", ids), dtype=np.uint32)
 
     def _encode_by_segments(self, piece: str, segment_chars: int = SEGMENT_CHARS) -> np.ndarray:
-        """A piece's tokens: its leading segments from the cache, the rest encoded in one call.
+        """A piece's tokens: its leading segments remembered or cached, the rest encoded in one call.
 
-        The text from the first uncached segment on is encoded at once (one call costs less than
-        one per segment) and its tokens are split where each segment's first character's token
-        starts (every token lies inside one segment: cuts are pretoken boundaries), then cached.
+        Where the piece begins like a long text cut before (self.cuts), the segments that text
+        shares with it whole, and the context after their last cut, are taken as they were: cuts
+        depend only on the text up to _CUT_CONTEXT_CHARS past them. The text from the first
+        uncached segment on is encoded at once (one call costs less than one per segment) and its
+        tokens are split where each segment's first character's token starts (every token lies
+        inside one segment: cuts are pretoken boundaries), then cached.
         """
-        segments = self._segments(piece, segment_chars)
-        parts = []
+        body, added = self._split_added(piece)
+        known_ends, known_ids = self._remembered_segments(body, segment_chars)
+        start = known_ends[-1] if known_ends else 0
+        segments = self._cut(body, start, segment_chars)
+        if added:
+            segments.append(added)
+        parts: list[np.ndarray] = []
         for segment in segments:
             ids = self.cache.get(segment)
             if ids is None:
                 break
             parts.append(ids)
-        if len(parts) == len(segments):
-            return np.concatenate(parts) if parts else np.empty(0, dtype=np.uint32)
         rest = segments[len(parts) :]
-        if self._ascii is not None and all(segment.isascii() for segment in rest):
+        if rest and self._ascii is not None and all(segment.isascii() for segment in rest):
             # Segments are pretoken boundaries: each encodes on its own to its share of the tokens.
             for segment in rest:
                 segment_ids = self._encode_plain(segment)
                 self.cache.put(segment, segment_ids)
                 parts.append(segment_ids)
-            return np.concatenate(parts)
-        # encode_batch releases the GIL (encode does not): the event loop runs meanwhile.
-        encoding = self._pre_tokenizer_owner.encode_batch(["".join(rest)], add_special_tokens=False)[0]
-        ids = np.asarray(encoding.ids, dtype=np.uint32)
-        # Each later segment starts with the token holding its first character.
-        boundaries = itertools.accumulate(len(segment) for segment in rest[:-1])
-        splits = [encoding.char_to_token(boundary) for boundary in boundaries]
-        for segment, segment_ids in zip(rest, np.split(ids, splits), strict=True):
-            self.cache.put(segment, segment_ids)
-        parts.append(ids)
-        return np.concatenate(parts)
+        elif rest:
+            # encode_batch releases the GIL (encode does not): the event loop runs meanwhile.
+            encoding = self._pre_tokenizer_owner.encode_batch(["".join(rest)], add_special_tokens=False)[0]
+            ids = np.asarray(encoding.ids, dtype=np.uint32)
+            # Each later segment starts with the token holding its first character.
+            boundaries = itertools.accumulate(len(segment) for segment in rest[:-1])
+            splits = [encoding.char_to_token(boundary) for boundary in boundaries]
+            for segment, segment_ids in zip(rest, np.split(ids, splits), strict=True):
+                self.cache.put(segment, segment_ids)
+                parts.append(segment_ids)
+        body_segments = len(segments) - (1 if added else 0)
+        ends = list(
+            itertools.accumulate((len(segment) for segment in segments[:body_segments]), initial=start)
+        )
+        self.cuts.put(
+            segment_chars, _SegmentedText(body, known_ends + ends[1:], known_ids + parts[:body_segments])
+        )
+        everything = known_ids + parts
+        return np.concatenate(everything) if everything else np.empty(0, dtype=np.uint32)
+
+    def _remembered_segments(self, body: str, segment_chars: int) -> tuple[list[int], list[np.ndarray]]:
+        """The segments of `body` known from the last text cut that began like it: their end
+        offsets and tokens, up to the last cut whose context (_CUT_CONTEXT_CHARS past it) `body`
+        repeats; ([], []) where none."""
+        remembered = self.cuts.get(segment_chars, body)
+        if remembered is None:
+            return [], []
+        old = remembered.body
+        # The cuts (every segment end but the last, which is the old text's end) that `body`
+        # repeats with their context; shared beginnings are prefixes, so the count is searched.
+        low, high = 0, len(remembered.ends) - 1
+        while low < high:
+            middle = (low + high + 1) // 2
+            reach = remembered.ends[middle - 1] + _CUT_CONTEXT_CHARS
+            if reach <= len(body) and body.startswith(old[:reach]):
+                low = middle
+            else:
+                high = middle - 1
+        return remembered.ends[:low], remembered.ids[:low]
+
+    def _split_added(self, piece: str) -> tuple[str, str]:
+        """`piece` as (its text, the added token that ends it or "")."""
+        assert self._added_pattern is not None
+        special = self._added_pattern.search(piece)
+        if special is None:
+            return piece, ""
+        return piece[: special.start()], piece[special.start() :]
 
     def _segments(self, piece: str, segment_chars: int) -> list[str]:
         """`piece` cut into segments that encode independently (they concatenate back to `piece`).
@@ -318,14 +420,16 @@ class PromptTokenizer:
         tokenizer extracts it first. Cuts depend only on the text before them and a little after,
         so two pieces that share a long beginning share all its segments but the last.
         """
-        assert self._added_pattern is not None
-        body, added = piece, ""
-        special = self._added_pattern.search(piece)
-        if special is not None:
-            body, added = piece[: special.start()], piece[special.start() :]
+        body, added = self._split_added(piece)
+        segments = self._cut(body, 0, segment_chars)
+        if added:
+            segments.append(added)
+        return segments
+
+    def _cut(self, body: str, start: int, segment_chars: int) -> list[str]:
+        """`body[start:]` cut into segments, `start` being a cut (or 0); no empty segment."""
         segments = []
-        start = 0
-        search_from = segment_chars
+        search_from = start + segment_chars
         while search_from < len(body):
             candidate = _CUT_CANDIDATE.search(body, search_from)
             if candidate is None:
@@ -338,8 +442,6 @@ class PromptTokenizer:
             else:
                 search_from = cut + 1
         segments.append(body[start:])
-        if added:
-            segments.append(added)
         return [segment for segment in segments if segment]
 
     def _starts_pretoken(self, text: str, cut: int) -> bool:
@@ -372,7 +474,7 @@ class PromptTokenizer:
         ]  # fmt: skip
         rng = np.random.default_rng(0)
         specials = list(self.tokenizer.added_tokens_encoder)
-        saved_cache = self.cache
+        saved_cache, saved_cuts = self.cache, self.cuts
         try:
             for length in (300, 900, 1500):
                 text = " ".join(rng.choice(words, size=length).tolist())
@@ -383,15 +485,19 @@ class PromptTokenizer:
                     if "".join(segments) != piece or not np.array_equal(parts, whole):
                         return False
                     # The offsets path: cold, then with the first half of the segments cached.
-                    self.cache = _PieceCache(1_000_000)
+                    self.cache, self.cuts = _PieceCache(1_000_000), _CutMemory(1 << 20)
                     if not np.array_equal(self._encode_by_segments(piece, 64), whole):
                         return False
-                    self.cache = _PieceCache(1_000_000)
+                    # With the first half of the segments cached, then with them remembered only.
+                    self.cache, self.cuts = _PieceCache(1_000_000), _CutMemory(1 << 20)
                     self._encode_by_segments("".join(segments[: len(segments) // 2]), 64)
                     if not np.array_equal(self._encode_by_segments(piece, 64), whole):
                         return False
+                    self.cache = _PieceCache(1_000_000)
+                    if not np.array_equal(self._encode_by_segments(piece, 64), whole):
+                        return False
         finally:
-            self.cache = saved_cache
+            self.cache, self.cuts = saved_cache, saved_cuts
         return True
 
     def _piecewise_encoding_is_exact(self) -> bool:
@@ -422,6 +528,102 @@ class PromptTokenizer:
             if pieces != whole:
                 return False
         return True
+
+
+# What the jinja2 sandbox does on each attribute a template reads, in the jinja2 versions whose
+# code was read for this (3.1): SandboxedEnvironment.getattr tries getattr(obj, name), falls back
+# to obj[name], and asks is_safe_attribute of what getattr found; is_safe_attribute ignores the
+# value and decides by the name and isinstance tests on the object, so by (type of obj, name).
+_FAST_READS_JINJA_SERIES = "3.1."
+# Distinct (type, attribute name) pairs remembered per template; a template reads a few dozen.
+ATTRIBUTE_CHECKS_MAX = 4096
+# Names getattr finds on a plain dict (its methods and object's); any other name it does not.
+_DICT_ATTRIBUTES = frozenset(dir(dict))
+
+
+class _MemoizedAttributeCheck:
+    """A jinja2 sandbox's is_safe_attribute, remembered per (type of the object, attribute name).
+
+    The sandbox asks on every attribute a template reads (`content.split`, `loop.index0`...), and
+    answering costs a chain of isinstance tests each time. The answer is the sandbox's own,
+    computed once per pair, never a different one."""
+
+    def __init__(self, check: Callable[[Any, str, Any], bool]) -> None:
+        self._check = check
+        self._answers: dict[tuple[type, str], bool] = {}
+
+    def __call__(self, obj: Any, attr: str, value: Any) -> bool:
+        key = (type(obj), attr)
+        answer = self._answers.get(key)
+        if answer is None:
+            answer = self._check(obj, attr, value)
+            if len(self._answers) < ATTRIBUTE_CHECKS_MAX:
+                self._answers[key] = answer
+        return answer
+
+
+class _SandboxGetattr:
+    """A jinja2 sandbox's getattr, answering `message.role` on a plain dict without the failed
+    attribute lookup (an exception) the sandbox goes through first.
+
+    On an object of exactly type dict, getattr finds only the names in dir(dict), so for any other
+    name the sandbox's answer is obj[name], or undefined where the key is missing: the same here.
+    Everything else goes to the sandbox's own getattr."""
+
+    def __init__(self, environment: Any) -> None:
+        self._sandbox_getattr = environment.getattr
+        self._undefined = environment.undefined
+
+    def __call__(self, obj: Any, attribute: Any) -> Any:
+        if type(obj) is dict and type(attribute) is str and attribute not in _DICT_ATTRIBUTES:
+            try:
+                return obj[attribute]
+            except KeyError:
+                return self._undefined(obj=obj, name=attribute)
+        return self._sandbox_getattr(obj, attribute)
+
+
+def _speed_up_sandbox_reads(environment: Any) -> bool:
+    """Install the two shortcuts above on one jinja2 sandbox, where it is the one they were written
+    for (same answers: tests/test_tokenize_template_memo.py)."""
+    import jinja2
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    if not jinja2.__version__.startswith(_FAST_READS_JINJA_SERIES):
+        return False
+    if type(environment) is not ImmutableSandboxedEnvironment:
+        return False
+    if "is_safe_attribute" in vars(environment) or "getattr" in vars(environment):
+        return False  # installed already (the environment is shared by every tokenizer using it)
+    environment.is_safe_attribute = _MemoizedAttributeCheck(environment.is_safe_attribute)
+    environment.getattr = _SandboxGetattr(environment)
+    return True
+
+
+def _speed_up_template_reads(tokenizer: Any) -> bool:
+    """Speed up attribute reads in the sandbox transformers compiles the tokenizer's own chat
+    templates into (a request's own template is rendered in the template sandbox's process,
+    untouched). Whether the tokenizer's templates render with the shortcuts."""
+    try:
+        from transformers.utils.chat_template_utils import _compile_jinja_template
+    except ImportError:
+        return False
+    templates = getattr(tokenizer, "chat_template", None)
+    if isinstance(templates, str):
+        templates = [templates]
+    elif isinstance(templates, dict):
+        templates = [t for t in templates.values() if isinstance(t, str)]
+    else:
+        return False
+    sped_up = False
+    for template in templates:
+        try:
+            environment = _compile_jinja_template(template).environment
+        except Exception:  # a template jinja cannot compile fails its requests as before
+            continue
+        _speed_up_sandbox_reads(environment)
+        sped_up = sped_up or isinstance(vars(environment).get("getattr"), _SandboxGetattr)
+    return sped_up
 
 
 def render_chat(tokenizer: Any, body: dict[str, Any]) -> str:
@@ -540,6 +742,7 @@ class RequestTokenizer:
         for model in self._config.models:
             if model.trust_request_chat_template and self.tokenizer(model.name) is not None:
                 self._sandbox(model.name).start()
+
     async def prepare(self, request: RouteRequest) -> None:
         """Fill `request.tokens` (None when the prompt cannot be tokenized) and `request.namespace`."""
         body = request.body
