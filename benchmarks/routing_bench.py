@@ -52,6 +52,7 @@ from benchmarks.replay import (
 )
 from benchmarks.routers import (
     ALL_POLICIES,
+    BASELINE_POLICIES,
     DEFAULT_POLICIES,
     PEER_POLICIES,
     decision_counters,
@@ -61,6 +62,8 @@ from benchmarks.sim_fleet import MODEL, EngineFleet
 
 # The targets of issue 4, checked (never tuned) in the report.
 TARGET_ORACLE_FRACTION = 0.95
+# Issue 25's goal under cache pressure, where the oracle's own greedy placement is far from optimal.
+TARGET_ORACLE_FRACTION_BY_WORKLOAD = {"cache_pressure": 0.90}
 TARGET_MAX_OVER_MEAN = 1.3
 # A run whose client sent its requests this late (p99, ms) against the open-loop schedule had the
 # machine starved of CPU: its TTFTs measure the machine more than the router; the report marks it.
@@ -254,9 +257,16 @@ def check_targets(results: dict, ttft_runs: dict[str, dict[str, list]] | None = 
         if entry["has_reuse"]:
             oracle = entry["oracle_hit_ratio"]
             fraction = kv["hit_ratio"] / oracle if oracle else 0.0
-            checks.append(_check(name, f"hit ratio >= {TARGET_ORACLE_FRACTION:.0%} of oracle",
+            target_fraction = TARGET_ORACLE_FRACTION_BY_WORKLOAD.get(name, TARGET_ORACLE_FRACTION)
+            checks.append(_check(name, f"hit ratio >= {target_fraction:.0%} of oracle",
                                  f"{kv['hit_ratio']:.3f} / {oracle:.3f} = {fraction:.1%}",
-                                 fraction >= TARGET_ORACLE_FRACTION))  # fmt: skip
+                                 fraction >= target_fraction))  # fmt: skip
+            for baseline in BASELINE_POLICIES:
+                if baseline in policies:
+                    theirs = policies[baseline]["hit_ratio"]
+                    checks.append(_check(name, f"hit ratio above {baseline}",
+                                         f"{kv['hit_ratio']:.3f} vs {theirs:.3f}",
+                                         kv["hit_ratio"] > theirs))  # fmt: skip
             peers = {p: policies[p]["ttft_p90"] for p in PEER_POLICIES if p in policies}
             if peers:
                 best_peer = min(peers, key=peers.get)
