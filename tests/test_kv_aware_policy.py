@@ -407,7 +407,6 @@ def test_a_conversation_of_its_own_stays_home_even_when_home_is_over_its_share()
     assert strict.choose(request(np.concatenate([PROMPTS[7], PROMPTS[8][:64]])), candidates).name != "b0"
 
 
-
 def test_a_spilled_prefix_goes_to_the_engine_with_most_headroom_and_the_next_spill_follows() -> None:
     index = PrefixIndex()
     store(index, "b0", PROMPTS[0][:384])
@@ -467,3 +466,74 @@ def test_a_shared_header_alone_does_not_draw_cold_prompts_to_one_engine() -> Non
     drawn = KVAware(KVAwarePolicy(affinity_min_tokens=0), index)
     documents = [request(np.concatenate([header, PROMPTS[4 + n]])) for n in range(2)]
     assert [route(drawn, document, candidates).name for document in documents] == ["b0", "b0"]
+
+
+# ---- cache pressure: capacity and survival (router/policies/capacity.py) ----
+
+
+def _pressure_fleet(blocks: int = 32):
+    from tests.support.sim_pool import PoolEngine
+
+    index = PrefixIndex()
+    engines = {name: PoolEngine(index, name, num_blocks=blocks) for name in ("b0", "b1")}
+    return index, engines, {b.name: b for b in backends(2)}
+
+
+def _route_to(policy, engine, backend: BackendState, tokens: np.ndarray) -> RouteRequest:
+    """Route a prompt where the test says (the only candidate) and run it on that engine."""
+    req = request(tokens)
+    assert route(policy, req, [backend]) is backend
+    engine.serve(tokens)
+    policy.on_finished(req, backend)
+    return req
+
+
+def test_under_pressure_a_cold_prompt_goes_where_it_does_not_evict_a_hot_prefix() -> None:
+    index, engines, by_name = _pressure_fleet()
+    policy = KVAware(KVAwarePolicy(), index)
+    gen = np.random.default_rng(4)
+    hot = gen.integers(0, 150_000, size=320).astype(np.uint32)
+    # b0 serves a hot prefix: one store, then hits; it computes little but touches ~3900 tokens.
+    for _ in range(11):
+        suffix = gen.integers(0, 150_000, size=32).astype(np.uint32)
+        _route_to(policy, engines["b0"], by_name["b0"], np.concatenate([hot, suffix]))
+    # b1 computed three one-off prompts: more prefill tokens than b0, a third of its tokens touched.
+    for _ in range(3):
+        _route_to(policy, engines["b1"], by_name["b1"], gen.integers(0, 150_000, size=400).astype(np.uint32))
+    assert all(index.stats(name).removed_events for name in ("b0", "b1"))  # both full: they evict
+
+    cold = gen.integers(0, 150_000, size=400).astype(np.uint32)
+    req = request(cold)
+    chosen = route(policy, req, list(by_name.values()))
+    assert req.decision["reason"] == "cold_spread"
+    # Where it goes decides what it evicts: on b0 its 25 blocks would push out most of the hot prefix.
+    assert chosen.name == "b1"
+    engines[chosen.name].serve(cold)
+    follow_up = np.concatenate([hot, gen.integers(0, 150_000, size=32).astype(np.uint32)])
+    assert engines["b0"].serve(follow_up) == 320
+
+
+def test_a_prediction_lapses_once_its_engine_has_churned_through_its_capacity(monkeypatch) -> None:
+    import types
+
+    from router.policies import kv_aware as kv_aware_module
+
+    clock = [1000.0]
+    fake_time = types.SimpleNamespace(monotonic=lambda: clock[0], time=time.time)
+    monkeypatch.setattr(kv_aware_module, "time", fake_time)
+    index, engines, by_name = _pressure_fleet()
+    policy = KVAware(KVAwarePolicy(prediction_ttl_s=5.0), index)
+    gen = np.random.default_rng(5)
+    document = gen.integers(0, 150_000, size=320).astype(np.uint32)
+    _route_to(policy, engines["b0"], by_name["b0"], document)
+    # Within the next second b0 computes 40 other prompts: 25 times its 512 tokens of capacity.
+    for _ in range(40):
+        clock[0] += 0.025
+        _route_to(policy, engines["b0"], by_name["b0"], gen.integers(0, 150_000, size=320).astype(np.uint32))
+    assert index.longest_cached_prefix(document, backends=["b0"])["b0"].tokens == 0  # evicted
+    clock[0] = 1003.0  # within prediction_ttl_s of the routing
+    req = request(np.concatenate([document, gen.integers(0, 150_000, size=32).astype(np.uint32)]))
+    route(policy, req, list(by_name.values()))
+    # The engine's survival time (~2 s at this rate) is shorter than the prediction's age: no credit.
+    assert req.decision["candidates"]["b0"]["predicted"] == 0
+    assert req.decision["reason"] == "cold_spread"

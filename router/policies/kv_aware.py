@@ -52,6 +52,7 @@ from prometheus_client import Counter
 
 from router.config import CacheAwareGuards, KVAwarePolicy
 from router.index.prefix_index import ROUTER_BLOCK_TOKENS, BackendMatch, prompt_prefix_keys
+from router.policies.capacity import CapacityModel
 from router.policies.least_loaded import fewest_in_flight
 from router.policies.load_costs import MeasuredLoadCosts
 
@@ -297,7 +298,7 @@ class CacheAwarePolicy:
             # at the median on 2 real engines: docs/benchmarks.md.)
             least_queued = min(b.in_flight_prefill_tokens for b in near)
             near = [b for b in near if b.in_flight_prefill_tokens <= least_queued]
-            placed = {b.name: self.cold_spread.value(b.name, now) for b in near}
+            placed = self.cold_spread_values(near, now)
             fewest = min(placed.values())
             return fewest_in_flight([b for b in near if placed[b.name] < fewest + 0.5], self._turn)
         # Tie-breaks (a decay and the index's held tokens each) only for the candidates tied on cost.
@@ -321,6 +322,10 @@ class CacheAwarePolicy:
             )
         return best
 
+    def cold_spread_values(self, near: list[BackendState], now: float) -> dict[str, float]:
+        """What spreads cold prompts over `near` (`cold_spread_by`), lowest first."""
+        return {b.name: self.cold_spread.value(b.name, now) for b in near}
+
     def is_cold(self, cached: dict[str, int]) -> bool:
         """No candidate holds enough of the prompt to tie it to an engine (affinity_min_tokens)."""
         return max(cached.values(), default=0) < max(1, self.affinity_min_tokens)
@@ -343,6 +348,8 @@ class KVAware(CacheAwarePolicy):
             if config.measure_load_costs
             else None
         )
+        # Each engine's capacity and eviction order (router/policies/capacity.py), for cold prompts.
+        self.capacity = CapacityModel(kv_index) if config.place_by_eviction else None
         self._weights = {
             "gpu": config.gpu_hit_weight,
             "cpu": config.cpu_hit_weight,
@@ -373,7 +380,10 @@ class KVAware(CacheAwarePolicy):
         request_weight, prefill_weight = self.load_weights()
         for backend in candidates:
             match = matches.get(backend.name)
-            predicted = self.predictions.leading_blocks(backend.name, keys, now) * ROUTER_BLOCK_TOKENS
+            predicted_at = now + self.prediction_cut_s(backend.name, now)
+            predicted = (
+                self.predictions.leading_blocks(backend.name, keys, predicted_at) * ROUTER_BLOCK_TOKENS
+            )
             saved, held = self._saved_tokens(match, predicted)
             load = request_weight * backend.in_flight + prefill_weight * backend.in_flight_prefill_tokens
             costs[backend.name] = self.config.uncached_token_weight * (prompt_tokens - saved) + load
@@ -453,6 +463,31 @@ class KVAware(CacheAwarePolicy):
     def cache_size(self, backend: str) -> int:
         return 0 if self.kv_index is None else self.kv_index.held_tokens(backend)
 
+    def prediction_cut_s(self, backend: str, now: float) -> float:
+        """How much sooner than prediction_ttl_s a prediction on `backend` lapses: on an engine
+        that touches its whole capacity faster than that, the predicted prompt is evicted by then
+        (capacity.survival_s), and crediting it would steer the prefix's next request to where it
+        is gone instead of placing it as the cold prompt it is."""
+        if self.capacity is None:
+            return 0.0
+        return max(0.0, self.predictions.ttl_s - self.capacity.survival_s(backend, now))
+
+    def cold_spread_values(self, near: list[BackendState], now: float) -> dict[str, float]:
+        """Once every engine in `near` has had to evict (its capacity is known), cold prompts go
+        where a new prefix survives longest and displaces the stalest blocks: the fewest prompt
+        tokens touched lately per token of capacity (router/policies/capacity.py), in tokens of
+        the mean capacity. An engine busy with hits on hot prefixes computes little but touches
+        much; the prefill-token spread would fill it with cold prompts that evict those prefixes.
+        Before that, the configured `cold_spread_by`."""
+        capacity = self.capacity
+        if capacity is None:
+            return super().cold_spread_values(near, now)
+        sizes = {b.name: capacity.capacity_tokens(b.name) for b in near}
+        if min(sizes.values(), default=0) <= 0:
+            return super().cold_spread_values(near, now)
+        mean = sum(sizes.values()) / len(sizes)
+        return {name: capacity.touched_tokens(name, now) * mean / size for name, size in sizes.items()}
+
     def on_routed(self, request: RouteRequest, backend: BackendState) -> None:
         keys = request.decision.pop("prefix_keys", None)
         now = time.monotonic()
@@ -461,6 +496,8 @@ class KVAware(CacheAwarePolicy):
         hot_key = request.decision.pop("hot_prefix_key", None)
         if hot_key is not None:
             self.prefix_uses.add(hot_key, now)
+        if self.capacity is not None:
+            self.capacity.on_routed(backend.name, request.decision.get("prompt_tokens", 0), now)
         if self.load_costs is not None:
             # The load the request met: on_routed comes after the gateway counted it in.
             prefill_tokens = request.decision.get("prefill_tokens", 0)
