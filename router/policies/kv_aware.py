@@ -380,10 +380,13 @@ class KVAware(CacheAwarePolicy):
         request_weight, prefill_weight = self.load_weights()
         for backend in candidates:
             match = matches.get(backend.name)
-            predicted_at = now + self.prediction_cut_s(backend.name, now)
-            predicted = (
-                self.predictions.leading_blocks(backend.name, keys, predicted_at) * ROUTER_BLOCK_TOKENS
-            )
+            predicted = self.predictions.leading_blocks(backend.name, keys, now) * ROUTER_BLOCK_TOKENS
+            if predicted and self.capacity is not None:
+                cut_s = self.prediction_cut_s(backend.name, now)
+                if cut_s > 0:
+                    predicted = (
+                        self.predictions.leading_blocks(backend.name, keys, now + cut_s) * ROUTER_BLOCK_TOKENS
+                    )
             saved, held = self._saved_tokens(match, predicted)
             load = request_weight * backend.in_flight + prefill_weight * backend.in_flight_prefill_tokens
             costs[backend.name] = self.config.uncached_token_weight * (prompt_tokens - saved) + load
