@@ -411,8 +411,8 @@ def cache_pressure(params: CachePressureParams = CachePressureParams(), tokenize
         pending.append((arrival, f"prefix-{prefix}", messages, params.max_tokens, maker.prompt_ids(messages)))
     return _finish(
         "cache_pressure",
-        f"{params.requests} requests over {params.prefixes} prefixes of {params.prefix_tokens} tokens "
-        f"(Zipf {params.zipf_exponent}, each at least {params.min_uses} times, random order)",
+        f"{params.prefixes} prefixes of {params.prefix_tokens} tokens asked about in random order "
+        f"(Zipf {params.zipf_exponent}, each at least {params.min_uses} times)",
         True,
         params,
         pending,

@@ -269,6 +269,7 @@ class CacheAwarePolicy:
         costs: dict[str, float],
         cached: dict[str, int],
         now: float,
+        keys: list[int] | None = None,
     ) -> BackendState:
         """The allowed candidate with the lowest cost; among equal costs, fewest recent placements,
         then the emptiest cache.
@@ -298,7 +299,7 @@ class CacheAwarePolicy:
             # at the median on 2 real engines: docs/benchmarks.md.)
             least_queued = min(b.in_flight_prefill_tokens for b in near)
             near = [b for b in near if b.in_flight_prefill_tokens <= least_queued]
-            placed = self.cold_spread_values(near, now)
+            placed = self.cold_spread_values(near, now, keys or [])
             fewest = min(placed.values())
             return fewest_in_flight([b for b in near if placed[b.name] < fewest + 0.5], self._turn)
         # Tie-breaks (a decay and the index's held tokens each) only for the candidates tied on cost.
@@ -322,8 +323,8 @@ class CacheAwarePolicy:
             )
         return best
 
-    def cold_spread_values(self, near: list[BackendState], now: float) -> dict[str, float]:
-        """What spreads cold prompts over `near` (`cold_spread_by`), lowest first."""
+    def cold_spread_values(self, near: list[BackendState], now: float, keys: list[int]) -> dict[str, float]:
+        """What spreads a cold prompt (router keys `keys`) over `near` (`cold_spread_by`), lowest first."""
         return {b.name: self.cold_spread.value(b.name, now) for b in near}
 
     def is_cold(self, cached: dict[str, int]) -> bool:
@@ -348,7 +349,8 @@ class KVAware(CacheAwarePolicy):
             if config.measure_load_costs
             else None
         )
-        # Each engine's capacity and eviction order (router/policies/capacity.py), for cold prompts.
+        # Each engine's capacity and survival time (router/policies/capacity.py): predictions and
+        # cold prompts under cache pressure.
         self.capacity = CapacityModel(kv_index) if config.place_by_eviction else None
         self._weights = {
             "gpu": config.gpu_hit_weight,
@@ -420,7 +422,7 @@ class KVAware(CacheAwarePolicy):
         # guard moved 5-13 chat turns a run, each a whole-conversation miss, some back and forth;
         # docs/benchmarks.md.)
         allowed = self.guarded(candidates, now) if hot else candidates
-        winner = self.pick(candidates, allowed, costs, cached, now)
+        winner = self.pick(candidates, allowed, costs, cached, now, keys)
         reason = self._reason(tokens, candidates, allowed, winner, cached)
         self.record(request, winner.name, reason, scores, prompt_tokens, cached[winner.name])
         return winner
@@ -467,29 +469,44 @@ class KVAware(CacheAwarePolicy):
         return 0 if self.kv_index is None else self.kv_index.held_tokens(backend)
 
     def prediction_cut_s(self, backend: str, now: float) -> float:
-        """How much sooner than prediction_ttl_s a prediction on `backend` lapses: on an engine
-        that touches its whole capacity faster than that, the predicted prompt is evicted by then
-        (capacity.survival_s), and crediting it would steer the prefix's next request to where it
-        is gone instead of placing it as the cold prompt it is."""
+        """How much sooner than prediction_ttl_s a prediction on `backend` lapses: past the time
+        the predicted prompt surely survives there (capacity.earliest_survival_s: the engine may
+        have touched its whole capacity since), the index's events, which have come meanwhile, say
+        whether it is still there; crediting it regardless steered the prefix's next request,
+        cold in truth, to the engine that churns fastest."""
         if self.capacity is None:
             return 0.0
-        return max(0.0, self.predictions.ttl_s - self.capacity.survival_s(backend, now))
+        return max(0.0, self.predictions.ttl_s - self.capacity.earliest_survival_s(backend, now))
 
-    def cold_spread_values(self, near: list[BackendState], now: float) -> dict[str, float]:
-        """Once every engine in `near` has had to evict (its capacity is known), cold prompts go
-        where a new prefix survives longest and displaces the stalest blocks: the fewest prompt
-        tokens touched lately per token of capacity (router/policies/capacity.py), in tokens of
-        the mean capacity. An engine busy with hits on hot prefixes computes little but touches
-        much; the prefill-token spread would fill it with cold prompts that evict those prefixes.
-        Before that, the configured `cold_spread_by`."""
+    def cold_spread_values(self, near: list[BackendState], now: float, keys: list[int]) -> dict[str, float]:
+        """Once every engine in `near` has had to evict (router/policies/capacity.py), per token of
+        capacity (scaled to the mean capacity): for a prompt whose prefix was routed before (it is
+        reused, and was evicted since), the prompt tokens each engine touched lately, i.e. the
+        shortest time a block surely survives there; for a new one, `cold_spread_by`.
+
+        A reused prefix that was evicted comes back at intervals longer than its engine kept it:
+        it goes where it surely lasts longest. An engine serving hits on hot prefixes computes little
+        but touches much; spread by prefill tokens it drew the evicted prefixes, whose prefills then
+        pushed its hot ones out. A new prompt (a conversation's first turn) brings follow-ups that
+        are stored where it lands: the new tokens placed there (`prefill_tokens`) weigh that."""
         capacity = self.capacity
         if capacity is None:
-            return super().cold_spread_values(near, now)
+            return super().cold_spread_values(near, now, keys)
         sizes = {b.name: capacity.capacity_tokens(b.name) for b in near}
         if min(sizes.values(), default=0) <= 0:
-            return super().cold_spread_values(near, now)
+            return super().cold_spread_values(near, now, keys)
         mean = sum(sizes.values()) / len(sizes)
-        return {name: capacity.touched_tokens(name, now) * mean / size for name, size in sizes.items()}
+        if capacity.seen_before(keys):
+            # Under the share line too, as a hot prefix's spill: touched tokens alone would pile
+            # the evicted prefixes of many conversations onto the engine with the fewest hits.
+            fair = {b.name for b in self.guarded(near, now)}
+            values = {
+                name: capacity.touched_per_s(name, now) / capacity.rate if name in fair else math.inf
+                for name in sizes
+            }
+        else:
+            values = super().cold_spread_values(near, now, keys)
+        return {name: value * mean / sizes[name] for name, value in values.items()}
 
     def on_routed(self, request: RouteRequest, backend: BackendState) -> None:
         keys = request.decision.pop("prefix_keys", None)
@@ -500,7 +517,7 @@ class KVAware(CacheAwarePolicy):
         if hot_key is not None:
             self.prefix_uses.add(hot_key, now)
         if self.capacity is not None:
-            self.capacity.on_routed(backend.name, request.decision.get("prompt_tokens", 0), now)
+            self.capacity.on_routed(backend.name, request.decision.get("prompt_tokens", 0), now, keys)
         if self.load_costs is not None:
             # The load the request met: on_routed comes after the gateway counted it in.
             prefill_tokens = request.decision.get("prefill_tokens", 0)
