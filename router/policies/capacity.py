@@ -15,12 +15,14 @@ This module keeps, per backend:
   make room), the high-water mark of the tokens its KV events show it holding (the prefix index's
   count, stored minus removed); unknown (0) while it never had to evict, and reset when the engine
   clears its cache (AllBlocksCleared);
-- the prompt tokens routed to it, decayed with a 30 s half-life: what it touches per second.
+- the prompt tokens routed to it, decayed with a 30 s half-life: what it touches per second;
+and, for all backends, a sample of the router keys of the prompts routed lately (`seen_before`).
 
 kv_aware lets a prediction lapse after the earliest survival (a prompt just routed is surely still
-there only that long), and spreads cold prompts by the latest, per token of capacity: the prompt
-tokens it placed on each engine to compute lately (its `placements`) over the engine's capacity, so
-a new prefix goes where new blocks are stored slowest for the engine's size.
+there only that long); sends a cold prompt whose prefix was routed before (reused, and evicted since)
+where its earliest survival is longest; and spreads new cold prompts by the latest, per token of
+capacity: the prompt tokens it placed on each engine to compute lately (its `placements`) over the
+engine's capacity (docs/index.md, "Cache pressure").
 """
 
 from __future__ import annotations
