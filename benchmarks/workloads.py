@@ -364,7 +364,8 @@ def no_reuse(params: NoReuseParams = NoReuseParams(), tokenizer: Any = None) -> 
 class CachePressureParams:
     # 112 prefixes of 2000 tokens are 14000 blocks of 16 against the default fleet's 8 x 512 = 4096:
     # 3.4x what the caches hold, an engine holding about 4 of them. `--scale` multiplies the
-    # requests (and the rate), never the prefixes, so the pressure stays what it is.
+    # prefixes with the requests and the rate, as the real tier's smaller fleet needs (the same
+    # pressure per engine); on the same fleet a smaller scale means less pressure.
     prefixes: int = 112
     prefix_tokens: int = 2000
     requests: int = 672
@@ -431,16 +432,16 @@ WORKLOADS: dict[str, tuple[Callable[..., Workload], type]] = {
 def build(
     name: str, tokenizer: Any = None, scale: float = 1.0, rate_scale: float = 1.0, **overrides: Any
 ) -> Workload:
-    """Build a workload by name. `scale` multiplies its population (users, documents, requests) and its
-    rate together, so the run keeps its length; `rate_scale` multiplies the rate alone (a shorter run);
-    `overrides` set any parameter field by name."""
+    """Build a workload by name. `scale` multiplies its population (users, documents, requests,
+    prefixes) and its rate together, so the run keeps its length; `rate_scale` multiplies the rate
+    alone (a shorter run); `overrides` set any parameter field by name."""
     if name not in WORKLOADS:
         raise ValueError(f"unknown workload {name!r}; known: {', '.join(WORKLOADS)}")
     factory, params_type = WORKLOADS[name]
     defaults = params_type()
     scaled: dict[str, Any] = {"rate": defaults.rate * scale * rate_scale}
     if scale != 1.0:
-        for population in ("users", "documents", "requests"):
+        for population in ("users", "documents", "requests", "prefixes"):
             if hasattr(defaults, population):
                 scaled[population] = max(1, math.ceil(getattr(defaults, population) * scale))
     known = {f.name for f in dataclasses.fields(params_type)}

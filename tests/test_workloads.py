@@ -156,6 +156,10 @@ def test_scale_multiplies_population_and_rate_and_rate_scale_the_rate_alone(toke
     assert len(faster.requests) == len(scaled.requests)
     assert faster.params["rate"] == pytest.approx(defaults.rate * 0.4)
     assert faster.requests[-1].arrival_s < scaled.requests[-1].arrival_s
+    # The real tier's scale (2 engines for 8): cache_pressure keeps its pressure per engine.
+    small = workloads.build("cache_pressure", tokenizer, scale=0.25, prefix_tokens=48, question_tokens=(4, 8))
+    assert (small.params["prefixes"], small.params["requests"]) == (28, 168)
+    assert len({r.session_id for r in small.requests}) == 28
 
 
 # ---- the oracle's engine model ----
