@@ -30,11 +30,21 @@ KVGATE_POLICIES = ("round_robin", "least_loaded", "session", "approximate", "kv_
 PEER_POLICIES = ("sglang_router_cache_aware", "vllm_router_cache_aware", "vllm_router_kv_aware")
 # kv_aware told which engines share a KV tier (the fleet's `shared_tiers`); needs a fleet with one.
 SHARED_TIER_POLICY = "kv_aware_shared_tiers"
-ALL_POLICIES = (*KVGATE_POLICIES, SHARED_TIER_POLICY, *PEER_POLICIES)
+# Baselines: not cache-aware, so not among the peers kv_aware's TTFT targets compare against.
+# vllm-router's consistent_hash puts each x-session-id on a fixed worker (a hash ring, 160 virtual
+# nodes a worker); the workloads name the prefix family in the session (cache_pressure: the
+# prefix), so it is "hash each prefix family onto a fixed engine".
+BASELINE_POLICIES = ("vllm_router_consistent_hash",)
+ALL_POLICIES = (*KVGATE_POLICIES, SHARED_TIER_POLICY, *PEER_POLICIES, *BASELINE_POLICIES)
 # vllm-router's kv_aware is left out by default: against the simulated engines its debug log shows
 # credited_prefix_tokens=0 on every decision (it does not recognise the simulator's block hashes), so
 # its numbers would measure that mismatch, not its routing.
-DEFAULT_POLICIES = (*KVGATE_POLICIES, "sglang_router_cache_aware", "vllm_router_cache_aware")
+DEFAULT_POLICIES = (
+    *KVGATE_POLICIES,
+    "sglang_router_cache_aware",
+    "vllm_router_cache_aware",
+    *BASELINE_POLICIES,
+)
 
 
 @dataclass(slots=True)
@@ -55,7 +65,7 @@ def start_router(policy: str, fleet: EngineFleet, timeout_s: float = 90.0) -> Ru
     name, _, knobs = policy.partition("@")
     if name in (*KVGATE_POLICIES, SHARED_TIER_POLICY):
         return _start_kvgate(name, _parse_knobs(knobs), fleet, timeout_s, label=policy)
-    if policy in PEER_POLICIES:
+    if policy in PEER_POLICIES or policy in BASELINE_POLICIES:
         return _start_peer(policy, fleet, timeout_s)
     raise ValueError(f"unknown policy {policy!r}; known: {', '.join(ALL_POLICIES)}")
 
@@ -198,6 +208,9 @@ def _start_peer(policy: str, fleet: EngineFleet, timeout_s: float) -> RunningRou
                 "--log-level", "warn"]  # fmt: skip
     elif policy == "vllm_router_cache_aware":
         args = [str(_peer_binary("vllm-router")), *common, "--policy", "cache_aware",
+                "--log-level", "warning"]  # fmt: skip
+    elif policy == "vllm_router_consistent_hash":
+        args = [str(_peer_binary("vllm-router")), *common, "--policy", "consistent_hash",
                 "--log-level", "warning"]  # fmt: skip
     else:
         # vllm-router's own KV-event-driven policy, fed by the same event streams kvgate reads.

@@ -58,6 +58,7 @@ from benchmarks.replay import (
 )
 from benchmarks.routers import (
     ALL_POLICIES,
+    BASELINE_POLICIES,
     DEFAULT_POLICIES,
     PEER_POLICIES,
     SHARED_TIER_POLICY,
@@ -70,6 +71,8 @@ from benchmarks.sim_fleet import MODEL, EngineFleet
 
 # The targets of issue 4, checked (never tuned) in the report.
 TARGET_ORACLE_FRACTION = 0.95
+# Issue 25's goal under cache pressure, where the oracle's own greedy placement is far from optimal.
+TARGET_ORACLE_FRACTION_BY_WORKLOAD = {"cache_pressure": 0.90}
 TARGET_MAX_OVER_MEAN = 1.3
 # A run whose client sent its requests this late (p99, ms) against the open-loop schedule had the
 # machine starved of CPU: its TTFTs measure the machine more than the router; the report marks it.
@@ -272,9 +275,16 @@ def check_targets(results: dict, ttft_runs: dict[str, dict[str, list]] | None = 
         if entry["has_reuse"]:
             oracle = entry["oracle_hit_ratio"]
             fraction = kv["hit_ratio"] / oracle if oracle else 0.0
-            checks.append(_check(name, f"hit ratio >= {TARGET_ORACLE_FRACTION:.0%} of oracle",
+            target_fraction = TARGET_ORACLE_FRACTION_BY_WORKLOAD.get(name, TARGET_ORACLE_FRACTION)
+            checks.append(_check(name, f"hit ratio >= {target_fraction:.0%} of oracle",
                                  f"{kv['hit_ratio']:.3f} / {oracle:.3f} = {fraction:.1%}",
-                                 fraction >= TARGET_ORACLE_FRACTION))  # fmt: skip
+                                 fraction >= target_fraction))  # fmt: skip
+            for baseline in BASELINE_POLICIES:
+                if baseline in policies:
+                    theirs = policies[baseline]["hit_ratio"]
+                    checks.append(_check(name, f"hit ratio above {baseline}",
+                                         f"{kv['hit_ratio']:.3f} vs {theirs:.3f}",
+                                         kv["hit_ratio"] > theirs))  # fmt: skip
             peers = {p: policies[p]["ttft_p90"] for p in PEER_POLICIES if p in policies}
             if peers:
                 best_peer = min(peers, key=peers.get)
@@ -428,6 +438,7 @@ def write_markdown(results: dict, path: Path) -> None:
             f"**{entry['oracle_hit_ratio']:.3f}**, unbounded shared cache "
             f"{summary['unbounded_cache_hit_ratio']:.3f}.",
             "",
+            *_own_run_lines(entry),
             "| policy | hit ratio | of oracle | TTFT p50 | TTFT p90 | TTFT p99 | req/s | max/mean load "
             "| router CPU ms/req | errors |",
             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
@@ -513,6 +524,39 @@ def write_markdown(results: dict, path: Path) -> None:
             lines.append(f"| {check['workload']} | {check['target']} | {check['measured']} | {mark} |")
         lines.append("")
     path.write_text("\n".join(lines))
+
+
+def _own_run_lines(entry: dict) -> list[str]:
+    run = entry.get("run")
+    if not run:
+        return []
+    return [
+        f"Measured in a run of its own ({run['date']}, `{run['command']}`, {run['wall_s']:.0f} s wall, "
+        f"load average {run.get('load_average_start', '-')} at the start, {run.get('load_average_end', '-')} "
+        "at the end) and merged into this file (`--merge-into`): compare its rows with each other.",
+        "",
+    ]
+
+
+def merge_into(results: dict, prefix: Path) -> None:
+    """Add this run's workloads to the results at `prefix` (.json, rewriting its .md and .png), each
+    carrying this run's date, command and load (`run`); the engines must match."""
+    target_path = prefix.with_suffix(".json")
+    target = json.loads(target_path.read_text())
+    fleet_keys = ("engines", "engine_kind", "num_gpu_blocks", "block_size", "sim_args")
+    mismatched = [k for k in fleet_keys if target["meta"].get(k) != results["meta"].get(k)]
+    if mismatched:
+        raise ValueError(f"--merge-into {prefix}: its {', '.join(mismatched)} differ from this run's")
+    run = {
+        k: results["meta"][k] for k in ("date", "command", "wall_s", "load_average_start", "load_average_end")
+    }
+    for name, entry in results["workloads"].items():
+        target["workloads"][name] = {**entry, "run": run}
+    target["targets"] = [c for c in target.get("targets", []) if c["workload"] not in results["workloads"]]
+    target["targets"] += [c for c in results.get("targets", []) if c["workload"] in results["workloads"]]
+    target_path.write_text(json.dumps(target, indent=1) + "\n")
+    write_markdown(target, prefix.with_suffix(".md"))
+    write_plot(target, prefix.with_suffix(".png"))
 
 
 def _floor_lines(entry: dict) -> list[str]:
@@ -648,6 +692,11 @@ def main(argv: list[str] | None = None) -> int:
         help="runs of each policy per workload, interleaved (A B A B); measures pooled (`combine_repeats`)",
     )
     parser.add_argument("--output", help="path prefix of the results (default benchmarks/results/routing)")
+    parser.add_argument(
+        "--merge-into",
+        help="also add this run's workloads to the results at this path prefix (same engines), "
+        "e.g. benchmarks/results/routing",
+    )
     parser.add_argument(
         "--no-floor",
         action="store_true",
@@ -837,6 +886,9 @@ def main(argv: list[str] | None = None) -> int:
     write_markdown(results, output.with_suffix(".md"))
     write_plot(results, output.with_suffix(".png"))
     _log(f"wrote {output}.json, .md and .png in {results['meta']['wall_s']:.0f} s")
+    if args.merge_into:
+        merge_into(results, Path(args.merge_into))
+        _log(f"merged {', '.join(results['workloads'])} into {args.merge_into}.json, .md and .png")
     return 0
 
 

@@ -8,6 +8,8 @@ Five shapes of traffic, each a list of chat requests with open-loop arrival time
 - `shared_tier_documents`: long documents read again and again for the whole run, more of them than
   the engines' GPU caches hold, so between reads they survive in a shared KV tier (the routing
   benchmark's `--shared-tier` runs it; it is left out of its default workloads).
+- `cache_pressure`: many long prefixes, several times what the fleet's caches hold, reused in random
+  order (where a request goes decides what gets evicted).
 
 Text is deterministic pseudo-text drawn from a fixed word list with a seeded generator, cut to the
 target token lengths. Every request carries the exact prompt token ids an engine will see (the
@@ -378,6 +380,24 @@ class SharedTierDocumentsParams:
     seed: int = 5
 
 
+@dataclass(frozen=True)
+class CachePressureParams:
+    # 112 prefixes of 2000 tokens are 14000 blocks of 16 against the default fleet's 8 x 512 = 4096:
+    # 3.4x what the caches hold, an engine holding about 4 of them. `--scale` multiplies the
+    # prefixes with the requests and the rate, as the real tier's smaller fleet needs (the same
+    # pressure per engine); on the same fleet a smaller scale means less pressure.
+    prefixes: int = 112
+    prefix_tokens: int = 2000
+    requests: int = 672
+    # Every prefix is asked this many times; the rest of the requests draw prefixes by popularity.
+    min_uses: int = 2
+    zipf_exponent: float = 0.8  # weight of prefix k is 1 / (k+1)^s: a few hot, a long tail
+    question_tokens: tuple[int, int] = (20, 80)
+    rate: float = 12.0
+    max_tokens: int = 32
+    seed: int = 5
+
+
 def shared_tier_documents(
     params: SharedTierDocumentsParams = SharedTierDocumentsParams(), tokenizer: Any = None
 ) -> Workload:
@@ -414,12 +434,55 @@ def shared_tier_documents(
     )
 
 
+def cache_pressure(params: CachePressureParams = CachePressureParams(), tokenizer: Any = None) -> Workload:
+    """Long prefixes (a document, a RAG context, an agent's tool manual) in the system message, each
+    asked a question at a time, the prefixes drawn independently of what came before (Zipf
+    popularity, every prefix at least `min_uses` times) and the asks shuffled: random reuse order.
+
+    Zipf rather than uniform: with uniform popularity and independent draws the next prefix is
+    equally likely to be any, so no placement does better than partitioning the prefixes over the
+    engines, which hashing by prefix already does; with a few hot prefixes and a long tail, where the
+    tail's one-off prefixes land decides whether they evict a hot one (real reuse is skewed too)."""
+    if params.min_uses * params.prefixes > params.requests:
+        raise ValueError(
+            f"cache_pressure: {params.prefixes} prefixes x min_uses {params.min_uses} is more than "
+            f"{params.requests} requests; lower min_uses or raise requests"
+        )
+    maker = _TextMaker(tokenizer or qwen3_tokenizer())
+    rng = np.random.default_rng(params.seed)
+    prefixes = [maker.text(rng, params.prefix_tokens) for _ in range(params.prefixes)]
+    weights = 1.0 / np.arange(1, params.prefixes + 1) ** params.zipf_exponent
+    extra = rng.choice(
+        params.prefixes, size=params.requests - params.min_uses * params.prefixes, p=weights / weights.sum()
+    )
+    asks = [*np.repeat(np.arange(params.prefixes), params.min_uses).tolist(), *extra.tolist()]
+    rng.shuffle(asks)
+    arrivals = _poisson_arrivals(rng, len(asks), params.rate)
+    pending = []
+    for arrival, prefix in zip(arrivals, asks, strict=True):
+        messages = [
+            {"role": "system", "content": prefixes[prefix]},
+            {"role": "user", "content": maker.text(rng, _length(rng, params.question_tokens))},
+        ]
+        # The session names the prefix family: what a hash-by-prefix router keys on.
+        pending.append((arrival, f"prefix-{prefix}", messages, params.max_tokens, maker.prompt_ids(messages)))
+    return _finish(
+        "cache_pressure",
+        f"{params.prefixes} prefixes of {params.prefix_tokens} tokens asked about in random order "
+        f"(Zipf {params.zipf_exponent}, each at least {params.min_uses} times)",
+        True,
+        params,
+        pending,
+    )
+
+
 WORKLOADS: dict[str, tuple[Callable[..., Workload], type]] = {
     "chat_sessions": (chat_sessions, ChatSessionsParams),
     "shared_system_prompts": (shared_system_prompts, SharedSystemPromptsParams),
     "document_qa": (document_qa, DocumentQAParams),
     "no_reuse": (no_reuse, NoReuseParams),
     "shared_tier_documents": (shared_tier_documents, SharedTierDocumentsParams),
+    "cache_pressure": (cache_pressure, CachePressureParams),
 }
 # Workloads made for a fleet with a shared KV tier (routing_bench --shared-tier), not run by default.
 SHARED_TIER_WORKLOADS = ("shared_tier_documents",)
@@ -429,16 +492,16 @@ DEFAULT_WORKLOADS = tuple(name for name in WORKLOADS if name not in SHARED_TIER_
 def build(
     name: str, tokenizer: Any = None, scale: float = 1.0, rate_scale: float = 1.0, **overrides: Any
 ) -> Workload:
-    """Build a workload by name. `scale` multiplies its population (users, documents, requests) and its
-    rate together, so the run keeps its length; `rate_scale` multiplies the rate alone (a shorter run);
-    `overrides` set any parameter field by name."""
+    """Build a workload by name. `scale` multiplies its population (users, documents, requests,
+    prefixes) and its rate together, so the run keeps its length; `rate_scale` multiplies the rate
+    alone (a shorter run); `overrides` set any parameter field by name."""
     if name not in WORKLOADS:
         raise ValueError(f"unknown workload {name!r}; known: {', '.join(WORKLOADS)}")
     factory, params_type = WORKLOADS[name]
     defaults = params_type()
     scaled: dict[str, Any] = {"rate": defaults.rate * scale * rate_scale}
     if scale != 1.0:
-        for population in ("users", "documents", "requests"):
+        for population in ("users", "documents", "requests", "prefixes"):
             if hasattr(defaults, population):
                 scaled[population] = max(1, math.ceil(getattr(defaults, population) * scale))
     known = {f.name for f in dataclasses.fields(params_type)}

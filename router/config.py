@@ -201,6 +201,12 @@ class KVAwarePolicy(CacheAwareGuards, tag="kv_aware", tag_field="name"):
     # within noise; the simulated fleet: document_qa 0.756 against 0.718, the rest alike;
     # docs/benchmarks.md).
     cold_spread_by: Literal["new_prefixes", "prefill_tokens"] = "prefill_tokens"
+    # Cache pressure, once every engine has evicted: each engine's capacity (the high-water mark of
+    # the tokens its KV events show it holding) over the tokens routed to it gives how long a prefix
+    # survives there; an evicted prefix that comes back goes where it survives longest, new prompts
+    # spread per token of capacity, predictions lapse when the engine has churned through its
+    # capacity (router/policies/capacity.py, docs/index.md).
+    place_by_eviction: bool = True
 
 
 class ApproximatePolicy(CacheAwareGuards, tag="approximate", tag_field="name"):

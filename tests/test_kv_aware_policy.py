@@ -16,6 +16,7 @@ from router.index.events import BlockStored
 from router.index.prefix_index import PrefixIndex
 from router.policies.approximate import Approximate
 from router.policies.base import RouteRequest
+from router.policies.capacity import CapacityModel
 from router.policies.kv_aware import KVAware
 
 rng = np.random.default_rng(11)
@@ -407,7 +408,6 @@ def test_a_conversation_of_its_own_stays_home_even_when_home_is_over_its_share()
     assert strict.choose(request(np.concatenate([PROMPTS[7], PROMPTS[8][:64]])), candidates).name != "b0"
 
 
-
 def test_a_spilled_prefix_goes_to_the_engine_with_most_headroom_and_the_next_spill_follows() -> None:
     index = PrefixIndex()
     store(index, "b0", PROMPTS[0][:384])
@@ -525,3 +525,113 @@ def test_a_shared_tier_stored_by_a_backend_that_is_not_a_candidate_still_counts(
     fleet = shared_tier_fleet([0, 3, 1, 2])[1:]  # b0 is down
     assert policy.choose(req, fleet).name == "b2"
     assert req.decision["cached_tokens"] == 512
+
+
+# ---- cache pressure: capacity and survival (router/policies/capacity.py) ----
+
+
+def _pressure_fleet(blocks: int = 32):
+    from tests.support.sim_pool import PoolEngine
+
+    index = PrefixIndex()
+    engines = {name: PoolEngine(index, name, num_blocks=blocks) for name in ("b0", "b1")}
+    return index, engines, {b.name: b for b in backends(2)}
+
+
+def _pressure_policy(index: PrefixIndex, **config) -> KVAware:
+    policy = KVAware(KVAwarePolicy(**config), index)
+    if policy.capacity is not None:
+        policy.capacity.check_interval_s = 0.0  # the index's counters read at every decision
+    return policy
+
+
+def _fake_clock(monkeypatch) -> list[float]:
+    """kv_aware's monotonic clock, set by the test (clock[0])."""
+    import types
+
+    from router.policies import kv_aware as kv_aware_module
+
+    clock = [1000.0]
+    fake_time = types.SimpleNamespace(monotonic=lambda: clock[0], time=time.time)
+    monkeypatch.setattr(kv_aware_module, "time", fake_time)
+    return clock
+
+
+def _route_to(policy, engine, backend: BackendState, tokens: np.ndarray) -> RouteRequest:
+    """Route a prompt where the test says (the only candidate) and run it on that engine."""
+    req = request(tokens)
+    assert route(policy, req, [backend]) is backend
+    engine.serve(tokens)
+    policy.on_finished(req, backend)
+    return req
+
+
+def test_under_pressure_an_evicted_prefix_comes_back_where_it_does_not_evict_a_hot_one(monkeypatch) -> None:
+    clock = _fake_clock(monkeypatch)
+    index, engines, by_name = _pressure_fleet()
+    policy = _pressure_policy(index)
+    gen = np.random.default_rng(4)
+    document = gen.integers(0, 150_000, size=320).astype(np.uint32)
+    hot = gen.integers(0, 150_000, size=320).astype(np.uint32)
+    _route_to(policy, engines["b0"], by_name["b0"], document)
+    # Then b0 serves a hot prefix: one store, then hits; it computes little but touches ~4200 tokens,
+    # and its 32 blocks no longer hold the document.
+    for _ in range(11):
+        clock[0] += 1.0
+        suffix = gen.integers(0, 150_000, size=32).astype(np.uint32)
+        _route_to(policy, engines["b0"], by_name["b0"], np.concatenate([hot, suffix]))
+    # b1 computed three one-off prompts: more prefill tokens than b0, a third of its tokens touched.
+    for _ in range(3):
+        _route_to(policy, engines["b1"], by_name["b1"], gen.integers(0, 150_000, size=400).astype(np.uint32))
+    assert all(index.stats(name).removed_events for name in ("b0", "b1"))  # both full: they evict
+    clock[0] += 5.0  # the document's prediction has lapsed: only the index speaks
+    question = np.concatenate([document, gen.integers(0, 150_000, size=32).astype(np.uint32)])
+    assert max(m.tokens for m in index.longest_cached_prefix(question).values()) == 0
+
+    req = request(question)
+    chosen = route(policy, req, list(by_name.values()))
+    assert req.decision["reason"] == "cold_spread"
+    # Where it goes decides what it evicts: on b0 its 22 blocks would push out most of the hot prefix.
+    assert chosen.name == "b1"
+    engines[chosen.name].serve(question)
+    follow_up = np.concatenate([hot, gen.integers(0, 150_000, size=32).astype(np.uint32)])
+    assert engines["b0"].serve(follow_up) == 320
+
+
+def test_under_pressure_a_new_prompt_spreads_by_prefill_tokens_per_token_of_capacity() -> None:
+    from tests.support.sim_pool import PoolEngine
+
+    index = PrefixIndex()
+    small, large = PoolEngine(index, "b0", num_blocks=32), PoolEngine(index, "b1", num_blocks=96)
+    candidates = backends(2)
+    policy = _pressure_policy(index)
+    gen = np.random.default_rng(6)
+    # Both full. b1 computed 7 prompts to b0's 3: more tokens, fewer per token of its 3x capacity.
+    for engine, backend, prompts in ((small, candidates[0], 3), (large, candidates[1], 7)):
+        for _ in range(prompts):
+            _route_to(policy, engine, backend, gen.integers(0, 150_000, size=320).astype(np.uint32))
+    events_say = CapacityModel(index, check_interval_s=0.0)
+    assert (events_say.capacity_tokens("b0"), events_say.capacity_tokens("b1")) == (32 * 16, 96 * 16)
+    req = request(gen.integers(0, 150_000, size=320).astype(np.uint32))
+    assert route(policy, req, candidates).name == "b1"
+    assert req.decision["reason"] == "cold_spread"
+
+
+def test_a_prediction_lapses_once_its_engine_has_churned_through_its_capacity(monkeypatch) -> None:
+    clock = _fake_clock(monkeypatch)
+    index, engines, by_name = _pressure_fleet()
+    policy = _pressure_policy(index, prediction_ttl_s=5.0)
+    gen = np.random.default_rng(5)
+    document = gen.integers(0, 150_000, size=320).astype(np.uint32)
+    _route_to(policy, engines["b0"], by_name["b0"], document)
+    # Within the next second b0 computes 40 other prompts: 25 times its 512 tokens of capacity.
+    for _ in range(40):
+        clock[0] += 0.025
+        _route_to(policy, engines["b0"], by_name["b0"], gen.integers(0, 150_000, size=320).astype(np.uint32))
+    assert index.longest_cached_prefix(document, backends=["b0"])["b0"].tokens == 0  # evicted
+    clock[0] = 1003.0  # within prediction_ttl_s of the routing
+    req = request(np.concatenate([document, gen.integers(0, 150_000, size=32).astype(np.uint32)]))
+    route(policy, req, list(by_name.values()))
+    # The engine's survival time (~2 s at this rate) is shorter than the prediction's age: no credit.
+    assert req.decision["candidates"]["b0"]["predicted"] == 0
+    assert req.decision["reason"] == "cold_spread"

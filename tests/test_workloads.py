@@ -23,6 +23,7 @@ def _small(name: str, tokenizer, **overrides):
         "document_qa": {"documents": 3, "document_tokens": 300, "questions_per_document": 3},
         "no_reuse": {"requests": 12, "prompt_tokens": (50, 120)},
         "shared_tier_documents": {"documents": 4, "document_tokens": 300, "requests": 16},
+        "cache_pressure": {"prefixes": 12, "prefix_tokens": 200, "requests": 48},
     }[name]
     return workloads.build(name, tokenizer, **{**sizes, **overrides})
 
@@ -59,7 +60,7 @@ def test_arrivals_are_open_loop_sorted_and_near_the_asked_rate(name, tokenizer):
     assert arrivals[0] == 0.0
     assert arrivals == sorted(arrivals)
     assert [r.index for r in workload.requests] == list(range(len(workload.requests)))
-    if name in ("shared_system_prompts", "no_reuse"):  # pure Poisson arrivals
+    if name in ("shared_system_prompts", "no_reuse", "cache_pressure"):  # pure Poisson arrivals
         mean_gap = arrivals[-1] / (len(arrivals) - 1)
         assert 0.4 / 50.0 < mean_gap < 2.5 / 50.0
 
@@ -135,9 +136,36 @@ def test_shared_tier_documents_refuse_fewer_reads_than_documents(tokenizer):
         _small("shared_tier_documents", tokenizer, requests=3)
 
 
+def test_cache_pressure_reuses_more_long_prefixes_than_the_fleet_holds_in_random_order(tokenizer):
+    defaults = workloads.CachePressureParams()
+    # The default run against the routing benchmark's default fleet (8 engines x 512 blocks of 16).
+    assert defaults.prefixes * defaults.prefix_tokens >= 3 * 8 * 512 * 16
+    workload = _small("cache_pressure", tokenizer, prefixes=12, prefix_tokens=200, requests=60)
+    by_prefix: dict[str, list] = {}
+    for request in workload.requests:
+        by_prefix.setdefault(request.session_id, []).append(request)
+    assert len(by_prefix) == 12
+    uses = sorted(len(asks) for asks in by_prefix.values())
+    assert uses[0] >= workload.params["min_uses"]
+    assert uses[-1] > uses[0]  # popularity is skewed
+    # A family's requests share the prefix's blocks; two families share at most the template's first.
+    families = [[workloads.block_keys(r.prompt_token_ids, 16) for r in asks] for asks in by_prefix.values()]
+    assert all(keys[0][: 200 // 16] == keys[-1][: 200 // 16] for keys in families)
+    assert sum(a == b for a, b in zip(families[0][0], families[1][0], strict=False)) <= 1
+    # Random order: consecutive requests mostly belong to different families.
+    changes = sum(a.session_id != b.session_id for a, b in itertools.pairwise(workload.requests))
+    assert changes >= 0.7 * (len(workload.requests) - 1)
+    # Under pressure (the prefixes are 2.3x what 2 engines of 32 blocks hold) even the oracle keeps far
+    # less than an unbounded cache would.
+    oracle = oracle_hit_ratio(workload, engines=2, num_gpu_blocks=32, block_size=16)
+    assert oracle.hit_ratio < 0.8 * workload.summary()["unbounded_cache_hit_ratio"]
+    with pytest.raises(ValueError, match="lower min_uses or raise requests"):
+        _small("cache_pressure", tokenizer, requests=20)
+
+
 def test_no_reuse_control_has_nothing_to_reuse_and_the_others_do(tokenizer):
     assert _small("no_reuse", tokenizer).summary()["unbounded_cache_hit_ratio"] == 0.0
-    for name in ("chat_sessions", "shared_system_prompts", "document_qa"):
+    for name in ("chat_sessions", "shared_system_prompts", "document_qa", "cache_pressure"):
         assert _small(name, tokenizer).summary()["unbounded_cache_hit_ratio"] > 0.3
 
 
@@ -157,6 +185,10 @@ def test_scale_multiplies_population_and_rate_and_rate_scale_the_rate_alone(toke
     assert len(faster.requests) == len(scaled.requests)
     assert faster.params["rate"] == pytest.approx(defaults.rate * 0.4)
     assert faster.requests[-1].arrival_s < scaled.requests[-1].arrival_s
+    # The real tier's scale (2 engines for 8): cache_pressure keeps its pressure per engine.
+    small = workloads.build("cache_pressure", tokenizer, scale=0.25, prefix_tokens=48, question_tokens=(4, 8))
+    assert (small.params["prefixes"], small.params["requests"]) == (28, 168)
+    assert len({r.session_id for r in small.requests}) == 28
 
 
 # ---- the oracle's engine model ----

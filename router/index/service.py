@@ -23,6 +23,7 @@ from router.config import KVEvents
 from router.index.prefix_index import (
     DEFAULT_MAX_BLOCKS,
     DEFAULT_NAMESPACE,
+    BackendIndexStats,
     BackendMatch,
     Namespace,
     PrefixIndex,
@@ -193,6 +194,27 @@ class KVIndexService:
     def held_tokens(self, name: str) -> int:
         """Tokens the backend's engine holds in all tiers and ranks (to spread cold prefixes)."""
         return sum(self.index.held_tokens(stream.index_name) for stream in self._streams.get(name, []))
+
+    def stats(self, name: str) -> BackendIndexStats | None:
+        """The index's counts for the backend, summed over its ranks; None without KV events."""
+        streams = self._streams.get(name)
+        if not streams:
+            return None
+        total = BackendIndexStats()
+        for stream in streams:
+            stats = self.index.stats(stream.index_name)
+            if stats is None:
+                continue
+            for tier, blocks in stats.blocks.items():
+                total.blocks[tier] = total.blocks.get(tier, 0) + blocks
+            for tier, tokens in stats.tokens.items():
+                total.tokens[tier] = total.tokens.get(tier, 0) + tokens
+            total.stored_events += stats.stored_events
+            total.removed_events += stats.removed_events
+            total.cleared_events += stats.cleared_events
+            total.unplaced_blocks += stats.unplaced_blocks
+            total.unknown_removals += stats.unknown_removals
+        return total
 
     # ---- introspection ----
 

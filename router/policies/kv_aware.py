@@ -55,6 +55,7 @@ from prometheus_client import Counter
 
 from router.config import CacheAwareGuards, KVAwarePolicy
 from router.index.prefix_index import ROUTER_BLOCK_TOKENS, BackendMatch, prompt_prefix_keys
+from router.policies.capacity import CapacityModel
 from router.policies.least_loaded import fewest_in_flight
 from router.policies.load_costs import MeasuredLoadCosts
 from router.policies.shared_tiers import SharedTiers
@@ -284,6 +285,7 @@ class CacheAwarePolicy:
         costs: dict[str, float],
         cached: dict[str, int],
         now: float,
+        keys: list[int] | None = None,
     ) -> BackendState:
         """The allowed candidate with the lowest cost; among equal costs, fewest recent placements,
         then the emptiest cache.
@@ -313,7 +315,7 @@ class CacheAwarePolicy:
             # at the median on 2 real engines: docs/benchmarks.md.)
             least_queued = min(b.in_flight_prefill_tokens for b in near)
             near = [b for b in near if b.in_flight_prefill_tokens <= least_queued]
-            placed = {b.name: self.cold_spread.value(b.name, now) for b in near}
+            placed = self.cold_spread_values(near, now, keys or [])
             fewest = min(placed.values())
             return fewest_in_flight([b for b in near if placed[b.name] < fewest + 0.5], self._turn)
         # Tie-breaks (a decay and the index's held tokens each) only for the candidates tied on cost.
@@ -336,6 +338,10 @@ class CacheAwarePolicy:
                 key=lambda b: (self.request_shares.value(b.name, now) + b.in_flight, costs[b.name], b.name),
             )
         return best
+
+    def cold_spread_values(self, near: list[BackendState], now: float, keys: list[int]) -> dict[str, float]:
+        """What spreads a cold prompt (router keys `keys`) over `near` (`cold_spread_by`), lowest first."""
+        return {b.name: self.cold_spread.value(b.name, now) for b in near}
 
     def is_cold(self, cached: dict[str, int]) -> bool:
         """No candidate holds enough of the prompt to tie it to an engine (affinity_min_tokens)."""
@@ -366,6 +372,9 @@ class KVAware(CacheAwarePolicy):
             if config.measure_load_costs
             else None
         )
+        # Each engine's capacity and survival time (router/policies/capacity.py): predictions and
+        # cold prompts under cache pressure.
+        self.capacity = CapacityModel(kv_index) if config.place_by_eviction else None
         self._weights = {
             "gpu": config.gpu_hit_weight,
             "cpu": config.cpu_hit_weight,
@@ -403,6 +412,12 @@ class KVAware(CacheAwarePolicy):
         for backend in candidates:
             match = matches.get(backend.name)
             predicted = self.predictions.leading_blocks(backend.name, keys, now) * ROUTER_BLOCK_TOKENS
+            if predicted and self.capacity is not None:
+                cut_s = self.prediction_cut_s(backend.name, now)
+                if cut_s > 0:
+                    predicted = (
+                        self.predictions.leading_blocks(backend.name, keys, now + cut_s) * ROUTER_BLOCK_TOKENS
+                    )
             saved, held = self._saved_tokens(match, predicted)
             load = request_weight * backend.in_flight + prefill_weight * backend.in_flight_prefill_tokens
             costs[backend.name] = self.config.uncached_token_weight * (prompt_tokens - saved) + load
@@ -436,7 +451,7 @@ class KVAware(CacheAwarePolicy):
         # guard moved 5-13 chat turns a run, each a whole-conversation miss, some back and forth;
         # docs/benchmarks.md.)
         allowed = self.guarded(candidates, now) if hot else candidates
-        winner = self.pick(candidates, allowed, costs, cached, now)
+        winner = self.pick(candidates, allowed, costs, cached, now, keys)
         reason = self._reason(tokens, candidates, allowed, winner, cached)
         self.record(request, winner.name, reason, scores, prompt_tokens, cached[winner.name])
         return winner
@@ -482,6 +497,46 @@ class KVAware(CacheAwarePolicy):
     def cache_size(self, backend: str) -> int:
         return 0 if self.kv_index is None else self.kv_index.held_tokens(backend)
 
+    def prediction_cut_s(self, backend: str, now: float) -> float:
+        """How much sooner than prediction_ttl_s a prediction on `backend` lapses: past the time
+        the predicted prompt surely survives there (capacity.earliest_survival_s: the engine may
+        have touched its whole capacity since), the index's events, which have come meanwhile, say
+        whether it is still there; crediting it regardless steered the prefix's next request,
+        cold in truth, to the engine that churns fastest."""
+        if self.capacity is None:
+            return 0.0
+        return max(0.0, self.predictions.ttl_s - self.capacity.earliest_survival_s(backend, now))
+
+    def cold_spread_values(self, near: list[BackendState], now: float, keys: list[int]) -> dict[str, float]:
+        """Once every engine in `near` has had to evict (router/policies/capacity.py), per token of
+        capacity (scaled to the mean capacity): for a prompt whose prefix was routed before (it is
+        reused, and was evicted since), the prompt tokens each engine touched lately, i.e. the
+        shortest time a block surely survives there; for a new one, `cold_spread_by`.
+
+        A reused prefix that was evicted comes back at intervals longer than its engine kept it:
+        it goes where it surely lasts longest. An engine serving hits on hot prefixes computes little
+        but touches much; spread by prefill tokens it drew the evicted prefixes, whose prefills then
+        pushed its hot ones out. A new prompt (a conversation's first turn) brings follow-ups that
+        are stored where it lands: the new tokens placed there (`prefill_tokens`) weigh that."""
+        capacity = self.capacity
+        if capacity is None:
+            return super().cold_spread_values(near, now, keys)
+        sizes = {b.name: capacity.capacity_tokens(b.name) for b in near}
+        if min(sizes.values(), default=0) <= 0:
+            return super().cold_spread_values(near, now, keys)
+        mean = sum(sizes.values()) / len(sizes)
+        if capacity.seen_before(keys):
+            # Under the share line too, as a hot prefix's spill: touched tokens alone would pile
+            # the evicted prefixes of many conversations onto the engine with the fewest hits.
+            fair = {b.name for b in self.guarded(near, now)}
+            values = {
+                name: capacity.touched_per_s(name, now) / capacity.rate if name in fair else math.inf
+                for name in sizes
+            }
+        else:
+            values = super().cold_spread_values(near, now, keys)
+        return {name: value * mean / sizes[name] for name, value in values.items()}
+
     def on_routed(self, request: RouteRequest, backend: BackendState) -> None:
         keys = request.decision.pop("prefix_keys", None)
         now = time.monotonic()
@@ -490,6 +545,8 @@ class KVAware(CacheAwarePolicy):
         hot_key = request.decision.pop("hot_prefix_key", None)
         if hot_key is not None:
             self.prefix_uses.add(hot_key, now)
+        if self.capacity is not None:
+            self.capacity.on_routed(backend.name, request.decision.get("prompt_tokens", 0), now, keys)
         if self.load_costs is not None:
             # The load the request met: on_routed comes after the gateway counted it in.
             prefill_tokens = request.decision.get("prefill_tokens", 0)
