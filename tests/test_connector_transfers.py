@@ -304,3 +304,20 @@ def test_a_lease_the_daemon_ends_during_the_load_fails_every_block(shared_daemon
         assert server.metric_values()["cachelayer_daemon_expired_leases_total"] == 1
     finally:
         client.close()
+
+
+def test_every_new_engine_announces_its_stores_even_at_a_freed_engines_address():
+    # Engines freed and made one after another often sit at the same address: the event dispatcher
+    # once remembered engines by id(), and a new engine at an old one's address announced nothing.
+    import gc
+
+    from cachelayer.server.daemon import store_with_events
+
+    tokens = list(range(7, 7 + 2 * CHUNK))
+    for _ in range(30):
+        fresh = engine()
+        kv = torch.zeros(fresh.num_layers, 2, len(tokens), fresh.channels, dtype=fresh.dtype)
+        _, events = store_with_events(fresh, tokens, kv, None)
+        assert [event.kind for event in events] == ["stored", "stored"]
+        del fresh
+        gc.collect()

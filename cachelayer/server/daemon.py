@@ -23,6 +23,7 @@ import contextlib
 import logging
 import os
 import threading
+import weakref
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
@@ -345,7 +346,9 @@ class StoreServer:
 
 
 _collector = threading.local()
-_engines_with_dispatcher: set[int] = set()
+# By the engine itself, weakly: an id() would be reused by a later engine at the same address,
+# which then never got the listener and stored without announcing anything.
+_engines_with_dispatcher: weakref.WeakSet[CacheEngine] = weakref.WeakSet()
 _dispatcher_lock = threading.Lock()
 
 
@@ -363,9 +366,9 @@ def collected_events(engine: CacheEngine) -> Iterator[list[Event]]:
     engine hands them to whichever thread is collecting, so concurrent stores never mix events.
     """
     with _dispatcher_lock:
-        if id(engine) not in _engines_with_dispatcher:
+        if engine not in _engines_with_dispatcher:
             engine.add_event_listener(_collect_into_current_thread)
-            _engines_with_dispatcher.add(id(engine))
+            _engines_with_dispatcher.add(engine)
     collected: list[Event] = []
     _collector.events = collected
     try:
