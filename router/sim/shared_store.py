@@ -20,9 +20,6 @@ from __future__ import annotations
 import asyncio
 import logging
 
-import redis.asyncio as redis
-from redis.exceptions import RedisError
-
 log = logging.getLogger("kvgate.sim.shared")
 
 # The medium the members' KV events give the blocks they wrote to the shared store.
@@ -46,6 +43,18 @@ class SharedBlockStore:
         self.tier = tier
         self.timeout_s = timeout_s
         self._key = tier_key(tier)
+        # Imported here: the redis client comes with the `cluster` extra, and only a simulated engine
+        # of a shared tier needs it.
+        try:
+            import redis.asyncio as redis
+            from redis.exceptions import RedisError
+        except ImportError:
+            raise ValueError(
+                "a shared tier lives in Redis and the redis client is not installed: "
+                "pip install 'kvgate[cluster]'"
+            ) from None
+
+        self._errors = (RedisError, OSError, TimeoutError)
         self._client = redis.Redis.from_url(
             url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s, decode_responses=False
         )
@@ -59,7 +68,7 @@ class SharedBlockStore:
             held = await asyncio.wait_for(
                 self._client.smismember(self._key, [str(h) for h in hashes]), self.timeout_s
             )
-        except (RedisError, OSError, TimeoutError) as exc:
+        except self._errors as exc:
             self._note_error("lookup", exc)
             return 0
         for index, present in enumerate(held):
@@ -73,7 +82,7 @@ class SharedBlockStore:
             return True
         try:
             await asyncio.wait_for(self._client.sadd(self._key, *[str(h) for h in hashes]), self.timeout_s)
-        except (RedisError, OSError, TimeoutError) as exc:
+        except self._errors as exc:
             self._note_error("write", exc)
             return False
         return True
