@@ -34,7 +34,7 @@ from typing import Any
 from benchmarks import workloads as workload_catalog
 from benchmarks.replay import replay, summarize
 from benchmarks.routers import kvgate_backends, wait_until_synced
-from benchmarks.routing_bench import DEFAULT_SIM_ARGS, TARGET_MAX_OVER_MEAN
+from benchmarks.routing_bench import DEFAULT_SIM_ARGS, TARGET_MAX_OVER_MEAN, exit_on_sigterm
 from benchmarks.sim_fleet import MODEL, EngineFleet
 from tests.support.gateway import GatewayProcess, start_gateway
 from tests.support.redis_server import RedisServer
@@ -318,10 +318,6 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def _exit_on_sigterm(signum: int, _frame: object) -> None:
-    raise SystemExit(128 + signum)
-
-
 if __name__ == "__main__":
-    signal.signal(signal.SIGTERM, _exit_on_sigterm)
+    signal.signal(signal.SIGTERM, exit_on_sigterm)
     sys.exit(main())

@@ -892,12 +892,12 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def _exit_on_sigterm(signum: int, _frame: object) -> None:
+def exit_on_sigterm(signum: int, _frame: object) -> None:
     # Python's default for SIGTERM ends the process at once: the engines and the router, each in a
     # session of its own, would outlive it. As SystemExit the `with fleet` and the routers' cleanup run.
     raise SystemExit(128 + signum)
 
 
 if __name__ == "__main__":
-    signal.signal(signal.SIGTERM, _exit_on_sigterm)
+    signal.signal(signal.SIGTERM, exit_on_sigterm)
     sys.exit(main())
