@@ -35,7 +35,12 @@ TRACEBACK_INTERVAL_S = 60.0
 _MAX_KINDS = 1024
 
 
-class GatewayError(Exception):
+class KvgateError(Exception):
+    """The root of every error the gateway (`router`) raises on purpose: `except KvgateError` catches
+    them all and nothing else."""
+
+
+class GatewayError(KvgateError):
     """An error the client must see, with its HTTP status; raised anywhere on the request path."""
 
     def __init__(self, status: int, message: str):
