@@ -48,8 +48,14 @@ def start_daemon(l1_bytes: int, lease_ttl_s: float = 30.0, shared_memory: bool =
 def clients():
     made: list[StoreClient] = []
 
-    def make(server: StoreServer, transport: str = "auto") -> StoreClient:
-        client = StoreClient(server.endpoint, chunk_size=CHUNK, timeout_s=5, transport=transport)  # type: ignore[arg-type]
+    def make(server: StoreServer, transport: str = "auto", register_with_cuda: bool = False) -> StoreClient:
+        client = StoreClient(
+            server.endpoint,
+            chunk_size=CHUNK,
+            timeout_s=5,
+            transport=transport,  # type: ignore[arg-type]
+            register_with_cuda=register_with_cuda,
+        )
         made.append(client)
         return client
 
@@ -100,6 +106,39 @@ def test_a_client_uses_tcp_when_the_daemon_shares_no_memory(clients):
         assert same_bits(auto.retrieve(SPACE, list(range(32)))[1], any_bits_kv(32, seed=3))
         with pytest.raises(StoreUnavailable, match="no shared memory with the daemon"):
             clients(server, "shm").store(SPACE, list(range(16)), any_bits_kv(16, seed=3))
+    finally:
+        server.close()
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the fallback of a host without CUDA")
+def test_a_client_asked_to_register_the_pool_without_cuda_keeps_the_pageable_shared_path(clients):
+    server = start_daemon(1 << 20)
+    try:
+        client = clients(server, register_with_cuda=True)
+        assert client.transport == "shm" and not client.pool_registered_with_cuda
+        kv = any_bits_kv(32, seed=8)
+        assert client.store(SPACE, list(range(32)), kv)[0] == 32
+        assert same_bits(client.retrieve(SPACE, list(range(32)))[1], kv)
+    finally:
+        server.close()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (runs on the GPU machine)")
+def test_a_pool_registered_with_cuda_moves_gpu_kv_in_and_out_bit_exact(clients):
+    server = start_daemon(1 << 20)
+    try:
+        registered, plain = clients(server, register_with_cuda=True), clients(server)
+        assert registered.pool_registered_with_cuda and not plain.pool_registered_with_cuda
+        tokens, kv = list(range(64)), any_bits_kv(64, seed=9).cuda()
+        # From the GPU straight into the pool; the unregistered client reads the same bytes.
+        assert registered.store(SPACE, tokens, kv)[0] == 64
+        assert same_bits(plain.retrieve(SPACE, tokens)[1], kv.cpu())
+        # Leased chunks of a registered pool are page-locked memory: one DMA copy to the GPU.
+        with registered.leased(SPACE, tokens) as lease:
+            assert all(chunk.kv.is_pinned() for chunk in lease.chunks)
+        out = torch.zeros(2, 2, 80, 16, dtype=torch.bfloat16, device="cuda")
+        hit, view = registered.retrieve(SPACE, tokens, out=out)
+        assert hit == 64 and view.data_ptr() == out.data_ptr() and same_bits(out[:, :, :64], kv)
     finally:
         server.close()
 

@@ -439,7 +439,10 @@ class CacheLayerConnector(KVConnectorBase_V1):
         )
         if self.server_endpoint:
             client = StoreClient(
-                self.server_endpoint, chunk_size=self.chunk_size, timeout_s=self.lookup_timeout_s
+                self.server_endpoint,
+                chunk_size=self.chunk_size,
+                timeout_s=self.lookup_timeout_s,
+                register_with_cuda=layers[0].is_cuda,
             )
             self.store = RemoteChunkStore(client, space)
             where = self.server_endpoint

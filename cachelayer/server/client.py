@@ -79,7 +79,11 @@ class StoreClient:
         timeout_s: float = 5.0,
         context: zmq.Context | None = None,
         transport: Transport = "auto",
+        register_with_cuda: bool = False,
     ) -> None:
+        """`register_with_cuda`: page-lock the daemon's shared pool for CUDA in this process once
+        it is mapped (an engine whose KV lives on a GPU), so chunks move between the pool and the
+        GPU in one DMA copy; see `SharedPool.register_with_cuda`."""
         if transport not in ("auto", "shm", "tcp"):
             raise ValueError(f"transport must be 'auto', 'shm' or 'tcp', got {transport!r}")
         self.endpoint = endpoint
@@ -92,6 +96,7 @@ class StoreClient:
         self._requested_transport = transport
         self._shared: SharedPool | None = None
         self._transport_chosen = transport == "tcp"
+        self._register_with_cuda = register_with_cuda
         self._pid = os.getpid()
         self._pid_start = process_start_time(self._pid) or 0
 
@@ -118,6 +123,12 @@ class StoreClient:
         """The path this client's KV takes (decided on first use, by asking the daemon)."""
         return "shm" if self._shared_pool() is not None else "tcp"
 
+    @property
+    def pool_registered_with_cuda(self) -> bool:
+        """Whether the daemon's pool is page-locked for CUDA in this process (shm path only)."""
+        shared = self._shared_pool()
+        return shared is not None and shared.cuda_registered
+
     def _shared_pool(self) -> SharedPool | None:
         """The daemon's mapped pool, or None for the TCP path. A daemon that does not answer
         decides nothing (StoreUnavailable): the choice is made on the first answer."""
@@ -130,6 +141,8 @@ class StoreClient:
                     raise SharedPoolUnavailable("the daemon answered attach without a segment")
                 segment = reply.segment
                 self._shared = SharedPool.attach(segment.pid, segment.fd, segment.pool_bytes, segment.token)
+                if self._register_with_cuda:
+                    self._shared.register_with_cuda()
             except (StoreRefused, SharedPoolUnavailable) as exc:
                 if self._requested_transport == "shm":
                     raise StoreUnavailable(
@@ -184,8 +197,10 @@ class StoreClient:
         *,
         cache_salt: str | None = None,
     ) -> tuple[int, list[ChunkEvent]]:
-        """Store the chunks of tokens; returns (leading tokens now held, chunks stored/evicted)."""
-        if self._shared_pool() is None:
+        """Store the chunks of tokens; returns (leading tokens now held, chunks stored/evicted).
+        `kv` may live on a GPU: with the pool registered for CUDA it is copied straight into it."""
+        shared = self._shared_pool()
+        if shared is None:
             request = Request(
                 op="store", space=space, tokens=protocol.tokens_to_bytes(tokens), cache_salt=cache_salt
             )
@@ -197,7 +212,10 @@ class StoreClient:
                 raise ValueError(f"KV is {kv.dtype}, the key space says {space.dtype}")
         except ValueError as exc:
             raise StoreRefused(f"cache daemon at {self.endpoint} refused store: {exc}") from exc
-        kv = kv.detach().to("cpu").view(space.num_layers, 2, len(tokens), -1)
+        kv = kv.detach()
+        if kv.device.type != "cpu" and not shared.cuda_registered:
+            kv = kv.to("cpu")  # the pool is not page-locked: stage through host memory
+        kv = kv.view(space.num_layers, 2, len(tokens), -1)
         with self.reserved(space, tokens, cache_salt=cache_salt) as reservation:
             for chunk in reservation.chunks:
                 copy_tensor(chunk.kv, kv[:, :, chunk.start : chunk.end])

@@ -16,11 +16,14 @@ uses the TCP path (`cachelayer server --no-shared-memory` turns the shared path 
 from __future__ import annotations
 
 import contextlib
+import logging
 import mmap
 import os
 import secrets
 
 import torch
+
+log = logging.getLogger(__name__)
 
 # The segment starts with a header page (the token); the pool follows, page-aligned.
 HEADER_BYTES = 4096
@@ -39,6 +42,7 @@ class SharedPool:
         self.pool_bytes = pool_bytes
         self.token = token
         self._mapping = mapping
+        self.cuda_registered = False
         # Writable bytes of the pool (after the header), viewing the shared mapping: no copy.
         self.pool = (
             torch.frombuffer(mapping, dtype=torch.uint8, offset=HEADER_BYTES, count=pool_bytes)
@@ -84,8 +88,35 @@ class SharedPool:
             raise SharedPoolUnavailable(f"{path} is not the daemon's pool (its token differs)")
         return cls(local_fd, pool_bytes, mapping, token)
 
+    def register_with_cuda(self) -> bool:
+        """Page-lock the pool for CUDA (cudaHostRegister) in this process, so copies between its
+        chunks and GPU memory run as DMA at pinned-memory speed and GPU kernels read it directly:
+        a chunk leased from the daemon then goes to the GPU in one copy, with no staging through a
+        pinned bounce buffer. Every page of the pool becomes resident (pages are shared with the
+        daemon and the other clients, so the host pays for them once). False (logged) when CUDA is
+        unavailable or refuses: the copies still work, through pageable memory."""
+        if self.cuda_registered or not self.pool_bytes:
+            return self.cuda_registered
+        if not torch.cuda.is_available():
+            return False
+        error = torch.cuda.cudart().cudaHostRegister(self.pool.data_ptr(), self.pool_bytes, 0)
+        if int(error) != 0:
+            log.warning(
+                "cachelayer: cudaHostRegister of the daemon's %d-byte pool failed (%s): "
+                "copies to the GPU go through pageable memory",
+                self.pool_bytes,
+                error,
+            )
+            return False
+        self.cuda_registered = True
+        return True
+
     def close(self) -> None:
         """Unmap and close. Tensors still viewing the pool keep the mapping alive until they go."""
+        if self.cuda_registered:
+            with contextlib.suppress(RuntimeError):
+                torch.cuda.cudart().cudaHostUnregister(self.pool.data_ptr())
+            self.cuda_registered = False
         self.pool = torch.empty(0, dtype=torch.uint8)
         with contextlib.suppress(BufferError):
             self._mapping.close()
