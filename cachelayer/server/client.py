@@ -70,6 +70,26 @@ class LeaseExpired(StoreRefused):
     """The daemon ended a lease before the client released it: data read under it is void."""
 
 
+def _copy_chunk(destination: torch.Tensor, source: torch.Tensor) -> None:
+    """One chunk between a tensor and the pool. Between the GPU and a page-locked pool the copy is
+    queued (DMA, no wait): `_copies_done_on_exit` waits once for all of a request's chunks."""
+    if destination.device.type == source.device.type == "cpu":
+        copy_tensor(destination, source)
+    else:
+        destination.copy_(source, non_blocking=True)
+
+
+@contextlib.contextmanager
+def _copies_done_on_exit(gpu_side: torch.Tensor) -> Iterator[None]:
+    """Wait for the queued copies on `gpu_side`'s device before a lease or reservation ends: the
+    daemon may reuse the chunks as soon as it does."""
+    try:
+        yield
+    finally:
+        if gpu_side.device.type == "cuda":
+            torch.cuda.current_stream(gpu_side.device).synchronize()
+
+
 class StoreClient:
     def __init__(
         self,
@@ -216,9 +236,9 @@ class StoreClient:
         if kv.device.type != "cpu" and not shared.cuda_registered:
             kv = kv.to("cpu")  # the pool is not page-locked: stage through host memory
         kv = kv.view(space.num_layers, 2, len(tokens), -1)
-        with self.reserved(space, tokens, cache_salt=cache_salt) as reservation:
+        with self.reserved(space, tokens, cache_salt=cache_salt) as reservation, _copies_done_on_exit(kv):
             for chunk in reservation.chunks:
-                copy_tensor(chunk.kv, kv[:, :, chunk.start : chunk.end])
+                _copy_chunk(chunk.kv, kv[:, :, chunk.start : chunk.end])
         return reservation.held_tokens, reservation.events
 
     def retrieve(
@@ -253,8 +273,9 @@ class StoreClient:
                     channels = space.num_kv_heads * space.head_dim
                     dtype = protocol.torch_dtype(space.dtype)
                     out = torch.empty(space.num_layers, 2, lease.hit_tokens, channels, dtype=dtype)
-                for chunk in lease.chunks:
-                    copy_tensor(out[:, :, chunk.start : chunk.end], chunk.kv)
+                with _copies_done_on_exit(out):
+                    for chunk in lease.chunks:
+                        _copy_chunk(out[:, :, chunk.start : chunk.end], chunk.kv)
         except LeaseExpired as exc:
             log.warning("cachelayer: retrieve treated as a miss: %s", exc)
             return 0, None
