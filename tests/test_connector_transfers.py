@@ -14,6 +14,7 @@ from cachelayer.connectors.transfers import (
     LocalChunkStore,
     PagedKV,
     RemoteChunkStore,
+    RequestLoad,
     detect_layout,
     load_request,
     save_request,
@@ -290,13 +291,14 @@ def test_a_lease_the_daemon_ends_during_the_load_fails_every_block(shared_daemon
         tokens = list(range(4 * BLOCK))
         save_request(paged(cpu_cache(0)), store, token_ids=tokens, block_ids=[1, 2, 3, 4], cache_salt=None)
         reader = paged(cpu_cache(1))
-        scatter = reader.scatter
+        start_load = reader.start_load
 
-        def slow_scatter(*args, **kwargs):  # a worker descheduled mid-load, past the lease's TTL
-            scatter(*args, **kwargs)
+        def slow_start_load(*args, **kwargs):  # a worker descheduled mid-load, past the lease's TTL
+            load = start_load(*args, **kwargs)
             threading.Event().wait(0.5)
+            return load
 
-        monkeypatch.setattr(reader, "scatter", slow_scatter)
+        monkeypatch.setattr(reader, "start_load", slow_start_load)
         failed = load_request(
             reader, store, token_ids=tokens, block_ids=[5, 6, 7, 8], first_block=0, cache_salt=None
         )
@@ -321,3 +323,86 @@ def test_every_new_engine_announces_its_stores_even_at_a_freed_engines_address()
         assert [event.kind for event in events] == ["stored", "stored"]
         del fresh
         gc.collect()
+
+
+def same_blocks(reader: PagedKV, writer: PagedKV, layer: int, dst: int, src: int) -> bool:
+    if reader.layout == "cpu_blocks":
+        return torch.equal(reader.kv_caches[layer][dst], writer.kv_caches[layer][src])
+    return torch.equal(reader.kv_caches[layer][:, dst], writer.kv_caches[layer][:, src])
+
+
+@pytest.mark.parametrize("make_cache", [cpu_cache, flash_cache], ids=["cpu_blocks", "flash_attn"])
+def test_a_layerwise_load_fills_each_layer_when_its_attention_asks(make_cache):
+    tokens = list(range(500, 500 + 4 * BLOCK))
+    store = LocalChunkStore(engine())
+    writer, reader = paged(make_cache(0)), paged(make_cache(1))
+    save_request(writer, store, token_ids=tokens, block_ids=[1, 2, 3, 4], cache_salt=None)
+
+    load = RequestLoad(
+        reader,
+        store,
+        token_ids=tokens,
+        block_ids=[10, 11, 12, 13],
+        first_block=0,
+        cache_salt=None,
+        layerwise=True,
+    )
+    assert not same_blocks(reader, writer, 0, 10, 1) and not same_blocks(reader, writer, 1, 10, 1)
+    load.load_layer(0)  # the first layer's attention is about to read its KV
+    assert all(
+        same_blocks(reader, writer, 0, d, s) for s, d in zip([1, 2, 3, 4], [10, 11, 12, 13], strict=True)
+    )
+    assert not same_blocks(reader, writer, 1, 10, 1)  # the next layer is not needed yet
+    load.load_layer(1)
+    assert load.finish(layers_awaited=True) == set() and load.late_layers == 0
+    assert all(
+        same_blocks(reader, writer, 1, d, s) for s, d in zip([1, 2, 3, 4], [10, 11, 12, 13], strict=True)
+    )
+
+
+def test_a_layer_the_engine_read_before_asking_for_it_fails_the_load():
+    tokens = list(range(700, 700 + 4 * BLOCK))
+    store = LocalChunkStore(engine())
+    writer, reader = paged(flash_cache(0)), paged(flash_cache(1))
+    save_request(writer, store, token_ids=tokens, block_ids=[1, 2, 3, 4], cache_salt=None)
+    load = RequestLoad(
+        reader,
+        store,
+        token_ids=tokens,
+        block_ids=[10, 11, 12, 13],
+        first_block=1,
+        cache_salt=None,
+        layerwise=True,
+    )
+    load.load_layer(0)  # layer 1's attention ran without asking: it read stale KV
+    assert load.finish(layers_awaited=True) == {11, 12, 13} and load.late_layers == 1
+
+
+def test_a_layerwise_load_keeps_the_daemons_chunks_leased_until_it_finishes(shared_daemon):
+    server = shared_daemon()
+    space = KeySpace(model="m", dtype="bfloat16", num_layers=LAYERS, num_kv_heads=HEADS, head_dim=HEAD_DIM)
+    client = StoreClient(server.endpoint, chunk_size=CHUNK, timeout_s=5)
+    try:
+        store = RemoteChunkStore(client, space)
+        assert client.transport == "shm"
+        tokens = list(range(4 * BLOCK))
+        writer, reader = paged(flash_cache(0)), paged(flash_cache(1))
+        save_request(writer, store, token_ids=tokens, block_ids=[1, 2, 3, 4], cache_salt=None)
+        load = RequestLoad(
+            reader,
+            store,
+            token_ids=tokens,
+            block_ids=[5, 6, 7, 8],
+            first_block=0,
+            cache_salt=None,
+            layerwise=True,
+        )
+        load.load_layer(0)
+        # Mid forward pass: the layers still to come read the pool, so the daemon may not reuse it.
+        assert server.metric_values()["cachelayer_daemon_open_leases"] == 1
+        load.load_layer(1)
+        assert load.finish(layers_awaited=True) == set()
+        assert server.metric_values()["cachelayer_daemon_open_leases"] == 0
+        assert same_blocks(reader, writer, 1, 8, 4)
+    finally:
+        client.close()

@@ -6,6 +6,8 @@ CacheLayerConnector: loaded from the store the first request filled.
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from tests.support.vllm import (
@@ -77,3 +79,39 @@ def test_a_chunk_lost_between_lookup_and_load_is_recomputed_never_served(tmp_pat
     assert repeat["choices"][0]["finish_reason"] == "length"  # not failed
     assert greedy_output(repeat)[0] == greedy_output(cold)[0]
     assert greedy_output(repeat)[1] == pytest.approx(greedy_output(cold)[1], abs=1e-3)
+
+
+def test_a_layerwise_load_through_the_daemon_gives_identical_greedy_output(tmp_path):
+    """`use_layerwise`: each layer's KV lands when vLLM's attention asks for it (wait_for_layer_load),
+    read from the daemon's shared pool under a lease held through the forward pass."""
+    config = write_cache_config(tmp_path)
+    prompt = prompt_tokens(700, seed=5)
+    hooks = tmp_path / "hooks.jsonl"
+    with (
+        running_cache_daemon() as daemon,
+        running_vllm(
+            "vllm-layerwise",
+            cache_config=config,
+            cache_server=daemon.endpoint,
+            connector_extra={"use_layerwise": True},
+            prefix_caching=False,
+            kv_events=False,
+            extra_env={"CACHELAYER_CONNECTOR_TIMINGS": str(hooks)},
+        ) as engine,
+    ):
+        cold = engine.complete(prompt, max_tokens=12)
+        wait_until(lambda: daemon.metrics()["lmcache_mp_l1_write_chunks_total"] >= 2, timeout_s=30)
+        hit = engine.complete(prompt, max_tokens=12)
+        output = engine.process.output()
+
+    assert cached_tokens(hit) == 512
+    assert greedy_output(hit)[0] == greedy_output(cold)[0]
+    assert greedy_output(hit)[1] == pytest.approx(greedy_output(cold)[1], abs=1e-3)
+    # The load went layer by layer and vLLM asked for every layer before reading it.
+    loads = [
+        record
+        for record in map(json.loads, hooks.read_text().splitlines())
+        if record["hook"] == "layerwise_load"
+    ]
+    assert len(loads) == 1 and loads[0]["failed"] == 0
+    assert "layer-by-layer loading turned off" not in output

@@ -123,25 +123,81 @@ class PagedKV:
 
     def scatter(self, chunk: Tensor, block_ids: Sequence[int], *, skip_blocks: int = 0) -> None:
         """Write chunk (tokens of block_ids, in order) into the cache, leaving the first skip_blocks alone."""
+        self.start_load(chunk, block_ids, skip_blocks=skip_blocks).finish()
+
+    def start_load(
+        self, chunk: Tensor, block_ids: Sequence[int], *, skip_blocks: int = 0, layerwise: bool = False
+    ) -> ChunkLoad:
+        """Begin writing chunk into the cache; its layers land as `ChunkLoad.load_layer` asks.
+        `layerwise`: copy in small leading groups (1, 1, 2, 4, ... layers) so the first layers
+        land early; else in two copies, the larger first (fewer, larger copies)."""
+        groups = gpu.layer_groups(self.num_layers, "doubling" if layerwise else None, growing=layerwise)
+        return ChunkLoad(self, chunk, block_ids, skip_blocks, groups)
+
+
+class ChunkLoad:
+    """One stored chunk on its way into the paged cache, layer by layer: `load_layer(i)` makes
+    layer i hold it (on CUDA: the compute stream waits for that layer's copy, queued at the start
+    on a side stream, so early layers' attention runs while later layers still copy); `finish()`
+    loads the layers nobody asked for and waits for all of them."""
+
+    def __init__(
+        self,
+        paged: PagedKV,
+        chunk: Tensor,
+        block_ids: Sequence[int],
+        skip_blocks: int,
+        groups: list[tuple[int, int]],
+    ) -> None:
         num_blocks = len(block_ids)
-        if chunk.shape[2] != num_blocks * self.block_size:
+        if chunk.shape[2] != num_blocks * paged.block_size:
             raise ValueError(
-                f"chunk has {chunk.shape[2]} tokens, {num_blocks} blocks need {num_blocks * self.block_size}"
+                f"chunk has {chunk.shape[2]} tokens, {num_blocks} blocks need {num_blocks * paged.block_size}"
             )
-        if self.layout == "cpu_blocks":
-            halves = chunk.reshape(self.num_layers, 2, num_blocks, self.block_size, self.channels)
+        self._paged = paged
+        self._loaded = [False] * paged.num_layers
+        self._loader: gpu.LayerwiseLoader | None = None
+        if paged.layout == "cpu_blocks":
+            halves = chunk.reshape(paged.num_layers, 2, num_blocks, paged.block_size, paged.channels)
             blocks = halves.permute(0, 2, 1, 3, 4).contiguous()
-            blocks = blocks.view(gpu.block_chunk_shape(self.kv_caches, self.layout, num_blocks))
-            ids = self._block_tensor(block_ids)
-            ids[:skip_blocks] = -1
-            gpu.scatter_blocks(blocks, self.kv_caches, self.layout, ids)
+            self._blocks = blocks.view(gpu.block_chunk_shape(paged.kv_caches, paged.layout, num_blocks))
+            self._block_ids = paged._block_tensor(block_ids)
+            self._block_ids[:skip_blocks] = -1
             return
         host = chunk.contiguous()
-        if self.device.type == "cuda" and not host.is_pinned():
+        if paged.device.type == "cuda" and not host.is_pinned():
             host = host.pin_memory()
-        gpu.retrieve(
-            host, self.kv_caches, self.layout, self._slot_mapping(block_ids, skip_blocks), check_range=False
-        ).wait()
+        self._loader = gpu.LayerwiseLoader(
+            host,
+            paged.kv_caches,
+            paged.layout,
+            paged._slot_mapping(block_ids, skip_blocks),
+            groups=groups,
+            check_range=False,
+        )
+        self._loader.start()
+
+    def load_layer(self, layer: int) -> None:
+        if self._loaded[layer]:
+            return
+        self._loaded[layer] = True
+        if self._loader is not None:
+            self._loader.wait_for_layer(layer)
+            return
+        paged = self._paged
+        gpu.scatter_blocks(
+            self._blocks[layer : layer + 1], paged.kv_caches[layer : layer + 1], paged.layout, self._block_ids
+        )
+
+    def finish(self) -> int:
+        """Load every layer not loaded yet and wait until the cache holds the chunk; returns how
+        many layers only this call loaded (0 when `load_layer` was asked for each in time)."""
+        late = self._loaded.count(False)
+        for layer in range(len(self._loaded)):
+            self.load_layer(layer)
+        if self._loader is not None:
+            self._loader.finish().wait()
+        return late
 
 
 HeldChunk = tuple[int, int, Tensor]  # tokens [start, end) and their KV [num_layers, 2, end - start, channels]
@@ -217,6 +273,81 @@ class RemoteChunkStore:
             yield [(chunk.start, chunk.end, chunk.kv) for chunk in lease.chunks]
 
 
+class RequestLoad:
+    """A request's stored prefix on its way into its blocks over one forward pass.
+
+    The store's chunks stay held (leased, in daemon mode) from the start until `finish`, so the
+    daemon cannot reuse them while layers are still being copied. A shorter hit than planned
+    (evicted meanwhile), an unreachable store, or a lease the daemon ended before `finish` fails
+    the blocks past what was loaded, so vLLM recomputes them instead of reading whatever they hold.
+    """
+
+    def __init__(
+        self,
+        paged: PagedKV,
+        store: ChunkStore,
+        *,
+        token_ids: Sequence[int],
+        block_ids: Sequence[int],
+        first_block: int,
+        cache_salt: str | None,
+        layerwise: bool = False,
+    ) -> None:
+        block_size = paged.block_size
+        self._wanted_blocks = list(block_ids[: len(token_ids) // block_size])
+        self._first_block = first_block
+        self._loaded_blocks = 0
+        self._loads: list[ChunkLoad] = []
+        self._held = contextlib.ExitStack()
+        try:
+            chunks = self._held.enter_context(store.held_chunks(token_ids, cache_salt))
+            for start, end, kv in chunks:
+                if start != self._loaded_blocks * block_size:
+                    break  # not contiguous with what is loaded: stop here
+                blocks = self._wanted_blocks[self._loaded_blocks : end // block_size]
+                skip = min(len(blocks), max(0, first_block - self._loaded_blocks))
+                if skip < len(blocks):
+                    chunk = kv[:, :, : len(blocks) * block_size]
+                    self._loads.append(paged.start_load(chunk, blocks, skip_blocks=skip, layerwise=layerwise))
+                self._loaded_blocks += len(blocks)
+                if end % block_size:
+                    break
+        except StoreUnavailable as exc:
+            self._failed(exc)
+
+    def load_layer(self, layer: int) -> None:
+        """Make layer `layer` of every loaded block hold its KV (before that layer's attention)."""
+        for load in self._loads:
+            load.load_layer(layer)
+
+    def finish(self, *, layers_awaited: bool = False) -> set[int]:
+        """Load what is left, let the store's chunks go; returns the block ids that could not be
+        loaded. `layers_awaited`: the engine was to call `load_layer` before each layer's attention;
+        a layer it did not ask for was read before it held the KV, so the blocks fail."""
+        late_layers = 0
+        try:
+            for load in self._loads:
+                late_layers = max(late_layers, load.finish())
+            self._held.close()
+        except StoreUnavailable as exc:  # LeaseExpired included: what was loaded may be wrong
+            self._failed(exc)
+        if layers_awaited and late_layers and self._loaded_blocks:
+            log.warning(
+                "cachelayer: %d layers were not waited for before attention read them: "
+                "their blocks are recomputed",
+                late_layers,
+            )
+            self._loaded_blocks = 0
+        self.late_layers = late_layers
+        return set(self._wanted_blocks[max(self._loaded_blocks, self._first_block) :])
+
+    def _failed(self, exc: StoreUnavailable) -> None:
+        log.warning("cachelayer: load failed, vLLM will recompute: %s", exc)
+        self._loaded_blocks = 0
+        with contextlib.suppress(StoreUnavailable):
+            self._held.close()
+
+
 def load_request(
     paged: PagedKV,
     store: ChunkStore,
@@ -226,31 +357,11 @@ def load_request(
     first_block: int,
     cache_salt: str | None,
 ) -> set[int]:
-    """Load a request's stored prefix into its blocks; returns the block ids that could not be loaded.
-
-    A shorter hit than planned (evicted meanwhile), an unreachable store, or a lease the daemon
-    ended before the load finished fails the blocks past what was loaded, so vLLM recomputes them
-    instead of reading whatever they hold.
-    """
-    block_size = paged.block_size
-    wanted_blocks = list(block_ids[: len(token_ids) // block_size])
-    loaded_blocks = 0
-    try:
-        with store.held_chunks(token_ids, cache_salt) as chunks:
-            for start, end, kv in chunks:
-                if start != loaded_blocks * block_size:
-                    break  # not contiguous with what is loaded: stop here
-                blocks = wanted_blocks[loaded_blocks : end // block_size]
-                skip = min(len(blocks), max(0, first_block - loaded_blocks))
-                if skip < len(blocks):
-                    paged.scatter(kv[:, :, : len(blocks) * block_size], blocks, skip_blocks=skip)
-                loaded_blocks += len(blocks)
-                if end % block_size:
-                    break
-    except StoreUnavailable as exc:  # LeaseExpired included: what was scattered may be wrong
-        log.warning("cachelayer: load failed, vLLM will recompute: %s", exc)
-        loaded_blocks = 0
-    return set(wanted_blocks[max(loaded_blocks, first_block) :])
+    """Load a request's stored prefix into its blocks at once; returns the block ids that could
+    not be loaded (see RequestLoad)."""
+    return RequestLoad(
+        paged, store, token_ids=token_ids, block_ids=block_ids, first_block=first_block, cache_salt=cache_salt
+    ).finish()
 
 
 def save_request(

@@ -43,8 +43,8 @@ from cachelayer.connectors.transfers import (
     LocalChunkStore,
     PagedKV,
     RemoteChunkStore,
+    RequestLoad,
     detect_layout,
-    load_request,
 )
 from cachelayer.server.client import StoreClient, StoreUnavailable
 from cachelayer.server.daemon import StoreServer
@@ -64,6 +64,8 @@ if TYPE_CHECKING:
 log = logging.getLogger("vllm.cachelayer_connector")
 
 SERVER_KEY = "cachelayer_server"
+# LMCache's name for the same switch, so an LMCache user's kv_connector_extra_config carries over.
+LAYERWISE_KEY = "use_layerwise"
 # Medium of the cache layer's chunks in vLLM's KV-event stream (vLLM's own blocks say "GPU"):
 # the worker's own store is this engine's CPU tier; the daemon's store is shared by every engine
 # attached to it, and the remote tier (Redis) by every engine configured with it. A router told
@@ -271,6 +273,7 @@ class CacheLayerConnector(KVConnectorBase_V1):
         extra = self._kv_transfer_config.kv_connector_extra_config or {}
         self.server_endpoint: str | None = extra.get(SERVER_KEY)
         self.lookup_timeout_s = float(extra.get("cachelayer_timeout_s", 5.0))
+        self.layerwise = bool(extra.get(LAYERWISE_KEY, False))
         self.timings = _HookTimings("scheduler" if role == KVConnectorRole.SCHEDULER else "worker")
         if role == KVConnectorRole.SCHEDULER:
             self._init_scheduler(vllm_config, kv_cache_config)
@@ -293,6 +296,12 @@ class CacheLayerConnector(KVConnectorBase_V1):
         )
         self._events: list[KVCacheEvent] = []
         log.info("cachelayer connector (scheduler): store at %s, key space %s", endpoint, self.space)
+
+    @classmethod
+    def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:
+        # Layer-by-layer loads wait inside the forward pass (wait_for_layer_load), which a replayed
+        # full CUDA graph would skip: vLLM must keep Python between the graph's pieces.
+        return bool(extra_config.get(LAYERWISE_KEY, False))
 
     @staticmethod
     def _cacheable(request: Request) -> bool:
@@ -408,6 +417,9 @@ class CacheLayerConnector(KVConnectorBase_V1):
         self.saver: BackgroundSaver | None = None
         self.lookup_server: StoreServer | None = None
         self._failed_blocks: set[int] = set()
+        # Loads of this step, from start_load_kv until wait_for_save (the forward pass between).
+        self._loading: list[tuple[str, float, RequestLoad]] = []
+        self._layer_positions: dict[str, int] = {}
         self._step_events: list[KVCacheEvent] = []
         # The remote tier's events arrive from the store's writer thread, between steps.
         self._remote_events: list[KVCacheEvent] = []
@@ -415,6 +427,7 @@ class CacheLayerConnector(KVConnectorBase_V1):
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         names = sorted(kv_caches, key=_layer_index)
+        self._layer_positions = {name: position for position, name in enumerate(names)}
         # All layers may be views of one storage; each name is one attention layer.
         layers = [kv_caches[name] for name in names]
         space = self.space
@@ -471,21 +484,30 @@ class CacheLayerConnector(KVConnectorBase_V1):
         )
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
+        """Start this step's loads. Layer by layer (`use_layerwise`), each layer lands when its
+        attention asks (wait_for_layer_load) and the chunks stay leased until wait_for_save; else
+        every load completes here, before the forward pass."""
         metadata = self._get_connector_metadata()
         assert isinstance(metadata, CacheLayerConnectorMetadata)
         if not metadata.plan.loads or self.paged is None or self.store is None:
             return
         for load in metadata.plan.loads:
             started = time.perf_counter()
-            failed = load_request(
+            request_load = RequestLoad(
                 self.paged,
                 self.store,
                 token_ids=load.token_ids,
                 block_ids=load.block_ids,
                 first_block=load.first_block,
                 cache_salt=load.cache_salt,
+                layerwise=self.layerwise,
             )
-            self._failed_blocks |= failed
+            if self.layerwise:
+                self._loading.append((load.request_id, started, request_load))
+                failed: set[int] = set()
+            else:
+                failed = request_load.finish()
+                self._failed_blocks |= failed
             self.timings.record(
                 "start_load_kv",
                 started,
@@ -495,8 +517,29 @@ class CacheLayerConnector(KVConnectorBase_V1):
             )
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        # Loads complete in start_load_kv, before the forward pass.
-        return
+        if not self._loading:
+            return
+        position = self._layer_positions.get(layer_name)
+        if position is None:  # a layer this connector did not register: load everything now
+            self._finish_loads(layers_awaited=False)
+            return
+        for _, _, request_load in self._loading:
+            request_load.load_layer(position)
+
+    def _finish_loads(self, *, layers_awaited: bool = True) -> None:
+        """End this step's layer-by-layer loads: the rest of each load lands, its chunks are let
+        go, and blocks that could not be loaded are reported. `layers_awaited`: called after the
+        forward pass, so a layer that lands only now was read before it held the KV."""
+        loading, self._loading = self._loading, []
+        for request_id, started, request_load in loading:
+            failed = request_load.finish(layers_awaited=layers_awaited)
+            self._failed_blocks |= failed
+            self.timings.record("layerwise_load", started, request_id=request_id, failed=len(failed))
+            if request_load.late_layers and self.layerwise:
+                # The engine did not ask for every layer before reading it (an attention backend
+                # without vLLM's per-layer hook): load whole requests before the forward from now on.
+                log.warning("cachelayer: layer-by-layer loading turned off for this engine")
+                self.layerwise = False
 
     def save_kv_layer(
         self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: AttentionMetadata, **kwargs: Any
@@ -507,6 +550,7 @@ class CacheLayerConnector(KVConnectorBase_V1):
     def wait_for_save(self) -> None:
         """Copy each prompt saved this step out of the paged cache; the background saver stores it
         (the step, and so the request's first token, does not wait for the store)."""
+        self._finish_loads()  # layer-by-layer loads end with the forward pass
         if not self.has_connector_metadata():
             return
         metadata = self._get_connector_metadata()

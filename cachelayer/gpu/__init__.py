@@ -29,7 +29,14 @@ from cachelayer.gpu.layouts import (
     check_slot_mapping,
     paged_geometry,
 )
-from cachelayer.gpu.transfer import LayerwiseLoader, LayerwiseStorer, TransferHandle, retrieve, store
+from cachelayer.gpu.transfer import (
+    LayerwiseLoader,
+    LayerwiseStorer,
+    TransferHandle,
+    layer_groups,
+    retrieve,
+    store,
+)
 
 __all__ = [
     "LAYOUTS",
@@ -41,6 +48,7 @@ __all__ = [
     "chunk_shape",
     "gather",
     "gather_blocks",
+    "layer_groups",
     "retrieve",
     "scatter",
     "scatter_blocks",

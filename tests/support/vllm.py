@@ -106,6 +106,7 @@ def start_vllm(
     connector: bool = True,
     cache_config: Path | None = None,
     cache_server: str | None = None,
+    connector_extra: dict | None = None,
     prefix_caching: bool = True,
     kv_events: bool = True,
     max_model_len: int = 4096,
@@ -149,8 +150,11 @@ def start_vllm(
         ]
     if connector:
         transfer = {**CONNECTOR_CONFIG, "kv_role": "kv_both"}
+        extra = dict(connector_extra or {})
         if cache_server is not None:
-            transfer["kv_connector_extra_config"] = {"cachelayer_server": cache_server}
+            extra["cachelayer_server"] = cache_server
+        if extra:
+            transfer["kv_connector_extra_config"] = extra
         args += ["--kv-transfer-config", json.dumps(transfer)]
     args += extra_args or []
     env = {
