@@ -406,3 +406,26 @@ def test_a_layerwise_load_keeps_the_daemons_chunks_leased_until_it_finishes(shar
         assert same_blocks(reader, writer, 1, 8, 4)
     finally:
         client.close()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (runs on the GPU machine)")
+def test_a_layerwise_load_into_a_gpu_cache_lands_each_layer_on_the_compute_stream():
+    tokens = list(range(900, 900 + 4 * BLOCK))
+    store = LocalChunkStore(engine())
+    writer = paged(flash_cache(0))
+    reader = paged([layer.cuda() for layer in flash_cache(1)])
+    save_request(writer, store, token_ids=tokens, block_ids=[1, 2, 3, 4], cache_salt=None)
+    load = RequestLoad(
+        reader,
+        store,
+        token_ids=tokens,
+        block_ids=[10, 11, 12, 13],
+        first_block=0,
+        cache_salt=None,
+        layerwise=True,
+    )
+    for layer in range(LAYERS):
+        load.load_layer(layer)  # queued: work the compute stream runs next sees the layer loaded
+        loaded = reader.kv_caches[layer][:, 10:14].clone()  # on the compute stream, after the wait
+        assert torch.equal(loaded.cpu(), writer.kv_caches[layer][:, 1:5])
+    assert load.finish(layers_awaited=True) == set() and load.late_layers == 0
