@@ -56,7 +56,7 @@ import zmq
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from router.index.events import (
+from kvwire import (
     BlockRemoved,
     BlockStored,
     decode_batch,

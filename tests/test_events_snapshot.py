@@ -21,8 +21,8 @@ from prometheus_client import CollectorRegistry, generate_latest
 from cachelayer import CacheEngine
 from cachelayer.events import BlockStored as ClStored
 from cachelayer.events import ZmqEventPublisher
+from kvwire import AllBlocksCleared, BlockStored
 from router.config import KVEvents, parse_config
-from router.index.events import AllBlocksCleared, BlockStored
 from router.index.prefix_index import PrefixIndex, snapshot_order
 from router.index.service import KVIndexService
 from tests.support import start_backend, start_gateway, waiting

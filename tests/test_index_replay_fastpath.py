@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 import zmq
 
+from kvwire import decode_batch
 from router.config import KVEvents
-from router.index.events import decode_batch
 from router.index.prefix_index import PrefixIndex
 from router.index.service import KVIndexService
 from router.index.subscriber import EventSubscriber

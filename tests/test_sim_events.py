@@ -11,7 +11,7 @@ import pytest
 import zmq
 import zmq.asyncio
 
-from router.index.events import AllBlocksCleared, BlockRemoved, BlockStored, decode_batch
+from kvwire import AllBlocksCleared, BlockRemoved, BlockStored, decode_batch
 from router.sim.blocks import BlockPool, block_hash
 from router.sim.engine import GenerationRequest, SimulatedEngine, TimingModel
 from router.sim.events import ENCODINGS, KVEventPublisher, parse_kv_events_config

@@ -1,7 +1,7 @@
 """One engine's KV-event stream: ZMQ SUB, sequence checks, replay over DEALER, restarts.
 
 Each subscriber runs in its own thread (blocking zmq polls release the GIL), decodes every batch
-with `router.index.events` and hands the events to a callback (the index). The request path never
+with `kvwire` and hands the events to a callback (the index). The request path never
 waits on it.
 
 Sequence rules (vLLM's publisher; docs/index.md, "Subscriber"):
@@ -82,8 +82,7 @@ from typing import TYPE_CHECKING, Any
 
 import zmq
 
-from router.config import DEFAULT_MAX_MESSAGE_BYTES, DEFAULT_MAX_QUEUED_BYTES
-from router.index.events import (
+from kvwire import (
     AllBlocksCleared,
     DecodedBatch,
     KVEvent,
@@ -94,6 +93,7 @@ from router.index.events import (
     event_class_kind,
     event_kind,
 )
+from router.config import DEFAULT_MAX_MESSAGE_BYTES, DEFAULT_MAX_QUEUED_BYTES
 
 if TYPE_CHECKING:
     from router.index.prefix_index import WireIngest
