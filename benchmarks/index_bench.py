@@ -50,7 +50,6 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
-import msgspec
 import numpy as np
 import zmq
 
@@ -61,6 +60,7 @@ from kvwire import (
     BlockStored,
     decode_batch,
     decode_seq,
+    encode_batch,
     encode_seq,
 )
 from router.index.prefix_index import (
@@ -327,7 +327,7 @@ def prefill_batched_ingest(bench: SideBySide, batches: int, per_batch: int, rng:
 
 def wire_payload(events: list[BlockStored]) -> bytes:
     """An EventBatch as vLLM >= 0.24 publishes it: array batch, map-encoded events."""
-    return msgspec.msgpack.encode([time.time(), [msgspec.to_builtins(event) for event in events], 0])
+    return encode_batch(events, ts=time.time(), data_parallel_rank=0)
 
 
 def wire_ingest(bench: SideBySide, batches: list[list[BlockStored]], backend: str) -> dict:
