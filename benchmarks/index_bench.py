@@ -92,6 +92,8 @@ def load_baseline_index(revision: str = BASELINE_REVISION) -> ModuleType:
         ["git", "show", f"{revision}:router/index/prefix_index.py"],
         cwd=root, capture_output=True, text=True, check=True,
     ).stdout
+    # The wire types it imports have moved from router/index/events.py to kvwire since then.
+    source = source.replace("from router.index.events import", "from kvwire import")
     module = ModuleType("index_baseline")
     module.__file__ = f"{revision}:router/index/prefix_index.py"
     sys.modules[module.__name__] = module  # dataclasses look their module up while the class is built

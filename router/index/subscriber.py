@@ -83,6 +83,7 @@ from typing import TYPE_CHECKING, Any
 import zmq
 
 from kvwire import (
+    SNAPSHOT_REQUEST,
     AllBlocksCleared,
     DecodedBatch,
     KVEvent,
@@ -106,7 +107,6 @@ ApplyEvents = Callable[[list[KVEvent]], None]
 ClearBackend = Callable[[], None]
 ReplaceBackend = Callable[[list[KVEvent]], None]
 
-SNAPSHOT_REQUEST = b"KVSNAPSHOT"
 # The event tag as msgpack spells it in either encoding: a payload without these bytes holds no
 # clear, so replayed batches are searched for the last clear without decoding them.
 _CLEARED_TAG = b"AllBlocksCleared"
