@@ -16,15 +16,7 @@ from typing import Any, Literal
 
 import msgspec
 
-from kvwire.events import (
-    AllBlocksCleared,
-    AllBlocksClearedMap,
-    BlockRemoved,
-    BlockRemovedMap,
-    BlockStored,
-    BlockStoredMap,
-    KVEvent,
-)
+from kvwire.events import MAP_FORMS, AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
 
 Encoding = Literal["vllm", "vllm-array", "sglang"]
 ENCODINGS: tuple[Encoding, ...] = ("vllm", "vllm-array", "sglang")
@@ -35,11 +27,6 @@ _ARRAY_FIELD_COUNTS: dict[str, dict[type, int]] = {
     "sglang": {BlockStored: 6, BlockRemoved: 2, AllBlocksCleared: 0},  # up to medium
 }
 _TAGS = {BlockStored: "BlockStored", BlockRemoved: "BlockRemoved", AllBlocksCleared: "AllBlocksCleared"}
-_MAP_FORMS: dict[type, type] = {
-    BlockStored: BlockStoredMap,
-    BlockRemoved: BlockRemovedMap,
-    AllBlocksCleared: AllBlocksClearedMap,
-}
 _encoder = msgspec.msgpack.Encoder()
 
 
@@ -68,7 +55,7 @@ def _event_type(event: KVEvent) -> type:
 
 
 def _as_map(event: KVEvent) -> KVEvent:
-    map_form = _MAP_FORMS.get(type(event))
+    map_form = MAP_FORMS.get(type(event))
     if map_form is None:  # a map form already, or not an event
         _event_type(event)
         return event

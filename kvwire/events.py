@@ -67,6 +67,13 @@ class AllBlocksClearedMap(AllBlocksCleared, array_like=False):
     """An `AllBlocksCleared` map-encoded."""
 
 
+MAP_FORMS: dict[type, type] = {
+    BlockStored: BlockStoredMap,
+    BlockRemoved: BlockRemovedMap,
+    AllBlocksCleared: AllBlocksClearedMap,
+}
+
+
 def event_kind(event: KVEvent) -> str:
     """ "BlockStored", "BlockRemoved" or "AllBlocksCleared", whichever encoding it arrived in."""
     return event_class_kind(type(event))
