@@ -29,7 +29,7 @@ demo: $(GATEWAY_STAMP)
 
 test: $(STAMP)
 	bash scripts/install_system_packages.sh
-	$(BIN)/ruff check router cachelayer tests benchmarks scripts
+	$(BIN)/ruff check router cachelayer kvwire tests benchmarks scripts
 	$(BIN)/python -m pytest -q
 
 test-slow: $(STAMP)

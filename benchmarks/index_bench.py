@@ -50,17 +50,17 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
-import msgspec
 import numpy as np
 import zmq
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from router.index.events import (
+from kvwire import (
     BlockRemoved,
     BlockStored,
     decode_batch,
     decode_seq,
+    encode_batch,
     encode_seq,
 )
 from router.index.prefix_index import (
@@ -92,6 +92,8 @@ def load_baseline_index(revision: str = BASELINE_REVISION) -> ModuleType:
         ["git", "show", f"{revision}:router/index/prefix_index.py"],
         cwd=root, capture_output=True, text=True, check=True,
     ).stdout
+    # The wire types it imports have moved from router/index/events.py to kvwire since then.
+    source = source.replace("from router.index.events import", "from kvwire import")
     module = ModuleType("index_baseline")
     module.__file__ = f"{revision}:router/index/prefix_index.py"
     sys.modules[module.__name__] = module  # dataclasses look their module up while the class is built
@@ -327,7 +329,7 @@ def prefill_batched_ingest(bench: SideBySide, batches: int, per_batch: int, rng:
 
 def wire_payload(events: list[BlockStored]) -> bytes:
     """An EventBatch as vLLM >= 0.24 publishes it: array batch, map-encoded events."""
-    return msgspec.msgpack.encode([time.time(), [msgspec.to_builtins(event) for event in events], 0])
+    return encode_batch(events, ts=time.time(), data_parallel_rank=0)
 
 
 def wire_ingest(bench: SideBySide, batches: list[list[BlockStored]], backend: str) -> dict:

@@ -109,9 +109,9 @@ def stage_breakdown(workload_name: str, users: int, turns: int, engines: int) ->
 
     import msgspec
 
+    from kvwire import BlockStored
     from router.backends import BackendState
     from router.config import KVAwarePolicy, builtin_tokenizer_dir
-    from router.index.events import BlockStored
     from router.index.prefix_index import prompt_prefix_keys
     from router.index.service import KVIndexService
     from router.policies.base import RouteRequest

@@ -34,12 +34,13 @@ import torch
 
 from cachelayer.compress import codec_names, get_codec
 from cachelayer.config import CacheLayerConfig, as_config
-from cachelayer.events import AllBlocksCleared, BlockRemoved, BlockStored, Event, ZmqEventPublisher
 from cachelayer.keys import CacheIdentity, ChunkSpan, chunk_spans
 from cachelayer.storage.cpu import CpuTier
 from cachelayer.storage.disk import DiskTier
 from cachelayer.storage.remote import CorruptValue, RemoteTier, decode_value, value_trailer
 from cachelayer.storage.tier import ChunkMeta, Tier, TierEntry
+from kvwire import AllBlocksCleared, BlockRemoved, BlockStored, EventPublisher
+from kvwire import KVEvent as Event
 
 log = logging.getLogger(__name__)
 
@@ -180,12 +181,13 @@ class CacheEngine:
             "lookup_requested_tokens": 0,
             "lookup_hit_tokens": 0,
         }
-        self.publisher: ZmqEventPublisher | None = None
+        self.publisher: EventPublisher | None = None
         if config.enable_kv_events and config.kv_events_endpoint is not None:
-            self.publisher = ZmqEventPublisher(
+            self.publisher = EventPublisher(
                 config.kv_events_endpoint,
                 config.kv_events_replay_endpoint,
                 topic=config.kv_events_topic,
+                encoding="vllm-array",
                 snapshot_source=self.snapshot_events,
                 state_lock=self._lock,
             )

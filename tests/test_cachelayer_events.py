@@ -6,7 +6,7 @@ import msgspec
 import pytest
 import zmq
 
-from cachelayer.events import (
+from kvwire import (
     END_SEQ,
     SNAPSHOT_REQUEST,
     AllBlocksCleared,
@@ -163,12 +163,12 @@ def test_fetch_snapshot_times_out_on_a_silent_endpoint(context):
 
 def test_publisher_connects_out_when_the_endpoint_names_a_host(context):
     # vLLM's rule: bind on "*" (or ipc/inproc), connect otherwise, so a subscriber can bind instead.
-    from cachelayer.events import ZmqEventPublisher
+    from kvwire import EventPublisher
 
     sub = context.socket(zmq.SUB)
     sub.setsockopt(zmq.SUBSCRIBE, b"")
     port = sub.bind_to_random_port("tcp://127.0.0.1")
-    publisher = ZmqEventPublisher(f"tcp://127.0.0.1:{port}", topic="t")
+    publisher = EventPublisher(f"tcp://127.0.0.1:{port}", topic="t", encoding="vllm-array")
     try:
         deadline = time.monotonic() + 5
         while time.monotonic() < deadline:

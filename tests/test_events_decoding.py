@@ -7,7 +7,7 @@ from __future__ import annotations
 import msgspec
 import pytest
 
-from router.index.events import (
+from kvwire import (
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,

@@ -10,8 +10,8 @@ from collections.abc import Iterator
 import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 
+from kvwire import decode_batch
 from router.config import KVEvents
-from router.index.events import decode_batch
 from router.index.prefix_index import PrefixIndex
 from router.index.service import KVIndexService
 from tests.support import free_port

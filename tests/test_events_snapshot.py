@@ -19,15 +19,13 @@ import zmq
 from prometheus_client import CollectorRegistry, generate_latest
 
 from cachelayer import CacheEngine
-from cachelayer.events import BlockStored as ClStored
-from cachelayer.events import ZmqEventPublisher
+from kvwire import AllBlocksCleared, BlockStored, EventPublisher
 from router.config import KVEvents, parse_config
-from router.index.events import AllBlocksCleared, BlockStored
 from router.index.prefix_index import PrefixIndex, snapshot_order
 from router.index.service import KVIndexService
-from tests.support import start_backend, start_gateway, waiting
+from tests.support import event_publisher, start_backend, start_gateway, waiting
 from tests.support.cachelayer import CHUNK, make_engine, request
-from tests.support.event_publisher import EventPublisher, block_stored
+from tests.support.event_publisher import block_stored
 from tests.support.ports import free_port
 
 BACKEND = "cache-a"
@@ -212,7 +210,7 @@ def test_a_publisher_without_snapshots_falls_back_to_replay_and_counts_the_failu
     endpoint = f"tcp://127.0.0.1:{free_port()}"
     replay_endpoint = f"tcp://127.0.0.1:{free_port()}"
     registry = CollectorRegistry()
-    with EventPublisher(endpoint, replay_endpoint, topic="") as publisher:
+    with event_publisher.EventPublisher(endpoint, replay_endpoint, topic="") as publisher:
         tokens = list(range(1000, 1032))
         publisher.publish([block_stored([11], tokens[:16], 16)])
         publisher.publish([block_stored([12], tokens[16:], 16, 11)])
@@ -405,8 +403,12 @@ class SnapshotReplaySocket:
     def __init__(self, replay_endpoint: str) -> None:
         self.held: list = []
         self.publisher = rebind(
-            lambda: ZmqEventPublisher(
-                "tcp://127.0.0.1:*", replay_endpoint, buffer_steps=1, snapshot_source=lambda: list(self.held)
+            lambda: EventPublisher(
+                "tcp://127.0.0.1:*",
+                replay_endpoint,
+                encoding="vllm-array",
+                buffer_steps=1,
+                snapshot_source=lambda: list(self.held),
             )
         )
 
@@ -416,12 +418,12 @@ class SnapshotReplaySocket:
             self.publisher.publish([])
 
 
-def chunks_of(tokens: list[int], first_hash: int, medium: str = "cpu") -> list[ClStored]:
+def chunks_of(tokens: list[int], first_hash: int, medium: str = "cpu") -> list[BlockStored]:
     """Cache-layer BlockStored events for `tokens` in 16-token chunks, chained from `first_hash`."""
     events = []
     for index in range(len(tokens) // 16):
         events.append(
-            ClStored(
+            BlockStored(
                 block_hashes=[first_hash + index],
                 parent_block_hash=first_hash + index - 1 if index else None,
                 token_ids=tokens[index * 16 : (index + 1) * 16],
@@ -440,7 +442,7 @@ def test_an_unfillable_gap_and_a_seq_going_back_are_answered_by_snapshots():
     prompt_c = list(range(300, 316))
     prompt_e = list(range(500, 532))
     snapshots = SnapshotReplaySocket(replay_endpoint)
-    live = EventPublisher(live_endpoint, topic="")
+    live = event_publisher.EventPublisher(live_endpoint, topic="")
     service = None
     try:
         snapshots.held = chunks_of(prompt_a[:32], 1)

@@ -10,7 +10,7 @@ from typing import Any
 import msgspec
 import pytest
 
-from router.index.events import (
+from kvwire import (
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,

@@ -16,8 +16,8 @@ from typing import Any
 import numpy as np
 import pytest
 
+from kvwire import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent, decode_batch
 from router.index import prefix_index
-from router.index.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent, decode_batch
 from router.index.prefix_index import PrefixIndex, _python_block_value
 from tests.support.event_publisher import block_removed, block_stored, encode_batch
 from tests.test_index_ingest import (
@@ -473,7 +473,7 @@ def test_events_outside_the_shape_are_refused_with_the_index_untouched() -> None
 def test_a_drained_burst_from_the_wire_resumes_the_compiled_path_after_other_events(
     applied_by_compiled_path,
 ) -> None:
-    """Decoded wire batches (array-encoded events: the decoder's own subclass) joined into one
+    """Decoded wire batches (map-encoded events: the decoder's own subclass) joined into one
     call, prefills of 32-token blocks (the general path's) and a removal between decode steps:
     each run of decode steps (with the removal) is applied by the compiled path, the prefills by
     the general path, and the index equals the pure-Python one's."""
@@ -483,7 +483,7 @@ def test_a_drained_burst_from_the_wire_resumes_the_compiled_path_after_other_eve
     next_hash = 100
     for doc_number, doc in enumerate(docs):
         first = next_hash
-        wire.append(block_stored(list(range(first, first + 2)), doc[:64], 32, encoding="array"))
+        wire.append(block_stored(list(range(first, first + 2)), doc[:64], 32, encoding="map"))
         next_hash += 2
         for block in range(4, 20):
             wire.append(
@@ -492,12 +492,12 @@ def test_a_drained_burst_from_the_wire_resumes_the_compiled_path_after_other_eve
                     doc[16 * block : 16 * block + 16],
                     16,
                     parent_block_hash=next_hash - 1,
-                    encoding="array",
+                    encoding="map",
                 )
             )
             next_hash += 1
         if doc_number == 1:
-            wire.append(block_removed([first + 2], encoding="array"))
+            wire.append(block_removed([first + 2], encoding="map"))
     events = decode_batch(encode_batch(wire, encoding="array")).events
     assert type(events[1]) is not BlockStored and isinstance(events[1], BlockStored)
     compiled, python = PrefixIndex(), PrefixIndex(compiled_ingest=False)

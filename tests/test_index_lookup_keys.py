@@ -8,7 +8,7 @@ from collections.abc import Sequence
 import numpy as np
 import pytest
 
-from router.index.events import BlockRemoved, BlockStored
+from kvwire import BlockRemoved, BlockStored
 from router.index.prefix_index import PrefixIndex, namespace_seed, prefix_keys, prompt_prefix_keys
 
 rng = np.random.default_rng(11)

@@ -7,7 +7,7 @@ import threading
 import numpy as np
 import pytest
 
-from router.index.events import AllBlocksCleared, BlockRemoved, BlockStored
+from kvwire import AllBlocksCleared, BlockRemoved, BlockStored
 from router.index.prefix_index import (
     ROUTER_BLOCK_TOKENS,
     PrefixIndex,

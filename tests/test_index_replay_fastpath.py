@@ -13,14 +13,13 @@ import numpy as np
 import pytest
 import zmq
 
+from kvwire import END_SEQ, decode_batch
 from router.config import KVEvents
-from router.index.events import decode_batch
 from router.index.prefix_index import PrefixIndex
 from router.index.service import KVIndexService
 from router.index.subscriber import EventSubscriber
 from tests.support import free_port
 from tests.support.event_publisher import (
-    END_MARKER,
     EventPublisher,
     all_blocks_cleared,
     block_removed,
@@ -237,7 +236,7 @@ class HeldReplay:
                     self._router.send_multipart(
                         [identity, b"", b"kv-events", seq.to_bytes(8, "big"), payload]
                     )
-            self._router.send_multipart([identity, b"", b"kv-events", END_MARKER, b""])
+            self._router.send_multipart([identity, b"", b"kv-events", END_SEQ, b""])
 
     def close(self) -> None:
         self._stop.set()

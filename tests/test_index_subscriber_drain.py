@@ -12,8 +12,8 @@ from collections.abc import Iterator
 import numpy as np
 import pytest
 
+from kvwire import BlockRemoved, BlockStored, KVEvent, decode_batch
 from router.index import subscriber as subscriber_module
-from router.index.events import BlockRemoved, BlockStored, KVEvent, decode_batch
 from router.index.prefix_index import PrefixIndex
 from router.index.subscriber import EventSubscriber
 from tests.support import free_port, waiting

@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 from prometheus_client import CollectorRegistry
 
+from kvwire import BlockStored
 from router.backends import BackendState
 from router.config import ApproximatePolicy, KVAwarePolicy
-from router.index.events import BlockStored
 from router.index.prefix_index import PrefixIndex
 from router.policies.approximate import Approximate
 from router.policies.base import RouteRequest

@@ -11,8 +11,8 @@ import pytest
 import zmq
 from transformers import AutoTokenizer
 
+from kvwire import AllBlocksCleared, BlockStored, decode_batch
 from router.config import builtin_tokenizer_dir
-from router.index.events import AllBlocksCleared, BlockStored, decode_batch
 from tests.support import free_port, start_process
 from tests.support.metrics import metric_samples
 from tests.support.processes import python_command

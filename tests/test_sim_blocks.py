@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from kvwire import AllBlocksCleared, BlockRemoved, BlockStored
 from router.sim.blocks import BlockPool, chained_block_hashes
-from router.sim.events import AllBlocksCleared, BlockRemoved, BlockStored
 
 BLOCK = 4
 

@@ -11,10 +11,18 @@ import pytest
 import zmq
 import zmq.asyncio
 
-from router.index.events import AllBlocksCleared, BlockRemoved, BlockStored, decode_batch
+from kvwire import (
+    ENCODINGS,
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    EventPublisher,
+    decode_batch,
+    encode_batch,
+    parse_kv_events_config,
+)
 from router.sim.blocks import BlockPool, block_hash
 from router.sim.engine import GenerationRequest, SimulatedEngine, TimingModel
-from router.sim.events import ENCODINGS, KVEventPublisher, parse_kv_events_config
 from tests.support import free_port
 
 TOPIC = "kv-events"
@@ -95,8 +103,9 @@ def test_events_rebuild_the_engine_cache_live_and_by_replay(encoding):
     async def scenario() -> None:
         pub_endpoint = f"tcp://127.0.0.1:{free_port()}"
         replay_endpoint = f"tcp://127.0.0.1:{free_port()}"
-        publisher = KVEventPublisher(pub_endpoint, replay_endpoint, TOPIC, encoding)
-        publisher.start()
+        publisher = EventPublisher(
+            pub_endpoint, replay_endpoint, topic=TOPIC, encoding=encoding, data_parallel_rank=0, bind=True
+        )
         context = zmq.asyncio.Context()
         subscriber = context.socket(zmq.SUB)
         subscriber.setsockopt(zmq.LINGER, 0)
@@ -145,17 +154,16 @@ def test_events_rebuild_the_engine_cache_live_and_by_replay(encoding):
 
 
 def test_encodings_differ_on_the_wire_as_documented():
-    from router.sim.events import BlockStored as SimStored
-    from router.sim.events import encode_batch
-
     big = (1 << 64) - 5  # above 2^63: unsigned for vLLM, negative for SGLang
-    event = SimStored(block_hashes=[big], parent_block_hash=None, token_ids=[1, 2, 3, 4], block_size=4)
-    as_map = msgspec.msgpack.decode(encode_batch([event], "vllm", 1.0))
+    event = BlockStored(
+        block_hashes=[big], parent_block_hash=None, token_ids=[1, 2, 3, 4], block_size=4, medium="GPU"
+    )
+    as_map = msgspec.msgpack.decode(encode_batch([event], ts=1.0, data_parallel_rank=0, encoding="vllm"))
     assert as_map[1][0]["type"] == "BlockStored" and as_map[1][0]["block_hashes"] == [big]
     assert as_map[1][0]["medium"] == "GPU" and as_map[2] == 0
-    as_array = msgspec.msgpack.decode(encode_batch([event], "vllm-array", 1.0))
+    as_array = msgspec.msgpack.decode(encode_batch([event], ts=1.0, encoding="vllm-array"))
     assert as_array[1][0] == ["BlockStored", [big], None, [1, 2, 3, 4], 4, None, "GPU"]
-    as_sglang = msgspec.msgpack.decode(encode_batch([event], "sglang", 1.0))
+    as_sglang = msgspec.msgpack.decode(encode_batch([event], ts=1.0, encoding="sglang"))
     assert as_sglang[1][0][1] == [big - (1 << 64)]
 
 

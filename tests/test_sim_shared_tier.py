@@ -7,9 +7,9 @@ import time
 
 import numpy as np
 
+from kvwire import BlockStored
 from router.sim.blocks import BlockPool
 from router.sim.engine import GenerationRequest, SimulatedEngine, TimingModel
-from router.sim.events import BlockStored
 from router.sim.shared_store import MEDIUM_SHARED, SharedBlockStore, tier_key
 from tests.support.ports import free_port
 from tests.support.redis_server import RedisServer

@@ -31,13 +31,14 @@ import zmq
 
 from cachelayer.config import CacheLayerConfig
 from cachelayer.engine import CacheEngine
-from cachelayer.events import BlockRemoved, BlockStored, Event
 from cachelayer.server import protocol
 from cachelayer.server.leases import ClientProcess, LeaseLimitError, LeaseTable
 from cachelayer.server.protocol import ChunkEvent, KeySpace, Reply, Request, SharedSegment, Slot
 from cachelayer.server.shared_pool import SharedPool
 from cachelayer.storage.allocator import ALIGNMENT
 from cachelayer.storage.cpu import CpuTier
+from kvwire import BlockRemoved, BlockStored
+from kvwire import KVEvent as Event
 
 log = logging.getLogger(__name__)
 

@@ -1,7 +1,6 @@
-"""KV-event index: wire decoding (events), per-engine subscribers (subscriber), the prefix index
-(prefix_index) and the service that ties them together for the gateway (service)."""
+"""KV-event index: per-engine subscribers (subscriber), the prefix index (prefix_index) and the
+service that ties them together for the gateway (service). The wire protocol is `kvwire`'s."""
 
-from router.index.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent, decode_batch
 from router.index.prefix_index import (
     DEFAULT_NAMESPACE,
     ROUTER_BLOCK_TOKENS,
@@ -14,13 +13,8 @@ from router.index.prefix_index import (
 __all__ = [
     "DEFAULT_NAMESPACE",
     "ROUTER_BLOCK_TOKENS",
-    "AllBlocksCleared",
     "BackendMatch",
-    "BlockRemoved",
-    "BlockStored",
-    "KVEvent",
     "Namespace",
     "PrefixIndex",
-    "decode_batch",
     "prompt_prefix_keys",
 ]

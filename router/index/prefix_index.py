@@ -40,8 +40,7 @@ import msgspec
 import numpy as np
 import xxhash
 
-from router.compiled import load_compiled, rebuild_hint
-from router.index.events import (
+from kvwire import (
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,
@@ -50,6 +49,7 @@ from router.index.events import (
     decode_batch,
     tier_of,
 )
+from router.compiled import load_compiled, rebuild_hint
 
 logger = logging.getLogger(__name__)
 

@@ -1,7 +1,7 @@
 """One engine's KV-event stream: ZMQ SUB, sequence checks, replay over DEALER, restarts.
 
 Each subscriber runs in its own thread (blocking zmq polls release the GIL), decodes every batch
-with `router.index.events` and hands the events to a callback (the index). The request path never
+with `kvwire` and hands the events to a callback (the index). The request path never
 waits on it.
 
 Sequence rules (vLLM's publisher; docs/index.md, "Subscriber"):
@@ -82,8 +82,8 @@ from typing import TYPE_CHECKING, Any
 
 import zmq
 
-from router.config import DEFAULT_MAX_MESSAGE_BYTES, DEFAULT_MAX_QUEUED_BYTES
-from router.index.events import (
+from kvwire import (
+    SNAPSHOT_REQUEST,
     AllBlocksCleared,
     DecodedBatch,
     KVEvent,
@@ -94,6 +94,7 @@ from router.index.events import (
     event_class_kind,
     event_kind,
 )
+from router.config import DEFAULT_MAX_MESSAGE_BYTES, DEFAULT_MAX_QUEUED_BYTES
 
 if TYPE_CHECKING:
     from router.index.prefix_index import WireIngest
@@ -106,7 +107,6 @@ ApplyEvents = Callable[[list[KVEvent]], None]
 ClearBackend = Callable[[], None]
 ReplaceBackend = Callable[[list[KVEvent]], None]
 
-SNAPSHOT_REQUEST = b"KVSNAPSHOT"
 # The event tag as msgpack spells it in either encoding: a payload without these bytes holds no
 # clear, so replayed batches are searched for the last clear without decoding them.
 _CLEARED_TAG = b"AllBlocksCleared"

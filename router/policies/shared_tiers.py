@@ -13,8 +13,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from kvwire import tier_of
 from router.config import SharedTier
-from router.index.events import tier_of
 from router.index.prefix_index import BackendMatch
 
 

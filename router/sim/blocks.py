@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import xxhash
 
-from router.sim.events import AllBlocksCleared, BlockRemoved, BlockStored, CacheEvent
+from kvwire import MEDIUM_GPU, AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
 
 # The parent hash of a sequence's first block: fixed, so a restarted simulator hashes alike.
 _ROOT_HASH = 0x6B76676174652D73  # "kvgate-s"
@@ -133,7 +133,7 @@ class BlockPool:
         now: float,
         lora_name: str | None = None,
         cache_salt: str | None = None,
-    ) -> tuple[Sequence, list[CacheEvent]] | None:
+    ) -> tuple[Sequence, list[KVEvent]] | None:
         """Admit a sequence: reuse its cached prefix, reserve blocks for the rest of the prompt and
         `max_new_tokens`, and cache the prompt's full blocks. None when the pool cannot hold it now.
 
@@ -153,7 +153,7 @@ class BlockPool:
         if len(self._free) - hits_in_free < new_blocks:
             return None
 
-        events: list[CacheEvent] = []
+        events: list[KVEvent] = []
         sequence = Sequence(request_id, prompt.tolist(), lora_name, extra_keys)
         ready_at = now
         for block_id in hit_ids:
@@ -179,7 +179,7 @@ class BlockPool:
             block.ref_count = 1
             sequence.block_ids.append(block_id)
         if evicted:
-            events.append(BlockRemoved(block_hashes=evicted))
+            events.append(BlockRemoved(block_hashes=evicted, medium=MEDIUM_GPU, group_idx=0))
         self._sequences[request_id] = sequence
         events.extend(self._hash_full_blocks(sequence, math.inf))
         return sequence, events
@@ -191,7 +191,7 @@ class BlockPool:
             if block.ready_at == math.inf:
                 block.ready_at = ready_at
 
-    def append_token(self, request_id: str, token: int, now: float) -> list[CacheEvent]:
+    def append_token(self, request_id: str, token: int, now: float) -> list[KVEvent]:
         """Record one generated token; a block it fills is cached (and announced)."""
         sequence = self._sequences[request_id]
         if len(sequence.tokens) >= len(sequence.block_ids) * self.block_size:
@@ -212,7 +212,7 @@ class BlockPool:
             if block.ref_count == 0:
                 self._free[block_id] = None
 
-    def reset(self) -> list[CacheEvent] | None:
+    def reset(self) -> list[KVEvent] | None:
         """Forget every cached block (POST /reset_prefix_cache). Like vLLM, refused (None) while
         sequences hold blocks."""
         if self._sequences:
@@ -224,7 +224,7 @@ class BlockPool:
 
     # ---- internals ----
 
-    def _hash_full_blocks(self, sequence: Sequence, ready_at: float) -> list[CacheEvent]:
+    def _hash_full_blocks(self, sequence: Sequence, ready_at: float) -> list[KVEvent]:
         full_blocks = len(sequence.tokens) // self.block_size
         if full_blocks <= sequence.num_hashed_blocks:
             return []
@@ -234,7 +234,7 @@ class BlockPool:
         )
         stored_hashes: list[int] = []
         stored_tokens: list[int] = []
-        events: list[CacheEvent] = []
+        events: list[KVEvent] = []
         parent_of_run = sequence.last_hash
         for offset in range(full_blocks - sequence.num_hashed_blocks):
             index = sequence.num_hashed_blocks + offset
@@ -271,6 +271,9 @@ class BlockPool:
             parent_block_hash=parent,
             token_ids=tokens,
             block_size=self.block_size,
+            medium=MEDIUM_GPU,
             lora_name=sequence.lora_name,
             extra_keys=extra_keys if any(e is not None for e in extra_keys) else None,
+            group_idx=0,
+            kv_cache_spec_kind="full_attention",
         )

@@ -8,7 +8,7 @@ import json
 import logging
 import sys
 
-from router.sim.events import ENCODINGS, KVEventPublisher, parse_kv_events_config
+from kvwire import ENCODINGS, EventPublisher, parse_kv_events_config
 
 log = logging.getLogger("kvgate.sim")
 
@@ -153,13 +153,17 @@ def run(args: argparse.Namespace) -> int:
         and events_config.publisher == "zmq"
     ):
         try:
-            publisher = KVEventPublisher(
+            # Unlike vLLM, which connects its PUB socket unless the endpoint holds a wildcard, the
+            # simulator always binds: its endpoints are loopback addresses the gateway connects to.
+            publisher = EventPublisher(
                 events_config.endpoint,
                 events_config.replay_endpoint,
-                events_config.topic,
-                args.kv_events_encoding,
-                events_config.buffer_steps,
-                events_config.hwm,
+                topic=events_config.topic,
+                encoding=args.kv_events_encoding,
+                data_parallel_rank=0,
+                buffer_steps=events_config.buffer_steps,
+                hwm=events_config.hwm,
+                bind=True,
             )
         except OSError as exc:
             print(f"kvgate sim: {exc}", file=sys.stderr)
@@ -176,7 +180,6 @@ def run(args: argparse.Namespace) -> int:
         engine,
         tokenizer,
         ServedModel(model_name, args.max_model_len, args.default_max_tokens, lora_names),
-        on_startup=publisher.start if publisher else None,
     )
     log.warning(
         "SIMULATED engine (no model runs here): serving %r on http://%s:%d, %d KV blocks of %d tokens, "

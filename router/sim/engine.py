@@ -30,8 +30,8 @@ from dataclasses import dataclass
 import numpy as np
 import xxhash
 
+from kvwire import BlockStored, EventPublisher, KVEvent
 from router.sim.blocks import BlockPool, chained_block_hashes
-from router.sim.events import BlockStored, CacheEvent, KVEventPublisher
 from router.sim.shared_store import MEDIUM_SHARED, SharedBlockStore
 
 
@@ -93,7 +93,7 @@ class SimulatedEngine:
         timing: TimingModel,
         output_vocabulary: np.ndarray,
         max_num_seqs: int = 256,
-        publisher: KVEventPublisher | None = None,
+        publisher: EventPublisher | None = None,
         shared_store: SharedBlockStore | None = None,
     ):
         if len(output_vocabulary) == 0:
@@ -251,7 +251,7 @@ class SimulatedEngine:
         assert self.shared_store is not None
         if not await self.shared_store.written(hashes[first_computed:]):
             return
-        events: list[CacheEvent] = []
+        events: list[KVEvent] = []
         size = self.pool.block_size
         start: int | None = None
         for index in range(first_computed, len(hashes) + 1):
@@ -280,6 +280,8 @@ class SimulatedEngine:
             medium=MEDIUM_SHARED,
             lora_name=request.lora_name,
             extra_keys=extra_keys,
+            group_idx=0,
+            kv_cache_spec_kind="full_attention",
         )
 
     def _output_tokens(self, request: GenerationRequest) -> list[int]:

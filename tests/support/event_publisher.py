@@ -1,25 +1,21 @@
-"""A KV-event publisher for tests that speaks vLLM's protocol exactly.
+"""Raw KV-event payloads in every dialect engines publish, and kvwire's publisher with test knobs.
 
-PUB socket: live messages `[topic, seq (8 bytes big-endian), msgpack EventBatch]`.
-ROUTER socket: replay. A DEALER client sends `[b"", start_seq]`; the ROUTER (seeing the client
-identity first) answers every buffered batch with seq >= start_seq as `[b"", topic, seq, payload]`
-(vLLM >= 0.26) or `[b"", seq, payload]` (older), then the end marker, seq -1 with an empty payload.
-
-Knobs let tests break it the way real deployments break: drop a live message (a gap), drop the
-replay answer (a lost replay), forget old batches (buffer_steps), send raw malformed frames.
-Event builders encode every dialect: array- or map-encoded events and batches, int or bytes hashes.
+The builders write events as plain maps and arrays, not as `kvwire` structs, so that the decoder
+is tested against payloads written independently of it: array- or map-encoded events and
+batches, int or bytes hashes, unknown extra fields. `EventPublisher` is `kvwire.EventPublisher`
+with knobs that break it the way real deployments break: drop a live message (a gap), drop the
+replay answer (a lost replay), forget old batches (buffer_steps), restart the seq, send raw
+malformed frames, answer replays in the format without the topic frame.
 """
 
 from __future__ import annotations
 
-import threading
 import time
 from typing import Any, Literal
 
 import msgspec
-import zmq
 
-END_MARKER = (-1).to_bytes(8, "big", signed=True)
+import kvwire
 
 
 def block_stored(
@@ -95,8 +91,12 @@ def encode_batch(
     return msgspec.msgpack.encode({"ts": stamp, "events": events, rank_field: rank})
 
 
-class EventPublisher:
-    """An engine's KV-event publisher: PUB (+ ROUTER replay), seq from 0, a bounded replay buffer."""
+class EventPublisher(kvwire.EventPublisher):
+    """An engine's publisher as tests drive it: kvwire's publisher, binding its PUB socket unless
+    `connect` (the engine connects out; the gateway binds, kv_events.bind: true), with knobs to
+    lose a live message (`send=False`), lose replay answers (`drop_replays`), restart the seq
+    (`next_seq = 0`), answer replays in the topic-less format (`replay_format="old"`) and send
+    raw frames. `replay_requests` lists the start seqs asked for."""
 
     def __init__(
         self,
@@ -109,91 +109,67 @@ class EventPublisher:
         connect: bool = False,
         sndhwm: int = 100_000,
     ) -> None:
-        self.topic = topic.encode()
-        self.buffer_steps = buffer_steps
+        # Set before the replay thread starts (in the base's constructor): it reads them.
         self.replay_format = replay_format
-        self.next_seq = 0
-        self.buffer: list[tuple[int, bytes]] = []
         # Set to True to ignore replay requests entirely (the ROUTER dropped them at its HWM).
         self.drop_replays = False
         self.replay_requests: list[int] = []
-        self._context = zmq.Context()
-        self._pub = self._context.socket(zmq.PUB)
-        self._pub.setsockopt(zmq.LINGER, 0)
-        # vLLM's publisher queues up to 100_000 messages per subscriber (ZMQ's default is 1000).
-        # With the default, a burst of over 1000 messages on a busy machine drops its tail at the
-        # PUB socket, and a dropped last message leaves no later seq to reveal the gap.
-        self._pub.setsockopt(zmq.SNDHWM, sndhwm)
-        if connect:  # the engine connects out; the gateway binds (kv_events.bind: true)
-            self._pub.connect(endpoint)
-        else:
-            self._pub.bind(endpoint)
-        self._lock = threading.Lock()
-        self._stop = threading.Event()
-        self._router: zmq.Socket | None = None
-        self._thread: threading.Thread | None = None
-        if replay_endpoint is not None:
-            self._router = self._context.socket(zmq.ROUTER)
-            self._router.setsockopt(zmq.LINGER, 0)
-            self._router.bind(replay_endpoint)
-            self._thread = threading.Thread(target=self._serve_replay, name="test-replay", daemon=True)
-            self._thread.start()
+        self._mute_live = False
+        # `sndhwm`: vLLM's publisher queues up to 100_000 messages per subscriber (ZMQ's default is
+        # 1000). With the default, a burst of over 1000 messages on a busy machine drops its tail at
+        # the PUB socket, and a dropped last message leaves no later seq to reveal the gap.
+        super().__init__(
+            endpoint, replay_endpoint, topic=topic, buffer_steps=buffer_steps, hwm=sndhwm, bind=not connect
+        )
 
-    def publish(self, events: list[Any], *, encoding: str = "array", send: bool = True, **kwargs: Any) -> int:
+    @property
+    def next_seq(self) -> int:
+        with self._lock:
+            return self._next_seq
+
+    @next_seq.setter
+    def next_seq(self, seq: int) -> None:
+        """Count on from `seq` (0: the engine restarted)."""
+        with self._lock:
+            self._next_seq = seq
+
+    @property
+    def buffer(self) -> list[tuple[int, bytes]]:
+        """The (seq, payload) batches held for replay, oldest first."""
+        with self._lock:
+            return list(self._buffer)
+
+    def publish(  # type: ignore[override]
+        self, events: list[Any], *, encoding: str = "array", send: bool = True, **kwargs: Any
+    ) -> int:
         """Encode and publish a batch; `send=False` buffers it without sending (a lost message)."""
         return self.publish_payload(encode_batch(events, encoding=encoding, **kwargs), send=send)  # type: ignore[arg-type]
 
     def publish_payload(self, payload: bytes, *, send: bool = True) -> int:
         with self._lock:
-            seq = self.next_seq
-            self.next_seq += 1
-            self.buffer.append((seq, payload))
-            del self.buffer[: -self.buffer_steps]
-            if send:
-                self._pub.send_multipart([self.topic, seq.to_bytes(8, "big"), payload])
-        return seq
+            self._mute_live = not send
+            try:
+                return super().publish_payload(payload)
+            finally:
+                self._mute_live = False
+
+    def _send_live(self, frames: list[bytes]) -> None:
+        if not self._mute_live:
+            super()._send_live(frames)
 
     def send_raw(self, frames: list[bytes]) -> None:
         """Send arbitrary frames on the PUB socket (malformed-message tests)."""
-        self._pub.send_multipart(frames)
+        with self._lock:
+            self._pub.send_multipart(frames)
 
-    def _serve_replay(self) -> None:
-        assert self._router is not None
-        poller = zmq.Poller()
-        poller.register(self._router, zmq.POLLIN)
-        while not self._stop.is_set():
-            if not poller.poll(50):
-                continue
-            try:
-                identity, _empty, start_frame = self._router.recv_multipart()
-            except ValueError:
-                continue
-            start = int.from_bytes(start_frame, "big")
-            self.replay_requests.append(start)
-            if self.drop_replays:
-                continue
-            with self._lock:
-                batches = [(seq, payload) for seq, payload in self.buffer if seq >= start]
-            for seq, payload in batches:
-                self._router.send_multipart(self._replay_frames(identity, seq.to_bytes(8, "big"), payload))
-            self._router.send_multipart(self._replay_frames(identity, END_MARKER, b""))
+    def _accepts(self, request: bytes) -> bool:
+        if len(request) == 8:
+            self.replay_requests.append(int.from_bytes(request, "big"))
+        return not self.drop_replays
 
-    def _replay_frames(self, identity: bytes, seq: bytes, payload: bytes) -> list[bytes]:
+    def _reply(self, client: bytes, seq_frame: bytes, payload: bytes) -> None:
         if self.replay_format == "old":
-            return [identity, b"", seq, payload]
-        return [identity, b"", self.topic, seq, payload]
-
-    def close(self) -> None:
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join(timeout=2)
-        self._pub.close(0)
-        if self._router is not None:
-            self._router.close(0)
-        self._context.term()
-
-    def __enter__(self) -> EventPublisher:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+            assert self._replay is not None
+            self._replay.send_multipart([client, b"", seq_frame, payload])
+        else:
+            super()._reply(client, seq_frame, payload)

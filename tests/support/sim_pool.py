@@ -5,10 +5,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from router.index.events import decode_batch
+from kvwire import decode_batch, encode_batch
 from router.index.prefix_index import PrefixIndex
 from router.sim.blocks import BlockPool
-from router.sim.events import encode_batch
 
 
 class PoolEngine:
@@ -20,7 +19,8 @@ class PoolEngine:
 
     def publish(self, events: list) -> None:
         if events:
-            self.index.apply(self.name, decode_batch(encode_batch(events, "vllm", 0.0)).events)
+            payload = encode_batch(events, ts=0.0, data_parallel_rank=0)
+            self.index.apply(self.name, decode_batch(payload).events)
 
     def serve(self, tokens: np.ndarray) -> int:
         """Run one request (no generated tokens) to completion; return its cached prompt tokens."""

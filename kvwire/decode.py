@@ -1,4 +1,4 @@
-"""KV-event wire types and the one decoder for every dialect an engine may publish.
+"""The one decoder of KV-event batches, for every dialect an engine may publish.
 
 vLLM (old array-encoded and new map-encoded events), SGLang (`attn_dp_rank`, signed hashes) and
 cache-layer chunk events (LMCache style) all arrive as msgpack. Batches and events may be arrays or
@@ -9,72 +9,22 @@ fields and unknown event types are ignored. Decoding never raises on a stranger'
 
 from __future__ import annotations
 
-from typing import Any
-
 import msgspec
 
-# An engine's block id: opaque, only ever compared for equality.
-EngineBlockHash = int | bytes
+from kvwire.errors import MalformedBatch
+from kvwire.events import (
+    AllBlocksCleared,
+    AllBlocksClearedMap,
+    BlockRemoved,
+    BlockRemovedMap,
+    BlockStored,
+    BlockStoredMap,
+    KVEvent,
+)
 
 # msgpack type bytes: fixarray, array16, array32 / fixmap, map16, map32.
 _ARRAY_FIRST_BYTES = frozenset([*range(0x90, 0xA0), 0xDC, 0xDD])
 _MAP_FIRST_BYTES = frozenset([*range(0x80, 0x90), 0xDE, 0xDF])
-
-
-class BlockStored(msgspec.Struct, tag="BlockStored", tag_field="type"):
-    """Blocks the engine now holds. Field order is the array order vLLM and SGLang use."""
-
-    block_hashes: list[EngineBlockHash]
-    parent_block_hash: EngineBlockHash | None = None
-    token_ids: list[int] = []
-    block_size: int | None = None
-    lora_id: int | None = None
-    medium: str | None = None
-    lora_name: str | None = None
-    # One entry per block (or None): LoRA name, multimodal ids, cache_salt on the first block.
-    extra_keys: list[Any] | None = None
-    group_idx: int | None = None
-    kv_cache_spec_kind: str | None = None
-    kv_cache_spec_sliding_window: int | None = None
-
-
-class BlockRemoved(msgspec.Struct, tag="BlockRemoved", tag_field="type"):
-    block_hashes: list[EngineBlockHash]
-    medium: str | None = None
-    group_idx: int | None = None
-
-
-class AllBlocksCleared(msgspec.Struct, tag="AllBlocksCleared", tag_field="type"):
-    pass
-
-
-class _ArrayBlockStored(BlockStored, array_like=True):
-    pass
-
-
-class _ArrayBlockRemoved(BlockRemoved, array_like=True):
-    pass
-
-
-class _ArrayAllBlocksCleared(AllBlocksCleared, array_like=True):
-    pass
-
-
-KVEvent = BlockStored | BlockRemoved | AllBlocksCleared
-
-
-def event_kind(event: KVEvent) -> str:
-    """ "BlockStored", "BlockRemoved" or "AllBlocksCleared", whichever encoding it arrived in."""
-    return event_class_kind(type(event))
-
-
-def event_class_kind(cls: type) -> str:
-    """`event_kind` of every event of class `cls` (to count events by class, then by kind)."""
-    if issubclass(cls, BlockStored):
-        return "BlockStored"
-    if issubclass(cls, BlockRemoved):
-        return "BlockRemoved"
-    return "AllBlocksCleared"
 
 
 class _ArrayBatch(msgspec.Struct, array_like=True):
@@ -92,8 +42,8 @@ class _MapBatch(msgspec.Struct):
 
 class DecodedBatch(msgspec.Struct, gc=False):
     """One decoded EventBatch. A Struct, not a dataclass: one is built per message, and a Struct's
-    constructor is C (about a fifth of the decode time of a one-event batch went to a dataclass's);
-    untracked by the cyclic GC (`gc=False`: it never takes part in a reference cycle)."""
+    constructor is C; untracked by the cyclic GC (`gc=False`: it never takes part in a reference
+    cycle)."""
 
     ts: float
     events: list[KVEvent]
@@ -103,19 +53,12 @@ class DecodedBatch(msgspec.Struct, gc=False):
     skip_reasons: list[str] = []  # (msgspec gives each instance its own empty list)
 
 
-class MalformedBatch(ValueError):
-    """The payload is not an EventBatch in any known encoding."""
-
-
 _array_batch_decoder = msgspec.msgpack.Decoder(_ArrayBatch)
 _map_batch_decoder = msgspec.msgpack.Decoder(_MapBatch)
-_array_event_decoder = msgspec.msgpack.Decoder(
-    _ArrayBlockStored | _ArrayBlockRemoved | _ArrayAllBlocksCleared
-)
-_map_event_decoder = msgspec.msgpack.Decoder(BlockStored | BlockRemoved | AllBlocksCleared)
-
-_ArrayEvent = _ArrayBlockStored | _ArrayBlockRemoved | _ArrayAllBlocksCleared
-_MapEvent = BlockStored | BlockRemoved | AllBlocksCleared
+_ArrayEvent = BlockStored | BlockRemoved | AllBlocksCleared
+_MapEvent = BlockStoredMap | BlockRemovedMap | AllBlocksClearedMap
+_array_event_decoder = msgspec.msgpack.Decoder(_ArrayEvent)
+_map_event_decoder = msgspec.msgpack.Decoder(_MapEvent)
 
 
 class _ArrayBatchOfArrayEvents(msgspec.Struct, array_like=True):
@@ -145,9 +88,9 @@ class _MapBatchOfMapEvents(msgspec.Struct):
 
 
 # Whole-batch typed decoders, by batch encoding: (array events, map events). Decoding a whole
-# batch in one msgspec call skips a Raw slice and a decoder call per event (about half the decode
-# time of a decode step's batch). Any batch they refuse (an unknown or ill-typed event, events of
-# both encodings) goes the event-by-event way, which skips and counts the bad events.
+# batch in one msgspec call skips a Raw slice and a decoder call per event. Any batch they refuse
+# (an unknown or ill-typed event, events of both encodings) goes the event-by-event way, which
+# skips and counts the bad events.
 _typed_batch_decoders = {
     "array": (
         msgspec.msgpack.Decoder(_ArrayBatchOfArrayEvents),
@@ -228,58 +171,3 @@ def decode_event(encoded: bytes | msgspec.Raw) -> KVEvent:
     if first in _MAP_FIRST_BYTES:
         return _map_event_decoder.decode(encoded)
     raise MalformedBatch(f"event starts with msgpack byte 0x{first:02x}, not an array or map")
-
-
-# ---- normalisation helpers shared by the index ----
-
-_TIER_ALIASES = {
-    "gpu": "gpu",
-    "cuda": "gpu",
-    "cpu": "cpu",
-    "localcpubackend": "cpu",
-    "disk": "disk",
-    "localdiskbackend": "disk",
-}
-
-
-def tier_of(medium: str | None) -> str:
-    """The storage tier an event's `medium` names: "gpu" when absent, lower case otherwise."""
-    if not medium:
-        return "gpu"
-    tier = _TIER_ALIASES.get(medium)
-    if tier is None:
-        tier = _TIER_ALIASES.get(medium.lower(), medium.lower())
-        if len(_TIER_ALIASES) < 256:  # remember spellings seen (e.g. "GPU"), bounded
-            _TIER_ALIASES[medium] = tier
-    return tier
-
-
-def cache_salt_of(event: BlockStored) -> str | None:
-    """The cache_salt vLLM mixes into the first block (last string of its extra keys, LoRA name excluded).
-
-    vLLM builds a block's extra keys as LoRA name + multimodal keys (tuples) + cache_salt (first
-    block only). Strings other than the LoRA name are therefore the salt.
-    """
-    if not event.extra_keys:
-        return None
-    first = event.extra_keys[0]
-    if not isinstance(first, (list, tuple)):
-        return None
-    strings = [item for item in first if isinstance(item, str)]
-    if event.lora_name is not None and strings and strings[0] == event.lora_name:
-        strings = strings[1:]
-    if not strings:
-        return None
-    return strings[-1]
-
-
-def encode_seq(seq: int) -> bytes:
-    """The 8-byte big-endian seq frame; -1 is the replay end marker."""
-    return seq.to_bytes(8, "big", signed=True)
-
-
-def decode_seq(frame: bytes) -> int:
-    """Read a seq frame (raises ValueError unless it is exactly 8 bytes); the end marker reads -1."""
-    if len(frame) != 8:
-        raise ValueError(f"seq frame has {len(frame)} bytes, expected 8")
-    return int.from_bytes(frame, "big", signed=True)
