@@ -63,7 +63,7 @@ from router.index.events import (
     decode_seq,
     encode_seq,
 )
-from router.index.prefix_index import (
+from router.index.store import (
     BackendIndexStats,
     PrefixIndex,
     WireIngest,
@@ -825,7 +825,7 @@ def main() -> None:
         "implementations": {
             "before": f"router/index/prefix_index.py at {BASELINE_REVISION} (from git history), "
             "whole-batch msgpack decoding",
-            "after": "router/index/prefix_index.py (working tree), whole-batch msgpack decoding, "
+            "after": "router/index/store.py (working tree), whole-batch msgpack decoding, "
             f"one-block events through the {bench.indexes['after'].ingest_path} path",
             "after_python": "the same with compiled_ingest=False: the pure-Python paths (ingest rows only)",
         },

@@ -10,7 +10,7 @@ from prometheus_client import CollectorRegistry
 from router.backends import BackendState
 from router.cluster import MAX_MESSAGE_BYTES, BackendLoad, ClusterSync, RoutedNote, SyncMessage
 from router.config import Cluster, KVAwarePolicy
-from router.index.prefix_index import ROUTER_BLOCK_TOKENS, prompt_prefix_keys
+from router.index.store import ROUTER_BLOCK_TOKENS, prompt_prefix_keys
 from router.policies.base import RouteRequest
 from router.policies.kv_aware import KVAware
 from router.policies.session import SessionAffinity

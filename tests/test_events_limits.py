@@ -12,8 +12,8 @@ from prometheus_client import CollectorRegistry, generate_latest
 
 from router.config import KVEvents
 from router.index.events import decode_batch
-from router.index.prefix_index import PrefixIndex
 from router.index.service import KVIndexService
+from router.index.store import PrefixIndex
 from tests.support import free_port
 from tests.support.event_publisher import EventPublisher, block_removed, block_stored, encode_batch
 from tests.support.metrics import metric_samples, sample_key

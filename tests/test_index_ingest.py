@@ -18,7 +18,7 @@ from router.index.events import (
     decode_batch,
     decode_event,
 )
-from router.index.prefix_index import PrefixIndex, _owned
+from router.index.store import PrefixIndex, _owned
 from tests.support.event_publisher import all_blocks_cleared, block_removed, block_stored, encode_batch
 
 DOC_TOKENS = 640

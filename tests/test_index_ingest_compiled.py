@@ -16,9 +16,9 @@ from typing import Any
 import numpy as np
 import pytest
 
-from router.index import prefix_index
+from router.index import store
 from router.index.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent, decode_batch
-from router.index.prefix_index import PrefixIndex, _python_block_value
+from router.index.store import PrefixIndex, _python_block_value
 from tests.support.event_publisher import block_removed, block_stored, encode_batch
 from tests.test_index_ingest import (
     DOC_TOKENS,
@@ -33,7 +33,7 @@ ingest = importlib.import_module("router.index._ingest")
 
 class CountingWriter(ingest.BackendWriter):
     """The compiled writer, counting the events each call applied (a subclass: the index makes
-    its writers from `prefix_index._CompiledWriter`)."""
+    its writers from `store._CompiledWriter`)."""
 
     applied: list[int]
 
@@ -46,14 +46,14 @@ class CountingWriter(ingest.BackendWriter):
 @pytest.fixture
 def applied_by_compiled_path(monkeypatch) -> list[int]:
     CountingWriter.applied = []
-    monkeypatch.setattr(prefix_index, "_CompiledWriter", CountingWriter)
+    monkeypatch.setattr(store, "_CompiledWriter", CountingWriter)
     return CountingWriter.applied
 
 
 def test_the_extension_is_built_and_applies_prefills_decode_steps_and_evictions(monkeypatch) -> None:
     """A build that failed (or a module that is not the compiled one) fails here, not silently."""
     assert ingest.__file__.endswith(tuple(importlib.machinery.EXTENSION_SUFFIXES)), ingest.__file__
-    assert prefix_index.INGEST_PATH == "compiled"
+    assert store.INGEST_PATH == "compiled"
     index = PrefixIndex()
     assert index.ingest_path == "compiled"
     assert PrefixIndex(compiled_ingest=False).ingest_path == "python"
@@ -113,16 +113,16 @@ def test_the_compiled_block_value_is_the_python_one() -> None:
 
 
 def test_a_mismatched_configuration_is_refused_and_leaves_the_module_working() -> None:
-    weights = prefix_index._WORD_WEIGHTS.tolist()
-    constants = (prefix_index._POSITION_WEIGHT_PY, prefix_index._MIX_1_PY, prefix_index._MIX_2_PY)
-    preview = {"preview_tokens": prefix_index.PREVIEW_TOKENS, "capacity_field": "max_blocks"}
+    weights = store._WORD_WEIGHTS.tolist()
+    constants = (store._POSITION_WEIGHT_PY, store._MIX_1_PY, store._MIX_2_PY)
+    preview = {"preview_tokens": store.PREVIEW_TOKENS, "capacity_field": "max_blocks"}
     with pytest.raises(ValueError, match="node tuples"):
         ingest.configure(
-            weights, *constants, 16, ("end", "keys"), BlockStored, prefix_index._Chain, **preview
+            weights, *constants, 16, ("end", "keys"), BlockStored, store._Chain, **preview
         )
     with pytest.raises(ValueError, match="router blocks"):
         ingest.configure(
-            weights, *constants, 32, prefix_index._NODE_FIELDS, BlockStored, prefix_index._Chain, **preview
+            weights, *constants, 32, store._NODE_FIELDS, BlockStored, store._Chain, **preview
         )
     block = list(range(16))
     assert ingest.block_value(block, 3) == _python_block_value(block, 3)
@@ -130,10 +130,10 @@ def test_a_mismatched_configuration_is_refused_and_leaves_the_module_working() -
 
 def test_without_the_extension_the_index_falls_back_to_pure_python(monkeypatch, caplog) -> None:
     monkeypatch.setitem(sys.modules, "router.index._ingest", None)  # what a failed build leaves
-    with caplog.at_level(logging.DEBUG, logger="router.index.prefix_index"):
-        assert prefix_index._load_compiled_ingest() is None
+    with caplog.at_level(logging.DEBUG, logger="router.index.store"):
+        assert store._load_compiled_ingest() is None
     assert "not built" in caplog.text
-    monkeypatch.setattr(prefix_index, "_CompiledWriter", None)
+    monkeypatch.setattr(store, "_CompiledWriter", None)
     index = PrefixIndex()
     assert index.ingest_path == "python"
     tokens = list(range(48))
@@ -155,15 +155,15 @@ def test_a_stale_build_is_refused_with_a_warning_not_a_crash(monkeypatch, caplog
                       block_stored_class, chain_class):  # fmt: skip
         raise AssertionError("not reached: the call itself is refused")
 
-    names = {name: getattr(ingest, name) for name in prefix_index._COMPILED_INGEST_NAMES}
+    names = {name: getattr(ingest, name) for name in store._COMPILED_INGEST_NAMES}
     stale_signature = types.SimpleNamespace(**names)
     stale_signature.configure = lambda *args, **kwargs: old_configure(*args, **kwargs)
     without_a_function = types.SimpleNamespace(**{k: v for k, v in names.items() if k != "OneEventFront"})
     for stale, says in ((stale_signature, "block_removed_class"), (without_a_function, "no OneEventFront")):
         monkeypatch.setitem(sys.modules, "router.index._ingest", stale)
         caplog.clear()
-        with caplog.at_level(logging.WARNING, logger="router.index.prefix_index"):
-            assert prefix_index._load_compiled_ingest() is None
+        with caplog.at_level(logging.WARNING, logger="router.index.store"):
+            assert store._load_compiled_ingest() is None
         assert says in caplog.text and "pip install -e ." in caplog.text
 
 

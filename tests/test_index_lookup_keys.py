@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from router.index.events import BlockRemoved, BlockStored
-from router.index.prefix_index import PrefixIndex, namespace_seed, prefix_keys, prompt_prefix_keys
+from router.index.store import PrefixIndex, namespace_seed, prefix_keys, prompt_prefix_keys
 
 rng = np.random.default_rng(11)
 DOC = rng.integers(0, 150_000, size=40_000).tolist()

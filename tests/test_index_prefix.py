@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from router.index.events import AllBlocksCleared, BlockRemoved, BlockStored
-from router.index.prefix_index import (
+from router.index.store import (
     ROUTER_BLOCK_TOKENS,
     PrefixIndex,
     _python_prefix_keys,

@@ -11,9 +11,9 @@ from typing import Any
 import msgspec
 import pytest
 
-from router.index import prefix_index
+from router.index import store
 from router.index.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent, decode_batch, event_kind
-from router.index.prefix_index import PrefixIndex
+from router.index.store import PrefixIndex
 from tests.support.event_publisher import encode_batch
 from tests.test_events_decoding import LMCACHE_VLLM_HASH, LMCACHE_VLLM_TOKENS, SGLANG_FIRST, SGLANG_SECOND
 from tests.test_index_ingest import StreamMaker, assert_same_lookups, internal_state
@@ -117,7 +117,7 @@ class CountingWireWriter(ingest.BackendWriter):
 @pytest.fixture
 def counting_writer(monkeypatch) -> type[CountingWireWriter]:
     CountingWireWriter.applied, CountingWireWriter.whole = [], []
-    monkeypatch.setattr(prefix_index, "_CompiledWriter", CountingWireWriter)
+    monkeypatch.setattr(store, "_CompiledWriter", CountingWireWriter)
     return CountingWireWriter
 
 
@@ -158,7 +158,7 @@ def writer_of(index: PrefixIndex, backend: str) -> Any:
     """The backend's compiled writer (the caller holds the index's lock; the backend exists)."""
     state = index._backends[backend]
     if state.compiled_writer is None:
-        state.compiled_writer = prefix_index._CompiledWriter(index, state)
+        state.compiled_writer = store._CompiledWriter(index, state)
     return state.compiled_writer
 
 

@@ -13,7 +13,7 @@ from prometheus_client import CollectorRegistry
 from router.backends import BackendState
 from router.config import ApproximatePolicy, KVAwarePolicy
 from router.index.events import BlockStored
-from router.index.prefix_index import PrefixIndex
+from router.index.store import PrefixIndex
 from router.policies.approximate import Approximate
 from router.policies.base import RouteRequest
 from router.policies.capacity import CapacityModel

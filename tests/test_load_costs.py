@@ -7,7 +7,7 @@ import numpy as np
 
 from router.backends import BackendState
 from router.config import KVAwarePolicy
-from router.index.prefix_index import PrefixIndex
+from router.index.store import PrefixIndex
 from router.policies.base import RouteRequest
 from router.policies.kv_aware import KVAware
 from router.policies.load_costs import MeasuredLoadCosts

@@ -1,8 +1,8 @@
 """KV-event index: wire decoding (events), per-engine subscribers (subscriber), the prefix index
-(prefix_index) and the service that ties them together for the gateway (service)."""
+(store) and the service that ties them together for the gateway (service)."""
 
 from router.index.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent, decode_batch
-from router.index.prefix_index import (
+from router.index.store import (
     DEFAULT_NAMESPACE,
     ROUTER_BLOCK_TOKENS,
     BackendMatch,

@@ -6,7 +6,7 @@ evicted block from vLLM), into the prefix index's own Python dicts.
 `BackendWriter(index, backend).store(events, start)` applies `events[start:]` in order while
 each is of a shape described below and returns the position of the first one it did not apply
 (the caller hands that one and the events after it to the pure-Python paths of
-`router/index/prefix_index.py`, which stay the reference). Shapes are checked per event against
+`router/index/store.py`, which stay the reference). Shapes are checked per event against
 the index as it stands after the events before it; an event outside them changes nothing.
 
 The decode shape: a BlockStored of one 16-token block (`block_size` 16, `token_ids` a list of 16

@@ -20,7 +20,7 @@ from prometheus_client import CollectorRegistry, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from router.config import KVEvents
-from router.index.prefix_index import (
+from router.index.store import (
     DEFAULT_MAX_BLOCKS,
     DEFAULT_NAMESPACE,
     BackendIndexStats,

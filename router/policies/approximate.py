@@ -13,7 +13,7 @@ from collections import OrderedDict
 from typing import TYPE_CHECKING, Any
 
 from router.config import ApproximatePolicy
-from router.index.prefix_index import ROUTER_BLOCK_TOKENS, prompt_prefix_keys
+from router.index.store import ROUTER_BLOCK_TOKENS, prompt_prefix_keys
 from router.policies.kv_aware import CacheAwarePolicy
 
 if TYPE_CHECKING:

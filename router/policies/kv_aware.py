@@ -54,7 +54,7 @@ from typing import TYPE_CHECKING, Any
 from prometheus_client import Counter
 
 from router.config import CacheAwareGuards, KVAwarePolicy
-from router.index.prefix_index import ROUTER_BLOCK_TOKENS, BackendMatch, prompt_prefix_keys
+from router.index.store import ROUTER_BLOCK_TOKENS, BackendMatch, prompt_prefix_keys
 from router.policies.capacity import CapacityModel
 from router.policies.least_loaded import fewest_in_flight
 from router.policies.load_costs import MeasuredLoadCosts
