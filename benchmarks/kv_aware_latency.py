@@ -112,8 +112,8 @@ def stage_breakdown(workload_name: str, users: int, turns: int, engines: int) ->
     from router.backends import BackendState
     from router.config import KVAwarePolicy, builtin_tokenizer_dir
     from router.index.events import BlockStored
+    from router.index.keys import prompt_prefix_keys
     from router.index.service import KVIndexService
-    from router.index.store import prompt_prefix_keys
     from router.policies.base import RouteRequest
     from router.policies.kv_aware import KVAware
     from router.tokenize import PromptTokenizer

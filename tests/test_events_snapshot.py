@@ -23,8 +23,9 @@ from cachelayer.events import BlockStored as ClStored
 from cachelayer.events import ZmqEventPublisher
 from router.config import KVEvents, parse_config
 from router.index.events import AllBlocksCleared, BlockStored
+from router.index.ingest import snapshot_order
 from router.index.service import KVIndexService
-from router.index.store import PrefixIndex, snapshot_order
+from router.index.store import PrefixIndex
 from tests.support import start_backend, start_gateway, waiting
 from tests.support.cachelayer import CHUNK, make_engine, request
 from tests.support.event_publisher import EventPublisher, block_stored

@@ -96,7 +96,7 @@ from router.index.events import (
 )
 
 if TYPE_CHECKING:
-    from router.index.store import WireIngest
+    from router.index.ingest import WireIngest
 
 logger = logging.getLogger("kvgate.index")
 
