@@ -619,7 +619,8 @@ def ingest_in_own_process(name: str, total_blocks: int, decode_events: int) -> d
     bench = SideBySide((name,))
     prefill = build(bench, total_blocks, rng)
     index = bench.indexes[name]
-    grow_past_next_resize(index.holders)
+    # (the baseline index keeps its prefix map private)
+    grow_past_next_resize(index.holders if hasattr(index, "holders") else index._holders)
     for backend in index._backends.values():
         grow_past_next_resize(backend.nodes)
     gc.collect()
