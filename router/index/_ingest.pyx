@@ -269,7 +269,7 @@ cdef inline bint _block_value_at(object token_ids, Py_ssize_t first, uint64_t po
 
 
 def block_value(token_ids, uint64_t position):
-    """The mixed value of one 16-token block (for checks against `_python_block_value`);
+    """The mixed value of one 16-token block (for checks against `keys.block_value`);
     ValueError unless `token_ids` is a list of 16 uint32 ints."""
     cdef uint64_t value = 0
     if not _configured:
@@ -1126,7 +1126,7 @@ cdef class BackendWriter:
         chain = self.chains.get(chain_id)
         if not _index_chain(chain):
             return False
-        key = boundary + value  # (uint64_t: wraps, as `& _WORD` does in Python)
+        key = boundary + value  # (uint64_t: wraps, as `& UINT64_MASK` does in Python)
         holders = self.holders
         found = PyDict_GetItemWithError(holders, key)
         if found is not NULL and <object>found:

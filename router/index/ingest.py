@@ -365,7 +365,7 @@ class PythonWriter:
                     gc.enable()
 
     def store_one_block_locked(self, backend: IndexedBackend, event: KVEvent) -> bool:
-        """`_store_decode_step_locked` for a batch of one event, in plain Python (an engine step
+        """`store_decode_step_locked` for a batch of one event, in plain Python (an engine step
         that filled one block publishes it alone; per-batch passes would cost more than the event)."""
         if not isinstance(event, BlockStored) or event.block_size != ROUTER_BLOCK_TOKENS or event.group_idx:
             return False
