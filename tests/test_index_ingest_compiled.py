@@ -652,3 +652,57 @@ def test_writers_of_several_backends_at_once_build_the_index_one_writer_builds()
     for name in streams:
         assert internal_state(concurrent, name) == internal_state(sequential, name)
     assert_same_lookups(sequential, [concurrent], docs)
+
+
+def test_an_event_the_compiled_entry_refused_is_not_offered_to_the_compiled_writer_again(monkeypatch) -> None:
+    """The compiled entry tells the Python writer which event it refused, and the Python writer
+    applies that one by the general path: the compiled writer sees no event twice, alone or from
+    the wire (events do not go back and forth between the two writers)."""
+    offered: list[tuple[str, Any]] = []
+
+    class RecordingWriter(ingest.BackendWriter):
+        """The compiled writer, recording what its Python-visible entries are offered."""
+
+        def apply_one(self, event: KVEvent) -> bool:
+            offered.append(("apply_one", tuple(event.block_hashes)))
+            return super().apply_one(event)
+
+        def store(self, events: list[KVEvent], start: int) -> int:
+            if start < len(events):
+                offered.append(("store", tuple(events[start].block_hashes)))
+            return super().store(events, start)
+
+        def store_wire(self, batch: Any, start: int = 0) -> int:
+            offered.append(("store_wire", start))
+            return super().store_wire(batch, start)
+
+    monkeypatch.setattr(ingest, "BackendWriter", RecordingWriter)
+    rand = random.Random(8)
+    tokens = [rand.randrange(150_000) for _ in range(16 * 10)]
+    chain = lone_chain(tokens, 1, 10)
+    index, python = PrefixIndex(), PrefixIndex(compiled_ingest=False)
+    for event in chain[:6]:
+        index.apply("a", [event])
+        python.apply("a", [event])
+    offered.clear()
+    index.apply("a", [chain[3]])  # stored already: the compiled entry refuses it
+    python.apply("a", [chain[3]])
+    assert offered == []
+    wire = index.wire_ingest("a")
+    assert wire is not None
+    payload = encode_batch(
+        [
+            block_stored([7], tokens[96:112], 16, parent_block_hash=6),
+            block_stored([4], tokens[48:64], 16, parent_block_hash=3),  # stored already: refused
+            block_stored([8], tokens[112:128], 16, parent_block_hash=7),
+        ]
+    )
+    batch = wire.scan(payload)
+    assert batch is not None
+    wire.apply([batch])
+    python.apply("a", decode_batch(payload).events)
+    # The entry applied the first event and refused the second; the Python writer applies that
+    # one and offers the compiled writer only the third.
+    assert offered == [("store", (8,))]
+    assert index._entry.applied == 5  # chain[1:6] alone; the refused wire batch went on to Python
+    assert internal_state(index, "a") == internal_state(python, "a")
