@@ -112,7 +112,7 @@ def stage_breakdown(workload_name: str, users: int, turns: int, engines: int) ->
     from kvwire import BlockStored
     from router.backends import BackendState
     from router.config import KVAwarePolicy, builtin_tokenizer_dir
-    from router.index.prefix_index import prompt_prefix_keys
+    from router.index.keys import Namespace, prompt_prefix_keys
     from router.index.service import KVIndexService
     from router.policies.base import RouteRequest
     from router.policies.kv_aware import KVAware
@@ -152,7 +152,7 @@ def stage_breakdown(workload_name: str, users: int, turns: int, engines: int) ->
         t4 = time.perf_counter()
         service.longest_cached_prefix(tokens, (None, None), names)
         t5 = time.perf_counter()
-        route = RouteRequest("r", MODEL, data, request.session_id, tokens, (MODEL, None, None))
+        route = RouteRequest("r", MODEL, data, request.session_id, tokens, Namespace())
         chosen = policy.choose(route, backends)
         policy.on_routed(route, chosen)
         t6 = time.perf_counter()

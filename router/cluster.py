@@ -66,7 +66,7 @@ class RoutedNote(msgspec.Struct, array_like=True, forbid_unknown_fields=True):
 
     backend: _Name
     prefill_tokens: _Count = 0
-    # kv_aware's router keys of the prompt (router/index/prefix_index.py prompt_prefix_keys), credited
+    # kv_aware's router keys of the prompt (router/index/keys.py prompt_prefix_keys), credited
     # to the backend as predicted for ttl_s seconds.
     prefix_keys: Annotated[list[int], msgspec.Meta(max_length=MAX_PREFIX_KEYS)] = []
     ttl_s: Annotated[float, msgspec.Meta(ge=0, le=3600)] = 0.0

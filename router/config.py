@@ -67,7 +67,7 @@ class KVEvents(_Struct):
     # vLLM's has no such request) on start, restart, long outage or unrecoverable gap.
     snapshot: bool = False
     # The most engine blocks the index keeps for this backend (per DP rank, all tiers together);
-    # past it the oldest go. None: 4M tokens' worth (router/index/prefix_index.py DEFAULT_MAX_BLOCKS),
+    # past it the oldest go. None: 4M tokens' worth (router/index/store.py DEFAULT_MAX_BLOCKS),
     # or, for `launch.simulated_engines`, their pool plus an eighth.
     max_blocks: Annotated[int, msgspec.Meta(ge=1)] | None = None
     # A live message with a bigger payload is dropped (counted; the backend is then uncertain).

@@ -46,6 +46,7 @@ import numpy as np
 
 from router.ascii_encoder import AsciiEncoder
 from router.errors import log_unexpected
+from router.index.keys import Namespace
 from router.template_sandbox import TemplateSandbox, TemplateSandboxError
 
 if TYPE_CHECKING:
@@ -747,7 +748,7 @@ class RequestTokenizer:
         """Fill `request.tokens` (None when the prompt cannot be tokenized) and `request.namespace`."""
         body = request.body
         salt = body.get("cache_salt")
-        request.namespace = (request.model, None, salt if isinstance(salt, str) and salt else None)
+        request.namespace = Namespace(cache_salt=salt if isinstance(salt, str) and salt else None)
         try:
             tokens = await self.tokens_for(request.model, body, body_size=request.body_size)
             if tokens is not None and len(tokens) > ROUTING_MAX_TOKENS:

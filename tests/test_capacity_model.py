@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 
 from router.config import KVEvents
-from router.index.prefix_index import PrefixIndex
 from router.index.service import KVIndexService
+from router.index.store import PrefixIndex
 from router.policies.capacity import RATE_HALF_LIFE_S, CapacityModel
 from router.sim.blocks import BlockPool
 from tests.support.sim_pool import PoolEngine as Engine

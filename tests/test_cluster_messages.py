@@ -10,7 +10,7 @@ from prometheus_client import CollectorRegistry
 from router.backends import BackendState
 from router.cluster import MAX_MESSAGE_BYTES, BackendLoad, ClusterSync, RoutedNote, SyncMessage
 from router.config import Cluster, KVAwarePolicy
-from router.index.prefix_index import ROUTER_BLOCK_TOKENS, prompt_prefix_keys
+from router.index.keys import ROUTER_BLOCK_TOKENS, Namespace, prompt_prefix_keys
 from router.policies.base import RouteRequest
 from router.policies.kv_aware import KVAware
 from router.policies.session import SessionAffinity
@@ -60,7 +60,7 @@ def test_a_peers_routed_prompt_is_predicted_on_its_backend_here() -> None:
     keys = prompt_prefix_keys(tokens)
     note = RoutedNote("b", prefill_tokens=len(tokens), prefix_keys=keys, ttl_s=5.0)
     sync.receive(encode(SyncMessage("peer-1", [BackendLoad("b", 1, len(tokens))], [note])), now=1.0)
-    request = RouteRequest("r1", "m", {}, tokens=tokens, namespace=("m", None, None))
+    request = RouteRequest("r1", "m", {}, tokens=tokens, namespace=Namespace())
     chosen = policy.choose(request, list(backends.values()))
     assert chosen.name == "b"
     assert request.decision["candidates"]["b"]["predicted"] == len(keys) * ROUTER_BLOCK_TOKENS

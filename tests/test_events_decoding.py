@@ -19,7 +19,7 @@ from kvwire import (
     event_kind,
     tier_of,
 )
-from router.index.prefix_index import PrefixIndex
+from router.index.store import PrefixIndex
 from tests.support.event_publisher import all_blocks_cleared, block_removed, block_stored, encode_batch
 
 TOKENS = list(range(100, 132))

@@ -12,8 +12,8 @@ from prometheus_client import CollectorRegistry, generate_latest
 
 from kvwire import decode_batch
 from router.config import KVEvents
-from router.index.prefix_index import PrefixIndex
 from router.index.service import KVIndexService
+from router.index.store import PrefixIndex
 from tests.support import free_port
 from tests.support.event_publisher import EventPublisher, block_removed, block_stored, encode_batch
 from tests.support.metrics import metric_samples, sample_key
@@ -74,7 +74,7 @@ def test_distinct_blocks_past_the_cap_keep_the_backend_at_the_cap_and_count_evic
         assert len(nodes) <= cap
         assert status["blocks"] == {"gpu": len(nodes)}
         assert status["evicted_blocks"] == total - len(nodes)
-        assert len(service.index._holders) <= cap  # the router keys went with their blocks
+        assert len(service.index.holders) <= cap  # the router keys went with their blocks
         # The newest blocks are the ones kept.
         assert block_hash(0, STEPS + LONE_STEPS - 1) in nodes and block_hash(0, 0) not in nodes
         samples = metric_samples(generate_latest(registry).decode())
@@ -86,7 +86,7 @@ def test_distinct_blocks_past_the_cap_keep_the_backend_at_the_cap_and_count_evic
         publisher.publish([block_stored([9, 10, 11, 12], prompt, 16)])
         wait_for(lambda: service.longest_cached_prefix(prompt)["engine"].tokens == 64, what="a new prompt")
         if ingest == "compiled":
-            assert service.index._front.applied >= LONE_STEPS
+            assert service.index._entry.applied >= LONE_STEPS
     finally:
         service.stop()
         publisher.close()
@@ -99,7 +99,7 @@ def held_by_tier(index: PrefixIndex, name: str) -> tuple[dict, dict]:
     def named(mask: int) -> frozenset[str]:
         return frozenset(tier for bit, tier in tiers.items() if mask & bit)
 
-    keys = {key: named(mask) for key, mask in index._holders.items() if named(mask)}
+    keys = {key: named(mask) for key, mask in index.holders.items() if named(mask)}
     tails = {
         (boundary, tail): named(mask)
         for boundary, by_tail in index._tails.items()

@@ -21,8 +21,9 @@ from prometheus_client import CollectorRegistry, generate_latest
 from cachelayer import CacheEngine
 from kvwire import AllBlocksCleared, BlockStored, EventPublisher
 from router.config import KVEvents, parse_config
-from router.index.prefix_index import PrefixIndex, snapshot_order
+from router.index.ingest import snapshot_order
 from router.index.service import KVIndexService
+from router.index.store import PrefixIndex
 from tests.support import event_publisher, start_backend, start_gateway, waiting
 from tests.support.cachelayer import CHUNK, make_engine, request
 from tests.support.event_publisher import block_stored

@@ -14,8 +14,9 @@ import zmq
 
 from router.backends import BackendState
 from router.config import KVAwarePolicy, KVEvents
-from router.index.prefix_index import PrefixIndex
+from router.index.keys import Namespace
 from router.index.service import KVIndexService
+from router.index.store import PrefixIndex
 from router.index.subscriber import EventSubscriber, connectable, rank_endpoint
 from router.policies.base import RouteRequest
 from router.policies.kv_aware import KVAware
@@ -414,7 +415,7 @@ def test_kv_aware_does_not_credit_the_entries_of_a_disconnected_stream() -> None
     prompt = np.asarray(PROMPTS[0], dtype=np.uint32)
 
     def cached_per_backend() -> dict[str, int]:
-        request = RouteRequest(request_id="r", model="m", body={}, tokens=prompt, namespace=("m", None, None))
+        request = RouteRequest(request_id="r", model="m", body={}, tokens=prompt, namespace=Namespace())
         policy.choose(request, candidates)
         return {name: score["cached"] for name, score in request.decision["candidates"].items()}
 

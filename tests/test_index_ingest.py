@@ -18,7 +18,8 @@ from kvwire import (
     decode_batch,
     decode_event,
 )
-from router.index.prefix_index import PrefixIndex, _owned
+from router.index.ingest import PythonWriter
+from router.index.store import PrefixIndex, owned_keys
 from tests.support.event_publisher import all_blocks_cleared, block_removed, block_stored, encode_batch
 
 DOC_TOKENS = 640
@@ -124,25 +125,25 @@ def apply_through_general_path(index: PrefixIndex, backend: str, events: list[KV
         state = index._backends[backend]
         for event in events:
             if isinstance(event, BlockStored):
-                index._store_locked(state, event)
+                index.python_writer.store_locked(state, event)
             elif isinstance(event, BlockRemoved):
-                index._remove_locked(state, event)
+                index.python_writer.remove_locked(state, event)
             else:
                 state.stats.cleared_events += 1
-                index._clear_locked(state)
+                index.clear_locked(state)
 
 
 def record_decode_step_path(monkeypatch) -> list[bool]:
     """Whether each call of the decode-step path took the events (True) or refused them."""
     taken: list[bool] = []
-    original = PrefixIndex._store_decode_step_locked
+    original = PythonWriter.store_decode_step_locked
 
     def spy(self, backend, events):
         took = original(self, backend, events)
         taken.append(took)
         return took
 
-    monkeypatch.setattr(PrefixIndex, "_store_decode_step_locked", spy)
+    monkeypatch.setattr(PythonWriter, "store_decode_step_locked", spy)
     return taken
 
 
@@ -158,10 +159,10 @@ def assert_same_lookups(reference: PrefixIndex, others: list[PrefixIndex], docs:
 
 def internal_state(index: PrefixIndex, backend: str) -> dict[str, Any]:
     state = index._backends[backend]
-    nodes = {key: (*node[:4], _owned(node[4]), *node[5:]) for key, node in state.nodes.items()}
+    nodes = {key: (*node[:4], owned_keys(node[4]), *node[5:]) for key, node in state.nodes.items()}
     return {
-        "holders": index._holders,
-        "extra_refs": index._extra_refs,
+        "holders": index.holders,
+        "extra_refs": index.extra_refs,
         "tails": index._tails,
         "tail_refs": index._tail_refs,
         "nodes": nodes,
@@ -249,8 +250,8 @@ def test_decode_steps_of_many_requests_in_one_batch_match_the_general_path(compi
 
 @pytest.mark.parametrize("running", [1, 2, 3, 32])
 def test_decode_steps_take_the_column_path_and_match_the_general_path(running: int, monkeypatch) -> None:
-    """Decode steps of one medium (the shape `_store_decode_step_locked` and, for one request,
-    `_store_one_block_locked` take): every step after the first is applied by them, and the index
+    """Decode steps of one medium (the shape `store_decode_step_locked` and, for one request,
+    `store_one_block_locked` take): every step after the first is applied by them, and the index
     equals the general path's, also when removals come in between and another backend holds the
     same prefixes."""
     maker = StreamMaker(7)
@@ -259,15 +260,15 @@ def test_decode_steps_take_the_column_path_and_match_the_general_path(running: i
         maker.docs.append([maker.rand.randrange(150_000) for _ in range(DOC_TOKENS)])
         chain.update(block_size=16, overlap=False, group=None, medium="GPU", doc=len(maker.docs) - 1)
     taken = []
-    for name in ("_store_decode_step_locked", "_store_one_block_locked"):
-        original = getattr(PrefixIndex, name)
+    for name in ("store_decode_step_locked", "store_one_block_locked"):
+        original = getattr(PythonWriter, name)
 
         def spy(self, backend, events, original=original):
             took = original(self, backend, events)
             taken.append(took)
             return took
 
-        monkeypatch.setattr(PrefixIndex, name, spy)
+        monkeypatch.setattr(PythonWriter, name, spy)
     fast, general = PrefixIndex(compiled_ingest=False), PrefixIndex()
     for step in range(40):
         batch: list[KVEvent] = [event for chain in chains if (event := maker.store(chain, 1)) is not None]
@@ -290,7 +291,7 @@ def test_several_decode_steps_in_one_list_take_the_column_path(
     running: int, steps_per_call: int, monkeypatch
 ) -> None:
     """A drained burst of decode steps in one call (parents earlier in the same list, one chain or
-    several interleaved) is applied by `_store_decode_step_locked` and equals the general path."""
+    several interleaved) is applied by `store_decode_step_locked` and equals the general path."""
     maker = StreamMaker(11)
     chains = [maker.new_chain() for _ in range(running)]
     for chain in chains:
@@ -330,9 +331,9 @@ def test_decode_step_path_refuses_what_it_cannot_apply_and_changes_nothing() -> 
         backend = index._backends["a"]
         with index._lock:
             took = (
-                index._store_one_block_locked(backend, events[0])
+                index.python_writer.store_one_block_locked(backend, events[0])
                 if len(events) == 1
-                else index._store_decode_step_locked(backend, list(events))
+                else index.python_writer.store_decode_step_locked(backend, list(events))
             )
         if not took:
             assert internal_state(index, "a") == before

@@ -17,8 +17,16 @@ import numpy as np
 import pytest
 
 from kvwire import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent, decode_batch
-from router.index import prefix_index
-from router.index.prefix_index import PrefixIndex, _python_block_value
+from router.index import ingest as index_ingest
+from router.index.ingest import PythonWriter
+from router.index.keys import (
+    FINALISER_MULTIPLIER_INTS,
+    POSITION_WEIGHT_INT,
+    WORD_WEIGHT_INTS,
+    Namespace,
+    block_value,
+)
+from router.index.store import NODE_FIELDS, PREVIEW_TOKENS, Chain, PrefixIndex
 from tests.support.event_publisher import block_removed, block_stored, encode_batch
 from tests.test_index_ingest import (
     DOC_TOKENS,
@@ -33,7 +41,7 @@ ingest = importlib.import_module("router.index._ingest")
 
 class CountingWriter(ingest.BackendWriter):
     """The compiled writer, counting the events each call applied (a subclass: the index makes
-    its writers from `prefix_index._CompiledWriter`)."""
+    its writers from the compiled module's `BackendWriter`)."""
 
     applied: list[int]
 
@@ -46,14 +54,14 @@ class CountingWriter(ingest.BackendWriter):
 @pytest.fixture
 def applied_by_compiled_path(monkeypatch) -> list[int]:
     CountingWriter.applied = []
-    monkeypatch.setattr(prefix_index, "_CompiledWriter", CountingWriter)
+    monkeypatch.setattr(ingest, "BackendWriter", CountingWriter)
     return CountingWriter.applied
 
 
 def test_the_extension_is_built_and_applies_prefills_decode_steps_and_evictions(monkeypatch) -> None:
     """A build that failed (or a module that is not the compiled one) fails here, not silently."""
     assert ingest.__file__.endswith(tuple(importlib.machinery.EXTENSION_SUFFIXES)), ingest.__file__
-    assert prefix_index.INGEST_PATH == "compiled"
+    assert index_ingest.INGEST_PATH == "compiled"
     index = PrefixIndex()
     assert index.ingest_path == "compiled"
     assert PrefixIndex(compiled_ingest=False).ingest_path == "python"
@@ -64,13 +72,13 @@ def test_the_extension_is_built_and_applies_prefills_decode_steps_and_evictions(
         raise AssertionError("an event of the compiled path's shapes went a pure-Python path")
 
     for name in (
-        "_store_one_block_locked",
-        "_store_decode_step_locked",
+        "store_one_block_locked",
+        "store_decode_step_locked",
         "_apply_in_runs_locked",
-        "_apply_locked",
-        "_remove_locked",
+        "apply_general_locked",
+        "remove_locked",
     ):
-        monkeypatch.setattr(PrefixIndex, name, forbidden)
+        monkeypatch.setattr(PythonWriter, name, forbidden)
     index.apply("a", [BlockStored(block_hashes=[1, 2], token_ids=tokens[:32], block_size=16)])  # a prefill
     index.apply(
         "a", [BlockStored(block_hashes=[3], parent_block_hash=2, token_ids=tokens[32:48], block_size=16)]
@@ -106,34 +114,30 @@ def test_the_compiled_block_value_is_the_python_one() -> None:
     for position in [0, 1, 2, 63, 2**20, 2**40 + 7, 2**64 - 1]:
         for _ in range(30):
             block = [rand.choice([rand.randrange(2**32), rand.choice(edges)]) for _ in range(16)]
-            assert ingest.block_value(block, position) == _python_block_value(block, position)
+            assert ingest.block_value(block, position) == block_value(block, position)
     for bad in ([-1] * 16, [2**32] * 16, [2**70] * 16, [1.0] * 16, [1] * 15, [1] * 17, (1,) * 16, None):
         with pytest.raises((ValueError, TypeError)):
             ingest.block_value(bad, 0)
 
 
 def test_a_mismatched_configuration_is_refused_and_leaves_the_module_working() -> None:
-    weights = prefix_index._WORD_WEIGHTS.tolist()
-    constants = (prefix_index._POSITION_WEIGHT_PY, prefix_index._MIX_1_PY, prefix_index._MIX_2_PY)
-    preview = {"preview_tokens": prefix_index.PREVIEW_TOKENS, "capacity_field": "max_blocks"}
+    weights = list(WORD_WEIGHT_INTS)
+    constants = (POSITION_WEIGHT_INT, *FINALISER_MULTIPLIER_INTS)
+    preview = {"preview_tokens": PREVIEW_TOKENS, "capacity_field": "max_blocks", "namespace_class": Namespace}
     with pytest.raises(ValueError, match="node tuples"):
-        ingest.configure(
-            weights, *constants, 16, ("end", "keys"), BlockStored, prefix_index._Chain, **preview
-        )
+        ingest.configure(weights, *constants, 16, ("end", "keys"), BlockStored, Chain, **preview)
     with pytest.raises(ValueError, match="router blocks"):
-        ingest.configure(
-            weights, *constants, 32, prefix_index._NODE_FIELDS, BlockStored, prefix_index._Chain, **preview
-        )
+        ingest.configure(weights, *constants, 32, NODE_FIELDS, BlockStored, Chain, **preview)
     block = list(range(16))
-    assert ingest.block_value(block, 3) == _python_block_value(block, 3)
+    assert ingest.block_value(block, 3) == block_value(block, 3)
 
 
 def test_without_the_extension_the_index_falls_back_to_pure_python(monkeypatch, caplog) -> None:
     monkeypatch.setitem(sys.modules, "router.index._ingest", None)  # what a failed build leaves
-    with caplog.at_level(logging.DEBUG, logger="router.index.prefix_index"):
-        assert prefix_index._load_compiled_ingest() is None
+    with caplog.at_level(logging.DEBUG, logger="router.index.ingest"):
+        assert index_ingest.load_compiled_ingest() is None
     assert "not built" in caplog.text
-    monkeypatch.setattr(prefix_index, "_CompiledWriter", None)
+    monkeypatch.setattr(index_ingest, "_compiled_ingest", None)
     index = PrefixIndex()
     assert index.ingest_path == "python"
     tokens = list(range(48))
@@ -155,15 +159,15 @@ def test_a_stale_build_is_refused_with_a_warning_not_a_crash(monkeypatch, caplog
                       block_stored_class, chain_class):  # fmt: skip
         raise AssertionError("not reached: the call itself is refused")
 
-    names = {name: getattr(ingest, name) for name in prefix_index._COMPILED_INGEST_NAMES}
+    names = {name: getattr(ingest, name) for name in index_ingest._COMPILED_INGEST_NAMES}
     stale_signature = types.SimpleNamespace(**names)
     stale_signature.configure = lambda *args, **kwargs: old_configure(*args, **kwargs)
-    without_a_function = types.SimpleNamespace(**{k: v for k, v in names.items() if k != "OneEventFront"})
-    for stale, says in ((stale_signature, "block_removed_class"), (without_a_function, "no OneEventFront")):
+    without_a_function = types.SimpleNamespace(**{k: v for k, v in names.items() if k != "CompiledEntry"})
+    for stale, says in ((stale_signature, "block_removed_class"), (without_a_function, "no CompiledEntry")):
         monkeypatch.setitem(sys.modules, "router.index._ingest", stale)
         caplog.clear()
-        with caplog.at_level(logging.WARNING, logger="router.index.prefix_index"):
-            assert prefix_index._load_compiled_ingest() is None
+        with caplog.at_level(logging.WARNING, logger="router.index.ingest"):
+            assert index_ingest.load_compiled_ingest() is None
         assert says in caplog.text and "pip install -e ." in caplog.text
 
 
@@ -285,7 +289,7 @@ def test_compiled_python_and_general_paths_build_the_same_index(seed: int, appli
             assert internal_state(compiled, "a") == reference
             assert internal_state(python, "a") == reference
     assert_same_lookups(general, [compiled, python], maker.docs)
-    assert compiled._front.applied > 0, "lone one-block events did not take the compiled entry"
+    assert compiled._entry.applied > 0, "lone one-block events did not take the compiled entry"
     assert sum(applied_by_compiled_path) > 300, "the compiled path applied (almost) nothing"
     assert 0 in applied_by_compiled_path, "the compiled path refused nothing: the hazards did not reach it"
 
@@ -301,14 +305,14 @@ def test_removals_take_the_compiled_path_and_leave_the_index_the_python_paths_le
     chain = lone_chain(tokens, 1, 30)
     compiled, python = PrefixIndex(), PrefixIndex(compiled_ingest=False)
     removals_in_python: list[BlockRemoved] = []  # by the compiled index's Python path
-    original = PrefixIndex._remove_locked
+    original = PythonWriter.remove_locked
 
-    def spy(self: PrefixIndex, backend: Any, event: BlockRemoved) -> None:
-        if self is compiled:
+    def spy(self: PythonWriter, backend: Any, event: BlockRemoved) -> None:
+        if self.index is compiled:
             removals_in_python.append(event)
         original(self, backend, event)
 
-    monkeypatch.setattr(PrefixIndex, "_remove_locked", spy)
+    monkeypatch.setattr(PythonWriter, "remove_locked", spy)
 
     def both(events: list[KVEvent]) -> None:
         compiled.apply("a", events)
@@ -365,14 +369,14 @@ def test_the_same_decode_stream_on_two_backends_shares_mask_objects(applied_by_c
     # Lone events: the compiled entry applies them. The first event of each of the 12 backends
     # goes the Python apply, which makes the backend and its writer, and the writer's `apply_one`
     # applies it (`store`, for batches of several, is never called).
-    assert compiled._front.applied == 2 * 29 and applied_by_compiled_path == []
+    assert compiled._entry.applied == 2 * 29 and applied_by_compiled_path == []
     assert internal_state(compiled, "a") == internal_state(python, "a")
     assert internal_state(compiled, "b") == internal_state(python, "b")
     both = compiled._backends["a"].medium_slots[None][1] | compiled._backends["b"].medium_slots[None][1]
     assert both > 256
-    shared = compiled._shared_masks[both]
-    assert [key for key, mask in compiled._holders.items() if mask == both and mask is not shared] == []
-    assert sum(mask is shared for mask in compiled._holders.values()) == 30
+    shared = compiled.shared_masks[both]
+    assert [key for key, mask in compiled.holders.items() if mask == both and mask is not shared] == []
+    assert sum(mask is shared for mask in compiled.holders.values()) == 30
     # The nodes' `end` ints are shared objects too (ends past 256 are not CPython singletons).
     nodes_a, nodes_b = compiled._backends["a"].nodes, compiled._backends["b"].nodes
     assert all(nodes_a[h][0] == 16 * h and nodes_a[h][0] is nodes_b[h][0] for h in range(2, 31))
@@ -528,13 +532,15 @@ def test_lone_decode_events_take_the_compiled_entry_and_every_other_batch_the_py
     monkeypatch,
 ) -> None:
     calls: list[int] = []
-    original = PrefixIndex._apply_python
+    original = PythonWriter.apply
 
-    def spy(self: PrefixIndex, backend_name: str, events: list[KVEvent]) -> None:
+    def spy(
+        self: PythonWriter, backend_name: str, events: list[KVEvent], first_refused: bool = False
+    ) -> None:
         calls.append(len(events))
-        original(self, backend_name, events)
+        original(self, backend_name, events, first_refused)
 
-    monkeypatch.setattr(PrefixIndex, "_apply_python", spy)
+    monkeypatch.setattr(PythonWriter, "apply", spy)
     index, general = PrefixIndex(), PrefixIndex()
     rand = random.Random(5)
     tokens = [rand.randrange(150_000) for _ in range(16 * 12)]
@@ -542,13 +548,13 @@ def test_lone_decode_events_take_the_compiled_entry_and_every_other_batch_the_py
     for event in chain[:6]:
         index.apply("a", [event])
     # The root has no parent: the Python apply takes it; its children the compiled entry.
-    assert calls == [1] and index._front.applied == 5
+    assert calls == [1] and index._entry.applied == 5
     index.apply("a", chain[6:8])  # two events: a batch for the Python apply
     index.apply("a", [chain[7]])  # stored already: refused, then the Python apply counts it
     index.apply("a", (chain[8],))  # not a list: the Python apply
     for event in chain[9:]:
         index.apply("a", [event])
-    assert calls == [1, 2, 1, 1] and index._front.applied == 8
+    assert calls == [1, 2, 1, 1] and index._entry.applied == 8
     for event in [*chain[:8], chain[7], *chain[8:]]:
         apply_through_general_path(general, "a", [event])
     assert internal_state(index, "a") == internal_state(general, "a")
@@ -564,7 +570,7 @@ def test_stats_of_events_the_compiled_entry_applied_are_there_when_read() -> Non
     for index in (compiled, python):
         for event in lone_chain(tokens, 1, 20):
             index.apply("a", [event])
-    assert compiled._front.applied == 19
+    assert compiled._entry.applied == 19
     assert compiled.held_tokens("a") == python.held_tokens("a") == 16 * 20
     assert compiled.stats("a") == python.stats("a")
     for index in (compiled, python):
@@ -642,7 +648,61 @@ def test_writers_of_several_backends_at_once_build_the_index_one_writer_builds()
     for thread in threads:
         thread.join(30)
     # Every event after each backend's first, the roots of documents 2 and 3 included.
-    assert concurrent._front.applied == sequential._front.applied == 4 * (3 * 40 - 1)
+    assert concurrent._entry.applied == sequential._entry.applied == 4 * (3 * 40 - 1)
     for name in streams:
         assert internal_state(concurrent, name) == internal_state(sequential, name)
     assert_same_lookups(sequential, [concurrent], docs)
+
+
+def test_an_event_the_compiled_entry_refused_is_not_offered_to_the_compiled_writer_again(monkeypatch) -> None:
+    """The compiled entry tells the Python writer which event it refused, and the Python writer
+    applies that one by the general path: the compiled writer sees no event twice, alone or from
+    the wire (events do not go back and forth between the two writers)."""
+    offered: list[tuple[str, Any]] = []
+
+    class RecordingWriter(ingest.BackendWriter):
+        """The compiled writer, recording what its Python-visible entries are offered."""
+
+        def apply_one(self, event: KVEvent) -> bool:
+            offered.append(("apply_one", tuple(event.block_hashes)))
+            return super().apply_one(event)
+
+        def store(self, events: list[KVEvent], start: int) -> int:
+            if start < len(events):
+                offered.append(("store", tuple(events[start].block_hashes)))
+            return super().store(events, start)
+
+        def store_wire(self, batch: Any, start: int = 0) -> int:
+            offered.append(("store_wire", start))
+            return super().store_wire(batch, start)
+
+    monkeypatch.setattr(ingest, "BackendWriter", RecordingWriter)
+    rand = random.Random(8)
+    tokens = [rand.randrange(150_000) for _ in range(16 * 10)]
+    chain = lone_chain(tokens, 1, 10)
+    index, python = PrefixIndex(), PrefixIndex(compiled_ingest=False)
+    for event in chain[:6]:
+        index.apply("a", [event])
+        python.apply("a", [event])
+    offered.clear()
+    index.apply("a", [chain[3]])  # stored already: the compiled entry refuses it
+    python.apply("a", [chain[3]])
+    assert offered == []
+    wire = index.wire_ingest("a")
+    assert wire is not None
+    payload = encode_batch(
+        [
+            block_stored([7], tokens[96:112], 16, parent_block_hash=6),
+            block_stored([4], tokens[48:64], 16, parent_block_hash=3),  # stored already: refused
+            block_stored([8], tokens[112:128], 16, parent_block_hash=7),
+        ]
+    )
+    batch = wire.scan(payload)
+    assert batch is not None
+    wire.apply([batch])
+    python.apply("a", decode_batch(payload).events)
+    # The entry applied the first event and refused the second; the Python writer applies that
+    # one and offers the compiled writer only the third.
+    assert offered == [("store", (8,))]
+    assert index._entry.applied == 5  # chain[1:6] alone; the refused wire batch went on to Python
+    assert internal_state(index, "a") == internal_state(python, "a")

@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 
 from kvwire import BlockRemoved, BlockStored
-from router.index.prefix_index import PrefixIndex, namespace_seed, prefix_keys, prompt_prefix_keys
+from router.index.keys import namespace_seed, prefix_keys, prompt_prefix_keys
+from router.index.store import PrefixIndex
 
 rng = np.random.default_rng(11)
 DOC = rng.integers(0, 150_000, size=40_000).tolist()

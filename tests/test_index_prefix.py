@@ -8,13 +8,8 @@ import numpy as np
 import pytest
 
 from kvwire import AllBlocksCleared, BlockRemoved, BlockStored
-from router.index.prefix_index import (
-    ROUTER_BLOCK_TOKENS,
-    PrefixIndex,
-    _python_prefix_keys,
-    namespace_seed,
-    prefix_keys,
-)
+from router.index.keys import ROUTER_BLOCK_TOKENS, namespace_seed, prefix_keys, small_prefix_keys
+from router.index.store import PrefixIndex
 
 rng = np.random.default_rng(7)
 PROMPT = rng.integers(0, 150_000, size=1024).tolist()
@@ -57,7 +52,7 @@ def test_python_and_numpy_keys_agree() -> None:
     tokens = np.asarray(PROMPT[:160], dtype=np.uint32)
     for first_block in (0, 3, 1000):
         assert (
-            _python_prefix_keys(tokens.tolist(), 99, first_block)
+            small_prefix_keys(tokens.tolist(), 99, first_block)
             == prefix_keys(tokens, 99, first_block).tolist()
         )
 

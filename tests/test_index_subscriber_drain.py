@@ -14,7 +14,7 @@ import pytest
 
 from kvwire import BlockRemoved, BlockStored, KVEvent, decode_batch
 from router.index import subscriber as subscriber_module
-from router.index.prefix_index import PrefixIndex
+from router.index.store import PrefixIndex
 from router.index.subscriber import EventSubscriber
 from tests.support import free_port, waiting
 from tests.support.event_publisher import EventPublisher, block_removed, block_stored, encode_batch

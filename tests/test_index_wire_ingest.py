@@ -12,8 +12,7 @@ import msgspec
 import pytest
 
 from kvwire import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent, decode_batch, event_kind
-from router.index import prefix_index
-from router.index.prefix_index import PrefixIndex
+from router.index.store import PrefixIndex
 from tests.support.event_publisher import encode_batch
 from tests.test_events_decoding import LMCACHE_VLLM_HASH, LMCACHE_VLLM_TOKENS, SGLANG_FIRST, SGLANG_SECOND
 from tests.test_index_ingest import StreamMaker, assert_same_lookups, internal_state
@@ -117,7 +116,7 @@ class CountingWireWriter(ingest.BackendWriter):
 @pytest.fixture
 def counting_writer(monkeypatch) -> type[CountingWireWriter]:
     CountingWireWriter.applied, CountingWireWriter.whole = [], []
-    monkeypatch.setattr(prefix_index, "_CompiledWriter", CountingWireWriter)
+    monkeypatch.setattr(ingest, "BackendWriter", CountingWireWriter)
     return CountingWireWriter
 
 
@@ -150,7 +149,7 @@ def test_payloads_applied_undecoded_build_the_index_their_decoded_events_build(
     # compiled entry applies scanned batches whole, and hands on those it refuses (the streams'
     # hazards reach it), which the Python entry's writer then applies in part.
     assert scanned > total // 2, (scanned, total)
-    assert wired._front.applied > 0 and sum(counting_writer.applied) > 0
+    assert wired._entry.applied > 0 and sum(counting_writer.applied) > 0
     assert False in counting_writer.whole
 
 
@@ -158,7 +157,7 @@ def writer_of(index: PrefixIndex, backend: str) -> Any:
     """The backend's compiled writer (the caller holds the index's lock; the backend exists)."""
     state = index._backends[backend]
     if state.compiled_writer is None:
-        state.compiled_writer = prefix_index._CompiledWriter(index, state)
+        state.compiled_writer = ingest.BackendWriter(index, state)
     return state.compiled_writer
 
 
@@ -189,8 +188,10 @@ def test_the_writer_refuses_a_scanned_event_exactly_where_it_refuses_the_decoded
                 assert stopped == decoded_writer.store(events, 0)
             if stopped < len(events):
                 refusals += 1
-                wired._apply_compiled_locked(wired._backends["a"], wired_writer, events[stopped:])
-                decoded._apply_compiled_locked(decoded._backends["a"], decoded_writer, events[stopped:])
+                for index, writer in ((wired, wired_writer), (decoded, decoded_writer)):
+                    index.python_writer._apply_mixed_locked(
+                        index._backends["a"], writer, events, stopped, True
+                    )
     assert internal_state(wired, "a") == internal_state(decoded, "a")
     assert refusals > 10
 
@@ -227,7 +228,7 @@ def test_decode_steps_prefills_and_evictions_from_the_wire_take_the_compiled_pat
     # Every event applied by the compiled writer: through the compiled entry, or the Python entry
     # (the first batch, before the backend had a writer), none decoded.
     assert all(counting_writer.whole)
-    assert index._front.applied + sum(counting_writer.applied) == 12
+    assert index._entry.applied + sum(counting_writer.applied) == 12
     assert internal_state(index, "a") == internal_state(reference, "a")
     assert index.longest_cached_prefix(tokens + steps[0].token_ids)["a"].tokens == 64 * 16 + 16
     stats = index.stats("a")

@@ -13,7 +13,8 @@ from prometheus_client import CollectorRegistry
 from kvwire import BlockStored
 from router.backends import BackendState
 from router.config import ApproximatePolicy, KVAwarePolicy
-from router.index.prefix_index import PrefixIndex
+from router.index.keys import Namespace
+from router.index.store import PrefixIndex
 from router.policies.approximate import Approximate
 from router.policies.base import RouteRequest
 from router.policies.capacity import CapacityModel
@@ -28,7 +29,9 @@ def backends(n: int = 4) -> list[BackendState]:
 
 
 def request(tokens: np.ndarray | None, salt: str | None = None, rid: str = "r") -> RouteRequest:
-    return RouteRequest(request_id=rid, model="m", body={}, tokens=tokens, namespace=("m", None, salt))
+    return RouteRequest(
+        request_id=rid, model="m", body={}, tokens=tokens, namespace=Namespace(cache_salt=salt)
+    )
 
 
 def store(
@@ -295,14 +298,13 @@ def test_a_request_for_a_lora_adapter_matches_that_adapters_entries() -> None:
         ],
     )
     policy = KVAware(KVAwarePolicy(prediction_ttl_s=0), index)
-    base = RouteRequest(request_id="base", model="m", body={}, tokens=PROMPTS[0], namespace=("m", None, None))
+    base = RouteRequest(request_id="base", model="m", body={}, tokens=PROMPTS[0], namespace=Namespace())
     assert policy.choose(base, backends()).name == "b1"
     adapter = RouteRequest(
         request_id="lora",
         model="sql-adapter",
         body={},
         tokens=PROMPTS[0],
-        namespace=("sql-adapter", None, None),
     )
     assert policy.choose(adapter, backends()).name == "b2"
     assert adapter.decision["cached_tokens"] == 512

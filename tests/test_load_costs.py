@@ -7,7 +7,8 @@ import numpy as np
 
 from router.backends import BackendState
 from router.config import KVAwarePolicy
-from router.index.prefix_index import PrefixIndex
+from router.index.keys import Namespace
+from router.index.store import PrefixIndex
 from router.policies.base import RouteRequest
 from router.policies.kv_aware import KVAware
 from router.policies.load_costs import MeasuredLoadCosts
@@ -105,7 +106,7 @@ def test_the_policy_learns_from_streamed_requests_it_routed() -> None:
     assert policy.load_costs is not None
     for n in range(16):
         req = RouteRequest(request_id=f"r{n}", model="m", body={}, tokens=PROMPTS[n % 4][: 64 * (1 + n % 8)],
-                           namespace=("m", None, None))  # fmt: skip
+                           namespace=Namespace())  # fmt: skip
         chosen = policy.choose(req, candidates)
         chosen.in_flight += 1  # as the gateway counts it before on_routed
         policy.on_routed(req, chosen)

@@ -288,7 +288,7 @@ def test_prepare_fills_tokens_and_namespace() -> None:
     assert request.tokens is not None and request.tokens.tolist() == whole_prompt_tokens(
         tokenizer.tokenizer("qwen"), body  # type: ignore[arg-type]
     )
-    assert request.namespace == ("qwen", None, "s")
+    assert request.namespace == (None, "s")
 
 
 def test_long_text_for_the_rust_tokenizer_is_encoded_off_the_loop() -> None:

@@ -1,14 +1,9 @@
-"""KV-event index: per-engine subscribers (subscriber), the prefix index (prefix_index) and the
-service that ties them together for the gateway (service). The wire protocol is `kvwire`'s."""
+"""KV-event index: router keys (keys), the prefix index and its lookups (store), the writers that
+apply events to it (ingest), per-engine subscribers (subscriber) and the service that ties them
+together for the gateway (service). The wire protocol is `kvwire`'s."""
 
-from router.index.prefix_index import (
-    DEFAULT_NAMESPACE,
-    ROUTER_BLOCK_TOKENS,
-    BackendMatch,
-    Namespace,
-    PrefixIndex,
-    prompt_prefix_keys,
-)
+from router.index.keys import DEFAULT_NAMESPACE, ROUTER_BLOCK_TOKENS, Namespace, prompt_prefix_keys
+from router.index.store import BackendMatch, PrefixIndex
 
 __all__ = [
     "DEFAULT_NAMESPACE",

@@ -6,33 +6,33 @@ evicted block from vLLM), into the prefix index's own Python dicts.
 `BackendWriter(index, backend).store(events, start)` applies `events[start:]` in order while
 each is of a shape described below and returns the position of the first one it did not apply
 (the caller hands that one and the events after it to the pure-Python paths of
-`router/index/prefix_index.py`, which stay the reference). Shapes are checked per event against
+`router/index/ingest.py`'s `PythonWriter`, which stays the oracle). Shapes are checked per event against
 the index as it stands after the events before it; an event outside them changes nothing.
 
 The decode shape: a BlockStored of one 16-token block (`block_size` 16, `token_ids` a list of 16
 uint32 ints), KV-cache group 0, its parent placed on the backend and ending on a router-block
 boundary (no tail), its hash new to the backend, and the prefix it completes not yet held by the
-event's tier. For it, this builds exactly what `PrefixIndex._store_one_block_locked` builds: the
+event's tier. For it, this builds exactly what `PythonWriter.store_one_block_locked` builds: the
 node tuple `(end, 16, key, (), key, chain_id, bit)` in `backend.nodes`, the holder mask in
-`index._holders` (the tier's shared bit for a prefix nobody held, else the shared object of
-`mask | bit` from `index._shared_masks`), the chain's `nodes` and `longest`, and the backend's
+`index.holders` (the tier's shared bit for a prefix nobody held, else the shared object of
+`mask | bit` from `index.shared_masks`), the chain's `nodes` and `longest`, and the backend's
 stats. The router key is the parent's boundary key plus the block's mixed value, in C uint64
-arithmetic: the same math as `_python_block_value` (8 little-endian words of two tokens times
+arithmetic: the same math as `keys.block_value` (8 little-endian words of two tokens times
 the word weights, xor position times the position weight, splitmix64 finaliser), with the
 constants handed over once by `configure`.
 
-The prefill shape, alone in its batch (`BackendWriter.apply_one`, `OneEventFront`; in a batch of
+The prefill shape, alone in its batch (`BackendWriter.apply_one`, `CompiledEntry`; in a batch of
 several, the Python path's one numpy pass over all of them is as fast): a BlockStored of any
 number of 16-token blocks (at least 16 per block of uint32 token ids), group 0, a root (the index
-makes or finds its chain: `_root_chain_locked`) or the child of a placed block without a tail,
+makes or finds its chain: `PrefixIndex.root_chain_locked`) or the child of a placed block without a tail,
 its hashes distinct and new to the backend, and no prefix it completes held by its tier. It gets
-what `PrefixIndex._flush_uniform_locked` gives one such event: a node per block as above, the keys
+what `PythonWriter._flush_uniform_locked` gives one such event: a node per block as above, the keys
 running sums from the parent's boundary key (or the namespace's seed).
 
 A BlockRemoved (KV-cache group 0, a medium the backend has stored under) is applied here as
-`PrefixIndex._remove_locked` applies it when each of its blocks is unknown to the tier (counted
+`PythonWriter.remove_locked` applies it when each of its blocks is unknown to the tier (counted
 as an unknown removal) or a plain node: no tail, and no second reference to any prefix it owns
-(`index._extra_refs`). Each prefix loses the tier's bit in `index._holders` (the key goes with
+(`index.extra_refs`). Each prefix loses the tier's bit in `index.holders` (the key goes with
 the last bit), the node loses it too (the node goes with its last slot, and its chain with its
 last node), and the stats follow. An event with any other block is left whole to the Python path.
 
@@ -103,8 +103,10 @@ cdef uint64_t _position_weight = 0, _mix_1 = 0, _mix_2 = 0
 cdef bint _configured = False
 # Tokens of a root's start that name its chain (the index's PREVIEW_TOKENS).
 cdef Py_ssize_t _preview_tokens = 0
-# The backend attribute with the most blocks it may hold (`_Backend.max_blocks`).
+# The backend attribute with the most blocks it may hold (`IndexedBackend.max_blocks`).
 cdef str _capacity_field = None
+# The index's `Namespace` (a root read from a payload names its chain by one).
+cdef object _namespace_class = tuple
 
 # Events, chains and their fields are read and written at their slot offsets (msgspec Structs and
 # slotted dataclasses keep each field in a fixed slot, exposed by a member descriptor): one load
@@ -158,14 +160,15 @@ _REMOVED_FIELDS = ("block_hashes", "medium", "group_idx")
 
 def configure(word_weights, uint64_t position_weight, uint64_t mix_1, uint64_t mix_2,
               int block_tokens, tuple node_layout, block_stored_class, chain_class,
-              block_removed_class=None, *, Py_ssize_t preview_tokens, str capacity_field):
+              block_removed_class=None, *, Py_ssize_t preview_tokens, str capacity_field,
+              namespace_class):
     """Hand over the index's key constants, the BlockStored class, the index's chain class
-    (`_Chain`), the BlockRemoved class (None: removals stay with the Python path), the tokens
+    (`Chain`), the BlockRemoved class (None: removals stay with the Python path), the tokens
     that name a root's chain (`PREVIEW_TOKENS`) and the backend attribute holding its most
-    blocks (`_Backend.max_blocks`); ValueError for a mismatch (another block size, node layout
-    or field layout)."""
+    blocks (`IndexedBackend.max_blocks`) and the index's `Namespace` class; ValueError for a
+    mismatch (another block size, node layout or field layout)."""
     global _position_weight, _mix_1, _mix_2, _configured, _event_class, _event_subclass, _chain_class
-    global _preview_tokens, _capacity_field
+    global _preview_tokens, _capacity_field, _namespace_class
     global _block_hashes_at, _parent_hash_at, _token_ids_at, _block_size_at, _medium_at, _group_at
     global _chain_nodes_at, _chain_longest_at
     global _removed_class, _removed_subclass, _removed_hashes_at, _removed_medium_at, _removed_group_at
@@ -184,6 +187,7 @@ def configure(word_weights, uint64_t position_weight, uint64_t mix_1, uint64_t m
     _position_weight, _mix_1, _mix_2 = position_weight, mix_1, mix_2
     _preview_tokens = preview_tokens
     _capacity_field = capacity_field
+    _namespace_class = namespace_class
     _block_hashes_at = _slot_offset(block_stored_class, "block_hashes")
     _parent_hash_at = _slot_offset(block_stored_class, "parent_block_hash")
     _token_ids_at = _slot_offset(block_stored_class, "token_ids")
@@ -265,7 +269,7 @@ cdef inline bint _block_value_at(object token_ids, Py_ssize_t first, uint64_t po
 
 
 def block_value(token_ids, uint64_t position):
-    """The mixed value of one 16-token block (for checks against `_python_block_value`);
+    """The mixed value of one 16-token block (for checks against `keys.block_value`);
     ValueError unless `token_ids` is a list of 16 uint32 ints."""
     cdef uint64_t value = 0
     if not _configured:
@@ -299,7 +303,7 @@ cdef inline bint _one_block_with_parent(object event) noexcept:
 
 
 cdef inline bint _index_chain(object chain) noexcept:
-    """Whether `chain` is one of the index's `_Chain`s, its counters set."""
+    """Whether `chain` is one of the index's `Chain`s, its counters set."""
     return (type(chain) is _chain_class and _field(chain, _chain_nodes_at) is not NULL
             and _field(chain, _chain_longest_at) is not NULL)
 
@@ -315,7 +319,7 @@ cdef inline object _end_object(long long end_tokens):
 # ---- msgpack payloads read in place (`scan_batch`, `BackendWriter.store_wire`) ----
 #
 # An EventBatch as engines publish it is scanned here without building event objects: the
-# events' fields are checked against the types the wire decoder (`router/index/events.py`)
+# events' fields are checked against the types the wire decoder (`kvwire/decode.py`)
 # declares, and where each value lies is kept. The writer then reads hashes and token ids from
 # the payload itself: a decode step's 16 token ids never become Python ints. The scan is at
 # least as strict as the decoder: whatever it accepts, the decoder decodes to the same events,
@@ -817,7 +821,7 @@ cdef inline bint _rank_at(const unsigned char* data, Py_ssize_t end, Py_ssize_t 
 def scan_batch(bytes payload):
     """The payload scanned (a `WireBatch`) when it is an EventBatch (array- or map-encoded) whose
     every event the scan reads exactly as the decoder would (module section above); None for
-    any other payload, which goes to the decoder (`router/index/events.decode_batch`)."""
+    any other payload, which goes to the decoder (`kvwire.decode_batch`)."""
     cdef const unsigned char* data = <const unsigned char*>PyBytes_AS_STRING(payload)
     cdef Py_ssize_t end = PyBytes_GET_SIZE(payload), at = 0, count, index, length, start = 0
     cdef Py_ssize_t rank_at = -1, attn_rank_at = -1
@@ -929,8 +933,8 @@ cdef object _text_object(const unsigned char* data, Py_ssize_t at):
 
 cdef class BackendWriter:
     """Applies one-block events of the decode shape to one backend of one index. It keeps the
-    index's and the backend's dicts (which are never rebound: `_Backend` says so) so that a call
-    costs no attribute lookups; `index._medium_slot_locked` makes a new medium's slot."""
+    index's and the backend's dicts (which are never rebound: `IndexedBackend` says so) so that a call
+    costs no attribute lookups; `index.medium_slot_locked` makes a new medium's slot."""
 
     cdef object index, backend, stats
     cdef dict nodes, holders, shared_masks, extra_refs, medium_slots, chains, stats_blocks, stats_tokens
@@ -938,7 +942,7 @@ cdef class BackendWriter:
     # `pending_tier` (negative for removals), events stored and removed.
     cdef object pending_tier
     cdef Py_ssize_t pending_blocks, pending_token_count, pending_events, pending_removed_events
-    # The backend's `max_blocks` (the index sets it again when it changes): `OneEventFront` asks
+    # The backend's `max_blocks` (the index sets it again when it changes): `CompiledEntry` asks
     # the index to evict when an event it applied took `nodes` past it.
     cdef public Py_ssize_t max_nodes
 
@@ -948,9 +952,9 @@ cdef class BackendWriter:
         self.index = index
         self.backend = backend
         self.nodes = backend.nodes
-        self.holders = index._holders
-        self.shared_masks = index._shared_masks
-        self.extra_refs = index._extra_refs
+        self.holders = index.holders
+        self.shared_masks = index.shared_masks
+        self.extra_refs = index.extra_refs
         self.medium_slots = backend.medium_slots
         self.chains = backend.chains
         self.stats = backend.stats
@@ -1000,7 +1004,7 @@ cdef class BackendWriter:
 
     def flush_stats(self):
         """Add the pending stats to the backend's (the caller holds the index's lock): the index
-        does so before it reads or zeroes them (`PrefixIndex._sync_stats_locked`)."""
+        does so before it reads or zeroes them (`PrefixIndex.sync_stats_locked`)."""
         self._flush_stats()
 
     def pending_tokens(self):
@@ -1071,11 +1075,11 @@ cdef class BackendWriter:
         return parent
 
     cdef tuple _slot_bit_tier(self, object medium):
-        """(slot, bit, tier) of a medium spelling on this backend (`index._medium_slot_locked`
+        """(slot, bit, tier) of a medium spelling on this backend (`index.medium_slot_locked`
         makes a new medium's slot)."""
         cdef PyObject* found = PyDict_GetItemWithError(self.medium_slots, medium)
         if found is NULL:
-            return self.index._medium_slot_locked(self.backend, medium)
+            return self.index.medium_slot_locked(self.backend, medium)
         return <tuple>found
 
     cdef bint _store_one(self, object event) except -1:
@@ -1122,7 +1126,7 @@ cdef class BackendWriter:
         chain = self.chains.get(chain_id)
         if not _index_chain(chain):
             return False
-        key = boundary + value  # (uint64_t: wraps, as `& _WORD` does in Python)
+        key = boundary + value  # (uint64_t: wraps, as `& UINT64_MASK` does in Python)
         holders = self.holders
         found = PyDict_GetItemWithError(holders, key)
         if found is not NULL and <object>found:
@@ -1150,7 +1154,7 @@ cdef class BackendWriter:
     cdef bint _store_many(self, object event) except -1:
         """A BlockStored of whole 16-token blocks (KV-cache group 0), a root or the child of a
         placed block without a tail, its hashes new to the backend and distinct, every prefix it
-        completes new to its tier: applied as `PrefixIndex._flush_uniform_locked` applies one
+        completes new to its tier: applied as `PythonWriter._flush_uniform_locked` applies one
         event (a prefill). False (nothing changed but a root's chain, which the Python path makes
         too) for any other."""
         cdef PyObject* field
@@ -1203,9 +1207,9 @@ cdef class BackendWriter:
             return False
         if parent_hash is None:
             if type(root) is tuple:
-                chain_id, seed = self.index._chain_for_locked(self.backend, root[0], root[1])
+                chain_id, seed = self.index.chain_for_locked(self.backend, root[0], root[1])
             else:
-                chain_id, seed = self.index._root_chain_locked(self.backend, root, count * BLOCK_TOKENS)
+                chain_id, seed = self.index.root_chain_locked(self.backend, root, count * BLOCK_TOKENS)
             parent_end = 0
             running = PyLong_AsUnsignedLongLong(seed)
         else:
@@ -1282,7 +1286,7 @@ cdef class BackendWriter:
         cdef int overflow = 0
         found = PyDict_GetItemWithError(self.medium_slots, medium)
         if found is NULL:  # a spelling not seen yet: the index resolves it
-            slot_bit_tier = self.index._held_medium_slot_locked(self.backend, medium)
+            slot_bit_tier = self.index.held_medium_slot_locked(self.backend, medium)
             if slot_bit_tier is None:  # nothing held in that tier: the Python path counts it
                 return False
         else:
@@ -1395,11 +1399,11 @@ cdef class BackendWriter:
                                           _text_object(data, view.medium_at), None)
             # A root: its chain is named by the namespace (its LoRA name, and no cache_salt: the
             # scan took extra keys only when all nil) and the first tokens it covers, as
-            # `_root_chain_locked` names it.
+            # `PrefixIndex.root_chain_locked` names it.
             preview = [None] * min(count * BLOCK_TOKENS, _preview_tokens)
             for position in range(len(preview)):
                 preview[position] = (words[position // 2] >> (32 * (position % 2))) & 0xFFFFFFFF
-            namespace = (_text_object(data, view.lora_name_at), None)
+            namespace = _namespace_class(_text_object(data, view.lora_name_at), None)
             return self._store_blocks(hashes, None, words, count, _text_object(data, view.medium_at),
                                       (namespace, tuple(preview)))
         finally:
@@ -1446,7 +1450,7 @@ cdef class BackendWriter:
         return found is NULL or _index_chain(<object>found)
 
     cdef inline int _release_key(self, dict holders, dict shared_masks, object key, object bit) except -1:
-        """The tier's bit off a prefix's holder mask (`PrefixIndex._unregister_locked` without
+        """The tier's bit off a prefix's holder mask (`PrefixIndex.unregister_locked` without
         extra references): the key goes with its last bit; a mask left is the shared object."""
         cdef PyObject* found = PyDict_GetItemWithError(holders, key)
         if found is NULL:
@@ -1482,7 +1486,7 @@ def next_compiled_candidate(list events, Py_ssize_t start):
 
 cdef class WriterLock:
     """The index's writer lock: `with lock:` in Python (as a `threading.Lock`), taken in C by
-    `OneEventFront` without a Python call. Waiting for it releases the GIL, as `threading.Lock`
+    `CompiledEntry` without a Python call. Waiting for it releases the GIL, as `threading.Lock`
     does, so the thread that holds it can finish."""
 
     cdef PyThread_type_lock handle
@@ -1534,15 +1538,16 @@ cdef class WriterLock:
         return False
 
 
-cdef class OneEventFront:
-    """`PrefixIndex.apply` when the compiled path is built: a batch of one event of a shape the
-    writer takes (an engine step that filled one block, a prefill, an eviction) is applied here,
-    in C, under the index's `WriterLock`, through the backend's `BackendWriter`; every other call,
-    and that one when the event is refused, goes to `general(backend_name, events)` (the index's Python
-    `apply`), which decides everything else exactly as before. The backend is looked up under the
-    lock: a replaced or cleared backend is never written through a stale writer. When what it
-    applied took the backend past its `max_blocks`, `over_capacity(backend_name)` (the index's
-    eviction) runs once the lock is given back."""
+cdef class CompiledEntry:
+    """The index's ingest entry when the compiled writer is built (`PrefixIndex.apply` and
+    `apply_wire` go here): a batch of one event of a shape the writer takes (an engine step that
+    filled one block, a prefill, an eviction) is applied here, in C, under the index's
+    `WriterLock`, through the backend's `BackendWriter`; every other call goes to
+    `general(backend_name, events, first_refused)` (`PythonWriter.apply`), told whether this
+    entry offered the event already, so that no event is offered to the compiled writer twice.
+    The backend is looked up under the lock: a replaced or cleared backend is never written
+    through a stale writer. When what it applied took the backend past its `max_blocks`,
+    `over_capacity(backend_name)` (the index's eviction) runs once the lock is given back."""
 
     cdef dict backends, shared_masks
     cdef WriterLock lock
@@ -1573,17 +1578,19 @@ cdef class OneEventFront:
     def apply_wire(self, backend_name, list batches):
         """Apply scanned batches (`scan_batch`) in order (`PrefixIndex.apply_wire`): while the
         backend's writer takes every event, here, under the lock; from the first event it
-        refuses, `general_wire(backend_name, batches_left, start)` (the index's Python entry),
-        `start` the refused event's position in the first batch left."""
+        refuses, `general_wire(backend_name, batches_left, refused_at)` (`PythonWriter.apply_wire`),
+        `refused_at` the refused event's position in the first batch left (None when no writer
+        was there to offer it to)."""
         cdef Py_ssize_t position = 0, count = PyList_GET_SIZE(batches), stopped = 0
         cdef WireBatch batch
-        cdef bint over = False
+        cdef bint over = False, offered = False
         if count == 0:
             return
         self.lock.take()
         try:
             writer = self._writer_of(backend_name)
             if writer is not None:
+                offered = True
                 while position < count:
                     batch = <WireBatch?>PyList_GET_ITEM(batches, position)
                     stopped = (<BackendWriter>writer)._store_wire(batch, 0)
@@ -1595,20 +1602,22 @@ cdef class OneEventFront:
         finally:
             self.lock.give()
         if position < count:
-            self.general_wire(backend_name, batches[position:], stopped)  # (it evicts itself)
+            # (it evicts itself)
+            self.general_wire(backend_name, batches[position:], stopped if offered else None)
         elif over:
             self.over_capacity(backend_name)
 
     def apply(self, backend_name, events):
         """Apply the events of one batch, in order (`PrefixIndex.apply`)."""
-        cdef bint stored = False, over = False
+        cdef bint stored = False, over = False, offered = False
         if type(events) is list and PyList_GET_SIZE(events) == 1:
             self.lock.take()
             try:
                 writer = self._writer_of(backend_name)
                 if writer is not None:
-                    # The event's stats stay pending in the writer (`flush_stats`): adding them
-                    # to the backend's dicts would cost about a tenth of the event.
+                    offered = True
+                    # The event's stats stay pending in the writer (`flush_stats`), added once
+                    # before they are read: cheaper than updating the backend's dicts per event.
                     stored = (<BackendWriter>writer)._apply_one(<object>PyList_GET_ITEM(events, 0))
                     over = PyDict_GET_SIZE((<BackendWriter>writer).nodes) > (<BackendWriter>writer).max_nodes
             finally:
@@ -1618,4 +1627,4 @@ cdef class OneEventFront:
                 if over:
                     self.over_capacity(backend_name)
                 return
-        self.general(backend_name, events)
+        self.general(backend_name, events, offered)

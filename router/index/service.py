@@ -20,14 +20,8 @@ from prometheus_client import CollectorRegistry, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from router.config import KVEvents
-from router.index.prefix_index import (
-    DEFAULT_MAX_BLOCKS,
-    DEFAULT_NAMESPACE,
-    BackendIndexStats,
-    BackendMatch,
-    Namespace,
-    PrefixIndex,
-)
+from router.index.keys import DEFAULT_NAMESPACE, Namespace
+from router.index.store import DEFAULT_MAX_BLOCKS, BackendIndexStats, BackendMatch, PrefixIndex
 from router.index.subscriber import EventSubscriber, rank_endpoint
 
 logger = logging.getLogger("kvgate.index")

@@ -97,7 +97,7 @@ from kvwire import (
 from router.config import DEFAULT_MAX_MESSAGE_BYTES, DEFAULT_MAX_QUEUED_BYTES
 
 if TYPE_CHECKING:
-    from router.index.prefix_index import WireIngest
+    from router.index.ingest import WireIngest
 
 logger = logging.getLogger("kvgate.index")
 

@@ -13,7 +13,7 @@ from collections import OrderedDict
 from typing import TYPE_CHECKING, Any
 
 from router.config import ApproximatePolicy
-from router.index.prefix_index import ROUTER_BLOCK_TOKENS, prompt_prefix_keys
+from router.index.keys import ROUTER_BLOCK_TOKENS, prompt_prefix_keys
 from router.policies.kv_aware import CacheAwarePolicy
 
 if TYPE_CHECKING:
@@ -42,7 +42,7 @@ class Approximate(CacheAwarePolicy):
     def _block_keys(self, request: RouteRequest) -> list[int]:
         if request.tokens is None or not len(request.tokens):
             return []
-        keys = prompt_prefix_keys(request.tokens, (request.namespace[1], request.namespace[2]))
+        keys = prompt_prefix_keys(request.tokens, request.namespace)
         return keys[self._stride - 1 :: self._stride]
 
     def learned_blocks(self, backend: str, keys: list[int]) -> int:

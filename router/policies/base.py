@@ -9,6 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
+from router.index.keys import DEFAULT_NAMESPACE, Namespace
+
 if TYPE_CHECKING:
     import numpy as np
 
@@ -27,8 +29,9 @@ class RouteRequest:
     # Prompt tokens as the engine will see them (uint32 array); only filled when the policy
     # asks for them through `needs_tokens`.
     tokens: np.ndarray | None = None
-    # Cache namespace: (model, lora_name, cache_salt). Salted prompts never match unsalted entries.
-    namespace: tuple[str, str | None, str | None] = ("", None, None)
+    # Cache namespace (LoRA adapter, cache salt) as the request names it: salted prompts never match
+    # unsalted entries. kv_aware looks an unnamed adapter up by `model` (`PrefixIndex.namespace_for`).
+    namespace: Namespace = DEFAULT_NAMESPACE
     # Filled by the policy: why it chose what it chose (for metrics and /debug/prefix-map).
     decision: dict = field(default_factory=dict)
     # Bytes of the request body as received: how much parsing it further may cost (the tokenizer

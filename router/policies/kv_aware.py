@@ -54,7 +54,8 @@ from typing import TYPE_CHECKING, Any
 from prometheus_client import Counter
 
 from router.config import CacheAwareGuards, KVAwarePolicy
-from router.index.prefix_index import ROUTER_BLOCK_TOKENS, BackendMatch, prompt_prefix_keys
+from router.index.keys import ROUTER_BLOCK_TOKENS, prompt_prefix_keys
+from router.index.store import BackendMatch
 from router.policies.capacity import CapacityModel
 from router.policies.least_loaded import fewest_in_flight
 from router.policies.load_costs import MeasuredLoadCosts
@@ -387,10 +388,9 @@ class KVAware(CacheAwarePolicy):
         self.predictions.expire(now)
         tokens = request.tokens
         prompt_tokens = 0 if tokens is None else len(tokens)
-        model, lora_name, cache_salt = request.namespace
-        namespace = (lora_name, cache_salt)
-        if lora_name is None and self.kv_index is not None:
-            namespace = self.kv_index.namespace_for(model, cache_salt)
+        namespace = request.namespace
+        if namespace.lora_name is None and self.kv_index is not None:
+            namespace = self.kv_index.namespace_for(request.model, namespace.cache_salt)
         matches: dict[str, BackendMatch] = {}
         keys: list[int] = []
         if tokens is not None and prompt_tokens:

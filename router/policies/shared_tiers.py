@@ -15,7 +15,7 @@ from collections.abc import Sequence
 
 from kvwire import tier_of
 from router.config import SharedTier
-from router.index.prefix_index import BackendMatch
+from router.index.store import BackendMatch
 
 
 class SharedTiers:

@@ -8,6 +8,8 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse
 from starlette.routing import Route
 
+from router.index.keys import Namespace
+
 # Tokens the preparer claims for every prompt, of which this many are "cached".
 PROMPT_TOKENS = 10
 CACHED_TOKENS = 4
@@ -26,7 +28,7 @@ class SampleExtension:
 
     async def prepare(self, route_request) -> None:
         route_request.tokens = np.arange(PROMPT_TOKENS, dtype=np.uint32)
-        route_request.namespace = (route_request.model, None, None)
+        route_request.namespace = Namespace()
         route_request.decision["cached_tokens"] = CACHED_TOKENS
 
     def routes(self) -> list[Route]:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 
 from kvwire import decode_batch, encode_batch
-from router.index.prefix_index import PrefixIndex
+from router.index.store import PrefixIndex
 from router.sim.blocks import BlockPool
 
 
