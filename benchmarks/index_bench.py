@@ -71,7 +71,7 @@ from router.index.prefix_index import (
     prefix_keys,
     prompt_prefix_keys,
 )
-from router.index.subscriber import EventSubscriber, receive_frames
+from router.index.transport import EventSubscriber, receive_frames
 
 BACKENDS = 16
 PREFILL_BLOCKS = 64  # 1024-token prompts

@@ -16,7 +16,7 @@ from router.backends import BackendState
 from router.config import KVAwarePolicy, KVEvents
 from router.index.prefix_index import PrefixIndex
 from router.index.service import KVIndexService
-from router.index.subscriber import EventSubscriber, connectable, rank_endpoint
+from router.index.transport import EventSubscriber, connectable, rank_endpoint
 from router.policies.base import RouteRequest
 from router.policies.kv_aware import KVAware
 from tests.support import free_port, waiting

@@ -17,7 +17,7 @@ from router.config import KVEvents
 from router.index.events import decode_batch
 from router.index.prefix_index import PrefixIndex
 from router.index.service import KVIndexService
-from router.index.subscriber import EventSubscriber
+from router.index.transport import EventSubscriber
 from tests.support import free_port
 from tests.support.event_publisher import (
     END_MARKER,

@@ -12,10 +12,10 @@ from collections.abc import Iterator
 import numpy as np
 import pytest
 
-from router.index import subscriber as subscriber_module
+from router.index import transport
 from router.index.events import BlockRemoved, BlockStored, KVEvent, decode_batch
 from router.index.prefix_index import PrefixIndex
-from router.index.subscriber import EventSubscriber
+from router.index.transport import EventSubscriber
 from tests.support import free_port, waiting
 from tests.support.event_publisher import EventPublisher, block_removed, block_stored, encode_batch
 
@@ -121,7 +121,7 @@ def test_queued_messages_reach_the_index_in_few_calls_with_the_same_result(wired
     assert subscriber.stats.events == {"BlockStored": 1201, "BlockRemoved": 1}
     # 1203 messages, a gap and a malformed one: a handful of calls, none over the cap.
     assert len(recorder.calls) <= 20, [len(call) for call in recorder.calls]
-    assert max(map(len, recorder.calls)) <= subscriber_module._DRAIN_APPLY_EVENTS
+    assert max(map(len, recorder.calls)) <= transport._DRAIN_APPLY_EVENTS
     assert any(isinstance(call[0], BlockRemoved) or len(call) > 100 for call in recorder.calls)
     assert all(isinstance(event, (BlockStored, BlockRemoved)) for event in applied)
 

@@ -28,7 +28,7 @@ from router.index.prefix_index import (
     Namespace,
     PrefixIndex,
 )
-from router.index.subscriber import EventSubscriber, rank_endpoint
+from router.index.transport import EventSubscriber, rank_endpoint
 
 logger = logging.getLogger("kvgate.index")
 
