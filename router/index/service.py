@@ -277,7 +277,7 @@ class KVIndexService:
 
             out[name] = {
                 "connected": all(rank["connected"] for rank in ranks),
-                # Every rank has caught up with what its engine still buffers (see subscriber.py).
+                # Every rank has caught up with what its engine still buffers (see stream.py).
                 "synced": all(rank["synced"] for rank in ranks),
                 "last_seq": ranks[0]["last_seq"] if len(ranks) == 1 else [rank["last_seq"] for rank in ranks],
                 "blocks": blocks,

@@ -292,7 +292,8 @@ class EventSubscriber:
 
         The cyclic GC is paused for the drain (a few ms at most), as `PrefixIndex.apply` pauses it:
         the held batches keep a few tracked containers per message alive until their apply, and
-        the collections they would set off cost more than the drain's own work per message."""
+        the collections they would set off add a fifth or more to the drain's own work per message
+        (docs/benchmarks.md, "The KV-event subscriber")."""
         collecting = gc.isenabled()
         gc.disable()
         try:
