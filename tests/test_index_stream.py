@@ -32,7 +32,11 @@ def test_the_next_seq_is_applied_without_a_check() -> None:
     stream = applied_through(EventStream(replay=True), 4)
     assert stream.is_next(5) and not stream.is_next(6) and not stream.is_next(4)
     stream.take_next(5)
-    assert stream.stats.last_seq == 5 and stream.is_next(6)
+    assert stream.is_next(6) and stream.newest_seq == 5
+    # Shown only once its events are in the index (a reader of the stats never runs ahead of it).
+    assert stream.stats.last_seq == 4
+    stream.released(ts=101.0)
+    assert stream.stats.last_seq == 5
     step = stream.on_live(6, 101.0)
     assert (step.verdict, step.last_seq, step.replay_from, step.restart) == (Verdict.APPLY, 5, None, False)
     assert stream.stats.duplicates == stream.stats.restarts == stream.stats.replays == 0
@@ -94,12 +98,16 @@ def test_a_stepped_back_seq_published_later_is_a_restart() -> None:
     stream = applied_through(EventStream(replay=True), 5, ts=100.0)
     step = stream.on_live(0, 200.0)
     assert (step.verdict, step.restart, step.last_seq, step.replay_from) == (Verdict.APPLY, True, 5, None)
-    assert stream.stats.restarts == 1 and stream.stats.duplicates == 0
+    assert stream.stats.duplicates == 0
     stream.mark_uncertain("lost seq 1..2")
     stream.cleared()  # the transport cleared the backend
     assert not stream.stats.uncertain and stream.stats.uncertain_reason is None
     stream.applied(0, 200.0)
     assert stream.is_next(1)
+    # Counted once handled, so a reader of `restarts` finds the new engine's batch in the index.
+    assert stream.stats.restarts == 0
+    stream.restarted()
+    assert stream.stats.restarts == 1
 
 
 def test_a_restart_seen_past_seq_0_replays_the_new_engine_from_0() -> None:
@@ -150,8 +158,7 @@ def test_a_batch_under_the_catch_up_mark_published_later_is_a_restart() -> None:
     stream = EventStream(replay=True)
     stream.replayed([0, 1, 2], None, 100.0)
     stream.caught_up([0, 1, 2], None, 100.0, complete=True)
-    step = stream.on_live(0, 150.0)
-    assert step.restart and stream.stats.restarts == 1
+    assert stream.on_live(0, 150.0).restart
 
 
 def test_a_catch_up_missing_seq_0_leaves_the_backend_uncertain() -> None:

@@ -40,6 +40,7 @@ class StreamStats:
     """What one stream (one backend and DP rank) has seen, as the debug page and metrics show it."""
 
     connected: bool = False
+    # The newest seq whose events are in the index (None before the first).
     last_seq: int | None = None
     batches: int = 0
     # Of those, batches the index took undecoded (the wire scan accepted their payload).
@@ -223,17 +224,21 @@ class EventStream:
         # newest batch it holds). Live batches below that seq published no later are already
         # applied; the mark goes once a batch at or past that seq arrives.
         self.live_floor: tuple[int, float] | None = None
+        # The newest seq taken: `stats.last_seq`, or past it while batches taken by `take_next`
+        # wait for the index (`released`), so a reader of the stats never sees a seq whose events
+        # are not in the index yet.
+        self.newest_seq: int | None = None
         self._disconnected_at: float | None = None
 
     # ---- live batches ----
 
     def is_next(self, seq: int) -> bool:
         """The usual batch: the next seq with no catch-up mark pending (apply it, nothing to check)."""
-        return self.stats.last_seq == seq - 1 and self.live_floor is None
+        return self.newest_seq == seq - 1 and self.live_floor is None
 
     def take_next(self, seq: int) -> None:
-        """A batch `is_next` accepted is taken (its events may reach the index later, in order)."""
-        self.stats.last_seq = seq
+        """A batch `is_next` accepted is taken (its events reach the index later, in order: `released`)."""
+        self.newest_seq = seq
 
     def on_live(self, seq: int, ts: float | None) -> LiveStep:
         """What to do with live batch `seq` published at `ts` (None: its payload is undecodable)."""
@@ -245,7 +250,7 @@ class EventStream:
             elif ts is None or ts <= floor_ts:
                 return _ALREADY_HELD
         stats = self.stats
-        last = stats.last_seq
+        last = self.newest_seq
         if last is None:
             return LiveStep(Verdict.APPLY, last, replay_from=0 if seq > 0 else None, late_start=True)
         if seq <= last:
@@ -253,7 +258,6 @@ class EventStream:
             if not published_later:
                 stats.duplicates += 1
                 return LiveStep(Verdict.DUPLICATE, last)
-            stats.restarts += 1
             replay_from = 0 if seq > 0 else None
             return LiveStep(Verdict.APPLY, last, restart=True, replay_from=replay_from, late_start=True)
         if seq > last + 1:
@@ -262,25 +266,31 @@ class EventStream:
 
     def after_snapshot(self, seq: int) -> LiveStep:
         """What to do with the live batch that led to a snapshot: drop it if the snapshot holds it."""
-        last = -1 if self.stats.last_seq is None else self.stats.last_seq
+        last = -1 if self.newest_seq is None else self.newest_seq
         if seq <= last:
             return _ALREADY_HELD
         self.live_floor = None
         return LiveStep(Verdict.APPLY, last, replay_from=last + 1 if seq > last + 1 else None)
 
     def applied(self, seq: int, ts: float | None) -> None:
-        """Live batch `seq` is being applied (`ts` None: undecodable, its seq advances all the same).
+        """Live batch `seq` is in the index (`ts` None: undecodable, its seq advances all the same).
 
         The stream is synced from then on: a first batch that arrives before any catch-up answer
         replayed from seq 0 first, which is the catch-up."""
         self.stats.synced = True
-        self.stats.last_seq = seq
+        self.stats.last_seq = self.newest_seq = seq
         if ts is not None:
             self.last_ts = ts
 
     def released(self, ts: float) -> None:
-        """Batches taken by `take_next` reached the index; the newest was published at `ts`."""
+        """The batches taken by `take_next` are in the index; the newest was published at `ts`."""
+        self.stats.last_seq = self.newest_seq
         self.last_ts = ts
+
+    def restarted(self) -> None:
+        """The restart `on_live` announced is handled (the backend replaced or cleared, the batch
+        applied): counted now, so a reader of `restarts` finds the new engine's batch in the index."""
+        self.stats.restarts += 1
 
     def cleared(self) -> None:
         """The backend was cleared after a restart: what was uncertain about it is gone."""
@@ -314,7 +324,7 @@ class EventStream:
         AllBlocksCleared (`cleared_at`) on; the newest decoded was published at `newest_ts`."""
         if seqs:
             self.stats.replayed_batches += len(seqs)
-            self.stats.last_seq = seqs[-1]
+            self.stats.last_seq = self.newest_seq = seqs[-1]
         self.last_ts = max(self.last_ts, newest_ts)
 
     def gap_outcome(
@@ -362,7 +372,7 @@ class EventStream:
         stats.snapshots += 1
         stats.synced = True
         stats.snapshot_blocks = blocks
-        stats.last_seq = next_seq - 1 if next_seq > 0 else None
+        stats.last_seq = self.newest_seq = next_seq - 1 if next_seq > 0 else None
         stats.uncertain = False
         stats.uncertain_reason = None
         stats.last_snapshot_error = None
@@ -384,13 +394,13 @@ class EventStream:
         outage_since, self._disconnected_at = self._disconnected_at, None
         if was_connected or not self.snapshot:
             return False
-        if self.stats.last_seq is None:
+        if self.newest_seq is None:
             return True
         return outage_since is not None and now - outage_since >= self.snapshot_after_outage_s
 
     def needs_catch_up(self) -> bool:
         """Connected for the first time and not caught up yet (no snapshot): replay from seq 0."""
-        return not self.stats.synced and self.stats.last_seq is None
+        return not self.stats.synced and self.newest_seq is None
 
     def on_disconnected(self, now: float) -> None:
         if self.stats.connected:

@@ -327,11 +327,11 @@ class EventSubscriber:
             return
         events, batches, first = self._held_events, self._held_batches, self._held_from
         self._held_events, self._held_batches, self._held_from = [], [], None
-        self._stream.released(batches[-1].ts)
         self.stats.batches += len(batches)
         _count_kinds(self.stats.events, events)
         if events:
-            self._apply_events(events, f"seq {first}..{self.stats.last_seq}")
+            self._apply_events(events, f"seq {first}..{self._stream.newest_seq}")
+        self._stream.released(batches[-1].ts)
         if self._on_batch is not None:
             for batch in batches:
                 self._on_batch(self.name, batch)
@@ -339,7 +339,6 @@ class EventSubscriber:
     def _release_scanned(self) -> None:
         scanned, first = self._held_scanned, self._held_from
         self._held_scanned, self._held_scanned_events, self._held_from = [], 0, None
-        self._stream.released(scanned[-1].ts)
         stats = self.stats
         stats.batches += len(scanned)
         stats.scanned_batches += len(scanned)
@@ -353,7 +352,8 @@ class EventSubscriber:
             if number:
                 stats.events[kind] = stats.events.get(kind, 0) + number
         assert self._wire is not None  # (only a wire scan fills `_held_scanned`)
-        self._guarded(self._wire.apply, scanned, f"seq {first}..{stats.last_seq}")
+        self._guarded(self._wire.apply, scanned, f"seq {first}..{self._stream.newest_seq}")
+        self._stream.released(scanned[-1].ts)
 
     def _drain_monitor(self, monitor: zmq.Socket) -> None:
         stream = self._stream
@@ -469,6 +469,7 @@ class EventSubscriber:
             )
             if self._replace is not None and self._take_snapshot(f"restart (seq {step.last_seq} -> {seq})"):
                 self._continue_after_snapshot(seq, batch)
+                self._stream.restarted()
                 return
             self._clear()
             self._stream.cleared()
@@ -481,8 +482,10 @@ class EventSubscriber:
             and self._take_snapshot(f"unrecovered gap ({self.stats.uncertain_reason})")
         ):
             self._continue_after_snapshot(seq, batch)
-            return
-        self._apply_batch(seq, batch)
+        else:
+            self._apply_batch(seq, batch)
+        if step.restart:
+            self._stream.restarted()
 
     def _oversized(self, seq: int, size: int) -> None:
         """Drop a live message over `max_message_bytes`: its seq advances (no false gap), and the
@@ -577,12 +580,13 @@ class EventSubscriber:
             raise SnapshotFailed(f"the snapshot batch could not be decoded: {exc}") from None
 
     def _apply_batch(self, seq: int, batch: DecodedBatch | None) -> None:
-        self._stream.applied(seq, None if batch is None else batch.ts)
         if batch is None:
+            self._stream.applied(seq, None)
             return
         self._count_batch(seq, batch)
         if batch.events:
             self._apply_events(batch.events, f"seq {seq}")
+        self._stream.applied(seq, batch.ts)
         if self._on_batch is not None:
             self._on_batch(self.name, batch)
 
