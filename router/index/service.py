@@ -1,4 +1,5 @@
-"""The KV index service: one subscriber per backend and DP rank, feeding one shared PrefixIndex.
+"""The KV index service: per backend and DP rank, one event stream (`transport.EventSubscriber`, its
+sequence rules in `stream.EventStream`) feeding one shared PrefixIndex.
 
 It is what the gateway holds as `gateway.kv_index`: started and stopped with the app, told when
 backends come and go, asked by policies for the cached prefix of a prompt, and read by the debug

@@ -110,8 +110,8 @@ _LOG_INTERVAL_S = 5.0
 def receive_frames(socket: zmq.Socket) -> list[bytes]:
     """The frames of the next queued message (zmq.Again when none is queued).
 
-    `recv_multipart` asks the socket for RCVMORE after every frame, a getsockopt that costs pyzmq
-    more than the receive; a frame received without copying carries the same flag (`Frame.more`).
+    `recv_multipart` asks the socket for RCVMORE after every frame, a getsockopt that is costly in
+    pyzmq (docs/benchmarks.md); a frame received without copying carries the flag (`Frame.more`).
     Parts after the first are there already (ZMQ delivers a multipart message whole)."""
     frame = socket.recv(zmq.NOBLOCK, copy=False)
     frames = [frame.bytes]
