@@ -66,7 +66,7 @@ from kvwire import (
 from router.index.ingest import WireIngest
 from router.index.keys import namespace_seed, prefix_keys, prompt_prefix_keys
 from router.index.store import BackendIndexStats, PrefixIndex
-from router.index.subscriber import EventSubscriber, receive_frames
+from router.index.transport import EventSubscriber, receive_frames
 
 BACKENDS = 16
 PREFILL_BLOCKS = 64  # 1024-token prompts

@@ -49,7 +49,7 @@ class Model(_Struct):
     trust_request_chat_template: bool = False
 
 
-# Bounds of one KV-event stream (router/index/subscriber.py): a message's payload, and the live
+# Bounds of one KV-event stream (router/index/transport.py): a message's payload, and the live
 # messages read while a replay request waits.
 DEFAULT_MAX_MESSAGE_BYTES = 16 * 1024 * 1024
 DEFAULT_MAX_QUEUED_BYTES = 64 * 1024 * 1024

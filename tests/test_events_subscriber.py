@@ -5,6 +5,7 @@ bind mode, reconnection and data-parallel ranks."""
 from __future__ import annotations
 
 import functools
+import threading
 import time
 from collections.abc import Iterator
 
@@ -17,7 +18,7 @@ from router.config import KVAwarePolicy, KVEvents
 from router.index.keys import Namespace
 from router.index.service import KVIndexService
 from router.index.store import PrefixIndex
-from router.index.subscriber import EventSubscriber, connectable, rank_endpoint
+from router.index.transport import EventSubscriber, connectable, rank_endpoint
 from router.policies.base import RouteRequest
 from router.policies.kv_aware import KVAware
 from tests.support import free_port, waiting
@@ -234,6 +235,38 @@ def test_a_duplicated_or_stepped_back_seq_is_ignored_while_a_reset_to_zero_clear
     wait_until(lambda: harness.subscriber.stats.restarts == 1)
     assert [harness.cached(n) for n in range(5)] == [0, 0, 0, 0, 64]
     assert stats.last_seq == 0 and stats.duplicates == 3
+
+
+def test_a_restart_is_counted_once_the_new_engine_batch_is_in_the_index() -> None:
+    """A reader that waits for `restarts` finds the backend cleared and the new engine's batch
+    applied: the restart is counted after both, not when it is noticed."""
+    h = Harness()
+    clearing, release = threading.Event(), threading.Event()
+    clear_backend = h.index.clear_backend
+
+    def slow_clear(name: str) -> None:
+        clearing.set()
+        release.wait(10)
+        clear_backend(name)
+
+    h.index.clear_backend = slow_clear  # type: ignore[method-assign]
+    try:
+        h.start()
+        h.publisher.publish([stored(0)])
+        h.publisher.publish([stored(1)])
+        wait_until(lambda: h.subscriber.stats.last_seq == 1)
+        h.publisher.next_seq = 0  # a new engine process, publishing later
+        h.publisher.publish([stored(2)])
+        assert clearing.wait(5), "the restart was not noticed"
+        time.sleep(0.1)
+        assert h.subscriber.stats.restarts == 0  # the backend is not cleared yet
+        release.set()
+        wait_until(lambda: h.subscriber.stats.restarts == 1)
+        assert [h.cached(n) for n in range(3)] == [0, 0, 64]
+        assert h.subscriber.stats.last_seq == 0
+    finally:
+        release.set()
+        h.close()
 
 
 def test_a_late_subscriber_recovers_the_engine_history_by_replay() -> None:

@@ -17,7 +17,7 @@ from kvwire import END_SEQ, decode_batch
 from router.config import KVEvents
 from router.index.service import KVIndexService
 from router.index.store import PrefixIndex
-from router.index.subscriber import EventSubscriber
+from router.index.transport import EventSubscriber
 from tests.support import free_port
 from tests.support.event_publisher import (
     EventPublisher,

@@ -13,9 +13,9 @@ import numpy as np
 import pytest
 
 from kvwire import BlockRemoved, BlockStored, KVEvent, decode_batch
-from router.index import subscriber as subscriber_module
+from router.index import transport
 from router.index.store import PrefixIndex
-from router.index.subscriber import EventSubscriber
+from router.index.transport import EventSubscriber
 from tests.support import free_port, waiting
 from tests.support.event_publisher import EventPublisher, block_removed, block_stored, encode_batch
 
@@ -121,7 +121,7 @@ def test_queued_messages_reach_the_index_in_few_calls_with_the_same_result(wired
     assert subscriber.stats.events == {"BlockStored": 1201, "BlockRemoved": 1}
     # 1203 messages, a gap and a malformed one: a handful of calls, none over the cap.
     assert len(recorder.calls) <= 20, [len(call) for call in recorder.calls]
-    assert max(map(len, recorder.calls)) <= subscriber_module._DRAIN_APPLY_EVENTS
+    assert max(map(len, recorder.calls)) <= transport._DRAIN_APPLY_EVENTS
     assert any(isinstance(call[0], BlockRemoved) or len(call) > 100 for call in recorder.calls)
     assert all(isinstance(event, (BlockStored, BlockRemoved)) for event in applied)
 
@@ -135,3 +135,54 @@ def test_a_lone_message_is_applied_at_once(wired) -> None:
     wait_for(lambda: recorder.index.held_tokens("engine") == 16, what="the block in the index")
     assert recorder.index.longest_cached_prefix(chains[0])["engine"].tokens == 16
     assert [len(call) for call in recorder.calls] == [1]
+
+
+def test_last_seq_shows_a_batch_only_once_its_events_are_in_the_index() -> None:
+    """A reader that waits for `stats.last_seq` (the debug page, a test) then looks at the index
+    finds the batch there: alone or held by a drain, a batch's seq is shown after its apply."""
+    endpoint, replay_endpoint = (f"tcp://127.0.0.1:{free_port()}" for _ in range(2))
+    publisher = EventPublisher(endpoint, replay_endpoint)
+    entered = [threading.Event(), threading.Event()]
+    release = [threading.Event(), threading.Event()]
+    calls: list[list[KVEvent]] = []
+
+    def apply(events: list[KVEvent]) -> None:
+        call = len(calls)
+        calls.append(list(events))
+        if call < 2:  # the first two calls wait to be released
+            entered[call].set()
+            release[call].wait(10)
+
+    subscriber = EventSubscriber(
+        "engine",
+        endpoint,
+        apply=apply,
+        clear=lambda: None,
+        replay_endpoint=replay_endpoint,
+        topic="kv-events",
+        replay_timeout_s=1.0,
+    )
+    try:
+        subscriber.start()
+        wait_for(lambda: subscriber.stats.connected and subscriber.stats.synced, what="subscriber synced")
+        time.sleep(0.3)  # PUB/SUB: the subscription reaches the publisher before the first message
+        payloads, _chains = decode_chain_messages(5, np.random.default_rng(7))
+        publisher.publish_payload(payloads[0])  # the first batch: applied alone
+        assert entered[0].wait(10), "the first message never reached the index"
+        time.sleep(0.1)
+        assert subscriber.stats.last_seq is None  # its apply has not returned
+        for payload in payloads[1:]:  # queued meanwhile: the drain holds them, one apply call
+            publisher.publish_payload(payload)
+        time.sleep(0.3)
+        release[0].set()
+        assert entered[1].wait(10), "the held batches never reached the index"
+        time.sleep(0.1)
+        assert subscriber.stats.last_seq == 0  # seqs 1..4 wait for their apply
+        release[1].set()
+        wait_for(lambda: subscriber.stats.last_seq == 4, what="seq 4 applied")
+        assert [len(call) for call in calls] == [1, 4]
+    finally:
+        for event in release:
+            event.set()
+        subscriber.stop()
+        publisher.close()

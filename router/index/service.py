@@ -1,4 +1,5 @@
-"""The KV index service: one subscriber per backend and DP rank, feeding one shared PrefixIndex.
+"""The KV index service: per backend and DP rank, one event stream (`transport.EventSubscriber`, its
+sequence rules in `stream.EventStream`) feeding one shared PrefixIndex.
 
 It is what the gateway holds as `gateway.kv_index`: started and stopped with the app, told when
 backends come and go, asked by policies for the cached prefix of a prompt, and read by the debug
@@ -22,7 +23,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from router.config import KVEvents
 from router.index.keys import DEFAULT_NAMESPACE, Namespace
 from router.index.store import DEFAULT_MAX_BLOCKS, BackendIndexStats, BackendMatch, PrefixIndex
-from router.index.subscriber import EventSubscriber, rank_endpoint
+from router.index.transport import EventSubscriber, rank_endpoint
 
 logger = logging.getLogger("kvgate.index")
 
@@ -271,7 +272,7 @@ class KVIndexService:
 
             out[name] = {
                 "connected": all(rank["connected"] for rank in ranks),
-                # Every rank has caught up with what its engine still buffers (see subscriber.py).
+                # Every rank has caught up with what its engine still buffers (see stream.py).
                 "synced": all(rank["synced"] for rank in ranks),
                 "last_seq": ranks[0]["last_seq"] if len(ranks) == 1 else [rank["last_seq"] for rank in ranks],
                 "blocks": blocks,
