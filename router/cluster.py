@@ -163,7 +163,7 @@ class ClusterSync:
     def routed(self, request: RouteRequest, backend: BackendState, prefill_tokens: int) -> None:
         """Queue the note of a request just routed (before the policy's on_routed consumes its decision)."""
         decision = request.decision
-        keys = decision.get("prefix_keys") or []
+        keys = decision.prefix_keys or []
         if len(keys) > MAX_PREFIX_KEYS:
             keys = keys[:MAX_PREFIX_KEYS]
         ttl_s = getattr(getattr(self.policy, "predictions", None), "ttl_s", 0.0) if keys else 0.0
@@ -175,8 +175,8 @@ class ClusterSync:
                 prefill_tokens=max(0, prefill_tokens),
                 prefix_keys=keys,
                 ttl_s=ttl_s,
-                hot_prefix_key=decision.get("hot_prefix_key"),
-                cold=decision.get("reason") == "cold_spread",
+                hot_prefix_key=decision.hot_prefix_key,
+                cold=decision.reason == "cold_spread",
                 session=request.session_key,
             )
         )

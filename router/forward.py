@@ -230,12 +230,14 @@ class ProxyEndpoint:
             await _respond_error(responder, 401, UNAUTHORIZED_MESSAGE, id_header, UNAUTHORIZED_HEADERS)
             return
         try:
-            route_request = self._parse(body, request_id, session_value)
-            if route_request.decision.get("by_policy", True):
+            route_request, data, by_policy = self._parse(body, request_id, session_value)
+            if by_policy:
                 for prepare in gateway.request_preparers:
                     await prepare(route_request)
             try:
-                await self._forward(route_request, body, forward_headers, id_header, responder, started)
+                await self._forward(
+                    route_request, data, by_policy, body, forward_headers, id_header, responder, started
+                )
             except asyncio.CancelledError:
                 if not responder.client_gone:
                     raise
@@ -283,7 +285,13 @@ class ProxyEndpoint:
             if not message.get("more_body"):
                 return b"".join(parts)
 
-    def _parse(self, body: bytes, request_id: bytes, session_value: bytes | None) -> RouteRequest:
+    def _parse(
+        self, body: bytes, request_id: bytes, session_value: bytes | None
+    ) -> tuple[RouteRequest, dict[str, Any], bool]:
+        """(the request as the policy reads it, the whole parsed body, whether the policy routes it).
+
+        A request with nothing to route by goes to the least-loaded backend and the policy never sees it.
+        """
         if not body:
             raise GatewayError(400, "empty request body; send a JSON object")
         try:
@@ -328,16 +336,13 @@ class ProxyEndpoint:
         view = data if route.routing_view is None else route.routing_view(data)
         route_request = RouteRequest(request_id.decode("latin-1"), model, view or {}, session_key)
         route_request.body_size = len(body)
-        if view is None:
-            # Nothing to route by: the least-loaded backend takes it and the policy never sees it.
-            route_request.decision["by_policy"] = False
-        elif view is not data:
-            route_request.decision["original_body"] = data
-        return route_request
+        return route_request, data, view is not None
 
     async def _forward(
         self,
         route_request: RouteRequest,
+        data: dict[str, Any],
+        by_policy: bool,
         body: bytes,
         forward_headers: list[tuple[bytes, bytes]],
         id_header: tuple[bytes, bytes],
@@ -345,16 +350,13 @@ class ProxyEndpoint:
         started: float,
     ) -> None:
         gateway = self.gateway
-        decision = route_request.decision
-        original = decision.pop("original_body", route_request.body)
         served_name = gateway.served_names.get(route_request.model)
         if served_name is not None:
             # The one case where the body is re-encoded: the engines know the model by another name.
             try:
-                body = _encoder.encode({**original, "model": served_name})
+                body = _encoder.encode({**data, "model": served_name})
             except RecursionError:
                 raise GatewayError(400, "request body is JSON nested too deeply to forward") from None
-        by_policy = decision.pop("by_policy", True)
         policy = gateway.policy if by_policy else self.least_loaded
         limits = gateway.config.limits
         timeout_s = limits.upstream_timeout_s
@@ -469,7 +471,7 @@ class ProxyEndpoint:
                         if gateway.cluster is not None:
                             gateway.cluster.loads_changed()
                     if first_piece_pending:
-                        route_request.decision["upstream_ttft_s"] = perf_counter() - upstream_started
+                        route_request.decision.upstream_ttft_s = perf_counter() - upstream_started
                         first_piece_pending = False
                     if response.at_end:
                         # The last piece ends the response in the same write (saves a write per request).
@@ -524,11 +526,11 @@ def _carries_chat_template(data: dict) -> bool:
 def _prefill_tokens(route_request: RouteRequest) -> int:
     """Prompt tokens the backend still has to prefill: the policy's figure, else tokens minus cached."""
     decision = route_request.decision
-    prefill_tokens = decision.get("prefill_tokens")
+    prefill_tokens = decision.prefill_tokens
     if prefill_tokens is not None:
         return prefill_tokens
     tokens = route_request.tokens
-    return 0 if tokens is None else max(0, len(tokens) - decision.get("cached_tokens", 0))
+    return 0 if tokens is None else max(0, len(tokens) - decision.cached_tokens)
 
 
 def _release(backend: BackendState, prefill_tokens: int) -> None:

@@ -63,7 +63,7 @@ from router.policies.shared_tiers import SharedTiers
 if TYPE_CHECKING:
     from router.backends import BackendState
     from router.cluster import RoutedNote
-    from router.policies.base import RouteRequest
+    from router.policies.base import CandidateScore, RouteRequest
 
 logger = logging.getLogger("kvgate.policy")
 
@@ -217,18 +217,16 @@ class CacheAwarePolicy:
         line = self.max_load_ratio * mean + self.load_slack
         return [b for b in backends if b.in_flight <= line] or backends
 
-    def record(self, request: RouteRequest, winner: str, reason: str, scores: dict[str, dict[str, Any]],
+    def record(self, request: RouteRequest, winner: str, reason: str, scores: dict[str, CandidateScore],
                prompt_tokens: int, cached_tokens: int) -> None:  # fmt: skip
         decision = request.decision
-        decision.update(
-            policy=self.name,
-            winner=winner,
-            reason=reason,
-            prompt_tokens=prompt_tokens,
-            cached_tokens=cached_tokens,
-            prefill_tokens=max(0, prompt_tokens - cached_tokens),
-            candidates=scores,
-        )
+        decision.policy = self.name
+        decision.winner = winner
+        decision.reason = reason
+        decision.prompt_tokens = prompt_tokens
+        decision.cached_tokens = cached_tokens
+        decision.prefill_tokens = max(0, prompt_tokens - cached_tokens)
+        decision.candidates = scores
         if self.metrics is not None:
             self.metrics.decisions.labels(self.name, reason).inc()
         logger.debug(
@@ -243,11 +241,11 @@ class CacheAwarePolicy:
 
     def remember_routed(self, request: RouteRequest, backend: BackendState) -> None:
         decision = request.decision
-        prompt_tokens = decision.get("prompt_tokens", 0)
-        cached_tokens = decision.get("cached_tokens", 0)
+        prompt_tokens = decision.prompt_tokens
+        cached_tokens = decision.cached_tokens
         now = time.monotonic()
         self._count_placement(
-            backend.name, max(0, prompt_tokens - cached_tokens), decision.get("reason") == "cold_spread", now
+            backend.name, max(0, prompt_tokens - cached_tokens), decision.reason == "cold_spread", now
         )
         if self.metrics is not None and prompt_tokens:
             self.metrics.prompt_tokens.labels(self.name, "prompt").inc(prompt_tokens)
@@ -258,12 +256,12 @@ class CacheAwarePolicy:
                 "request_id": request.request_id,
                 "model": request.model,
                 "backend": backend.name,
-                "reason": decision.get("reason"),
+                "reason": decision.reason,
                 "prompt_tokens": prompt_tokens,
                 "cached_tokens": cached_tokens,
                 "candidates": {
                     name: {"cached": score.get("cached", 0), "cost": score.get("cost")}
-                    for name, score in decision.get("candidates", {}).items()
+                    for name, score in decision.candidates.items()
                 },
             }
         )
@@ -404,10 +402,10 @@ class KVAware(CacheAwarePolicy):
                 matches = self.kv_index.longest_cached_prefix(tokens, namespace, backends, keys=keys)
                 if self.shared_tiers:
                     matches = self.shared_tiers.credit(matches)
-            request.decision["prefix_keys"] = keys
+            request.decision.prefix_keys = keys
         costs: dict[str, float] = {}
         cached: dict[str, int] = {}
-        scores: dict[str, dict[str, Any]] = {}
+        scores: dict[str, CandidateScore] = {}
         request_weight, prefill_weight = self.load_weights()
         for backend in candidates:
             match = matches.get(backend.name)
@@ -435,7 +433,7 @@ class KVAware(CacheAwarePolicy):
         best_blocks = min(len(keys), best_held // ROUTER_BLOCK_TOKENS)
         if best_blocks:
             hot_key = keys[best_blocks - 1]
-            request.decision["hot_prefix_key"] = hot_key
+            request.decision.hot_prefix_key = hot_key
         uses = self.prefix_uses.value(hot_key, now) if hot_key is not None else 0.0
         # A copy made for a hot prefix pays when its recent requests, each worth a request in
         # flight, outweigh the prefill of the tokens the move forfeits (replica_must_pay).
@@ -538,19 +536,22 @@ class KVAware(CacheAwarePolicy):
         return {name: value * mean / sizes[name] for name, value in values.items()}
 
     def on_routed(self, request: RouteRequest, backend: BackendState) -> None:
-        keys = request.decision.pop("prefix_keys", None)
+        decision = request.decision
+        keys = decision.prefix_keys
+        hot_key = decision.hot_prefix_key
+        # Consumed: a retry's choose() sets them again for its own backend.
+        decision.prefix_keys = decision.hot_prefix_key = None
         now = time.monotonic()
         if keys:
             self.predictions.add(backend.name, keys, now)
-        hot_key = request.decision.pop("hot_prefix_key", None)
         if hot_key is not None:
             self.prefix_uses.add(hot_key, now)
         if self.capacity is not None:
-            self.capacity.on_routed(backend.name, request.decision.get("prompt_tokens", 0), now, keys)
+            self.capacity.on_routed(backend.name, decision.prompt_tokens, now, keys)
         if self.load_costs is not None:
             # The load the request met: on_routed comes after the gateway counted it in.
-            prefill_tokens = request.decision.get("prefill_tokens", 0)
-            request.decision["load_at_send"] = (
+            prefill_tokens = decision.prefill_tokens or 0
+            decision.load_at_send = (
                 prefill_tokens,
                 backend.in_flight - 1,
                 backend.in_flight_prefill_tokens - prefill_tokens,
@@ -568,8 +569,8 @@ class KVAware(CacheAwarePolicy):
 
     def on_finished(self, request: RouteRequest, backend: BackendState) -> None:
         decision = request.decision
-        ttft_s = decision.get("upstream_ttft_s")
-        load = decision.get("load_at_send")
+        ttft_s = decision.upstream_ttft_s
+        load = decision.load_at_send
         if ttft_s is not None and load is not None and self.load_costs is not None:
             self.load_costs.observe(*load, ttft_s)
 
