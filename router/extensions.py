@@ -23,7 +23,7 @@ if TYPE_CHECKING:
 # "module:function" factories, called in this order. The KV index and tokenizer add theirs here.
 EXTENSION_FACTORIES: list[str] = [
     # KV-event index (gateway.kv_index), tokenizer preparer, /debug/prefix-map and /lookup.
-    "router.debug:create_extension",
+    "router.debug_page:create_extension",
 ]
 
 
