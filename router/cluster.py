@@ -26,6 +26,7 @@ import os
 import socket
 import time
 from collections import deque
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Annotated, Any
 from urllib.parse import urlsplit
@@ -100,7 +101,7 @@ class ClusterSync:
     def __init__(
         self,
         config: Cluster,
-        backends: dict[str, BackendState],
+        backends: Mapping[str, BackendState],
         policy: Policy,
         registry: Any = None,
     ) -> None:
@@ -372,7 +373,12 @@ class ClusterSync:
         peer = self._peers.pop(name)
         self._apply_loads(peer, {})
 
-    def backend_removed(self, name: str) -> None:
+    # ---- BackendListener (router/backends.py) ----
+
+    def backend_added(self, backend: BackendState) -> None:
+        pass  # a peer's load on it counts from the peer's next message
+
+    def backend_removed(self, backend: BackendState) -> None:
         """A backend left the registry: the peers' loads on it no longer apply to anything."""
         for peer in self._peers.values():
-            peer.loads.pop(name, None)
+            peer.loads.pop(backend.name, None)

@@ -1,27 +1,11 @@
-"""The KV index's HTTP surface and its gateway extension.
+"""GET /debug/prefix-map: what the gateway knows of every engine's cache, as an HTML page a person
+can read or as JSON (`?format=json`).
 
-- GET /debug/prefix-map: what the gateway knows of every engine's cache, as an HTML page a person
-  can read or as JSON (`?format=json`): per backend the event stream's state and the blocks and
-  tokens per tier; the top cached prefixes (decoded text, or token counts only when
-  `admin.redact_prompts`); the recent routing decisions.
-- Routing warnings (`routing_warnings`): the ways kv_aware can go blind without failing: a model
-  with no tokenizer (every decision `no_tokens`), a subscribed backend that takes requests but
-  whose events never arrive (a topic mismatch looks connected), an event socket that could not
-  be bound or connected. Shown on the page and in its JSON, logged (each at most once every
-  WARNING_LOG_EVERY_S while it lasts), and counted in kvgate_routing_warnings.
-- POST /lookup: LMCache-controller compatible `{"tokens": [...]}` ->
-  `{"event_id", "layout_info": {backend: [medium, matched_tokens]}}`, from event-confirmed entries
-  only (kv_aware's predictions are not in the index).
-Both need the admin token when one is configured.
-
-Stale holders: a backend that is down, or whose event stream is disconnected, may no longer hold
-what it announced (and its removals do not arrive). Both endpoints leave it out of the holders
-(`layout_info`, a prefix's `backends`) and list it apart, with the reason, under `stale_holders`;
-kv_aware does not count a disconnected stream's entries either (KVIndexService.longest_cached_prefix)
-and never routes to a down backend.
-
-`create_extension(gateway)` wires the index service (gateway.kv_index), the tokenizer (a request
-preparer for policies that need tokens) and these routes into the gateway through its seams.
+Per backend: its health and the state of its KV-event stream, the blocks and tokens it holds per
+tier; the top cached prefixes (decoded text, or token counts only when `admin.redact_prompts`) and
+which backends hold them (stale holders apart, see router/lookup.py); the recent routing decisions
+of the cache-aware policies; the routing warnings (router/routing_warnings.py). Needs the admin
+token when one is configured.
 """
 
 from __future__ import annotations
@@ -29,209 +13,63 @@ from __future__ import annotations
 import asyncio
 import datetime as dt
 import html
-import logging
-import time
-import uuid
-from collections.abc import Iterable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from string import Template
 from typing import TYPE_CHECKING, Any
 
-import msgspec
-from prometheus_client.core import GaugeMetricFamily
 from starlette.requests import Request
 from starlette.responses import HTMLResponse, JSONResponse, Response
 from starlette.routing import BaseRoute, Route
 
-from router.config import ApproximatePolicy, KVAwarePolicy
-from router.errors import decode_json_body
-from router.index.service import KVIndexService
+from router.admin import require_admin
+from router.lookup import stale_holders
 from router.prefix_treemap import sharing_legend, sharing_svg
-from router.tokenize import RequestTokenizer
 
 if TYPE_CHECKING:
-    from router.app import Gateway
     from router.backends import BackendState
-
-logger = logging.getLogger("kvgate.debug")
+    from router.config import Config
+    from router.index.service import KVIndexService
+    from router.policies.base import Policy
+    from router.routing_warnings import RoutingWarnings
+    from router.tokenize import RequestTokenizer
 
 _TEMPLATE = Template((Path(__file__).parent / "debug_page.html").read_text())
 TOP_PREFIXES = 20
 PREVIEW_CHARS = 240
-_LOOKUP_MEDIUM = {"gpu": "GPU", "cpu": "CPU", "disk": "DISK"}
-# A subscribed backend is called silent when it took SILENT_MIN_REQUESTS requests with at least a
-# block to prefill, routed SILENT_AFTER_S or more after its last event (or its subscription): an
-# engine publishes a prefill's blocks within milliseconds, so none arriving means none reach us.
-SILENT_MIN_REQUESTS = 3
-SILENT_AFTER_S = 5.0
-SILENT_MIN_PREFILL_TOKENS = 16
-WARNING_LOG_EVERY_S = 300.0
-WARNING_CHECK_EVERY_S = 2.0
-WARNING_KINDS = ("no_tokenizer", "silent_events", "socket_error")
 
 
-class _LookupBody(msgspec.Struct):
-    tokens: list[int]
-    cache_salt: str | None = None
-    lora_name: str | None = None
+class DebugPage:
+    """The page's data (`prefix_map`) and its endpoint."""
 
-
-_lookup_decoder = msgspec.json.Decoder(_LookupBody)
-
-
-class KVIndexExtension:
-    """The gateway extension: index service lifecycle, backend changes, tokenizer, routes."""
-
-    def __init__(self, gateway: Gateway) -> None:
-        self.gateway = gateway
-        self.service = KVIndexService(registry=gateway.metrics.registry)
-        self.tokenizer = RequestTokenizer(gateway.config, gateway.backends)
-        gateway.kv_index = self.service
-        self.needs_tokens = isinstance(gateway.config.policy, (KVAwarePolicy, ApproximatePolicy))
-        if self.needs_tokens:
-            gateway.request_preparers.append(self.tokenizer.prepare)
-        # model -> why its tokenizer failed to load; backend -> when its events were first awaited.
-        self.tokenizer_errors: dict[str, str] = {}
-        self._subscribed_at: dict[str, float] = {}
-        self._logged_at: dict[tuple[str, str], float] = {}
-        self._watch_task: asyncio.Task | None = None
-        gateway.metrics.registry.register(_WarningsCollector(self))
-
-    # ---- Extension protocol ----
+    def __init__(
+        self,
+        config: Config,
+        backends: Mapping[str, BackendState],
+        index: KVIndexService,
+        policy: Policy,
+        tokenizer: RequestTokenizer,
+        warnings: RoutingWarnings,
+        admin_token: str | None,
+    ) -> None:
+        self.config = config
+        self.backends = backends
+        self.index = index
+        self.policy = policy
+        self.tokenizer = tokenizer
+        self.warnings = warnings
+        self.admin_token = admin_token
 
     def routes(self) -> list[BaseRoute]:
-        return [
-            Route("/debug/prefix-map", self.prefix_map_endpoint, methods=["GET"]),
-            Route("/lookup", self.lookup_endpoint, methods=["POST"]),
-        ]
-
-    async def start(self) -> None:
-        self.service.start()
-        if self.needs_tokens:
-            # Load tokenizers now, not on the first request (about 2 s for Qwen3).
-            for model in self.gateway.config.models:
-                try:
-                    await asyncio.to_thread(self.tokenizer.tokenizer, model.name)
-                except Exception as exc:
-                    self.tokenizer_errors[model.name] = str(exc)
-            self.tokenizer.start_sandboxes()  # for models that accept client templates, if any
-            self._watch_task = asyncio.get_running_loop().create_task(self._watch_warnings())
-
-    async def stop(self) -> None:
-        if self._watch_task is not None:
-            self._watch_task.cancel()
-        self.service.stop()
-        await self.tokenizer.close()
-
-    def backend_added(self, backend: BackendState) -> None:
-        self._subscribed_at[backend.name] = time.time()
-        self.service.add_backend(backend.name, backend.kv_events)
-
-    def backend_removed(self, backend: BackendState) -> None:
-        self._subscribed_at.pop(backend.name, None)
-        self.service.remove_backend(backend.name)
-
-    def stale_holders(self) -> dict[str, str]:
-        """Backends with KV events whose index entries are not to be trusted now, and why."""
-        stale = self.service.disconnected_streams()
-        for name in self.service.backends():
-            backend = self.gateway.backends.get(name)
-            if backend is not None and not backend.healthy:
-                down = f"backend down: {backend.down_reason}"
-                stale[name] = f"{down}; {stale[name]}" if name in stale else down
-        return stale
-
-    # ---- routing warnings ----
-
-    def routing_warnings(self, status: dict[str, dict[str, Any]] | None = None) -> list[dict[str, str]]:
-        """Why kv_aware routes (part of) the traffic blind now: [{kind, subject, message}]."""
-        if not self.needs_tokens:
-            return []
-        warnings = []
-        for model in self.gateway.config.models:
-            if model.name in self.tokenizer_errors:
-                problem = f"its tokenizer failed to load ({self.tokenizer_errors[model.name]})"
-            elif model.tokenize == "local" and model.tokenizer is None:
-                problem = "it has no `tokenizer:`"
-            else:
-                continue
-            warnings.append(
-                {
-                    "kind": "no_tokenizer",
-                    "subject": model.name,
-                    "message": f"model {model.name}: {problem}, so the gateway cannot read its prompts' "
-                    "tokens and routes every request for it by load alone (decision `no_tokens`); give "
-                    "`tokenizer:` a local tokenizer directory (or builtin:qwen3), or set `tokenize: engine`",
-                }
-            )
-        status = self.service.status() if status is None else status
-        decisions = list(getattr(self.gateway.policy, "recent_decisions", []))
-        for name, stream in status.items():
-            if stream["socket_errors"]:
-                warnings.append(
-                    {
-                        "kind": "socket_error",
-                        "subject": name,
-                        "message": f"backend {name}: its KV-event socket failed "
-                        f"({'; '.join(stream['socket_errors'])}), so none of its events can arrive and "
-                        "kv_aware treats its cache as empty; free the address or fix kv_events, then "
-                        "restart the gateway (or DELETE and POST the backend)",
-                    }
-                )
-                continue
-            since = stream["last_message_at"] or self._subscribed_at.get(name, time.time())
-            unannounced = [
-                decision
-                for decision in decisions
-                if decision["backend"] == name
-                and decision["at"] >= since + SILENT_AFTER_S
-                and decision["prompt_tokens"] - decision["cached_tokens"] >= SILENT_MIN_PREFILL_TOKENS
-            ]
-            if len(unannounced) >= SILENT_MIN_REQUESTS:
-                last = "no event yet" if stream["last_message_at"] is None else "no event since"
-                waited = time.time() - since
-                warnings.append(
-                    {
-                        "kind": "silent_events",
-                        "subject": name,
-                        "message": f"backend {name}: took {len(unannounced)} requests with prompts to "
-                        f"cache but {last} ({waited:.0f} s), though its stream reads "
-                        f"{'connected' if stream['connected'] else 'disconnected'}: check that the engine "
-                        "publishes KV events (vLLM --kv-events-config, SGLang --kv-events-config), that "
-                        "kv_events.topic equals the engine's topic, and that endpoint and bind match "
-                        "who binds (docs/real-engines.md)",
-                    }
-                )
-        return warnings
-
-    def log_warnings(self, warnings: Iterable[dict[str, str]]) -> None:
-        """Log each warning when it appears and again every WARNING_LOG_EVERY_S while it lasts."""
-        now = time.monotonic()
-        for warning in warnings:
-            key = (warning["kind"], warning["subject"])
-            logged = self._logged_at.get(key)
-            if logged is None or now - logged >= WARNING_LOG_EVERY_S:
-                self._logged_at[key] = now
-                logger.warning("kv_aware routes blind: %s", warning["message"])
-
-    async def _watch_warnings(self) -> None:
-        while True:
-            try:
-                self.log_warnings(await asyncio.to_thread(self.routing_warnings))
-            except Exception:  # the watch must outlive a bug in one check
-                logger.exception("checking for routing warnings failed")
-            await asyncio.sleep(WARNING_CHECK_EVERY_S)
-
-    # ---- /debug/prefix-map ----
+        return [Route("/debug/prefix-map", self.endpoint, methods=["GET"])]
 
     def prefix_map(self) -> dict[str, Any]:
         """The page's data: backends, top prefixes, recent decisions."""
-        gateway = self.gateway
-        redact = gateway.config.admin.redact_prompts
-        status = self.service.status()
-        stale = self.stale_holders()
+        redact = self.config.admin.redact_prompts
+        status = self.index.status()
+        stale = stale_holders(self.index, self.backends)
         backends: dict[str, Any] = {}
-        for name, backend in gateway.backends.items():
+        for name, backend in self.backends.items():
             entry: dict[str, Any] = {
                 "url": backend.url,
                 "state": backend.describe()["state"],
@@ -249,7 +87,7 @@ class KVIndexExtension:
             backends[name] = entry
         decoder = self._decoder()
         prefixes = []
-        for top in self.service.index.top_prefixes(TOP_PREFIXES):
+        for top in self.index.index.top_prefixes(TOP_PREFIXES):
             lora_name, salt = top["namespace"]
             holders = {name: tokens for name, tokens in top["backends"].items() if name not in stale}
             item: dict[str, Any] = {
@@ -269,23 +107,24 @@ class KVIndexExtension:
                 item["text"] = decoder(top["preview_tokens"]) if decoder else None
                 item["token_ids"] = top["preview_tokens"][:32]
             prefixes.append(item)
-        decisions = list(getattr(gateway.policy, "recent_decisions", []))[-50:][::-1]
-        load_costs = getattr(gateway.policy, "load_costs", None)
+        policy = self.policy
+        decisions = list(getattr(policy, "recent_decisions", []))[-50:][::-1]
+        load_costs = getattr(policy, "load_costs", None)
         return {
-            "warnings": self.routing_warnings(status),
+            "warnings": self.warnings.current(status),
             "backends": backends,
             "prefixes": prefixes,
             "decisions": decisions,
-            "index": self.service.index.size(),
-            "policy": getattr(gateway.policy, "name", None),
+            "index": self.index.index.size(),
+            "policy": getattr(policy, "name", None),
             # kv_aware's measured load weights (router/policies/load_costs.py), when it measures them.
             "load_costs": None if load_costs is None else load_costs.describe(),
             "redacted": redact,
             "generated_at": dt.datetime.now(dt.UTC).isoformat(),
         }
 
-    def _decoder(self) -> Any:
-        for model in self.gateway.config.models:
+    def _decoder(self) -> Callable[[list[int]], str] | None:
+        for model in self.config.models:
             try:
                 tokenizer = self.tokenizer.tokenizer(model.name)
             except Exception:  # a broken tokenizer must not break the debug page
@@ -294,77 +133,14 @@ class KVIndexExtension:
                 return tokenizer.decode
         return None
 
-    async def prefix_map_endpoint(self, request: Request) -> Response:
-        from router.admin import require_admin
-
-        if (denied := require_admin(self.gateway, request)) is not None:
+    async def endpoint(self, request: Request) -> Response:
+        if (denied := require_admin(self.admin_token, request)) is not None:
             return denied
         data = await asyncio.to_thread(self.prefix_map)
         if request.query_params.get("format") == "json":
             return JSONResponse(data)
         refresh = request.query_params.get("refresh", "")
         return HTMLResponse(render_page(data, refresh if refresh.isdigit() and int(refresh) > 0 else None))
-
-    # ---- /lookup ----
-
-    async def lookup_endpoint(self, request: Request) -> Response:
-        from router.admin import require_admin, require_json
-
-        if (denied := require_admin(self.gateway, request) or require_json(request)) is not None:
-            return denied
-        raw = await request.body()
-        try:
-            body = decode_json_body(_lookup_decoder, raw)
-        except (msgspec.ValidationError, msgspec.DecodeError) as exc:
-            return JSONResponse(
-                {"detail": f'invalid lookup body: {exc}; expected {{"tokens": [int, ...]}}'}, status_code=400
-            )
-        if any(token < 0 or token >= 2**32 for token in body.tokens):
-            return JSONResponse({"detail": "tokens must be integers in 0..2^32-1"}, status_code=400)
-        namespace = (body.lora_name, body.cache_salt)
-        matches = self.service.longest_cached_prefix(body.tokens, namespace, disconnected=True)
-        stale = self.stale_holders()
-        layout: dict[str, list[Any]] = {}
-        stale_holders: dict[str, dict[str, Any]] = {}
-        for name, match in matches.items():
-            tier = match.best_tier()
-            if tier is None:
-                continue
-            medium = _LOOKUP_MEDIUM.get(tier, tier.upper())
-            if name in stale:
-                stale_holders[name] = {"medium": medium, "tokens": match.tokens, "reason": stale[name]}
-            else:
-                layout[name] = [medium, match.tokens]
-        return JSONResponse(
-            {"event_id": f"Lookup{uuid.uuid4().hex}", "layout_info": layout, "stale_holders": stale_holders}
-        )
-
-
-def create_extension(gateway: Gateway) -> KVIndexExtension:
-    return KVIndexExtension(gateway)
-
-
-class _WarningsCollector:
-    """kvgate_routing_warnings{kind}: how many routing warnings of each kind hold at scrape time."""
-
-    def __init__(self, extension: KVIndexExtension) -> None:
-        self._extension = extension
-
-    def describe(self) -> list:
-        return []
-
-    def collect(self) -> Iterable[Any]:
-        gauge = GaugeMetricFamily(
-            "kvgate_routing_warnings",
-            "Reasons kv_aware routes part of the traffic blind now (see /debug/prefix-map), by kind",
-            labels=["kind"],
-        )
-        counts = dict.fromkeys(WARNING_KINDS, 0)
-        for warning in self._extension.routing_warnings():
-            counts[warning["kind"]] += 1
-        for kind, count in counts.items():
-            gauge.add_metric([kind], count)
-        yield gauge
 
 
 # ---- HTML ----

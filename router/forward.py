@@ -18,7 +18,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from random import getrandbits
 from time import perf_counter
@@ -27,14 +27,20 @@ from typing import TYPE_CHECKING, Any, Protocol
 import msgspec
 
 from router.auth import UNAUTHORIZED_HEADERS, UNAUTHORIZED_MESSAGE
-from router.errors import GatewayError, decode_json_body, error_body, log_unexpected, send_error
+from router.config import SessionPolicy
+from router.errors import GatewayError, KvgateError, decode_json_body, error_body, log_unexpected, send_error
 from router.policies.base import RouteRequest
 from router.policies.least_loaded import LeastLoaded
 from router.upstream import UpstreamError, UpstreamResponse, UpstreamTimeout
 
 if TYPE_CHECKING:
-    from router.app import Gateway
-    from router.backends import BackendState
+    from router.auth import ClientKeys
+    from router.backends import BackendRegistry, BackendState
+    from router.cluster import ClusterSync
+    from router.config import Config
+    from router.metrics import GatewayMetrics
+    from router.policies.base import Policy
+    from router.upstream import UpstreamPool
 
 log = logging.getLogger("kvgate.forward")
 
@@ -65,8 +71,8 @@ _decoder = msgspec.json.Decoder()
 _encoder = msgspec.json.Encoder()
 
 
-class _ClientGone(Exception):
-    pass
+class _ClientGone(KvgateError):
+    """The client disconnected before its request body had arrived."""
 
 
 def body_too_large(limit: int, length: int | None = None) -> GatewayError:
@@ -154,13 +160,72 @@ FORWARDED_ROUTES = (
 )
 
 
+class ForwardContext:
+    """What forwarding reads and updates, shared by every ProxyEndpoint; router/wiring.py builds it."""
+
+    __slots__ = (
+        "backends",
+        "client_keys",
+        "cluster",
+        "config",
+        "metrics",
+        "model_names",
+        "policy",
+        "pool",
+        "request_preparers",
+        "request_template_models",
+        "served_names",
+        "session_header",
+    )
+
+    def __init__(
+        self,
+        config: Config,
+        backends: BackendRegistry,
+        policy: Policy,
+        pool: UpstreamPool,
+        metrics: GatewayMetrics,
+        *,
+        cluster: ClusterSync | None = None,
+        request_preparers: Sequence[Callable[[RouteRequest], Awaitable[None]]] = (),
+        client_keys: ClientKeys | None = None,
+    ) -> None:
+        self.config = config
+        self.backends = backends
+        self.policy = policy
+        self.pool = pool
+        self.metrics = metrics
+        # Told of every request routed and every load change (the replica sync), when configured.
+        self.cluster = cluster
+        # Awaited with each request the policy routes, before it chooses (the tokenizer fills
+        # RouteRequest.tokens and .namespace there).
+        self.request_preparers = tuple(request_preparers)
+        # Client API keys (router/auth.py); None: requests need none.
+        self.client_keys = client_keys
+        self.model_names = frozenset(model.name for model in config.models)
+        self.served_names = {
+            model.name: model.served_name
+            for model in config.models
+            if model.served_name not in (None, model.name)
+        }
+        # Models whose clients may send their own chat template (refused with a 400 for the others).
+        self.request_template_models = frozenset(
+            model.name for model in config.models if model.trust_request_chat_template
+        )
+        header = config.policy.header if isinstance(config.policy, SessionPolicy) else "x-session-id"
+        self.session_header = header.lower().encode()
+
+
 class ProxyEndpoint:
     """One forwarded path: `serve` does the work; calling it serves the request as ASGI."""
 
-    def __init__(self, gateway: Gateway, route: ForwardedRoute):
-        self.gateway = gateway
+    def __init__(self, context: ForwardContext, route: ForwardedRoute):
+        self.context = context
         self.route = route
         self.path = route.path.encode()
+        # What router/http_server.py's direct path checks before the body has been read.
+        self.limits = context.config.limits
+        self.metrics = context.metrics
         # Where requests with no prompt to route by go, whatever the configured policy.
         self.least_loaded = LeastLoaded()
 
@@ -176,7 +241,7 @@ class ProxyEndpoint:
         session_value = None
         declared_length = None
         forward_headers: list[tuple[bytes, bytes]] = []
-        session_header = self.gateway.session_header
+        session_header = self.context.session_header
         for name, value in headers:
             if name in _HOP_BY_HOP:
                 if name == b"content-length":
@@ -200,7 +265,7 @@ class ProxyEndpoint:
         try:
             body = await self._read_body(receive, declared_length)
         except GatewayError as exc:
-            self.gateway.metrics.gateway_errors.labels(str(exc.status)).inc()
+            self.context.metrics.gateway_errors.labels(str(exc.status)).inc()
             await send_error(send, exc.status, exc.message, [(b"x-request-id", request_id)])
             return
         except _ClientGone:
@@ -222,17 +287,17 @@ class ProxyEndpoint:
     ) -> None:
         """Validate, route and forward one request whose whole body has been read; answer every
         error in the OpenAI shape. Returns quietly when the client left (its task was cancelled)."""
-        gateway = self.gateway
+        context = self.context
         id_header = (b"x-request-id", request_id)
-        keys = gateway.client_keys
+        keys = context.client_keys
         if keys is not None and not keys.allows_headers(forward_headers):
-            gateway.metrics.gateway_errors.labels("401").inc()
+            context.metrics.gateway_errors.labels("401").inc()
             await _respond_error(responder, 401, UNAUTHORIZED_MESSAGE, id_header, UNAUTHORIZED_HEADERS)
             return
         try:
             route_request, data, by_policy = self._parse(body, request_id, session_value)
             if by_policy:
-                for prepare in gateway.request_preparers:
+                for prepare in context.request_preparers:
                     await prepare(route_request)
             try:
                 await self._forward(
@@ -243,19 +308,19 @@ class ProxyEndpoint:
                     raise
                 return  # the client left: upstream closed and accounting done on the way out
         except GatewayError as exc:
-            gateway.metrics.gateway_errors.labels(str(exc.status)).inc()
+            context.metrics.gateway_errors.labels(str(exc.status)).inc()
             await _respond_error(responder, exc.status, exc.message, id_header)
         except Exception as exc:
             # Never a stack trace to the client; the log keeps it for the operator (throttled).
             log_unexpected(
                 log, exc, "request %s failed inside the gateway", request_id.decode(errors="replace")
             )
-            gateway.metrics.gateway_errors.labels("500").inc()
+            context.metrics.gateway_errors.labels("500").inc()
             with contextlib.suppress(Exception):
                 await _respond_error(responder, 500, "internal gateway error; see the gateway log", id_header)
 
     async def _read_body(self, receive, declared_length: bytes | None) -> bytes:
-        limit = self.gateway.config.limits.max_body_bytes
+        limit = self.context.config.limits.max_body_bytes
         if declared_length is not None:
             try:
                 length = int(declared_length)
@@ -302,22 +367,22 @@ class ProxyEndpoint:
             raise GatewayError(400, f"request body must be a JSON object, got {type(data).__name__}")
         route = self.route
         model = data.get("model")
-        if model is None and route.model_optional and len(self.gateway.config.models) == 1:
-            model = self.gateway.config.models[0].name
+        if model is None and route.model_optional and len(self.context.config.models) == 1:
+            model = self.context.config.models[0].name
         if not isinstance(model, str) or not model:
             raise GatewayError(400, "missing `model`: name one of the models listed by GET /v1/models")
         if not any(field in data for field in route.required):
             fields = " or ".join(f"`{field}`" for field in route.required)
             raise GatewayError(400, f"missing {fields} for {route.path}")
-        if model not in self.gateway.model_names:
-            known = ", ".join(m.name for m in self.gateway.config.models)
+        if model not in self.context.model_names:
+            known = ", ".join(m.name for m in self.context.config.models)
             raise GatewayError(404, f"the model `{model}` does not exist; configured models: {known}")
         if (
             # Where the gateway renders the messages itself (a routed path); /tokenize leaves the
             # rendering to the engine, which has its own --trust-request-chat-template.
             route.routing_view is not None
             and "messages" in data
-            and model not in self.gateway.request_template_models
+            and model not in self.context.request_template_models
             and _carries_chat_template(data)
         ):
             raise GatewayError(
@@ -349,40 +414,40 @@ class ProxyEndpoint:
         responder: Responder,
         started: float,
     ) -> None:
-        gateway = self.gateway
-        served_name = gateway.served_names.get(route_request.model)
+        context = self.context
+        served_name = context.served_names.get(route_request.model)
         if served_name is not None:
             # The one case where the body is re-encoded: the engines know the model by another name.
             try:
                 body = _encoder.encode({**data, "model": served_name})
             except RecursionError:
                 raise GatewayError(400, "request body is JSON nested too deeply to forward") from None
-        policy = gateway.policy if by_policy else self.least_loaded
-        limits = gateway.config.limits
+        policy = context.policy if by_policy else self.least_loaded
+        limits = context.config.limits
         timeout_s = limits.upstream_timeout_s
         tried: list[BackendState] = []
         for attempt in range(limits.max_attempts):
-            candidates = _candidates(gateway, route_request.model, tried)
+            candidates = _candidates(context.backends, route_request.model, tried)
             if not candidates:
                 break
             backend = policy.choose(route_request, candidates)
             if not backend.healthy:
-                gateway.metrics.panic_routed.labels(backend.name).inc()
+                context.metrics.panic_routed.labels(backend.name).inc()
             tried.append(backend)
             # Counted from the moment the request is sent: the engine is busy with it from then on.
             prefill_tokens = _prefill_tokens(route_request)
             backend.in_flight += 1
             backend.in_flight_prefill_tokens += prefill_tokens
-            if gateway.cluster is not None:
+            if context.cluster is not None:
                 # Before on_routed, which consumes the decision's prefix keys.
-                gateway.cluster.routed(route_request, backend, prefill_tokens)
+                context.cluster.routed(route_request, backend, prefill_tokens)
             # The policy learns of the placement now, not when the answer starts: a non-streamed
             # answer starts only when it is complete, and requests sharing this prompt that arrive
             # meanwhile must already see it placed (kv_aware's predictions, approximate's blocks).
             policy.on_routed(route_request, backend)
             upstream_started = perf_counter()
             try:
-                response = await gateway.pool.request(
+                response = await context.pool.request(
                     backend.origin, b"POST", self.path, forward_headers, body, timeout_s
                 )
             except UpstreamTimeout:
@@ -394,28 +459,28 @@ class ProxyEndpoint:
                 ) from None
             except UpstreamError as exc:
                 _release(backend, prefill_tokens)
-                gateway.mark_down(backend, str(exc))
+                context.backends.mark_down(backend, str(exc))
                 if not exc.before_response:
                     raise GatewayError(502, f"backend {backend.name} failed: {exc}") from None
-                gateway.metrics.retries.labels(backend.name, "connect").inc()
+                context.metrics.retries.labels(backend.name, "connect").inc()
                 continue
             except BaseException:  # cancelled: the client left
                 _release(backend, prefill_tokens)
                 raise
             status = response.status
             if status >= 500:
-                gateway.mark_down(backend, f"answered HTTP {status}")
+                context.backends.mark_down(backend, f"answered HTTP {status}")
                 if (
                     status in _RETRYABLE_STATUSES
                     and attempt + 1 < limits.max_attempts
-                    and _candidates(gateway, route_request.model, tried)
+                    and _candidates(context.backends, route_request.model, tried)
                 ):
                     _release(backend, prefill_tokens)
                     response.close()  # unread body: the connection is dropped, not reused
-                    gateway.metrics.retries.labels(backend.name, str(status)).inc()
+                    context.metrics.retries.labels(backend.name, str(status)).inc()
                     continue
             elif not backend.healthy:
-                gateway.mark_up(backend)  # marked down, yet it answered: it is back
+                context.backends.mark_up(backend)  # marked down, yet it answered: it is back
             await self._relay(
                 policy,
                 route_request,
@@ -448,7 +513,7 @@ class ProxyEndpoint:
         upstream_started: float,
     ) -> None:
         """Stream the answer to the client; release the backend's in-flight share when it ends."""
-        gateway = self.gateway
+        context = self.context
         status = response.status
         headers = [(name, value) for name, value in response.headers if name not in _RESPONSE_DROPPED]
         headers.append((b"x-kvgate-backend", backend.name_bytes))
@@ -460,16 +525,16 @@ class ProxyEndpoint:
         first_piece_pending = status == 200 and _is_event_stream(response.headers)
         try:
             await responder.start(status, headers)
-            gateway.metrics.overhead.observe(
+            context.metrics.overhead.observe(
                 (upstream_started - started) + (perf_counter() - headers_arrived)
             )
             try:
-                async for piece in response.pieces(gateway.config.limits.upstream_timeout_s):
+                async for piece in response.pieces(context.config.limits.upstream_timeout_s):
                     if prefill_tokens:
                         backend.in_flight_prefill_tokens -= prefill_tokens
                         prefill_tokens = 0
-                        if gateway.cluster is not None:
-                            gateway.cluster.loads_changed()
+                        if context.cluster is not None:
+                            context.cluster.loads_changed()
                     if first_piece_pending:
                         route_request.decision.upstream_ttft_s = perf_counter() - upstream_started
                         first_piece_pending = False
@@ -496,22 +561,22 @@ class ProxyEndpoint:
             await responder.body(b"", False)
         finally:
             response.close()
-            gateway.metrics.observe_upstream(backend.name, perf_counter() - upstream_started)
+            context.metrics.observe_upstream(backend.name, perf_counter() - upstream_started)
             _release(backend, prefill_tokens)
-            if gateway.cluster is not None:
-                gateway.cluster.loads_changed()
+            if context.cluster is not None:
+                context.cluster.loads_changed()
             backend.requests_total += 1
-            gateway.metrics.count_request(backend.name, outcome_status)
+            context.metrics.count_request(backend.name, outcome_status)
             policy.on_finished(route_request, backend)
 
 
-def _candidates(gateway: Gateway, model: str, tried: list[BackendState]) -> list[BackendState]:
+def _candidates(backends: BackendRegistry, model: str, tried: list[BackendState]) -> list[BackendState]:
     """The healthy candidates not tried yet; when there are none, the marked-down backend that failed
     longest ago (panic routing: one that is back answers instead of a 503)."""
-    candidates = gateway.candidates(model, exclude=tried)
+    candidates = backends.candidates(model, exclude=tried)
     if candidates:
         return candidates
-    return gateway.panic_candidates(model, exclude=tried)[:1]
+    return backends.panic_candidates(model, exclude=tried)[:1]
 
 
 def _carries_chat_template(data: dict) -> bool:

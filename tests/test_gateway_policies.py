@@ -29,7 +29,7 @@ def request(session_key: str | None = None) -> RouteRequest:
 
 
 def test_round_robin_rotates_strictly():
-    policy = make_policy(config_schema.RoundRobinPolicy(), gateway=None)
+    policy = make_policy(config_schema.RoundRobinPolicy())
     candidates = states("a", "b", "c")
     assert [policy.choose(request(), candidates).name for _ in range(7)] == [
         "a",
@@ -43,7 +43,7 @@ def test_round_robin_rotates_strictly():
 
 
 def test_least_loaded_picks_fewest_in_flight_and_rotates_ties():
-    policy = make_policy(config_schema.LeastLoadedPolicy(), gateway=None)
+    policy = make_policy(config_schema.LeastLoadedPolicy())
     a, b, c = candidates = states("a", "b", "c")
     a.in_flight, b.in_flight, c.in_flight = 3, 1, 2
     assert policy.choose(request(), candidates) is b
@@ -59,7 +59,7 @@ def test_least_loaded_picks_fewest_in_flight_and_rotates_ties():
 
 
 def test_session_pins_until_its_backend_leaves():
-    policy = make_policy(config_schema.SessionPolicy(), gateway=None)
+    policy = make_policy(config_schema.SessionPolicy())
     candidates = states("a", "b", "c")
     first = policy.choose(request("s1"), candidates)
     policy.on_routed(request("s1"), first)
@@ -74,7 +74,7 @@ def test_session_pins_until_its_backend_leaves():
 
 
 def test_session_without_key_balances_by_load():
-    policy = make_policy(config_schema.SessionPolicy(), gateway=None)
+    policy = make_policy(config_schema.SessionPolicy())
     a, b, c = candidates = states("a", "b", "c")
     a.in_flight = 5
     assert policy.choose(request(None), candidates) in (b, c)
@@ -83,7 +83,7 @@ def test_session_without_key_balances_by_load():
 def test_missing_policy_module_is_a_clear_error(monkeypatch):
     monkeypatch.setitem(POLICY_MODULES, config_schema.ApproximatePolicy, "router.policies.not_installed_here")
     with pytest.raises(PolicyUnavailable, match="policy 'approximate' is not available"):
-        make_policy(config_schema.ApproximatePolicy(), gateway=None)
+        make_policy(config_schema.ApproximatePolicy())
 
 
 # ---- through the gateway ----

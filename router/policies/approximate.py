@@ -19,6 +19,7 @@ from router.policies.kv_aware import CacheAwarePolicy
 if TYPE_CHECKING:
     from router.backends import BackendState
     from router.cluster import RoutedNote
+    from router.policies import PolicyContext
     from router.policies.base import CandidateScore, RouteRequest
 
 
@@ -126,6 +127,5 @@ class Approximate(CacheAwarePolicy):
         return len(self._blocks)
 
 
-def create(policy_config: ApproximatePolicy, gateway: Any) -> Approximate:
-    registry = getattr(getattr(gateway, "metrics", None), "registry", None)
-    return Approximate(policy_config, registry)
+def create(policy_config: ApproximatePolicy, context: PolicyContext) -> Approximate:
+    return Approximate(policy_config, context.metrics_registry)

@@ -49,7 +49,8 @@ import logging
 import math
 import time
 from collections import OrderedDict, deque
-from typing import TYPE_CHECKING, Any
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any, Protocol
 
 from prometheus_client import Counter
 
@@ -63,9 +64,26 @@ from router.policies.shared_tiers import SharedTiers
 if TYPE_CHECKING:
     from router.backends import BackendState
     from router.cluster import RoutedNote
+    from router.policies import PolicyContext
     from router.policies.base import CandidateScore, RouteRequest
 
 logger = logging.getLogger("kvgate.policy")
+
+
+class KVIndex(Protocol):
+    """What kv_aware reads from the KV index: router/index/service.py's KVIndexService in the gateway
+    (a bare PrefixIndex in unit tests)."""
+
+    def longest_cached_prefix(
+        self, tokens: Any, namespace: Any, backends: Sequence[str] | None = None, *, keys: Any = None
+    ) -> dict[str, BackendMatch]: ...
+
+    def namespace_for(self, model: str, cache_salt: str | None) -> Any: ...
+
+    def held_tokens(self, backend: str) -> int: ...
+
+    def stats(self, backend: str) -> Any: ...
+
 
 # Recent placements decay with this half-life (seconds): long enough to spread a burst of cold
 # prefixes, short enough that yesterday's traffic does not steer today's.
@@ -355,7 +373,7 @@ class KVAware(CacheAwarePolicy):
     def __init__(
         self,
         config: KVAwarePolicy,
-        kv_index: Any = None,
+        kv_index: KVIndex | None = None,
         registry: Any = None,
         shared_tiers: SharedTiers | None = None,
     ) -> None:
@@ -575,8 +593,7 @@ class KVAware(CacheAwarePolicy):
             self.load_costs.observe(*load, ttft_s)
 
 
-def create(policy_config: KVAwarePolicy, gateway: Any) -> KVAware:
-    registry = getattr(getattr(gateway, "metrics", None), "registry", None)
-    config = getattr(gateway, "config", None)
-    shared_tiers = SharedTiers(getattr(config, "shared_tiers", []))
-    return KVAware(policy_config, getattr(gateway, "kv_index", None), registry, shared_tiers)
+def create(policy_config: KVAwarePolicy, context: PolicyContext) -> KVAware:
+    return KVAware(
+        policy_config, context.kv_index, context.metrics_registry, SharedTiers(context.shared_tiers)
+    )

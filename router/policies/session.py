@@ -62,5 +62,5 @@ class SessionAffinity:
             self._pins.popitem(last=False)
 
 
-def create(policy_config, gateway) -> SessionAffinity:
+def create(policy_config: object, context: object) -> SessionAffinity:
     return SessionAffinity()
