@@ -30,7 +30,7 @@ The cheapest backend wins, with these guards:
   (`cold_spread_by: prefill_tokens`; `new_prefixes`: the fewest recent cold placements), then
   the fewest in flight, ties taken in turn. Different cold
   prefixes therefore spread over the engines by what they fill instead of piling onto the first one
-  (docs/benchmarks.md has the runs that showed it); between equal costs otherwise, the
+  (docs/index.md, "kv_aware", has why); between equal costs otherwise, the
   backend with the fewest recently placed prompt tokens wins, then the one whose cache holds least.
 With measure_load_costs (off by default), the TTFTs of streamed requests measure what a request in
 flight and a queued prompt token cost on these engines, in prompt tokens, and the larger of
@@ -320,15 +320,13 @@ class CacheAwarePolicy:
             # turns, a document's next questions), so what each engine was given lately decides
             # the load and the cache pressure of minutes to come; the instant's in-flight count
             # mostly counts requests past their prefill, which delay a new prefill little. So every
-            # engine under the in-flight guard's line is a candidate. (Within one request in flight
-            # of the least loaded, 2 real engines at the simulated tier's request rate got 7 and 5
-            # of 12 conversations: the last two began while the other engine had 3 decoding
-            # against 1; the 7 outgrew the engine's cache and their later turns missed whole.)
+            # engine under the in-flight guard's line is a candidate: spreading by the instant's
+            # in-flight count dealt new conversations unevenly, and the engine that got more outgrew
+            # its cache (docs/index.md, "kv_aware").
             near = self.under_in_flight_line(candidates)
             # A new prompt behind a prefill still running waits for all of it: among those, the
-            # engines with the fewest prompt tokens still to prefill. (Without this, the no-reuse
-            # control, where every prompt is cold, read a paired TTFT 8-10 ms above least_loaded's
-            # at the median on 2 real engines: docs/benchmarks.md.)
+            # engines with the fewest prompt tokens still to prefill (a workload without reuse,
+            # every prompt cold, otherwise waits longer for first tokens than under least_loaded).
             least_queued = min(b.in_flight_prefill_tokens for b in near)
             near = [b for b in near if b.in_flight_prefill_tokens <= least_queued]
             placed = self.cold_spread_values(near, now, keys or [])
@@ -463,9 +461,8 @@ class KVAware(CacheAwarePolicy):
         # a replica the prefix's next requests share. A prefix of one conversation or one document
         # moved pays its whole prefill again and leaves the conversation split over two engines, for
         # an in-flight count that is mostly requests past their prefill, which delay a new one little:
-        # such a request stays home unless its cost says otherwise. (On 4 real engines the in-flight
-        # guard moved 5-13 chat turns a run, each a whole-conversation miss, some back and forth;
-        # docs/benchmarks.md.)
+        # such a request stays home unless its cost says otherwise (docs/index.md, "kv_aware", has
+        # the runs where the guard moved chat turns and each move was a whole-conversation miss).
         allowed = self.guarded(candidates, now) if hot else candidates
         winner = self.pick(candidates, allowed, costs, cached, now, keys)
         reason = self._reason(tokens, candidates, allowed, winner, cached)
