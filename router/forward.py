@@ -134,7 +134,8 @@ class ForwardedRoute:
     # The body must hold at least one of these fields.
     required: tuple[str, ...]
     # The request as the policy reads it (`prompt` or `messages`, for a tokenizer); returning
-    # None routes it to the least-loaded backend. None here: the request holds no prompt at all.
+    # None routes it to the least-loaded backend. None here: the path computes no KV cache
+    # (/tokenize, /detokenize), so it always goes to the least-loaded backend.
     routing_view: Callable[[dict[str, Any]], dict[str, Any] | None] | None = _whole_body
     # vLLM and SGLang make `model` optional on these paths; with one configured model it is that one.
     model_optional: bool = False
@@ -398,7 +399,7 @@ class ProxyEndpoint:
         else:
             user = data.get("user")
             session_key = user if isinstance(user, str) and user else None
-        view = data if route.routing_view is None else route.routing_view(data)
+        view = None if route.routing_view is None else route.routing_view(data)
         route_request = RouteRequest(request_id.decode("latin-1"), model, view or {}, session_key)
         route_request.body_size = len(body)
         return route_request, data, view is not None

@@ -1,6 +1,8 @@
-"""A model the engines know by another name (`served_name`): the gateway re-encodes the client's body
-with that name, and nothing else of the body may be lost, whatever the policy could route it by.
-Real gateway process; a real HTTP backend (uvicorn in a thread) that records every body it gets."""
+"""The forwarded paths besides generation, as router/forward.py's FORWARDED_ROUTES says: a model the
+engines know by another name (`served_name`) gets the client's whole body re-encoded with that
+name, whatever the policy could route it by; /tokenize and /detokenize, which compute no KV cache,
+go to the least-loaded backend without the policy. Real gateway process; a real HTTP backend
+(uvicorn in a thread) that answers every path and records every body it gets."""
 
 from __future__ import annotations
 
@@ -61,6 +63,7 @@ def test_a_request_with_no_text_to_route_by_reaches_the_engine_whole_under_its_s
     recording_backend,
 ):
     url, received = recording_backend
+    received.clear()
     config = {
         "models": [{"name": "alias", "served_name": SERVED}],
         "backends": [{"name": "a", "url": url}],
@@ -74,3 +77,21 @@ def test_a_request_with_no_text_to_route_by_reaches_the_engine_whole_under_its_s
     [(path, forwarded)] = received
     assert path == "/v1/rerank"
     assert forwarded == {**body, "model": SERVED}
+
+
+def test_tokenize_and_detokenize_bypass_the_policy(recording_backend):
+    url, received = recording_backend
+    received.clear()
+    config = {
+        "models": [{"name": "alias", "served_name": SERVED}],
+        "backends": [{"name": "a", "url": url}],
+        "policy": {"name": "kv_aware"},
+    }
+    with start_gateway(config) as gateway:
+        for path, body in (("/tokenize", {"prompt": "count my tokens"}), ("/detokenize", {"tokens": [1, 2]})):
+            answer = httpx.post(f"{gateway.url}{path}", json={"model": "alias", **body}, timeout=30)
+            assert answer.status_code == 200, answer.text
+        state = httpx.get(f"{gateway.url}/debug/prefix-map", params={"format": "json"}, timeout=10).json()
+    # kv_aware records every request it routes; these never reached it (and credited no prediction).
+    assert state["decisions"] == []
+    assert [path for path, _ in received[-2:]] == ["/tokenize", "/detokenize"]
