@@ -50,7 +50,7 @@ import math
 import time
 from collections import OrderedDict, deque
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol, TypedDict
 
 from prometheus_client import Counter
 
@@ -89,6 +89,20 @@ class KVIndex(Protocol):
 # prefixes, short enough that yesterday's traffic does not steer today's.
 PLACEMENT_HALF_LIFE_S = 30.0
 DECISIONS_KEPT = 200
+
+
+class RecentDecision(TypedDict):
+    """One routed request as /debug/prefix-map lists it (CacheAwarePolicy.recent_decisions)."""
+
+    at: float  # time.time() when it was routed
+    request_id: str
+    model: str
+    backend: str
+    reason: str | None  # RouteDecision.reason
+    prompt_tokens: int
+    cached_tokens: int
+    # Per candidate: the tokens it held and its cost (CandidateScore's `cached` and `cost`).
+    candidates: dict[str, dict[str, Any]]
 
 
 class RoutingMetrics:
@@ -206,7 +220,7 @@ class CacheAwarePolicy:
         by_tokens = config.cold_spread_by == "prefill_tokens"
         self.cold_spread = self.placements if by_tokens else self.cold_placements
         self._turn = -1
-        self.recent_decisions: deque[dict[str, Any]] = deque(maxlen=DECISIONS_KEPT)
+        self.recent_decisions: deque[RecentDecision] = deque(maxlen=DECISIONS_KEPT)
         self.metrics = RoutingMetrics(registry) if registry is not None else None
 
     def guarded(self, candidates: list[BackendState], now: float) -> list[BackendState]:
