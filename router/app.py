@@ -92,7 +92,8 @@ class ModelList:
 
 class GatewayApp(Starlette):
     """Starlette, plus a direct path to the forwarded endpoints: they are raw ASGI, handle their own
-    errors, and skipping the middleware and router layers saves ~20% of the gateway's CPU per request.
+    errors, and the middleware and router layers would be a sizeable share of the gateway's CPU per
+    request (docs/gateway.md, "Performance design").
     With client API keys configured, every path but OPEN_PATHS needs one (checked here for the ASGI
     path; ProxyEndpoint.serve checks the direct path)."""
 

@@ -612,8 +612,9 @@ class _DisconnectWatch:
     """Cancels the request's task when the client disconnects, so the upstream connection closes and
     the engine stops generating for nobody.
 
-    Watching costs a task per request (~15% of the gateway's CPU per request), so it starts only
-    after DISCONNECT_WATCH_DELAY_S: answers faster than that never pay for it.
+    Watching costs a task per request, a sizeable share of the gateway's CPU per request
+    (docs/gateway.md, "Performance design"), so it starts only after DISCONNECT_WATCH_DELAY_S:
+    answers faster than that never pay for it.
     """
 
     __slots__ = ("_receive", "_responder", "_target", "_task", "_timer")
