@@ -3,16 +3,20 @@
 from __future__ import annotations
 
 import collections
+import os
+import subprocess
 import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
+import yaml
 
 from router import config as config_schema
 from router.backends import BackendState
 from router.policies import POLICY_MODULES, PolicyUnavailable, RouteRequest, make_policy
-from tests.support import running_backends, start_gateway
+from tests.support import free_port, running_backends, start_gateway
+from tests.support.processes import REPO_ROOT, python_command
 
 MODEL = "test-model"
 
@@ -159,3 +163,28 @@ def test_session_affinity_through_the_gateway(backends):
                 for _ in range(6)
             }
         assert len(by_user) == 1
+
+
+def test_a_policy_value_the_policy_refuses_stops_kvgate_serve_with_one_line(tmp_path):
+    config_path = tmp_path / "proxy.yaml"
+    config_path.write_text(
+        yaml.safe_dump(
+            {
+                "models": [{"name": MODEL}],
+                "backends": [{"name": "a", "url": f"http://127.0.0.1:{free_port()}"}],
+                "policy": {"name": "approximate", "block_size": 24},
+            }
+        )
+    )
+    result = subprocess.run(
+        python_command("-m", "router.cli", "serve", "--config", str(config_path), "--port", str(free_port())),
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=REPO_ROOT,
+        env=dict(os.environ, PYTHONPATH=str(REPO_ROOT)),
+    )
+    assert result.returncode == 2, result.stderr
+    [line] = result.stderr.strip().splitlines()
+    assert str(config_path) in line
+    assert "policy.block_size 24 must be a multiple of 16" in line

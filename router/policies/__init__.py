@@ -35,7 +35,12 @@ POLICY_MODULES: dict[type, str] = {
 
 
 class PolicyUnavailable(KvgateError):
-    """The configured policy cannot be built (its module is missing or broken)."""
+    """The configured policy cannot be built (its module is missing or broken, or it refuses its
+    configuration); `kvgate serve` reports it in one line and exits 2."""
+
+
+class InvalidPolicyConfig(PolicyUnavailable, ValueError):
+    """A `policy:` value the policy cannot work with; the message names the key and the fix."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -73,6 +78,7 @@ def make_policy(policy_config: config_schema.Policy, context: PolicyContext | No
 
 __all__ = [
     "POLICY_MODULES",
+    "InvalidPolicyConfig",
     "Policy",
     "PolicyContext",
     "PolicyUnavailable",

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 from router.config import ApproximatePolicy
 from router.index.prefix_index import ROUTER_BLOCK_TOKENS, prompt_prefix_keys
+from router.policies import InvalidPolicyConfig
 from router.policies.kv_aware import CacheAwarePolicy
 
 if TYPE_CHECKING:
@@ -29,7 +30,7 @@ class Approximate(CacheAwarePolicy):
     def __init__(self, config: ApproximatePolicy, registry: Any = None) -> None:
         super().__init__(config, registry)
         if config.block_size % ROUTER_BLOCK_TOKENS:
-            raise ValueError(
+            raise InvalidPolicyConfig(
                 f"policy.block_size {config.block_size} must be a multiple of {ROUTER_BLOCK_TOKENS} "
                 "(the router's block size)"
             )
