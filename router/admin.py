@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import asyncio
 import hmac
+import logging
 import time
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 import msgspec
@@ -22,8 +24,9 @@ from router import config as config_schema
 from router.errors import error_body
 
 if TYPE_CHECKING:
-    from router.app import Gateway
+    from router.backends import BackendRegistry
 
+log = logging.getLogger("kvgate")
 # How long DELETE waits for in-flight requests to finish, unless ?drain_timeout_s= says otherwise.
 DEFAULT_DRAIN_TIMEOUT_S = 60.0
 
@@ -32,9 +35,9 @@ def _error(status: int, message: str) -> Response:
     return Response(error_body(status, message), status_code=status, media_type="application/json")
 
 
-def require_admin(gateway: Gateway, request: Request) -> Response | None:
-    """None when the caller may use admin endpoints, else the 401 response to send."""
-    token = gateway.admin_token
+def require_admin(token: str | None, request: Request) -> Response | None:
+    """None when the caller may use admin endpoints (it presented `token`, the admin token, or none
+    is configured), else the 401 response to send."""
     if token is None:
         return None
     given = request.headers.get("authorization", "")
@@ -57,14 +60,18 @@ def require_json(request: Request) -> Response | None:
     )
 
 
-def admin_routes(gateway: Gateway) -> list[Route]:
+def admin_routes(backends: BackendRegistry, admin_token: str | None, models: Sequence[str]) -> list[Route]:
+    """GET/POST /backends and DELETE /backends/{name} over `backends`; a backend added may serve only
+    the configured `models`."""
+    known = list(models)
+
     async def list_backends(request: Request) -> Response:
-        if (denied := require_admin(gateway, request)) is not None:
+        if (denied := require_admin(admin_token, request)) is not None:
             return denied
-        return JSONResponse({"backends": [backend.describe() for backend in gateway.backends.values()]})
+        return JSONResponse({"backends": [backend.describe() for backend in backends.values()]})
 
     async def add_backend(request: Request) -> Response:
-        if (denied := require_admin(gateway, request) or require_json(request)) is not None:
+        if (denied := require_admin(admin_token, request) or require_json(request)) is not None:
             return denied
         body = await request.body()
         try:
@@ -73,22 +80,22 @@ def admin_routes(gateway: Gateway) -> list[Route]:
             return _error(400, f"invalid backend: {exc}; expected {{name, url, models?, kv_events?}}")
         except msgspec.DecodeError as exc:
             return _error(400, f"request body is not valid JSON: {exc}")
-        if spec.name in gateway.backends:
+        if spec.name in backends:
             return _error(
                 409, f"a backend named {spec.name!r} already exists; DELETE it first or pick another name"
             )
-        known = [model.name for model in gateway.config.models]
         unknown = [model for model in spec.models if model not in known]
         if unknown:
             return _error(400, f"unknown models {unknown}; configured models are {known}")
-        backend = gateway.add_backend(spec)
+        backend = backends.add(spec)
+        log.info("backend %s added (%s)", backend.name, backend.url)
         return JSONResponse(backend.describe(), status_code=201)
 
     async def remove_backend(request: Request) -> Response:
-        if (denied := require_admin(gateway, request)) is not None:
+        if (denied := require_admin(admin_token, request)) is not None:
             return denied
         name = request.path_params["name"]
-        backend = gateway.backends.get(name)
+        backend = backends.get(name)
         if backend is None:
             return _error(404, f"no backend named {name!r}; GET /backends lists them")
         try:
@@ -100,7 +107,8 @@ def admin_routes(gateway: Gateway) -> list[Route]:
         while backend.in_flight > 0 and time.monotonic() < deadline:
             await asyncio.sleep(0.02)
         left = backend.in_flight
-        gateway.remove_backend(name)
+        backends.remove(name)
+        log.info("backend %s removed", name)
         return JSONResponse({"removed": name, "drained": left == 0, "in_flight_at_removal": left})
 
     return [

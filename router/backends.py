@@ -1,11 +1,21 @@
-"""The gateway's view of each backend: health, draining and in-flight load."""
+"""The gateway's view of each backend (`BackendState`: health, draining, in-flight load) and the
+registry of them all (`BackendRegistry`)."""
 
 from __future__ import annotations
 
+import logging
+import time
+from collections.abc import ItemsView, Iterator, Mapping, ValuesView
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Protocol
 from urllib.parse import urlsplit
 
-from router.config import KVEvents
+from router.config import Backend, KVEvents
+
+if TYPE_CHECKING:
+    from router.metrics import GatewayMetrics
+
+log = logging.getLogger("kvgate")
 
 
 @dataclass(eq=False, slots=True)
@@ -64,3 +74,113 @@ class BackendState:
             "requests_total": self.requests_total,
             "kv_events": None if self.kv_events is None else self.kv_events.endpoint,
         }
+
+
+class BackendListener(Protocol):
+    """Told when a backend joins or leaves the registry (router/wiring.py registers the listeners)."""
+
+    def backend_added(self, backend: BackendState) -> None: ...
+
+    def backend_removed(self, backend: BackendState) -> None: ...
+
+
+class BackendRegistry(Mapping[str, BackendState]):
+    """The backends the gateway routes to (name -> BackendState): who may take a request now, their
+    health marks, and the listeners told when one joins or leaves (POST/DELETE /backends)."""
+
+    def __init__(self, metrics: GatewayMetrics) -> None:
+        self._backends: dict[str, BackendState] = {}
+        self._metrics = metrics
+        self._listeners: list[BackendListener] = []
+
+    # Mapping, over the dict itself (the request path iterates it).
+    def __getitem__(self, name: str) -> BackendState:
+        return self._backends[name]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._backends)
+
+    def __len__(self) -> int:
+        return len(self._backends)
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._backends
+
+    def get(self, name: str, default: BackendState | None = None) -> BackendState | None:
+        return self._backends.get(name, default)
+
+    def values(self) -> ValuesView[BackendState]:
+        return self._backends.values()
+
+    def items(self) -> ItemsView[str, BackendState]:
+        return self._backends.items()
+
+    # ---- membership ----
+
+    def listen(self, listener: BackendListener) -> None:
+        """Tell `listener` of every backend added or removed from now on (in registration order)."""
+        self._listeners.append(listener)
+
+    def announce(self) -> None:
+        """Tell every listener of the backends registered so far (the configured ones, at start)."""
+        for backend in self._backends.values():
+            for listener in self._listeners:
+                listener.backend_added(backend)
+
+    def add(self, spec: Backend) -> BackendState:
+        """Register a backend (from the configuration, or POST /backends); it takes traffic at once."""
+        backend = BackendState(
+            name=spec.name, url=spec.url, models=list(spec.models), kv_events=spec.kv_events
+        )
+        self._backends[spec.name] = backend
+        self._metrics.track_backend(backend)
+        for listener in self._listeners:
+            listener.backend_added(backend)
+        return backend
+
+    def remove(self, name: str) -> BackendState:
+        """Unregister a backend (DELETE /backends/{name}, after draining)."""
+        backend = self._backends.pop(name)
+        self._metrics.untrack_backend(name)
+        for listener in self._listeners:
+            listener.backend_removed(backend)
+        return backend
+
+    # ---- routing ----
+
+    def candidates(self, model: str, exclude: list[BackendState] = ()) -> list[BackendState]:
+        """Backends that may take a request for `model` now: healthy, not draining, serving it."""
+        return [
+            backend
+            for backend in self._backends.values()
+            if backend.healthy and not backend.draining and backend.serves(model) and backend not in exclude
+        ]
+
+    def panic_candidates(self, model: str, exclude: list[BackendState] = ()) -> list[BackendState]:
+        """Backends serving `model` that are marked down (not draining), least recently failed first.
+
+        Tried when no backend is a candidate, before answering 503 (as Envoy's panic threshold
+        does): a backend may be back before its next probe says so.
+        """
+        down = [
+            backend
+            for backend in self._backends.values()
+            if not (backend.healthy or backend.draining) and backend.serves(model) and backend not in exclude
+        ]
+        return sorted(down, key=lambda backend: backend.down_since)
+
+    # ---- health marks (router/health.py's probes, router/forward.py's failed requests) ----
+
+    def mark_down(self, backend: BackendState, reason: str) -> None:
+        backend.down_since = time.monotonic()
+        backend.down_reason = reason
+        if backend.healthy:
+            backend.healthy = False
+            self._metrics.health_transitions.labels(backend.name, "down").inc()
+            log.warning("backend %s is down: %s", backend.name, reason)
+
+    def mark_up(self, backend: BackendState) -> None:
+        if not backend.healthy:
+            backend.healthy = True
+            self._metrics.health_transitions.labels(backend.name, "up").inc()
+            log.info("backend %s is back up", backend.name)

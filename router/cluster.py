@@ -26,6 +26,7 @@ import os
 import socket
 import time
 from collections import deque
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Annotated, Any
 from urllib.parse import urlsplit
@@ -100,7 +101,7 @@ class ClusterSync:
     def __init__(
         self,
         config: Cluster,
-        backends: dict[str, BackendState],
+        backends: Mapping[str, BackendState],
         policy: Policy,
         registry: Any = None,
     ) -> None:
@@ -163,7 +164,7 @@ class ClusterSync:
     def routed(self, request: RouteRequest, backend: BackendState, prefill_tokens: int) -> None:
         """Queue the note of a request just routed (before the policy's on_routed consumes its decision)."""
         decision = request.decision
-        keys = decision.get("prefix_keys") or []
+        keys = decision.prefix_keys or []
         if len(keys) > MAX_PREFIX_KEYS:
             keys = keys[:MAX_PREFIX_KEYS]
         ttl_s = getattr(getattr(self.policy, "predictions", None), "ttl_s", 0.0) if keys else 0.0
@@ -175,8 +176,8 @@ class ClusterSync:
                 prefill_tokens=max(0, prefill_tokens),
                 prefix_keys=keys,
                 ttl_s=ttl_s,
-                hot_prefix_key=decision.get("hot_prefix_key"),
-                cold=decision.get("reason") == "cold_spread",
+                hot_prefix_key=decision.hot_prefix_key,
+                cold=decision.reason == "cold_spread",
                 session=request.session_key,
             )
         )
@@ -372,7 +373,12 @@ class ClusterSync:
         peer = self._peers.pop(name)
         self._apply_loads(peer, {})
 
-    def backend_removed(self, name: str) -> None:
+    # ---- BackendListener (router/backends.py) ----
+
+    def backend_added(self, backend: BackendState) -> None:
+        pass  # a peer's load on it counts from the peer's next message
+
+    def backend_removed(self, backend: BackendState) -> None:
         """A backend left the registry: the peers' loads on it no longer apply to anything."""
         for peer in self._peers.values():
-            peer.loads.pop(name, None)
+            peer.loads.pop(backend.name, None)

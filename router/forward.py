@@ -18,7 +18,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from random import getrandbits
 from time import perf_counter
@@ -27,14 +27,20 @@ from typing import TYPE_CHECKING, Any, Protocol
 import msgspec
 
 from router.auth import UNAUTHORIZED_HEADERS, UNAUTHORIZED_MESSAGE
-from router.errors import GatewayError, decode_json_body, error_body, log_unexpected, send_error
+from router.config import SessionPolicy
+from router.errors import GatewayError, KvgateError, decode_json_body, error_body, log_unexpected, send_error
 from router.policies.base import RouteRequest
 from router.policies.least_loaded import LeastLoaded
 from router.upstream import UpstreamError, UpstreamResponse, UpstreamTimeout
 
 if TYPE_CHECKING:
-    from router.app import Gateway
-    from router.backends import BackendState
+    from router.auth import ClientKeys
+    from router.backends import BackendRegistry, BackendState
+    from router.cluster import ClusterSync
+    from router.config import Config
+    from router.metrics import GatewayMetrics
+    from router.policies.base import Policy
+    from router.upstream import UpstreamPool
 
 log = logging.getLogger("kvgate.forward")
 
@@ -65,8 +71,8 @@ _decoder = msgspec.json.Decoder()
 _encoder = msgspec.json.Encoder()
 
 
-class _ClientGone(Exception):
-    pass
+class _ClientGone(KvgateError):
+    """The client disconnected before its request body had arrived."""
 
 
 def body_too_large(limit: int, length: int | None = None) -> GatewayError:
@@ -128,7 +134,8 @@ class ForwardedRoute:
     # The body must hold at least one of these fields.
     required: tuple[str, ...]
     # The request as the policy reads it (`prompt` or `messages`, for a tokenizer); returning
-    # None routes it to the least-loaded backend. None here: the request holds no prompt at all.
+    # None routes it to the least-loaded backend. None here: the path computes no KV cache
+    # (/tokenize, /detokenize), so it always goes to the least-loaded backend.
     routing_view: Callable[[dict[str, Any]], dict[str, Any] | None] | None = _whole_body
     # vLLM and SGLang make `model` optional on these paths; with one configured model it is that one.
     model_optional: bool = False
@@ -154,13 +161,72 @@ FORWARDED_ROUTES = (
 )
 
 
+class ForwardContext:
+    """What forwarding reads and updates, shared by every ProxyEndpoint; router/wiring.py builds it."""
+
+    __slots__ = (
+        "backends",
+        "client_keys",
+        "cluster",
+        "config",
+        "metrics",
+        "model_names",
+        "policy",
+        "pool",
+        "request_preparers",
+        "request_template_models",
+        "served_names",
+        "session_header",
+    )
+
+    def __init__(
+        self,
+        config: Config,
+        backends: BackendRegistry,
+        policy: Policy,
+        pool: UpstreamPool,
+        metrics: GatewayMetrics,
+        *,
+        cluster: ClusterSync | None = None,
+        request_preparers: Sequence[Callable[[RouteRequest], Awaitable[None]]] = (),
+        client_keys: ClientKeys | None = None,
+    ) -> None:
+        self.config = config
+        self.backends = backends
+        self.policy = policy
+        self.pool = pool
+        self.metrics = metrics
+        # Told of every request routed and every load change (the replica sync), when configured.
+        self.cluster = cluster
+        # Awaited with each request the policy routes, before it chooses (the tokenizer fills
+        # RouteRequest.tokens and .namespace there).
+        self.request_preparers = tuple(request_preparers)
+        # Client API keys (router/auth.py); None: requests need none.
+        self.client_keys = client_keys
+        self.model_names = frozenset(model.name for model in config.models)
+        self.served_names = {
+            model.name: model.served_name
+            for model in config.models
+            if model.served_name not in (None, model.name)
+        }
+        # Models whose clients may send their own chat template (refused with a 400 for the others).
+        self.request_template_models = frozenset(
+            model.name for model in config.models if model.trust_request_chat_template
+        )
+        header = config.policy.header if isinstance(config.policy, SessionPolicy) else "x-session-id"
+        self.session_header = header.lower().encode()
+
+
 class ProxyEndpoint:
     """One forwarded path: `serve` does the work; calling it serves the request as ASGI."""
 
-    def __init__(self, gateway: Gateway, route: ForwardedRoute):
-        self.gateway = gateway
+    def __init__(self, context: ForwardContext, route: ForwardedRoute):
+        self.context = context
         self.route = route
         self.path = route.path.encode()
+        # What router/http_server.py's direct path checks before the body has been read.
+        self.limits = context.config.limits
+        self.metrics = context.metrics
         # Where requests with no prompt to route by go, whatever the configured policy.
         self.least_loaded = LeastLoaded()
 
@@ -176,7 +242,7 @@ class ProxyEndpoint:
         session_value = None
         declared_length = None
         forward_headers: list[tuple[bytes, bytes]] = []
-        session_header = self.gateway.session_header
+        session_header = self.context.session_header
         for name, value in headers:
             if name in _HOP_BY_HOP:
                 if name == b"content-length":
@@ -200,7 +266,7 @@ class ProxyEndpoint:
         try:
             body = await self._read_body(receive, declared_length)
         except GatewayError as exc:
-            self.gateway.metrics.gateway_errors.labels(str(exc.status)).inc()
+            self.context.metrics.gateway_errors.labels(str(exc.status)).inc()
             await send_error(send, exc.status, exc.message, [(b"x-request-id", request_id)])
             return
         except _ClientGone:
@@ -222,38 +288,40 @@ class ProxyEndpoint:
     ) -> None:
         """Validate, route and forward one request whose whole body has been read; answer every
         error in the OpenAI shape. Returns quietly when the client left (its task was cancelled)."""
-        gateway = self.gateway
+        context = self.context
         id_header = (b"x-request-id", request_id)
-        keys = gateway.client_keys
+        keys = context.client_keys
         if keys is not None and not keys.allows_headers(forward_headers):
-            gateway.metrics.gateway_errors.labels("401").inc()
+            context.metrics.gateway_errors.labels("401").inc()
             await _respond_error(responder, 401, UNAUTHORIZED_MESSAGE, id_header, UNAUTHORIZED_HEADERS)
             return
         try:
-            route_request = self._parse(body, request_id, session_value)
-            if route_request.decision.get("by_policy", True):
-                for prepare in gateway.request_preparers:
+            route_request, data, by_policy = self._parse(body, request_id, session_value)
+            if by_policy:
+                for prepare in context.request_preparers:
                     await prepare(route_request)
             try:
-                await self._forward(route_request, body, forward_headers, id_header, responder, started)
+                await self._forward(
+                    route_request, data, by_policy, body, forward_headers, id_header, responder, started
+                )
             except asyncio.CancelledError:
                 if not responder.client_gone:
                     raise
                 return  # the client left: upstream closed and accounting done on the way out
         except GatewayError as exc:
-            gateway.metrics.gateway_errors.labels(str(exc.status)).inc()
+            context.metrics.gateway_errors.labels(str(exc.status)).inc()
             await _respond_error(responder, exc.status, exc.message, id_header)
         except Exception as exc:
             # Never a stack trace to the client; the log keeps it for the operator (throttled).
             log_unexpected(
                 log, exc, "request %s failed inside the gateway", request_id.decode(errors="replace")
             )
-            gateway.metrics.gateway_errors.labels("500").inc()
+            context.metrics.gateway_errors.labels("500").inc()
             with contextlib.suppress(Exception):
                 await _respond_error(responder, 500, "internal gateway error; see the gateway log", id_header)
 
     async def _read_body(self, receive, declared_length: bytes | None) -> bytes:
-        limit = self.gateway.config.limits.max_body_bytes
+        limit = self.context.config.limits.max_body_bytes
         if declared_length is not None:
             try:
                 length = int(declared_length)
@@ -283,7 +351,13 @@ class ProxyEndpoint:
             if not message.get("more_body"):
                 return b"".join(parts)
 
-    def _parse(self, body: bytes, request_id: bytes, session_value: bytes | None) -> RouteRequest:
+    def _parse(
+        self, body: bytes, request_id: bytes, session_value: bytes | None
+    ) -> tuple[RouteRequest, dict[str, Any], bool]:
+        """(the request as the policy reads it, the whole parsed body, whether the policy routes it).
+
+        A request with nothing to route by goes to the least-loaded backend and the policy never sees it.
+        """
         if not body:
             raise GatewayError(400, "empty request body; send a JSON object")
         try:
@@ -294,22 +368,22 @@ class ProxyEndpoint:
             raise GatewayError(400, f"request body must be a JSON object, got {type(data).__name__}")
         route = self.route
         model = data.get("model")
-        if model is None and route.model_optional and len(self.gateway.config.models) == 1:
-            model = self.gateway.config.models[0].name
+        if model is None and route.model_optional and len(self.context.config.models) == 1:
+            model = self.context.config.models[0].name
         if not isinstance(model, str) or not model:
             raise GatewayError(400, "missing `model`: name one of the models listed by GET /v1/models")
         if not any(field in data for field in route.required):
             fields = " or ".join(f"`{field}`" for field in route.required)
             raise GatewayError(400, f"missing {fields} for {route.path}")
-        if model not in self.gateway.model_names:
-            known = ", ".join(m.name for m in self.gateway.config.models)
+        if model not in self.context.model_names:
+            known = ", ".join(m.name for m in self.context.config.models)
             raise GatewayError(404, f"the model `{model}` does not exist; configured models: {known}")
         if (
             # Where the gateway renders the messages itself (a routed path); /tokenize leaves the
             # rendering to the engine, which has its own --trust-request-chat-template.
             route.routing_view is not None
             and "messages" in data
-            and model not in self.gateway.request_template_models
+            and model not in self.context.request_template_models
             and _carries_chat_template(data)
         ):
             raise GatewayError(
@@ -325,62 +399,56 @@ class ProxyEndpoint:
         else:
             user = data.get("user")
             session_key = user if isinstance(user, str) and user else None
-        view = data if route.routing_view is None else route.routing_view(data)
+        view = None if route.routing_view is None else route.routing_view(data)
         route_request = RouteRequest(request_id.decode("latin-1"), model, view or {}, session_key)
         route_request.body_size = len(body)
-        if view is None:
-            # Nothing to route by: the least-loaded backend takes it and the policy never sees it.
-            route_request.decision["by_policy"] = False
-        elif view is not data:
-            route_request.decision["original_body"] = data
-        return route_request
+        return route_request, data, view is not None
 
     async def _forward(
         self,
         route_request: RouteRequest,
+        data: dict[str, Any],
+        by_policy: bool,
         body: bytes,
         forward_headers: list[tuple[bytes, bytes]],
         id_header: tuple[bytes, bytes],
         responder: Responder,
         started: float,
     ) -> None:
-        gateway = self.gateway
-        decision = route_request.decision
-        original = decision.pop("original_body", route_request.body)
-        served_name = gateway.served_names.get(route_request.model)
+        context = self.context
+        served_name = context.served_names.get(route_request.model)
         if served_name is not None:
             # The one case where the body is re-encoded: the engines know the model by another name.
             try:
-                body = _encoder.encode({**original, "model": served_name})
+                body = _encoder.encode({**data, "model": served_name})
             except RecursionError:
                 raise GatewayError(400, "request body is JSON nested too deeply to forward") from None
-        by_policy = decision.pop("by_policy", True)
-        policy = gateway.policy if by_policy else self.least_loaded
-        limits = gateway.config.limits
+        policy = context.policy if by_policy else self.least_loaded
+        limits = context.config.limits
         timeout_s = limits.upstream_timeout_s
         tried: list[BackendState] = []
         for attempt in range(limits.max_attempts):
-            candidates = _candidates(gateway, route_request.model, tried)
+            candidates = _candidates(context.backends, route_request.model, tried)
             if not candidates:
                 break
             backend = policy.choose(route_request, candidates)
             if not backend.healthy:
-                gateway.metrics.panic_routed.labels(backend.name).inc()
+                context.metrics.panic_routed.labels(backend.name).inc()
             tried.append(backend)
             # Counted from the moment the request is sent: the engine is busy with it from then on.
             prefill_tokens = _prefill_tokens(route_request)
             backend.in_flight += 1
             backend.in_flight_prefill_tokens += prefill_tokens
-            if gateway.cluster is not None:
+            if context.cluster is not None:
                 # Before on_routed, which consumes the decision's prefix keys.
-                gateway.cluster.routed(route_request, backend, prefill_tokens)
+                context.cluster.routed(route_request, backend, prefill_tokens)
             # The policy learns of the placement now, not when the answer starts: a non-streamed
             # answer starts only when it is complete, and requests sharing this prompt that arrive
             # meanwhile must already see it placed (kv_aware's predictions, approximate's blocks).
             policy.on_routed(route_request, backend)
             upstream_started = perf_counter()
             try:
-                response = await gateway.pool.request(
+                response = await context.pool.request(
                     backend.origin, b"POST", self.path, forward_headers, body, timeout_s
                 )
             except UpstreamTimeout:
@@ -392,28 +460,28 @@ class ProxyEndpoint:
                 ) from None
             except UpstreamError as exc:
                 _release(backend, prefill_tokens)
-                gateway.mark_down(backend, str(exc))
+                context.backends.mark_down(backend, str(exc))
                 if not exc.before_response:
                     raise GatewayError(502, f"backend {backend.name} failed: {exc}") from None
-                gateway.metrics.retries.labels(backend.name, "connect").inc()
+                context.metrics.retries.labels(backend.name, "connect").inc()
                 continue
             except BaseException:  # cancelled: the client left
                 _release(backend, prefill_tokens)
                 raise
             status = response.status
             if status >= 500:
-                gateway.mark_down(backend, f"answered HTTP {status}")
+                context.backends.mark_down(backend, f"answered HTTP {status}")
                 if (
                     status in _RETRYABLE_STATUSES
                     and attempt + 1 < limits.max_attempts
-                    and _candidates(gateway, route_request.model, tried)
+                    and _candidates(context.backends, route_request.model, tried)
                 ):
                     _release(backend, prefill_tokens)
                     response.close()  # unread body: the connection is dropped, not reused
-                    gateway.metrics.retries.labels(backend.name, str(status)).inc()
+                    context.metrics.retries.labels(backend.name, str(status)).inc()
                     continue
             elif not backend.healthy:
-                gateway.mark_up(backend)  # marked down, yet it answered: it is back
+                context.backends.mark_up(backend)  # marked down, yet it answered: it is back
             await self._relay(
                 policy,
                 route_request,
@@ -446,7 +514,7 @@ class ProxyEndpoint:
         upstream_started: float,
     ) -> None:
         """Stream the answer to the client; release the backend's in-flight share when it ends."""
-        gateway = self.gateway
+        context = self.context
         status = response.status
         headers = [(name, value) for name, value in response.headers if name not in _RESPONSE_DROPPED]
         headers.append((b"x-kvgate-backend", backend.name_bytes))
@@ -458,18 +526,18 @@ class ProxyEndpoint:
         first_piece_pending = status == 200 and _is_event_stream(response.headers)
         try:
             await responder.start(status, headers)
-            gateway.metrics.overhead.observe(
+            context.metrics.overhead.observe(
                 (upstream_started - started) + (perf_counter() - headers_arrived)
             )
             try:
-                async for piece in response.pieces(gateway.config.limits.upstream_timeout_s):
+                async for piece in response.pieces(context.config.limits.upstream_timeout_s):
                     if prefill_tokens:
                         backend.in_flight_prefill_tokens -= prefill_tokens
                         prefill_tokens = 0
-                        if gateway.cluster is not None:
-                            gateway.cluster.loads_changed()
+                        if context.cluster is not None:
+                            context.cluster.loads_changed()
                     if first_piece_pending:
-                        route_request.decision["upstream_ttft_s"] = perf_counter() - upstream_started
+                        route_request.decision.upstream_ttft_s = perf_counter() - upstream_started
                         first_piece_pending = False
                     if response.at_end:
                         # The last piece ends the response in the same write (saves a write per request).
@@ -494,22 +562,22 @@ class ProxyEndpoint:
             await responder.body(b"", False)
         finally:
             response.close()
-            gateway.metrics.observe_upstream(backend.name, perf_counter() - upstream_started)
+            context.metrics.observe_upstream(backend.name, perf_counter() - upstream_started)
             _release(backend, prefill_tokens)
-            if gateway.cluster is not None:
-                gateway.cluster.loads_changed()
+            if context.cluster is not None:
+                context.cluster.loads_changed()
             backend.requests_total += 1
-            gateway.metrics.count_request(backend.name, outcome_status)
+            context.metrics.count_request(backend.name, outcome_status)
             policy.on_finished(route_request, backend)
 
 
-def _candidates(gateway: Gateway, model: str, tried: list[BackendState]) -> list[BackendState]:
+def _candidates(backends: BackendRegistry, model: str, tried: list[BackendState]) -> list[BackendState]:
     """The healthy candidates not tried yet; when there are none, the marked-down backend that failed
     longest ago (panic routing: one that is back answers instead of a 503)."""
-    candidates = gateway.candidates(model, exclude=tried)
+    candidates = backends.candidates(model, exclude=tried)
     if candidates:
         return candidates
-    return gateway.panic_candidates(model, exclude=tried)[:1]
+    return backends.panic_candidates(model, exclude=tried)[:1]
 
 
 def _carries_chat_template(data: dict) -> bool:
@@ -524,11 +592,11 @@ def _carries_chat_template(data: dict) -> bool:
 def _prefill_tokens(route_request: RouteRequest) -> int:
     """Prompt tokens the backend still has to prefill: the policy's figure, else tokens minus cached."""
     decision = route_request.decision
-    prefill_tokens = decision.get("prefill_tokens")
+    prefill_tokens = decision.prefill_tokens
     if prefill_tokens is not None:
         return prefill_tokens
     tokens = route_request.tokens
-    return 0 if tokens is None else max(0, len(tokens) - decision.get("cached_tokens", 0))
+    return 0 if tokens is None else max(0, len(tokens) - decision.cached_tokens)
 
 
 def _release(backend: BackendState, prefill_tokens: int) -> None:
@@ -544,8 +612,9 @@ class _DisconnectWatch:
     """Cancels the request's task when the client disconnects, so the upstream connection closes and
     the engine stops generating for nobody.
 
-    Watching costs a task per request (~15% of the gateway's CPU per request), so it starts only
-    after DISCONNECT_WATCH_DELAY_S: answers faster than that never pay for it.
+    Watching costs a task per request, a sizeable share of the gateway's CPU per request
+    (docs/gateway.md, "Performance design"), so it starts only after DISCONNECT_WATCH_DELAY_S:
+    answers faster than that never pay for it.
     """
 
     __slots__ = ("_receive", "_responder", "_target", "_task", "_timer")

@@ -18,9 +18,10 @@ from typing import TYPE_CHECKING
 from router.upstream import UpstreamError
 
 if TYPE_CHECKING:
-    from router.app import Gateway
-    from router.backends import BackendState
+    from router.backends import BackendRegistry, BackendState
+    from router.config import Health
     from router.metrics import GatewayMetrics
+    from router.upstream import UpstreamPool
 
 log = logging.getLogger("kvgate.health")
 
@@ -73,12 +74,17 @@ class LoopStallWatch:
 
 
 class HealthChecker:
-    def __init__(self, gateway: Gateway):
-        self.gateway = gateway
-        self.interval_s = gateway.config.health.interval_s
-        self.timeout_s = gateway.config.health.timeout_s
-        self.min_down_s = gateway.config.health.min_down_s
-        self.stall_watch = LoopStallWatch(gateway.metrics)
+    """Probes every backend of `backends` through `pool` each `config.interval_s` and marks it up or down."""
+
+    def __init__(
+        self, backends: BackendRegistry, pool: UpstreamPool, config: Health, metrics: GatewayMetrics
+    ) -> None:
+        self.backends = backends
+        self.pool = pool
+        self.interval_s = config.interval_s
+        self.timeout_s = config.timeout_s
+        self.min_down_s = config.min_down_s
+        self.stall_watch = LoopStallWatch(metrics)
         self._task: asyncio.Task | None = None
 
     def start(self) -> None:
@@ -99,7 +105,7 @@ class HealthChecker:
             await asyncio.sleep(self.interval_s)
 
     async def probe_all(self) -> None:
-        backends = list(self.gateway.backends.values())
+        backends = list(self.backends.values())
         await asyncio.gather(*(self.probe(backend) for backend in backends))
 
     async def probe(self, backend: BackendState) -> None:
@@ -123,14 +129,14 @@ class HealthChecker:
             return  # the loop kept stalling: no verdict this round
         if problem is None:
             if not backend.healthy and time.monotonic() - backend.down_since >= self.min_down_s:
-                self.gateway.mark_up(backend)
+                self.backends.mark_up(backend)
         elif backend.healthy:
-            self.gateway.mark_down(backend, problem)
+            self.backends.mark_down(backend, problem)
 
     async def _probe_once(self, backend: BackendState) -> str | None:
         """None when the backend's /health answered 200, else what went wrong."""
         try:
-            status, _ = await self.gateway.pool.get(backend.url + "/health", self.timeout_s)
+            status, _ = await self.pool.get(backend.url + "/health", self.timeout_s)
             return None if status == 200 else f"/health answered {status}"
         except (UpstreamError, TimeoutError) as exc:
             return f"/health failed: {exc or 'timed out'}"

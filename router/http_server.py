@@ -40,9 +40,9 @@ from router.errors import GatewayError, error_body
 from router.forward import body_too_large
 
 if TYPE_CHECKING:
-    from router.app import Gateway
     from router.config import Limits
     from router.forward import ProxyEndpoint
+    from router.wiring import Gateway
 
 # Requests queued behind the one being answered before the connection stops reading.
 _MAX_WAITING = 16
@@ -373,8 +373,8 @@ class GatewayHttpProtocol(HttpToolsProtocol):
             return
         exchange.body_parts.append(body)
         exchange.body_size += len(body)
-        if exchange.body_size > exchange.endpoint.gateway.config.limits.max_body_bytes:
-            self._reject(exchange, body_too_large(exchange.endpoint.gateway.config.limits.max_body_bytes))
+        if exchange.body_size > exchange.endpoint.limits.max_body_bytes:
+            self._reject(exchange, body_too_large(exchange.endpoint.limits.max_body_bytes))
 
     def on_message_complete(self) -> None:
         self._read_phase = _IDLE
@@ -441,7 +441,7 @@ class GatewayHttpProtocol(HttpToolsProtocol):
         exchange.request_id = request_id
         exchange.session_value = session_value
         if declared_length is not None:
-            limit = endpoint.gateway.config.limits.max_body_bytes
+            limit = endpoint.limits.max_body_bytes
             # httptools has already refused a content-length that is not a number.
             length = int(declared_length)
             if length > limit:
@@ -451,7 +451,7 @@ class GatewayHttpProtocol(HttpToolsProtocol):
         """Answer the error now, without waiting for the rest of the body (which is then dropped)."""
         exchange.rejected = True
         exchange.body_parts = []
-        exchange.endpoint.gateway.metrics.gateway_errors.labels(str(error.status)).inc()
+        exchange.endpoint.metrics.gateway_errors.labels(str(error.status)).inc()
         self._submit(exchange, _answer_error(exchange, error))
 
     def _submit(self, exchange: _Exchange, coroutine) -> None:

@@ -4,10 +4,12 @@ request path pays one dict lookup, not a label resolution."""
 from __future__ import annotations
 
 import contextlib
+from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-from router.backends import BackendState
+if TYPE_CHECKING:
+    from router.backends import BackendState
 
 # Gateway overhead is tens of microseconds; upstream time is milliseconds to minutes.
 _OVERHEAD_BUCKETS = (25e-6, 50e-6, 100e-6, 200e-6, 400e-6, 800e-6, 1.6e-3, 3.2e-3, 6.4e-3, 12.8e-3, 0.1)

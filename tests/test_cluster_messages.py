@@ -63,7 +63,7 @@ def test_a_peers_routed_prompt_is_predicted_on_its_backend_here() -> None:
     request = RouteRequest("r1", "m", {}, tokens=tokens, namespace=Namespace())
     chosen = policy.choose(request, list(backends.values()))
     assert chosen.name == "b"
-    assert request.decision["candidates"]["b"]["predicted"] == len(keys) * ROUTER_BLOCK_TOKENS
+    assert request.decision.candidates["b"]["predicted"] == len(keys) * ROUTER_BLOCK_TOKENS
 
 
 def test_a_peers_session_pin_is_kept_here() -> None:
@@ -72,7 +72,7 @@ def test_a_peers_session_pin_is_kept_here() -> None:
     sync.receive(encode(SyncMessage("peer-1", [], [RoutedNote("c", session="user-7")])), now=1.0)
     request = RouteRequest("r1", "m", {}, session_key="user-7")
     assert policy.choose(request, list(backends.values())).name == "c"
-    assert request.decision["session"] == "pinned"
+    assert request.decision.session == "pinned"
 
 
 def test_bad_messages_are_refused_and_counted_never_applied() -> None:

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from router.config import builtin_tokenizer_dir
-from router.debug import DECISION_REASONS
+from router.debug_page import DECISION_REASONS
 from router.tokenize import PromptTokenizer
 from tests.test_kv_aware_gateway import DOCS, Fleet, chat_body
 

@@ -3,16 +3,20 @@
 from __future__ import annotations
 
 import collections
+import os
+import subprocess
 import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
+import yaml
 
 from router import config as config_schema
 from router.backends import BackendState
 from router.policies import POLICY_MODULES, PolicyUnavailable, RouteRequest, make_policy
-from tests.support import running_backends, start_gateway
+from tests.support import free_port, running_backends, start_gateway
+from tests.support.processes import REPO_ROOT, python_command
 
 MODEL = "test-model"
 
@@ -29,7 +33,7 @@ def request(session_key: str | None = None) -> RouteRequest:
 
 
 def test_round_robin_rotates_strictly():
-    policy = make_policy(config_schema.RoundRobinPolicy(), gateway=None)
+    policy = make_policy(config_schema.RoundRobinPolicy())
     candidates = states("a", "b", "c")
     assert [policy.choose(request(), candidates).name for _ in range(7)] == [
         "a",
@@ -43,7 +47,7 @@ def test_round_robin_rotates_strictly():
 
 
 def test_least_loaded_picks_fewest_in_flight_and_rotates_ties():
-    policy = make_policy(config_schema.LeastLoadedPolicy(), gateway=None)
+    policy = make_policy(config_schema.LeastLoadedPolicy())
     a, b, c = candidates = states("a", "b", "c")
     a.in_flight, b.in_flight, c.in_flight = 3, 1, 2
     assert policy.choose(request(), candidates) is b
@@ -59,7 +63,7 @@ def test_least_loaded_picks_fewest_in_flight_and_rotates_ties():
 
 
 def test_session_pins_until_its_backend_leaves():
-    policy = make_policy(config_schema.SessionPolicy(), gateway=None)
+    policy = make_policy(config_schema.SessionPolicy())
     candidates = states("a", "b", "c")
     first = policy.choose(request("s1"), candidates)
     policy.on_routed(request("s1"), first)
@@ -74,7 +78,7 @@ def test_session_pins_until_its_backend_leaves():
 
 
 def test_session_without_key_balances_by_load():
-    policy = make_policy(config_schema.SessionPolicy(), gateway=None)
+    policy = make_policy(config_schema.SessionPolicy())
     a, b, c = candidates = states("a", "b", "c")
     a.in_flight = 5
     assert policy.choose(request(None), candidates) in (b, c)
@@ -83,7 +87,7 @@ def test_session_without_key_balances_by_load():
 def test_missing_policy_module_is_a_clear_error(monkeypatch):
     monkeypatch.setitem(POLICY_MODULES, config_schema.ApproximatePolicy, "router.policies.not_installed_here")
     with pytest.raises(PolicyUnavailable, match="policy 'approximate' is not available"):
-        make_policy(config_schema.ApproximatePolicy(), gateway=None)
+        make_policy(config_schema.ApproximatePolicy())
 
 
 # ---- through the gateway ----
@@ -159,3 +163,28 @@ def test_session_affinity_through_the_gateway(backends):
                 for _ in range(6)
             }
         assert len(by_user) == 1
+
+
+def test_a_policy_value_the_policy_refuses_stops_kvgate_serve_with_one_line(tmp_path):
+    config_path = tmp_path / "proxy.yaml"
+    config_path.write_text(
+        yaml.safe_dump(
+            {
+                "models": [{"name": MODEL}],
+                "backends": [{"name": "a", "url": f"http://127.0.0.1:{free_port()}"}],
+                "policy": {"name": "approximate", "block_size": 24},
+            }
+        )
+    )
+    result = subprocess.run(
+        python_command("-m", "router.cli", "serve", "--config", str(config_path), "--port", str(free_port())),
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=REPO_ROOT,
+        env=dict(os.environ, PYTHONPATH=str(REPO_ROOT)),
+    )
+    assert result.returncode == 2, result.stderr
+    [line] = result.stderr.strip().splitlines()
+    assert str(config_path) in line
+    assert "policy.block_size 24 must be a multiple of 16" in line

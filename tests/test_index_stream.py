@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from router.errors import KvgateError
 from kvwire import encode_seq
+from router.errors import KvgateError
 from router.index.stream import (
     EventStream,
     MalformedReply,

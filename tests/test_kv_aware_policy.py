@@ -63,10 +63,10 @@ def test_the_backend_holding_the_prefix_wins() -> None:
     policy = KVAware(KVAwarePolicy(), index)
     req = request(PROMPTS[0])
     assert route(policy, req, backends()).name == "b2"
-    assert req.decision["reason"] == "cache_hit"
-    assert req.decision["cached_tokens"] == 256
-    assert req.decision["prefill_tokens"] == 256
-    assert req.decision["candidates"]["b2"]["by_tier"] == {"gpu": 256}
+    assert req.decision.reason == "cache_hit"
+    assert req.decision.cached_tokens == 256
+    assert req.decision.prefill_tokens == 256
+    assert req.decision.candidates["b2"]["by_tier"] == {"gpu": 256}
 
 
 def test_gpu_hits_beat_cpu_hits_of_the_same_length() -> None:
@@ -89,7 +89,7 @@ def test_load_outweighs_a_small_cache_hit() -> None:
     policy = KVAware(KVAwarePolicy(max_load_ratio=100), index)
     req = request(PROMPTS[0])
     assert policy.choose(req, candidates).name == "b1"
-    assert req.decision["reason"] == "least_load"
+    assert req.decision.reason == "least_load"
 
 
 def test_in_flight_guard_moves_a_hot_prefix_but_leaves_a_conversation_home() -> None:
@@ -106,13 +106,13 @@ def test_in_flight_guard_moves_a_hot_prefix_but_leaves_a_conversation_home() -> 
     for turn in range(4):
         own = request(PROMPTS[0], rid=f"turn-{turn}")
         assert route(policy, own, candidates).name == "b0"
-        assert own.decision["reason"] == "cache_hit"
+        assert own.decision.reason == "cache_hit"
     # The first matched 480 tokens (the index), the next ones all 512 (predicted after the first).
     # Uses decay (share_half_life_s), so two read just under 2; with three the prefix is hot
     # (hot_prefix_requests 2) and the guard applies.
     hot = request(PROMPTS[0], rid="another-user")
     assert route(policy, hot, candidates).name != "b0"
-    assert hot.decision["reason"] == "load_guard"
+    assert hot.decision.reason == "load_guard"
 
 
 def test_with_replica_must_pay_a_hot_prefix_moves_only_once_its_uses_outweigh_the_copy() -> None:
@@ -128,7 +128,7 @@ def test_with_replica_must_pay_a_hot_prefix_moves_only_once_its_uses_outweigh_th
     for n in range(8):
         req = request(PROMPTS[0], rid=f"user-{n}")
         homes.append(route(policy, req, candidates).name)
-        reasons.append(req.decision["reason"])
+        reasons.append(req.decision.reason)
     # Uses of the 512-token prefix before each request: 0, 0 (the 480 one was matched first), 1, 2,
     # ... 6; each just under its count (decay). Hot from the 3rd (hot_prefix_requests 2), but
     # 100 x uses stays under 512 through 5 uses.
@@ -165,7 +165,7 @@ def test_a_cold_prompt_goes_where_recent_prefills_are_fewest_when_spread_by_pref
     assert route(policy, request(PROMPTS[0], rid="conversation-a-2"), candidates).name == busy
     newcomer = request(PROMPTS[2][:128], rid="conversation-c")
     placed = route(policy, newcomer, candidates).name
-    assert newcomer.decision["reason"] == "cold_spread"
+    assert newcomer.decision.reason == "cold_spread"
     # By new prefixes the two engines tie (one each) and the turn decides; by prefill tokens the
     # engine whose cache took less lately gets the new conversation.
     assert placed == (quiet if cold_spread_by == "prefill_tokens" else busy)
@@ -181,7 +181,7 @@ def test_a_cold_prompt_takes_the_in_flight_slack_only_past_the_other_prefills(st
     candidates[0].in_flight_prefill_tokens = 500 if still_prefilling else 0
     req = request(PROMPTS[3])
     chosen = policy.choose(req, candidates).name
-    assert req.decision["reason"] == "cold_spread"
+    assert req.decision.reason == "cold_spread"
     # Decoding, b0's request delays a new prefill little: the fewer cold placements win. Still
     # prefilling, it would make the new prompt wait for all of its prefill: the idle engine wins.
     assert chosen == ("b1" if still_prefilling else "b0")
@@ -195,11 +195,11 @@ def test_predictions_expire_and_never_reach_the_index() -> None:
     assert index.longest_cached_prefix(PROMPTS[0])  == {}  # fmt: skip
     req = request(PROMPTS[0])
     policy.choose(req, candidates)
-    assert req.decision["candidates"][home]["predicted"] == 512
+    assert req.decision.candidates[home]["predicted"] == 512
     time.sleep(0.3)
     req = request(PROMPTS[0])
     policy.choose(req, candidates)
-    assert req.decision["candidates"][home]["predicted"] == 0
+    assert req.decision.candidates[home]["predicted"] == 0
 
 
 def test_salted_requests_ignore_unsalted_entries() -> None:
@@ -211,7 +211,7 @@ def test_salted_requests_ignore_unsalted_entries() -> None:
     assert policy.choose(request(PROMPTS[0], salt="tenant-a"), backends()).name == "b2"
     req = request(PROMPTS[0], salt="tenant-b")
     policy.choose(req, backends())
-    assert req.decision["cached_tokens"] == 0
+    assert req.decision.cached_tokens == 0
 
 
 def test_without_tokens_it_routes_by_load() -> None:
@@ -221,7 +221,7 @@ def test_without_tokens_it_routes_by_load() -> None:
     candidates[1].in_flight = 1
     req = request(None)
     assert policy.choose(req, candidates).name == "b2"
-    assert req.decision["reason"] == "no_tokens"
+    assert req.decision.reason == "no_tokens"
 
 
 def test_decisions_are_counted_and_kept_for_the_debug_page() -> None:
@@ -261,7 +261,7 @@ def test_approximate_learns_from_routed_prompts() -> None:
     shared_prefix = np.concatenate([PROMPTS[1][:256], PROMPTS[9][:256]])
     req = request(shared_prefix)
     assert route(policy, req, candidates).name == homes[1]
-    assert req.decision["reason"] == "learned_hit" and req.decision["cached_tokens"] == 256
+    assert req.decision.reason == "learned_hit" and req.decision.cached_tokens == 256
 
 
 def test_approximate_memory_is_bounded_with_lru_eviction() -> None:
@@ -274,7 +274,7 @@ def test_approximate_memory_is_bounded_with_lru_eviction() -> None:
     assert policy.learned_blocks("b0", policy._block_keys(request(PROMPTS[0]))) == 0
     newest = request(PROMPTS[9])
     policy.choose(newest, candidates)
-    assert newest.decision["cached_tokens"] == 512
+    assert newest.decision.cached_tokens == 512
 
 
 def test_approximate_rejects_a_block_size_the_router_cannot_use() -> None:
@@ -307,7 +307,7 @@ def test_a_request_for_a_lora_adapter_matches_that_adapters_entries() -> None:
         tokens=PROMPTS[0],
     )
     assert policy.choose(adapter, backends()).name == "b2"
-    assert adapter.decision["cached_tokens"] == 512
+    assert adapter.decision.cached_tokens == 512
 
 
 def _family_prompt(prefix: np.ndarray, n: int) -> np.ndarray:
@@ -331,7 +331,7 @@ def test_a_hot_prefix_family_spills_to_a_second_engine_and_load_stays_balanced()
         counts[chosen] = counts.get(chosen, 0) + 1
         if hot:
             hot_homes.append(chosen)
-            hot_hits += req.decision["cached_tokens"] >= 384
+            hot_hits += req.decision.cached_tokens >= 384
     assert max(counts.values()) / (80 / 4) <= 1.3
     # Half the traffic is one family: one engine cannot take it, a second replica does...
     assert 2 <= len(set(hot_homes)) <= 3
@@ -356,7 +356,7 @@ def test_nothing_cached_deals_new_prefixes_out_among_the_least_loaded() -> None:
     # No cold placements yet: fewest in flight (b1 or b3).
     first = route(policy, req, candidates).name
     assert first in {"b1", "b3"}
-    assert req.decision["reason"] == "cold_spread"
+    assert req.decision.reason == "cold_spread"
     # Then the fewest recent cold placements among those under the in-flight line (1.25 * mean 3
     # + 2 = 5.75: b2 with 2 in flight, never b0 with 8), the fewest in flight first between equals.
     picks = [route(policy, request(_family_prompt(PROMPTS[0][:0], n)), candidates).name for n in range(5)]
@@ -391,7 +391,7 @@ def test_cached_work_still_wins_under_light_balanced_load() -> None:
     store(index, "b2", PROMPTS[5])
     req = request(PROMPTS[5])
     assert route(policy, req, candidates).name == "b2"
-    assert req.decision["reason"] == "cache_hit"
+    assert req.decision.reason == "cache_hit"
 
 
 def test_a_conversation_of_its_own_stays_home_even_when_home_is_over_its_share() -> None:
@@ -403,7 +403,7 @@ def test_a_conversation_of_its_own_stays_home_even_when_home_is_over_its_share()
     store(index, "b0", PROMPTS[7])  # one conversation's history, cached on b0 only
     req = request(np.concatenate([PROMPTS[7], PROMPTS[8][:64]]))
     assert route(policy, req, candidates).name == "b0"
-    assert req.decision["reason"] == "cache_hit"
+    assert req.decision.reason == "cache_hit"
     # Held to the share line when every request is (hot_prefix_requests=0), it moves.
     strict = KVAware(KVAwarePolicy(hot_prefix_requests=0), index)
     strict.request_shares = policy.request_shares
@@ -423,11 +423,11 @@ def test_a_spilled_prefix_goes_to_the_engine_with_most_headroom_and_the_next_spi
     candidates[2].in_flight = 1
     first = request(_family_prompt(PROMPTS[0][:384], 1), rid="spill-1")
     assert route(policy, first, candidates).name == "b2"
-    assert first.decision["reason"] == "load_guard"
+    assert first.decision.reason == "load_guard"
     # The next request of the prefix finds it predicted on b2 and follows it there.
     second = request(_family_prompt(PROMPTS[0][:384], 2), rid="spill-2")
     assert route(policy, second, candidates).name == "b2"
-    assert second.decision["cached_tokens"] >= 384
+    assert second.decision.cached_tokens >= 384
 
 
 def _document_questions(policy: KVAware) -> list[str]:
@@ -463,7 +463,7 @@ def test_a_shared_header_alone_does_not_draw_cold_prompts_to_one_engine() -> Non
     for n in range(4):
         req = request(np.concatenate([header, PROMPTS[4 + n]]), rid=f"doc{n}")
         homes.append(route(policy, req, candidates).name)
-        assert req.decision["reason"] == "cold_spread"
+        assert req.decision.reason == "cold_spread"
     assert sorted(homes) == ["b0", "b1", "b2", "b3"]
     # With the threshold at 0 the header is a hit: documents go to b0 until the share guard stops it.
     drawn = KVAware(KVAwarePolicy(affinity_min_tokens=0), index)
@@ -494,7 +494,7 @@ def test_a_prefix_held_only_in_a_shared_tier_is_a_hit_for_every_attached_backend
     aware = KVAware(KVAwarePolicy(), index, shared_tiers=tiers)
     req = request(PROMPTS[0])
     assert aware.choose(req, fleet).name == "b1"  # the least loaded of those that can load it
-    candidates = req.decision["candidates"]
+    candidates = req.decision.candidates
     assert candidates["b1"]["by_tier"] == {"remote": 512} and candidates["b2"]["cached"] == 512
     assert candidates["b3"]["cached"] == 0
     # Weighted as a load from that tier (0.6 a token), not as a GPU hit (1.0 a token).
@@ -512,7 +512,7 @@ def test_an_own_gpu_hit_beats_the_same_prefix_in_the_shared_tier() -> None:
     policy = KVAware(KVAwarePolicy(), index, shared_tiers=tiers)
     req = request(PROMPTS[1])
     assert policy.choose(req, shared_tier_fleet([0, 0, 0])).name == "b2"
-    assert req.decision["candidates"]["b2"]["cost"] < req.decision["candidates"]["b1"]["cost"]
+    assert req.decision.candidates["b2"]["cost"] < req.decision.candidates["b1"]["cost"]
 
 
 def test_a_shared_tier_stored_by_a_backend_that_is_not_a_candidate_still_counts() -> None:
@@ -526,7 +526,7 @@ def test_a_shared_tier_stored_by_a_backend_that_is_not_a_candidate_still_counts(
     req = request(PROMPTS[2])
     fleet = shared_tier_fleet([0, 3, 1, 2])[1:]  # b0 is down
     assert policy.choose(req, fleet).name == "b2"
-    assert req.decision["cached_tokens"] == 512
+    assert req.decision.cached_tokens == 512
 
 
 # ---- cache pressure: capacity and survival (router/policies/capacity.py) ----
@@ -592,7 +592,7 @@ def test_under_pressure_an_evicted_prefix_comes_back_where_it_does_not_evict_a_h
 
     req = request(question)
     chosen = route(policy, req, list(by_name.values()))
-    assert req.decision["reason"] == "cold_spread"
+    assert req.decision.reason == "cold_spread"
     # Where it goes decides what it evicts: on b0 its 22 blocks would push out most of the hot prefix.
     assert chosen.name == "b1"
     engines[chosen.name].serve(question)
@@ -616,7 +616,7 @@ def test_under_pressure_a_new_prompt_spreads_by_prefill_tokens_per_token_of_capa
     assert (events_say.capacity_tokens("b0"), events_say.capacity_tokens("b1")) == (32 * 16, 96 * 16)
     req = request(gen.integers(0, 150_000, size=320).astype(np.uint32))
     assert route(policy, req, candidates).name == "b1"
-    assert req.decision["reason"] == "cold_spread"
+    assert req.decision.reason == "cold_spread"
 
 
 def test_a_prediction_lapses_once_its_engine_has_churned_through_its_capacity(monkeypatch) -> None:
@@ -635,5 +635,5 @@ def test_a_prediction_lapses_once_its_engine_has_churned_through_its_capacity(mo
     req = request(np.concatenate([document, gen.integers(0, 150_000, size=32).astype(np.uint32)]))
     route(policy, req, list(by_name.values()))
     # The engine's survival time (~2 s at this rate) is shorter than the prediction's age: no credit.
-    assert req.decision["candidates"]["b0"]["predicted"] == 0
-    assert req.decision["reason"] == "cold_spread"
+    assert req.decision.candidates["b0"]["predicted"] == 0
+    assert req.decision.reason == "cold_spread"

@@ -85,7 +85,7 @@ def test_measured_load_costs_move_a_request_off_a_busy_holder() -> None:
     assert request_weight > 1000
     req = request(PROMPTS[0])
     assert policy.choose(req, candidates).name == "b1"
-    assert req.decision["candidates"]["b0"]["load"] > 3000
+    assert req.decision.candidates["b0"]["load"] > 3000
 
 
 def test_measured_weights_never_go_below_the_configured_ones() -> None:
@@ -110,9 +110,9 @@ def test_the_policy_learns_from_streamed_requests_it_routed() -> None:
         chosen = policy.choose(req, candidates)
         chosen.in_flight += 1  # as the gateway counts it before on_routed
         policy.on_routed(req, chosen)
-        load = req.decision["load_at_send"]
+        load = req.decision.load_at_send
         assert load[1] == chosen.in_flight - 1  # the load the request met, not counting itself
-        req.decision["upstream_ttft_s"] = 0.05 + 1e-4 * load[0] + 0.2 * load[1]
+        req.decision.upstream_ttft_s = 0.05 + 1e-4 * load[0] + 0.2 * load[1]
         chosen.in_flight -= 1
         policy.on_finished(req, chosen)
     assert policy.load_costs.observed == 16

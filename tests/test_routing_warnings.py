@@ -10,7 +10,7 @@ import time
 
 import httpx
 
-from router.debug import SILENT_AFTER_S
+from router.routing_warnings import SILENT_AFTER_S
 from tests.support import free_port, start_backend, start_gateway
 from tests.support.event_publisher import EventPublisher, block_stored
 from tests.support.metrics import metric_samples

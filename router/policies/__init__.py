@@ -1,20 +1,27 @@
 """Routing policies and the one factory that builds the configured one.
 
 Each policy lives in its own module of this package and exposes
-`create(policy_config, gateway) -> Policy` (see router/policies/base.py for the interface).
-The factory imports the module lazily, so a policy's dependencies load only when it is chosen.
+`create(policy_config, context: PolicyContext) -> Policy` (see router/policies/base.py for the
+interface); the context holds what a policy may need besides its configuration, and each takes
+only what it uses. The factory imports the module lazily, so a policy's dependencies load only
+when it is chosen.
 """
 
 from __future__ import annotations
 
 import importlib
+from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from router import config as config_schema
-from router.policies.base import Policy, RouteRequest
+from router.errors import KvgateError
+from router.policies.base import Policy, RouteDecision, RouteRequest
 
 if TYPE_CHECKING:
-    from router.app import Gateway
+    from prometheus_client import CollectorRegistry
+
+    from router.policies.kv_aware import KVIndex
 
 # Config struct type -> module implementing it. Adding a policy: a struct in router/config.py,
 # a module here with `create`, and one line in this table.
@@ -27,11 +34,28 @@ POLICY_MODULES: dict[type, str] = {
 }
 
 
-class PolicyUnavailable(Exception):
-    """The configured policy cannot be built (its module is missing or broken)."""
+class PolicyUnavailable(KvgateError):
+    """The configured policy cannot be built (its module is missing or broken, or it refuses its
+    configuration); `kvgate serve` reports it in one line and exits 2."""
 
 
-def make_policy(policy_config: config_schema.Policy, gateway: Gateway) -> Policy:
+class InvalidPolicyConfig(PolicyUnavailable, ValueError):
+    """A `policy:` value the policy cannot work with; the message names the key and the fix."""
+
+
+@dataclass(frozen=True, slots=True)
+class PolicyContext:
+    """What router/wiring.py hands the policy factory besides the policy's own configuration."""
+
+    # The KV index kv_aware looks prompts up in (router/index/service.py KVIndexService); None: none.
+    kv_index: KVIndex | None = None
+    # Where the cache-aware policies register their kvgate_route_* metrics; None: not exported.
+    metrics_registry: CollectorRegistry | None = None
+    # The configuration's `shared_tiers` (stores several backends read), for kv_aware.
+    shared_tiers: Sequence[config_schema.SharedTier] = ()
+
+
+def make_policy(policy_config: config_schema.Policy, context: PolicyContext | None = None) -> Policy:
     """Build the policy that `policy_config` (one of the config structs) selects."""
     module_name = POLICY_MODULES.get(type(policy_config))
     if module_name is None:
@@ -49,7 +73,16 @@ def make_policy(policy_config: config_schema.Policy, gateway: Gateway) -> Policy
             f"policy {name!r} is not available in this installation (module {module_name} is missing); "
             "choose another `policy.name` in the configuration"
         ) from None
-    return module.create(policy_config, gateway)
+    return module.create(policy_config, context or PolicyContext())
 
 
-__all__ = ["POLICY_MODULES", "Policy", "PolicyUnavailable", "RouteRequest", "make_policy"]
+__all__ = [
+    "POLICY_MODULES",
+    "InvalidPolicyConfig",
+    "Policy",
+    "PolicyContext",
+    "PolicyUnavailable",
+    "RouteDecision",
+    "RouteRequest",
+    "make_policy",
+]

@@ -14,12 +14,14 @@ from typing import TYPE_CHECKING, Any
 
 from router.config import ApproximatePolicy
 from router.index.keys import ROUTER_BLOCK_TOKENS, prompt_prefix_keys
+from router.policies import InvalidPolicyConfig
 from router.policies.kv_aware import CacheAwarePolicy
 
 if TYPE_CHECKING:
     from router.backends import BackendState
     from router.cluster import RoutedNote
-    from router.policies.base import RouteRequest
+    from router.policies import PolicyContext
+    from router.policies.base import CandidateScore, RouteRequest
 
 
 class Approximate(CacheAwarePolicy):
@@ -28,7 +30,7 @@ class Approximate(CacheAwarePolicy):
     def __init__(self, config: ApproximatePolicy, registry: Any = None) -> None:
         super().__init__(config, registry)
         if config.block_size % ROUTER_BLOCK_TOKENS:
-            raise ValueError(
+            raise InvalidPolicyConfig(
                 f"policy.block_size {config.block_size} must be a multiple of {ROUTER_BLOCK_TOKENS} "
                 "(the router's block size)"
             )
@@ -57,12 +59,12 @@ class Approximate(CacheAwarePolicy):
     def choose(self, request: RouteRequest, candidates: list[BackendState]) -> BackendState:
         now = time.monotonic()
         keys = self._block_keys(request)
-        request.decision["prefix_keys"] = keys
+        request.decision.prefix_keys = keys
         prompt_tokens = 0 if request.tokens is None else len(request.tokens)
         allowed = self.guarded(candidates, now)
         costs: dict[str, float] = {}
         cached: dict[str, int] = {}
-        scores: dict[str, dict[str, Any]] = {}
+        scores: dict[str, CandidateScore] = {}
         for backend in candidates:
             held = min(prompt_tokens, self.learned_blocks(backend.name, keys) * self.block_size)
             # Same units as kv_aware's defaults: one in-flight request ~ 256 prefill tokens.
@@ -89,7 +91,9 @@ class Approximate(CacheAwarePolicy):
         return winner
 
     def on_routed(self, request: RouteRequest, backend: BackendState) -> None:
-        self._learn(backend.name, request.decision.pop("prefix_keys", None) or [], time.monotonic())
+        keys = request.decision.prefix_keys or []
+        request.decision.prefix_keys = None  # consumed: a retry's choose() sets them again
+        self._learn(backend.name, keys, time.monotonic())
         self.remember_routed(request, backend)
 
     def on_peer_routed(self, note: RoutedNote) -> None:
@@ -124,6 +128,5 @@ class Approximate(CacheAwarePolicy):
         return len(self._blocks)
 
 
-def create(policy_config: ApproximatePolicy, gateway: Any) -> Approximate:
-    registry = getattr(getattr(gateway, "metrics", None), "registry", None)
-    return Approximate(policy_config, registry)
+def create(policy_config: ApproximatePolicy, context: PolicyContext) -> Approximate:
+    return Approximate(policy_config, context.metrics_registry)

@@ -7,7 +7,7 @@ tells it when the request has been routed and when it has finished. Policies nev
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Protocol, TypedDict
 
 from router.index.keys import DEFAULT_NAMESPACE, Namespace
 
@@ -16,6 +16,54 @@ if TYPE_CHECKING:
 
     from router.backends import BackendState
     from router.cluster import RoutedNote
+
+
+class CandidateScore(TypedDict, total=False):
+    """How a cache-aware policy scored one candidate backend (RouteDecision.candidates)."""
+
+    # Leading prompt tokens the backend holds (cached or predicted), in one contiguous prefix.
+    cached: int
+    # kv_aware: tokens held per tier, from the index ({"gpu": 256, "cpu": 512}).
+    by_tier: dict[str, int]
+    # kv_aware: leading tokens credited to the backend because a prompt sharing them was just routed there.
+    predicted: int
+    in_flight: int
+    # kv_aware: the load part of the cost (prompt-token units).
+    load: float
+    # The cost the policy minimised (prompt-token units): lowest wins.
+    cost: float
+
+
+@dataclass(slots=True)
+class RouteDecision:
+    """What the policy decided for one request and why, handed between the policy, router/forward.py,
+    the replica sync (router/cluster.py) and /debug/prefix-map. Only the cache-aware policies
+    (kv_aware, approximate) fill the scoring fields; the others leave their defaults."""
+
+    # The policy that scored the candidates, and the backend it chose (None until one did).
+    policy: str | None = None
+    winner: str | None = None
+    # Why the winner won: a key of router/debug_page.py DECISION_REASONS ("cache_hit", "cold_spread"...).
+    reason: str | None = None
+    # Prompt tokens, and how many of them the winner holds (cached or predicted).
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    # Prompt tokens the winner still has to prefill; None: router/forward.py counts tokens - cached_tokens.
+    prefill_tokens: int | None = None
+    # Per candidate backend, how the policy scored it.
+    candidates: dict[str, CandidateScore] = field(default_factory=dict)
+    # The prompt's router keys (router/index keys), from choose() until on_routed() consumes them
+    # (the replica sync reads them in between).
+    prefix_keys: list[int] | None = None
+    # kv_aware: the router key where the best cached prefix ends, until on_routed() consumes it.
+    hot_prefix_key: int | None = None
+    # session: "pinned" (its backend took it), "repinned" (its backend was gone) or "new".
+    session: str | None = None
+    # kv_aware with measure_load_costs: (prefill tokens, requests in flight, prompt tokens queued) at
+    # the backend when the request was sent, and the time from sending it to the answer's first
+    # streamed piece (router/forward.py); on_finished() fits the load costs from both.
+    load_at_send: tuple[int, int, int] | None = None
+    upstream_ttft_s: float | None = None
 
 
 @dataclass(slots=True)
@@ -32,8 +80,8 @@ class RouteRequest:
     # Cache namespace (LoRA adapter, cache salt) as the request names it: salted prompts never match
     # unsalted entries. kv_aware looks an unnamed adapter up by `model` (`PrefixIndex.namespace_for`).
     namespace: Namespace = DEFAULT_NAMESPACE
-    # Filled by the policy: why it chose what it chose (for metrics and /debug/prefix-map).
-    decision: dict = field(default_factory=dict)
+    # Filled by the policy: what it chose and why (forward.py's accounting, metrics, /debug/prefix-map).
+    decision: RouteDecision = field(default_factory=RouteDecision)
     # Bytes of the request body as received: how much parsing it further may cost (the tokenizer
     # moves large bodies off the event loop).
     body_size: int = 0

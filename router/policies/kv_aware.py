@@ -30,7 +30,7 @@ The cheapest backend wins, with these guards:
   (`cold_spread_by: prefill_tokens`; `new_prefixes`: the fewest recent cold placements), then
   the fewest in flight, ties taken in turn. Different cold
   prefixes therefore spread over the engines by what they fill instead of piling onto the first one
-  (docs/benchmarks.md has the runs that showed it); between equal costs otherwise, the
+  (docs/index.md, "kv_aware", has why); between equal costs otherwise, the
   backend with the fewest recently placed prompt tokens wins, then the one whose cache holds least.
 With measure_load_costs (off by default), the TTFTs of streamed requests measure what a request in
 flight and a queued prompt token cost on these engines, in prompt tokens, and the larger of
@@ -49,7 +49,8 @@ import logging
 import math
 import time
 from collections import OrderedDict, deque
-from typing import TYPE_CHECKING, Any
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any, Protocol, TypedDict
 
 from prometheus_client import Counter
 
@@ -64,14 +65,45 @@ from router.policies.shared_tiers import SharedTiers
 if TYPE_CHECKING:
     from router.backends import BackendState
     from router.cluster import RoutedNote
-    from router.policies.base import RouteRequest
+    from router.policies import PolicyContext
+    from router.policies.base import CandidateScore, RouteRequest
 
 logger = logging.getLogger("kvgate.policy")
+
+
+class KVIndex(Protocol):
+    """What kv_aware reads from the KV index: router/index/service.py's KVIndexService in the gateway
+    (a bare PrefixIndex in unit tests)."""
+
+    def longest_cached_prefix(
+        self, tokens: Any, namespace: Any, backends: Sequence[str] | None = None, *, keys: Any = None
+    ) -> dict[str, BackendMatch]: ...
+
+    def namespace_for(self, model: str, cache_salt: str | None) -> Any: ...
+
+    def held_tokens(self, backend: str) -> int: ...
+
+    def stats(self, backend: str) -> Any: ...
+
 
 # Recent placements decay with this half-life (seconds): long enough to spread a burst of cold
 # prefixes, short enough that yesterday's traffic does not steer today's.
 PLACEMENT_HALF_LIFE_S = 30.0
 DECISIONS_KEPT = 200
+
+
+class RecentDecision(TypedDict):
+    """One routed request as /debug/prefix-map lists it (CacheAwarePolicy.recent_decisions)."""
+
+    at: float  # time.time() when it was routed
+    request_id: str
+    model: str
+    backend: str
+    reason: str | None  # RouteDecision.reason
+    prompt_tokens: int
+    cached_tokens: int
+    # Per candidate: the tokens it held and its cost (CandidateScore's `cached` and `cost`).
+    candidates: dict[str, dict[str, Any]]
 
 
 class RoutingMetrics:
@@ -189,7 +221,7 @@ class CacheAwarePolicy:
         by_tokens = config.cold_spread_by == "prefill_tokens"
         self.cold_spread = self.placements if by_tokens else self.cold_placements
         self._turn = -1
-        self.recent_decisions: deque[dict[str, Any]] = deque(maxlen=DECISIONS_KEPT)
+        self.recent_decisions: deque[RecentDecision] = deque(maxlen=DECISIONS_KEPT)
         self.metrics = RoutingMetrics(registry) if registry is not None else None
 
     def guarded(self, candidates: list[BackendState], now: float) -> list[BackendState]:
@@ -218,18 +250,16 @@ class CacheAwarePolicy:
         line = self.max_load_ratio * mean + self.load_slack
         return [b for b in backends if b.in_flight <= line] or backends
 
-    def record(self, request: RouteRequest, winner: str, reason: str, scores: dict[str, dict[str, Any]],
+    def record(self, request: RouteRequest, winner: str, reason: str, scores: dict[str, CandidateScore],
                prompt_tokens: int, cached_tokens: int) -> None:  # fmt: skip
         decision = request.decision
-        decision.update(
-            policy=self.name,
-            winner=winner,
-            reason=reason,
-            prompt_tokens=prompt_tokens,
-            cached_tokens=cached_tokens,
-            prefill_tokens=max(0, prompt_tokens - cached_tokens),
-            candidates=scores,
-        )
+        decision.policy = self.name
+        decision.winner = winner
+        decision.reason = reason
+        decision.prompt_tokens = prompt_tokens
+        decision.cached_tokens = cached_tokens
+        decision.prefill_tokens = max(0, prompt_tokens - cached_tokens)
+        decision.candidates = scores
         if self.metrics is not None:
             self.metrics.decisions.labels(self.name, reason).inc()
         logger.debug(
@@ -244,11 +274,11 @@ class CacheAwarePolicy:
 
     def remember_routed(self, request: RouteRequest, backend: BackendState) -> None:
         decision = request.decision
-        prompt_tokens = decision.get("prompt_tokens", 0)
-        cached_tokens = decision.get("cached_tokens", 0)
+        prompt_tokens = decision.prompt_tokens
+        cached_tokens = decision.cached_tokens
         now = time.monotonic()
         self._count_placement(
-            backend.name, max(0, prompt_tokens - cached_tokens), decision.get("reason") == "cold_spread", now
+            backend.name, max(0, prompt_tokens - cached_tokens), decision.reason == "cold_spread", now
         )
         if self.metrics is not None and prompt_tokens:
             self.metrics.prompt_tokens.labels(self.name, "prompt").inc(prompt_tokens)
@@ -259,12 +289,12 @@ class CacheAwarePolicy:
                 "request_id": request.request_id,
                 "model": request.model,
                 "backend": backend.name,
-                "reason": decision.get("reason"),
+                "reason": decision.reason,
                 "prompt_tokens": prompt_tokens,
                 "cached_tokens": cached_tokens,
                 "candidates": {
                     name: {"cached": score.get("cached", 0), "cost": score.get("cost")}
-                    for name, score in decision.get("candidates", {}).items()
+                    for name, score in decision.candidates.items()
                 },
             }
         )
@@ -305,15 +335,13 @@ class CacheAwarePolicy:
             # turns, a document's next questions), so what each engine was given lately decides
             # the load and the cache pressure of minutes to come; the instant's in-flight count
             # mostly counts requests past their prefill, which delay a new prefill little. So every
-            # engine under the in-flight guard's line is a candidate. (Within one request in flight
-            # of the least loaded, 2 real engines at the simulated tier's request rate got 7 and 5
-            # of 12 conversations: the last two began while the other engine had 3 decoding
-            # against 1; the 7 outgrew the engine's cache and their later turns missed whole.)
+            # engine under the in-flight guard's line is a candidate: spreading by the instant's
+            # in-flight count dealt new conversations unevenly, and the engine that got more outgrew
+            # its cache (docs/index.md, "kv_aware").
             near = self.under_in_flight_line(candidates)
             # A new prompt behind a prefill still running waits for all of it: among those, the
-            # engines with the fewest prompt tokens still to prefill. (Without this, the no-reuse
-            # control, where every prompt is cold, read a paired TTFT 8-10 ms above least_loaded's
-            # at the median on 2 real engines: docs/benchmarks.md.)
+            # engines with the fewest prompt tokens still to prefill (a workload without reuse,
+            # every prompt cold, otherwise waits longer for first tokens than under least_loaded).
             least_queued = min(b.in_flight_prefill_tokens for b in near)
             near = [b for b in near if b.in_flight_prefill_tokens <= least_queued]
             placed = self.cold_spread_values(near, now, keys or [])
@@ -358,7 +386,7 @@ class KVAware(CacheAwarePolicy):
     def __init__(
         self,
         config: KVAwarePolicy,
-        kv_index: Any = None,
+        kv_index: KVIndex | None = None,
         registry: Any = None,
         shared_tiers: SharedTiers | None = None,
     ) -> None:
@@ -404,10 +432,10 @@ class KVAware(CacheAwarePolicy):
                 matches = self.kv_index.longest_cached_prefix(tokens, namespace, backends, keys=keys)
                 if self.shared_tiers:
                     matches = self.shared_tiers.credit(matches)
-            request.decision["prefix_keys"] = keys
+            request.decision.prefix_keys = keys
         costs: dict[str, float] = {}
         cached: dict[str, int] = {}
-        scores: dict[str, dict[str, Any]] = {}
+        scores: dict[str, CandidateScore] = {}
         request_weight, prefill_weight = self.load_weights()
         for backend in candidates:
             match = matches.get(backend.name)
@@ -435,7 +463,7 @@ class KVAware(CacheAwarePolicy):
         best_blocks = min(len(keys), best_held // ROUTER_BLOCK_TOKENS)
         if best_blocks:
             hot_key = keys[best_blocks - 1]
-            request.decision["hot_prefix_key"] = hot_key
+            request.decision.hot_prefix_key = hot_key
         uses = self.prefix_uses.value(hot_key, now) if hot_key is not None else 0.0
         # A copy made for a hot prefix pays when its recent requests, each worth a request in
         # flight, outweigh the prefill of the tokens the move forfeits (replica_must_pay).
@@ -447,9 +475,8 @@ class KVAware(CacheAwarePolicy):
         # a replica the prefix's next requests share. A prefix of one conversation or one document
         # moved pays its whole prefill again and leaves the conversation split over two engines, for
         # an in-flight count that is mostly requests past their prefill, which delay a new one little:
-        # such a request stays home unless its cost says otherwise. (On 4 real engines the in-flight
-        # guard moved 5-13 chat turns a run, each a whole-conversation miss, some back and forth;
-        # docs/benchmarks.md.)
+        # such a request stays home unless its cost says otherwise (docs/index.md, "kv_aware", has
+        # the runs where the guard moved chat turns and each move was a whole-conversation miss).
         allowed = self.guarded(candidates, now) if hot else candidates
         winner = self.pick(candidates, allowed, costs, cached, now, keys)
         reason = self._reason(tokens, candidates, allowed, winner, cached)
@@ -538,19 +565,22 @@ class KVAware(CacheAwarePolicy):
         return {name: value * mean / sizes[name] for name, value in values.items()}
 
     def on_routed(self, request: RouteRequest, backend: BackendState) -> None:
-        keys = request.decision.pop("prefix_keys", None)
+        decision = request.decision
+        keys = decision.prefix_keys
+        hot_key = decision.hot_prefix_key
+        # Consumed: a retry's choose() sets them again for its own backend.
+        decision.prefix_keys = decision.hot_prefix_key = None
         now = time.monotonic()
         if keys:
             self.predictions.add(backend.name, keys, now)
-        hot_key = request.decision.pop("hot_prefix_key", None)
         if hot_key is not None:
             self.prefix_uses.add(hot_key, now)
         if self.capacity is not None:
-            self.capacity.on_routed(backend.name, request.decision.get("prompt_tokens", 0), now, keys)
+            self.capacity.on_routed(backend.name, decision.prompt_tokens, now, keys)
         if self.load_costs is not None:
             # The load the request met: on_routed comes after the gateway counted it in.
-            prefill_tokens = request.decision.get("prefill_tokens", 0)
-            request.decision["load_at_send"] = (
+            prefill_tokens = decision.prefill_tokens or 0
+            decision.load_at_send = (
                 prefill_tokens,
                 backend.in_flight - 1,
                 backend.in_flight_prefill_tokens - prefill_tokens,
@@ -568,14 +598,13 @@ class KVAware(CacheAwarePolicy):
 
     def on_finished(self, request: RouteRequest, backend: BackendState) -> None:
         decision = request.decision
-        ttft_s = decision.get("upstream_ttft_s")
-        load = decision.get("load_at_send")
+        ttft_s = decision.upstream_ttft_s
+        load = decision.load_at_send
         if ttft_s is not None and load is not None and self.load_costs is not None:
             self.load_costs.observe(*load, ttft_s)
 
 
-def create(policy_config: KVAwarePolicy, gateway: Any) -> KVAware:
-    registry = getattr(getattr(gateway, "metrics", None), "registry", None)
-    config = getattr(gateway, "config", None)
-    shared_tiers = SharedTiers(getattr(config, "shared_tiers", []))
-    return KVAware(policy_config, getattr(gateway, "kv_index", None), registry, shared_tiers)
+def create(policy_config: KVAwarePolicy, context: PolicyContext) -> KVAware:
+    return KVAware(
+        policy_config, context.kv_index, context.metrics_registry, SharedTiers(context.shared_tiers)
+    )

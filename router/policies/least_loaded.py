@@ -39,5 +39,5 @@ class LeastLoaded:
         pass
 
 
-def create(policy_config, gateway) -> LeastLoaded:
+def create(policy_config: object, context: object) -> LeastLoaded:
     return LeastLoaded()

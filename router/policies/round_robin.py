@@ -32,5 +32,5 @@ class RoundRobin:
         pass
 
 
-def create(policy_config, gateway) -> RoundRobin:
+def create(policy_config: object, context: object) -> RoundRobin:
     return RoundRobin()

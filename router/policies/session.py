@@ -34,12 +34,12 @@ class SessionAffinity:
                 for backend in candidates:
                     if backend.name == pinned:
                         self._pins.move_to_end(key)
-                        request.decision["session"] = "pinned"
+                        request.decision.session = "pinned"
                         return backend
         self._turn += 1
         backend = fewest_in_flight(candidates, self._turn)
         if key is not None:
-            request.decision["session"] = "repinned" if key in self._pins else "new"
+            request.decision.session = "repinned" if key in self._pins else "new"
         return backend
 
     def on_routed(self, request: RouteRequest, backend: BackendState) -> None:
@@ -62,5 +62,5 @@ class SessionAffinity:
             self._pins.popitem(last=False)
 
 
-def create(policy_config, gateway) -> SessionAffinity:
+def create(policy_config: object, context: object) -> SessionAffinity:
     return SessionAffinity()
