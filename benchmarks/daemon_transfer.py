@@ -31,8 +31,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from cachelayer.engine import copy_tensor
 from cachelayer.server import KeySpace, StoreClient
-from tests.support.ports import free_port
-from tests.support.processes import ManagedProcess, wait_for_http
+from kvgate_testing.ports import free_port
+from kvgate_testing.processes import ManagedProcess, wait_for_http
 
 LAYERS, KV_HEADS, HEAD_DIM, TOKENS, CHUNK = 32, 8, 128, 4096, 256
 REQUEST_BYTES = LAYERS * 2 * TOKENS * KV_HEADS * HEAD_DIM * 2

@@ -39,9 +39,9 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO_ROOT))
 
 from benchmarks.routers import peer_versions, peer_versions_line  # noqa: E402
-from tests.support.backend import BackendProcess  # noqa: E402
-from tests.support.ports import free_port  # noqa: E402
-from tests.support.processes import ManagedProcess, python_command, wait_for_http  # noqa: E402
+from kvgate_testing.backend import BackendProcess  # noqa: E402
+from kvgate_testing.ports import free_port  # noqa: E402
+from kvgate_testing.processes import ManagedProcess, python_command, wait_for_http  # noqa: E402
 
 PEERS_DIR = REPO_ROOT / ".cache" / "peers"
 RESULTS_DIR = REPO_ROOT / "benchmarks" / "results"
@@ -392,8 +392,9 @@ def write_report(report: dict, stem: Path) -> None:
         "# Gateway overhead: direct vs kvgate vs peer routers",
         "",
         f"Command: `{report['command']}`  ",
-        f"Machine: {report['machine']}; one fast test backend (tests/support/openai_backend.py) behind every "
-        f"router; load from one asyncio+httptools client process; medians of {report['rounds']} round(s). "
+        f"Machine: {report['machine']}; one fast test backend (kvgate_testing/openai_backend.py) "
+        "behind every router; load from one asyncio+httptools client process; "
+        f"medians of {report['rounds']} round(s). "
         "The machine was shared with other work (load average at the end: "
         f"{', '.join(f'{x:.1f}' for x in report['load_average_at_end'])}): latencies at concurrency 1 "
         "are dominated by scheduling; compare targets within this run only.",

@@ -252,8 +252,8 @@ def start_gateway(tree: Path, fleet, port_file_prefix: str, policy: str = "kv_aw
     import yaml
 
     from benchmarks.routers import kvgate_backends, wait_until_synced
-    from tests.support.ports import free_port
-    from tests.support.processes import ManagedProcess, wait_for_http
+    from kvgate_testing.ports import free_port
+    from kvgate_testing.processes import ManagedProcess, wait_for_http
 
     port = free_port()
     config = {

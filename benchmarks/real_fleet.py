@@ -22,8 +22,8 @@ import time
 from pathlib import Path
 
 from benchmarks.sim_fleet import Engine, EngineFleet
-from tests.support.processes import REPO_ROOT, wait_for_http
-from tests.support.vllm import (
+from kvgate_testing.processes import REPO_ROOT, wait_for_http
+from kvgate_testing.vllm import (
     SERVED_MODEL,
     TINY_MODEL,
     TINY_MODEL_LAYERS,

@@ -46,8 +46,8 @@ from benchmarks.real_fleet import (
 )
 from benchmarks.replay import sse_chunks
 from benchmarks.routing_bench import REAL_DEFAULT_BLOCKS
-from tests.support.processes import wait_for_http
-from tests.support.vllm import (
+from kvgate_testing.processes import wait_for_http
+from kvgate_testing.vllm import (
     SERVED_MODEL,
     TINY_MODEL_LAYERS,
     VLLM_START_TIMEOUT_S,

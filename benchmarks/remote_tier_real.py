@@ -23,9 +23,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from tests.support.processes import REPO_ROOT
-from tests.support.redis_server import running_redis
-from tests.support.vllm import (
+from kvgate_testing.processes import REPO_ROOT
+from kvgate_testing.redis_server import running_redis
+from kvgate_testing.vllm import (
     TINY_MODEL,
     cached_tokens,
     greedy_output,

@@ -36,8 +36,8 @@ from benchmarks.replay import replay, summarize
 from benchmarks.routers import kvgate_backends, wait_until_synced
 from benchmarks.routing_bench import DEFAULT_SIM_ARGS, TARGET_MAX_OVER_MEAN, exit_on_sigterm
 from benchmarks.sim_fleet import MODEL, EngineFleet
-from tests.support.gateway import GatewayProcess, start_gateway
-from tests.support.redis_server import RedisServer
+from kvgate_testing.gateway import GatewayProcess, start_gateway
+from kvgate_testing.redis_server import RedisServer
 
 WORKLOADS = ("chat_sessions", "shared_system_prompts", "document_qa")
 REPLICA_COUNTS = (1, 2, 4)

@@ -20,9 +20,9 @@ import httpx
 import yaml
 
 from benchmarks.sim_fleet import EVENTS_TOPIC, MODEL, EngineFleet
-from tests.support.gateway import GatewayProcess, start_gateway
-from tests.support.ports import free_port
-from tests.support.processes import REPO_ROOT, ManagedProcess
+from kvgate_testing.gateway import GatewayProcess, start_gateway
+from kvgate_testing.ports import free_port
+from kvgate_testing.processes import REPO_ROOT, ManagedProcess
 
 PEERS_DIR = REPO_ROOT / ".cache" / "peers"
 PEER_DISTRIBUTIONS = ("sglang-router", "vllm-router")

@@ -15,10 +15,10 @@ from dataclasses import dataclass
 
 import httpx
 
+from kvgate_testing.ports import free_port
+from kvgate_testing.processes import ManagedProcess, wait_for_http
+from kvgate_testing.redis_server import RedisServer
 from router.sim.shared_store import MEDIUM_SHARED, tier_key
-from tests.support.ports import free_port
-from tests.support.processes import ManagedProcess, wait_for_http
-from tests.support.redis_server import RedisServer
 
 MODEL = "tiny-qwen3"
 EVENTS_TOPIC = "kv-events"

@@ -26,8 +26,8 @@ from pathlib import Path
 REPO_ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO_ROOT))
 
-from tests.support.ports import free_port  # noqa: E402
-from tests.support.processes import ManagedProcess, python_command, wait_for_http  # noqa: E402
+from kvgate_testing.ports import free_port  # noqa: E402
+from kvgate_testing.processes import ManagedProcess, python_command, wait_for_http  # noqa: E402
 
 MODEL = "tiny-qwen3"
 SCENARIOS = ("chat_shared_system_prompts", "chat_unique_prompts", "completions_floor")

@@ -1,6 +1,6 @@
 """CPU per request of the gateway's upstream client (router/upstream.py) against httpx, side by side.
 
-Both clients send the same JSON request to the same fast test backend (tests/support/openai_backend.py)
+Both clients send the same JSON request to the same fast test backend (kvgate_testing/openai_backend.py)
 over 10 keep-alive connections, closed loop, and read the whole answer; the figure is this process's
 CPU time (time.process_time) divided by the requests.
 
@@ -22,8 +22,8 @@ import uvloop
 REPO_ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO_ROOT))
 
+from kvgate_testing.backend import BackendProcess  # noqa: E402
 from router.upstream import UpstreamPool  # noqa: E402
-from tests.support.backend import BackendProcess  # noqa: E402
 
 BODY = b'{"model": "test-model", "prompt": "hello"}'
 CONNECTIONS = 10

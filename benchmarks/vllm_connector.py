@@ -46,7 +46,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.replay import sse_chunks
 from cachelayer.server import KeySpace, StoreClient
-from tests.support.vllm import (
+from kvgate_testing.vllm import (
     SERVED_MODEL,
     TINY_MODEL,
     VLLM_BIN,

@@ -1,4 +1,4 @@
-"""Shared pytest fixtures; the helpers themselves live in tests/support/."""
+"""Shared pytest fixtures; the helpers themselves live in kvgate_testing/ (shared with the benchmarks)."""
 
 from __future__ import annotations
 
@@ -6,8 +6,8 @@ from collections.abc import Iterator
 
 import pytest
 
-from tests.support import free_port
-from tests.support.redis_server import RedisServer, running_redis
+from kvgate_testing import free_port
+from kvgate_testing.redis_server import RedisServer, running_redis
 
 
 @pytest.fixture

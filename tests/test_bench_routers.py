@@ -13,7 +13,7 @@ import pytest
 
 from benchmarks import routers
 from benchmarks.routers import wait_until_synced
-from tests.support.processes import REPO_ROOT
+from kvgate_testing.processes import REPO_ROOT
 
 
 class PrefixMapServer:

@@ -10,8 +10,8 @@ import zmq
 
 from cachelayer import CacheEngine
 from cachelayer.controller.protocol import WorkerReport
-from tests.support.cachelayer import CHUNK, HEAD_DIM, HEADS, LAYERS, controller_process, make_engine, request
-from tests.support.ports import free_port
+from kvgate_testing.cachelayer import CHUNK, HEAD_DIM, HEADS, LAYERS, controller_process, make_engine, request
+from kvgate_testing.ports import free_port
 
 
 @pytest.fixture(scope="module")

@@ -16,7 +16,7 @@ from cachelayer.events import (
     decode_batch,
     fetch_snapshot,
 )
-from tests.support.cachelayer import CHUNK, make_engine, request
+from kvgate_testing.cachelayer import CHUNK, make_engine, request
 
 
 @pytest.fixture

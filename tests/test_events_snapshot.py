@@ -21,14 +21,14 @@ from prometheus_client import CollectorRegistry, generate_latest
 from cachelayer import CacheEngine
 from cachelayer.events import BlockStored as ClStored
 from cachelayer.events import ZmqEventPublisher
+from kvgate_testing import start_backend, start_gateway, waiting
+from kvgate_testing.cachelayer import CHUNK, make_engine, request
+from kvgate_testing.event_publisher import EventPublisher, block_stored
+from kvgate_testing.ports import free_port
 from router.config import KVEvents, parse_config
 from router.index.events import AllBlocksCleared, BlockStored
 from router.index.prefix_index import PrefixIndex, snapshot_order
 from router.index.service import KVIndexService
-from tests.support import start_backend, start_gateway, waiting
-from tests.support.cachelayer import CHUNK, make_engine, request
-from tests.support.event_publisher import EventPublisher, block_stored
-from tests.support.ports import free_port
 
 BACKEND = "cache-a"
 

@@ -14,8 +14,8 @@ import httpx
 import pytest
 import yaml
 
-from tests.support import free_port, running_backends, start_gateway
-from tests.support.processes import REPO_ROOT, python_command
+from kvgate_testing import free_port, running_backends, start_gateway
+from kvgate_testing.processes import REPO_ROOT, python_command
 
 MODEL = "test-model"
 TOKEN = "s3cret-token"

@@ -15,9 +15,9 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
-from tests.support import free_port, start_backend, start_gateway
-from tests.support.gateway import GatewayProcess
-from tests.support.processes import REPO_ROOT, ManagedProcess, python_command, wait_for_http
+from kvgate_testing import free_port, start_backend, start_gateway
+from kvgate_testing.gateway import GatewayProcess
+from kvgate_testing.processes import REPO_ROOT, ManagedProcess, python_command, wait_for_http
 
 MODEL = "tiny-qwen3"
 

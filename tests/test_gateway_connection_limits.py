@@ -16,10 +16,10 @@ import time
 import httpx
 import pytest
 
-from tests.support import start_backend, start_gateway
-from tests.support.loop_blocker import FACTORY as LOOP_BLOCKER
-from tests.support.metrics import metric_samples, sample_key
-from tests.support.waiting import wait_for
+from kvgate_testing import start_backend, start_gateway
+from kvgate_testing.loop_blocker import FACTORY as LOOP_BLOCKER
+from kvgate_testing.metrics import metric_samples, sample_key
+from kvgate_testing.waiting import wait_for
 
 MODEL = "test-model"
 HEADER_TIMEOUT_S = 0.5

@@ -8,8 +8,8 @@ import time
 import httpx
 import pytest
 
+from kvgate_testing import free_port, start_backend, start_gateway
 from router.errors import log_unexpected
-from tests.support import free_port, start_backend, start_gateway
 
 MODEL = "test-model"
 BODY_LIMIT = 4096

@@ -10,10 +10,10 @@ import httpx
 import pytest
 import uvicorn
 
+from kvgate_testing import free_port, running_backends
+from kvgate_testing.sample_extension import CACHED_TOKENS, PROMPT_TOKENS, SampleExtension
 from router.app import create_app
 from router.config import parse_config
-from tests.support import free_port, running_backends
-from tests.support.sample_extension import CACHED_TOKENS, PROMPT_TOKENS, SampleExtension
 
 MODEL = "test-model"
 
@@ -29,7 +29,7 @@ def served(backends):
     """The gateway app with the sample extension, served by uvicorn in a thread of this process."""
     a, _ = backends
     config = parse_config({"models": [{"name": MODEL}], "backends": [{"name": "a", "url": a.url}]})
-    app = create_app(config, extension_factories=["tests.support.sample_extension:create"])
+    app = create_app(config, extension_factories=["kvgate_testing.sample_extension:create"])
     port = free_port()
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
     thread = threading.Thread(target=lambda: asyncio.run(server.serve()), daemon=True)

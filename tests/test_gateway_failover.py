@@ -9,8 +9,8 @@ import time
 import httpx
 import pytest
 
-from tests.support import running_backends, start_gateway
-from tests.support.metrics import metric_samples, sample_key
+from kvgate_testing import running_backends, start_gateway
+from kvgate_testing.metrics import metric_samples, sample_key
 
 MODEL = "test-model"
 

@@ -10,7 +10,7 @@ import time
 import httpx
 import pytest
 
-from tests.support import running_backends, start_gateway
+from kvgate_testing import running_backends, start_gateway
 
 MODEL = "test-model"
 

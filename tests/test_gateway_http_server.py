@@ -10,7 +10,7 @@ import time
 import httptools
 import pytest
 
-from tests.support import start_backend, start_gateway
+from kvgate_testing import start_backend, start_gateway
 
 MODEL = "test-model"
 

@@ -9,10 +9,10 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 
+from kvgate_testing import running_backends, start_gateway
 from router import config as config_schema
 from router.backends import BackendState
 from router.policies import POLICY_MODULES, PolicyUnavailable, RouteRequest, make_policy
-from tests.support import running_backends, start_gateway
 
 MODEL = "test-model"
 

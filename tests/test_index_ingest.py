@@ -10,6 +10,7 @@ from typing import Any
 import msgspec
 import pytest
 
+from kvgate_testing.event_publisher import all_blocks_cleared, block_removed, block_stored, encode_batch
 from router.index.events import (
     AllBlocksCleared,
     BlockRemoved,
@@ -19,7 +20,6 @@ from router.index.events import (
     decode_event,
 )
 from router.index.prefix_index import PrefixIndex, _owned
-from tests.support.event_publisher import all_blocks_cleared, block_removed, block_stored, encode_batch
 
 DOC_TOKENS = 640
 

@@ -16,10 +16,10 @@ from typing import Any
 import numpy as np
 import pytest
 
+from kvgate_testing.event_publisher import block_removed, block_stored, encode_batch
 from router.index import prefix_index
 from router.index.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent, decode_batch
 from router.index.prefix_index import PrefixIndex, _python_block_value
-from tests.support.event_publisher import block_removed, block_stored, encode_batch
 from tests.test_index_ingest import (
     DOC_TOKENS,
     StreamMaker,

@@ -13,20 +13,20 @@ import numpy as np
 import pytest
 import zmq
 
-from router.config import KVEvents
-from router.index.events import decode_batch
-from router.index.prefix_index import PrefixIndex
-from router.index.service import KVIndexService
-from router.index.subscriber import EventSubscriber
-from tests.support import free_port
-from tests.support.event_publisher import (
+from kvgate_testing import free_port
+from kvgate_testing.event_publisher import (
     END_MARKER,
     EventPublisher,
     all_blocks_cleared,
     block_removed,
     block_stored,
 )
-from tests.support.waiting import wait_for
+from kvgate_testing.waiting import wait_for
+from router.config import KVEvents
+from router.index.events import decode_batch
+from router.index.prefix_index import PrefixIndex
+from router.index.service import KVIndexService
+from router.index.subscriber import EventSubscriber
 
 rng = np.random.default_rng(11)
 PROMPTS = [rng.integers(0, 150_000, size=64).tolist() for _ in range(12)]

@@ -11,10 +11,10 @@ from typing import Any
 import msgspec
 import pytest
 
+from kvgate_testing.event_publisher import encode_batch
 from router.index import prefix_index
 from router.index.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent, decode_batch, event_kind
 from router.index.prefix_index import PrefixIndex
-from tests.support.event_publisher import encode_batch
 from tests.test_events_decoding import LMCACHE_VLLM_HASH, LMCACHE_VLLM_TOKENS, SGLANG_FIRST, SGLANG_SECOND
 from tests.test_index_ingest import StreamMaker, assert_same_lookups, internal_state
 from tests.test_index_ingest_compiled import decode_streams

@@ -18,7 +18,7 @@ import pytest
 from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 
-from tests.support.processes import REPO_ROOT, python_command
+from kvgate_testing.processes import REPO_ROOT, python_command
 
 CACHE_LAYER_ONLY = ("torch", "numba", "triton", "cachelayer")
 # Imported by a dependency only when present: transformers loads Pillow for its image processors

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.support.vllm import (
+from kvgate_testing.vllm import (
     EventCollector,
     cached_tokens,
     greedy_output,

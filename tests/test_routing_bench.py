@@ -20,7 +20,7 @@ from benchmarks.oracle import oracle_hit_ratio
 from benchmarks.real_fleet import pin_engines_to_cores, process_tree
 from benchmarks.replay import Outcome, replay_one_at_a_time
 from benchmarks.sim_fleet import EngineFleet
-from tests.support.processes import REPO_ROOT
+from kvgate_testing.processes import REPO_ROOT
 
 
 @pytest.fixture(scope="module")

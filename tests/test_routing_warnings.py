@@ -10,10 +10,10 @@ import time
 
 import httpx
 
+from kvgate_testing import free_port, start_backend, start_gateway
+from kvgate_testing.event_publisher import EventPublisher, block_stored
+from kvgate_testing.metrics import metric_samples
 from router.debug import SILENT_AFTER_S
-from tests.support import free_port, start_backend, start_gateway
-from tests.support.event_publisher import EventPublisher, block_stored
-from tests.support.metrics import metric_samples
 
 PROMPT = "A prompt long enough to fill more than one block of sixteen tokens, " * 4
 

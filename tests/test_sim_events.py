@@ -11,11 +11,11 @@ import pytest
 import zmq
 import zmq.asyncio
 
+from kvgate_testing import free_port
 from router.index.events import AllBlocksCleared, BlockRemoved, BlockStored, decode_batch
 from router.sim.blocks import BlockPool, block_hash
 from router.sim.engine import GenerationRequest, SimulatedEngine, TimingModel
 from router.sim.events import ENCODINGS, KVEventPublisher, parse_kv_events_config
-from tests.support import free_port
 
 TOPIC = "kv-events"
 BLOCK = 4

@@ -14,9 +14,9 @@ from pathlib import Path
 import httpx
 import pytest
 
+from kvgate_testing import free_port, start_gateway
+from kvgate_testing.processes import REPO_ROOT, python_command
 from router.sim.launcher import _pick_ports
-from tests.support import free_port, start_gateway
-from tests.support.processes import REPO_ROOT, python_command
 
 MODEL = "tiny-qwen3"
 

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import httpx
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
+REPO_ROOT = Path(__file__).resolve().parents[1]
 
 
 class ManagedProcess:
@@ -26,7 +26,7 @@ class ManagedProcess:
         self._log = tempfile.NamedTemporaryFile(prefix="kvgate-test-", suffix=".log", delete=False)  # noqa: SIM115
         full_env = dict(os.environ)
         full_env.setdefault("PYTHONUNBUFFERED", "1")
-        # The children import `tests.support` and `router` from this checkout.
+        # The children import `kvgate_testing`, `benchmarks` and `router` from this checkout.
         full_env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), full_env.get("PYTHONPATH")]))
         full_env.update(env or {})
         self.popen = subprocess.Popen(

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import yaml
 
-from tests.support.ports import free_port
-from tests.support.processes import ManagedProcess, python_command, start_process
+from kvgate_testing.ports import free_port
+from kvgate_testing.processes import ManagedProcess, python_command, start_process
 
 
 class GatewayProcess:
@@ -41,7 +41,7 @@ def start_gateway(
     """Write `config` (a proxy.yaml mapping; `listen` is filled in) and start the gateway on it.
 
     `extensions` adds test-only extension factories ("module:function") to the gateway's own
-    (tests/support/gateway_with_extensions.py); `open_file_limit` runs it under that RLIMIT_NOFILE
+    (kvgate_testing/gateway_with_extensions.py); `open_file_limit` runs it under that RLIMIT_NOFILE
     (util-linux prlimit). Returns once GET /health answers, with any status
     (it says 503 while no backend is healthy). The caller must stop() it, or use it as a context manager.
     """
@@ -53,7 +53,7 @@ def start_gateway(
         yaml.safe_dump(config, file)
     command = ["-m", "router.cli"]
     if extensions:
-        command = ["-m", "tests.support.gateway_with_extensions", ",".join(extensions)]
+        command = ["-m", "kvgate_testing.gateway_with_extensions", ",".join(extensions)]
     args = python_command(*command, "serve", "--config", name, *(extra_args or []))
     if open_file_limit is not None:
         args = ["prlimit", f"--nofile={open_file_limit}", *args]

@@ -8,8 +8,8 @@ from collections.abc import Iterator
 import torch
 
 from cachelayer import CacheEngine
-from tests.support.ports import free_port
-from tests.support.processes import python_command, start_process
+from kvgate_testing.ports import free_port
+from kvgate_testing.processes import python_command, start_process
 
 LAYERS, HEADS, HEAD_DIM, CHUNK = 2, 2, 8, 16
 CHUNK_BYTES = LAYERS * 2 * CHUNK * HEADS * HEAD_DIM * 2  # bf16
