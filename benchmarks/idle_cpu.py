@@ -25,15 +25,15 @@ import sys
 import time
 from pathlib import Path
 
-from benchmarks.gateway_overhead import cpu_seconds
 from benchmarks.kv_aware_latency import _revision, start_gateway
+from kvgate_testing.proc_stats import tree_cpu_seconds
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 RESULTS_DIR = REPO_ROOT / "benchmarks" / "results"
 
 
 def measure(gateways: list[tuple[str, Path, str]], args: argparse.Namespace) -> dict:
-    from benchmarks.sim_fleet import EngineFleet
+    from kvgate_testing.sim_fleet import EngineFleet
 
     fleet = EngineFleet(args.engines, 512)
     fleet.start()
@@ -44,10 +44,10 @@ def measure(gateways: list[tuple[str, Path, str]], args: argparse.Namespace) -> 
                 process, _ = start_gateway(tree, fleet, "kvgate-idle-", policy)
                 try:
                     time.sleep(args.settle_s)
-                    used, started = cpu_seconds(process.pid), time.monotonic()
+                    used, started = tree_cpu_seconds(process.pid), time.monotonic()
                     time.sleep(args.seconds)
                     elapsed = time.monotonic() - started
-                    samples[label].append((cpu_seconds(process.pid) - used) * 1000.0 / elapsed)
+                    samples[label].append((tree_cpu_seconds(process.pid) - used) * 1000.0 / elapsed)
                 finally:
                     process.stop()
     finally:

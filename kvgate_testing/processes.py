@@ -115,3 +115,11 @@ def start_process(
 def python_command(*args: str) -> list[str]:
     """A command line running this interpreter (the project's venv)."""
     return [sys.executable, *args]
+
+
+def exit_on_sigterm(signum: int, _frame: object) -> None:
+    """A SIGTERM handler for a benchmark's main process: `signal.signal(signal.SIGTERM, exit_on_sigterm)`.
+
+    Python's default for SIGTERM ends the process at once: the engines and the routers it started,
+    each in a session of its own, would outlive it. As SystemExit the context managers' cleanup runs."""
+    raise SystemExit(128 + signum)

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from benchmarks.real_fleet import DEFAULT_MODEL_LAYERS, model_dir_for
+from kvgate_testing.real_fleet import DEFAULT_MODEL_LAYERS, model_dir_for
 from kvgate_testing.vllm import TINY_MODEL, TINY_MODEL_LAYERS
 from scripts.build_tiny_model import MODEL_CONFIG, RECIPE_FILE, build
 

