@@ -10,6 +10,9 @@ import httpx
 from kvgate_testing.ports import free_port
 from kvgate_testing.processes import ManagedProcess, python_command, start_process
 
+# The model a test backend serves unless told otherwise.
+TEST_MODEL = "test-model"
+
 
 class BackendProcess:
     """One running test backend: its name, URL, and handles to script and inspect it."""
@@ -53,7 +56,7 @@ class BackendProcess:
 
 
 def start_backend(name: str, models: list[str] | None = None, record: bool = True) -> BackendProcess:
-    return BackendProcess(name, models or ["test-model"], record).start()
+    return BackendProcess(name, models or [TEST_MODEL], record).start()
 
 
 @contextmanager

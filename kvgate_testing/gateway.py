@@ -4,12 +4,25 @@ from __future__ import annotations
 
 import os
 import tempfile
+from collections.abc import Iterable
 from pathlib import Path
+from typing import Any
 
 import yaml
 
+from kvgate_testing.backend import TEST_MODEL, BackendProcess
 from kvgate_testing.ports import free_port
 from kvgate_testing.processes import ManagedProcess, python_command, start_process
+
+
+def gateway_config(backends: Iterable[BackendProcess], model: str = TEST_MODEL, **sections: Any) -> dict:
+    """A proxy.yaml mapping: `model` served by `backends` (by their names and URLs), plus `sections`
+    (e.g. `limits={...}`, `policy={...}`; a `models` section replaces the one model)."""
+    return {
+        "models": [{"name": model}],
+        "backends": [{"name": backend.name, "url": backend.url} for backend in backends],
+        **sections,
+    }
 
 
 class GatewayProcess:

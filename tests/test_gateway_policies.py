@@ -10,11 +10,13 @@ import httpx
 import pytest
 
 from kvgate_testing import running_backends, start_gateway
+from kvgate_testing.backend import TEST_MODEL
+from kvgate_testing.gateway import gateway_config
 from router import config as config_schema
 from router.backends import BackendState
 from router.policies import POLICY_MODULES, PolicyUnavailable, RouteRequest, make_policy
 
-MODEL = "test-model"
+MODEL = TEST_MODEL
 
 
 def states(*names: str) -> list[BackendState]:
@@ -95,14 +97,6 @@ def backends():
         yield started
 
 
-def gateway_config(backends, policy: dict) -> dict:
-    return {
-        "models": [{"name": MODEL}],
-        "backends": [{"name": b.name, "url": b.url} for b in backends],
-        "policy": policy,
-    }
-
-
 def served_by(url: str, count: int, **kwargs) -> list[str]:
     with httpx.Client(base_url=url, timeout=30) as client:
         return [
@@ -114,14 +108,14 @@ def served_by(url: str, count: int, **kwargs) -> list[str]:
 
 
 def test_round_robin_distribution_through_the_gateway(backends):
-    with start_gateway(gateway_config(backends, {"name": "round_robin"})) as gateway:
+    with start_gateway(gateway_config(backends, policy={"name": "round_robin"})) as gateway:
         order = served_by(gateway.url, 30)
     assert collections.Counter(order) == {"a": 10, "b": 10, "c": 10}
     assert order[:3] == order[3:6] == order[27:30]  # strict rotation
 
 
 def test_least_loaded_avoids_busy_backends_through_the_gateway(backends):
-    with start_gateway(gateway_config(backends, {"name": "least_loaded"})) as gateway:
+    with start_gateway(gateway_config(backends, policy={"name": "least_loaded"})) as gateway:
         sequential = served_by(gateway.url, 30)
         assert collections.Counter(sequential) == {"a": 10, "b": 10, "c": 10}  # ties broken fairly
         slow = {"x-test-delay-ms": "2500"}
@@ -143,7 +137,7 @@ def test_least_loaded_avoids_busy_backends_through_the_gateway(backends):
 
 
 def test_session_affinity_through_the_gateway(backends):
-    with start_gateway(gateway_config(backends, {"name": "session"})) as gateway:
+    with start_gateway(gateway_config(backends, policy={"name": "session"})) as gateway:
         by_header = {
             session: set(served_by(gateway.url, 6, headers={"x-session-id": session}))
             for session in ("alice", "bob", "carol")
