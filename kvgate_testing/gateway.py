@@ -25,6 +25,26 @@ def gateway_config(backends: Iterable[BackendProcess], model: str = TEST_MODEL, 
     }
 
 
+def simulated_fleet_config(
+    model: str, policy: str, num_gpu_blocks: int, prefill_us_per_token: int, count: int = 2
+) -> dict:
+    """A proxy.yaml mapping whose gateway launches `count` simulated engines itself (`launch:`, on
+    free ports, publishing KV events) and routes `model` (the builtin Qwen3 tokenizer) by `policy`."""
+    return {
+        "models": [{"name": model, "tokenizer": "builtin:qwen3"}],
+        "launch": {
+            "simulated_engines": {
+                "count": count,
+                "base_port": free_port(),
+                "events_base_port": free_port(),
+                "num_gpu_blocks": num_gpu_blocks,
+                "extra_args": ["--prefill-us-per-token", str(prefill_us_per_token)],
+            }
+        },
+        "policy": {"name": policy},
+    }
+
+
 class GatewayProcess:
     """The running gateway: its URL, config file and process handle."""
 

@@ -10,19 +10,8 @@ import zmq
 
 from cachelayer import CacheEngine
 from cachelayer.controller.protocol import WorkerReport
-from kvgate_testing.cachelayer import (
-    CHUNK,
-    HEAD_DIM,
-    HEADS,
-    LAYERS,
-    controller_process,
-    make_engine,
-    request,
-    same_bits,
-    wait_gone,
-    wait_registered,
-    worker_config,
-)
+from kvgate_testing.cachelayer import CHUNK, HEAD_DIM, HEADS, LAYERS, make_engine, request
+from kvgate_testing.controller import controller_process, same_bits, wait_gone, wait_registered, worker_config
 from kvgate_testing.ports import free_port
 
 
