@@ -7,8 +7,10 @@ BIN := $(VENV)/bin
 PIP := $(BIN)/python -m pip install -q -c constraints.txt
 GATEWAY_STAMP := $(VENV)/.installed-gateway
 STAMP := $(VENV)/.installed
+# Everything ruff checks: the packages, what tests and benchmarks share, the tests, benchmarks, scripts.
+LINTED := router cachelayer kvgate_testing tests benchmarks scripts
 
-.PHONY: serve demo test test-real test-slow test-reverse bench-gateway bench-routing-real bench-routing-real-4
+.PHONY: serve demo lint test test-real test-slow test-reverse bench-gateway bench-routing-real bench-routing-real-4
 
 $(GATEWAY_STAMP): pyproject.toml constraints.txt
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -27,9 +29,12 @@ serve: $(GATEWAY_STAMP)
 demo: $(GATEWAY_STAMP)
 	$(BIN)/kvgate demo
 
+lint: $(STAMP)
+	$(BIN)/ruff check $(LINTED)
+
 test: $(STAMP)
 	bash scripts/install_system_packages.sh
-	$(BIN)/ruff check router cachelayer tests benchmarks scripts
+	$(BIN)/ruff check $(LINTED)
 	$(BIN)/python -m pytest -q
 
 test-slow: $(STAMP)

@@ -44,23 +44,16 @@ MAX_MODEL_LEN = 4096
 # One compute thread per engine; vLLM's own OpenMP binding off: the engines are pinned by
 # `pin_engines_to_cores` instead (process trees, every thread), after they start.
 # VLLM_ENABLE_V1_MULTIPROCESSING=0: the model runs in the engine-core process (the uniprocess
-# executor) instead of a worker process of its own. With the worker, its shared-memory queue spins
-# (sched_yield) for 1 s after every step: each request left its engine burning a core for a second
-# after it (1.03 s of CPU in the 2 s after a 40-token request, 0.05 s without), taken from whatever
-# shared that core: the core-mate engine on the 4-engine tier, where a 3000-token prefill then took
-# 920-1120 ms instead of 580-650 (the first request after any router's readiness probe, and every
-# document placed next to a busy engine), and the router and the client on every tier. TTFT of the
-# same prompt alone is unchanged (580-600 ms either way).
+# executor) instead of a worker process of its own, whose shared-memory queue spins for a second
+# after every step and takes that CPU from whatever shares the core (docs/benchmarks.md, real tier).
 ENGINE_ENV = {
     "VLLM_CPU_OMP_THREADS_BIND": "nobind",
     "OMP_NUM_THREADS": "1",
     "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
 }
 # Decoder layers of the model the tier serves by default: the tests' tiny Qwen3 (hidden 128) with 16
-# layers instead of 2. With 2 layers a cache hit saved little on one pinned core (a 1518-token chat
-# prompt: 107 ms cold, 79 cached), so the tier measured the routers' own overhead, not their routing.
-# With 16: 247 ms cold against 98, a 3018-token document 602 against 106
-# (benchmarks/results/real_hit_savings.md), closer to what a hit saves on an accelerator.
+# layers instead of 2, so that a cache hit saves a large share of a prefill, as on an accelerator,
+# and routing shows in TTFT (docs/benchmarks.md, "Why 16 layers").
 DEFAULT_MODEL_LAYERS = 16
 # Prompt lengths (words of one token each) of the warm-up requests: the workloads' range.
 WARM_UP_PROMPT_WORDS = (40, 600, 1500, 2900)

@@ -19,7 +19,6 @@ TARGET_MAX_OVER_MEAN = 1.3
 # A run whose client sent its requests this late (p99, ms) against the open-loop schedule had the
 # machine starved of CPU: its TTFTs measure the machine more than the router; the report marks it.
 STARVED_SEND_LAG_MS = 100.0
-# Simulated hardware a little slower than the simulator's default (100 instead of 50 us per uncached
 
 
 def check_targets(results: dict, ttft_runs: dict[str, dict[str, list]] | None = None) -> list[dict]:

@@ -22,7 +22,6 @@ def _load_imbalance(requests_per_engine: list[float]) -> float:
     return round(max(requests_per_engine) / mean, 3) if mean else 0.0
 
 
-
 def run_policy(
     fleet: EngineFleet,
     policy: str,

@@ -173,3 +173,14 @@ def test_constraints_pin_the_local_cpu_torch_and_satisfy_every_range():
         if name not in constraints or not requirement.specifier.contains(constraints[name]):
             unmet.append(f"{line} (constraints.txt: {constraints.get(name, 'missing')})")
     assert not unmet, "constraints.txt does not satisfy pyproject.toml: " + "; ".join(unmet)
+
+
+def test_the_wheel_ships_the_gateway_and_the_cache_layer_not_the_test_helpers_nor_the_benchmarks():
+    """kvgate_testing and benchmarks run from a checkout (tests, `python -m benchmarks.NAME`); what
+    `pip install kvgate` installs is router/ and cachelayer/, found as setuptools finds them."""
+    from setuptools import find_namespace_packages
+
+    include = _pyproject()["tool"]["setuptools"]["packages"]["find"]["include"]
+    shipped = {name.partition(".")[0] for name in find_namespace_packages(str(REPO_ROOT), include=include)}
+    assert shipped == {"router", "cachelayer"}
+    assert (REPO_ROOT / "kvgate_testing" / "__init__.py").exists()  # a package, left out on purpose
