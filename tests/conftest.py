@@ -6,8 +6,8 @@ from collections.abc import Iterator
 
 import pytest
 
-from kvgate_testing import free_port
 from kvgate_testing.backend import TEST_MODEL, BackendProcess, running_backends
+from kvgate_testing.ports import free_port
 from kvgate_testing.redis_server import RedisServer, running_redis
 
 

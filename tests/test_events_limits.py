@@ -10,9 +10,9 @@ from collections.abc import Iterator
 import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 
-from kvgate_testing import free_port
 from kvgate_testing.event_publisher import EventPublisher, block_removed, block_stored, encode_batch
 from kvgate_testing.metrics import metric_samples, sample_key
+from kvgate_testing.ports import free_port
 from kvgate_testing.waiting import wait_for
 from router.config import KVEvents
 from router.index.events import decode_batch

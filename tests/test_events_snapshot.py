@@ -21,9 +21,11 @@ from prometheus_client import CollectorRegistry, generate_latest
 from cachelayer import CacheEngine
 from cachelayer.events import BlockStored as ClStored
 from cachelayer.events import ZmqEventPublisher
-from kvgate_testing import start_backend, start_gateway, waiting
+from kvgate_testing import waiting
+from kvgate_testing.backend import start_backend
 from kvgate_testing.cachelayer import CHUNK, make_engine, request
 from kvgate_testing.event_publisher import EventPublisher, block_stored
+from kvgate_testing.gateway import start_gateway
 from kvgate_testing.ports import free_port
 from router.config import KVEvents, parse_config
 from router.index.events import AllBlocksCleared, BlockStored

@@ -12,8 +12,9 @@ import numpy as np
 import pytest
 import zmq
 
-from kvgate_testing import free_port, waiting
+from kvgate_testing import waiting
 from kvgate_testing.event_publisher import EventPublisher, all_blocks_cleared, block_removed, block_stored
+from kvgate_testing.ports import free_port
 from router.backends import BackendState
 from router.config import KVAwarePolicy, KVEvents
 from router.index.prefix_index import PrefixIndex

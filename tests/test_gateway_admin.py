@@ -14,9 +14,9 @@ import httpx
 import pytest
 import yaml
 
-from kvgate_testing import free_port, start_gateway
 from kvgate_testing.backend import TEST_MODEL
-from kvgate_testing.gateway import gateway_config
+from kvgate_testing.gateway import gateway_config, start_gateway
+from kvgate_testing.ports import free_port
 from kvgate_testing.processes import REPO_ROOT, python_command
 
 MODEL = TEST_MODEL

@@ -15,8 +15,9 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
-from kvgate_testing import free_port, start_backend, start_gateway
-from kvgate_testing.gateway import GatewayProcess, simulated_fleet_config
+from kvgate_testing.backend import start_backend
+from kvgate_testing.gateway import GatewayProcess, simulated_fleet_config, start_gateway
+from kvgate_testing.ports import free_port
 from kvgate_testing.processes import REPO_ROOT, ManagedProcess, python_command, wait_for_http
 
 MODEL = "tiny-qwen3"

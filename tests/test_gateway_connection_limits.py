@@ -16,9 +16,8 @@ import time
 import httpx
 import pytest
 
-from kvgate_testing import start_gateway
 from kvgate_testing.backend import TEST_MODEL
-from kvgate_testing.gateway import gateway_config
+from kvgate_testing.gateway import gateway_config, start_gateway
 from kvgate_testing.loop_blocker import FACTORY as LOOP_BLOCKER
 from kvgate_testing.metrics import metric_samples, sample_key
 from kvgate_testing.waiting import wait_for

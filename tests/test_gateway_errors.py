@@ -8,9 +8,9 @@ import time
 import httpx
 import pytest
 
-from kvgate_testing import free_port, start_gateway
 from kvgate_testing.backend import TEST_MODEL
-from kvgate_testing.gateway import gateway_config
+from kvgate_testing.gateway import gateway_config, start_gateway
+from kvgate_testing.ports import free_port
 from router.errors import log_unexpected
 
 MODEL = TEST_MODEL

@@ -10,9 +10,9 @@ import httpx
 import pytest
 import uvicorn
 
-from kvgate_testing import free_port
 from kvgate_testing.backend import TEST_MODEL
 from kvgate_testing.gateway import gateway_config
+from kvgate_testing.ports import free_port
 from kvgate_testing.sample_extension import CACHED_TOKENS, PROMPT_TOKENS, SampleExtension
 from router.app import create_app
 from router.config import parse_config

@@ -9,9 +9,8 @@ import time
 import httpx
 import pytest
 
-from kvgate_testing import start_gateway
 from kvgate_testing.backend import TEST_MODEL
-from kvgate_testing.gateway import gateway_config
+from kvgate_testing.gateway import gateway_config, start_gateway
 from kvgate_testing.metrics import metric_samples, sample_key
 
 MODEL = TEST_MODEL

@@ -14,7 +14,8 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
-from kvgate_testing import start_backend, start_gateway
+from kvgate_testing.backend import start_backend
+from kvgate_testing.gateway import start_gateway
 from router.config import builtin_tokenizer_dir, parse_config
 from router.policies.base import RouteRequest
 from router.tokenize import PromptTokenizer, RequestTokenizer

@@ -9,9 +9,8 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 
-from kvgate_testing import running_backends, start_gateway
-from kvgate_testing.backend import TEST_MODEL
-from kvgate_testing.gateway import gateway_config
+from kvgate_testing.backend import TEST_MODEL, running_backends
+from kvgate_testing.gateway import gateway_config, start_gateway
 from router import config as config_schema
 from router.backends import BackendState
 from router.policies import POLICY_MODULES, PolicyUnavailable, RouteRequest, make_policy

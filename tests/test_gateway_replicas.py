@@ -17,10 +17,11 @@ from collections.abc import Callable, Iterator
 import httpx
 import pytest
 
-from kvgate_testing import free_port, start_backend, start_gateway
+from kvgate_testing.backend import start_backend
 from kvgate_testing.event_publisher import EventPublisher, block_stored
-from kvgate_testing.gateway import GatewayProcess
+from kvgate_testing.gateway import GatewayProcess, start_gateway
 from kvgate_testing.metrics import metric_samples
+from kvgate_testing.ports import free_port
 from kvgate_testing.redis_server import RedisServer
 
 MODEL = "test-model"

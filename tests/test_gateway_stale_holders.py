@@ -8,8 +8,10 @@ import time
 
 import httpx
 
-from kvgate_testing import free_port, running_backends, start_gateway
+from kvgate_testing.backend import running_backends
 from kvgate_testing.event_publisher import EventPublisher, block_stored
+from kvgate_testing.gateway import start_gateway
+from kvgate_testing.ports import free_port
 from kvgate_testing.waiting import wait_for
 
 MODEL = "test-model"

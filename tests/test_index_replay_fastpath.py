@@ -13,7 +13,6 @@ import numpy as np
 import pytest
 import zmq
 
-from kvgate_testing import free_port
 from kvgate_testing.event_publisher import (
     END_MARKER,
     EventPublisher,
@@ -21,6 +20,7 @@ from kvgate_testing.event_publisher import (
     block_removed,
     block_stored,
 )
+from kvgate_testing.ports import free_port
 from kvgate_testing.waiting import wait_for
 from router.config import KVEvents
 from router.index.events import decode_batch

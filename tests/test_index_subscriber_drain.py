@@ -12,8 +12,9 @@ from collections.abc import Iterator
 import numpy as np
 import pytest
 
-from kvgate_testing import free_port, waiting
+from kvgate_testing import waiting
 from kvgate_testing.event_publisher import EventPublisher, block_removed, block_stored, encode_batch
+from kvgate_testing.ports import free_port
 from router.index import subscriber as subscriber_module
 from router.index.events import BlockRemoved, BlockStored, KVEvent, decode_batch
 from router.index.prefix_index import PrefixIndex

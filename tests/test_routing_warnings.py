@@ -10,9 +10,11 @@ import time
 
 import httpx
 
-from kvgate_testing import free_port, start_backend, start_gateway
+from kvgate_testing.backend import start_backend
 from kvgate_testing.event_publisher import EventPublisher, block_stored
+from kvgate_testing.gateway import start_gateway
 from kvgate_testing.metrics import metric_samples
+from kvgate_testing.ports import free_port
 from router.debug import SILENT_AFTER_S
 
 PROMPT = "A prompt long enough to fill more than one block of sixteen tokens, " * 4

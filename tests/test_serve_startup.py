@@ -11,7 +11,7 @@ import time
 import pytest
 import yaml
 
-from kvgate_testing import free_port
+from kvgate_testing.ports import free_port
 from kvgate_testing.processes import REPO_ROOT, python_command
 
 

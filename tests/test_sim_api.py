@@ -11,9 +11,9 @@ import pytest
 import zmq
 from transformers import AutoTokenizer
 
-from kvgate_testing import free_port, start_process
 from kvgate_testing.metrics import metric_samples
-from kvgate_testing.processes import python_command
+from kvgate_testing.ports import free_port
+from kvgate_testing.processes import python_command, start_process
 from router.config import builtin_tokenizer_dir
 from router.index.events import AllBlocksCleared, BlockStored, decode_batch
 

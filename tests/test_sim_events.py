@@ -11,7 +11,7 @@ import pytest
 import zmq
 import zmq.asyncio
 
-from kvgate_testing import free_port
+from kvgate_testing.ports import free_port
 from router.index.events import AllBlocksCleared, BlockRemoved, BlockStored, decode_batch
 from router.sim.blocks import BlockPool, block_hash
 from router.sim.engine import GenerationRequest, SimulatedEngine, TimingModel

@@ -14,8 +14,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from kvgate_testing import start_gateway
-from kvgate_testing.gateway import simulated_fleet_config
+from kvgate_testing.gateway import simulated_fleet_config, start_gateway
 from kvgate_testing.processes import REPO_ROOT, python_command
 from router.sim.launcher import _pick_ports
 

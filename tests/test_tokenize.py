@@ -16,7 +16,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse
 from starlette.routing import Route
 
-from kvgate_testing import free_port
+from kvgate_testing.ports import free_port
 from router.backends import BackendState
 from router.config import builtin_tokenizer_dir, parse_config
 from router.policies.base import RouteRequest
