@@ -41,7 +41,6 @@ import platform
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -248,39 +247,6 @@ def _metric_sum_count(url: str, name: str) -> tuple[float, float]:
     return total, count
 
 
-def start_gateway(tree: Path, fleet, port_file_prefix: str, policy: str = "kv_aware"):  # -> (process, url)
-    import yaml
-
-    from kvgate_testing.ports import free_port
-    from kvgate_testing.processes import ManagedProcess, wait_for_http
-    from kvgate_testing.routers import kvgate_backends, wait_until_synced
-
-    port = free_port()
-    config = {
-        "listen": {"host": "127.0.0.1", "port": port},
-        "models": [{"name": MODEL, "tokenizer": "builtin:qwen3"}],
-        "backends": kvgate_backends(fleet, policy),
-        "policy": {"name": policy},
-        "log_level": "warning",
-    }
-    handle, path = tempfile.mkstemp(prefix=port_file_prefix, suffix=".yaml")
-    with os.fdopen(handle, "w") as file:
-        yaml.safe_dump(config, file)
-    process = ManagedProcess(
-        [sys.executable, "-m", "router.cli", "serve", "--config", path],
-        env={"PYTHONPATH": str(tree)},
-        cwd=str(tree),
-    )
-    url = f"http://127.0.0.1:{port}"
-    try:
-        wait_for_http(f"{url}/health", process, 90)
-        wait_until_synced(url, 60)
-    except BaseException:
-        process.stop()
-        raise
-    return process, url
-
-
 def _wait_until_idle(processes: list, tree_cpu_seconds, timeout_s: float = 120.0) -> None:
     """Until every gateway has applied the KV events of the untimed sends: each uses under 5% of a
     core over half a second (a fixed pause was not enough for document_qa's ~200k blocks a gateway)."""
@@ -297,6 +263,7 @@ def _wait_until_idle(processes: list, tree_cpu_seconds, timeout_s: float = 120.0
 def live_run(gateways: list[tuple[str, Path, str]], args: argparse.Namespace) -> dict:
     from kvgate_testing.proc_stats import tree_cpu_seconds
     from kvgate_testing.sim_fleet import EngineFleet
+    from kvgate_testing.source_trees import start_tree_gateway
 
     requests = build_workload(args.workload, args.users, args.turns, seed=11)
     kinds = request_kinds(requests)
@@ -310,7 +277,7 @@ def live_run(gateways: list[tuple[str, Path, str]], args: argparse.Namespace) ->
         targets: list[tuple[str, object, _Client]] = []
         urls: dict[str, str] = {}
         for label, tree, policy in gateways:
-            process, urls[label] = start_gateway(tree, fleet, f"kvgate-latency-{label}-", policy)
+            process, urls[label] = start_tree_gateway(tree, fleet, f"kvgate-latency-{label}-", policy)
             started.append(process)
             targets.append((label, process, _Client(urls[label])))
         directs = [_Client(engine.url) for engine in fleet.engines]
@@ -492,18 +459,6 @@ def write_plot(results: dict, path: Path) -> None:
     figure.savefig(path, dpi=110)
 
 
-def _revision(tree: Path) -> str:
-    try:
-        def git(*args: str) -> str:
-            command = ["git", "-C", str(tree), *args]
-            return subprocess.run(command, capture_output=True, text=True, check=True).stdout.strip()
-
-        dirty = git("status", "--porcelain", "--untracked-files=no")
-        return git("rev-parse", "--short", "HEAD") + (" + uncommitted changes" if dirty else "")
-    except (OSError, subprocess.CalledProcessError):
-        return ""
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument(
@@ -527,12 +482,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.stages_only:  # run_stages's child: PYTHONPATH puts `--tree` first, then this checkout
         print(json.dumps(stage_breakdown(args.workload, args.users, args.turns, args.engines)))
         return 0
-    gateways = []
-    for item in args.gateway or [f"this tree={REPO_ROOT}"]:
-        label, separator, directory = item.partition("=")
-        if not separator or not Path(directory, "router").is_dir():
-            parser.error(f"--gateway {item!r} must be LABEL=DIR, DIR a source tree with router/")
-        gateways.append((label, Path(directory).resolve()))
+    from kvgate_testing.source_trees import parse_gateway_trees, tree_revision
+
+    try:
+        gateways = parse_gateway_trees(args.gateway, default=("this tree", REPO_ROOT))
+    except ValueError as exc:
+        parser.error(str(exc))
     started = time.monotonic()
     load_start = os.getloadavg()[0]
     results: dict = {
@@ -545,7 +500,7 @@ def main(argv: list[str] | None = None) -> int:
         "users": args.users,
         "turns": args.turns,
         "load_start": load_start,
-        "trees": [(label, str(tree), _revision(tree)) for label, tree in gateways],
+        "trees": [(label, str(tree), tree_revision(tree)) for label, tree in gateways],
         "notes": args.note,
     }
     print("stage breakdown ...", file=sys.stderr, flush=True)
