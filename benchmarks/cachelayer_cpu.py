@@ -6,7 +6,7 @@ request), chunk_size 256. Measured side by side in one run: a plain torch copy o
 full), retrieve into a new tensor and into a caller buffer (out=), lookup, and the key hashing
 alone for both algorithms. Each round runs every operation once, in turn; median of the rounds.
 
-    .venv/bin/python benchmarks/cachelayer_cpu.py [--repeats 7] [--pool-gb 2.5]
+    .venv/bin/python -m benchmarks.cachelayer_cpu [--repeats 7] [--pool-gb 2.5]
 
 Writes benchmarks/results/cachelayer_cpu.{json,md,png}.
 """
@@ -171,7 +171,7 @@ def write_report(results: dict) -> None:
         f"(full, so stores evict: {results['evicted_chunks_during_run']} chunks evicted in the run). "
         f"Median of {results['repeats']} interleaved rounds, torch {results['torch']} "
         f"with {results['torch_threads']} threads "
-        f"on {results['cpu_count']} shared cores. Command: `.venv/bin/python benchmarks/cachelayer_cpu.py`.",
+        f"on {results['cpu_count']} shared cores. Command: `.venv/bin/python -m benchmarks.cachelayer_cpu`.",
         "",
         "| operation | GB/s | share of the memcpy ceiling | median time |",
         "| --- | --- | --- | --- |",

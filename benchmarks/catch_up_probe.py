@@ -2,7 +2,7 @@
 
 Starts `engines` simulated engines, replays document_qa `history_runs` times through least_loaded
 (filling the engines' replay buffers), empties the caches as the routing benchmark does before every
-run, then starts a kv_aware gateway with `benchmarks.routers.start_router` (which returns once it
+run, then starts a kv_aware gateway with `kvgate_testing.routers.start_router` (which returns once it
 forwards and every subscriber is synced) and prints one JSON line: time to synced, the gateway's CPU
 at that moment, and its subscribers' replay counters.
 
@@ -18,11 +18,11 @@ import time
 
 import httpx
 
-from benchmarks import workloads as workload_catalog
-from benchmarks.replay import replay
-from benchmarks.routers import start_router
-from benchmarks.routing_bench import DEFAULT_SIM_ARGS, _cpu_seconds
-from benchmarks.sim_fleet import MODEL, EngineFleet
+from kvgate_testing import workloads as workload_catalog
+from kvgate_testing.proc_stats import cpu_seconds
+from kvgate_testing.replay import replay
+from kvgate_testing.routers import start_router
+from kvgate_testing.sim_fleet import DEFAULT_SIM_ARGS, MODEL, EngineFleet
 
 
 def main(argv: list[str]) -> int:
@@ -47,7 +47,7 @@ def main(argv: list[str]) -> int:
                 "engines": engines,
                 "history_runs": history_runs,
                 "start_to_synced_s": round(time.monotonic() - started, 2),
-                "gateway_cpu_s_at_synced": round(_cpu_seconds(router.process.pid), 2),
+                "gateway_cpu_s_at_synced": round(cpu_seconds(router.process.pid), 2),
                 "replays": sum(rank["replays"] for rank in ranks),
                 "replayed_batches": sum(rank["replayed_batches"] for rank in ranks),
                 "superseded_batches": sum(rank["superseded_batches"] for rank in ranks),

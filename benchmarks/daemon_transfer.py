@@ -8,7 +8,7 @@ bandwidth like the transfers do), store of a fresh request, retrieve of it into 
 (`out=`, as a connector does). Median over rounds; each ratio compares one client's operation to
 the same clients' memcpy in the same run.
 
-    .venv/bin/python benchmarks/daemon_transfer.py [--rounds 5] [--tcp-rounds 2] [--clients 1,2,4]
+    .venv/bin/python -m benchmarks.daemon_transfer [--rounds 5] [--tcp-rounds 2] [--clients 1,2,4]
 
 Writes benchmarks/results/daemon_transfer.{json,md,png}.
 """
@@ -27,12 +27,10 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
 from cachelayer.engine import copy_tensor
 from cachelayer.server import KeySpace, StoreClient
-from tests.support.ports import free_port
-from tests.support.processes import ManagedProcess, wait_for_http
+from kvgate_testing.ports import free_port
+from kvgate_testing.processes import ManagedProcess, wait_for_http
 
 LAYERS, KV_HEADS, HEAD_DIM, TOKENS, CHUNK = 32, 8, 128, 4096, 256
 REQUEST_BYTES = LAYERS * 2 * TOKENS * KV_HEADS * HEAD_DIM * 2
@@ -168,7 +166,7 @@ def main() -> None:
         "load_average_at_end": os.getloadavg(),
         "machine": platform.machine(),
         "torch": torch.__version__,
-        "command": "python benchmarks/daemon_transfer.py " + " ".join(sys.argv[1:]),
+        "command": "python -m benchmarks.daemon_transfer " + " ".join(sys.argv[1:]),
     }
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / "daemon_transfer.json").write_text(json.dumps(results, indent=2) + "\n")

@@ -15,7 +15,7 @@ Peers are run from their own virtual environments (scripts/install_peers.sh); a 
 reported and skipped. The load generator is this process: raw asyncio protocols with httptools,
 keep-alive connections, bounded by a request count and a time limit per phase, loopback only.
 
-    .venv/bin/python benchmarks/gateway_overhead.py            # writes benchmarks/results/gateway_overhead.*
+    .venv/bin/python -m benchmarks.gateway_overhead            # writes benchmarks/results/gateway_overhead.*
 """
 
 from __future__ import annotations
@@ -35,13 +35,11 @@ import httptools
 import uvloop
 import yaml
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO_ROOT))
-
-from benchmarks.routers import peer_versions, peer_versions_line  # noqa: E402
-from tests.support.backend import BackendProcess  # noqa: E402
-from tests.support.ports import free_port  # noqa: E402
-from tests.support.processes import ManagedProcess, python_command, wait_for_http  # noqa: E402
+from kvgate_testing.backend import BackendProcess
+from kvgate_testing.ports import free_port
+from kvgate_testing.proc_stats import tree_cpu_seconds
+from kvgate_testing.processes import REPO_ROOT, ManagedProcess, python_command, wait_for_http
+from kvgate_testing.routers import peer_versions, peer_versions_line
 
 PEERS_DIR = REPO_ROOT / ".cache" / "peers"
 RESULTS_DIR = REPO_ROOT / "benchmarks" / "results"
@@ -168,41 +166,6 @@ def _percentile(values: list[float], q: float) -> float:
     return ordered[index]
 
 
-# ---------------------------------------------------------------- CPU accounting
-
-_CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
-
-
-def _process_tree(pid: int) -> list[int]:
-    children: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            fields = Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        children.setdefault(int(fields[1]), []).append(int(entry))
-    tree, stack = [], [pid]
-    while stack:
-        current = stack.pop()
-        tree.append(current)
-        stack.extend(children.get(current, []))
-    return tree
-
-
-def cpu_seconds(pid: int) -> float:
-    """utime + stime of the process and all its descendants (threads included), in seconds."""
-    total = 0
-    for member in _process_tree(pid):
-        try:
-            fields = Path(f"/proc/{member}/stat").read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        total += int(fields[11]) + int(fields[12])  # utime, stime (fields 14 and 15 of stat)
-    return total / _CLOCK_TICKS
-
-
 # ---------------------------------------------------------------- targets
 
 
@@ -256,20 +219,20 @@ async def measure_target(
     result: dict = {"target": name}
     result["json_c1"] = await run_load(port, False, args.latency_requests, 1, args.phase_time_s)
     result["sse_c1"] = await run_load(port, True, args.latency_requests // 2, 1, args.phase_time_s)
-    cpu_before = cpu_seconds(pid) if pid else 0.0
-    backend_cpu_before = cpu_seconds(backend_pid)
+    cpu_before = tree_cpu_seconds(pid) if pid else 0.0
+    backend_cpu_before = tree_cpu_seconds(backend_pid)
     result["json_load"] = await run_load(port, False, args.load_requests, args.concurrency, args.phase_time_s)
     sse_requests = args.load_requests // 4
     result["sse_load"] = await run_load(port, True, sse_requests, args.concurrency, args.phase_time_s)
     served = result["json_load"]["requests"] + result["sse_load"]["requests"]
     # The backend (uvicorn + a trivial ASGI app) is the same for every target: a reference floor.
-    result["backend_cpu_us_per_request"] = (cpu_seconds(backend_pid) - backend_cpu_before) / served * 1e6
+    result["backend_cpu_us_per_request"] = (tree_cpu_seconds(backend_pid) - backend_cpu_before) / served * 1e6
     if pid:
-        result["cpu_us_per_request"] = (cpu_seconds(pid) - cpu_before) / served * 1e6
+        result["cpu_us_per_request"] = (tree_cpu_seconds(pid) - cpu_before) / served * 1e6
         # A second, JSON-only pass of the same size gives the JSON-only figure.
-        cpu_before = cpu_seconds(pid)
+        cpu_before = tree_cpu_seconds(pid)
         json_only = await run_load(port, False, args.load_requests, args.concurrency, args.phase_time_s)
-        result["cpu_us_per_json_request"] = (cpu_seconds(pid) - cpu_before) / json_only["requests"] * 1e6
+        result["cpu_us_per_json_request"] = (tree_cpu_seconds(pid) - cpu_before) / json_only["requests"] * 1e6
     return result
 
 
@@ -281,7 +244,7 @@ async def measure_paired(
     per_round: dict[str, list[float]] = {name: [] for name, _, _ in routers}
     for _round in range(args.paired_rounds):
         print(f"measuring paired round {_round + 1} ...", file=sys.stderr, flush=True)
-        before = {name: cpu_seconds(process.pid) for name, process, _ in routers}
+        before = {name: tree_cpu_seconds(process.pid) for name, process, _ in routers}
         runs = await asyncio.gather(
             *(
                 run_load(port, False, args.load_requests, args.concurrency // 2, args.phase_time_s)
@@ -289,7 +252,7 @@ async def measure_paired(
             )
         )
         for (name, process, _), run in zip(routers, runs, strict=True):
-            per_round[name].append((cpu_seconds(process.pid) - before[name]) / run["requests"] * 1e6)
+            per_round[name].append((tree_cpu_seconds(process.pid) - before[name]) / run["requests"] * 1e6)
     return {
         name: {"median_us": statistics.median(values), "rounds_us": values}
         for name, values in per_round.items()
@@ -392,8 +355,9 @@ def write_report(report: dict, stem: Path) -> None:
         "# Gateway overhead: direct vs kvgate vs peer routers",
         "",
         f"Command: `{report['command']}`  ",
-        f"Machine: {report['machine']}; one fast test backend (tests/support/openai_backend.py) behind every "
-        f"router; load from one asyncio+httptools client process; medians of {report['rounds']} round(s). "
+        f"Machine: {report['machine']}; one fast test backend (kvgate_testing/openai_backend.py) "
+        "behind every router; load from one asyncio+httptools client process; "
+        f"medians of {report['rounds']} round(s). "
         "The machine was shared with other work (load average at the end: "
         f"{', '.join(f'{x:.1f}' for x in report['load_average_at_end'])}): latencies at concurrency 1 "
         "are dominated by scheduling; compare targets within this run only.",
@@ -496,7 +460,7 @@ def main() -> None:
     report = uvloop.run(main_async(args))
     report.update(
         {
-            "command": " ".join(["python", "benchmarks/gateway_overhead.py", *sys.argv[1:]]),
+            "command": " ".join(["python", "-m", "benchmarks.gateway_overhead", *sys.argv[1:]]),
             "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, Python {platform.python_version()}",
             "rounds": args.rounds,
             "paired_rounds": args.paired_rounds,

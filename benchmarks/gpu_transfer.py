@@ -5,7 +5,7 @@ tokens in 16-token blocks scattered over a flash-attn cache four times larger. E
 median of CUDA-event-timed repeats after warm-up. Byte counts: gather/scatter and the device copy
 count bytes read plus bytes written; host transfers count the payload that crosses PCIe.
 
-    PYTHONPATH=. python3 benchmarks/gpu_transfer.py --out benchmarks/results
+    python3 -m benchmarks.gpu_transfer --out benchmarks/results
 """
 
 from __future__ import annotations

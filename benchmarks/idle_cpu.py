@@ -25,15 +25,15 @@ import sys
 import time
 from pathlib import Path
 
-from benchmarks.gateway_overhead import cpu_seconds
-from benchmarks.kv_aware_latency import _revision, start_gateway
+from kvgate_testing.proc_stats import tree_cpu_seconds
+from kvgate_testing.source_trees import parse_gateway_trees, start_tree_gateway, tree_revision
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 RESULTS_DIR = REPO_ROOT / "benchmarks" / "results"
 
 
 def measure(gateways: list[tuple[str, Path, str]], args: argparse.Namespace) -> dict:
-    from benchmarks.sim_fleet import EngineFleet
+    from kvgate_testing.sim_fleet import EngineFleet
 
     fleet = EngineFleet(args.engines, 512)
     fleet.start()
@@ -41,13 +41,13 @@ def measure(gateways: list[tuple[str, Path, str]], args: argparse.Namespace) -> 
     try:
         for _ in range(args.rounds):
             for label, tree, policy in gateways:
-                process, _ = start_gateway(tree, fleet, "kvgate-idle-", policy)
+                process, _ = start_tree_gateway(tree, fleet, "kvgate-idle-", policy)
                 try:
                     time.sleep(args.settle_s)
-                    used, started = cpu_seconds(process.pid), time.monotonic()
+                    used, started = tree_cpu_seconds(process.pid), time.monotonic()
                     time.sleep(args.seconds)
                     elapsed = time.monotonic() - started
-                    samples[label].append((cpu_seconds(process.pid) - used) * 1000.0 / elapsed)
+                    samples[label].append((tree_cpu_seconds(process.pid) - used) * 1000.0 / elapsed)
                 finally:
                     process.stop()
     finally:
@@ -116,8 +116,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--name", default="idle_cpu")
     parser.add_argument("--note", action="append", default=[], help="a line for the report's notes")
     args = parser.parse_args(argv)
-    trees = [spec.partition("=") for spec in args.gateway] or [("kvgate", "=", str(REPO_ROOT))]
-    gateways = [(label, Path(tree).resolve(), "kv_aware") for label, _, tree in trees]
+    try:
+        trees = parse_gateway_trees(args.gateway, default=("kvgate", REPO_ROOT))
+    except ValueError as exc:
+        parser.error(str(exc))
+    gateways = [(label, tree, "kv_aware") for label, tree in trees]
     if args.reference_policy:
         label, tree, _ = gateways[-1]
         gateways.append((f"{label}, {args.reference_policy}", tree, args.reference_policy))
@@ -128,7 +131,9 @@ def main(argv: list[str] | None = None) -> int:
         "seconds": args.seconds,
         "settle_s": args.settle_s,
         "rounds": args.rounds,
-        "trees": {label: {"revision": _revision(tree), "policy": policy} for label, tree, policy in gateways},
+        "trees": {
+            label: {"revision": tree_revision(tree), "policy": policy} for label, tree, policy in gateways
+        },
         "gateways": measure(gateways, args),
         "load_average_end": " ".join(f"{v:.2f}" for v in os.getloadavg()),
         "notes": args.note,

@@ -29,7 +29,7 @@ numbers drift. Lookups are side by side too.
 Targets (issue 3): >= 500k block events/s on one core; an 8k-token lookup under 200 us.
 Anchor (not measured here): Dynamo's Rust indexer reports about 1M events/s, microsecond lookups.
 
-Run: .venv/bin/python benchmarks/index_bench.py [--blocks 1000000] [--rounds 3] [--out benchmarks/results]
+Run: .venv/bin/python -m benchmarks.index_bench [--blocks 1000000] [--rounds 3] [--out benchmarks/results]
 CPU times are process CPU seconds (the machines are shared; wall time would count other work).
 """
 
@@ -52,8 +52,6 @@ from typing import Any
 
 import numpy as np
 import zmq
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from kvwire import (
     BlockRemoved,
@@ -812,7 +810,7 @@ def main() -> None:
         print(f"{name}: {_rates(entry)}")
     results = {
         "benchmark": "index_bench",
-        "command": "python benchmarks/index_bench.py "
+        "command": "python -m benchmarks.index_bench "
         + " ".join(f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items() if k != "out"),
         "machine": {
             "python": platform.python_version(),

@@ -14,7 +14,7 @@ In one run:
   prefill or decode time), so what a request costs beyond the engine is the gateway's;
 - every gateway runs the kv_aware policy with the real Qwen3 tokenizer and subscribes to every
   engine's KV events (they all see the same events);
-- a chat_sessions or document_qa workload (benchmarks/workloads.py), first sent untimed straight
+- a chat_sessions or document_qa workload (kvgate_testing/workloads.py), first sent untimed straight
   to every engine (each engine's tokenizer cache then answers every timed send alike, and the KV
   events are all in the gateways' indexes before the measured phase: each prompt is cached on
   every engine), then one request at a time to every gateway and straight to an engine, in
@@ -41,7 +41,6 @@ import platform
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -64,7 +63,7 @@ def _percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, max(0, round(q / 100 * (len(ordered) - 1))))]
 
 
-def _request_body(request) -> bytes:  # a benchmarks.workloads.WorkloadRequest
+def _request_body(request) -> bytes:  # a kvgate_testing.workloads.WorkloadRequest
     return json.dumps(
         {
             "model": MODEL,
@@ -79,7 +78,7 @@ def _request_body(request) -> bytes:  # a benchmarks.workloads.WorkloadRequest
 def build_workload(name: str, users: int, turns: int, seed: int) -> list:
     """The workload's requests in arrival order: `users` sessions (chats, or documents) of `turns`
     requests (chat turns, or questions on the document)."""
-    from benchmarks.workloads import ChatSessionsParams, DocumentQAParams, chat_sessions, document_qa
+    from kvgate_testing.workloads import ChatSessionsParams, DocumentQAParams, chat_sessions, document_qa
 
     if name == "chat_sessions":
         workload = chat_sessions(ChatSessionsParams(users=users, turns=turns, seed=seed))
@@ -248,56 +247,23 @@ def _metric_sum_count(url: str, name: str) -> tuple[float, float]:
     return total, count
 
 
-def start_gateway(tree: Path, fleet, port_file_prefix: str, policy: str = "kv_aware"):  # -> (process, url)
-    import yaml
-
-    from benchmarks.routers import kvgate_backends, wait_until_synced
-    from tests.support.ports import free_port
-    from tests.support.processes import ManagedProcess, wait_for_http
-
-    port = free_port()
-    config = {
-        "listen": {"host": "127.0.0.1", "port": port},
-        "models": [{"name": MODEL, "tokenizer": "builtin:qwen3"}],
-        "backends": kvgate_backends(fleet, policy),
-        "policy": {"name": policy},
-        "log_level": "warning",
-    }
-    handle, path = tempfile.mkstemp(prefix=port_file_prefix, suffix=".yaml")
-    with os.fdopen(handle, "w") as file:
-        yaml.safe_dump(config, file)
-    process = ManagedProcess(
-        [sys.executable, "-m", "router.cli", "serve", "--config", path],
-        env={"PYTHONPATH": str(tree)},
-        cwd=str(tree),
-    )
-    url = f"http://127.0.0.1:{port}"
-    try:
-        wait_for_http(f"{url}/health", process, 90)
-        wait_until_synced(url, 60)
-    except BaseException:
-        process.stop()
-        raise
-    return process, url
-
-
-def _wait_until_idle(processes: list, cpu_seconds, timeout_s: float = 120.0) -> None:
+def _wait_until_idle(processes: list, tree_cpu_seconds, timeout_s: float = 120.0) -> None:
     """Until every gateway has applied the KV events of the untimed sends: each uses under 5% of a
     core over half a second (a fixed pause was not enough for document_qa's ~200k blocks a gateway)."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        before = [cpu_seconds(process.pid) for process in processes]
+        before = [tree_cpu_seconds(process.pid) for process in processes]
         time.sleep(0.5)
-        if all(
-            cpu_seconds(process.pid) - used < 0.025 for process, used in zip(processes, before, strict=True)
-        ):
+        used_since = [tree_cpu_seconds(p.pid) - used for p, used in zip(processes, before, strict=True)]
+        if all(seconds < 0.025 for seconds in used_since):
             return
     raise TimeoutError(f"gateways still busy {timeout_s} s after the untimed sends (KV events not applied)")
 
 
 def live_run(gateways: list[tuple[str, Path, str]], args: argparse.Namespace) -> dict:
-    from benchmarks.gateway_overhead import cpu_seconds
-    from benchmarks.sim_fleet import EngineFleet
+    from kvgate_testing.proc_stats import tree_cpu_seconds
+    from kvgate_testing.sim_fleet import EngineFleet
+    from kvgate_testing.source_trees import start_tree_gateway
 
     requests = build_workload(args.workload, args.users, args.turns, seed=11)
     kinds = request_kinds(requests)
@@ -311,7 +277,7 @@ def live_run(gateways: list[tuple[str, Path, str]], args: argparse.Namespace) ->
         targets: list[tuple[str, object, _Client]] = []
         urls: dict[str, str] = {}
         for label, tree, policy in gateways:
-            process, urls[label] = start_gateway(tree, fleet, f"kvgate-latency-{label}-", policy)
+            process, urls[label] = start_tree_gateway(tree, fleet, f"kvgate-latency-{label}-", policy)
             started.append(process)
             targets.append((label, process, _Client(urls[label])))
         directs = [_Client(engine.url) for engine in fleet.engines]
@@ -327,9 +293,9 @@ def live_run(gateways: list[tuple[str, Path, str]], args: argparse.Namespace) ->
             body = _request_body(request)
             for client in directs:
                 client.post(body)
-        _wait_until_idle([process for _, process, _ in targets], cpu_seconds)
+        _wait_until_idle([process for _, process, _ in targets], tree_cpu_seconds)
         overhead_before = {label: _metric_sum_count(url, OVERHEAD_METRIC) for label, url in urls.items()}
-        cpu_before = {label: cpu_seconds(process.pid) for label, process, _ in targets}
+        cpu_before = {label: tree_cpu_seconds(process.pid) for label, process, _ in targets}
         latencies: dict[str, dict[str, list[float]]] = {
             name: {kind: [] for kind in KINDS} for name in ["direct", *(label for label, *_ in targets)]
         }
@@ -348,7 +314,7 @@ def live_run(gateways: list[tuple[str, Path, str]], args: argparse.Namespace) ->
                 latencies[name][kind].append(seconds * 1e3)
                 if name != "direct":
                     added[name][kind].append((seconds - measured["direct"]) * 1e3)
-        cpu = {label: cpu_seconds(process.pid) - cpu_before[label] for label, process, _ in targets}
+        cpu = {label: tree_cpu_seconds(process.pid) - cpu_before[label] for label, process, _ in targets}
         overhead_after = {label: _metric_sum_count(url, OVERHEAD_METRIC) for label, url in urls.items()}
         for _, _, client in targets:
             client.close()
@@ -493,18 +459,6 @@ def write_plot(results: dict, path: Path) -> None:
     figure.savefig(path, dpi=110)
 
 
-def _revision(tree: Path) -> str:
-    try:
-        def git(*args: str) -> str:
-            command = ["git", "-C", str(tree), *args]
-            return subprocess.run(command, capture_output=True, text=True, check=True).stdout.strip()
-
-        dirty = git("status", "--porcelain", "--untracked-files=no")
-        return git("rev-parse", "--short", "HEAD") + (" + uncommitted changes" if dirty else "")
-    except (OSError, subprocess.CalledProcessError):
-        return ""
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument(
@@ -525,18 +479,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--stages-only", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--tree", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
-    if args.stages_only:
-        sys.path.insert(0, str(args.tree))
-        sys.path.insert(1, str(REPO_ROOT))
+    if args.stages_only:  # run_stages's child: PYTHONPATH puts `--tree` first, then this checkout
         print(json.dumps(stage_breakdown(args.workload, args.users, args.turns, args.engines)))
         return 0
-    sys.path.insert(0, str(REPO_ROOT))
-    gateways = []
-    for item in args.gateway or [f"this tree={REPO_ROOT}"]:
-        label, separator, directory = item.partition("=")
-        if not separator or not Path(directory, "router").is_dir():
-            parser.error(f"--gateway {item!r} must be LABEL=DIR, DIR a source tree with router/")
-        gateways.append((label, Path(directory).resolve()))
+    from kvgate_testing.source_trees import parse_gateway_trees, tree_revision
+
+    try:
+        gateways = parse_gateway_trees(args.gateway, default=("this tree", REPO_ROOT))
+    except ValueError as exc:
+        parser.error(str(exc))
     started = time.monotonic()
     load_start = os.getloadavg()[0]
     results: dict = {
@@ -549,7 +500,7 @@ def main(argv: list[str] | None = None) -> int:
         "users": args.users,
         "turns": args.turns,
         "load_start": load_start,
-        "trees": [(label, str(tree), _revision(tree)) for label, tree in gateways],
+        "trees": [(label, str(tree), tree_revision(tree)) for label, tree in gateways],
         "notes": args.note,
     }
     print("stage breakdown ...", file=sys.stderr, flush=True)

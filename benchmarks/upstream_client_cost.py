@@ -1,10 +1,10 @@
 """CPU per request of the gateway's upstream client (router/upstream.py) against httpx, side by side.
 
-Both clients send the same JSON request to the same fast test backend (tests/support/openai_backend.py)
+Both clients send the same JSON request to the same fast test backend (kvgate_testing/openai_backend.py)
 over 10 keep-alive connections, closed loop, and read the whole answer; the figure is this process's
 CPU time (time.process_time) divided by the requests.
 
-    .venv/bin/python benchmarks/upstream_client_cost.py  # writes benchmarks/results/upstream_client_cost.json
+    .venv/bin/python -m benchmarks.upstream_client_cost  # writes benchmarks/results/upstream_client_cost.json
 """
 
 from __future__ import annotations
@@ -12,18 +12,14 @@ from __future__ import annotations
 import asyncio
 import importlib.util
 import json
-import sys
 import time
-from pathlib import Path
 
 import httpx
 import uvloop
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO_ROOT))
-
-from router.upstream import UpstreamPool  # noqa: E402
-from tests.support.backend import BackendProcess  # noqa: E402
+from kvgate_testing.backend import BackendProcess
+from kvgate_testing.processes import REPO_ROOT
+from router.upstream import UpstreamPool
 
 BODY = b'{"model": "test-model", "prompt": "hello"}'
 CONNECTIONS = 10
@@ -72,7 +68,7 @@ def main() -> None:
             "upstream_pool_cpu_us_per_request": uvloop.run(upstream_pool_cpu_us(backend.port)),
             "requests": REQUESTS,
             "connections": CONNECTIONS,
-            "command": "python benchmarks/upstream_client_cost.py",
+            "command": "python -m benchmarks.upstream_client_cost",
             # httpcore imports sniffio on every request when it is missing (it is, in this venv),
             # which costs httpx extra CPU; run with sniffio on PYTHONPATH to see the difference.
             "sniffio_available": importlib.util.find_spec("sniffio") is not None,

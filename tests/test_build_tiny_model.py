@@ -6,9 +6,9 @@ import json
 
 import pytest
 
-from benchmarks.real_fleet import DEFAULT_MODEL_LAYERS, model_dir_for
+from kvgate_testing.real_fleet import DEFAULT_MODEL_LAYERS, model_dir_for
+from kvgate_testing.vllm import TINY_MODEL, TINY_MODEL_LAYERS
 from scripts.build_tiny_model import MODEL_CONFIG, RECIPE_FILE, build
-from tests.support.vllm import TINY_MODEL, TINY_MODEL_LAYERS
 
 
 def test_build_writes_the_layers_asked_for_and_leaves_an_identical_build_alone(tmp_path):

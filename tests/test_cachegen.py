@@ -3,7 +3,7 @@
 The CPU path is numba-compiled; its contract is byte identity with the numpy implementation it
 replaced (and that the CUDA kernels match): tests/data/cachegen_golden.json holds that
 implementation's blob and decoded-value hashes for seeded inputs, and
-benchmarks/cachegen_numpy_baseline.py (the old code) is checked against live on fresh inputs.
+kvgate_testing/cachegen_numpy_baseline.py (the old code) is checked against live on fresh inputs.
 """
 
 from __future__ import annotations
@@ -18,7 +18,6 @@ import numpy as np
 import pytest
 import torch
 
-from benchmarks import cachegen_numpy_baseline
 from cachelayer.compress import cachegen_cpu, get_codec
 from cachelayer.compress.cachegen import (
     DEFAULT_LEVELS,
@@ -29,6 +28,7 @@ from cachelayer.compress.cachegen import (
     layer_qmax,
     sealed,
 )
+from kvgate_testing import cachegen_numpy_baseline
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (runs on the GPU machine)")
 

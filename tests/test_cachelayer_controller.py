@@ -10,8 +10,9 @@ import zmq
 
 from cachelayer import CacheEngine
 from cachelayer.controller.protocol import WorkerReport
-from tests.support.cachelayer import CHUNK, HEAD_DIM, HEADS, LAYERS, controller_process, make_engine, request
-from tests.support.ports import free_port
+from kvgate_testing.cachelayer import CHUNK, HEAD_DIM, HEADS, LAYERS, make_engine, request
+from kvgate_testing.controller import controller_process, same_bits, wait_gone, wait_registered, worker_config
+from kvgate_testing.ports import free_port
 
 
 @pytest.fixture(scope="module")
@@ -20,34 +21,27 @@ def controller():
         yield client, monitor_port
 
 
-def worker_config(monitor_port, instance_id, **extra):
-    return {
-        "enable_controller": True,
-        "controller_pull_url": f"127.0.0.1:{monitor_port}",
-        "lmcache_instance_id": instance_id,
-        "lmcache_worker_heartbeat_time": 0.2,
-        **extra,
-    }
+def tensor_parallel_engines(monitor_port, instance_id, disk_dir=None, ranks=2):
+    """One registered instance of `ranks` tensor-parallel workers (engine i is rank i); with
+    `disk_dir` each has a disk tier of its own (disk_dir/w<rank>)."""
 
+    def config(rank):
+        disk = {"local_disk": str(disk_dir / f"w{rank}"), "max_local_disk_size": 0.01} if disk_dir else {}
+        registered = worker_config(monitor_port, instance_id)
+        return {"chunk_size": CHUNK, "max_local_cpu_size": 0.01, **disk, **registered}
 
-def wait_registered(client, instance_id, count):
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline:
-        response = client.post("/query_worker_info", json={"instance_id": instance_id, "worker_ids": []})
-        if response.status_code == 200 and len(response.json()["worker_infos"]) == count:
-            return response.json()
-        time.sleep(0.05)
-    raise AssertionError(f"{instance_id} never had {count} registered worker(s)")
-
-
-def wait_gone(client, instance_id):
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline:
-        response = client.post("/query_worker_info", json={"instance_id": instance_id, "worker_ids": []})
-        if response.status_code == 404:
-            return
-        time.sleep(0.05)
-    raise AssertionError(f"{instance_id} was never dropped")
+    return [
+        CacheEngine.from_config(
+            config(rank),
+            num_layers=LAYERS,
+            num_kv_heads=HEADS,
+            head_dim=HEAD_DIM,
+            dtype=torch.bfloat16,
+            world_size=ranks,
+            worker_id=rank,
+        )
+        for rank in range(ranks)
+    ]
 
 
 def test_lmcache_documented_example_twelve_token_prompt(controller):
@@ -97,24 +91,7 @@ def test_lookup_full_hit_partial_match_and_miss(controller):
 
 def test_operations_fan_out_to_every_tensor_parallel_worker(controller, tmp_path):
     client, monitor_port = controller
-    workers = [
-        CacheEngine.from_config(
-            {
-                "chunk_size": CHUNK,
-                "max_local_cpu_size": 0.01,
-                "local_disk": str(tmp_path / f"w{rank}"),
-                "max_local_disk_size": 0.01,
-                **worker_config(monitor_port, "tp"),
-            },
-            num_layers=LAYERS,
-            num_kv_heads=HEADS,
-            head_dim=HEAD_DIM,
-            dtype=torch.bfloat16,
-            world_size=2,
-            worker_id=rank,
-        )
-        for rank in range(2)
-    ]
+    workers = tensor_parallel_engines(monitor_port, "tp", disk_dir=tmp_path)
     try:
         infos = wait_registered(client, "tp", 2)["worker_infos"]
         assert sorted(info["worker_id"] for info in infos) == [0, 1]
@@ -286,10 +263,6 @@ def move(client, source, destination, tokens, *, copy):
     )
 
 
-def same_bits(left, right):
-    return left.shape == right.shape and torch.equal(left.view(torch.int16), right.view(torch.int16))
-
-
 def test_move_to_another_instance_relays_the_chunks_and_drops_them_at_the_source(controller):
     client, monitor_port = controller
     source, destination = instance_engine(monitor_port, "move-a"), instance_engine(monitor_port, "move-b")
@@ -421,18 +394,7 @@ def test_move_between_different_key_spaces_is_refused_and_moves_nothing(controll
 def test_move_to_an_unknown_instance_or_one_with_other_workers_is_a_4xx(controller):
     client, monitor_port = controller
     source = instance_engine(monitor_port, "workers-a")
-    sharded = [
-        CacheEngine.from_config(
-            {"chunk_size": CHUNK, "max_local_cpu_size": 0.01, **worker_config(monitor_port, "workers-tp")},
-            num_layers=LAYERS,
-            num_kv_heads=HEADS,
-            head_dim=HEAD_DIM,
-            dtype=torch.bfloat16,
-            world_size=2,
-            worker_id=rank,
-        )
-        for rank in range(2)
-    ]
+    sharded = tensor_parallel_engines(monitor_port, "workers-tp")
     try:
         wait_registered(client, "workers-a", 1)
         wait_registered(client, "workers-tp", 2)
@@ -470,22 +432,8 @@ def test_move_to_an_unknown_instance_or_one_with_other_workers_is_a_4xx(controll
 
 def test_move_between_tensor_parallel_instances_pairs_workers_by_rank(controller):
     client, monitor_port = controller
-
-    def instance(instance_id):
-        return [
-            CacheEngine.from_config(
-                {"chunk_size": CHUNK, "max_local_cpu_size": 0.01, **worker_config(monitor_port, instance_id)},
-                num_layers=LAYERS,
-                num_kv_heads=HEADS,
-                head_dim=HEAD_DIM,
-                dtype=torch.bfloat16,
-                world_size=2,
-                worker_id=rank,
-            )
-            for rank in range(2)
-        ]
-
-    sources, destinations = instance("tp-move-a"), instance("tp-move-b")
+    sources = tensor_parallel_engines(monitor_port, "tp-move-a")
+    destinations = tensor_parallel_engines(monitor_port, "tp-move-b")
     try:
         wait_registered(client, "tp-move-a", 2)
         wait_registered(client, "tp-move-b", 2)

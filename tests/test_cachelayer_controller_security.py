@@ -15,9 +15,9 @@ import zmq
 from cachelayer.compress import get_codec
 from cachelayer.controller.auth import COMMAND, REPORT, AuthConfigError, MessageAuth
 from cachelayer.controller.protocol import Command, Reply, WorkerReport, encode
-from tests.support.cachelayer import CHUNK, HEAD_DIM, HEADS, LAYERS, controller_process, make_engine, request
-from tests.support.ports import free_port
-from tests.test_cachelayer_controller import same_bits, wait_gone, wait_registered, worker_config
+from kvgate_testing.cachelayer import CHUNK, HEAD_DIM, HEADS, LAYERS, make_engine, request
+from kvgate_testing.controller import controller_process, same_bits, wait_gone, wait_registered, worker_config
+from kvgate_testing.ports import free_port
 
 SECRET_VARIABLE = "KVGATE_TEST_CONTROLLER_SECRET"
 SECRET = "test-secret-0123456789abcdef"

@@ -7,7 +7,7 @@ import torch
 
 from cachelayer import CacheEngine
 from cachelayer.engine import CacheEngineError
-from tests.support.cachelayer import CHUNK, HEAD_DIM, HEADS, LAYERS, assert_no_leak, make_engine, request
+from kvgate_testing.cachelayer import CHUNK, HEAD_DIM, HEADS, LAYERS, assert_no_leak, make_engine, request
 
 
 def test_store_retrieve_roundtrip_with_a_partial_tail_chunk():

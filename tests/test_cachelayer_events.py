@@ -6,6 +6,7 @@ import msgspec
 import pytest
 import zmq
 
+from kvgate_testing.cachelayer import CHUNK, make_engine, request
 from kvwire import (
     END_SEQ,
     SNAPSHOT_REQUEST,
@@ -16,7 +17,6 @@ from kvwire import (
     decode_batch,
     fetch_snapshot,
 )
-from tests.support.cachelayer import CHUNK, make_engine, request
 
 
 @pytest.fixture

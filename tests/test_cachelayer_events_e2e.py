@@ -4,10 +4,10 @@ import functools
 
 import pytest
 
+from kvgate_testing import waiting
+from kvgate_testing.cachelayer import CHUNK, make_engine, request
 from router.config import KVEvents
 from router.index.service import KVIndexService
-from tests.support import waiting
-from tests.support.cachelayer import CHUNK, make_engine, request
 
 wait_for = functools.partial(waiting.wait_for, timeout_s=30.0)
 

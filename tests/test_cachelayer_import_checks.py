@@ -13,8 +13,8 @@ import torch
 from cachelayer.compress import get_codec
 from cachelayer.engine import CacheEngineError
 from cachelayer.storage.tier import ChunkMeta
-from tests.support.cachelayer import CHUNK, HEAD_DIM, HEADS, LAYERS, make_engine, request
-from tests.support.processes import REPO_ROOT, python_command
+from kvgate_testing.cachelayer import CHUNK, HEAD_DIM, HEADS, LAYERS, make_engine, request
+from kvgate_testing.processes import REPO_ROOT, python_command
 
 
 def test_every_one_of_300_corrupted_cachegen_blobs_is_refused_and_nothing_is_stored():
@@ -106,7 +106,7 @@ import numpy as np
 import torch
 
 from cachelayer.compress.cachegen import CacheGenCodec, _Layout, sealed
-from tests.support.cachelayer import CHUNK, make_engine, request
+from kvgate_testing.cachelayer import CHUNK, make_engine, request
 
 def peak_rss():
     status = Path("/proc/self/status").read_text().splitlines()

@@ -11,9 +11,9 @@ import torch
 
 from cachelayer.config import CacheLayerConfigError, parse_config
 from cachelayer.storage.remote import CircuitBreaker, CorruptValue, decode_value, encode_value
-from tests.support.cachelayer import CHUNK, make_engine, request
-from tests.support.processes import REPO_ROOT
-from tests.support.redis_server import RedisServer, running_redis
+from kvgate_testing.cachelayer import CHUNK, make_engine, request
+from kvgate_testing.processes import REPO_ROOT
+from kvgate_testing.redis_server import RedisServer, running_redis
 
 # Short time boxes: a failing Redis must cost at most this long per call in these tests.
 FAST = {"remote_timeout_s": 0.2, "remote_failure_threshold": 2, "remote_retry_after_s": 0.3}
@@ -26,7 +26,7 @@ def remote_engine(server: RedisServer, chunks_in_pool: float = 64, **config):
 def store_in_another_process(url: str, seed: int, chunks: int, **config: object) -> None:
     """Store request(seed, chunks) from a separate Python process with its own L1, then exit."""
     script = (
-        "import sys; from tests.support.cachelayer import make_engine, request\n"
+        "import sys; from kvgate_testing.cachelayer import make_engine, request\n"
         f"engine = make_engine(64, remote_url={url!r}, **{config!r})\n"
         f"tokens, kv = request({seed}, {chunks})\n"
         "assert engine.store(tokens, kv) == len(tokens)\n"
@@ -338,7 +338,7 @@ def test_unknown_keys_still_fail_clearly():
 def test_the_daemon_reports_the_remote_tier_in_its_metrics(redis_server):
     from cachelayer.server.daemon import StoreServer
     from cachelayer.server.protocol import KeySpace
-    from tests.support.metrics import metric_samples, sample_key
+    from kvgate_testing.metrics import metric_samples, sample_key
 
     config = parse_config({"chunk_size": CHUNK, "remote_url": redis_server.url, **FAST})
     server = StoreServer(config, "tcp://127.0.0.1:0")

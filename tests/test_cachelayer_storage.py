@@ -8,7 +8,7 @@ import torch
 
 from cachelayer.storage.allocator import ALIGNMENT, DoubleFreeError, FreeListAllocator
 from cachelayer.storage.eviction import LFUPolicy, LRUPolicy, make_policy
-from tests.support.cachelayer import CHUNK, CHUNK_BYTES, assert_no_leak, make_engine, request
+from kvgate_testing.cachelayer import CHUNK, CHUNK_BYTES, assert_no_leak, make_engine, request
 
 
 def test_allocator_serves_variable_sizes_without_overlap_and_coalesces_back():

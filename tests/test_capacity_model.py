@@ -8,12 +8,12 @@ import math
 import numpy as np
 import pytest
 
+from kvgate_testing.sim_pool import PoolEngine as Engine
 from router.config import KVEvents
 from router.index.service import KVIndexService
 from router.index.store import PrefixIndex
 from router.policies.capacity import RATE_HALF_LIFE_S, CapacityModel
 from router.sim.blocks import BlockPool
-from tests.support.sim_pool import PoolEngine as Engine
 
 BLOCK = 16
 rng = np.random.default_rng(25)

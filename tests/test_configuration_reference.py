@@ -14,8 +14,8 @@ import msgspec.inspect as inspect
 import yaml
 
 from cachelayer.config import CacheLayerConfig
+from kvgate_testing.processes import REPO_ROOT
 from router.config import Config
-from tests.support.processes import REPO_ROOT
 
 REFERENCE = REPO_ROOT / "docs" / "configuration.md"
 

@@ -21,7 +21,7 @@ from cachelayer.connectors.transfers import (
 )
 from cachelayer.engine import CacheEngine
 from cachelayer.server import KeySpace, StoreClient, StoreServer
-from tests.support.ports import free_port
+from kvgate_testing.ports import free_port
 
 LAYERS, HEADS, HEAD_DIM, BLOCK, NUM_BLOCKS, CHUNK = 2, 2, 8, 32, 40, 64
 

@@ -15,8 +15,8 @@ import zmq
 from cachelayer.config import parse_config
 from cachelayer.server import KeySpace, StoreClient, StoreServer, StoreUnavailable
 from cachelayer.server.daemon import start_http
-from tests.support.ports import free_port
-from tests.support.processes import ManagedProcess, wait_for_http
+from kvgate_testing.ports import free_port
+from kvgate_testing.processes import ManagedProcess, wait_for_http
 
 CHUNK = 16
 SPACE = KeySpace(

@@ -14,8 +14,8 @@ from cachelayer.config import parse_config
 from cachelayer.server import KeySpace, StoreClient, StoreServer, StoreUnavailable
 from cachelayer.server.client import LeaseExpired
 from cachelayer.server.protocol import kv_nbytes
-from tests.support.ports import free_port
-from tests.support.processes import ManagedProcess, wait_for_http
+from kvgate_testing.ports import free_port
+from kvgate_testing.processes import ManagedProcess, wait_for_http
 
 CHUNK = 16
 SPACE = KeySpace(
@@ -216,7 +216,7 @@ def test_a_client_killed_mid_transfer_leaves_no_lease_and_no_memory_behind():
     with ManagedProcess(daemon_args) as daemon:
         wait_for_http(f"{http_url}/healthcheck", daemon, timeout_s=60)
         with ManagedProcess(
-            [sys.executable, "-m", "tests.support.lease_holder", endpoint, str(CHUNK)]
+            [sys.executable, "-m", "kvgate_testing.lease_holder", endpoint, str(CHUNK)]
         ) as holder:
             deadline = time.monotonic() + 30
             while "holding" not in holder.output():

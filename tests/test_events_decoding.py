@@ -7,6 +7,7 @@ from __future__ import annotations
 import msgspec
 import pytest
 
+from kvgate_testing.event_publisher import all_blocks_cleared, block_removed, block_stored, encode_batch
 from kvwire import (
     AllBlocksCleared,
     BlockRemoved,
@@ -20,7 +21,6 @@ from kvwire import (
     tier_of,
 )
 from router.index.store import PrefixIndex
-from tests.support.event_publisher import all_blocks_cleared, block_removed, block_stored, encode_batch
 
 TOKENS = list(range(100, 132))
 

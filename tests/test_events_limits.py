@@ -10,14 +10,14 @@ from collections.abc import Iterator
 import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 
+from kvgate_testing.event_publisher import EventPublisher, block_removed, block_stored, encode_batch
+from kvgate_testing.metrics import metric_samples, sample_key
+from kvgate_testing.ports import free_port
+from kvgate_testing.waiting import wait_for
 from kvwire import decode_batch
 from router.config import KVEvents
 from router.index.service import KVIndexService
 from router.index.store import PrefixIndex
-from tests.support import free_port
-from tests.support.event_publisher import EventPublisher, block_removed, block_stored, encode_batch
-from tests.support.metrics import metric_samples, sample_key
-from tests.support.waiting import wait_for
 
 
 @pytest.fixture

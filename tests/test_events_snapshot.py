@@ -19,15 +19,17 @@ import zmq
 from prometheus_client import CollectorRegistry, generate_latest
 
 from cachelayer import CacheEngine
+from kvgate_testing import event_publisher, waiting
+from kvgate_testing.backend import start_backend
+from kvgate_testing.cachelayer import CHUNK, make_engine, request
+from kvgate_testing.event_publisher import block_stored
+from kvgate_testing.gateway import start_gateway
+from kvgate_testing.ports import free_port
 from kvwire import AllBlocksCleared, BlockStored, EventPublisher
 from router.config import KVEvents, parse_config
 from router.index.ingest import snapshot_order
 from router.index.service import KVIndexService
 from router.index.store import PrefixIndex
-from tests.support import event_publisher, start_backend, start_gateway, waiting
-from tests.support.cachelayer import CHUNK, make_engine, request
-from tests.support.event_publisher import block_stored
-from tests.support.ports import free_port
 
 BACKEND = "cache-a"
 

@@ -13,6 +13,9 @@ import numpy as np
 import pytest
 import zmq
 
+from kvgate_testing import waiting
+from kvgate_testing.event_publisher import EventPublisher, all_blocks_cleared, block_removed, block_stored
+from kvgate_testing.ports import free_port
 from router.backends import BackendState
 from router.config import KVAwarePolicy, KVEvents
 from router.index.keys import Namespace
@@ -21,8 +24,6 @@ from router.index.store import PrefixIndex
 from router.index.transport import EventSubscriber, connectable, rank_endpoint
 from router.policies.base import RouteRequest
 from router.policies.kv_aware import KVAware
-from tests.support import free_port, waiting
-from tests.support.event_publisher import EventPublisher, all_blocks_cleared, block_removed, block_stored
 
 rng = np.random.default_rng(3)
 PROMPTS = [rng.integers(0, 150_000, size=64).tolist() for _ in range(8)]

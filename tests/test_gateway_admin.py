@@ -14,28 +14,20 @@ import httpx
 import pytest
 import yaml
 
-from tests.support import free_port, running_backends, start_gateway
-from tests.support.processes import REPO_ROOT, python_command
+from kvgate_testing.backend import TEST_MODEL
+from kvgate_testing.gateway import gateway_config, start_gateway
+from kvgate_testing.ports import free_port
+from kvgate_testing.processes import REPO_ROOT, python_command
 
-MODEL = "test-model"
+MODEL = TEST_MODEL
 TOKEN = "s3cret-token"
 AUTH = {"authorization": f"Bearer {TOKEN}"}
 
 
 @pytest.fixture(scope="module")
-def backends():
-    with running_backends("a", "b", models=[MODEL]) as started:
-        yield started
-
-
-@pytest.fixture(scope="module")
 def gateway(backends):
     a, _ = backends
-    config = {
-        "models": [{"name": MODEL}],
-        "backends": [{"name": "a", "url": a.url}],
-        "admin": {"token_env": "KVGATE_TEST_ADMIN_TOKEN"},
-    }
+    config = gateway_config([a], admin={"token_env": "KVGATE_TEST_ADMIN_TOKEN"})
     # The gateway process inherits this environment.
     os.environ["KVGATE_TEST_ADMIN_TOKEN"] = TOKEN
     try:

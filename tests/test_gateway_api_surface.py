@@ -15,9 +15,10 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
-from tests.support import free_port, start_backend, start_gateway
-from tests.support.gateway import GatewayProcess
-from tests.support.processes import REPO_ROOT, ManagedProcess, python_command, wait_for_http
+from kvgate_testing.backend import start_backend
+from kvgate_testing.gateway import GatewayProcess, simulated_fleet_config, start_gateway
+from kvgate_testing.ports import free_port
+from kvgate_testing.processes import REPO_ROOT, ManagedProcess, python_command, wait_for_http
 
 MODEL = "tiny-qwen3"
 
@@ -65,19 +66,7 @@ def test_model_by_id_answers_its_card_or_a_404_in_the_openai_shape():
 @pytest.fixture(scope="module")
 def sim_gateway() -> Iterator[GatewayProcess]:
     """kv_aware over two simulated engines that publish KV events (started by the gateway)."""
-    config = {
-        "models": [{"name": MODEL, "tokenizer": "builtin:qwen3"}],
-        "launch": {
-            "simulated_engines": {
-                "count": 2,
-                "base_port": free_port(),
-                "events_base_port": free_port(),
-                "num_gpu_blocks": 512,
-                "extra_args": ["--prefill-us-per-token", "5"],
-            }
-        },
-        "policy": {"name": "kv_aware"},
-    }
+    config = simulated_fleet_config(MODEL, "kv_aware", num_gpu_blocks=512, prefill_us_per_token=5)
     gateway = start_gateway(config, timeout_s=180)
     try:
         deadline = time.monotonic() + 90

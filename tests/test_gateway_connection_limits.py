@@ -16,12 +16,13 @@ import time
 import httpx
 import pytest
 
-from tests.support import start_backend, start_gateway
-from tests.support.loop_blocker import FACTORY as LOOP_BLOCKER
-from tests.support.metrics import metric_samples, sample_key
-from tests.support.waiting import wait_for
+from kvgate_testing.backend import TEST_MODEL
+from kvgate_testing.gateway import gateway_config, start_gateway
+from kvgate_testing.loop_blocker import FACTORY as LOOP_BLOCKER
+from kvgate_testing.metrics import metric_samples, sample_key
+from kvgate_testing.waiting import wait_for
 
-MODEL = "test-model"
+MODEL = TEST_MODEL
 HEADER_TIMEOUT_S = 0.5
 BODY_TIMEOUT_S = 0.5
 # A slow client must be closed within its timeout plus this (a busy 2-core machine).
@@ -29,20 +30,9 @@ CLOSE_SLACK_S = 1.5
 
 
 @pytest.fixture(scope="module")
-def backend():
-    started = start_backend("a", [MODEL])
-    yield started
-    started.stop()
-
-
-@pytest.fixture(scope="module")
 def gateway(backend):
-    config = {
-        "models": [{"name": MODEL}],
-        "backends": [{"name": "a", "url": backend.url}],
-        "limits": {"header_timeout_s": HEADER_TIMEOUT_S, "body_timeout_s": BODY_TIMEOUT_S},
-    }
-    with start_gateway(config) as running:
+    limits = {"header_timeout_s": HEADER_TIMEOUT_S, "body_timeout_s": BODY_TIMEOUT_S}
+    with start_gateway(gateway_config([backend], limits=limits)) as running:
         yield running
 
 
@@ -216,12 +206,8 @@ MAX_CLIENT_CONNECTIONS = 4
 
 @pytest.fixture
 def small_gateway(backend):
-    config = {
-        "models": [{"name": MODEL}],
-        "backends": [{"name": "a", "url": backend.url}],
-        "limits": {"max_client_connections": MAX_CLIENT_CONNECTIONS, "header_timeout_s": 10.0},
-    }
-    with start_gateway(config) as running:
+    limits = {"max_client_connections": MAX_CLIENT_CONNECTIONS, "header_timeout_s": 10.0}
+    with start_gateway(gateway_config([backend], limits=limits)) as running:
         yield running
 
 

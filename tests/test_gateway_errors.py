@@ -8,28 +8,19 @@ import time
 import httpx
 import pytest
 
+from kvgate_testing.backend import TEST_MODEL
+from kvgate_testing.gateway import gateway_config, start_gateway
+from kvgate_testing.ports import free_port
 from router.errors import log_unexpected
-from tests.support import free_port, start_backend, start_gateway
 
-MODEL = "test-model"
+MODEL = TEST_MODEL
 BODY_LIMIT = 4096
 
 
 @pytest.fixture(scope="module")
-def backend():
-    started = start_backend("a", [MODEL])
-    yield started
-    started.stop()
-
-
-@pytest.fixture(scope="module")
 def gateway(backend):
-    config = {
-        "models": [{"name": MODEL}],
-        "backends": [{"name": "a", "url": backend.url}],
-        "limits": {"max_body_bytes": BODY_LIMIT, "upstream_timeout_s": 0.5},
-    }
-    with start_gateway(config) as running:
+    limits = {"max_body_bytes": BODY_LIMIT, "upstream_timeout_s": 0.5}
+    with start_gateway(gateway_config([backend], limits=limits)) as running:
         yield running
 
 

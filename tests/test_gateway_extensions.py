@@ -10,26 +10,22 @@ import httpx
 import pytest
 import uvicorn
 
+from kvgate_testing.backend import TEST_MODEL
+from kvgate_testing.gateway import gateway_config
+from kvgate_testing.ports import free_port
+from kvgate_testing.sample_extension import CACHED_TOKENS, PROMPT_TOKENS, SampleExtension
 from router.app import create_app
 from router.config import parse_config
-from tests.support import free_port, running_backends
-from tests.support.sample_extension import CACHED_TOKENS, PROMPT_TOKENS, SampleExtension
 
-MODEL = "test-model"
-
-
-@pytest.fixture(scope="module")
-def backends():
-    with running_backends("a", "b", models=[MODEL]) as started:
-        yield started
+MODEL = TEST_MODEL
 
 
 @pytest.fixture(scope="module")
 def served(backends):
     """The gateway app with the sample extension, served by uvicorn in a thread of this process."""
     a, _ = backends
-    config = parse_config({"models": [{"name": MODEL}], "backends": [{"name": "a", "url": a.url}]})
-    app = create_app(config, extension_factories=["tests.support.sample_extension:create"])
+    config = parse_config(gateway_config([a]))
+    app = create_app(config, extension_factories=["kvgate_testing.sample_extension:create"])
     port = free_port()
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
     thread = threading.Thread(target=lambda: asyncio.run(server.serve()), daemon=True)

@@ -9,26 +9,17 @@ import time
 import httpx
 import pytest
 
-from tests.support import running_backends, start_gateway
-from tests.support.metrics import metric_samples, sample_key
+from kvgate_testing.backend import TEST_MODEL
+from kvgate_testing.gateway import gateway_config, start_gateway
+from kvgate_testing.metrics import metric_samples, sample_key
 
-MODEL = "test-model"
-
-
-@pytest.fixture(scope="module")
-def backends():
-    with running_backends("a", "b", models=[MODEL]) as started:
-        yield started
+MODEL = TEST_MODEL
 
 
 @pytest.fixture(scope="module")
 def gateway(backends):
-    config = {
-        "models": [{"name": MODEL}],
-        "backends": [{"name": b.name, "url": b.url} for b in backends],
-        "health": {"interval_s": 0.1, "timeout_s": 0.5, "min_down_s": 0.2},
-    }
-    with start_gateway(config) as running:
+    health = {"interval_s": 0.1, "timeout_s": 0.5, "min_down_s": 0.2}
+    with start_gateway(gateway_config(backends, health=health)) as running:
         yield running
 
 

@@ -19,7 +19,8 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse
 from starlette.routing import Route
 
-from tests.support import free_port, start_gateway
+from kvgate_testing.gateway import start_gateway
+from kvgate_testing.ports import free_port
 
 SERVED = "engine-model"
 

@@ -10,28 +10,16 @@ import time
 import httpx
 import pytest
 
-from tests.support import running_backends, start_gateway
+from kvgate_testing.backend import TEST_MODEL
+from kvgate_testing.gateway import gateway_config, start_gateway
 
-MODEL = "test-model"
-
-
-@pytest.fixture(scope="module")
-def backends():
-    with running_backends("a", "b", models=[MODEL]) as started:
-        yield started
+MODEL = TEST_MODEL
 
 
 @pytest.fixture(scope="module")
 def gateway(backends):
-    config = {
-        "models": [
-            {"name": MODEL},
-            {"name": "unserved-model"},
-            {"name": "alias-model", "served_name": MODEL},
-        ],
-        "backends": [{"name": b.name, "url": b.url} for b in backends],
-        "policy": {"name": "round_robin"},
-    }
+    models = [{"name": MODEL}, {"name": "unserved-model"}, {"name": "alias-model", "served_name": MODEL}]
+    config = gateway_config(backends, models=models, policy={"name": "round_robin"})
     with start_gateway(config) as running:
         yield running
 

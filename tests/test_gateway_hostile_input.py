@@ -14,10 +14,11 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
+from kvgate_testing.backend import start_backend
+from kvgate_testing.gateway import start_gateway
 from router.config import builtin_tokenizer_dir, parse_config
 from router.policies.base import RouteRequest
 from router.tokenize import PromptTokenizer, RequestTokenizer
-from tests.support import start_backend, start_gateway
 
 MODEL = "test-model"
 # About 250 bytes of request: 64M loop iterations (seconds of Jinja), the CVE-2025-61620 shape.

@@ -10,22 +10,15 @@ import time
 import httptools
 import pytest
 
-from tests.support import start_backend, start_gateway
+from kvgate_testing.backend import TEST_MODEL
+from kvgate_testing.gateway import gateway_config, start_gateway
 
-MODEL = "test-model"
-
-
-@pytest.fixture(scope="module")
-def backend():
-    started = start_backend("a", [MODEL])
-    yield started
-    started.stop()
+MODEL = TEST_MODEL
 
 
 @pytest.fixture(scope="module")
 def gateway(backend):
-    config = {"models": [{"name": MODEL}], "backends": [{"name": "a", "url": backend.url}]}
-    with start_gateway(config) as running:
+    with start_gateway(gateway_config([backend])) as running:
         yield running
 
 

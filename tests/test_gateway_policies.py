@@ -12,13 +12,15 @@ import httpx
 import pytest
 import yaml
 
+from kvgate_testing.backend import TEST_MODEL, running_backends
+from kvgate_testing.gateway import gateway_config, start_gateway
+from kvgate_testing.ports import free_port
+from kvgate_testing.processes import REPO_ROOT, python_command
 from router import config as config_schema
 from router.backends import BackendState
 from router.policies import POLICY_MODULES, PolicyUnavailable, RouteRequest, make_policy
-from tests.support import free_port, running_backends, start_gateway
-from tests.support.processes import REPO_ROOT, python_command
 
-MODEL = "test-model"
+MODEL = TEST_MODEL
 
 
 def states(*names: str) -> list[BackendState]:
@@ -99,14 +101,6 @@ def backends():
         yield started
 
 
-def gateway_config(backends, policy: dict) -> dict:
-    return {
-        "models": [{"name": MODEL}],
-        "backends": [{"name": b.name, "url": b.url} for b in backends],
-        "policy": policy,
-    }
-
-
 def served_by(url: str, count: int, **kwargs) -> list[str]:
     with httpx.Client(base_url=url, timeout=30) as client:
         return [
@@ -118,14 +112,14 @@ def served_by(url: str, count: int, **kwargs) -> list[str]:
 
 
 def test_round_robin_distribution_through_the_gateway(backends):
-    with start_gateway(gateway_config(backends, {"name": "round_robin"})) as gateway:
+    with start_gateway(gateway_config(backends, policy={"name": "round_robin"})) as gateway:
         order = served_by(gateway.url, 30)
     assert collections.Counter(order) == {"a": 10, "b": 10, "c": 10}
     assert order[:3] == order[3:6] == order[27:30]  # strict rotation
 
 
 def test_least_loaded_avoids_busy_backends_through_the_gateway(backends):
-    with start_gateway(gateway_config(backends, {"name": "least_loaded"})) as gateway:
+    with start_gateway(gateway_config(backends, policy={"name": "least_loaded"})) as gateway:
         sequential = served_by(gateway.url, 30)
         assert collections.Counter(sequential) == {"a": 10, "b": 10, "c": 10}  # ties broken fairly
         slow = {"x-test-delay-ms": "2500"}
@@ -147,7 +141,7 @@ def test_least_loaded_avoids_busy_backends_through_the_gateway(backends):
 
 
 def test_session_affinity_through_the_gateway(backends):
-    with start_gateway(gateway_config(backends, {"name": "session"})) as gateway:
+    with start_gateway(gateway_config(backends, policy={"name": "session"})) as gateway:
         by_header = {
             session: set(served_by(gateway.url, 6, headers={"x-session-id": session}))
             for session in ("alice", "bob", "carol")

@@ -17,11 +17,12 @@ from collections.abc import Callable, Iterator
 import httpx
 import pytest
 
-from tests.support import free_port, start_backend, start_gateway
-from tests.support.event_publisher import EventPublisher, block_stored
-from tests.support.gateway import GatewayProcess
-from tests.support.metrics import metric_samples
-from tests.support.redis_server import RedisServer
+from kvgate_testing.backend import start_backend
+from kvgate_testing.event_publisher import EventPublisher, block_stored
+from kvgate_testing.gateway import GatewayProcess, start_gateway
+from kvgate_testing.metrics import metric_samples
+from kvgate_testing.ports import free_port
+from kvgate_testing.redis_server import RedisServer
 
 MODEL = "test-model"
 PEER_TIMEOUT_S = 1.5

@@ -8,9 +8,11 @@ import time
 
 import httpx
 
-from tests.support import free_port, running_backends, start_gateway
-from tests.support.event_publisher import EventPublisher, block_stored
-from tests.support.waiting import wait_for
+from kvgate_testing.backend import running_backends
+from kvgate_testing.event_publisher import EventPublisher, block_stored
+from kvgate_testing.gateway import start_gateway
+from kvgate_testing.ports import free_port
+from kvgate_testing.waiting import wait_for
 
 MODEL = "test-model"
 PROMPT = list(range(1000, 1064))

@@ -11,8 +11,10 @@ from pathlib import Path
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.support import free_port, start_backend, start_gateway
-from tests.support.processes import REPO_ROOT, ManagedProcess, python_command, wait_for_http
+from kvgate_testing.backend import start_backend
+from kvgate_testing.gateway import start_gateway
+from kvgate_testing.ports import free_port
+from kvgate_testing.processes import REPO_ROOT, ManagedProcess, python_command, wait_for_http
 
 DASHBOARD = REPO_ROOT / "deploy" / "grafana" / "kvgate.json"
 _METRIC_NAME = re.compile(r"\b(?:kvgate|lmcache)_[a-zA-Z0-9_]+")

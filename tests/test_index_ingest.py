@@ -10,6 +10,7 @@ from typing import Any
 import msgspec
 import pytest
 
+from kvgate_testing.event_publisher import all_blocks_cleared, block_removed, block_stored, encode_batch
 from kvwire import (
     AllBlocksCleared,
     BlockRemoved,
@@ -20,7 +21,6 @@ from kvwire import (
 )
 from router.index.ingest import PythonWriter
 from router.index.store import PrefixIndex, owned_keys
-from tests.support.event_publisher import all_blocks_cleared, block_removed, block_stored, encode_batch
 
 DOC_TOKENS = 640
 

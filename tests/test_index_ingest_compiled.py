@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 import pytest
 
+from kvgate_testing.event_publisher import block_removed, block_stored, encode_batch
 from kvwire import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent, decode_batch
 from router.index import ingest as index_ingest
 from router.index.ingest import PythonWriter
@@ -27,7 +28,6 @@ from router.index.keys import (
     block_value,
 )
 from router.index.store import NODE_FIELDS, PREVIEW_TOKENS, Chain, PrefixIndex
-from tests.support.event_publisher import block_removed, block_stored, encode_batch
 from tests.test_index_ingest import (
     DOC_TOKENS,
     StreamMaker,

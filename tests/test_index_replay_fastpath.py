@@ -13,19 +13,19 @@ import numpy as np
 import pytest
 import zmq
 
-from kvwire import END_SEQ, decode_batch
-from router.config import KVEvents
-from router.index.service import KVIndexService
-from router.index.store import PrefixIndex
-from router.index.transport import EventSubscriber
-from tests.support import free_port
-from tests.support.event_publisher import (
+from kvgate_testing.event_publisher import (
     EventPublisher,
     all_blocks_cleared,
     block_removed,
     block_stored,
 )
-from tests.support.waiting import wait_for
+from kvgate_testing.ports import free_port
+from kvgate_testing.waiting import wait_for
+from kvwire import END_SEQ, decode_batch
+from router.config import KVEvents
+from router.index.service import KVIndexService
+from router.index.store import PrefixIndex
+from router.index.transport import EventSubscriber
 
 rng = np.random.default_rng(11)
 PROMPTS = [rng.integers(0, 150_000, size=64).tolist() for _ in range(12)]

@@ -12,12 +12,13 @@ from collections.abc import Iterator
 import numpy as np
 import pytest
 
+from kvgate_testing import waiting
+from kvgate_testing.event_publisher import EventPublisher, block_removed, block_stored, encode_batch
+from kvgate_testing.ports import free_port
 from kvwire import BlockRemoved, BlockStored, KVEvent, decode_batch
 from router.index import transport
 from router.index.store import PrefixIndex
 from router.index.transport import EventSubscriber
-from tests.support import free_port, waiting
-from tests.support.event_publisher import EventPublisher, block_removed, block_stored, encode_batch
 
 wait_for = functools.partial(waiting.wait_for, timeout_s=20.0)
 REQUESTS = 4  # concurrent decode chains, one block per message, round robin

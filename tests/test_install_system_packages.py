@@ -7,7 +7,7 @@ import os
 import shutil
 import subprocess
 
-from tests.support.processes import REPO_ROOT
+from kvgate_testing.processes import REPO_ROOT
 
 SCRIPT = REPO_ROOT / "scripts" / "install_system_packages.sh"
 

@@ -12,11 +12,13 @@ import httpx
 import numpy as np
 import pytest
 
+from kvgate_testing.backend import start_backend
+from kvgate_testing.event_publisher import EventPublisher, block_stored
+from kvgate_testing.gateway import start_gateway
+from kvgate_testing.metrics import metric_samples, sample_key
+from kvgate_testing.ports import free_port
 from router.config import builtin_tokenizer_dir
 from router.tokenize import PromptTokenizer
-from tests.support import free_port, start_backend, start_gateway
-from tests.support.event_publisher import EventPublisher, block_stored
-from tests.support.metrics import metric_samples, sample_key
 
 MODEL = "test-model"
 DOCS = {

@@ -5,25 +5,23 @@ from __future__ import annotations
 
 import json
 import math
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
-from benchmarks import kv_aware_latency
-
-REPO_ROOT = Path(__file__).resolve().parents[1]
+from kvgate_testing.processes import REPO_ROOT
 
 
 @pytest.mark.slow  # ~60 s on two busy cores: two engines, two gateways and a stage child start
 def test_a_small_run_reports_added_latency_cpu_and_stages(tmp_path: Path) -> None:
-    code = kv_aware_latency.main(
-        [
-            "--gateway", f"now={REPO_ROOT}",
-            "--engines", "2", "--users", "3", "--turns", "2",
-            "--out", str(tmp_path), "--name", "small",
-        ]
-    )  # fmt: skip
-    assert code == 0
+    command = [
+        sys.executable, "-m", "benchmarks.kv_aware_latency", "--gateway", f"now={REPO_ROOT}",
+        "--engines", "2", "--users", "3", "--turns", "2", "--out", str(tmp_path), "--name", "small",
+    ]  # fmt: skip
+    run = subprocess.run(command, cwd=REPO_ROOT, capture_output=True, text=True, timeout=280)
+    assert run.returncode == 0, run.stderr
     results = json.loads((tmp_path / "small.json").read_text())
     assert results["requests"] == {"first_turn": 3, "follow_up": 3}
     assert set(results["gateways"]) == {"now", "now least_loaded"}

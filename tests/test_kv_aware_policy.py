@@ -533,7 +533,7 @@ def test_a_shared_tier_stored_by_a_backend_that_is_not_a_candidate_still_counts(
 
 
 def _pressure_fleet(blocks: int = 32):
-    from tests.support.sim_pool import PoolEngine
+    from kvgate_testing.sim_pool import PoolEngine
 
     index = PrefixIndex()
     engines = {name: PoolEngine(index, name, num_blocks=blocks) for name in ("b0", "b1")}
@@ -601,7 +601,7 @@ def test_under_pressure_an_evicted_prefix_comes_back_where_it_does_not_evict_a_h
 
 
 def test_under_pressure_a_new_prompt_spreads_by_prefill_tokens_per_token_of_capacity() -> None:
-    from tests.support.sim_pool import PoolEngine
+    from kvgate_testing.sim_pool import PoolEngine
 
     index = PrefixIndex()
     small, large = PoolEngine(index, "b0", num_blocks=32), PoolEngine(index, "b1", num_blocks=96)

@@ -18,7 +18,7 @@ import pytest
 from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 
-from tests.support.processes import REPO_ROOT, python_command
+from kvgate_testing.processes import REPO_ROOT, python_command
 
 CACHE_LAYER_ONLY = ("torch", "numba", "triton", "cachelayer")
 # Imported by a dependency only when present: transformers loads Pillow for its image processors
@@ -173,3 +173,15 @@ def test_constraints_pin_the_local_cpu_torch_and_satisfy_every_range():
         if name not in constraints or not requirement.specifier.contains(constraints[name]):
             unmet.append(f"{line} (constraints.txt: {constraints.get(name, 'missing')})")
     assert not unmet, "constraints.txt does not satisfy pyproject.toml: " + "; ".join(unmet)
+
+
+def test_the_wheel_ships_the_gateway_the_cache_layer_and_the_wire_not_the_test_helpers_nor_the_benchmarks():
+    """kvgate_testing and benchmarks run from a checkout (tests, `python -m benchmarks.NAME`); what
+    `pip install kvgate` installs is router/, cachelayer/ and the kvwire/ both import, found as
+    setuptools finds them."""
+    from setuptools import find_namespace_packages
+
+    include = _pyproject()["tool"]["setuptools"]["packages"]["find"]["include"]
+    shipped = {name.partition(".")[0] for name in find_namespace_packages(str(REPO_ROOT), include=include)}
+    assert shipped == {"router", "cachelayer", "kvwire"}
+    assert (REPO_ROOT / "kvgate_testing" / "__init__.py").exists()  # a package, left out on purpose

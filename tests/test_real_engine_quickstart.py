@@ -14,9 +14,9 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.support.ports import free_port
-from tests.support.processes import REPO_ROOT, ManagedProcess, wait_for_http
-from tests.support.vllm import TINY_MODEL, VLLM_START_TIMEOUT_S, VLLM_VENV, require_vllm
+from kvgate_testing.ports import free_port
+from kvgate_testing.processes import REPO_ROOT, ManagedProcess, wait_for_http
+from kvgate_testing.vllm import TINY_MODEL, VLLM_START_TIMEOUT_S, VLLM_VENV, require_vllm
 
 pytestmark = pytest.mark.real_engine
 

@@ -17,8 +17,8 @@ import httpx
 import pytest
 from transformers import AutoTokenizer
 
-from tests.support.gateway import start_gateway
-from tests.support.vllm import (
+from kvgate_testing.gateway import start_gateway
+from kvgate_testing.vllm import (
     SERVED_MODEL,
     TINY_MODEL,
     cached_tokens,

@@ -9,7 +9,7 @@ import subprocess
 
 import pytest
 
-from tests.support.vllm import VLLM_VENV, require_vllm
+from kvgate_testing.vllm import VLLM_VENV, require_vllm
 
 pytestmark = pytest.mark.real_engine
 

@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from tests.support.vllm import (
+from kvgate_testing.vllm import (
     cached_tokens,
     greedy_output,
     prompt_tokens,

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.support.vllm import (
+from kvgate_testing.vllm import (
     cached_tokens,
     greedy_output,
     prompt_tokens,

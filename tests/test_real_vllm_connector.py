@@ -10,7 +10,7 @@ import json
 
 import pytest
 
-from tests.support.vllm import (
+from kvgate_testing.vllm import (
     EventCollector,
     cached_tokens,
     greedy_output,

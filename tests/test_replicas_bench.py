@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from benchmarks.replicas_bench import _averages, check_targets
+from kvgate_testing.replicas_report import averages_by_replicas, check_targets
 
 
 def run(hit: float, load: float, ttft_p90: float) -> dict:
@@ -18,7 +18,7 @@ def test_averages_and_goals_follow_the_measurements() -> None:
                                 "2_sync_off": run(0.50, 1.5, 250)}},
         }
     }  # fmt: skip
-    synced, unsynced = _averages(results, "sync_on"), _averages(results, "sync_off")
+    synced, unsynced = averages_by_replicas(results, "sync_on"), averages_by_replicas(results, "sync_off")
     assert synced["hit_ratio"] == {"1": 0.7, "2": 0.695}  # a failed setup is left out, not counted as 0
     assert unsynced["max_over_mean_load"] == {"1": 1.05, "2": 1.7}
     for measure, values in synced.items():

@@ -15,12 +15,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from benchmarks import routing_bench, workloads
-from benchmarks.oracle import oracle_hit_ratio
-from benchmarks.real_fleet import pin_engines_to_cores, process_tree
-from benchmarks.replay import Outcome, replay_one_at_a_time
-from benchmarks.sim_fleet import EngineFleet
-from tests.support.processes import REPO_ROOT
+from kvgate_testing import routing_report, routing_runs, workloads
+from kvgate_testing.oracle import oracle_hit_ratio
+from kvgate_testing.proc_stats import process_tree
+from kvgate_testing.processes import REPO_ROOT
+from kvgate_testing.real_fleet import pin_engines_to_cores
+from kvgate_testing.replay import Outcome, replay_one_at_a_time
+from kvgate_testing.sim_fleet import EngineFleet
 
 
 @pytest.fixture(scope="module")
@@ -42,7 +43,7 @@ def chat():
 
 @pytest.mark.slow  # ~70 s on two busy cores: two engines and two gateway processes start
 def test_a_policy_run_counts_hits_load_and_token_parity(fleet, chat):
-    measured = routing_bench.run_policy(fleet, "session", chat, concurrency=8)
+    measured = routing_runs.run_policy(fleet, "session", chat, concurrency=8)
     assert measured["completed"] == measured["requests"] == len(chat.requests)
     assert measured["errors"] == 0
     # The workload's own tokenization is exactly what the engines counted.
@@ -59,7 +60,7 @@ def test_a_policy_run_counts_hits_load_and_token_parity(fleet, chat):
     assert measured["throughput"] > 0
 
     # Caches are emptied before each run: the same run again measures the same hits.
-    again = routing_bench.run_policy(fleet, "session", chat, concurrency=8)
+    again = routing_runs.run_policy(fleet, "session", chat, concurrency=8)
     assert again["hit_ratio"] == measured["hit_ratio"]
 
 
@@ -67,7 +68,7 @@ def test_the_floor_serves_the_oracle_placement_one_request_at_a_time_per_engine(
     oracle = oracle_hit_ratio(chat, engines=2, num_gpu_blocks=256, block_size=16)
     assert len(set(oracle.engine_of_request)) == 2  # both engines, so both lanes, get requests
     before = fleet.counters()
-    floor = routing_bench.run_floor(fleet, chat, oracle.engine_of_request, tmp_path / "floor.jsonl")
+    floor = routing_runs.run_floor(fleet, chat, oracle.engine_of_request, tmp_path / "floor.jsonl")
     after = fleet.counters()
     assert floor["errors"] == 0 and floor["completed"] == len(chat.requests)
     # Each request went where the oracle put it, and found cached what the oracle's block pools say.
@@ -117,7 +118,7 @@ def test_targets_are_checked_against_the_measurements_not_assumed():
             },
         }
     }
-    checks = {(c["workload"], c["target"]): c["met"] for c in routing_bench.check_targets(results)}
+    checks = {(c["workload"], c["target"]): c["met"] for c in routing_report.check_targets(results)}
     assert checks[("shared", "hit ratio >= 95% of oracle")] is True  # 0.78 / 0.8 = 97.5%
     assert checks[("shared", "TTFT p90 below every peer")] is False  # 50 ms against 40 ms
     assert checks[("shared", "max/mean load <= 1.3")] is True
@@ -135,7 +136,7 @@ def test_cache_pressure_is_held_to_ninety_percent_of_the_oracle_and_to_beat_the_
         return {"has_reuse": True, "oracle_hit_ratio": 0.40, "policies": policies}
 
     results = {"workloads": {"cache_pressure": entry(0.37, 0.38), "document_qa": entry(0.37, 0.30)}}
-    checks = {(c["workload"], c["target"]): c["met"] for c in routing_bench.check_targets(results)}
+    checks = {(c["workload"], c["target"]): c["met"] for c in routing_report.check_targets(results)}
     assert checks[("cache_pressure", "hit ratio >= 90% of oracle")] is True  # 92.5%
     assert checks[("cache_pressure", "hit ratio above vllm_router_consistent_hash")] is False
     assert checks[("document_qa", "hit ratio >= 95% of oracle")] is False  # the other workloads keep 95%
@@ -145,12 +146,13 @@ def test_cache_pressure_is_held_to_ninety_percent_of_the_oracle_and_to_beat_the_
 @pytest.mark.slow  # ~90 s: its own engines, two workloads, two policies
 def test_the_command_writes_json_markdown_and_plot_in_the_agreed_shape(tmp_path):
     output = tmp_path / "routing"
-    code = routing_bench.main([
-        "--engines", "2", "--num-gpu-blocks", "256", "--workloads", "no_reuse,shared_system_prompts",
-        "--policies", "round_robin,least_loaded", "--scale", "0.05", "--rate-scale", "4",
-        "--output", str(output),
-    ])  # fmt: skip
-    assert code == 0
+    command = [
+        sys.executable, "-m", "benchmarks.routing_bench", "--engines", "2", "--num-gpu-blocks", "256",
+        "--workloads", "no_reuse,shared_system_prompts", "--policies", "round_robin,least_loaded",
+        "--scale", "0.05", "--rate-scale", "4", "--output", str(output),
+    ]  # fmt: skip
+    run = subprocess.run(command, cwd=REPO_ROOT, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr
     results = json.loads(output.with_suffix(".json").read_text())
     assert set(results["workloads"]) == {"no_reuse", "shared_system_prompts"}
     for entry in results["workloads"].values():
@@ -175,7 +177,7 @@ def test_profiler_names_the_function_that_burns_the_cpu(tmp_path):
     import sys
     import time
 
-    from benchmarks.profiling import Profiler, summarize
+    from kvgate_testing.profiling import Profiler, summarize
 
     busy = subprocess.Popen([sys.executable, "-c", (
         "import time\n"
@@ -218,7 +220,7 @@ def test_repeated_runs_pool_every_request_and_keep_each_run() -> None:
          "requests": 5, "completed": 4, "errors": 1, "send_lag_p99_ms": 9.0,
          "router_cpu_ms_per_request": 3.0, "router_decisions": {'reason="cache_hit"': 4}},
     ]  # fmt: skip
-    combined = routing_bench.combine_repeats(runs, first + second)
+    combined = routing_runs.combine_repeats(runs, first + second)
     everything = [10, 20, 30, 40, 50, 60, 70, 500]
     assert combined["ttft_p90"] == pytest.approx(np.percentile(everything, 90), abs=0.01)
     assert combined["ttft_p50"] == pytest.approx(45.0, abs=0.01)
@@ -228,7 +230,7 @@ def test_repeated_runs_pool_every_request_and_keep_each_run() -> None:
     assert combined["send_lag_p99_ms"] == 9.0 and combined["router_cpu_ms_per_request"] == 2.0
     assert [run["ttft_p90"] for run in combined["repeats"]] == [37.0, 371.0]
     assert combined["router_decisions"] == {'reason="cache_hit"': 7, 'reason="cold"': 1}  # summed
-    assert routing_bench.combine_repeats([runs[0], {"failed": "boom"}], first) == {"failed": "boom"}
+    assert routing_runs.combine_repeats([runs[0], {"failed": "boom"}], first) == {"failed": "boom"}
 
 
 def test_real_engines_are_pinned_one_per_core_with_their_children() -> None:
@@ -264,7 +266,7 @@ def test_real_engines_are_pinned_one_per_core_with_their_children() -> None:
 
 
 def test_p90_interval_contains_zero_for_one_distribution_and_excludes_it_for_a_shift():
-    from benchmarks.replay import p90_difference_interval
+    from kvgate_testing.replay import p90_difference_interval
 
     generator = np.random.default_rng(3)
     runs = [generator.exponential(50.0, 300) + 40.0 for _ in range(2)]
@@ -295,7 +297,7 @@ def test_p90_target_verdict_follows_the_interval_not_the_point_estimate():
             "has_reuse": True, "oracle_hit_ratio": 0.8,
             "policies": {policy_name: policy(s) for policy_name, s in samples.items()},
         }}}  # fmt: skip
-        (check,) = [c for c in routing_bench.check_targets(results, {name: samples}) if "p90" in c["target"]]
+        (check,) = [c for c in routing_report.check_targets(results, {name: samples}) if "p90" in c["target"]]
         verdicts[name] = (check["verdict"], check["met"])
         assert "95% interval" in check["measured"]
     assert verdicts == {
@@ -320,7 +322,7 @@ def test_no_reuse_verdict_reads_the_interval_against_a_five_percent_margin():
         results = {"workloads": {name: {
             "has_reuse": False, "policies": {p: policy(s) for p, s in samples.items()},
         }}}  # fmt: skip
-        (check,) = routing_bench.check_targets(results, {name: samples})
+        (check,) = routing_report.check_targets(results, {name: samples})
         assert "95% interval" in check["measured"]
         verdicts[name] = (check["verdict"], check["met"])
     # "No worse within 5%" is met only when the whole interval lies under the margin.
@@ -331,15 +333,17 @@ def test_no_reuse_verdict_reads_the_interval_against_a_five_percent_margin():
     }
 
 
-def test_a_real_model_of_no_layers_is_refused_before_anything_starts(capsys) -> None:
-    with pytest.raises(SystemExit) as exited:
-        routing_bench.main(["--real-engines", "2", "--real-model-layers", "0"])
-    assert exited.value.code == 2
-    assert "--real-model-layers must be at least 1, got 0" in capsys.readouterr().err
+def test_a_real_model_of_no_layers_is_refused_before_anything_starts() -> None:
+    command = [
+        sys.executable, "-m", "benchmarks.routing_bench", "--real-engines", "2", "--real-model-layers", "0"
+    ]  # fmt: skip
+    exited = subprocess.run(command, cwd=REPO_ROOT, capture_output=True, text=True, timeout=60)
+    assert exited.returncode == 2
+    assert "--real-model-layers must be at least 1, got 0" in exited.stderr
 
 
 def test_sse_chunks_yields_the_data_lines_json_and_skips_the_rest() -> None:
-    from benchmarks.replay import sse_chunks
+    from kvgate_testing.replay import sse_chunks
 
     usage = 'data: {"usage": {"prompt_tokens": 3}}'
     lines = ['data: {"choices": []}', "", ": keep-alive", "event: ping", usage]
@@ -348,7 +352,7 @@ def test_sse_chunks_yields_the_data_lines_json_and_skips_the_rest() -> None:
 
 def test_report_names_how_real_engines_were_pinned() -> None:
     """The report says whether each engine had a core of its own or engines shared cores."""
-    remark = routing_bench._engine_cores_remark
+    remark = routing_report.engine_cores_remark
     assert remark({}) == ""
     own = remark({"engine_cores": [0, 1]})
     assert own == ", each engine's processes pinned to a core of their own (0, 1)"

@@ -15,10 +15,15 @@ import os
 import httpx
 import pytest
 
-from benchmarks import workloads as workload_catalog
-from benchmarks.real_fleet import DEFAULT_MODEL_LAYERS, RealEngineFleet, model_dir_for
-from benchmarks.routing_bench import REAL_DEFAULT_BLOCKS, run_policy
-from tests.support.vllm import require_vllm
+from kvgate_testing import workloads as workload_catalog
+from kvgate_testing.real_fleet import (
+    DEFAULT_MODEL_LAYERS,
+    REAL_DEFAULT_BLOCKS,
+    RealEngineFleet,
+    model_dir_for,
+)
+from kvgate_testing.routing_runs import run_policy
+from kvgate_testing.vllm import require_vllm
 
 pytestmark = pytest.mark.real_engine
 

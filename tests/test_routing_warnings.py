@@ -10,10 +10,12 @@ import time
 
 import httpx
 
+from kvgate_testing.backend import start_backend
+from kvgate_testing.event_publisher import EventPublisher, block_stored
+from kvgate_testing.gateway import start_gateway
+from kvgate_testing.metrics import metric_samples
+from kvgate_testing.ports import free_port
 from router.routing_warnings import SILENT_AFTER_S
-from tests.support import free_port, start_backend, start_gateway
-from tests.support.event_publisher import EventPublisher, block_stored
-from tests.support.metrics import metric_samples
 
 PROMPT = "A prompt long enough to fill more than one block of sixteen tokens, " * 4
 

@@ -11,8 +11,8 @@ import time
 import pytest
 import yaml
 
-from tests.support import free_port
-from tests.support.processes import REPO_ROOT, python_command
+from kvgate_testing.ports import free_port
+from kvgate_testing.processes import REPO_ROOT, python_command
 
 
 def test_a_taken_listen_port_fails_at_once_with_one_line_before_any_engine_starts(tmp_path):

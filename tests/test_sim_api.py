@@ -11,11 +11,11 @@ import pytest
 import zmq
 from transformers import AutoTokenizer
 
+from kvgate_testing.metrics import metric_samples
+from kvgate_testing.ports import free_port
+from kvgate_testing.processes import python_command, start_process
 from kvwire import AllBlocksCleared, BlockStored, decode_batch
 from router.config import builtin_tokenizer_dir
-from tests.support import free_port, start_process
-from tests.support.metrics import metric_samples
-from tests.support.processes import python_command
 
 MODEL = "tiny-qwen3"
 TOPIC = "kv-events"

@@ -11,6 +11,7 @@ import pytest
 import zmq
 import zmq.asyncio
 
+from kvgate_testing.ports import free_port
 from kvwire import (
     ENCODINGS,
     AllBlocksCleared,
@@ -23,7 +24,6 @@ from kvwire import (
 )
 from router.sim.blocks import BlockPool, block_hash
 from router.sim.engine import GenerationRequest, SimulatedEngine, TimingModel
-from tests.support import free_port
 
 TOPIC = "kv-events"
 BLOCK = 4

@@ -14,9 +14,9 @@ from pathlib import Path
 import httpx
 import pytest
 
+from kvgate_testing.gateway import simulated_fleet_config, start_gateway
+from kvgate_testing.processes import REPO_ROOT, python_command
 from router.sim.launcher import _pick_ports
-from tests.support import free_port, start_gateway
-from tests.support.processes import REPO_ROOT, python_command
 
 MODEL = "tiny-qwen3"
 
@@ -54,19 +54,7 @@ def test_taken_ports_are_replaced_and_no_port_is_picked_twice():
 
 @pytest.mark.parametrize("stop_signal", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "Ctrl-C"])
 def test_serve_launches_simulated_engines_forwards_to_them_and_stops_them(stop_signal):
-    config = {
-        "models": [{"name": MODEL, "tokenizer": "builtin:qwen3"}],
-        "launch": {
-            "simulated_engines": {
-                "count": 2,
-                "base_port": free_port(),
-                "events_base_port": free_port(),
-                "num_gpu_blocks": 256,
-                "extra_args": ["--prefill-us-per-token", "10"],
-            }
-        },
-        "policy": {"name": "round_robin"},
-    }
+    config = simulated_fleet_config(MODEL, "round_robin", num_gpu_blocks=256, prefill_us_per_token=10)
     gateway = start_gateway(config, timeout_s=180)
     try:
         deadline = time.monotonic() + 60

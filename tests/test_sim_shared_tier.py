@@ -7,12 +7,12 @@ import time
 
 import numpy as np
 
+from kvgate_testing.ports import free_port
+from kvgate_testing.redis_server import RedisServer
 from kvwire import BlockStored
 from router.sim.blocks import BlockPool
 from router.sim.engine import GenerationRequest, SimulatedEngine, TimingModel
 from router.sim.shared_store import MEDIUM_SHARED, SharedBlockStore, tier_key
-from tests.support.ports import free_port
-from tests.support.redis_server import RedisServer
 
 VOCABULARY = np.arange(1000, 1100, dtype=np.uint32)
 # Cold: 1000 tokens at 500 us (0.5 s). Loaded from the shared tier: 992 tokens at 100 us (0.1 s).

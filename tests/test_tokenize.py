@@ -16,11 +16,11 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse
 from starlette.routing import Route
 
+from kvgate_testing.ports import free_port
 from router.backends import BackendState
 from router.config import builtin_tokenizer_dir, parse_config
 from router.policies.base import RouteRequest
 from router.tokenize import PromptTokenizer, RequestTokenizer, TokenizeError, _PieceCache
-from tests.support import free_port
 
 QWEN3_EXAMPLE = (
     "Qwen3 is the latest generation of large language models in Qwen series, offering a comprehensive "

@@ -13,6 +13,7 @@ import pytest
 import zmq
 
 import kvwire
+from kvgate_testing.ports import free_port
 from kvwire import (
     ENCODINGS,
     END_SEQ,
@@ -28,7 +29,6 @@ from kvwire import (
     event_kind,
 )
 from kvwire import errors as wire_errors
-from tests.support import free_port
 
 
 def test_kvwire_imports_without_torch_router_or_cachelayer() -> None:

@@ -7,8 +7,8 @@ import itertools
 import numpy as np
 import pytest
 
-from benchmarks import workloads
-from benchmarks.oracle import EngineBlockCache, oracle_hit_ratio
+from kvgate_testing import workloads
+from kvgate_testing.oracle import EngineBlockCache, oracle_hit_ratio
 
 
 @pytest.fixture(scope="module")

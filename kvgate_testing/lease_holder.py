@@ -1,6 +1,6 @@
 """A shared-memory client that stops in the middle of a transfer, to be killed there.
 
-`python -m tests.support.lease_holder ENDPOINT CHUNK_SIZE`: stores one chunk, then opens a write
+`python -m kvgate_testing.lease_holder ENDPOINT CHUNK_SIZE`: stores one chunk, then opens a write
 reservation for a second chunk (half written) and a read lease on the first, prints "holding"
 and sleeps until it is killed.
 """

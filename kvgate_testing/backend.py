@@ -1,4 +1,4 @@
-"""Run tests/support/openai_backend.py as a real process on a free loopback port."""
+"""Run kvgate_testing/openai_backend.py as a real process on a free loopback port."""
 
 from __future__ import annotations
 
@@ -7,8 +7,11 @@ from contextlib import contextmanager
 
 import httpx
 
-from tests.support.ports import free_port
-from tests.support.processes import ManagedProcess, python_command, start_process
+from kvgate_testing.ports import free_port
+from kvgate_testing.processes import ManagedProcess, python_command, start_process
+
+# The model a test backend serves unless told otherwise.
+TEST_MODEL = "test-model"
 
 
 class BackendProcess:
@@ -24,7 +27,7 @@ class BackendProcess:
 
     def start(self) -> BackendProcess:
         # The port is asked again on a restart only if the old one was taken meanwhile.
-        args = ["-m", "tests.support.openai_backend", "--port", str(self.port), "--name", self.name]
+        args = ["-m", "kvgate_testing.openai_backend", "--port", str(self.port), "--name", self.name]
         args += ["--models", ",".join(self.models)]
         if not self.record:
             args.append("--no-record")
@@ -53,7 +56,7 @@ class BackendProcess:
 
 
 def start_backend(name: str, models: list[str] | None = None, record: bool = True) -> BackendProcess:
-    return BackendProcess(name, models or ["test-model"], record).start()
+    return BackendProcess(name, models or [TEST_MODEL], record).start()
 
 
 @contextmanager

@@ -1,6 +1,6 @@
 """A small, fast, scriptable OpenAI-compatible backend for tests and benchmarks (raw ASGI on uvicorn).
 
-Run it as `python -m tests.support.openai_backend --port P --name NAME [--models m1,m2]`.
+Run it as `python -m kvgate_testing.openai_backend --port P --name NAME [--models m1,m2]`.
 
 Behaviour per request, chosen by headers the gateway forwards unchanged:
 - `x-test-status: 503` answers that status (OpenAI error shape);

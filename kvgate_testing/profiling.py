@@ -16,7 +16,7 @@ import sys
 from collections import Counter
 from pathlib import Path
 
-from tests.support.processes import REPO_ROOT
+from kvgate_testing.processes import REPO_ROOT
 
 PY_SPY_DIR = REPO_ROOT / ".cache" / "tools" / "py-spy"
 PY_SPY = PY_SPY_DIR / "bin" / "py-spy"

@@ -19,10 +19,10 @@ from pathlib import Path
 import httpx
 import yaml
 
-from benchmarks.sim_fleet import EVENTS_TOPIC, MODEL, EngineFleet
-from tests.support.gateway import GatewayProcess, start_gateway
-from tests.support.ports import free_port
-from tests.support.processes import REPO_ROOT, ManagedProcess
+from kvgate_testing.gateway import GatewayProcess, start_gateway
+from kvgate_testing.ports import free_port
+from kvgate_testing.processes import REPO_ROOT, ManagedProcess
+from kvgate_testing.sim_fleet import EVENTS_TOPIC, MODEL, EngineFleet
 
 PEERS_DIR = REPO_ROOT / ".cache" / "peers"
 PEER_DISTRIBUTIONS = ("sglang-router", "vllm-router")
@@ -91,7 +91,7 @@ def kvgate_backends(fleet: EngineFleet, policy: str) -> list[dict]:
                 "endpoint": engine.events_endpoint,
                 "replay_endpoint": engine.replay_endpoint,
                 "topic": EVENTS_TOPIC,
-                # Real vLLM connects its PUB out to this endpoint (benchmarks/real_fleet.py): bind it here.
+                # Real vLLM connects its PUB out to this endpoint (real_fleet.py): bind it here.
                 "bind": getattr(fleet, "events_bind", False),
             }
         backends.append(backend)

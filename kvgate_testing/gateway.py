@@ -4,12 +4,45 @@ from __future__ import annotations
 
 import os
 import tempfile
+from collections.abc import Iterable
 from pathlib import Path
+from typing import Any
 
 import yaml
 
-from tests.support.ports import free_port
-from tests.support.processes import ManagedProcess, python_command, start_process
+from kvgate_testing.backend import TEST_MODEL, BackendProcess
+from kvgate_testing.ports import free_port
+from kvgate_testing.processes import ManagedProcess, python_command, start_process
+
+
+def gateway_config(backends: Iterable[BackendProcess], model: str = TEST_MODEL, **sections: Any) -> dict:
+    """A proxy.yaml mapping: `model` served by `backends` (by their names and URLs), plus `sections`
+    (e.g. `limits={...}`, `policy={...}`; a `models` section replaces the one model)."""
+    return {
+        "models": [{"name": model}],
+        "backends": [{"name": backend.name, "url": backend.url} for backend in backends],
+        **sections,
+    }
+
+
+def simulated_fleet_config(
+    model: str, policy: str, num_gpu_blocks: int, prefill_us_per_token: int, count: int = 2
+) -> dict:
+    """A proxy.yaml mapping whose gateway launches `count` simulated engines itself (`launch:`, on
+    free ports, publishing KV events) and routes `model` (the builtin Qwen3 tokenizer) by `policy`."""
+    return {
+        "models": [{"name": model, "tokenizer": "builtin:qwen3"}],
+        "launch": {
+            "simulated_engines": {
+                "count": count,
+                "base_port": free_port(),
+                "events_base_port": free_port(),
+                "num_gpu_blocks": num_gpu_blocks,
+                "extra_args": ["--prefill-us-per-token", str(prefill_us_per_token)],
+            }
+        },
+        "policy": {"name": policy},
+    }
 
 
 class GatewayProcess:
@@ -41,7 +74,7 @@ def start_gateway(
     """Write `config` (a proxy.yaml mapping; `listen` is filled in) and start the gateway on it.
 
     `extensions` adds test-only extension factories ("module:function") to the gateway's own
-    (tests/support/gateway_with_extensions.py); `open_file_limit` runs it under that RLIMIT_NOFILE
+    (kvgate_testing/gateway_with_extensions.py); `open_file_limit` runs it under that RLIMIT_NOFILE
     (util-linux prlimit). Returns once GET /health answers, with any status
     (it says 503 while no backend is healthy). The caller must stop() it, or use it as a context manager.
     """
@@ -53,7 +86,7 @@ def start_gateway(
         yaml.safe_dump(config, file)
     command = ["-m", "router.cli"]
     if extensions:
-        command = ["-m", "tests.support.gateway_with_extensions", ",".join(extensions)]
+        command = ["-m", "kvgate_testing.gateway_with_extensions", ",".join(extensions)]
     args = python_command(*command, "serve", "--config", name, *(extra_args or []))
     if open_file_limit is not None:
         args = ["prlimit", f"--nofile={open_file_limit}", *args]

@@ -23,8 +23,8 @@ import pytest
 import yaml
 import zmq
 
-from tests.support.ports import free_port
-from tests.support.processes import REPO_ROOT, ManagedProcess, wait_for_http
+from kvgate_testing.ports import free_port
+from kvgate_testing.processes import REPO_ROOT, ManagedProcess, wait_for_http
 
 VLLM_VENV = Path(os.environ.get("VLLM_VENV", REPO_ROOT / ".cache" / "vllm-venv"))
 VLLM_BIN = VLLM_VENV / "bin" / "vllm"
@@ -225,9 +225,9 @@ def running_cache_daemon(
     *, chunk_size: int = 256, l1_size_gb: float = 0.25, forgetful: bool = False
 ) -> Iterator[CacheDaemon]:
     """`cachelayer server` on free ports (run with the project's interpreter), killed on exit.
-    `forgetful`: tests.support.forgetful_daemon instead, which loses every chunk before it is read."""
+    `forgetful`: kvgate_testing.forgetful_daemon instead, which loses every chunk before it is read."""
     port, http_port = free_port(), free_port()
-    command = ["tests.support.forgetful_daemon"] if forgetful else ["cachelayer.cli", "server"]
+    command = ["kvgate_testing.forgetful_daemon"] if forgetful else ["cachelayer.cli", "server"]
     args = [
         sys.executable, "-m", *command,
         "--host", "127.0.0.1", "--port", str(port), "--http-port", str(http_port),

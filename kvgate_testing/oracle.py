@@ -22,7 +22,7 @@ import math
 from collections import OrderedDict
 from dataclasses import dataclass
 
-from benchmarks.workloads import Workload, block_keys, cacheable_hit_tokens
+from kvgate_testing.workloads import Workload, block_keys, cacheable_hit_tokens
 
 
 @dataclass(slots=True)

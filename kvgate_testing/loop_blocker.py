@@ -17,7 +17,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse
 from starlette.routing import Route
 
-FACTORY = "tests.support.loop_blocker:create"
+FACTORY = "kvgate_testing.loop_blocker:create"
 
 
 class _BlockOnRead(asyncio.Protocol):

@@ -2,14 +2,9 @@
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator
-
 import torch
 
 from cachelayer import CacheEngine
-from tests.support.ports import free_port
-from tests.support.processes import python_command, start_process
 
 LAYERS, HEADS, HEAD_DIM, CHUNK = 2, 2, 8, 16
 CHUNK_BYTES = LAYERS * 2 * CHUNK * HEADS * HEAD_DIM * 2  # bf16
@@ -44,21 +39,3 @@ def assert_no_leak(engine: CacheEngine) -> None:
     entries = engine.cpu.committed_entries()
     assert all(entry.refcount == 0 for entry in entries)
     assert engine.cpu.allocator.num_allocations == len(entries)
-
-
-@contextlib.contextmanager
-def controller_process(*extra_args: str, env: dict[str, str] | None = None) -> Iterator[tuple[str, int]]:
-    """A real `cachelayer controller` on free loopback ports: (its HTTP URL, its monitor port)."""
-    port, monitor_port = free_port(), free_port()
-    command = ["-m", "cachelayer.cli", "controller", "--host", "127.0.0.1", "--port", str(port)]
-    process = start_process(
-        python_command(*command, "--monitor-port", str(monitor_port), *extra_args),
-        f"http://127.0.0.1:{port}/health",
-        any_status=True,  # every route is POST: any answer means it is up
-        timeout_s=120,  # imports alone can take half a minute on a saturated machine
-        env=env,
-    )
-    try:
-        yield f"http://127.0.0.1:{port}", monitor_port
-    finally:
-        process.stop()

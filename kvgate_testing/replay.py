@@ -17,7 +17,7 @@ import httpx
 import msgspec
 import numpy as np
 
-from benchmarks.workloads import Workload, WorkloadRequest
+from kvgate_testing.workloads import Workload, WorkloadRequest
 
 _decode = msgspec.json.Decoder()
 

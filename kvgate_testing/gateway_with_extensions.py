@@ -1,4 +1,4 @@
-"""`python -m tests.support.gateway_with_extensions MODULE:FUNCTION[,...] serve --config proxy.yaml`:
+"""`python -m kvgate_testing.gateway_with_extensions MODULE:FUNCTION[,...] serve --config proxy.yaml`:
 the real `kvgate` command line, with test-only extension factories appended to the gateway's own
 (router/extensions.py EXTENSION_FACTORIES). start_gateway(config, extensions=[...]) runs it."""
 

@@ -2,7 +2,7 @@
 
 It stands for chunks evicted between the scheduler's lookup and the worker's load: the failure a
 connector must report (get_block_ids_with_load_errors) so the engine recomputes. Same flags as
-`cachelayer server`: `python -m tests.support.forgetful_daemon --port P --http-port Q ...`.
+`cachelayer server`: `python -m kvgate_testing.forgetful_daemon --port P --http-port Q ...`.
 """
 
 from __future__ import annotations

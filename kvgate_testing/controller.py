@@ -1,0 +1,72 @@
+"""Helpers for the controller tests: a real `cachelayer controller` process, and engines registered
+with it through LMCache's controller protocol."""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import torch
+
+from kvgate_testing.ports import free_port
+from kvgate_testing.processes import python_command, start_process
+
+
+@contextlib.contextmanager
+def controller_process(*extra_args: str, env: dict[str, str] | None = None) -> Iterator[tuple[str, int]]:
+    """A real `cachelayer controller` on free loopback ports: (its HTTP URL, its monitor port)."""
+    port, monitor_port = free_port(), free_port()
+    command = ["-m", "cachelayer.cli", "controller", "--host", "127.0.0.1", "--port", str(port)]
+    process = start_process(
+        python_command(*command, "--monitor-port", str(monitor_port), *extra_args),
+        f"http://127.0.0.1:{port}/health",
+        any_status=True,  # every route is POST: any answer means it is up
+        timeout_s=120,  # imports alone can take half a minute on a saturated machine
+        env=env,
+    )
+    try:
+        yield f"http://127.0.0.1:{port}", monitor_port
+    finally:
+        process.stop()
+
+
+def worker_config(monitor_port: int, instance_id: str, **extra: Any) -> dict:
+    """Engine config keys that register it with the controller on `monitor_port` as `instance_id`,
+    heartbeating every 0.2 s; `extra` adds or replaces keys."""
+    return {
+        "enable_controller": True,
+        "controller_pull_url": f"127.0.0.1:{monitor_port}",
+        "lmcache_instance_id": instance_id,
+        "lmcache_worker_heartbeat_time": 0.2,
+        **extra,
+    }
+
+
+def wait_registered(client: httpx.Client, instance_id: str, count: int) -> dict:
+    """Until the controller lists `count` workers of `instance_id`; its /query_worker_info answer."""
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        response = client.post("/query_worker_info", json={"instance_id": instance_id, "worker_ids": []})
+        if response.status_code == 200 and len(response.json()["worker_infos"]) == count:
+            return response.json()
+        time.sleep(0.05)
+    raise AssertionError(f"{instance_id} never had {count} registered worker(s)")
+
+
+def wait_gone(client: httpx.Client, instance_id: str) -> None:
+    """Until the controller no longer knows `instance_id` (404)."""
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        response = client.post("/query_worker_info", json={"instance_id": instance_id, "worker_ids": []})
+        if response.status_code == 404:
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"{instance_id} was never dropped")
+
+
+def same_bits(left: torch.Tensor, right: torch.Tensor) -> bool:
+    """Same shape and the same bf16 bit patterns (NaNs and signed zeros included)."""
+    return left.shape == right.shape and torch.equal(left.view(torch.int16), right.view(torch.int16))

@@ -1,0 +1,45 @@
+"""A process's CPU time and its descendants, read from /proc (Linux)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+_CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
+
+
+def process_tree(pid: int) -> list[int]:
+    """`pid` and its descendants (from /proc: each thread's `children`)."""
+    tree = [pid]
+    try:
+        threads = os.listdir(f"/proc/{pid}/task")
+    except OSError:  # gone
+        return tree
+    for thread in threads:
+        try:
+            with open(f"/proc/{pid}/task/{thread}/children") as children:
+                kids = [int(kid) for kid in children.read().split()]
+        except OSError:
+            continue
+        for kid in kids:
+            tree += process_tree(kid)
+    return tree
+
+
+def _ticks(pid: int) -> int:
+    """utime + stime (fields 14 and 15 of /proc/PID/stat) of one process, all its threads; 0 when gone."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+    except OSError:
+        return 0
+    return int(fields[11]) + int(fields[12])
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time of one process, all its threads, in seconds."""
+    return _ticks(pid) / _CLOCK_TICKS
+
+
+def tree_cpu_seconds(pid: int) -> float:
+    """User + system CPU time of a process and all its descendants, in seconds."""
+    return sum(_ticks(member) for member in process_tree(pid)) / _CLOCK_TICKS
