@@ -35,6 +35,7 @@ import torch
 
 from cachelayer.compress import codec_names, get_codec
 from cachelayer.config import CacheLayerConfig, as_config
+from cachelayer.errors import CacheLayerError
 from cachelayer.events import AllBlocksCleared, BlockRemoved, BlockStored, Event, ZmqEventPublisher
 from cachelayer.keys import CacheIdentity, ChunkSpan, chunk_spans
 from cachelayer.storage.cpu import CpuTier
@@ -140,7 +141,7 @@ class StoreReservation:
     write: ChunkWrite = field(repr=False)
 
 
-class CacheEngineError(ValueError):
+class CacheEngineError(CacheLayerError, ValueError):
     """A call the engine cannot serve as asked (wrong shape, dtype, location...); the message says why."""
 
 

@@ -16,8 +16,10 @@ from urllib.parse import urlsplit
 import msgspec
 import yaml
 
+from router.errors import KvgateError
 
-class ConfigError(Exception):
+
+class ConfigError(KvgateError):
     """A configuration that cannot be used; the message says where and how to fix it."""
 
 

@@ -45,7 +45,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from router.ascii_encoder import AsciiEncoder
-from router.errors import log_unexpected
+from router.errors import KvgateError, log_unexpected
 from router.template_sandbox import TemplateSandbox, TemplateSandboxError
 
 if TYPE_CHECKING:
@@ -97,7 +97,7 @@ _CUT_CANDIDATE = re.compile(r"(?<=[A-Za-z0-9]) (?=[A-Za-z])")
 _CUT_CONTEXT_CHARS = 16
 
 
-class TokenizeError(ValueError):
+class TokenizeError(KvgateError, ValueError):
     """The request cannot be tokenized (bad messages, a template error, an unusable prompt)."""
 
 

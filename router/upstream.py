@@ -19,6 +19,8 @@ from urllib.parse import urlsplit
 
 import httptools
 
+from router.errors import KvgateError
+
 # Idle keep-alive connections are dropped after this long; engines behind uvicorn close theirs
 # after 5 s, and reusing a connection the server is closing costs a failed attempt.
 KEEPALIVE_EXPIRY_S = 4.0
@@ -26,7 +28,7 @@ KEEPALIVE_EXPIRY_S = 4.0
 MAX_BUFFERED_BYTES = 1 << 20
 
 
-class UpstreamError(Exception):
+class UpstreamError(KvgateError):
     """The backend could not be reached or broke the connection."""
 
     def __init__(self, message: str, *, before_response: bool):

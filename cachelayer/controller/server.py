@@ -52,6 +52,7 @@ from cachelayer.controller.protocol import (
     WorkerReport,
     encode,
 )
+from cachelayer.errors import CacheLayerError
 
 log = logging.getLogger(__name__)
 
@@ -60,7 +61,7 @@ COMMAND_TIMEOUT_S = 5.0
 _MAX_REPORT_BYTES = 64 * 1024  # a WorkerReport is ~200 bytes; ZMQ drops larger messages unread
 
 
-class ApiError(Exception):
+class ApiError(CacheLayerError):
     def __init__(self, status: int, detail: str) -> None:
         super().__init__(detail)
         self.status = status

@@ -26,6 +26,7 @@ import torch
 import zmq
 
 from cachelayer.engine import copy_tensor
+from cachelayer.errors import CacheLayerError
 from cachelayer.server import protocol
 from cachelayer.server.leases import process_start_time
 from cachelayer.server.protocol import ChunkEvent, KeySpace, Reply, Request, Slot
@@ -58,7 +59,7 @@ class Reservation:
     chunks: list[LeasedChunk]
 
 
-class StoreUnavailable(RuntimeError):
+class StoreUnavailable(CacheLayerError, RuntimeError):
     """The daemon did not answer in time, or answered with an error."""
 
 

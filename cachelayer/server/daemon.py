@@ -31,6 +31,7 @@ import zmq
 
 from cachelayer.config import CacheLayerConfig
 from cachelayer.engine import CacheEngine
+from cachelayer.errors import CacheLayerError
 from cachelayer.events import BlockRemoved, BlockStored, Event
 from cachelayer.server import protocol
 from cachelayer.server.leases import ClientProcess, LeaseLimitError, LeaseTable
@@ -78,7 +79,7 @@ def _remote_metric_name(field: str) -> str:
     return f"cachelayer_{field}_total" if kind == "counter" else f"cachelayer_{field}"
 
 
-class KeySpaceLimitError(RuntimeError):
+class KeySpaceLimitError(CacheLayerError, RuntimeError):
     """A store asked for a key space beyond MAX_KEY_SPACES."""
 
 

@@ -22,12 +22,14 @@ import secrets
 
 import torch
 
+from cachelayer.errors import CacheLayerError
+
 # The segment starts with a header page (the token); the pool follows, page-aligned.
 HEADER_BYTES = 4096
 TOKEN_BYTES = 16
 
 
-class SharedPoolUnavailable(OSError):
+class SharedPoolUnavailable(CacheLayerError, OSError):
     """The daemon's segment cannot be mapped from this process (another host, user or namespace)."""
 
 

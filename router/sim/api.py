@@ -33,6 +33,7 @@ from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
 
+from router.errors import KvgateError
 from router.sim.engine import GenerationRequest, InsufficientCapacity, SimulatedEngine
 from router.sim.prompts import PromptError, PromptTokenizer
 
@@ -66,7 +67,7 @@ class _GenerationApi:
     response_trailer: dict = field(default_factory=dict)  # fields after `usage` in a non-streamed answer
 
 
-class _BadRequest(Exception):
+class _BadRequest(KvgateError):
     def __init__(self, message: str, status: int = 400, param: str | None = None):
         super().__init__(message)
         self.status = status

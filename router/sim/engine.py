@@ -30,6 +30,7 @@ from dataclasses import dataclass
 import numpy as np
 import xxhash
 
+from router.errors import KvgateError
 from router.sim.blocks import BlockPool, chained_block_hashes
 from router.sim.events import BlockStored, CacheEvent, KVEventPublisher
 from router.sim.shared_store import MEDIUM_SHARED, SharedBlockStore
@@ -82,7 +83,7 @@ class GenerationRequest:
     shared_prefix_blocks: int = 0
 
 
-class InsufficientCapacity(ValueError):
+class InsufficientCapacity(KvgateError, ValueError):
     """The request can never fit this engine (context length or block pool)."""
 
 
