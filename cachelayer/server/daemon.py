@@ -30,6 +30,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import zmq
 
 from cachelayer.config import CacheLayerConfig
+from cachelayer.controller.protocol import lmcache_error_body
 from cachelayer.engine import CacheEngine
 from cachelayer.errors import CacheLayerError
 from cachelayer.events import BlockRemoved, BlockStored, Event
@@ -411,7 +412,7 @@ class _HTTPHandler(BaseHTTPRequestHandler):
         elif path == "/metrics":
             self._send(200, "text/plain; version=0.0.4", self.store_server.metrics_text().encode())
         else:
-            self._send(404, "application/json", b'{"detail": "not found: try /healthcheck or /metrics"}')
+            self._send(404, "application/json", lmcache_error_body("not found: try /healthcheck or /metrics"))
 
     def _send(self, status: int, content_type: str, body: bytes) -> None:
         self.send_response(status)
