@@ -176,7 +176,7 @@ _SAME_WIDTH_INTEGER = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.
 
 def copy_tensor(destination: torch.Tensor, source: torch.Tensor) -> None:
     """destination[...] = source. Between CPU tensors numpy's copy moves the strided chunk slices
-    at memcpy speed (measured: torch's strided copy_ reached ~60% of it on these machines)."""
+    at memcpy speed, where torch's strided copy_ falls well short of it (docs/benchmarks.md)."""
     if destination.device.type == "cpu" and source.device.type == "cpu" and destination.dtype == source.dtype:
         as_integer = _SAME_WIDTH_INTEGER.get(destination.dtype.itemsize)
         try:

@@ -1,8 +1,8 @@
 """The gateway's one HTTP client: pooled HTTP/1.1 keep-alive connections to the backends.
 
 Built on asyncio protocols and httptools (the C parser uvicorn uses) because the forwarding hot
-path must cost about as much CPU as the Rust peers: httpx 0.28 spent 1.4-2.3 ms of CPU per request
-on this machine, this client ~35 µs (benchmarks/upstream_client_cost.py). It does only what a
+path must cost about as much CPU as the Rust peers, and httpx cost tens of times more CPU per
+request (docs/benchmarks.md, "Figures behind choices in the code"). It does only what a
 reverse proxy needs: write a request as bytes, hand back the status, the raw header list and the
 body pieces as they arrive (chunked transfer decoded, content untouched), and reuse the connection.
 """
