@@ -270,6 +270,9 @@ def build_app(
             }
         )
 
+    def completion_choice(text: str, finish: str | None) -> dict:
+        return {"index": 0, "text": text, "logprobs": None, "finish_reason": finish, "stop_reason": None}
+
     completion_api = _GenerationApi(
         id_prefix="cmpl",
         response_object="text_completion",
@@ -277,21 +280,8 @@ def build_app(
         read_prompt=completion_prompt,
         prompt_param="prompt",
         max_tokens_field="max_tokens",
-        chunk_choice=lambda text, finish: {
-            "index": 0,
-            "text": text,
-            "logprobs": None,
-            "finish_reason": finish,
-            "stop_reason": None,
-        },
-        response_choice=lambda text: {
-            "index": 0,
-            "text": text,
-            "logprobs": None,
-            "finish_reason": "length",
-            "stop_reason": None,
-            "prompt_logprobs": None,
-        },
+        chunk_choice=completion_choice,
+        response_choice=lambda text: {**completion_choice(text, "length"), "prompt_logprobs": None},
     )
     chat_api = _GenerationApi(
         id_prefix="chatcmpl",
