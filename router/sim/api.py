@@ -283,6 +283,10 @@ def build_app(
         chunk_choice=completion_choice,
         response_choice=lambda text: {**completion_choice(text, "length"), "prompt_logprobs": None},
     )
+
+    def chat_chunk_choice(delta: dict, finish: str | None) -> dict:
+        return {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+
     chat_api = _GenerationApi(
         id_prefix="chatcmpl",
         response_object="chat.completion",
@@ -290,18 +294,8 @@ def build_app(
         read_prompt=chat_prompt,
         prompt_param="messages",
         max_tokens_field="max_completion_tokens",
-        chunk_choice=lambda text, finish: {
-            "index": 0,
-            "delta": {"content": text},
-            "logprobs": None,
-            "finish_reason": finish,
-        },
-        first_chunk_choice={
-            "index": 0,
-            "delta": {"role": "assistant", "content": ""},
-            "logprobs": None,
-            "finish_reason": None,
-        },
+        chunk_choice=lambda text, finish: chat_chunk_choice({"content": text}, finish),
+        first_chunk_choice=chat_chunk_choice({"role": "assistant", "content": ""}, None),
         response_choice=lambda text: {
             "index": 0,
             "message": {"role": "assistant", "content": text, "reasoning_content": None, "tool_calls": []},
