@@ -15,8 +15,9 @@ KV comes in and goes out as one tensor `[num_layers, 2, num_tokens, num_kv_heads
 
 Thread safety: one lock guards the index of every tier; tensor copies run outside it, protected
 by the reference each reader or writer holds on its chunks (a referenced chunk is never evicted,
-and its space is given back only when the last reference goes). Every state change is announced
-to the event listeners (KV events) while the lock is held, so listeners see changes in order.
+and its space is given back only when the last reference goes). Every write into a tier is one
+`ChunkWrite` (reserve, copy, commit or abort). Every state change is announced to the event
+listeners (KV events) while the lock is held, so listeners see changes in order.
 """
 
 from __future__ import annotations
