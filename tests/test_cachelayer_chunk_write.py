@@ -4,6 +4,8 @@ the writes it is meant to drop. Each test breaks or interrupts the copy of one p
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 
 from cachelayer.events import AllBlocksCleared, BlockStored
@@ -16,6 +18,16 @@ class CopyFailed(Exception):
 
 def fail(*args, **kwargs):
     raise CopyFailed("the copy broke")
+
+
+@contextlib.contextmanager
+def stored_in_both_tiers(tmp_path, seed):
+    """An engine with a disk tier, holding one two-chunk request in the pool and on disk."""
+    tokens, kv = request(seed, 2)
+    with make_engine(4, local_disk=str(tmp_path), max_local_disk_size=0.01) as engine:
+        engine.store(tokens, kv)
+        engine.flush()
+        yield engine, tokens, kv
 
 
 def recorded_events(engine):
@@ -63,10 +75,7 @@ def test_an_import_whose_copy_fails_or_meets_a_clear_stores_nothing(monkeypatch)
 
 
 def test_a_move_whose_copy_fails_leaves_the_source_whole_and_unreferenced(tmp_path, monkeypatch):
-    tokens, kv = request(3, 2)
-    with make_engine(4, local_disk=str(tmp_path), max_local_disk_size=0.01) as engine:
-        engine.store(tokens, kv)
-        engine.flush()
+    with stored_in_both_tiers(tmp_path, 3) as (engine, tokens, _):
         engine.clear("LocalDiskBackend")
         events = recorded_events(engine)
         monkeypatch.setattr(engine, "_write_payload", fail)
@@ -81,10 +90,7 @@ def test_a_move_whose_copy_fails_leaves_the_source_whole_and_unreferenced(tmp_pa
 
 
 def test_a_promotion_from_disk_that_meets_a_clear_is_not_kept_in_the_pool(tmp_path, monkeypatch):
-    tokens, kv = request(4, 2)
-    with make_engine(4, local_disk=str(tmp_path), max_local_disk_size=0.01) as engine:
-        engine.store(tokens, kv)
-        engine.flush()
+    with stored_in_both_tiers(tmp_path, 4) as (engine, tokens, kv):
         engine.clear("LocalCPUBackend")
         assert engine.lookup_location(tokens) == ("LocalDiskBackend", 2 * CHUNK)
         events = recorded_events(engine)
