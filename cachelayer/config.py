@@ -16,6 +16,8 @@ from typing import Annotated, Any, Literal
 import msgspec
 import yaml
 
+from cachelayer.errors import CacheLayerError
+
 log = logging.getLogger(__name__)
 
 CONFIG_FILE_ENV_VARS = ("CACHELAYER_CONFIG_FILE", "LMCACHE_CONFIG_FILE")
@@ -34,7 +36,7 @@ REMOTE_URL_SCHEMES = ("redis", "rediss", "unix")
 _DEPRECATED_ALIASES = {"lmcache_worker_port": "lmcache_worker_ports", "controller_url": "controller_pull_url"}
 
 
-class CacheLayerConfigError(Exception):
+class CacheLayerConfigError(CacheLayerError):
     """A cache-layer configuration that cannot be used; the message says where and how to fix it."""
 
 

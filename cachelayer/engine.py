@@ -15,8 +15,9 @@ KV comes in and goes out as one tensor `[num_layers, 2, num_tokens, num_kv_heads
 
 Thread safety: one lock guards the index of every tier; tensor copies run outside it, protected
 by the reference each reader or writer holds on its chunks (a referenced chunk is never evicted,
-and its space is given back only when the last reference goes). Every state change is announced
-to the event listeners (KV events) while the lock is held, so listeners see changes in order.
+and its space is given back only when the last reference goes). Every write into a tier is one
+`ChunkWrite` (reserve, copy, commit or abort). Every state change is announced to the event
+listeners (KV events) while the lock is held, so listeners see changes in order.
 """
 
 from __future__ import annotations
@@ -25,8 +26,9 @@ import logging
 import queue
 import threading
 from array import array
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Collection, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -34,6 +36,7 @@ import torch
 
 from cachelayer.compress import codec_names, get_codec
 from cachelayer.config import CacheLayerConfig, as_config
+from cachelayer.errors import CacheLayerError
 from cachelayer.keys import CacheIdentity, ChunkSpan, chunk_spans
 from cachelayer.storage.cpu import CpuTier
 from cachelayer.storage.disk import DiskTier
@@ -55,15 +58,92 @@ _LOCATION_ALIASES = {
 }
 
 
+class ChunkWrite:
+    """Chunks written into one tier as a unit: the one transaction behind every store, promotion,
+    move, import and re-encode.
+
+    Under the engine lock the chunks are reserved (invisible to lookups, never evicted); their
+    bytes are copied outside it (`copying`); then, under the lock again, `commit` makes them
+    visible together. A copy that raises aborts them all (their space goes back, nothing becomes
+    visible). With `dropped_by_clear`, a clear() since the reservation aborts them at commit: a
+    cleared cache never refills from work begun before the clear.
+    """
+
+    __slots__ = ("_dropped_by_clear", "_engine", "_evicted", "_generation", "entries", "tier")
+
+    def __init__(self, engine: CacheEngine, tier: Tier, *, dropped_by_clear: bool = True) -> None:
+        """Begin a write into `tier`; the caller holds the engine lock."""
+        self._engine = engine
+        self.tier = tier
+        self.entries: list[TierEntry] = []
+        self._evicted: list[ChunkMeta] = []
+        self._generation = engine._clear_generation
+        self._dropped_by_clear = dropped_by_clear
+
+    def reserve(self, meta: ChunkMeta, nbytes: int) -> TierEntry | None:
+        """Space for one more chunk, evicting as needed; None when even eviction makes no room.
+        Under the engine lock."""
+        entry, evicted = self.tier.reserve(meta, nbytes)
+        self._evicted.extend(evicted)
+        if entry is not None:
+            self.entries.append(entry)
+        return entry
+
+    def announce_evictions(self) -> None:
+        """One BlockRemoved for the chunks the reservations evicted so far. Under the engine lock."""
+        self._engine._emit(self._engine._removal_events(self.tier, self._evicted))
+        self._evicted = []
+
+    @contextmanager
+    def copying(self, *, on_failure: Callable[[], None] | None = None) -> Iterator[None]:
+        """Wrap the copy into the reserved chunks (run without the lock): when it raises, every
+        reserved chunk is aborted, and `on_failure` runs, under the lock, before the error goes on."""
+        try:
+            yield
+        except BaseException:
+            with self._engine._lock:
+                self.abort()
+                if on_failure is not None:
+                    on_failure()
+            raise
+
+    def abort(self) -> None:
+        """Give back the space of every reserved chunk; nothing becomes visible. Under the engine lock."""
+        for entry in self.entries:
+            self.tier.abort(entry)
+
+    def commit(self, written: Collection[TierEntry] | None = None) -> list[Event]:
+        """Make the written chunks (`written`, by default all) visible and return their BlockStored
+        events, for the caller to emit; the others are aborted, and all of them when a clear()
+        came since the reservation (`dropped_by_clear`). Under the engine lock."""
+        if self._dropped_by_clear and self.cleared:
+            self.abort()
+            return []
+        events: list[Event] = []
+        for entry in self.entries:
+            if written is None or entry in written:
+                self.tier.commit(entry)
+                events.append(self._engine._stored_event(self.tier, entry.meta))
+            else:
+                self.tier.abort(entry)
+        return events
+
+    @property
+    def cleared(self) -> bool:
+        """Whether a clear() came since the write began. Under the engine lock."""
+        return self._generation != self._engine._clear_generation
+
+
 @dataclass(slots=True)
 class StoreReservation:
     """L1 space reserved for a store: the chunks to write, and the leading tokens held once they are."""
 
     held_end: int
     chunks: list[tuple[ChunkSpan, TierEntry]]
+    write: ChunkWrite = field(repr=False)
 
 
-class CacheEngineError(ValueError):
+class CacheEngineError(CacheLayerError, ValueError):
     """A call the engine cannot serve as asked (wrong shape, dtype, location...); the message says why."""
 
 
@@ -98,7 +178,7 @@ _SAME_WIDTH_INTEGER = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.
 
 def copy_tensor(destination: torch.Tensor, source: torch.Tensor) -> None:
     """destination[...] = source. Between CPU tensors numpy's copy moves the strided chunk slices
-    at memcpy speed (measured: torch's strided copy_ reached ~60% of it on these machines)."""
+    at memcpy speed, where torch's strided copy_ falls well short of it (docs/benchmarks.md)."""
     if destination.device.type == "cpu" and source.device.type == "cpu" and destination.dtype == source.dtype:
         as_integer = _SAME_WIDTH_INTEGER.get(destination.dtype.itemsize)
         try:
@@ -421,12 +501,9 @@ class CacheEngine:
         token_list = _token_list(tokens)
         self._check_kv(kv, len(token_list), "kv")
         reservation = self.reserve_chunks(token_list, cache_salt=cache_salt, lora=lora)
-        try:
+        with reservation.write.copying():
             for span, entry in reservation.chunks:
                 copy_tensor(self.chunk_buffer(entry), kv[:, :, span.start : span.end])
-        except BaseException:
-            self.abort_chunks(reservation)
-            raise
         self.commit_chunks(reservation)
         return reservation.held_end
 
@@ -439,9 +516,10 @@ class CacheEngine:
         chunks are invisible to lookups and never evicted."""
         token_list = _token_list(tokens)
         spans = self._spans(token_list, cache_salt, lora)
-        reservation = StoreReservation(held_end=0, chunks=[])
         with self._lock:
-            evicted: list[ChunkMeta] = []
+            # A clear() does not drop a store under way: it commits what it wrote after the clear.
+            write = ChunkWrite(self, self.cpu, dropped_by_clear=False)
+            reservation = StoreReservation(held_end=0, chunks=[], write=write)
             for span in spans:
                 # A chunk held, or being written by another thread, is not written twice.
                 if any(tier.has_key(span.key) for tier in self._tiers.values()):
@@ -455,13 +533,12 @@ class CacheEngine:
                     array("q", token_list[span.start : span.end]),
                     cache_salt=cache_salt if span.parent_key is None else None,
                 )
-                entry, evicted_now = self.cpu.reserve(meta, self._raw_nbytes(span.num_tokens))
-                evicted.extend(evicted_now)
+                entry = write.reserve(meta, self._raw_nbytes(span.num_tokens))
                 if entry is None:
                     break
                 reservation.chunks.append((span, entry))
                 reservation.held_end = span.end
-            self._emit(self._removal_events(self.cpu, evicted))
+            write.announce_evictions()
         return reservation
 
     def chunk_buffer(self, entry: TierEntry) -> torch.Tensor:
@@ -473,10 +550,9 @@ class CacheEngine:
         if not reservation.chunks:
             return
         with self._lock:
-            for _, entry in reservation.chunks:
-                self.cpu.commit(entry)
+            stored = reservation.write.commit()
             self.counters["write_chunks"] += len(reservation.chunks)
-            self._emit([self._stored_event(self.cpu, entry.meta) for _, entry in reservation.chunks])
+            self._emit(stored)
         if self._disk_writer is not None:
             with self._disk_idle:
                 self._disk_backlog += 1
@@ -489,8 +565,7 @@ class CacheEngine:
     def abort_chunks(self, reservation: StoreReservation) -> None:
         """Give back the space of chunks that will not be written; nothing becomes visible."""
         with self._lock:
-            for _, entry in reservation.chunks:
-                self.cpu.abort(entry)
+            reservation.write.abort()
 
     def withdraw_chunks(self, reservation: StoreReservation) -> None:
         """Take reserved chunks out of the store but keep their space allocated: a writer that may
@@ -639,10 +714,11 @@ class CacheEngine:
                 if source is None or disk.has_key(meta.key):
                     continue
                 self.cpu.acquire(source)
-                target, evicted = disk.reserve(
+                write = ChunkWrite(self, disk)
+                target = write.reserve(
                     ChunkMeta(meta.key, meta.parent_key, meta.token_ids, source.meta.fmt), source.nbytes
                 )
-                self._emit(self._removal_events(disk, evicted))
+                write.announce_evictions()
             try:
                 if target is None:
                     log.warning(
@@ -651,20 +727,15 @@ class CacheEngine:
                     )
                     continue
                 try:
-                    disk.write(target, self.cpu.view(source))
-                except BaseException as exc:
-                    with self._lock:
-                        disk.abort(target)
-                    if not isinstance(exc, OSError):
-                        raise
+                    with write.copying():
+                        disk.write(target, self.cpu.view(source))
+                except OSError as exc:
                     log.error("cachelayer: writing chunk %#x to %s failed: %s", meta.key, disk.directory, exc)
                     continue
                 with self._lock:
-                    if generation != self._clear_generation:
-                        disk.abort(target)
+                    self._emit(write.commit())
+                    if write.cleared:  # so is the rest of the batch
                         return
-                    disk.commit(target)
-                    self._emit([self._stored_event(disk, target.meta)])
             finally:
                 with self._lock:
                     self.cpu.release(source)
@@ -737,8 +808,7 @@ class CacheEngine:
             self._promote_from_remote(spans, token_list)
         plan: list[tuple[ChunkSpan, Tier, TierEntry, TierEntry | None]] = []
         with self._lock:
-            generation = self._clear_generation
-            evicted: list[ChunkMeta] = []
+            promotions = ChunkWrite(self, self.cpu)
             for span in spans:
                 entry = self.cpu.get(span.key)
                 if entry is not None:
@@ -752,13 +822,12 @@ class CacheEngine:
                 assert self.disk is not None
                 self.disk.acquire(disk_entry)
                 self.disk.touch(span.key)
-                promoted, evicted_now = self.cpu.reserve(
+                promoted = promotions.reserve(
                     ChunkMeta(span.key, span.parent_key, disk_entry.meta.token_ids, disk_entry.meta.fmt),
                     disk_entry.nbytes,
                 )
-                evicted.extend(evicted_now)
                 plan.append((span, self.disk, disk_entry, promoted))
-            self._emit(self._removal_events(self.cpu, evicted))
+            promotions.announce_evictions()
         if not plan:
             return 0, None
         hit = plan[-1][0].end
@@ -795,16 +864,10 @@ class CacheEngine:
             result = result[:, :, :hit]
         finally:
             with self._lock:
-                stored_events: list[Event] = []
-                for _, tier, entry, promoted in plan:
+                for _, tier, entry, _ in plan:
                     tier.release(entry)
-                    if promoted is None:
-                        continue
-                    if promoted in done and generation == self._clear_generation:
-                        self.cpu.commit(promoted)
-                        stored_events.append(self._stored_event(self.cpu, promoted.meta))
-                    else:
-                        self.cpu.abort(promoted)
+                # Promotions whose read failed, or begun before a clear(), are aborted.
+                stored_events = promotions.commit(written=done)
                 for tier, entry in failed:
                     if tier.get(entry.meta.key) is entry:  # not a replacement written since
                         tier.remove(entry.meta.key)
@@ -847,36 +910,21 @@ class CacheEngine:
             return
         reserved: list[tuple[TierEntry, memoryview]] = []
         with self._lock:
-            generation = self._clear_generation
-            evicted: list[ChunkMeta] = []
+            write = ChunkWrite(self, self.cpu)
             for span, payload, codec in accepted:
                 if self.cpu.has_key(span.key):
                     continue
                 tokens = array("q", token_list[span.start : span.end])
-                meta = ChunkMeta(span.key, span.parent_key, tokens, codec)
-                entry, evicted_now = self.cpu.reserve(meta, payload.nbytes)
-                evicted.extend(evicted_now)
+                entry = write.reserve(ChunkMeta(span.key, span.parent_key, tokens, codec), payload.nbytes)
                 if entry is None:
                     break
                 reserved.append((entry, payload))
-            self._emit(self._removal_events(self.cpu, evicted))
-        try:
+            write.announce_evictions()
+        with write.copying():
             for entry, payload in reserved:
                 np.copyto(self.cpu.view(entry).numpy(), np.frombuffer(payload, dtype=np.uint8))
-        except BaseException:
-            with self._lock:
-                for entry, _ in reserved:
-                    self.cpu.abort(entry)
-            raise
         with self._lock:
-            stored: list[Event] = []
-            for entry, _ in reserved:
-                if generation != self._clear_generation:
-                    self.cpu.abort(entry)
-                    continue
-                self.cpu.commit(entry)
-                stored.append(self._stored_event(self.cpu, entry.meta))
-            self._emit(stored)
+            self._emit(write.commit())
 
     def _check_remote_chunk(self, chunk: Any, span: ChunkSpan) -> None:
         """Refuse a remote chunk of another geometry, dtype or an unknown codec (CorruptValue)."""
@@ -976,32 +1024,27 @@ class CacheEngine:
                 if source_tier is destination_tier:
                     moved_end = span.end
                     continue
-                if span.key in destination_tier:
-                    target = None
-                else:
+                write: ChunkWrite | None = None
+                if span.key not in destination_tier:
                     source_tier.acquire(entry)
-                    target, evicted = destination_tier.reserve(
+                    # Like a store, a move under way is not dropped by a clear().
+                    write = ChunkWrite(self, destination_tier, dropped_by_clear=False)
+                    target = write.reserve(
                         ChunkMeta(span.key, span.parent_key, entry.meta.token_ids, entry.meta.fmt),
                         entry.nbytes,
                     )
-                    self._emit(self._removal_events(destination_tier, evicted))
+                    write.announce_evictions()
                     if target is None:
                         source_tier.release(entry)
                         break
-            if target is not None:
-                try:
+            if write is not None:
+                with write.copying(on_failure=lambda entry=entry: source_tier.release(entry)):
                     self._write_payload(destination_tier, target, self._read_payload(source_tier, entry))
-                except BaseException:
-                    with self._lock:
-                        destination_tier.abort(target)
-                        source_tier.release(entry)
-                    raise
             with self._lock:
                 events: list[Event] = []
-                if target is not None:
-                    destination_tier.commit(target)
+                if write is not None:
+                    events.extend(write.commit())
                     source_tier.release(entry)
-                    events.append(self._stored_event(destination_tier, target.meta))
                 if not copy:
                     removed = source_tier.remove(span.key)
                     if removed is not None:
@@ -1094,25 +1137,20 @@ class CacheEngine:
             if tier.has_key(span.key):
                 tier.touch(span.key)
                 return span.end
-            generation = self._clear_generation
+            write = ChunkWrite(self, tier)
             meta = ChunkMeta(span.key, span.parent_key, array("q", token_list[span.start : span.end]), fmt)
-            target, evicted = tier.reserve(meta, len(data))
-            self._emit(self._removal_events(tier, evicted))
+            target = write.reserve(meta, len(data))
+            write.announce_evictions()
             if target is None:
                 return 0
-        try:
+        with write.copying():
             self._write_payload(tier, target, torch.frombuffer(bytearray(data), dtype=torch.uint8))
-        except BaseException:
-            with self._lock:
-                tier.abort(target)
-            raise
         with self._lock:
-            if generation != self._clear_generation:  # cleared meanwhile: the clear wins
-                tier.abort(target)
+            stored = write.commit()
+            if write.cleared:  # the clear wins
                 return 0
-            tier.commit(target)
             self.counters["write_chunks"] += 1
-            self._emit([self._stored_event(tier, target.meta)])
+            self._emit(stored)
         return span.end
 
     def drop(
@@ -1211,21 +1249,19 @@ class CacheEngine:
             try:
                 payload = transform(self._chunk_view(self._read_payload(tier, entry), entry.meta))
                 with self._lock:
-                    # The old entry stays referenced until the new one is written: no window without data.
-                    replacement, evicted = tier.reserve(
+                    # The old entry stays referenced until the new one is written: no window without
+                    # data. The chunk keeps its key, so its replacement is not announced again.
+                    write = ChunkWrite(self, tier, dropped_by_clear=False)
+                    replacement = write.reserve(
                         ChunkMeta(span.key, span.parent_key, entry.meta.token_ids, to_fmt), payload.numel()
                     )
-                    self._emit(self._removal_events(tier, evicted))
+                    write.announce_evictions()
                 if replacement is None:
                     break
-                try:
+                with write.copying():
                     self._write_payload(tier, replacement, payload)
-                except BaseException:
-                    with self._lock:
-                        tier.abort(replacement)
-                    raise
                 with self._lock:
-                    tier.commit(replacement)
+                    write.commit()
             finally:
                 with self._lock:
                     tier.release(entry)

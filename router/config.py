@@ -16,8 +16,10 @@ from urllib.parse import urlsplit
 import msgspec
 import yaml
 
+from router.errors import KvgateError
 
-class ConfigError(Exception):
+
+class ConfigError(KvgateError):
     """A configuration that cannot be used; the message says where and how to fix it."""
 
 
@@ -180,9 +182,7 @@ class KVAwarePolicy(CacheAwareGuards, tag="kv_aware", tag_field="name"):
     # prefix's recent requests, each worth request_load_weight prompt tokens, outweigh the prefill
     # of the tokens the move forfeits. A system prompt many users share qualifies; a document with a
     # handful of questions does not: its questions stay with it, and balance comes from where the
-    # next documents go. (4 real engines, 3 runs each side by side: document_qa hit ratio 0.813
-    # against 0.769, load 1.00 against 1.13, TTFT p90 930 against 1126 ms; shared_system_prompts
-    # p90 169 against 234 ms; the simulated fleet alike or better; docs/benchmarks.md.) With
+    # next documents go (docs/benchmarks.md, "Four real engines on two cores"). With
     # hot_prefix_requests 0 every request is held to the lines, paying or not.
     replica_must_pay: bool = True
     # How long a routed prompt counts as cached on its backend before its events confirm it.
@@ -197,9 +197,7 @@ class KVAwarePolicy(CacheAwareGuards, tag="kv_aware", tag_field="name"):
     load_fit_min_requests: Annotated[int, msgspec.Meta(ge=8)] = 32
     # Cold prompts spread by the prompt tokens each engine took in lately, not by their count: new
     # conversations then go where less is being cached, and fewer outgrow an engine's pool before
-    # their last turns (2 real engines, chat: hit ratio 0.770 against 0.743 over two runs, TTFT
-    # within noise; the simulated fleet: document_qa 0.756 against 0.718, the rest alike;
-    # docs/benchmarks.md).
+    # their last turns (docs/benchmarks.md, the real-engine tier's cold_spread_by runs).
     cold_spread_by: Literal["new_prefixes", "prefill_tokens"] = "prefill_tokens"
     # Cache pressure, once every engine has evicted: each engine's capacity (the high-water mark of
     # the tokens its KV events show it holding) over the tokens routed to it gives how long a prefix

@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING, Any
 import httptools
 from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
 
-from router.errors import GatewayError, error_body
+from router.errors import GatewayError, KvgateError, error_body
 from router.forward import body_too_large
 
 if TYPE_CHECKING:
@@ -73,7 +73,7 @@ def default_max_client_connections() -> int:
     return max(16, (soft_limit - _RESERVED_FILE_DESCRIPTORS) // 2)
 
 
-class _Answered(Exception):
+class _Answered(KvgateError):
     """Raised from a parser callback that has answered and closed the connection: stops the parser."""
 
 

@@ -27,6 +27,8 @@ from typing import Any, BinaryIO
 
 import msgspec
 
+from router.errors import KvgateError
+
 logger = logging.getLogger("kvgate.template_sandbox")
 
 # Wall-clock budget of one render, from the moment the request waits for the child.
@@ -48,7 +50,7 @@ CHAT_FIELDS = (
 _LENGTH = struct.Struct(">I")
 
 
-class TemplateSandboxError(Exception):
+class TemplateSandboxError(KvgateError):
     """The request's template was not rendered: it failed, ran past its budget, or the child is not ready."""
 
 

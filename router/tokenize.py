@@ -45,7 +45,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from router.ascii_encoder import AsciiEncoder
-from router.errors import log_unexpected
+from router.errors import KvgateError, log_unexpected
 from router.index.keys import Namespace
 from router.template_sandbox import TemplateSandbox, TemplateSandboxError
 
@@ -56,12 +56,12 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("kvgate.tokenize")
 
-# Where tokenization leaves the event loop (benchmarks/kv_aware_latency.py, docs/request-path.md).
-# The hop to the tokenizer thread adds ~0.1-0.2 ms to the request; it pays only where the loop
-# would otherwise stall for longer, for other requests. Text the Rust tokenizer encodes (~0.7 us a
-# character) releases the GIL there, so the loop runs meanwhile: moved from 2048 uncached characters
-# (~1.5 ms). The ASCII fast path (~0.08 us a character, Python) holds the GIL, so a thread frees the
-# loop only at the interpreter's 5 ms switch interval: moved only past 65536 uncached characters.
+# Where tokenization leaves the event loop (docs/request-path.md has the costs behind these lines).
+# The hop to the tokenizer thread costs the request time; it pays only where the loop would
+# otherwise stall for longer, for other requests. Text the Rust tokenizer encodes releases the GIL
+# there, so the loop runs meanwhile: moved from OFF_LOOP_MIN_CHARS uncached characters. The ASCII
+# fast path (Python) holds the GIL, so a thread frees the loop only at the interpreter's switch
+# interval: moved only past the far larger OFF_LOOP_MIN_ASCII_CHARS.
 # The chat template is rendered on the loop (jinja holds the GIL too), unless the chat has at least
 # OFF_LOOP_MIN_MESSAGES messages; prompts under OFF_LOOP_MIN_CHARS of content stay on the loop whole.
 OFF_LOOP_MIN_CHARS = 2048
@@ -98,7 +98,7 @@ _CUT_CANDIDATE = re.compile(r"(?<=[A-Za-z0-9]) (?=[A-Za-z])")
 _CUT_CONTEXT_CHARS = 16
 
 
-class TokenizeError(ValueError):
+class TokenizeError(KvgateError, ValueError):
     """The request cannot be tokenized (bad messages, a template error, an unusable prompt)."""
 
 

@@ -1,8 +1,8 @@
 """The gateway's one HTTP client: pooled HTTP/1.1 keep-alive connections to the backends.
 
 Built on asyncio protocols and httptools (the C parser uvicorn uses) because the forwarding hot
-path must cost about as much CPU as the Rust peers: httpx 0.28 spent 1.4-2.3 ms of CPU per request
-on this machine, this client ~35 µs (benchmarks/upstream_client_cost.py). It does only what a
+path must cost about as much CPU as the Rust peers, and httpx cost tens of times more CPU per
+request (docs/benchmarks.md, "Figures behind choices in the code"). It does only what a
 reverse proxy needs: write a request as bytes, hand back the status, the raw header list and the
 body pieces as they arrive (chunked transfer decoded, content untouched), and reuse the connection.
 """
@@ -19,6 +19,8 @@ from urllib.parse import urlsplit
 
 import httptools
 
+from router.errors import KvgateError
+
 # Idle keep-alive connections are dropped after this long; engines behind uvicorn close theirs
 # after 5 s, and reusing a connection the server is closing costs a failed attempt.
 KEEPALIVE_EXPIRY_S = 4.0
@@ -26,7 +28,7 @@ KEEPALIVE_EXPIRY_S = 4.0
 MAX_BUFFERED_BYTES = 1 << 20
 
 
-class UpstreamError(Exception):
+class UpstreamError(KvgateError):
     """The backend could not be reached or broke the connection."""
 
     def __init__(self, message: str, *, before_response: bool):

@@ -21,26 +21,44 @@ def controller():
         yield client, monitor_port
 
 
-def tensor_parallel_engines(monitor_port, instance_id, disk_dir=None, ranks=2):
-    """One registered instance of `ranks` tensor-parallel workers (engine i is rank i); with
-    `disk_dir` each has a disk tier of its own (disk_dir/w<rank>)."""
+def instance_engine(
+    monitor_port,
+    instance_id,
+    tmp_path=None,
+    *,
+    model_name="",
+    dtype=torch.bfloat16,
+    world_size=1,
+    worker_id=0,
+    **extra,
+):
+    """One registered engine, worker `worker_id` of its instance; with tmp_path it has a disk tier too."""
+    config = {
+        "chunk_size": CHUNK,
+        "max_local_cpu_size": 0.01,
+        **worker_config(monitor_port, instance_id),
+        **extra,
+    }
+    if tmp_path is not None:
+        disk = tmp_path / instance_id if world_size == 1 else tmp_path / instance_id / f"w{worker_id}"
+        config |= {"local_disk": str(disk), "max_local_disk_size": 0.01}
+    return CacheEngine.from_config(
+        config,
+        num_layers=LAYERS,
+        num_kv_heads=HEADS,
+        head_dim=HEAD_DIM,
+        dtype=dtype,
+        model_name=model_name,
+        world_size=world_size,
+        worker_id=worker_id,
+    )
 
-    def config(rank):
-        disk = {"local_disk": str(disk_dir / f"w{rank}"), "max_local_disk_size": 0.01} if disk_dir else {}
-        registered = worker_config(monitor_port, instance_id)
-        return {"chunk_size": CHUNK, "max_local_cpu_size": 0.01, **disk, **registered}
 
+def tensor_parallel_instance(monitor_port, instance_id, tmp_path=None):
+    """The two registered workers (ranks 0 and 1) of one tensor-parallel instance."""
     return [
-        CacheEngine.from_config(
-            config(rank),
-            num_layers=LAYERS,
-            num_kv_heads=HEADS,
-            head_dim=HEAD_DIM,
-            dtype=torch.bfloat16,
-            world_size=ranks,
-            worker_id=rank,
-        )
-        for rank in range(ranks)
+        instance_engine(monitor_port, instance_id, tmp_path, world_size=2, worker_id=rank)
+        for rank in range(2)
     ]
 
 
@@ -91,7 +109,7 @@ def test_lookup_full_hit_partial_match_and_miss(controller):
 
 def test_operations_fan_out_to_every_tensor_parallel_worker(controller, tmp_path):
     client, monitor_port = controller
-    workers = tensor_parallel_engines(monitor_port, "tp", disk_dir=tmp_path)
+    workers = tensor_parallel_instance(monitor_port, "tp", tmp_path)
     try:
         infos = wait_registered(client, "tp", 2)["worker_infos"]
         assert sorted(info["worker_id"] for info in infos) == [0, 1]
@@ -235,28 +253,6 @@ def test_heartbeats_register_unknown_workers_and_silence_drops_them():
 # ---- /move between instances: chunks relayed through the controller, worker to worker ----
 
 
-def instance_engine(
-    monitor_port, instance_id, tmp_path=None, *, model_name="", dtype=torch.bfloat16, **extra
-):
-    """One registered single-worker engine; with tmp_path it has a disk tier too."""
-    config = {
-        "chunk_size": CHUNK,
-        "max_local_cpu_size": 0.01,
-        **worker_config(monitor_port, instance_id),
-        **extra,
-    }
-    if tmp_path is not None:
-        config |= {"local_disk": str(tmp_path / instance_id), "max_local_disk_size": 0.01}
-    return CacheEngine.from_config(
-        config,
-        num_layers=LAYERS,
-        num_kv_heads=HEADS,
-        head_dim=HEAD_DIM,
-        dtype=dtype,
-        model_name=model_name,
-    )
-
-
 def move(client, source, destination, tokens, *, copy):
     return client.post(
         "/move", json={"old_position": source, "new_position": destination, "tokens": tokens, "copy": copy}
@@ -394,7 +390,7 @@ def test_move_between_different_key_spaces_is_refused_and_moves_nothing(controll
 def test_move_to_an_unknown_instance_or_one_with_other_workers_is_a_4xx(controller):
     client, monitor_port = controller
     source = instance_engine(monitor_port, "workers-a")
-    sharded = tensor_parallel_engines(monitor_port, "workers-tp")
+    sharded = tensor_parallel_instance(monitor_port, "workers-tp")
     try:
         wait_registered(client, "workers-a", 1)
         wait_registered(client, "workers-tp", 2)
@@ -432,8 +428,8 @@ def test_move_to_an_unknown_instance_or_one_with_other_workers_is_a_4xx(controll
 
 def test_move_between_tensor_parallel_instances_pairs_workers_by_rank(controller):
     client, monitor_port = controller
-    sources = tensor_parallel_engines(monitor_port, "tp-move-a")
-    destinations = tensor_parallel_engines(monitor_port, "tp-move-b")
+    sources = tensor_parallel_instance(monitor_port, "tp-move-a")
+    destinations = tensor_parallel_instance(monitor_port, "tp-move-b")
     try:
         wait_registered(client, "tp-move-a", 2)
         wait_registered(client, "tp-move-b", 2)

@@ -246,3 +246,21 @@ def test_a_client_killed_mid_transfer_leaves_no_lease_and_no_memory_behind():
             assert same_bits(client.retrieve(holder_space, tokens)[1][:, :, CHUNK:], kv[:, :, CHUNK:])
         finally:
             client.close()
+
+
+def test_a_block_that_raises_under_a_lease_releases_it_and_stores_nothing(clients):
+    server = start_daemon(4 * CHUNK_BYTES)
+    try:
+        writer = clients(server)
+        writer.store(SPACE, list(range(16)), any_bits_kv(16, seed=10))
+        with pytest.raises(RuntimeError, match="copy broke"), writer.reserved(SPACE, list(range(500, 532))):
+            raise RuntimeError("the copy broke")
+        with pytest.raises(RuntimeError, match="read broke"), writer.leased(SPACE, list(range(16))):
+            raise RuntimeError("the read broke")
+        metrics = server.metric_values()
+        assert metrics["cachelayer_daemon_open_leases"] == 0
+        assert metrics["cachelayer_daemon_leases_total"] == 3
+        assert writer.lookup(SPACE, list(range(500, 532))) == 0
+        assert metrics["cachelayer_daemon_l1_used_bytes"] == CHUNK_BYTES  # the reservation's space is back
+    finally:
+        server.close()

@@ -17,6 +17,8 @@ from typing import NamedTuple, Protocol
 
 import torch
 
+from cachelayer.errors import CacheLayerError
+
 
 class BlobInfo(NamedTuple):
     """What a blob's header says it holds; `inspect` has checked its size and checksum."""
@@ -47,7 +49,7 @@ _CODECS: dict[str, str] = {
 _instances: dict[str, Codec] = {}
 
 
-class UnknownCodecError(ValueError):
+class UnknownCodecError(CacheLayerError, ValueError):
     """No codec of that name, or its module is missing."""
 
 

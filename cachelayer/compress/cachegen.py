@@ -37,6 +37,7 @@ from torch import Tensor
 
 from cachelayer.compress import BlobInfo
 from cachelayer.compress.checksum import checksum
+from cachelayer.errors import CacheLayerError
 
 MAGIC = b"KVCG"
 VERSION = 2
@@ -55,7 +56,7 @@ _DTYPE_CODES = {torch.bfloat16: 1, torch.float16: 2, torch.float32: 3}
 _CODE_DTYPES = {code: dtype for dtype, code in _DTYPE_CODES.items()}
 
 
-class CacheGenError(ValueError):
+class CacheGenError(CacheLayerError, ValueError):
     """A blob that is not a valid CacheGen blob, or input the codec cannot encode."""
 
 

@@ -32,9 +32,9 @@ _LANE_BLOCK = 32  # lanes coded together; see rans_encode
 
 _JIT = dict(nogil=True, cache=True)
 
-# Below this many values (~1 ms of work on one core) a chunk runs on the calling thread only: a
-# parallel region must wait for every worker to be scheduled, which on a busy machine costs more
-# (measured: a 2-layer, 128-channel chunk took 15 ms with 2 threads, 0.9 ms with 1, on 2 busy cores).
+# Below this many values (about a millisecond of work on one core) a chunk runs on the calling
+# thread only: a parallel region must wait for every worker to be scheduled, which on a busy machine
+# costs more than the work (docs/benchmarks.md, "Figures behind choices in the code").
 PARALLEL_MIN_VALUES = 1 << 20
 
 
@@ -90,7 +90,7 @@ def _store_row_for(row, row_bits, target):
         return narrow_to_bf16
 
     def copy_float32(row, row_bits, target):
-        for channel in range(row.shape[0]):  # a loop: slice assignment costs ~0.2 us a call
+        for channel in range(row.shape[0]):  # a loop: a slice assignment per channel costs more
             target[channel] = row[channel]
 
     return copy_float32

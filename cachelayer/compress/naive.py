@@ -14,6 +14,7 @@ import torch
 
 from cachelayer.compress import BlobInfo
 from cachelayer.compress.checksum import checksum
+from cachelayer.errors import CacheLayerError
 
 _MAGIC = b"KVNAIVE2"
 _OLD_MAGICS = (b"KVNAIVE1",)
@@ -29,7 +30,7 @@ _DTYPES = {
 }
 
 
-class NaiveCodecError(ValueError):
+class NaiveCodecError(CacheLayerError, ValueError):
     """A blob that is not a valid naive blob, or input the codec cannot encode."""
 
 

@@ -24,6 +24,8 @@ import threading
 import time
 from collections import OrderedDict
 
+from cachelayer.errors import CacheLayerError
+
 MAX_CLOCK_SKEW_S = 30.0
 MIN_SECRET_LENGTH = 16
 _MAGIC = b"KVA1"
@@ -35,11 +37,11 @@ COMMAND = b"command"
 REPLY = b"reply"
 
 
-class AuthError(Exception):
+class AuthError(CacheLayerError):
     """A message without a valid signature, or a replayed one."""
 
 
-class AuthConfigError(ValueError):
+class AuthConfigError(CacheLayerError, ValueError):
     """A secret that cannot be used, or an open socket beyond loopback that was not opted into."""
 
 

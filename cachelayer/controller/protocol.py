@@ -9,6 +9,9 @@
   `Command` answered by `Reply`. A move between instances relays chunks through the controller
   one at a time: "export_chunk" is answered by a `Reply` frame followed by the chunk's stored
   bytes as a second raw frame, and "import_chunk" carries them the same way after its `Command`.
+
+The error body of the cache layer's HTTP endpoints (`lmcache_error_body`) is defined here too: it is
+LMCache's shape, like the messages above.
 """
 
 from __future__ import annotations
@@ -16,6 +19,18 @@ from __future__ import annotations
 from typing import Any, Literal
 
 import msgspec
+
+_json = msgspec.json.Encoder()
+
+
+def lmcache_error_body(detail: str) -> bytes:
+    """The JSON body of an HTTP error answer: `{"detail": "..."}`.
+
+    This is the shape LMCache's controller (FastAPI) gives every error, and the one its clients and
+    tools read, so the controller and the daemon's HTTP endpoints answer in it rather than in the
+    gateway's OpenAI shape (`{"error": {...}}`, router.errors)."""
+    return _json.encode({"detail": detail})
+
 
 # Tokens one request or command may carry unless configured otherwise (--max-tokens,
 # controller_max_tokens): a bound on the work and memory one call can cost.

@@ -1,9 +1,10 @@
 """The controller: LMCache's controller HTTP API over the cache engines that register with it.
 
-HTTP (Starlette), all POST with JSON, every error (401, 404, 405, 413, 500 included) as `{"detail": ...}`:
-/lookup, /clear, /pin, /compress, /decompress, /move, /health, /query_worker_info
-(schemas in docs/cachelayer.md, "Controller"), and /check_finish {event_id} -> {status: "finished"} for
-clients that poll (every operation here completes before it answers).
+HTTP (Starlette), all POST with JSON, every error (401, 404, 405, 413, 500 included) in LMCache's
+`{"detail": ...}` shape (`protocol.lmcache_error_body`): /lookup, /clear, /pin, /compress,
+/decompress, /move, /health, /query_worker_info (schemas in docs/cachelayer.md, "Controller"), and
+/check_finish {event_id} -> {status: "finished"} for clients that poll (every operation here
+completes before it answers).
 Workers report on a ZMQ PULL socket (the monitor port): register, heartbeat, deregister. A
 worker silent for `MISSED_HEARTBEATS` of its own intervals is dropped. Each operation on an
 instance fans out to all its (tensor-parallel) workers in parallel; they must all report the
@@ -30,7 +31,7 @@ import zmq.asyncio
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
-from starlette.responses import JSONResponse
+from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from cachelayer.controller.auth import (
@@ -51,7 +52,9 @@ from cachelayer.controller.protocol import (
     Reply,
     WorkerReport,
     encode,
+    lmcache_error_body,
 )
+from cachelayer.errors import CacheLayerError
 
 log = logging.getLogger(__name__)
 
@@ -60,7 +63,7 @@ COMMAND_TIMEOUT_S = 5.0
 _MAX_REPORT_BYTES = 64 * 1024  # a WorkerReport is ~200 bytes; ZMQ drops larger messages unread
 
 
-class ApiError(Exception):
+class ApiError(CacheLayerError):
     def __init__(self, status: int, detail: str) -> None:
         super().__init__(detail)
         self.status = status
@@ -423,8 +426,8 @@ def _event_id(operation: str) -> str:
 _REMEMBERED_EVENTS = 10_000
 
 
-def _error(status: int, detail: str, headers: dict[str, str] | None = None) -> JSONResponse:
-    return JSONResponse({"detail": detail}, status_code=status, headers=headers)
+def _error(status: int, detail: str, headers: dict[str, str] | None = None) -> Response:
+    return Response(lmcache_error_body(detail), status, headers, media_type="application/json")
 
 
 async def _read_body(request: Request, limit: int) -> bytes:
@@ -455,7 +458,7 @@ def build_app(controller: Controller, *, max_tokens: int = DEFAULT_MAX_TOKENS) -
     body_limit = MAX_BYTES_PER_TOKEN * max_tokens + 64 * 1024
 
     def endpoint(body_type: type[_Body], operation: str, handler: Any) -> Any:
-        async def handle(request: Request) -> JSONResponse:
+        async def handle(request: Request) -> Response:
             if controller.secret is not None and not bearer_token_matches(
                 request.headers.get("authorization", ""), controller.secret
             ):
@@ -477,11 +480,9 @@ def build_app(controller: Controller, *, max_tokens: int = DEFAULT_MAX_TOKENS) -
             except ApiError as exc:
                 return _error(exc.status, exc.detail)
             except msgspec.ValidationError as exc:
-                return JSONResponse({"detail": f"malformed {request.url.path} body: {exc}"}, status_code=422)
+                return _error(422, f"malformed {request.url.path} body: {exc}")
             except msgspec.DecodeError as exc:
-                return JSONResponse(
-                    {"detail": f"{request.url.path} body is not valid JSON: {exc}"}, status_code=400
-                )
+                return _error(400, f"{request.url.path} body is not valid JSON: {exc}")
             try:
                 result = await handler(body)
             except ApiError as exc:
@@ -572,7 +573,7 @@ def build_app(controller: Controller, *, max_tokens: int = DEFAULT_MAX_TOKENS) -
         finally:
             await controller.stop()
 
-    async def http_error(request: Request, exc: Exception) -> JSONResponse:
+    async def http_error(request: Request, exc: Exception) -> Response:
         assert isinstance(exc, HTTPException)
         if exc.status_code == 405:
             detail = f"{request.method} {request.url.path}: every controller route takes POST with JSON"

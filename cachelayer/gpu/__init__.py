@@ -23,6 +23,7 @@ from cachelayer.gpu import torch_ops
 from cachelayer.gpu.layouts import (
     LAYOUTS,
     SLOT_LAYOUTS,
+    PagedGeometry,
     block_major_view,
     check_chunk,
     check_layout,
@@ -69,10 +70,7 @@ def gather(
     `check_range` reads the largest slot back to the host (a stream sync on CUDA) to refuse slots past
     the cache with a clear error; pass False on a hot path whose slots come from the engine itself.
     """
-    geometry = paged_geometry(kv_caches, layout)
-    check_slot_mapping(slot_mapping, geometry, check_range=check_range)
-    check_chunk(out, geometry, slot_mapping.numel(), "out")
-    _check_same_device(out, geometry.device, "out")
+    geometry = _checked_device_copy(kv_caches, layout, slot_mapping, out, "out", check_range)
     if geometry.device.type == "cuda":
         from cachelayer.gpu import triton_ops
 
@@ -85,10 +83,7 @@ def scatter(
     chunk: Tensor, kv_caches: Sequence[Tensor], layout: str, slot_mapping: Tensor, *, check_range: bool = True
 ) -> None:
     """Copy a chunk into the slots at `slot_mapping` of every layer; negative slots are skipped."""
-    geometry = paged_geometry(kv_caches, layout)
-    check_slot_mapping(slot_mapping, geometry, check_range=check_range)
-    check_chunk(chunk, geometry, slot_mapping.numel(), "chunk")
-    _check_same_device(chunk, geometry.device, "chunk")
+    geometry = _checked_device_copy(kv_caches, layout, slot_mapping, chunk, "chunk", check_range)
     if geometry.device.type == "cuda":
         from cachelayer.gpu import triton_ops
 
@@ -112,6 +107,23 @@ def scatter_blocks(chunk: Tensor, kv_caches: Sequence[Tensor], layout: str, bloc
     """Copy whole blocks from a chunk of `block_chunk_shape` into the cache; negative ids are skipped."""
     _check_blocks(kv_caches, layout, block_ids, chunk, "chunk")
     torch_ops.scatter_blocks(chunk, kv_caches, layout, block_ids)
+
+
+def _checked_device_copy(
+    kv_caches: Sequence[Tensor],
+    layout: str,
+    slot_mapping: Tensor,
+    chunk: Tensor,
+    name: str,
+    check_range: bool,
+) -> PagedGeometry:
+    """The layers' geometry, once `slot_mapping` and `chunk` (called `name`) are checked against it
+    for a gather or scatter: the chunk's shape and dtype, and its device (the cache's)."""
+    geometry = paged_geometry(kv_caches, layout)
+    check_slot_mapping(slot_mapping, geometry, check_range=check_range)
+    check_chunk(chunk, geometry, slot_mapping.numel(), name)
+    _check_same_device(chunk, geometry.device, name)
+    return geometry
 
 
 def _check_same_device(tensor: Tensor, device, name: str) -> None:

@@ -18,6 +18,8 @@ LAYOUTS = ("flash_attn", "flashinfer", "mla", "cpu_blocks")
 # Layouts addressed token by token through slot_mapping; cpu_blocks moves whole blocks only.
 SLOT_LAYOUTS = ("flash_attn", "flashinfer", "mla")
 
+# Where the (K, V) plane axis stands in the layouts that keep K and V in separate planes.
+_PLANE_AXIS = {"flash_attn": 0, "flashinfer": 1}
 _LAYOUT_SHAPES = {
     "flash_attn": "[2, num_blocks, block_size, num_kv_heads, head_dim]",
     "flashinfer": "[num_blocks, 2, block_size, num_kv_heads, head_dim]",
@@ -153,21 +155,19 @@ def _describe(kv_caches: Sequence[Tensor], layout: str) -> PagedGeometry:
                 f"kv_caches[{index}] is {layer.dtype} on {layer.device}, but kv_caches[0] is "
                 f"{first.dtype} on {first.device}: all layers must match"
             )
-    if layout == "flash_attn":
-        if first.shape[0] != 2:
+    if layout in _PLANE_AXIS:
+        # The two layouts differ only in where the (K, V) plane axis stands: take it out, and the
+        # rest is [num_blocks, block_size, heads, head_dim] in both.
+        plane_axis = _PLANE_AXIS[layout]
+        shape, strides = list(first.shape), list(first.stride())
+        if shape.pop(plane_axis) != 2:
             raise ValueError(
-                f"flash_attn layers must have 2 planes (K, V) first, got shape {tuple(first.shape)}"
+                f"{layout} layers must have 2 planes (K, V) {('first', 'second')[plane_axis]}, "
+                f"got shape {tuple(first.shape)}"
             )
-        _, num_blocks, block_size, heads, head_dim = first.shape
-        plane_stride, block_stride, position_stride, head_stride, dim_stride = first.stride()
-        num_planes = 2
-    elif layout == "flashinfer":
-        if first.shape[1] != 2:
-            raise ValueError(
-                f"flashinfer layers must have 2 planes (K, V) second, got shape {tuple(first.shape)}"
-            )
-        num_blocks, _, block_size, heads, head_dim = first.shape
-        block_stride, plane_stride, position_stride, head_stride, dim_stride = first.stride()
+        plane_stride = strides.pop(plane_axis)
+        num_blocks, block_size, heads, head_dim = shape
+        block_stride, position_stride, head_stride, dim_stride = strides
         num_planes = 2
     else:
         num_blocks, block_size, head_dim = first.shape

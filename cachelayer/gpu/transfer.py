@@ -74,8 +74,14 @@ def layer_groups(num_layers: int, pieces: int | str | None, *, growing: bool = T
     return [(bounds[i], bounds[i + 1]) for i in range(pieces)]
 
 
-def _check_host_chunk(host: Tensor, geometry: PagedGeometry, num_tokens: int, name: str) -> None:
-    check_chunk(host, geometry, num_tokens, name)
+def _checked_host_transfer(
+    kv_caches: Sequence[Tensor], layout: str, slot_mapping: Tensor, host: Tensor, name: str, check_range: bool
+) -> PagedGeometry:
+    """The layers' geometry, once `slot_mapping` and the host chunk `host` (called `name`) are checked
+    against it for a transfer between the cache's device and host memory."""
+    geometry = paged_geometry(kv_caches, layout)
+    check_slot_mapping(slot_mapping, geometry, check_range=check_range)
+    check_chunk(host, geometry, slot_mapping.numel(), name)
     if host.device.type != "cpu":
         raise ValueError(f"{name} must be a host (CPU) tensor, got one on {host.device}")
     if not host.is_contiguous():
@@ -85,6 +91,7 @@ def _check_host_chunk(host: Tensor, geometry: PagedGeometry, num_tokens: int, na
             f"{name} must be pinned host memory for asynchronous copies: allocate it with "
             "torch.empty(..., pin_memory=True) or call .pin_memory()"
         )
+    return geometry
 
 
 class LayerwiseStorer:
@@ -105,9 +112,9 @@ class LayerwiseStorer:
         check_range: bool = True,
     ):
         self._kv_caches = list(kv_caches)
-        self._geometry = paged_geometry(self._kv_caches, layout)
-        check_slot_mapping(slot_mapping, self._geometry, check_range=check_range)
-        _check_host_chunk(host_out, self._geometry, slot_mapping.numel(), "host_out")
+        self._geometry = _checked_host_transfer(
+            self._kv_caches, layout, slot_mapping, host_out, "host_out", check_range
+        )
         self._slot_mapping = slot_mapping
         self._host_out = host_out
         self._cuda = self._geometry.device.type == "cuda"
@@ -174,9 +181,9 @@ class LayerwiseLoader:
     ):
         """`groups`: contiguous layer ranges copied and scattered as units (None: one per layer)."""
         self._kv_caches = list(kv_caches)
-        self._geometry = paged_geometry(self._kv_caches, layout)
-        check_slot_mapping(slot_mapping, self._geometry, check_range=check_range)
-        _check_host_chunk(host_chunk, self._geometry, slot_mapping.numel(), "host_chunk")
+        self._geometry = _checked_host_transfer(
+            self._kv_caches, layout, slot_mapping, host_chunk, "host_chunk", check_range
+        )
         self._slot_mapping = slot_mapping
         self._host_chunk = host_chunk
         num_layers = self._geometry.num_layers

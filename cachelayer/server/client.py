@@ -26,6 +26,7 @@ import torch
 import zmq
 
 from cachelayer.engine import copy_tensor
+from cachelayer.errors import CacheLayerError
 from cachelayer.server import protocol
 from cachelayer.server.leases import process_start_time
 from cachelayer.server.protocol import ChunkEvent, KeySpace, Reply, Request, Slot
@@ -58,7 +59,7 @@ class Reservation:
     chunks: list[LeasedChunk]
 
 
-class StoreUnavailable(RuntimeError):
+class StoreUnavailable(CacheLayerError, RuntimeError):
     """The daemon did not answer in time, or answered with an error."""
 
 
@@ -299,11 +300,8 @@ class StoreClient:
         if not reply.slots:
             yield reservation
             return
-        try:
+        with self._released_on_error(reply.lease):
             yield reservation
-        except BaseException:
-            self._end_lease("release", reply.lease)
-            raise
         committed, _ = self._call(self._lease_request("commit", lease=reply.lease))
         reservation.held_tokens = committed.hit_tokens
         reservation.events += committed.events
@@ -324,11 +322,8 @@ class StoreClient:
         if not reply.slots:
             yield lease
             return
-        try:
+        with self._released_on_error(reply.lease):
             yield lease
-        except BaseException:
-            self._end_lease("release", reply.lease)
-            raise
         if not self._end_lease("release", reply.lease):
             raise LeaseExpired(
                 f"the daemon at {self.endpoint} ended lease {reply.lease} before it was released"
@@ -353,6 +348,16 @@ class StoreClient:
             pid_start=self._pid_start,
             lease=lease,
         )
+
+    @contextlib.contextmanager
+    def _released_on_error(self, lease: int) -> Iterator[None]:
+        """Run the block that uses `lease`; when it raises, the lease is released before the error
+        goes on (a write lease's chunks are then given back, never committed)."""
+        try:
+            yield
+        except BaseException:
+            self._end_lease("release", lease)
+            raise
 
     def _end_lease(self, op: protocol.Operation, lease: int) -> bool:
         """Release a lease; False (logged) when the daemon had ended it already."""

@@ -30,7 +30,9 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import zmq
 
 from cachelayer.config import CacheLayerConfig
+from cachelayer.controller.protocol import lmcache_error_body
 from cachelayer.engine import CacheEngine
+from cachelayer.errors import CacheLayerError
 from cachelayer.server import protocol
 from cachelayer.server.leases import ClientProcess, LeaseLimitError, LeaseTable
 from cachelayer.server.protocol import ChunkEvent, KeySpace, Reply, Request, SharedSegment, Slot
@@ -79,7 +81,7 @@ def _remote_metric_name(field: str) -> str:
     return f"cachelayer_{field}_total" if kind == "counter" else f"cachelayer_{field}"
 
 
-class KeySpaceLimitError(RuntimeError):
+class KeySpaceLimitError(CacheLayerError, RuntimeError):
     """A store asked for a key space beyond MAX_KEY_SPACES."""
 
 
@@ -411,7 +413,7 @@ class _HTTPHandler(BaseHTTPRequestHandler):
         elif path == "/metrics":
             self._send(200, "text/plain; version=0.0.4", self.store_server.metrics_text().encode())
         else:
-            self._send(404, "application/json", b'{"detail": "not found: try /healthcheck or /metrics"}')
+            self._send(404, "application/json", lmcache_error_body("not found: try /healthcheck or /metrics"))
 
     def _send(self, status: int, content_type: str, body: bytes) -> None:
         self.send_response(status)

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from cachelayer.engine import CacheEngine, StoreReservation
+from cachelayer.errors import CacheLayerError
 from cachelayer.server.protocol import ChunkEvent
 from cachelayer.storage.tier import TierEntry
 
@@ -69,7 +70,7 @@ class Lease:
     expired: bool = False
 
 
-class LeaseLimitError(RuntimeError):
+class LeaseLimitError(CacheLayerError, RuntimeError):
     """A client holds too many leases at once."""
 
 

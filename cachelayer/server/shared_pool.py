@@ -23,6 +23,8 @@ import secrets
 
 import torch
 
+from cachelayer.errors import CacheLayerError
+
 log = logging.getLogger(__name__)
 
 # The segment starts with a header page (the token); the pool follows, page-aligned.
@@ -30,7 +32,7 @@ HEADER_BYTES = 4096
 TOKEN_BYTES = 16
 
 
-class SharedPoolUnavailable(OSError):
+class SharedPoolUnavailable(CacheLayerError, OSError):
     """The daemon's segment cannot be mapped from this process (another host, user or namespace)."""
 
 

@@ -9,10 +9,12 @@ from __future__ import annotations
 
 from sortedcontainers import SortedDict, SortedList
 
+from cachelayer.errors import CacheLayerError
+
 ALIGNMENT = 512
 
 
-class DoubleFreeError(RuntimeError):
+class DoubleFreeError(CacheLayerError, RuntimeError):
     """An offset was freed that is not currently allocated."""
 
 

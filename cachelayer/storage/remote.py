@@ -35,6 +35,8 @@ import xxhash
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
+from cachelayer.errors import CacheLayerError
+
 log = logging.getLogger(__name__)
 
 MAGIC = b"CLKV"
@@ -48,7 +50,7 @@ T = TypeVar("T")
 Buffer = bytes | bytearray | memoryview
 
 
-class CorruptValue(ValueError):
+class CorruptValue(CacheLayerError, ValueError):
     """A remote value that is not the chunk the reader asked for (or not a chunk at all)."""
 
 

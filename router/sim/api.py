@@ -21,7 +21,7 @@ import math
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import msgspec
@@ -33,6 +33,7 @@ from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
 
+from router.errors import KvgateError
 from router.sim.engine import GenerationRequest, InsufficientCapacity, SimulatedEngine
 from router.sim.prompts import PromptError, PromptTokenizer
 
@@ -50,7 +51,23 @@ class ServedModel:
     lora_names: tuple[str, ...] = ()
 
 
-class _BadRequest(Exception):
+@dataclass(frozen=True, slots=True)
+class _GenerationApi:
+    """How /v1/completions or /v1/chat/completions shapes its JSON; the generation is the same."""
+
+    id_prefix: str
+    response_object: str
+    chunk_object: str
+    read_prompt: Callable[[dict], Any]  # the request body -> prompt token ids (PromptError if bad)
+    prompt_param: str  # the field a prompt error names
+    max_tokens_field: str
+    chunk_choice: Callable[[str, str | None], dict]  # (text, finish reason) -> a streamed choice
+    response_choice: Callable[[str], dict]  # the whole text -> the choice of a non-streamed answer
+    first_chunk_choice: dict | None = None  # streamed before the first token (chat: the role)
+    response_trailer: dict = field(default_factory=dict)  # fields after `usage` in a non-streamed answer
+
+
+class _BadRequest(KvgateError):
     def __init__(self, message: str, status: int = 400, param: str | None = None):
         super().__init__(message)
         self.status = status
@@ -207,128 +224,93 @@ def build_app(
         options = body.get("stream_options") or {}
         return bool(isinstance(options, dict) and options.get("include_usage"))
 
-    async def completions(request: Request) -> Response:
+    def completion_prompt(body: dict):
+        if "prompt" not in body:
+            raise _BadRequest("`prompt` is required", param="prompt")
+        return tokenizer.completion_prompt(body["prompt"], bool(body.get("add_special_tokens", True)))
+
+    def chat_prompt(body: dict):
+        return tokenizer.chat_prompt(
+            body.get("messages"),
+            add_generation_prompt=bool(body.get("add_generation_prompt", True)),
+            continue_final_message=bool(body.get("continue_final_message", False)),
+            tools=body.get("tools"),
+            chat_template_kwargs=body.get("chat_template_kwargs"),
+            add_special_tokens=bool(body.get("add_special_tokens", False)),
+        )
+
+    async def generate(request: Request, api: _GenerationApi) -> Response:
+        """One completion or chat completion, streamed or not; `api` says how its JSON is shaped."""
         try:
             body = await read_body(request)
-            if "prompt" not in body:
-                raise _BadRequest("`prompt` is required", param="prompt")
             try:
-                prompt = tokenizer.completion_prompt(
-                    body["prompt"], bool(body.get("add_special_tokens", True))
-                )
+                prompt = api.read_prompt(body)
             except PromptError as exc:
-                raise _BadRequest(str(exc), param="prompt") from None
-            generation = generation_request(body, prompt, "max_tokens")
+                raise _BadRequest(str(exc), param=api.prompt_param) from None
+            generation = generation_request(body, prompt, api.max_tokens_field)
         except _BadRequest as exc:
             return _error(str(exc), exc.status, exc.param)
-        response_id = f"cmpl-{generation.request_id}"
-        created = int(time.time())
-
-        def chunk(text: str, finish: str | None) -> dict:
-            choice = {
-                "index": 0,
-                "text": text,
-                "logprobs": None,
-                "finish_reason": finish,
-                "stop_reason": None,
-            }
-            return {
-                "id": response_id,
-                "object": "text_completion",
-                "created": created,
-                "model": generation.lora_name or model.name,
-                "choices": [choice],
-            }
-
+        header = {
+            "id": f"{api.id_prefix}-{generation.request_id}",
+            "object": api.chunk_object,
+            "created": int(time.time()),
+            "model": generation.lora_name or model.name,
+        }
         if body.get("stream"):
-            return _sse(
-                engine,
-                generation,
-                tokenizer,
-                chunk,
-                None,
-                response_id,
-                created,
-                generation.lora_name or model.name,
-                "text_completion",
-                stream_options(body),
-            )
+            return _sse(engine, generation, tokenizer, api, header, stream_options(body))
         tokens = [token async for token in engine.generate(generation)]
         text = "".join(tokenizer.output_text(t) for t in tokens)
-        result = chunk(text, "length")
-        result["choices"][0]["prompt_logprobs"] = None
-        result["usage"] = _usage(len(prompt), len(tokens), generation.cached_tokens)
-        return _ok(result)
-
-    async def chat_completions(request: Request) -> Response:
-        try:
-            body = await read_body(request)
-            try:
-                prompt = tokenizer.chat_prompt(
-                    body.get("messages"),
-                    add_generation_prompt=bool(body.get("add_generation_prompt", True)),
-                    continue_final_message=bool(body.get("continue_final_message", False)),
-                    tools=body.get("tools"),
-                    chat_template_kwargs=body.get("chat_template_kwargs"),
-                    add_special_tokens=bool(body.get("add_special_tokens", False)),
-                )
-            except PromptError as exc:
-                raise _BadRequest(str(exc), param="messages") from None
-            generation = generation_request(body, prompt, "max_completion_tokens")
-        except _BadRequest as exc:
-            return _error(str(exc), exc.status, exc.param)
-        response_id = f"chatcmpl-{generation.request_id}"
-        created = int(time.time())
-
-        def chunk(delta: dict, finish: str | None) -> dict:
-            choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
-            return {
-                "id": response_id,
-                "object": "chat.completion.chunk",
-                "created": created,
-                "model": generation.lora_name or model.name,
-                "choices": [choice],
-            }
-
-        if body.get("stream"):
-            return _sse(
-                engine,
-                generation,
-                tokenizer,
-                lambda text, finish: chunk({"content": text}, finish),
-                chunk({"role": "assistant", "content": ""}, None),
-                response_id,
-                created,
-                generation.lora_name or model.name,
-                "chat.completion.chunk",
-                stream_options(body),
-            )
-        tokens = [token async for token in engine.generate(generation)]
-        message = {
-            "role": "assistant",
-            "content": "".join(tokenizer.output_text(t) for t in tokens),
-            "reasoning_content": None,
-            "tool_calls": [],
-        }
         return _ok(
             {
-                "id": response_id,
-                "object": "chat.completion",
-                "created": created,
-                "model": generation.lora_name or model.name,
-                "choices": [
-                    {
-                        "index": 0,
-                        "message": message,
-                        "logprobs": None,
-                        "finish_reason": "length",
-                        "stop_reason": None,
-                    }
-                ],
+                **header,
+                "object": api.response_object,
+                "choices": [api.response_choice(text)],
                 "usage": _usage(len(prompt), len(tokens), generation.cached_tokens),
-                "prompt_logprobs": None,
+                **api.response_trailer,
             }
         )
+
+    def completion_choice(text: str, finish: str | None) -> dict:
+        return {"index": 0, "text": text, "logprobs": None, "finish_reason": finish, "stop_reason": None}
+
+    completion_api = _GenerationApi(
+        id_prefix="cmpl",
+        response_object="text_completion",
+        chunk_object="text_completion",
+        read_prompt=completion_prompt,
+        prompt_param="prompt",
+        max_tokens_field="max_tokens",
+        chunk_choice=completion_choice,
+        response_choice=lambda text: {**completion_choice(text, "length"), "prompt_logprobs": None},
+    )
+
+    def chat_chunk_choice(delta: dict, finish: str | None) -> dict:
+        return {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+
+    chat_api = _GenerationApi(
+        id_prefix="chatcmpl",
+        response_object="chat.completion",
+        chunk_object="chat.completion.chunk",
+        read_prompt=chat_prompt,
+        prompt_param="messages",
+        max_tokens_field="max_completion_tokens",
+        chunk_choice=lambda text, finish: chat_chunk_choice({"content": text}, finish),
+        first_chunk_choice=chat_chunk_choice({"role": "assistant", "content": ""}, None),
+        response_choice=lambda text: {
+            "index": 0,
+            "message": {"role": "assistant", "content": text, "reasoning_content": None, "tool_calls": []},
+            "logprobs": None,
+            "finish_reason": "length",
+            "stop_reason": None,
+        },
+        response_trailer={"prompt_logprobs": None},
+    )
+
+    async def completions(request: Request) -> Response:
+        return await generate(request, completion_api)
+
+    async def chat_completions(request: Request) -> Response:
+        return await generate(request, chat_api)
 
     async def models(request: Request) -> Response:
         def entry(name: str, parent: str | None) -> dict:
@@ -350,18 +332,9 @@ def build_app(
         try:
             body = await read_body(request)
             if "messages" in body:
-                tokens = tokenizer.chat_prompt(
-                    body["messages"],
-                    add_generation_prompt=bool(body.get("add_generation_prompt", True)),
-                    continue_final_message=bool(body.get("continue_final_message", False)),
-                    tools=body.get("tools"),
-                    chat_template_kwargs=body.get("chat_template_kwargs"),
-                    add_special_tokens=bool(body.get("add_special_tokens", False)),
-                )
+                tokens = chat_prompt(body)
             elif isinstance(body.get("prompt"), str):
-                tokens = tokenizer.completion_prompt(
-                    body["prompt"], bool(body.get("add_special_tokens", True))
-                )
+                tokens = completion_prompt(body)
             else:
                 raise _BadRequest("give `prompt` (a string) or `messages`", param="prompt")
         except PromptError as exc:
@@ -508,38 +481,28 @@ def _sse(
     engine: SimulatedEngine,
     generation: GenerationRequest,
     tokenizer: PromptTokenizer,
-    chunk,
-    first_chunk: dict | None,
-    response_id: str,
-    created: int,
-    model_name: str,
-    object_name: str,
+    api: _GenerationApi,
+    header: dict,
     include_usage: bool,
 ) -> StreamingResponse:
+    """The generation as server-sent events in vLLM's chunk format, ending with `data: [DONE]`."""
+
     async def events() -> AsyncIterator[bytes]:
         count = 0
         generator = engine.generate(generation)
         try:
             async for token in generator:
-                if count == 0 and first_chunk is not None:
-                    yield _frame(first_chunk, include_usage)
+                if count == 0 and api.first_chunk_choice is not None:
+                    yield _frame({**header, "choices": [api.first_chunk_choice]}, include_usage)
                 count += 1
                 finish = "length" if count == generation.max_tokens else None
-                yield _frame(chunk(tokenizer.output_text(token), finish), include_usage)
+                choice = api.chunk_choice(tokenizer.output_text(token), finish)
+                yield _frame({**header, "choices": [choice]}, include_usage)
         finally:
             await generator.aclose()
         if include_usage:
-            yield _frame(
-                {
-                    "id": response_id,
-                    "object": object_name,
-                    "created": created,
-                    "model": model_name,
-                    "choices": [],
-                    "usage": _usage(len(generation.prompt), count, generation.cached_tokens),
-                },
-                False,
-            )
+            usage = _usage(len(generation.prompt), count, generation.cached_tokens)
+            yield _frame({**header, "choices": [], "usage": usage}, False)
         yield b"data: [DONE]\n\n"
 
     return StreamingResponse(events(), media_type="text/event-stream")

@@ -82,6 +82,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         parser.add_argument(flag, action="store_true", help=argparse.SUPPRESS)
 
 
+def _refuse(message: str) -> int:
+    """Say why the simulator cannot start, on stderr; the exit status of a bad command line."""
+    print(f"kvgate sim: {message}", file=sys.stderr)
+    return 2
+
+
 def run(args: argparse.Namespace) -> int:
     """Start the simulated engine and serve until interrupted."""
     logging.basicConfig(
@@ -96,27 +102,21 @@ def run(args: argparse.Namespace) -> int:
         ("--default-max-tokens", args.default_max_tokens, 1),
     ):
         if value < minimum:
-            print(f"kvgate sim: {name} must be at least {minimum}, got {value}", file=sys.stderr)
-            return 2
+            return _refuse(f"{name} must be at least {minimum}, got {value}")
     try:
         lora_names = _lora_names(args.lora_modules)
     except ValueError as exc:
-        print(f"kvgate sim: {exc}", file=sys.stderr)
-        return 2
+        return _refuse(str(exc))
     if bool(args.shared_tier) != bool(args.shared_tier_url):
-        message = "--shared-tier and --shared-tier-url go together; give both or neither"
-        print(f"kvgate sim: {message}", file=sys.stderr)
-        return 2
+        return _refuse("--shared-tier and --shared-tier-url go together; give both or neither")
     if args.shared_load_us_per_token < 0:
-        print("kvgate sim: --shared-load-us-per-token must not be negative", file=sys.stderr)
-        return 2
+        return _refuse("--shared-load-us-per-token must not be negative")
     events_config = None
     if args.kv_events_config:
         try:
             events_config = parse_kv_events_config(args.kv_events_config)
         except ValueError as exc:
-            print(f"kvgate sim: {exc}", file=sys.stderr)
-            return 2
+            return _refuse(str(exc))
 
     import uvicorn  # imported here so `kvgate --help` stays fast
 
@@ -129,8 +129,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         tokenizer = PromptTokenizer(resolve_tokenizer_dir(args.tokenizer))
     except (ValueError, OSError) as exc:
-        print(f"kvgate sim: cannot load the tokenizer {args.tokenizer!r}: {exc}", file=sys.stderr)
-        return 2
+        return _refuse(f"cannot load the tokenizer {args.tokenizer!r}: {exc}")
     model_name = args.served_model_name or args.model
     timing = TimingModel(
         prefill_us_per_token=args.prefill_us_per_token,
@@ -144,8 +143,7 @@ def run(args: argparse.Namespace) -> int:
         try:
             shared_store = SharedBlockStore(args.shared_tier_url, args.shared_tier)
         except ValueError as exc:
-            print(f"kvgate sim: {exc}", file=sys.stderr)
-            return 2
+            return _refuse(str(exc))
     publisher = None
     if (
         events_config is not None
@@ -166,8 +164,7 @@ def run(args: argparse.Namespace) -> int:
                 bind=True,
             )
         except OSError as exc:
-            print(f"kvgate sim: {exc}", file=sys.stderr)
-            return 2
+            return _refuse(str(exc))
     engine = SimulatedEngine(
         BlockPool(args.num_gpu_blocks_override, args.block_size),
         timing,

@@ -31,6 +31,7 @@ import numpy as np
 import xxhash
 
 from kvwire import BlockStored, EventPublisher, KVEvent
+from router.errors import KvgateError
 from router.sim.blocks import BlockPool, chained_block_hashes
 from router.sim.shared_store import MEDIUM_SHARED, SharedBlockStore
 
@@ -82,7 +83,7 @@ class GenerationRequest:
     shared_prefix_blocks: int = 0
 
 
-class InsufficientCapacity(ValueError):
+class InsufficientCapacity(KvgateError, ValueError):
     """The request can never fit this engine (context length or block pool)."""
 
 

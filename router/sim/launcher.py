@@ -22,12 +22,13 @@ import urllib.request
 from dataclasses import dataclass, field
 
 from router.config import Backend, Config, KVEvents, SimulatedEngines
+from router.errors import KvgateError
 
 log = logging.getLogger("kvgate.sim.launcher")
 TOPIC = "kv-events"
 
 
-class LaunchError(RuntimeError):
+class LaunchError(KvgateError, RuntimeError):
     """The simulated engines could not be started; the message says which and why."""
 
 

@@ -24,11 +24,12 @@ import msgspec
 import numpy as np
 
 from router.config import builtin_tokenizer_dir
+from router.errors import KvgateError
 
 log = logging.getLogger("kvgate.sim")
 
 
-class PromptError(ValueError):
+class PromptError(KvgateError, ValueError):
     """A request whose prompt or messages cannot be tokenized; the message says why."""
 
 
