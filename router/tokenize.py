@@ -45,6 +45,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from router.ascii_encoder import AsciiEncoder
+from router.chat_render import FastChatRenderer
 from router.errors import log_unexpected
 from router.template_sandbox import TemplateSandbox, TemplateSandboxError
 
@@ -220,6 +221,8 @@ class PromptTokenizer:
             self.piecewise and self._pre_tokenizer is not None and self._segmented_encoding_is_exact()
         )
         self.template_reads_sped_up = _speed_up_template_reads(self.tokenizer)
+        # Plain chats rendered without apply_chat_template's per-call work (router/chat_render.py).
+        self.fast_render = FastChatRenderer(self.tokenizer)
         if self.piecewise and not self.segmented:
             logger.info("tokenizer %s: segment cache for long messages off (checks failed)", tokenizer_dir)
 
@@ -279,7 +282,28 @@ class PromptTokenizer:
         return slow, fast
 
     def render_chat(self, body: dict[str, Any]) -> str:
-        return render_chat(self.tokenizer, body)
+        fast = self._render_plain_chat(body)
+        return fast if fast is not None else render_chat(self.tokenizer, body)
+
+    def _render_plain_chat(self, body: dict[str, Any]) -> str | None:
+        """The model's template applied by the fast renderer, or None where the request is not a
+        plain chat it renders exactly (tools, a continued message, the request's own template...)."""
+        messages = body.get("messages")
+        if not isinstance(messages, list) or not messages or body.get("tools"):
+            return None
+        if body.get("continue_final_message") or body.get("chat_template") is not None:
+            return None
+        variables = body.get("chat_template_kwargs") or {}
+        if not isinstance(variables, dict) or "chat_template" in variables:
+            return None
+        add_generation_prompt = body.get("add_generation_prompt")
+        try:
+            flattened = [_flatten_content(message) for message in messages]
+        except TokenizeError:
+            return None
+        return self.fast_render.render(
+            flattened, True if add_generation_prompt is None else bool(add_generation_prompt), variables
+        )
 
     def encode_text(self, text: str, *, add_special_tokens: bool) -> np.ndarray:
         if add_special_tokens or not self.piecewise:
