@@ -254,6 +254,7 @@ class PromptTokenizer:
         self.cache = _PieceCache(cache_tokens)
         self.cuts = _CutMemory(cut_memory_chars)
         self.prompts = _PromptMemory(PROMPT_MEMORY_CHARS)
+        self._last_split: tuple[str, list[str], np.ndarray | None] | None = None
         added = sorted(self.tokenizer.added_tokens_encoder, key=len, reverse=True)
         self._added_pattern = re.compile("|".join(re.escape(token) for token in added)) if added else None
         self.piecewise = self._added_pattern is not None and self._piecewise_encoding_is_exact()
@@ -397,16 +398,26 @@ class PromptTokenizer:
 
     def _pieces_after_remembered_prompt(self, text: str) -> tuple[list[str], np.ndarray | None]:
         """The pieces of `text` after the longest remembered prompt it starts with, and that
-        prompt's tokens (None when there is none: all of text's pieces)."""
-        pieces = self._pieces(text)
-        boundaries = list(itertools.accumulate(len(piece) for piece in pieces))
-        if boundaries and self._added_pattern is not None and self._added_pattern.search(pieces[-1]) is None:
-            boundaries.pop()  # the open tail (a generation prompt) is not a boundary
+        prompt's tokens (None when there is none: all of text's pieces). The last answer is kept:
+        a request asks for the same text twice (uncached_chars, then encode_text)."""
+        last = self._last_split
+        if last is not None and last[0] is text:
+            return last[1], last[2]
+        assert self._added_pattern is not None
+        # Offsets right after each added token; the pieces before a remembered prompt's end are
+        # never cut out of the text.
+        boundaries = [match.end() for match in self._added_pattern.finditer(text)]
         found = self.prompts.longest_prefix(text, boundaries)
-        if found is None:
-            return pieces, None
-        end, ids = found
-        return pieces[boundaries.index(end) + 1 :], ids
+        start, ids = found if found is not None else (0, None)
+        pieces = []
+        for end in boundaries:
+            if end > start:
+                pieces.append(text[start:end])
+                start = end
+        if start < len(text):
+            pieces.append(text[start:])
+        self._last_split = (text, pieces, ids)
+        return pieces, ids
 
     def decode(self, tokens: list[int]) -> str:
         return self.tokenizer.decode(tokens, skip_special_tokens=False)
