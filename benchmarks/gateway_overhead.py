@@ -557,7 +557,7 @@ def write_kv_aware_report(report: dict, stem: Path) -> None:
     import matplotlib.pyplot as plt
 
     entries = report["results"]
-    names = [entry["target"].replace(" ", "\n", 1) for entry in entries]
+    names = [entry["target"].replace(" --", "\n--").replace(" ", "\n", 1) for entry in entries]
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
     x = range(len(entries))
     axes[0].bar(x, [entry["requests_per_s"] or 0 for entry in entries], color="tab:green")
@@ -736,6 +736,9 @@ def main() -> None:
     if args.kv_aware and args.output == parser.get_default("output"):
         args.output = str(RESULTS_DIR / "gateway_overhead_kv_aware")
     stem = Path(args.output)
+    if args.kv_aware and args.report_only:
+        write_kv_aware_report(json.loads(stem.with_suffix(".json").read_text()), stem)
+        return
     if args.kv_aware:
         report = uvloop.run(kv_aware_main_async(args))
         report.update(
