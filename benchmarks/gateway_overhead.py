@@ -11,6 +11,14 @@ For every target it reports, in one run on this machine:
   time, so all of them run under the same contention from the rest of this shared machine (the
   sequential phases above see whatever load the machine had at their own moment).
 
+With `--kv-aware` it measures instead the throughput per host of cache-aware routing (issue 25):
+realistic chat prompts (benchmarks/workloads.py chat_sessions, 1-2k tokens, each session's turns
+in order, no request sent twice to a target) at saturation, through kvgate kv_aware (the real Qwen3
+tokenizer) with `--workers 1` and `--workers 2` (the two replicas synced through a redis-server the
+benchmark starts), kvgate least_loaded (no tokens) for reference, and the peers' cache_aware, all
+in front of the same two fast backends: requests/s and the router's CPU per request, each target
+in turn per round, rounds interleaved.
+
 Peers are run from their own virtual environments (scripts/install_peers.sh); a missing peer is
 reported and skipped. The load generator is this process: raw asyncio protocols with httptools,
 keep-alive connections, bounded by a request count and a time limit per phase, loopback only.
@@ -103,9 +111,9 @@ class _ClientConnection(asyncio.Protocol):
         return (self.first_byte_at or ended) - started, ended - started, self.status
 
 
-def _raw_request(port: int, body: bytes, stream: bool) -> bytes:
+def _raw_request(port: int, body: bytes, stream: bool, path: str = "/v1/completions") -> bytes:
     head = (
-        f"POST /v1/completions HTTP/1.1\r\nhost: 127.0.0.1:{port}\r\ncontent-type: application/json\r\n"
+        f"POST {path} HTTP/1.1\r\nhost: 127.0.0.1:{port}\r\ncontent-type: application/json\r\n"
         f"content-length: {len(body)}\r\n"
     )
     if stream:
@@ -113,10 +121,21 @@ def _raw_request(port: int, body: bytes, stream: bool) -> bytes:
     return head.encode() + b"\r\n" + body
 
 
-async def run_load(port: int, stream: bool, requests: int, concurrency: int, time_limit_s: float) -> dict:
-    """Closed-loop load: `concurrency` connections, each sending its requests one after another."""
+async def run_load(
+    port: int,
+    stream: bool,
+    requests: int,
+    concurrency: int,
+    time_limit_s: float,
+    bodies: list[bytes] | None = None,
+) -> dict:
+    """Closed-loop load: `concurrency` connections, each sending its requests one after another;
+    with `bodies`, chat requests taken from that list in order (at most once each)."""
     loop = asyncio.get_running_loop()
     raw = _raw_request(port, STREAM_BODY if stream else PROMPT_BODY, stream)
+    chat = iter([_raw_request(port, body, False, "/v1/chat/completions") for body in bodies or []])
+    if bodies is not None:
+        requests = min(requests, len(bodies))
     connections = []
     for _ in range(concurrency):
         _, connection = await loop.create_connection(_ClientConnection, "127.0.0.1", port)
@@ -132,7 +151,7 @@ async def run_load(port: int, stream: bool, requests: int, concurrency: int, tim
         while remaining > 0 and time.monotonic() < deadline:
             remaining -= 1
             try:
-                first_byte, total, status = await connection.request(raw)
+                first_byte, total, status = await connection.request(raw if bodies is None else next(chat))
             except ConnectionError:
                 errors += 1
                 return
@@ -186,12 +205,15 @@ def start_kvgate(backend_url: str) -> tuple[ManagedProcess, int]:
     return process, port
 
 
-def start_peer(peer: str, policy: str, backend_url: str) -> tuple[ManagedProcess, int] | None:
+def start_peer(
+    peer: str, policy: str, backend_url: str, worker_urls: list[str] | None = None
+) -> tuple[ManagedProcess, int] | None:
     venv = PEERS_DIR / peer
     if not (venv / "bin" / "python").exists():
         return None
     port = free_port()
-    common = ["--host", "127.0.0.1", "--port", str(port), "--worker-urls", backend_url, "--policy", policy]
+    urls = worker_urls or [backend_url]
+    common = ["--host", "127.0.0.1", "--port", str(port), "--worker-urls", *urls, "--policy", policy]
     if peer == "sglang-router":
         args = [
             str(venv / "bin" / "python"),
@@ -293,6 +315,224 @@ async def main_async(args: argparse.Namespace) -> dict:
             process.stop()
         backend.stop()
     return {"results": _merge_rounds(results), "paired_cpu": paired, "skipped": skipped}
+
+
+# ---------------------------------------------------------------- kv_aware throughput per host
+
+KV_MODEL = "tiny-qwen3"
+
+
+def chat_bodies(requests: int, seed: int) -> tuple[list[bytes], list[int]]:
+    """`requests` chat bodies of chat_sessions (1-2k-token prompts; each session's turns in arrival
+    order) and their prompt lengths in tokens."""
+    from kvgate_testing.workloads import ChatSessionsParams, chat_sessions
+
+    turns = 6
+    params = ChatSessionsParams(users=-(-requests // turns), turns=turns, system_tokens=800, seed=seed)
+    ordered = sorted(chat_sessions(params).requests, key=lambda request: request.arrival_s)[:requests]
+    bodies = [
+        json.dumps(
+            {"model": KV_MODEL, "messages": request.messages, "max_tokens": 1, "user": request.session_id}
+        ).encode()
+        for request in ordered
+    ]
+    return bodies, [request.prompt_tokens for request in ordered]
+
+
+def start_kvgate_kv_aware(
+    backend_urls: list[str], policy: str, workers: int, redis_url: str
+) -> tuple[ManagedProcess, int]:
+    port = free_port()
+    config: dict = {
+        "listen": {"host": "127.0.0.1", "port": port},
+        "models": [{"name": KV_MODEL, "tokenizer": "builtin:qwen3"}],
+        "backends": [{"name": f"fast-{i}", "url": url} for i, url in enumerate(backend_urls)],
+        "policy": {"name": policy},
+        "log_level": "warning",
+    }
+    if workers > 1:
+        config["cluster"] = {"url": redis_url}
+    handle, path = tempfile.mkstemp(prefix="kvgate-bench-", suffix=".yaml")
+    with os.fdopen(handle, "w") as file:
+        yaml.safe_dump(config, file)
+    command = ["-m", "router.cli", "serve", "--config", path, "--workers", str(workers)]
+    process = ManagedProcess(python_command(*command))
+    wait_for_http(f"http://127.0.0.1:{port}/health", process, timeout_s=90)
+    return process, port
+
+
+def start_peer_routers(backend_urls: list[str]) -> tuple[list[tuple[str, ManagedProcess, int]], list[str]]:
+    started, skipped = [], []
+    for peer in ("sglang-router", "vllm-router"):
+        try:
+            launched = start_peer(peer, "cache_aware", backend_urls[0], worker_urls=backend_urls)
+        except Exception as exc:  # a peer that does not come up is reported, the others still run
+            skipped.append(f"{peer} cache_aware (did not start: {exc!r:.200})")
+            continue
+        if launched is None:
+            skipped.append(f"{peer} (not installed: run scripts/install_peers.sh)")
+            continue
+        started.append((f"{peer} cache_aware", *launched))
+    return started, skipped
+
+
+async def kv_aware_main_async(args: argparse.Namespace) -> dict:
+    from kvgate_testing.redis_server import RedisServer
+
+    backends = [BackendProcess(f"fast-{i}", [KV_MODEL], record=False).start() for i in range(2)]
+    urls = [backend.url for backend in backends]
+    redis_server = RedisServer().start()
+    started: list[ManagedProcess] = []
+    targets: list[tuple[str, ManagedProcess, int]] = []
+    skipped: list[str] = []
+    try:
+        for label, policy, workers in (
+            ("kvgate kv_aware --workers 1", "kv_aware", 1),
+            ("kvgate kv_aware --workers 2", "kv_aware", 2),
+            ("kvgate least_loaded --workers 1", "least_loaded", 1),
+        ):
+            process, port = start_kvgate_kv_aware(urls, policy, workers, redis_server.url)
+            started.append(process)
+            targets.append((label, process, port))
+        if not args.skip_peers:
+            peers, skipped = start_peer_routers(urls)
+            started += [process for _, process, _ in peers]
+            targets += peers
+        lengths: list[int] = []
+        rows: list[dict] = []
+        for round_number in range(args.rounds):
+            # Fresh conversations every round: no target is sent a prompt it has seen.
+            warmup, _ = chat_bodies(256, seed=1000 + round_number)
+            bodies, round_lengths = chat_bodies(args.load_requests, seed=round_number)
+            lengths += round_lengths
+            for name, process, port in targets:
+                print(f"round {round_number + 1}: {name} ...", file=sys.stderr, flush=True)
+                await run_load(port, False, len(warmup), args.concurrency, args.phase_time_s, warmup)
+                redis_before = tree_cpu_seconds(redis_server.process.pid) if "workers 2" in name else 0.0
+                cpu_before = tree_cpu_seconds(process.pid)
+                backend_before = sum(tree_cpu_seconds(backend.process.pid) for backend in backends)
+                load = await run_load(port, False, len(bodies), args.concurrency, args.phase_time_s, bodies)
+                served = max(1, load["requests"])
+                rows.append(
+                    {
+                        "target": name,
+                        "round": round_number,
+                        "requests": load["requests"],
+                        "errors": load["errors"],
+                        "requests_per_s": load["requests_per_s"],
+                        "latency_p50_ms": load["latency_p50_ms"],
+                        "latency_p99_ms": load["latency_p99_ms"],
+                        "cpu_us_per_request": (tree_cpu_seconds(process.pid) - cpu_before) / served * 1e6,
+                        "redis_cpu_us_per_request": (
+                            (tree_cpu_seconds(redis_server.process.pid) - redis_before) / served * 1e6
+                            if "workers 2" in name
+                            else None
+                        ),
+                        "backend_cpu_us_per_request": (
+                            sum(tree_cpu_seconds(backend.process.pid) for backend in backends)
+                            - backend_before
+                        )
+                        / served
+                        * 1e6,
+                    }
+                )
+    finally:
+        for process in started:
+            process.stop()
+        redis_server.stop()
+        for backend in backends:
+            backend.stop()
+    summary = []
+    for name, _, _ in targets:
+        runs = [row for row in rows if row["target"] == name]
+        entry: dict = {"target": name, "rounds": len(runs)}
+        for key in ("requests_per_s", "latency_p50_ms", "latency_p99_ms", "cpu_us_per_request",
+                    "redis_cpu_us_per_request", "backend_cpu_us_per_request"):  # fmt: skip
+            values = [row[key] for row in runs if row[key] is not None]
+            entry[key] = statistics.median(values) if values else None
+        entry["errors"] = sum(row["errors"] for row in runs)
+        summary.append(entry)
+    return {
+        "results": summary,
+        "per_round": rows,
+        "skipped": skipped,
+        "prompt_tokens": {
+            "mean": statistics.fmean(lengths),
+            "p10": _percentile(lengths, 10),
+            "p50": _percentile(lengths, 50),
+            "p90": _percentile(lengths, 90),
+        },
+    }
+
+
+def write_kv_aware_report(report: dict, stem: Path) -> None:
+    stem.with_suffix(".json").write_text(json.dumps(report, indent=2) + "\n")
+    tokens = report["prompt_tokens"]
+    lines = [
+        "# Throughput per host: cache-aware routing of chat prompts, kvgate against the peers",
+        "",
+        f"Command: `{report['command']}`  ",
+        f"Machine: {report['machine']}; two fast test backends (kvgate_testing/openai_backend.py) behind "
+        "every router, one asyncio+httptools client process, all on the same 2 cores, which other "
+        "sessions were using at the same time (load average at the end: "
+        f"{', '.join(f'{x:.1f}' for x in report['load_average_at_end'])}): compare the rows of this "
+        "run with each other, not with other runs.",
+        *(
+            [peer_versions_line(report["peer_versions"], report.get("peer_versions_note"))]
+            if "peer_versions" in report
+            else []
+        ),
+        "",
+        f"Load: chat_sessions conversations (800-token system prompts, 6 turns, each session's turns in "
+        f"order), prompts of {tokens['p10']:.0f} / {tokens['p50']:.0f} / {tokens['p90']:.0f} tokens "
+        f"(p10 / p50 / p90; mean {tokens['mean']:.0f}); {report['load_requests']} requests a round, "
+        f"none sent twice to a router (fresh conversations every round, after 256 warm-up requests), "
+        f"concurrency {report['concurrency']}, non-streamed, one output token; medians of "
+        f"{report['rounds']} round(s), every router in turn in each round. CPU/request = utime+stime of "
+        "the router's process tree (kvgate --workers 2: the supervisor and both workers) over the "
+        "round's requests; redis = the redis-server that syncs the two workers, beside it.",
+        "",
+        "| router | requests/s | latency p50 ms | p99 ms | router CPU µs/request | redis CPU µs/request "
+        "| backends CPU µs/request | errors |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for entry in report["results"]:
+        lines.append(
+            f"| {entry['target']} | {_number(entry['requests_per_s'], '.0f')} | "
+            f"{_number(entry['latency_p50_ms'], '.2f')} | {_number(entry['latency_p99_ms'], '.2f')} | "
+            f"{_number(entry['cpu_us_per_request'], '.0f')} | "
+            f"{_number(entry['redis_cpu_us_per_request'], '.0f')} | "
+            f"{_number(entry['backend_cpu_us_per_request'], '.0f')} | {entry['errors']} |"
+        )
+    lines += ["", "Per round (requests/s, router CPU µs/request):", ""]
+    for row in report["per_round"]:
+        lines.append(
+            f"- round {row['round'] + 1}, {row['target']}: {row['requests_per_s']:.0f} req/s, "
+            f"{row['cpu_us_per_request']:.0f} µs"
+        )
+    if report["skipped"]:
+        lines += ["", "Skipped: " + "; ".join(report["skipped"])]
+    lines += ["", f"![plot]({stem.name}.png)", ""]
+    stem.with_suffix(".md").write_text("\n".join(lines))
+
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    entries = report["results"]
+    names = [entry["target"].replace(" --", "\n--").replace(" ", "\n", 1) for entry in entries]
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
+    x = range(len(entries))
+    axes[0].bar(x, [entry["requests_per_s"] or 0 for entry in entries], color="tab:green")
+    axes[0].set_title(f"chat requests/s at saturation (c={report['concurrency']}, 2 shared cores)")
+    axes[1].bar(x, [entry["cpu_us_per_request"] or 0 for entry in entries], color="tab:red")
+    axes[1].set_title("router CPU µs per request")
+    for axis in axes:
+        axis.set_xticks(list(x))
+        axis.set_xticklabels(names, fontsize=8)
+    fig.tight_layout()
+    fig.savefig(stem.with_suffix(".png"), dpi=110)
 
 
 def _merge_rounds(results: list[dict]) -> list[dict]:
@@ -448,12 +688,40 @@ def main() -> None:
         "--paired-rounds", type=int, default=5, help="rounds of the paired CPU measurement (0: skip it)"
     )
     parser.add_argument("--skip-peers", action="store_true")
+    parser.add_argument(
+        "--kv-aware",
+        action="store_true",
+        help="throughput per host of cache-aware routing on chat prompts (kvgate --workers 1/2, peers)",
+    )
     parser.add_argument("--report-only", action="store_true", help="rewrite .md and .png from the .json")
     parser.add_argument(
         "--output", default=str(RESULTS_DIR / "gateway_overhead"), help="path stem of the results"
     )
     args = parser.parse_args()
+    if args.kv_aware and args.output == parser.get_default("output"):
+        args.output = str(RESULTS_DIR / "gateway_overhead_kv_aware")
     stem = Path(args.output)
+    if args.kv_aware and args.report_only:
+        write_kv_aware_report(json.loads(stem.with_suffix(".json").read_text()), stem)
+        return
+    if args.kv_aware:
+        report = uvloop.run(kv_aware_main_async(args))
+        report.update(
+            {
+                "command": " ".join(["python", "-m", "benchmarks.gateway_overhead", *sys.argv[1:]]),
+                "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, Python {platform.python_version()}",
+                "rounds": args.rounds,
+                "concurrency": args.concurrency,
+                "load_requests": args.load_requests,
+                "load_average_at_end": os.getloadavg(),
+            }
+        )
+        if not args.skip_peers:
+            report["peer_versions"] = peer_versions()
+        stem.parent.mkdir(parents=True, exist_ok=True)
+        write_kv_aware_report(report, stem)
+        print(stem.with_suffix(".md").read_text())
+        return
     if args.report_only:
         write_report(json.loads(stem.with_suffix(".json").read_text()), stem)
         return

@@ -33,6 +33,7 @@ import array
 import asyncio
 import contextlib
 import functools
+import gc
 import itertools
 import logging
 import re
@@ -45,6 +46,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from router.ascii_encoder import AsciiEncoder
+from router.chat_render import FastChatRenderer
 from router.errors import KvgateError, log_unexpected
 from router.index.keys import Namespace
 from router.template_sandbox import TemplateSandbox, TemplateSandboxError
@@ -92,6 +94,11 @@ SEGMENT_CHARS = 512
 # Characters of long texts whose segmentation is remembered (_CutMemory): 8 Mi (~450 documents of
 # 18k characters); the memory holds their text (1-4 bytes a character) and tokens (~1 per 4 chars).
 CUT_MEMORY_CHARS = 8 << 20
+# Characters of earlier prompts (up to their last added token) whose tokens are remembered
+# (_PromptMemory): a chat's next turn repeats its previous prompt up to there.
+PROMPT_MEMORY_CHARS = 16 << 20
+# Characters before a prompt's boundary that key it in _PromptMemory (with the boundary's offset).
+_PROMPT_KEY_CHARS = 64
 # A candidate cut: before a space between an ASCII letter or digit and an ASCII letter.
 _CUT_CANDIDATE = re.compile(r"(?<=[A-Za-z0-9]) (?=[A-Za-z])")
 # Characters each side of a cut that the pre-tokenizer sees to confirm it.
@@ -188,6 +195,53 @@ class _CutMemory:
         return len(self._entries)
 
 
+class _PromptMemory:
+    """Earlier prompts cut at their last added token, with their tokens, so a chat's next turn (the
+    same conversation plus new messages) takes the tokens of everything it repeats at once and
+    encodes only what follows. LRU, bounded by the characters of the prompts it holds.
+
+    A prompt is found by its boundaries: for each offset right after an added token, (offset, the
+    _PROMPT_KEY_CHARS characters before it) is looked up, latest offset first, and a hit counts
+    only if the new text starts with the whole remembered prompt."""
+
+    def __init__(self, max_chars: int) -> None:
+        self.max_chars = max_chars
+        self._entries: OrderedDict[tuple[int, str], tuple[str, np.ndarray]] = OrderedDict()
+        self._chars = 0
+        self._lock = threading.Lock()
+        self.hits = 0
+
+    def longest_prefix(self, text: str, boundaries: list[int]) -> tuple[int, np.ndarray] | None:
+        """(end, tokens) of the longest remembered prompt `text` starts with, ending at one of
+        `boundaries` (ascending offsets right after added tokens), or None."""
+        with self._lock:
+            for end in reversed(boundaries):
+                key = (end, text[max(0, end - _PROMPT_KEY_CHARS) : end])
+                found = self._entries.get(key)
+                if found is not None and text.startswith(found[0]):
+                    self._entries.move_to_end(key)
+                    self.hits += 1
+                    return end, found[1]
+        return None
+
+    def put(self, prompt: str, ids: np.ndarray) -> None:
+        if not prompt or len(prompt) > self.max_chars:
+            return
+        key = (len(prompt), prompt[-_PROMPT_KEY_CHARS:])
+        with self._lock:
+            replaced = self._entries.pop(key, None)
+            if replaced is not None:
+                self._chars -= len(replaced[0])
+            self._entries[key] = (prompt, ids)
+            self._chars += len(prompt)
+            while self._chars > self.max_chars:
+                _, (evicted, _) = self._entries.popitem(last=False)
+                self._chars -= len(evicted)
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+
 class PromptTokenizer:
     """One model's tokenizer, rendering and encoding requests the way vLLM does."""
 
@@ -200,6 +254,8 @@ class PromptTokenizer:
         self.source = tokenizer_dir
         self.cache = _PieceCache(cache_tokens)
         self.cuts = _CutMemory(cut_memory_chars)
+        self.prompts = _PromptMemory(PROMPT_MEMORY_CHARS)
+        self._last_split: tuple[str, list[str], np.ndarray | None] | None = None
         added = sorted(self.tokenizer.added_tokens_encoder, key=len, reverse=True)
         self._added_pattern = re.compile("|".join(re.escape(token) for token in added)) if added else None
         self.piecewise = self._added_pattern is not None and self._piecewise_encoding_is_exact()
@@ -221,6 +277,13 @@ class PromptTokenizer:
             self.piecewise and self._pre_tokenizer is not None and self._segmented_encoding_is_exact()
         )
         self.template_reads_sped_up = _speed_up_template_reads(self.tokenizer)
+        # Plain chats rendered without apply_chat_template's per-call work (router/chat_render.py).
+        self.fast_render = FastChatRenderer(self.tokenizer)
+        # A loaded tokenizer is ~200k Python objects (vocabulary, merges) that live as long as the
+        # process: out of the cyclic collector's reach, a full collection no longer walks them all
+        # (hundreds of ms each, some every thousand requests). Collected first, so no garbage is kept.
+        gc.collect()
+        gc.freeze()
         if self.piecewise and not self.segmented:
             logger.info("tokenizer %s: segment cache for long messages off (checks failed)", tokenizer_dir)
 
@@ -266,7 +329,8 @@ class PromptTokenizer:
             cached = not add_special_tokens and self.cache.peek(text)
             return (0 if cached else len(text)), 0
         slow = fast = 0
-        for piece in self._pieces(text):
+        pieces, _ = self._pieces_after_remembered_prompt(text)
+        for piece in pieces:
             if self.cache.peek(piece):
                 continue
             if self.segmented and len(piece) >= SEGMENTED_MIN_CHARS:
@@ -280,7 +344,28 @@ class PromptTokenizer:
         return slow, fast
 
     def render_chat(self, body: dict[str, Any]) -> str:
-        return render_chat(self.tokenizer, body)
+        fast = self._render_plain_chat(body)
+        return fast if fast is not None else render_chat(self.tokenizer, body)
+
+    def _render_plain_chat(self, body: dict[str, Any]) -> str | None:
+        """The model's template applied by the fast renderer, or None where the request is not a
+        plain chat it renders exactly (tools, a continued message, the request's own template...)."""
+        messages = body.get("messages")
+        if not isinstance(messages, list) or not messages or body.get("tools"):
+            return None
+        if body.get("continue_final_message") or body.get("chat_template") is not None:
+            return None
+        variables = body.get("chat_template_kwargs") or {}
+        if not isinstance(variables, dict) or "chat_template" in variables:
+            return None
+        add_generation_prompt = body.get("add_generation_prompt")
+        try:
+            flattened = [_flatten_content(message) for message in messages]
+        except TokenizeError:
+            return None
+        return self.fast_render.render(
+            flattened, True if add_generation_prompt is None else bool(add_generation_prompt), variables
+        )
 
     def encode_text(self, text: str, *, add_special_tokens: bool) -> np.ndarray:
         if add_special_tokens or not self.piecewise:
@@ -293,8 +378,9 @@ class PromptTokenizer:
             if not add_special_tokens:
                 self.cache.put(text, ids)
             return ids
-        parts = []
-        for piece in self._pieces(text):
+        pieces, remembered = self._pieces_after_remembered_prompt(text)
+        parts = [] if remembered is None else [remembered]
+        for piece in pieces:
             ids = self.cache.get(piece)
             if ids is None:
                 if self.segmented and len(piece) >= SEGMENTED_MIN_CHARS:
@@ -303,7 +389,36 @@ class PromptTokenizer:
                     ids = self._encode_plain(piece)
                 self.cache.put(piece, ids)
             parts.append(ids)
-        return np.concatenate(parts) if parts else np.empty(0, dtype=np.uint32)
+        ids = np.concatenate(parts) if parts else np.empty(0, dtype=np.uint32)
+        # Remembered up to its last added token: the next turn's prompt repeats it to there.
+        open_tail = pieces[-1] if pieces and self._added_pattern.search(pieces[-1]) is None else ""
+        if pieces and len(pieces) > (1 if open_tail else 0):
+            tail_tokens = len(parts[-1]) if open_tail else 0
+            self.prompts.put(text[: len(text) - len(open_tail)], ids[: len(ids) - tail_tokens])
+        return ids
+
+    def _pieces_after_remembered_prompt(self, text: str) -> tuple[list[str], np.ndarray | None]:
+        """The pieces of `text` after the longest remembered prompt it starts with, and that
+        prompt's tokens (None when there is none: all of text's pieces). The last answer is kept:
+        a request asks for the same text twice (uncached_chars, then encode_text)."""
+        last = self._last_split
+        if last is not None and last[0] is text:
+            return last[1], last[2]
+        assert self._added_pattern is not None
+        # Offsets right after each added token; the pieces before a remembered prompt's end are
+        # never cut out of the text.
+        boundaries = [match.end() for match in self._added_pattern.finditer(text)]
+        found = self.prompts.longest_prefix(text, boundaries)
+        start, ids = found if found is not None else (0, None)
+        pieces = []
+        for end in boundaries:
+            if end > start:
+                pieces.append(text[start:end])
+                start = end
+        if start < len(text):
+            pieces.append(text[start:])
+        self._last_split = (text, pieces, ids)
+        return pieces, ids
 
     def decode(self, tokens: list[int]) -> str:
         return self.tokenizer.decode(tokens, skip_special_tokens=False)
