@@ -42,6 +42,7 @@ import httpx
 import torch
 
 from cachelayer.server import KeySpace, StoreClient
+from kvgate_testing.real_fleet import pin_engines_to_cores
 from kvgate_testing.replay import sse_chunks
 from kvgate_testing.vllm import (
     SERVED_MODEL,
@@ -276,7 +277,8 @@ def write_report(results: dict, path: Path) -> None:
         f"{shape.get('num_key_value_heads')} KV heads x {shape.get('head_dim')}, bf16), block size 32, "
         f"chunk size {CHUNK}, {results['prompts']} prompts of {PROMPT_TOKENS} tokens, vLLM's own prefix "
         "cache off on every engine; the engines run two at a time (no connector with in process, then "
-        "the daemon's two) and each prompt goes to each engine of the pair in turn, cold pass then "
+        "the daemon's two), each pinned to a core of its own, and each prompt goes to each engine of "
+        "the pair in turn, cold pass then "
         "repeat pass; TTFT measured by the client on a streamed completion. A hit loads 7 of a prompt's "
         "8 chunks (the chunk holding the last prompt token is always computed). "
         "2 CPU cores shared with other jobs "
@@ -392,6 +394,7 @@ def main() -> None:
         results["resident_mib"] = {}
         phase_one = [spec("no_connector", connector=False), spec("connector_in_process", cache_config=config)]
         with running_vllms(*phase_one) as engines:
+            pin_engines_to_cores([engine.process.pid for engine in engines])
             measured = run_engines({e.name: e for e in engines}, prompts, peer_prompts, timings)
             results["engines"].update(measured)
             results["resident_mib"].update({e.name: resident_mib(e.process.pid) for e in engines})
@@ -401,6 +404,7 @@ def main() -> None:
                 spec(PEER, cache_config=config, cache_server=daemon.endpoint),
             ]
             with running_vllms(*phase_two) as engines:
+                pin_engines_to_cores([engine.process.pid for engine in engines])
                 measured = run_engines({e.name: e for e in engines}, prompts, peer_prompts, timings)
                 results["engines"].update(measured)
                 results["resident_mib"].update({e.name: resident_mib(e.process.pid) for e in engines})

@@ -331,22 +331,28 @@ def same_blocks(reader: PagedKV, writer: PagedKV, layer: int, dst: int, src: int
     return torch.equal(reader.kv_caches[layer][:, dst], writer.kv_caches[layer][:, src])
 
 
-@pytest.mark.parametrize("make_cache", [cpu_cache, flash_cache], ids=["cpu_blocks", "flash_attn"])
-def test_a_layerwise_load_fills_each_layer_when_its_attention_asks(make_cache):
-    tokens = list(range(500, 500 + 4 * BLOCK))
-    store = LocalChunkStore(engine())
-    writer, reader = paged(make_cache(0)), paged(make_cache(1))
+def stored_then_loading(
+    writer: PagedKV, reader: PagedKV, store, first_token: int, *, into=(10, 11, 12, 13), first_block: int = 0
+) -> RequestLoad:
+    """A 4-block prompt saved from blocks 1-4 of `writer`, and a layer-by-layer load of it into
+    blocks `into` of `reader` (started: no layer asked for yet)."""
+    tokens = list(range(first_token, first_token + 4 * BLOCK))
     save_request(writer, store, token_ids=tokens, block_ids=[1, 2, 3, 4], cache_salt=None)
-
-    load = RequestLoad(
+    return RequestLoad(
         reader,
         store,
         token_ids=tokens,
-        block_ids=[10, 11, 12, 13],
-        first_block=0,
+        block_ids=list(into),
+        first_block=first_block,
         cache_salt=None,
         layerwise=True,
     )
+
+
+@pytest.mark.parametrize("make_cache", [cpu_cache, flash_cache], ids=["cpu_blocks", "flash_attn"])
+def test_a_layerwise_load_fills_each_layer_when_its_attention_asks(make_cache):
+    writer, reader = paged(make_cache(0)), paged(make_cache(1))
+    load = stored_then_loading(writer, reader, LocalChunkStore(engine()), 500)
     assert not same_blocks(reader, writer, 0, 10, 1) and not same_blocks(reader, writer, 1, 10, 1)
     load.load_layer(0)  # the first layer's attention is about to read its KV
     assert all(
@@ -361,19 +367,8 @@ def test_a_layerwise_load_fills_each_layer_when_its_attention_asks(make_cache):
 
 
 def test_a_layer_the_engine_read_before_asking_for_it_fails_the_load():
-    tokens = list(range(700, 700 + 4 * BLOCK))
-    store = LocalChunkStore(engine())
     writer, reader = paged(flash_cache(0)), paged(flash_cache(1))
-    save_request(writer, store, token_ids=tokens, block_ids=[1, 2, 3, 4], cache_salt=None)
-    load = RequestLoad(
-        reader,
-        store,
-        token_ids=tokens,
-        block_ids=[10, 11, 12, 13],
-        first_block=1,
-        cache_salt=None,
-        layerwise=True,
-    )
+    load = stored_then_loading(writer, reader, LocalChunkStore(engine()), 700, first_block=1)
     load.load_layer(0)  # layer 1's attention ran without asking: it read stale KV
     assert load.finish(layers_awaited=True) == {11, 12, 13} and load.late_layers == 1
 
@@ -385,18 +380,8 @@ def test_a_layerwise_load_keeps_the_daemons_chunks_leased_until_it_finishes(shar
     try:
         store = RemoteChunkStore(client, space)
         assert client.transport == "shm"
-        tokens = list(range(4 * BLOCK))
         writer, reader = paged(flash_cache(0)), paged(flash_cache(1))
-        save_request(writer, store, token_ids=tokens, block_ids=[1, 2, 3, 4], cache_salt=None)
-        load = RequestLoad(
-            reader,
-            store,
-            token_ids=tokens,
-            block_ids=[5, 6, 7, 8],
-            first_block=0,
-            cache_salt=None,
-            layerwise=True,
-        )
+        load = stored_then_loading(writer, reader, store, 0, into=(5, 6, 7, 8))
         load.load_layer(0)
         # Mid forward pass: the layers still to come read the pool, so the daemon may not reuse it.
         assert server.metric_values()["cachelayer_daemon_open_leases"] == 1
@@ -410,20 +395,9 @@ def test_a_layerwise_load_keeps_the_daemons_chunks_leased_until_it_finishes(shar
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (runs on the GPU machine)")
 def test_a_layerwise_load_into_a_gpu_cache_lands_each_layer_on_the_compute_stream():
-    tokens = list(range(900, 900 + 4 * BLOCK))
-    store = LocalChunkStore(engine())
     writer = paged(flash_cache(0))
     reader = paged([layer.cuda() for layer in flash_cache(1)])
-    save_request(writer, store, token_ids=tokens, block_ids=[1, 2, 3, 4], cache_salt=None)
-    load = RequestLoad(
-        reader,
-        store,
-        token_ids=tokens,
-        block_ids=[10, 11, 12, 13],
-        first_block=0,
-        cache_salt=None,
-        layerwise=True,
-    )
+    load = stored_then_loading(writer, reader, LocalChunkStore(engine()), 900)
     for layer in range(LAYERS):
         load.load_layer(layer)  # queued: work the compute stream runs next sees the layer loaded
         loaded = reader.kv_caches[layer][:, 10:14].clone()  # on the compute stream, after the wait
