@@ -7,7 +7,16 @@ from __future__ import annotations
 import msgspec
 import pytest
 
-from kvgate_testing.event_publisher import all_blocks_cleared, block_removed, block_stored, encode_batch
+from kvgate_testing.event_publisher import (
+    LMCACHE_VLLM_HASH,
+    LMCACHE_VLLM_TOKENS,
+    SGLANG_FIRST,
+    SGLANG_SECOND,
+    all_blocks_cleared,
+    block_removed,
+    block_stored,
+    encode_batch,
+)
 from kvwire import (
     AllBlocksCleared,
     BlockRemoved,
@@ -23,14 +32,6 @@ from kvwire import (
 from router.index.store import PrefixIndex
 
 TOKENS = list(range(100, 132))
-
-# LMCache's documentation, vLLM + LMCache (chunk_size 8): the documented event shows the first three
-# and the last token ids of 36; the middle ones here are stand-ins, the shape is the documented one.
-LMCACHE_VLLM_HASH = b"\x96\x95[h6\x1dE$v\x03\xe8\xf0\xc20\xcd\xe8\xa7#\x9cS\xe0\x16\xba\xab7\xf7z\x10P]\xfaT"
-LMCACHE_VLLM_TOKENS = [27, 91, 7265, *range(1000, 1032), 29]
-# LMCache's documentation, SGLang + LMCache (chunk_size 8): exactly as documented.
-SGLANG_FIRST = [151644, 872, 198, 48, 16948, 18, 374, 279, 5535]
-SGLANG_SECOND = [5535, 9471, 315, 3460, 4128, 4119, 304, 1207, 16948]
 
 
 @pytest.mark.parametrize("batch_encoding", ["array", "map", "sglang-map"])

@@ -11,11 +11,16 @@ from typing import Any
 import msgspec
 import pytest
 
-from kvgate_testing.event_publisher import encode_batch
+from kvgate_testing.event_publisher import (
+    LMCACHE_VLLM_HASH,
+    LMCACHE_VLLM_TOKENS,
+    SGLANG_FIRST,
+    SGLANG_SECOND,
+    encode_batch,
+)
 from kvgate_testing.index_streams import StreamMaker, assert_same_lookups, decode_streams, internal_state
 from kvwire import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent, decode_batch, event_kind
 from router.index.store import PrefixIndex
-from tests.test_events_decoding import LMCACHE_VLLM_HASH, LMCACHE_VLLM_TOKENS, SGLANG_FIRST, SGLANG_SECOND
 
 ingest = importlib.import_module("router.index._ingest")
 
