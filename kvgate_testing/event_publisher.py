@@ -84,6 +84,10 @@ LMCACHE_VLLM_TOKENS = [27, 91, 7265, *range(1000, 1032), 29]
 # LMCache's documentation, SGLang + LMCache (chunk_size 8): exactly as documented.
 SGLANG_FIRST = [151644, 872, 198, 48, 16948, 18, 374, 279, 5535]
 SGLANG_SECOND = [5535, 9471, 315, 3460, 4128, 4119, 304, 1207, 16948]
+# The documented events as the engines publish them (arrays, tag first).
+LMCACHE_VLLM_EVENT = ["BlockStored", [LMCACHE_VLLM_HASH], None, LMCACHE_VLLM_TOKENS, 36, None, "cpu"]
+SGLANG_FIRST_EVENT = ["BlockStored", [-7651984371600085018], None, SGLANG_FIRST, 8, None]
+SGLANG_SECOND_EVENT = ["BlockStored", [1717827842932260036], -7651984371600085018, SGLANG_SECOND, 8, None]
 
 
 def encode_batch(
