@@ -7,7 +7,8 @@ benchmark importing from the test tree (a pytest collection root, with its conft
 together. It is not shipped in the wheel (pyproject.toml's `packages.find` lists router and
 cachelayer only): it starts test backends, redis-server and vLLM environments, which a user of the
 gateway never needs. Tests and benchmarks import it from the repository root (pytest's rootdir,
-`python -m benchmarks.NAME`); the processes it starts get the same root on PYTHONPATH.
+`python -m benchmarks.NAME`); the processes it starts get the same root on PYTHONPATH. A helper two
+test modules use lives here, never in one of them: no test module imports another.
 
 Import what you use from its module (`kvgate_testing.ports`, `.gateway`, ...): this file imports
 nothing, so a module with light dependencies (the numpy CacheGen baseline on a GPU machine) loads

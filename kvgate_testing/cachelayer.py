@@ -1,10 +1,14 @@
-"""Helpers for the cache-layer tests: a small KV geometry, engines sized in chunks, random requests."""
+"""Helpers for the cache-layer tests: a small KV geometry, engines sized in chunks, random requests,
+a leak check, and a chunk filed in the CPU tier without the checks an import makes."""
 
 from __future__ import annotations
+
+from array import array
 
 import torch
 
 from cachelayer import CacheEngine
+from cachelayer.storage.tier import ChunkMeta
 
 LAYERS, HEADS, HEAD_DIM, CHUNK = 2, 2, 8, 16
 CHUNK_BYTES = LAYERS * 2 * CHUNK * HEADS * HEAD_DIM * 2  # bf16
@@ -39,3 +43,14 @@ def assert_no_leak(engine: CacheEngine) -> None:
     entries = engine.cpu.committed_entries()
     assert all(entry.refcount == 0 for entry in entries)
     assert engine.cpu.allocator.num_allocations == len(entries)
+
+
+def store_blob_as_is(engine, tokens, method, blob):
+    """File an encoded chunk in the CPU tier without any check: what an older build, a shared disk
+    directory or a bug may have left there."""
+    span = engine._spans(tokens, None, None)[0]
+    meta = ChunkMeta(span.key, span.parent_key, array("q", tokens[: span.end]), method)
+    with engine._lock:
+        entry, _ = engine.cpu.reserve(meta, len(blob))
+        engine.cpu.view(entry).copy_(torch.frombuffer(bytearray(blob), dtype=torch.uint8))
+        engine.cpu.commit(entry)

@@ -1,4 +1,5 @@
-"""Raw KV-event payloads in every dialect engines publish, and kvwire's publisher with test knobs.
+"""Raw KV-event payloads in every dialect engines publish, the token ids and hashes of the events
+LMCache's documentation shows, and kvwire's publisher with test knobs.
 
 The builders write events as plain maps and arrays, not as `kvwire` structs, so that the decoder
 is tested against payloads written independently of it: array- or map-encoded events and
@@ -74,6 +75,19 @@ def block_removed(block_hashes: list[Any], *, medium: str | None = "GPU", encodi
 
 def all_blocks_cleared(*, encoding: str = "map") -> Any:
     return ["AllBlocksCleared"] if encoding == "array" else {"type": "AllBlocksCleared"}
+
+
+# LMCache's documentation, vLLM + LMCache (chunk_size 8): the documented event shows the first three
+# and the last token ids of 36; the middle ones here are stand-ins, the shape is the documented one.
+LMCACHE_VLLM_HASH = b"\x96\x95[h6\x1dE$v\x03\xe8\xf0\xc20\xcd\xe8\xa7#\x9cS\xe0\x16\xba\xab7\xf7z\x10P]\xfaT"
+LMCACHE_VLLM_TOKENS = [27, 91, 7265, *range(1000, 1032), 29]
+# LMCache's documentation, SGLang + LMCache (chunk_size 8): exactly as documented.
+SGLANG_FIRST = [151644, 872, 198, 48, 16948, 18, 374, 279, 5535]
+SGLANG_SECOND = [5535, 9471, 315, 3460, 4128, 4119, 304, 1207, 16948]
+# The documented events as the engines publish them (arrays, tag first).
+LMCACHE_VLLM_EVENT = ["BlockStored", [LMCACHE_VLLM_HASH], None, LMCACHE_VLLM_TOKENS, 36, None, "cpu"]
+SGLANG_FIRST_EVENT = ["BlockStored", [-7651984371600085018], None, SGLANG_FIRST, 8, None]
+SGLANG_SECOND_EVENT = ["BlockStored", [1717827842932260036], -7651984371600085018, SGLANG_SECOND, 8, None]
 
 
 def encode_batch(

@@ -15,7 +15,7 @@ import zmq
 from cachelayer.compress import get_codec
 from cachelayer.controller.auth import COMMAND, REPORT, AuthConfigError, MessageAuth
 from cachelayer.controller.protocol import Command, Reply, WorkerReport, encode
-from kvgate_testing.cachelayer import CHUNK, HEAD_DIM, HEADS, LAYERS, make_engine, request
+from kvgate_testing.cachelayer import CHUNK, HEAD_DIM, HEADS, LAYERS, make_engine, request, store_blob_as_is
 from kvgate_testing.controller import controller_process, same_bits, wait_gone, wait_registered, worker_config
 from kvgate_testing.ports import free_port
 
@@ -249,8 +249,6 @@ def test_a_move_of_a_wrong_shape_cachegen_blob_is_refused_and_nothing_is_stored(
 
 
 def test_decompress_of_a_stored_wrong_shape_blob_is_a_400_and_changes_nothing(open_controller):
-    from tests.test_cachelayer_import_checks import store_blob_as_is
-
     client, monitor_port = open_controller
     engine = make_engine(8, **worker_config(monitor_port, "shape-decompress"))
     try:

@@ -4,7 +4,6 @@ codec header, checksum, shape, dtype and token count against the engine's layout
 import json
 import random
 import subprocess
-from array import array
 
 import numpy as np
 import pytest
@@ -12,8 +11,7 @@ import torch
 
 from cachelayer.compress import get_codec
 from cachelayer.engine import CacheEngineError
-from cachelayer.storage.tier import ChunkMeta
-from kvgate_testing.cachelayer import CHUNK, HEAD_DIM, HEADS, LAYERS, make_engine, request
+from kvgate_testing.cachelayer import CHUNK, HEAD_DIM, HEADS, LAYERS, make_engine, request, store_blob_as_is
 from kvgate_testing.processes import REPO_ROOT, python_command
 
 
@@ -68,17 +66,6 @@ def test_a_blob_of_the_wrong_shape_or_dtype_is_refused_on_import(method, kind, s
         assert engine.cpu.num_chunks == 0
     finally:
         engine.close()
-
-
-def store_blob_as_is(engine, tokens, method, blob):
-    """File an encoded chunk in the CPU tier without any check: what an older build, a shared disk
-    directory or a bug may have left there."""
-    span = engine._spans(tokens, None, None)[0]
-    meta = ChunkMeta(span.key, span.parent_key, array("q", tokens[: span.end]), method)
-    with engine._lock:
-        entry, _ = engine.cpu.reserve(meta, len(blob))
-        engine.cpu.view(entry).copy_(torch.frombuffer(bytearray(blob), dtype=torch.uint8))
-        engine.cpu.commit(entry)
 
 
 def test_a_stored_blob_of_the_wrong_shape_fails_decompress_and_is_a_miss_on_retrieve():

@@ -13,10 +13,10 @@ from pathlib import Path
 
 import pytest
 
+from kvgate_testing.kv_fleet import DOCS, Fleet, chat_body
 from router.config import builtin_tokenizer_dir
 from router.debug_page import DECISION_REASONS
 from router.tokenize import PromptTokenizer
-from tests.test_kv_aware_gateway import DOCS, Fleet, chat_body
 
 pytestmark = pytest.mark.browser
 

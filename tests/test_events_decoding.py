@@ -7,7 +7,19 @@ from __future__ import annotations
 import msgspec
 import pytest
 
-from kvgate_testing.event_publisher import all_blocks_cleared, block_removed, block_stored, encode_batch
+from kvgate_testing.event_publisher import (
+    LMCACHE_VLLM_EVENT,
+    LMCACHE_VLLM_HASH,
+    LMCACHE_VLLM_TOKENS,
+    SGLANG_FIRST,
+    SGLANG_FIRST_EVENT,
+    SGLANG_SECOND,
+    SGLANG_SECOND_EVENT,
+    all_blocks_cleared,
+    block_removed,
+    block_stored,
+    encode_batch,
+)
 from kvwire import (
     AllBlocksCleared,
     BlockRemoved,
@@ -23,14 +35,6 @@ from kvwire import (
 from router.index.store import PrefixIndex
 
 TOKENS = list(range(100, 132))
-
-# LMCache's documentation, vLLM + LMCache (chunk_size 8): the documented event shows the first three
-# and the last token ids of 36; the middle ones here are stand-ins, the shape is the documented one.
-LMCACHE_VLLM_HASH = b"\x96\x95[h6\x1dE$v\x03\xe8\xf0\xc20\xcd\xe8\xa7#\x9cS\xe0\x16\xba\xab7\xf7z\x10P]\xfaT"
-LMCACHE_VLLM_TOKENS = [27, 91, 7265, *range(1000, 1032), 29]
-# LMCache's documentation, SGLang + LMCache (chunk_size 8): exactly as documented.
-SGLANG_FIRST = [151644, 872, 198, 48, 16948, 18, 374, 279, 5535]
-SGLANG_SECOND = [5535, 9471, 315, 3460, 4128, 4119, 304, 1207, 16948]
 
 
 @pytest.mark.parametrize("batch_encoding", ["array", "map", "sglang-map"])
@@ -164,8 +168,7 @@ def test_cache_salt_is_found_beside_a_lora_name_and_multimodal_keys() -> None:
 
 def test_real_example_vllm_with_lmcache_chunk() -> None:
     """LMCache's documented vLLM + LMCache event: one 36-token chunk, a 32-byte hash, medium 'cpu'."""
-    event = ["BlockStored", [LMCACHE_VLLM_HASH], None, LMCACHE_VLLM_TOKENS, 36, None, "cpu"]
-    batch = decode_batch(encode_batch([event]))
+    batch = decode_batch(encode_batch([LMCACHE_VLLM_EVENT]))
     stored = batch.events[0]
     assert isinstance(stored, BlockStored)
     assert stored.block_hashes == [LMCACHE_VLLM_HASH]
@@ -180,9 +183,9 @@ def test_real_example_vllm_with_lmcache_chunk() -> None:
 
 def test_real_example_sglang_with_lmcache_overlapping_chunks() -> None:
     """The SGLang + LMCache pair of LMCache's documentation: signed hashes, chunks of 8 carrying 9 tokens."""
-    first = ["BlockStored", [-7651984371600085018], None, SGLANG_FIRST, 8, None]
-    second = ["BlockStored", [1717827842932260036], -7651984371600085018, SGLANG_SECOND, 8, None]
-    batch = decode_batch(encode_batch([first, second], encoding="sglang-map", rank=0))
+    batch = decode_batch(
+        encode_batch([SGLANG_FIRST_EVENT, SGLANG_SECOND_EVENT], encoding="sglang-map", rank=0)
+    )
     assert batch.data_parallel_rank == 0
     index = PrefixIndex()
     index.apply("sglang", batch.events)

@@ -11,6 +11,14 @@ import msgspec
 import pytest
 
 from kvgate_testing.event_publisher import all_blocks_cleared, block_removed, block_stored, encode_batch
+from kvgate_testing.index_streams import (
+    DOC_TOKENS,
+    StreamMaker,
+    apply_through_general_path,
+    assert_same_lookups,
+    internal_state,
+    make_docs,
+)
 from kvwire import (
     AllBlocksCleared,
     BlockRemoved,
@@ -20,117 +28,7 @@ from kvwire import (
     decode_event,
 )
 from router.index.ingest import PythonWriter
-from router.index.store import PrefixIndex, owned_keys
-
-DOC_TOKENS = 640
-
-
-def make_docs(rand: random.Random) -> list[list[int]]:
-    """Documents sharing prefixes of various lengths (so chains meet on the same router keys)."""
-    base = [rand.randrange(150_000) for _ in range(DOC_TOKENS)]
-    docs = [base]
-    for shared in (0, 48, 200, 333, 640):
-        docs.append(base[:shared] + [rand.randrange(150_000) for _ in range(DOC_TOKENS - shared)])
-    return docs
-
-
-class StreamMaker:
-    """Random event batches from engine-like request chains: prefills, decode steps, removals,
-    clears, partial tail chunks, overlapping chunk tokens, other tiers, namespaces, KV groups."""
-
-    def __init__(self, seed: int) -> None:
-        self.rand = random.Random(seed)
-        self.docs = make_docs(self.rand)
-        self.next_hash = 1
-        self.known: list[tuple[int, str | None, int | None]] = []  # (hash, medium, group)
-        self.chains: list[dict[str, Any]] = []
-
-    def new_chain(self) -> dict[str, Any]:
-        rand = self.rand
-        chain = {
-            "doc": rand.randrange(len(self.docs)),
-            "block_size": rand.choice([16, 16, 16, 32, 48, 8, 12, 24, 64]),
-            "medium": rand.choice([None, "GPU", "GPU", "cpu", "CPU", "LocalDiskBackend"]),
-            "group": rand.choice([None, None, None, 0, 1]),
-            "overlap": rand.random() < 0.2,
-            "namespace": rand.choice([{}, {}, {"lora_name": "lora-a"}, {"extra_keys": [["salt-1"]]}]),
-            "parent": None,
-            "stored": 0,
-        }
-        self.chains.append(chain)
-        return chain
-
-    def store(self, chain: dict[str, Any], count: int) -> BlockStored | None:
-        doc = self.docs[chain["doc"]]
-        size, start = chain["block_size"], chain["stored"]
-        if start >= len(doc):
-            return None
-        covered = min(size * count, len(doc) - start)  # a short last chunk: a partial tail
-        count = -(-covered // size)
-        extra = 1 if chain["overlap"] and start + covered < len(doc) else 0
-        hashes = list(range(self.next_hash, self.next_hash + count))
-        self.next_hash += count
-        first = chain["parent"] is None
-        event = BlockStored(
-            block_hashes=hashes,
-            parent_block_hash=chain["parent"],
-            token_ids=doc[start : start + covered + extra],
-            block_size=size,
-            medium=chain["medium"],
-            group_idx=chain["group"],
-            lora_name=chain["namespace"].get("lora_name"),
-            extra_keys=chain["namespace"].get("extra_keys") if first else None,
-        )
-        chain["parent"] = hashes[-1]
-        chain["stored"] = start + covered
-        self.known += [(h, chain["medium"], chain["group"]) for h in hashes]
-        return event
-
-    def batch(self) -> list[KVEvent]:
-        rand = self.rand
-        events: list[KVEvent] = []
-        for _ in range(rand.randint(1, 8)):
-            roll = rand.random()
-            if roll < 0.55 or not self.chains:
-                chain = (
-                    self.new_chain() if rand.random() < 0.3 or not self.chains else rand.choice(self.chains)
-                )
-                event = self.store(chain, rand.choice([1, 1, 1, 2, 4, 16]))
-                if event is not None:
-                    events.append(event)
-            elif roll < 0.65 and self.known:  # the same blocks announced again, in another tier
-                block_hash, _, group = rand.choice(self.known)
-                events.append(
-                    BlockStored(
-                        block_hashes=[block_hash], token_ids=[], block_size=16, medium="cpu", group_idx=group
-                    )
-                )
-            elif roll < 0.9 and self.known:
-                picked = rand.sample(self.known, min(len(self.known), rand.randint(1, 4)))
-                medium, group = picked[0][1], picked[0][2]
-                hashes = [h for h, m, g in picked if m == medium and g == group]
-                events.append(BlockRemoved(block_hashes=[*hashes, 10**9], medium=medium, group_idx=group))
-            elif roll < 0.93:
-                events.append(AllBlocksCleared())
-            else:  # a stranger: block whose parent was never announced
-                events.append(BlockStored(block_hashes=[10**10 + len(events)], parent_block_hash=-5,
-                                          token_ids=self.docs[0][:16], block_size=16))  # fmt: skip
-        return events
-
-
-def apply_through_general_path(index: PrefixIndex, backend: str, events: list[KVEvent]) -> None:
-    """The reference: every event applied on its own by the general (one event, any shape) code."""
-    index.add_backend(backend)
-    with index._lock:
-        state = index._backends[backend]
-        for event in events:
-            if isinstance(event, BlockStored):
-                index.python_writer.store_locked(state, event)
-            elif isinstance(event, BlockRemoved):
-                index.python_writer.remove_locked(state, event)
-            else:
-                state.stats.cleared_events += 1
-                index.clear_locked(state)
+from router.index.store import PrefixIndex
 
 
 def record_decode_step_path(monkeypatch) -> list[bool]:
@@ -145,32 +43,6 @@ def record_decode_step_path(monkeypatch) -> list[bool]:
 
     monkeypatch.setattr(PythonWriter, "store_decode_step_locked", spy)
     return taken
-
-
-def assert_same_lookups(reference: PrefixIndex, others: list[PrefixIndex], docs: list) -> None:
-    """Every index answers every document's lookup as `reference` does, in each namespace the
-    streams use (plain, a LoRA adapter, a cache salt)."""
-    for doc in docs:
-        for namespace in ((None, None), ("lora-a", None), (None, "salt-1")):
-            expected = reference.longest_cached_prefix(doc, namespace)
-            for index in others:
-                assert index.longest_cached_prefix(doc, namespace) == expected
-
-
-def internal_state(index: PrefixIndex, backend: str) -> dict[str, Any]:
-    state = index._backends[backend]
-    nodes = {key: (*node[:4], owned_keys(node[4]), *node[5:]) for key, node in state.nodes.items()}
-    return {
-        "holders": index.holders,
-        "extra_refs": index.extra_refs,
-        "tails": index._tails,
-        "tail_refs": index._tail_refs,
-        "nodes": nodes,
-        "chains": {cid: (c.preview, c.namespace, c.longest, c.nodes) for cid, c in state.chains.items()},
-        "stats": index.stats(backend),
-        "top": index.top_prefixes(50),
-        "lora_names": index.lora_names,
-    }
 
 
 # Both ingest paths: the compiled one-block path where it is built, and the pure-Python fallback.

@@ -17,6 +17,13 @@ import numpy as np
 import pytest
 
 from kvgate_testing.event_publisher import block_removed, block_stored, encode_batch
+from kvgate_testing.index_streams import (
+    StreamMaker,
+    apply_through_general_path,
+    assert_same_lookups,
+    decode_streams,
+    internal_state,
+)
 from kvwire import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent, decode_batch
 from router.index import ingest as index_ingest
 from router.index.ingest import PythonWriter
@@ -28,13 +35,6 @@ from router.index.keys import (
     block_value,
 )
 from router.index.store import NODE_FIELDS, PREVIEW_TOKENS, Chain, PrefixIndex
-from tests.test_index_ingest import (
-    DOC_TOKENS,
-    StreamMaker,
-    apply_through_general_path,
-    assert_same_lookups,
-    internal_state,
-)
 
 ingest = importlib.import_module("router.index._ingest")
 
@@ -169,110 +169,6 @@ def test_a_stale_build_is_refused_with_a_warning_not_a_crash(monkeypatch, caplog
         with caplog.at_level(logging.WARNING, logger="router.index.ingest"):
             assert index_ingest.load_compiled_ingest() is None
         assert says in caplog.text and "pip install -e ." in caplog.text
-
-
-def decode_streams(maker: StreamMaker, rounds: int):
-    """Random calls of `apply` as the subscriber makes them: lone one-block events, decode steps of
-    several requests, drained bursts (several steps, parents earlier in the list) with prefills,
-    removals, re-stores and clears between, and events the compiled path must refuse: duplicates,
-    unknown parents, token ids outside uint32, the same prefix stored twice in a tier, other
-    media, KV group 1, partial tails, roots."""
-    rand = maker.rand
-    next_stranger = iter(range(10**12, 10**13))
-
-    def start_requests(count: int) -> list[dict[str, Any]]:
-        chains = [maker.new_chain() for _ in range(count)]
-        for chain in chains:
-            maker.docs.append([rand.randrange(150_000) for _ in range(DOC_TOKENS)])
-            chain.update(
-                block_size=16,
-                overlap=False,
-                group=rand.choice([None, None, None, 0, 1]),
-                medium=rand.choice([None, "GPU", "GPU", "cpu"]),
-                doc=len(maker.docs) - 1,
-            )
-        return chains
-
-    def step(chains: list[dict[str, Any]]) -> list[KVEvent]:
-        return [event for chain in chains if (event := maker.store(chain, 1)) is not None]
-
-    decoding = start_requests(rand.randint(1, 6))
-    applied: list[BlockStored] = []
-    for _ in range(rounds):
-        roll = rand.random()
-        if roll < 0.25:
-            events = step([rand.choice(decoding)])
-        elif roll < 0.5:
-            events = step(decoding)
-        elif roll < 0.85:
-            events = []
-            for _ in range(rand.randint(2, 12)):
-                events += step(decoding)
-                if rand.random() < 0.3:
-                    events += maker.batch()
-        else:
-            events = maker.batch()
-        for _ in range(rand.randint(0, 3)):  # hazards, at random places
-            chain = rand.choice(decoding)
-            doc, at = maker.docs[chain["doc"]], chain["stored"]
-            tokens = doc[at : at + 16] if at + 16 <= len(doc) else doc[:16]
-            hazard = rand.choice(["duplicate", "unknown parent", "not uint32", "twin", "tail", "root"])
-            if hazard == "duplicate" and applied:
-                event: KVEvent = rand.choice(applied)
-            elif hazard == "unknown parent":
-                event = BlockStored(
-                    block_hashes=[next(next_stranger)], parent_block_hash=-7, token_ids=tokens, block_size=16
-                )
-            elif hazard == "not uint32":
-                bad = rand.choice([-1, 2**32, 2**64 + 5, 1.5])
-                event = BlockStored(
-                    block_hashes=[next(next_stranger)],
-                    parent_block_hash=chain["parent"],
-                    token_ids=[*tokens[:15], bad],
-                    block_size=16,
-                    medium=chain["medium"],
-                )
-            elif hazard == "twin":  # the next block under another hash: a prefix the tier holds
-                twin = maker.store(chain, 1)
-                if twin is None:
-                    continue
-                events.append(twin)
-                event = BlockStored(
-                    block_hashes=[next(next_stranger)],
-                    parent_block_hash=twin.parent_block_hash,
-                    token_ids=twin.token_ids,
-                    block_size=16,
-                    medium=twin.medium,
-                    group_idx=twin.group_idx,
-                )
-            elif hazard == "tail":  # a partial block, then a child of it
-                partial = BlockStored(
-                    block_hashes=[next(next_stranger)],
-                    parent_block_hash=chain["parent"],
-                    token_ids=tokens[:9],
-                    block_size=16,
-                    medium=chain["medium"],
-                )
-                events.append(partial)
-                event = BlockStored(
-                    block_hashes=[next(next_stranger)],
-                    parent_block_hash=partial.block_hashes[0],
-                    token_ids=tokens,
-                    block_size=16,
-                )
-            else:
-                event = BlockStored(block_hashes=[next(next_stranger)], token_ids=tokens, block_size=16)
-            events.insert(rand.randrange(len(events) + 1), event)
-        if applied and rand.random() < 0.4:  # evictions as vLLM announces them: one block an event
-            for victim in rand.sample(applied, min(len(applied), rand.randint(1, 3))):
-                removal = BlockRemoved(
-                    block_hashes=victim.block_hashes[-1:], medium=victim.medium, group_idx=victim.group_idx
-                )
-                events.insert(rand.randrange(len(events) + 1), removal)
-        applied += [event for event in events if isinstance(event, BlockStored)][-20:]
-        if any(isinstance(event, AllBlocksCleared) for event in events) or rand.random() < 0.05:
-            decoding = start_requests(rand.randint(1, 6))  # the engine dropped everything, or new requests
-        yield events
 
 
 @pytest.mark.parametrize("seed", range(8))

@@ -11,12 +11,15 @@ from typing import Any
 import msgspec
 import pytest
 
-from kvgate_testing.event_publisher import encode_batch
+from kvgate_testing.event_publisher import (
+    LMCACHE_VLLM_EVENT,
+    SGLANG_FIRST_EVENT,
+    SGLANG_SECOND_EVENT,
+    encode_batch,
+)
+from kvgate_testing.index_streams import StreamMaker, assert_same_lookups, decode_streams, internal_state
 from kvwire import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent, decode_batch, event_kind
 from router.index.store import PrefixIndex
-from tests.test_events_decoding import LMCACHE_VLLM_HASH, LMCACHE_VLLM_TOKENS, SGLANG_FIRST, SGLANG_SECOND
-from tests.test_index_ingest import StreamMaker, assert_same_lookups, internal_state
-from tests.test_index_ingest_compiled import decode_streams
 
 ingest = importlib.import_module("router.index._ingest")
 
@@ -330,10 +333,10 @@ def test_an_index_without_the_compiled_path_has_no_wire_ingest() -> None:
 def test_the_examples_of_lmcache_docs_are_scanned_and_build_the_decoded_index() -> None:
     """vLLM + LMCache (a 36-token chunk, a 32-byte hash, medium "cpu") and SGLang + LMCache (signed
     hashes, chunks of 8 carrying 9 tokens, SGLang's map batch), scanned and applied undecoded."""
-    lmcache = ["BlockStored", [LMCACHE_VLLM_HASH], None, LMCACHE_VLLM_TOKENS, 36, None, "cpu"]
-    first = ["BlockStored", [-7651984371600085018], None, SGLANG_FIRST, 8, None]
-    second = ["BlockStored", [1717827842932260036], -7651984371600085018, SGLANG_SECOND, 8, None]
-    payloads = [encode_batch([lmcache]), encode_batch([first, second], encoding="sglang-map", rank=0)]
+    payloads = [
+        encode_batch([LMCACHE_VLLM_EVENT]),
+        encode_batch([SGLANG_FIRST_EVENT, SGLANG_SECOND_EVENT], encoding="sglang-map", rank=0),
+    ]
     for payload in payloads:
         wired, decoded = PrefixIndex(), PrefixIndex()
         wire = wired.wire_ingest("a")

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 from prometheus_client import CollectorRegistry
 
+from kvgate_testing.policy_inputs import PROMPTS, backends, request, store
 from kvwire import BlockStored
 from router.backends import BackendState
 from router.config import ApproximatePolicy, KVAwarePolicy
@@ -19,36 +20,6 @@ from router.policies.approximate import Approximate
 from router.policies.base import RouteRequest
 from router.policies.capacity import CapacityModel
 from router.policies.kv_aware import KVAware
-
-rng = np.random.default_rng(11)
-PROMPTS = [rng.integers(0, 150_000, size=512).astype(np.uint32) for _ in range(16)]
-
-
-def backends(n: int = 4) -> list[BackendState]:
-    return [BackendState(name=f"b{i}", url=f"http://127.0.0.1:{9000 + i}") for i in range(n)]
-
-
-def request(tokens: np.ndarray | None, salt: str | None = None, rid: str = "r") -> RouteRequest:
-    return RouteRequest(
-        request_id=rid, model="m", body={}, tokens=tokens, namespace=Namespace(cache_salt=salt)
-    )
-
-
-def store(
-    index: PrefixIndex, backend: str, tokens: np.ndarray, *, medium: str = "GPU", salt: str | None = None
-):
-    index.apply(
-        backend,
-        [
-            BlockStored(
-                block_hashes=list(range(1, len(tokens) // 16 + 1)),
-                token_ids=tokens.tolist(),
-                block_size=16,
-                medium=medium,
-                extra_keys=[[salt]] if salt else None,
-            )
-        ],
-    )
 
 
 def route(policy, req: RouteRequest, candidates: list[BackendState]) -> BackendState:

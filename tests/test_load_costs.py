@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from kvgate_testing.policy_inputs import PROMPTS, backends, request, store
 from router.backends import BackendState
 from router.config import KVAwarePolicy
 from router.index.keys import Namespace
@@ -12,7 +13,6 @@ from router.index.store import PrefixIndex
 from router.policies.base import RouteRequest
 from router.policies.kv_aware import KVAware
 from router.policies.load_costs import MeasuredLoadCosts
-from tests.test_kv_aware_policy import PROMPTS, backends, request, store
 
 
 def feed(costs: MeasuredLoadCosts, count: int, *, us_per_token: float, ms_per_request: float,

@@ -17,8 +17,9 @@ from starlette.responses import JSONResponse
 from starlette.routing import Route
 
 from kvgate_testing.ports import free_port
+from kvgate_testing.tokenizers import config, encode_threads, whole_prompt_tokens
 from router.backends import BackendState
-from router.config import builtin_tokenizer_dir, parse_config
+from router.config import builtin_tokenizer_dir
 from router.policies.base import RouteRequest
 from router.tokenize import PromptTokenizer, RequestTokenizer, TokenizeError, _PieceCache
 
@@ -45,21 +46,6 @@ TOOLS = [
 @pytest.fixture(scope="module")
 def qwen3() -> PromptTokenizer:
     return PromptTokenizer(builtin_tokenizer_dir("qwen3"))
-
-
-def whole_prompt_tokens(tokenizer: PromptTokenizer, body: dict) -> list[int]:
-    """What vLLM computes: the template rendered to text, the text encoded without special tokens."""
-    text = tokenizer.tokenizer.apply_chat_template(
-        body["messages"],
-        tools=body.get("tools"),
-        add_generation_prompt=body.get(
-            "add_generation_prompt", not body.get("continue_final_message", False)
-        ),
-        continue_final_message=body.get("continue_final_message", False),
-        tokenize=False,
-        **body.get("chat_template_kwargs", {}),
-    )
-    return tokenizer.tokenizer.encode(text, add_special_tokens=False)
 
 
 def conversation(turns: int, seed: int) -> list[dict]:
@@ -243,41 +229,6 @@ def test_completions_follow_the_engine_special_token_rule(qwen3: PromptTokenizer
 def test_bad_bodies_raise_a_clear_tokenize_error(qwen3: PromptTokenizer, body: dict) -> None:
     with pytest.raises(TokenizeError):
         qwen3.tokens_for(body)
-
-
-def config(tokenize: str = "local"):
-    return parse_config(
-        {
-            "models": [{"name": "qwen", "tokenizer": "builtin:qwen3", "tokenize": tokenize}],
-            "backends": [{"name": "b1", "url": "http://127.0.0.1:9"}],
-        }
-    )
-
-
-def encode_threads(tokenizer: RequestTokenizer, bodies: list[dict]) -> list[bool]:
-    """Per body, prepared one after another: whether its text was encoded off the event loop."""
-    prompt_tokenizer = tokenizer.tokenizer("qwen")
-    assert prompt_tokenizer is not None
-    original = prompt_tokenizer.encode_text
-    off_loop: list[bool] = []
-
-    def recording(text: str, *, add_special_tokens: bool) -> np.ndarray:
-        off_loop.append(threading.get_ident() != loop_thread)
-        return original(text, add_special_tokens=add_special_tokens)
-
-    prompt_tokenizer.encode_text = recording  # type: ignore[method-assign]
-    loop_thread = threading.get_ident()
-
-    async def run() -> None:
-        for body in bodies:
-            request = RouteRequest(request_id="r1", model="qwen", body=body)
-            await tokenizer.prepare(request)
-            assert request.tokens is not None
-            assert request.tokens.tolist() == whole_prompt_tokens(prompt_tokenizer, body)
-        await tokenizer.close()
-
-    asyncio.run(run())
-    return off_loop
 
 
 def test_prepare_fills_tokens_and_namespace() -> None:

@@ -5,9 +5,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from kvgate_testing.tokenizers import config, encode_threads
 from router.config import builtin_tokenizer_dir
 from router.tokenize import SEGMENT_CHARS, PromptTokenizer, RequestTokenizer, _CutMemory, _SegmentedText
-from tests.test_tokenize import config, encode_threads
 
 WORDS = [
     "Cache", "router", "engine's", "prefix", "token", "ünïcödé", "中文", "x2", "3.14", "(see", "table)",
