@@ -200,13 +200,18 @@ def stage_breakdown(workload_name: str, users: int, turns: int, engines: int) ->
 
 
 def run_stages(tree: Path, args: argparse.Namespace) -> dict:
-    """stage_breakdown() in a child process that imports `router` from `tree`."""
+    """stage_breakdown() in a child process that imports `router` from `tree`, run by the tree's own
+    copy of this benchmark where it has one (the stages call the tree's own internal names, which
+    a refactor may have moved)."""
+    own_script = tree / "benchmarks" / "kv_aware_latency.py"
+    script = own_script if own_script.exists() else Path(__file__).resolve()
     command = [
-        sys.executable, str(Path(__file__).resolve()), "--stages-only", "--tree", str(tree),
+        sys.executable, str(script), "--stages-only", "--tree", str(tree),
         "--users", str(args.users), "--turns", str(args.turns), "--engines", str(args.engines),
         "--workload", args.workload,
     ]  # fmt: skip
-    env = dict(os.environ, PYTHONPATH=f"{tree}{os.pathsep}{REPO_ROOT}")
+    # The tree's own script finds its own helpers; this one needs this checkout's.
+    env = dict(os.environ, PYTHONPATH=str(tree) if script == own_script else f"{tree}{os.pathsep}{REPO_ROOT}")
     output = subprocess.run(command, env=env, cwd=tree, check=True, capture_output=True, text=True).stdout
     return json.loads(output.strip().splitlines()[-1])
 
