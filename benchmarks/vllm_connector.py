@@ -283,7 +283,8 @@ def write_report(results: dict, path: Path) -> None:
         "8 chunks (the chunk holding the last prompt token is always computed). "
         "2 CPU cores shared with other jobs "
         f"(1-minute load average at the end: {results['load_average_1m_at_end']:.1f}). "
-        f"Command: `.venv/bin/python -m benchmarks.vllm_connector --model {results.get('model', 'tiny')}`.",
+        f"Command: `.venv/bin/python -m benchmarks.vllm_connector --model {results.get('model', 'tiny')} "
+        f"--prompts {results['prompts']}`.",
         "",
     ]
     if "hit_over_cold_ttft_in_process" in results:
@@ -325,7 +326,14 @@ def write_report(results: dict, path: Path) -> None:
         for label, hooks in engine["connector_hooks_per_request"].items():
             parts = ", ".join(f"{hook.removesuffix('_ms')} {value:.2f}" for hook, value in hooks.items())
             lines.append(f"- {name}, {label}: {parts}")
-    lines += ["", f"Daemon (`cachelayer server`), {PROMPT_TOKENS}-token requests, median:", ""]
+    lines += [
+        "",
+        f"Daemon (`cachelayer server`), {PROMPT_TOKENS}-token requests, median, as a fresh engine sees "
+        "it: each store writes pool pages touched for the first time and each retrieve fills a new "
+        "tensor (page faults included). The steady-state rates of a long-running engine, against "
+        "memcpy, are in daemon_transfer.md.",
+        "",
+    ]
     lines += ["| KV shape | request | store | retrieve |", "| --- | --- | --- | --- |"]
     for label, row in results["daemon"].items():
         lines.append(
