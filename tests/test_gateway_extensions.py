@@ -2,17 +2,15 @@
 
 from __future__ import annotations
 
-import asyncio
 import threading
 import time
 
 import httpx
 import pytest
-import uvicorn
 
 from kvgate_testing.backend import TEST_MODEL
 from kvgate_testing.gateway import gateway_config
-from kvgate_testing.ports import free_port
+from kvgate_testing.in_thread_server import serving_in_thread
 from kvgate_testing.sample_extension import CACHED_TOKENS, PROMPT_TOKENS, SampleExtension
 from router.app import create_app
 from router.config import parse_config
@@ -26,17 +24,8 @@ def served(backends):
     a, _ = backends
     config = parse_config(gateway_config([a]))
     app = create_app(config, extension_factories=["kvgate_testing.sample_extension:create"])
-    port = free_port()
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=lambda: asyncio.run(server.serve()), daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not server.started and time.monotonic() < deadline:
-        time.sleep(0.02)
-    assert server.started
-    yield app, f"http://127.0.0.1:{port}"
-    server.should_exit = True
-    thread.join(timeout=10)
+    with serving_in_thread(app) as url:
+        yield app, url
 
 
 def test_extension_is_built_started_and_mounted(served):

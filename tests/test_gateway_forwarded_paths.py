@@ -6,21 +6,17 @@ go to the least-loaded backend without the policy. Real gateway process; a real 
 
 from __future__ import annotations
 
-import asyncio
 import json
-import threading
-import time
 
 import httpx
 import pytest
-import uvicorn
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse
 from starlette.routing import Route
 
 from kvgate_testing.gateway import start_gateway
-from kvgate_testing.ports import free_port
+from kvgate_testing.in_thread_server import serving_in_thread
 
 SERVED = "engine-model"
 
@@ -47,17 +43,8 @@ def recording_backend():
             Route("/{path:path}", record, methods=["POST"]),
         ]
     )
-    port = free_port()
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=lambda: asyncio.run(server.serve()), daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not server.started and time.monotonic() < deadline:
-        time.sleep(0.02)
-    assert server.started
-    yield f"http://127.0.0.1:{port}", received
-    server.should_exit = True
-    thread.join(timeout=10)
+    with serving_in_thread(app) as url:
+        yield url, received
 
 
 def test_a_request_with_no_text_to_route_by_reaches_the_engine_whole_under_its_served_name(

@@ -4,19 +4,16 @@ completions' special-token rule, `tokenize: engine` over real HTTP, and bad inpu
 from __future__ import annotations
 
 import asyncio
-import threading
-import time
 from collections.abc import Iterator
 
 import numpy as np
 import pytest
-import uvicorn
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse
 from starlette.routing import Route
 
-from kvgate_testing.ports import free_port
+from kvgate_testing.in_thread_server import serving_in_thread
 from kvgate_testing.tokenizers import config, encode_threads, whole_prompt_tokens
 from router.backends import BackendState
 from router.config import builtin_tokenizer_dir
@@ -288,20 +285,9 @@ def tokenize_server() -> Iterator[tuple[str, list[dict]]]:
         received.append(body)
         return JSONResponse({"tokens": [1, 2, 3, 4], "count": 4, "max_model_len": 2048})
 
-    port = free_port()
-    server = uvicorn.Server(
-        uvicorn.Config(
-            Starlette(routes=[Route("/tokenize", tokenize, methods=["POST"])]), port=port, log_level="error"
-        )
-    )
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 10
-    while not server.started and time.monotonic() < deadline:
-        time.sleep(0.02)
-    yield f"http://127.0.0.1:{port}", received
-    server.should_exit = True
-    thread.join(timeout=5)
+    app = Starlette(routes=[Route("/tokenize", tokenize, methods=["POST"])])
+    with serving_in_thread(app, log_level="error") as url:
+        yield url, received
 
 
 def test_tokenize_engine_asks_the_backend(tokenize_server: tuple[str, list[dict]]) -> None:

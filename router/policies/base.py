@@ -110,3 +110,17 @@ class Policy(Protocol):
         """Another replica of the gateway routed a request (router/cluster.py): take it into the
         state that steers routing as if this one had (its in-flight count arrives separately)."""
         ...
+
+
+class WithoutFeedback:
+    """The hooks of a policy that keeps no state about requests (round_robin, least_loaded): what a
+    request did after choose() changes nothing it decides, its own or a peer replica's."""
+
+    def on_routed(self, request: RouteRequest, backend: BackendState) -> None:
+        pass
+
+    def on_finished(self, request: RouteRequest, backend: BackendState) -> None:
+        pass
+
+    def on_peer_routed(self, note: RoutedNote) -> None:
+        pass

@@ -2,13 +2,8 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from router.backends import BackendState
-from router.policies.base import RouteRequest
-
-if TYPE_CHECKING:
-    from router.cluster import RoutedNote
+from router.policies.base import RouteRequest, WithoutFeedback
 
 
 def fewest_in_flight(candidates: list[BackendState], turn: int) -> BackendState:
@@ -18,7 +13,7 @@ def fewest_in_flight(candidates: list[BackendState], turn: int) -> BackendState:
     return tied[turn % len(tied)]
 
 
-class LeastLoaded:
+class LeastLoaded(WithoutFeedback):
     name = "least_loaded"
     needs_tokens = False
 
@@ -28,15 +23,6 @@ class LeastLoaded:
     def choose(self, request: RouteRequest, candidates: list[BackendState]) -> BackendState:
         self._turn += 1
         return fewest_in_flight(candidates, self._turn)
-
-    def on_routed(self, request: RouteRequest, backend: BackendState) -> None:
-        pass
-
-    def on_finished(self, request: RouteRequest, backend: BackendState) -> None:
-        pass
-
-    def on_peer_routed(self, note: RoutedNote) -> None:
-        pass
 
 
 def create(policy_config: object, context: object) -> LeastLoaded:
