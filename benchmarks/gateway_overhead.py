@@ -701,45 +701,29 @@ def main() -> None:
     if args.kv_aware and args.output == parser.get_default("output"):
         args.output = str(RESULTS_DIR / "gateway_overhead_kv_aware")
     stem = Path(args.output)
-    if args.kv_aware and args.report_only:
-        write_kv_aware_report(json.loads(stem.with_suffix(".json").read_text()), stem)
-        return
+    # The kv_aware throughput run and the overhead run share the command line and the report's frame.
     if args.kv_aware:
-        report = uvloop.run(kv_aware_main_async(args))
-        report.update(
-            {
-                "command": " ".join(["python", "-m", "benchmarks.gateway_overhead", *sys.argv[1:]]),
-                "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, Python {platform.python_version()}",
-                "rounds": args.rounds,
-                "concurrency": args.concurrency,
-                "load_requests": args.load_requests,
-                "load_average_at_end": os.getloadavg(),
-            }
-        )
-        if not args.skip_peers:
-            report["peer_versions"] = peer_versions()
-        stem.parent.mkdir(parents=True, exist_ok=True)
-        write_kv_aware_report(report, stem)
-        print(stem.with_suffix(".md").read_text())
-        return
+        run, write, shape = kv_aware_main_async, write_kv_aware_report, {"load_requests": args.load_requests}
+    else:
+        run, write, shape = main_async, write_report, {"paired_rounds": args.paired_rounds}
     if args.report_only:
-        write_report(json.loads(stem.with_suffix(".json").read_text()), stem)
+        write(json.loads(stem.with_suffix(".json").read_text()), stem)
         return
-    report = uvloop.run(main_async(args))
+    report = uvloop.run(run(args))
     report.update(
         {
             "command": " ".join(["python", "-m", "benchmarks.gateway_overhead", *sys.argv[1:]]),
             "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, Python {platform.python_version()}",
             "rounds": args.rounds,
-            "paired_rounds": args.paired_rounds,
             "concurrency": args.concurrency,
+            **shape,
             "load_average_at_end": os.getloadavg(),
         }
     )
     if not args.skip_peers:
         report["peer_versions"] = peer_versions()
     stem.parent.mkdir(parents=True, exist_ok=True)
-    write_report(report, stem)
+    write(report, stem)
     print(stem.with_suffix(".md").read_text())
 
 
