@@ -23,6 +23,7 @@ preempted or reused at once: nothing later reads them.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import logging
 import queue
 import threading
@@ -178,23 +179,32 @@ class ChunkLoad:
         self._loader.start()
 
     def load_layer(self, layer: int) -> None:
-        if self._loaded[layer]:
-            return
-        self._loaded[layer] = True
+        if not self._loaded[layer]:
+            self._load_layers(layer, layer + 1)
+
+    def _load_layers(self, start: int, stop: int) -> None:
+        """Load layers start..stop-1 (none loaded yet); whole blocks go in one copy for the range."""
+        self._loaded[start:stop] = [True] * (stop - start)
         if self._loader is not None:
-            self._loader.wait_for_layer(layer)
+            for layer in range(start, stop):
+                self._loader.wait_for_layer(layer)  # a no-op for a layer its group already landed
             return
         paged = self._paged
         gpu.scatter_blocks(
-            self._blocks[layer : layer + 1], paged.kv_caches[layer : layer + 1], paged.layout, self._block_ids
+            self._blocks[start:stop], paged.kv_caches[start:stop], paged.layout, self._block_ids
         )
 
     def finish(self) -> int:
-        """Load every layer not loaded yet and wait until the cache holds the chunk; returns how
-        many layers only this call loaded (0 when `load_layer` was asked for each in time)."""
+        """Load every layer not loaded yet (each run of them at once) and wait until the cache
+        holds the chunk; returns how many layers only this call loaded (0 when `load_layer` was
+        asked for each in time)."""
         late = self._loaded.count(False)
-        for layer in range(len(self._loaded)):
-            self.load_layer(layer)
+        runs = [(loaded, len(list(run))) for loaded, run in itertools.groupby(self._loaded)]
+        start = 0
+        for loaded, length in runs:
+            if not loaded:
+                self._load_layers(start, start + length)
+            start += length
         if self._loader is not None:
             self._loader.finish().wait()
         return late
