@@ -176,9 +176,10 @@ def _token_list(tokens: Tokens) -> list[int]:
 _SAME_WIDTH_INTEGER = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
-def copy_tensor(destination: torch.Tensor, source: torch.Tensor) -> None:
+def copy_tensor(destination: torch.Tensor, source: torch.Tensor, *, non_blocking: bool = False) -> None:
     """destination[...] = source. Between CPU tensors numpy's copy moves the strided chunk slices
-    at memcpy speed, where torch's strided copy_ falls well short of it (docs/benchmarks.md)."""
+    at memcpy speed, where torch's strided copy_ falls well short of it (docs/benchmarks.md).
+    `non_blocking`: a copy to or from a GPU is only queued (the caller synchronizes)."""
     if destination.device.type == "cpu" and source.device.type == "cpu" and destination.dtype == source.dtype:
         as_integer = _SAME_WIDTH_INTEGER.get(destination.dtype.itemsize)
         try:
@@ -186,7 +187,7 @@ def copy_tensor(destination: torch.Tensor, source: torch.Tensor) -> None:
             return
         except (RuntimeError, TypeError):  # no numpy view (e.g. conjugate or grad-tracking views)
             pass
-    destination.copy_(source)
+    destination.copy_(source, non_blocking=non_blocking)
 
 
 class CacheEngine:

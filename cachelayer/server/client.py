@@ -71,18 +71,10 @@ class LeaseExpired(StoreRefused):
     """The daemon ended a lease before the client released it: data read under it is void."""
 
 
-def _copy_chunk(destination: torch.Tensor, source: torch.Tensor) -> None:
-    """One chunk between a tensor and the pool. Between the GPU and a page-locked pool the copy is
-    queued (DMA, no wait): `_copies_done_on_exit` waits once for all of a request's chunks."""
-    if destination.device.type == source.device.type == "cpu":
-        copy_tensor(destination, source)
-    else:
-        destination.copy_(source, non_blocking=True)
-
-
 @contextlib.contextmanager
 def _copies_done_on_exit(gpu_side: torch.Tensor) -> Iterator[None]:
-    """Wait for the queued copies on `gpu_side`'s device before a lease or reservation ends: the
+    """Wait for the copies queued on `gpu_side`'s device (`copy_tensor(..., non_blocking=True)`:
+    between the GPU and a page-locked pool, one DMA each) before a lease or reservation ends: the
     daemon may reuse the chunks as soon as it does."""
     try:
         yield
@@ -239,7 +231,7 @@ class StoreClient:
         kv = kv.view(space.num_layers, 2, len(tokens), -1)
         with self.reserved(space, tokens, cache_salt=cache_salt) as reservation, _copies_done_on_exit(kv):
             for chunk in reservation.chunks:
-                _copy_chunk(chunk.kv, kv[:, :, chunk.start : chunk.end])
+                copy_tensor(chunk.kv, kv[:, :, chunk.start : chunk.end], non_blocking=True)
         return reservation.held_tokens, reservation.events
 
     def retrieve(
@@ -276,7 +268,7 @@ class StoreClient:
                     out = torch.empty(space.num_layers, 2, lease.hit_tokens, channels, dtype=dtype)
                 with _copies_done_on_exit(out):
                     for chunk in lease.chunks:
-                        _copy_chunk(out[:, :, chunk.start : chunk.end], chunk.kv)
+                        copy_tensor(out[:, :, chunk.start : chunk.end], chunk.kv, non_blocking=True)
         except LeaseExpired as exc:
             log.warning("cachelayer: retrieve treated as a miss: %s", exc)
             return 0, None
