@@ -26,6 +26,7 @@ from kvgate_testing.index_streams import (
 )
 from kvwire import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent, decode_batch
 from router.index import ingest as index_ingest
+from router.index import keys as keys_module
 from router.index.ingest import PythonWriter
 from router.index.keys import (
     FINALISER_MULTIPLIER_INTS,
@@ -33,6 +34,9 @@ from router.index.keys import (
     WORD_WEIGHT_INTS,
     Namespace,
     block_value,
+    namespace_seed,
+    prefix_keys,
+    prompt_prefix_keys,
 )
 from router.index.store import NODE_FIELDS, PREVIEW_TOKENS, Chain, PrefixIndex
 
@@ -118,6 +122,27 @@ def test_the_compiled_block_value_is_the_python_one() -> None:
     for bad in ([-1] * 16, [2**32] * 16, [2**70] * 16, [1.0] * 16, [1] * 15, [1] * 17, (1,) * 16, None):
         with pytest.raises((ValueError, TypeError)):
             ingest.block_value(bad, 0)
+
+
+def test_the_compiled_prompt_keys_are_the_numpy_ones_and_serve_prompt_prefix_keys() -> None:
+    rand = np.random.default_rng(5)
+    for length in [0, 1, 15, 16, 17, 47, 48, 1000, 4096 + 9]:
+        tokens = rand.integers(0, 2**32, size=length, dtype=np.uint32)
+        tokens[: min(length, 4)] = [0, 2**32 - 1, 2**31, 1][: min(length, 4)]
+        for seed in (0, 2**64 - 1, namespace_seed(Namespace(cache_salt="s"))):
+            for first_block in (0, 3, 2**40):
+                expected = prefix_keys(tokens, seed, first_block).tolist()
+                assert ingest.prompt_keys(tokens, seed, first_block) == expected
+    prompt = rand.integers(0, 150_000, size=1000).tolist()
+    salted = Namespace(cache_salt="x")
+    # The policies' entry point takes the compiled loop (registered when the package loads).
+    assert keys_module._compiled_prompt_keys is ingest.prompt_keys
+    assert (
+        prompt_prefix_keys(prompt, salted)
+        == prefix_keys(np.array(prompt, np.uint32), namespace_seed(salted)).tolist()
+    )
+    with pytest.raises(ValueError):  # a strided view is refused, not read wrongly
+        ingest.prompt_keys(np.arange(64, dtype=np.uint32)[::2], 0)
 
 
 def test_a_mismatched_configuration_is_refused_and_leaves_the_module_working() -> None:

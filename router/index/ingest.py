@@ -55,6 +55,7 @@ from router.index.keys import (
     router_block_values,
     small_prefix_keys,
     stream_keys,
+    use_compiled_prompt_keys,
 )
 from router.index.store import (
     NODE_BOUNDARY_KEY,
@@ -79,7 +80,7 @@ logger = logging.getLogger(__name__)
 # What this module uses of the compiled ingest module: a build that lacks one is stale.
 _COMPILED_INGEST_NAMES = (
     "configure", "block_value", "BackendWriter", "next_compiled_candidate", "CompiledEntry", "WriterLock",
-    "scan_batch", "WireBatch",
+    "scan_batch", "WireBatch", "prompt_keys",
 )  # fmt: skip
 _INGEST_SOURCE = "router/index/_ingest.pyx"
 _REBUILD_HINT = rebuild_hint(_INGEST_SOURCE)
@@ -110,12 +111,19 @@ def load_compiled_ingest() -> Any:
         if compiled.block_value(block, position) != block_value(block, position):
             logger.warning("compiled ingest computes other keys than the index: not used; %s", _REBUILD_HINT)
             return None
+    tokens = check.integers(0, 2**32, size=ROUTER_BLOCK_TOKENS * 5 + 3, dtype=np.uint32)
+    if compiled.prompt_keys(tokens, 12345) != prefix_keys(tokens, 12345).tolist():
+        logger.warning(
+            "compiled ingest computes other prompt keys than the index: not used; %s", _REBUILD_HINT
+        )
+        return None
     return compiled
 
 
 # The compiled ingest module, or None when it is not built (or stale); `INGEST_PATH` says which
 # writer takes the shapes engines publish most in an index made with the default arguments.
 _compiled_ingest = load_compiled_ingest()
+use_compiled_prompt_keys(_compiled_ingest.prompt_keys if _compiled_ingest is not None else None)
 INGEST_PATH = "compiled" if _compiled_ingest is not None else "python"
 
 

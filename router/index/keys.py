@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import array
 import struct
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
 import numpy as np
@@ -175,6 +175,20 @@ def token_array(tokens: np.ndarray | Sequence[int]) -> np.ndarray:
     return np.frombuffer(stream, dtype=np.uint32)
 
 
+# The compiled loop behind prompt_prefix_keys (`prompt_keys` of router/index/_ingest.pyx), once
+# router/index/ingest.py has loaded it and checked it computes these keys; numpy's otherwise.
+_compiled_prompt_keys: Callable[[np.ndarray, int], list[int]] | None = None
+
+
+def use_compiled_prompt_keys(function: Callable[[np.ndarray, int], list[int]] | None) -> None:
+    """Compute prompt_prefix_keys with `function(tokens, seed)` (None: with numpy)."""
+    global _compiled_prompt_keys
+    _compiled_prompt_keys = function
+
+
 def prompt_prefix_keys(tokens: np.ndarray | list[int], namespace: Namespace = DEFAULT_NAMESPACE) -> list[int]:
     """The router keys of every full router block of a prompt, as Python ints (shared with policies)."""
-    return prefix_keys(token_array(tokens), namespace_seed(namespace)).tolist()
+    array = token_array(tokens)
+    if _compiled_prompt_keys is not None:
+        return _compiled_prompt_keys(np.ascontiguousarray(array), namespace_seed(namespace))
+    return prefix_keys(array, namespace_seed(namespace)).tolist()
