@@ -121,6 +121,12 @@ def test_a_prompt_is_seen_before_when_a_prefix_of_it_was_routed_lately():
     assert model.seen_before(keys)  # its first 10 blocks were routed
     assert not model.seen_before(keys[:3])  # too short a prefix to say
     assert not model.seen_before(list(range(500, 540)))
-    # Bounded: the oldest sampled keys go first.
-    model.on_routed("e1", 40 * BLOCK, 0.0, list(range(1000, 1040)))
+    # Bounded: a sampled key is kept while at least max_seen_keys / 2 newer ones come, and gone
+    # once max_seen_keys have.
+    model.on_routed("e1", 4 * BLOCK, 0.0, list(range(1000, 1004)))  # 1 more sampled key: 3 of 8
+    assert model.seen_before(keys)
+    model.on_routed("e1", 4 * BLOCK, 0.0, list(range(2000, 2004)))  # 4: a generation is full
+    assert model.seen_before(keys)
+    model.on_routed("e1", 16 * BLOCK, 0.0, list(range(3000, 3016)))  # 4 more: the next one is
     assert not model.seen_before(keys)
+    assert model.seen_before(list(range(3000, 3016)))

@@ -19,7 +19,7 @@ from router.index.store import PrefixIndex
 from router.policies.approximate import Approximate
 from router.policies.base import RouteRequest
 from router.policies.capacity import CapacityModel
-from router.policies.kv_aware import KVAware
+from router.policies.kv_aware import KVAware, Predictions
 
 
 def route(policy, req: RouteRequest, candidates: list[BackendState]) -> BackendState:
@@ -171,6 +171,27 @@ def test_predictions_expire_and_never_reach_the_index() -> None:
     req = request(PROMPTS[0])
     policy.choose(req, candidates)
     assert req.decision.candidates[home]["predicted"] == 0
+
+
+def test_predictions_hold_each_credit_for_its_ttl_across_generations() -> None:
+    predictions = Predictions(ttl_s=10.0)
+    keys = [11, 12, 13, 14]
+    predictions.add("a", keys, now=100.0)
+    predictions.add("a", keys[:2], now=108.0)  # a shorter prompt sharing two blocks, later
+    predictions.add("b", keys[:3], now=100.0, ttl_s=2.0)  # a peer's credit with a shorter ttl
+    assert predictions.leading_blocks("a", keys, 105.0) == 4
+    assert predictions.leading_blocks("b", keys, 101.0) == 3
+    assert predictions.leading_blocks("b", keys, 102.5) == 0
+    predictions.expire(111.0)  # a new generation starts: the credits of 100 and 108 are still read
+    assert predictions.leading_blocks("a", keys, 109.0) == 4
+    assert predictions.leading_blocks("a", keys, 111.0) == 2  # the whole prompt's credit lapsed at 110
+    predictions.add("a", [11, 99], now=115.0)  # re-credited in the newer generation
+    predictions.expire(122.0)  # the generation of 100-110 is dropped; 108's credit lapsed at 118
+    assert predictions.leading_blocks("a", keys, 122.0) == 1  # 11, credited at 115 until 125
+    assert predictions.leading_blocks("a", [11, 99, 5], 124.9) == 2
+    assert predictions.leading_blocks("a", keys, 125.0) == 0
+    predictions.forget("a")
+    assert predictions.leading_blocks("a", [11, 99], 116.0) == 0
 
 
 def test_salted_requests_ignore_unsalted_entries() -> None:

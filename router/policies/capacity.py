@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import math
 import time
-from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
 
@@ -39,7 +38,7 @@ RATE_HALF_LIFE_S = 30.0
 # event ingest holds, at most this often per backend.
 CHECK_INTERVAL_S = 1.0
 # Prefixes seen: every SEEN_KEY_STRIDE-th router key of each routed prompt (64 tokens apart), the
-# MAX_SEEN_KEYS most recent ones (a few thousand prompts), to bound memory.
+# last MAX_SEEN_KEYS / 2 to MAX_SEEN_KEYS of them (a few thousand prompts), to bound memory.
 SEEN_KEY_STRIDE = 4
 MAX_SEEN_KEYS = 65_536
 
@@ -70,7 +69,10 @@ class CapacityModel:
         self.kv_index = kv_index
         self.check_interval_s = check_interval_s
         self.max_seen_keys = max_seen_keys
-        self._seen: OrderedDict[int, None] = OrderedDict()
+        # Sampled keys in two generations of max_seen_keys / 2 (a set update per prompt, where an
+        # LRU cost a linked-list move per key): the newer fills, then replaces the older one.
+        self._seen: set[int] = set()
+        self._seen_before: set[int] = set()
         self.configured_tokens = dict(configured_tokens or {})
         self._rate = math.log(2) / half_life_s
         self._backends: dict[str, _BackendModel] = {}
@@ -132,18 +134,19 @@ class CapacityModel:
         model = self._model(backend)
         model.touched = model.touched * self._decayed(model, now) + prompt_tokens
         model.at = now
-        seen = self._seen
-        for key in (keys or [])[SEEN_KEY_STRIDE - 1 :: SEEN_KEY_STRIDE]:
-            seen[key] = None
-            seen.move_to_end(key)
-        while len(seen) > self.max_seen_keys:
-            seen.popitem(last=False)
+        if keys:
+            self._seen.update(keys[SEEN_KEY_STRIDE - 1 :: SEEN_KEY_STRIDE])
+            if len(self._seen) >= self.max_seen_keys // 2:
+                self._seen_before, self._seen = self._seen, set()
 
     def seen_before(self, keys: list[int]) -> bool:
         """Whether a prefix of at least SEEN_KEY_STRIDE router blocks of this prompt was routed
         lately (to any backend)."""
         stride = SEEN_KEY_STRIDE
-        return len(keys) >= stride and keys[stride - 1] in self._seen
+        if len(keys) < stride:
+            return False
+        key = keys[stride - 1]
+        return key in self._seen or key in self._seen_before
 
     def earliest_survival_s(self, backend: str, now: float) -> float:
         """How long a block used now surely stays on the backend: its capacity over the tokens it

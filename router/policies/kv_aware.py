@@ -122,6 +122,25 @@ class RoutingMetrics:
             ["policy", "kind"],
             registry=registry,
         )
+        # Labelled children, looked up once each: `labels()` costs microseconds on every request.
+        self._decision_counters: dict[tuple[str, str], Any] = {}
+        self._token_counters: dict[str, tuple[Any, Any]] = {}
+
+    def count_decision(self, policy: str, reason: str) -> None:
+        counter = self._decision_counters.get((policy, reason))
+        if counter is None:
+            counter = self._decision_counters[(policy, reason)] = self.decisions.labels(policy, reason)
+        counter.inc()
+
+    def count_prompt_tokens(self, policy: str, prompt_tokens: int, cached_tokens: int) -> None:
+        counters = self._token_counters.get(policy)
+        if counters is None:
+            counters = self._token_counters[policy] = (
+                self.prompt_tokens.labels(policy, "prompt"),
+                self.prompt_tokens.labels(policy, "cached"),
+            )
+        counters[0].inc(prompt_tokens)
+        counters[1].inc(cached_tokens)
 
 
 class PlacementTracker:
@@ -159,46 +178,59 @@ class RecentPrefixUses:
 
 
 class Predictions:
-    """Prompts routed recently, credited to their backend until prediction_ttl_s has passed."""
+    """Prompts routed recently, credited to their backend until prediction_ttl_s has passed.
+
+    Each backend's credited keys map to their expiry in two generations: keys are written to the
+    newer, and every ttl_s the older one is dropped whole (each of its entries was written at least
+    ttl_s before, so it has expired). Expiry costs a dict swap instead of a deletion per key; an
+    entry outlives its expiry by up to ttl_s in memory, and lookups compare expiries regardless.
+    """
 
     def __init__(self, ttl_s: float) -> None:
         self.ttl_s = ttl_s
-        self._keys: dict[str, dict[int, float]] = {}
-        self._expiries: deque[tuple[float, str, list[int]]] = deque()
+        self._newer: dict[str, dict[int, float]] = {}
+        self._older: dict[str, dict[int, float]] = {}
+        self._rotated_at = -math.inf
 
     def add(self, backend: str, keys: list[int], now: float, ttl_s: float | None = None) -> None:
         """Credit `keys` to `backend` for prediction_ttl_s (or `ttl_s`, a peer's, when shorter)."""
         ttl_s = self.ttl_s if ttl_s is None else min(ttl_s, self.ttl_s)
         if not keys or ttl_s <= 0:
             return
-        expiry = now + ttl_s
-        table = self._keys.setdefault(backend, {})
-        table.update(dict.fromkeys(keys, expiry))
-        self._expiries.append((expiry, backend, keys))
+        self.expire(now)
+        table = self._newer.get(backend)
+        if table is None:
+            table = self._newer[backend] = {}
+        table.update(dict.fromkeys(keys, now + ttl_s))
 
     def expire(self, now: float) -> None:
-        while self._expiries and self._expiries[0][0] <= now:
-            _, backend, keys = self._expiries.popleft()
-            table = self._keys.get(backend)
-            if table is None:
-                continue
-            for key in keys:
-                if table.get(key, now + 1) <= now:
-                    del table[key]
+        if now - self._rotated_at >= self.ttl_s:
+            self._older, self._newer = self._newer, {}
+            self._rotated_at = now
 
     def leading_blocks(self, backend: str, keys: list[int], now: float) -> int:
         """How many leading router blocks of the prompt are predicted on `backend`.
 
         A routed prompt credits all its prefixes at once, so presence is monotone along the
-        prompt: binary search, a handful of dict lookups whatever the prompt length.
+        prompt: binary search, a handful of dict lookups whatever the prompt length. (A key's
+        newer entry, when it has one, is its last credit.)
         """
-        table = self._keys.get(backend)
-        if not table or not keys or table.get(keys[0], 0.0) <= now:
+        if not keys:
+            return 0
+        newer = self._newer.get(backend) or {}
+        older = self._older.get(backend) or {}
+
+        def expiry(key: int) -> float:
+            found = newer.get(key)
+            return older.get(key, 0.0) if found is None else found
+
+        if expiry(keys[0]) <= now:
             return 0  # the usual answer at most backends: one lookup instead of a bisection
-        return bisect.bisect_left(keys, 1, key=lambda key: 0 if table.get(key, 0.0) > now else 1)
+        return bisect.bisect_left(keys, 1, key=lambda key: 0 if expiry(key) > now else 1)
 
     def forget(self, backend: str) -> None:
-        self._keys.pop(backend, None)
+        self._newer.pop(backend, None)
+        self._older.pop(backend, None)
 
 
 class CacheAwarePolicy:
@@ -261,7 +293,7 @@ class CacheAwarePolicy:
         decision.prefill_tokens = max(0, prompt_tokens - cached_tokens)
         decision.candidates = scores
         if self.metrics is not None:
-            self.metrics.decisions.labels(self.name, reason).inc()
+            self.metrics.count_decision(self.name, reason)
         logger.debug(
             "route %s -> %s (%s): %d of %d prompt tokens cached; candidates %s",
             request.request_id,
@@ -281,8 +313,7 @@ class CacheAwarePolicy:
             backend.name, max(0, prompt_tokens - cached_tokens), decision.reason == "cold_spread", now
         )
         if self.metrics is not None and prompt_tokens:
-            self.metrics.prompt_tokens.labels(self.name, "prompt").inc(prompt_tokens)
-            self.metrics.prompt_tokens.labels(self.name, "cached").inc(cached_tokens)
+            self.metrics.count_prompt_tokens(self.name, prompt_tokens, cached_tokens)
         self.recent_decisions.append(
             {
                 "at": time.time(),
