@@ -5,7 +5,8 @@
 on fresh text (every prompt of the no-reuse control, a new user message) that split and the
 per-pretoken dict lookups were most of the gateway's request path. This module scans the same
 pretokens with the regex's alternatives written out for ASCII, in order (leftmost alternative
-first, greedy quantifiers backtracked by hand), and looks each one up in the encoder's cache:
+first, greedy quantifiers backtracked by hand), and looks each one up in `PretokenTable`, a C hash
+table over the pretoken's bytes holding its ids:
 
     (?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\\r\\n\\p{L}\\p{N}]?\\p{L}+|\\p{N}| ?[^\\s\\p{L}\\p{N}]+[\\r\\n]*
     |\\s*[\\r\\n]+|\\s+(?!\\S)|\\s+
@@ -16,10 +17,14 @@ and its load-time comparison with the Rust tokenizer covers it like the `re` spl
 Callers pass ASCII text only (`str.isascii()`).
 """
 
-from cpython.object cimport PyObject
+from cpython cimport array
+from libc.stdint cimport uint32_t, uint64_t
+from libc.stdlib cimport calloc, free, malloc, realloc
+from libc.string cimport memcmp, memcpy, memset
+
+import array as _array
 
 cdef extern from "Python.h":
-    PyObject* PyDict_GetItemWithError(object mapping, object key) except? NULL
     const unsigned char* PyUnicode_1BYTE_DATA(object text)
     bint PyUnicode_IS_ASCII(object text)
     object PyUnicode_Substring(object text, Py_ssize_t start, Py_ssize_t end)
@@ -115,19 +120,203 @@ def split(str text):
     return words
 
 
-def encode_cached(str text, dict cache):
-    """The ids of `text` (ASCII) when `cache` holds every pretoken's ids (a list each), else None."""
+cdef array.array _UINT32_ARRAY = _array.array("I")
+# Bounds of what the table stores (offsets are 32-bit): past them a pretoken is not cached.
+cdef Py_ssize_t _MAX_ARENA = 0xFFFFFFFF
+
+
+cdef inline uint64_t _fnv1a(const unsigned char* data, Py_ssize_t size) noexcept:
+    cdef uint64_t value = 14695981039346656037ULL
+    cdef Py_ssize_t index
+    for index in range(size):
+        value ^= data[index]
+        value *= 1099511628211ULL
+    return value if value else 1  # 0 marks an empty slot
+
+
+cdef class PretokenTable:
+    """ASCII pretoken -> its token ids, for `encode`: the split above with every pretoken looked up
+    in an open-addressing table over the pretoken's bytes (no str made per pretoken, no dict
+    hashing it) and the ids copied into one uint32 array. `AsciiEncoder` fills it with `add`
+    (ids from the tokenizer's own BPE model) for the pretokens `missing` names."""
+
+    cdef uint64_t* _hashes  # per slot, 0 when empty
+    cdef uint32_t* _key_at  # per slot: offset of the pretoken's bytes in _keys
+    cdef uint32_t* _key_size
+    cdef uint32_t* _ids_at  # per slot: offset of its ids in _ids
+    cdef uint32_t* _ids_count
+    cdef Py_ssize_t _mask, _count
+    cdef unsigned char* _keys
+    cdef Py_ssize_t _keys_used, _keys_capacity
+    cdef uint32_t* _ids
+    cdef Py_ssize_t _ids_used, _ids_capacity
+    cdef uint32_t* _out  # encode's scratch
+    cdef Py_ssize_t _out_capacity
+
+    def __cinit__(self):
+        self._keys_capacity = 1 << 16
+        self._ids_capacity = 1 << 14
+        self._out_capacity = 1 << 12
+        self._keys = <unsigned char*>malloc(self._keys_capacity)
+        self._ids = <uint32_t*>malloc(self._ids_capacity * sizeof(uint32_t))
+        self._out = <uint32_t*>malloc(self._out_capacity * sizeof(uint32_t))
+        if self._keys == NULL or self._ids == NULL or self._out == NULL or not self._allocate(4096):
+            raise MemoryError()
+
+    def __dealloc__(self):
+        self._free_slots()
+        free(self._keys)
+        free(self._ids)
+        free(self._out)
+
+    cdef void _free_slots(self) noexcept:
+        free(self._hashes)
+        free(self._key_at)
+        free(self._key_size)
+        free(self._ids_at)
+        free(self._ids_count)
+        self._hashes = NULL
+
+    cdef bint _allocate(self, Py_ssize_t slots) noexcept:
+        self._hashes = <uint64_t*>calloc(slots, sizeof(uint64_t))
+        self._key_at = <uint32_t*>malloc(slots * sizeof(uint32_t))
+        self._key_size = <uint32_t*>malloc(slots * sizeof(uint32_t))
+        self._ids_at = <uint32_t*>malloc(slots * sizeof(uint32_t))
+        self._ids_count = <uint32_t*>malloc(slots * sizeof(uint32_t))
+        self._mask = slots - 1
+        if (self._hashes == NULL or self._key_at == NULL or self._key_size == NULL
+                or self._ids_at == NULL or self._ids_count == NULL):
+            self._free_slots()
+            return False
+        return True
+
+    cdef Py_ssize_t _find(self, const unsigned char* data, Py_ssize_t size, uint64_t value) noexcept:
+        """The slot holding the pretoken, or -1-(the empty slot where it would go)."""
+        cdef Py_ssize_t slot = <Py_ssize_t>(value & <uint64_t>self._mask)
+        while True:
+            if self._hashes[slot] == 0:
+                return -1 - slot
+            if (self._hashes[slot] == value and self._key_size[slot] == size
+                    and memcmp(self._keys + self._key_at[slot], data, size) == 0):
+                return slot
+            slot = (slot + 1) & self._mask
+
+    cdef int _grow(self) except -1:
+        cdef uint64_t* hashes = self._hashes
+        cdef uint32_t* key_at = self._key_at
+        cdef uint32_t* key_size = self._key_size
+        cdef uint32_t* ids_at = self._ids_at
+        cdef uint32_t* ids_count = self._ids_count
+        cdef Py_ssize_t old_slots = self._mask + 1, old, slot
+        if not self._allocate(old_slots * 2):
+            self._hashes, self._key_at, self._key_size = hashes, key_at, key_size
+            self._ids_at, self._ids_count, self._mask = ids_at, ids_count, old_slots - 1
+            raise MemoryError()
+        for old in range(old_slots):
+            if hashes[old] == 0:
+                continue
+            slot = <Py_ssize_t>(hashes[old] & <uint64_t>self._mask)
+            while self._hashes[slot] != 0:
+                slot = (slot + 1) & self._mask
+            self._hashes[slot] = hashes[old]
+            self._key_at[slot], self._key_size[slot] = key_at[old], key_size[old]
+            self._ids_at[slot], self._ids_count[slot] = ids_at[old], ids_count[old]
+        free(hashes)
+        free(key_at)
+        free(key_size)
+        free(ids_at)
+        free(ids_count)
+        return 0
+
+    def __len__(self):
+        return self._count
+
+    def clear(self):
+        memset(self._hashes, 0, (self._mask + 1) * sizeof(uint64_t))
+        self._count = self._keys_used = self._ids_used = 0
+
+    def __contains__(self, str word):
+        cdef const unsigned char* data = _ascii_data(word)
+        cdef Py_ssize_t size = len(word)
+        return self._find(data, size, _fnv1a(data, size)) >= 0
+
+    def add(self, str word, ids):
+        """Store `word`'s ids (uint32 ints); False when it is too large to store (not cached)."""
+        cdef const unsigned char* data = _ascii_data(word)
+        cdef Py_ssize_t size = len(word), count = len(ids), slot, index, capacity
+        cdef uint64_t value = _fnv1a(data, size)
+        cdef void* grown
+        if self._find(data, size, value) >= 0:
+            return True
+        if self._keys_used + size > _MAX_ARENA or self._ids_used + count > _MAX_ARENA:
+            return False
+        if (self._count + 1) * 2 > self._mask + 1:
+            self._grow()
+        if self._keys_used + size > self._keys_capacity:
+            capacity = max(self._keys_capacity * 2, self._keys_used + size)
+            grown = realloc(self._keys, capacity)
+            if grown == NULL:
+                raise MemoryError()
+            self._keys, self._keys_capacity = <unsigned char*>grown, capacity
+        if self._ids_used + count > self._ids_capacity:
+            capacity = max(self._ids_capacity * 2, self._ids_used + count)
+            grown = realloc(self._ids, capacity * sizeof(uint32_t))
+            if grown == NULL:
+                raise MemoryError()
+            self._ids, self._ids_capacity = <uint32_t*>grown, capacity
+        for index in range(count):  # checked before anything is stored: OverflowError leaves no trace
+            self._ids[self._ids_used + index] = <uint32_t>ids[index]
+        memcpy(self._keys + self._keys_used, data, size)
+        slot = -1 - self._find(data, size, value)
+        self._hashes[slot] = value
+        self._key_at[slot], self._key_size[slot] = <uint32_t>self._keys_used, <uint32_t>size
+        self._ids_at[slot], self._ids_count[slot] = <uint32_t>self._ids_used, <uint32_t>count
+        self._keys_used += size
+        self._ids_used += count
+        self._count += 1
+        return True
+
+    def missing(self, str text):
+        """The pretokens of `text` (ASCII) not in the table, in order (repeats included)."""
+        cdef const unsigned char* s = _ascii_data(text)
+        cdef Py_ssize_t n = len(text), i = 0, end
+        words = []
+        while i < n:
+            end = _pretoken_end(s, i, n)
+            if self._find(s + i, end - i, _fnv1a(s + i, end - i)) < 0:
+                words.append(PyUnicode_Substring(text, i, end))
+            i = end
+        return words
+
+    def encode(self, str text):
+        """The ids of `text` (ASCII) as a uint32 `array.array` when every pretoken is in the table,
+        else None."""
+        cdef const unsigned char* s = _ascii_data(text)
+        cdef Py_ssize_t n = len(text), i = 0, end, slot, used = 0, count, capacity
+        cdef void* grown
+        cdef array.array out
+        while i < n:
+            end = _pretoken_end(s, i, n)
+            slot = self._find(s + i, end - i, _fnv1a(s + i, end - i))
+            if slot < 0:
+                return None
+            count = self._ids_count[slot]
+            if used + count > self._out_capacity:
+                capacity = max(self._out_capacity * 2, used + count)
+                grown = realloc(self._out, capacity * sizeof(uint32_t))
+                if grown == NULL:
+                    raise MemoryError()
+                self._out, self._out_capacity = <uint32_t*>grown, capacity
+            memcpy(self._out + used, self._ids + self._ids_at[slot], count * sizeof(uint32_t))
+            used += count
+            i = end
+        out = array.clone(_UINT32_ARRAY, used, zero=False)
+        if used:
+            memcpy(out.data.as_uints, self._out, used * sizeof(uint32_t))
+        return out
+
+
+cdef inline const unsigned char* _ascii_data(str text) except NULL:
     if not PyUnicode_IS_ASCII(text):
-        raise ValueError("encode_cached takes ASCII text only")
-    cdef const unsigned char* s = PyUnicode_1BYTE_DATA(text)
-    cdef Py_ssize_t n = len(text), i = 0, end
-    cdef PyObject* found
-    ids = []
-    while i < n:
-        end = _pretoken_end(s, i, n)
-        found = PyDict_GetItemWithError(cache, PyUnicode_Substring(text, i, end))
-        if found is NULL:
-            return None
-        ids.extend(<list><object>found)
-        i = end
-    return ids
+        raise ValueError("PretokenTable takes ASCII text only")
+    return PyUnicode_1BYTE_DATA(text)

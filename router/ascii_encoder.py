@@ -25,6 +25,7 @@ encoder.
 
 from __future__ import annotations
 
+import array
 import logging
 import re
 from itertools import chain
@@ -125,6 +126,9 @@ class AsciiEncoder:
         byte_level = _byte_level_table(backend)
         self._byte_level = str.maketrans(byte_level)
         self._pretokens: dict[str, list[int]] = {}
+        # With the compiled split, pretokens' ids live in its C table (lookups without a str per
+        # pretoken); the dict above serves the `re` split.
+        self._table = self._compiled_split.PretokenTable() if self._compiled_split is not None else None
 
     @classmethod
     def for_tokenizer(cls, backend: Any) -> AsciiEncoder | None:
@@ -149,19 +153,29 @@ class AsciiEncoder:
             return None
         return encoder
 
-    def encode(self, text: str) -> list[int] | None:
-        """The ids of `text` (ASCII), or None when the split does not cover it (then use the tokenizer)."""
-        cache = self._pretokens
-        compiled_split = self._compiled_split
-        if compiled_split is not None:
-            ids = compiled_split.encode_cached(text, cache)
+    def encode(self, text: str) -> array.array | None:
+        """The ids of `text` (ASCII) as a uint32 `array.array`, or None when the split does not
+        cover it (then use the tokenizer)."""
+        table = self._table
+        if table is not None:
+            ids = table.encode(text)
             if ids is not None:
                 return ids
-            words = compiled_split.split(text)  # covers the text: every character starts a pretoken
+            if len(table) >= MAX_CACHED_PRETOKENS:
+                table.clear()
+            stored = True
+            for word in table.missing(text):
+                stored = table.add(word, self._bpe(word)) and stored
+            if stored:
+                ids = table.encode(text)
+                if ids is not None:
+                    return ids
+            words = self._compiled_split.split(text)  # a pretoken too large to store: the dict's way
         else:
             words = self._split(text)
             if sum(map(len, words)) != len(text):
                 return None
+        cache = self._pretokens
         # C-level passes (map, chain) for the usual case where every pretoken is cached.
         found = list(map(cache.get, words))
         if None in found:
@@ -172,10 +186,13 @@ class AsciiEncoder:
                     word = words[position]
                     ids = cache.get(word)
                     if ids is None:
-                        mapped = word.translate(self._byte_level)
-                        ids = cache[word] = [token.id for token in self._model.tokenize(mapped)]
+                        ids = cache[word] = self._bpe(word)
                     found[position] = ids
-        return list(chain.from_iterable(found))
+        return array.array("I", chain.from_iterable(found))
+
+    def _bpe(self, word: str) -> list[int]:
+        """One pretoken's ids from the tokenizer's own BPE model."""
+        return [token.id for token in self._model.tokenize(word.translate(self._byte_level))]
 
     def pretoken_starts(self, text: str) -> set[int]:
         """Where the tokenizer's pre-tokenizer starts a pretoken in `text` (ASCII): every match of
@@ -194,7 +211,8 @@ class AsciiEncoder:
         pre_tokenizer = backend.pre_tokenizer
         for text in _samples():
             expected = backend.encode(text, add_special_tokens=False).ids
-            if self.encode(text) != expected:
+            ids = self.encode(text)
+            if ids is None or ids.tolist() != expected:
                 return text
             expected_starts = {start for _, (start, _) in pre_tokenizer.pre_tokenize_str(text)}
             if self.pretoken_starts(text) != expected_starts:
@@ -220,7 +238,7 @@ def _unsupported(pipeline: _Pipeline) -> str | None:
 def _compiled_split_for(source_pattern: str | None) -> Any:
     """router/_ascii_split when it is built (whole: a stale build lacks a name) and `source_pattern`
     is the regex it writes out; None otherwise (the `re` split runs)."""
-    names = ("QWEN2_PATTERN", "split", "encode_cached")
+    names = ("QWEN2_PATTERN", "split", "PretokenTable")
     compiled = load_compiled("router._ascii_split", "router/_ascii_split.pyx", names, logger)
     return compiled if compiled is not None and source_pattern == compiled.QWEN2_PATTERN else None
 

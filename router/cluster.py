@@ -67,8 +67,9 @@ class RoutedNote(msgspec.Struct, array_like=True, forbid_unknown_fields=True):
 
     backend: _Name
     prefill_tokens: _Count = 0
-    # kv_aware's router keys of the prompt (router/index/keys.py prompt_prefix_keys), credited
-    # to the backend as predicted for ttl_s seconds.
+    # kv_aware's router keys of the prompt (router/index/keys.py prompt_prefix_keys) past those the
+    # backend's KV events already showed (RouteDecision.predicted_keys), credited to the backend as
+    # predicted for ttl_s seconds.
     prefix_keys: Annotated[list[int], msgspec.Meta(max_length=MAX_PREFIX_KEYS)] = []
     ttl_s: Annotated[float, msgspec.Meta(ge=0, le=3600)] = 0.0
     hot_prefix_key: int | None = None
@@ -164,7 +165,7 @@ class ClusterSync:
     def routed(self, request: RouteRequest, backend: BackendState, prefill_tokens: int) -> None:
         """Queue the note of a request just routed (before the policy's on_routed consumes its decision)."""
         decision = request.decision
-        keys = decision.prefix_keys or []
+        keys = decision.predicted_keys(backend.name)
         if len(keys) > MAX_PREFIX_KEYS:
             keys = keys[:MAX_PREFIX_KEYS]
         ttl_s = getattr(getattr(self.policy, "predictions", None), "ttl_s", 0.0) if keys else 0.0

@@ -445,12 +445,12 @@ class PromptTokenizer:
             if special.end() != len(piece):
                 return None  # pieces end at their one added token; anything else goes the long way
             body, added_id = piece[: special.start()], self._added_ids[special.group()]
-        ids = self._ascii.encode(body) if body else []
+        ids = self._ascii.encode(body) if body else array.array("I")
         if ids is None:
             return None
         if added_id is not None:
             ids.append(added_id)
-        return np.frombuffer(array.array("I", ids), dtype=np.uint32)
+        return np.frombuffer(ids, dtype=np.uint32)
 
     def _encode_by_segments(self, piece: str, segment_chars: int = SEGMENT_CHARS) -> np.ndarray:
         """A piece's tokens: its leading segments remembered or cached, the rest encoded in one call.

@@ -11,10 +11,10 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from kvgate_testing.policy_inputs import PROMPTS, backends, request, store
-from kvwire import BlockStored
+from kvwire import BlockRemoved, BlockStored
 from router.backends import BackendState
 from router.config import ApproximatePolicy, KVAwarePolicy
-from router.index.keys import Namespace
+from router.index.keys import Namespace, prompt_prefix_keys
 from router.index.store import PrefixIndex
 from router.policies.approximate import Approximate
 from router.policies.base import RouteRequest
@@ -192,6 +192,32 @@ def test_predictions_hold_each_credit_for_its_ttl_across_generations() -> None:
     assert predictions.leading_blocks("a", keys, 125.0) == 0
     predictions.forget("a")
     assert predictions.leading_blocks("a", [11, 99], 116.0) == 0
+
+
+def test_a_routed_prompt_is_predicted_past_what_its_engine_showed_and_no_further_back() -> None:
+    index = PrefixIndex()
+    store(index, "b1", PROMPTS[0][:256])  # b1's events show the first 16 blocks
+    policy = KVAware(KVAwarePolicy(prediction_ttl_s=60), index)
+    candidates = backends(2)
+    first = request(PROMPTS[0])
+    assert route(policy, first, candidates).name == "b1"
+    # Credited: the 16 blocks after the 16 the index holds (not the whole prompt again).
+    assert sorted(policy.predictions._newer["b1"]) == sorted(prompt_prefix_keys(PROMPTS[0])[16:])
+    again = request(PROMPTS[0])
+    policy.choose(again, candidates)
+    assert again.decision.candidates["b1"]["cached"] == 512  # the index's 256 and the predicted 256
+    assert again.decision.candidates["b1"]["predicted"] == 512
+    # The engine evicted the first blocks: the prediction does not stand in for them.
+    index.apply("b1", [BlockRemoved(block_hashes=list(range(1, 17)))])
+    evicted = request(PROMPTS[0])
+    policy.choose(evicted, candidates)
+    assert evicted.decision.candidates["b1"]["cached"] == 0
+    # A prompt on an engine that shows none of it is credited whole.
+    other = request(PROMPTS[1])
+    chosen = route(policy, other, candidates)
+    assert (
+        policy.predictions.leading_blocks(chosen.name, prompt_prefix_keys(PROMPTS[1]), time.monotonic()) == 32
+    )
 
 
 def test_salted_requests_ignore_unsalted_entries() -> None:

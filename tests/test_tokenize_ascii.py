@@ -45,7 +45,7 @@ def test_ascii_encoder_equals_the_tokenizer_on_random_ascii(backend: Tokenizer, 
     rng = np.random.default_rng(seed)
     for _ in range(40):
         text = random_ascii(rng, int(rng.integers(1, 600)))
-        assert encoder.encode(text) == backend.encode(text, add_special_tokens=False).ids, repr(text)
+        assert encoder.encode(text).tolist() == backend.encode(text, add_special_tokens=False).ids, repr(text)
 
 
 def test_ascii_encoder_equals_the_tokenizer_on_code_and_prose(backend: Tokenizer) -> None:
@@ -59,7 +59,7 @@ def test_ascii_encoder_equals_the_tokenizer_on_code_and_prose(backend: Tokenizer
         "\x00\x01\x1b[31mred\x1b[0m\x7f",
     ]
     for text in texts:
-        assert encoder.encode(text) == backend.encode(text, add_special_tokens=False).ids, repr(text)
+        assert encoder.encode(text).tolist() == backend.encode(text, add_special_tokens=False).ids, repr(text)
 
 
 def test_prompt_tokenizer_uses_the_fast_path_for_ascii_pieces_only(qwen3: PromptTokenizer) -> None:
@@ -102,7 +102,7 @@ def test_chat_of_ascii_and_unicode_messages_equals_whole_prompt_encoding(qwen3: 
 def test_a_split_that_leaves_a_gap_falls_back(backend: Tokenizer) -> None:
     encoder = AsciiEncoder(backend, "[a-z]+")  # does not match spaces: the split cannot be trusted
     assert encoder.encode("ab cd") is None
-    assert encoder.encode("abcd") == backend.encode("abcd", add_special_tokens=False).ids
+    assert encoder.encode("abcd").tolist() == backend.encode("abcd", add_special_tokens=False).ids
 
 
 def test_pattern_translation_maps_unicode_classes_to_their_ascii_members() -> None:
@@ -163,12 +163,43 @@ def test_the_qwen3_encoder_splits_in_c_exactly_as_the_translated_regex(backend: 
         else:
             text = "".join(rng.choice(tricky, size=int(rng.integers(1, 12))).tolist())
         assert _ascii_split.split(text) == split_by_re(text), repr(text)
-    # Every pretoken cached: the ids in one pass; one missing: None (the encoder fills it).
+    # Every pretoken in the table: the ids in one pass; one missing: None (the encoder fills it).
     text = "It's 42 words,\n  and   more.\n"
     expected = backend.encode(text, add_special_tokens=False).ids
-    assert encoder.encode(text) == expected
-    assert _ascii_split.encode_cached(text, encoder._pretokens) == expected
-    assert _ascii_split.encode_cached(text + " zebra", encoder._pretokens) is None
+    assert encoder.encode(text).tolist() == expected
+    table = encoder._table
+    assert table.encode(text).tolist() == expected
+    assert table.encode(text + " zebra") is None
+    assert table.missing(text + " zebra zebra") == [" zebra", " zebra"]
+
+
+def test_the_pretoken_table_stores_what_it_is_given_and_refuses_what_it_cannot_hold() -> None:
+    from router import _ascii_split
+
+    table = _ascii_split.PretokenTable()
+    # 20k one-pretoken words (letters): grows the slots and both arenas many times
+    words = ["".join(chr(97 + i // 26**k % 26) for k in range(4)) for i in range(20_000)]
+    for i, word in enumerate(words):
+        assert table.add(word, [i, i + 1, 2**32 - 1])
+    assert len(table) == 20_000 and words[-1] in table and "zzzzz" not in table
+    assert table.encode(words[7]).tolist() == [7, 8, 2**32 - 1]
+    assert table.add(words[7], [0])  # already there: kept as it was
+    assert table.encode(words[7]).tolist() == [7, 8, 2**32 - 1]
+    assert table.encode(words[3] + words[5]) is None  # one pretoken, not in the table
+    assert table.add(" " + words[5], [9])
+    assert table.encode(words[3] + " " + words[5]).tolist() == [3, 4, 2**32 - 1, 9]
+    assert table.encode("") is not None and len(table.encode("")) == 0
+    long_run = "-" * 100_000  # one pretoken, stored like any other
+    assert table.add(long_run, list(range(50_000)))
+    assert table.encode(long_run).tolist() == list(range(50_000))
+    for bad in ([-1], [2**32], ["x"]):
+        with pytest.raises((OverflowError, TypeError)):
+            table.add("bad", bad)
+    assert "bad" not in table
+    with pytest.raises(ValueError):
+        table.encode("naïve")
+    table.clear()
+    assert len(table) == 0 and table.encode(words[7]) is None
 
 
 def test_a_stale_compiled_split_is_refused_with_a_warning(

@@ -55,6 +55,9 @@ class RouteDecision:
     # The prompt's router keys (router/index keys), from choose() until on_routed() consumes them
     # (the replica sync reads them in between).
     prefix_keys: list[int] | None = None
+    # kv_aware: per candidate, how many leading prefix_keys its KV events show it holding (the
+    # index's contiguous prefix, any tier), until on_routed() consumes them.
+    indexed_blocks: dict[str, int] | None = None
     # kv_aware: the router key where the best cached prefix ends, until on_routed() consumes it.
     hot_prefix_key: int | None = None
     # session: "pinned" (its backend took it), "repinned" (its backend was gone) or "new".
@@ -64,6 +67,13 @@ class RouteDecision:
     # streamed piece (router/forward.py); on_finished() fits the load costs from both.
     load_at_send: tuple[int, int, int] | None = None
     upstream_ttft_s: float | None = None
+
+    def predicted_keys(self, backend: str) -> list[int]:
+        """The prompt's router keys `backend` will hold once it computes the prompt and that its KV
+        events do not show yet (all of them when it was not scored): what routing it there predicts."""
+        keys = self.prefix_keys or []
+        held = (self.indexed_blocks or {}).get(backend, 0)
+        return keys[held:] if held else keys
 
 
 @dataclass(slots=True)

@@ -44,7 +44,6 @@ only after the prefill); predictions steer routing but never appear in the index
 
 from __future__ import annotations
 
-import bisect
 import logging
 import math
 import time
@@ -208,25 +207,32 @@ class Predictions:
             self._older, self._newer = self._newer, {}
             self._rotated_at = now
 
-    def leading_blocks(self, backend: str, keys: list[int], now: float) -> int:
-        """How many leading router blocks of the prompt are predicted on `backend`.
+    def leading_blocks(self, backend: str, keys: list[int], now: float, held: int = 0) -> int:
+        """How many leading router blocks of the prompt `backend` holds, counting predictions: when
+        its KV events show the first `held` blocks, those and the predicted blocks right after them;
+        0 when no prediction continues them.
 
-        A routed prompt credits all its prefixes at once, so presence is monotone along the
-        prompt: binary search, a handful of dict lookups whatever the prompt length. (A key's
-        newer entry, when it has one, is its last credit.)
+        A routed prompt is credited from where its engine's events showed it held to its end
+        (`RouteDecision.predicted_keys`), so the blocks after `held` are walked one lookup each
+        until the first one not credited: usually one lookup (none is), else the prompt's new part.
         """
-        if not keys:
+        if held >= len(keys):
             return 0
-        newer = self._newer.get(backend) or {}
-        older = self._older.get(backend) or {}
-
-        def expiry(key: int) -> float:
-            found = newer.get(key)
-            return older.get(key, 0.0) if found is None else found
-
-        if expiry(keys[0]) <= now:
-            return 0  # the usual answer at most backends: one lookup instead of a bisection
-        return bisect.bisect_left(keys, 1, key=lambda key: 0 if expiry(key) > now else 1)
+        newer = self._newer.get(backend)
+        older = self._older.get(backend)
+        if not newer and not older:
+            return 0
+        newer = newer or {}
+        older = older or {}
+        end = held
+        for key in keys[held:]:
+            expiry = newer.get(key)
+            if expiry is None:
+                expiry = older.get(key, 0.0)
+            if expiry <= now:
+                break
+            end += 1
+        return end if end > held else 0
 
     def forget(self, backend: str) -> None:
         self._newer.pop(backend, None)
@@ -468,15 +474,17 @@ class KVAware(CacheAwarePolicy):
         cached: dict[str, int] = {}
         scores: dict[str, CandidateScore] = {}
         request_weight, prefill_weight = self.load_weights()
+        indexed_blocks: dict[str, int] = {}
         for backend in candidates:
             match = matches.get(backend.name)
-            predicted = self.predictions.leading_blocks(backend.name, keys, now) * ROUTER_BLOCK_TOKENS
-            if predicted and self.capacity is not None:
-                cut_s = self.prediction_cut_s(backend.name, now)
+            indexed = indexed_blocks[backend.name] = match.tokens // ROUTER_BLOCK_TOKENS if match else 0
+            name = backend.name
+            predicted_blocks = self.predictions.leading_blocks(name, keys, now, indexed)
+            if predicted_blocks and self.capacity is not None:
+                cut_s = self.prediction_cut_s(name, now)
                 if cut_s > 0:
-                    predicted = (
-                        self.predictions.leading_blocks(backend.name, keys, now + cut_s) * ROUTER_BLOCK_TOKENS
-                    )
+                    predicted_blocks = self.predictions.leading_blocks(name, keys, now + cut_s, indexed)
+            predicted = predicted_blocks * ROUTER_BLOCK_TOKENS
             saved, held = self._saved_tokens(match, predicted)
             load = request_weight * backend.in_flight + prefill_weight * backend.in_flight_prefill_tokens
             costs[backend.name] = self.config.uncached_token_weight * (prompt_tokens - saved) + load
@@ -489,6 +497,7 @@ class KVAware(CacheAwarePolicy):
                 "load": load,
                 "cost": costs[backend.name],
             }
+        request.decision.indexed_blocks = indexed_blocks
         hot_key = None
         best_held = max(cached.values(), default=0)
         best_blocks = min(len(keys), best_held // ROUTER_BLOCK_TOKENS)
@@ -598,12 +607,13 @@ class KVAware(CacheAwarePolicy):
     def on_routed(self, request: RouteRequest, backend: BackendState) -> None:
         decision = request.decision
         keys = decision.prefix_keys
+        predicted_keys = decision.predicted_keys(backend.name)
         hot_key = decision.hot_prefix_key
         # Consumed: a retry's choose() sets them again for its own backend.
-        decision.prefix_keys = decision.hot_prefix_key = None
+        decision.prefix_keys = decision.hot_prefix_key = decision.indexed_blocks = None
         now = time.monotonic()
-        if keys:
-            self.predictions.add(backend.name, keys, now)
+        if predicted_keys:
+            self.predictions.add(backend.name, predicted_keys, now)
         if hot_key is not None:
             self.prefix_uses.add(hot_key, now)
         if self.capacity is not None:
