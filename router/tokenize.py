@@ -343,6 +343,11 @@ class PromptTokenizer:
                 slow += len(piece)
         return slow, fast
 
+    def encodes_on_fast_path(self, text: str, add_special_tokens: bool) -> bool:
+        """Whether encode_text takes every uncached character of `text` through the ASCII encoder
+        (a check of the text's ASCII flag, without looking it up in the caches)."""
+        return self._ascii is not None and not add_special_tokens and self.piecewise and text.isascii()
+
     def render_chat(self, body: dict[str, Any]) -> str:
         fast = self._render_plain_chat(body)
         return fast if fast is not None else render_chat(self.tokenizer, body)
@@ -916,6 +921,9 @@ class RequestTokenizer:
 
     async def _encode(self, tokenizer: PromptTokenizer, text: str, add_special_tokens: bool) -> np.ndarray:
         """`text`'s tokens, encoded on the loop when little of it is uncached, else in the thread."""
+        if tokenizer.encodes_on_fast_path(text, add_special_tokens) and len(text) < OFF_LOOP_MIN_ASCII_CHARS:
+            # All of it through the ASCII encoder, and short enough whatever the caches hold.
+            return tokenizer.encode_text(text, add_special_tokens=add_special_tokens)
         slow, fast = tokenizer.uncached_chars(text, add_special_tokens=add_special_tokens)
         if slow < OFF_LOOP_MIN_CHARS and fast < OFF_LOOP_MIN_ASCII_CHARS:
             return tokenizer.encode_text(text, add_special_tokens=add_special_tokens)

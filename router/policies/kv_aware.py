@@ -44,6 +44,7 @@ only after the prefill); predictions steer routing but never appear in the index
 
 from __future__ import annotations
 
+import bisect
 import logging
 import math
 import time
@@ -213,8 +214,10 @@ class Predictions:
         0 when no prediction continues them.
 
         A routed prompt is credited from where its engine's events showed it held to its end
-        (`RouteDecision.predicted_keys`), so the blocks after `held` are walked one lookup each
-        until the first one not credited: usually one lookup (none is), else the prompt's new part.
+        (`RouteDecision.predicted_keys`), all at once, so presence after `held` is monotone along
+        the prompt (unless the engine has since evicted blocks inside a credited run, which the
+        index then reports for itself): one lookup when the block after `held` is not credited
+        (the usual answer), else a binary search, a handful of lookups whatever the prompt length.
         """
         if held >= len(keys):
             return 0
@@ -224,15 +227,14 @@ class Predictions:
             return 0
         newer = newer or {}
         older = older or {}
-        end = held
-        for key in keys[held:]:
+
+        def credited(key: int) -> bool:
             expiry = newer.get(key)
-            if expiry is None:
-                expiry = older.get(key, 0.0)
-            if expiry <= now:
-                break
-            end += 1
-        return end if end > held else 0
+            return (older.get(key, 0.0) if expiry is None else expiry) > now
+
+        if not credited(keys[held]):
+            return 0
+        return bisect.bisect_left(keys, True, lo=held + 1, key=lambda key: not credited(key))
 
     def forget(self, backend: str) -> None:
         self._newer.pop(backend, None)
