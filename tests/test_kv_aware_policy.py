@@ -220,6 +220,25 @@ def test_a_routed_prompt_is_predicted_past_what_its_engine_showed_and_no_further
     )
 
 
+def test_a_prefix_credited_lately_is_not_credited_again() -> None:
+    policy = KVAware(KVAwarePolicy(prediction_ttl_s=60), PrefixIndex())
+    candidates = backends(2)
+    home = route(policy, request(PROMPTS[0]), candidates).name
+    keys = prompt_prefix_keys(PROMPTS[0])
+    credited = dict(policy.predictions._newer[home])
+    assert sorted(credited) == sorted(keys)
+    # The same conversation, one turn longer: only its new blocks are credited; the earlier ones
+    # keep their credit (over half of the ttl left) rather than being written again.
+    longer = np.concatenate([PROMPTS[0], PROMPTS[1][:160]])
+    follow_up = request(longer)
+    assert route(policy, follow_up, candidates).name == home
+    table = policy.predictions._newer[home]
+    assert all(table[key] == credited[key] for key in keys)
+    new_keys = prompt_prefix_keys(longer)[len(keys) :]
+    assert len(new_keys) == 10 and all(table[key] > credited[keys[0]] for key in new_keys)
+    assert policy.predictions.leading_blocks(home, prompt_prefix_keys(longer), time.monotonic()) == 42
+
+
 def test_salted_requests_ignore_unsalted_entries() -> None:
     index = PrefixIndex()
     store(index, "b1", PROMPTS[0])

@@ -55,9 +55,10 @@ class RouteDecision:
     # The prompt's router keys (router/index keys), from choose() until on_routed() consumes them
     # (the replica sync reads them in between).
     prefix_keys: list[int] | None = None
-    # kv_aware: per candidate, how many leading prefix_keys its KV events show it holding (the
-    # index's contiguous prefix, any tier), until on_routed() consumes them.
-    indexed_blocks: dict[str, int] | None = None
+    # kv_aware: for the backend it chose, the first of prefix_keys that routing the prompt there
+    # credits as predicted: past the blocks its KV events show (the index's contiguous prefix, any
+    # tier) and those credited there lately; until on_routed() consumes it.
+    predicted_from: dict[str, int] | None = None
     # kv_aware: the router key where the best cached prefix ends, until on_routed() consumes it.
     hot_prefix_key: int | None = None
     # session: "pinned" (its backend took it), "repinned" (its backend was gone) or "new".
@@ -69,11 +70,12 @@ class RouteDecision:
     upstream_ttft_s: float | None = None
 
     def predicted_keys(self, backend: str) -> list[int]:
-        """The prompt's router keys `backend` will hold once it computes the prompt and that its KV
-        events do not show yet (all of them when it was not scored): what routing it there predicts."""
+        """The prompt's router keys that routing it to `backend` credits there as predicted: those
+        its KV events do not show yet and that are not freshly credited (all of them for a backend
+        the policy did not choose)."""
         keys = self.prefix_keys or []
-        held = (self.indexed_blocks or {}).get(backend, 0)
-        return keys[held:] if held else keys
+        start = (self.predicted_from or {}).get(backend, 0)
+        return keys[start:] if start else keys
 
 
 @dataclass(slots=True)

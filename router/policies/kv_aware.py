@@ -499,7 +499,6 @@ class KVAware(CacheAwarePolicy):
                 "load": load,
                 "cost": costs[backend.name],
             }
-        request.decision.indexed_blocks = indexed_blocks
         hot_key = None
         best_held = max(cached.values(), default=0)
         best_blocks = min(len(keys), best_held // ROUTER_BLOCK_TOKENS)
@@ -521,6 +520,14 @@ class KVAware(CacheAwarePolicy):
         # the runs where the guard moved chat turns and each move was a whole-conversation miss).
         allowed = self.guarded(candidates, now) if hot else candidates
         winner = self.pick(candidates, allowed, costs, cached, now, keys)
+        if keys:
+            # Where the winner's new credit starts: past what its events show, and past the blocks
+            # credited there lately (over half of their ttl left), which are left as they are.
+            indexed = indexed_blocks[winner.name]
+            fresh = self.predictions.leading_blocks(
+                winner.name, keys, now + self.predictions.ttl_s / 2, indexed
+            )
+            request.decision.predicted_from = {winner.name: max(indexed, fresh)}
         reason = self._reason(tokens, candidates, allowed, winner, cached)
         self.record(request, winner.name, reason, scores, prompt_tokens, cached[winner.name])
         return winner
@@ -612,7 +619,7 @@ class KVAware(CacheAwarePolicy):
         predicted_keys = decision.predicted_keys(backend.name)
         hot_key = decision.hot_prefix_key
         # Consumed: a retry's choose() sets them again for its own backend.
-        decision.prefix_keys = decision.hot_prefix_key = decision.indexed_blocks = None
+        decision.prefix_keys = decision.hot_prefix_key = decision.predicted_from = None
         now = time.monotonic()
         if predicted_keys:
             self.predictions.add(backend.name, predicted_keys, now)
