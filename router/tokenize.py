@@ -455,7 +455,10 @@ class PromptTokenizer:
             return None
         if added_id is not None:
             ids.append(added_id)
-        return np.frombuffer(ids, dtype=np.uint32)
+        # A copy that owns its data: a view would keep the array.array and two buffer objects alive
+        # with it, all three tracked by the GC (75k of them behind 25k cached pieces, and a full
+        # collection walking them took tens of ms).
+        return np.array(ids, dtype=np.uint32)
 
     def _encode_by_segments(self, piece: str, segment_chars: int = SEGMENT_CHARS) -> np.ndarray:
         """A piece's tokens: its leading segments remembered or cached, the rest encoded in one call.
