@@ -213,11 +213,13 @@ class Predictions:
         its KV events show the first `held` blocks, those and the predicted blocks right after them;
         0 when no prediction continues them.
 
-        A routed prompt is credited from where its engine's events showed it held to its end
-        (`RouteDecision.predicted_keys`), all at once, so presence after `held` is monotone along
-        the prompt (unless the engine has since evicted blocks inside a credited run, which the
-        index then reports for itself): one lookup when the block after `held` is not credited
-        (the usual answer), else a binary search, a handful of lookups whatever the prompt length.
+        A routed prompt is credited at once from where its engine's events showed it held, or
+        from where an earlier credit it keeps ends (`RouteDecision.predicted_keys`), to its end;
+        the kept credit lapses first. So once the block after `held` is credited, credit runs on
+        without a gap to where it ends (unless the engine has since evicted blocks inside a
+        credited run, which the index then reports for itself): one lookup when that block is not
+        credited (the usual answer), else a binary search, a handful of lookups whatever the
+        prompt length.
         """
         if held >= len(keys):
             return 0
