@@ -7,7 +7,15 @@ import pytest
 
 from kvgate_testing.tokenizers import config, encode_threads
 from router.config import builtin_tokenizer_dir
-from router.tokenize import SEGMENT_CHARS, PromptTokenizer, RequestTokenizer, _CutMemory, _SegmentedText
+from router.tokenize import (
+    LONG_PIECE_SIGHTINGS,
+    SEGMENT_CHARS,
+    PromptTokenizer,
+    RequestTokenizer,
+    _CutMemory,
+    _LongPieceSightings,
+    _SegmentedText,
+)
 
 WORDS = [
     "Cache", "router", "engine's", "prefix", "token", "ünïcödé", "中文", "x2", "3.14", "(see", "table)",
@@ -26,6 +34,7 @@ def fresh(qwen3: PromptTokenizer, cut_memory_chars: int = 1 << 24) -> PromptToke
     tokenizer.__dict__.update(qwen3.__dict__)
     tokenizer.cache = type(qwen3.cache)(4_000_000)
     tokenizer.cuts = _CutMemory(cut_memory_chars)
+    tokenizer.long_pieces = _LongPieceSightings(LONG_PIECE_SIGHTINGS)
     return tokenizer
 
 
@@ -71,8 +80,13 @@ def test_a_new_question_cuts_only_past_the_remembered_document(qwen3: PromptToke
 
     tokenizer._starts_pretoken = counting  # type: ignore[method-assign]
     document = prose(np.random.default_rng(3), 3000, ascii_only=True)
-    chat_tokens(tokenizer, f"{document}\n\nQuestion: what is first?")
-    first = len(checked)
+    through_path, whole = chat_tokens(tokenizer, f"{document}\n\nQuestion: what is first?")
+    assert through_path == whole
+    # Seen once: encoded whole, no cut looked for, nothing remembered.
+    assert checked == [] and len(tokenizer.cuts) == 0
+    through_path, whole = chat_tokens(tokenizer, f"{document}\n\nQuestion: and what is next?")
+    assert through_path == whole
+    first = len(checked)  # seen again: cut into segments, the cuts remembered
     checked.clear()
     through_path, whole = chat_tokens(tokenizer, f"{document}\n\nQuestion: and what comes last?")
     assert through_path == whole
@@ -137,3 +151,15 @@ def test_a_new_question_after_a_long_non_ascii_document_is_encoded_on_the_loop()
         for question in ("Quoi?", "Et ensuite, pourquoi?")
     ]
     assert encode_threads(RequestTokenizer(config()), bodies) == [True, False]
+
+
+def test_long_piece_sightings_remember_the_latest_beginnings_only() -> None:
+    sightings = _LongPieceSightings(max_entries=4)
+    first = "a" * SEGMENT_CHARS
+    assert not sightings.seen_before(first + " one ending")
+    assert sightings.seen_before(first + " another ending")  # the same beginning: seen
+    assert not sightings.seen_before("b" * 600)  # 2 of 4: a generation is full
+    assert sightings.seen_before(first)  # still remembered in the older generation
+    assert not sightings.seen_before("c" * 600)
+    assert not sightings.seen_before("d" * 600)  # the next generation is full: the first is gone
+    assert not sightings.seen_before(first)
