@@ -340,8 +340,10 @@ def chat_bodies(requests: int, seed: int) -> tuple[list[bytes], list[int]]:
 
 
 def start_kvgate_kv_aware(
-    backend_urls: list[str], policy: str, workers: int, redis_url: str
+    backend_urls: list[str], policy: str, workers: int, redis_url: str, tree: Path | None = None
 ) -> tuple[ManagedProcess, int]:
+    """kvgate in front of the backends; from another source tree `tree` (its router/ first on the
+    path, run from it) when given, for a before/after in the same rounds."""
     port = free_port()
     config: dict = {
         "listen": {"host": "127.0.0.1", "port": port},
@@ -356,7 +358,10 @@ def start_kvgate_kv_aware(
     with os.fdopen(handle, "w") as file:
         yaml.safe_dump(config, file)
     command = ["-m", "router.cli", "serve", "--config", path, "--workers", str(workers)]
-    process = ManagedProcess(python_command(*command))
+    if tree is None:
+        process = ManagedProcess(python_command(*command))
+    else:
+        process = ManagedProcess(python_command(*command), env={"PYTHONPATH": str(tree)}, cwd=str(tree))
     wait_for_http(f"http://127.0.0.1:{port}/health", process, timeout_s=90)
     return process, port
 
@@ -394,6 +399,10 @@ async def kv_aware_main_async(args: argparse.Namespace) -> dict:
             process, port = start_kvgate_kv_aware(urls, policy, workers, redis_server.url)
             started.append(process)
             targets.append((label, process, port))
+        for tree_label, tree in args.tree:
+            process, port = start_kvgate_kv_aware(urls, "kv_aware", 1, redis_server.url, tree)
+            started.append(process)
+            targets.append((f"kvgate kv_aware --workers 1 ({tree_label})", process, port))
         if not args.skip_peers:
             peers, skipped = start_peer_routers(urls)
             started += [process for _, process, _ in peers]
@@ -677,6 +686,14 @@ def _plot(report: dict, path: Path) -> None:
     fig.savefig(path, dpi=110)
 
 
+def _tree_argument(value: str) -> tuple[str, Path]:
+    label, _, directory = value.partition("=")
+    tree = Path(directory).resolve()
+    if not label or not (tree / "router" / "cli.py").is_file():
+        raise argparse.ArgumentTypeError(f"{value!r}: give LABEL=DIR, DIR a kvgate tree (router/cli.py)")
+    return label, tree
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--latency-requests", type=int, default=1000)
@@ -692,6 +709,15 @@ def main() -> None:
         "--kv-aware",
         action="store_true",
         help="throughput per host of cache-aware routing on chat prompts (kvgate --workers 1/2, peers)",
+    )
+    parser.add_argument(
+        "--tree",
+        action="append",
+        default=[],
+        type=_tree_argument,
+        metavar="LABEL=DIR",
+        help="--kv-aware: also kvgate kv_aware --workers 1 from the source tree DIR (e.g. a git worktree "
+        "of an earlier commit with its extensions built), in the same rounds; repeatable",
     )
     parser.add_argument("--report-only", action="store_true", help="rewrite .md and .png from the .json")
     parser.add_argument(
