@@ -18,14 +18,19 @@ print(gc.get_freeze_count(), len(gc.get_objects()), time.process_time() - starte
 """
 
 
-def test_loading_a_tokenizer_freezes_its_objects_so_full_collections_skip_them() -> None:
-    # A fresh process: what this test process holds already (other fixtures) does not count.
-    output = subprocess.run(
-        [sys.executable, "-c", PROBE, builtin_tokenizer_dir("qwen3")],
+def run_probe(probe: str) -> list[str]:
+    """What `probe` prints, run in a fresh process with the Qwen3 tokenizer's directory as argument
+    (what this test process holds already, other fixtures, does not count)."""
+    return subprocess.run(
+        [sys.executable, "-c", probe, builtin_tokenizer_dir("qwen3")],
         capture_output=True,
         text=True,
         check=True,
     ).stdout.split()
+
+
+def test_loading_a_tokenizer_freezes_its_objects_so_full_collections_skip_them() -> None:
+    output = run_probe(PROBE)
     frozen, still_tracked = int(output[0]), int(output[1])
     assert frozen > 150_000  # the vocabulary and merges of the Qwen3 tokenizer, and everything before
     assert still_tracked < frozen // 4  # a full collection walks only what came after
@@ -53,12 +58,7 @@ print(len(tokenizer.cache._entries), len(gc.get_objects()) - before)
 
 
 def test_cached_pieces_leave_nothing_for_the_collector_to_walk() -> None:
-    output = subprocess.run(
-        [sys.executable, "-c", CACHE_PROBE, builtin_tokenizer_dir("qwen3")],
-        capture_output=True,
-        text=True,
-        check=True,
-    ).stdout.split()
+    output = run_probe(CACHE_PROBE)
     cached_pieces, new_tracked = int(output[0]), int(output[1])
     assert cached_pieces >= 300
     # The pieces' token arrays own their data: no buffer objects (each GC-tracked) kept behind them.
