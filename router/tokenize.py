@@ -49,6 +49,7 @@ from router.ascii_encoder import AsciiEncoder
 from router.chat_render import FastChatRenderer
 from router.errors import KvgateError, log_unexpected
 from router.index.keys import Namespace
+from router.recent_keys import RecentKeys
 from router.template_sandbox import TemplateSandbox, TemplateSandboxError
 
 if TYPE_CHECKING:
@@ -89,7 +90,7 @@ _TOKEN_ID_CHUNK = 65536
 RENDERED_MAX_CHARS_PER_BODY_BYTE = 4
 RENDERED_MIN_CHARS = 1 << 20
 # Pieces at least this long are encoded and cached by segments of about SEGMENT_CHARS characters
-# (an ASCII one from the second piece that begins like it: _LongPieceSightings).
+# (an ASCII one from the second piece that begins like it: PromptTokenizer.long_pieces).
 SEGMENTED_MIN_CHARS = 2048
 SEGMENT_CHARS = 512
 # Beginnings of long ASCII pieces seen once that are remembered (hashes, in two generations).
@@ -198,32 +199,6 @@ class _CutMemory:
         return len(self._entries)
 
 
-class _LongPieceSightings:
-    """Long ASCII pieces seen once, by their first SEGMENT_CHARS characters: only a piece that
-    begins like one seen before (a document asked about again, with a new question in the same
-    message) is worth cutting into segments for the cut memory; a piece seen once (a conversation's
-    system prompt, a unique retrieved context) is encoded whole, at the ASCII encoder's few ns a
-    character instead of a cut search and a cache entry per segment. Hashes, between
-    max_entries / 2 and max_entries of the latest: a collision only cuts a piece early."""
-
-    def __init__(self, max_entries: int) -> None:
-        self.max_entries = max_entries
-        self._newer: set[int] = set()
-        self._older: set[int] = set()
-        self._lock = threading.Lock()
-
-    def seen_before(self, piece: str) -> bool:
-        """Whether a piece beginning like `piece` was seen; records it."""
-        key = hash(piece[:SEGMENT_CHARS])
-        with self._lock:
-            if key in self._newer or key in self._older:
-                return True
-            self._newer.add(key)
-            if len(self._newer) >= self.max_entries // 2:
-                self._older, self._newer = self._newer, set()
-            return False
-
-
 class _PromptMemory:
     """Earlier prompts cut at their last added token, with their tokens, so a chat's next turn (the
     same conversation plus new messages) takes the tokens of everything it repeats at once and
@@ -284,7 +259,13 @@ class PromptTokenizer:
         self.cache = _PieceCache(cache_tokens)
         self.cuts = _CutMemory(cut_memory_chars)
         self.prompts = _PromptMemory(PROMPT_MEMORY_CHARS)
-        self.long_pieces = _LongPieceSightings(LONG_PIECE_SIGHTINGS)
+        # Long ASCII pieces seen once, by a hash of their first SEGMENT_CHARS characters: only a piece
+        # that begins like one seen before (a document asked about again, a new question in the same
+        # message) is worth cutting into segments for the cut memory; a piece seen once (a system
+        # prompt, a unique retrieved context) is encoded whole, at the ASCII encoder's few ns a
+        # character instead of a cut search and a cache entry per segment (a collision only cuts a
+        # piece early).
+        self.long_pieces = RecentKeys(LONG_PIECE_SIGHTINGS)
         self._last_split: tuple[str, list[str], np.ndarray | None] | None = None
         added = sorted(self.tokenizer.added_tokens_encoder, key=len, reverse=True)
         self._added_pattern = re.compile("|".join(re.escape(token) for token in added)) if added else None
@@ -544,7 +525,9 @@ class PromptTokenizer:
         off the GIL), or an ASCII one that begins like a long piece seen before."""
         if self._ascii is None or not piece.isascii():
             return True
-        return self.cuts.get(SEGMENT_CHARS, piece) is not None or self.long_pieces.seen_before(piece)
+        if self.cuts.get(SEGMENT_CHARS, piece) is not None:
+            return True
+        return self.long_pieces.seen_before(hash(piece[:SEGMENT_CHARS]))
 
     def _remembered_segments(self, body: str, segment_chars: int) -> tuple[list[int], list[np.ndarray]]:
         """The segments of `body` known from the last text cut that began like it: their end

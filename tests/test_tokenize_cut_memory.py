@@ -7,13 +7,13 @@ import pytest
 
 from kvgate_testing.tokenizers import config, encode_threads
 from router.config import builtin_tokenizer_dir
+from router.recent_keys import RecentKeys
 from router.tokenize import (
     LONG_PIECE_SIGHTINGS,
     SEGMENT_CHARS,
     PromptTokenizer,
     RequestTokenizer,
     _CutMemory,
-    _LongPieceSightings,
     _SegmentedText,
 )
 
@@ -34,7 +34,7 @@ def fresh(qwen3: PromptTokenizer, cut_memory_chars: int = 1 << 24) -> PromptToke
     tokenizer.__dict__.update(qwen3.__dict__)
     tokenizer.cache = type(qwen3.cache)(4_000_000)
     tokenizer.cuts = _CutMemory(cut_memory_chars)
-    tokenizer.long_pieces = _LongPieceSightings(LONG_PIECE_SIGHTINGS)
+    tokenizer.long_pieces = RecentKeys(LONG_PIECE_SIGHTINGS)
     return tokenizer
 
 
@@ -151,15 +151,3 @@ def test_a_new_question_after_a_long_non_ascii_document_is_encoded_on_the_loop()
         for question in ("Quoi?", "Et ensuite, pourquoi?")
     ]
     assert encode_threads(RequestTokenizer(config()), bodies) == [True, False]
-
-
-def test_long_piece_sightings_remember_the_latest_beginnings_only() -> None:
-    sightings = _LongPieceSightings(max_entries=4)
-    first = "a" * SEGMENT_CHARS
-    assert not sightings.seen_before(first + " one ending")
-    assert sightings.seen_before(first + " another ending")  # the same beginning: seen
-    assert not sightings.seen_before("b" * 600)  # 2 of 4: a generation is full
-    assert sightings.seen_before(first)  # still remembered in the older generation
-    assert not sightings.seen_before("c" * 600)
-    assert not sightings.seen_before("d" * 600)  # the next generation is full: the first is gone
-    assert not sightings.seen_before(first)

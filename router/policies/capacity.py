@@ -32,6 +32,8 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from router.recent_keys import RecentKeys
+
 # Tokens touched decay with this half-life: the window of kv_aware's placed prefill tokens.
 RATE_HALF_LIFE_S = 30.0
 # The index's counters (whether an engine evicted, or cleared its cache) are read under the lock its
@@ -68,11 +70,7 @@ class CapacityModel:
     ) -> None:
         self.kv_index = kv_index
         self.check_interval_s = check_interval_s
-        self.max_seen_keys = max_seen_keys
-        # Sampled keys in two generations of max_seen_keys / 2 (a set update per prompt, where an
-        # LRU cost a linked-list move per key): the newer fills, then replaces the older one.
-        self._seen: set[int] = set()
-        self._seen_before: set[int] = set()
+        self._seen = RecentKeys(max_seen_keys)
         self.configured_tokens = dict(configured_tokens or {})
         self._rate = math.log(2) / half_life_s
         self._backends: dict[str, _BackendModel] = {}
@@ -135,18 +133,13 @@ class CapacityModel:
         model.touched = model.touched * self._decayed(model, now) + prompt_tokens
         model.at = now
         if keys:
-            self._seen.update(keys[SEEN_KEY_STRIDE - 1 :: SEEN_KEY_STRIDE])
-            if len(self._seen) >= self.max_seen_keys // 2:
-                self._seen_before, self._seen = self._seen, set()
+            self._seen.add(keys[SEEN_KEY_STRIDE - 1 :: SEEN_KEY_STRIDE])
 
     def seen_before(self, keys: list[int]) -> bool:
         """Whether a prefix of at least SEEN_KEY_STRIDE router blocks of this prompt was routed
         lately (to any backend)."""
         stride = SEEN_KEY_STRIDE
-        if len(keys) < stride:
-            return False
-        key = keys[stride - 1]
-        return key in self._seen or key in self._seen_before
+        return len(keys) >= stride and keys[stride - 1] in self._seen
 
     def earliest_survival_s(self, backend: str, now: float) -> float:
         """How long a block used now surely stays on the backend: its capacity over the tokens it
