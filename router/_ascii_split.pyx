@@ -150,24 +150,19 @@ cdef class PretokenTable:
     cdef Py_ssize_t _keys_used, _keys_capacity
     cdef uint32_t* _ids
     cdef Py_ssize_t _ids_used, _ids_capacity
-    cdef uint32_t* _out  # encode's scratch
-    cdef Py_ssize_t _out_capacity
 
     def __cinit__(self):
         self._keys_capacity = 1 << 16
         self._ids_capacity = 1 << 14
-        self._out_capacity = 1 << 12
         self._keys = <unsigned char*>malloc(self._keys_capacity)
         self._ids = <uint32_t*>malloc(self._ids_capacity * sizeof(uint32_t))
-        self._out = <uint32_t*>malloc(self._out_capacity * sizeof(uint32_t))
-        if self._keys == NULL or self._ids == NULL or self._out == NULL or not self._allocate(4096):
+        if self._keys == NULL or self._ids == NULL or not self._allocate(4096):
             raise MemoryError()
 
     def __dealloc__(self):
         self._free_slots()
         free(self._keys)
         free(self._ids)
-        free(self._out)
 
     cdef void _free_slots(self) noexcept:
         free(self._hashes)
@@ -243,27 +238,16 @@ cdef class PretokenTable:
     def add(self, str word, ids):
         """Store `word`'s ids (uint32 ints); False when it is too large to store (not cached)."""
         cdef const unsigned char* data = _ascii_data(word)
-        cdef Py_ssize_t size = len(word), count = len(ids), slot, index, capacity
+        cdef Py_ssize_t size = len(word), count = len(ids), slot, index
         cdef uint64_t value = _fnv1a(data, size)
-        cdef void* grown
         if self._find(data, size, value) >= 0:
             return True
         if self._keys_used + size > _MAX_ARENA or self._ids_used + count > _MAX_ARENA:
             return False
         if (self._count + 1) * 2 > self._mask + 1:
             self._grow()
-        if self._keys_used + size > self._keys_capacity:
-            capacity = max(self._keys_capacity * 2, self._keys_used + size)
-            grown = realloc(self._keys, capacity)
-            if grown == NULL:
-                raise MemoryError()
-            self._keys, self._keys_capacity = <unsigned char*>grown, capacity
-        if self._ids_used + count > self._ids_capacity:
-            capacity = max(self._ids_capacity * 2, self._ids_used + count)
-            grown = realloc(self._ids, capacity * sizeof(uint32_t))
-            if grown == NULL:
-                raise MemoryError()
-            self._ids, self._ids_capacity = <uint32_t*>grown, capacity
+        self._keys = <unsigned char*>_room(self._keys, &self._keys_capacity, self._keys_used + size, 1)
+        self._ids = <uint32_t*>_room(self._ids, &self._ids_capacity, self._ids_used + count, sizeof(uint32_t))
         for index in range(count):  # checked before anything is stored: OverflowError leaves no trace
             self._ids[self._ids_used + index] = <uint32_t>ids[index]
         memcpy(self._keys + self._keys_used, data, size)
@@ -292,28 +276,31 @@ cdef class PretokenTable:
         """The ids of `text` (ASCII) as a uint32 `array.array` when every pretoken is in the table,
         else None."""
         cdef const unsigned char* s = _ascii_data(text)
-        cdef Py_ssize_t n = len(text), i = 0, end, slot, used = 0, count, capacity
-        cdef void* grown
-        cdef array.array out
+        cdef Py_ssize_t n = len(text), i = 0, end, slot
+        # Grown in place as ids are appended (amortised), no scratch copy.
+        cdef array.array out = array.clone(_UINT32_ARRAY, 0, zero=False)
         while i < n:
             end = _pretoken_end(s, i, n)
             slot = self._find(s + i, end - i, _fnv1a(s + i, end - i))
             if slot < 0:
                 return None
-            count = self._ids_count[slot]
-            if used + count > self._out_capacity:
-                capacity = max(self._out_capacity * 2, used + count)
-                grown = realloc(self._out, capacity * sizeof(uint32_t))
-                if grown == NULL:
-                    raise MemoryError()
-                self._out, self._out_capacity = <uint32_t*>grown, capacity
-            memcpy(self._out + used, self._ids + self._ids_at[slot], count * sizeof(uint32_t))
-            used += count
+            array.extend_buffer(out, <char*>(self._ids + self._ids_at[slot]), self._ids_count[slot])
             i = end
-        out = array.clone(_UINT32_ARRAY, used, zero=False)
-        if used:
-            memcpy(out.data.as_uints, self._out, used * sizeof(uint32_t))
         return out
+
+
+cdef void* _room(void* buffer, Py_ssize_t* capacity, Py_ssize_t needed, size_t item) except NULL:
+    """`buffer` (`capacity` items of `item` bytes) grown to hold `needed` items, at least doubled."""
+    cdef Py_ssize_t grown_capacity
+    cdef void* grown
+    if needed <= capacity[0]:
+        return buffer
+    grown_capacity = max(capacity[0] * 2, needed)
+    grown = realloc(buffer, grown_capacity * item)
+    if grown == NULL:
+        raise MemoryError()
+    capacity[0] = grown_capacity
+    return grown
 
 
 cdef inline const unsigned char* _ascii_data(str text) except NULL:
