@@ -474,6 +474,17 @@ async def kv_aware_main_async(args: argparse.Namespace) -> dict:
     }
 
 
+def _load_average(report: dict) -> str:
+    return ", ".join(f"{x:.1f}" for x in report["load_average_at_end"])
+
+
+def _peer_lines(report: dict) -> list[str]:
+    """The peer routers' versions line, where the run had peers."""
+    if "peer_versions" not in report:
+        return []
+    return [peer_versions_line(report["peer_versions"], report.get("peer_versions_note"))]
+
+
 def write_kv_aware_report(report: dict, stem: Path) -> None:
     stem.with_suffix(".json").write_text(json.dumps(report, indent=2) + "\n")
     tokens = report["prompt_tokens"]
@@ -484,13 +495,9 @@ def write_kv_aware_report(report: dict, stem: Path) -> None:
         f"Machine: {report['machine']}; two fast test backends (kvgate_testing/openai_backend.py) behind "
         "every router, one asyncio+httptools client process, all on the same 2 cores, which other "
         "sessions were using at the same time (load average at the end: "
-        f"{', '.join(f'{x:.1f}' for x in report['load_average_at_end'])}): compare the rows of this "
+        f"{_load_average(report)}): compare the rows of this "
         "run with each other, not with other runs.",
-        *(
-            [peer_versions_line(report["peer_versions"], report.get("peer_versions_note"))]
-            if "peer_versions" in report
-            else []
-        ),
+        *_peer_lines(report),
         "",
         f"Load: chat_sessions conversations (800-token system prompts, 6 turns, each session's turns in "
         f"order), prompts of {tokens['p10']:.0f} / {tokens['p50']:.0f} / {tokens['p90']:.0f} tokens "
@@ -608,13 +615,9 @@ def write_report(report: dict, stem: Path) -> None:
         "behind every router; load from one asyncio+httptools client process; "
         f"medians of {report['rounds']} round(s). "
         "The machine was shared with other work (load average at the end: "
-        f"{', '.join(f'{x:.1f}' for x in report['load_average_at_end'])}): latencies at concurrency 1 "
+        f"{_load_average(report)}): latencies at concurrency 1 "
         "are dominated by scheduling; compare targets within this run only.",
-        *(
-            [peer_versions_line(report["peer_versions"], report.get("peer_versions_note"))]
-            if "peer_versions" in report
-            else []
-        ),
+        *_peer_lines(report),
         "",
         "Latency at concurrency 1 (ms; added = over direct). Throughput and CPU at concurrency "
         f"{report['concurrency']}. CPU/request = router process tree utime+stime over the load phases "
