@@ -525,10 +525,13 @@ class KVAware(CacheAwarePolicy):
         if keys:
             # Where the winner's new credit starts: past what its events show, and past the blocks
             # credited there lately (over half of their ttl left), which are left as they are.
+            # (Nothing credited there now: nothing with half its ttl left either, no second search.)
             indexed = indexed_blocks[winner.name]
-            fresh = self.predictions.leading_blocks(
-                winner.name, keys, now + self.predictions.ttl_s / 2, indexed
-            )
+            fresh = 0
+            if scores[winner.name]["predicted"]:
+                fresh = self.predictions.leading_blocks(
+                    winner.name, keys, now + self.predictions.ttl_s / 2, indexed
+                )
             request.decision.predicted_from = {winner.name: max(indexed, fresh)}
         reason = self._reason(tokens, candidates, allowed, winner, cached)
         self.record(request, winner.name, reason, scores, prompt_tokens, cached[winner.name])
