@@ -479,11 +479,14 @@ class KVAware(CacheAwarePolicy):
         scores: dict[str, CandidateScore] = {}
         request_weight, prefill_weight = self.load_weights()
         indexed_blocks: dict[str, int] = {}
+        credited_now: set[str] = set()  # candidates with predicted blocks past their indexed ones
         for backend in candidates:
             match = matches.get(backend.name)
             indexed = indexed_blocks[backend.name] = match.tokens // ROUTER_BLOCK_TOKENS if match else 0
             name = backend.name
             predicted_blocks = self.predictions.leading_blocks(name, keys, now, indexed)
+            if predicted_blocks:
+                credited_now.add(name)
             if predicted_blocks and self.capacity is not None:
                 cut_s = self.prediction_cut_s(name, now)
                 if cut_s > 0:
@@ -528,7 +531,7 @@ class KVAware(CacheAwarePolicy):
             # (Nothing credited there now: nothing with half its ttl left either, no second search.)
             indexed = indexed_blocks[winner.name]
             fresh = 0
-            if scores[winner.name]["predicted"]:
+            if winner.name in credited_now:
                 fresh = self.predictions.leading_blocks(
                     winner.name, keys, now + self.predictions.ttl_s / 2, indexed
                 )
