@@ -226,6 +226,11 @@ cdef class PretokenTable:
     def __len__(self):
         return self._count
 
+    @property
+    def stored_bytes(self):
+        """Bytes of pretokens and ids stored (what `clear` gives back for reuse)."""
+        return self._keys_used + self._ids_used * sizeof(uint32_t)
+
     def clear(self):
         memset(self._hashes, 0, (self._mask + 1) * sizeof(uint64_t))
         self._count = self._keys_used = self._ids_used = 0

@@ -51,6 +51,9 @@ _UNICODE_NORMAL_FORMS = {"NFC", "NFD", "NFKC", "NFKD"}
 # Distinct pretokens whose ids are kept; past this the cache starts over (natural text reuses a
 # few thousand words, so this is reached only by unusual input).
 MAX_CACHED_PRETOKENS = 200_000
+# And at most this many bytes of them (a pretoken is as long as a run of symbols or spaces, up to
+# a whole body): distinct long pretokens must not grow the table without bound.
+MAX_CACHED_PRETOKEN_BYTES = 64 << 20
 
 
 class _Model(msgspec.Struct):
@@ -161,7 +164,7 @@ class AsciiEncoder:
             ids = table.encode(text)
             if ids is not None:
                 return ids
-            if len(table) >= MAX_CACHED_PRETOKENS:
+            if len(table) >= MAX_CACHED_PRETOKENS or table.stored_bytes >= MAX_CACHED_PRETOKEN_BYTES:
                 table.clear()
             stored = True
             for word in table.missing(text):

@@ -219,3 +219,17 @@ def test_a_stale_compiled_split_is_refused_with_a_warning(
         assert ascii_encoder._compiled_split_for(QWEN3_SPLIT) is None
     assert "stale build" in caplog.text
     assert ascii_encoder._compiled_split_for(r"\s+") is None
+
+
+def test_long_distinct_pretokens_do_not_grow_the_table_past_its_byte_bound(
+    backend: Tokenizer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from router import ascii_encoder
+
+    monkeypatch.setattr(ascii_encoder, "MAX_CACHED_PRETOKEN_BYTES", 20_000)
+    encoder = AsciiEncoder.for_tokenizer(backend)
+    assert encoder is not None and encoder._table is not None
+    for length in range(5_000, 5_040):  # each one pretoken of its own (a run of symbols)
+        text = "word " + "-" * length
+        assert encoder.encode(text).tolist() == backend.encode(text, add_special_tokens=False).ids
+        assert encoder._table.stored_bytes < 20_000 + 2 * length  # cleared once past the bound
