@@ -33,6 +33,7 @@ import asyncio
 import json
 import os
 import platform
+import re
 import statistics
 import sys
 import tempfile
@@ -391,11 +392,9 @@ async def kv_aware_main_async(args: argparse.Namespace) -> dict:
     targets: list[tuple[str, ManagedProcess, int]] = []
     skipped: list[str] = []
     try:
-        for label, policy, workers in (
-            ("kvgate kv_aware --workers 1", "kv_aware", 1),
-            ("kvgate kv_aware --workers 2", "kv_aware", 2),
-            ("kvgate least_loaded --workers 1", "least_loaded", 1),
-        ):
+        kvgate_targets = [(f"kvgate kv_aware --workers {n}", "kv_aware", n) for n in args.kv_workers]
+        kvgate_targets.append(("kvgate least_loaded --workers 1", "least_loaded", 1))
+        for label, policy, workers in kvgate_targets:
             process, port = start_kvgate_kv_aware(urls, policy, workers, redis_server.url)
             started.append(process)
             targets.append((label, process, port))
@@ -417,7 +416,8 @@ async def kv_aware_main_async(args: argparse.Namespace) -> dict:
             for name, process, port in targets:
                 print(f"round {round_number + 1}: {name} ...", file=sys.stderr, flush=True)
                 await run_load(port, False, len(warmup), args.concurrency, args.phase_time_s, warmup)
-                redis_before = tree_cpu_seconds(redis_server.process.pid) if "workers 2" in name else 0.0
+                synced = _synced_workers(name)
+                redis_before = tree_cpu_seconds(redis_server.process.pid) if synced else 0.0
                 cpu_before = tree_cpu_seconds(process.pid)
                 backend_before = sum(tree_cpu_seconds(backend.process.pid) for backend in backends)
                 load = await run_load(port, False, len(bodies), args.concurrency, args.phase_time_s, bodies)
@@ -434,7 +434,7 @@ async def kv_aware_main_async(args: argparse.Namespace) -> dict:
                         "cpu_us_per_request": (tree_cpu_seconds(process.pid) - cpu_before) / served * 1e6,
                         "redis_cpu_us_per_request": (
                             (tree_cpu_seconds(redis_server.process.pid) - redis_before) / served * 1e6
-                            if "workers 2" in name
+                            if synced
                             else None
                         ),
                         "backend_cpu_us_per_request": (
@@ -474,6 +474,22 @@ async def kv_aware_main_async(args: argparse.Namespace) -> dict:
     }
 
 
+def _synced_workers(target: str) -> bool:
+    """Whether a target is kvgate with several workers (synced through the redis-server)."""
+    workers = re.search(r"--workers (\d+)", target)
+    return target.startswith("kvgate") and workers is not None and int(workers.group(1)) > 1
+
+
+def _kv_workers_argument(value: str) -> list[int]:
+    try:
+        counts = [int(part) for part in value.split(",") if part.strip()]
+    except ValueError:
+        counts = []
+    if not counts or min(counts) < 1:
+        raise argparse.ArgumentTypeError(f"expected worker counts such as 1,2 (got {value!r})")
+    return counts
+
+
 def _load_average(report: dict) -> str:
     return ", ".join(f"{x:.1f}" for x in report["load_average_at_end"])
 
@@ -485,6 +501,17 @@ def _peer_lines(report: dict) -> list[str]:
     return [peer_versions_line(report["peer_versions"], report.get("peer_versions_note"))]
 
 
+def _cpus(report: dict) -> str:
+    """The CPU count in the report's machine line ("x86_64, 2 CPUs, Python ...")."""
+    match = re.search(r"(\d+) CPUs", report.get("machine", ""))
+    return match.group(1) if match else "?"
+
+
+def _cores_busy(entry: dict) -> str:
+    cpu_us, rate = entry.get("cpu_us_per_request"), entry.get("requests_per_s")
+    return "-" if cpu_us is None or rate is None else f"{cpu_us * rate / 1e6:.2f}"
+
+
 def write_kv_aware_report(report: dict, stem: Path) -> None:
     stem.with_suffix(".json").write_text(json.dumps(report, indent=2) + "\n")
     tokens = report["prompt_tokens"]
@@ -493,8 +520,8 @@ def write_kv_aware_report(report: dict, stem: Path) -> None:
         "",
         f"Command: `{report['command']}`  ",
         f"Machine: {report['machine']}; two fast test backends (kvgate_testing/openai_backend.py) behind "
-        "every router, one asyncio+httptools client process, all on the same 2 cores, which other "
-        "sessions were using at the same time (load average at the end: "
+        f"every router, one asyncio+httptools client process, all on the same {_cpus(report)} cores, "
+        "which other sessions may have been using at the same time (load average at the end: "
         f"{_load_average(report)}): compare the rows of this "
         "run with each other, not with other runs.",
         *_peer_lines(report),
@@ -505,18 +532,19 @@ def write_kv_aware_report(report: dict, stem: Path) -> None:
         f"none sent twice to a router (fresh conversations every round, after 256 warm-up requests), "
         f"concurrency {report['concurrency']}, non-streamed, one output token; medians of "
         f"{report['rounds']} round(s), every router in turn in each round. CPU/request = utime+stime of "
-        "the router's process tree (kvgate --workers 2: the supervisor and both workers) over the "
-        "round's requests; redis = the redis-server that syncs the two workers, beside it.",
+        "the router's process tree (kvgate --workers N: the supervisor and its workers) over the "
+        "round's requests; cores busy = that CPU time over the round's time (what the router used of "
+        "the host); redis = the redis-server that syncs kvgate's workers, beside it.",
         "",
-        "| router | requests/s | latency p50 ms | p99 ms | router CPU µs/request | redis CPU µs/request "
-        "| backends CPU µs/request | errors |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|",
+        "| router | requests/s | latency p50 ms | p99 ms | router CPU µs/request | router cores busy "
+        "| redis CPU µs/request | backends CPU µs/request | errors |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for entry in report["results"]:
         lines.append(
             f"| {entry['target']} | {_number(entry['requests_per_s'], '.0f')} | "
             f"{_number(entry['latency_p50_ms'], '.2f')} | {_number(entry['latency_p99_ms'], '.2f')} | "
-            f"{_number(entry['cpu_us_per_request'], '.0f')} | "
+            f"{_number(entry['cpu_us_per_request'], '.0f')} | {_cores_busy(entry)} | "
             f"{_number(entry['redis_cpu_us_per_request'], '.0f')} | "
             f"{_number(entry['backend_cpu_us_per_request'], '.0f')} | {entry['errors']} |"
         )
@@ -541,7 +569,9 @@ def write_kv_aware_report(report: dict, stem: Path) -> None:
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
     x = range(len(entries))
     axes[0].bar(x, [entry["requests_per_s"] or 0 for entry in entries], color="tab:green")
-    axes[0].set_title(f"chat requests/s at saturation (c={report['concurrency']}, 2 shared cores)")
+    axes[0].set_title(
+        f"chat requests/s at saturation (c={report['concurrency']}, {_cpus(report)} shared cores)"
+    )
     axes[1].bar(x, [entry["cpu_us_per_request"] or 0 for entry in entries], color="tab:red")
     axes[1].set_title("router CPU µs per request")
     for axis in axes:
@@ -721,6 +751,13 @@ def main() -> None:
         metavar="LABEL=DIR",
         help="--kv-aware: also kvgate kv_aware --workers 1 from the source tree DIR (e.g. a git worktree "
         "of an earlier commit with its extensions built), in the same rounds; repeatable",
+    )
+    parser.add_argument(
+        "--kv-workers",
+        type=_kv_workers_argument,
+        default=[1, 2],
+        metavar="N,N...",
+        help="--kv-aware: kvgate kv_aware worker counts to measure (default 1,2; more where cores are spare)",
     )
     parser.add_argument("--report-only", action="store_true", help="rewrite .md and .png from the .json")
     parser.add_argument(

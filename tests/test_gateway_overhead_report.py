@@ -1,0 +1,55 @@
+"""benchmarks/gateway_overhead.py's kv_aware report: worker counts, which rows are synced workers."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from benchmarks.gateway_overhead import _kv_workers_argument, _synced_workers, write_kv_aware_report
+
+
+def test_only_kvgate_rows_with_several_workers_count_the_redis_server():
+    assert _synced_workers("kvgate kv_aware --workers 2")
+    assert _synced_workers("kvgate kv_aware --workers 4")
+    assert not _synced_workers("kvgate kv_aware --workers 1")
+    assert not _synced_workers("kvgate least_loaded --workers 1")
+    assert not _synced_workers("kvgate kv_aware --workers 1 (before-2440423)")
+    assert not _synced_workers("sglang-router cache_aware")
+
+
+def test_worker_counts_are_parsed_and_bad_ones_refused():
+    assert _kv_workers_argument("1,2,4") == [1, 2, 4]
+    for bad in ("", "0", "1,x", "-1"):
+        with pytest.raises(argparse.ArgumentTypeError):
+            _kv_workers_argument(bad)
+
+
+def test_report_gives_cores_busy_from_cpu_and_rate(tmp_path):
+    entry = {
+        "target": "kvgate kv_aware --workers 4",
+        "requests_per_s": 5000.0,
+        "latency_p50_ms": 5.0,
+        "latency_p99_ms": 9.0,
+        "cpu_us_per_request": 400.0,
+        "redis_cpu_us_per_request": 6.0,
+        "backend_cpu_us_per_request": 150.0,
+        "errors": 0,
+    }
+    report = {
+        "command": "python -m benchmarks.gateway_overhead --kv-aware --kv-workers 4",
+        "machine": "x86_64, 16 CPUs, Python 3.12.3",
+        "load_average_at_end": [1.0, 1.0, 1.0],
+        "prompt_tokens": {"mean": 1600, "p10": 950, "p50": 1600, "p90": 2300},
+        "load_requests": 2400,
+        "concurrency": 64,
+        "rounds": 1,
+        "results": [entry],
+        "per_round": [{**entry, "round": 0}],
+        "skipped": [],
+    }
+    write_kv_aware_report(report, tmp_path / "report")
+    text = (tmp_path / "report.md").read_text()
+    assert "all on the same 16 cores" in text
+    # 400 µs of CPU a request at 5000 requests/s: two cores busy.
+    assert "| kvgate kv_aware --workers 4 | 5000 | 5.00 | 9.00 | 400 | 2.00 | 6 | 150 | 0 |" in text
