@@ -525,6 +525,7 @@ def write_kv_aware_report(report: dict, stem: Path) -> None:
         f"{_load_average(report)}): compare the rows of this "
         "run with each other, not with other runs.",
         *_peer_lines(report),
+        *([report["note"]] if report.get("note") else []),
         "",
         f"Load: chat_sessions conversations (800-token system prompts, 6 turns, each session's turns in "
         f"order), prompts of {tokens['p10']:.0f} / {tokens['p50']:.0f} / {tokens['p90']:.0f} tokens "
