@@ -14,16 +14,18 @@ For every target it reports, in one run on this machine:
 With `--kv-aware` it measures instead the throughput per host of cache-aware routing (issue 25):
 realistic chat prompts (benchmarks/workloads.py chat_sessions, 1-2k tokens, each session's turns
 in order, no request sent twice to a target) at saturation, through kvgate kv_aware (the real Qwen3
-tokenizer) with `--workers 1` and `--workers 2` (the two replicas synced through a redis-server the
-benchmark starts), kvgate least_loaded (no tokens) for reference, and the peers' cache_aware, all
-in front of the same two fast backends: requests/s and the router's CPU per request, each target
-in turn per round, rounds interleaved.
+tokenizer) with `--workers 1` and `--workers 2` (or the counts `--kv-workers` names; the workers
+synced through a redis-server the benchmark starts), kvgate least_loaded (no tokens) for reference,
+and the peers' cache_aware, all in front of the same two fast backends: requests/s, the router's
+CPU per request and the cores it kept busy, each target in turn per round, rounds interleaved.
+`--tree LABEL=DIR` adds kvgate kv_aware from another source tree (an earlier commit) to the rounds.
 
 Peers are run from their own virtual environments (scripts/install_peers.sh); a missing peer is
 reported and skipped. The load generator is this process: raw asyncio protocols with httptools,
 keep-alive connections, bounded by a request count and a time limit per phase, loopback only.
 
     .venv/bin/python -m benchmarks.gateway_overhead            # writes benchmarks/results/gateway_overhead.*
+    .venv/bin/python -m benchmarks.gateway_overhead --kv-aware --rounds 5 --load-requests 2400
 """
 
 from __future__ import annotations
