@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import logging
 import os
 import signal
@@ -20,7 +21,7 @@ import sys
 import tempfile
 import threading
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from router.config import Config
@@ -126,7 +127,7 @@ def run(args: argparse.Namespace) -> int:
         except PolicyUnavailable as exc:
             print(f"kvgate: {args.config}: {exc}", file=sys.stderr)
             return 2
-        server = uvicorn.Server(
+        server = _server_class()(
             uvicorn.Config(
                 app,
                 host=host,
@@ -152,10 +153,29 @@ def run(args: argparse.Namespace) -> int:
             # uvicorn has already shut down gracefully; it re-raises the interrupt so the exit
             # status says so. Exit 130 (interrupted) without a traceback.
             return 130
-        return 0
+        # The re-raised interrupt can also end as a cancellation of the loop's main task that
+        # came too late to stop it (asyncio's SIGINT handler; a race at the very end): the exit
+        # status still says the gateway was interrupted.
+        return 130 if server.interrupted else 0
     finally:
         if fleet is not None:
             fleet.stop()
+
+
+@functools.cache
+def _server_class() -> type:
+    """uvicorn's Server, noting whether SIGINT stopped it (imported when `serve` runs)."""
+    import uvicorn
+
+    class InterruptibleServer(uvicorn.Server):
+        interrupted = False
+
+        def handle_exit(self, sig: int, frame: Any) -> None:
+            if sig == signal.SIGINT:
+                self.interrupted = True
+            super().handle_exit(sig, frame)
+
+    return InterruptibleServer
 
 
 def _launch_simulated_engines(config: Config) -> SimulatedFleet | None:

@@ -1,9 +1,10 @@
-"""`kvgate serve` start-up checks that fail at once, before anything is launched: a taken listen port."""
+"""`kvgate serve`: start-up checks that fail at once, before anything is launched, and its exit status."""
 
 from __future__ import annotations
 
 import errno
 import os
+import signal
 import socket
 import subprocess
 import time
@@ -68,3 +69,39 @@ def test_the_check_refuses_a_listening_port_and_leaves_a_free_one_free():
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as server:  # the server binds it next
         server.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         server.bind(("127.0.0.1", port))
+
+
+def test_ctrl_c_that_ends_the_loop_without_an_interrupt_still_exits_130(tmp_path, monkeypatch):
+    """uvicorn re-raises a SIGINT after its graceful shutdown; asyncio's handler can turn that into
+    a cancellation of a task about to finish, and `server.run` then returns normally. The exit
+    status must say the gateway was interrupted all the same (the race, made certain here)."""
+    import argparse
+
+    from router import serve
+
+    config = {
+        "listen": {"host": "127.0.0.1", "port": free_port()},
+        "models": [{"name": "tiny-qwen3"}],
+        "backends": [{"name": "a", "url": "http://127.0.0.1:9"}],
+        "policy": {"name": "least_loaded"},
+        "log_level": "warning",
+    }
+    config_path = tmp_path / "proxy.yaml"
+    config_path.write_text(yaml.safe_dump(config))
+    interrupted_server = serve._server_class()
+
+    class RacedServer(interrupted_server):
+        def run(self, sockets=None):
+            self.handle_exit(signal.SIGINT, None)  # Ctrl-C, then the loop ends without raising
+
+    class StoppedServer(interrupted_server):
+        def run(self, sockets=None):
+            self.handle_exit(signal.SIGTERM, None)
+
+    parser = argparse.ArgumentParser()
+    serve.add_arguments(parser)
+    args = parser.parse_args(["--config", str(config_path)])
+    monkeypatch.setattr(serve, "_server_class", lambda: RacedServer)
+    assert serve.run(args) == 130
+    monkeypatch.setattr(serve, "_server_class", lambda: StoppedServer)
+    assert serve.run(args) == 0
