@@ -129,6 +129,8 @@ class AsciiEncoder:
         byte_level = _byte_level_table(backend)
         self._byte_level = str.maketrans(byte_level)
         self._pretokens: dict[str, list[int]] = {}
+        # What the dict holds, counted as the table counts it: characters plus 4 bytes an id.
+        self._pretoken_bytes = 0
         # With the compiled split, pretokens' ids live in its C table (lookups without a str per
         # pretoken); the dict above serves the `re` split.
         self._table = self._compiled_split.PretokenTable() if self._compiled_split is not None else None
@@ -182,16 +184,26 @@ class AsciiEncoder:
         # C-level passes (map, chain) for the usual case where every pretoken is cached.
         found = list(map(cache.get, words))
         if None in found:
-            if len(cache) >= MAX_CACHED_PRETOKENS:
-                cache.clear()
             for position, ids in enumerate(found):
                 if ids is None:
                     word = words[position]
                     ids = cache.get(word)
                     if ids is None:
-                        ids = cache[word] = self._bpe(word)
+                        ids = self._remember(word, self._bpe(word))
                     found[position] = ids
         return array.array("I", chain.from_iterable(found))
+
+    def _remember(self, word: str, ids: list[int]) -> list[int]:
+        """Cache a pretoken's ids in the dict, which starts over past MAX_CACHED_PRETOKENS entries or
+        MAX_CACHED_PRETOKEN_BYTES (as the C table): distinct long pretokens (runs of symbols or
+        spaces, up to a whole body) must not grow it without bound."""
+        cache = self._pretokens
+        if len(cache) >= MAX_CACHED_PRETOKENS or self._pretoken_bytes >= MAX_CACHED_PRETOKEN_BYTES:
+            cache.clear()
+            self._pretoken_bytes = 0
+        cache[word] = ids
+        self._pretoken_bytes += len(word) + 4 * len(ids)
+        return ids
 
     def _bpe(self, word: str) -> list[int]:
         """One pretoken's ids from the tokenizer's own BPE model."""

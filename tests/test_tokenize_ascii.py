@@ -221,14 +221,26 @@ def test_a_stale_compiled_split_is_refused_with_a_warning(
     assert ascii_encoder._compiled_split_for(r"\s+") is None
 
 
+@pytest.mark.parametrize("path", ["C table", "dict"])
 def test_long_distinct_pretokens_do_not_grow_the_table_past_its_byte_bound(
-    backend: Tokenizer, monkeypatch: pytest.MonkeyPatch
+    backend: Tokenizer, monkeypatch: pytest.MonkeyPatch, path: str
 ) -> None:
     from router import ascii_encoder
 
     monkeypatch.setattr(ascii_encoder, "MAX_CACHED_PRETOKEN_BYTES", 20_000)
+    if path == "dict":  # no compiled module: the re split and the dict cache, under the same bound
+        monkeypatch.setattr(ascii_encoder, "_compiled_split_for", lambda pattern: None)
     encoder = AsciiEncoder.for_tokenizer(backend)
-    assert encoder is not None and encoder._table is not None
+    assert encoder is not None
+    if path == "dict":
+        assert encoder._table is None
+        for length in range(5_000, 5_040):
+            text = "word " + "-" * length
+            assert encoder.encode(text).tolist() == backend.encode(text, add_special_tokens=False).ids
+            assert encoder._pretoken_bytes < 20_000 + 2 * length  # started over once past the bound
+            assert sum(len(word) for word in encoder._pretokens) < 20_000 + 2 * length
+        return
+    assert encoder._table is not None
     for length in range(5_000, 5_040):  # each one pretoken of its own (a run of symbols)
         text = "word " + "-" * length
         assert encoder.encode(text).tolist() == backend.encode(text, add_special_tokens=False).ids
