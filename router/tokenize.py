@@ -522,12 +522,13 @@ class PromptTokenizer:
 
     def _worth_segments(self, piece: str) -> bool:
         """Whether a long piece is encoded by segments: one for the tokenizer (its segments encode
-        off the GIL), or an ASCII one that begins like a long piece seen before."""
+        off the GIL), or an ASCII one that begins like a long piece seen before (sighted lately, or
+        cut before: the cut memory is asked last, as `_encode_by_segments` asks it again)."""
         if self._ascii is None or not piece.isascii():
             return True
-        if self.cuts.get(SEGMENT_CHARS, piece) is not None:
+        if self.long_pieces.seen_before(hash(piece[:SEGMENT_CHARS])):
             return True
-        return self.long_pieces.seen_before(hash(piece[:SEGMENT_CHARS]))
+        return self.cuts.get(SEGMENT_CHARS, piece) is not None
 
     def _remembered_segments(self, body: str, segment_chars: int) -> tuple[list[int], list[np.ndarray]]:
         """The segments of `body` known from the last text cut that began like it: their end
