@@ -37,6 +37,7 @@ import gc
 import itertools
 import logging
 import re
+import sys
 import threading
 from collections import OrderedDict
 from collections.abc import Callable
@@ -103,6 +104,19 @@ CUT_MEMORY_CHARS = 8 << 20
 PROMPT_MEMORY_CHARS = 16 << 20
 # Characters before a prompt's boundary that key it in _PromptMemory (with the boundary's offset).
 _PROMPT_KEY_CHARS = 64
+# Memory the piece cache and the prompt memory may hold, entries' overhead included (_entry_bytes):
+# their token and character bounds assume pieces and prompts of hundreds of characters (~40 MB at
+# those bounds), but a client sending many distinct short ones (a word and an added token) paid
+# ~280 bytes of Python objects an entry against a bound that counted 2 tokens or ~12 characters,
+# over 1 GB a model before either bound evicted anything.
+PIECE_CACHE_BYTES = 96 << 20
+PROMPT_MEMORY_BYTES = 64 << 20
+# What an entry holds beyond its text and its ids' data: a numpy array's header (112 bytes) and an
+# OrderedDict entry (~100, measured with tracemalloc on 3.11).
+_ENTRY_OVERHEAD_BYTES = 212
+# A prompt memory entry's key (a tuple, an int and up to _PROMPT_KEY_CHARS characters) and its
+# value's tuple, beyond _entry_bytes.
+_PROMPT_ENTRY_KEY_BYTES = 200
 # A candidate cut: before a space between an ASCII letter or digit and an ASCII letter.
 _CUT_CANDIDATE = re.compile(r"(?<=[A-Za-z0-9]) (?=[A-Za-z])")
 # Characters each side of a cut that the pre-tokenizer sees to confirm it.
@@ -113,13 +127,22 @@ class TokenizeError(KvgateError, ValueError):
     """The request cannot be tokenized (bad messages, a template error, an unusable prompt)."""
 
 
-class _PieceCache:
-    """LRU of text piece -> token ids, bounded by the number of cached tokens."""
+def _entry_bytes(text: str, ids: np.ndarray) -> int:
+    """Memory an LRU entry text -> ids holds: the str, the ids' data (a view's share of its base
+    counts too) and the entry's objects."""
+    return sys.getsizeof(text) + ids.nbytes + _ENTRY_OVERHEAD_BYTES
 
-    def __init__(self, max_tokens: int) -> None:
+
+class _PieceCache:
+    """LRU of text piece -> token ids, bounded by the number of cached tokens and by the memory its
+    entries hold (max_bytes)."""
+
+    def __init__(self, max_tokens: int, max_bytes: int = PIECE_CACHE_BYTES) -> None:
         self.max_tokens = max_tokens
+        self.max_bytes = max_bytes
         self._entries: OrderedDict[str, np.ndarray] = OrderedDict()
         self._tokens = 0
+        self.bytes = 0
         self._lock = threading.Lock()
         self.hits = 0
         self.misses = 0
@@ -139,16 +162,19 @@ class _PieceCache:
         return text in self._entries
 
     def put(self, text: str, ids: np.ndarray) -> None:
-        if len(ids) > self.max_tokens:
+        size = _entry_bytes(text, ids)
+        if len(ids) > self.max_tokens or size > self.max_bytes:
             return
         with self._lock:
             if text in self._entries:
                 return
             self._entries[text] = ids
             self._tokens += len(ids)
-            while self._tokens > self.max_tokens:
-                _, evicted = self._entries.popitem(last=False)
+            self.bytes += size
+            while self._tokens > self.max_tokens or self.bytes > self.max_bytes:
+                evicted_text, evicted = self._entries.popitem(last=False)
                 self._tokens -= len(evicted)
+                self.bytes -= _entry_bytes(evicted_text, evicted)
 
 
 class _SegmentedText:
@@ -202,16 +228,19 @@ class _CutMemory:
 class _PromptMemory:
     """Earlier prompts cut at their last added token, with their tokens, so a chat's next turn (the
     same conversation plus new messages) takes the tokens of everything it repeats at once and
-    encodes only what follows. LRU, bounded by the characters of the prompts it holds.
+    encodes only what follows. LRU, bounded by the characters of the prompts it holds and by the
+    memory its entries hold (max_bytes).
 
     A prompt is found by its boundaries: for each offset right after an added token, (offset, the
     _PROMPT_KEY_CHARS characters before it) is looked up, latest offset first, and a hit counts
     only if the new text starts with the whole remembered prompt."""
 
-    def __init__(self, max_chars: int) -> None:
+    def __init__(self, max_chars: int, max_bytes: int = PROMPT_MEMORY_BYTES) -> None:
         self.max_chars = max_chars
+        self.max_bytes = max_bytes
         self._entries: OrderedDict[tuple[int, str], tuple[str, np.ndarray]] = OrderedDict()
         self._chars = 0
+        self.bytes = 0
         self._lock = threading.Lock()
         self.hits = 0
 
@@ -229,18 +258,26 @@ class _PromptMemory:
         return None
 
     def put(self, prompt: str, ids: np.ndarray) -> None:
-        if not prompt or len(prompt) > self.max_chars:
+        size = self._entry_bytes(prompt, ids)
+        if not prompt or len(prompt) > self.max_chars or size > self.max_bytes:
             return
         key = (len(prompt), prompt[-_PROMPT_KEY_CHARS:])
         with self._lock:
             replaced = self._entries.pop(key, None)
             if replaced is not None:
                 self._chars -= len(replaced[0])
+                self.bytes -= self._entry_bytes(*replaced)
             self._entries[key] = (prompt, ids)
             self._chars += len(prompt)
-            while self._chars > self.max_chars:
-                _, (evicted, _) = self._entries.popitem(last=False)
+            self.bytes += size
+            while self._chars > self.max_chars or self.bytes > self.max_bytes:
+                _, (evicted, evicted_ids) = self._entries.popitem(last=False)
                 self._chars -= len(evicted)
+                self.bytes -= self._entry_bytes(evicted, evicted_ids)
+
+    @staticmethod
+    def _entry_bytes(prompt: str, ids: np.ndarray) -> int:
+        return _entry_bytes(prompt, ids) + _PROMPT_ENTRY_KEY_BYTES
 
     def __len__(self) -> int:
         return len(self._entries)

@@ -1,0 +1,86 @@
+"""The piece cache and the prompt memory (router/tokenize.py) are bounded by the memory their
+entries hold, not only by tokens and characters: a client sending many distinct short chats (a word
+and the template's added tokens, a few tokens and characters each) must not grow them by hundreds
+of bytes of Python objects an entry up to their token and character bounds (over 1 GB a model)."""
+
+from __future__ import annotations
+
+import tracemalloc
+
+import numpy as np
+import pytest
+
+from router.config import builtin_tokenizer_dir
+from router.tokenize import PromptTokenizer, _CutMemory, _entry_bytes, _PieceCache, _PromptMemory
+
+BOUND = 1 << 20  # 1 MiB for each, in these tests
+
+
+@pytest.fixture(scope="module")
+def qwen3() -> PromptTokenizer:
+    return PromptTokenizer(builtin_tokenizer_dir("qwen3"))
+
+
+def with_small_memories(qwen3: PromptTokenizer) -> PromptTokenizer:
+    """The loaded tokenizer with its default token and character bounds and 1 MiB memory bounds."""
+    tokenizer = PromptTokenizer.__new__(PromptTokenizer)
+    tokenizer.__dict__.update(qwen3.__dict__)
+    tokenizer.cache = _PieceCache(4_000_000, max_bytes=BOUND)
+    tokenizer.cuts = _CutMemory(1 << 24)
+    tokenizer.prompts = _PromptMemory(16 << 20, max_bytes=BOUND)
+    return tokenizer
+
+
+def short_chat(i: int) -> dict:
+    return {"messages": [{"role": "user", "content": f"w{i}"}]}
+
+
+def test_many_short_chats_stay_within_the_memory_bounds(qwen3: PromptTokenizer) -> None:
+    tokenizer = with_small_memories(qwen3)
+    chats = 12_000
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        for i in range(chats):
+            tokenizer.tokens_for(short_chat(i))
+        grown = tracemalloc.get_traced_memory()[0] - before
+    finally:
+        tracemalloc.stop()
+    cache, prompts = tokenizer.cache, tokenizer.prompts
+    # Far under their token and character bounds, both were full by memory and evicted.
+    assert cache._tokens < 100_000 and prompts._chars < 1_000_000
+    assert 0 < cache.bytes <= BOUND and 0 < prompts.bytes <= BOUND
+    assert len(prompts) < chats and len(cache._entries) < chats
+    # The count is the memory: what the process holds grew by about the two bounds, not more.
+    assert grown < 3 * BOUND
+    # What each holds is accounted exactly, so evictions keep the count true.
+    assert cache.bytes == sum(_entry_bytes(text, ids) for text, ids in cache._entries.items())
+    assert prompts.bytes == sum(prompts._entry_bytes(*entry) for entry in prompts._entries.values())
+
+
+def test_the_latest_entries_are_kept_and_still_exact(qwen3: PromptTokenizer) -> None:
+    tokenizer = with_small_memories(qwen3)
+    for i in range(8_000):
+        tokenizer.tokens_for(short_chat(i))
+    latest = short_chat(7_999)
+    text = tokenizer.render_chat(latest)
+    boundaries = [match.end() for match in tokenizer._added_pattern.finditer(text)]
+    assert tokenizer.prompts.longest_prefix(text, boundaries) is not None
+    assert tokenizer.prompts.longest_prefix(tokenizer.render_chat(short_chat(0)), boundaries) is None
+    # A next turn of the latest chat is taken from memory and encodes as the whole text does.
+    next_turn = [{"role": "assistant", "content": "ok"}, {"role": "user", "content": "and?"}]
+    follow_up = {"messages": [*latest["messages"], *next_turn]}
+    hits = tokenizer.prompts.hits
+    ids = tokenizer.tokens_for(follow_up)
+    whole = tokenizer.tokenizer.encode(tokenizer.render_chat(follow_up), add_special_tokens=False)
+    assert ids.tolist() == whole and tokenizer.prompts.hits == hits + 1
+
+
+def test_an_entry_larger_than_the_bound_is_not_kept() -> None:
+    cache = _PieceCache(1_000_000, max_bytes=4096)
+    cache.put("small", np.arange(3, dtype=np.uint32))
+    cache.put("x" * 8000, np.arange(10, dtype=np.uint32))
+    assert cache.get("small") is not None and cache.get("x" * 8000) is None
+    prompts = _PromptMemory(1 << 20, max_bytes=4096)
+    prompts.put("y" * 8000, np.arange(10, dtype=np.uint32))
+    assert len(prompts) == 0 and prompts.bytes == 0
