@@ -194,6 +194,22 @@ def test_predictions_hold_each_credit_for_its_ttl_across_generations() -> None:
     assert predictions.leading_blocks("a", [11, 99], 116.0) == 0
 
 
+def test_predictions_are_bounded_per_backend_and_keep_the_latest_credits() -> None:
+    predictions = Predictions(ttl_s=60.0, max_keys_per_backend=1000)
+    prompts = [[prompt * 10_000 + block for block in range(300)] for prompt in range(40)]
+    for at, keys in enumerate(prompts):  # 12000 distinct keys within the ttl
+        predictions.add("a", keys, now=100.0 + at / 100)
+    predictions.add("b", prompts[0][:10], now=100.0)
+    newer, older = predictions._newer["a"], predictions._older["a"]
+    assert len(newer) < 1000 and len(older) <= 1000 + 300
+    # The latest prompts keep their whole credit; the earliest ones lost theirs early.
+    assert predictions.leading_blocks("a", prompts[-1], 101.0) == 300
+    assert predictions.leading_blocks("a", prompts[-2], 101.0) == 300
+    assert predictions.leading_blocks("a", prompts[0], 101.0) == 0
+    # Another backend's credit is its own to bound.
+    assert predictions.leading_blocks("b", prompts[0], 101.0) == 10
+
+
 def test_a_routed_prompt_is_predicted_past_what_its_engine_showed_and_no_further_back() -> None:
     index = PrefixIndex()
     store(index, "b1", PROMPTS[0][:256])  # b1's events show the first 16 blocks

@@ -177,6 +177,12 @@ class RecentPrefixUses:
             self._values.popitem(last=False)
 
 
+# Keys a backend's newer generation of predictions holds before it is rotated early: 2^19 router
+# blocks are 8M tokens, more than an engine's GPU cache holds (so more than it can be predicted to
+# hold); the two generations then hold at most ~80 MB a backend (~78 bytes a key).
+MAX_PREDICTED_KEYS_PER_BACKEND = 1 << 19
+
+
 class Predictions:
     """Prompts routed recently, credited to their backend until prediction_ttl_s has passed.
 
@@ -184,10 +190,14 @@ class Predictions:
     newer, and every ttl_s the older one is dropped whole (each of its entries was written at least
     ttl_s before, so it has expired). Expiry costs a dict swap instead of a deletion per key; an
     entry outlives its expiry by up to ttl_s in memory, and lookups compare expiries regardless.
+    A backend's newer generation that reaches max_keys_per_backend becomes its older one at once
+    (the older dropped early): distinct long prompts sent fast (or a peer's notes) would otherwise
+    hold memory for every key they credit within ttl_s. Dropping credit early only predicts less.
     """
 
-    def __init__(self, ttl_s: float) -> None:
+    def __init__(self, ttl_s: float, max_keys_per_backend: int = MAX_PREDICTED_KEYS_PER_BACKEND) -> None:
         self.ttl_s = ttl_s
+        self.max_keys_per_backend = max_keys_per_backend
         self._newer: dict[str, dict[int, float]] = {}
         self._older: dict[str, dict[int, float]] = {}
         self._rotated_at = -math.inf
@@ -205,6 +215,8 @@ class Predictions:
         # A plain loop: half the time of update(dict.fromkeys(...)), which builds a second dict first.
         for key in keys:
             table[key] = expiry
+        if len(table) >= self.max_keys_per_backend:
+            self._older[backend], self._newer[backend] = table, {}
 
     def expire(self, now: float) -> None:
         if now - self._rotated_at >= self.ttl_s:
