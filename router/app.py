@@ -14,7 +14,7 @@ import time
 
 import msgspec
 from starlette.applications import Starlette
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
@@ -178,7 +178,12 @@ def create_app(config: config_schema.Config, extension_factories: list[str] | No
     app = GatewayApp(
         routes=routes,
         lifespan=lifespan,
-        exception_handlers={404: _not_found, 405: _not_allowed, Exception: _internal_error},
+        exception_handlers={
+            404: _not_found,
+            405: _not_allowed,
+            ClientDisconnect: _client_left,
+            Exception: _internal_error,
+        },
     )
     app.fast_endpoints = fast_endpoints
     app.client_keys = gateway.client_keys
@@ -196,6 +201,13 @@ async def _not_found(request: Request, exc: Exception) -> Response:
 
 async def _not_allowed(request: Request, exc: Exception) -> Response:
     return _error_response(405, f"method {request.method} is not allowed on {request.url.path}")
+
+
+async def _client_left(request: Request, exc: Exception) -> Response:
+    # The client closed the connection while its body was read (/lookup, /backends): nobody is
+    # left to answer, and it is no error of the gateway's (uvicorn sends nothing to a closed cycle).
+    log.debug("client left during %s %s", request.method, request.url.path)
+    return Response(status_code=499)
 
 
 async def _internal_error(request: Request, exc: Exception) -> Response:

@@ -137,7 +137,8 @@ class _Exchange:
             data = self.head + data
             self.head = b""
         protocol = self.protocol
-        if data and not protocol.transport.is_closing():  # closing: the client left; its task is cancelled
+        # Closing: the client left (its task is cancelled); ended: the gateway ended the connection.
+        if data and not protocol.ended and not protocol.transport.is_closing():
             protocol.transport.write(data)
         if not more:
             self.complete = True
@@ -157,6 +158,9 @@ class GatewayHttpProtocol(HttpToolsProtocol):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.exchange: _Exchange | None = None  # the direct-path request being parsed
+        # The gateway ended the connection itself (_drop_answers_in_progress): nothing more is written.
+        self.ended = False
+        self._running_cycle: Any = None  # the ASGI request being answered (_run_asgi)
         self.answering: _Exchange | None = None  # the direct-path request being answered
         # Requests parsed while `answering` runs, in order: callables that start them.
         self.waiting: collections.deque[Callable[[], None]] = collections.deque()
@@ -172,6 +176,9 @@ class GatewayHttpProtocol(HttpToolsProtocol):
         self._lingering_bytes: int | None = None  # bytes dropped since an error answer; None: not lingering
         self._linger_timer: asyncio.TimerHandle | None = None
         self._head_bytes = 0
+        self._head_tail = b""  # the head's last bytes read (its empty line may span two reads)
+        # Bytes of the body being read still to come, where its content-length tells; else None.
+        self._body_left: int | None = None
         self._read_timer: asyncio.TimerHandle | None = None
 
     # ---- bytes in: the header limit is applied before the parser sees them ----
@@ -182,27 +189,54 @@ class GatewayHttpProtocol(HttpToolsProtocol):
         if self._lingering_bytes is not None:
             self._lingering_bytes += len(data)
             if self._lingering_bytes > _LINGER_MAX_BYTES:
+                self._drop_answers_in_progress()
                 self.transport.close()
             return
         self._unset_keepalive_if_required()
-        if self._read_phase == _IDLE:
-            self._start_reading(_HEAD)
-        if self._read_phase == _HEAD:
-            allowance = self.limits.max_header_bytes - self._head_bytes
-            if len(data) > allowance:
-                # Feed only what the limit allows; a head still incomplete then is refused before
-                # the parser buffers (and re-copies) more of it.
-                head_part, data = data[:allowance], data[allowance:]
-                self._head_bytes += allowance
-                if not self._feed(head_part):
-                    return
-                # Still the same head (a pipelined request begun meanwhile restarted the count at 0).
-                if self._read_phase == _HEAD and self._head_bytes >= self.limits.max_header_bytes:
-                    self._refuse_head()
-                    return
+        # Fed to the parser a part of a request at a time, so that every head is counted against
+        # max_header_bytes before the parser sees it, also a pipelined one that begins inside this
+        # read: a head ends at its empty line, a body at its content-length. (A head that follows
+        # a chunked body in the same read is counted from the next read on.)
+        while data:
+            if self._read_phase == _IDLE:
+                self._start_reading(_HEAD)
+            over_limit = False
+            if self._read_phase == _HEAD:
+                end = self._head_end(data)
+                size = len(data) if end < 0 else end
+                allowance = self.limits.max_header_bytes - self._head_bytes
+                if size > allowance:
+                    # Only what the limit allows: a head still incomplete then is refused before the
+                    # parser buffers (and re-copies) more of it.
+                    size, over_limit = allowance, True
+                piece, data = (data, b"") if size == len(data) else (data[:size], data[size:])
+                self._head_bytes += size
+                self._head_tail = piece[-3:] if size >= 3 else (self._head_tail + piece)[-3:]
+            elif self._read_phase == _BODY and self._body_left is not None and self._body_left < len(data):
+                piece, data = data[: self._body_left], data[self._body_left :]
+                self._body_left = 0
             else:
-                self._head_bytes += len(data)
-        self._feed(data)
+                piece, data = data, b""
+                if self._read_phase == _BODY and self._body_left is not None:
+                    self._body_left -= len(piece)
+            if not self._feed(piece) or self.transport.is_closing():
+                return
+            if over_limit and self._read_phase == _HEAD:
+                self._refuse_head()
+                return
+            if self._lingering_bytes is not None:  # answered and lingering: the rest is dropped
+                self._lingering_bytes += len(data)
+                return
+
+    def _head_end(self, data: bytes) -> int:
+        """Where in `data` the head being read ends (past its empty line), or -1."""
+        tail = self._head_tail
+        if tail:
+            at = (tail + data[:3]).find(b"\r\n\r\n")
+            if at >= 0:
+                return at + 4 - len(tail)
+        at = data.find(b"\r\n\r\n")
+        return -1 if at < 0 else at + 4
 
     def _feed(self, data: bytes) -> bool:
         """Parse `data`; False when the connection was answered and closed on the way."""
@@ -231,6 +265,36 @@ class GatewayHttpProtocol(HttpToolsProtocol):
         self.logger.warning(message)
         self.send_400_response(message)
 
+    def send_400_response(self, msg: str) -> None:
+        # uvicorn's, which writes the 400 and closes: an ASGI answer still being made on the
+        # connection (a valid request pipelined before the invalid one) is dropped first.
+        self._drop_answers_in_progress()
+        super().send_400_response(msg)
+
+    def _drop_answers_in_progress(self) -> None:
+        """The gateway ends the connection itself (closes it, or sends its FIN and lingers): an
+        answer still being made on it is dropped, as if its client had left, and no request waiting
+        behind it starts. Written, it would meet a transport that refuses writes (uvloop raises
+        RuntimeError, logged as an unhandled error) before connection_lost tells uvicorn's cycle."""
+        self.ended = True
+        self._forget_queued_requests()
+
+    def _forget_queued_requests(self) -> None:
+        """No request queued on the connection starts, and the ASGI ones begun are told their client
+        is gone: the running one (uvicorn tells only `cycle`, the last one parsed), and those queued
+        behind it."""
+        for start in self.waiting:
+            coroutine = start.args[1] if start.func == self._run else None
+            if coroutine is not None:
+                coroutine.close()  # a direct-path request's, never started
+        self.waiting.clear()
+        queued = [cycle for cycle, _ in self.pipeline]
+        self.pipeline.clear()
+        for cycle in (self._running_cycle, self.cycle, *queued):
+            if cycle is not None and not cycle.response_complete:
+                cycle.disconnected = True
+                cycle.message_event.set()
+
     def _refuse_head(self) -> None:
         limit = self.limits.max_header_bytes
         self._answer_and_close(
@@ -241,13 +305,16 @@ class GatewayHttpProtocol(HttpToolsProtocol):
 
     def _answer_and_close(self, status: int, message: str, linger: bool = True) -> None:
         """Answer an error the gateway detected on the connection itself, then close it (lingering:
-        see _LINGER_S). When an answer is already going out on it, the connection just closes (a
-        second one would garble it)."""
+        see _LINGER_S). When an answer is already going out on it, or a head is refused behind a
+        request not answered yet, the connection just closes: a second answer would garble the
+        first, an early one would be read as the earlier request's."""
         self.gateway.metrics.gateway_errors.labels(str(status)).inc()
-        if not self._answer_in_progress():
+        pending = self._earlier_answer_pending() if self._read_phase == _HEAD else self._answer_in_progress()
+        if not pending:
             body = error_body(status, message)
             head = b"content-type: application/json\r\ncontent-length: %d\r\nconnection: close\r\n\r\n"
             self.transport.write(STATUS_LINE[status] + head % len(body) + body)
+        self._drop_answers_in_progress()
         if linger:
             self._close_lingering()
         else:
@@ -281,6 +348,13 @@ class GatewayHttpProtocol(HttpToolsProtocol):
             or (cycle is not None and cycle.response_started and not cycle.response_complete)
         )
 
+    def _earlier_answer_pending(self) -> bool:
+        """While a head is read: whether a request read before it is still unanswered (an ASGI one
+        whose answer has not started counts too: an answer now would go out first, and the client
+        would read it as that request's)."""
+        cycle = self.cycle
+        return self._answer_in_progress() or (cycle is not None and not cycle.response_complete)
+
     # ---- read deadlines: a head within header_timeout_s, a body within body_timeout_s ----
 
     def _start_reading(self, phase: int) -> None:
@@ -288,6 +362,8 @@ class GatewayHttpProtocol(HttpToolsProtocol):
         now = self._phase_started = self.loop.time()
         if phase == _HEAD:
             self._head_bytes = 0
+            self._head_tail = b""
+            self._body_left = None
         timeout_s = self.limits.header_timeout_s if phase == _HEAD else self.limits.body_timeout_s
         timer = self._read_timer
         if timer is not None:
@@ -341,6 +417,7 @@ class GatewayHttpProtocol(HttpToolsProtocol):
 
     def on_headers_complete(self) -> None:
         self._start_reading(_BODY)
+        self._body_left = self._content_length()
         parser = self.parser
         if self.over_capacity:
             self._over_capacity_request()
@@ -363,6 +440,19 @@ class GatewayHttpProtocol(HttpToolsProtocol):
         self.url, self.headers, self.expect_100_continue = url, headers, expect_100_continue
         self.scope["headers"] = headers
         super().on_headers_complete()
+
+    def _content_length(self) -> int | None:
+        """The body's length by the head's content-length; None for a chunked body (or none)."""
+        length = None
+        for name, value in self.headers:
+            if name == b"transfer-encoding":
+                return None
+            if name == b"content-length":
+                length = value
+        try:
+            return None if length is None else int(length)
+        except ValueError:  # the parser refuses it before any body is read
+            return None
 
     def on_body(self, body: bytes) -> None:
         exchange = self.exchange
@@ -493,9 +583,15 @@ class GatewayHttpProtocol(HttpToolsProtocol):
     def _start_asgi_task(self, cycle, app) -> None:
         if self.answering is not None or self.waiting:
             # Pipelined behind a direct-path request: its turn comes when that answer is out.
-            self.waiting.append(partial(super()._start_asgi_task, cycle, app))
+            self.waiting.append(partial(self._run_asgi, cycle, app))
             self.flow.pause_reading()
             return
+        self._run_asgi(cycle, app)
+
+    def _run_asgi(self, cycle, app) -> None:
+        # The cycle whose answer is being made (uvicorn's `cycle` is the last one parsed, which
+        # may be queued behind it): one at a time on a connection.
+        self._running_cycle = cycle
         super()._start_asgi_task(cycle, app)
 
     # ---- keep-alive: one timer per idle period, not one per request ----
@@ -524,7 +620,7 @@ class GatewayHttpProtocol(HttpToolsProtocol):
             answering.client_gone = True
             if answering.task is not None:
                 answering.task.cancel()
-        self.waiting.clear()
+        self._forget_queued_requests()
         if self._idle_timer is not None:
             self._idle_timer.cancel()
             self._idle_timer = None
