@@ -22,8 +22,8 @@ import time
 
 import numpy as np
 
-from kvgate_testing.index_streams import StreamMaker, decode_streams
-from kvgate_testing.wire_payloads import check_scan, mutate, payload_of
+from kvgate_testing.index_streams import StreamMaker
+from kvgate_testing.wire_payloads import check_scan, mutate, payload_corpus
 
 # Pieces of text that reach the split's and the table's edges: contractions, whitespace runs,
 # digit runs, long symbol runs, long words, added tokens, a non-ASCII letter.
@@ -36,9 +36,7 @@ WORDS = ["the", "cache", "Router", "A", "I", "x2", "3.14", "don't", "e.g.", "URL
 
 def fuzz_wire(seconds: float, seed: int) -> dict[str, int]:
     rand = random.Random(seed)
-    styles = ["u64", "i64", "bytes"]
-    streams = decode_streams(StreamMaker(seed), 400)
-    corpus = [payload_of(events, rand, rand.choice(styles)) for events in streams]
+    corpus = payload_corpus(rand, StreamMaker(seed), 400)
     outcomes = {"refused": 0, "decoded only": 0, "scanned": 0}
     deadline = time.monotonic() + seconds
     while time.monotonic() < deadline:

@@ -13,12 +13,16 @@ from typing import Any
 import msgspec
 
 from kvgate_testing.event_publisher import encode_batch
-from kvgate_testing.index_streams import internal_state
+from kvgate_testing.index_streams import StreamMaker, decode_streams, internal_state
 from kvwire import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent, decode_batch, event_kind
 from router.index.store import PrefixIndex
 
 STORED_FIELDS = tuple(BlockStored.__struct_fields__)
 REMOVED_FIELDS = tuple(BlockRemoved.__struct_fields__)
+
+
+# The spellings of an engine's block hashes that `wire_hash` writes.
+HASH_STYLES = ("u64", "i64", "bytes")
 
 
 def wire_hash(block_hash: Any, style: str) -> Any:
@@ -72,6 +76,12 @@ def payload_of(events: list[KVEvent], rand: random.Random, hashes: str) -> bytes
     wired = [wire_event(event, event_encoding, hashes, rand) for event in events]
     rank = rand.choice([0, None, 3])
     return encode_batch(wired, ts=1000.0 + rand.random(), rank=rank, encoding=batch_encoding)
+
+
+def payload_corpus(rand: random.Random, maker: StreamMaker, calls: int) -> list[bytes]:
+    """Payloads of `calls` calls of `maker`'s event streams, each in encodings and a hash style
+    `rand` picks."""
+    return [payload_of(events, rand, rand.choice(HASH_STYLES)) for events in decode_streams(maker, calls)]
 
 
 # msgpack type bytes worth writing over a payload's bytes: fixmap/fixarray/fixstr edges, nil, bools,

@@ -18,7 +18,7 @@ from kvgate_testing.event_publisher import (
     encode_batch,
 )
 from kvgate_testing.index_streams import StreamMaker, assert_same_lookups, decode_streams, internal_state
-from kvgate_testing.wire_payloads import check_scan, mutate, payload_of
+from kvgate_testing.wire_payloads import HASH_STYLES, check_scan, mutate, payload_corpus, payload_of
 from kvwire import BlockRemoved, BlockStored, decode_batch, event_kind
 from router.index.store import PrefixIndex
 
@@ -67,7 +67,7 @@ def counting_writer(monkeypatch) -> type[CountingWireWriter]:
     return CountingWireWriter
 
 
-@pytest.mark.parametrize("hashes", ["u64", "i64", "bytes"])
+@pytest.mark.parametrize("hashes", HASH_STYLES)
 @pytest.mark.parametrize("seed", range(4))
 def test_payloads_applied_undecoded_build_the_index_their_decoded_events_build(
     seed: int, hashes: str, counting_writer
@@ -120,7 +120,7 @@ def test_the_writer_refuses_a_scanned_event_exactly_where_it_refuses_the_decoded
     wired.add_backend("a")
     decoded.add_backend("a")
     for events in decode_streams(maker, 160):
-        payload = payload_of(events, rand, rand.choice(["u64", "i64", "bytes"]))
+        payload = payload_of(events, rand, rand.choice(HASH_STYLES))
         batch, events = ingest.scan_batch(payload), decode_batch(payload).events
         if batch is None:
             wired.apply("a", events)
@@ -217,7 +217,7 @@ def test_the_scan_accepts_only_payloads_the_decoder_decodes_to_the_same_events()
             if not isinstance(event, BlockStored)
             or (not event.extra_keys and all(isinstance(token, int) for token in event.token_ids))
         ]
-        payload = payload_of(plain, rand, rand.choice(["u64", "i64", "bytes"]))
+        payload = payload_of(plain, rand, rand.choice(HASH_STYLES))
         batch = ingest.scan_batch(payload)
         assert batch is not None and len(batch) == len(plain)
         for candidate in [payload, *mutations(payload, rand, 60)]:
@@ -276,9 +276,7 @@ def test_corrupted_payloads_are_scanned_only_as_the_decoder_reads_them(seed: int
     it accepts holds the decoder's events and builds the index they build (kvgate_testing's
     `check_scan`; `make fuzz` runs the same for minutes against an AddressSanitizer build)."""
     rand = random.Random(seed)
-    maker = StreamMaker(900 + seed)
-    styles = ["u64", "i64", "bytes"]
-    corpus = [payload_of(events, rand, rand.choice(styles)) for events in decode_streams(maker, 200)]
+    corpus = payload_corpus(rand, StreamMaker(900 + seed), 200)
     outcomes = {"refused": 0, "decoded only": 0, "scanned": 0}
     for _ in range(3000):
         outcomes[check_scan(mutate(rand, rand.choice(corpus), corpus))] += 1
