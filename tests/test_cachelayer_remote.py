@@ -203,14 +203,24 @@ def test_under_real_lru_eviction_every_hit_is_a_held_prefix():
         with server.client() as client:
             assert int(client.info("stats")["evicted_keys"]) > 0
             with remote_engine(server) as reader:
-                hits = 0
-                for tokens, kv in prompts[-20:]:
+
+                def held_prefix(tokens) -> int:
                     spans = reader._spans(tokens, None, None)
                     held = [client.exists(reader.remote.redis_key(span.key)) for span in spans]
-                    expected = next((i for i, present in enumerate(held) if not present), len(held)) * CHUNK
-                    assert reader.lookup(tokens) == expected
+                    return next((i for i, present in enumerate(held) if not present), len(held)) * CHUNK
+
+                hits = 0
+                for tokens, kv in prompts[-20:]:
+                    # Redis at its maxmemory may evict on any command, reads included, so the held
+                    # prefix can shrink between the check and the lookup (one CI run in many saw
+                    # 32 found of 48 checked): what is found lies between the prefix held before
+                    # and after, and equals it whenever nothing was evicted meanwhile.
+                    before = held_prefix(tokens)
+                    found = reader.lookup(tokens)
+                    assert held_prefix(tokens) <= found <= before
                     hit, loaded = reader.retrieve(tokens)
-                    assert hit == expected
+                    after = held_prefix(tokens)
+                    assert after <= hit <= found
                     if hit:
                         hits += 1
                         assert torch.equal(loaded, kv[:, :, :hit])
