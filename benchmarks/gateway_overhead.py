@@ -37,6 +37,7 @@ import os
 import platform
 import re
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -342,6 +343,43 @@ def chat_bodies(requests: int, seed: int) -> tuple[list[bytes], list[int]]:
     return bodies, [request.prompt_tokens for request in ordered]
 
 
+def request_path_step_costs(requests: int, repetitions: int = 3) -> dict[str, float]:
+    """Mean µs a request of each kv_aware request-path step (benchmarks/kv_aware_latency.py's
+    RequestPathSteps: parse, render, encode, keys, lookup, policy) on the throughput load, timed in
+    this process alone: no HTTP, no other process on its cores or in its caches, so a lower bound
+    on what the steps cost a gateway under load. Median over `repetitions` rounds of `requests`
+    fresh conversations, each after 256 warm-up requests, two engines with no KV events (the fast
+    backends emit none)."""
+    from benchmarks.kv_aware_latency import RequestPathSteps
+
+    path = RequestPathSteps(engines=2, model=KV_MODEL)
+    means: dict[str, list[float]] = {step: [] for step in RequestPathSteps.STEPS}
+    for repetition in range(repetitions):
+        warmup, _ = chat_bodies(256, seed=3000 + repetition)
+        for body in warmup:
+            path.route(body)
+        bodies, _ = chat_bodies(requests, seed=2000 + repetition)
+        totals = [0.0] * len(RequestPathSteps.STEPS)
+        for body in bodies:
+            _, _, spans = path.route(body)
+            totals = [total + span for total, span in zip(totals, spans, strict=True)]
+        for step, total in zip(RequestPathSteps.STEPS, totals, strict=True):
+            means[step].append(total / len(bodies) * 1e6)
+    return {step: round(statistics.median(values), 1) for step, values in means.items()}
+
+
+def _step_costs_in_child(requests: int) -> dict[str, float]:
+    """request_path_step_costs() in a fresh child process (after the routers stopped)."""
+    code = (
+        "import json; from benchmarks.gateway_overhead import request_path_step_costs as costs; "
+        f"print(json.dumps(costs({requests})))"
+    )
+    output = subprocess.run(
+        [sys.executable, "-c", code], cwd=REPO_ROOT, check=True, capture_output=True, text=True
+    ).stdout
+    return json.loads(output.strip().splitlines()[-1])
+
+
 def start_kvgate_kv_aware(
     backend_urls: list[str], policy: str, workers: int, redis_url: str, tree: Path | None = None
 ) -> tuple[ManagedProcess, int]:
@@ -453,6 +491,7 @@ async def kv_aware_main_async(args: argparse.Namespace) -> dict:
         redis_server.stop()
         for backend in backends:
             backend.stop()
+    step_costs = _step_costs_in_child(args.load_requests)
     summary = []
     for name, _, _ in targets:
         runs = [row for row in rows if row["target"] == name]
@@ -467,6 +506,7 @@ async def kv_aware_main_async(args: argparse.Namespace) -> dict:
         "results": summary,
         "per_round": rows,
         "skipped": skipped,
+        "request_path_steps_us": step_costs,
         "prompt_tokens": {
             "mean": statistics.fmean(lengths),
             "p10": _percentile(lengths, 10),
@@ -514,6 +554,33 @@ def _cores_busy(entry: dict) -> str:
     return "-" if cpu_us is None or rate is None else f"{cpu_us * rate / 1e6:.2f}"
 
 
+def _cpu_budget_lines(report: dict) -> list[str]:
+    """What kvgate may spend on kv_aware's steps to match sglang-router cache_aware's CPU a request,
+    beside what those steps cost timed alone."""
+    steps = report.get("request_path_steps_us")
+    cpu = {entry["target"]: entry["cpu_us_per_request"] for entry in report["results"]}
+    peer, http_path = cpu.get("sglang-router cache_aware"), cpu.get("kvgate least_loaded --workers 1")
+    if not steps or peer is None or http_path is None:
+        return []
+    budget = peer - http_path
+    parts = " + ".join(f"{step} {value:.0f}" for step, value in steps.items())
+    render_encode = steps["render"] + steps["encode"]
+    return [
+        "",
+        "## CPU budget",
+        "",
+        f"To match sglang-router cache_aware's CPU a request ({peer:.0f} µs), kvgate kv_aware may spend "
+        f"{budget:.0f} µs beyond the HTTP path every kvgate request pays (least_loaded, no tokens: "
+        f"{http_path:.0f} µs). kv_aware's steps, timed in one process alone on this load (mean µs a "
+        f"request, no HTTP and nothing else on the cores: a lower bound on their cost under load): "
+        f"{parts} = {sum(steps.values()):.0f} µs; the chat template and the encoding alone "
+        f"{render_encode:.0f} µs ({render_encode / budget:.1f}x the budget)."
+        if budget > 0
+        else f"sglang-router cache_aware's CPU a request ({peer:.0f} µs) is below kvgate's HTTP path "
+        f"alone (least_loaded: {http_path:.0f} µs). kv_aware's steps timed alone: {parts} µs.",
+    ]
+
+
 def write_kv_aware_report(report: dict, stem: Path) -> None:
     stem.with_suffix(".json").write_text(json.dumps(report, indent=2) + "\n")
     tokens = report["prompt_tokens"]
@@ -559,6 +626,7 @@ def write_kv_aware_report(report: dict, stem: Path) -> None:
         )
     if report["skipped"]:
         lines += ["", "Skipped: " + "; ".join(report["skipped"])]
+    lines += _cpu_budget_lines(report)
     lines += ["", f"![plot]({stem.name}.png)", ""]
     stem.with_suffix(".md").write_text("\n".join(lines))
 

@@ -43,6 +43,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 RESULTS_DIR = REPO_ROOT / "benchmarks" / "results"
@@ -101,34 +102,70 @@ def request_kinds(requests: list) -> list[str]:
 # ---------------------------------------------------------------- stages (child process, one tree)
 
 
+class RequestPathSteps:
+    """kv_aware's request-path steps in this process, one request at a time, each timed: body parse,
+    chat template (render), encode, router keys, index lookup over `engines` engines, policy
+    (choose and on_routed), with the real Qwen3 tokenizer and an index the caller fills."""
+
+    STEPS = ("parse", "render", "encode", "keys", "lookup", "policy")
+
+    def __init__(self, engines: int, model: str = MODEL) -> None:
+        import msgspec
+
+        from router.backends import BackendState
+        from router.config import KVAwarePolicy, builtin_tokenizer_dir
+        from router.index.service import KVIndexService
+        from router.policies.kv_aware import KVAware
+        from router.tokenize import PromptTokenizer
+
+        self.model = model
+        self.tokenizer = PromptTokenizer(builtin_tokenizer_dir("qwen3"))
+        self.service = KVIndexService()
+        self.names = [f"engine-{i}" for i in range(engines)]
+        for name in self.names:
+            self.service.index.add_backend(name)
+        self.backends = [
+            BackendState(name=name, url=f"http://127.0.0.1:{9000 + i}") for i, name in enumerate(self.names)
+        ]
+        self.policy = KVAware(KVAwarePolicy(), self.service, None)
+        self.decoder = msgspec.json.Decoder()
+
+    def route(self, body: bytes, session_id: str | None = None) -> tuple[Any, Any, tuple[float, ...]]:
+        """(the prompt's tokens, the chosen backend, seconds of each step in STEPS) for one body."""
+        from router.index.keys import Namespace, prompt_prefix_keys
+        from router.policies.base import RouteRequest
+
+        t0 = time.perf_counter()
+        data = self.decoder.decode(body)
+        t1 = time.perf_counter()
+        text = self.tokenizer.render_chat(data)
+        t2 = time.perf_counter()
+        tokens = self.tokenizer.encode_text(text, add_special_tokens=False)
+        t3 = time.perf_counter()
+        prompt_prefix_keys(tokens, (None, None))
+        t4 = time.perf_counter()
+        self.service.longest_cached_prefix(tokens, (None, None), self.names)
+        t5 = time.perf_counter()
+        route = RouteRequest("r", self.model, data, session_id, tokens, Namespace())
+        chosen = self.policy.choose(route, self.backends)
+        self.policy.on_routed(route, chosen)
+        t6 = time.perf_counter()
+        return tokens, chosen, (t1 - t0, t2 - t1, t3 - t2, t4 - t3, t5 - t4, t6 - t5)
+
+
 def stage_breakdown(workload_name: str, users: int, turns: int, engines: int) -> dict:
     """Median and p90 microseconds of each request-path step of this process's `router` code."""
     import asyncio
     from concurrent.futures import ThreadPoolExecutor
 
-    import msgspec
-
     from kvwire import BlockStored
-    from router.backends import BackendState
-    from router.config import KVAwarePolicy, builtin_tokenizer_dir
-    from router.index.keys import Namespace, prompt_prefix_keys
-    from router.index.service import KVIndexService
-    from router.policies.base import RouteRequest
-    from router.policies.kv_aware import KVAware
-    from router.tokenize import PromptTokenizer
 
     ordered = build_workload(workload_name, users, turns, seed=7)
     kinds = request_kinds(ordered)
-    tokenizer = PromptTokenizer(builtin_tokenizer_dir("qwen3"))
-    service = KVIndexService()
-    names = [f"engine-{i}" for i in range(engines)]
-    for name in names:
-        service.index.add_backend(name)
-    backends = [BackendState(name=name, url=f"http://127.0.0.1:{9000 + i}") for i, name in enumerate(names)]
-    policy = KVAware(KVAwarePolicy(), service, None)
-    decoder = msgspec.json.Decoder()
+    path = RequestPathSteps(engines)
+    tokenizer = path.tokenizer
     executor = ThreadPoolExecutor(max_workers=1)
-    steps = ("parse", "render", "encode", "keys", "lookup", "policy", "thread_hop")
+    steps = (*RequestPathSteps.STEPS, "thread_hop")
     samples: dict[str, dict[str, list[float]]] = {step: {kind: [] for kind in KINDS} for step in steps}
     next_hash = 1
 
@@ -139,33 +176,17 @@ def stage_breakdown(workload_name: str, users: int, turns: int, engines: int) ->
 
     loop = asyncio.new_event_loop()
     for request, kind in zip(ordered, kinds, strict=True):
-        body = _request_body(request)
-        t0 = time.perf_counter()
-        data = decoder.decode(body)
-        t1 = time.perf_counter()
-        text = tokenizer.render_chat(data)
-        t2 = time.perf_counter()
-        tokens = tokenizer.encode_text(text, add_special_tokens=False)
-        t3 = time.perf_counter()
-        prompt_prefix_keys(tokens, (None, None))
-        t4 = time.perf_counter()
-        service.longest_cached_prefix(tokens, (None, None), names)
-        t5 = time.perf_counter()
-        route = RouteRequest("r", MODEL, data, request.session_id, tokens, Namespace())
-        chosen = policy.choose(route, backends)
-        policy.on_routed(route, chosen)
-        t6 = time.perf_counter()
+        tokens, chosen, spans = path.route(_request_body(request), request.session_id)
         hop_s = loop.run_until_complete(hop())
         if list(tokens) != list(request.prompt_token_ids):
             raise AssertionError(f"request {request.index}: tokens differ from the workload's")
-        spans = (t1 - t0, t2 - t1, t3 - t2, t4 - t3, t5 - t4, t6 - t5, hop_s)
-        for step, seconds in zip(steps, spans, strict=True):
+        for step, seconds in zip(steps, (*spans, hop_s), strict=True):
             samples[step][kind].append(seconds * 1e6)
         # The engine caches what it was sent: its events, as the subscriber would apply them.
         full = len(tokens) // 16 * 16
         hashes = list(range(next_hash, next_hash + full // 16))
         next_hash += len(hashes)
-        service.index.apply(
+        path.service.index.apply(
             chosen.name,
             [BlockStored(block_hashes=hashes, token_ids=tokens[:full].tolist(), block_size=16)],
         )
