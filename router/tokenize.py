@@ -36,6 +36,7 @@ import functools
 import gc
 import itertools
 import logging
+import math
 import re
 import sys
 import threading
@@ -128,53 +129,86 @@ class TokenizeError(KvgateError, ValueError):
 
 
 def _entry_bytes(text: str, ids: np.ndarray) -> int:
-    """Memory an LRU entry text -> ids holds: the str, the ids' data (a view's share of its base
-    counts too) and the entry's objects."""
+    """Memory an LRU entry text -> ids holds: the str, the ids' data and the entry's objects. The
+    caches keep arrays that own their data, or views of a base little larger (a prompt's tokens
+    without its open tail): a view counts its own bytes, not the base it keeps alive."""
     return sys.getsizeof(text) + ids.nbytes + _ENTRY_OVERHEAD_BYTES
 
 
-class _PieceCache:
-    """LRU of text piece -> token ids, bounded by the number of cached tokens and by the memory its
-    entries hold (max_bytes)."""
+class _BoundedLRU:
+    """An LRU map bounded by two totals over its entries: a size (tokens or characters, what the
+    cache is sized in) and the memory they hold. Subclasses say what an entry weighs (`_weigh`, the
+    same answer for an entry whenever asked) and what they look up; one lock, the tokenizer thread
+    and the event loop share it."""
 
-    def __init__(self, max_tokens: int, max_bytes: int = PIECE_CACHE_BYTES) -> None:
-        self.max_tokens = max_tokens
+    def __init__(self, max_size: int, max_bytes: float) -> None:
+        self.max_size = max_size
         self.max_bytes = max_bytes
-        self._entries: OrderedDict[str, np.ndarray] = OrderedDict()
-        self._tokens = 0
+        self._entries: OrderedDict[Any, Any] = OrderedDict()
+        self.size = 0
         self.bytes = 0
         self._lock = threading.Lock()
+
+    def _weigh(self, key: Any, value: Any) -> tuple[int, int]:
+        raise NotImplementedError
+
+    def _get(self, key: Any) -> Any:
+        """The value under `key` (now the most recently used), or None."""
+        with self._lock:
+            value = self._entries.get(key)
+            if value is not None:
+                self._entries.move_to_end(key)
+            return value
+
+    def _put(self, key: Any, value: Any) -> None:
+        """Store (or replace) an entry, evicting the least recently used past either bound; an entry
+        over a bound by itself is not stored."""
+        size, nbytes = self._weigh(key, value)
+        if size > self.max_size or nbytes > self.max_bytes:
+            return
+        with self._lock:
+            replaced = self._entries.pop(key, None)
+            if replaced is not None:
+                replaced_size, replaced_bytes = self._weigh(key, replaced)
+                self.size -= replaced_size
+                self.bytes -= replaced_bytes
+            self._entries[key] = value
+            self.size += size
+            self.bytes += nbytes
+            while self.size > self.max_size or self.bytes > self.max_bytes:
+                evicted_size, evicted_bytes = self._weigh(*self._entries.popitem(last=False))
+                self.size -= evicted_size
+                self.bytes -= evicted_bytes
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+
+class _PieceCache(_BoundedLRU):
+    """Text piece -> token ids, bounded by the tokens cached and by the memory its entries hold."""
+
+    def __init__(self, max_tokens: int, max_bytes: int = PIECE_CACHE_BYTES) -> None:
+        super().__init__(max_tokens, max_bytes)
         self.hits = 0
         self.misses = 0
 
+    def _weigh(self, key: str, value: np.ndarray) -> tuple[int, int]:
+        return len(value), _entry_bytes(key, value)
+
     def get(self, text: str) -> np.ndarray | None:
-        with self._lock:
-            ids = self._entries.get(text)
-            if ids is None:
-                self.misses += 1
-                return None
-            self._entries.move_to_end(text)
+        ids = self._get(text)
+        if ids is None:
+            self.misses += 1
+        else:
             self.hits += 1
-            return ids
+        return ids
 
     def peek(self, text: str) -> bool:
         """Whether `text` is cached (no hit or miss counted, LRU order unchanged)."""
         return text in self._entries
 
     def put(self, text: str, ids: np.ndarray) -> None:
-        size = _entry_bytes(text, ids)
-        if len(ids) > self.max_tokens or size > self.max_bytes:
-            return
-        with self._lock:
-            if text in self._entries:
-                return
-            self._entries[text] = ids
-            self._tokens += len(ids)
-            self.bytes += size
-            while self._tokens > self.max_tokens or self.bytes > self.max_bytes:
-                evicted_text, evicted = self._entries.popitem(last=False)
-                self._tokens -= len(evicted)
-                self.bytes -= _entry_bytes(evicted_text, evicted)
+        self._put(text, ids)
 
 
 class _SegmentedText:
@@ -188,61 +222,42 @@ class _SegmentedText:
         self.ids = ids  # each segment's tokens
 
 
-class _CutMemory:
+class _CutMemory(_BoundedLRU):
     """The last segmentation of each long text, by its first segment's worth of characters, so a
     piece that repeats a long beginning (a new question after the same document) cuts and looks
-    up only what follows the shared part. LRU, bounded by the characters of the texts it holds."""
+    up only what follows the shared part. Bounded by the characters of the texts it holds (their
+    tokens take about a byte a character more: no second bound)."""
 
     def __init__(self, max_chars: int) -> None:
-        self.max_chars = max_chars
-        self._entries: OrderedDict[tuple[int, str], _SegmentedText] = OrderedDict()
-        self._chars = 0
-        self._lock = threading.Lock()
+        super().__init__(max_chars, math.inf)
+
+    def _weigh(self, key: tuple[int, str], value: _SegmentedText) -> tuple[int, int]:
+        return len(value.body), 0
 
     def get(self, segment_chars: int, body: str) -> _SegmentedText | None:
-        key = (segment_chars, body[:segment_chars])
-        with self._lock:
-            found = self._entries.get(key)
-            if found is not None:
-                self._entries.move_to_end(key)
-            return found
+        return self._get((segment_chars, body[:segment_chars]))
 
     def put(self, segment_chars: int, segmented: _SegmentedText) -> None:
-        if len(segmented.body) > self.max_chars:
-            return
-        key = (segment_chars, segmented.body[:segment_chars])
-        with self._lock:
-            replaced = self._entries.pop(key, None)
-            if replaced is not None:
-                self._chars -= len(replaced.body)
-            self._entries[key] = segmented
-            self._chars += len(segmented.body)
-            while self._chars > self.max_chars:
-                _, evicted = self._entries.popitem(last=False)
-                self._chars -= len(evicted.body)
-
-    def __len__(self) -> int:
-        return len(self._entries)
+        self._put((segment_chars, segmented.body[:segment_chars]), segmented)
 
 
-class _PromptMemory:
+class _PromptMemory(_BoundedLRU):
     """Earlier prompts cut at their last added token, with their tokens, so a chat's next turn (the
     same conversation plus new messages) takes the tokens of everything it repeats at once and
-    encodes only what follows. LRU, bounded by the characters of the prompts it holds and by the
-    memory its entries hold (max_bytes).
+    encodes only what follows. Bounded by the characters of the prompts it holds and by the memory
+    its entries hold (max_bytes).
 
     A prompt is found by its boundaries: for each offset right after an added token, (offset, the
     _PROMPT_KEY_CHARS characters before it) is looked up, latest offset first, and a hit counts
     only if the new text starts with the whole remembered prompt."""
 
     def __init__(self, max_chars: int, max_bytes: int = PROMPT_MEMORY_BYTES) -> None:
-        self.max_chars = max_chars
-        self.max_bytes = max_bytes
-        self._entries: OrderedDict[tuple[int, str], tuple[str, np.ndarray]] = OrderedDict()
-        self._chars = 0
-        self.bytes = 0
-        self._lock = threading.Lock()
+        super().__init__(max_chars, max_bytes)
         self.hits = 0
+
+    def _weigh(self, key: tuple[int, str], value: tuple[str, np.ndarray]) -> tuple[int, int]:
+        prompt, ids = value
+        return len(prompt), _entry_bytes(prompt, ids) + _PROMPT_ENTRY_KEY_BYTES
 
     def longest_prefix(self, text: str, boundaries: list[int]) -> tuple[int, np.ndarray] | None:
         """(end, tokens) of the longest remembered prompt `text` starts with, ending at one of
@@ -258,29 +273,8 @@ class _PromptMemory:
         return None
 
     def put(self, prompt: str, ids: np.ndarray) -> None:
-        size = self._entry_bytes(prompt, ids)
-        if not prompt or len(prompt) > self.max_chars or size > self.max_bytes:
-            return
-        key = (len(prompt), prompt[-_PROMPT_KEY_CHARS:])
-        with self._lock:
-            replaced = self._entries.pop(key, None)
-            if replaced is not None:
-                self._chars -= len(replaced[0])
-                self.bytes -= self._entry_bytes(*replaced)
-            self._entries[key] = (prompt, ids)
-            self._chars += len(prompt)
-            self.bytes += size
-            while self._chars > self.max_chars or self.bytes > self.max_bytes:
-                _, (evicted, evicted_ids) = self._entries.popitem(last=False)
-                self._chars -= len(evicted)
-                self.bytes -= self._entry_bytes(evicted, evicted_ids)
-
-    @staticmethod
-    def _entry_bytes(prompt: str, ids: np.ndarray) -> int:
-        return _entry_bytes(prompt, ids) + _PROMPT_ENTRY_KEY_BYTES
-
-    def __len__(self) -> int:
-        return len(self._entries)
+        if prompt:
+            self._put((len(prompt), prompt[-_PROMPT_KEY_CHARS:]), (prompt, ids))
 
 
 class PromptTokenizer:
@@ -544,7 +538,9 @@ class PromptTokenizer:
             # Each later segment starts with the token holding its first character.
             boundaries = itertools.accumulate(len(segment) for segment in rest[:-1])
             splits = [encoding.char_to_token(boundary) for boundary in boundaries]
-            for segment, segment_ids in zip(rest, np.split(ids, splits), strict=True):
+            for segment, segment_view in zip(rest, np.split(ids, splits), strict=True):
+                # A copy: a view would keep all of `ids` alive once its neighbours were evicted.
+                segment_ids = segment_view.copy()
                 self.cache.put(segment, segment_ids)
                 parts.append(segment_ids)
         body_segments = len(segments) - (1 if added else 0)

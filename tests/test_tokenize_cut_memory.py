@@ -123,7 +123,7 @@ def test_the_cut_memory_is_bounded_by_characters_and_evicts_the_oldest() -> None
     bodies = [f"{index:04d}" + "x" * 2996 for index in range(5)]  # distinct first segments
     for body in bodies:
         memory.put(SEGMENT_CHARS, _SegmentedText(body, [len(body)], [np.zeros(1, dtype=np.uint32)]))
-    assert len(memory) == 3 and memory._chars <= 10_000
+    assert len(memory) == 3 and memory.size <= 10_000
     assert memory.get(SEGMENT_CHARS, bodies[0]) is None and memory.get(SEGMENT_CHARS, bodies[1]) is None
     assert memory.get(SEGMENT_CHARS, bodies[2]) is not None  # now the most recent
     memory.put(SEGMENT_CHARS, _SegmentedText(bodies[0], [3000], [np.zeros(1, dtype=np.uint32)]))
@@ -139,7 +139,7 @@ def test_a_tokenizer_with_a_small_cut_memory_stays_within_it(qwen3: PromptTokeni
     for _ in range(12):
         through_path, whole = chat_tokens(tokenizer, prose(rng, 1500) + "\n\nQuestion: why?")
         assert through_path == whole
-    assert 0 < tokenizer.cuts._chars <= 40_000 and len(tokenizer.cuts) < 12
+    assert 0 < tokenizer.cuts.size <= 40_000 and len(tokenizer.cuts) < 12
 
 
 def test_a_new_question_after_a_long_non_ascii_document_is_encoded_on_the_loop() -> None:

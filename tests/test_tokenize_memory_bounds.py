@@ -11,7 +11,14 @@ import numpy as np
 import pytest
 
 from router.config import builtin_tokenizer_dir
-from router.tokenize import PromptTokenizer, _CutMemory, _entry_bytes, _PieceCache, _PromptMemory
+from router.tokenize import (
+    _PROMPT_ENTRY_KEY_BYTES,
+    PromptTokenizer,
+    _CutMemory,
+    _entry_bytes,
+    _PieceCache,
+    _PromptMemory,
+)
 
 BOUND = 1 << 20  # 1 MiB for each, in these tests
 
@@ -48,14 +55,16 @@ def test_many_short_chats_stay_within_the_memory_bounds(qwen3: PromptTokenizer) 
         tracemalloc.stop()
     cache, prompts = tokenizer.cache, tokenizer.prompts
     # Far under their token and character bounds, both were full by memory and evicted.
-    assert cache._tokens < 100_000 and prompts._chars < 1_000_000
+    assert cache.size < 100_000 and prompts.size < 1_000_000
     assert 0 < cache.bytes <= BOUND and 0 < prompts.bytes <= BOUND
     assert len(prompts) < chats and len(cache._entries) < chats
     # The count is the memory: what the process holds grew by about the two bounds, not more.
     assert grown < 3 * BOUND
     # What each holds is accounted exactly, so evictions keep the count true.
     assert cache.bytes == sum(_entry_bytes(text, ids) for text, ids in cache._entries.items())
-    assert prompts.bytes == sum(prompts._entry_bytes(*entry) for entry in prompts._entries.values())
+    assert prompts.bytes == sum(
+        _entry_bytes(prompt, ids) + _PROMPT_ENTRY_KEY_BYTES for prompt, ids in prompts._entries.values()
+    )
 
 
 def test_the_latest_entries_are_kept_and_still_exact(qwen3: PromptTokenizer) -> None:
@@ -84,3 +93,21 @@ def test_an_entry_larger_than_the_bound_is_not_kept() -> None:
     prompts = _PromptMemory(1 << 20, max_bytes=4096)
     prompts.put("y" * 8000, np.arange(10, dtype=np.uint32))
     assert len(prompts) == 0 and prompts.bytes == 0
+
+
+def test_cached_segments_own_their_tokens(qwen3: PromptTokenizer) -> None:
+    """A long piece's segments are cached as arrays of their own, not views of the piece's tokens:
+    a view would keep all of them alive after its neighbours were evicted, uncounted."""
+    tokenizer = with_small_memories(qwen3)
+    words = ["routing", "cache", "engine", "prefix", "token", "block", "event", "replica"]
+    document = " ".join(words[(i * 7) % len(words)] + str(i % 13) for i in range(1500))
+    ids = tokenizer._encode_by_segments("ü" + document, 512)  # not ASCII: one Rust encode, then split
+    assert ids.tolist() == tokenizer.tokenizer.encode("ü" + document, add_special_tokens=False)
+    segments = tokenizer._segments("ü" + document, 512)
+    assert len(segments) > 4
+    for segment in segments:
+        cached = tokenizer.cache.get(segment)
+        assert cached is not None and cached.base is None, segment[:40]
+    assert tokenizer.cache.bytes == sum(
+        _entry_bytes(text, ids) for text, ids in tokenizer.cache._entries.items()
+    )

@@ -119,8 +119,8 @@ def test_the_memory_is_bounded_by_characters_and_forgets_the_oldest(qwen3: Promp
     for body in bodies:
         tokenizer.tokens_for(body)
     memory = tokenizer.prompts
-    assert memory._chars <= 6000 and 0 < len(memory) < 12
-    assert sum(len(prompt) for prompt, _ in memory._entries.values()) == memory._chars
+    assert memory.size <= 6000 and 0 < len(memory) < 12
+    assert sum(len(prompt) for prompt, _ in memory._entries.values()) == memory.size
     kept = [prompt for prompt, _ in memory._entries.values()]
     assert tokenizer.render_chat(bodies[-1]).startswith(kept[-1])
     assert not any(tokenizer.render_chat(bodies[0]).startswith(prompt) for prompt in kept)
