@@ -28,7 +28,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import resource
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Coroutine, Iterable
 from functools import partial
 from time import perf_counter
 from typing import TYPE_CHECKING, Any
@@ -162,8 +162,11 @@ class GatewayHttpProtocol(HttpToolsProtocol):
         self.ended = False
         self._running_cycle: Any = None  # the ASGI request being answered (_run_asgi)
         self.answering: _Exchange | None = None  # the direct-path request being answered
-        # Requests parsed while `answering` runs, in order: callables that start them.
-        self.waiting: collections.deque[Callable[[], None]] = collections.deque()
+        # Requests parsed while `answering` runs, in order: a callable that starts each, and a
+        # direct-path request's coroutine (closed if the request never starts; None for ASGI ones).
+        self.waiting: collections.deque[tuple[Callable[[], None], Coroutine[Any, Any, None] | None]] = (
+            collections.deque()
+        )
         self.closing = False  # server shutdown: close once the current answer is out
         self.messages = 0
         self._idle_timer: asyncio.TimerHandle | None = None
@@ -283,8 +286,7 @@ class GatewayHttpProtocol(HttpToolsProtocol):
         """No request queued on the connection starts, and the ASGI ones begun are told their client
         is gone: the running one (uvicorn tells only `cycle`, the last one parsed), and those queued
         behind it."""
-        for start in self.waiting:
-            coroutine = start.args[1] if start.func == self._run else None
+        for _, coroutine in self.waiting:
             if coroutine is not None:
                 coroutine.close()  # a direct-path request's, never started
         self.waiting.clear()
@@ -546,7 +548,7 @@ class GatewayHttpProtocol(HttpToolsProtocol):
 
     def _submit(self, exchange: _Exchange, coroutine) -> None:
         if self.answering is not None or self.waiting:
-            self.waiting.append(partial(self._run, exchange, coroutine))
+            self.waiting.append((partial(self._run, exchange, coroutine), coroutine))
             if len(self.waiting) >= _MAX_WAITING:
                 self.flow.pause_reading()
             return
@@ -573,7 +575,8 @@ class GatewayHttpProtocol(HttpToolsProtocol):
         if transport.is_closing():
             return
         if self.waiting:
-            self.waiting.popleft()()
+            start, _ = self.waiting.popleft()
+            start()
             if len(self.waiting) < _MAX_WAITING:
                 self.flow.resume_reading()
             return
@@ -583,7 +586,7 @@ class GatewayHttpProtocol(HttpToolsProtocol):
     def _start_asgi_task(self, cycle, app) -> None:
         if self.answering is not None or self.waiting:
             # Pipelined behind a direct-path request: its turn comes when that answer is out.
-            self.waiting.append(partial(self._run_asgi, cycle, app))
+            self.waiting.append((partial(self._run_asgi, cycle, app), None))
             self.flow.pause_reading()
             return
         self._run_asgi(cycle, app)
