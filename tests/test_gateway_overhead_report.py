@@ -25,47 +25,44 @@ def test_worker_counts_are_parsed_and_bad_ones_refused():
             _kv_workers_argument(bad)
 
 
-def test_report_gives_cores_busy_from_cpu_and_rate(tmp_path):
-    entry = {
-        "target": "kvgate kv_aware --workers 4",
-        "requests_per_s": 5000.0,
+def _row(
+    target: str, cpu_us: float, requests_per_s: float = 1000.0, redis_cpu_us: float | None = None
+) -> dict:
+    return {
+        "target": target,
+        "requests_per_s": requests_per_s,
         "latency_p50_ms": 5.0,
         "latency_p99_ms": 9.0,
-        "cpu_us_per_request": 400.0,
-        "redis_cpu_us_per_request": 6.0,
+        "cpu_us_per_request": cpu_us,
+        "redis_cpu_us_per_request": redis_cpu_us,
         "backend_cpu_us_per_request": 150.0,
         "errors": 0,
     }
-    report = {
-        "command": "python -m benchmarks.gateway_overhead --kv-aware --kv-workers 4",
-        "machine": "x86_64, 16 CPUs, Python 3.12.3",
+
+
+def _report(rows: list[dict], cpus: int = 2, **extra) -> dict:
+    return {
+        "command": "python -m benchmarks.gateway_overhead --kv-aware",
+        "machine": f"x86_64, {cpus} CPUs, Python 3.12.3",
         "load_average_at_end": [1.0, 1.0, 1.0],
         "prompt_tokens": {"mean": 1600, "p10": 950, "p50": 1600, "p90": 2300},
         "load_requests": 2400,
         "concurrency": 64,
         "rounds": 1,
-        "results": [entry],
-        "per_round": [{**entry, "round": 0}],
+        "results": rows,
+        "per_round": [{**row, "round": 0} for row in rows],
         "skipped": [],
+        **extra,
     }
-    write_kv_aware_report(report, tmp_path / "report")
+
+
+def test_report_gives_cores_busy_from_cpu_and_rate(tmp_path):
+    entry = _row("kvgate kv_aware --workers 4", 400.0, requests_per_s=5000.0, redis_cpu_us=6.0)
+    write_kv_aware_report(_report([entry], cpus=16), tmp_path / "report")
     text = (tmp_path / "report.md").read_text()
     assert "all on the same 16 cores" in text
     # 400 µs of CPU a request at 5000 requests/s: two cores busy.
     assert "| kvgate kv_aware --workers 4 | 5000 | 5.00 | 9.00 | 400 | 2.00 | 6 | 150 | 0 |" in text
-
-
-def _row(target: str, cpu_us: float) -> dict:
-    return {
-        "target": target,
-        "requests_per_s": 1000.0,
-        "latency_p50_ms": 5.0,
-        "latency_p99_ms": 9.0,
-        "cpu_us_per_request": cpu_us,
-        "redis_cpu_us_per_request": None,
-        "backend_cpu_us_per_request": 150.0,
-        "errors": 0,
-    }
 
 
 def test_report_sets_the_step_costs_against_the_peer_budget(tmp_path):
@@ -75,19 +72,7 @@ def test_report_sets_the_step_costs_against_the_peer_budget(tmp_path):
         _row("sglang-router cache_aware", 230.0),
     ]
     steps = {"parse": 6.0, "render": 45.0, "encode": 63.0, "keys": 6.0, "lookup": 6.0, "policy": 56.0}
-    report = {
-        "command": "python -m benchmarks.gateway_overhead --kv-aware",
-        "machine": "x86_64, 2 CPUs, Python 3.11.7",
-        "load_average_at_end": [1.0, 1.0, 1.0],
-        "prompt_tokens": {"mean": 1600, "p10": 950, "p50": 1600, "p90": 2300},
-        "load_requests": 2400,
-        "concurrency": 32,
-        "rounds": 1,
-        "results": rows,
-        "per_round": [{**row, "round": 0} for row in rows],
-        "skipped": [],
-        "request_path_steps_us": steps,
-    }
+    report = _report(rows, request_path_steps_us=steps)
     write_kv_aware_report(report, tmp_path / "report")
     text = (tmp_path / "report.md").read_text()
     # 230 - 140 = 90 µs of budget; render + encode = 108 µs, 1.2x it; all steps 182 µs.
