@@ -24,11 +24,9 @@ import socket
 import sys
 import time
 
-from kvgate_testing.gateway import simulated_fleet_config, start_gateway
+from kvgate_testing.gateway import BUG_LOG_LINES, simulated_fleet_config, start_gateway
 
 MODEL = "tiny-qwen3"
-# What only a bug makes the gateway log.
-BUG_LOG_LINES = ("unhandled error", "ASGI callable returned without completing", "never awaited", "Traceback")
 # HTTP and JSON syntax worth inserting.
 TOKENS = [
     b"\r\n", b"\r\n\r\n", b":", b" ", b"\x00", b"\xff", b"{", b"}", b"[", b"]", b'"', b"\\u0000", b"\\ud800",

@@ -14,6 +14,17 @@ from kvgate_testing.backend import TEST_MODEL, BackendProcess
 from kvgate_testing.ports import free_port
 from kvgate_testing.processes import ManagedProcess, python_command, start_process
 
+# What the gateway logs only when handling a request went wrong in a way it did not expect (a bug):
+# an unhandled error, an ASGI answer left incomplete, an unawaited coroutine, a traceback, uvloop's
+# refusal to write to a closed transport.
+BUG_LOG_LINES = (
+    "unhandled error",
+    "ASGI callable returned without completing",
+    "never awaited",
+    "Traceback",
+    "RuntimeError",
+)
+
 
 def gateway_config(backends: Iterable[BackendProcess], model: str = TEST_MODEL, **sections: Any) -> dict:
     """A proxy.yaml mapping: `model` served by `backends` (by their names and URLs), plus `sections`
