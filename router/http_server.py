@@ -215,7 +215,9 @@ class GatewayHttpProtocol(HttpToolsProtocol):
                 piece, data = (data, b"") if size == len(data) else (data[:size], data[size:])
                 self._head_bytes += size
                 self._head_tail = piece[-3:] if size >= 3 else (self._head_tail + piece)[-3:]
-            elif self._read_phase == _BODY and self._body_left is not None and self._body_left < len(data):
+            elif self._read_phase == _BODY and 0 < (self._body_left or 0) < len(data):
+                # (Never an empty piece: had the parser not ended the body where content-length
+                # says, the rest goes to it whole below: each turn of the loop consumes bytes or returns.)
                 piece, data = data[: self._body_left], data[self._body_left :]
                 self._body_left = 0
             else:
