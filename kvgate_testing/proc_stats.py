@@ -1,4 +1,4 @@
-"""A process's CPU time and its descendants, read from /proc (Linux)."""
+"""A process's CPU time and its descendants', and its resident memory, read from /proc (Linux)."""
 
 from __future__ import annotations
 
@@ -43,3 +43,11 @@ def cpu_seconds(pid: int) -> float:
 def tree_cpu_seconds(pid: int) -> float:
     """User + system CPU time of a process and all its descendants, in seconds."""
     return sum(_ticks(member) for member in process_tree(pid)) / _CLOCK_TICKS
+
+
+def rss_bytes(pid: int) -> int:
+    """A process's resident memory now (VmRSS of /proc/PID/status), in bytes."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    raise AssertionError(f"no VmRSS for pid {pid}")

@@ -26,6 +26,10 @@ from router.errors import KvgateError
 KEEPALIVE_EXPIRY_S = 4.0
 # Read from the backend no further ahead of the client than this (back-pressure on slow clients).
 MAX_BUFFERED_BYTES = 1 << 20
+# A response's status line and headers, at most (as a client's request head, limits.max_header_bytes'
+# default): a backend that sends more, or never ends its head, fails the request with a 502 instead
+# of growing the parser's buffers without end. Engines send a few hundred bytes.
+MAX_RESPONSE_HEAD_BYTES = 64 * 1024
 
 
 class UpstreamError(KvgateError):
@@ -59,6 +63,7 @@ class _Connection(asyncio.Protocol):
         "_buffered",
         "_complete",
         "_error",
+        "_head_bytes",
         "_headers_waiter",
         "_paused",
         "_waiter",
@@ -88,6 +93,7 @@ class _Connection(asyncio.Protocol):
 
     def _reset(self) -> None:
         self.status = 0
+        self._head_bytes = 0  # bytes received while the response head was incomplete
         self.keep_alive = False
         self.headers: list[tuple[bytes, bytes]] = []
         self._body: collections.deque[bytes] = collections.deque()
@@ -108,12 +114,27 @@ class _Connection(asyncio.Protocol):
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
 
     def data_received(self, data: bytes) -> None:
+        head_incomplete = self.status == 0
         try:
             self.parser.feed_data(data)
         except httptools.HttpParserUpgrade:
             self._fail(UpstreamError("backend tried to upgrade the connection", before_response=False))
+            return
         except httptools.HttpParserError as exc:
             self._fail(UpstreamError(f"backend sent invalid HTTP: {exc}", before_response=self.status == 0))
+            return
+        if head_incomplete and self.status == 0:
+            # Counted per read (a read is at most the loop's buffer): the parser holds the head's
+            # lines until it ends, so a head that never ends is stopped here.
+            self._head_bytes += len(data)
+            if self._head_bytes > MAX_RESPONSE_HEAD_BYTES:
+                self._fail(
+                    UpstreamError(
+                        f"backend sent a response head over {MAX_RESPONSE_HEAD_BYTES} bytes "
+                        "without ending it",
+                        before_response=False,
+                    )
+                )
 
     def eof_received(self) -> bool:
         self.closed = True
