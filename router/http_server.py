@@ -34,6 +34,7 @@ from time import perf_counter
 from typing import TYPE_CHECKING, Any
 
 import httptools
+from uvicorn.protocols.http.flow_control import FlowControl
 from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
 
 from router.errors import GatewayError, KvgateError, error_body
@@ -71,6 +72,48 @@ def default_max_client_connections() -> int:
     if soft_limit == resource.RLIM_INFINITY:
         soft_limit = 1 << 20
     return max(16, (soft_limit - _RESERVED_FILE_DESCRIPTORS) // 2)
+
+
+class _BackpressuredFlow(FlowControl):
+    """uvicorn's FlowControl, except that a connection whose writes are paused is not read either.
+
+    The transport pauses writing once the answers it holds for the client pass its high-water mark
+    (the client reads them slower than it sends requests, or not at all); reading more requests then
+    would only queue more answers in memory. Reading is on when the protocol wants it (`pause_reading`
+    / `resume_reading`, as uvicorn and GatewayHttpProtocol call them) and writes are not paused."""
+
+    def __init__(self, transport: asyncio.Transport) -> None:
+        super().__init__(transport)
+        self.reading_wanted = True
+
+    def pause_reading(self) -> None:
+        self.reading_wanted = False
+        self._apply()
+
+    def resume_reading(self) -> None:
+        self.reading_wanted = True
+        self._apply()
+
+    def pause_writing(self) -> None:
+        super().pause_writing()
+        self._apply()
+
+    def resume_writing(self) -> None:
+        super().resume_writing()
+        self._apply()
+
+    def _apply(self) -> None:
+        paused = self.write_paused or not self.reading_wanted
+        if paused == self.read_paused:
+            return
+        self.read_paused = paused
+        transport = self._transport
+        if transport.is_closing():
+            return  # closing: nothing more is read either way (uvicorn wakes its drains on close)
+        if paused:
+            transport.pause_reading()
+        else:
+            transport.resume_reading()
 
 
 class _Answered(KvgateError):
@@ -183,6 +226,8 @@ class GatewayHttpProtocol(HttpToolsProtocol):
         # Bytes of the body being read still to come, where its content-length tells; else None.
         self._body_left: int | None = None
         self._read_timer: asyncio.TimerHandle | None = None
+        # An answer ended while writes were paused: the next request starts when they resume.
+        self._next_when_writable = False
 
     # ---- bytes in: the header limit is applied before the parser sees them ----
 
@@ -495,6 +540,7 @@ class GatewayHttpProtocol(HttpToolsProtocol):
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
+        self.flow = _BackpressuredFlow(transport)
         self._start_reading(_HEAD)
         open_connections = len(self.connections)
         if open_connections <= self.max_client_connections:
@@ -549,7 +595,7 @@ class GatewayHttpProtocol(HttpToolsProtocol):
         self._submit(exchange, _answer_error(exchange, error))
 
     def _submit(self, exchange: _Exchange, coroutine) -> None:
-        if self.answering is not None or self.waiting:
+        if self.answering is not None or self.waiting or self._next_when_writable:
             self.waiting.append((partial(self._run, exchange, coroutine), coroutine))
             if len(self.waiting) >= _MAX_WAITING:
                 self.flow.pause_reading()
@@ -576,6 +622,15 @@ class GatewayHttpProtocol(HttpToolsProtocol):
             return
         if transport.is_closing():
             return
+        if self.flow.write_paused:
+            # The client has not read the answers written so far: the next one waits until it
+            # does (resume_writing), and nothing more is read meanwhile (_BackpressuredFlow).
+            self._next_when_writable = True
+            return
+        self._next_request()
+
+    def _next_request(self) -> None:
+        """The answer in progress is out: start the next request waiting, or wait for one."""
         if self.waiting:
             start, _ = self.waiting.popleft()
             start()
@@ -585,8 +640,17 @@ class GatewayHttpProtocol(HttpToolsProtocol):
         self.flow.resume_reading()
         self._arm_idle_timer()
 
+    def resume_writing(self) -> None:
+        super().resume_writing()
+        if self._next_when_writable and not self.transport.is_closing():
+            self._next_when_writable = False
+            if self.closing:  # server shutdown: what was queued behind the answer is dropped
+                self.transport.close()
+                return
+            self._next_request()
+
     def _start_asgi_task(self, cycle, app) -> None:
-        if self.answering is not None or self.waiting:
+        if self.answering is not None or self.waiting or self._next_when_writable:
             # Pipelined behind a direct-path request: its turn comes when that answer is out.
             self.waiting.append((partial(self._run_asgi, cycle, app), None))
             self.flow.pause_reading()
