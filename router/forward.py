@@ -241,18 +241,34 @@ class ProxyEndpoint:
         request_id = b""
         session_value = None
         declared_length = None
+        connection_options: list[bytes] = []
         forward_headers: list[tuple[bytes, bytes]] = []
         session_header = self.context.session_header
         for name, value in headers:
             if name in _HOP_BY_HOP:
                 if name == b"content-length":
                     declared_length = value
+                elif name == b"connection":
+                    connection_options.append(value)
                 continue
             if name == b"x-request-id":
                 request_id = value
             elif name == session_header:
                 session_value = value
             forward_headers.append((name, value))
+        if connection_options:
+            named = connection_named_headers(connection_options)
+            if any(name in named for name, _ in forward_headers):
+                # Headers the client named in `Connection:` are for the gateway's hop alone (RFC 9110
+                # section 7.6.1): read as if never sent, so neither forwarded nor used for routing.
+                # (content-length frames this request whatever `Connection:` says.)
+                return self.split_headers(
+                    [
+                        (name, value)
+                        for name, value in headers
+                        if name not in named or name == b"content-length"
+                    ]
+                )
         if not request_id:
             # 128 random bits, 32 hex digits; not os.urandom, which costs a system call per request.
             request_id = b"%032x" % getrandbits(128)
@@ -516,7 +532,12 @@ class ProxyEndpoint:
         """Stream the answer to the client; release the backend's in-flight share when it ends."""
         context = self.context
         status = response.status
-        headers = [(name, value) for name, value in response.headers if name not in _RESPONSE_DROPPED]
+        dropped = _RESPONSE_DROPPED
+        connection_options = [value for name, value in response.headers if name == b"connection"]
+        if connection_options:
+            # (content-length frames the body relayed, whatever `Connection:` says.)
+            dropped = dropped | (connection_named_headers(connection_options) - {b"content-length"})
+        headers = [(name, value) for name, value in response.headers if name not in dropped]
         headers.append((b"x-kvgate-backend", backend.name_bytes))
         headers.append(id_header)
         headers_arrived = perf_counter()
@@ -569,6 +590,15 @@ class ProxyEndpoint:
             backend.requests_total += 1
             context.metrics.count_request(backend.name, outcome_status)
             policy.on_finished(route_request, backend)
+
+
+def connection_named_headers(values: Sequence[bytes]) -> frozenset[bytes]:
+    """The header names the `Connection:` header values list (lower-case), besides `connection`
+    itself: hop-by-hop headers of that one connection, never forwarded (RFC 9110 section 7.6.1)."""
+    named = {option.strip().lower() for value in values for option in value.split(b",")}
+    named.discard(b"")
+    named.add(b"connection")
+    return frozenset(named)
 
 
 def _candidates(backends: BackendRegistry, model: str, tried: list[BackendState]) -> list[BackendState]:
