@@ -467,10 +467,28 @@ def is_loopback_host(host: str) -> bool:
 
 
 def check_admin_exposure(config: Config, host: str, source: str, where: str) -> None:
-    """Refuse admin endpoints left open (no token) on a listener beyond loopback, unless the
-    configuration says `admin: {open: true}`. `kvgate serve` calls it with the host it will listen
-    on; `where` names the setting that gave it (listen.host or --host)."""
-    if config.admin.resolved_token() is not None or config.admin.open or is_loopback_host(host):
+    """Refuse admin endpoints left open (no token) on a listener beyond loopback, or to every holder
+    of a client API key, unless the configuration says `admin: {open: true}`; refuse an admin token
+    that is also a client key. `kvgate serve` calls it with the host it will listen on; `where`
+    names the setting that gave it (listen.host or --host)."""
+    admin_token = config.admin.resolved_token()
+    client_keys = config.auth.resolved_keys() if config.auth.api_keys or config.auth.api_keys_env else []
+    if admin_token is None and client_keys and not config.admin.open:
+        # A client key opens every route but /health and /metrics: with no admin token of their own,
+        # the admin endpoints would be open to every client.
+        raise ConfigError(
+            f"{source}: invalid configuration at `admin`: client API keys are set (auth.api_keys / "
+            "auth.api_keys_env) but no admin token, so every client key would open /backends, /lookup "
+            "and /debug/prefix-map; set admin.token_env (or admin.token) to a secret of its own, or "
+            "accept that with `admin: {open: true}`"
+        )
+    if admin_token is not None and admin_token in client_keys:
+        raise ConfigError(
+            f"{source}: invalid configuration at `admin`: the admin token is also a client API key, so "
+            "that client could manage backends and read cached prompts; give admin.token_env (or "
+            "admin.token) a secret of its own"
+        )
+    if admin_token is not None or config.admin.open or is_loopback_host(host):
         return
     raise ConfigError(
         f"{source}: invalid configuration at `{where}`: the gateway would listen on {host!r}, beyond "

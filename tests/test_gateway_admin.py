@@ -211,3 +211,57 @@ def test_admin_endpoints_without_a_token_beyond_loopback_need_admin_open(backend
     with start_gateway({**config, "admin": {"open": True}}, extra_args=["--host", "0.0.0.0"]) as running:
         listed = httpx.get(f"{running.url}/backends", timeout=10)
         assert listed.status_code == 200 and [b["name"] for b in listed.json()["backends"]] == ["a"]
+
+
+CLIENT_KEY = "kvgate-test-client-key-0123456789"
+
+
+def test_client_keys_without_an_admin_token_refuse_to_start_unless_admin_is_opened(backends):
+    # Before, any holder of a client key could read other clients' prompts on /debug/prefix-map and
+    # replace the backends: a client key opens every route, and no admin token was asked for.
+    config = {
+        "models": [{"name": MODEL}],
+        "backends": [{"name": "a", "url": backends[0].url}],
+        "listen": {"host": "127.0.0.1", "port": free_port()},
+        "auth": {"api_keys": [CLIENT_KEY]},
+    }
+    status, stderr = serve_refusal(config)
+    assert status == 2
+    [line] = stderr.strip().splitlines()
+    assert "`admin`" in line and "admin.token_env" in line and "admin: {open: true}" in line
+    # An admin token that is also a client key is no credential of its own.
+    status, stderr = serve_refusal({**config, "admin": {"token": CLIENT_KEY}})
+    assert status == 2 and "also a client API key" in stderr
+    # Opened explicitly, it starts, and a client key opens the admin endpoints as the operator said.
+    opened = {key: value for key, value in config.items() if key != "listen"}
+    with start_gateway({**opened, "admin": {"open": True}}) as running:
+        client_auth = {"authorization": f"Bearer {CLIENT_KEY}"}
+        assert httpx.get(f"{running.url}/backends", headers=client_auth, timeout=10).status_code == 200
+        assert httpx.get(f"{running.url}/backends", timeout=10).status_code == 401
+
+
+def test_a_client_key_opens_no_admin_or_debug_endpoint(backends):
+    a, b = backends
+    config = gateway_config([a], auth={"api_keys": [CLIENT_KEY]}, admin={"token": TOKEN})
+    client_auth = {"authorization": f"Bearer {CLIENT_KEY}"}
+    with start_gateway(config) as running, httpx.Client(base_url=running.url, timeout=10) as http:
+        completion = http.post("/v1/completions", headers=client_auth, json={"model": MODEL, "prompt": "hi"})
+        assert completion.status_code == 200
+        attempts = [
+            ("GET", "/backends", None),
+            ("POST", "/backends", {"name": "evil", "url": b.url}),
+            ("DELETE", "/backends/a", None),
+            ("GET", "/debug/prefix-map?format=json", None),
+            ("POST", "/lookup", {"model": MODEL, "prompt": "hi"}),
+        ]
+        for method, path, body in attempts:
+            answer = http.request(method, path, headers=client_auth, json=body)
+            assert answer.status_code == 401, (method, path, answer.text)
+            assert "admin" in answer.json()["error"]["message"]
+        # Nothing changed, and the admin token opens them.
+        assert names_with(http, AUTH) == ["a"]
+        assert http.get("/debug/prefix-map?format=json", headers=AUTH).status_code == 200
+
+
+def names_with(client: httpx.Client, headers: dict[str, str]) -> list[str]:
+    return [b["name"] for b in client.get("/backends", headers=headers).json()["backends"]]

@@ -173,6 +173,8 @@ def keyed_gateway() -> Iterator[GatewayProcess]:
         "models": [{"name": MODEL}],
         "backends": [{"name": "b0", "url": backend.url}],
         "auth": {"api_keys_env": ["KVGATE_TEST_API_KEYS"]},
+        # Client keys need an admin token of their own (router/config.py, check_admin_exposure).
+        "admin": {"token": "kvgate-test-admin-token-00112233"},
     }
     os.environ["KVGATE_TEST_API_KEYS"] = f"{KEY_ONE}, {KEY_TWO}"
     try:
