@@ -93,22 +93,66 @@ COMMANDS: dict[str, Command] = {
 }
 
 
+# The top-level packages of pyproject.toml's extras: a plain `pip install kvgate` (the gateway) has
+# none of them, and a command that needs one says which extra to install instead of a traceback.
+EXTRA_FOR_MODULE = {"torch": "cachelayer", "numba": "cachelayer", "redis": "cachelayer", "triton": "gpu"}
+
+
+def missing_extra_message(command_name: str, error: ModuleNotFoundError) -> str | None:
+    """One line naming the extra that brings the module `error` lacks; None for any other module
+    (a real bug, left to raise)."""
+    missing = (error.name or "").split(".")[0]
+    extra = EXTRA_FOR_MODULE.get(missing)
+    if extra is None:
+        return None
+    return (
+        f"cachelayer {command_name}: needs {missing}, which is not installed here; "
+        f"install the cache layer with: pip install 'kvgate[{extra}]'"
+    )
+
+
 def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
     parser = argparse.ArgumentParser(
         prog="cachelayer", description="kvgate's KV cache layer", formatter_class=DefaultsHelpFormatter
     )
     subcommands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    unavailable: dict[str, str] = {}  # command -> the one line that says what to install
     for name, command in COMMANDS.items():
+        try:
+            # On a parser of its own first: configuring imports the command's modules, and the
+            # line in `cachelayer --help` must say when they are not installed.
+            command.configure(argparse.ArgumentParser(add_help=False))
+        except ModuleNotFoundError as error:
+            message = missing_extra_message(name, error)
+            if message is None:
+                raise
+            unavailable[name] = message
+            extra = message.rsplit(": ", 1)[1]
+            subcommands.add_parser(name, help=f"{command.help} (not installed: {extra})")
+            continue
         subparser = subcommands.add_parser(
             name, help=command.help, description=command.description, formatter_class=DefaultsHelpFormatter
         )
         command.configure(subparser)
         subparser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    # The first word that is not an option names the command (the top level has only -h).
+    chosen = next((word for word in argv if not word.startswith("-")), None)
+    if chosen in unavailable:
+        print(unavailable[chosen], file=sys.stderr)
+        return 1
     args = parser.parse_args(argv)
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
-    return COMMANDS[args.command].run(args)
+    try:
+        return COMMANDS[args.command].run(args)
+    except ModuleNotFoundError as error:
+        message = missing_extra_message(args.command, error)
+        if message is None:
+            raise
+        print(message, file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

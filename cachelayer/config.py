@@ -17,6 +17,7 @@ import msgspec
 import yaml
 
 from cachelayer.errors import CacheLayerError
+from router.yaml_errors import with_bad_value, yaml_syntax_error
 
 log = logging.getLogger(__name__)
 
@@ -140,11 +141,12 @@ class CacheLayerConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True)
         return int(self.max_local_disk_size * (1 << 30))
 
 
-def _format_error(source: str, exc: Exception) -> str:
+def _format_error(source: str, exc: Exception, data: Any = None) -> str:
     text = str(exc)
     message, where = text, ""
     if " - at `$" in text:
         message, _, where = text.rpartition(" - at `$")
+        message = with_bad_value(message, data, "$" + where.rstrip("`"))
         where = where.rstrip("`").lstrip(".")
     if message.startswith("Object contains unknown field"):
         message += f" (accepted keys: {', '.join(CacheLayerConfig.__struct_fields__)})"
@@ -194,7 +196,7 @@ def parse_config(data: dict[str, Any] | None, source: str = "<config>") -> Cache
     try:
         return msgspec.convert(data, CacheLayerConfig)
     except msgspec.ValidationError as exc:
-        raise CacheLayerConfigError(_format_error(source, exc)) from None
+        raise CacheLayerConfigError(_format_error(source, exc, data)) from None
 
 
 def load_config(path: str | os.PathLike[str] | None = None) -> CacheLayerConfig:
@@ -216,7 +218,7 @@ def load_config(path: str | os.PathLike[str] | None = None) -> CacheLayerConfig:
     try:
         data = yaml.safe_load(text)
     except yaml.YAMLError as exc:
-        raise CacheLayerConfigError(f"{file}: not valid YAML: {exc}") from None
+        raise CacheLayerConfigError(yaml_syntax_error(file, exc)) from None
     return parse_config(data, str(file))
 
 

@@ -133,7 +133,12 @@ def create_app(config: config_schema.Config, extension_factories: list[str] | No
         backends = {backend.name: backend.describe()["state"] for backend in gateway.backends.values()}
         accepting = sum(1 for backend in gateway.backends.values() if backend.accepting)
         status = "ok" if accepting else "unavailable"
-        return JSONResponse({"status": status, "backends": backends}, status_code=200 if accepting else 503)
+        body: dict[str, object] = {"status": status, "backends": backends}
+        # Routing blind spots (router/routing_warnings.py) as the last background check found them:
+        # the gateway answers, but kv_aware routes part of its traffic without seeing the caches.
+        if gateway.routing_warnings.latest:
+            body["warnings"] = gateway.routing_warnings.latest
+        return JSONResponse(body, status_code=200 if accepting else 503)
 
     async def metrics(request: Request) -> Response:
         return Response(gateway.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")

@@ -17,6 +17,7 @@ import msgspec
 import yaml
 
 from router.errors import KvgateError
+from router.yaml_errors import with_bad_value, yaml_syntax_error
 
 
 class ConfigError(KvgateError):
@@ -378,12 +379,13 @@ def builtin_tokenizer_dir(name: str) -> str:
     return os.path.join(spec.submodule_search_locations[0], subdir)
 
 
-def _format_error(source: str, exc: Exception) -> str:
+def _format_error(source: str, exc: Exception, data: Any = None) -> str:
     text = str(exc)
     # msgspec writes "... - at `$.backends[0].url`"; show the key path the way a YAML author reads it.
     message, where = text, "(top level)"
     if " - at `$" in text:
         message, _, where = text.rpartition(" - at `$")
+        message = with_bad_value(message, data, "$" + where.rstrip("`"))
         where = where.rstrip("`").lstrip(".") or "(top level)"
     if where == "policy.name" and message.startswith("Invalid value"):
         message += f"; known policies: {', '.join(POLICY_NAMES)}"
@@ -531,7 +533,7 @@ def parse_config(data: Any, source: str = "<config>", base_dir: Path | None = No
     try:
         config = msgspec.convert(data, Config, strict=True)
     except msgspec.ValidationError as exc:
-        raise ConfigError(_format_error(source, exc)) from None
+        raise ConfigError(_format_error(source, exc, data)) from None
     _check_semantics(config, source, base_dir)
     return config
 
@@ -546,7 +548,7 @@ def load_config(path: str | os.PathLike[str]) -> Config:
     try:
         data = yaml.safe_load(text)
     except yaml.YAMLError as exc:
-        raise ConfigError(f"{file}: not valid YAML: {exc}") from None
+        raise ConfigError(yaml_syntax_error(file, exc)) from None
     if not isinstance(data, dict):
         raise ConfigError(f"{file}: the configuration must be a YAML mapping, got {type(data).__name__}")
     return parse_config(data, str(file), file.parent)

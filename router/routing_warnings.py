@@ -1,12 +1,14 @@
 """Routing warnings: the ways kv_aware (and approximate) can go blind without failing.
 
 - `no_tokenizer`: a model with no tokenizer, or one that failed to load (every decision `no_tokens`);
-- `silent_events`: a subscribed backend that takes requests but whose events never arrive (a topic
-  mismatch looks connected);
+- `silent_events`: a subscribed backend that takes requests but whose events never arrive: a stream
+  that never connected (both sides connect, or both bind: the message says which side to change)
+  or one that reads connected (a topic mismatch);
 - `socket_error`: an event socket that could not be bound or connected.
 
-They are shown on /debug/prefix-map (router/debug_page.py) and in its JSON, logged (each at most
-once every WARNING_LOG_EVERY_S while it lasts), and counted in kvgate_routing_warnings{kind}.
+They are shown on /debug/prefix-map (router/debug_page.py) and in its JSON and on /health (as the
+last check found them), logged (each at most once every WARNING_LOG_EVERY_S while it lasts), and
+counted in kvgate_routing_warnings{kind}.
 """
 
 from __future__ import annotations
@@ -33,7 +35,10 @@ logger = logging.getLogger("kvgate.debug")
 # A subscribed backend is called silent when it took SILENT_MIN_REQUESTS requests with at least a
 # block to prefill, routed SILENT_AFTER_S or more after its last event (or its subscription): an
 # engine publishes a prefill's blocks within milliseconds, so none arriving means none reach us.
+# A stream that has never delivered anything and is not even connected needs one such request:
+# the engine answers, so it runs, and its publisher is not where the gateway's socket is.
 SILENT_MIN_REQUESTS = 3
+SILENT_UNCONNECTED_MIN_REQUESTS = 1
 SILENT_AFTER_S = 5.0
 SILENT_MIN_PREFILL_TOKENS = 16
 WARNING_LOG_EVERY_S = 300.0
@@ -63,6 +68,8 @@ class RoutingWarnings:
         # backend -> when its events were first awaited.
         self._subscribed_at: dict[str, float] = {}
         self._logged_at: dict[tuple[str, str], float] = {}
+        # What the background check found last (what /health shows without checking again).
+        self.latest: list[dict[str, str]] = []
         self._watch_task: asyncio.Task | None = None
         metrics_registry.register(_WarningsCollector(self))
 
@@ -110,6 +117,7 @@ class RoutingWarnings:
                 )
                 continue
             since = stream["last_message_at"] or self._subscribed_at.get(name, time.time())
+            unconnected = not stream["connected"] and stream["last_message_at"] is None
             unannounced = [
                 decision
                 for decision in decisions
@@ -117,19 +125,13 @@ class RoutingWarnings:
                 and decision["at"] >= since + SILENT_AFTER_S
                 and decision["prompt_tokens"] - decision["cached_tokens"] >= SILENT_MIN_PREFILL_TOKENS
             ]
-            if len(unannounced) >= SILENT_MIN_REQUESTS:
-                last = "no event yet" if stream["last_message_at"] is None else "no event since"
-                waited = time.time() - since
+            needed = SILENT_UNCONNECTED_MIN_REQUESTS if unconnected else SILENT_MIN_REQUESTS
+            if len(unannounced) >= needed:
                 warnings.append(
                     {
                         "kind": "silent_events",
                         "subject": name,
-                        "message": f"backend {name}: took {len(unannounced)} requests with prompts to "
-                        f"cache but {last} ({waited:.0f} s), though its stream reads "
-                        f"{'connected' if stream['connected'] else 'disconnected'}: check that the engine "
-                        "publishes KV events (vLLM --kv-events-config, SGLang --kv-events-config), that "
-                        "kv_events.topic equals the engine's topic, and that endpoint and bind match "
-                        "who binds (docs/real-engines.md)",
+                        "message": _silent_message(name, stream, len(unannounced), time.time() - since),
                     }
                 )
         return warnings
@@ -159,10 +161,40 @@ class RoutingWarnings:
     async def _watch(self) -> None:
         while True:
             try:
-                self.log(await asyncio.to_thread(self.current))
+                self.latest = await asyncio.to_thread(self.current)
+                self.log(self.latest)
             except Exception:  # the watch must outlive a bug in one check
                 logger.exception("checking for routing warnings failed")
             await asyncio.sleep(WARNING_CHECK_EVERY_S)
+
+
+def _silent_message(name: str, stream: dict[str, Any], requests: int, waited_s: float) -> str:
+    """What a silent backend's warning says: what was seen, and the likely cause first."""
+    last = "no event yet" if stream["last_message_at"] is None else "no event since"
+    seen = f"backend {name}: took {requests} requests with prompts to cache but {last} ({waited_s:.0f} s)"
+    endpoint = stream.get("endpoint")
+    if stream["connected"] or stream["last_message_at"] is not None:
+        return (
+            f"{seen}, though its stream reads {'connected' if stream['connected'] else 'disconnected'}: "
+            "check that the engine publishes KV events (vLLM --kv-events-config, SGLang "
+            "--kv-events-config), that kv_events.topic equals the engine's topic, and that endpoint "
+            "and bind match who binds (docs/real-engines.md)"
+        )
+    if stream.get("bind"):
+        return (
+            f"{seen}, and its event stream never connected: the gateway binds {endpoint} "
+            "(kv_events.bind: true) and no engine has connected to it. Likely cause: the engine binds "
+            "too (its endpoint holds `*`, `::` or ipc://) or publishes to another address: set "
+            "kv_events.bind: false with the engine's address, or give the engine this address "
+            "(docs/real-engines.md, 'Who binds')"
+        )
+    return (
+        f"{seen}, and its event stream never connected: the gateway connects to {endpoint} "
+        "(kv_events.bind: false) and nothing there accepts. Likely cause: the engine connects too "
+        "(vLLM and SGLang connect out when the endpoint is a host address such as tcp://127.0.0.1:PORT, "
+        "and bind only for `*`): set kv_events.bind: true so the gateway binds it, or give the engine "
+        "tcp://*:PORT (docs/real-engines.md, 'Who binds')"
+    )
 
 
 class _WarningsCollector:

@@ -1,15 +1,26 @@
 #!/usr/bin/env bash
 # Installs the system packages the test suite drives for real, when they are missing (Debian/Ubuntu
 # apt-get): Chromium for the debug page's browser tests (marker `browser`) and redis-server for the
-# Redis tier. Called by `make test` (and so by .ci/run); a second run only checks.
+# Redis tier. Called by `make test` (and so by .ci/run); a second run only checks. Only the packages
+# themselves and what they depend on: --no-install-recommends keeps out what apt would add besides
+# (with recommends, Chromium alone pulled 115 packages and 479 MB, avahi-daemon and a systemd upgrade).
 set -euo pipefail
 
 # command that must be on PATH -> the Debian package that provides it
 declare -A PACKAGE_FOR_COMMAND=([chromium]=chromium [redis-server]=redis-server)
+# command -> why the test suite needs it (printed before anything is installed)
+declare -A REASON_FOR_COMMAND=(
+    [chromium]="the debug page's browser tests (pytest marker browser) drive a headless Chromium"
+    [redis-server]="the shared Redis tier's tests (cachelayer remote_url, gateway cluster) start a real Redis"
+)
 
 missing=()
+reasons=()
 for command_name in "${!PACKAGE_FOR_COMMAND[@]}"; do
-    command -v "$command_name" >/dev/null || missing+=("${PACKAGE_FOR_COMMAND[$command_name]}")
+    if ! command -v "$command_name" >/dev/null; then
+        missing+=("${PACKAGE_FOR_COMMAND[$command_name]}")
+        reasons+=("  ${PACKAGE_FOR_COMMAND[$command_name]}: ${REASON_FOR_COMMAND[$command_name]}")
+    fi
 done
 [ ${#missing[@]} -eq 0 ] && exit 0
 
@@ -22,11 +33,14 @@ SUDO=()
 if [ "$(id -u)" -ne 0 ]; then
     command -v sudo >/dev/null || {
         echo "install_system_packages: missing ${missing[*]}: run as root or install sudo," \
-            "or install them yourself: apt-get install -y ${missing[*]}" >&2
+            "or install them yourself: apt-get install -y --no-install-recommends ${missing[*]}" >&2
         exit 1
     }
     SUDO=(sudo)
 fi
-echo "install_system_packages: installing ${missing[*]}"
+echo "install_system_packages: the test suite needs system packages that are missing; installing" \
+    "them with apt-get (as root), without recommended packages:"
+printf '%s\n' "${reasons[@]}"
+echo "install_system_packages: apt-get install -y --no-install-recommends ${missing[*]}"
 "${SUDO[@]}" apt-get update -q
-"${SUDO[@]}" env DEBIAN_FRONTEND=noninteractive apt-get install -y -q "${missing[@]}"
+"${SUDO[@]}" env DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends "${missing[@]}"

@@ -63,5 +63,21 @@ def test_unreadable_and_invalid_files_are_reported_with_their_path(tmp_path):
         load_config(tmp_path / "missing.yaml")
     bad = tmp_path / "bad.yaml"
     bad.write_text("chunk_size: [\n")
-    with pytest.raises(CacheLayerConfigError, match=r"bad\.yaml: not valid YAML"):
+    with pytest.raises(CacheLayerConfigError) as caught:
         load_config(bad)
+    # One line, file:line:column (1-based) and PyYAML's problem, never "<unicode string>".
+    assert str(caught.value) == (
+        f"{bad}:2:1: not valid YAML: expected the node content, but found '<stream end>' "
+        "(while parsing a flow node at line 2)"
+    )
+
+
+def test_a_wrong_type_shows_the_value_given(tmp_path):
+    path = tmp_path / "cachelayer.yaml"
+    path.write_text("chunk_size: 256\nmax_local_cpu_size: big\n")
+    with pytest.raises(CacheLayerConfigError) as caught:
+        load_config(path)
+    assert str(caught.value) == (
+        f"{path}: invalid cache-layer configuration at `max_local_cpu_size`: Expected `float`, got `str` "
+        "(the value given: 'big')"
+    )

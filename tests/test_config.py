@@ -107,6 +107,46 @@ def test_not_yaml_and_missing_file_are_clear(tmp_path):
         load_config(path)
 
 
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        (
+            "models:\n  - name: x\n    tokenizer: [unclosed\nbackends: []\n",
+            ":4:9: not valid YAML: expected ',' or ']', but got ':' "
+            "(while parsing a flow sequence at line 3)",
+        ),
+        ("listen:\n  host: 127.0.0.1\n port: 8080\n", ":3:2: not valid YAML: "),
+        ('models: "unterminated\n', ":2:1: not valid YAML: found unexpected end of stream"),
+    ],
+)
+def test_a_yaml_syntax_error_is_one_line_with_file_line_and_column(tmp_path, text, expected):
+    path = tmp_path / "proxy.yaml"
+    path.write_text(text)
+    with pytest.raises(ConfigError) as caught:
+        load_config(path)
+    message = str(caught.value)
+    assert message.startswith(f"{path}{expected}"), message
+    assert "\n" not in message and "<unicode string>" not in message
+
+
+@pytest.mark.parametrize(
+    ("changes", "expected"),
+    [
+        (
+            {"listen": {"host": "127.0.0.1", "port": "eighty"}},
+            "Expected `int`, got `str` (the value given: 'eighty')",
+        ),
+        ({"limits": {"max_body_bytes": -5}}, ">= 1 (the value given: -5)"),
+        ({"backends": [{"name": "a", "url": 8000}]}, "Expected `str`, got `int` (the value given: 8000)"),
+    ],
+)
+def test_a_wrong_value_is_shown_beside_what_was_expected(tmp_path, changes, expected):
+    path = write(tmp_path, with_changes(**changes))
+    with pytest.raises(ConfigError) as caught:
+        load_config(path)
+    assert str(caught.value).endswith(expected), str(caught.value)
+
+
 def test_parse_config_accepts_defaults():
     config = parse_config({"models": [{"name": "m"}], "backends": [{"name": "a", "url": "http://h:1/"}]})
     assert config.backends[0].url == "http://h:1"  # trailing slash dropped

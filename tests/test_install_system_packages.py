@@ -34,3 +34,34 @@ def test_nothing_is_installed_when_everything_is_there():
     result = subprocess.run(["bash", str(SCRIPT)], capture_output=True, text=True, timeout=30)
     assert result.returncode == 0, result.stderr
     assert result.stdout == "" and result.stderr == ""
+
+
+def test_missing_packages_are_installed_without_recommends_and_the_reasons_are_printed(tmp_path):
+    # A PATH with `id`, `env` and an apt-get that only writes down each command line it was given:
+    # the script's real apt-get calls, without installing anything on the machine that runs the test.
+    # Running as root (uid 0) is what `make test` in CI does; as another user the script adds sudo.
+    calls = tmp_path / "apt-get-calls"
+    fake_apt_get = tmp_path / "apt-get"
+    fake_apt_get.write_text(f'#!{shutil.which("bash")}\necho "$*" >> {calls}\n')
+    fake_apt_get.chmod(0o755)
+    fake_id = tmp_path / "id"
+    fake_id.write_text(f'#!{shutil.which("bash")}\necho 0\n')
+    fake_id.chmod(0o755)
+    (tmp_path / "env").symlink_to(shutil.which("env"))
+    result = subprocess.run(
+        [shutil.which("bash"), str(SCRIPT)],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        env={**os.environ, "PATH": str(tmp_path)},
+    )
+    assert result.returncode == 0, result.stderr
+    installs = [line for line in calls.read_text().splitlines() if line.split()[0] == "install"]
+    assert len(installs) == 1
+    assert "--no-install-recommends" in installs[0].split()
+    assert {"chromium", "redis-server"} <= set(installs[0].split())
+    # What is installed and why, before apt-get runs.
+    assert "as root" in result.stdout and "without recommended packages" in result.stdout
+    assert "chromium: the debug page's browser tests" in result.stdout
+    assert "redis-server: the shared Redis tier's tests" in result.stdout
+    assert "apt-get install -y --no-install-recommends" in result.stdout

@@ -148,3 +148,74 @@ def test_a_backend_whose_events_never_arrive_is_reported_though_it_reads_connect
             publisher.close()
         for backend in backends.values():
             backend.stop()
+
+
+def test_an_event_stream_that_both_sides_connect_is_reported_with_the_side_to_change():
+    # Both engines' publishers connect out, as vLLM's does for a host address such as
+    # tcp://127.0.0.1:PORT (docs/real-engines.md). The gateway binds for `right` (kv_events.bind:
+    # true, the matching config) and connects for `wrong` (the default): two connecting sockets,
+    # so `wrong` never hears a thing, while its engine answers every request.
+    backends = {name: start_backend(name, [f"model-{name}"]) for name in ("right", "wrong")}
+    publishers = {}
+    specs = []
+    for name, backend in backends.items():
+        endpoint = f"tcp://127.0.0.1:{free_port()}"
+        publishers[name] = EventPublisher(endpoint, topic="kv-events", connect=True)
+        specs.append(
+            {
+                "name": name,
+                "url": backend.url,
+                "models": [f"model-{name}"],
+                "kv_events": {"endpoint": endpoint, "topic": "kv-events", "bind": name == "right"},
+            }
+        )
+    config = {
+        "models": [{"name": f"model-{name}", "tokenizer": "builtin:qwen3"} for name in backends],
+        "backends": specs,
+        "policy": {"name": "kv_aware"},
+    }
+    gateway = start_gateway(config)
+    try:
+        deadline = time.monotonic() + 15
+        while not _prefix_map(gateway)["backends"]["right"]["connected"]:
+            assert time.monotonic() < deadline, "the engine's publisher never reached the bound socket"
+            time.sleep(0.05)
+        time.sleep(SILENT_AFTER_S + 0.2)  # the engines have had time to publish; from now it counts
+        for n in range(3):  # what `right` must take without a warning, its events arriving
+            for name in backends:
+                answer = httpx.post(
+                    f"{gateway.url}/v1/completions",
+                    json={"model": f"model-{name}", "prompt": f"{n} {PROMPT}", "max_tokens": 1},
+                    timeout=10,
+                )
+                assert answer.headers["x-kvgate-backend"] == name
+                hashes = [1000 * n + 10 * len(name) + i for i in range(2)]
+                publishers[name].publish([block_stored(hashes, list(range(32)), 16)])
+        # /health shows what the background check (every WARNING_CHECK_EVERY_S) found.
+        deadline = time.monotonic() + 10
+        while "warnings" not in (health := httpx.get(f"{gateway.url}/health", timeout=10).json()):
+            assert time.monotonic() < deadline, f"/health never warned: {health}"
+            time.sleep(0.1)
+        assert health["status"] == "ok"
+        assert [(w["kind"], w["subject"]) for w in health["warnings"]] == [("silent_events", "wrong")]
+        data = _prefix_map(gateway)
+        assert [(w["kind"], w["subject"]) for w in data["warnings"]] == [("silent_events", "wrong")]
+        message = data["warnings"][0]["message"]
+        assert "never connected" in message and "the engine connects too" in message
+        assert "set kv_events.bind: true" in message
+        assert data["backends"]["wrong"]["connected"] is False and data["backends"]["wrong"]["batches"] == 0
+        assert data["backends"]["right"]["batches"] > 0
+        page = httpx.get(f"{gateway.url}/debug/prefix-map", timeout=10).text
+        assert "set kv_events.bind: true" in page
+        assert _warning_gauge(gateway)["silent_events"] == 1
+        log = _wait_for_log(gateway, "kv_aware routes blind: backend wrong")
+        assert "backend right" not in log
+        # The start-time line says which side binds, so the wrong direction shows before any request.
+        assert "subscribed to wrong (1 rank(s)) at" in log and "connecting to it" in log
+        assert "subscribed to right (1 rank(s)) at" in log and "binding it" in log
+    finally:
+        gateway.stop()
+        for publisher in publishers.values():
+            publisher.close()
+        for backend in backends.values():
+            backend.stop()

@@ -78,8 +78,21 @@ class KVIndexService:
                 "; ".join(failed),
             )
         else:
-            endpoint = self._configs[name].endpoint
-            logger.info("kv events: subscribed to %s (%d rank(s)) at %s", name, len(streams), endpoint)
+            config = self._configs[name]
+            # Which side binds, said at start: an engine that connects to a gateway that connects
+            # too delivers nothing, and "subscribed" alone read as if all were well.
+            direction = (
+                "binding it (the engine's publisher must connect to it)"
+                if config.bind
+                else "connecting to it (the engine's publisher must bind it: endpoint tcp://*:PORT)"
+            )
+            logger.info(
+                "kv events: subscribed to %s (%d rank(s)) at %s, %s",
+                name,
+                len(streams),
+                config.endpoint,
+                direction,
+            )
 
     def stop(self) -> None:
         self._started = False
@@ -272,6 +285,9 @@ class KVIndexService:
 
             out[name] = {
                 "connected": all(rank["connected"] for rank in ranks),
+                # Who binds the event endpoint: what a stream that never connects got wrong.
+                "endpoint": self._configs[name].endpoint,
+                "bind": self._configs[name].bind,
                 # Every rank has caught up with what its engine still buffers (see stream.py).
                 "synced": all(rank["synced"] for rank in ranks),
                 "last_seq": ranks[0]["last_seq"] if len(ranks) == 1 else [rank["last_seq"] for rank in ranks],
