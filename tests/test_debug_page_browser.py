@@ -1,18 +1,21 @@
 """/debug/prefix-map rendered by a real headless Chromium: the DOM shows the backends' health and
 stream state, the legend of decision reasons and costs, the reload links, the picture of prefix
-sharing across engines, the cached prefixes as decoded text and the routing decisions."""
+sharing across engines, the cached prefixes as decoded text and the routing decisions; at 1400x1000
+the map and the decisions are in view once the legend, open on the first visit only, is collapsed."""
 
 from __future__ import annotations
 
+import asyncio
+import json
 import os
 import re
-import shutil
 import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
+from kvgate_testing.chromium_devtools import CHROMIUM_FLAGS, BrowserPage, chromium_path
 from kvgate_testing.kv_fleet import DOCS, Fleet, chat_body
 from router.config import builtin_tokenizer_dir
 from router.debug_page import DECISION_REASONS
@@ -20,20 +23,9 @@ from router.tokenize import PromptTokenizer
 
 pytestmark = pytest.mark.browser
 
-CHROMIUM_FLAGS = [
-    "--headless",
-    "--no-sandbox",
-    "--disable-gpu",
-    "--disable-dev-shm-usage",
-    "--disable-background-networking",
-    "--disable-component-update",
-    "--disable-sync",
-    "--no-first-run",
-]
-
 
 def chromium() -> str:
-    path = shutil.which("chromium") or shutil.which("chromium-browser")
+    path = chromium_path()
     if path is None:
         pytest.fail("chromium is not installed: `apt-get install -y chromium` (.ci/run does it)")
     return path
@@ -135,3 +127,45 @@ def test_a_screenshot_of_the_page(fleet: Fleet, tmp_path: Path) -> None:
         tmp_path / "profile",
     )
     assert shot.stat().st_size > 10_000  # a rendered page, not a blank image
+
+
+def test_the_map_is_in_view_once_the_legend_collapses_after_the_first_visit(
+    fleet: Fleet, tmp_path: Path
+) -> None:
+    out_dir = Path(os.environ.get("KVGATE_SCREENSHOT_DIR", tmp_path))
+    out_dir.mkdir(parents=True, exist_ok=True)
+    url = f"{fleet.gateway.url}/debug/prefix-map"
+    layout = """JSON.stringify({
+        viewport: innerHeight,
+        legend_open: document.getElementById("legend").open,
+        map: document.getElementById("sharing-map").getBoundingClientRect(),
+        decisions: document.getElementById("decisions").getBoundingClientRect(),
+    })"""
+
+    async def visits() -> list[dict]:
+        chromium()  # a clear failure when it is not installed
+        seen = []
+        async with BrowserPage(tmp_path / "profile", width=1400, height=1000) as page:
+            for visit in ("first", "second"):
+                await page.visit(url)
+                seen.append(json.loads(await page.evaluate(layout)))
+                await page.screenshot(out_dir / f"prefix-map-1400x1000-{visit}-visit.png")
+            # The reader opens the legend: it stays open on the next visit, as they left it.
+            await page.evaluate('document.querySelector("#legend summary").click()')
+            await page.visit(url)
+            seen.append(json.loads(await page.evaluate(layout)))
+        return seen
+
+    first, second, reopened = asyncio.run(visits())
+    assert first["legend_open"], "a first visit shows how to read the page"
+    assert not second["legend_open"], "the legend is collapsed from the second visit on"
+    assert reopened["legend_open"], "a legend the reader opened stays open"
+    # Second visit, nothing scrolled: the whole prefix map is in the 1000-pixel viewport, and the
+    # decisions table starts in it (its rows follow the map: they are the next thing to read).
+    viewport = second["viewport"]
+    assert viewport == 1000
+    assert second["map"]["top"] >= 0 and second["map"]["bottom"] <= viewport, second
+    assert second["decisions"]["top"] < viewport, second
+    assert first["map"]["top"] > second["map"]["top"], "collapsing the legend moved the map up"
+    for visit in ("first", "second"):
+        assert (out_dir / f"prefix-map-1400x1000-{visit}-visit.png").stat().st_size > 10_000

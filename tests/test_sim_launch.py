@@ -121,3 +121,22 @@ def test_demo_runs_on_a_tiny_setting(tmp_path):
         assert result["requests"] == 12
         assert 0 < result["hit_ratio"] < 1  # three prompts over twelve requests: repeats hit
         assert result["ttft_p90_ms"] >= result["ttft_p50_ms"] > 0
+    _assert_table_explains_itself(text, results)
+
+
+def _assert_table_explains_itself(text: str, results: dict[str, dict]) -> None:
+    """The printed table says its TTFTs are simulated and what max/mean load is, beside its rows."""
+    lines = text.splitlines()
+    header = next(i for i, line in enumerate(lines) if "policy" in line and "max/mean load" in line)
+    title = lines[header - 1]
+    assert "SIMULATED" in title and "TTFT" in title, title
+    assert "sim TTFT p50" in lines[header] and "sim TTFT p90" in lines[header], lines[header]
+    legend = "\n".join(lines[header + 1 :])
+    assert "sim TTFT:      SIMULATED time to the first streamed chunk" in legend, legend
+    assert "not a real engine's TTFT" in legend, legend
+    load_legend = next(line for line in lines[header + 1 :] if line.startswith("max/mean load:"))
+    assert "busiest engine" in load_legend and "mean per engine" in load_legend, load_legend
+    assert "2.00 = all on one engine" in legend, legend  # two engines in this run
+    for policy, result in results.items():  # the rows carry the numbers the JSON holds
+        row = next(line for line in lines[header + 1 :] if line.split()[:1] == [policy])
+        assert f"{result['hit_ratio']:.1%}" in row and f"{result['max_over_mean_load']:.2f}" in row, row
