@@ -80,11 +80,12 @@ class Fleet:
                 raise AssertionError(f"gateway never reached the expected state: {data['backends']}")
             time.sleep(0.05)
 
-    def cache(self, backend: str, tokens: np.ndarray, first_hash: int) -> None:
-        """Announce `tokens` as cached on `backend` the way vLLM does after a prefill."""
+    def cache(self, backend: str, tokens: np.ndarray, first_hash: int, *, medium: str = "GPU") -> None:
+        """Announce `tokens` as cached on `backend` the way vLLM does after a prefill (or, with
+        `medium` "CPU", after offloading them: the same block hashes, another medium)."""
         usable = len(tokens) - len(tokens) % 16
         hashes = list(range(first_hash, first_hash + usable // 16))
-        self.publishers[backend].publish([block_stored(hashes, tokens[:usable].tolist(), 16)])
+        self.publishers[backend].publish([block_stored(hashes, tokens[:usable].tolist(), 16, medium=medium)])
 
     def close(self) -> None:
         if hasattr(self, "client"):

@@ -26,17 +26,28 @@ def request(tokens: np.ndarray | None, salt: str | None = None, rid: str = "r") 
 
 
 def store(
-    index: PrefixIndex, backend: str, tokens: np.ndarray, *, medium: str = "GPU", salt: str | None = None
+    index: PrefixIndex,
+    backend: str,
+    tokens: np.ndarray,
+    *,
+    medium: str = "GPU",
+    salt: str | None = None,
+    start: int = 0,
 ):
+    """`backend` announces `tokens`' 16-token blocks in `medium`; with `start` (a multiple of 16),
+    only the blocks from that token on, chained to the block before it as an engine announces a
+    tail it offloaded without the head."""
+    first = start // 16
     index.apply(
         backend,
         [
             BlockStored(
-                block_hashes=list(range(1, len(tokens) // 16 + 1)),
-                token_ids=tokens.tolist(),
+                block_hashes=list(range(first + 1, len(tokens) // 16 + 1)),
+                parent_block_hash=first or None,
+                token_ids=tokens[start:].tolist(),
                 block_size=16,
                 medium=medium,
-                extra_keys=[[salt]] if salt else None,
+                extra_keys=[[salt]] if salt and not start else None,
             )
         ],
     )

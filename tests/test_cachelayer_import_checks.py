@@ -9,14 +9,17 @@ import numpy as np
 import pytest
 import torch
 
-from cachelayer.compress import get_codec
+from cachelayer.compress import codec_names, get_codec
 from cachelayer.engine import CacheEngineError
 from kvgate_testing.cachelayer import CHUNK, HEAD_DIM, HEADS, LAYERS, make_engine, request, store_blob_as_is
 from kvgate_testing.processes import REPO_ROOT, python_command
 
 
-def test_every_one_of_300_corrupted_cachegen_blobs_is_refused_and_nothing_is_stored():
-    codec = get_codec("cachegen")
+@pytest.mark.parametrize("method", codec_names())
+def test_every_one_of_300_corrupted_blobs_is_refused_and_nothing_is_stored(method):
+    """Every codec: bytes flipped anywhere, header or payload. A naive blob's payload is the tensor's
+    raw bytes, any of which is a valid value: only its checksum tells a flipped one."""
+    codec = get_codec(method)
     tokens, kv = request(1, 4)
     chunk = kv[:, :, :CHUNK].contiguous()
     blob = codec.encode(chunk)
@@ -31,7 +34,7 @@ def test_every_one_of_300_corrupted_cachegen_blobs_is_refused_and_nothing_is_sto
             decoded.append(attempt)
         except ValueError:
             pass
-    assert decoded == [], f"{len(decoded)} of 300 corrupted blobs decoded"
+    assert decoded == [], f"{len(decoded)} of 300 corrupted {method} blobs decoded"
 
     engine = make_engine(8)
     try:
@@ -39,9 +42,9 @@ def test_every_one_of_300_corrupted_cachegen_blobs_is_refused_and_nothing_is_sto
             corrupted = bytearray(blob)
             corrupted[randomness.randrange(64, len(blob))] ^= 0x10
             with pytest.raises(CacheEngineError, match="refused"):
-                engine.import_chunk(tokens, 0, "LocalCPUBackend", "cachegen", bytes(corrupted))
+                engine.import_chunk(tokens, 0, "LocalCPUBackend", method, bytes(corrupted))
         assert engine.cpu.num_chunks == 0 and engine.lookup(tokens) == 0
-        assert engine.import_chunk(tokens, 0, "LocalCPUBackend", "cachegen", blob) == CHUNK
+        assert engine.import_chunk(tokens, 0, "LocalCPUBackend", method, blob) == CHUNK
     finally:
         engine.close()
 

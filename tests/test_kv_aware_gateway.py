@@ -186,3 +186,34 @@ def test_the_policy_measures_load_costs_from_streamed_answers_only(fleet: Fleet)
     whole = fleet.client.post("/v1/chat/completions", json=body)
     assert whole.status_code == 200
     assert observed() == before + 1
+
+
+def test_a_prefix_split_over_gpu_and_cpu_loses_to_the_whole_prefix_on_one_gpu(
+    fleet: Fleet, qwen3: PromptTokenizer
+) -> None:
+    """b0 announces the prompt's first 256 tokens on its GPU and its first 512 offloaded to CPU (the
+    same blocks, as vLLM's offloading reports them); b2 announces the first 512 on its GPU. b0 saves
+    256 + 0.8 * 256 tokens, b2 saves 512: b2 wins. Scoring b0's CPU run whole, GPU head included,
+    made b0 save 256 + 0.8 * 512 and win."""
+    doc = "An atlas of lighthouse lenses, their makers, their flash patterns and keepers' logs. " * 40
+    body = chat_body(doc, "Which lens flashed fastest?")
+    tokens = qwen3.tokens_for(body)
+    assert len(tokens) > 600
+    gpu_before = fleet.prefix_map()["backends"]["b2"]["blocks"].get("gpu", 0)
+    fleet.cache("b0", tokens[:256], 90_000)
+    fleet.cache("b0", tokens[:512], 90_000, medium="CPU")
+    fleet.cache("b2", tokens[:512], 95_000)
+    fleet.wait_for(
+        lambda m: (
+            m["backends"]["b0"]["blocks"].get("cpu", 0) >= 32
+            and m["backends"]["b2"]["blocks"].get("gpu", 0) >= gpu_before + 32
+        )
+    )
+    response = fleet.client.post("/v1/chat/completions", json=body)
+    assert response.status_code == 200
+    assert response.headers["x-kvgate-backend"] == "b2"
+    decision = fleet.prefix_map()["decisions"][0]
+    assert decision["backend"] == "b2" and decision["reason"] == "cache_hit"
+    b0, b2 = decision["candidates"]["b0"], decision["candidates"]["b2"]
+    assert b0["cached"] == b2["cached"] == 512
+    assert b0["cost"] > b2["cost"]

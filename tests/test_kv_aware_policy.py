@@ -51,6 +51,64 @@ def test_gpu_hits_beat_cpu_hits_of_the_same_length() -> None:
     assert policy.choose(request(PROMPTS[0]), backends(2)).name == "b0"
 
 
+# A backend holding a prefix over several tiers: each token counts once, at the fastest tier holding
+# it (a CPU copy of blocks also on the GPU saves nothing more). Layouts per backend: (medium, first
+# token, end token) of what it announced; PROMPTS[0] has 512 tokens.
+SPLIT_OVER_TIERS = {
+    "cpu_copy_of_the_gpu_head_and_more": (
+        [("GPU", 0, 256), ("CPU", 0, 512)],  # saves 256 + 0.8 * 256 = 460.8
+        [("GPU", 0, 512)],  # saves 512
+        "b1",
+    ),
+    "cpu_holds_only_the_tail": (
+        [("GPU", 0, 256), ("CPU", 256, 512)],  # saves 256 + 0.8 * 256 = 460.8
+        [("GPU", 0, 512)],
+        "b1",
+    ),
+    "three_tiers_against_one": (
+        [("GPU", 0, 128), ("CPU", 0, 256), ("DISK", 0, 512)],  # 128 + 0.8 * 128 + 0.5 * 256 = 358.4
+        [("CPU", 0, 512)],  # 0.8 * 512 = 409.6
+        "b1",
+    ),
+    "the_cpu_tail_outweighs_a_shorter_gpu_prefix": (
+        [("GPU", 0, 256), ("CPU", 0, 512)],  # 460.8
+        [("GPU", 0, 448)],  # 448: counting only the GPU part of b0 would pick b1
+        "b0",
+    ),
+}
+
+
+def _layout_saves(layout: list[tuple[str, int, int]]) -> float:
+    """Weighted tokens a layout saves, each token at its fastest tier (KVAwarePolicy's defaults)."""
+    config = KVAwarePolicy()
+    weight = {"GPU": config.gpu_hit_weight, "CPU": config.cpu_hit_weight, "DISK": config.disk_hit_weight}
+    saved = 0.0
+    for position in range(len(PROMPTS[0])):
+        holders = [medium for medium, start, end in layout if start <= position < end]
+        saved += max((weight[medium] for medium in holders), default=0.0)
+    return saved
+
+
+@pytest.mark.parametrize("layouts", SPLIT_OVER_TIERS.values(), ids=SPLIT_OVER_TIERS.keys())
+def test_a_prefix_split_over_two_tiers_counts_each_token_at_its_fastest_tier(layouts) -> None:
+    """Against a backend holding the prefix in one tier, the split one's cost counts the slower tier
+    only for the tokens past what the faster tiers hold (counting the whole CPU run again, as if the
+    GPU head were not there, picked b0 holding 256 on GPU and 512 on CPU over b1 holding 512 on GPU)."""
+    layout_b0, layout_b1, winner = layouts
+    index = PrefixIndex()
+    for name, layout in (("b0", layout_b0), ("b1", layout_b1)):
+        for medium, start, end in layout:
+            store(index, name, PROMPTS[0][:end], medium=medium, start=start)
+    policy = KVAware(KVAwarePolicy(), index)
+    req = request(PROMPTS[0])
+    assert policy.choose(req, backends(2)).name == winner
+    uncached_weight = KVAwarePolicy().uncached_token_weight
+    for name, layout in (("b0", layout_b0), ("b1", layout_b1)):
+        candidate = req.decision.candidates[name]
+        assert candidate["cost"] == pytest.approx(uncached_weight * (512 - _layout_saves(layout)))
+        assert candidate["cached"] == max(end for _, _, end in layout)
+
+
 def test_load_outweighs_a_small_cache_hit() -> None:
     index = PrefixIndex()
     store(index, "b0", PROMPTS[0][:96])
