@@ -83,8 +83,19 @@ class CacheLayerConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True)
     remote_serde: RemoteSerde = "naive"
     # LMCache's bound on a blocking remote read (seconds); here the ceiling of remote_timeout_s.
     blocking_timeout_secs: Annotated[int, msgspec.Meta(ge=1)] = 10
-    # Not LMCache's: the socket timeout of every remote call (connect and each read/write).
+    # Not LMCache's: the total deadline of every remote call, from its first byte sent to its last
+    # byte read (connecting included), however slowly the server answers.
     remote_timeout_s: Annotated[float, msgspec.Meta(gt=0, le=60)] = 1.0
+    # Not LMCache's: name of the environment variable holding a secret the engines sharing the
+    # remote tier all have (never the secret itself). With it, values carry an HMAC tag and only
+    # tagged values are loaded (docs/cachelayer.md, Security).
+    remote_auth_secret_env: str | None = None
+    # Not LMCache's: tag and check values when a secret is configured (false: checksum only, e.g.
+    # while the secret is being rolled out to every engine).
+    remote_authenticate_values: bool = True
+    # Not LMCache's: without a secret, a remote_url beyond loopback is refused unless this is true
+    # (whoever can write to that Redis could then feed KV of their choosing to every engine).
+    remote_allow_unauthenticated: bool = False
     # Not LMCache's: consecutive remote failures that open the circuit breaker, and the seconds
     # it stays open before one probe call may close it again.
     remote_failure_threshold: Annotated[int, msgspec.Meta(ge=1)] = 3
@@ -123,7 +134,7 @@ class CacheLayerConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True)
 
     @property
     def remote_call_timeout_s(self) -> float:
-        """Every remote call's socket timeout: remote_timeout_s, never above blocking_timeout_secs."""
+        """Every remote call's total deadline: remote_timeout_s, never above blocking_timeout_secs."""
         return min(self.remote_timeout_s, float(self.blocking_timeout_secs))
 
     @property

@@ -40,7 +40,14 @@ from cachelayer.errors import CacheLayerError
 from cachelayer.keys import CacheIdentity, ChunkSpan, chunk_spans
 from cachelayer.storage.cpu import CpuTier
 from cachelayer.storage.disk import DiskTier
-from cachelayer.storage.remote import CorruptValue, RemoteTier, decode_value, value_trailer
+from cachelayer.storage.remote import (
+    MAX_TRAILER_BYTES,
+    CorruptValue,
+    RemoteTier,
+    UnauthenticatedValue,
+    UnverifiableValue,
+    remote_tier_secret,
+)
 from cachelayer.storage.tier import ChunkMeta, Tier, TierEntry
 from kvwire import AllBlocksCleared, BlockRemoved, BlockStored, EventPublisher
 from kvwire import KVEvent as Event
@@ -254,6 +261,12 @@ class CacheEngine:
                 timeout_s=config.remote_call_timeout_s,
                 failure_threshold=config.remote_failure_threshold,
                 retry_after_s=config.remote_retry_after_s,
+                secret=remote_tier_secret(
+                    config.remote_url,
+                    config.remote_auth_secret_env,
+                    config.remote_authenticate_values,
+                    config.remote_allow_unauthenticated,
+                ),
             )
         self._listeners: list[EventListener] = []
         self.counters = {
@@ -665,7 +678,7 @@ class CacheEngine:
                     kv = self._chunk_view(self.cpu.view(entry), entry.meta)
                     payload = get_codec("cachegen").encode(kv, layer_offset=0, total_layers=self.num_layers)
                     fmt = "cachegen"
-                trailer = value_trailer(
+                trailer = remote.value_trailer(
                     meta.key,
                     payload,
                     codec=fmt,
@@ -890,19 +903,27 @@ class CacheEngine:
         rest = spans[local:]
         if not rest:
             return
-        values = remote.fetch([span.key for span in rest])
+        # No value larger than its chunk can be is read (an encoded chunk's worst case is twice raw).
+        limits = [2 * self._raw_nbytes(span.num_tokens) + MAX_TRAILER_BYTES for span in rest]
+        values = remote.fetch([span.key for span in rest], limits)
         accepted: list[tuple[ChunkSpan, memoryview, str]] = []
         for span, value in zip(rest, values, strict=True):
             if value is None:
                 break
             try:
-                chunk = decode_value(value, span.key)
+                if isinstance(value, CorruptValue):
+                    raise value
+                chunk = remote.decode(value, span.key)
                 self._check_remote_chunk(chunk, span)
+            except UnverifiableValue as exc:  # usable by the engines that hold the secret: kept
+                log.error("cachelayer: remote chunk %#x not loaded (%s); treated as a miss", span.key, exc)
+                remote.note_corrupt(unauthenticated=True)
+                break
             except CorruptValue as exc:
                 log.error(
                     "cachelayer: remote chunk %#x rejected (%s); deleted, treated as a miss", span.key, exc
                 )
-                remote.note_corrupt()
+                remote.note_corrupt(unauthenticated=isinstance(exc, UnauthenticatedValue))
                 remote.delete(span.key)
                 break
             accepted.append((span, chunk.payload, chunk.codec))

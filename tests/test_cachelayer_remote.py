@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import threading
 import time
+import tracemalloc
 
 import pytest
 import torch
@@ -12,9 +14,10 @@ import torch
 from cachelayer.compress import codec_names
 from cachelayer.config import CacheLayerConfigError, parse_config
 from cachelayer.storage.remote import CircuitBreaker, CorruptValue, decode_value, encode_value
-from kvgate_testing.cachelayer import CHUNK, make_engine, request
+from kvgate_testing.cachelayer import CHUNK, CHUNK_BYTES, make_engine, request
 from kvgate_testing.processes import REPO_ROOT
 from kvgate_testing.redis_server import RedisServer, running_redis
+from kvgate_testing.trickling_redis import start_trickling_redis
 
 # Short time boxes: a failing Redis must cost at most this long per call in these tests.
 FAST = {"remote_timeout_s": 0.2, "remote_failure_threshold": 2, "remote_retry_after_s": 0.3}
@@ -318,7 +321,12 @@ def test_after_a_restart_the_tier_recovers(redis_server):
 
 @pytest.mark.parametrize(
     "url",
-    ["redis://127.0.0.1:6379", "rediss://cache.example:6380", "redis://:secret@10.0.0.5:6379/2", "unix:///tmp/r.sock"],
+    [
+        "redis://127.0.0.1:6379",
+        "rediss://cache.example:6380",
+        "redis://:secret@10.0.0.5:6379/2",
+        "unix:///tmp/r.sock",
+    ],
 )
 def test_lmcache_remote_url_forms_are_accepted(url):
     config = parse_config({"remote_url": url, "remote_serde": "cachegen", "blocking_timeout_secs": 5})
@@ -400,3 +408,151 @@ def test_a_prompt_costs_one_mget_to_load_and_one_exists_pipeline_to_look_up(redi
     assert stats["cmdstat_mget"]["calls"] == 1  # the whole prompt's chunks in one command
     assert "cmdstat_get" not in stats
     assert stats["cmdstat_exists"]["calls"] == 6  # one per chunk, sent as one pipeline
+
+
+# ---- a hostile Redis, and a hostile writer to a real one ----
+
+SECRET_ENV = "KVGATE_TEST_REMOTE_SECRET"
+
+
+def attack(*args: str) -> None:
+    """Run the hostile Redis client (kvgate_testing/redis_attacker.py) as a process of its own."""
+    subprocess.run(
+        [sys.executable, "-m", "kvgate_testing.redis_attacker", *args], cwd=REPO_ROOT, check=True, timeout=120
+    )
+
+
+def timed_call(call, timeout_s: float) -> float:
+    """Seconds `call()` took, run in a thread so that a call that never returns fails the test
+    instead of hanging it (the thread is released when the hostile server ends the connection)."""
+    finished = threading.Event()
+    started = time.monotonic()
+
+    def run() -> None:
+        call()
+        finished.set()
+
+    threading.Thread(target=run, daemon=True).start()
+    assert finished.wait(timeout_s), f"the call still blocked after {timeout_s} s"
+    return time.monotonic() - started
+
+
+def test_a_trickling_redis_holds_no_lookup_or_retrieve_past_the_total_deadline():
+    # The fake server answers one byte every 0.1 s, so no single read ever waits remote_timeout_s:
+    # its EXISTS answers take 3.2 s, its MGET answer 30 s (then it hangs up). Bound: every call
+    # returns within 5x remote_timeout_s (0.3 s), slack for a loaded 2-core host.
+    deadline_s = 0.3
+    tokens, _ = request(20, 8)
+    with (
+        start_trickling_redis(interval_s=0.1, value_bytes=CHUNK_BYTES) as url,
+        make_engine(64, remote_url=url, remote_timeout_s=deadline_s, remote_failure_threshold=100) as engine,
+    ):
+        for _ in range(2):
+            assert timed_call(lambda: engine.lookup(tokens), timeout_s=10) < 5 * deadline_s
+            assert timed_call(lambda: engine.retrieve(tokens), timeout_s=10) < 5 * deadline_s
+        assert engine.lookup(tokens) == 0 and engine.retrieve(tokens) == (0, None)
+        assert engine.stats()["remote_errors"] >= 4
+
+
+def test_a_huge_junk_value_is_refused_from_its_size_without_being_fetched(redis_server):
+    tokens, kv = request(21, 3)
+    with remote_engine(redis_server) as writer:
+        writer.store(tokens, kv)
+        assert writer.flush_remote(timeout_s=10)
+        second = writer.remote.redis_key(writer._spans(tokens, None, None)[1].key)
+    attack("junk", redis_server.url, second, "64")  # 64 MiB where a 2 KiB chunk belongs
+    with remote_engine(redis_server) as reader:
+        tracemalloc.start()
+        try:
+            hit, loaded = reader.retrieve(tokens)
+            _, peak = tracemalloc.get_traced_memory()
+        finally:
+            tracemalloc.stop()
+        # Bound: the reader allocates less than 8 MiB and reads less than 1 MiB from Redis.
+        assert peak < 8 << 20
+        stats = reader.stats()
+        assert stats["remote_bytes_in"] < 1 << 20
+        assert hit == CHUNK and torch.equal(loaded, kv[:, :, :CHUNK])  # the chunk before it still loads
+        assert stats["remote_corrupt_chunks"] == 1
+    with redis_server.client() as client:
+        assert not client.exists(second)
+
+
+def secret_engine(server: RedisServer, **config):
+    return remote_engine(server, remote_auth_secret_env=SECRET_ENV, **config)
+
+
+def test_with_a_secret_a_forged_value_with_a_recomputed_checksum_is_refused(redis_server, monkeypatch):
+    monkeypatch.setenv(SECRET_ENV, "a secret every engine is given")
+    tokens, kv = request(22, 3)
+    with secret_engine(redis_server) as writer:
+        writer.store(tokens, kv)
+        assert writer.flush_remote(timeout_s=10)
+        spans = writer._spans(tokens, None, None)
+        second, third = (writer.remote.redis_key(span.key) for span in spans[1:])
+    attack("forge", redis_server.url, second)
+    with secret_engine(redis_server) as reader:
+        hit, loaded = reader.retrieve(tokens)
+        assert hit == CHUNK and torch.equal(loaded, kv[:, :, :CHUNK])  # the forged second stops the prefix
+        stats = reader.stats()
+        assert stats["remote_unauthenticated_chunks"] == 1 and stats["remote_authenticated"]
+    with redis_server.client() as client:
+        assert not client.exists(second) and client.exists(third)
+    # A value written without the secret (checksum only) is refused too.
+    with remote_engine(redis_server) as unauthenticated_writer:
+        unauthenticated_writer.store(tokens, kv)
+        assert unauthenticated_writer.flush_remote(timeout_s=10)
+    with secret_engine(redis_server) as reader:
+        assert reader.retrieve(tokens)[0] == CHUNK
+        assert reader.stats()["remote_unauthenticated_chunks"] == 1
+
+
+def test_with_a_secret_another_models_value_refooted_for_the_victims_key_is_refused(
+    redis_server, monkeypatch
+):
+    from cachelayer import CacheEngine
+
+    monkeypatch.setenv(SECRET_ENV, "a secret every engine is given")
+    tokens, kv = request(23, 1)
+    other_config = {"chunk_size": CHUNK, "remote_url": redis_server.url, "remote_auth_secret_env": SECRET_ENV}
+    with CacheEngine.from_config({**other_config, **FAST}, num_layers=2, num_kv_heads=2, head_dim=8,
+                                 dtype="bfloat16", model_name="another-model") as other:  # fmt: skip
+        other_kv = kv.clone().neg()
+        other.store(tokens, other_kv)
+        assert other.flush_remote(timeout_s=10)
+        source = other.remote.redis_key(other._spans(tokens, None, None)[0].key)
+    with secret_engine(redis_server) as victim:
+        victim_key = victim._spans(tokens, None, None)[0].key
+        target = victim.remote.redis_key(victim_key)
+        attack("refoot", redis_server.url, source, target, f"{victim_key:016x}")
+        assert victim.lookup(tokens) == len(tokens)  # it is there ...
+        assert victim.retrieve(tokens) == (0, None)  # ... and is never loaded
+        assert victim.stats()["remote_unauthenticated_chunks"] == 1
+
+
+def test_an_authenticated_value_is_not_loaded_nor_deleted_by_an_engine_without_the_secret():
+    from cachelayer.storage.remote import UnverifiableValue
+
+    value = encode_value(0xABC, b"\x01" * 64, codec="raw", dtype="bfloat16", num_layers=1, num_tokens=1,
+                         channels=16, secret=b"s" * 32, context=b"k")  # fmt: skip
+    assert bytes(decode_value(value, 0xABC, secret=b"s" * 32, context=b"k").payload) == b"\x01" * 64
+    with pytest.raises(UnverifiableValue):
+        decode_value(value, 0xABC)
+    with pytest.raises(CorruptValue, match="tag mismatch"):
+        decode_value(value, 0xABC, secret=b"s" * 32, context=b"another key")
+
+
+def test_a_remote_url_beyond_loopback_without_a_secret_is_refused_with_the_fix(monkeypatch):
+    from cachelayer.controller.auth import AuthConfigError
+
+    # cache.invalid never resolves: nothing is sent anywhere, the check runs before any connection.
+    with pytest.raises(AuthConfigError, match=r"remote_auth_secret_env.*remote_allow_unauthenticated"):
+        make_engine(4, remote_url="redis://cache.invalid:6379")
+    with make_engine(4, remote_url="redis://cache.invalid:6379", remote_allow_unauthenticated=True) as engine:
+        assert not engine.stats()["remote_authenticated"]
+    monkeypatch.setenv(SECRET_ENV, "a secret every engine is given")
+    with make_engine(4, remote_url="redis://cache.invalid:6379", remote_auth_secret_env=SECRET_ENV) as engine:
+        assert engine.stats()["remote_authenticated"]
+    monkeypatch.delenv(SECRET_ENV)
+    with pytest.raises(AuthConfigError, match=SECRET_ENV):
+        make_engine(4, remote_url="redis://127.0.0.1:1", remote_auth_secret_env=SECRET_ENV)

@@ -1,50 +1,77 @@
 """The shared remote tier: KV chunks in Redis (or Valkey), readable by engines on any host.
 
-It sits below L1 and L2 and holds no local index: Redis is the index. Every call is time-boxed
-(socket timeouts, no client retries) and goes through a circuit breaker, so a Redis that is down,
-slow or restarting makes the tier answer "miss" at once instead of raising or stalling the engine.
+It sits below L1 and L2 and holds no local index: Redis is the index. Every call has one total
+deadline (`remote_timeout_s`, from the first byte sent to the last byte read, whatever the server's
+pace), no client retries, and goes through a circuit breaker, so a Redis that is down, slow,
+restarting or trickling its answers makes the tier answer "miss" in bounded time instead of raising
+or stalling the engine.
 
 Keys: `cachelayer:v1:<layout digest>:<chunk key, 16 hex digits>`. The chunk key already folds in
 the cache identity (model and revision, KV dtype, layout, TP size and rank, salt, LoRA); the layout
 digest adds the KV geometry and the key algorithm, so engines that could not read each other's
 bytes never even look at them.
 
-Values: the payload first, then the codec and dtype names, then a fixed little-endian footer:
+Values: the payload first, then the codec and dtype names, then (version 2) an HMAC tag, then a
+fixed little-endian footer:
     chunk key u64, num_layers u32, num_tokens u32, channels u32, payload length u64,
     codec-name length u8, dtype-name length u8, version u8, reserved u8,
-    checksum u64 = xxh3_64 over the payload, the names and the footer up to the checksum,
+    checksum u64 = xxh3_64 over the payload, the names, the tag and the footer up to the checksum,
     magic b"CLKV".
-Payload first lets the writer send a chunk straight from its L1 bytes (the value's pieces go to
-the socket one after the other; no copy of the KV is assembled). A value whose footer or checksum
-disagrees with what the reader expects is never loaded: the reader treats it as a miss and
-deletes it.
+Version 1 values carry no tag: the checksum catches accidents, never forgeries (anyone who can
+write to Redis can recompute it). Version 2 values, written when the engines share a secret
+(`remote_auth_secret_env`), carry HMAC-SHA256(secret, Redis key, payload, names, footer fields):
+a value forged without the secret, or a genuine value copied under another key (another model's,
+another layout's), fails it. Payload first lets the writer send a chunk straight from its L1 bytes
+(the value's pieces go to the socket one after the other; no copy of the KV is assembled). A value
+whose footer, checksum or tag disagrees with what the reader expects is never loaded: the reader
+treats it as a miss and deletes it.
+
+The commands are spoken in RESP here, not through redis-py's parser, for two reasons: the deadline
+covers a whole call (redis-py's socket timeout restarts at every read), and a fetched value's length
+is read from its reply header and checked against the largest value the chunk can have before its
+body is read (a huge junk value is refused without being fetched: the connection is dropped).
+redis-py still opens the connections (URL forms, AUTH, SELECT, TLS).
 """
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
+import hmac
 import logging
+import socket
 import struct
 import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
+from urllib.parse import urlsplit
 
 import redis
 import xxhash
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
+from cachelayer.controller.auth import AuthConfigError, is_loopback, secret_from_env
 from cachelayer.errors import CacheLayerError
 
 log = logging.getLogger(__name__)
 
 MAGIC = b"CLKV"
-VALUE_VERSION = 1
+VALUE_VERSION = 1  # checksum only
+AUTHENTICATED_VALUE_VERSION = 2  # checksum and HMAC tag
+TAG_BYTES = 32  # HMAC-SHA256
 KEY_PREFIX = "cachelayer:v1"
 # key, layers, tokens, channels, payload length, codec length, dtype length, version, reserved
 _FOOTER_FIELDS = struct.Struct("<QIIIQBBBB")
 _FOOTER = struct.Struct("<QIIIQBBBBQ4s")  # the fields, then checksum and magic
+# What a value holds besides its payload, at most: both names (255 bytes each), a tag, the footer.
+MAX_TRAILER_BYTES = 2 * 255 + TAG_BYTES + _FOOTER.size
+# A RESP reply line (a type byte, a length or an integer, CRLF) is never longer than this.
+_MAX_REPLY_LINE = 64
+# Idle connections kept for the next call.
+_IDLE_CONNECTIONS = 8
 
 T = TypeVar("T")
 Buffer = bytes | bytearray | memoryview
@@ -52,6 +79,24 @@ Buffer = bytes | bytearray | memoryview
 
 class CorruptValue(CacheLayerError, ValueError):
     """A remote value that is not the chunk the reader asked for (or not a chunk at all)."""
+
+
+class UnauthenticatedValue(CorruptValue):
+    """A value without the tag this engine's secret requires, or with a wrong one: forged, or a
+    genuine value copied under another key."""
+
+
+class UnverifiableValue(CorruptValue):
+    """An authenticated value read by an engine without the secret: a miss, but not deleted (the
+    engines that hold the secret can still use it)."""
+
+
+class OversizedValue(CorruptValue):
+    """A remote value larger than the chunk it is stored for can be; refused before its body was read."""
+
+
+class DeadlineExceeded(redis.TimeoutError):
+    """A remote call that did not finish within its total deadline."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,6 +111,17 @@ class ChunkValue:
     payload: memoryview
 
 
+def _tag(secret: bytes, context: bytes, payload: memoryview, names: bytes, fields: bytes) -> bytes:
+    mac = hmac.new(secret, digestmod=hashlib.sha256)
+    # Lengths first: no two (context, payload, names) splits of the same bytes give one tag.
+    mac.update(struct.pack("<QQQ", len(context), payload.nbytes, len(names)))
+    mac.update(context)
+    mac.update(payload)
+    mac.update(names)
+    mac.update(fields)
+    return mac.digest()
+
+
 def value_trailer(
     key: int,
     payload: Buffer,
@@ -75,17 +131,23 @@ def value_trailer(
     num_layers: int,
     num_tokens: int,
     channels: int,
+    secret: bytes | None = None,
+    context: bytes = b"",
 ) -> bytes:
-    """What follows `payload` in its remote value: the names and the footer with the checksum."""
+    """What follows `payload` in its remote value: the names, the tag (with `secret`: an HMAC over
+    `context`, the Redis key it is written under, and everything else) and the footer."""
     codec_name, dtype_name = codec.encode(), dtype.encode()
     payload = memoryview(payload).cast("B")
+    version = VALUE_VERSION if secret is None else AUTHENTICATED_VALUE_VERSION
     fields = _FOOTER_FIELDS.pack(
         key, num_layers, num_tokens, channels, payload.nbytes, len(codec_name), len(dtype_name),
-        VALUE_VERSION, 0,
+        version, 0,
     )  # fmt: skip
+    names = codec_name + dtype_name
+    tag = b"" if secret is None else _tag(secret, context, payload, names, fields)
     hasher = xxhash.xxh3_64(payload)
-    hasher.update(codec_name + dtype_name + fields)
-    return codec_name + dtype_name + fields + struct.pack("<Q4s", hasher.intdigest(), MAGIC)
+    hasher.update(names + tag + fields)
+    return names + tag + fields + struct.pack("<Q4s", hasher.intdigest(), MAGIC)
 
 
 def encode_value(key: int, payload: Buffer, **chunk: Any) -> bytes:
@@ -93,31 +155,174 @@ def encode_value(key: int, payload: Buffer, **chunk: Any) -> bytes:
     return bytes(payload) + value_trailer(key, payload, **chunk)
 
 
-def decode_value(value: bytes, key: int) -> ChunkValue:
-    """The chunk in a remote value, after checking it names `key` and its checksum holds."""
+def decode_value(value: Buffer, key: int, *, secret: bytes | None = None, context: bytes = b"") -> ChunkValue:
+    """The chunk in a remote value, after checking it names `key`, its checksum holds and, with
+    `secret`, that its tag proves it was written under `context` by an engine holding the secret."""
     if len(value) < _FOOTER.size:
         raise CorruptValue(f"{len(value)} bytes: shorter than a footer")
     footer_start = len(value) - _FOOTER.size
     (stored_key, layers, tokens, channels, length, codec_len, dtype_len, version, _, checksum, magic) = (
         _FOOTER.unpack_from(value, footer_start)
     )
-    if magic != MAGIC or version != VALUE_VERSION:
-        raise CorruptValue(f"not a version-{VALUE_VERSION} chunk value (magic {magic!r}, version {version})")
-    if length + codec_len + dtype_len != footer_start:
-        expected = length + codec_len + dtype_len + _FOOTER.size
+    if magic != MAGIC or version not in (VALUE_VERSION, AUTHENTICATED_VALUE_VERSION):
+        raise CorruptValue(f"not a chunk value (magic {magic!r}, version {version})")
+    tag_len = TAG_BYTES if version == AUTHENTICATED_VALUE_VERSION else 0
+    if length + codec_len + dtype_len + tag_len != footer_start:
+        expected = length + codec_len + dtype_len + tag_len + _FOOTER.size
         raise CorruptValue(f"{len(value)} bytes, the footer says {expected}")
     if stored_key != key:
         raise CorruptValue(f"holds chunk {stored_key:#x}, not {key:#x}")
-    view = memoryview(value)
+    view = memoryview(value).cast("B")
     hasher = xxhash.xxh3_64(view[: footer_start + _FOOTER_FIELDS.size])
     if hasher.intdigest() != checksum:
         raise CorruptValue("checksum mismatch")
+    names_end = length + codec_len + dtype_len
+    if secret is not None:
+        if tag_len == 0:
+            raise UnauthenticatedValue(
+                "not authenticated (a version-1 value): this engine shares a secret and loads only "
+                "values tagged with it"
+            )
+        expected_tag = _tag(
+            secret, context, view[:length], bytes(view[length:names_end]),
+            bytes(view[footer_start : footer_start + _FOOTER_FIELDS.size]),
+        )  # fmt: skip
+        if not hmac.compare_digest(expected_tag, bytes(view[names_end:footer_start])):
+            raise UnauthenticatedValue("authentication tag mismatch (forged, or written under another key)")
+    elif tag_len:
+        raise UnverifiableValue("authenticated with a secret this engine was not given")
     try:
         codec = bytes(view[length : length + codec_len]).decode()
-        dtype = bytes(view[length + codec_len : footer_start]).decode()
+        dtype = bytes(view[length + codec_len : names_end]).decode()
     except UnicodeDecodeError:
         raise CorruptValue("codec or dtype name is not text") from None
     return ChunkValue(codec, dtype, layers, tokens, channels, view[:length])
+
+
+def remote_tier_secret(
+    url: str, secret_env: str | None, authenticate_values: bool, allow_unauthenticated: bool
+) -> bytes | None:
+    """The secret values are tagged with (None: checksum only), after refusing an unauthenticated
+    tier beyond loopback: whoever can write to that Redis could feed any KV to every engine."""
+    secret = secret_from_env(secret_env, "remote_auth_secret_env")
+    if secret is not None and authenticate_values:
+        return secret
+    parts = urlsplit(url)
+    host = parts.hostname or ""
+    if parts.scheme != "unix" and not is_loopback(host) and not allow_unauthenticated:
+        raise AuthConfigError(
+            f"remote_url names the Redis at {host!r}, beyond loopback, and remote values are not "
+            "authenticated: anyone who can write to it could make every engine load KV of their "
+            "choosing. Set remote_auth_secret_env to a variable holding a secret the engines share "
+            "(with remote_authenticate_values: true), or set remote_allow_unauthenticated: true if "
+            "only trusted hosts can reach that Redis."
+        )
+    return None
+
+
+class _Exchange:
+    """One call on one connection: commands out and replies in, all before one deadline. Each
+    socket wait gets only the time left, so a server that trickles bytes cannot stretch the call."""
+
+    def __init__(self, sock: socket.socket, deadline: float) -> None:
+        self._sock = sock
+        self._deadline = deadline
+        self._buffer = bytearray()
+        self._start = 0
+
+    def _time_left(self) -> float:
+        left = self._deadline - time.monotonic()
+        if left <= 0:
+            raise DeadlineExceeded("the call did not finish within remote_timeout_s")
+        return left
+
+    def send(self, pieces: Sequence[Buffer]) -> None:
+        for piece in pieces:
+            self._sock.settimeout(self._time_left())  # sendall's timeout bounds the whole piece
+            try:
+                self._sock.sendall(piece)
+            except TimeoutError:
+                raise DeadlineExceeded("sending did not finish within remote_timeout_s") from None
+
+    def _receive_into(self, target: memoryview) -> int:
+        self._sock.settimeout(self._time_left())
+        try:
+            received = self._sock.recv_into(target)
+        except TimeoutError:
+            raise DeadlineExceeded("the reply did not arrive within remote_timeout_s") from None
+        if not received:
+            raise redis.ConnectionError("Redis closed the connection mid-reply")
+        return received
+
+    def _line(self) -> bytes:
+        while True:
+            end = self._buffer.find(b"\r\n", self._start)
+            if 0 <= end <= self._start + _MAX_REPLY_LINE:
+                line = bytes(self._buffer[self._start : end])
+                self._start = end + 2
+                return line
+            if len(self._buffer) - self._start > _MAX_REPLY_LINE:
+                raise redis.InvalidResponse("a reply line longer than any Redis sends")
+            if self._start:
+                del self._buffer[: self._start]
+                self._start = 0
+            chunk = bytearray(65536)
+            received = self._receive_into(memoryview(chunk))
+            self._buffer += memoryview(chunk)[:received]
+
+    def _bulk_body(self, length: int) -> bytearray:
+        """`length` bytes then CRLF; the body is read straight into its own buffer (one copy)."""
+        body = bytearray(length)
+        view = memoryview(body)
+        buffered = min(length, len(self._buffer) - self._start)
+        view[:buffered] = self._buffer[self._start : self._start + buffered]
+        self._start += buffered
+        filled = buffered
+        while filled < length:
+            filled += self._receive_into(view[filled:])
+        if self._line() != b"":
+            raise redis.InvalidResponse("a bulk string not followed by CRLF")
+        return body
+
+    def reply(self, max_bulk_bytes: int | None = None) -> Any:
+        """One reply: bytes for a status, int, bytearray or None for a bulk string, a list of
+        bulk replies for an array (each bounded by `max_bulk_bytes`[i]); a server error is raised."""
+        line = self._line()
+        kind, rest = line[:1], line[1:]
+        try:
+            if kind == b"+":
+                return rest
+            if kind == b"-":
+                raise redis.ResponseError(rest.decode(errors="replace"))
+            if kind == b":":
+                return int(rest)
+            if kind == b"$":
+                length = int(rest)
+                if length < 0:
+                    return None
+                if max_bulk_bytes is not None and length > max_bulk_bytes:
+                    raise OversizedValue(f"{length} bytes, more than the {max_bulk_bytes} its chunk can take")
+                return self._bulk_body(length)
+        except ValueError as exc:
+            if isinstance(exc, CorruptValue):
+                raise
+            raise redis.InvalidResponse(f"an unreadable reply line {line[:32]!r}") from None
+        raise redis.InvalidResponse(f"an unexpected reply {line[:32]!r}")
+
+    def array_length(self) -> int:
+        line = self._line()
+        if line[:1] != b"*":
+            if line[:1] == b"-":
+                raise redis.ResponseError(line[1:].decode(errors="replace"))
+            raise redis.InvalidResponse(f"an array expected, got {line[:32]!r}")
+        try:
+            return int(line[1:])
+        except ValueError:
+            raise redis.InvalidResponse(f"an unreadable array length {line[:32]!r}") from None
+
+
+def _command(*parts: bytes) -> bytes:
+    return b"*%d\r\n" % len(parts) + b"".join(b"$%d\r\n%s\r\n" % (len(part), part) for part in parts)
 
 
 class CircuitBreaker:
@@ -177,10 +382,21 @@ class RemoteCounters:
     dropped_writes: int = 0
     corrupt_chunks: int = 0
 
+    # Values refused because their tag was missing or wrong (also counted in corrupt_chunks).
+    unauthenticated_chunks: int = 0
+
+
+def _shut(connection: Any) -> None:
+    """End a connection's socket from another thread: a read or write blocked on it returns at once."""
+    sock = getattr(connection, "_sock", None)
+    if sock is not None:
+        with contextlib.suppress(OSError):
+            sock.shutdown(socket.SHUT_RDWR)
+
 
 class RemoteTier:
     """Chunks in one Redis database under one layout's key prefix; every method degrades to a
-    miss (or a skipped write) when Redis fails, and counts it."""
+    miss (or a skipped write) when Redis fails or misses its deadline, and counts it."""
 
     name = "RemoteBackend"  # the controller's location name, as LMCache's remote backend
     medium = "remote"  # the KV-event medium
@@ -193,15 +409,20 @@ class RemoteTier:
         timeout_s: float,
         failure_threshold: int,
         retry_after_s: float,
+        secret: bytes | None = None,
     ) -> None:
         self.url = url
+        self.timeout_s = timeout_s
         digest = xxhash.xxh3_64_hexdigest(repr(tuple(layout)).encode())
         self._prefix = f"{KEY_PREFIX}:{digest}:"
+        # With a secret, values are written with an HMAC tag and only tagged values are loaded.
+        self._secret = secret
         self.breaker = CircuitBreaker(failure_threshold, retry_after_s)
         self.counters = RemoteCounters()
         self._counters_lock = threading.Lock()
-        # No client-side retries: a retry multiplies the time an engine can wait on a dead server.
-        self._client = redis.Redis.from_url(
+        # redis-py parses the URL and opens connections (AUTH, SELECT, TLS); no client-side retries:
+        # a retry multiplies the time an engine can wait on a dead server.
+        pool = redis.ConnectionPool.from_url(
             url,
             socket_timeout=timeout_s,
             socket_connect_timeout=timeout_s,
@@ -209,12 +430,78 @@ class RemoteTier:
             retry_on_timeout=False,
             health_check_interval=0,
         )
+        self._connection_class = pool.connection_class
+        self._connection_kwargs = dict(pool.connection_kwargs)
+        self._idle: list[Any] = []
+        self._idle_lock = threading.Lock()
+        self._closed = False
+
+    @property
+    def authenticated(self) -> bool:
+        return self._secret is not None
 
     def redis_key(self, key: int) -> str:
         return f"{self._prefix}{key:016x}"
 
     def close(self) -> None:
-        self._client.close()
+        with self._idle_lock:
+            self._closed = True
+            idle, self._idle = self._idle, []
+        for connection in idle:
+            connection.disconnect()
+
+    # ---- values ----
+
+    def value_trailer(self, key: int, payload: Buffer, **chunk: Any) -> bytes:
+        """`value_trailer` for this tier: tagged for the Redis key it goes under when a secret is set."""
+        return value_trailer(key, payload, **chunk, secret=self._secret, context=self.redis_key(key).encode())
+
+    def decode(self, value: Buffer, key: int) -> ChunkValue:
+        """`decode_value` for this tier: with a secret, only values tagged for this very Redis key."""
+        return decode_value(value, key, secret=self._secret, context=self.redis_key(key).encode())
+
+    # ---- connections: each call has one deadline ----
+
+    def _connection(self, deadline: float) -> Any:
+        with self._idle_lock:
+            if self._idle:
+                return self._idle.pop()
+        connection = self._connection_class(**self._connection_kwargs)
+        # The handshake (AUTH, SELECT, CLIENT SETINFO) is read by redis-py, whose timeout restarts
+        # at each read: a timer ends the socket at the call's deadline instead.
+        watchdog = threading.Timer(max(0.0, deadline - time.monotonic()), _shut, (connection,))
+        watchdog.daemon = True
+        watchdog.start()
+        try:
+            connection.connect()
+        except BaseException:
+            connection.disconnect()
+            raise
+        finally:
+            watchdog.cancel()
+        if time.monotonic() >= deadline:
+            connection.disconnect()
+            raise DeadlineExceeded("connecting did not finish within remote_timeout_s")
+        return connection
+
+    def _release(self, connection: Any) -> None:
+        with self._idle_lock:
+            if not self._closed and len(self._idle) < _IDLE_CONNECTIONS:
+                self._idle.append(connection)
+                return
+        connection.disconnect()
+
+    def _exchange(self, run: Callable[[_Exchange], T]) -> T:
+        """`run` on a connection, within the deadline; a connection left mid-reply is never reused."""
+        deadline = time.monotonic() + self.timeout_s
+        connection = self._connection(deadline)
+        try:
+            result = run(_Exchange(connection._sock, deadline))
+        except BaseException:
+            connection.disconnect()  # replies may be pending, or the socket timed out
+            raise
+        self._release(connection)
+        return result
 
     def _count(self, **increments: int) -> None:
         with self._counters_lock:
@@ -237,21 +524,20 @@ class RemoteTier:
         self.breaker.succeeded()
         return result
 
-    def _pipelined(self, commands: Callable[[Any], None]) -> list[Any]:
-        pipeline = self._client.pipeline(transaction=False)
-        commands(pipeline)
-        return pipeline.execute(raise_on_error=True)
+    # ---- commands ----
 
     def _present(self, what: str, keys: Sequence[int]) -> list[bool] | None:
         """Whether Redis holds each key, in one round trip (EXISTS per key, pipelined); None
         when Redis failed."""
 
-        def exists(pipeline: Any) -> None:
-            for key in keys:
-                pipeline.exists(self.redis_key(key))
+        def exists(exchange: _Exchange) -> list[bool]:
+            exchange.send([b"".join(_command(b"EXISTS", self.redis_key(key).encode()) for key in keys)])
+            answers = [exchange.reply() for _ in keys]
+            if not all(isinstance(answer, int) for answer in answers):
+                raise redis.InvalidResponse("EXISTS answered something other than an integer")
+            return [bool(answer) for answer in answers]
 
-        answers = self._call(what, lambda: self._pipelined(exists))
-        return None if answers is None else [bool(answer) for answer in answers]
+        return self._call(what, lambda: self._exchange(exists))
 
     def held_prefix(self, keys: Sequence[int]) -> int:
         """How many leading `keys` Redis holds (0 when Redis failed): one round trip."""
@@ -260,15 +546,43 @@ class RemoteTier:
             return 0
         return next((index for index, held in enumerate(present) if not held), len(present))
 
-    def fetch(self, keys: Sequence[int]) -> list[bytes | None]:
-        """The values of `keys` in one round trip (MGET); None for a key not held, and for all of
-        them when Redis failed."""
+    def fetch(
+        self, keys: Sequence[int], max_value_bytes: Sequence[int]
+    ) -> list[bytearray | CorruptValue | None]:
+        """The values of `keys` in one round trip (MGET): None for a key not held (and for all of
+        them when Redis failed). A value longer than its `max_value_bytes` is refused from its reply
+        header, before its body is read: an OversizedValue stands in its place, and the values after
+        it are not read (None; the connection is dropped)."""
         if not keys:
             return []
-        values = self._call("fetch", lambda: self._client.mget([self.redis_key(key) for key in keys]))
+
+        def mget(exchange: _Exchange) -> list[bytearray | CorruptValue | None]:
+            exchange.send([_command(b"MGET", *(self.redis_key(key).encode() for key in keys))])
+            if exchange.array_length() != len(keys):
+                raise redis.InvalidResponse("MGET answered another number of values than keys asked")
+            values: list[bytearray | CorruptValue | None] = []
+            for limit in max_value_bytes:
+                try:
+                    value = exchange.reply(max_bulk_bytes=limit)
+                except OversizedValue as refused:
+                    values.append(refused)
+                    values.extend([None] * (len(keys) - len(values)))
+                    raise _Refused(values) from None
+                if value is not None and not isinstance(value, bytearray):
+                    raise redis.InvalidResponse("MGET answered something other than a value")
+                values.append(value)
+            return values
+
+        def call() -> list[bytearray | CorruptValue | None]:
+            try:
+                return self._exchange(mget)
+            except _Refused as refused:  # the connection is dropped, the call itself did its job
+                return refused.values
+
+        values = self._call("fetch", call)
         if values is None:
             return [None] * len(keys)
-        self._count(bytes_in=sum(len(value) for value in values if value is not None))
+        self._count(bytes_in=sum(len(value) for value in values if isinstance(value, bytearray)))
         return values
 
     def missing(self, keys: Sequence[int]) -> list[int] | None:
@@ -283,34 +597,32 @@ class RemoteTier:
         one round trip; False when Redis failed."""
         if not values:
             return True
-        if self._call("write", lambda: self._send_sets(values)) is None:
+        written = self._call(
+            "write", lambda: self._exchange(lambda exchange: self._send_sets(exchange, values))
+        )
+        if written is None:
             return False
         sent = sum(memoryview(piece).nbytes for _, pieces in values for piece in pieces)
         self._count(bytes_out=sent, written_chunks=len(values))
         return True
 
-    def _send_sets(self, values: Sequence[tuple[int, Sequence[Buffer]]]) -> bool:
-        # redis-py joins a value's pieces into one bytes object first; a chunk is tens of MB, so the
-        # SETs are written here in RESP, each value's pieces straight to the socket.
-        pool = self._client.connection_pool
-        connection = pool.get_connection()
-        try:
-            for key, pieces in values:
-                name = self.redis_key(key).encode()
-                length = sum(memoryview(piece).nbytes for piece in pieces)
-                head = b"*3\r\n$3\r\nSET\r\n$%d\r\n%s\r\n$%d\r\n" % (len(name), name, length)
-                connection.send_packed_command([head, *pieces, b"\r\n"], check_health=False)
-            for _ in values:
-                connection.read_response()  # raises the server's error, if any
-        except BaseException:
-            connection.disconnect()  # replies may be pending: never reuse this connection
-            raise
-        finally:
-            pool.release(connection)
+    def _send_sets(self, exchange: _Exchange, values: Sequence[tuple[int, Sequence[Buffer]]]) -> bool:
+        # A chunk is tens of MB: each value's pieces go straight to the socket, never joined.
+        for key, pieces in values:
+            name = self.redis_key(key).encode()
+            length = sum(memoryview(piece).nbytes for piece in pieces)
+            head = b"*3\r\n$3\r\nSET\r\n$%d\r\n%s\r\n$%d\r\n" % (len(name), name, length)
+            exchange.send([head, *pieces, b"\r\n"])
+        for _ in values:
+            exchange.reply()  # raises the server's error, if any
         return True
 
     def delete(self, key: int) -> None:
-        self._call("delete", lambda: self._client.delete(self.redis_key(key)))
+        def delete(exchange: _Exchange) -> None:
+            exchange.send([_command(b"DEL", self.redis_key(key).encode())])
+            exchange.reply()
+
+        self._call("delete", lambda: self._exchange(delete))
 
     def note_lookup(self, hit_chunks: int, miss_chunks: int) -> None:
         self._count(hit_chunks=hit_chunks, miss_chunks=miss_chunks)
@@ -318,8 +630,8 @@ class RemoteTier:
     def note_dropped_write(self, chunks: int) -> None:
         self._count(dropped_writes=chunks)
 
-    def note_corrupt(self) -> None:
-        self._count(corrupt_chunks=1)
+    def note_corrupt(self, unauthenticated: bool = False) -> None:
+        self._count(corrupt_chunks=1, unauthenticated_chunks=int(unauthenticated))
 
     def stats(self) -> dict[str, int | bool]:
         with self._counters_lock:
@@ -333,5 +645,14 @@ class RemoteTier:
                 "remote_written_chunks": counters.written_chunks,
                 "remote_dropped_writes": counters.dropped_writes,
                 "remote_corrupt_chunks": counters.corrupt_chunks,
+                "remote_unauthenticated_chunks": counters.unauthenticated_chunks,
                 "remote_circuit_open": self.breaker.is_open,
+                "remote_authenticated": self._secret is not None,
             }
+
+
+class _Refused(Exception):
+    """Not an error: carries the values read before a refusal out of the exchange."""
+
+    def __init__(self, values: list[bytearray | CorruptValue | None]) -> None:
+        self.values = values
