@@ -1,5 +1,6 @@
-"""Every exception class the gateway (`router`) or the cache layer (`cachelayer`) defines derives from
-its package's root, so that `except KvgateError` / `except CacheLayerError` catches the whole family.
+"""Every exception class the gateway (`router`), the cache layer (`cachelayer`) or the wire protocol
+(`kvwire`) defines derives from its package's root, so that `except KvgateError` /
+`except CacheLayerError` / `except WireError` catches the whole family.
 
 The packages are walked file by file (a folder without __init__.py is walked too), so a new module
 or a new exception class is checked without being listed here."""
@@ -15,10 +16,15 @@ from pathlib import Path
 import pytest
 
 from cachelayer.errors import CacheLayerError
+from kvwire.errors import WireError
 from router.errors import KvgateError
 
 REPOSITORY = Path(__file__).resolve().parent.parent
-ROOTS: dict[str, type[Exception]] = {"router": KvgateError, "cachelayer": CacheLayerError}
+ROOTS: dict[str, type[Exception]] = {
+    "router": KvgateError,
+    "cachelayer": CacheLayerError,
+    "kvwire": WireError,
+}
 # Engine-side dependencies this environment may lack; a module needing one is read as source instead.
 OPTIONAL_DEPENDENCIES = {"vllm", "triton"}
 _BUILTIN_EXCEPTIONS = {
