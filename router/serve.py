@@ -120,6 +120,11 @@ def config_from_flags(args: argparse.Namespace) -> Config:
         if not _BACKEND_NAME.fullmatch(name) or name in {b["name"] for b in backends}:
             name = f"backend-{index}"
         backends.append({"name": name, "url": url})
+    if args.policy == "approximate" and args.tokenizer is None:
+        raise ConfigError(
+            f"{FLAGS_SOURCE}: --policy approximate routes by the prompt's tokens: give --tokenizer DIR "
+            "(the engines' tokenizer directory, or builtin:qwen3)"
+        )
     model = {} if args.tokenizer is None else {"tokenizer": args.tokenizer}
     data = {
         "models": [{"name": name, **model} for name in args.model],

@@ -103,6 +103,10 @@ def _serve(*flags: str) -> subprocess.CompletedProcess:
             "known policies: round_robin",
         ),
         (("--config", "proxy.yaml", "--model", MODEL), "--model: only with --backend URL"),
+        (
+            ("--backend", "http://127.0.0.1:9", "--model", MODEL, "--policy", "approximate"),
+            "--policy approximate routes by the prompt's tokens: give --tokenizer DIR",
+        ),
     ],
 )
 def test_a_mistake_in_the_quick_start_flags_is_one_line_that_says_what_to_give(flags, expected):
