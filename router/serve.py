@@ -1,5 +1,6 @@
 """`kvgate serve`: load proxy.yaml, build the gateway app and run it on uvicorn (uvloop + httptools,
-with the gateway's own protocol class from router/http_server.py).
+with the gateway's own protocol class from router/http_server.py). Without a file, `--backend URL
+... --model NAME` describes a load-balancing gateway (the quick start; the file is the full interface).
 
 With `--workers N` (or `listen.workers`) above 1 this process supervises N gateway processes that
 share the port through SO_REUSEPORT (the kernel spreads connections over them). Each is a replica
@@ -101,7 +102,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def config_from_flags(args: argparse.Namespace) -> Config:
     """The configuration the quick-start flags describe (`--backend URL ... --model NAME`); raises
-    ConfigError, naming the flag, for a bad URL or a missing --model."""
+    ConfigError, naming the flag, for a bad URL, a missing --model, or a policy the flags cannot
+    feed (kv_aware without events, approximate without a tokenizer)."""
     from router.config import ConfigError, parse_config
 
     if not args.model:
