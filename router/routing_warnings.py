@@ -171,7 +171,8 @@ class RoutingWarnings:
 def _silent_message(name: str, stream: dict[str, Any], requests: int, waited_s: float) -> str:
     """What a silent backend's warning says: what was seen, and the likely cause first."""
     last = "no event yet" if stream["last_message_at"] is None else "no event since"
-    seen = f"backend {name}: took {requests} requests with prompts to cache but {last} ({waited_s:.0f} s)"
+    took = f"{requests} request{'' if requests == 1 else 's'}"
+    seen = f"backend {name}: took {took} with prompts to cache but {last} ({waited_s:.0f} s)"
     endpoint = stream.get("endpoint")
     if stream["connected"] or stream["last_message_at"] is not None:
         return (

@@ -1,5 +1,6 @@
 """`kvgate serve`: load proxy.yaml, build the gateway app and run it on uvicorn (uvloop + httptools,
-with the gateway's own protocol class from router/http_server.py).
+with the gateway's own protocol class from router/http_server.py). Without a file, `--backend URL
+... --model NAME` describes a load-balancing gateway (the quick start; the file is the full interface).
 
 With `--workers N` (or `listen.workers`) above 1 this process supervises N gateway processes that
 share the port through SO_REUSEPORT (the kernel spreads connections over them). Each is a replica
@@ -14,6 +15,7 @@ import contextlib
 import functools
 import logging
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -21,7 +23,9 @@ import sys
 import tempfile
 import threading
 import time
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
+from urllib.parse import urlsplit
 
 if TYPE_CHECKING:
     from router.config import Config
@@ -40,13 +44,47 @@ _STOP_GRACE_S = 15.0
 CONFIG_ENV = "KVGATE_CONFIG"
 
 
+# What error messages name as the configuration's source when it comes from the quick-start flags.
+FLAGS_SOURCE = "--backend/--model"
+# The quick start's policy: it has no KV events to see the engines' caches with.
+QUICK_START_POLICY = "least_loaded"
+# What a backend name may hold (router/config.py Backend.name): an IPv6 [host]:port is not one.
+_BACKEND_NAME = re.compile(r"[A-Za-z0-9_.:-]+")
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     from_env = os.environ.get(CONFIG_ENV) or None
     parser.add_argument(
         "--config",
         default=from_env,
-        required=from_env is None,
-        help=f"path to proxy.yaml; the environment variable {CONFIG_ENV} gives it for every run",
+        help=f"path to proxy.yaml (the full interface); the environment variable {CONFIG_ENV} gives it "
+        "for every run",
+    )
+    quick = parser.add_argument_group(
+        "quick start without a file (instead of --config; listen, limits and health keep their defaults)"
+    )
+    quick.add_argument(
+        "--backend",
+        action="append",
+        metavar="URL",
+        help="an engine's base URL, http://host:port; repeat it for each engine",
+    )
+    quick.add_argument(
+        "--model",
+        action="append",
+        metavar="NAME",
+        help="a model name clients send and the engines serve; repeat it for several",
+    )
+    quick.add_argument(
+        "--tokenizer",
+        metavar="DIR",
+        help="the models' tokenizer (a local directory or builtin:qwen3), for --policy approximate",
+    )
+    quick.add_argument(
+        "--policy",
+        default=QUICK_START_POLICY,
+        help="routing policy: round_robin, least_loaded, session or approximate (kv_aware needs each "
+        "engine's KV events: write a proxy.yaml)",
     )
     parser.add_argument("--host", help="listen address (overrides listen.host)")
     parser.add_argument("--port", type=int, help="listen port (overrides listen.port)")
@@ -60,6 +98,68 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     # Set by the supervisor on the workers it starts.
     parser.add_argument("--worker-index", type=int, help=argparse.SUPPRESS)
+
+
+def config_from_flags(args: argparse.Namespace) -> Config:
+    """The configuration the quick-start flags describe (`--backend URL ... --model NAME`); raises
+    ConfigError, naming the flag, for a bad URL, a missing --model, or a policy the flags cannot
+    feed (kv_aware without events, approximate without a tokenizer)."""
+    from router.config import ConfigError, parse_config
+
+    if not args.model:
+        raise ConfigError(f"{FLAGS_SOURCE}: --backend needs --model NAME (the model the engines serve)")
+    if args.policy == "kv_aware":
+        # Without events it would route blind while looking cache-aware: refused, not served.
+        raise ConfigError(
+            f"{FLAGS_SOURCE}: --policy kv_aware reads each engine's KV events, which the quick start "
+            "has none of: write a proxy.yaml with kv_events per backend (docs/real-engines.md), or use "
+            "--policy approximate --tokenizer DIR (routes by the prefixes it sent where)"
+        )
+    backends = []
+    for index, url in enumerate(args.backend):
+        # Named by host:port, so that x-kvgate-backend and the metrics say which engine it was.
+        name = urlsplit(url).netloc
+        if not _BACKEND_NAME.fullmatch(name) or name in {b["name"] for b in backends}:
+            name = f"backend-{index}"
+        backends.append({"name": name, "url": url})
+    if args.policy == "approximate" and args.tokenizer is None:
+        raise ConfigError(
+            f"{FLAGS_SOURCE}: --policy approximate routes by the prompt's tokens: give --tokenizer DIR "
+            "(the engines' tokenizer directory, or builtin:qwen3)"
+        )
+    model = {} if args.tokenizer is None else {"tokenizer": args.tokenizer}
+    data = {
+        "models": [{"name": name, **model} for name in args.model],
+        "backends": backends,
+        "policy": {"name": args.policy},
+    }
+    return parse_config(data, FLAGS_SOURCE, Path.cwd())
+
+
+def _load(args: argparse.Namespace) -> Config:
+    """The configuration to serve: --config's file, or the quick-start flags; raises ConfigError."""
+    from router.config import ConfigError, load_config
+
+    quick_flags = [f"--{flag}" for flag in ("model", "tokenizer") if getattr(args, flag)]
+    if args.policy != QUICK_START_POLICY:
+        quick_flags.append("--policy")
+    if args.backend:
+        # An explicit --config beside --backend is a contradiction; KVGATE_CONFIG is only a default.
+        if args.config is not None and args.config != os.environ.get(CONFIG_ENV):
+            raise ConfigError("--config and --backend: give one of them (--backend starts without a file)")
+        args.config = None
+        return config_from_flags(args)
+    if quick_flags:
+        raise ConfigError(
+            f"{', '.join(quick_flags)}: only with --backend URL (the quick start); a --config file says "
+            "its models and policy itself"
+        )
+    if args.config is None:
+        raise ConfigError(
+            f"give --config proxy.yaml (or set {CONFIG_ENV}), or start without a file: "
+            "--backend URL [--backend URL ...] --model NAME"
+        )
+    return load_config(args.config)
 
 
 def check_listen_address(host: str, port: int) -> None:
@@ -81,15 +181,16 @@ def run(args: argparse.Namespace) -> int:
     import uvicorn
 
     from router.app import create_app
-    from router.config import ConfigError, check_admin_exposure, load_config
+    from router.config import ConfigError, check_admin_exposure
     from router.http_server import gateway_http_protocol
     from router.policies import PolicyUnavailable
     from router.sim.launcher import LaunchError
 
     try:
-        config = load_config(args.config)
+        config = _load(args)
+        source = args.config or FLAGS_SOURCE
         host = args.host or config.listen.host
-        check_admin_exposure(config, host, args.config, "--host" if args.host else "listen.host")
+        check_admin_exposure(config, host, source, "--host" if args.host else "listen.host")
     except ConfigError as exc:
         print(f"kvgate: {exc}", file=sys.stderr)
         return 2
@@ -119,13 +220,13 @@ def run(args: argparse.Namespace) -> int:
     try:
         fleet = _launch_simulated_engines(config)
     except LaunchError as exc:
-        print(f"kvgate: {args.config}: {exc}", file=sys.stderr)
+        print(f"kvgate: {source}: {exc}", file=sys.stderr)
         return 2
     try:
         try:
             app = create_app(config)
         except PolicyUnavailable as exc:
-            print(f"kvgate: {args.config}: {exc}", file=sys.stderr)
+            print(f"kvgate: {source}: {exc}", file=sys.stderr)
             return 2
         server = _server_class()(
             uvicorn.Config(
@@ -225,7 +326,7 @@ def _supervise(
 
     from router.sim.launcher import LaunchError, die_with_parent
 
-    refusal = _refusal(args.config, workers, config, port)
+    refusal = _refusal(args.config or FLAGS_SOURCE, workers, config, port)
     if refusal is not None:
         print(f"kvgate: {refusal}", file=sys.stderr)
         return 2
@@ -237,7 +338,8 @@ def _supervise(
     except LaunchError as exc:
         print(f"kvgate: {args.config}: {exc}", file=sys.stderr)
         return 2
-    if fleet is not None:
+    # The workers read a file: the quick-start flags' configuration is written to one too.
+    if fleet is not None or config_path is None:
         config.launch = None
         handle, written = tempfile.mkstemp(prefix="kvgate-workers-", suffix=".yaml")
         with os.fdopen(handle, "w") as file:

@@ -66,22 +66,32 @@ def _header_example() -> Example:
     return Example("proxy.yaml:header", yaml.safe_dump(data))
 
 
+_PROXY_KEYS = set(Config.__struct_fields__)
+_CACHELAYER_KEYS = set(CacheLayerConfig.__struct_fields__)
+
+
 def _kind(example: Example) -> str:
+    """proxy.yaml, cachelayer, fragment (one section of proxy.yaml shown alone, as docs/gateway.md's
+    shared_tiers and cluster) or other (another tool's YAML: a Prometheus scrape configuration)."""
     data = yaml.safe_load(example.text)
-    if isinstance(data, dict) and "models" in data and ({"backends", "launch"} & set(data)):
+    keys = set(data) if isinstance(data, dict) else set()
+    if not keys & (_PROXY_KEYS | _CACHELAYER_KEYS):
+        return "other"
+    if "models" in keys and keys & {"backends", "launch"}:
         return "proxy.yaml"
-    if isinstance(data, dict) and set(data) <= set(CacheLayerConfig.__struct_fields__):
+    if keys <= _CACHELAYER_KEYS:
         return "cachelayer"
-    # A fragment: one section of proxy.yaml shown alone (docs/gateway.md's shared_tiers, cluster).
-    assert isinstance(data, dict) and set(data) <= set(Config.__struct_fields__), (
-        f"{example.where}: a YAML example that is neither a whole proxy.yaml, a cache-layer file nor "
-        f"one of proxy.yaml's sections: {sorted(data) if isinstance(data, dict) else data!r}"
+    # A mapping that shares keys with kvgate's configurations is one of them: a key of neither
+    # (misspelt, or removed from the code) must not hide it from the loading test.
+    assert keys <= _PROXY_KEYS, (
+        f"{example.where}: a YAML example with keys of kvgate's configurations that is neither a whole "
+        f"proxy.yaml, a cache-layer file nor one of proxy.yaml's sections: {sorted(keys)}"
     )
     return "fragment"
 
 
 EXAMPLES = [*_examples(), _header_example()]
-WHOLE_CONFIGS = [example for example in EXAMPLES if _kind(example) != "fragment"]
+WHOLE_CONFIGS = [example for example in EXAMPLES if _kind(example) in {"proxy.yaml", "cachelayer"}]
 PROXY_CONFIGS = [example for example in WHOLE_CONFIGS if _kind(example) == "proxy.yaml"]
 
 
