@@ -22,8 +22,8 @@ from kvgate_testing.processes import REPO_ROOT, python_command
 
 CACHE_LAYER_ONLY = ("torch", "numba", "triton", "cachelayer")
 # Imported by a dependency only when present: transformers loads Pillow for its image processors
-# when it is installed; the tokenizers work without it.
-OPTIONAL = {"pillow"}
+# when it is installed, and anyio (under starlette and httpx) sniffio; both work without them.
+OPTIONAL = {"pillow", "sniffio"}
 
 
 def _pyproject() -> dict:
