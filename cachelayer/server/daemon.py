@@ -645,8 +645,12 @@ class _HTTPHandler(BaseHTTPRequestHandler):
         log.debug("http: " + format, *args)
 
 
-def start_http(store_server: StoreServer, host: str, port: int) -> ThreadingHTTPServer:
-    handler = type("Handler", (_HTTPHandler,), {"store_server": store_server})
+def start_http(
+    store_server: StoreServer, host: str, port: int, *, idle_timeout_s: float = HTTP_IDLE_TIMEOUT_S
+) -> ThreadingHTTPServer:
+    """GET /healthcheck and /metrics on host:port, in threads; connections idle for
+    `idle_timeout_s` are closed."""
+    handler = type("Handler", (_HTTPHandler,), {"store_server": store_server, "timeout": idle_timeout_s})
     http = ThreadingHTTPServer((host, port), handler)
     http.daemon_threads = True
     threading.Thread(target=http.serve_forever, name="cachelayer-http", daemon=True).start()
