@@ -72,6 +72,9 @@ class CacheLayerConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True)
     controller_allow_unauthenticated: bool = False
     # Most tokens one controller command may carry (the controller's --max-tokens); more is refused.
     controller_max_tokens: Annotated[int, msgspec.Meta(ge=1)] = 1 << 20
+    # Name of the environment variable holding the shared cache daemon's secret (its
+    # --auth-secret-env): the vLLM connector presents it to `cachelayer server`. Never the secret.
+    server_auth_secret_env: str | None = None
     # The address the workers' command sockets bind (default 127.0.0.1). Peer-to-peer transfer is
     # not implemented (see docs/cachelayer.md).
     p2p_host: str | None = None

@@ -46,6 +46,7 @@ from cachelayer.connectors.transfers import (
     RequestLoad,
     detect_layout,
 )
+from cachelayer.controller.auth import secret_from_env
 from cachelayer.server.client import StoreClient, StoreUnavailable
 from cachelayer.server.daemon import StoreServer
 from cachelayer.server.protocol import ChunkEvent, KeySpace
@@ -272,6 +273,12 @@ class CacheLayerConnector(KVConnectorBase_V1):
         self.chunk_size = self.config.chunk_size
         extra = self._kv_transfer_config.kv_connector_extra_config or {}
         self.server_endpoint: str | None = extra.get(SERVER_KEY)
+        # The shared daemon's secret, from the variable the cache config names (None: no secret).
+        self.server_secret = (
+            secret_from_env(self.config.server_auth_secret_env, "server_auth_secret_env")
+            if self.server_endpoint
+            else None
+        )
         self.lookup_timeout_s = float(extra.get("cachelayer_timeout_s", 5.0))
         self.layerwise = bool(extra.get(LAYERWISE_KEY, False))
         self.timings = _HookTimings("scheduler" if role == KVConnectorRole.SCHEDULER else "worker")
@@ -292,7 +299,7 @@ class CacheLayerConnector(KVConnectorBase_V1):
         self.space = key_space(vllm_config, kv_cache_config, worker_id=0)
         endpoint = self.server_endpoint or in_process_endpoint(vllm_config)
         self.lookup_client = StoreClient(
-            endpoint, chunk_size=self.chunk_size, timeout_s=self.lookup_timeout_s
+            endpoint, chunk_size=self.chunk_size, timeout_s=self.lookup_timeout_s, secret=self.server_secret
         )
         self._events: list[KVCacheEvent] = []
         log.info("cachelayer connector (scheduler): store at %s, key space %s", endpoint, self.space)
@@ -456,6 +463,7 @@ class CacheLayerConnector(KVConnectorBase_V1):
                 chunk_size=self.chunk_size,
                 timeout_s=self.lookup_timeout_s,
                 register_with_cuda=layers[0].is_cuda,
+                secret=self.server_secret,
             )
             self.store = RemoteChunkStore(client, space)
             where = self.server_endpoint

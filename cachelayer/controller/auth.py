@@ -79,7 +79,7 @@ def refuse_open_socket_beyond_loopback(
     if secret is None and not allow_unauthenticated and not is_loopback(host):
         raise AuthConfigError(
             f"{what} would listen on {host!r} without authentication: anyone who reaches it could "
-            f"register fake instances and write into the cache. {fix}"
+            f"read which prompts are cached and write into the cache. {fix}"
         )
 
 

@@ -9,6 +9,11 @@ once and, when it can map it (same host, same user: cachelayer.server.shared_poo
 in and out of the pool itself under leases; the socket then carries keys, offsets and lease ids
 only. Otherwise KV travels in the messages (TCP). The copies run outside the request lock, so
 several threads may share one client.
+
+Authentication: with `secret` (the daemon's --auth-secret-env value) the client presents it in
+each connection's handshake (cachelayer.server.access); a daemon that refuses the handshake, or a
+client and daemon that disagree on having a secret, is reported as `StoreRefused` saying so, not
+as a silent timeout.
 """
 
 from __future__ import annotations
@@ -24,10 +29,12 @@ from typing import Literal
 import numpy as np
 import torch
 import zmq
+from zmq.utils.monitor import recv_monitor_message
 
 from cachelayer.engine import copy_tensor
 from cachelayer.errors import CacheLayerError
 from cachelayer.server import protocol
+from cachelayer.server.access import PLAIN_USERNAME
 from cachelayer.server.leases import process_start_time
 from cachelayer.server.protocol import ChunkEvent, KeySpace, Reply, Request, Slot
 from cachelayer.server.shared_pool import SharedPool, SharedPoolUnavailable
@@ -93,10 +100,13 @@ class StoreClient:
         context: zmq.Context | None = None,
         transport: Transport = "auto",
         register_with_cuda: bool = False,
+        secret: bytes | None = None,
     ) -> None:
         """`register_with_cuda`: page-lock the daemon's shared pool for CUDA in this process once
         it is mapped (an engine whose KV lives on a GPU), so chunks move between the pool and the
-        GPU in one DMA copy; see `SharedPool.register_with_cuda`."""
+        GPU in one DMA copy; see `SharedPool.register_with_cuda`. `secret`: the daemon's shared
+        secret (read it with cachelayer.controller.auth.secret_from_env), None for a daemon
+        without one."""
         if transport not in ("auto", "shm", "tcp"):
             raise ValueError(f"transport must be 'auto', 'shm' or 'tcp', got {transport!r}")
         self.endpoint = endpoint
@@ -110,6 +120,8 @@ class StoreClient:
         self._shared: SharedPool | None = None
         self._transport_chosen = transport == "tcp"
         self._register_with_cuda = register_with_cuda
+        self._secret = secret
+        self._monitor: zmq.Socket | None = None
         self._pid = os.getpid()
         self._pid_start = process_start_time(self._pid) or 0
 
@@ -117,15 +129,45 @@ class StoreClient:
         if self._socket is None:
             socket = self._context.socket(zmq.DEALER)
             socket.setsockopt(zmq.LINGER, 0)
+            if self._secret is not None:
+                socket.plain_username = PLAIN_USERNAME
+                socket.plain_password = self._secret
+            # Handshake failures only show on a monitor: they explain a daemon that never answers.
+            self._monitor = socket.get_monitor_socket(
+                zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+            )
             socket.connect(self.endpoint)
             self._socket = socket
         return self._socket
 
+    def _drop_socket(self) -> None:
+        if self._socket is not None:
+            self._socket.disable_monitor()
+            self._socket.close(linger=0)
+            self._socket = None
+        if self._monitor is not None:
+            self._monitor.close(linger=0)
+            self._monitor = None
+
+    def _handshake_failure(self) -> str | None:
+        """Why the daemon refused this client's connection, if its monitor says it did."""
+        while self._monitor is not None and self._monitor.poll(0):
+            event = recv_monitor_message(self._monitor)["event"]
+            if event == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
+                return (
+                    "the daemon refused this client's secret: set server_auth_secret_env to a variable "
+                    "holding the daemon's --auth-secret-env value"
+                )
+            if event == zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL:
+                return (
+                    "this client and the daemon disagree on authentication (one has a secret, the "
+                    "other none): set server_auth_secret_env here and --auth-secret-env there alike"
+                )
+        return None
+
     def close(self) -> None:
         with self._lock:
-            if self._socket is not None:
-                self._socket.close(linger=0)
-                self._socket = None
+            self._drop_socket()
             if self._shared is not None:
                 self._shared.close()
                 self._shared = None
@@ -176,8 +218,10 @@ class StoreClient:
             socket = self._connect()
             socket.send_multipart(frames, copy=False)
             if not socket.poll(self.timeout_ms, zmq.POLLIN):
-                socket.close(linger=0)
-                self._socket = None
+                refusal = self._handshake_failure()
+                self._drop_socket()
+                if refusal is not None:
+                    raise StoreRefused(f"cache daemon at {self.endpoint} refused {request.op}: {refusal}")
                 raise StoreUnavailable(
                     f"cache daemon at {self.endpoint} did not answer {request.op} within "
                     f"{self.timeout_ms} ms: is `cachelayer server` running there?"
@@ -318,7 +362,7 @@ class StoreClient:
             yield lease
         if not self._end_lease("release", reply.lease):
             raise LeaseExpired(
-                f"the daemon at {self.endpoint} ended lease {reply.lease} before it was released"
+                f"the daemon at {self.endpoint} ended lease {reply.lease.hex()} before it was released"
             )
 
     # ---- shared-memory helpers ----
@@ -329,7 +373,7 @@ class StoreClient:
         tokens: list[int] | np.ndarray = (),
         cache_salt: str | None = None,
         *,
-        lease: int = 0,
+        lease: bytes = b"",
     ) -> Request:
         return Request(
             op=op,
@@ -342,7 +386,7 @@ class StoreClient:
         )
 
     @contextlib.contextmanager
-    def _released_on_error(self, lease: int) -> Iterator[None]:
+    def _released_on_error(self, lease: bytes) -> Iterator[None]:
         """Run the block that uses `lease`; when it raises, the lease is released before the error
         goes on (a write lease's chunks are then given back, never committed)."""
         try:
@@ -351,7 +395,7 @@ class StoreClient:
             self._end_lease("release", lease)
             raise
 
-    def _end_lease(self, op: protocol.Operation, lease: int) -> bool:
+    def _end_lease(self, op: protocol.Operation, lease: bytes) -> bool:
         """Release a lease; False (logged) when the daemon had ended it already."""
         try:
             self._call(self._lease_request(op, lease=lease))

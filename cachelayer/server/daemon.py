@@ -13,8 +13,17 @@ the socket then carries only keys, offsets and lease ids. Remote clients keep th
 All key spaces share one L1 pool and one lock: `--l1-size-gb` bounds the daemon's KV memory
 whatever model names clients send, and a store of one key space may evict another's chunks (the
 eviction policy runs over the whole pool). The number of key spaces is capped too
-(`MAX_KEY_SPACES`), so clients inventing identities cannot grow the daemon's bookkeeping without
-bound.
+(`MAX_KEY_SPACES` in all, `max_key_spaces_per_client` per credential); a new key space past a cap
+retires the least recently used idle one (its chunks stay in the pool), so clients inventing
+identities can neither grow the daemon's bookkeeping nor lock a real model out.
+
+Access (cachelayer.server.access): with credentials, a connection must present one's secret in
+its handshake, and each request may only name key spaces its credential allows; leases belong to
+the connection that opened them. Bounds on what one request can cost: `max_message_bytes` a frame
+(ZMQ MAXMSGSIZE: a larger frame disconnects its sender before it is buffered), `max_tokens` a
+request, and lookups that hash no further than the held prefix (`_held_tokens`). A malformed or
+refused request is answered with an error and logged as one line (at most `REFUSAL_LOG_PER_S` a
+second), never with a traceback.
 """
 
 from __future__ import annotations
@@ -23,10 +32,13 @@ import contextlib
 import logging
 import os
 import threading
+import time
 import weakref
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
+import msgspec
+import numpy as np
 import zmq
 
 from cachelayer.config import CacheLayerConfig
@@ -34,7 +46,8 @@ from cachelayer.controller.protocol import lmcache_error_body
 from cachelayer.engine import CacheEngine
 from cachelayer.errors import CacheLayerError
 from cachelayer.server import protocol
-from cachelayer.server.leases import ClientProcess, LeaseLimitError, LeaseTable
+from cachelayer.server.access import ANONYMOUS, Credential, ZapHandler, may_reach, model_name
+from cachelayer.server.leases import ClientProcess, LeaseLimitError, LeaseTable, Owner
 from cachelayer.server.protocol import ChunkEvent, KeySpace, Reply, Request, SharedSegment, Slot
 from cachelayer.server.shared_pool import SharedPool
 from cachelayer.storage.allocator import ALIGNMENT
@@ -47,6 +60,19 @@ log = logging.getLogger(__name__)
 # Key spaces one daemon serves (models x TP ranks x dtypes in practice): a bound on bookkeeping,
 # far above any real deployment's count.
 MAX_KEY_SPACES = 256
+# Key spaces the clients of one credential may have open at once (8 models at TP 8).
+DEFAULT_MAX_KEY_SPACES_PER_CLIENT = 64
+# Most tokens one request may carry (the controller's bound too): about 1 s of key hashing.
+DEFAULT_MAX_TOKENS = 1 << 20
+# Largest frame a client may send (a TCP store's KV bytes); libzmq drops the sender of a larger one.
+DEFAULT_MAX_MESSAGE_BYTES = 1 << 30
+# A lookup hashes its tokens in slices that double, stopping at the first that is not all held:
+# a long prompt that is not cached costs one slice of hashing, not its whole length.
+FIRST_LOOKUP_SLICE_CHUNKS = 16
+# Refused requests logged a second, at most (a flood of bad frames must not flood the log).
+REFUSAL_LOG_PER_S = 5
+# Engine counters a retired key space leaves in the daemon's totals (counters never go down).
+RETIRED_COUNTERS = ("read_chunks", "write_chunks", "lookup_requested_tokens", "lookup_hit_tokens")
 
 # LMCache's multiprocess-server metric names, so existing dashboards work unchanged.
 METRIC_HELP = {
@@ -82,7 +108,60 @@ def _remote_metric_name(field: str) -> str:
 
 
 class KeySpaceLimitError(CacheLayerError, RuntimeError):
-    """A store asked for a key space beyond MAX_KEY_SPACES."""
+    """A store asked for a key space beyond MAX_KEY_SPACES, and none could be retired."""
+
+
+class AccessError(CacheLayerError, PermissionError):
+    """A client asked for a key space (or the shared pool) its credential does not allow."""
+
+
+class RequestRefused(CacheLayerError, ValueError):
+    """A request beyond the daemon's bounds (tokens per request)."""
+
+
+# What a bad or refused request raises: answered with an error and one log line, no traceback.
+REFUSALS = (
+    msgspec.MsgspecError,
+    ValueError,
+    PermissionError,
+    LeaseLimitError,
+    KeySpaceLimitError,
+)
+
+
+class _RefusalLog:
+    """One line per refused request, at most `per_s` a second; the lines skipped are counted in
+    the next one, so a flood of bad frames costs the log a few lines a second."""
+
+    def __init__(self, per_s: int) -> None:
+        self.per_s = per_s
+        self._window = 0.0
+        self._logged = 0
+        self._skipped = 0
+
+    def refused(self, op: str, error: str) -> None:
+        now = time.monotonic()
+        if now - self._window >= 1.0:
+            self._window, self._logged = now, 0
+        if self._logged >= self.per_s:
+            self._skipped += 1
+            return
+        self._logged += 1
+        skipped, self._skipped = self._skipped, 0
+        suffix = f" ({skipped} more refused since the last line)" if skipped else ""
+        log.warning("cachelayer server: refused %s: %s%s", op, error[:300], suffix)
+
+
+def _operation_of(frames: list[zmq.Frame]) -> str:
+    """The op a request names, for the log line of a refusal ("a request" when unreadable)."""
+    for frame in frames[1:3]:
+        with contextlib.suppress(Exception):
+            return repr(msgspec.msgpack.decode(frame.buffer, type=_OpOnly).op)
+    return "a request"
+
+
+class _OpOnly(msgspec.Struct):
+    op: str
 
 
 class StoreServer:
@@ -97,14 +176,30 @@ class StoreServer:
         start_controller_worker: bool = False,
         shared_memory: bool = False,
         lease_ttl_s: float = 30.0,
+        credentials: list[Credential] | None = None,
+        max_tokens: int = DEFAULT_MAX_TOKENS,
+        max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+        max_key_spaces_per_client: int = DEFAULT_MAX_KEY_SPACES_PER_CLIENT,
+        max_leases_per_client: int = 64,
     ) -> None:
         """`shared_memory`: put the L1 pool in a shared segment that same-host clients map;
-        `lease_ttl_s`: how long such a client may hold chunks between two messages."""
+        `lease_ttl_s`: how long such a client may hold chunks between two messages;
+        `credentials`: the secrets clients must present (None: anyone who reaches the socket);
+        `max_tokens`, `max_message_bytes`, `max_key_spaces_per_client`, `max_leases_per_client`:
+        what one request, one frame, one credential and one connection may cost."""
         self.config = config
+        self.max_tokens = max_tokens
+        self.max_key_spaces_per_client = max_key_spaces_per_client
+        self.credentials = {credential.name: credential for credential in credentials or []}
         # The shared daemon serves many engines and registers with no controller itself; a store
         # inside one vLLM worker honours the whole config (controller registration included).
         self._start_controller_worker = start_controller_worker
         self._engines: dict[KeySpace, CacheEngine] = {}
+        # Per key space: the credential that created it, and when a request last used it.
+        self._space_creator: dict[KeySpace, str] = {}
+        self._space_used: dict[KeySpace, float] = {}
+        self._retired_counts = dict.fromkeys(RETIRED_COUNTERS, 0.0)
+        self.retired_key_spaces = 0
         self._engines_lock = threading.Lock()
         # One L1 pool and one lock for every key space's engine: one memory budget in total.
         self.shared_pool: SharedPool | None = None
@@ -114,10 +209,23 @@ class StoreServer:
         pool = self.shared_pool.pool if self.shared_pool is not None else None
         self.cpu = CpuTier(config.max_local_cpu_bytes, config.cache_policy, pool=pool)
         self.store_lock = threading.RLock()
-        self.leases = LeaseTable(ttl_s=lease_ttl_s)
-        self._context = context or zmq.Context.instance()
+        self.leases = LeaseTable(ttl_s=lease_ttl_s, max_per_client=max_leases_per_client)
+        self._refusals = _RefusalLog(REFUSAL_LOG_PER_S)
+        self.refused_requests = 0
+        self._own_context: zmq.Context | None = None
+        self._zap: ZapHandler | None = None
+        if self.credentials:
+            # A context of its own: its ZAP handler answers for this daemon's socket only.
+            self._own_context = zmq.Context()
+            self._context = self._own_context
+            self._zap = ZapHandler(self._context, list(self.credentials.values()))
+        else:
+            self._context = context or zmq.Context.instance()
         self._socket = self._context.socket(zmq.ROUTER)
         self._socket.setsockopt(zmq.LINGER, 0)
+        self._socket.setsockopt(zmq.MAXMSGSIZE, max_message_bytes)
+        if self.credentials:
+            self._socket.plain_server = True
         self._socket.bind(endpoint)
         self.endpoint = self._socket.getsockopt_string(zmq.LAST_ENDPOINT)
         self.requests_served = 0
@@ -140,18 +248,46 @@ class StoreServer:
             lock=self.store_lock,
         )
 
-    def engine_for(self, space: KeySpace, *, create: bool = True) -> CacheEngine | None:
+    def engine_for(
+        self, space: KeySpace, *, create: bool = True, credential: str = ANONYMOUS
+    ) -> CacheEngine | None:
+        """The engine of `space`; with `create`, made for `credential` when there is none, after
+        retiring an idle key space if `credential` (or the daemon) is at its cap."""
         with self._engines_lock:
             engine = self._engines.get(space)
             if engine is None and create:
+                own = [known for known, creator in self._space_creator.items() if creator == credential]
+                if len(own) >= self.max_key_spaces_per_client:
+                    self._retire_idle(own, f"credential {credential!r}", self.max_key_spaces_per_client)
                 if len(self._engines) >= MAX_KEY_SPACES:
-                    raise KeySpaceLimitError(
-                        f"this daemon already serves {MAX_KEY_SPACES} key spaces (model, dtype, TP "
-                        "rank, KV shape): refusing a new one; run another `cachelayer server` for more models"
-                    )
+                    self._retire_idle(list(self._engines), "this daemon", MAX_KEY_SPACES)
                 engine = self._new_engine(space)
                 self._engines[space] = engine
+                self._space_creator[space] = credential
+            if engine is not None:
+                self._space_used[space] = time.monotonic()
             return engine
+
+    def _retire_idle(self, candidates: list[KeySpace], whose: str, cap: int) -> None:
+        """Retire the least recently used of `candidates` that no lease holds: its engine goes,
+        its chunks stay in the pool (a later client of the same key space finds them again).
+        KeySpaceLimitError when every one is held. Under the engines lock."""
+        idle = [space for space in candidates if not self.leases.holds(self._engines[space])]
+        if not idle:
+            raise KeySpaceLimitError(
+                f"{whose} already has {cap} key spaces (model, dtype, TP rank, KV shape) open, each "
+                "under a lease: refusing a new one; release leases, or run another `cachelayer server`"
+            )
+        oldest = min(idle, key=lambda space: self._space_used.get(space, 0.0))
+        engine = self._engines.pop(oldest)
+        del self._space_creator[oldest]
+        self._space_used.pop(oldest, None)
+        stats = engine.stats()
+        for field in RETIRED_COUNTERS:
+            self._retired_counts[field] += float(stats.get(field, 0))
+        self.retired_key_spaces += 1
+        # Off the serving thread: an engine with a remote tier flushes its writes before it stops.
+        threading.Thread(target=engine.close, name="cachelayer-retire", daemon=True).start()
 
     def engines(self) -> list[CacheEngine]:
         with self._engines_lock:
@@ -174,11 +310,16 @@ class StoreServer:
                 continue
             frames = self._socket.recv_multipart(copy=False)
             client = frames[0].bytes
+            # The credential libzmq's handshake accepted this connection with (ZAP User-Id).
+            credential = frames[-1].get("User-Id") if self.credentials else ANONYMOUS
+            owner = Owner(credential or ANONYMOUS, client)
             try:
-                reply, payload = self._handle(frames[1:])
-            except (PermissionError, LeaseLimitError, KeySpaceLimitError) as exc:  # refusals, no traceback
+                reply, payload = self._handle(frames[1:], owner)
+            except REFUSALS as exc:  # bad input or a refusal: one line, no traceback
+                self.refused_requests += 1
+                self._refusals.refused(_operation_of(frames), f"{type(exc).__name__}: {exc}")
                 reply, payload = Reply(ok=False, error=f"{type(exc).__name__}: {exc}"), None
-            except Exception as exc:  # a bad request must never stop the daemon
+            except Exception as exc:  # a bug: the traceback is wanted; the daemon keeps serving
                 log.exception("cachelayer server: request failed")
                 reply, payload = Reply(ok=False, error=f"{type(exc).__name__}: {exc}"), None
             out = [client, b"", protocol.encode(reply)]
@@ -192,13 +333,35 @@ class StoreServer:
         if self._thread is not None:
             self._thread.join(timeout=5)
         self._socket.close(linger=0)
+        if self._zap is not None:
+            self._zap.close()
+        if self._own_context is not None:
+            self._own_context.term()
         self.leases.close()
         for engine in self.engines():
             engine.close()
         if self.shared_pool is not None:
             self.shared_pool.close()
 
-    def _handle(self, frames: list[zmq.Frame]) -> tuple[Reply, memoryview | None]:
+    def _credential(self, owner: Owner) -> Credential | None:
+        return self.credentials.get(owner.credential) if self.credentials else None
+
+    def _check_access(self, owner: Owner, space: KeySpace) -> None:
+        credential = self._credential(owner)
+        if self.credentials and credential is None:  # cannot happen past the handshake; never trusted
+            raise AccessError("this connection presented no credential")
+        if not may_reach(credential, space):
+            assert credential is not None and credential.models is not None
+            raise AccessError(
+                f"credential {credential.name!r} may not use model {model_name(space)!r} "
+                f"(it allows {sorted(credential.models)})"
+            )
+
+    def _handle(
+        self, frames: list[zmq.Frame], owner: Owner | None = None
+    ) -> tuple[Reply, memoryview | None]:
+        """One request's reply (and KV bytes); `owner`: the connection it came on."""
+        owner = owner or Owner(ANONYMOUS, b"")
         # frames: [b"", header] or [b"", header, payload]; tolerate a client that omits the delimiter.
         if frames and len(frames[0].bytes) == 0:
             frames = frames[1:]
@@ -209,11 +372,17 @@ class StoreServer:
         if request.op == "hello":
             return Reply(chunk_size=chunk_size), None
         if request.op == "attach":
-            return self._attach(request), None
+            return self._attach(request, owner), None
         if request.op in ("commit", "release"):
-            return self._end_lease(request), None
+            return self._end_lease(request, owner), None
         if request.space is None:
             return Reply(ok=False, error=f"{request.op} needs a key space ('space')"), None
+        self._check_access(owner, request.space)
+        if len(request.tokens) > 8 * self.max_tokens:
+            raise RequestRefused(
+                f"{request.op} of {len(request.tokens) // 8} tokens: this daemon takes at most "
+                f"{self.max_tokens} a request (--max-tokens)"
+            )
         if request.chunk_size and request.chunk_size != chunk_size:
             return Reply(
                 ok=False,
@@ -222,16 +391,17 @@ class StoreServer:
             ), None
         tokens = protocol.tokens_from_bytes(request.tokens)
         if request.op in ("reserve", "lease"):
-            return self._open_lease(request, tokens), None
+            return self._open_lease(request, tokens, owner), None
         if request.op == "lookup":
             engine = self.engine_for(request.space, create=False)
-            hit = engine.lookup(tokens, cache_salt=request.cache_salt) if engine is not None else 0
+            hit = self._held_tokens(engine, tokens, request.cache_salt) if engine is not None else 0
             return Reply(hit_tokens=hit, chunk_size=chunk_size), None
         if request.op == "retrieve":
             engine = self.engine_for(request.space, create=False)
-            if engine is None:
+            held = self._held_tokens(engine, tokens, request.cache_salt, counted=False) if engine else 0
+            if engine is None or held == 0:
                 return Reply(hit_tokens=0, chunk_size=chunk_size), None
-            hit, kv = engine.retrieve(tokens, cache_salt=request.cache_salt)
+            hit, kv = engine.retrieve(tokens[:held], cache_salt=request.cache_salt)
             if kv is None:
                 return Reply(hit_tokens=0, chunk_size=chunk_size), None
             return Reply(hit_tokens=hit, chunk_size=chunk_size), protocol.kv_to_bytes(kv)
@@ -239,25 +409,58 @@ class StoreServer:
             if len(frames) < 2:
                 return Reply(ok=False, error="store needs the KV bytes as the frame after the header"), None
             kv = protocol.kv_from_bytes(frames[1].buffer, request.space, len(tokens))
-            engine = self.engine_for(request.space)
+            engine = self.engine_for(request.space, credential=owner.credential)
             assert engine is not None
             held, events = store_with_events(engine, tokens, kv, request.cache_salt)
             return Reply(hit_tokens=held, chunk_size=chunk_size, events=events), None
         return Reply(ok=False, error=f"unknown operation {request.op!r}"), None
 
+    def _held_tokens(
+        self, engine: CacheEngine, tokens: np.ndarray, cache_salt: str | None, *, counted: bool = True
+    ) -> int:
+        """engine.lookup(tokens), hashing in doubling slices that stop at the first one not wholly
+        held: the work is bounded by the held prefix (which L1 bounds), not by the request.
+        The engine's lookup counters end up as for one lookup of `tokens` (`counted`) or none."""
+        chunk_size = self.config.chunk_size
+        end = FIRST_LOOKUP_SLICE_CHUNKS * chunk_size
+        asked = found = 0
+        while True:
+            piece = tokens[: min(end, len(tokens))]
+            hit = engine.lookup(piece, cache_salt=cache_salt)
+            asked, found = asked + len(piece), found + hit
+            if hit < len(piece) - len(piece) % chunk_size or len(piece) == len(tokens):
+                break
+            end *= 2
+        with self.store_lock:  # the engines' lock: the daemon's own, handed to every engine
+            engine.counters["lookup_requested_tokens"] += (len(tokens) if counted else 0) - asked
+            engine.counters["lookup_hit_tokens"] += (hit if counted else 0) - found
+        return hit
+
     # ---- shared memory ----
     def _client_process(self, request: Request) -> ClientProcess:
-        owner = ClientProcess(request.pid, request.pid_start)
+        """The process the client names, checked visible: the shared path needs the same host. It
+        only decides that, and ends the naming connection's leases early when it dies."""
+        process = ClientProcess(request.pid, request.pid_start)
         if self.shared_pool is None:
             raise PermissionError("this daemon serves no shared memory: use store / retrieve (TCP)")
-        if request.pid <= 0 or not owner.alive():
+        if request.pid <= 0 or not process.alive():
             raise PermissionError(
                 f"client process {request.pid} (start {request.pid_start}) is not visible to the daemon "
                 "(another host or PID namespace): use store / retrieve (TCP)"
             )
-        return owner
+        return process
 
-    def _attach(self, request: Request) -> Reply:
+    def _check_pool_access(self, owner: Owner) -> None:
+        credential = self._credential(owner)
+        if credential is not None and not credential.allows_every_key_space:
+            # The pool holds every key space's chunks: mapping it would reach all of them.
+            raise AccessError(
+                f"credential {credential.name!r} is limited to some models, and the shared pool "
+                "holds every model's chunks: use store / retrieve (TCP)"
+            )
+
+    def _attach(self, request: Request, owner: Owner) -> Reply:
+        self._check_pool_access(owner)
         self._client_process(request)
         assert self.shared_pool is not None
         segment = SharedSegment(
@@ -269,21 +472,24 @@ class StoreServer:
         )
         return Reply(chunk_size=self.config.chunk_size, segment=segment)
 
-    def _open_lease(self, request: Request, tokens) -> Reply:
+    def _open_lease(self, request: Request, tokens, owner: Owner) -> Reply:
         """`lease`: reference the held prefix for the client to copy out; `reserve`: reserve space
         for the chunks not held, for the client to write. The reply names each chunk's offset."""
-        owner = self._client_process(request)
+        self._check_pool_access(owner)
+        process = self._client_process(request)
+        self.leases.check_room(owner)
         assert request.space is not None
         chunk_size = self.config.chunk_size
         if request.op == "lease":
             engine = self.engine_for(request.space, create=False)
-            chunks = engine.acquire_chunks(tokens, cache_salt=request.cache_salt) if engine else []
+            held = self._held_tokens(engine, tokens, request.cache_salt, counted=False) if engine else 0
+            chunks = engine.acquire_chunks(tokens[:held], cache_salt=request.cache_salt) if held else []
             if engine is None or not chunks:
                 return Reply(hit_tokens=0, chunk_size=chunk_size)
-            lease = self.leases.open_read(owner, engine, [entry for _, entry in chunks])
+            lease = self.leases.open_read(owner, process, engine, [entry for _, entry in chunks])
             hit = chunks[-1][0].end
         else:
-            engine = self.engine_for(request.space)
+            engine = self.engine_for(request.space, credential=owner.credential)
             assert engine is not None
             with collected_events(engine) as collected:
                 reservation = engine.reserve_chunks(tokens, cache_salt=request.cache_salt)
@@ -291,20 +497,23 @@ class StoreServer:
             chunks, hit = reservation.chunks, reservation.held_end
             if not chunks:  # everything held already: nothing to write, nothing to commit
                 return Reply(hit_tokens=hit, chunk_size=chunk_size, events=evicted)
-            lease = self.leases.open_write(owner, engine, reservation, evicted)
+            # Reused pool memory holds whatever chunk was there before (another model's, maybe):
+            # zeroed, so a commit without writing can never publish (or a reader see) those bytes.
+            for _, entry in chunks:
+                self.cpu.view(entry).zero_()
+            lease = self.leases.open_write(owner, process, engine, reservation, evicted)
         slots = [Slot(span.start, span.end, entry.location) for span, entry in chunks]
         return Reply(hit_tokens=hit, chunk_size=chunk_size, lease=lease.lease_id, slots=slots)
 
-    def _end_lease(self, request: Request) -> Reply:
-        owner = self._client_process(request)
+    def _end_lease(self, request: Request, owner: Owner) -> Reply:
         lease = self.leases.take(request.lease, owner)
         if lease is None or lease.expired:
             if lease is not None:
                 self.leases.finish(lease)
             return Reply(
                 ok=False,
-                error=f"lease {request.lease} expired or unknown (leases last {self.leases.ttl_s:g} s): "
-                "what was copied under it is not valid",
+                error=f"lease {request.lease.hex()} expired or unknown (leases last "
+                f"{self.leases.ttl_s:g} s): what was copied under it is not valid",
             )
         if request.op == "release" or lease.kind == "read":
             self.leases.finish(lease)
@@ -319,8 +528,11 @@ class StoreServer:
     # ---- metrics ----
     def metric_values(self) -> dict[str, float]:
         totals = dict.fromkeys(METRIC_HELP, 0.0)
-        for engine in self.engines():
-            stats = engine.stats()
+        with self._engines_lock:
+            retired = dict(self._retired_counts)
+        # Retired key spaces' counts stay in the totals: counters never go down.
+        for engine in [None, *self.engines()]:
+            stats = retired if engine is None else engine.stats()
             totals["lmcache_mp_l1_read_chunks_total"] += stats["read_chunks"]
             totals["lmcache_mp_l1_write_chunks_total"] += stats["write_chunks"]
             totals["lmcache_mp_lookup_requested_tokens_total"] += stats["lookup_requested_tokens"]
@@ -402,9 +614,16 @@ def store_with_events(
     return held, to_chunk_events(engine, collected)
 
 
+# Seconds an HTTP connection may sit without sending (a request line, a header, the next request):
+# an idle or trickling client is disconnected instead of holding its thread.
+HTTP_IDLE_TIMEOUT_S = 10.0
+
+
 class _HTTPHandler(BaseHTTPRequestHandler):
     server_version = "cachelayer"
     store_server: StoreServer
+    # socketserver applies it to the connection: each read waits at most this long.
+    timeout = HTTP_IDLE_TIMEOUT_S
 
     def do_GET(self) -> None:
         path = self.path.split("?", 1)[0]
@@ -426,8 +645,12 @@ class _HTTPHandler(BaseHTTPRequestHandler):
         log.debug("http: " + format, *args)
 
 
-def start_http(store_server: StoreServer, host: str, port: int) -> ThreadingHTTPServer:
-    handler = type("Handler", (_HTTPHandler,), {"store_server": store_server})
+def start_http(
+    store_server: StoreServer, host: str, port: int, *, idle_timeout_s: float = HTTP_IDLE_TIMEOUT_S
+) -> ThreadingHTTPServer:
+    """GET /healthcheck and /metrics on host:port, in threads; connections idle for
+    `idle_timeout_s` are closed."""
+    handler = type("Handler", (_HTTPHandler,), {"store_server": store_server, "timeout": idle_timeout_s})
     http = ThreadingHTTPServer((host, port), handler)
     http.daemon_threads = True
     threading.Thread(target=http.serve_forever, name="cachelayer-http", daemon=True).start()

@@ -7,16 +7,21 @@ concurrent store can hand their space to another chunk:
   outlives `ttl_s` is ended by the daemon (the chunks may then be evicted) and its release is
   answered "expired": the client discards what it copied, so a reader never uses reused memory.
 - a write lease holds the reserved chunks until `commit` makes them visible. One that outlives
-  `ttl_s` is withdrawn (its keys may be stored by others) but its space stays allocated while
-  its owner lives, because the owner may still be copying into it; it is freed when the owner
-  commits (answered "expired") or dies.
-- every lease belongs to a client process (pid and start time, checked in /proc): when that
-  process is gone, its leases end at once, so a client killed mid-transfer leaks nothing.
+  `ttl_s` is withdrawn (its keys may be stored by others) but its space stays allocated for one
+  more `ttl_s`, because its owner may still be copying into it; then it is freed, whether or not
+  the owner lives (a commit after that is answered "expired").
+- every lease belongs to the connection that opened it (`Owner`: the credential and the ZMQ
+  routing id the daemon saw, never anything the client claims), and its id is 128 random bits:
+  no other client can commit, release or even name it. An expired lease no longer counts
+  against its owner's cap.
+- a client may also name its process (pid and start time, checked in /proc): when that process
+  is gone, the leases of that connection end at once, so a client killed mid-transfer leaks
+  nothing until the TTL. The pid only ever shortens the naming connection's own leases.
 """
 
 from __future__ import annotations
 
-import itertools
+import secrets
 import time
 from dataclasses import dataclass, field
 from typing import Literal
@@ -55,10 +60,23 @@ class ClientProcess:
         return process_start_time(self.pid) == self.start_time
 
 
+@dataclass(frozen=True, slots=True)
+class Owner:
+    """The connection a lease belongs to: its credential's name and its ZMQ routing id."""
+
+    credential: str
+    connection: bytes
+
+
+LEASE_ID_BYTES = 16
+
+
 @dataclass(slots=True)
 class Lease:
-    lease_id: int
-    owner: ClientProcess
+    lease_id: bytes
+    owner: Owner
+    # The process the owner named, when the daemon can see it: its death ends the lease early.
+    process: ClientProcess | None
     engine: CacheEngine
     kind: Literal["read", "write"]
     deadline: float
@@ -75,13 +93,16 @@ class LeaseLimitError(CacheLayerError, RuntimeError):
 
 
 class LeaseTable:
-    """Every open lease of one daemon. Not thread-safe: the daemon's serving thread owns it."""
+    """Every open lease of one daemon. Not thread-safe: the daemon's serving thread owns it.
 
-    def __init__(self, *, ttl_s: float, max_per_client: int = 64) -> None:
+    Caps count live (unexpired) leases: `max_per_client` a connection, `max_per_credential` every
+    connection of one credential together (one client opening many connections)."""
+
+    def __init__(self, *, ttl_s: float, max_per_client: int = 64, max_per_credential: int = 1024) -> None:
         self.ttl_s = ttl_s
         self.max_per_client = max_per_client
-        self._leases: dict[int, Lease] = {}
-        self._ids = itertools.count(1)
+        self.max_per_credential = max_per_credential
+        self._leases: dict[bytes, Lease] = {}
         self._next_liveness_check = 0.0
         self.opened_total = 0
         self.expired_total = 0
@@ -90,32 +111,51 @@ class LeaseTable:
     def __len__(self) -> int:
         return len(self._leases)
 
-    def _open(self, lease: Lease) -> Lease:
-        held = sum(1 for other in self._leases.values() if other.owner == lease.owner)
+    def check_room(self, owner: Owner) -> None:
+        """LeaseLimitError when `owner` may open no more lease now (checked before reserving)."""
+        live = [lease for lease in self._leases.values() if not lease.expired]
+        held = sum(1 for lease in live if lease.owner == owner)
         if held >= self.max_per_client:
-            self._end(lease)
             raise LeaseLimitError(
-                f"client process {lease.owner.pid} already holds {held} leases: release or commit them first"
+                f"this connection already holds {held} leases: release or commit them first"
             )
+        held_by_credential = sum(1 for lease in live if lease.owner.credential == owner.credential)
+        if held_by_credential >= self.max_per_credential:
+            raise LeaseLimitError(
+                f"the clients of credential {owner.credential!r} already hold {held_by_credential} "
+                "leases: release or commit them first"
+            )
+
+    def _open(self, lease: Lease) -> Lease:
+        try:
+            self.check_room(lease.owner)
+        except LeaseLimitError:
+            self._end(lease)
+            raise
         self._leases[lease.lease_id] = lease
         self.opened_total += 1
         return lease
 
-    def open_read(self, owner: ClientProcess, engine: CacheEngine, entries: list[TierEntry]) -> Lease:
+    def open_read(
+        self, owner: Owner, process: ClientProcess | None, engine: CacheEngine, entries: list[TierEntry]
+    ) -> Lease:
+        deadline = time.monotonic() + self.ttl_s
         return self._open(
-            Lease(next(self._ids), owner, engine, "read", time.monotonic() + self.ttl_s, entries=entries)
+            Lease(_new_id(), owner, process, engine, "read", deadline, entries=entries)
         )
 
     def open_write(
         self,
-        owner: ClientProcess,
+        owner: Owner,
+        process: ClientProcess | None,
         engine: CacheEngine,
         reservation: StoreReservation,
         events: list[ChunkEvent],
     ) -> Lease:
         lease = Lease(
-            next(self._ids),
+            _new_id(),
             owner,
+            process,
             engine,
             "write",
             time.monotonic() + self.ttl_s,
@@ -124,7 +164,11 @@ class LeaseTable:
         )
         return self._open(lease)
 
-    def take(self, lease_id: int, owner: ClientProcess) -> Lease | None:
+    def holds(self, engine: CacheEngine) -> bool:
+        """Whether some lease still references `engine` (its key space must not be retired)."""
+        return any(lease.engine is engine for lease in self._leases.values())
+
+    def take(self, lease_id: bytes, owner: Owner) -> Lease | None:
         """Remove and return the owner's lease (expired ones included); None if it has none of that id."""
         lease = self._leases.get(lease_id)
         if lease is None or lease.owner != owner:
@@ -136,25 +180,26 @@ class LeaseTable:
         self._end(lease)
 
     def reap(self, now: float | None = None) -> None:
-        """Expire overdue leases; end every lease of a client process that is gone."""
+        """Expire overdue leases; free expired ones one TTL later; end the leases whose named
+        client process is gone."""
         now = time.monotonic() if now is None else now
-        for lease in list(self._leases.values()):
+        for lease_id, lease in list(self._leases.items()):
             if not lease.expired and now > lease.deadline:
                 self._expire(lease)
+            if lease.expired and now > lease.deadline + self.ttl_s:
+                # Past its grace: an owner still writing now is broken; its space goes back.
+                del self._leases[lease_id]
+                self._end(lease)
         if now < self._next_liveness_check:
             return
         self._next_liveness_check = now + LIVENESS_INTERVAL_S
-        owners = {lease.owner for lease in self._leases.values()}
-        dead = {owner for owner in owners if not owner.alive()}
+        processes = {lease.process for lease in self._leases.values() if lease.process is not None}
+        dead = {process for process in processes if not process.alive()}
         for lease_id, lease in list(self._leases.items()):
-            if lease.owner in dead:
+            if lease.process in dead:
                 del self._leases[lease_id]
                 self._end(lease)
                 self.reclaimed_total += 1
-        # Expired read leases have released everything already; forget them after one more TTL.
-        for lease_id, lease in list(self._leases.items()):
-            if lease.expired and lease.kind == "read" and now > lease.deadline + self.ttl_s:
-                del self._leases[lease_id]
 
     def close(self) -> None:
         for lease in list(self._leases.values()):
@@ -171,6 +216,7 @@ class LeaseTable:
             lease.engine.withdraw_chunks(lease.reservation)
 
     def _end(self, lease: Lease) -> None:
+        """Release what the lease holds (idempotent: a second call finds nothing left)."""
         if lease.kind == "read":
             lease.engine.release_chunks(lease.entries)
             lease.entries = []
@@ -180,3 +226,7 @@ class LeaseTable:
             else:
                 lease.engine.abort_chunks(lease.reservation)
             lease.reservation = None
+
+
+def _new_id() -> bytes:
+    return secrets.token_bytes(LEASE_ID_BYTES)

@@ -1,4 +1,8 @@
-"""`cachelayer server`: command-line entry of the shared cache daemon (LMCache `lmcache server` flags)."""
+"""`cachelayer server`: command-line entry of the shared cache daemon (LMCache `lmcache server` flags).
+
+Secrets come from environment variables the flags name (`--auth-secret-env`, `--tenant-secret-env`),
+never from the command line itself, which other users of the host can read in /proc.
+"""
 
 from __future__ import annotations
 
@@ -8,7 +12,15 @@ import signal
 import threading
 
 from cachelayer.config import CacheLayerConfigError, parse_config
-from cachelayer.server.daemon import StoreServer, start_http
+from cachelayer.controller.auth import AuthConfigError, refuse_open_socket_beyond_loopback, secret_from_env
+from cachelayer.server.access import Credential
+from cachelayer.server.daemon import (
+    DEFAULT_MAX_KEY_SPACES_PER_CLIENT,
+    DEFAULT_MAX_MESSAGE_BYTES,
+    DEFAULT_MAX_TOKENS,
+    StoreServer,
+    start_http,
+)
 
 log = logging.getLogger(__name__)
 
@@ -41,6 +53,64 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--remote-url", default=None, help="shared remote tier below L1 (redis://HOST:PORT); none by default"
     )
     parser.add_argument("--remote-serde", default="naive", choices=["naive", "cachegen"])
+    parser.add_argument(
+        "--auth-secret-env",
+        default=None,
+        metavar="NAME",
+        help="environment variable holding the secret every client must present (16+ characters); "
+        "clients set server_auth_secret_env to a variable with the same value",
+    )
+    parser.add_argument(
+        "--tenant-secret-env",
+        action="append",
+        default=[],
+        metavar="NAME=MODEL[,MODEL...]",
+        help="another credential, limited to these model names (repeatable); it cannot map the "
+        "shared pool (TCP only)",
+    )
+    parser.add_argument(
+        "--allow-unauthenticated",
+        action="store_true",
+        help="listen beyond loopback without a secret (only on a network you trust)",
+    )
+    parser.add_argument(
+        "--max-tokens", type=int, default=DEFAULT_MAX_TOKENS, help="most tokens one request may carry"
+    )
+    parser.add_argument(
+        "--max-message-mb",
+        type=float,
+        default=DEFAULT_MAX_MESSAGE_BYTES / (1 << 20),
+        help="largest frame a client may send, in MiB (a TCP store's KV); a larger one disconnects it",
+    )
+    parser.add_argument(
+        "--max-key-spaces-per-client",
+        type=int,
+        default=DEFAULT_MAX_KEY_SPACES_PER_CLIENT,
+        help="key spaces one credential may have open; a new one past it retires its least recently used",
+    )
+
+
+def credentials_from_args(args: argparse.Namespace) -> list[Credential]:
+    """The credentials the flags name, their secrets read from the environment (AuthConfigError
+    naming the flag and the fix when one cannot be used)."""
+    credentials: list[Credential] = []
+    secret = secret_from_env(args.auth_secret_env, "--auth-secret-env")
+    if secret is not None:
+        credentials.append(Credential(args.auth_secret_env, secret))
+    for tenant in args.tenant_secret_env:
+        variable, _, models = tenant.partition("=")
+        names = frozenset(name.strip() for name in models.split(",") if name.strip())
+        if not variable or not names:
+            raise AuthConfigError(
+                f"--tenant-secret-env {tenant!r}: expected NAME=MODEL[,MODEL...], e.g. "
+                "TENANT_A_SECRET=Qwen/Qwen3-0.6B"
+            )
+        tenant_secret = secret_from_env(variable, "--tenant-secret-env")
+        assert tenant_secret is not None
+        credentials.append(Credential(variable, tenant_secret, names))
+    if len({credential.secret for credential in credentials}) < len(credentials):
+        raise AuthConfigError("two credentials have the same secret: give each its own")
+    return credentials
 
 
 def run(args: argparse.Namespace, server_class: type[StoreServer] = StoreServer) -> int:
@@ -60,14 +130,37 @@ def run(args: argparse.Namespace, server_class: type[StoreServer] = StoreServer)
     except CacheLayerConfigError as exc:
         print(f"cachelayer server: {exc}")
         return 2
-    if args.lease_ttl_s <= 0:
-        print(f"cachelayer server: --lease-ttl-s must be > 0, got {args.lease_ttl_s}")
+    for flag, value in (
+        ("--lease-ttl-s", args.lease_ttl_s),
+        ("--max-tokens", args.max_tokens),
+        ("--max-message-mb", args.max_message_mb),
+        ("--max-key-spaces-per-client", args.max_key_spaces_per_client),
+    ):
+        if value <= 0:
+            print(f"cachelayer server: {flag} must be > 0, got {value}")
+            return 2
+    try:
+        credentials = credentials_from_args(args)
+        refuse_open_socket_beyond_loopback(
+            args.host,
+            credentials[0].secret if credentials else None,
+            args.allow_unauthenticated,
+            "the cache daemon (data plane)",
+            "Pass --auth-secret-env NAME (and set server_auth_secret_env: NAME in the engines' cache "
+            "config), or --allow-unauthenticated if the network is trusted.",
+        )
+    except AuthConfigError as exc:
+        print(f"cachelayer server: {exc}")
         return 2
     server = server_class(
         config,
         f"tcp://{args.host}:{args.port}",
         shared_memory=not args.no_shared_memory,
         lease_ttl_s=args.lease_ttl_s,
+        credentials=credentials or None,
+        max_tokens=args.max_tokens,
+        max_message_bytes=int(args.max_message_mb * (1 << 20)),
+        max_key_spaces_per_client=args.max_key_spaces_per_client,
     )
     http = start_http(server, args.host, args.http_port)
     server.start()
@@ -75,6 +168,7 @@ def run(args: argparse.Namespace, server_class: type[StoreServer] = StoreServer)
     print(
         f"cachelayer server ready: data plane {server.endpoint}"
         f"{' (+ shared memory)' if server.shared_pool is not None else ''}, "
+        f"{f'authenticated ({len(credentials)} credentials)' if credentials else 'unauthenticated'}, "
         f"http http://{args.host}:{http.server_address[1]}",
         flush=True,
     )

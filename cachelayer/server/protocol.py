@@ -8,8 +8,10 @@ C-contiguous, in the dtype named by the key space.
 Same-host clients move no KV over the socket (cachelayer.server.shared_pool): `attach` answers
 where the daemon's pool is; `reserve` + `commit` store (the client writes each chunk at its
 `Slot` offset in between), `lease` + `release` retrieve (the client copies the slots out in
-between). Those requests carry the client's pid and process start time: leases end when that
-process does (cachelayer.server.leases).
+between). A lease belongs to the connection that opened it and its id is 16 random bytes; those
+requests may carry the client's pid and process start time, so that its leases end as soon as
+that process does (cachelayer.server.leases). Who may connect, and which key spaces a client may
+name, is cachelayer.server.access.
 
 The key space (`KeySpace`) is the cache identity contract: every field must agree between the
 writer and the reader of a chunk, or it is a miss. `model` carries the model name, its revision,
@@ -47,10 +49,11 @@ class Request(msgspec.Struct, kw_only=True):
     cache_salt: str | None = None
     # The client's chunk size: a daemon with another chunk size refuses it (different key space).
     chunk_size: int = 0
-    # Shared-memory operations: the client process (pid, start time in /proc ticks) and its lease.
+    # Shared-memory operations: the client process (pid, start time in /proc ticks; only used to
+    # end this connection's leases early when it dies) and the lease (its random id).
     pid: int = 0
     pid_start: int = 0
-    lease: int = 0
+    lease: bytes = b""
 
 
 class Slot(msgspec.Struct, array_like=True):
@@ -90,7 +93,7 @@ class Reply(msgspec.Struct, kw_only=True):
     events: list[ChunkEvent] = []
     # attach: the segment; reserve / lease: the lease and where its chunks are.
     segment: SharedSegment | None = None
-    lease: int = 0
+    lease: bytes = b""
     slots: list[Slot] = []
 
 
