@@ -197,6 +197,10 @@ class GatewayHttpProtocol(HttpToolsProtocol):
     gateway: Gateway
     limits: Limits
     max_client_connections: int
+    # The connections with no request to answer (idle between requests, or a head not complete
+    # yet), longest so first: at the connection limit the first is closed to make room for a new
+    # connection, so idle connections never keep probes (or anyone) out. One per server.
+    unanswering: dict[GatewayHttpProtocol, None]
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -465,6 +469,7 @@ class GatewayHttpProtocol(HttpToolsProtocol):
         self.messages += 1
 
     def on_headers_complete(self) -> None:
+        self.unanswering.pop(self, None)  # a request to answer: no longer closed to make room
         self._start_reading(_BODY)
         self._body_left = self._content_length()
         parser = self.parser
@@ -543,6 +548,9 @@ class GatewayHttpProtocol(HttpToolsProtocol):
         self.flow = _BackpressuredFlow(transport)
         self._start_reading(_HEAD)
         open_connections = len(self.connections)
+        if open_connections > self.max_client_connections and self._close_longest_unanswering():
+            open_connections -= 1
+        self.unanswering[self] = None
         if open_connections <= self.max_client_connections:
             return
         self.gateway.metrics.client_connections_refused.inc()
@@ -552,6 +560,27 @@ class GatewayHttpProtocol(HttpToolsProtocol):
             self._answer_and_close(503, self._over_capacity_message(), linger=False)
             return
         self.over_capacity = True
+
+    def _close_longest_unanswering(self) -> bool:
+        """At the connection limit: close the connection that has had no request to answer for
+        longest (idle, or its head still incomplete), if there is one. Nothing is lost but a
+        keep-alive (clients reconnect) or a head that had not arrived yet; a connection answering
+        a request is never closed for room."""
+        unanswering = self.unanswering
+        while unanswering:
+            victim = next(iter(unanswering))
+            del unanswering[victim]
+            if not victim.transport.is_closing():
+                victim.transport.close()
+                return True
+        return False
+
+    def _unanswering_again(self) -> None:
+        """An answer is out and nothing else is in progress on the connection: it may be closed
+        to make room from now on (longest unanswering last)."""
+        if self._read_phase != _BODY and not self.transport.is_closing():
+            self.unanswering.pop(self, None)
+            self.unanswering[self] = None
 
     def _over_capacity_request(self) -> None:
         """GET /health and /metrics are answered (ASGI path, then the connection closes); the rest 503."""
@@ -639,6 +668,14 @@ class GatewayHttpProtocol(HttpToolsProtocol):
             return
         self.flow.resume_reading()
         self._arm_idle_timer()
+        self._unanswering_again()
+
+    def on_response_complete(self) -> None:
+        # uvicorn's (an ASGI answer is out), then: nothing queued behind it, nothing in progress.
+        queued = bool(self.pipeline) or bool(self.waiting) or self.answering is not None
+        super().on_response_complete()
+        if not queued:
+            self._unanswering_again()
 
     def resume_writing(self) -> None:
         super().resume_writing()
@@ -684,6 +721,7 @@ class GatewayHttpProtocol(HttpToolsProtocol):
     # ---- connection events ----
 
     def connection_lost(self, exc: Exception | None) -> None:
+        self.unanswering.pop(self, None)
         answering = self.answering
         if answering is not None and not answering.complete:
             answering.client_gone = True
@@ -728,5 +766,6 @@ def gateway_http_protocol(gateway: Gateway, endpoints: Iterable[ProxyEndpoint]) 
         "gateway": gateway,
         "limits": limits,
         "max_client_connections": limits.max_client_connections or default_max_client_connections(),
+        "unanswering": {},
     }
     return type("GatewayHttpProtocol", (GatewayHttpProtocol,), attributes)
