@@ -33,6 +33,9 @@ class Listen(_Struct):
     # Gateway processes serving this port (SO_REUSEPORT), each a replica with its own index; more
     # than one needs a `cluster:` section so they share their load (`kvgate serve --workers`).
     workers: Annotated[int, msgspec.Meta(ge=1, le=256)] = 1
+    # With workers above 1: a worker whose event loop has sent the supervisor no heartbeat for this
+    # long (stopped, hung, or its loop blocked) is killed and restarted (router/serve.py).
+    worker_liveness_timeout_s: Annotated[float, msgspec.Meta(gt=0)] = 10.0
 
 
 class Model(_Struct):
