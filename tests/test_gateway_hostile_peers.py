@@ -62,6 +62,36 @@ def test_an_upstream_head_that_never_ends_gets_the_client_a_502_and_marks_the_ba
             assert samples[sample_key("kvgate_health_transitions_total", backend="endless", to="down")] >= 1
 
 
+def test_upstream_trailers_that_never_end_cut_the_answer_short_and_hold_no_memory():
+    # After a chunked body the backend sends trailer lines without end. Before, each one was kept
+    # (a list of headers that grew for as long as it sent) and the client waited the whole time.
+    with running_endless_head_upstream(mode="trailer", max_seconds=30.0) as upstream_url:
+        config = {
+            "models": [{"name": MODEL}],
+            "backends": [{"name": "endless", "url": upstream_url}],
+            "health": {"interval_s": 60.0},
+        }
+        with start_gateway(config) as gateway:
+            before = rss_bytes(gateway.process.pid)
+            started = time.monotonic()
+            body = {"model": MODEL, "prompt": "hi", "stream": True}
+            received = b""
+            with (
+                httpx.stream("POST", f"{gateway.url}/v1/completions", json=body, timeout=20) as answer,
+                contextlib.suppress(httpx.RemoteProtocolError),
+            ):
+                for piece in answer.iter_raw():
+                    received += piece
+            took_s = time.monotonic() - started
+            grown = rss_bytes(gateway.process.pid) - before
+            assert answer.status_code == 200  # the head had gone out before the trailers began
+            assert received.startswith(b"data: hello")
+            # The stream ends with the error event the gateway sends for a backend failing mid-stream.
+            assert b"trailers or chunk framing over" in received
+            assert took_s < 20
+            assert grown < 50 * MIB, f"gateway grew {grown / MIB:.0f} MiB"
+
+
 # ---- a client that pipelines and never reads ----
 
 PIPELINE_ATTACK_S = 12.0
