@@ -45,7 +45,9 @@ if TYPE_CHECKING:
     from router.forward import ProxyEndpoint
     from router.wiring import Gateway
 
-# Requests queued behind the one being answered before the connection stops reading.
+# Requests queued behind the one being answered before the connection stops reading; it also
+# stops once their bodies together reach limits.max_body_bytes (16 bodies at the limit would be
+# 512 MiB held for one connection).
 _MAX_WAITING = 16
 # Connections past limits.max_client_connections that are still read, so that GET /health and
 # /metrics answer while the gateway is full; a connection past these is refused without being read.
@@ -209,11 +211,13 @@ class GatewayHttpProtocol(HttpToolsProtocol):
         self.ended = False
         self._running_cycle: Any = None  # the ASGI request being answered (_run_asgi)
         self.answering: _Exchange | None = None  # the direct-path request being answered
-        # Requests parsed while `answering` runs, in order: a callable that starts each, and a
-        # direct-path request's coroutine (closed if the request never starts; None for ASGI ones).
-        self.waiting: collections.deque[tuple[Callable[[], None], Coroutine[Any, Any, None] | None]] = (
+        # Requests parsed while `answering` runs, in order: a callable that starts each, a
+        # direct-path request's coroutine (closed if the request never starts; None for ASGI ones),
+        # and the size of the body it holds.
+        self.waiting: collections.deque[tuple[Callable[[], None], Coroutine[Any, Any, None] | None, int]] = (
             collections.deque()
         )
+        self._waiting_body_bytes = 0
         self.closing = False  # server shutdown: close once the current answer is out
         self.messages = 0
         self._idle_timer: asyncio.TimerHandle | None = None
@@ -337,10 +341,11 @@ class GatewayHttpProtocol(HttpToolsProtocol):
         """No request queued on the connection starts, and the ASGI ones begun are told their client
         is gone: the running one (uvicorn tells only `cycle`, the last one parsed), and those queued
         behind it."""
-        for _, coroutine in self.waiting:
+        for _, coroutine, _ in self.waiting:
             if coroutine is not None:
                 coroutine.close()  # a direct-path request's, never started
         self.waiting.clear()
+        self._waiting_body_bytes = 0
         queued = [cycle for cycle, _ in self.pipeline]
         self.pipeline.clear()
         for cycle in (self._running_cycle, self.cycle, *queued):
@@ -625,8 +630,10 @@ class GatewayHttpProtocol(HttpToolsProtocol):
 
     def _submit(self, exchange: _Exchange, coroutine) -> None:
         if self.answering is not None or self.waiting or self._next_when_writable:
-            self.waiting.append((partial(self._run, exchange, coroutine), coroutine))
-            if len(self.waiting) >= _MAX_WAITING:
+            held = 0 if exchange.rejected else exchange.body_size  # a rejected body was dropped
+            self.waiting.append((partial(self._run, exchange, coroutine), coroutine, held))
+            self._waiting_body_bytes += held
+            if not self._room_to_wait():
                 self.flow.pause_reading()
             return
         self._run(exchange, coroutine)
@@ -661,14 +668,19 @@ class GatewayHttpProtocol(HttpToolsProtocol):
     def _next_request(self) -> None:
         """The answer in progress is out: start the next request waiting, or wait for one."""
         if self.waiting:
-            start, _ = self.waiting.popleft()
+            start, _, body_size = self.waiting.popleft()
+            self._waiting_body_bytes -= body_size
             start()
-            if len(self.waiting) < _MAX_WAITING:
+            if self._room_to_wait():
                 self.flow.resume_reading()
             return
         self.flow.resume_reading()
         self._arm_idle_timer()
         self._unanswering_again()
+
+    def _room_to_wait(self) -> bool:
+        """Whether another request may be read while those queued wait (see _MAX_WAITING)."""
+        return len(self.waiting) < _MAX_WAITING and self._waiting_body_bytes < self.limits.max_body_bytes
 
     def on_response_complete(self) -> None:
         # uvicorn's (an ASGI answer is out), then: nothing queued behind it, nothing in progress.
@@ -689,7 +701,7 @@ class GatewayHttpProtocol(HttpToolsProtocol):
     def _start_asgi_task(self, cycle, app) -> None:
         if self.answering is not None or self.waiting or self._next_when_writable:
             # Pipelined behind a direct-path request: its turn comes when that answer is out.
-            self.waiting.append((partial(self._run_asgi, cycle, app), None))
+            self.waiting.append((partial(self._run_asgi, cycle, app), None, 0))
             self.flow.pause_reading()
             return
         self._run_asgi(cycle, app)

@@ -214,3 +214,41 @@ def test_headers_named_in_connection_are_not_forwarded_upstream(backend, target)
         forwarded = received["headers"]
         assert "x-kept" in forwarded
         assert "x-hop-secret" not in forwarded and "x-hop-other" not in forwarded, forwarded
+
+
+def test_requests_pipelined_behind_a_slow_one_hold_at_most_about_one_body_limit(backend):
+    # 15 requests with bodies at limits.max_body_bytes (8 MiB here) pipelined behind one the backend
+    # answers after 4 s. Before, 15 were read and held while the first was answered (120 MiB for
+    # one connection; 16 x 32 MiB = 512 MiB at the default limit); now reading stops once the
+    # queued bodies reach the limit.
+    body_limit = 8 * MIB
+    with start_gateway(gateway_config([backend], limits={"max_body_bytes": body_limit})) as gateway:
+        pid = gateway.process.pid
+        slow = json.dumps({"model": MODEL, "prompt": "slow"}).encode()
+        requests = (
+            b"POST /v1/completions HTTP/1.1\r\nhost: gateway\r\ncontent-type: application/json\r\n"
+            b"x-test-delay-ms: 4000\r\ncontent-length: %d\r\n\r\n%s" % (len(slow), slow)
+        )
+        big = json.dumps({"model": MODEL, "prompt": "b" * (body_limit - 100)}).encode()
+        big_request = (
+            b"POST /v1/completions HTTP/1.1\r\nhost: gateway\r\ncontent-type: application/json\r\n"
+            b"content-length: %d\r\n\r\n%s" % (len(big), big)
+        )
+        before = rss_bytes(pid)
+        peak = 0
+        received = b""
+        with socket.create_connection(("127.0.0.1", _port(gateway.url)), timeout=30) as sock:
+            sender = threading.Thread(target=sock.sendall, args=(requests + big_request * 15,), daemon=True)
+            sender.start()
+            deadline = time.monotonic() + 3.0  # while the slow one is answered
+            while time.monotonic() < deadline:
+                peak = max(peak, rss_bytes(pid) - before)
+                time.sleep(0.1)
+            sock.settimeout(30)
+            with contextlib.suppress(TimeoutError):
+                while received.count(b"HTTP/1.1 200 OK\r\n") < 16 and (chunk := sock.recv(65536)):
+                    received += chunk
+            sender.join(timeout=30)
+        assert peak < 40 * MIB, f"gateway grew {peak / MIB:.0f} MiB behind one slow request"
+        # Nothing lost: every request was answered once reading went on.
+        assert received.count(b"HTTP/1.1 200 OK\r\n") == 16
