@@ -236,6 +236,8 @@ class GatewayHttpProtocol(HttpToolsProtocol):
         self._read_timer: asyncio.TimerHandle | None = None
         # An answer ended while writes were paused: the next request starts when they resume.
         self._next_when_writable = False
+        # Armed while writes are paused: the client must read within limits.write_timeout_s.
+        self._write_timer: asyncio.TimerHandle | None = None
 
     # ---- bytes in: the header limit is applied before the parser sees them ----
 
@@ -572,13 +574,21 @@ class GatewayHttpProtocol(HttpToolsProtocol):
         keep-alive (clients reconnect) or a head that had not arrived yet; a connection answering
         a request is never closed for room."""
         unanswering = self.unanswering
-        while unanswering:
-            victim = next(iter(unanswering))
-            del unanswering[victim]
-            if not victim.transport.is_closing():
-                victim.transport.close()
-                return True
-        return False
+        leaving, victim = [], None
+        for candidate in unanswering:
+            transport = candidate.transport
+            if transport.is_closing():
+                leaving.append(candidate)  # on its way out already
+            elif transport.get_write_buffer_size() == 0:  # its last answer has all gone out
+                victim = candidate
+                break
+        for candidate in leaving:
+            del unanswering[candidate]
+        if victim is None:
+            return False
+        del unanswering[victim]
+        victim.transport.close()
+        return True
 
     def _unanswering_again(self) -> None:
         """An answer is out and nothing else is in progress on the connection: it may be closed
@@ -689,8 +699,27 @@ class GatewayHttpProtocol(HttpToolsProtocol):
         if not queued:
             self._unanswering_again()
 
+    def pause_writing(self) -> None:
+        super().pause_writing()
+        if self._write_timer is None:
+            self._write_timer = self.loop.call_later(self.limits.write_timeout_s, self._write_stalled)
+
+    def _write_stalled(self) -> None:
+        """The client read nothing of what was written for limits.write_timeout_s: it is dropped,
+        and the request being answered for it is cancelled (its upstream connection, and the
+        engine's work, with it). Aborted, not closed: a close would wait for it to read."""
+        self._write_timer = None
+        self.logger.debug(
+            "client read nothing for %g s (limits.write_timeout_s); dropped", self.limits.write_timeout_s
+        )
+        self._drop_answers_in_progress()
+        self.transport.abort()
+
     def resume_writing(self) -> None:
         super().resume_writing()
+        if self._write_timer is not None:
+            self._write_timer.cancel()
+            self._write_timer = None
         if self._next_when_writable and not self.transport.is_closing():
             self._next_when_writable = False
             if self.closing:  # server shutdown: what was queued behind the answer is dropped
@@ -749,6 +778,9 @@ class GatewayHttpProtocol(HttpToolsProtocol):
         if self._linger_timer is not None:
             self._linger_timer.cancel()
             self._linger_timer = None
+        if self._write_timer is not None:
+            self._write_timer.cancel()
+            self._write_timer = None
         super().connection_lost(exc)
 
     def shutdown(self) -> None:

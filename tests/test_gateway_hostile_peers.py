@@ -154,6 +154,48 @@ def test_gateway_rss_grows_less_than_100_mb_while_a_client_pipelines_without_rea
         assert answer.status_code == 200
 
 
+WRITE_TIMEOUT_S = 2.0
+
+
+def test_a_client_that_reads_none_of_its_answers_is_dropped_after_the_write_timeout(backend):
+    # Backpressure alone would leave such a connection open for as long as the client liked,
+    # holding its slot and its request's engine; limits.write_timeout_s ends it.
+    limits = {"write_timeout_s": WRITE_TIMEOUT_S}
+    with start_gateway(gateway_config([backend], limits=limits)) as gateway:
+        body = json.dumps({"model": _UNKNOWN_MODEL, "prompt": "x"}).encode()
+        request = (
+            b"POST /v1/completions HTTP/1.1\r\nhost: gateway\r\ncontent-type: application/json\r\n"
+            b"content-length: %d\r\n\r\n%s" % (len(body), body)
+        )
+        ended: list[BaseException] = []
+
+        def send_all(sock: socket.socket) -> None:
+            try:
+                sock.sendall(request * 400)  # 26 MiB of requests, 26 MiB of answers never read
+            except OSError as exc:
+                ended.append(exc)
+
+        with socket.socket() as sock:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+            sock.connect(("127.0.0.1", _port(gateway.url)))
+            started = time.monotonic()
+            sender = threading.Thread(target=send_all, args=(sock,), daemon=True)
+            sender.start()
+            # The timeout counts from when the gateway's writes pause; 10 s of slack for a busy host.
+            sender.join(timeout=WRITE_TIMEOUT_S + 10)
+            took_s = time.monotonic() - started
+            if sender.is_alive():
+                sock.shutdown(socket.SHUT_RDWR)  # unblock it: the test has failed
+                sender.join(timeout=10)
+                raise AssertionError(f"the connection was still open {took_s:.0f} s on")
+        assert ended and isinstance(ended[0], (ConnectionResetError, BrokenPipeError)), ended
+        assert took_s >= WRITE_TIMEOUT_S
+        assert (
+            httpx.post(f"{gateway.url}/v1/completions", json={"model": MODEL, "prompt": "hi"}).status_code
+            == 200
+        )
+
+
 def test_a_pipelining_client_that_reads_slowly_still_gets_every_answer_in_order(backend):
     # Backpressure must lose and reorder nothing: 100 pipelined requests, half of them with 64 KiB
     # answers (far past the transport's high-water mark), sent by one thread, read slowly by another.
