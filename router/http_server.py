@@ -16,8 +16,10 @@ Slow and oversized clients are bounded here, on both paths, before a request rea
 request head over `limits.max_header_bytes` is refused with 431 as its bytes arrive (the parser
 never buffers more than the limit), a head or body that does not arrive within
 `limits.header_timeout_s` / `limits.body_timeout_s` gets 408, and connections past
-`limits.max_client_connections` are refused with 503 (a few more are still read so that GET /health
-and /metrics answer while the gateway is full). Each answer closes the connection.
+`limits.max_client_connections` first close the longest idle one, else are refused with 503 (a few
+more are still read so that GET /health and /metrics answer while the gateway is full). Each answer
+closes the connection. A client that does not read its answers is not read either (backpressure),
+and is dropped after `limits.write_timeout_s`.
 
 Built on uvicorn 0.5x internals (`HttpToolsProtocol`'s parser callbacks, `cycle`, `pipeline`,
 `flow`, `_start_asgi_task`); tests/test_gateway_*.py exercise both paths through the real process.
