@@ -82,7 +82,8 @@ def start_gateway(
     extensions: list[str] | None = None,
     open_file_limit: int | None = None,
 ) -> GatewayProcess:
-    """Write `config` (a proxy.yaml mapping; `listen` is filled in) and start the gateway on it.
+    """Write `config` (a proxy.yaml mapping; `listen.host` and `listen.port` are filled in) and start
+    the gateway on it.
 
     `extensions` adds test-only extension factories ("module:function") to the gateway's own
     (kvgate_testing/gateway_with_extensions.py); `open_file_limit` runs it under that RLIMIT_NOFILE
@@ -91,7 +92,8 @@ def start_gateway(
     """
     config = dict(config)
     port = free_port()
-    config["listen"] = {"host": "127.0.0.1", "port": port}
+    # The config's other listen settings (workers, worker_liveness_timeout_s) are kept.
+    config["listen"] = {**config.get("listen", {}), "host": "127.0.0.1", "port": port}
     handle, name = tempfile.mkstemp(prefix="kvgate-test-", suffix=".yaml")
     with os.fdopen(handle, "w") as file:
         yaml.safe_dump(config, file)

@@ -1,9 +1,11 @@
 """A hostile backend for the gateway's security tests: a real process on a loopback port that answers
-GET /health like an engine, and every other request with a response head that never ends
-(`HTTP/1.1 200 OK` and then header lines, for as long as the gateway keeps reading).
+GET /health like an engine, and every other request with header lines that never end, for as long
+as the gateway keeps reading: `--mode head` right after `HTTP/1.1 200 OK` (a head that never
+ends), `--mode trailer` after a short chunked body (trailers that never end).
 
-Run it as `python -m kvgate_testing.hostile_upstream --port P`. Bounded, as a test's loops must be:
-one answer sends at most --max-bytes of header lines, and stops after --max-seconds.
+Run it as `python -m kvgate_testing.hostile_upstream --port P [--mode head|trailer]`. Bounded, as a
+test's loops must be: one answer sends at most --max-bytes of header lines, and stops after
+--max-seconds.
 """
 
 from __future__ import annotations
@@ -23,8 +25,17 @@ _HEALTH = b'HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length:
 _HEADER_LINES = b"".join(b"x-endless-%d: %s\r\n" % (i, b"h" * 1000) for i in range(64))
 
 
+_STARTS = {
+    "head": b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\n",
+    "trailer": (
+        b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n"
+        b"d\r\ndata: hello\n\n\r\n0\r\n"
+    ),
+}
+
+
 async def _serve(
-    reader: asyncio.StreamReader, writer: asyncio.StreamWriter, max_bytes: int, max_seconds: float
+    reader: asyncio.StreamReader, writer: asyncio.StreamWriter, mode: str, max_bytes: int, max_seconds: float
 ) -> None:
     try:
         while True:
@@ -41,7 +52,7 @@ async def _serve(
                 writer.write(_HEALTH)
                 await writer.drain()
                 continue
-            writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\n")
+            writer.write(_STARTS[mode])
             sent, started = 0, time.monotonic()
             while sent < max_bytes and time.monotonic() - started < max_seconds:
                 writer.write(_HEADER_LINES)
@@ -56,19 +67,21 @@ async def _serve(
             await writer.wait_closed()
 
 
-async def _main(host: str, port: int, max_bytes: int, max_seconds: float) -> None:
+async def _main(host: str, port: int, mode: str, max_bytes: int, max_seconds: float) -> None:
     server = await asyncio.start_server(
-        lambda reader, writer: _serve(reader, writer, max_bytes, max_seconds), host, port
+        lambda reader, writer: _serve(reader, writer, mode, max_bytes, max_seconds), host, port
     )
     async with server:
         await server.serve_forever()
 
 
 @contextmanager
-def running_endless_head_upstream(max_bytes: int = 4 << 30, max_seconds: float = 60.0) -> Iterator[str]:
+def running_endless_head_upstream(
+    mode: str = "head", max_bytes: int = 4 << 30, max_seconds: float = 60.0
+) -> Iterator[str]:
     """Start the hostile backend on a free loopback port; yields its URL, stops it afterwards."""
     port = free_port()
-    args = ["-m", "kvgate_testing.hostile_upstream", "--port", str(port)]
+    args = ["-m", "kvgate_testing.hostile_upstream", "--port", str(port), "--mode", mode]
     args += ["--max-bytes", str(max_bytes), "--max-seconds", str(max_seconds)]
     process: ManagedProcess = start_process(python_command(*args), f"http://127.0.0.1:{port}/health")
     try:
@@ -81,12 +94,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, required=True)
+    parser.add_argument("--mode", choices=sorted(_STARTS), default="head", help="where the endless lines go")
     parser.add_argument(
         "--max-bytes", type=int, default=4 << 30, help="header bytes one answer sends at most"
     )
     parser.add_argument("--max-seconds", type=float, default=60.0, help="how long one answer lasts at most")
     args = parser.parse_args()
-    asyncio.run(_main(args.host, args.port, args.max_bytes, args.max_seconds))
+    asyncio.run(_main(args.host, args.port, args.mode, args.max_bytes, args.max_seconds))
 
 
 if __name__ == "__main__":

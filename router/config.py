@@ -34,6 +34,9 @@ class Listen(_Struct):
     # Gateway processes serving this port (SO_REUSEPORT), each a replica with its own index; more
     # than one needs a `cluster:` section so they share their load (`kvgate serve --workers`).
     workers: Annotated[int, msgspec.Meta(ge=1, le=256)] = 1
+    # With workers above 1: a worker whose event loop has sent the supervisor no heartbeat for this
+    # long (stopped, hung, or its loop blocked) is killed and restarted (router/serve.py).
+    worker_liveness_timeout_s: Annotated[float, msgspec.Meta(gt=0)] = 10.0
 
 
 class Model(_Struct):
@@ -226,6 +229,9 @@ class Limits(_Struct):
     # else 408 and the connection closes. Both are totals, so a client trickling bytes cannot extend them.
     header_timeout_s: Annotated[float, msgspec.Meta(gt=0)] = 10.0
     body_timeout_s: Annotated[float, msgspec.Meta(gt=0)] = 30.0
+    # A client that reads none of its answers for this long (the gateway's writes to it stay
+    # paused, its buffer full) is disconnected, and the request being answered is cancelled.
+    write_timeout_s: Annotated[float, msgspec.Meta(gt=0)] = 60.0
     # Client connections served at once. Unset: derived from the process's open-file limit
     # (router/http_server.py, default_max_client_connections), leaving room for upstream connections.
     max_client_connections: Annotated[int, msgspec.Meta(ge=1)] | None = None

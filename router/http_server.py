@@ -16,8 +16,10 @@ Slow and oversized clients are bounded here, on both paths, before a request rea
 request head over `limits.max_header_bytes` is refused with 431 as its bytes arrive (the parser
 never buffers more than the limit), a head or body that does not arrive within
 `limits.header_timeout_s` / `limits.body_timeout_s` gets 408, and connections past
-`limits.max_client_connections` are refused with 503 (a few more are still read so that GET /health
-and /metrics answer while the gateway is full). Each answer closes the connection.
+`limits.max_client_connections` first close the longest idle one, else are refused with 503 (a few
+more are still read so that GET /health and /metrics answer while the gateway is full). Each answer
+closes the connection. A client that does not read its answers is not read either (backpressure),
+and is dropped after `limits.write_timeout_s`.
 
 Built on uvicorn 0.5x internals (`HttpToolsProtocol`'s parser callbacks, `cycle`, `pipeline`,
 `flow`, `_start_asgi_task`); tests/test_gateway_*.py exercise both paths through the real process.
@@ -45,7 +47,9 @@ if TYPE_CHECKING:
     from router.forward import ProxyEndpoint
     from router.wiring import Gateway
 
-# Requests queued behind the one being answered before the connection stops reading.
+# Requests queued behind the one being answered before the connection stops reading; it also
+# stops once their bodies together reach limits.max_body_bytes (16 bodies at the limit would be
+# 512 MiB held for one connection).
 _MAX_WAITING = 16
 # Connections past limits.max_client_connections that are still read, so that GET /health and
 # /metrics answer while the gateway is full; a connection past these is refused without being read.
@@ -197,6 +201,10 @@ class GatewayHttpProtocol(HttpToolsProtocol):
     gateway: Gateway
     limits: Limits
     max_client_connections: int
+    # The connections with no request to answer (idle between requests, or a head not complete
+    # yet), longest so first: at the connection limit the first is closed to make room for a new
+    # connection, so idle connections never keep probes (or anyone) out. One per server.
+    unanswering: dict[GatewayHttpProtocol, None]
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -205,11 +213,13 @@ class GatewayHttpProtocol(HttpToolsProtocol):
         self.ended = False
         self._running_cycle: Any = None  # the ASGI request being answered (_run_asgi)
         self.answering: _Exchange | None = None  # the direct-path request being answered
-        # Requests parsed while `answering` runs, in order: a callable that starts each, and a
-        # direct-path request's coroutine (closed if the request never starts; None for ASGI ones).
-        self.waiting: collections.deque[tuple[Callable[[], None], Coroutine[Any, Any, None] | None]] = (
+        # Requests parsed while `answering` runs, in order: a callable that starts each, a
+        # direct-path request's coroutine (closed if the request never starts; None for ASGI ones),
+        # and the size of the body it holds.
+        self.waiting: collections.deque[tuple[Callable[[], None], Coroutine[Any, Any, None] | None, int]] = (
             collections.deque()
         )
+        self._waiting_body_bytes = 0
         self.closing = False  # server shutdown: close once the current answer is out
         self.messages = 0
         self._idle_timer: asyncio.TimerHandle | None = None
@@ -228,6 +238,8 @@ class GatewayHttpProtocol(HttpToolsProtocol):
         self._read_timer: asyncio.TimerHandle | None = None
         # An answer ended while writes were paused: the next request starts when they resume.
         self._next_when_writable = False
+        # Armed while writes are paused: the client must read within limits.write_timeout_s.
+        self._write_timer: asyncio.TimerHandle | None = None
 
     # ---- bytes in: the header limit is applied before the parser sees them ----
 
@@ -333,10 +345,11 @@ class GatewayHttpProtocol(HttpToolsProtocol):
         """No request queued on the connection starts, and the ASGI ones begun are told their client
         is gone: the running one (uvicorn tells only `cycle`, the last one parsed), and those queued
         behind it."""
-        for _, coroutine in self.waiting:
+        for _, coroutine, _ in self.waiting:
             if coroutine is not None:
                 coroutine.close()  # a direct-path request's, never started
         self.waiting.clear()
+        self._waiting_body_bytes = 0
         queued = [cycle for cycle, _ in self.pipeline]
         self.pipeline.clear()
         for cycle in (self._running_cycle, self.cycle, *queued):
@@ -465,6 +478,7 @@ class GatewayHttpProtocol(HttpToolsProtocol):
         self.messages += 1
 
     def on_headers_complete(self) -> None:
+        self.unanswering.pop(self, None)  # a request to answer: no longer closed to make room
         self._start_reading(_BODY)
         self._body_left = self._content_length()
         parser = self.parser
@@ -543,6 +557,9 @@ class GatewayHttpProtocol(HttpToolsProtocol):
         self.flow = _BackpressuredFlow(transport)
         self._start_reading(_HEAD)
         open_connections = len(self.connections)
+        if open_connections > self.max_client_connections and self._close_longest_unanswering():
+            open_connections -= 1
+        self.unanswering[self] = None
         if open_connections <= self.max_client_connections:
             return
         self.gateway.metrics.client_connections_refused.inc()
@@ -552,6 +569,35 @@ class GatewayHttpProtocol(HttpToolsProtocol):
             self._answer_and_close(503, self._over_capacity_message(), linger=False)
             return
         self.over_capacity = True
+
+    def _close_longest_unanswering(self) -> bool:
+        """At the connection limit: close the connection that has had no request to answer for
+        longest (idle, or its head still incomplete), if there is one. Nothing is lost but a
+        keep-alive (clients reconnect) or a head that had not arrived yet; a connection answering
+        a request is never closed for room."""
+        unanswering = self.unanswering
+        leaving, victim = [], None
+        for candidate in unanswering:
+            transport = candidate.transport
+            if transport.is_closing():
+                leaving.append(candidate)  # on its way out already
+            elif transport.get_write_buffer_size() == 0:  # its last answer has all gone out
+                victim = candidate
+                break
+        for candidate in leaving:
+            del unanswering[candidate]
+        if victim is None:
+            return False
+        del unanswering[victim]
+        victim.transport.close()
+        return True
+
+    def _unanswering_again(self) -> None:
+        """An answer is out and nothing else is in progress on the connection: it may be closed
+        to make room from now on (longest unanswering last)."""
+        if self._read_phase != _BODY and not self.transport.is_closing():
+            self.unanswering.pop(self, None)
+            self.unanswering[self] = None
 
     def _over_capacity_request(self) -> None:
         """GET /health and /metrics are answered (ASGI path, then the connection closes); the rest 503."""
@@ -596,8 +642,10 @@ class GatewayHttpProtocol(HttpToolsProtocol):
 
     def _submit(self, exchange: _Exchange, coroutine) -> None:
         if self.answering is not None or self.waiting or self._next_when_writable:
-            self.waiting.append((partial(self._run, exchange, coroutine), coroutine))
-            if len(self.waiting) >= _MAX_WAITING:
+            held = 0 if exchange.rejected else exchange.body_size  # a rejected body was dropped
+            self.waiting.append((partial(self._run, exchange, coroutine), coroutine, held))
+            self._waiting_body_bytes += held
+            if not self._room_to_wait():
                 self.flow.pause_reading()
             return
         self._run(exchange, coroutine)
@@ -632,16 +680,48 @@ class GatewayHttpProtocol(HttpToolsProtocol):
     def _next_request(self) -> None:
         """The answer in progress is out: start the next request waiting, or wait for one."""
         if self.waiting:
-            start, _ = self.waiting.popleft()
+            start, _, body_size = self.waiting.popleft()
+            self._waiting_body_bytes -= body_size
             start()
-            if len(self.waiting) < _MAX_WAITING:
+            if self._room_to_wait():
                 self.flow.resume_reading()
             return
         self.flow.resume_reading()
         self._arm_idle_timer()
+        self._unanswering_again()
+
+    def _room_to_wait(self) -> bool:
+        """Whether another request may be read while those queued wait (see _MAX_WAITING)."""
+        return len(self.waiting) < _MAX_WAITING and self._waiting_body_bytes < self.limits.max_body_bytes
+
+    def on_response_complete(self) -> None:
+        # uvicorn's (an ASGI answer is out), then: nothing queued behind it, nothing in progress.
+        queued = bool(self.pipeline) or bool(self.waiting) or self.answering is not None
+        super().on_response_complete()
+        if not queued:
+            self._unanswering_again()
+
+    def pause_writing(self) -> None:
+        super().pause_writing()
+        if self._write_timer is None:
+            self._write_timer = self.loop.call_later(self.limits.write_timeout_s, self._write_stalled)
+
+    def _write_stalled(self) -> None:
+        """The client read nothing of what was written for limits.write_timeout_s: it is dropped,
+        and the request being answered for it is cancelled (its upstream connection, and the
+        engine's work, with it). Aborted, not closed: a close would wait for it to read."""
+        self._write_timer = None
+        self.logger.debug(
+            "client read nothing for %g s (limits.write_timeout_s); dropped", self.limits.write_timeout_s
+        )
+        self._drop_answers_in_progress()
+        self.transport.abort()
 
     def resume_writing(self) -> None:
         super().resume_writing()
+        if self._write_timer is not None:
+            self._write_timer.cancel()
+            self._write_timer = None
         if self._next_when_writable and not self.transport.is_closing():
             self._next_when_writable = False
             if self.closing:  # server shutdown: what was queued behind the answer is dropped
@@ -652,7 +732,7 @@ class GatewayHttpProtocol(HttpToolsProtocol):
     def _start_asgi_task(self, cycle, app) -> None:
         if self.answering is not None or self.waiting or self._next_when_writable:
             # Pipelined behind a direct-path request: its turn comes when that answer is out.
-            self.waiting.append((partial(self._run_asgi, cycle, app), None))
+            self.waiting.append((partial(self._run_asgi, cycle, app), None, 0))
             self.flow.pause_reading()
             return
         self._run_asgi(cycle, app)
@@ -684,6 +764,7 @@ class GatewayHttpProtocol(HttpToolsProtocol):
     # ---- connection events ----
 
     def connection_lost(self, exc: Exception | None) -> None:
+        self.unanswering.pop(self, None)
         answering = self.answering
         if answering is not None and not answering.complete:
             answering.client_gone = True
@@ -699,6 +780,9 @@ class GatewayHttpProtocol(HttpToolsProtocol):
         if self._linger_timer is not None:
             self._linger_timer.cancel()
             self._linger_timer = None
+        if self._write_timer is not None:
+            self._write_timer.cancel()
+            self._write_timer = None
         super().connection_lost(exc)
 
     def shutdown(self) -> None:
@@ -728,5 +812,6 @@ def gateway_http_protocol(gateway: Gateway, endpoints: Iterable[ProxyEndpoint]) 
         "gateway": gateway,
         "limits": limits,
         "max_client_connections": limits.max_client_connections or default_max_client_connections(),
+        "unanswering": {},
     }
     return type("GatewayHttpProtocol", (GatewayHttpProtocol,), attributes)

@@ -5,7 +5,10 @@ with the gateway's own protocol class from router/http_server.py). Without a fil
 With `--workers N` (or `listen.workers`) above 1 this process supervises N gateway processes that
 share the port through SO_REUSEPORT (the kernel spreads connections over them). Each is a replica
 with its own KV index fed by the same events, joined to the others by the `cluster:` sync; the
-supervisor restarts one that dies, stops them all on SIGINT/SIGTERM, and they die with it.
+supervisor restarts one that dies, stops them all on SIGINT/SIGTERM, and they die with it. Each
+worker's event loop writes a heartbeat to a pipe the supervisor reads; a worker silent for
+`listen.worker_liveness_timeout_s` (stopped, hung, its loop blocked) is killed and restarted, since
+the kernel keeps handing it connections that nobody accepts.
 """
 
 from __future__ import annotations
@@ -39,6 +42,11 @@ _HEALTHY_RUN_S = 10.0
 _MAX_RESTART_DELAY_S = 30.0
 # How long stopping workers get to finish their requests before they are killed.
 _STOP_GRACE_S = 15.0
+# A worker writes a heartbeat this often from its event loop (uvicorn's 0.1 s tick, every 5th)...
+_HEARTBEAT_TICKS = 5
+# ... and its first one within this long of its start (it loads tokenizers and connects first),
+# or it is taken for hung.
+_FIRST_HEARTBEAT_S = 120.0
 
 # Where --config is read from when the flag is not given (a container sets it once).
 CONFIG_ENV = "KVGATE_CONFIG"
@@ -98,6 +106,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     # Set by the supervisor on the workers it starts.
     parser.add_argument("--worker-index", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--heartbeat-fd", type=int, help=argparse.SUPPRESS)
 
 
 def config_from_flags(args: argparse.Namespace) -> Config:
@@ -248,6 +257,10 @@ def run(args: argparse.Namespace) -> int:
                 backlog=4096,
             )
         )
+        if args.heartbeat_fd is not None:
+            # Never blocks the loop: a supervisor that stops reading loses heartbeats, not the worker.
+            os.set_blocking(args.heartbeat_fd, False)
+            server.heartbeat_fd = args.heartbeat_fd
         try:
             server.run(sockets=None if listening is None else [listening])
         except KeyboardInterrupt:
@@ -270,11 +283,20 @@ def _server_class() -> type:
 
     class InterruptibleServer(uvicorn.Server):
         interrupted = False
+        # A worker's end of its supervisor's heartbeat pipe (--heartbeat-fd).
+        heartbeat_fd: int | None = None
 
         def handle_exit(self, sig: int, frame: Any) -> None:
             if sig == signal.SIGINT:
                 self.interrupted = True
             super().handle_exit(sig, frame)
+
+        async def on_tick(self, counter: int) -> bool:
+            # Written from the event loop itself: a heartbeat says the loop runs, so requests do.
+            if self.heartbeat_fd is not None and counter % _HEARTBEAT_TICKS == 0:
+                with contextlib.suppress(BlockingIOError, BrokenPipeError):
+                    os.write(self.heartbeat_fd, b".")
+            return await super().on_tick(counter)
 
     return InterruptibleServer
 
@@ -354,12 +376,22 @@ def _supervise(
 
     previous = {sig: signal.signal(sig, request_stop) for sig in (signal.SIGINT, signal.SIGTERM)}
 
+    liveness_timeout_s = config.listen.worker_liveness_timeout_s
+    heartbeats: list[_Heartbeat | None] = [None] * workers
+
     def start(index: int) -> subprocess.Popen:
+        if heartbeats[index] is not None:
+            heartbeats[index].close()
+        heartbeat = heartbeats[index] = _Heartbeat()
         command = [
             sys.executable, "-m", "router.cli", "serve", "--config", config_path,
             "--host", host, "--port", str(port), "--log-level", log_level, "--worker-index", str(index),
+            "--heartbeat-fd", str(heartbeat.write_fd),
         ]  # fmt: skip
-        return subprocess.Popen(command, preexec_fn=die_with_parent)
+        try:
+            return subprocess.Popen(command, preexec_fn=die_with_parent, pass_fds=(heartbeat.write_fd,))
+        finally:
+            heartbeat.started()
 
     processes = [start(index) for index in range(workers)]
     started = [time.monotonic()] * workers
@@ -376,7 +408,24 @@ def _supervise(
                     continue
                 status = process.poll()
                 if status is None:
-                    continue
+                    silent_s = heartbeats[index].silent_s(now)
+                    allowed_s = liveness_timeout_s
+                    if not heartbeats[index].beating:
+                        allowed_s = max(allowed_s, _FIRST_HEARTBEAT_S)
+                    if silent_s > allowed_s:
+                        # SIGKILL, which a stopped process obeys too; restarted below once reaped.
+                        log.warning(
+                            "kvgate: worker %d (pid %d) sent no heartbeat for %.1f s "
+                            "(listen.worker_liveness_timeout_s %g); killing it",
+                            index, process.pid, silent_s, liveness_timeout_s,
+                        )  # fmt: skip
+                        process.kill()
+                        try:
+                            status = process.wait(10)
+                        except subprocess.TimeoutExpired:
+                            continue  # reaped on a later round
+                    else:
+                        continue
                 ran_s = now - started[index]
                 delays[index] = (
                     1.0 if ran_s >= _HEALTHY_RUN_S else min(2 * delays[index], _MAX_RESTART_DELAY_S)
@@ -388,6 +437,9 @@ def _supervise(
                 )  # fmt: skip
                 restart_at[index] = now + wait_s
     finally:
+        for heartbeat in heartbeats:
+            if heartbeat is not None:
+                heartbeat.close()
         for process in processes:
             if process.poll() is None:
                 process.send_signal(signal.SIGTERM)
@@ -406,3 +458,39 @@ def _supervise(
             with contextlib.suppress(OSError):
                 os.unlink(written)
     return 130 if signal.SIGINT in interrupted else 0
+
+
+class _Heartbeat:
+    """The pipe one worker's event loop writes heartbeats to (--heartbeat-fd), read by the supervisor."""
+
+    def __init__(self) -> None:
+        self.read_fd, self.write_fd = os.pipe()
+        os.set_blocking(self.read_fd, False)
+        self.beating = False  # a first heartbeat has come
+        self._last = time.monotonic()
+
+    def started(self) -> None:
+        """The worker has its end (or failed to start): the supervisor closes its copy, so the pipe
+        reads as ended when the worker exits."""
+        if self.write_fd >= 0:
+            os.close(self.write_fd)
+            self.write_fd = -1
+        self._last = time.monotonic()
+
+    def silent_s(self, now: float) -> float:
+        """Seconds since the last heartbeat (since the start, before the first), after reading
+        whatever came."""
+        try:
+            while os.read(self.read_fd, 4096):
+                self.beating = True
+                self._last = now
+        except BlockingIOError:
+            pass
+        return now - self._last
+
+    def close(self) -> None:
+        for fd in (self.read_fd, self.write_fd):
+            if fd >= 0:
+                with contextlib.suppress(OSError):
+                    os.close(fd)
+        self.read_fd = self.write_fd = -1

@@ -27,8 +27,9 @@ KEEPALIVE_EXPIRY_S = 4.0
 # Read from the backend no further ahead of the client than this (back-pressure on slow clients).
 MAX_BUFFERED_BYTES = 1 << 20
 # A response's status line and headers, at most (as a client's request head, limits.max_header_bytes'
-# default): a backend that sends more, or never ends its head, fails the request with a 502 instead
-# of growing the parser's buffers without end. Engines send a few hundred bytes.
+# default), and so the most bytes a response may send in a row without a byte of body (trailers,
+# chunk framing): a backend that sends more (a head that never ends) fails the request with a 502
+# instead of growing the parser's buffers without end. Engines send a few hundred bytes of head.
 MAX_RESPONSE_HEAD_BYTES = 64 * 1024
 
 
@@ -60,10 +61,11 @@ class _Connection(asyncio.Protocol):
 
     __slots__ = (
         "_body",
+        "_body_bytes",
         "_buffered",
+        "_bytes_without_body",
         "_complete",
         "_error",
-        "_head_bytes",
         "_headers_waiter",
         "_paused",
         "_waiter",
@@ -93,7 +95,8 @@ class _Connection(asyncio.Protocol):
 
     def _reset(self) -> None:
         self.status = 0
-        self._head_bytes = 0  # bytes received while the response head was incomplete
+        self._body_bytes = 0  # of the response's body, received so far
+        self._bytes_without_body = 0  # received in a row with no body byte among them
         self.keep_alive = False
         self.headers: list[tuple[bytes, bytes]] = []
         self._body: collections.deque[bytes] = collections.deque()
@@ -114,7 +117,11 @@ class _Connection(asyncio.Protocol):
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
 
     def data_received(self, data: bytes) -> None:
-        head_incomplete = self.status == 0
+        if self._complete:
+            # Nothing was asked: a backend sending on an idle keep-alive connection is not reused.
+            self.abort()
+            return
+        body_bytes = self._body_bytes
         try:
             self.parser.feed_data(data)
         except httptools.HttpParserUpgrade:
@@ -123,18 +130,20 @@ class _Connection(asyncio.Protocol):
         except httptools.HttpParserError as exc:
             self._fail(UpstreamError(f"backend sent invalid HTTP: {exc}", before_response=self.status == 0))
             return
-        if head_incomplete and self.status == 0:
-            # Counted per read (a read is at most the loop's buffer): the parser holds the head's
-            # lines until it ends, so a head that never ends is stopped here.
-            self._head_bytes += len(data)
-            if self._head_bytes > MAX_RESPONSE_HEAD_BYTES:
-                self._fail(
-                    UpstreamError(
-                        f"backend sent a response head over {MAX_RESPONSE_HEAD_BYTES} bytes "
-                        "without ending it",
-                        before_response=False,
-                    )
+        if self._body_bytes != body_bytes or self._complete:
+            self._bytes_without_body = 0
+            return
+        # Counted per read (a read is at most the loop's buffer): the parser holds a head's (or a
+        # trailer's) lines until they end, so bytes that never end are stopped here.
+        self._bytes_without_body += len(data)
+        if self._bytes_without_body > MAX_RESPONSE_HEAD_BYTES:
+            what = "a response head" if self.status == 0 else "trailers or chunk framing"
+            self._fail(
+                UpstreamError(
+                    f"backend sent {what} over {MAX_RESPONSE_HEAD_BYTES} bytes without ending it",
+                    before_response=False,
                 )
+            )
 
     def eof_received(self) -> bool:
         self.closed = True
@@ -163,6 +172,8 @@ class _Connection(asyncio.Protocol):
     # ---- httptools callbacks ----
 
     def on_header(self, name: bytes, value: bytes) -> None:
+        if self.status:
+            return  # a trailer (after a chunked body): never forwarded
         self.headers.append((name.lower(), value))
 
     def on_headers_complete(self) -> None:
@@ -176,6 +187,7 @@ class _Connection(asyncio.Protocol):
     def on_body(self, body: bytes) -> None:
         self._body.append(body)
         self._buffered += len(body)
+        self._body_bytes += len(body)
         if self._buffered > MAX_BUFFERED_BYTES and not self._paused and self.transport is not None:
             self._paused = True
             self.transport.pause_reading()

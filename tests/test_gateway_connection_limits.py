@@ -2,8 +2,9 @@
 stalled event loop (router/health.py), against the real process over raw sockets.
 
 A request head over limits.max_header_bytes gets 431 as it arrives; a head or body that does not
-arrive in time gets 408; connections past limits.max_client_connections get 503 while open ones
-keep working and /health answers; a loop blocked by the gateway itself marks no backend down.
+arrive in time gets 408; at limits.max_client_connections the longest idle connection is closed to
+make room, and past it (every connection answering) new ones get 503 while open ones keep working
+and /health answers; a loop blocked by the gateway itself marks no backend down.
 """
 
 from __future__ import annotations
@@ -211,58 +212,124 @@ def small_gateway(backend):
         yield running
 
 
+def _busy_connections(url: str, count: int, delay_ms: int) -> tuple[list[threading.Thread], list[int]]:
+    """`count` connections, each with a completion in flight for `delay_ms` (the backend waits):
+    connections answering a request, which the gateway never closes to make room. Returns the
+    threads and the list their statuses go to."""
+    statuses: list[int] = []
+
+    def post() -> None:
+        answer = httpx.post(
+            f"{url}/v1/completions",
+            json={"model": MODEL, "prompt": "busy"},
+            headers={"x-test-delay-ms": str(delay_ms)},
+            timeout=30,
+        )
+        statuses.append(answer.status_code)
+
+    threads = [threading.Thread(target=post) for _ in range(count)]
+    for thread in threads:
+        thread.start()
+    return threads, statuses
+
+
+def _requests_in_flight(url: str) -> float:
+    samples = metric_samples(httpx.get(f"{url}/metrics", timeout=10).text)
+    return sum(value for (name, _), value in samples.items() if name == "kvgate_backend_in_flight")
+
+
 def test_connections_past_the_limit_are_refused_while_open_ones_keep_working(small_gateway):
     url = small_gateway.url
     completion = {"model": MODEL, "prompt": "hi"}
-    with httpx.Client(base_url=url, timeout=10, limits=httpx.Limits(max_connections=1)) as kept:
-        assert kept.post("/v1/completions", json=completion).status_code == 200
-        # Fill the rest of the limit with connections that are open and idle.
-        idle = [_connect(url) for _ in range(MAX_CLIENT_CONNECTIONS - 1)]
+    # Fill the limit with connections that each have a request in flight.
+    threads, statuses = _busy_connections(url, MAX_CLIENT_CONNECTIONS, delay_ms=3000)
+    try:
+        wait_for(lambda: _requests_in_flight(url) == MAX_CLIENT_CONNECTIONS, what="the busy requests")
+        refused = httpx.post(f"{url}/v1/completions", json=completion, timeout=10)
+        assert refused.status_code == 503
+        assert "limits.max_client_connections" in refused.json()["error"]["message"]
+        assert refused.headers["connection"] == "close"
+        # Monitoring still answers on a new connection.
+        health = httpx.get(f"{url}/health", timeout=10)
+        assert health.status_code == 200
+        assert health.json()["status"] == "ok"
+        samples = metric_samples(httpx.get(f"{url}/metrics", timeout=10).text)
+        assert samples[sample_key("kvgate_client_connections_refused_total")] >= 3
+    finally:
+        for thread in threads:
+            thread.join(timeout=30)
+    # The open ones were served to the end.
+    assert statuses == [200] * MAX_CLIENT_CONNECTIONS
+    # Room again once they are done.
+    wait_for(
+        lambda: httpx.post(f"{url}/v1/completions", json=completion, timeout=10).status_code == 200,
+        what="a new connection served after the busy ones ended",
+    )
+
+
+def test_at_the_limit_the_longest_idle_connection_is_closed_to_make_room(small_gateway):
+    url = small_gateway.url
+    idle = [_connect(url) for _ in range(MAX_CLIENT_CONNECTIONS)]
+    try:
+        time.sleep(0.2)  # all accepted, the first longest idle
+        served = httpx.post(f"{url}/v1/completions", json={"model": MODEL, "prompt": "hi"}, timeout=10)
+        assert served.status_code == 200
+        idle[0].settimeout(5)
+        assert idle[0].recv(1) == b""  # closed by the gateway, without an answer
+        for sock in idle[1:]:
+            sock.settimeout(0.1)
+            with pytest.raises(TimeoutError):
+                sock.recv(1)  # still open
+    finally:
+        for sock in idle:
+            sock.close()
+
+
+def test_idle_connections_past_the_limit_never_keep_health_probes_out(backend):
+    # The report: 130 idle connections against a limit of 50 got /health 503 on 98 of 100 probes,
+    # as the idle ones had taken the probes' reserve (64 connections past the limit).
+    limits = {"max_client_connections": 50, "header_timeout_s": 30.0}
+    with start_gateway(gateway_config([backend], limits=limits)) as running:
+        url = running.url
+        idle = [_connect(url) for _ in range(130)]
         try:
-            refused = httpx.post(f"{url}/v1/completions", json=completion, timeout=10)
-            assert refused.status_code == 503
-            assert "limits.max_client_connections" in refused.json()["error"]["message"]
-            assert refused.headers["connection"] == "close"
-            # Monitoring still answers on a new connection; the open keep-alive one still serves.
-            health = httpx.get(f"{url}/health", timeout=10)
-            assert health.status_code == 200
-            assert health.json()["status"] == "ok"
-            assert httpx.get(f"{url}/metrics", timeout=10).status_code == 200
-            assert kept.post("/v1/completions", json=completion).status_code == 200
-            samples = metric_samples(kept.get("/metrics").text)
-            assert samples[sample_key("kvgate_client_connections_refused_total")] >= 3
+            statuses = [httpx.get(f"{url}/health", timeout=10).status_code for _ in range(100)]
+            assert statuses.count(200) == 100, statuses
+            answer = httpx.post(f"{url}/v1/completions", json={"model": MODEL, "prompt": "hi"}, timeout=10)
+            assert answer.status_code == 200
+            # The idle ones made the room: those past the limit, and one for each probe since.
+            closed = 0
+            for sock in idle:
+                sock.settimeout(0.05)
+                with contextlib.suppress(TimeoutError):
+                    closed += sock.recv(1) == b""
+            assert closed >= 130 - 50
         finally:
             for sock in idle:
                 sock.close()
-        # Room again once connections close.
-        wait_for(
-            lambda: httpx.post(f"{url}/v1/completions", json=completion, timeout=10).status_code == 200,
-            what="a new connection served after the idle ones closed",
-        )
 
 
-def test_a_flood_of_idle_connections_under_a_low_file_limit_gets_503_and_marks_no_backend_down(backend):
+def test_a_flood_of_idle_connections_under_a_low_file_limit_is_served_and_marks_no_backend_down(backend):
     # With 512 file descriptors the default limit is (512 - 192) // 2 = 160 client connections, 64
     # more for monitoring. Without it, 600 idle connections ran the gateway out of descriptors:
     # new clients were reset and the health probes, unable to connect, marked the backend down.
+    # Now each idle connection past the limit closes the longest idle one.
     config = {"models": [{"name": MODEL}], "backends": [{"name": "a", "url": backend.url}]}
     config["health"] = {"interval_s": 0.1, "timeout_s": 0.5, "min_down_s": 0.2}
     with start_gateway(config, open_file_limit=512) as running:
         url = running.url
-        with httpx.Client(base_url=url, timeout=10, limits=httpx.Limits(max_connections=1)) as kept:
-            assert kept.get("/health").json()["backends"] == {"a": "healthy"}
-            flood = [_connect(url) for _ in range(600)]
-            try:
-                completion = {"model": MODEL, "prompt": "hi"}
-                refused = httpx.post(f"{url}/v1/completions", json=completion, timeout=5)
-                assert refused.status_code == 503
-                time.sleep(0.5)  # several probe rounds
-                health = kept.get("/health").json()
-                assert health == {"status": "ok", "backends": {"a": "healthy"}}
-                assert kept.post("/v1/completions", json=completion).status_code == 200
-            finally:
-                for sock in flood:
-                    sock.close()
+        assert httpx.get(f"{url}/health", timeout=10).json()["backends"] == {"a": "healthy"}
+        flood = [_connect(url) for _ in range(600)]
+        try:
+            completion = {"model": MODEL, "prompt": "hi"}
+            assert httpx.post(f"{url}/v1/completions", json=completion, timeout=5).status_code == 200
+            time.sleep(0.5)  # several probe rounds
+            health = httpx.get(f"{url}/health", timeout=10).json()
+            assert health == {"status": "ok", "backends": {"a": "healthy"}}
+            assert "Too many open files" not in running.process.output()
+        finally:
+            for sock in flood:
+                sock.close()
 
 
 # ---- health probing while the gateway's own loop is blocked ----

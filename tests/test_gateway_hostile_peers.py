@@ -62,6 +62,36 @@ def test_an_upstream_head_that_never_ends_gets_the_client_a_502_and_marks_the_ba
             assert samples[sample_key("kvgate_health_transitions_total", backend="endless", to="down")] >= 1
 
 
+def test_upstream_trailers_that_never_end_cut_the_answer_short_and_hold_no_memory():
+    # After a chunked body the backend sends trailer lines without end. Before, each one was kept
+    # (a list of headers that grew for as long as it sent) and the client waited the whole time.
+    with running_endless_head_upstream(mode="trailer", max_seconds=30.0) as upstream_url:
+        config = {
+            "models": [{"name": MODEL}],
+            "backends": [{"name": "endless", "url": upstream_url}],
+            "health": {"interval_s": 60.0},
+        }
+        with start_gateway(config) as gateway:
+            before = rss_bytes(gateway.process.pid)
+            started = time.monotonic()
+            body = {"model": MODEL, "prompt": "hi", "stream": True}
+            received = b""
+            with (
+                httpx.stream("POST", f"{gateway.url}/v1/completions", json=body, timeout=20) as answer,
+                contextlib.suppress(httpx.RemoteProtocolError),
+            ):
+                for piece in answer.iter_raw():
+                    received += piece
+            took_s = time.monotonic() - started
+            grown = rss_bytes(gateway.process.pid) - before
+            assert answer.status_code == 200  # the head had gone out before the trailers began
+            assert received.startswith(b"data: hello")
+            # The stream ends with the error event the gateway sends for a backend failing mid-stream.
+            assert b"trailers or chunk framing over" in received
+            assert took_s < 20
+            assert grown < 50 * MIB, f"gateway grew {grown / MIB:.0f} MiB"
+
+
 # ---- a client that pipelines and never reads ----
 
 PIPELINE_ATTACK_S = 12.0
@@ -69,15 +99,17 @@ PIPELINE_ATTACK_S = 12.0
 _UNKNOWN_MODEL = "m" * 65536
 
 
-def _pipeline_without_reading(url: str, duration_s: float, max_bytes: int) -> int:
+def _pipeline_without_reading(url: str, pid: int, duration_s: float, max_bytes: int) -> tuple[int, int, int]:
     """Send pipelined requests on one connection for `duration_s` (at most `max_bytes`), reading
-    nothing; the bytes the gateway took."""
+    nothing. Returns the bytes the gateway took, its largest RSS growth (process `pid`) seen
+    while it went on, and its growth 1 s after the connection closed."""
     body = json.dumps({"model": _UNKNOWN_MODEL, "prompt": "x"}).encode()
     request = (
         b"POST /v1/completions HTTP/1.1\r\nhost: gateway\r\ncontent-type: application/json\r\n"
         b"content-length: %d\r\n\r\n%s" % (len(body), body)
     ) * 16
-    sent = 0
+    before = rss_bytes(pid)
+    sent = peak = 0
     with socket.socket() as sock:
         # A small receive buffer: the answers back up into the gateway at once.
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
@@ -85,8 +117,12 @@ def _pipeline_without_reading(url: str, duration_s: float, max_bytes: int) -> in
         sock.setblocking(False)
         view, offset = memoryview(request), 0
         deadline = time.monotonic() + duration_s
+        next_sample = 0.0
         while sent < max_bytes and (left := deadline - time.monotonic()) > 0:
-            _, writable, _ = select.select([], [sock], [], min(left, 0.5))
+            if time.monotonic() >= next_sample:
+                peak = max(peak, rss_bytes(pid) - before)
+                next_sample = time.monotonic() + 0.25
+            _, writable, _ = select.select([], [sock], [], min(left, 0.25))
             if not writable:
                 continue  # the gateway stopped reading: what the bound is about
             try:
@@ -95,18 +131,20 @@ def _pipeline_without_reading(url: str, duration_s: float, max_bytes: int) -> in
                 continue
             sent += count
             offset = (offset + count) % len(request)
-    return sent
+        peak = max(peak, rss_bytes(pid) - before)
+    time.sleep(1.0)
+    return sent, peak, rss_bytes(pid) - before
 
 
 def test_gateway_rss_grows_less_than_100_mb_while_a_client_pipelines_without_reading(backend):
     # Before: the gateway read on and queued every answer for the client (270 MB in 40 s in the
-    # report; here as fast as one socket sends, about what it sent).
+    # report; here as fast as one socket sends: 2 GiB within the attack's first seconds).
     with start_gateway(gateway_config([backend])) as gateway:
-        pid = gateway.process.pid
-        before = rss_bytes(pid)
-        sent = _pipeline_without_reading(gateway.url, PIPELINE_ATTACK_S, max_bytes=1 << 30)
-        grown = rss_bytes(pid) - before
-        assert grown < 100 * MIB, f"gateway grew {grown / MIB:.0f} MiB while taking {sent / MIB:.0f} MiB"
+        sent, peak, after_close = _pipeline_without_reading(
+            gateway.url, gateway.process.pid, PIPELINE_ATTACK_S, max_bytes=1 << 30
+        )
+        assert peak < 100 * MIB, f"gateway grew {peak / MIB:.0f} MiB while taking {sent / MIB:.0f} MiB"
+        assert after_close < 100 * MIB, f"{after_close / MIB:.0f} MiB stayed after the client closed"
         # It stopped reading: what it took is bounded by the socket buffers, not by the attack's length.
         assert sent < 64 * MIB, f"the gateway read {sent / MIB:.0f} MiB from a client that read nothing"
         # And it still serves everyone else.
@@ -114,6 +152,48 @@ def test_gateway_rss_grows_less_than_100_mb_while_a_client_pipelines_without_rea
             f"{gateway.url}/v1/completions", json={"model": MODEL, "prompt": "hi"}, timeout=10
         )
         assert answer.status_code == 200
+
+
+WRITE_TIMEOUT_S = 2.0
+
+
+def test_a_client_that_reads_none_of_its_answers_is_dropped_after_the_write_timeout(backend):
+    # Backpressure alone would leave such a connection open for as long as the client liked,
+    # holding its slot and its request's engine; limits.write_timeout_s ends it.
+    limits = {"write_timeout_s": WRITE_TIMEOUT_S}
+    with start_gateway(gateway_config([backend], limits=limits)) as gateway:
+        body = json.dumps({"model": _UNKNOWN_MODEL, "prompt": "x"}).encode()
+        request = (
+            b"POST /v1/completions HTTP/1.1\r\nhost: gateway\r\ncontent-type: application/json\r\n"
+            b"content-length: %d\r\n\r\n%s" % (len(body), body)
+        )
+        ended: list[BaseException] = []
+
+        def send_all(sock: socket.socket) -> None:
+            try:
+                sock.sendall(request * 400)  # 26 MiB of requests, 26 MiB of answers never read
+            except OSError as exc:
+                ended.append(exc)
+
+        with socket.socket() as sock:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+            sock.connect(("127.0.0.1", _port(gateway.url)))
+            started = time.monotonic()
+            sender = threading.Thread(target=send_all, args=(sock,), daemon=True)
+            sender.start()
+            # The timeout counts from when the gateway's writes pause; 10 s of slack for a busy host.
+            sender.join(timeout=WRITE_TIMEOUT_S + 10)
+            took_s = time.monotonic() - started
+            if sender.is_alive():
+                sock.shutdown(socket.SHUT_RDWR)  # unblock it: the test has failed
+                sender.join(timeout=10)
+                raise AssertionError(f"the connection was still open {took_s:.0f} s on")
+        assert ended and isinstance(ended[0], (ConnectionResetError, BrokenPipeError)), ended
+        assert took_s >= WRITE_TIMEOUT_S
+        assert (
+            httpx.post(f"{gateway.url}/v1/completions", json={"model": MODEL, "prompt": "hi"}).status_code
+            == 200
+        )
 
 
 def test_a_pipelining_client_that_reads_slowly_still_gets_every_answer_in_order(backend):
@@ -176,3 +256,41 @@ def test_headers_named_in_connection_are_not_forwarded_upstream(backend, target)
         forwarded = received["headers"]
         assert "x-kept" in forwarded
         assert "x-hop-secret" not in forwarded and "x-hop-other" not in forwarded, forwarded
+
+
+def test_requests_pipelined_behind_a_slow_one_hold_at_most_about_one_body_limit(backend):
+    # 15 requests with bodies at limits.max_body_bytes (8 MiB here) pipelined behind one the backend
+    # answers after 4 s. Before, 15 were read and held while the first was answered (120 MiB for
+    # one connection; 16 x 32 MiB = 512 MiB at the default limit); now reading stops once the
+    # queued bodies reach the limit.
+    body_limit = 8 * MIB
+    with start_gateway(gateway_config([backend], limits={"max_body_bytes": body_limit})) as gateway:
+        pid = gateway.process.pid
+        slow = json.dumps({"model": MODEL, "prompt": "slow"}).encode()
+        requests = (
+            b"POST /v1/completions HTTP/1.1\r\nhost: gateway\r\ncontent-type: application/json\r\n"
+            b"x-test-delay-ms: 4000\r\ncontent-length: %d\r\n\r\n%s" % (len(slow), slow)
+        )
+        big = json.dumps({"model": MODEL, "prompt": "b" * (body_limit - 100)}).encode()
+        big_request = (
+            b"POST /v1/completions HTTP/1.1\r\nhost: gateway\r\ncontent-type: application/json\r\n"
+            b"content-length: %d\r\n\r\n%s" % (len(big), big)
+        )
+        before = rss_bytes(pid)
+        peak = 0
+        received = b""
+        with socket.create_connection(("127.0.0.1", _port(gateway.url)), timeout=30) as sock:
+            sender = threading.Thread(target=sock.sendall, args=(requests + big_request * 15,), daemon=True)
+            sender.start()
+            deadline = time.monotonic() + 3.0  # while the slow one is answered
+            while time.monotonic() < deadline:
+                peak = max(peak, rss_bytes(pid) - before)
+                time.sleep(0.1)
+            sock.settimeout(30)
+            with contextlib.suppress(TimeoutError):
+                while received.count(b"HTTP/1.1 200 OK\r\n") < 16 and (chunk := sock.recv(65536)):
+                    received += chunk
+            sender.join(timeout=30)
+        assert peak < 40 * MIB, f"gateway grew {peak / MIB:.0f} MiB behind one slow request"
+        # Nothing lost: every request was answered once reading went on.
+        assert received.count(b"HTTP/1.1 200 OK\r\n") == 16

@@ -325,6 +325,51 @@ def test_two_workers_serve_one_port_restart_when_they_crash_and_stop_with_the_su
             wait_until(lambda pid=pid: not _alive(pid), 5, f"worker {pid} exiting")
 
 
+WORKER_LIVENESS_TIMEOUT_S = 2.0
+# New connections succeed again within this long of a worker's stop: its liveness timeout, the
+# supervisor's 0.2 s round, and slack for a loaded 2-core machine (the survivor takes every new
+# connection once the stopped one is killed; its replacement starts after).
+RECOVERY_BOUND_S = WORKER_LIVENESS_TIMEOUT_S + 10.0
+# Consecutive new connections that must succeed: with the stopped worker still in the port's group,
+# each would land on it with probability about 1/2.
+RECOVERED_STREAK = 20
+
+
+def test_a_stopped_worker_is_killed_and_replaced_so_new_connections_succeed_again(
+    engines: Engines, redis_server: RedisServer
+) -> None:
+    # Before, the supervisor restarted only workers that exited: a SIGSTOPped one kept its share of
+    # the port, and its new connections timed out for as long as it stayed stopped.
+    config = replica_config(engines, redis_server, "host", policy="least_loaded")
+    config["listen"] = {"worker_liveness_timeout_s": WORKER_LIVENESS_TIMEOUT_S}
+    with start_gateway(config, ["--workers", "2"]) as gateway:
+        stopped = min(_worker_pids(gateway, 2))
+        os.kill(stopped, signal.SIGSTOP)
+        try:
+            started = time.monotonic()
+            streak, failures = 0, 0
+            while streak < RECOVERED_STREAK and time.monotonic() - started < RECOVERY_BOUND_S:
+                try:
+                    # A new connection each time; 1 s: a live worker answers /health in milliseconds.
+                    httpx.get(gateway.url + "/health", timeout=1.0)
+                    streak += 1
+                except httpx.HTTPError:
+                    streak, failures = 0, failures + 1
+            recovered_s = time.monotonic() - started
+            assert streak == RECOVERED_STREAK, (
+                f"new connections still failed {RECOVERY_BOUND_S:g} s after a worker stopped "
+                f"({failures} failed)"
+            )
+            assert not _alive(stopped)
+        finally:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(stopped, signal.SIGCONT)
+        assert "sent no heartbeat" in gateway.process.output()
+        # Replaced: two workers answer again, the stopped one not among them.
+        assert stopped not in _worker_pids(gateway, 2)
+        print(f"recovered {recovered_s:.1f} s after SIGSTOP, {failures} connections failed meanwhile")
+
+
 def test_workers_without_a_cluster_section_are_refused_with_the_fix(engines: Engines) -> None:
     config = {"models": [{"name": MODEL}], "backends": engines.specs, "policy": {"name": "least_loaded"}}
     with pytest.raises(RuntimeError) as failure:
