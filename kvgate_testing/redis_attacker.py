@@ -54,7 +54,7 @@ def _rewrite(value: bytes, *, new_key: int | None = None, flip_payload: bool = F
 
 def _publish(url: str, channel: str, kind: str, count: int, arg: str) -> None:
     encode = msgspec.msgpack.encode
-    with _client(url) as client:
+    with _client(url) as client, client.pipeline(transaction=False) as pipeline:
         for n in range(count):
             if kind == "fake-peers":
                 # [replica, loads [[backend, in_flight, prefill]], routed, leaving]
@@ -68,10 +68,12 @@ def _publish(url: str, channel: str, kind: str, count: int, arg: str) -> None:
                     message = b"KVC1" + bytes(TAG_BYTES) + struct.pack("<Q", time.time_ns()) + message
                 data = message
             elif kind == "huge":
-                data = b"\x00" * (int(arg) << 20)
+                data = b"\x00" * int(float(arg) * (1 << 20))
             else:
                 raise SystemExit(f"unknown kind {kind!r}")
-            client.publish(channel, data)
+            pipeline.publish(channel, data)
+            if kind != "huge" or n == count - 1:  # huge ones all at once: Redis buffers them together
+                pipeline.execute()
     print(f"published {count} {kind} messages on {channel}")
 
 

@@ -466,3 +466,30 @@ def test_a_flood_of_fake_peers_does_not_keep_a_genuine_new_replica_out(
             flood.kill()
             flood.wait()
     assert refused(first, "unauthenticated") > 1024 and refused(first, "peer_table_full") == 0
+
+
+def test_a_burst_of_huge_messages_leaves_the_replicas_in_sync(
+    redis_server: RedisServer, start_replicas: Callable[..., list[GatewayProcess]]
+) -> None:
+    first, second = start_replicas(2, policy="least_loaded")
+    # 30 messages of 7.9 MiB in one pipeline: far more than Redis buffers for a subscriber (32 MB),
+    # so Redis drops the subscriptions (the replicas log it). Bound: within 10 s both replicas are
+    # subscribed again and hear each other; the huge messages are refused before decoding.
+    subprocess.run(attack_command(redis_server, "huge", "30", "7.9"), check=True, timeout=120)
+    for replica in (first, second):
+        wait_until(
+            lambda replica=replica: (
+                cluster_metrics(replica)["kvgate_cluster_connected"] == 1
+                and cluster_metrics(replica)["kvgate_cluster_peers"] == 1
+            ),
+            10,
+            "the replica subscribed again and hearing its peer",
+        )
+    slow = SlowRequest(first, chat("How many nests on the last island?", stream=True), seconds=2.0)
+    try:
+        wait_until(
+            lambda: sum(peer_load(second).values()) == 1, 10, "replica b seeing a's request after the burst"
+        )
+    finally:
+        slow.join()
+    assert refused(second, "oversized") >= 1
