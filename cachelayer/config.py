@@ -130,6 +130,16 @@ class CacheLayerConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True)
                     "use redis://HOST:PORT, rediss://HOST:PORT or unix:///path (LMCache's lm://, "
                     "mooncakestore://, infinistore:// and s3:// backends are not implemented)"
                 )
+            # Checked here, so that every entry point (a YAML file, the daemon's flags) refuses at
+            # startup: an unset secret variable, or an unauthenticated Redis beyond loopback.
+            from cachelayer.storage.remote import remote_tier_secret
+
+            remote_tier_secret(
+                self.remote_url,
+                self.remote_auth_secret_env,
+                self.remote_authenticate_values,
+                self.remote_allow_unauthenticated,
+            )
 
     @property
     def remote_call_timeout_s(self) -> float:

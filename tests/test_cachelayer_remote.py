@@ -321,7 +321,15 @@ def test_after_a_restart_the_tier_recovers(redis_server):
     ],
 )
 def test_lmcache_remote_url_forms_are_accepted(url):
-    config = parse_config({"remote_url": url, "remote_serde": "cachegen", "blocking_timeout_secs": 5})
+    # Beyond loopback without a secret, only with the explicit opt-in (see the refusal test below).
+    config = parse_config(
+        {
+            "remote_url": url,
+            "remote_serde": "cachegen",
+            "blocking_timeout_secs": 5,
+            "remote_allow_unauthenticated": True,
+        }
+    )
     assert (config.remote_url, config.remote_serde, config.blocking_timeout_secs) == (url, "cachegen", 5)
 
 
@@ -535,16 +543,15 @@ def test_an_authenticated_value_is_not_loaded_nor_deleted_by_an_engine_without_t
 
 
 def test_a_remote_url_beyond_loopback_without_a_secret_is_refused_with_the_fix(monkeypatch):
-    from cachelayer.controller.auth import AuthConfigError
-
-    # cache.invalid never resolves: nothing is sent anywhere, the check runs before any connection.
-    with pytest.raises(AuthConfigError, match=r"remote_auth_secret_env.*remote_allow_unauthenticated"):
-        make_engine(4, remote_url="redis://cache.invalid:6379")
+    # cache.invalid never resolves: nothing is sent anywhere, the check runs when the file is read.
+    with pytest.raises(CacheLayerConfigError, match=r"remote_auth_secret_env.*remote_allow_unauthenticated"):
+        parse_config({"remote_url": "redis://cache.invalid:6379"}, "lmcache.yaml")
+    assert parse_config({"remote_url": "unix:///run/redis.sock"}).remote_url  # a local socket: no network
     with make_engine(4, remote_url="redis://cache.invalid:6379", remote_allow_unauthenticated=True) as engine:
         assert not engine.stats()["remote_authenticated"]
     monkeypatch.setenv(SECRET_ENV, "a secret every engine is given")
     with make_engine(4, remote_url="redis://cache.invalid:6379", remote_auth_secret_env=SECRET_ENV) as engine:
         assert engine.stats()["remote_authenticated"]
     monkeypatch.delenv(SECRET_ENV)
-    with pytest.raises(AuthConfigError, match=SECRET_ENV):
+    with pytest.raises(CacheLayerConfigError, match=SECRET_ENV):
         make_engine(4, remote_url="redis://127.0.0.1:1", remote_auth_secret_env=SECRET_ENV)
