@@ -454,6 +454,28 @@ def test_a_trickling_redis_holds_no_lookup_or_retrieve_past_the_total_deadline()
         assert engine.stats()["remote_errors"] >= 4
 
 
+def test_a_large_value_on_a_slow_but_steady_link_gets_time_for_its_bytes_a_trickle_does_not():
+    from cachelayer import CacheEngine
+
+    # One chunk of 1 MiB (16 tokens of 8 heads x 2048 channels, 2 layers), sent by the fake server
+    # at 4 MiB/s: 0.25 s, longer than the 0.1 s deadline. At remote_min_transfer_mb_per_s 1, each
+    # MiB moved buys a second: the whole value arrives (then fails its check: it is junk). At 64
+    # (the default) it buys 1/64 s: the call ends at its deadline, nothing counted in.
+    chunk_bytes = 2 * 2 * CHUNK * 8 * 2048 * 2
+    tokens = list(range(CHUNK))
+    received = {}
+    with start_trickling_redis(interval_s=1 / 64, value_bytes=chunk_bytes, step_bytes=64 << 10) as url:
+        for rate in (1.0, 64.0):
+            config = {"chunk_size": CHUNK, "max_local_cpu_size": 4 * chunk_bytes / 2**30, "remote_url": url,
+                      "remote_timeout_s": 0.1, "remote_min_transfer_mb_per_s": rate}  # fmt: skip
+            with CacheEngine.from_config(config, num_layers=2, num_kv_heads=8, head_dim=2048,
+                                         dtype=torch.bfloat16) as engine:  # fmt: skip
+                assert engine.retrieve(tokens) == (0, None)
+                received[rate] = engine.stats()["remote_bytes_in"]
+    assert received[1.0] >= chunk_bytes  # fetched whole
+    assert received[64.0] == 0  # cut off at its deadline
+
+
 def test_a_huge_junk_value_is_refused_from_its_size_without_being_fetched(redis_server):
     tokens, kv = request(21, 3)
     with remote_engine(redis_server) as writer:
