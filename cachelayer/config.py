@@ -89,6 +89,9 @@ class CacheLayerConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True)
     # Not LMCache's: the total deadline of every remote call, from its first byte sent to its last
     # byte read (connecting included), however slowly the server answers.
     remote_timeout_s: Annotated[float, msgspec.Meta(gt=0, le=60)] = 1.0
+    # Not LMCache's: a call moving many bytes gets one more second per this many MB moved (a
+    # 512 MiB prompt is not cut off for being large; a server slower than this still is).
+    remote_min_transfer_mb_per_s: Annotated[float, msgspec.Meta(gt=0)] = 64.0
     # Not LMCache's: name of the environment variable holding a secret the engines sharing the
     # remote tier all have (never the secret itself). With it, values carry an HMAC tag and only
     # tagged values are loaded (docs/cachelayer.md, Security).
@@ -134,6 +137,16 @@ class CacheLayerConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True)
                     "use redis://HOST:PORT, rediss://HOST:PORT or unix:///path (LMCache's lm://, "
                     "mooncakestore://, infinistore:// and s3:// backends are not implemented)"
                 )
+            # Checked here, so that every entry point (a YAML file, the daemon's flags) refuses at
+            # startup: an unset secret variable, or an unauthenticated Redis beyond loopback.
+            from cachelayer.storage.remote import remote_tier_secret
+
+            remote_tier_secret(
+                self.remote_url,
+                self.remote_auth_secret_env,
+                self.remote_authenticate_values,
+                self.remote_allow_unauthenticated,
+            )
 
     @property
     def remote_call_timeout_s(self) -> float:

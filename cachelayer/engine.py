@@ -259,6 +259,7 @@ class CacheEngine:
                 # What decides whether two engines can read each other's bytes, beyond the chunk key.
                 layout=(num_layers, self.channels, self.identity.dtype, config.pre_caching_hash_algorithm),
                 timeout_s=config.remote_call_timeout_s,
+                min_transfer_bytes_per_s=config.remote_min_transfer_mb_per_s * (1 << 20),
                 failure_threshold=config.remote_failure_threshold,
                 retry_after_s=config.remote_retry_after_s,
                 secret=remote_tier_secret(

@@ -12,7 +12,7 @@ engines and gateways share, but holds none of their secrets.
     python -m kvgate_testing.redis_attacker publish URL CHANNEL KIND COUNT [ARG]
         Publish COUNT forged replica-sync messages (router/cluster.py) on CHANNEL. KIND:
         fake-peers (each from a new replica id, with a load on backend ARG), pin (pin session ARG,
-        "session=backend", with wrong signatures), huge (ARG MiB of junk each).
+        "session=backend"; every other one with a made-up signature), huge (ARG MiB of junk each).
 
 It prints one line saying what it did and exits 0.
 """
@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import struct
 import sys
+import time
 
 import msgspec
 import redis
@@ -53,7 +54,7 @@ def _rewrite(value: bytes, *, new_key: int | None = None, flip_payload: bool = F
 
 def _publish(url: str, channel: str, kind: str, count: int, arg: str) -> None:
     encode = msgspec.msgpack.encode
-    with _client(url) as client:
+    with _client(url) as client, client.pipeline(transaction=False) as pipeline:
         for n in range(count):
             if kind == "fake-peers":
                 # [replica, loads [[backend, in_flight, prefill]], routed, leaving]
@@ -63,13 +64,16 @@ def _publish(url: str, channel: str, kind: str, count: int, arg: str) -> None:
                 message = encode(
                     [f"forged-{n % 4}", [], [[backend, 0, [], 0.0, None, False, session]], False]
                 )
-                # A signed-looking envelope with a made-up signature.
-                data = b"KVC1" + bytes(TAG_BYTES) + struct.pack("<dQ", 0.0, n) + message
+                if n % 2:  # every other one in a signed-looking envelope with a made-up signature
+                    message = b"KVC1" + bytes(TAG_BYTES) + struct.pack("<Q", time.time_ns()) + message
+                data = message
             elif kind == "huge":
-                data = b"\x00" * (int(arg) << 20)
+                data = b"\x00" * int(float(arg) * (1 << 20))
             else:
                 raise SystemExit(f"unknown kind {kind!r}")
-            client.publish(channel, data)
+            pipeline.publish(channel, data)
+            if kind != "huge" or n == count - 1:  # huge ones all at once: Redis buffers them together
+                pipeline.execute()
     print(f"published {count} {kind} messages on {channel}")
 
 

@@ -2,10 +2,12 @@
 once, then trickles every other reply one byte at a time (a server that keeps a connection just
 alive enough that no per-read socket timeout ever fires).
 
-Run: `python -m kvgate_testing.trickling_redis PORT [BYTE_INTERVAL_S] [VALUE_BYTES]`. EXISTS answers
-`:1` (every key held); MGET answers an array of VALUE_BYTES-long values of junk. Each connection
-trickles for at most LIMIT_S seconds and is then closed, so a client that waits for the whole reply
-is released in bounded time (the test's bound is far below it). Start it with `start_trickling_redis`.
+Run: `python -m kvgate_testing.trickling_redis PORT INTERVAL_S VALUE_BYTES STEP_BYTES`: STEP_BYTES of
+each reply every INTERVAL_S (1 byte: a trickle; 64 KiB every 1/64 s: a steady but slow 4 MiB/s
+link). EXISTS answers `:1` (every key held); MGET answers an array of VALUE_BYTES-long values of
+junk. Each connection trickles for at most LIMIT_S seconds and is then closed, so a client that
+waits for the whole reply is released in bounded time (the test's bound is far below it). Start it
+with `start_trickling_redis`.
 """
 
 from __future__ import annotations
@@ -49,7 +51,7 @@ def _reply_to(command: list[bytes], value_bytes: int) -> bytes:
 
 
 async def _serve(
-    reader: asyncio.StreamReader, writer: asyncio.StreamWriter, interval_s: float, value_bytes: int
+    reader: asyncio.StreamReader, writer: asyncio.StreamWriter, interval_s: float, value_bytes: int, step: int
 ) -> None:
     started = time.monotonic()
     with contextlib.suppress(ConnectionError, asyncio.IncompleteReadError, ValueError):
@@ -60,28 +62,31 @@ async def _serve(
                 writer.write(reply)
                 await writer.drain()
                 continue
-            for position in range(len(reply)):
+            for position in range(0, len(reply), step):
                 if time.monotonic() - started >= LIMIT_S:
                     break
-                writer.write(reply[position : position + 1])
+                writer.write(reply[position : position + step])
                 await writer.drain()
                 await asyncio.sleep(interval_s)
     writer.close()
 
 
-async def _main(port: int, interval_s: float, value_bytes: int) -> None:
-    server = await asyncio.start_server(lambda r, w: _serve(r, w, interval_s, value_bytes), "127.0.0.1", port)
+async def _main(port: int, interval_s: float, value_bytes: int, step: int) -> None:
+    server = await asyncio.start_server(
+        lambda r, w: _serve(r, w, interval_s, value_bytes, step), "127.0.0.1", port
+    )
     async with server:
         await server.serve_forever()
 
 
 @contextlib.contextmanager
-def start_trickling_redis(interval_s: float = 0.05, value_bytes: int = 4096) -> Iterator[str]:
+def start_trickling_redis(
+    interval_s: float = 0.05, value_bytes: int = 4096, step_bytes: int = 1
+) -> Iterator[str]:
     """The fake server as a process of its own; yields its redis:// URL once it accepts."""
     port = free_port()
-    process = ManagedProcess(
-        python_command("-m", "kvgate_testing.trickling_redis", str(port), str(interval_s), str(value_bytes))
-    )
+    args = [str(port), str(interval_s), str(value_bytes), str(step_bytes)]
+    process = ManagedProcess(python_command("-m", "kvgate_testing.trickling_redis", *args))
     try:
         deadline = time.monotonic() + 20
         while True:
@@ -96,4 +101,4 @@ def start_trickling_redis(interval_s: float = 0.05, value_bytes: int = 4096) -> 
 
 
 if __name__ == "__main__":
-    asyncio.run(_main(int(sys.argv[1]), float(sys.argv[2]), int(sys.argv[3])))
+    asyncio.run(_main(int(sys.argv[1]), float(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])))

@@ -15,15 +15,25 @@ at least every heartbeat_s. A peer silent for peer_timeout_s is forgotten: its l
 so a killed replica's in-flight requests vanish from the others. A replica that cannot reach Redis
 routes on its own view (its peers expire) and rejoins by itself when Redis answers again; requests
 never wait for the sync: publishing and listening run in their own tasks.
+
+With a shared secret (`auth_secret_env`) every message travels in an envelope: magic `KVC1`, an
+HMAC-SHA256 over the channel, a sequence number (the sender's clock in ns, strictly increasing) and
+the message. A message without a valid envelope, one whose sequence is more than MAX_CLOCK_SKEW_S
+from the receiver's clock, or not past the last one from its replica (a replay), is refused. Each
+message is at most `max_message_bytes` on both sides: a sender splits its notes to stay below it, a
+receiver refuses a larger one before decoding it. Refusals are counted by kind and logged at most
+once per REFUSAL_LOG_INTERVAL_S, with their counts.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import hmac
 import logging
 import os
 import socket
+import struct
 import time
 from collections import deque
 from collections.abc import Mapping
@@ -33,6 +43,8 @@ from urllib.parse import urlsplit
 
 import msgspec
 from prometheus_client import Counter, Gauge
+
+from router.policies.session import session_table_key
 
 if TYPE_CHECKING:
     from router.backends import BackendState
@@ -47,6 +59,16 @@ MAX_MESSAGE_BYTES = 8 * 1024 * 1024
 MAX_NOTES_PER_MESSAGE = 4096
 MAX_PREFIX_KEYS = 65_536
 MAX_PEERS = 1024
+# A signed message: magic, HMAC-SHA256, sequence (ns), then the msgpack message.
+ENVELOPE_MAGIC = b"KVC1"
+_ENVELOPE = struct.Struct("<4s32sQ")
+# A signed message stamped further than this from the receiver's clock is refused (keep the
+# replicas' hosts on NTP); within it, a message not past its replica's last sequence is a replay.
+MAX_CLOCK_SKEW_S = 30.0
+# At most one log line per this interval about refused messages (a flood logs a count, not a flood).
+REFUSAL_LOG_INTERVAL_S = 10.0
+# Room in a message for everything but its notes (loads, replica id, envelope).
+_MESSAGE_SLACK_BYTES = 2048
 # Messages handled before the listener yields to the requests.
 _MESSAGES_PER_TURN = 32
 
@@ -90,6 +112,7 @@ class SyncMessage(msgspec.Struct, array_like=True, forbid_unknown_fields=True):
 class _Peer:
     last_seen: float
     loads: dict[str, tuple[int, int]] = field(default_factory=dict)
+    last_sequence: int = 0
 
 
 def default_replica_id() -> str:
@@ -120,13 +143,19 @@ class ClusterSync:
         self._publisher: Any = None
         self._encoder = msgspec.msgpack.Encoder()
         self._decoder = msgspec.msgpack.Decoder(SyncMessage)
+        self._secret = config.secret()
+        self._channel = config.channel.encode()
+        self._sequence = 0
+        self._refusals_logged_at = -REFUSAL_LOG_INTERVAL_S
+        self._refusals_unlogged: dict[str, int] = {}
         self.publishing = False
         self.listening = False
         # When this replica's own last message came back through Redis: the subscription is alive.
         self._last_echo = 0.0
         self.messages = Counter(
             "kvgate_cluster_messages",
-            "Replica-sync messages: sent, received from peers, refused (invalid), failed to send",
+            "Replica-sync messages: sent, received from peers, refused (invalid, unauthenticated, "
+            "oversized, peer_table_full), failed to send",
             ["kind"],
             registry=registry,
         )
@@ -149,7 +178,16 @@ class ClusterSync:
             "kvgate_cluster_replica", "This replica's id and process", ["replica", "pid"], registry=registry
         ).labels(self.replica_id, str(os.getpid())).set(1)
         self._counters = {
-            kind: self.messages.labels(kind) for kind in ("sent", "received", "invalid", "failed")
+            kind: self.messages.labels(kind)
+            for kind in (
+                "sent",
+                "received",
+                "invalid",
+                "unauthenticated",
+                "oversized",
+                "peer_table_full",
+                "failed",
+            )
         }
 
     @property
@@ -179,7 +217,8 @@ class ClusterSync:
                 ttl_s=ttl_s,
                 hot_prefix_key=decision.hot_prefix_key,
                 cold=decision.reason == "cold_spread",
-                session=request.session_key,
+                # Never a client's whole key: a long one travels as its digest (router/policies/session.py).
+                session=None if request.session_key is None else session_table_key(request.session_key),
             )
         )
         self._wake.set()
@@ -203,7 +242,13 @@ class ClusterSync:
             asyncio.create_task(self._publish_loop(), name="kvgate-cluster-publish"),
             asyncio.create_task(self._listen_loop(redis), name="kvgate-cluster-listen"),
         ]
-        log.info("replica %s syncs on %s channel %s", self.replica_id, self.where, self.config.channel)
+        log.info(
+            "replica %s syncs on %s channel %s (%s)",
+            self.replica_id,
+            self.where,
+            self.config.channel,
+            "messages signed" if self._secret is not None else "messages NOT signed: loopback only",
+        )
 
     async def stop(self) -> None:
         for task in self._tasks:
@@ -218,7 +263,10 @@ class ClusterSync:
                 goodbye = SyncMessage(replica=self.replica_id, loads=[], leaving=True)
                 with contextlib.suppress(Exception):
                     await asyncio.wait_for(
-                        self._publisher.publish(self.config.channel, self._encoder.encode(goodbye)), 1.0
+                        self._publisher.publish(
+                            self.config.channel, self._seal(self._encoder.encode(goodbye))
+                        ),
+                        1.0,
                     )
             with contextlib.suppress(Exception):
                 await self._publisher.aclose()
@@ -238,9 +286,9 @@ class ClusterSync:
             notes = [self._pending.popleft() for _ in range(min(len(self._pending), MAX_NOTES_PER_MESSAGE))]
             if self._pending:
                 self._wake.set()
-            message = SyncMessage(replica=self.replica_id, loads=self._local_loads(), routed=notes)
+            data = self._message_within_bound(notes)
             try:
-                await self._publisher.publish(config.channel, self._encoder.encode(message))
+                await self._publisher.publish(config.channel, data)
             except Exception as exc:  # any transport failure: route on the local view
                 self._counters["failed"].inc()
                 self.dropped_notes.inc(len(notes) + len(self._pending))
@@ -260,6 +308,41 @@ class ClusterSync:
             if config.flush_interval_s:
                 await asyncio.sleep(config.flush_interval_s)
 
+    def _seal(self, payload: bytes) -> bytes:
+        """The message as it goes on the channel: in its signed envelope when a secret is set."""
+        if self._secret is None:
+            return payload
+        self._sequence = max(time.time_ns(), self._sequence + 1)
+        sequence = struct.pack("<Q", self._sequence)
+        mac = hmac.digest(self._secret, ENVELOPE_MAGIC + self._channel + sequence + payload, "sha256")
+        return _ENVELOPE.pack(ENVELOPE_MAGIC, mac, self._sequence) + payload
+
+    def _message_within_bound(self, notes: list[RoutedNote]) -> bytes:
+        """This replica's loads and as many of `notes` as fit in max_message_bytes, sealed; the
+        notes that do not fit go back to the front of the queue for the next message."""
+        limit = self.config.max_message_bytes
+        loads = self._local_loads()
+        while True:
+            data = self._seal(
+                self._encoder.encode(SyncMessage(replica=self.replica_id, loads=loads, routed=notes))
+            )
+            if len(data) <= limit:
+                return data
+            if len(notes) > 1:
+                keep = len(notes) // 2
+                self._pending.extendleft(reversed(notes[keep:]))
+                notes = notes[:keep]
+                self._wake.set()
+            elif notes and notes[0].prefix_keys:
+                # One note too large alone: its prefix keys are a prefix, so fewer of them still hold.
+                keys = notes[0].prefix_keys
+                notes = [msgspec.structs.replace(notes[0], prefix_keys=keys[: len(keys) // 2])]
+            elif notes:
+                self.dropped_notes.inc(len(notes))
+                notes = []
+            else:  # loads alone too large: one entry per backend, so only with absurdly many
+                loads = loads[: max(0, (limit - _MESSAGE_SLACK_BYTES) // 300)]
+
     def _local_loads(self) -> list[BackendLoad]:
         loads = []
         for backend in self.backends.values():
@@ -278,6 +361,7 @@ class ClusterSync:
                 config.url, socket_connect_timeout=max(0.5, min(config.heartbeat_s, 2.0))
             )
             pubsub = client.pubsub(ignore_subscribe_messages=True)
+            retry_at_once = False
             try:
                 await pubsub.subscribe(config.channel)
                 self._last_echo = time.monotonic()
@@ -286,6 +370,9 @@ class ClusterSync:
                 raise
             except Exception as exc:  # any transport failure: retry after a heartbeat
                 if self.listening:
+                    # Lost while alive (Redis may drop a subscriber buried under a burst of large
+                    # messages): subscribe again at once, so the peers do not expire meanwhile.
+                    retry_at_once = True
                     log.warning("replica sync: lost the subscription on %s (%s); retrying", self.where, exc)
             finally:
                 self.listening = False
@@ -293,7 +380,7 @@ class ClusterSync:
                     await pubsub.aclose()
                 with contextlib.suppress(Exception):
                     await client.aclose()
-            await asyncio.sleep(config.heartbeat_s)
+            await asyncio.sleep(0 if retry_at_once else config.heartbeat_s)
 
     async def _listen(self, pubsub: Any) -> None:
         handled = 0
@@ -312,32 +399,92 @@ class ClusterSync:
                 self.listening = True
                 log.info("replica sync: listening on %s", self.where)
 
+    def _refuse(self, kind: str, why: str, now: float) -> None:
+        """Count a refused message; log it, or (within REFUSAL_LOG_INTERVAL_S of the last line) only
+        add it to the counts the next line reports."""
+        self._counters[kind].inc()
+        self._refusals_unlogged[kind] = self._refusals_unlogged.get(kind, 0) + 1
+        if now - self._refusals_logged_at < REFUSAL_LOG_INTERVAL_S:
+            return
+        counts = ", ".join(f"{name} {count}" for name, count in sorted(self._refusals_unlogged.items()))
+        log.warning(
+            "replica sync: refused messages on %s channel %s (%s since the last such line); latest: %s",
+            self.where,
+            self.config.channel,
+            counts,
+            why,
+        )
+        self._refusals_logged_at = now
+        self._refusals_unlogged = {}
+
+    def _open(self, data: bytes, now: float) -> tuple[bytes, int] | None:
+        """The message inside a signed envelope and its sequence, or None (refused) when the
+        envelope is missing, forged or stale."""
+        if len(data) < _ENVELOPE.size or not data.startswith(ENVELOPE_MAGIC):
+            self._refuse(
+                "unauthenticated", "a message not signed (this replica needs auth_secret_env's secret)", now
+            )
+            return None
+        _, mac, sequence = _ENVELOPE.unpack_from(data)
+        payload = data[_ENVELOPE.size :]
+        signed = ENVELOPE_MAGIC + self._channel + struct.pack("<Q", sequence) + payload
+        assert self._secret is not None
+        if not hmac.compare_digest(mac, hmac.digest(self._secret, signed, "sha256")):
+            self._refuse(
+                "unauthenticated", "a message with a wrong signature (forged, or another secret)", now
+            )
+            return None
+        skew = abs(sequence / 1e9 - time.time())
+        if skew > MAX_CLOCK_SKEW_S:
+            self._refuse(
+                "unauthenticated", f"a signed message stamped {skew:.0f} s from this clock (replayed?)", now
+            )
+            return None
+        return payload, sequence
+
     def receive(self, data: bytes, now: float) -> None:
         """Apply one message from the channel (checked: a bad one is counted and ignored)."""
-        if not isinstance(data, bytes) or len(data) > MAX_MESSAGE_BYTES:
-            self._counters["invalid"].inc()
+        if not isinstance(data, bytes):
+            self._refuse("invalid", f"a {type(data).__name__} message", now)
             return
+        if len(data) > min(MAX_MESSAGE_BYTES, self.config.max_message_bytes):
+            self._refuse(
+                "oversized",
+                f"a message of {len(data)} bytes (max_message_bytes {self.config.max_message_bytes})",
+                now,
+            )
+            return
+        sequence = 0
+        if self._secret is not None:
+            opened = self._open(data, now)
+            if opened is None:
+                return
+            data, sequence = opened
         try:
             message = self._decoder.decode(data)
-        except (msgspec.DecodeError, msgspec.ValidationError):
-            self._counters["invalid"].inc()
+        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+            self._refuse("invalid", f"a message that is not a valid sync message ({str(exc)[:200]})", now)
             return
         if message.replica == self.replica_id:
             self._last_echo = now
             return
-        self._counters["received"].inc()
         peer = self._peers.get(message.replica)
+        if peer is not None and sequence and sequence <= peer.last_sequence:
+            self._refuse("unauthenticated", f"a replayed message of peer {message.replica[:64]!r}", now)
+            return
+        self._counters["received"].inc()
         if message.leaving:
             if peer is not None:
                 self._forget(message.replica)
             return
         if peer is None:
             if len(self._peers) >= MAX_PEERS:
-                self._counters["invalid"].inc()
+                self._refuse("peer_table_full", f"a message from a new peer past the {MAX_PEERS} known", now)
                 return
             peer = self._peers[message.replica] = _Peer(now)
             log.info("replica sync: peer %s joined", message.replica)
         peer.last_seen = now
+        peer.last_sequence = sequence
         self._apply_loads(
             peer, {load.backend: (load.in_flight, load.prefill_tokens) for load in message.loads}
         )

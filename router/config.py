@@ -318,6 +318,9 @@ class SharedTier(_Struct):
     hit_weight: Annotated[float, msgspec.Meta(ge=0)] = 0.6
 
 
+MIN_CLUSTER_SECRET_LENGTH = 16
+
+
 class Cluster(_Struct, kw_only=True):
     """Replicas of the gateway in front of the same engines share what KV events cannot tell them
     (in-flight load, predicted prefixes, recent placements, session pins) through this transport
@@ -338,16 +341,52 @@ class Cluster(_Struct, kw_only=True):
     flush_interval_s: Annotated[float, msgspec.Meta(ge=0)] = 0.005
     # Notes waiting to be published while Redis is slow or away; the oldest are dropped beyond it.
     max_pending_notes: Annotated[int, msgspec.Meta(ge=1)] = 10_000
+    # Name of the environment variable holding the secret every replica shares (never the secret
+    # itself, 16 characters at least). With it, every message is signed (HMAC-SHA256) and unsigned,
+    # forged or replayed messages are refused; docs/gateway.md, "Replicas: security".
+    auth_secret_env: str | None = None
+    # Without a secret, a `url` beyond loopback is refused unless this is true: whoever can publish
+    # on that Redis could then move requests, re-pin sessions and fill the peer table.
+    allow_unauthenticated: bool = False
+    # Largest message sent or accepted, in bytes: a replica splits its notes to stay below it, and a
+    # larger message is refused before it is decoded.
+    max_message_bytes: Annotated[int, msgspec.Meta(ge=4096, le=8 << 20)] = 1 << 20
 
     def __post_init__(self) -> None:
         parts = urlsplit(self.url)
         if parts.scheme not in ("redis", "rediss", "unix") or not (parts.hostname or parts.path):
             raise ValueError(f"url {self.url!r} must look like redis://host:port/db")
+        secret = self.secret()  # raises when the named variable is unset or too short
+        if secret is None and not self.allow_unauthenticated and parts.scheme != "unix":
+            host = parts.hostname or ""
+            if not is_loopback_host(host):
+                raise ValueError(
+                    f"url names the Redis at {host!r}, beyond loopback, and replica messages are not "
+                    "signed: anyone who can publish there could move requests between backends, "
+                    "re-pin sessions and fill the peer table. Set auth_secret_env to a variable "
+                    "holding a secret every replica shares, or set allow_unauthenticated: true if only "
+                    "trusted hosts can reach that Redis"
+                )
         if self.peer_timeout_s <= self.heartbeat_s:
             raise ValueError(
                 f"peer_timeout_s ({self.peer_timeout_s:g}) must be longer than heartbeat_s "
                 f"({self.heartbeat_s:g}), or live peers are forgotten between their heartbeats"
             )
+
+    def secret(self) -> bytes | None:
+        """The shared secret messages are signed with (from auth_secret_env), or None."""
+        if not self.auth_secret_env:
+            return None
+        value = os.environ.get(self.auth_secret_env, "")
+        if len(value) < MIN_CLUSTER_SECRET_LENGTH:
+            state = "is not set" if not value else f"holds {len(value)} characters"
+            raise ValueError(
+                f"auth_secret_env names the environment variable {self.auth_secret_env!r}, which "
+                f"{state}; export it on every replica with the same secret of at least "
+                f"{MIN_CLUSTER_SECRET_LENGTH} characters (python -c 'import secrets; "
+                "print(secrets.token_urlsafe(32))'), or remove auth_secret_env"
+            )
+        return value.encode()
 
 
 class Launch(_Struct):

@@ -329,7 +329,15 @@ def test_after_a_restart_the_tier_recovers(redis_server):
     ],
 )
 def test_lmcache_remote_url_forms_are_accepted(url):
-    config = parse_config({"remote_url": url, "remote_serde": "cachegen", "blocking_timeout_secs": 5})
+    # Beyond loopback without a secret, only with the explicit opt-in (see the refusal test below).
+    config = parse_config(
+        {
+            "remote_url": url,
+            "remote_serde": "cachegen",
+            "blocking_timeout_secs": 5,
+            "remote_allow_unauthenticated": True,
+        }
+    )
     assert (config.remote_url, config.remote_serde, config.blocking_timeout_secs) == (url, "cachegen", 5)
 
 
@@ -454,6 +462,28 @@ def test_a_trickling_redis_holds_no_lookup_or_retrieve_past_the_total_deadline()
         assert engine.stats()["remote_errors"] >= 4
 
 
+def test_a_large_value_on_a_slow_but_steady_link_gets_time_for_its_bytes_a_trickle_does_not():
+    from cachelayer import CacheEngine
+
+    # One chunk of 1 MiB (16 tokens of 8 heads x 2048 channels, 2 layers), sent by the fake server
+    # at 4 MiB/s: 0.25 s, longer than the 0.1 s deadline. At remote_min_transfer_mb_per_s 1, each
+    # MiB moved buys a second: the whole value arrives (then fails its check: it is junk). At 64
+    # (the default) it buys 1/64 s: the call ends at its deadline, nothing counted in.
+    chunk_bytes = 2 * 2 * CHUNK * 8 * 2048 * 2
+    tokens = list(range(CHUNK))
+    received = {}
+    with start_trickling_redis(interval_s=1 / 64, value_bytes=chunk_bytes, step_bytes=64 << 10) as url:
+        for rate in (1.0, 64.0):
+            config = {"chunk_size": CHUNK, "max_local_cpu_size": 4 * chunk_bytes / 2**30, "remote_url": url,
+                      "remote_timeout_s": 0.1, "remote_min_transfer_mb_per_s": rate}  # fmt: skip
+            with CacheEngine.from_config(config, num_layers=2, num_kv_heads=8, head_dim=2048,
+                                         dtype=torch.bfloat16) as engine:  # fmt: skip
+                assert engine.retrieve(tokens) == (0, None)
+                received[rate] = engine.stats()["remote_bytes_in"]
+    assert received[1.0] >= chunk_bytes  # fetched whole
+    assert received[64.0] == 0  # cut off at its deadline
+
+
 def test_a_huge_junk_value_is_refused_from_its_size_without_being_fetched(redis_server):
     tokens, kv = request(21, 3)
     with remote_engine(redis_server) as writer:
@@ -543,16 +573,15 @@ def test_an_authenticated_value_is_not_loaded_nor_deleted_by_an_engine_without_t
 
 
 def test_a_remote_url_beyond_loopback_without_a_secret_is_refused_with_the_fix(monkeypatch):
-    from cachelayer.controller.auth import AuthConfigError
-
-    # cache.invalid never resolves: nothing is sent anywhere, the check runs before any connection.
-    with pytest.raises(AuthConfigError, match=r"remote_auth_secret_env.*remote_allow_unauthenticated"):
-        make_engine(4, remote_url="redis://cache.invalid:6379")
+    # cache.invalid never resolves: nothing is sent anywhere, the check runs when the file is read.
+    with pytest.raises(CacheLayerConfigError, match=r"remote_auth_secret_env.*remote_allow_unauthenticated"):
+        parse_config({"remote_url": "redis://cache.invalid:6379"}, "lmcache.yaml")
+    assert parse_config({"remote_url": "unix:///run/redis.sock"}).remote_url  # a local socket: no network
     with make_engine(4, remote_url="redis://cache.invalid:6379", remote_allow_unauthenticated=True) as engine:
         assert not engine.stats()["remote_authenticated"]
     monkeypatch.setenv(SECRET_ENV, "a secret every engine is given")
     with make_engine(4, remote_url="redis://cache.invalid:6379", remote_auth_secret_env=SECRET_ENV) as engine:
         assert engine.stats()["remote_authenticated"]
     monkeypatch.delenv(SECRET_ENV)
-    with pytest.raises(AuthConfigError, match=SECRET_ENV):
+    with pytest.raises(CacheLayerConfigError, match=SECRET_ENV):
         make_engine(4, remote_url="redis://127.0.0.1:1", remote_auth_secret_env=SECRET_ENV)

@@ -87,7 +87,8 @@ def test_bad_messages_are_refused_and_counted_never_applied() -> None:
     for data in bad:
         sync.receive(data, now=1.0)
     assert sync.peers == [] and all(b.in_flight == 0 for b in backends.values())
-    assert sync._counters["invalid"]._value.get() == len(bad)
+    assert sync._counters["invalid"]._value.get() == len(bad) - 1
+    assert sync._counters["oversized"]._value.get() == 1
 
 
 def test_loads_and_notes_for_unknown_backends_are_ignored() -> None:
@@ -104,6 +105,112 @@ def test_own_messages_only_prove_the_subscription_alive() -> None:
 
 
 def test_the_logged_url_leaves_the_password_out() -> None:
-    config = Cluster(url="redis://kvgate:s3cret@10.0.0.5:6379/0")
+    config = Cluster(url="redis://kvgate:s3cret@10.0.0.5:6379/0", allow_unauthenticated=True)
     sync = ClusterSync(config, {}, KVAware(KVAwarePolicy()), CollectorRegistry())
     assert sync.where == "redis://10.0.0.5:6379/0"
+
+
+# ---- signed messages ----
+
+SECRET = "a secret every replica shares"
+
+
+def signed_sync(monkeypatch, replica_id: str = "me", policy=None, **settings) -> tuple[ClusterSync, dict]:
+    monkeypatch.setenv("KVGATE_TEST_CLUSTER_SECRET", SECRET)
+    backends = {
+        name: BackendState(name=name, url=f"http://127.0.0.1:{9000 + i}") for i, name in enumerate("abc")
+    }
+    config = Cluster(
+        url="redis://127.0.0.1:1/0",
+        replica_id=replica_id,
+        auth_secret_env="KVGATE_TEST_CLUSTER_SECRET",
+        **settings,
+    )
+    return ClusterSync(config, backends, policy or SessionAffinity(), CollectorRegistry()), backends
+
+
+def test_signed_messages_are_applied_and_unsigned_forged_or_replayed_ones_refused(monkeypatch) -> None:
+    sync, backends = signed_sync(monkeypatch)
+    peer, _ = signed_sync(monkeypatch, "peer-1")
+    message = encode(SyncMessage("peer-1", [BackendLoad("a", 2, 0)]))
+    sealed = peer._seal(message)
+    sync.receive(sealed, now=1.0)
+    assert sync.peers == ["peer-1"] and backends["a"].in_flight == 2
+    forged = bytearray(sealed)
+    forged[-1] ^= 1
+    for data in (message, bytes(forged), sealed):  # unsigned, tampered, replayed
+        sync.receive(data, now=1.1)
+    assert sync._counters["unauthenticated"]._value.get() == 3
+    # A newer message of the same peer still counts.
+    sync.receive(peer._seal(encode(SyncMessage("peer-1", [BackendLoad("a", 5, 0)]))), now=1.2)
+    assert backends["a"].in_flight == 5
+
+
+def test_a_message_signed_for_another_channel_or_long_ago_is_refused(monkeypatch) -> None:
+    sync, backends = signed_sync(monkeypatch)
+    other_channel, _ = signed_sync(monkeypatch, "peer-1", channel="another-deployment")
+    sync.receive(other_channel._seal(encode(SyncMessage("peer-1", [BackendLoad("a", 2, 0)]))), now=1.0)
+    peer, _ = signed_sync(monkeypatch, "peer-2")
+    monkeypatch.setattr("time.time_ns", lambda: 1_000_000_000)  # 1970: far outside the clock skew
+    stale = peer._seal(encode(SyncMessage("peer-2", [BackendLoad("a", 2, 0)])))
+    monkeypatch.undo()
+    monkeypatch.setenv("KVGATE_TEST_CLUSTER_SECRET", SECRET)
+    sync.receive(stale, now=1.0)
+    assert sync.peers == [] and backends["a"].in_flight == 0
+    assert sync._counters["unauthenticated"]._value.get() == 2
+
+
+def test_a_message_over_max_message_bytes_is_never_sent_its_notes_are_split(monkeypatch) -> None:
+    sync, _ = signed_sync(monkeypatch, max_message_bytes=64 * 1024)
+    keys = list(range(1 << 40, (1 << 40) + 3000))  # ~27 KB of keys a note
+    notes = [RoutedNote("a", prefix_keys=keys, ttl_s=5.0) for _ in range(8)]
+    sent = []
+    while notes or sync._pending:
+        batch = notes or [sync._pending.popleft() for _ in range(len(sync._pending))]
+        notes = []
+        sent.append(sync._message_within_bound(batch))
+    assert all(len(data) <= 64 * 1024 for data in sent)
+    receiver, _ = signed_sync(monkeypatch, "peer-1")
+    delivered = [receiver._decoder.decode(receiver._open(data, 1.0)[0]) for data in sent]
+    assert sum(len(message.routed) for message in delivered) == 8  # none lost, none cut
+    assert all(note.prefix_keys == keys for message in delivered for note in message.routed)
+    # One note larger than the bound alone: its prefix keys are cut to fit, the note still goes.
+    (data,) = [
+        sync._message_within_bound([RoutedNote("a", prefix_keys=list(range(1 << 40, (1 << 40) + 20_000)))])
+    ]
+    assert len(data) <= 64 * 1024
+
+
+def test_a_long_session_key_travels_as_its_digest_and_pins_the_same_session_on_the_peer(monkeypatch) -> None:
+    from router.policies.session import MAX_SESSION_KEY_CHARS, session_table_key
+
+    long_key = "u" * (1 << 20)
+    sender_policy = SessionAffinity()
+    sender, backends = signed_sync(monkeypatch, "peer-1", policy=sender_policy)
+    request = RouteRequest("r1", "m", {}, session_key=long_key)
+    sender.routed(request, backends["b"], 0)
+    data = sender._message_within_bound([sender._pending.popleft()])
+    assert len(data) < 1024
+    receiver_policy = SessionAffinity()
+    receiver, receiver_backends = signed_sync(monkeypatch, policy=receiver_policy)
+    receiver.receive(data, now=1.0)
+    assert receiver.peers == ["peer-1"]
+    again = RouteRequest("r2", "m", {}, session_key=long_key)
+    assert receiver_policy.choose(again, list(receiver_backends.values())).name == "b"
+    assert again.decision.session == "pinned"
+    assert len(session_table_key(long_key)) <= MAX_SESSION_KEY_CHARS
+
+
+def test_an_unset_or_short_secret_and_an_unsigned_redis_beyond_loopback_are_refused(monkeypatch) -> None:
+    import pytest
+
+    monkeypatch.delenv("KVGATE_TEST_CLUSTER_SECRET", raising=False)
+    with pytest.raises(ValueError, match=r"KVGATE_TEST_CLUSTER_SECRET.*is not set"):
+        Cluster(url="redis://127.0.0.1:6379/0", auth_secret_env="KVGATE_TEST_CLUSTER_SECRET")
+    monkeypatch.setenv("KVGATE_TEST_CLUSTER_SECRET", "short")
+    with pytest.raises(ValueError, match="holds 5 characters"):
+        Cluster(url="redis://127.0.0.1:6379/0", auth_secret_env="KVGATE_TEST_CLUSTER_SECRET")
+    with pytest.raises(ValueError, match=r"beyond loopback.*auth_secret_env.*allow_unauthenticated"):
+        Cluster(url="redis://cache.invalid:6379/0")
+    assert Cluster(url="redis://cache.invalid:6379/0", allow_unauthenticated=True).secret() is None
+    assert Cluster(url="redis://localhost:6379/0").secret() is None

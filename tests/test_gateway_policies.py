@@ -7,6 +7,7 @@ import os
 import subprocess
 import time
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import httpx
 import pytest
@@ -182,3 +183,33 @@ def test_a_policy_value_the_policy_refuses_stops_kvgate_serve_with_one_line(tmp_
     [line] = result.stderr.strip().splitlines()
     assert str(config_path) in line
     assert "policy.block_size 24 must be a multiple of 16" in line
+
+
+def _rss_bytes(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    raise AssertionError(f"no VmRSS for pid {pid}")
+
+
+def test_distinct_huge_session_keys_do_not_stay_in_the_gateways_memory(backends):
+    # A client sending a new 1 MiB `user` field each time (the OpenAI field the session policy pins
+    # on). Bound: 300 of them grow the gateway's RSS by less than 100 MB after 20 warm-up requests of
+    # the same size (kept whole, the keys alone would hold 300 MiB).
+    def body(n: int) -> dict:
+        return {"model": MODEL, "prompt": "u", "max_tokens": 1, "user": f"{n:08d}" + "k" * (1 << 20)}
+
+    with (
+        start_gateway(gateway_config(backends, policy={"name": "session"})) as gateway,
+        httpx.Client(base_url=gateway.url, timeout=30) as client,
+    ):
+        for n in range(20):
+            assert client.post("/v1/completions", json=body(n)).status_code == 200
+        before = _rss_bytes(gateway.process.pid)
+        for n in range(20, 320):
+            assert client.post("/v1/completions", json=body(n)).status_code == 200
+        grown = _rss_bytes(gateway.process.pid) - before
+        assert grown < 100 << 20, f"the gateway grew by {grown >> 20} MiB"
+        # The long key still pins its session: the same 1 MiB user lands on the same backend.
+        served = {client.post("/v1/completions", json=body(7)).headers["x-kvgate-backend"] for _ in range(4)}
+        assert len(served) == 1

@@ -10,6 +10,8 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -20,7 +22,7 @@ import pytest
 from kvgate_testing.backend import start_backend
 from kvgate_testing.event_publisher import EventPublisher, block_stored
 from kvgate_testing.gateway import GatewayProcess, start_gateway
-from kvgate_testing.metrics import metric_samples
+from kvgate_testing.metrics import metric_samples, sample_key
 from kvgate_testing.ports import free_port
 from kvgate_testing.redis_server import RedisServer
 
@@ -99,7 +101,7 @@ def redis_server() -> Iterator[RedisServer]:
 
 
 def replica_config(
-    engines: Engines, redis_server: RedisServer, replica_id: str, policy: str = "kv_aware"
+    engines: Engines, redis_server: RedisServer, replica_id: str, policy: str = "kv_aware", **cluster: object
 ) -> dict:
     return {
         "models": [{"name": MODEL, "tokenizer": "builtin:qwen3"}],
@@ -110,6 +112,7 @@ def replica_config(
             "replica_id": replica_id,
             "heartbeat_s": 0.3,
             "peer_timeout_s": PEER_TIMEOUT_S,
+            **cluster,
         },
     }
 
@@ -120,10 +123,12 @@ def start_replicas(
 ) -> Iterator[Callable[..., list[GatewayProcess]]]:
     started: list[GatewayProcess] = []
 
-    def start(count: int, policy: str = "kv_aware") -> list[GatewayProcess]:
+    def start(
+        count: int, policy: str = "kv_aware", first: int = 0, **cluster: object
+    ) -> list[GatewayProcess]:
         replicas = [
-            start_gateway(replica_config(engines, redis_server, f"replica-{chr(97 + i)}", policy))
-            for i in range(count)
+            start_gateway(replica_config(engines, redis_server, f"replica-{chr(97 + i)}", policy, **cluster))
+            for i in range(first, first + count)
         ]
         started.extend(replicas)
         # Each one hears every other before the test begins.
@@ -402,3 +407,134 @@ def _worker_pids(
         time.sleep(0.05)
     assert not strict or len(pids) == count, f"workers {pids} answered"
     return pids
+
+
+# ---- a hostile client of the replicas' Redis ----
+
+CLUSTER_SECRET_ENV = "KVGATE_TEST_CLUSTER_SECRET"
+CHANNEL = "kvgate:cluster"
+
+
+def attack_command(redis_server: RedisServer, *args: str) -> list[str]:
+    """The forging Redis client (kvgate_testing/redis_attacker.py): a process without the secret."""
+    return [
+        sys.executable,
+        "-m",
+        "kvgate_testing.redis_attacker",
+        "publish",
+        redis_server.url,
+        CHANNEL,
+        *args,
+    ]
+
+
+def refused(gateway: GatewayProcess, kind: str) -> float:
+    samples = metric_samples(httpx.get(gateway.url + "/metrics", timeout=5).text)
+    return samples.get(sample_key("kvgate_cluster_messages_total", kind=kind), 0.0)
+
+
+def refusal_log_lines(gateway: GatewayProcess) -> int:
+    return sum("replica sync: refused messages" in line for line in gateway.process.output().splitlines())
+
+
+@pytest.fixture
+def cluster_secret(monkeypatch: pytest.MonkeyPatch) -> dict:
+    monkeypatch.setenv(CLUSTER_SECRET_ENV, "a secret every replica is given")
+    return {"auth_secret_env": CLUSTER_SECRET_ENV}
+
+
+def test_signed_replicas_refuse_a_forging_clients_session_pins_and_loads(
+    redis_server: RedisServer, cluster_secret: dict, start_replicas: Callable[..., list[GatewayProcess]]
+) -> None:
+    first, second = start_replicas(2, policy="session", **cluster_secret)
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "hello"}], "max_tokens": 2}
+    with httpx.Client(timeout=30) as client:
+        placed = client.post(
+            first.url + "/v1/chat/completions", json=body, headers={"x-session-id": "victim"}
+        )
+        engine = placed.headers["x-kvgate-backend"]
+        elsewhere = next(name for name in ("b0", "b1", "b2") if name != engine)
+        # 200 messages re-pinning the victim's session elsewhere (half unsigned, half with a made-up
+        # signature) and 2,000 fake peers each claiming 50 requests on the victim's engine.
+        subprocess.run(
+            attack_command(redis_server, "pin", "200", f"victim={elsewhere}"), check=True, timeout=60
+        )
+        subprocess.run(attack_command(redis_server, "fake-peers", "2000", engine), check=True, timeout=60)
+        for replica in (first, second):
+            wait_until(
+                lambda replica=replica: refused(replica, "unauthenticated") >= 2200,
+                20,
+                "the replica refusing every forged message",
+            )
+            assert cluster_metrics(replica)["kvgate_cluster_peers"] == 1
+            assert sum(peer_load(replica).values()) == 0
+        for _ in range(5):
+            answer = client.post(
+                second.url + "/v1/chat/completions", json=body, headers={"x-session-id": "victim"}
+            )
+            assert answer.headers["x-kvgate-backend"] == engine
+    # Bound: 2,200 refusals within seconds log at most 3 lines on each replica (one per 10 s).
+    for replica in (first, second):
+        assert 1 <= refusal_log_lines(replica) <= 3
+
+
+def test_a_flood_of_fake_peers_does_not_keep_a_genuine_new_replica_out(
+    engines: Engines,
+    redis_server: RedisServer,
+    cluster_secret: dict,
+    start_replicas: Callable[..., list[GatewayProcess]],
+) -> None:
+    first, second = start_replicas(2, policy="least_loaded", **cluster_secret)
+    # 20,000 fake peers (the table holds 1,024) published while the third replica starts and joins.
+    flood = subprocess.Popen(attack_command(redis_server, "fake-peers", "20000", "b0"))
+    third = None
+    try:
+        third = start_gateway(
+            replica_config(engines, redis_server, "replica-c", "least_loaded", **cluster_secret)
+        )
+        for replica in (first, second, third):
+            wait_until(
+                lambda replica=replica: cluster_metrics(replica).get("kvgate_cluster_peers") == 2,
+                20,
+                "every replica hearing both others through the flood",
+            )
+        slow = SlowRequest(third, chat("Which island had the fewest nests?", stream=True), seconds=2.0)
+        try:
+            wait_until(lambda: sum(peer_load(first).values()) == 1, 10, "replica a counting c's request")
+        finally:
+            slow.join()
+        assert flood.wait(timeout=120) == 0
+    finally:
+        if third is not None:
+            third.stop()
+        if flood.poll() is None:
+            flood.kill()
+            flood.wait()
+    assert refused(first, "unauthenticated") > 1024 and refused(first, "peer_table_full") == 0
+
+
+def test_a_burst_of_huge_messages_leaves_the_replicas_in_sync(
+    redis_server: RedisServer, start_replicas: Callable[..., list[GatewayProcess]]
+) -> None:
+    first, second = start_replicas(2, policy="least_loaded")
+    # 30 messages of 7.9 MiB in one pipeline: far more than Redis buffers for a subscriber (32 MB),
+    # so Redis drops the subscriptions (the replicas log it). Bound: within 10 s both replicas are
+    # subscribed again and hear each other; the huge messages are refused before decoding.
+    subprocess.run(attack_command(redis_server, "huge", "30", "7.9"), check=True, timeout=120)
+    for replica in (first, second):
+        wait_until(
+            lambda replica=replica: (
+                cluster_metrics(replica)["kvgate_cluster_connected"] == 1
+                and cluster_metrics(replica)["kvgate_cluster_peers"] == 1
+            ),
+            10,
+            "the replica subscribed again and hearing its peer",
+        )
+    slow = SlowRequest(first, chat("How many nests on the last island?", stream=True), seconds=2.0)
+    try:
+        wait_until(
+            lambda: sum(peer_load(second).values()) == 1, 10, "replica b seeing a's request after the burst"
+        )
+    finally:
+        slow.join()
+    assert refused(second, "oversized") >= 1

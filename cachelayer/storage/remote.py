@@ -2,9 +2,9 @@
 
 It sits below L1 and L2 and holds no local index: Redis is the index. Every call has one total
 deadline (`remote_timeout_s`, from the first byte sent to the last byte read, whatever the server's
-pace), no client retries, and goes through a circuit breaker, so a Redis that is down, slow,
-restarting or trickling its answers makes the tier answer "miss" in bounded time instead of raising
-or stalling the engine.
+pace; extended only by the bytes actually moved, at `remote_min_transfer_mb_per_s`), no client
+retries, and goes through a circuit breaker, so a Redis that is down, slow, restarting or trickling
+its answers makes the tier answer "miss" in bounded time instead of raising or stalling the engine.
 
 Keys: `cachelayer:v1:<layout digest>:<chunk key, 16 hex digits>`. The chunk key already folds in
 the cache identity (model and revision, KV dtype, layout, TP size and rank, salt, LoRA); the layout
@@ -222,36 +222,48 @@ def remote_tier_secret(
 
 class _Exchange:
     """One call on one connection: commands out and replies in, all before one deadline. Each
-    socket wait gets only the time left, so a server that trickles bytes cannot stretch the call."""
+    socket wait gets only the time left, so a server that trickles bytes cannot stretch the call.
 
-    def __init__(self, sock: socket.socket, deadline: float) -> None:
+    The deadline is `deadline` plus one second per `bytes_per_s` bytes moved so far: a chunk of
+    tens of MB is not cut off for being large, and a server sending slower than that floor still
+    ends within remote_timeout_s plus the time the call's bounded bytes take at the floor rate."""
+
+    def __init__(self, sock: socket.socket, deadline: float, bytes_per_s: float) -> None:
         self._sock = sock
         self._deadline = deadline
+        self._bytes_per_s = bytes_per_s
+        self._moved = 0
         self._buffer = bytearray()
         self._start = 0
 
-    def _time_left(self) -> float:
-        left = self._deadline - time.monotonic()
+    def _time_left(self, allowance_bytes: int = 0) -> float:
+        left = self._deadline + (self._moved + allowance_bytes) / self._bytes_per_s - time.monotonic()
         if left <= 0:
-            raise DeadlineExceeded("the call did not finish within remote_timeout_s")
+            raise DeadlineExceeded(
+                "the call did not finish within remote_timeout_s (and its bytes' share of it)"
+            )
         return left
 
     def send(self, pieces: Sequence[Buffer]) -> None:
         for piece in pieces:
-            self._sock.settimeout(self._time_left())  # sendall's timeout bounds the whole piece
+            size = memoryview(piece).nbytes
+            # sendall's timeout bounds the whole piece: it gets the piece's own allowance up front.
+            self._sock.settimeout(self._time_left(size))
             try:
                 self._sock.sendall(piece)
             except TimeoutError:
-                raise DeadlineExceeded("sending did not finish within remote_timeout_s") from None
+                raise DeadlineExceeded("sending did not finish within its deadline") from None
+            self._moved += size
 
     def _receive_into(self, target: memoryview) -> int:
         self._sock.settimeout(self._time_left())
         try:
             received = self._sock.recv_into(target)
         except TimeoutError:
-            raise DeadlineExceeded("the reply did not arrive within remote_timeout_s") from None
+            raise DeadlineExceeded("the reply did not arrive within its deadline") from None
         if not received:
             raise redis.ConnectionError("Redis closed the connection mid-reply")
+        self._moved += received
         return received
 
     def _line(self) -> bytes:
@@ -410,9 +422,11 @@ class RemoteTier:
         failure_threshold: int,
         retry_after_s: float,
         secret: bytes | None = None,
+        min_transfer_bytes_per_s: float = 64 << 20,
     ) -> None:
         self.url = url
         self.timeout_s = timeout_s
+        self.min_transfer_bytes_per_s = min_transfer_bytes_per_s
         digest = xxhash.xxh3_64_hexdigest(repr(tuple(layout)).encode())
         self._prefix = f"{KEY_PREFIX}:{digest}:"
         # With a secret, values are written with an HMAC tag and only tagged values are loaded.
@@ -496,7 +510,7 @@ class RemoteTier:
         deadline = time.monotonic() + self.timeout_s
         connection = self._connection(deadline)
         try:
-            result = run(_Exchange(connection._sock, deadline))
+            result = run(_Exchange(connection._sock, deadline, self.min_transfer_bytes_per_s))
         except BaseException:
             connection.disconnect()  # replies may be pending, or the socket timed out
             raise
