@@ -4,7 +4,7 @@ written when the request ends, by a thread, so that the event loop never waits o
 The event loop's share is `AccessLogWriter.write`: it copies the request's scalar fields into a
 tuple and puts it on a queue (about 2 µs of CPU). The writer thread takes whatever has queued,
 encodes it (msgspec JSON, timestamps formatted there) and writes it with one `os.write`: a system
-call per batch, not per line. Why not the logging module: a `QueueHandler` costs 13-20 µs per line
+call per batch, not per line. Why not the logging module: a `QueueHandler` costs 9-14 µs per line
 on the calling thread (the LogRecord, its formatting), against the gateway's ~70 µs of CPU per
 JSON request (docs/gateway.md, "Access log" and "Performance design";
 benchmarks/access_log_cost.py measures both).
