@@ -495,12 +495,16 @@ def check_admin_exposure(config: Config, host: str, source: str, where: str) -> 
 
 
 def _check_access_log(access_log: AccessLog, source: str, base_dir: Path | None) -> None:
-    """Resolve `access_log.path` and check, without creating anything, that it can be written."""
+    """Resolve `access_log.path` and, when the log is on, check without creating anything that it
+    can be written."""
     if access_log.path is None:
         return
     path = Path(access_log.path).expanduser()
     if not path.is_absolute() and base_dir is not None:
         path = base_dir / path
+    access_log.path = str(path.absolute())
+    if not access_log.enabled:
+        return  # a path kept for later (or for another host) is not checked while the log is off
     where = f"{source}: invalid configuration at `access_log.path`"
     if path.is_dir():
         raise ConfigError(
@@ -515,7 +519,6 @@ def _check_access_log(access_log: AccessLog, source: str, base_dir: Path | None)
             f"{where}: the directory {str(path.parent)!r} does not exist or is not writable; create it, "
             "or set path: null to log to stderr"
         )
-    access_log.path = str(path.absolute())
 
 
 def _check_shared_tiers(config: Config, source: str) -> None:

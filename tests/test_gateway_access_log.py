@@ -221,3 +221,6 @@ def test_a_path_that_cannot_be_written_is_refused_at_load(tmp_path):
     # A relative path is the configuration file's directory's.
     config = parse_config({**base, "access_log": {"path": "access.log"}}, "proxy.yaml", tmp_path)
     assert config.access_log.path == str(tmp_path / "access.log") and config.access_log.enabled is False
+    # Off, a path is resolved but not checked: one kept for another host does not stop this one.
+    config = parse_config({**base, "access_log": {"path": str(missing)}}, "proxy.yaml")
+    assert config.access_log.path == str(missing)
