@@ -393,6 +393,18 @@ class Launch(_Struct):
     simulated_engines: SimulatedEngines | None = None
 
 
+class AccessLog(_Struct):
+    """One JSON line per forwarded request, written when it ends (router/access_log.py,
+    docs/gateway.md "Access log")."""
+
+    enabled: bool = False
+    # null: the gateway's stderr. A file is appended to (created 0640 when missing; relative paths
+    # are from the configuration file's directory) and reopened when rotated away.
+    path: Annotated[str, msgspec.Meta(min_length=1)] | None = None
+    # Lines waiting for the writer thread; past it (a stalled disk) lines are dropped and counted.
+    max_pending_lines: Annotated[int, msgspec.Meta(ge=1, le=10_000_000)] = 100_000
+
+
 class Config(_Struct):
     models: Annotated[list[Model], msgspec.Meta(min_length=1)]
     listen: Listen = msgspec.field(default_factory=Listen)
@@ -405,6 +417,7 @@ class Config(_Struct):
     launch: Launch | None = None
     shared_tiers: list[SharedTier] = []
     cluster: Cluster | None = None
+    access_log: AccessLog = msgspec.field(default_factory=AccessLog)
     log_level: Literal["debug", "info", "warning", "error"] = "info"
 
     def model(self, name: str) -> Model | None:
@@ -490,6 +503,7 @@ def _check_semantics(config: Config, source: str, base_dir: Path | None) -> None
     except ValueError as exc:
         raise ConfigError(f"{source}: invalid configuration at `auth.api_keys_env`: {exc}") from None
     _check_shared_tiers(config, source)
+    _check_access_log(config.access_log, source, base_dir)
     if config.cluster is not None and importlib.util.find_spec("redis") is None:
         raise ConfigError(
             f"{source}: invalid configuration at `cluster`: replicas sync through Redis, and the redis "
@@ -543,6 +557,33 @@ def check_admin_exposure(config: Config, host: str, source: str, where: str) -> 
         "anyone who reaches it; set admin.token or admin.token_env, listen on 127.0.0.1, or accept "
         "the exposure with `admin: {open: true}`"
     )
+
+
+def _check_access_log(access_log: AccessLog, source: str, base_dir: Path | None) -> None:
+    """Resolve `access_log.path` and, when the log is on, check without creating anything that it
+    can be written."""
+    if access_log.path is None:
+        return
+    path = Path(access_log.path).expanduser()
+    if not path.is_absolute() and base_dir is not None:
+        path = base_dir / path
+    access_log.path = str(path.absolute())
+    if not access_log.enabled:
+        return  # a path kept for later (or for another host) is not checked while the log is off
+    where = f"{source}: invalid configuration at `access_log.path`"
+    if path.is_dir():
+        raise ConfigError(
+            f"{where}: {str(path)!r} is a directory; name a file in it, e.g. {str(path / 'access.log')!r}"
+        )
+    if path.exists() and not os.access(path, os.W_OK):
+        raise ConfigError(
+            f"{where}: {str(path)!r} exists and is not writable by this user; fix its permissions"
+        )
+    if not path.exists() and not (path.parent.is_dir() and os.access(path.parent, os.W_OK | os.X_OK)):
+        raise ConfigError(
+            f"{where}: the directory {str(path.parent)!r} does not exist or is not writable; create it, "
+            "or set path: null to log to stderr"
+        )
 
 
 def _check_shared_tiers(config: Config, source: str) -> None:

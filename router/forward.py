@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import msgspec
 
+from router.access_log import AccessEntry
 from router.auth import UNAUTHORIZED_HEADERS, UNAUTHORIZED_MESSAGE
 from router.config import SessionPolicy
 from router.errors import GatewayError, KvgateError, decode_json_body, error_body, log_unexpected, send_error
@@ -34,6 +35,7 @@ from router.policies.least_loaded import LeastLoaded
 from router.upstream import UpstreamError, UpstreamResponse, UpstreamTimeout
 
 if TYPE_CHECKING:
+    from router.access_log import AccessLogWriter
     from router.auth import ClientKeys
     from router.backends import BackendRegistry, BackendState
     from router.cluster import ClusterSync
@@ -165,6 +167,7 @@ class ForwardContext:
     """What forwarding reads and updates, shared by every ProxyEndpoint; router/wiring.py builds it."""
 
     __slots__ = (
+        "access_log",
         "backends",
         "client_keys",
         "cluster",
@@ -190,6 +193,7 @@ class ForwardContext:
         cluster: ClusterSync | None = None,
         request_preparers: Sequence[Callable[[RouteRequest], Awaitable[None]]] = (),
         client_keys: ClientKeys | None = None,
+        access_log: AccessLogWriter | None = None,
     ) -> None:
         self.config = config
         self.backends = backends
@@ -203,6 +207,8 @@ class ForwardContext:
         self.request_preparers = tuple(request_preparers)
         # Client API keys (router/auth.py); None: requests need none.
         self.client_keys = client_keys
+        # One JSON line per request when `access_log.enabled` (router/access_log.py); None: off.
+        self.access_log = access_log
         self.model_names = frozenset(model.name for model in config.models)
         self.served_names = {
             model.name: model.served_name
@@ -229,6 +235,9 @@ class ProxyEndpoint:
         self.metrics = context.metrics
         # Where requests with no prompt to route by go, whatever the configured policy.
         self.least_loaded = LeastLoaded()
+        if context.access_log is not None:
+            # Only then does a request pay for its line: serve() itself never checks.
+            self.serve = self._serve_logged  # type: ignore[method-assign]
 
     def split_headers(
         self, headers: list[tuple[bytes, bytes]]
@@ -283,6 +292,7 @@ class ProxyEndpoint:
             body = await self._read_body(receive, declared_length)
         except GatewayError as exc:
             self.context.metrics.gateway_errors.labels(str(exc.status)).inc()
+            self.log_refused(request_id, started, exc)
             await send_error(send, exc.status, exc.message, [(b"x-request-id", request_id)])
             return
         except _ClientGone:
@@ -293,7 +303,7 @@ class ProxyEndpoint:
         finally:
             watch.stop()
 
-    async def serve(
+    async def _serve_logged(
         self,
         body: bytes,
         forward_headers: list[tuple[bytes, bytes]],
@@ -302,30 +312,66 @@ class ProxyEndpoint:
         responder: Responder,
         started: float,
     ) -> None:
+        """serve(), then its access log line, whatever the way it ended."""
+        entry = AccessEntry(self.route.path, request_id, started)
+        cancelled = True
+        try:
+            await ProxyEndpoint.serve(
+                self, body, forward_headers, request_id, session_value, responder, started, entry
+            )
+            cancelled = False
+        finally:
+            self.context.access_log.write(entry, responder.client_gone, cancelled)  # type: ignore[union-attr]
+
+    def log_refused(self, request_id: bytes, started: float, error: GatewayError) -> None:
+        """The access log line of a request refused before its body was read (413), when on."""
+        if self.context.access_log is not None:
+            entry = AccessEntry(self.route.path, request_id, started)
+            entry.status, entry.error = error.status, error.message
+            self.context.access_log.write(entry, client_gone=False, cancelled=False)
+
+    async def serve(
+        self,
+        body: bytes,
+        forward_headers: list[tuple[bytes, bytes]],
+        request_id: bytes,
+        session_value: bytes | None,
+        responder: Responder,
+        started: float,
+        entry: AccessEntry | None = None,
+    ) -> None:
         """Validate, route and forward one request whose whole body has been read; answer every
-        error in the OpenAI shape. Returns quietly when the client left (its task was cancelled)."""
+        error in the OpenAI shape. Returns quietly when the client left (its task was cancelled).
+        `entry` (access log on) is filled in as the request goes."""
         context = self.context
         id_header = (b"x-request-id", request_id)
         keys = context.client_keys
         if keys is not None and not keys.allows_headers(forward_headers):
             context.metrics.gateway_errors.labels("401").inc()
+            if entry is not None:
+                entry.status, entry.error = 401, UNAUTHORIZED_MESSAGE
             await _respond_error(responder, 401, UNAUTHORIZED_MESSAGE, id_header, UNAUTHORIZED_HEADERS)
             return
         try:
             route_request, data, by_policy = self._parse(body, request_id, session_value)
+            if entry is not None:
+                entry.request = route_request
             if by_policy:
                 for prepare in context.request_preparers:
                     await prepare(route_request)
             try:
                 await self._forward(
-                    route_request, data, by_policy, body, forward_headers, id_header, responder, started
-                )
+                    route_request, data, by_policy, body, forward_headers, id_header, responder, started,
+                    entry,
+                )  # fmt: skip
             except asyncio.CancelledError:
                 if not responder.client_gone:
                     raise
                 return  # the client left: upstream closed and accounting done on the way out
         except GatewayError as exc:
             context.metrics.gateway_errors.labels(str(exc.status)).inc()
+            if entry is not None:
+                entry.status, entry.error = exc.status, exc.message
             await _respond_error(responder, exc.status, exc.message, id_header)
         except Exception as exc:
             # Never a stack trace to the client; the log keeps it for the operator (throttled).
@@ -333,6 +379,8 @@ class ProxyEndpoint:
                 log, exc, "request %s failed inside the gateway", request_id.decode(errors="replace")
             )
             context.metrics.gateway_errors.labels("500").inc()
+            if entry is not None:
+                entry.status, entry.error = 500, "internal gateway error"
             with contextlib.suppress(Exception):
                 await _respond_error(responder, 500, "internal gateway error; see the gateway log", id_header)
 
@@ -430,6 +478,7 @@ class ProxyEndpoint:
         id_header: tuple[bytes, bytes],
         responder: Responder,
         started: float,
+        entry: AccessEntry | None = None,
     ) -> None:
         context = self.context
         served_name = context.served_names.get(route_request.model)
@@ -508,6 +557,7 @@ class ProxyEndpoint:
                 responder,
                 started,
                 upstream_started,
+                entry,
             )
             return
         if tried:
@@ -528,6 +578,7 @@ class ProxyEndpoint:
         responder: Responder,
         started: float,
         upstream_started: float,
+        entry: AccessEntry | None = None,
     ) -> None:
         """Stream the answer to the client; release the backend's in-flight share when it ends."""
         context = self.context
@@ -570,6 +621,8 @@ class ProxyEndpoint:
                 log.warning(
                     "backend %s failed mid-response to %s: %s", backend.name, route_request.request_id, exc
                 )
+                if entry is not None:
+                    entry.error = f"backend {backend.name} failed mid-response: {exc}"
                 if _is_event_stream(response.headers):
                     event = (
                         b"data: "
@@ -582,6 +635,13 @@ class ProxyEndpoint:
                 return
             await responder.body(b"", False)
         finally:
+            if entry is not None:
+                entry.backend, entry.policy, entry.status = backend.name, policy.name, outcome_status
+                entry.upstream_failed = outcome_status != status
+                entry.stream = _is_event_stream(response.headers)
+                # The first streamed piece's time from sending upstream (200 event streams only).
+                entry.upstream_started = upstream_started
+                entry.first_piece_s = route_request.decision.upstream_ttft_s
             response.close()
             context.metrics.observe_upstream(backend.name, perf_counter() - upstream_started)
             _release(backend, prefill_tokens)

@@ -638,6 +638,7 @@ class GatewayHttpProtocol(HttpToolsProtocol):
         exchange.rejected = True
         exchange.body_parts = []
         exchange.endpoint.metrics.gateway_errors.labels(str(error.status)).inc()
+        exchange.endpoint.log_refused(exchange.request_id, exchange.started, error)
         self._submit(exchange, _answer_error(exchange, error))
 
     def _submit(self, exchange: _Exchange, coroutine) -> None:

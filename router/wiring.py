@@ -17,6 +17,7 @@ import asyncio
 import logging
 
 from router import config as config_schema
+from router.access_log import AccessLogWriter
 from router.auth import ClientKeys
 from router.backends import BackendRegistry, BackendState
 from router.debug_page import DebugPage
@@ -104,7 +105,10 @@ class Gateway:
         for extension in self.extensions:
             self.backends.listen(extension)
 
-        # 7. What the HTTP app serves.
+        # 7. What the HTTP app serves (and, when on, the access log of what it forwards).
+        self.access_log = (
+            AccessLogWriter(config.access_log, self.metrics.registry) if config.access_log.enabled else None
+        )
         self.forwarding = ForwardContext(
             config,
             self.backends,
@@ -114,6 +118,7 @@ class Gateway:
             cluster=self.cluster,
             request_preparers=context.request_preparers,
             client_keys=self.client_keys,
+            access_log=self.access_log,
         )
         self.debug_page = DebugPage(
             config,
@@ -127,6 +132,8 @@ class Gateway:
         self.lookup = LookupEndpoint(self.index_service, self.backends, self.admin_token)
 
     async def start(self) -> None:
+        if self.access_log is not None:
+            self.access_log.start()
         self.health.start()
         self.index_service.start()
         if self.routes_by_tokens:
@@ -153,6 +160,8 @@ class Gateway:
         await self.tokenizer.close()
         await self.health.stop()
         self.pool.close()
+        if self.access_log is not None:
+            await asyncio.to_thread(self.access_log.stop)  # writes the lines still queued
 
     async def _load_tokenizers(self) -> None:
         """Load every model's tokenizer now, not on its first request (about 2 s for Qwen3); one that

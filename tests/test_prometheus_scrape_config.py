@@ -58,7 +58,9 @@ def test_the_gateway_job_targets_the_default_port_and_the_real_metrics_route():
             {"name": "b0", "url": backend.url, "kv_events": {"endpoint": f"tcp://127.0.0.1:{free_port()}"}}
         ],
         "policy": {"name": "kv_aware"},
-        "auth": {"api_keys": ["sk-scrape-test-key-0001"]},  # /metrics stays open to Prometheus
+        # Client keys and an admin token: /metrics stays open to Prometheus all the same.
+        "auth": {"api_keys": ["sk-scrape-test-key-0001"]},
+        "admin": {"token": "admin-scrape-test-token-0001"},
     }
     try:
         with start_gateway(config) as gateway:  # on a free port: 8080 may be taken on this host
