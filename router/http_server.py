@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING, Any
 import httptools
 from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
 
-from router.errors import GatewayError, KvgateError, error_body
+from router.errors import GatewayError, KvgateError, error_body, gateway_error_body
 from router.forward import body_too_large
 
 if TYPE_CHECKING:
@@ -645,7 +645,7 @@ class GatewayHttpProtocol(HttpToolsProtocol):
 
 
 async def _answer_error(exchange: _Exchange, error: GatewayError) -> None:
-    body = error_body(error.status, error.message)
+    body = gateway_error_body(error)
     headers = [
         (b"content-type", b"application/json"),
         (b"content-length", b"%d" % len(body)),

@@ -54,7 +54,7 @@ def test_model_by_id_answers_its_card_or_a_404_in_the_openai_shape():
                 answer = httpx.get(f"{gateway.url}/v1/models/{missing}", timeout=10)
                 assert answer.status_code == 404
                 error = answer.json()["error"]
-                assert error["code"] == 404 and error["type"] == "not_found_error"
+                assert error["code"] == 404 and error["type"] == "NotFoundError" and error["param"] == "model"
                 assert missing in error["message"]
     finally:
         backend.stop()
@@ -228,7 +228,7 @@ def test_keys_guard_every_route_but_health_and_metrics(keyed_gateway):
         answer = httpx.request(method, url + path, json={"model": MODEL, "input": "x"}, timeout=10)
         assert answer.status_code == 401, path
         error = answer.json()["error"]
-        assert error["code"] == 401 and error["type"] == "authentication_error"
+        assert error["code"] == 401 and error["type"] == "Unauthorized"
         assert "Authorization: Bearer" in error["message"]
     models = httpx.get(f"{url}/v1/models", headers={"authorization": f"Bearer {KEY_TWO}"}, timeout=10)
     assert models.status_code == 200 and models.json()["data"][0]["id"] == MODEL
