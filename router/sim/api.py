@@ -61,6 +61,7 @@ class _GenerationApi:
     response_object: str
     chunk_object: str
     fields: str  # the validation.FIELDS entry of its request model
+    check_shape: Callable[[dict], None]  # the prompt field's schema check (vLLM reports it first)
     read_prompt: Callable[[dict], Any]  # the request body -> prompt token ids (PromptError if bad)
     prompt_param: str  # the field a prompt error names
     max_tokens_field: str
@@ -219,9 +220,12 @@ def build_app(
         options = body.get("stream_options") or {}
         return bool(isinstance(options, dict) and options.get("include_usage"))
 
-    def completion_prompt(body: dict):
+    def check_prompt_given(body: dict) -> None:
         if "prompt" not in body:
             raise schema_error("`prompt` is required", "prompt")
+
+    def completion_prompt(body: dict):
+        check_prompt_given(body)
         return tokenizer.completion_prompt(body["prompt"], bool(body.get("add_special_tokens", True)))
 
     def chat_prompt(body: dict):
@@ -239,6 +243,7 @@ def build_app(
         """One completion or chat completion, streamed or not; `api` says how its JSON is shaped."""
         try:
             body = await read_body(request)
+            api.check_shape(body)
             values = check_request(body, api.fields)
             try:
                 prompt = api.read_prompt(body)
@@ -273,6 +278,7 @@ def build_app(
     completion_api = _GenerationApi(
         id_prefix="cmpl",
         fields="completions",
+        check_shape=check_prompt_given,
         response_object="text_completion",
         chunk_object="text_completion",
         read_prompt=completion_prompt,
@@ -288,6 +294,7 @@ def build_app(
     chat_api = _GenerationApi(
         id_prefix="chatcmpl",
         fields="chat",
+        check_shape=lambda body: check_chat_messages(body.get("messages")),
         response_object="chat.completion",
         chunk_object="chat.completion.chunk",
         read_prompt=chat_prompt,
@@ -329,8 +336,9 @@ def build_app(
         """POST /v1/responses: the Responses API, rendered as vLLM renders it, in its response shape."""
         try:
             body = await read_body(request)
+            chat = as_chat(responses_as_chat, body)  # `input` first, as vLLM's schema reports it
             values = check_request(body, "responses")
-            prompt = chat_tokens(as_chat(responses_as_chat, body), "input")
+            prompt = chat_tokens(chat, "input")
             generation = generation_request(body, prompt, "max_output_tokens", values)
         except RequestRefused as exc:
             return _refused(exc)
@@ -354,8 +362,9 @@ def build_app(
         """POST /v1/messages: the Anthropic Messages API, as vLLM serves it (its chat underneath)."""
         try:
             body = await read_body(request)
+            chat = as_chat(messages_as_chat, body)  # `messages` first, as vLLM's schema reports it
             values = check_request(body, "messages")
-            prompt = chat_tokens(as_chat(messages_as_chat, body), "messages")
+            prompt = chat_tokens(chat, "messages")
             generation = generation_request(body, prompt, "max_tokens", values)
         except RequestRefused as exc:
             return _refused(exc)
