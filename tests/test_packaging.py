@@ -22,8 +22,9 @@ from kvgate_testing.processes import REPO_ROOT, python_command
 
 CACHE_LAYER_ONLY = ("torch", "numba", "triton", "cachelayer")
 # Imported by a dependency only when present: transformers loads Pillow for its image processors
-# when it is installed; the tokenizers work without it.
-OPTIONAL = {"pillow"}
+# when it is installed, the tokenizers work without it; httpcore asks sniffio which async library
+# runs when it is installed (the openai and anthropic test clients bring it), else tries its own way.
+OPTIONAL = {"pillow", "sniffio"}
 
 
 def _pyproject() -> dict:
