@@ -1,9 +1,12 @@
 """The simulated engine's HTTP API: vLLM's OpenAI-compatible endpoints and its /metrics names.
 
 Endpoints: POST /v1/completions, POST /v1/chat/completions (both with SSE streaming in vLLM's chunk
-format), GET /v1/models, POST /tokenize, POST /detokenize, GET /health, GET /metrics,
-POST /reset_prefix_cache, GET /version. Every response's usage carries
-prompt_tokens_details.cached_tokens.
+format), POST /v1/responses and POST /v1/messages (the Responses and Anthropic Messages APIs, read
+as vLLM reads them by router/api_formats.py, answered and streamed in vLLM's shapes), GET /v1/models,
+POST /tokenize, POST /detokenize, GET /health, GET /metrics, POST /reset_prefix_cache, GET /version.
+Every usage says how many prompt tokens were cached (prompt_tokens_details.cached_tokens;
+input_tokens_details.cached_tokens; cache_read_input_tokens). Requests are refused where vLLM
+refuses them (router/sim/validation.py), in vLLM's error shape (router/errors.py).
 
 Simulated pooling endpoints, in vLLM's request and response shapes but with made-up numbers (no
 model runs): POST /v1/embeddings prefills each input through the simulated engine (so it is cached
