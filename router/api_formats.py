@@ -17,8 +17,10 @@ construct_input_messages; vllm/entrypoints/anthropic/serving.py, _convert_anthro
   text block: a plain string), images, `thinking` (reasoning), `tool_use` (tool calls, arguments as
   JSON), `tool_result` in a user message (a tool message before it). `tools` become chat tools.
 
-A body that does not have the API's shape raises ApiFormatError, naming the field; the gateway then
-routes it by load (the engine answers the 400), the simulated engine answers the 400 itself.
+A message left without content (tool calls or reasoning only) gets an empty text, as vLLM's string
+content format renders it. A body that does not have the API's shape raises ApiFormatError, naming
+the field; the gateway then routes it by load (the engine answers the 400), the simulated engine
+answers the 400 itself.
 """
 
 from __future__ import annotations
@@ -78,7 +80,7 @@ def responses_as_chat(body: dict[str, Any]) -> dict[str, Any]:
     else:
         raise ApiFormatError("`input` must be a string or a non-empty list of input items", "input")
     chat: dict[str, Any] = {
-        "messages": messages,
+        "messages": _with_contents(messages),
         "add_generation_prompt": not continue_final,
         "continue_final_message": continue_final,
     }
@@ -105,7 +107,7 @@ def _add_responses_item(item: Any, index: int, messages: list[dict[str, Any]]) -
     previous = messages[-1] if messages and messages[-1].get("role") == "assistant" else None
     if kind == "message":
         role = item.get("role")
-        if role not in RESPONSES_ROLES:
+        if not _one_of(role, RESPONSES_ROLES):
             roles = ", ".join(sorted(RESPONSES_ROLES))
             raise ApiFormatError(f"`{where}.role` must be one of {roles}, got {role!r}", f"{at}.role")
         content = item.get("content")
@@ -118,11 +120,15 @@ def _add_responses_item(item: Any, index: int, messages: list[dict[str, Any]]) -
                         f"`{where}.content[{number}]` must be a part object with a `type`",
                         f"{at}.content.{number}",
                     )
+                if part["type"] in _RESPONSES_TEXT_PARTS and not isinstance(part.get("text"), str):
+                    raise ApiFormatError(
+                        f"`{where}.content[{number}].text` must be a string", f"{at}.content.{number}.text"
+                    )
         if role == "assistant":
             # vLLM keeps an assistant item's first part only, as plain text.
             if isinstance(content, list):
                 first = content[0] if content else {}
-                content = first.get("text", "") if isinstance(first.get("text", ""), str) else ""
+                content = first.get("text") if isinstance(first.get("text"), str) else ""
             if previous is not None and previous.get("content") is None:
                 previous["content"] = content
                 return
@@ -143,7 +149,10 @@ def _add_responses_item(item: Any, index: int, messages: list[dict[str, Any]]) -
             return
         messages.append({"role": "assistant", "tool_calls": [call]})
     elif kind == "function_call_output":
-        messages.append({"role": "tool", "content": item.get("output"), "tool_call_id": item.get("call_id")})
+        output = item.get("output")
+        if not isinstance(output, str | list):
+            raise ApiFormatError(f"`{where}.output` must be a string or a list of parts", f"{at}.output")
+        messages.append({"role": "tool", "content": output, "tool_call_id": item.get("call_id")})
     elif kind == "reasoning":
         text = ""
         for field in ("content", "summary"):
@@ -151,6 +160,8 @@ def _add_responses_item(item: Any, index: int, messages: list[dict[str, Any]]) -
             if isinstance(parts, list) and parts and isinstance(parts[0], dict):
                 text = parts[0].get("text", "")
                 break
+        if not isinstance(text, str):
+            raise ApiFormatError(f"`{where}` (a reasoning item) must hold text strings", at)
         if previous is not None and previous.get("reasoning") is None:
             previous["reasoning"] = text
             return
@@ -173,10 +184,13 @@ def _responses_tools(tools: Any) -> list[dict[str, Any]]:
     """Responses function tools ({type, name, description, parameters}) as chat tools."""
     if not isinstance(tools, list):
         return []
+    functions = [tool for tool in tools if isinstance(tool, dict) and tool.get("type") == "function"]
+    for tool in functions:
+        if not isinstance(tool.get("name"), str):
+            raise ApiFormatError("every function tool needs a `name` string", "tools")
     return [
         {"type": "function", "function": {key: value for key, value in tool.items() if key != "type"}}
-        for tool in tools
-        if isinstance(tool, dict) and tool.get("type") == "function"
+        for tool in functions
     ]
 
 
@@ -193,16 +207,22 @@ def messages_as_chat(body: dict[str, Any]) -> dict[str, Any]:
         if not isinstance(message, dict):
             raise ApiFormatError(f"`{where}` must be an object with `role` and `content`", at)
         role = message.get("role")
-        if role not in ANTHROPIC_ROLES:
+        if not _one_of(role, ANTHROPIC_ROLES):
             roles = ", ".join(sorted(ANTHROPIC_ROLES - {"system"}))
             raise ApiFormatError(f"`{where}.role` must be one of {roles}, got {role!r}", f"{at}.role")
         content = message.get("content")
         if isinstance(content, list):
             for number, block in enumerate(content):
-                if not isinstance(block, dict) or block.get("type") not in _ANTHROPIC_BLOCK_TYPES:
+                if not isinstance(block, dict) or not _one_of(block.get("type"), _ANTHROPIC_BLOCK_TYPES):
                     raise ApiFormatError(
                         f"`{where}.content[{number}]` must be a content block of a known `type`",
                         f"{at}.content.{number}",
+                    )
+                wrong = _wrong_block_field(block)
+                if wrong is not None:
+                    raise ApiFormatError(
+                        f"`{where}.content[{number}].{wrong}` has the wrong type for a {block['type']} block",
+                        f"{at}.content.{number}.{wrong}",
                     )
         elif not isinstance(content, str):
             raise ApiFormatError(f"`{where}.content` must be a string or a list of blocks", f"{at}.content")
@@ -221,9 +241,14 @@ def messages_as_chat(body: dict[str, Any]) -> dict[str, Any]:
             _convert_blocks(content, converted, messages)
         if message["role"] != "user" or "content" in converted:
             messages.append(converted)
-    chat: dict[str, Any] = {"messages": messages}
+    chat: dict[str, Any] = {"messages": _with_contents(messages)}
     tools = body.get("tools")
-    if isinstance(tools, list) and tools:
+    if tools is not None and (
+        not isinstance(tools, list)
+        or not all(isinstance(tool, dict) and isinstance(tool.get("name"), str) for tool in tools)
+    ):
+        raise ApiFormatError("`tools` must be a list of tools, each with a `name` string", "tools")
+    if tools:
         chat["tools"] = [
             {
                 "type": "function",
@@ -234,12 +259,33 @@ def messages_as_chat(body: dict[str, Any]) -> dict[str, Any]:
                 },
             }
             for tool in tools
-            if isinstance(tool, dict)
         ]
     variables = _template_variables(body)
     if variables:
         chat["chat_template_kwargs"] = variables
     return chat
+
+
+# The block fields the conversion reads, and the types vLLM's AnthropicContentBlock gives them.
+_BLOCK_FIELD_TYPES: dict[str, type | tuple[type, ...]] = {
+    "text": str,
+    "thinking": str,
+    "name": str,
+    "id": str,
+    "tool_use_id": str,
+    "input": dict,
+    "source": dict,
+    "content": (str, list),
+}
+
+
+def _wrong_block_field(block: dict[str, Any]) -> str | None:
+    """The first field of `block` (when present and not null) whose type vLLM's schema refuses."""
+    for name, kinds in _BLOCK_FIELD_TYPES.items():
+        value = block.get(name)
+        if value is not None and not isinstance(value, kinds):
+            return name
+    return None
 
 
 def _anthropic_system(system: Any, items: list[dict[str, Any]]) -> str:
@@ -303,6 +349,20 @@ def _image_url(source: dict[str, Any]) -> str:
     if source.get("type") == "url":
         return str(source.get("url", ""))
     return f"data:{source.get('media_type', 'image/jpeg')};base64,{source.get('data', '')}"
+
+
+def _with_contents(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Every message with a `content`: vLLM's string content format renders a message that has none
+    (an assistant turn of tool calls or reasoning only) with an empty text, and templates read it."""
+    for message in messages:
+        if message.get("content") is None:
+            message["content"] = ""
+    return messages
+
+
+def _one_of(value: Any, allowed: frozenset[str]) -> bool:
+    # A set lookup of an unhashable JSON value (a list, an object) would raise TypeError.
+    return isinstance(value, str) and value in allowed
 
 
 def _template_variables(body: dict[str, Any]) -> dict[str, Any]:
