@@ -22,7 +22,7 @@ from router import config as config_schema
 from router.admin import admin_routes
 from router.auth import OPEN_PATHS, UNAUTHORIZED_HEADERS, UNAUTHORIZED_MESSAGE, ClientKeys
 from router.backends import BackendRegistry, BackendState
-from router.errors import decode_json_body, error_body, log_unexpected, send_error
+from router.errors import NO_ROUTE_ERROR_TYPE, decode_json_body, error_body, log_unexpected, send_error
 from router.forward import FORWARDED_ROUTES, ProxyEndpoint
 from router.upstream import UpstreamError, UpstreamPool
 from router.wiring import Gateway
@@ -155,6 +155,7 @@ def create_app(config: config_schema.Config, extension_factories: list[str] | No
                 404,
                 f"the model `{model_id}` does not exist or no healthy backend serves it; "
                 f"configured models: {known}",
+                param="model",
             )
         return Response(card, media_type="application/json")
 
@@ -196,12 +197,15 @@ def create_app(config: config_schema.Config, extension_factories: list[str] | No
     return app
 
 
-def _error_response(status: int, message: str) -> Response:
-    return Response(error_body(status, message), status_code=status, media_type="application/json")
+def _error_response(
+    status: int, message: str, param: str | None = None, error_type: str | None = None
+) -> Response:
+    body = error_body(status, message, param, error_type)
+    return Response(body, status_code=status, media_type="application/json")
 
 
 async def _not_found(request: Request, exc: Exception) -> Response:
-    return _error_response(404, f"no route {request.url.path}")
+    return _error_response(404, f"no route {request.url.path}", error_type=NO_ROUTE_ERROR_TYPE)
 
 
 async def _not_allowed(request: Request, exc: Exception) -> Response:

@@ -1,6 +1,7 @@
-"""How the gateway's request paths fail: the one error shape it answers with (OpenAI's
-`{"error": {"message", "type", "code"}}`), request bodies decoded so that bad JSON is always the
-client's 400, and unexpected errors logged without letting a flood of them flood the log."""
+"""How the gateway's request paths fail: the one error shape it answers with (vLLM's ErrorResponse,
+`{"error": {"message", "type", "param", "code"}}`, which the simulated engine answers with too),
+request bodies decoded so that bad JSON is always the client's 400, and unexpected errors logged
+without letting a flood of them flood the log."""
 
 from __future__ import annotations
 
@@ -13,21 +14,32 @@ import msgspec
 
 _encoder = msgspec.json.Encoder()
 
-# HTTP status -> OpenAI error type, as vLLM and OpenAI name them.
+# The error `type` of each HTTP status, as vLLM names it. vLLM's handlers name the errors they raise
+# after their class (create_error_response: BadRequestError, NotFoundError, ...); what its framework
+# answers (an unknown route, a method not allowed, a body that fails the request schema) carries the
+# status's reason phrase (its HTTP-exception and validation handlers). The phrases are written out
+# here, not read from http.HTTPStatus, whose wording changed in Python 3.13 (413, 422).
 ERROR_TYPES = {
-    400: "invalid_request_error",
-    401: "authentication_error",
-    404: "not_found_error",
-    405: "invalid_request_error",
-    408: "invalid_request_error",
-    409: "conflict_error",
-    413: "invalid_request_error",
-    431: "invalid_request_error",
-    500: "internal_error",
-    502: "bad_gateway",
-    503: "service_unavailable",
-    504: "timeout",
+    400: "BadRequestError",
+    401: "Unauthorized",
+    404: "NotFoundError",
+    405: "Method Not Allowed",
+    408: "Request Timeout",
+    409: "Conflict",
+    413: "Request Entity Too Large",
+    422: "UnprocessableEntityError",
+    431: "Request Header Fields Too Large",
+    500: "InternalServerError",
+    501: "NotImplementedError",
+    502: "Bad Gateway",
+    503: "Service Unavailable",
+    504: "Gateway Timeout",
 }
+# vLLM's type for a request body that fails its request schema before any handler runs: JSON that
+# does not parse, a required field missing, a field of the wrong type (its validation handler).
+SCHEMA_ERROR_TYPE = "Bad Request"
+# vLLM's type for a route that does not exist (its HTTP-exception handler).
+NO_ROUTE_ERROR_TYPE = "Not Found"
 # One traceback per kind of unexpected error (exception type and the line that raised it) per this
 # many seconds; the others are counted and the count is logged with the next traceback.
 TRACEBACK_INTERVAL_S = 60.0
@@ -41,23 +53,43 @@ class KvgateError(Exception):
 
 
 class GatewayError(KvgateError):
-    """An error the client must see, with its HTTP status; raised anywhere on the request path."""
+    """An error the client must see, with its HTTP status; raised anywhere on the request path.
+    `param` names the request field at fault; `error_type` overrides the status's ERROR_TYPES entry."""
 
-    def __init__(self, status: int, message: str):
+    def __init__(self, status: int, message: str, param: str | None = None, error_type: str | None = None):
         super().__init__(message)
         self.status = status
         self.message = message
+        self.param = param
+        self.error_type = error_type
 
 
-def error_body(status: int, message: str) -> bytes:
-    """The JSON bytes of an OpenAI-shaped error."""
-    error = {"message": message, "type": ERROR_TYPES.get(status, "error"), "code": status}
+def error_body(status: int, message: str, param: str | None = None, error_type: str | None = None) -> bytes:
+    """The JSON bytes of vLLM's ErrorResponse: `{"error": {"message", "type", "param", "code"}}`,
+    `code` the HTTP status (an integer, as vLLM sends it)."""
+    kind = (
+        error_type
+        or ERROR_TYPES.get(status)
+        or ("InternalServerError" if status >= 500 else "BadRequestError")
+    )
+    error = {"message": message, "type": kind, "param": param, "code": status}
     return _encoder.encode({"error": error})
 
 
-async def send_error(send, status: int, message: str, extra_headers: list[tuple[bytes, bytes]] = ()) -> None:
-    """Answer an ASGI request with an OpenAI-shaped error."""
-    body = error_body(status, message)
+def gateway_error_body(error: GatewayError) -> bytes:
+    return error_body(error.status, error.message, error.param, error.error_type)
+
+
+async def send_error(
+    send,
+    status: int,
+    message: str,
+    extra_headers: list[tuple[bytes, bytes]] = (),
+    body: bytes | None = None,
+) -> None:
+    """Answer an ASGI request with vLLM's error shape (`body`, when given, is the encoded error)."""
+    if body is None:
+        body = error_body(status, message)
     headers = [
         (b"content-type", b"application/json"),
         (b"content-length", str(len(body)).encode()),

@@ -1,6 +1,8 @@
 """Forwarding of the POST paths engines serve (FORWARDED_ROUTES): validate, route, pass the bytes through.
 
-The generation paths (/v1/completions, /v1/chat/completions) carry the load; the others are
+The generation paths (/v1/completions, /v1/chat/completions, and the Responses and Anthropic Messages
+APIs vLLM also serves, /v1/responses and /v1/messages, routed by the chat vLLM renders for them)
+carry the load; the others are
 vLLM's and SGLang's pooling and tokenizer paths (/v1/embeddings, rerank, score, /tokenize,
 /detokenize). Each `ForwardedRoute` says which fields a request must carry and what prompt, if
 any, the policy routes it by.
@@ -27,9 +29,19 @@ from typing import TYPE_CHECKING, Any, Protocol
 import msgspec
 
 from router.access_log import AccessEntry
+from router.api_formats import ApiFormatError, messages_as_chat, responses_as_chat
 from router.auth import UNAUTHORIZED_HEADERS, UNAUTHORIZED_MESSAGE
 from router.config import SessionPolicy
-from router.errors import GatewayError, KvgateError, decode_json_body, error_body, log_unexpected, send_error
+from router.errors import (
+    SCHEMA_ERROR_TYPE,
+    GatewayError,
+    KvgateError,
+    decode_json_body,
+    error_body,
+    gateway_error_body,
+    log_unexpected,
+    send_error,
+)
 from router.policies.base import RouteRequest
 from router.policies.least_loaded import LeastLoaded
 from router.upstream import UpstreamError, UpstreamResponse, UpstreamTimeout
@@ -112,6 +124,21 @@ def _input_prompt(body: dict[str, Any]) -> dict[str, Any] | None:
     return view
 
 
+def _as_chat(
+    read: Callable[[dict[str, Any]], dict[str, Any]],
+) -> Callable[[dict[str, Any]], dict[str, Any] | None]:
+    """/v1/responses and /v1/messages: routed by the chat vLLM renders for them (router/api_formats.py);
+    a body without the API's shape goes by load, and the engine answers its 400."""
+
+    def view(body: dict[str, Any]) -> dict[str, Any] | None:
+        try:
+            return read(body)
+        except ApiFormatError:
+            return None
+
+    return view
+
+
 def _first_text(*fields: str) -> Callable[[dict[str, Any]], dict[str, Any] | None]:
     """Rerank and score: the engine pairs the query (or text_1) with each document, so what every
     pair of one request shares, and what a cache can hold, is the leading text: route by it."""
@@ -149,6 +176,8 @@ class ForwardedRoute:
 FORWARDED_ROUTES = (
     ForwardedRoute("/v1/completions", ("prompt",)),
     ForwardedRoute("/v1/chat/completions", ("messages",)),
+    ForwardedRoute("/v1/responses", ("input",), _as_chat(responses_as_chat)),
+    ForwardedRoute("/v1/messages", ("messages",), _as_chat(messages_as_chat)),
     ForwardedRoute("/v1/embeddings", ("input", "messages"), _input_prompt),
     *(
         ForwardedRoute(path, ("query",), _first_text("query"), model_optional=True)
@@ -293,7 +322,9 @@ class ProxyEndpoint:
         except GatewayError as exc:
             self.context.metrics.gateway_errors.labels(str(exc.status)).inc()
             self.log_refused(request_id, started, exc)
-            await send_error(send, exc.status, exc.message, [(b"x-request-id", request_id)])
+            await send_error(
+                send, exc.status, exc.message, [(b"x-request-id", request_id)], gateway_error_body(exc)
+            )
             return
         except _ClientGone:
             return
@@ -350,7 +381,9 @@ class ProxyEndpoint:
             context.metrics.gateway_errors.labels("401").inc()
             if entry is not None:
                 entry.status, entry.error = 401, UNAUTHORIZED_MESSAGE
-            await _respond_error(responder, 401, UNAUTHORIZED_MESSAGE, id_header, UNAUTHORIZED_HEADERS)
+            await _respond_error(
+                responder, 401, error_body(401, UNAUTHORIZED_MESSAGE), id_header, UNAUTHORIZED_HEADERS
+            )
             return
         try:
             route_request, data, by_policy = self._parse(body, request_id, session_value)
@@ -372,7 +405,7 @@ class ProxyEndpoint:
             context.metrics.gateway_errors.labels(str(exc.status)).inc()
             if entry is not None:
                 entry.status, entry.error = exc.status, exc.message
-            await _respond_error(responder, exc.status, exc.message, id_header)
+            await _respond_error(responder, exc.status, gateway_error_body(exc), id_header)
         except Exception as exc:
             # Never a stack trace to the client; the log keeps it for the operator (throttled).
             log_unexpected(
@@ -382,7 +415,8 @@ class ProxyEndpoint:
             if entry is not None:
                 entry.status, entry.error = 500, "internal gateway error"
             with contextlib.suppress(Exception):
-                await _respond_error(responder, 500, "internal gateway error; see the gateway log", id_header)
+                body = error_body(500, "internal gateway error; see the gateway log")
+                await _respond_error(responder, 500, body, id_header)
 
     async def _read_body(self, receive, declared_length: bytes | None) -> bytes:
         limit = self.context.config.limits.max_body_bytes
@@ -423,32 +457,50 @@ class ProxyEndpoint:
         A request with nothing to route by goes to the least-loaded backend and the policy never sees it.
         """
         if not body:
-            raise GatewayError(400, "empty request body; send a JSON object")
+            raise GatewayError(400, "empty request body; send a JSON object", "body", SCHEMA_ERROR_TYPE)
         try:
             data = decode_json_body(_decoder, body)
         except msgspec.DecodeError as exc:
-            raise GatewayError(400, f"request body is not valid JSON: {exc}") from None
+            raise GatewayError(
+                400, f"request body is not valid JSON: {exc}", "body", SCHEMA_ERROR_TYPE
+            ) from None
         if not isinstance(data, dict):
-            raise GatewayError(400, f"request body must be a JSON object, got {type(data).__name__}")
+            raise GatewayError(
+                400,
+                f"request body must be a JSON object, got {type(data).__name__}",
+                "body",
+                SCHEMA_ERROR_TYPE,
+            )
         route = self.route
         model = data.get("model")
         if model is None and route.model_optional and len(self.context.config.models) == 1:
             model = self.context.config.models[0].name
         if not isinstance(model, str) or not model:
-            raise GatewayError(400, "missing `model`: name one of the models listed by GET /v1/models")
+            raise GatewayError(
+                400,
+                "missing `model`: name one of the models listed by GET /v1/models",
+                "body.model",
+                SCHEMA_ERROR_TYPE,
+            )
         if not any(field in data for field in route.required):
             fields = " or ".join(f"`{field}`" for field in route.required)
-            raise GatewayError(400, f"missing {fields} for {route.path}")
+            raise GatewayError(
+                400, f"missing {fields} for {route.path}", f"body.{route.required[0]}", SCHEMA_ERROR_TYPE
+            )
         if model not in self.context.model_names:
             known = ", ".join(m.name for m in self.context.config.models)
-            raise GatewayError(404, f"the model `{model}` does not exist; configured models: {known}")
+            raise GatewayError(
+                404, f"the model `{model}` does not exist; configured models: {known}", "model"
+            )
+        view = None if route.routing_view is None else route.routing_view(data)
         if (
-            # Where the gateway renders the messages itself (a routed path); /tokenize leaves the
-            # rendering to the engine, which has its own --trust-request-chat-template.
-            route.routing_view is not None
-            and "messages" in data
+            # Where the gateway renders the messages itself (a routed path, /v1/responses and
+            # /v1/messages by their chat); /tokenize leaves the rendering to the engine, which has
+            # its own --trust-request-chat-template.
+            view is not None
+            and "messages" in view
             and model not in self.context.request_template_models
-            and _carries_chat_template(data)
+            and _carries_chat_template(view)
         ):
             raise GatewayError(
                 400,
@@ -457,13 +509,13 @@ class ProxyEndpoint:
                 "on the gateway and the engines. Leave it out to use the model's own template; an "
                 f"operator who trusts every client can set `trust_request_chat_template: true` on the "
                 f"model `{model}` in the gateway configuration (and --trust-request-chat-template on vLLM)",
+                "chat_template",
             )
         if session_value is not None:
             session_key = session_value.decode("latin-1")
         else:
             user = data.get("user")
             session_key = user if isinstance(user, str) and user else None
-        view = None if route.routing_view is None else route.routing_view(data)
         route_request = RouteRequest(request_id.decode("latin-1"), model, view or {}, session_key)
         route_request.body_size = len(body)
         return route_request, data, view is not None
@@ -751,11 +803,11 @@ class _AsgiResponder:
 async def _respond_error(
     responder: Responder,
     status: int,
-    message: str,
+    body: bytes,
     id_header: tuple[bytes, bytes],
     extra_headers: list[tuple[bytes, bytes]] = (),
 ) -> None:
-    body = error_body(status, message)
+    """Answer the encoded error `body` (error_body) with `status`."""
     headers = [
         (b"content-type", b"application/json"),
         (b"content-length", b"%d" % len(body)),

@@ -39,7 +39,7 @@ import httptools
 from uvicorn.protocols.http.flow_control import FlowControl
 from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
 
-from router.errors import GatewayError, KvgateError, error_body
+from router.errors import GatewayError, KvgateError, error_body, gateway_error_body
 from router.forward import body_too_large
 
 if TYPE_CHECKING:
@@ -794,7 +794,7 @@ class GatewayHttpProtocol(HttpToolsProtocol):
 
 
 async def _answer_error(exchange: _Exchange, error: GatewayError) -> None:
-    body = error_body(error.status, error.message)
+    body = gateway_error_body(error)
     headers = [
         (b"content-type", b"application/json"),
         (b"content-length", b"%d" % len(body)),

@@ -863,6 +863,10 @@ def request_chat_template(body: dict[str, Any]) -> str | None:
     return template
 
 
+# Content parts vLLM reads as text: chat's own, and the Responses API's (which chat accepts too).
+_TEXT_PART_TYPES = frozenset(("text", "input_text", "output_text"))
+
+
 def _flatten_content(message: Any) -> Any:
     """vLLM's "string" content format: a list of text parts becomes their texts joined by newlines."""
     if not isinstance(message, dict):
@@ -870,7 +874,9 @@ def _flatten_content(message: Any) -> Any:
     content = message.get("content")
     if isinstance(content, list):
         texts = [
-            part.get("text", "") for part in content if isinstance(part, dict) and part.get("type") == "text"
+            part.get("text", "")
+            for part in content
+            if isinstance(part, dict) and part.get("type") in _TEXT_PART_TYPES
         ]
         return {**message, "content": "\n".join(texts)}
     return message

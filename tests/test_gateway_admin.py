@@ -60,7 +60,7 @@ def test_admin_endpoints_need_the_token(client, headers):
     for method, path in (("GET", "/backends"), ("POST", "/backends"), ("DELETE", "/backends/a")):
         response = client.request(method, path, headers=headers, json={"name": "x", "url": "http://h:1"})
         assert response.status_code == 401
-        assert response.json()["error"]["type"] == "authentication_error"
+        assert response.json()["error"]["type"] == "Unauthorized"
     assert names(client) == ["a"]  # nothing was added or removed
 
 

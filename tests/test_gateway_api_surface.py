@@ -1,7 +1,9 @@
 """The API surface users of vLLM and sglang-router expect, through the real gateway process:
 GET /v1/models/{id}; /v1/embeddings, rerank, score, /tokenize and /detokenize forwarded to real
-(simulated) engines and routed by their prompt's cached prefix; client API keys; and the command
-lines (`kvgate --version`, KVGATE_CONFIG, --help with defaults, `cachelayer` subcommands)."""
+(simulated) engines and routed by their prompt's cached prefix; the Responses and Anthropic
+Messages APIs through the official `openai` and `anthropic` clients; one error shape for the
+gateway and the engines; client API keys; and the command lines (`kvgate --version`,
+KVGATE_CONFIG, --help with defaults, `cachelayer` subcommands)."""
 
 from __future__ import annotations
 
@@ -12,7 +14,9 @@ import subprocess
 import time
 from collections.abc import Iterator
 
+import anthropic
 import httpx
+import openai
 import pytest
 
 from kvgate_testing.backend import start_backend
@@ -54,7 +58,7 @@ def test_model_by_id_answers_its_card_or_a_404_in_the_openai_shape():
                 answer = httpx.get(f"{gateway.url}/v1/models/{missing}", timeout=10)
                 assert answer.status_code == 404
                 error = answer.json()["error"]
-                assert error["code"] == 404 and error["type"] == "not_found_error"
+                assert error["code"] == 404 and error["type"] == "NotFoundError" and error["param"] == "model"
                 assert missing in error["message"]
     finally:
         backend.stop()
@@ -159,6 +163,147 @@ def test_tokenize_and_detokenize_are_forwarded_and_round_trip(sim_gateway):
     assert "`tokens`" in missing.json()["error"]["message"]
 
 
+# ---- the Responses and Anthropic Messages APIs, through their official clients ----
+
+
+def _gpu_tokens(gateway: GatewayProcess, backend: str) -> int:
+    state = httpx.get(f"{gateway.url}/debug/prefix-map?format=json", timeout=10).json()
+    return state["backends"][backend]["tokens"].get("gpu", 0)
+
+
+def _decision(gateway: GatewayProcess, request_id: str) -> dict:
+    decisions = httpx.get(f"{gateway.url}/debug/prefix-map?format=json", timeout=10).json()["decisions"]
+    found = [decision for decision in decisions if decision["request_id"] == request_id]
+    assert found, f"no routing decision for {request_id}"
+    return found[0]
+
+
+def _profile(api: str, n: int) -> str:
+    """A long system prompt of its own per API and number (no other test's prompt starts like it)."""
+    return f"{api} profile {n}: " + " ".join(
+        f"rule {i} of {api} assistant {n} on topic {n * 9 + i}." for i in range(40)
+    )
+
+
+def test_openai_responses_client_repeats_land_on_the_engine_that_caches_them(sim_gateway):
+    gateway = sim_gateway
+    client = openai.OpenAI(base_url=f"{gateway.url}/v1", api_key="unused", max_retries=0, timeout=30)
+    placed: dict[int, str] = {}
+    for n in range(4):
+        before = {name: _gpu_tokens(gateway, name) for name in ("sim-0", "sim-1")}
+        raw = client.responses.with_raw_response.create(
+            model=MODEL,
+            instructions=_profile("responses", n),
+            input="Which rule applies?",
+            max_output_tokens=2,
+            extra_headers={"x-request-id": f"responses-cold-{n}"},
+        )
+        first = raw.parse()
+        placed[n] = raw.headers["x-kvgate-backend"]
+        assert first.usage.input_tokens_details.cached_tokens == 0 and first.output_text
+        # The gateway tokenized the request as the engine did: its prompt, token for token in count.
+        assert _decision(gateway, f"responses-cold-{n}")["prompt_tokens"] == first.usage.input_tokens
+        _wait_cached(gateway, placed[n], before[placed[n]] + 16)
+    assert len(set(placed.values())) == 2, f"cold prompts should spread over both engines: {placed}"
+
+    for n, backend in placed.items():
+        # The same instructions, a new question, streamed: routed to the engine that holds the prefix.
+        raw = client.responses.with_raw_response.create(
+            model=MODEL,
+            instructions=_profile("responses", n),
+            input=[{"role": "user", "content": [{"type": "input_text", "text": "And the next one?"}]}],
+            max_output_tokens=3,
+            stream=True,
+            extra_headers={"x-request-id": f"responses-repeat-{n}"},
+        )
+        assert raw.headers["x-kvgate-backend"] == backend, f"prompt {n} left the engine that caches it"
+        decision = _decision(gateway, f"responses-repeat-{n}")
+        assert decision["reason"] == "cache_hit" and decision["cached_tokens"] >= 16 * 10, decision
+        events = list(raw.parse())
+        kinds = [event.type for event in events]
+        assert kinds[0] == "response.created" and kinds[-1] == "response.completed"
+        assert kinds.count("response.output_text.delta") == 3
+        final = events[-1].response
+        assert final.usage.input_tokens_details.cached_tokens >= 16 * 10, final.usage
+        assert final.output_text == "".join(e.delta for e in events if e.type == "response.output_text.delta")
+
+
+def test_anthropic_client_repeats_land_on_the_engine_that_caches_them(sim_gateway):
+    gateway = sim_gateway
+    client = anthropic.Anthropic(base_url=gateway.url, api_key="unused", max_retries=0, timeout=30)
+    placed: dict[int, str] = {}
+    for n in range(4):
+        before = {name: _gpu_tokens(gateway, name) for name in ("sim-0", "sim-1")}
+        raw = client.messages.with_raw_response.create(
+            model=MODEL,
+            max_tokens=2,
+            system=_profile("messages", n),
+            messages=[{"role": "user", "content": "Which rule applies?"}],
+            extra_headers={"x-request-id": f"messages-cold-{n}"},
+        )
+        message = raw.parse()
+        placed[n] = raw.headers["x-kvgate-backend"]
+        assert message.stop_reason == "max_tokens" and message.content[0].text
+        assert message.usage.cache_read_input_tokens == 0
+        assert _decision(gateway, f"messages-cold-{n}")["prompt_tokens"] == message.usage.input_tokens
+        _wait_cached(gateway, placed[n], before[placed[n]] + 16)
+    assert len(set(placed.values())) == 2, f"cold prompts should spread over both engines: {placed}"
+
+    for n, backend in placed.items():
+        repeat = client.messages.with_raw_response.create(
+            model=MODEL,
+            max_tokens=2,
+            system=[{"type": "text", "text": _profile("messages", n)}],
+            messages=[{"role": "user", "content": [{"type": "text", "text": "And the next one?"}]}],
+            extra_headers={"x-request-id": f"messages-repeat-{n}"},
+        )
+        assert repeat.headers["x-kvgate-backend"] == backend, f"prompt {n} left the engine that caches it"
+        decision = _decision(gateway, f"messages-repeat-{n}")
+        assert decision["reason"] == "cache_hit" and decision["cached_tokens"] >= 16 * 10, decision
+        assert repeat.parse().usage.cache_read_input_tokens >= 16 * 10
+        with client.messages.stream(
+            model=MODEL,
+            max_tokens=3,
+            system=_profile("messages", n),
+            messages=[{"role": "user", "content": "Streamed, please."}],
+        ) as stream:
+            text = "".join(stream.text_stream)
+            final = stream.get_final_message()
+            assert stream.response.headers["x-kvgate-backend"] == backend
+        assert text and final.content[0].text == text
+        assert final.usage.output_tokens == 3 and final.usage.cache_read_input_tokens >= 16 * 10
+
+
+def test_the_gateway_and_the_engines_answer_errors_in_one_shape(sim_gateway):
+    """The same kind of bad request gets the same error body from the gateway (which refuses it
+    itself, or forwards the engine's answer) and from a simulated engine asked directly."""
+    gateway = sim_gateway
+    engine = httpx.get(f"{gateway.url}/backends", timeout=10).json()["backends"][0]["url"]
+    chat = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}]}
+    cases = {
+        "bad JSON": ("/v1/chat/completions", b"{not json"),
+        "unknown model": ("/v1/chat/completions", {**chat, "model": "no-such-model"}),
+        "missing messages": ("/v1/chat/completions", {"model": MODEL}),
+        "missing input": ("/v1/responses", {"model": MODEL}),
+        "missing messages (Anthropic)": ("/v1/messages", {"model": MODEL, "max_tokens": 1}),
+        "temperature not a number": ("/v1/chat/completions", {**chat, "temperature": "hot"}),
+        "negative temperature": ("/v1/responses", {"model": MODEL, "input": "hi", "temperature": -1}),
+        "unknown role": ("/v1/messages", {"model": MODEL, "max_tokens": 1, "messages": [{"role": "wizard"}]}),
+    }
+    for kind, (path, body) in cases.items():
+        answers = []
+        for url in (gateway.url, engine):
+            if isinstance(body, bytes):
+                response = httpx.post(url + path, content=body, timeout=30)
+            else:
+                response = httpx.post(url + path, json=body, timeout=30)
+            error = response.json()["error"]
+            assert set(error) == {"message", "type", "param", "code"}, (kind, url, error)
+            answers.append((response.status_code, error["type"], error["param"], error["code"]))
+        assert answers[0] == answers[1], f"{kind}: gateway {answers[0]}, engine {answers[1]}"
+        assert answers[0][0] in (400, 404) and answers[0][0] == answers[0][3]
+
+
 # ---- client API keys ----
 
 
@@ -230,7 +375,7 @@ def test_keys_guard_every_route_but_health_and_metrics(keyed_gateway):
         answer = httpx.request(method, url + path, json={"model": MODEL, "input": "x"}, timeout=10)
         assert answer.status_code == 401, path
         error = answer.json()["error"]
-        assert error["code"] == 401 and error["type"] == "authentication_error"
+        assert error["code"] == 401 and error["type"] == "Unauthorized"
         assert "Authorization: Bearer" in error["message"]
     models = httpx.get(f"{url}/v1/models", headers={"authorization": f"Bearer {KEY_TWO}"}, timeout=10)
     assert models.status_code == 200 and models.json()["data"][0]["id"] == MODEL

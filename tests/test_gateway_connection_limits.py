@@ -92,7 +92,7 @@ def test_a_head_over_the_limit_gets_431_and_the_connection_closes(gateway, metho
     assert _status(response) == 431
     assert b"connection: close" in response.lower()
     assert b"limits.max_header_bytes" in response
-    assert b'"type":"invalid_request_error"' in response
+    assert b'"type":"Request Header Fields Too Large"' in response
 
 
 def test_a_head_under_the_limit_is_served(gateway):

@@ -1,4 +1,4 @@
-"""Every error the gateway answers itself: OpenAI shape, right status, no stack trace, still serving."""
+"""Every error the gateway answers itself: vLLM's shape, right status, no stack trace, still serving."""
 
 from __future__ import annotations
 
@@ -34,7 +34,7 @@ def assert_openai_error(response: httpx.Response, status: int, fragment: str) ->
     assert response.status_code == status
     assert response.headers["content-type"] == "application/json"
     error = response.json()["error"]
-    assert set(error) == {"message", "type", "code"}
+    assert set(error) == {"message", "type", "param", "code"}  # vLLM's ErrorResponse
     assert error["code"] == status
     assert fragment in error["message"]
     assert "Traceback" not in response.text
@@ -54,13 +54,19 @@ def assert_openai_error(response: httpx.Response, status: int, fragment: str) ->
     ],
 )
 def test_bad_requests_get_400(client, path, body, fragment):
-    assert_openai_error(client.post(path, content=body), 400, fragment)
+    response = client.post(path, content=body)
+    assert_openai_error(response, 400, fragment)
+    # A body that fails the request schema: vLLM's validation type, its location as `param`.
+    error = response.json()["error"]
+    assert error["type"] == "Bad Request" and error["param"].startswith("body")
 
 
 def test_unknown_model_gets_404_naming_the_known_ones(client):
     response = client.post("/v1/completions", json={"model": "gpt-9", "prompt": "x"})
     assert_openai_error(response, 404, "`gpt-9` does not exist")
     assert MODEL in response.json()["error"]["message"]
+    assert response.json()["error"]["type"] == "NotFoundError"
+    assert response.json()["error"]["param"] == "model"
 
 
 def test_body_over_the_limit_gets_413(client):
@@ -86,9 +92,11 @@ def test_unknown_route_and_method_get_openai_errors(client):
     unknown_route = client.get("/v2/nothing")
     assert unknown_route.status_code == 404
     assert unknown_route.json()["error"]["code"] == 404
+    assert unknown_route.json()["error"]["type"] == "Not Found"  # vLLM's type for a route it lacks
     wrong_method = client.get("/v1/completions")
     assert wrong_method.status_code == 405
     assert wrong_method.json()["error"]["code"] == 405
+    assert wrong_method.json()["error"]["type"] == "Method Not Allowed"
 
 
 def test_gateway_keeps_serving_after_errors(client):
@@ -110,7 +118,7 @@ def test_no_healthy_backend_gets_503():
             f"{gateway.url}/v1/completions", json={"model": MODEL, "prompt": "x"}, timeout=30
         )
         assert response.status_code == 503
-        assert response.json()["error"]["type"] == "service_unavailable"
+        assert response.json()["error"]["type"] == "Service Unavailable"
         # Marked down now, yet still tried (panic routing: it might be back) before the 503.
         response = httpx.post(
             f"{gateway.url}/v1/completions", json={"model": MODEL, "prompt": "x"}, timeout=30

@@ -146,7 +146,7 @@ def test_request_chat_template_is_refused_by_default(guarded, client: httpx.Clie
     response, worst_s = post_watching_health(client, guarded.url, "/v1/chat/completions", body)
     assert response.status_code == 400
     error = response.json()["error"]
-    assert error["type"] == "invalid_request_error"
+    assert error["type"] == "BadRequestError" and error["param"] == "chat_template"
     assert "chat template" in error["message"] and "trust_request_chat_template" in error["message"]
     assert worst_s < HEALTH_LIMIT_S
 

@@ -165,8 +165,9 @@ def test_bad_requests_get_vllm_style_errors(sim):
     wrong_model = sim.post("/v1/completions", {"model": "nope", "prompt": "x"})
     assert wrong_model.status_code == 404
     assert "nope" in wrong_model.json()["error"]["message"]
+    assert wrong_model.json()["error"]["type"] == "NotFoundError"
     no_prompt = sim.post("/v1/completions", {"model": MODEL})
-    assert no_prompt.status_code == 400 and no_prompt.json()["error"]["param"] == "prompt"
+    assert no_prompt.status_code == 400 and no_prompt.json()["error"]["param"] == "body.prompt"
     bad_json = sim.client.post("/v1/completions", content=b"{not json")
     assert bad_json.status_code == 400 and "not valid JSON" in bad_json.json()["error"]["message"]
     too_big = sim.post("/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": 100_000})
@@ -174,7 +175,7 @@ def test_bad_requests_get_vllm_style_errors(sim):
     pool = sim.post("/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": 9000})
     assert pool.status_code == 400 and "--num-gpu-blocks-override" in pool.json()["error"]["message"]
     bad_messages = sim.post("/v1/chat/completions", {"model": MODEL, "messages": "hello"})
-    assert bad_messages.status_code == 400 and bad_messages.json()["error"]["param"] == "messages"
+    assert bad_messages.status_code == 400 and bad_messages.json()["error"]["param"] == "body.messages"
 
 
 def test_cache_salt_isolates_and_events_announce_then_clear(sim):
@@ -229,3 +230,149 @@ def test_tokenize_a_prompt_like_vllm(sim, tokenizer):
     assert answer["count"] == len(answer["tokens"]) and answer["max_model_len"] == 32768
     assert answer["token_strs"] == tokenizer.convert_ids_to_tokens(answer["tokens"])
     assert msgspec.json.decode(sim.client.get("/version").content)["version"] == "kvgate-simulated"
+
+
+# ---- the Responses and Anthropic Messages APIs ----
+
+
+def _events(response: httpx.Response) -> list[tuple[str, dict]]:
+    """(event name, data) of each server-sent event of a Responses or Messages stream."""
+    events, name = [], None
+    for line in response.iter_lines():
+        if line.startswith("event: "):
+            name = line.removeprefix("event: ")
+        elif line.startswith("data: "):
+            events.append((name, json.loads(line.removeprefix("data: "))))
+            name = None
+    return events
+
+
+def test_responses_render_their_input_like_vllm_and_repeats_hit_the_cache(sim, tokenizer):
+    instructions = "responses " + LONG_PROMPT
+    parts = [{"type": "input_text", "text": "first part"}, {"type": "input_text", "text": "second"}]
+    body = {"model": MODEL, "instructions": instructions, "max_output_tokens": 3,
+            "input": [{"type": "message", "role": "user", "content": parts}]}  # fmt: skip
+    # vLLM: the instructions as a system message, text parts joined by newlines, the model's template.
+    chat = [{"role": "system", "content": instructions}, {"role": "user", "content": "first part\nsecond"}]
+    expected = tokenizer.encode(
+        tokenizer.apply_chat_template(chat, tokenize=False, add_generation_prompt=True),
+        add_special_tokens=False,
+    )
+    first = sim.post("/v1/responses", body).json()
+    assert first["object"] == "response" and first["id"].startswith("resp_")
+    assert first["usage"]["input_tokens"] == len(expected)
+    assert first["usage"]["input_tokens_details"]["cached_tokens"] == 0
+    assert first["usage"]["output_tokens"] == 3
+    # Output always stops at the limit: incomplete, as the Responses API says it.
+    assert first["status"] == "incomplete" and first["incomplete_details"] == {"reason": "max_output_tokens"}
+    message = first["output"][0]
+    assert message["type"] == "message" and message["role"] == "assistant"
+    assert message["content"][0]["type"] == "output_text" and message["content"][0]["text"]
+    second = sim.post("/v1/responses", body).json()
+    assert second["usage"]["input_tokens_details"]["cached_tokens"] == (len(expected) - 1) // 16 * 16
+
+    with sim.client.stream("POST", "/v1/responses", json={**body, "stream": True}) as response:
+        assert response.headers["content-type"].startswith("text/event-stream")
+        events = _events(response)
+    assert all(name == data["type"] for name, data in events)
+    assert [data["sequence_number"] for _, data in events] == list(range(len(events)))
+    kinds = [name for name, _ in events]
+    assert kinds[:4] == ["response.created", "response.in_progress", "response.output_item.added",
+                         "response.content_part.added"]  # fmt: skip
+    assert kinds[-4:] == ["response.output_text.done", "response.content_part.done",
+                          "response.output_item.done", "response.completed"]  # fmt: skip
+    deltas = [data["delta"] for name, data in events if name == "response.output_text.delta"]
+    final = events[-1][1]["response"]
+    assert len(deltas) == 3 and "".join(deltas) == final["output"][0]["content"][0]["text"]
+    assert final["usage"]["input_tokens_details"]["cached_tokens"] == (len(expected) - 1) // 16 * 16
+
+
+def test_messages_render_like_vllm_and_stream_anthropic_events(sim, tokenizer):
+    system = "messages " + LONG_PROMPT
+    blocks = [{"type": "text", "text": "part one"}, {"type": "text", "text": "part two"}]
+    body = {"model": MODEL, "max_tokens": 3, "system": [{"type": "text", "text": system}],
+            "messages": [{"role": "user", "content": blocks}]}  # fmt: skip
+    chat = [{"role": "system", "content": system}, {"role": "user", "content": "part one\npart two"}]
+    expected = tokenizer.encode(
+        tokenizer.apply_chat_template(chat, tokenize=False, add_generation_prompt=True),
+        add_special_tokens=False,
+    )
+    first = sim.post("/v1/messages", body).json()
+    assert first["type"] == "message" and first["role"] == "assistant"
+    assert first["content"][0]["type"] == "text" and first["stop_reason"] == "max_tokens"
+    assert first["usage"] == {"input_tokens": len(expected), "output_tokens": 3, "cache_read_input_tokens": 0}
+
+    with sim.client.stream("POST", "/v1/messages", json={**body, "stream": True}) as response:
+        assert response.headers["content-type"].startswith("text/event-stream")
+        events = _events(response)
+    assert all(name == data["type"] for name, data in events)
+    kinds = [name for name, _ in events]
+    assert kinds == ["message_start", "content_block_start", *["content_block_delta"] * 3,
+                     "content_block_stop", "message_delta", "message_stop"]  # fmt: skip
+    assert events[0][1]["message"]["usage"]["input_tokens"] == len(expected)
+    assert all(
+        data["delta"]["type"] == "text_delta" for name, data in events if name == "content_block_delta"
+    )
+    delta = events[-2][1]
+    assert delta["delta"]["stop_reason"] == "max_tokens"
+    assert delta["usage"]["cache_read_input_tokens"] == (len(expected) - 1) // 16 * 16
+
+
+CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}
+RESPONSES = {"model": MODEL, "input": "hi", "max_output_tokens": 1}
+MESSAGES = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}
+SCHEMA = "Bad Request"  # vLLM's type for a body that fails its request schema
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "error_type", "param"),
+    [
+        ("/v1/chat/completions", {**CHAT, "temperature": "hot"}, SCHEMA, "body.temperature"),
+        ("/v1/chat/completions", {**CHAT, "temperature": -0.5}, "BadRequestError", "temperature"),
+        ("/v1/chat/completions", {**CHAT, "top_p": 0}, "BadRequestError", "top_p"),
+        ("/v1/chat/completions", {**CHAT, "top_p": 1.5}, "BadRequestError", "top_p"),
+        ("/v1/chat/completions", {**CHAT, "max_tokens": 0}, "BadRequestError", "max_tokens"),
+        ("/v1/chat/completions", {**CHAT, "n": 0}, "BadRequestError", "n"),
+        ("/v1/chat/completions", {**CHAT, "presence_penalty": 3}, "BadRequestError", "presence_penalty"),
+        ("/v1/chat/completions", {**CHAT, "max_tokens": 2.5}, SCHEMA, "body.max_tokens"),
+        (
+            "/v1/chat/completions",
+            {**CHAT, "messages": [{"role": 7, "content": "x"}]},
+            SCHEMA,
+            "body.messages.0.role",
+        ),
+        ("/v1/completions", {"model": MODEL, "prompt": "x", "seed": "lucky"}, SCHEMA, "body.seed"),
+        (
+            "/v1/responses",
+            {**RESPONSES, "input": [{"role": "wizard", "content": "x"}]},
+            SCHEMA,
+            "body.input.0.role",
+        ),
+        ("/v1/responses", {**RESPONSES, "max_output_tokens": 0}, "BadRequestError", "max_output_tokens"),
+        ("/v1/responses", {**RESPONSES, "temperature": "hot"}, SCHEMA, "body.temperature"),
+        (
+            "/v1/messages",
+            {**MESSAGES, "messages": [{"role": "wizard", "content": "x"}]},
+            SCHEMA,
+            "body.messages.0.role",
+        ),
+        ("/v1/messages", {"model": MODEL, "messages": MESSAGES["messages"]}, SCHEMA, "body.max_tokens"),
+        ("/v1/messages", {**MESSAGES, "temperature": -1}, "BadRequestError", "temperature"),
+    ],
+)
+def test_what_vllm_refuses_is_refused_in_its_shape(sim, path, body, error_type, param):
+    response = sim.post(path, body)
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert (error["type"], error["param"], error["code"]) == (error_type, param, 400)
+    assert param.removeprefix("body.").split(".")[0] in error["message"]
+
+
+def test_what_vllm_accepts_is_served(sim):
+    # pydantic reads a numeric string as a number; vLLM's chat takes any role string (its custom-role
+    # message type) and leaves the role to the chat template (Qwen3's renders only the ones it knows).
+    lenient = {**CHAT, "temperature": "0.5", "top_p": 1, "max_tokens": 2.0}
+    assert sim.post("/v1/chat/completions", lenient).status_code == 200
+    custom_role = {**CHAT, "messages": [{"role": "wizard", "content": "x"}, *CHAT["messages"]]}
+    assert sim.post("/v1/chat/completions", custom_role).status_code == 200

@@ -1,9 +1,12 @@
 """The simulated engine's HTTP API: vLLM's OpenAI-compatible endpoints and its /metrics names.
 
 Endpoints: POST /v1/completions, POST /v1/chat/completions (both with SSE streaming in vLLM's chunk
-format), GET /v1/models, POST /tokenize, POST /detokenize, GET /health, GET /metrics,
-POST /reset_prefix_cache, GET /version. Every response's usage carries
-prompt_tokens_details.cached_tokens.
+format), POST /v1/responses and POST /v1/messages (the Responses and Anthropic Messages APIs, read
+as vLLM reads them by router/api_formats.py, answered and streamed in vLLM's shapes), GET /v1/models,
+POST /tokenize, POST /detokenize, GET /health, GET /metrics, POST /reset_prefix_cache, GET /version.
+Every usage says how many prompt tokens were cached (prompt_tokens_details.cached_tokens;
+input_tokens_details.cached_tokens; cache_read_input_tokens). Requests are refused where vLLM
+refuses them (router/sim/validation.py), in vLLM's error shape (router/errors.py).
 
 Simulated pooling endpoints, in vLLM's request and response shapes but with made-up numbers (no
 model runs): POST /v1/embeddings prefills each input through the simulated engine (so it is cached
@@ -33,9 +36,11 @@ from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
 
-from router.errors import KvgateError
+from router.api_formats import ApiFormatError, messages_as_chat, responses_as_chat
+from router.errors import error_body
 from router.sim.engine import GenerationRequest, InsufficientCapacity, SimulatedEngine
 from router.sim.prompts import PromptError, PromptTokenizer
+from router.sim.validation import RequestRefused, check_chat_messages, check_request, schema_error
 
 log = logging.getLogger("kvgate.sim")
 OWNED_BY = "kvgate-simulated"
@@ -58,6 +63,8 @@ class _GenerationApi:
     id_prefix: str
     response_object: str
     chunk_object: str
+    fields: str  # the validation.FIELDS entry of its request model
+    check_shape: Callable[[dict], None]  # the prompt field's schema check (vLLM reports it first)
     read_prompt: Callable[[dict], Any]  # the request body -> prompt token ids (PromptError if bad)
     prompt_param: str  # the field a prompt error names
     max_tokens_field: str
@@ -67,17 +74,14 @@ class _GenerationApi:
     response_trailer: dict = field(default_factory=dict)  # fields after `usage` in a non-streamed answer
 
 
-class _BadRequest(KvgateError):
-    def __init__(self, message: str, status: int = 400, param: str | None = None):
-        super().__init__(message)
-        self.status = status
-        self.param = param
+def _error(message: str, status: int, param: str | None = None, error_type: str | None = None) -> Response:
+    """vLLM's ErrorResponse (router/errors.py's error_body, the gateway's shape too)."""
+    body = error_body(status, message, param, error_type)
+    return Response(body, status_code=status, media_type="application/json")
 
 
-def _error(message: str, status: int, param: str | None = None) -> Response:
-    kind = {400: "BadRequestError", 404: "NotFoundError"}.get(status, "InternalServerError")
-    body = {"error": {"message": message, "type": kind, "param": param, "code": status}}
-    return Response(_json.encode(body), status_code=status, media_type="application/json")
+def _refused(exc: RequestRefused) -> Response:
+    return _error(str(exc), exc.status, exc.param, exc.error_type)
 
 
 def _ok(body: Any) -> Response:
@@ -145,15 +149,6 @@ class _MetricsCollector:
         yield info
 
 
-def _int_field(body: dict, name: str, default: int | None, minimum: int) -> int | None:
-    value = body.get(name, default)
-    if value is None:
-        return default
-    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
-        raise _BadRequest(f"`{name}` must be an integer >= {minimum}, got {value!r}", param=name)
-    return value
-
-
 def _usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict:
     return {
         "prompt_tokens": prompt_tokens,
@@ -178,23 +173,27 @@ def build_app(
         try:
             body = msgspec.json.decode(await request.body())
         except msgspec.DecodeError as exc:
-            raise _BadRequest(f"the request body is not valid JSON: {exc}") from None
+            raise schema_error(f"the request body is not valid JSON: {exc}", "") from None
         if not isinstance(body, dict):
-            raise _BadRequest("the request body must be a JSON object")
+            raise schema_error("the request body must be a JSON object", "")
         requested = body.get("model")
         if requested is not None and requested != model.name and requested not in model.lora_names:
-            raise _BadRequest(f"The model `{requested}` does not exist.", status=404, param="model")
+            raise RequestRefused(f"The model `{requested}` does not exist.", status=404, param="model")
         return body
 
-    def generation_request(body: dict, prompt, max_tokens_field: str) -> GenerationRequest:
-        if _int_field(body, "n", 1, 1) != 1:
-            raise _BadRequest("the simulated engine supports only n=1", param="n")
-        requested = _int_field(body, max_tokens_field, None, 1)
+    def generation_request(
+        body: dict, prompt, max_tokens_field: str, values: dict | None = None
+    ) -> GenerationRequest:
+        """The engine's request for `prompt`; `values` are the body's fields as check_request read them."""
+        values = values or {}
+        if values.get("n", 1) not in (None, 1):
+            raise RequestRefused("the simulated engine supports only n=1", param="n")
+        requested = values.get(max_tokens_field)
         if requested is None and max_tokens_field == "max_completion_tokens":
-            requested = _int_field(body, "max_tokens", None, 1)
+            requested = values.get("max_tokens")
         room = model.max_model_len - len(prompt)
         if room <= 0 or (requested is not None and requested > room):
-            raise _BadRequest(
+            raise RequestRefused(
                 f"This model's maximum context length is {model.max_model_len} tokens. However, you "
                 f"requested {len(prompt) + (requested or 0)} tokens ({len(prompt)} in the messages, "
                 f"{requested or 0} in the completion). Please reduce the length of the messages or "
@@ -203,8 +202,8 @@ def build_app(
             )
         salt = body.get("cache_salt")
         if salt is not None and (not isinstance(salt, str) or not salt):
-            raise _BadRequest("`cache_salt` must be a non-empty string", param="cache_salt")
-        seed = _int_field(body, "seed", None, 0)
+            raise RequestRefused("`cache_salt` must be a non-empty string", param="cache_salt")
+        seed = values.get("seed")
         request = GenerationRequest(
             request_id=uuid.uuid4().hex,
             prompt=prompt,
@@ -217,19 +216,23 @@ def build_app(
         try:
             engine.check_fits(request)
         except InsufficientCapacity as exc:
-            raise _BadRequest(str(exc), param="max_tokens") from None
+            raise RequestRefused(str(exc), param="max_tokens") from None
         return request
 
     def stream_options(body: dict) -> bool:
         options = body.get("stream_options") or {}
         return bool(isinstance(options, dict) and options.get("include_usage"))
 
-    def completion_prompt(body: dict):
+    def check_prompt_given(body: dict) -> None:
         if "prompt" not in body:
-            raise _BadRequest("`prompt` is required", param="prompt")
+            raise schema_error("`prompt` is required", "prompt")
+
+    def completion_prompt(body: dict):
+        check_prompt_given(body)
         return tokenizer.completion_prompt(body["prompt"], bool(body.get("add_special_tokens", True)))
 
     def chat_prompt(body: dict):
+        check_chat_messages(body.get("messages"))
         return tokenizer.chat_prompt(
             body.get("messages"),
             add_generation_prompt=bool(body.get("add_generation_prompt", True)),
@@ -243,20 +246,22 @@ def build_app(
         """One completion or chat completion, streamed or not; `api` says how its JSON is shaped."""
         try:
             body = await read_body(request)
+            api.check_shape(body)
+            values = check_request(body, api.fields)
             try:
                 prompt = api.read_prompt(body)
             except PromptError as exc:
-                raise _BadRequest(str(exc), param=api.prompt_param) from None
-            generation = generation_request(body, prompt, api.max_tokens_field)
-        except _BadRequest as exc:
-            return _error(str(exc), exc.status, exc.param)
+                raise RequestRefused(str(exc), param=api.prompt_param) from None
+            generation = generation_request(body, prompt, api.max_tokens_field, values)
+        except RequestRefused as exc:
+            return _refused(exc)
         header = {
             "id": f"{api.id_prefix}-{generation.request_id}",
             "object": api.chunk_object,
             "created": int(time.time()),
             "model": generation.lora_name or model.name,
         }
-        if body.get("stream"):
+        if values.get("stream"):
             return _sse(engine, generation, tokenizer, api, header, stream_options(body))
         tokens = [token async for token in engine.generate(generation)]
         text = "".join(tokenizer.output_text(t) for t in tokens)
@@ -275,6 +280,8 @@ def build_app(
 
     completion_api = _GenerationApi(
         id_prefix="cmpl",
+        fields="completions",
+        check_shape=check_prompt_given,
         response_object="text_completion",
         chunk_object="text_completion",
         read_prompt=completion_prompt,
@@ -289,6 +296,8 @@ def build_app(
 
     chat_api = _GenerationApi(
         id_prefix="chatcmpl",
+        fields="chat",
+        check_shape=lambda body: check_chat_messages(body.get("messages")),
         response_object="chat.completion",
         chunk_object="chat.completion.chunk",
         read_prompt=chat_prompt,
@@ -305,6 +314,83 @@ def build_app(
         },
         response_trailer={"prompt_logprobs": None},
     )
+
+    def chat_tokens(chat: dict, param: str):
+        """The prompt tokens of a chat request read from another API (router/api_formats.py)."""
+        check_chat_messages(chat["messages"])
+        try:
+            return tokenizer.chat_prompt(
+                chat["messages"],
+                add_generation_prompt=chat.get("add_generation_prompt", True),
+                continue_final_message=chat.get("continue_final_message", False),
+                tools=chat.get("tools"),
+                chat_template_kwargs=chat.get("chat_template_kwargs"),
+            )
+        except PromptError as exc:
+            raise RequestRefused(str(exc), param=param) from None
+
+    def as_chat(read: Callable[[dict], dict], body: dict) -> dict:
+        try:
+            return read(body)
+        except ApiFormatError as exc:
+            raise schema_error(str(exc), exc.param) from None
+
+    async def responses(request: Request) -> Response:
+        """POST /v1/responses: the Responses API, rendered as vLLM renders it, in its response shape."""
+        try:
+            body = await read_body(request)
+            chat = as_chat(responses_as_chat, body)  # `input` first, as vLLM's schema reports it
+            values = check_request(body, "responses")
+            prompt = chat_tokens(chat, "input")
+            generation = generation_request(body, prompt, "max_output_tokens", values)
+        except RequestRefused as exc:
+            return _refused(exc)
+        answer = _ResponsesAnswer(
+            f"resp_{generation.request_id}",
+            f"msg_{uuid.uuid4().hex}",
+            generation.lora_name or model.name,
+            body,
+        )
+        if values.get("stream"):
+            return StreamingResponse(
+                answer.events(engine, generation, tokenizer), media_type="text/event-stream"
+            )
+        tokens = [token async for token in engine.generate(generation)]
+        text = "".join(tokenizer.output_text(t) for t in tokens)
+        return _ok(
+            answer.response(text, _responses_usage(len(prompt), len(tokens), generation.cached_tokens))
+        )
+
+    async def messages(request: Request) -> Response:
+        """POST /v1/messages: the Anthropic Messages API, as vLLM serves it (its chat underneath)."""
+        try:
+            body = await read_body(request)
+            chat = as_chat(messages_as_chat, body)  # `messages` first, as vLLM's schema reports it
+            values = check_request(body, "messages")
+            prompt = chat_tokens(chat, "messages")
+            generation = generation_request(body, prompt, "max_tokens", values)
+        except RequestRefused as exc:
+            return _refused(exc)
+        message_id = f"chatcmpl-{generation.request_id}"  # vLLM answers with its chat completion's id
+        served = generation.lora_name or model.name
+        if values.get("stream"):
+            return StreamingResponse(
+                _anthropic_events(engine, generation, tokenizer, message_id, served),
+                media_type="text/event-stream",
+            )
+        tokens = [token async for token in engine.generate(generation)]
+        text = "".join(tokenizer.output_text(t) for t in tokens)
+        return _ok(
+            {
+                "id": message_id,
+                "type": "message",
+                "role": "assistant",
+                "content": [{"type": "text", "text": text}],
+                "model": served,
+                "stop_reason": "max_tokens",
+                "usage": _anthropic_usage(len(prompt), len(tokens), generation.cached_tokens),
+            }
+        )
 
     async def completions(request: Request) -> Response:
         return await generate(request, completion_api)
@@ -336,11 +422,11 @@ def build_app(
             elif isinstance(body.get("prompt"), str):
                 tokens = completion_prompt(body)
             else:
-                raise _BadRequest("give `prompt` (a string) or `messages`", param="prompt")
+                raise schema_error("give `prompt` (a string) or `messages`", "prompt")
         except PromptError as exc:
             return _error(str(exc), 400)
-        except _BadRequest as exc:
-            return _error(str(exc), exc.status, exc.param)
+        except RequestRefused as exc:
+            return _refused(exc)
         strings = tokenizer.token_strings(tokens) if body.get("return_token_strs") else None
         return _ok(
             {
@@ -356,9 +442,9 @@ def build_app(
             body = await read_body(request)
             tokens = body.get("tokens")
             if not isinstance(tokens, list) or not all(isinstance(t, int) and t >= 0 for t in tokens):
-                raise _BadRequest("`tokens` must be a list of token ids", param="tokens")
-        except _BadRequest as exc:
-            return _error(str(exc), exc.status, exc.param)
+                raise schema_error("`tokens` must be a list of token ids", "tokens")
+        except RequestRefused as exc:
+            return _refused(exc)
         return _ok({"prompt": tokenizer.tokenizer.decode(tokens)})
 
     async def embeddings(request: Request) -> Response:
@@ -370,15 +456,17 @@ def build_app(
             ):
                 inputs = [inputs]
             if not isinstance(inputs, list) or not inputs:
-                raise _BadRequest("`input` must be a string, token ids, or a non-empty list of those")
+                raise schema_error(
+                    "`input` must be a string, token ids, or a non-empty list of those", "input"
+                )
             add_special = bool(body.get("add_special_tokens", True))
             try:
                 prompts = [tokenizer.completion_prompt(item, add_special) for item in inputs]
             except PromptError as exc:
-                raise _BadRequest(str(exc), param="input") from None
+                raise RequestRefused(str(exc), param="input") from None
             generations = [generation_request({}, prompt, "max_tokens") for prompt in prompts]
-        except _BadRequest as exc:
-            return _error(str(exc), exc.status, exc.param)
+        except RequestRefused as exc:
+            return _refused(exc)
         data = []
         for index, (prompt, generation) in enumerate(zip(prompts, generations, strict=True)):
             generation.max_tokens = 1  # a prefill: the prompt is cached and its blocks published
@@ -402,11 +490,9 @@ def build_app(
             body = await read_body(request)
             query, documents = body.get("query"), body.get("documents")
             if not isinstance(query, str) or not isinstance(documents, list):
-                raise _BadRequest(
-                    "give `query` (a string) and `documents` (a list of strings)", param="query"
-                )
-        except _BadRequest as exc:
-            return _error(str(exc), exc.status, exc.param)
+                raise schema_error("give `query` (a string) and `documents` (a list of strings)", "query")
+        except RequestRefused as exc:
+            return _refused(exc)
         results = [
             {"index": i, "document": {"text": str(doc)}, "relevance_score": _word_overlap(query, str(doc))}
             for i, doc in enumerate(documents)
@@ -424,13 +510,13 @@ def build_app(
             firsts = [first] if isinstance(first, str) else first
             seconds = [second] if isinstance(second, str) else second
             if not isinstance(firsts, list) or not isinstance(seconds, list) or not seconds:
-                raise _BadRequest("give `text_1` and `text_2` (strings or lists of strings)", param="text_1")
+                raise schema_error("give `text_1` and `text_2` (strings or lists of strings)", "text_1")
             if len(firsts) == 1:
                 firsts = firsts * len(seconds)
             if len(firsts) != len(seconds):
-                raise _BadRequest("`text_1` must hold one text or as many as `text_2`", param="text_1")
-        except _BadRequest as exc:
-            return _error(str(exc), exc.status, exc.param)
+                raise RequestRefused("`text_1` must hold one text or as many as `text_2`", param="text_1")
+        except RequestRefused as exc:
+            return _refused(exc)
         data = [
             {"index": i, "object": "score", "score": _word_overlap(str(a), str(b))}
             for i, (a, b) in enumerate(zip(firsts, seconds, strict=True))
@@ -462,6 +548,8 @@ def build_app(
         routes=[
             Route("/v1/completions", completions, methods=["POST"]),
             Route("/v1/chat/completions", chat_completions, methods=["POST"]),
+            Route("/v1/responses", responses, methods=["POST"]),
+            Route("/v1/messages", messages, methods=["POST"]),
             Route("/v1/models", models, methods=["GET"]),
             Route("/tokenize", tokenize, methods=["POST"]),
             Route("/detokenize", detokenize, methods=["POST"]),
@@ -506,6 +594,162 @@ def _sse(
         yield b"data: [DONE]\n\n"
 
     return StreamingResponse(events(), media_type="text/event-stream")
+
+
+def _responses_usage(prompt_tokens: int, output_tokens: int, cached_tokens: int) -> dict:
+    return {
+        "input_tokens": prompt_tokens,
+        "input_tokens_details": {"cached_tokens": cached_tokens},
+        "output_tokens": output_tokens,
+        "output_tokens_details": {"reasoning_tokens": 0},
+        "total_tokens": prompt_tokens + output_tokens,
+    }
+
+
+def _sse_event(kind: str, payload: dict) -> bytes:
+    """One server-sent event as vLLM writes those of the Responses and Messages APIs."""
+    return b"event: " + kind.encode() + b"\ndata: " + _json.encode(payload) + b"\n\n"
+
+
+@dataclass(slots=True)
+class _ResponsesAnswer:
+    """A /v1/responses answer: its one output message, whole or as the API's stream of events.
+    Output always ends at the token limit, so the response is `incomplete` (max_output_tokens)."""
+
+    response_id: str
+    message_id: str
+    model: str
+    body: dict
+    created_at: int = field(default_factory=lambda: int(time.time()))
+
+    def message(self, text: str, status: str) -> dict:
+        part = {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+        return {
+            "id": self.message_id,
+            "type": "message",
+            "role": "assistant",
+            "status": status,
+            "content": [part] if status == "completed" else [],
+        }
+
+    def response(self, text: str | None, usage: dict | None) -> dict:
+        """The response object: in progress (text None), or final with its output and usage."""
+        body = self.body
+        final = text is not None
+        return {
+            "id": self.response_id,
+            "object": "response",
+            "created_at": self.created_at,
+            "model": self.model,
+            "status": "incomplete" if final else "in_progress",
+            "incomplete_details": {"reason": "max_output_tokens"} if final else None,
+            "instructions": body.get("instructions"),
+            "output": [self.message(text, "completed")] if final else [],
+            "parallel_tool_calls": body.get("parallel_tool_calls", True),
+            "tool_choice": body.get("tool_choice", "auto"),
+            "tools": body.get("tools") or [],
+            "temperature": body.get("temperature"),
+            "top_p": body.get("top_p"),
+            "max_output_tokens": body.get("max_output_tokens"),
+            "previous_response_id": body.get("previous_response_id"),
+            "reasoning": body.get("reasoning"),
+            "text": {"format": {"type": "text"}},
+            "truncation": body.get("truncation", "disabled"),
+            "metadata": body.get("metadata"),
+            "user": body.get("user"),
+            "usage": usage,
+        }
+
+    async def events(
+        self, engine: SimulatedEngine, generation: GenerationRequest, tokenizer: PromptTokenizer
+    ) -> AsyncIterator[bytes]:
+        sequence = 0
+
+        def event(kind: str, **payload: Any) -> bytes:
+            nonlocal sequence
+            frame = _sse_event(kind, {"type": kind, "sequence_number": sequence, **payload})
+            sequence += 1
+            return frame
+
+        at = {"output_index": 0, "item_id": self.message_id}
+        yield event("response.created", response=self.response(None, None))
+        yield event("response.in_progress", response=self.response(None, None))
+        yield event("response.output_item.added", output_index=0, item=self.message("", "in_progress"))
+        empty = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
+        yield event("response.content_part.added", **at, content_index=0, part=empty)
+        pieces: list[str] = []
+        generator = engine.generate(generation)
+        try:
+            async for token in generator:
+                piece = tokenizer.output_text(token)
+                pieces.append(piece)
+                yield event("response.output_text.delta", **at, content_index=0, delta=piece, logprobs=[])
+        finally:
+            await generator.aclose()
+        text = "".join(pieces)
+        yield event("response.output_text.done", **at, content_index=0, text=text, logprobs=[])
+        done = {"type": "output_text", "text": text, "annotations": []}
+        yield event("response.content_part.done", **at, content_index=0, part=done)
+        yield event("response.output_item.done", output_index=0, item=self.message(text, "completed"))
+        usage = _responses_usage(len(generation.prompt), len(pieces), generation.cached_tokens)
+        yield event("response.completed", response=self.response(text, usage))
+
+
+def _anthropic_usage(prompt_tokens: int, output_tokens: int, cached_tokens: int) -> dict:
+    # input_tokens counts the whole prompt, as vLLM reports it; cache_read_input_tokens the part
+    # served from the prefix cache (a field of vLLM's AnthropicUsage).
+    return {
+        "input_tokens": prompt_tokens,
+        "output_tokens": output_tokens,
+        "cache_read_input_tokens": cached_tokens,
+    }
+
+
+async def _anthropic_events(
+    engine: SimulatedEngine,
+    generation: GenerationRequest,
+    tokenizer: PromptTokenizer,
+    message_id: str,
+    model: str,
+) -> AsyncIterator[bytes]:
+    """The Messages API's stream as vLLM converts its chat stream: message_start, one text block
+    (content_block_start, a content_block_delta per token, content_block_stop), message_delta with
+    the stop reason and usage, message_stop."""
+    start = {
+        "id": message_id,
+        "type": "message",
+        "role": "assistant",
+        "content": [],
+        "model": model,
+        "stop_reason": None,
+        "stop_sequence": None,
+        "usage": {"input_tokens": len(generation.prompt), "output_tokens": 0},
+    }
+    yield _sse_event("message_start", {"type": "message_start", "message": start})
+    count = 0
+    generator = engine.generate(generation)
+    try:
+        async for token in generator:
+            if count == 0:
+                block = {
+                    "type": "content_block_start",
+                    "index": 0,
+                    "content_block": {"type": "text", "text": ""},
+                }
+                yield _sse_event("content_block_start", block)
+            count += 1
+            delta = {"type": "text_delta", "text": tokenizer.output_text(token)}
+            yield _sse_event(
+                "content_block_delta", {"type": "content_block_delta", "index": 0, "delta": delta}
+            )
+    finally:
+        await generator.aclose()
+    if count:
+        yield _sse_event("content_block_stop", {"type": "content_block_stop", "index": 0})
+    usage = _anthropic_usage(len(generation.prompt), count, generation.cached_tokens)
+    stop = {"type": "message_delta", "delta": {"stop_reason": "max_tokens"}, "usage": usage}
+    yield _sse_event("message_delta", stop)
+    yield _sse_event("message_stop", {"type": "message_stop"})
 
 
 def _simulated_embedding(tokens, dimensions: int = 8) -> list[float]:

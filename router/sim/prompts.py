@@ -213,7 +213,7 @@ def _flatten_message(message: Any, index: int) -> dict:
         for part in content:
             if (
                 not isinstance(part, dict)
-                or part.get("type") != "text"
+                or part.get("type") not in ("text", "input_text", "output_text")
                 or not isinstance(part.get("text"), str)
             ):
                 raise PromptError(
