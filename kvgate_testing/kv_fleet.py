@@ -32,9 +32,10 @@ def chat_body(doc: str, question: str) -> dict:
 
 
 class Fleet:
-    """Backends b0, b1, b2 and the gateway; `cache` announces cached blocks as vLLM does."""
+    """Backends b0, b1, b2 and the gateway (its model on `tokenizer`, a config's `tokenizer` value);
+    `cache` announces cached blocks as vLLM does."""
 
-    def __init__(self, admin: dict | None = None) -> None:
+    def __init__(self, admin: dict | None = None, tokenizer: str = "builtin:qwen3") -> None:
         self.backends = [start_backend(f"b{i}", [MODEL]) for i in range(3)]
         self.publishers: dict[str, EventPublisher] = {}
         specs = []
@@ -51,7 +52,7 @@ class Fleet:
                     }
                 )
             config = {
-                "models": [{"name": MODEL, "tokenizer": "builtin:qwen3"}],
+                "models": [{"name": MODEL, "tokenizer": tokenizer}],
                 "backends": specs,
                 "policy": {"name": "kv_aware", "measure_load_costs": True},
                 "admin": admin or {},

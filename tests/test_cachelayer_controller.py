@@ -10,9 +10,15 @@ import zmq
 
 from cachelayer import CacheEngine
 from cachelayer.controller.protocol import WorkerReport
+from cachelayer.controller.server import MISSED_HEARTBEATS
 from kvgate_testing.cachelayer import CHUNK, HEAD_DIM, HEADS, LAYERS, make_engine, request
 from kvgate_testing.controller import controller_process, same_bits, wait_gone, wait_registered, worker_config
 from kvgate_testing.ports import free_port
+
+# The heartbeat interval a worker that announces none gets.
+DEFAULT_HEARTBEAT_S = next(
+    field.default for field in msgspec.structs.fields(WorkerReport) if field.name == "heartbeat_interval_s"
+)
 
 
 @pytest.fixture(scope="module")
@@ -206,7 +212,9 @@ def test_a_worker_that_stops_heartbeating_is_dropped(controller):
         wait_registered(client, "silent", 1)
         started = time.monotonic()
         wait_gone(client, "silent")  # no heartbeat ever follows
-        assert time.monotonic() - started < 5
+        # Dropped by its own announced interval (MISSED_HEARTBEATS x 0.2 s), not the default one:
+        # that would take MISSED_HEARTBEATS x 2 s, 10 times as long (a bound, not a timing).
+        assert time.monotonic() - started < MISSED_HEARTBEATS * DEFAULT_HEARTBEAT_S
     finally:
         push.close(linger=0)
         context.term()

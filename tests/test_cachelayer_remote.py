@@ -21,10 +21,13 @@ from kvgate_testing.trickling_redis import start_trickling_redis
 
 # Short time boxes: a failing Redis must cost at most this long per call in these tests.
 FAST = {"remote_timeout_s": 0.2, "remote_failure_threshold": 2, "remote_retry_after_s": 0.3}
+# The call timeout of the tests that tell "waited for a hung Redis" from "did not": waiting costs a
+# whole one, so they bound the time at half of it, a bound with room for a busy machine, not a timing.
+HUNG_CALL_TIMEOUT_S = 1.0
 
 
 def remote_engine(server: RedisServer, chunks_in_pool: float = 64, **config):
-    return make_engine(chunks_in_pool, remote_url=server.url, **FAST, **config)
+    return make_engine(chunks_in_pool, remote_url=server.url, **{**FAST, **config})
 
 
 def store_in_another_process(url: str, seed: int, chunks: int, **config: object) -> None:
@@ -255,40 +258,52 @@ def test_redis_killed_mid_run_degrades_to_local_tiers_without_errors_or_stalls(r
         assert engine.retrieve(first)[0] == len(first)
         assert engine.lookup(second + [1] * CHUNK) == len(second)  # the remote part is a miss
         assert engine.retrieve([9] * (3 * CHUNK)) == (0, None)
-        assert time.monotonic() - started < 2.0
+        # A refused connection answers at once and the breaker opens: no call stalled. The bound is
+        # ten of FAST's call timeouts (a stall guard, not a timing).
+        assert time.monotonic() - started < 10 * FAST["remote_timeout_s"]
         stats = engine.stats()
         assert stats["remote_errors"] >= 1 and stats["remote_circuit_open"]
 
 
 def test_a_hung_redis_costs_one_timeout_then_the_open_breaker_answers_at_once(redis_server):
     tokens, kv = request(9, 2)
-    with remote_engine(redis_server) as engine:
+    # One timeout opens the breaker; it stays open for the whole test (no probe lets a call through).
+    hung = {"remote_timeout_s": HUNG_CALL_TIMEOUT_S, "remote_failure_threshold": 1}
+    hung["remote_retry_after_s"] = 60
+    with remote_engine(redis_server, **hung) as engine:
         redis_server.pause()
         try:
             started = time.monotonic()
             assert engine.store(tokens, kv) == len(tokens)
-            assert time.monotonic() - started < 0.1  # the store never waits for the remote
-            for _ in range(2):  # remote_failure_threshold timeouts open the breaker
-                assert engine.lookup([5] * CHUNK) == 0
+            # The store never waits for the remote.
+            assert time.monotonic() - started < HUNG_CALL_TIMEOUT_S / 2
+            started = time.monotonic()
+            assert engine.lookup([5] * CHUNK) == 0
+            assert time.monotonic() - started >= HUNG_CALL_TIMEOUT_S * 0.9  # this one waited its timeout
             assert engine.stats()["remote_circuit_open"]
             started = time.monotonic()
             for _ in range(20):
                 assert engine.lookup([5] * CHUNK) == 0
                 assert engine.retrieve([5] * CHUNK) == (0, None)
-            assert time.monotonic() - started < 0.2
+            # 40 calls answered by the open breaker: one that asked Redis would cost a whole timeout.
+            assert time.monotonic() - started < HUNG_CALL_TIMEOUT_S / 2
         finally:
             redis_server.resume()
 
 
 def test_a_full_write_queue_drops_and_counts_instead_of_waiting(redis_server):
-    with remote_engine(redis_server, remote_write_queue_batches=1) as engine:
+    with remote_engine(
+        redis_server, remote_write_queue_batches=1, remote_timeout_s=HUNG_CALL_TIMEOUT_S
+    ) as engine:
+        requests = [request(200 + seed, 1) for seed in range(20)]
         redis_server.pause()
         try:
             started = time.monotonic()
-            for seed in range(20):
-                tokens, kv = request(200 + seed, 1)
+            for tokens, kv in requests:
                 engine.store(tokens, kv)
-            assert time.monotonic() - started < 0.5
+            # A store that waited for room in the queue would wait for the writer's call to the
+            # paused Redis to time out: a whole HUNG_CALL_TIMEOUT_S; the 20 take a fraction of one.
+            assert time.monotonic() - started < HUNG_CALL_TIMEOUT_S / 2
             assert engine.stats()["remote_dropped_writes"] > 0
         finally:
             redis_server.resume()

@@ -1,6 +1,7 @@
 """The fast chat-template path (router/chat_render.py): the same text and tokens as transformers'
 apply_chat_template on plain chats, by either engine; a diverging engine refused when the tokenizer
-loads; everything that is not a plain chat rendered the general way."""
+loads; everything that is not a plain chat rendered the general way. The parity runs on Qwen3's
+template and on the Llama-3-style test tokenizer's, which starts with {{ bos_token }}."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import copy
 import numpy as np
 import pytest
 
+from kvgate_testing.tokenizers import PARITY_TOKENIZERS, tokenizer_dir
 from kvgate_testing.workloads import ChatSessionsParams, chat_sessions
 from router.chat_render import FastChatRenderer
 from router.config import builtin_tokenizer_dir
@@ -17,6 +19,7 @@ from router.tokenize import PromptTokenizer, TokenizeError, render_chat
 WORDS = [
     "cache", "prefix", "  spaced", "token\n", "ünï", "中文", "\t", "end.", "KV", "<tag>", "  ", "😀",
     "<think>", "</think>", "\n\n", "{{ x }}", "{% if %}", "<|im_end|>", "<|im_start|>", "'quote'", '"dq"',
+    "<|begin_of_text|>", "<|eot_id|>", "{{ bos_token }}",
 ]  # fmt: skip
 
 
@@ -82,24 +85,30 @@ def transformers_text(tokenizer: PromptTokenizer, body: dict) -> str:
     )
 
 
+@pytest.fixture(scope="module", params=PARITY_TOKENIZERS)
+def tokenizer(request: pytest.FixtureRequest) -> PromptTokenizer:
+    """Each parity tokenizer in turn (Qwen3, then the Llama-3-style BOS one)."""
+    return PromptTokenizer(tokenizer_dir(request.param))
+
+
 @pytest.mark.parametrize("engine", ["minijinja", "jinja2"])
 def test_each_engine_renders_plain_chats_as_transformers_token_for_token(
-    qwen3: PromptTokenizer, engine: str
+    tokenizer: PromptTokenizer, engine: str
 ) -> None:
-    renderer = FastChatRenderer(qwen3.tokenizer, engines=(engine,))
+    renderer = FastChatRenderer(tokenizer.tokenizer, engines=(engine,))
     assert renderer.engine == engine
-    qwen3.fast_render, saved = renderer, qwen3.fast_render
+    tokenizer.fast_render, saved = renderer, tokenizer.fast_render
     try:
         for body in [*varied_bodies(120, seed=5), *workload_bodies()]:
-            expected = transformers_text(qwen3, body)
+            expected = transformers_text(tokenizer, body)
             # The fast path itself answered (not the general path behind it) ...
-            assert qwen3._render_plain_chat(body) == expected
+            assert tokenizer._render_plain_chat(body) == expected
             # ... and the tokens the gateway routes by are the engine's.
-            assert qwen3.tokens_for(body).tolist() == qwen3.tokenizer.encode(
+            assert tokenizer.tokens_for(body).tolist() == tokenizer.tokenizer.encode(
                 expected, add_special_tokens=False
             )
     finally:
-        qwen3.fast_render = saved
+        tokenizer.fast_render = saved
 
 
 def test_the_gateway_uses_minijinja_for_the_qwen3_template(qwen3: PromptTokenizer) -> None:

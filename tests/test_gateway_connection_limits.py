@@ -122,6 +122,8 @@ def test_health_stays_fast_during_a_burst_of_huge_heads(gateway):
     latencies: list[float] = []
     with httpx.Client(base_url=gateway.url, timeout=30) as client:
         _health_latency_s(client)  # connected before the burst
+        # The machine's own latency now: the slowest of a few answers before the burst.
+        baseline_s = max(_health_latency_s(client) for _ in range(5))
         for sender in senders:
             sender.start()
         try:
@@ -132,7 +134,9 @@ def test_health_stays_fast_during_a_burst_of_huge_heads(gateway):
             for sender in senders:
                 sender.join()
         latencies.append(_health_latency_s(client))
-    assert max(latencies) < 0.5, latencies
+    # A head parsed whole held the loop about a second each (three at once: seconds); a busy
+    # machine adds its baseline. Half a second over the baseline is a bound, not a timing.
+    assert max(latencies) < baseline_s + 0.5, (baseline_s, latencies)
 
 
 # ---- read timeouts ----

@@ -66,8 +66,10 @@ def test_first_sse_chunk_arrives_before_the_backend_has_finished(client):
             if piece.strip():
                 arrivals.append(time.perf_counter() - started)
     backend_duration = (chunks - 1) * delay_ms / 1000
-    assert arrivals[0] < backend_duration / 2, arrivals
-    assert arrivals[-1] >= backend_duration * 0.9
+    # The first piece came while the backend was still sending: at least half its sending time
+    # before the last (buffered whole, they would come together). A ratio of the backend's own
+    # pacing: a busy machine delays the first and the last piece alike.
+    assert arrivals[-1] - arrivals[0] >= backend_duration / 2, arrivals
     # Pieces arrive spread out as the backend sends them, not in one buffered lump.
     assert len(arrivals) >= chunks
 

@@ -18,6 +18,7 @@ from kvgate_testing.backend import start_backend
 from kvgate_testing.gateway import start_gateway
 from router.config import builtin_tokenizer_dir, parse_config
 from router.policies.base import RouteRequest
+from router.template_sandbox import RENDER_TIMEOUT_S
 from router.tokenize import PromptTokenizer, RequestTokenizer
 
 MODEL = "test-model"
@@ -30,7 +31,14 @@ ENDLESS_TEMPLATE = (
 )
 # A template a trusting operator's client might send: it must render exactly as the engine would.
 PLAIN_TEMPLATE = "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
-HEALTH_LIMIT_S = 0.5
+# How much slower than the slowest /health answer before an attack the slowest during it may be.
+# A stalled loop holds it for seconds: the templates above render for seconds to hours, and when run
+# on the loop (or in the sandbox, past its 2 s time box) hold it that long. What the loop itself does
+# for a large input (3M token ids converted in chunks) costs /health about 0.15 s on a quiet machine,
+# and a few times that when the two cores are shared: a bound between the two, not a timing.
+HEALTH_LIMIT_S = 1.0
+# /health answers timed before the attack starts: the machine's own latency at the moment.
+BASELINE_POLLS = 5
 
 
 @pytest.fixture(scope="module")
@@ -77,7 +85,8 @@ def last_decision(url: str, request_id: str) -> dict:
 
 
 class HealthWatch:
-    """Polls GET /health from a thread while an attack runs; `worst_s` is the slowest answer."""
+    """Polls GET /health from a thread before and while an attack runs; `excess_s` is how much the
+    slowest answer during the attack took over the slowest of the BASELINE_POLLS before it."""
 
     def __init__(self, url: str) -> None:
         self.url = url
@@ -94,12 +103,13 @@ class HealthWatch:
                 time.sleep(0.02)
 
     @property
-    def worst_s(self) -> float:
-        return max(self.latencies)
+    def excess_s(self) -> float:
+        baseline, during = self.latencies[:BASELINE_POLLS], self.latencies[BASELINE_POLLS:]
+        return max(during, default=0.0) - max(baseline)
 
     def __enter__(self) -> HealthWatch:
         self._thread.start()
-        while len(self.latencies) < 3:
+        while len(self.latencies) < BASELINE_POLLS:
             time.sleep(0.01)
         return self
 
@@ -111,7 +121,8 @@ class HealthWatch:
 def post_watching_health(
     client: httpx.Client, url: str, path: str, body: dict, headers: dict | None = None
 ) -> tuple[httpx.Response, float]:
-    """POST `body` to the gateway; its response, and the worst /health latency while it ran.
+    """POST `body` to the gateway; its response, and how much the worst /health latency while it
+    ran took over the worst just before (HealthWatch.excess_s).
 
     The body is encoded before the watch starts: encoding megabytes here would hold this process's
     GIL, and the watch's thread with it."""
@@ -121,7 +132,7 @@ def post_watching_health(
         response = client.post(f"{url}{path}", content=content, headers=headers)
         # A poll in progress when the response came may be the one the attack held up.
         time.sleep(0.1)
-    return response, watch.worst_s
+    return response, watch.excess_s
 
 
 @pytest.fixture
@@ -143,12 +154,12 @@ def client() -> Iterator[httpx.Client]:
 )
 def test_request_chat_template_is_refused_by_default(guarded, client: httpx.Client, fields: dict) -> None:
     body = chat(**fields)
-    response, worst_s = post_watching_health(client, guarded.url, "/v1/chat/completions", body)
+    response, excess_s = post_watching_health(client, guarded.url, "/v1/chat/completions", body)
     assert response.status_code == 400
     error = response.json()["error"]
     assert error["type"] == "BadRequestError" and error["param"] == "chat_template"
     assert "chat template" in error["message"] and "trust_request_chat_template" in error["message"]
-    assert worst_s < HEALTH_LIMIT_S
+    assert excess_s < HEALTH_LIMIT_S
 
 
 def routed_with_tokens(gateway, client: httpx.Client, body: dict, timeout_s: float = 90.0) -> dict:
@@ -213,12 +224,14 @@ def test_trusted_hostile_template_costs_a_bounded_time_and_does_not_stall(
     routed_with_tokens(trusting, client, chat(chat_template_kwargs={"chat_template": PLAIN_TEMPLATE}))
     body = chat(chat_template_kwargs={"chat_template": ENDLESS_TEMPLATE})
     started = time.perf_counter()
-    response, worst_s = post_watching_health(
+    response, excess_s = post_watching_health(
         client, trusting.url, "/v1/chat/completions", body, {"x-request-id": "endless-1"}
     )
-    assert worst_s < HEALTH_LIMIT_S
+    assert excess_s < HEALTH_LIMIT_S
     assert response.status_code == 200  # routed without tokens, as an untokenizable request is
-    assert time.perf_counter() - started < 10
+    # The render is stopped at the sandbox's time box instead of running for hours: a bound on a
+    # hang (five time boxes), not a timing.
+    assert time.perf_counter() - started < 5 * RENDER_TIMEOUT_S
     assert last_decision(trusting.url, "endless-1")["reason"] == "no_tokens"
 
 
@@ -248,10 +261,10 @@ def large_tools(total_bytes: int) -> list[dict]:
 )
 def test_large_inputs_do_not_stall_the_gateway(guarded, client: httpx.Client, body: dict) -> None:
     path = "/v1/chat/completions" if "messages" in body else "/v1/completions"
-    response, worst_s = post_watching_health(client, guarded.url, path, body)
+    response, excess_s = post_watching_health(client, guarded.url, path, body)
     assert response.status_code == 200
     assert response.headers["x-kvgate-backend"] == "b0"
-    assert worst_s < HEALTH_LIMIT_S
+    assert excess_s < HEALTH_LIMIT_S
 
 
 @pytest.fixture(scope="module")

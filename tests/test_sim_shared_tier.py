@@ -93,8 +93,8 @@ def test_a_prefix_one_member_computed_loads_on_another_between_hit_and_cold(redi
     assert request_b.cached_tokens == request_b.shared_loaded_tokens == FULL_BLOCKS * 16
     # B's TTFT: 992 tokens loaded at 100 us + 208 computed at 500 us, about 0.2 s; cold would be 0.6 s.
     assert gpu_hit < loaded < cold
-    assert loaded >= 0.19
-    assert loaded < 0.6 * 0.75
+    assert loaded >= 0.19  # simulated time, slept: a busy machine only lengthens it
+    assert loaded < 0.75 * cold  # a ratio of the cold TTFT measured here (about a third in fact)
     # Each member announces, with medium "shared", the blocks it wrote: A the prefix it computed, B
     # its own blocks only, chained to A's prefix (as the cache layer's daemon and Redis tier report).
     assert len(request_a.block_hashes) == FULL_BLOCKS

@@ -1,5 +1,6 @@
-"""Tokenization parity with vLLM (real Qwen3 tokenizer and chat template), the per-message cache,
-completions' special-token rule, `tokenize: engine` over real HTTP, and bad input."""
+"""Tokenization parity with vLLM (the real Qwen3 tokenizer and chat template, which add no BOS token,
+and a Llama-3-style tokenizer whose template writes one and whose encode adds one), the per-message
+cache, completions' special-token rule, `tokenize: engine` over real HTTP, and bad input."""
 
 from __future__ import annotations
 
@@ -14,7 +15,14 @@ from starlette.responses import JSONResponse
 from starlette.routing import Route
 
 from kvgate_testing.in_thread_server import serving_in_thread
-from kvgate_testing.tokenizers import config, encode_threads, whole_prompt_tokens
+from kvgate_testing.tokenizers import (
+    PARITY_TOKENIZERS,
+    completion_tokens,
+    config,
+    encode_threads,
+    tokenizer_dir,
+    whole_prompt_tokens,
+)
 from router.backends import BackendState
 from router.config import builtin_tokenizer_dir
 from router.policies.base import RouteRequest
@@ -45,6 +53,12 @@ def qwen3() -> PromptTokenizer:
     return PromptTokenizer(builtin_tokenizer_dir("qwen3"))
 
 
+@pytest.fixture(scope="module", params=PARITY_TOKENIZERS)
+def tokenizer(request: pytest.FixtureRequest) -> PromptTokenizer:
+    """Each parity tokenizer in turn: Qwen3 (no BOS), then the Llama-3-style one (BOS)."""
+    return PromptTokenizer(tokenizer_dir(request.param))
+
+
 def conversation(turns: int, seed: int) -> list[dict]:
     rng = np.random.default_rng(seed)
     words = ["cache", "prefix", "  spaced", "token\n", "ünï", "中文", "\t", "end.", "KV", "<tag>", "  "]
@@ -64,8 +78,9 @@ def test_the_documented_qwen3_example(qwen3: PromptTokenizer) -> None:
     assert tokens.dtype == np.uint32
 
 
-def test_qwen3_pieces_encode_independently(qwen3: PromptTokenizer) -> None:
-    assert qwen3.piecewise
+def test_pieces_encode_independently(tokenizer: PromptTokenizer) -> None:
+    # So that the parity tests below run through the piece cache and the ASCII fast path.
+    assert tokenizer.piecewise and tokenizer._ascii is not None
 
 
 @pytest.mark.parametrize(
@@ -76,29 +91,49 @@ def test_qwen3_pieces_encode_independently(qwen3: PromptTokenizer) -> None:
         {"chat_template_kwargs": {"enable_thinking": False}},
         {"add_generation_prompt": False},
         {"continue_final_message": True, "add_generation_prompt": False},
+        {"add_special_tokens": True},
     ],
-    ids=["default", "tools", "template-kwargs", "no-generation-prompt", "continue-final"],
+    ids=[
+        "default",
+        "tools",
+        "template-kwargs",
+        "no-generation-prompt",
+        "continue-final",
+        "add-special-tokens",
+    ],
 )
 @pytest.mark.parametrize("seed", [1, 2, 3])
-def test_chat_tokens_equal_whole_prompt_tokenization(qwen3: PromptTokenizer, extra: dict, seed: int) -> None:
+def test_chat_tokens_equal_whole_prompt_tokenization(
+    tokenizer: PromptTokenizer, extra: dict, seed: int
+) -> None:
     body = {"messages": conversation(3, seed), **extra}
     if extra.get("continue_final_message"):
         body["messages"] = [*body["messages"], {"role": "assistant", "content": "Partial answ"}]
-    assert qwen3.tokens_for(body).tolist() == whole_prompt_tokens(qwen3, body)
+    assert tokenizer.tokens_for(body).tolist() == whole_prompt_tokens(tokenizer, body)
 
 
-def test_list_content_parts_are_joined_like_vllm(qwen3: PromptTokenizer) -> None:
+def test_list_content_parts_are_joined_like_vllm(tokenizer: PromptTokenizer) -> None:
     parts = {
         "messages": [
             {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}
         ]
     }
     joined = {"messages": [{"role": "user", "content": "a\nb"}]}
-    assert qwen3.tokens_for(parts).tolist() == qwen3.tokens_for(joined).tolist()
+    assert tokenizer.tokens_for(parts).tolist() == tokenizer.tokens_for(joined).tolist()
+    assert tokenizer.tokens_for(joined).tolist() == whole_prompt_tokens(tokenizer, joined)
 
 
-def test_a_follow_up_turn_encodes_only_its_new_pieces() -> None:
-    tokenizer = PromptTokenizer(builtin_tokenizer_dir("qwen3"))
+# The pieces a follow-up turn ("ok", "more?") encodes: the text is cut right after each added token,
+# and Llama 3's role headers ("user<|end_header_id|>") are cached from the first turn.
+FOLLOW_UP_PIECES = {
+    "qwen3": ["assistant\nok<|im_end|>", "user\nmore?<|im_end|>"],
+    "bos": ["\n\nok<|eot_id|>", "\n\nmore?<|eot_id|>"],
+}
+
+
+@pytest.mark.parametrize("name", PARITY_TOKENIZERS)
+def test_a_follow_up_turn_encodes_only_its_new_pieces(name: str) -> None:
+    tokenizer = PromptTokenizer(tokenizer_dir(name))
     encoded: list[str] = []
     original = tokenizer._encode_plain  # every uncached piece goes through it (ASCII fast path or not)
 
@@ -116,7 +151,7 @@ def test_a_follow_up_turn_encodes_only_its_new_pieces() -> None:
     }
     tokens = tokenizer.tokens_for(follow_up)
     # Only the new messages were encoded again.
-    assert encoded == ["assistant\nok<|im_end|>", "user\nmore?<|im_end|>"]
+    assert encoded == FOLLOW_UP_PIECES[name]
     assert first_turn_chars > 1000
     assert tokens.tolist() == whole_prompt_tokens(tokenizer, follow_up)
     assert tokenizer.cache.hits > 0
@@ -133,25 +168,26 @@ def random_prose(rng: np.random.Generator, words: int) -> str:
     return " ".join(rng.choice(PROSE_WORDS, size=words).tolist())
 
 
-def test_qwen3_long_messages_are_cached_by_segments(qwen3: PromptTokenizer) -> None:
-    assert qwen3.segmented
+def test_long_messages_are_cached_by_segments(tokenizer: PromptTokenizer) -> None:
+    assert tokenizer.segmented
 
 
 @pytest.mark.parametrize("seed", range(6))
-def test_segment_encoding_equals_whole_encoding_on_random_text(qwen3: PromptTokenizer, seed: int) -> None:
+def test_segment_encoding_equals_whole_encoding_on_random_text(tokenizer: PromptTokenizer, seed: int) -> None:
     rng = np.random.default_rng(seed)
     text = random_prose(rng, int(rng.integers(400, 3000)))
-    for piece in (text, text + "<|im_end|>", "\n" + text + " \n "):
+    end_of_turn = tokenizer.tokenizer.eos_token  # <|im_end|>, <|eot_id|>
+    for piece in (text, text + end_of_turn, "\n" + text + " \n "):
         for segment_chars in (16, 100, 512):
-            segments = qwen3._segments(piece, segment_chars)
+            segments = tokenizer._segments(piece, segment_chars)
             assert "".join(segments) == piece
             assert len(segments) > 1
-            ids = np.concatenate([qwen3._encode_plain(segment) for segment in segments])
-            whole = qwen3.tokenizer.encode(piece, add_special_tokens=False)
+            ids = np.concatenate([tokenizer._encode_plain(segment) for segment in segments])
+            whole = tokenizer.tokenizer.encode(piece, add_special_tokens=False)
             assert ids.tolist() == whole
             # Through the cache: cold (one encode split by offsets), then warm, then after a prefix.
             fresh = PromptTokenizer.__new__(PromptTokenizer)
-            fresh.__dict__.update(qwen3.__dict__, cache=_PieceCache(1_000_000))
+            fresh.__dict__.update(tokenizer.__dict__, cache=_PieceCache(1_000_000))
             assert fresh._encode_by_segments(piece, segment_chars).tolist() == whole
             assert fresh._encode_by_segments(piece, segment_chars).tolist() == whole
             fresh.cache = _PieceCache(1_000_000)
@@ -178,8 +214,9 @@ class CountingEncoder:
         return getattr(self._inner, name)
 
 
-def test_a_new_question_after_the_same_document_encodes_only_the_last_segment() -> None:
-    tokenizer = PromptTokenizer(builtin_tokenizer_dir("qwen3"))
+@pytest.mark.parametrize("name", PARITY_TOKENIZERS)
+def test_a_new_question_after_the_same_document_encodes_only_the_last_segment(name: str) -> None:
+    tokenizer = PromptTokenizer(tokenizer_dir(name))
     encoded: list[str] = []
     tokenizer.tokenizer = CountingEncoder(tokenizer.tokenizer, encoded)  # type: ignore[assignment]
     tokenizer._pre_tokenizer_owner = CountingEncoder(tokenizer._pre_tokenizer_owner, encoded)
@@ -199,16 +236,18 @@ def test_a_new_question_after_the_same_document_encodes_only_the_last_segment() 
     assert any("Which table" in text for text in second)
 
 
-def test_completions_follow_the_engine_special_token_rule(qwen3: PromptTokenizer) -> None:
+def test_completions_follow_the_engine_special_token_rule(tokenizer: PromptTokenizer) -> None:
     text = "Explain the significance of KV cache in language models."
-    expected = qwen3.tokenizer.encode(text, add_special_tokens=True)
-    assert qwen3.tokens_for({"prompt": text}).tolist() == expected
-    assert qwen3.tokens_for({"prompt": text, "add_special_tokens": False}).tolist() == qwen3.tokenizer.encode(
-        text, add_special_tokens=False
-    )
-    assert qwen3.tokens_for({"prompt": [5, 6, 7]}).tolist() == [5, 6, 7]
-    assert qwen3.tokens_for({"prompt": [[8, 9], [10]]}).tolist() == [8, 9]
-    assert qwen3.tokens_for({"prompt": [text, "other"]}).tolist() == expected
+    expected = completion_tokens(tokenizer, {"prompt": text})
+    assert tokenizer.tokens_for({"prompt": text}).tolist() == expected
+    unspecial = {"prompt": text, "add_special_tokens": False}
+    assert tokenizer.tokens_for(unspecial).tolist() == completion_tokens(tokenizer, unspecial)
+    # A prompt that was encoded once without special tokens is not answered from the piece cache
+    # when they are asked for again (a BOS tokenizer's answers differ by the BOS).
+    assert tokenizer.tokens_for({"prompt": text}).tolist() == expected
+    assert tokenizer.tokens_for({"prompt": [5, 6, 7]}).tolist() == [5, 6, 7]
+    assert tokenizer.tokens_for({"prompt": [[8, 9], [10]]}).tolist() == [8, 9]
+    assert tokenizer.tokens_for({"prompt": [text, "other"]}).tolist() == expected
 
 
 @pytest.mark.parametrize(
@@ -228,13 +267,15 @@ def test_bad_bodies_raise_a_clear_tokenize_error(qwen3: PromptTokenizer, body: d
         qwen3.tokens_for(body)
 
 
-def test_prepare_fills_tokens_and_namespace() -> None:
-    tokenizer = RequestTokenizer(config())
+@pytest.mark.parametrize("name", PARITY_TOKENIZERS)
+def test_prepare_fills_tokens_and_namespace(name: str) -> None:
+    tokenizer = RequestTokenizer(config(tokenizer=name))
     body = {"model": "qwen", "messages": [{"role": "user", "content": "hello"}], "cache_salt": "s"}
     request = RouteRequest(request_id="r1", model="qwen", body=body)
     asyncio.run(tokenizer.prepare(request))
     assert request.tokens is not None and request.tokens.tolist() == whole_prompt_tokens(
-        tokenizer.tokenizer("qwen"), body  # type: ignore[arg-type]
+        tokenizer.tokenizer("qwen"),
+        body,  # type: ignore[arg-type]
     )
     assert request.namespace == (None, "s")
 

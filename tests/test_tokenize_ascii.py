@@ -1,6 +1,7 @@
-"""The ASCII fast path (router/ascii_encoder.py): equal to the real Qwen3 tokenizer's own encode on
-ASCII text, used by PromptTokenizer for ASCII pieces only, and refused for pipelines it does not
-reproduce."""
+"""The ASCII fast path (router/ascii_encoder.py): equal to the tokenizer's own encode on ASCII text
+(the real Qwen3 tokenizer, and the Llama-3-style test tokenizer, whose split regex groups digits by
+three and is not the compiled Qwen2-family split), used by PromptTokenizer for ASCII pieces only,
+and refused for pipelines it does not reproduce."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import numpy as np
 import pytest
 from tokenizers import Tokenizer, normalizers, pre_tokenizers
 
+from kvgate_testing.tokenizers import PARITY_TOKENIZERS, tokenizer_dir
 from router.ascii_encoder import AsciiEncoder, ascii_pattern
 from router.config import builtin_tokenizer_dir
 from router.tokenize import PromptTokenizer
@@ -28,6 +30,17 @@ def backend(qwen3: PromptTokenizer) -> Tokenizer:
     return qwen3.tokenizer.backend_tokenizer
 
 
+@pytest.fixture(scope="module", params=PARITY_TOKENIZERS)
+def tokenizer(request: pytest.FixtureRequest) -> PromptTokenizer:
+    """Each parity tokenizer in turn (Qwen3, then the Llama-3-style BOS one)."""
+    return PromptTokenizer(tokenizer_dir(request.param))
+
+
+@pytest.fixture(scope="module")
+def any_backend(tokenizer: PromptTokenizer) -> Tokenizer:
+    return tokenizer.tokenizer.backend_tokenizer
+
+
 def random_ascii(rng: np.random.Generator, length: int) -> str:
     """ASCII text weighted towards what prose and code look like, every character possible."""
     alphabet = [chr(code) for code in range(128)]
@@ -39,7 +52,8 @@ def random_ascii(rng: np.random.Generator, length: int) -> str:
 
 
 @pytest.mark.parametrize("seed", range(8))
-def test_ascii_encoder_equals_the_tokenizer_on_random_ascii(backend: Tokenizer, seed: int) -> None:
+def test_ascii_encoder_equals_the_tokenizer_on_random_ascii(any_backend: Tokenizer, seed: int) -> None:
+    backend = any_backend
     encoder = AsciiEncoder.for_tokenizer(backend)
     assert encoder is not None
     rng = np.random.default_rng(seed)
@@ -48,12 +62,14 @@ def test_ascii_encoder_equals_the_tokenizer_on_random_ascii(backend: Tokenizer, 
         assert encoder.encode(text).tolist() == backend.encode(text, add_special_tokens=False).ids, repr(text)
 
 
-def test_ascii_encoder_equals_the_tokenizer_on_code_and_prose(backend: Tokenizer) -> None:
+def test_ascii_encoder_equals_the_tokenizer_on_code_and_prose(any_backend: Tokenizer) -> None:
+    backend = any_backend
     encoder = AsciiEncoder.for_tokenizer(backend)
     assert encoder is not None
     texts = [
         "def f(x):\n    return x**2  # it's squared\n\n\nclass A:\n\tpass\r\n",
         "They'll say we'VE done it; I'M sure you'd agree. 1234 + 5678 = 6912!!! ...",
+        "digits 1 12 123 1234 12345 1234567890 3.14159 0x7f 2026-12-02",
         '{"key": [1, 2.5e-3, null], "nested": {"a": "b"}}   \n   ',
         "   leading spaces\n\n\n   trailing spaces   ",
         "\x00\x01\x1b[31mred\x1b[0m\x7f",
@@ -85,7 +101,7 @@ def test_prompt_tokenizer_uses_the_fast_path_for_ascii_pieces_only(qwen3: Prompt
         del qwen3.tokenizer.encode
 
 
-def test_chat_of_ascii_and_unicode_messages_equals_whole_prompt_encoding(qwen3: PromptTokenizer) -> None:
+def test_chat_of_ascii_and_unicode_messages_equals_whole_prompt_encoding(tokenizer: PromptTokenizer) -> None:
     rng = np.random.default_rng(5)
     messages = [
         {"role": "system", "content": random_ascii(rng, 3000)},  # long: encoded by segments
@@ -93,10 +109,10 @@ def test_chat_of_ascii_and_unicode_messages_equals_whole_prompt_encoding(qwen3: 
         {"role": "assistant", "content": random_ascii(rng, 400)},
         {"role": "user", "content": random_ascii(rng, 100)},
     ]
-    text = qwen3.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-    expected = qwen3.tokenizer.encode(text, add_special_tokens=False)
-    assert qwen3.tokens_for({"messages": messages}).tolist() == expected
-    assert qwen3.tokens_for({"messages": messages}).tolist() == expected  # from the cache
+    text = tokenizer.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    expected = tokenizer.tokenizer.encode(text, add_special_tokens=False)
+    assert tokenizer.tokens_for({"messages": messages}).tolist() == expected
+    assert tokenizer.tokens_for({"messages": messages}).tolist() == expected  # from the cache
 
 
 def test_a_split_that_leaves_a_gap_falls_back(backend: Tokenizer) -> None:
@@ -124,7 +140,8 @@ def test_pipelines_it_does_not_reproduce_get_no_encoder(backend: Tokenizer) -> N
 
 
 @pytest.mark.parametrize("seed", range(4))
-def test_pretoken_starts_equal_the_pre_tokenizers_on_random_ascii(backend: Tokenizer, seed: int) -> None:
+def test_pretoken_starts_equal_the_pre_tokenizers_on_random_ascii(any_backend: Tokenizer, seed: int) -> None:
+    backend = any_backend
     encoder = AsciiEncoder.for_tokenizer(backend)
     assert encoder is not None
     rng = np.random.default_rng(100 + seed)

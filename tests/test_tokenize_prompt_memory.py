@@ -1,19 +1,21 @@
 """The prompt memory (router/tokenize.py, _PromptMemory): a chat's next turn takes the tokens of
 the earlier prompt it repeats (up to that prompt's last added token) and encodes only the rest.
-Every probe compares with the whole rendered text encoded at once, token for token."""
+Every probe compares with the whole rendered text encoded at once, token for token (growing chats on
+Qwen3's template and on the Llama-3-style test tokenizer's, which writes a BOS first)."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
+from kvgate_testing.tokenizers import PARITY_TOKENIZERS, tokenizer_dir
 from router.config import builtin_tokenizer_dir
 from router.tokenize import PromptTokenizer, _CutMemory, _PieceCache, _PromptMemory
 
 WORDS = [
     "Cache", "router", "engine's", "prefix", "token", "ünïcödé", "中文", "e\u0301t\u00e9", "x2", "3.14",
     "it's", "WE'LL", "  spaced", "tab\tbed", "line\n", "para\n\n", "--", "😀", "a", "I", "   ", "end.",
-    "<think>", "</think>", "<|im_end|>", "<|im_start|>", "<|endoftext|>",
+    "<think>", "</think>", "<|im_end|>", "<|im_start|>", "<|endoftext|>", "<|eot_id|>", "<|begin_of_text|>",
 ]  # fmt: skip
 
 
@@ -41,9 +43,17 @@ def whole(tokenizer: PromptTokenizer, body: dict) -> list[int]:
     return tokenizer.tokenizer.encode(text, add_special_tokens=False)
 
 
+@pytest.fixture(scope="module", params=PARITY_TOKENIZERS)
+def parity_tokenizer(request: pytest.FixtureRequest) -> PromptTokenizer:
+    """Each parity tokenizer in turn (Qwen3, then the Llama-3-style BOS one)."""
+    return PromptTokenizer(tokenizer_dir(request.param))
+
+
 @pytest.mark.parametrize("seed", range(4))
-def test_each_turn_of_growing_chats_equals_whole_encoding(qwen3: PromptTokenizer, seed: int) -> None:
-    tokenizer = fresh(qwen3)
+def test_each_turn_of_growing_chats_equals_whole_encoding(
+    parity_tokenizer: PromptTokenizer, seed: int
+) -> None:
+    tokenizer = fresh(parity_tokenizer)
     rng = np.random.default_rng(seed)
     chats = [[{"role": "system", "content": text_of(rng, 20)}] for _ in range(3)]
     for turn in range(5):
