@@ -31,6 +31,7 @@ from cachelayer.engine import copy_tensor
 from cachelayer.server import KeySpace, StoreClient
 from kvgate_testing.ports import free_port
 from kvgate_testing.processes import ManagedProcess, wait_for_http
+from kvgate_testing.provenance import with_source
 
 LAYERS, KV_HEADS, HEAD_DIM, TOKENS, CHUNK = 32, 8, 128, 4096, 256
 REQUEST_BYTES = LAYERS * 2 * TOKENS * KV_HEADS * HEAD_DIM * 2
@@ -169,7 +170,7 @@ def main() -> None:
         "command": "python -m benchmarks.daemon_transfer " + " ".join(sys.argv[1:]),
     }
     RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "daemon_transfer.json").write_text(json.dumps(results, indent=2) + "\n")
+    (RESULTS / "daemon_transfer.json").write_text(json.dumps(with_source(results), indent=2) + "\n")
     write_report(results)
     plot(results)
 

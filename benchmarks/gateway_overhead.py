@@ -51,6 +51,7 @@ from kvgate_testing.backend import BackendProcess
 from kvgate_testing.ports import free_port
 from kvgate_testing.proc_stats import tree_cpu_seconds
 from kvgate_testing.processes import REPO_ROOT, ManagedProcess, python_command, wait_for_http
+from kvgate_testing.provenance import with_source
 from kvgate_testing.routers import peer_versions, peer_versions_line
 
 PEERS_DIR = REPO_ROOT / ".cache" / "peers"
@@ -582,7 +583,7 @@ def _cpu_budget_lines(report: dict) -> list[str]:
 
 
 def write_kv_aware_report(report: dict, stem: Path) -> None:
-    stem.with_suffix(".json").write_text(json.dumps(report, indent=2) + "\n")
+    stem.with_suffix(".json").write_text(json.dumps(with_source(report), indent=2) + "\n")
     tokens = report["prompt_tokens"]
     lines = [
         "# Throughput per host: cache-aware routing of chat prompts, kvgate against the peers",
@@ -707,7 +708,7 @@ _COLUMNS = [
 
 
 def write_report(report: dict, stem: Path) -> None:
-    stem.with_suffix(".json").write_text(json.dumps(report, indent=2) + "\n")
+    stem.with_suffix(".json").write_text(json.dumps(with_source(report), indent=2) + "\n")
     lines = [
         "# Gateway overhead: direct vs kvgate vs peer routers",
         "",

@@ -42,6 +42,7 @@ import httpx
 import torch
 
 from cachelayer.server import KeySpace, StoreClient
+from kvgate_testing.provenance import with_source
 from kvgate_testing.real_fleet import pin_engines_to_cores
 from kvgate_testing.replay import sse_chunks
 from kvgate_testing.vllm import (
@@ -422,7 +423,7 @@ def main() -> None:
     results["load_average_1m_at_end"] = os.getloadavg()[0]
     results["daemon"] = daemon_throughput(args.daemon_repeats)
     RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "vllm_connector.json").write_text(json.dumps(results, indent=2))
+    (RESULTS / "vllm_connector.json").write_text(json.dumps(with_source(results), indent=2))
     write_report(results, RESULTS / "vllm_connector.md")
     plot(results, RESULTS / "vllm_connector.png")
     print((RESULTS / "vllm_connector.md").read_text())
