@@ -113,3 +113,36 @@ def test_every_benchmark_that_writes_a_results_json_stamps_its_source():
         if re.search(r"write_text\(json\.dumps\((?!with_source\()", path.read_text())
     ]  # fmt: skip
     assert unstamped == []
+
+
+def _replicas_doc_rows(docs: str) -> dict[str, list[str]]:
+    """docs/benchmarks.md's replicas table: replicas -> its three cells."""
+    header = "| replicas | hit ratio, sync on / off | load max/mean, on / off | TTFT p90 ms, on / off |"
+    lines = docs[docs.index(header) :].splitlines()[2:]
+    rows = {}
+    for line in lines:
+        if not line.startswith("|"):
+            break
+        replicas, *cells = [cell.strip() for cell in line.strip("|").split("|")]
+        rows[replicas] = cells
+    return rows
+
+
+def test_the_replicas_figures_in_the_docs_are_those_of_replicas_json():
+    results = json.loads((RESULTS / "replicas.json").read_text())
+    docs = (REPO / "docs" / "benchmarks.md").read_text()
+    columns = (("hit_ratio_by_replicas", "{:.3f}"), ("max_over_mean_load_by_replicas", "{:.2f}"),
+               ("ttft_p90_by_replicas", "{:.0f}"))  # fmt: skip
+    expected = {}
+    for replicas in results["hit_ratio_by_replicas"]:
+        cells = []
+        for key, form in columns:
+            on = form.format(results[key][replicas])
+            off = results[f"{key}_sync_off"][replicas]
+            cells.append(on if replicas == "1" else f"{on} / {form.format(off)}")
+        expected[replicas] = cells
+    assert _replicas_doc_rows(docs) == expected
+    # The section names the run it quotes.
+    date = results["meta"]["date"].removesuffix(" UTC")
+    assert f"benchmarks/results/replicas.json (run {date[:10]}" in " ".join(docs.split())
+    assert f"{date[:10]} {date[11:]}" in " ".join(docs.split())
