@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import re
+import statistics
 import subprocess
 from pathlib import Path
 
@@ -146,3 +147,17 @@ def test_the_replicas_figures_in_the_docs_are_those_of_replicas_json():
     date = results["meta"]["date"].removesuffix(" UTC")
     assert f"benchmarks/results/replicas.json (run {date[:10]}" in " ".join(docs.split())
     assert f"{date[:10]} {date[11:]}" in " ".join(docs.split())
+
+
+def test_the_vllm_connector_report_shows_every_run_and_their_median_not_only_the_last():
+    runs = sorted(RESULTS.glob("vllm_connector_run*.json"), key=lambda p: int(p.stem.rpartition("run")[2]))
+    runs = [json.loads(path.read_text()) for path in [*runs, RESULTS / "vllm_connector.json"]]
+    assert len(runs) >= 2
+    report = (RESULTS / "vllm_connector.md").read_text()
+    keys = ("hit_over_cold_ttft_in_process", "hit_over_cold_ttft_daemon", "hit_over_cold_ttft_cross_engine",
+            "cold_with_connector_over_without")  # fmt: skip
+    for number, run in enumerate(runs, start=1):
+        ratios = " | ".join(f"{run[key]:.2f}" for key in keys)
+        assert f"| {number} | {run['prompts']} | {run['load_average_1m_at_end']:.1f} | {ratios} |" in report
+    medians = " | ".join(f"{statistics.median(run[key] for run in runs):.2f}" for key in keys)
+    assert f"| median | | | {medians} |" in report
