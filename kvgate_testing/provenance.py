@@ -9,8 +9,8 @@ answer (a copy of the tree without .git, as on the device machine), the commit c
 environment variable KVGATE_SOURCE_COMMIT if set, else it is null and `why` says so.
 
 Results committed before this existed carry `{"committed_at": <the last commit that changed the
-file then>}` instead: when it was committed, not the commit it ran at (tests/test_benchmark_results.py checks that
-every results json has one or the other).
+file then>}` instead: when it was committed, not the commit it ran at (tests/test_benchmark_results.py
+checks that every results json has one or the other).
 """
 
 from __future__ import annotations
@@ -56,5 +56,8 @@ def run_source() -> dict[str, Any]:
 
 
 def with_source(results: dict[str, Any]) -> dict[str, Any]:
-    """`results` with `source` (`run_source()`) as its first key."""
-    return {"source": run_source(), **{key: value for key, value in results.items() if key != "source"}}
+    """`results` with `source` as its first key: `run_source()` for a run's fresh results; results that
+    carry a `source` already (read back to rewrite a report, `--report-only`) keep theirs, since
+    rewriting a report changes nothing about which source measured it."""
+    source = results.get("source") or run_source()
+    return {"source": source, **{key: value for key, value in results.items() if key != "source"}}

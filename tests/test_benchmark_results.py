@@ -97,10 +97,13 @@ def test_source_without_git_says_why_or_takes_the_commit_from_the_environment(tm
     assert provenance.source_of(tmp_path) == from_environment
 
 
-def test_with_source_puts_this_checkouts_commit_first():
-    stamped = provenance.with_source({"rows": [1], "source": "stale"})
+def test_with_source_puts_this_checkouts_commit_first_and_keeps_a_rewritten_reports_own():
+    stamped = provenance.with_source({"rows": [1]})
     assert list(stamped) == ["source", "rows"]
     assert stamped["source"]["commit"] == _git(REPO, "rev-parse", "HEAD").strip()
+    # Results read back to rewrite their report (--report-only) still name the run that measured them.
+    old = {"committed_at": "b" * 40}
+    assert provenance.with_source({"rows": [1], "source": old}) == {"source": old, "rows": [1]}
 
 
 def test_every_benchmark_that_writes_a_results_json_stamps_its_source():

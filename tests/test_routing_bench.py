@@ -16,10 +16,10 @@ import numpy as np
 import pytest
 
 from kvgate_testing import routing_report, routing_runs, workloads
-from kvgate_testing.reference_placement import reference_placement
 from kvgate_testing.proc_stats import process_tree
 from kvgate_testing.processes import REPO_ROOT
 from kvgate_testing.real_fleet import pin_engines_to_cores
+from kvgate_testing.reference_placement import reference_placement
 from kvgate_testing.replay import Outcome, replay_one_at_a_time
 from kvgate_testing.sim_fleet import EngineFleet
 
@@ -168,7 +168,7 @@ def test_the_command_writes_json_markdown_and_plot_in_the_agreed_shape(tmp_path)
         assert entry["floor"]["errors"] == 0
         assert entry["floor"]["hit_ratio"] == pytest.approx(entry["reference_hit_ratio"], abs=1e-4)
     assert results["workloads"]["no_reuse"]["policies"]["round_robin"]["hit_ratio"] == 0.0
-    assert list(results)[0] == "source" and len(results["source"]["commit"]) == 40
+    assert next(iter(results)) == "source" and len(results["source"]["commit"]) == 40
     markdown = output.with_suffix(".md").read_text()
     assert "## shared_system_prompts" in markdown and "| least_loaded |" in markdown
     assert "Floor (`run_floor`" in markdown
