@@ -134,8 +134,9 @@ def greedy_placement(
     max_over_mean: float,
     slack: int | None,
 ) -> PlacementResult:
-    """The greedy longest-cached-prefix placement under the load cap, over these engines' caches (one a
-    engine, empty; `serve` is told each request's position in the workload as its tag)."""
+    """The greedy longest-cached-prefix placement under the load cap, over these engines' caches (one
+    per engine, empty at the start; `serve` is told each request's position in the workload as its
+    tag, which `BeladyBlockCache` reads as the time)."""
     engines = len(caches)
     block_size = caches[0].block_size
     assigned = [0] * engines
