@@ -34,6 +34,7 @@ import torch
 
 from cachelayer.compress.cachegen import CacheGenCodec, layer_qmax
 from kvgate_testing import cachegen_numpy_baseline
+from kvgate_testing.provenance import with_source
 
 CAPTURE_FILE = Path(".cache/cachegen/kv.pt")
 RESULTS = Path("benchmarks/results")
@@ -269,7 +270,7 @@ def measure(device: str, out: Path, repeats: int) -> None:
         )
     results["load_average_after"] = os.getloadavg()[0]
     out.mkdir(parents=True, exist_ok=True)
-    (out / f"cachegen_{device}.json").write_text(json.dumps(results, indent=2) + "\n")
+    (out / f"cachegen_{device}.json").write_text(json.dumps(with_source(results), indent=2) + "\n")
 
 
 def report() -> None:
@@ -287,7 +288,7 @@ def report() -> None:
             "encode_GBps": gpu.get("cachegen_encode_GBps"),
             "decode_GBps": gpu.get("cachegen_decode_GBps"),
         }
-    (RESULTS / "cachegen.json").write_text(json.dumps(merged, indent=2) + "\n")
+    (RESULTS / "cachegen.json").write_text(json.dumps(with_source(merged), indent=2) + "\n")
 
     import matplotlib
 

@@ -25,6 +25,7 @@ import torch
 
 from cachelayer import CacheEngine
 from cachelayer.keys import CacheIdentity, chunk_spans
+from kvgate_testing.provenance import with_source
 
 LAYERS, KV_HEADS, HEAD_DIM, TOKENS, CHUNK = 32, 8, 128, 4096, 256
 RESULTS = Path(__file__).parent / "results"
@@ -153,7 +154,7 @@ def main() -> None:
     results["evicted_chunks_during_run"] = evicted
     results["all_seconds"] = times
     RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "cachelayer_cpu.json").write_text(json.dumps(results, indent=2) + "\n")
+    (RESULTS / "cachelayer_cpu.json").write_text(json.dumps(with_source(results), indent=2) + "\n")
     write_report(results)
     plot(results)
     print(json.dumps(results["GBps"], indent=2))

@@ -29,6 +29,7 @@ import httpx
 import torch
 
 from cachelayer.server import KeySpace, StoreClient
+from kvgate_testing.provenance import with_source
 
 LAYERS, KV_HEADS, HEAD_DIM, TOKENS, CHUNK = 32, 8, 128, 4096, 256
 REQUEST_BYTES = LAYERS * 2 * TOKENS * KV_HEADS * HEAD_DIM * 2
@@ -167,7 +168,7 @@ def main() -> None:
     }
     print(json.dumps(results, indent=2))
     RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "daemon_cuda_transfer.json").write_text(json.dumps(results, indent=2) + "\n")
+    (RESULTS / "daemon_cuda_transfer.json").write_text(json.dumps(with_source(results), indent=2) + "\n")
     write_report(results)
 
 

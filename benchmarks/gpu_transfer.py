@@ -23,6 +23,7 @@ import torch
 from cachelayer import gpu
 from cachelayer.gpu import cachegen_kernels, torch_ops, triton_ops
 from cachelayer.gpu.triton_ops import Tile
+from kvgate_testing.provenance import with_source
 
 NUM_LAYERS, HEADS, HEAD_DIM, BLOCK_SIZE, NUM_TOKENS = 32, 8, 128, 16, 4096
 WIDTH = HEADS * HEAD_DIM
@@ -444,7 +445,7 @@ def main() -> None:
     if not args.skip_cachegen:
         measure_cachegen(results)
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "gpu_transfer.json").write_text(json.dumps(results, indent=2) + "\n")
+    (args.out / "gpu_transfer.json").write_text(json.dumps(with_source(results), indent=2) + "\n")
     plot(results, args.out / "gpu_transfer.png")
     for key, value in results.items():
         if key.endswith("GBps"):

@@ -26,6 +26,7 @@ import time
 from pathlib import Path
 
 from kvgate_testing.proc_stats import tree_cpu_seconds
+from kvgate_testing.provenance import with_source
 from kvgate_testing.source_trees import parse_gateway_trees, start_tree_gateway, tree_revision
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -139,7 +140,7 @@ def main(argv: list[str] | None = None) -> int:
         "notes": args.note,
     }
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / f"{args.name}.json").write_text(json.dumps(results, indent=2) + "\n")
+    (args.out / f"{args.name}.json").write_text(json.dumps(with_source(results), indent=2) + "\n")
     write_markdown(results, args.out / f"{args.name}.md")
     write_plot(results, args.out / f"{args.name}.png")
     for label, measured in results["gateways"].items():

@@ -53,6 +53,7 @@ from typing import Any
 import numpy as np
 import zmq
 
+from kvgate_testing.provenance import with_source
 from kvwire import (
     BlockRemoved,
     BlockStored,
@@ -838,7 +839,7 @@ def main() -> None:
     }
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "index_bench.json").write_text(json.dumps(results, indent=2))
+    (out / "index_bench.json").write_text(json.dumps(with_source(results), indent=2))
     plot(results, out / "index_bench.png")
     (out / "index_bench.md").write_text(report(results))
     print(f"wrote {out / 'index_bench.json'}, .md and .png")

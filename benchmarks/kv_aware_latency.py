@@ -45,6 +45,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from kvgate_testing.provenance import with_source
+
 REPO_ROOT = Path(__file__).resolve().parents[1]
 RESULTS_DIR = REPO_ROOT / "benchmarks" / "results"
 MODEL = "tiny-qwen3"
@@ -544,7 +546,7 @@ def main(argv: list[str] | None = None) -> int:
     name = args.name or (
         "kv_aware_latency" if args.workload == "chat_sessions" else f"kv_aware_latency_{args.workload}"
     )
-    (args.out / f"{name}.json").write_text(json.dumps(results, indent=2) + "\n")
+    (args.out / f"{name}.json").write_text(json.dumps(with_source(results), indent=2) + "\n")
     write_markdown(results, args.out / f"{name}.md")
     write_plot(results, args.out / f"{name}.png")
     print((args.out / f"{name}.md").read_text())

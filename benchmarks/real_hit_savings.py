@@ -34,6 +34,7 @@ from pathlib import Path
 import httpx
 
 from kvgate_testing.processes import wait_for_http
+from kvgate_testing.provenance import with_source
 from kvgate_testing.real_fleet import (
     DEFAULT_MODEL_LAYERS,
     ENGINE_ENV,
@@ -260,7 +261,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--layers needs depths of at least 1, --rounds at least 1")
     results = measure(layers, args.rounds)
     output = Path(args.output)
-    output.with_suffix(".json").write_text(json.dumps(results, indent=2) + "\n")
+    output.with_suffix(".json").write_text(json.dumps(with_source(results), indent=2) + "\n")
     write_report(results, output.with_suffix(".md"))
     plot(results, output.with_suffix(".png"))
     print(output.with_suffix(".md").read_text())

@@ -39,6 +39,8 @@ from typing import Any
 import redis
 import torch
 
+from kvgate_testing.provenance import with_source
+
 KV_HEADS, HEAD_DIM, CHUNK = 8, 128, 256
 RESULTS = Path(__file__).parent / "results"
 RAW_PREFIX = "raw-bench:"
@@ -264,7 +266,7 @@ def main() -> None:
         ),
     }
     RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "remote_tier.json").write_text(json.dumps(results, indent=2) + "\n")
+    (RESULTS / "remote_tier.json").write_text(json.dumps(with_source(results), indent=2) + "\n")
     write_report(results)
     plot(results)
     print(json.dumps({k: results[k] for k in list(results)[:3]} | {"GBps": gbps}, indent=2))

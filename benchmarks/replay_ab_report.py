@@ -17,6 +17,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from kvgate_testing.provenance import with_source
+
 POLICIES = ("least_loaded", "kv_aware")
 SUBSCRIBER_THREAD = "kv-events-engine-N"
 TOKENIZE = "tokenize.py:PromptTokenizer.tokens_for"
@@ -144,7 +146,7 @@ def main(argv: list[str] | None = None) -> int:
     summary["label"] = args.label
     output = Path(args.output)
     output.parent.mkdir(parents=True, exist_ok=True)
-    output.with_suffix(".json").write_text(json.dumps(summary, indent=1) + "\n")
+    output.with_suffix(".json").write_text(json.dumps(with_source(summary), indent=1) + "\n")
     notes = Path(args.notes).read_text() if args.notes else ""
     write_markdown(summary, args.label, output.with_suffix(".md"), notes)
     write_plot(summary, args.label, output.with_suffix(".png"))

@@ -34,6 +34,7 @@ from typing import Any
 from kvgate_testing import workloads as workload_catalog
 from kvgate_testing.gateway import GatewayProcess, start_gateway
 from kvgate_testing.processes import exit_on_sigterm
+from kvgate_testing.provenance import with_source
 from kvgate_testing.redis_server import RedisServer
 from kvgate_testing.replay import replay, summarize
 from kvgate_testing.replicas_report import (
@@ -198,7 +199,7 @@ def main(argv: list[str] | None = None) -> int:
     output = Path(args.output)
     output.parent.mkdir(parents=True, exist_ok=True)
     ordered = {key: results[key] for key in sorted(results, key=lambda k: (k in ("meta", "workloads"), k))}
-    output.with_suffix(".json").write_text(json.dumps(ordered, indent=1) + "\n")
+    output.with_suffix(".json").write_text(json.dumps(with_source(ordered), indent=1) + "\n")
     write_markdown(results, output.with_suffix(".md"))
     write_plot(results, output.with_suffix(".png"))
     _log(f"wrote {output}.json, .md and .png in {results['meta']['wall_s']:.0f} s")

@@ -7,8 +7,12 @@ fresh router process starts in front of them, the workload is replayed open-loop
 stopped. Measured per run: hit ratio (sum cached_tokens / sum prompt_tokens from the responses'
 usage), TTFT p50/p90/p99 in ms (streaming, to the first content chunk), throughput (completed
 requests/s), and load imbalance (max/mean requests per engine, from the engines' own
-vllm:request_success_total). Each workload also gets the oracle hit ratio (kvgate_testing/oracle.py) and
-a floor: the oracle's placement replayed with no request ever waiting for another (`run_floor`).
+vllm:request_success_total). Each workload also gets three offline figures under one engine model
+(requests one at a time in arrival order, each engine a vLLM block pool): the reference hit ratio
+(kvgate_testing/reference_placement.py: a greedy placement that sees the caches; not a bound, a policy
+can beat it), the foresight reference (the same rule with Belady eviction) and an upper bound (Belady
+on the engines' pooled blocks, or an unbounded cache; both in kvgate_testing/foresight.py), and a floor:
+the reference's placement replayed with no request ever waiting for another (`run_floor`).
 
     .venv/bin/python -m benchmarks.routing_bench                      # the default run (8 engines)
     .venv/bin/python -m benchmarks.routing_bench --engines 64 --output benchmarks/results/routing_64
@@ -42,14 +46,16 @@ from typing import Any
 import yaml
 
 from kvgate_testing import workloads as workload_catalog
-from kvgate_testing.oracle import oracle_hit_ratio
+from kvgate_testing.foresight import foresight_placement, upper_bound
 from kvgate_testing.processes import exit_on_sigterm
+from kvgate_testing.provenance import run_source, with_source
 from kvgate_testing.real_fleet import (
     DEFAULT_MODEL_LAYERS,
     REAL_BLOCK_SIZE,
     REAL_DEFAULT_BLOCKS,
     RealEngineFleet,
 )
+from kvgate_testing.reference_placement import reference_placement
 from kvgate_testing.replay import ttft_ms
 from kvgate_testing.routers import (
     ALL_POLICIES,
@@ -161,7 +167,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--no-floor",
         action="store_true",
-        help="skip each workload's floor (the oracle's placement, one request at a time: `run_floor`)",
+        help="skip each workload's floor (the reference's placement, one request at a time: `run_floor`)",
     )
     parser.add_argument(
         "--profile", default="", help="policy whose router py-spy samples during each replay (e.g. kv_aware)"
@@ -205,6 +211,7 @@ def main(argv: list[str] | None = None) -> int:
     if not shared and any(p.partition("@")[0] == SHARED_TIER_POLICY for p in policies):
         parser.error(f"{SHARED_TIER_POLICY} needs engines that share a KV tier: add --shared-tier")
     started = time.monotonic()
+    run_source()  # the commit and dirty flag as the run starts, not as it ends
     _log(f"building workloads {names} (scale {args.scale})")
     tokenizer = workload_catalog.qwen3_tokenizer()
     overrides: dict[str, dict[str, Any]] = {}
@@ -252,17 +259,34 @@ def main(argv: list[str] | None = None) -> int:
             f"`{SHARED_TIER_NAME}`, a Redis set of block hashes every engine reaches; loads charged at "
             "the `--shared-load-us-per-token` of the timing flags; events' medium `shared`"
         )
-    oracle_placements: dict[str, list[int]] = {}
+    reference_placements: dict[str, list[int]] = {}
     for workload in built:
-        _log(f"oracle for {workload.name}")
-        oracle = oracle_hit_ratio(workload, engine_count, args.num_gpu_blocks, args.block_size)
-        oracle_placements[workload.name] = oracle.engine_of_request
+        _log(f"reference placement for {workload.name}")
+        reference = reference_placement(workload, engine_count, args.num_gpu_blocks, args.block_size)
+        reference_placements[workload.name] = reference.engine_of_request
+        foresight = foresight_placement(workload, engine_count, args.num_gpu_blocks, args.block_size)
+        bound = upper_bound(workload, engine_count, args.num_gpu_blocks, args.block_size)
         results["workloads"][workload.name] = {
-            "oracle_hit_ratio": round(oracle.hit_ratio, 4),
-            "oracle": {
-                "requests_per_engine": oracle.requests_per_engine,
-                "slack": oracle.slack,
-                "max_over_mean_load": round(oracle.max_over_mean_load, 3),
+            "reference_hit_ratio": round(reference.hit_ratio, 4),
+            "reference": {
+                "requests_per_engine": reference.requests_per_engine,
+                "slack": reference.slack,
+                "max_over_mean_load": round(reference.max_over_mean_load, 3),
+            },
+            # kvgate_testing/foresight.py: what knowing the future adds, and an upper bound under the
+            # reference's engine model (requests one at a time in arrival order).
+            "foresight_hit_ratio": round(foresight.hit_ratio, 4),
+            "foresight": {
+                "requests_per_engine": foresight.requests_per_engine,
+                "slack": foresight.slack,
+                "max_over_mean_load": round(foresight.max_over_mean_load, 3),
+            },
+            "upper_bound_hit_ratio": round(bound.hit_ratio, 4),
+            "upper_bound": {
+                "pooled_belady_hit_ratio": round(bound.pooled_belady_hit_ratio, 4),
+                "unbounded_hit_ratio": round(bound.unbounded_hit_ratio, 4),
+                "pooled_blocks": bound.pooled_blocks,
+                "binding": bound.binding,
             },
             "description": workload.description,
             "has_reuse": workload.has_reuse,
@@ -290,10 +314,10 @@ def main(argv: list[str] | None = None) -> int:
             pooled: dict[str, list] = {policy: [] for policy in policies}
             run_ttfts = ttft_runs.setdefault(workload.name, {policy: [] for policy in policies})
             if not args.no_floor:
-                _log(f"{workload.name}: floor (the oracle's placement, one request at a time per lane)")
+                _log(f"{workload.name}: floor (the reference's placement, one request at a time per lane)")
                 floor_to = OUTCOMES_DIR / f"{Path(args.output).name}_{workload.name}_floor.jsonl"
                 try:
-                    floor = run_floor(fleet, workload, oracle_placements[workload.name], floor_to)
+                    floor = run_floor(fleet, workload, reference_placements[workload.name], floor_to)
                 except Exception as exc:  # the policies' runs still count without it
                     _log(f"{workload.name}: floor failed: {exc}")
                     floor = {"failed": str(exc)[-2000:]}
@@ -343,7 +367,7 @@ def main(argv: list[str] | None = None) -> int:
     results["meta"]["load_average_end"] = round(os.getloadavg()[0], 2)
     output = Path(args.output)
     output.parent.mkdir(parents=True, exist_ok=True)
-    output.with_suffix(".json").write_text(json.dumps(results, indent=1) + "\n")
+    output.with_suffix(".json").write_text(json.dumps(with_source(results), indent=1) + "\n")
     write_markdown(results, output.with_suffix(".md"))
     write_plot(results, output.with_suffix(".png"))
     _log(f"wrote {output}.json, .md and .png in {results['meta']['wall_s']:.0f} s")

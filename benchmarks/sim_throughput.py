@@ -25,6 +25,7 @@ from pathlib import Path
 
 from kvgate_testing.ports import free_port
 from kvgate_testing.processes import REPO_ROOT, ManagedProcess, python_command, wait_for_http
+from kvgate_testing.provenance import with_source
 
 MODEL = "tiny-qwen3"
 SCENARIOS = ("chat_shared_system_prompts", "chat_unique_prompts", "completions_floor")
@@ -151,7 +152,7 @@ def main() -> int:
             results["rss_mb_at_end"] = _rss_mb(process.pid)
     results["load_average_after"] = list(os.getloadavg())
     out = Path(args.out)
-    out.with_suffix(".json").write_text(json.dumps(results, indent=2) + "\n")
+    out.with_suffix(".json").write_text(json.dumps(with_source(results), indent=2) + "\n")
     _plot(results, out.with_suffix(".png"))
     lines = [
         "# kvgate sim: requests/s of one simulated engine process",

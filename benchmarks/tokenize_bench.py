@@ -24,6 +24,7 @@ from pathlib import Path
 
 import numpy as np
 
+from kvgate_testing.provenance import with_source
 from router.config import builtin_tokenizer_dir
 from router.tokenize import PromptTokenizer
 
@@ -159,7 +160,7 @@ def main() -> None:
             )
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "tokenize_bench.json").write_text(json.dumps(results, indent=2))
+    (out / "tokenize_bench.json").write_text(json.dumps(with_source(results), indent=2))
     plot(results, out / "tokenize_bench.png")
     (out / "tokenize_bench.md").write_text(report(results))
     print(f"wrote {out / 'tokenize_bench.json'}, .md and .png")

@@ -19,6 +19,7 @@ import uvloop
 
 from kvgate_testing.backend import BackendProcess
 from kvgate_testing.processes import REPO_ROOT
+from kvgate_testing.provenance import with_source
 from router.upstream import UpstreamPool
 
 BODY = b'{"model": "test-model", "prompt": "hello"}'
@@ -77,7 +78,7 @@ def main() -> None:
     finally:
         backend.stop()
     out = REPO_ROOT / "benchmarks" / "results" / "upstream_client_cost.json"
-    out.write_text(json.dumps(results, indent=2) + "\n")
+    out.write_text(json.dumps(with_source(results), indent=2) + "\n")
     print(json.dumps(results, indent=2))
 
 

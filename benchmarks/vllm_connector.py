@@ -42,6 +42,7 @@ import httpx
 import torch
 
 from cachelayer.server import KeySpace, StoreClient
+from kvgate_testing.provenance import with_source
 from kvgate_testing.real_fleet import pin_engines_to_cores
 from kvgate_testing.replay import sse_chunks
 from kvgate_testing.vllm import (
@@ -267,7 +268,55 @@ def plot(results: dict, path: Path) -> None:
     figure.savefig(path, dpi=120)
 
 
-def write_report(results: dict, path: Path) -> None:
+# Each ratio of the report with its target (at most): the same four in every run's json.
+RATIO_TARGETS = {
+    "hit_over_cold_ttft_in_process": ("hit/cold in process", 0.30),
+    "hit_over_cold_ttft_daemon": ("hit/cold daemon", 0.30),
+    "hit_over_cold_ttft_cross_engine": ("hit/cold across engines", 0.30),
+    "cold_with_connector_over_without": ("cold with/without connector", 1.05),
+}
+
+
+def earlier_runs() -> list[dict]:
+    """The runs before the last, kept as vllm_connector_runN.json (N in run order)."""
+    paths = sorted(RESULTS.glob("vllm_connector_run*.json"), key=lambda p: int(p.stem.rpartition("run")[2]))
+    return [json.loads(path.read_text()) for path in paths]
+
+
+def every_run_lines(runs: list[dict]) -> list[str]:
+    """Every run's ratios, their median and how many runs met each target: one run of several meeting
+    every target is not the benchmark's result, the spread is."""
+    if len(runs) < 2:
+        return []
+    header = " | ".join(label for label, _ in RATIO_TARGETS.values())
+    lines = [
+        f"Every run so far ({len(runs)}; the tables above are the last one's): TTFT p50 ratios.",
+        "",
+        f"| run | prompts | load at end | {header} |",
+        "| --- | --- | --- |" + " --- |" * len(RATIO_TARGETS),
+    ]
+    for number, run in enumerate(runs, start=1):
+        values = " | ".join(f"{run[key]:.2f}" for key in RATIO_TARGETS)
+        lines.append(f"| {number} | {run['prompts']} | {run['load_average_1m_at_end']:.1f} | {values} |")
+    medians = " | ".join(f"{statistics.median(run[key] for run in runs):.2f}" for key in RATIO_TARGETS)
+    met = " | ".join(
+        f"{sum(run[key] <= target for run in runs)} of {len(runs)}"
+        for key, (_, target) in RATIO_TARGETS.items()
+    )
+    targets = " | ".join(f"<= {target:.2f}" for _, target in RATIO_TARGETS.values())
+    every = sum(all(run[key] <= target for key, (_, target) in RATIO_TARGETS.items()) for run in runs)
+    lines += [
+        f"| median | | | {medians} |",
+        f"| runs meeting the target | | | {met} |",
+        f"| target | | | {targets} |",
+        "",
+        f"{every} of {len(runs)} runs met every target.",
+        "",
+    ]
+    return lines
+
+
+def write_report(results: dict, path: Path, earlier: list[dict] | None = None) -> None:
     shape = results.get("model_shape", {})
     lines = [
         "# The cache layer inside a real vLLM: TTFT cold and hit, hook time, daemon throughput",
@@ -342,7 +391,7 @@ def write_report(results: dict, path: Path) -> None:
             f"{row['retrieve_ms']:.1f} ms "
             f"({row['retrieve_gb_per_s']:.2f} GB/s, {row['retrieve_chunks_per_s']:.0f} chunks/s) |"
         )
-    lines += ["", "![TTFT](vllm_connector.png)", ""]
+    lines += ["", *every_run_lines([*(earlier or []), results]), "![TTFT](vllm_connector.png)", ""]
     path.write_text("\n".join(lines))
 
 
@@ -367,7 +416,7 @@ def main() -> None:
     args = parser.parse_args()
     if args.report_only:
         results = json.loads((RESULTS / "vllm_connector.json").read_text())
-        write_report(results, RESULTS / "vllm_connector.md")
+        write_report(results, RESULTS / "vllm_connector.md", earlier_runs())
         plot(results, RESULTS / "vllm_connector.png")
         return
     require_vllm()
@@ -422,8 +471,11 @@ def main() -> None:
     results["load_average_1m_at_end"] = os.getloadavg()[0]
     results["daemon"] = daemon_throughput(args.daemon_repeats)
     RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "vllm_connector.json").write_text(json.dumps(results, indent=2))
-    write_report(results, RESULTS / "vllm_connector.md")
+    last = RESULTS / "vllm_connector.json"
+    if last.exists():  # every run stays: the previous last becomes the next runN
+        last.rename(RESULTS / f"vllm_connector_run{len(earlier_runs()) + 1}.json")
+    last.write_text(json.dumps(with_source(results), indent=2))
+    write_report(results, RESULTS / "vllm_connector.md", earlier_runs())
     plot(results, RESULTS / "vllm_connector.png")
     print((RESULTS / "vllm_connector.md").read_text())
 

@@ -1,6 +1,6 @@
 """Helpers shared by the tests and the benchmarks: free ports, managed subprocesses, a scriptable
 OpenAI backend, the real gateway, redis-server, real vLLM engines, and the benchmarks' machinery
-(workloads, the oracle, replay, engine fleets, the routers under test, report checks).
+(workloads, the reference placement, replay, engine fleets, the routers under test, report checks).
 
 A top-level package rather than `tests/support`: the benchmarks use these helpers too, and a
 benchmark importing from the test tree (a pytest collection root, with its conftest) ties the two

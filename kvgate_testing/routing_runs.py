@@ -1,4 +1,4 @@
-"""The routing benchmark's measurements: one policy's run against a fleet, the oracle's floor, and
+"""The routing benchmark's measurements: one policy's run against a fleet, the reference's floor, and
 repeated runs pooled (`python -m benchmarks.routing_bench` drives them; tests call them small)."""
 
 from __future__ import annotations
@@ -102,13 +102,13 @@ def write_outcomes(
 def run_floor(
     fleet: EngineFleet, workload: workload_catalog.Workload, engine_of_request: list[int], outcomes_to: Path
 ) -> dict:
-    """The floor of a workload's TTFTs: the oracle's placement (`engine_of_request`), each request sent
+    """The floor of a workload's TTFTs: the reference's placement (`engine_of_request`), each request sent
     straight to its engine once the requests before it on that engine's lane have finished
     (`replay_one_at_a_time`). No request queues behind another's prefill or shares a batch, so each
-    TTFT is its own prefill, of what the oracle's placement leaves uncached, on an idle engine.
+    TTFT is its own prefill, of what the reference's placement leaves uncached, on an idle engine.
 
     A reference, not a bound: arrivals that overlap make every router's requests wait for one
-    another, which the floor never does, and the oracle's placement is greedy, not optimal. What it
+    another, which the floor never does, and the reference's placement is greedy, not optimal. What it
     shows is where a p90 comes from: when it equals the floor's, the p90 is the prefill of prompts that
     no placement could have found cached (first reads, capacity misses), and no router gets under it."""
     fleet.reset_caches()

@@ -14,7 +14,7 @@ Five shapes of traffic, each a list of chat requests with open-loop arrival time
 Text is deterministic pseudo-text drawn from a fixed word list with a seeded generator, cut to the
 target token lengths. Every request carries the exact prompt token ids an engine will see (the
 model's chat template with the generation prompt, then the tokenizer without special tokens, as vLLM
-does for chat), so the benchmark can check token parity and compute the oracle offline.
+does for chat), so the benchmark can check token parity and compute the reference placement offline.
 """
 
 from __future__ import annotations

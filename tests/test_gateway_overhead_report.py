@@ -3,10 +3,17 @@
 from __future__ import annotations
 
 import argparse
+import json
+from pathlib import Path
 
 import pytest
 
-from benchmarks.gateway_overhead import _kv_workers_argument, _synced_workers, write_kv_aware_report
+from benchmarks.gateway_overhead import (
+    _kv_workers_argument,
+    _synced_workers,
+    write_kv_aware_report,
+    write_report,
+)
 
 
 def test_only_kvgate_rows_with_several_workers_count_the_redis_server():
@@ -83,3 +90,17 @@ def test_report_sets_the_step_costs_against_the_peer_budget(tmp_path):
     del report["results"][2]
     write_kv_aware_report(report, tmp_path / "report")
     assert "## CPU budget" not in (tmp_path / "report.md").read_text()
+
+
+def test_the_overhead_report_claims_no_sse_rate_its_one_client_process_bounds(tmp_path):
+    # The committed run: through kvgate the client read 2073 SSE streams/s, direct only 1380.
+    committed = Path(__file__).parent.parent / "benchmarks" / "results" / "gateway_overhead.json"
+    results = json.loads(committed.read_text())
+    rates = {entry["target"]: entry["sse_load"]["requests_per_s"] for entry in results["results"]}
+    assert rates["kvgate round_robin"] > rates["direct"]  # the artefact the report must not present
+    write_report(results, tmp_path / "report")
+    text = (tmp_path / "report.md").read_text()
+    assert "SSE req/s" not in text and f"{rates['kvgate round_robin']:.0f}" not in text
+    assert "No SSE requests/s: with one client process the SSE rate measures that client" in text
+    assert "| JSON req/s |" in text  # the JSON rate stays
+

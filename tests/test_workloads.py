@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from kvgate_testing import workloads
-from kvgate_testing.oracle import EngineBlockCache, oracle_hit_ratio
+from kvgate_testing.reference_placement import EngineBlockCache, reference_placement
 
 
 @pytest.fixture(scope="module")
@@ -155,10 +155,10 @@ def test_cache_pressure_reuses_more_long_prefixes_than_the_fleet_holds_in_random
     # Random order: consecutive requests mostly belong to different families.
     changes = sum(a.session_id != b.session_id for a, b in itertools.pairwise(workload.requests))
     assert changes >= 0.7 * (len(workload.requests) - 1)
-    # Under pressure (the prefixes are 2.3x what 2 engines of 32 blocks hold) even the oracle keeps far
+    # Under pressure (the prefixes are 2.3x what 2 engines of 32 blocks hold) even the reference keeps far
     # less than an unbounded cache would.
-    oracle = oracle_hit_ratio(workload, engines=2, num_gpu_blocks=32, block_size=16)
-    assert oracle.hit_ratio < 0.8 * workload.summary()["unbounded_cache_hit_ratio"]
+    reference = reference_placement(workload, engines=2, num_gpu_blocks=32, block_size=16)
+    assert reference.hit_ratio < 0.8 * workload.summary()["unbounded_cache_hit_ratio"]
     with pytest.raises(ValueError, match="lower min_uses or raise requests"):
         _small("cache_pressure", tokenizer, requests=20)
 
@@ -191,7 +191,7 @@ def test_scale_multiplies_population_and_rate_and_rate_scale_the_rate_alone(toke
     assert len({r.session_id for r in small.requests}) == 28
 
 
-# ---- the oracle's engine model ----
+# ---- the reference placement's engine model ----
 
 
 def _keys(*blocks: int) -> list[bytes]:
@@ -221,9 +221,9 @@ def test_engine_block_cache_refuses_a_request_larger_than_the_pool():
         EngineBlockCache(num_blocks=2, block_size=4).serve(_keys(1, 2), 9, 0, 0)
 
 
-def test_oracle_keeps_the_load_cap_and_beats_round_robin(tokenizer):
+def test_reference_keeps_the_load_cap_and_beats_round_robin(tokenizer):
     workload = _small("shared_system_prompts", tokenizer, users=16)
-    result = oracle_hit_ratio(workload, engines=4, num_gpu_blocks=64, block_size=16)
+    result = reference_placement(workload, engines=4, num_gpu_blocks=64, block_size=16)
     assert result.max_over_mean_load <= 1.3
     assert sum(result.requests_per_engine) == len(workload.requests)
     round_robin = [EngineBlockCache(64, 16) for _ in range(4)]
@@ -232,4 +232,4 @@ def test_oracle_keeps_the_load_cap_and_beats_round_robin(tokenizer):
         keys = workloads.block_keys(request.prompt_token_ids, 16)
         cached += round_robin[i % 4].serve(keys, request.prompt_tokens, request.max_tokens, i)
     assert result.hit_ratio > cached / result.prompt_tokens
-    assert oracle_hit_ratio(_small("no_reuse", tokenizer), 4, 64).hit_ratio == 0.0
+    assert reference_placement(_small("no_reuse", tokenizer), 4, 64).hit_ratio == 0.0

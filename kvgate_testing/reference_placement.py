@@ -1,19 +1,21 @@
-"""The oracle hit ratio of a workload: routing with perfect knowledge of every engine's cache.
+"""The reference hit ratio of a workload: a greedy placement that sees every engine's cache, offline.
 
-Which oracle: a greedy, perfect-knowledge, longest-cached-prefix placement under a load cap,
-simulated offline. Requests are taken in arrival order, one at a time. Each engine is modelled as a
-vLLM block pool of the benchmark's capacity and block size (`EngineBlockCache`): only full blocks are
-cached, a prompt always computes its last token, a request reserves blocks for its prompt and its
-`max_tokens` up front, unreferenced blocks are reused least recently freed first (evicting what they
-held), and a finished request frees its blocks tail first. A request goes to the engine holding its
-longest cached prefix among the engines under a load cap (ties: fewest requests so far, then lowest
-index). The cap: never more than `max_over_mean` x the whole run's mean requests per engine (so the
-run's max/mean load stays within `max_over_mean`), and, with a slack s, never more than
-`max_over_mean` x the running mean + s. The oracle is the best of these placements over a few slacks.
+What it is: a greedy, longest-cached-prefix placement under a load cap, simulated offline. Requests are
+taken in arrival order, one at a time. Each engine is modelled as a vLLM block pool of the benchmark's
+capacity and block size (`EngineBlockCache`): only full blocks are cached, a prompt always computes its
+last token, a request reserves blocks for its prompt and its `max_tokens` up front, unreferenced blocks
+are reused least recently freed first (evicting what they held), and a finished request frees its blocks
+tail first. A request goes to the engine holding its longest cached prefix among the engines under a
+load cap (ties: fewest requests so far, then lowest index). The cap: never more than `max_over_mean` x
+the whole run's mean requests per engine (so the run's max/mean load stays within `max_over_mean`), and,
+with a slack s, never more than `max_over_mean` x the running mean + s. The reference is the best of
+these placements over a few slacks.
 
-It is a reference, not an upper bound: it knows the caches perfectly but not the future (a cold
-prompt goes to the least-loaded engine, whatever that evicts), and it never sees two requests in
-flight at once, so a prefix computed by a still-running request counts as cached.
+What it is not: an upper bound, nor an optimum. It sees the caches but not the future (a cold prompt
+goes to the least-loaded engine, whatever that evicts), its eviction is LRU, and it never sees two
+requests in flight at once, so a prefix computed by a still-running request counts as cached. A policy
+can beat it (kv_aware did on document_qa). kvgate_testing/foresight.py computes what knowing the future
+adds and an upper bound under the same engine model.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ from kvgate_testing.workloads import Workload, block_keys, cacheable_hit_tokens
 
 
 @dataclass(slots=True)
-class OracleResult:
+class PlacementResult:
     hit_ratio: float
     cached_tokens: int
     prompt_tokens: int
@@ -69,9 +71,9 @@ class EngineBlockCache:
             )
         slots = [self._slot_of[key] for key in prompt_keys[:hit_blocks]]
         for slot in slots:
-            del self._free[slot]  # referenced while the request runs
+            self._claim(slot)  # referenced while the request runs
         for _ in range(total_blocks - hit_blocks):
-            slot, evicted = self._free.popitem(last=False)
+            slot, evicted = self._take()
             if evicted is not None:
                 del self._slot_of[evicted]
             slots.append(slot)
@@ -86,40 +88,57 @@ class EngineBlockCache:
         for index in range(hit_blocks):
             contents[index] = prompt_keys[index]
         for index in reversed(range(total_blocks)):
-            self._free[slots[index]] = contents[index]
+            self._release(slots[index], contents[index])
         return cacheable_hit_tokens(hit_blocks, prompt_tokens, size)
+
+    # The eviction order: least recently freed first. A subclass changes it through these three.
+    def _claim(self, slot: int) -> None:
+        """An unreferenced slot becomes referenced (a hit)."""
+        del self._free[slot]
+
+    def _take(self) -> tuple[int, object | None]:
+        """The unreferenced slot to reuse next, and the content it held (evicted)."""
+        return self._free.popitem(last=False)
+
+    def _release(self, slot: int, content: object | None) -> None:
+        """A finished request's slot becomes unreferenced, holding `content` (None: nothing cached)."""
+        self._free[slot] = content
 
 
 # Running-cap slacks tried, in requests: 0 spreads cold prompts evenly as they come, None lets an engine
 # run ahead up to the whole-run cap. Which wins depends on the workload (a short prefix shared by every
-# prompt draws cold prompts together when the cap is loose), so the oracle keeps the best.
-_SLACKS: tuple[int | None, ...] = (0, 1, 2, 4, None)
+# prompt draws cold prompts together when the cap is loose), so the reference keeps the best.
+SLACKS: tuple[int | None, ...] = (0, 1, 2, 4, None)
 
 
-def oracle_hit_ratio(
+def reference_placement(
     workload: Workload,
     engines: int,
     num_gpu_blocks: int,
     block_size: int = 16,
     max_over_mean: float = 1.3,
-) -> OracleResult:
-    """The best of the greedy placements over `_SLACKS`; every one keeps max/mean load <= max_over_mean."""
-    results = [
-        _greedy_placement(workload, engines, num_gpu_blocks, block_size, max_over_mean, slack)
-        for slack in _SLACKS
-    ]
+) -> PlacementResult:
+    """The best of the greedy placements over `SLACKS`; every one keeps max/mean load <= max_over_mean."""
+    keys = [block_keys(request.prompt_token_ids, block_size) for request in workload.requests]
+    results = []
+    for slack in SLACKS:
+        caches = [EngineBlockCache(num_gpu_blocks, block_size) for _ in range(engines)]
+        results.append(greedy_placement(workload, keys, caches, max_over_mean, slack))
     return max(results, key=lambda result: result.hit_ratio)
 
 
-def _greedy_placement(
+def greedy_placement(
     workload: Workload,
-    engines: int,
-    num_gpu_blocks: int,
-    block_size: int,
+    keys_of_request: list[list[bytes]],
+    caches: list[EngineBlockCache],
     max_over_mean: float,
     slack: int | None,
-) -> OracleResult:
-    caches = [EngineBlockCache(num_gpu_blocks, block_size) for _ in range(engines)]
+) -> PlacementResult:
+    """The greedy longest-cached-prefix placement under the load cap, over these engines' caches (one
+    per engine, empty at the start; `serve` is told each request's position in the workload as its
+    tag, which `BeladyBlockCache` reads as the time)."""
+    engines = len(caches)
+    block_size = caches[0].block_size
     assigned = [0] * engines
     cached_total = 0
     prompt_total = 0
@@ -128,7 +147,7 @@ def _greedy_placement(
     # The whole-run cap bounds the measured quantity itself: total requests per engine.
     total_cap = max(math.ceil(total / engines), math.floor(max_over_mean * total / engines))
     for routed, request in enumerate(workload.requests):
-        keys = block_keys(request.prompt_token_ids, block_size)
+        keys = keys_of_request[routed]
         usable = keys[: (request.prompt_tokens - 1) // block_size]
         cap = total_cap
         if slack is not None:
@@ -142,6 +161,6 @@ def _greedy_placement(
         assigned[best] += 1
         engine_of_request.append(best)
         prompt_total += request.prompt_tokens
-    return OracleResult(
+    return PlacementResult(
         cached_total / max(1, prompt_total), cached_total, prompt_total, assigned, slack, engine_of_request
     )
