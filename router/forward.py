@@ -40,6 +40,7 @@ from router.errors import (
     gateway_error_body,
     log_unexpected,
     send_error,
+    status_error_type,
 )
 from router.policies.base import RouteRequest
 from router.policies.least_loaded import LeastLoaded
@@ -137,6 +138,17 @@ def _as_chat(
     return view
 
 
+def _openai_stream_error(status: int, message: str) -> bytes:
+    """OpenAI's and vLLM's in-stream error, `data: {"error": {...}}` (the openai client raises on it)."""
+    return b"data: " + error_body(status, message) + b"\n\n"
+
+
+def _anthropic_stream_error(status: int, message: str) -> bytes:
+    """The Messages API's in-stream error, an `error` event (the anthropic client raises on it)."""
+    error = {"type": "error", "error": {"type": status_error_type(status), "message": message}}
+    return b"event: error\ndata: " + _encoder.encode(error) + b"\n\n"
+
+
 def _first_text(*fields: str) -> Callable[[dict[str, Any]], dict[str, Any] | None]:
     """Rerank and score: the engine pairs the query (or text_1) with each document, so what every
     pair of one request shares, and what a cache can hold, is the leading text: route by it."""
@@ -166,6 +178,8 @@ class ForwardedRoute:
     routing_view: Callable[[dict[str, Any]], dict[str, Any] | None] | None = _whole_body
     # vLLM and SGLang make `model` optional on these paths; with one configured model it is that one.
     model_optional: bool = False
+    # The server-sent event that ends a stream the backend broke off: (status, message) -> bytes.
+    stream_error: Callable[[int, str], bytes] = _openai_stream_error
 
 
 # vLLM's OpenAI-compatible server and SGLang's serve these paths under these names (vLLM also
@@ -175,7 +189,9 @@ FORWARDED_ROUTES = (
     ForwardedRoute("/v1/completions", ("prompt",)),
     ForwardedRoute("/v1/chat/completions", ("messages",)),
     ForwardedRoute("/v1/responses", ("input",), _as_chat(responses_as_chat)),
-    ForwardedRoute("/v1/messages", ("messages",), _as_chat(messages_as_chat)),
+    ForwardedRoute(
+        "/v1/messages", ("messages",), _as_chat(messages_as_chat), stream_error=_anthropic_stream_error
+    ),
     ForwardedRoute("/v1/embeddings", ("input", "messages"), _input_prompt),
     *(
         ForwardedRoute(path, ("query",), _first_text("query"), model_optional=True)
@@ -602,11 +618,7 @@ class ProxyEndpoint:
                     "backend %s failed mid-response to %s: %s", backend.name, route_request.request_id, exc
                 )
                 if _is_event_stream(response.headers):
-                    event = (
-                        b"data: "
-                        + error_body(outcome_status, f"backend {backend.name} failed: {exc}")
-                        + b"\n\n"
-                    )
+                    event = self.route.stream_error(outcome_status, f"backend {backend.name} failed: {exc}")
                     await responder.body(event, False)
                 # Otherwise end without completing: the server closes the connection, so the client
                 # sees a truncated response instead of a short one that looks whole.
