@@ -284,6 +284,8 @@ def test_the_gateway_and_the_engines_answer_errors_in_one_shape(sim_gateway):
         "bad JSON": ("/v1/chat/completions", b"{not json"),
         "unknown model": ("/v1/chat/completions", {**chat, "model": "no-such-model"}),
         "missing messages": ("/v1/chat/completions", {"model": MODEL}),
+        # The schema first, the model after it (vLLM's order): a 400, not a 404.
+        "unknown model, no messages": ("/v1/chat/completions", {"model": "no-such-model"}),
         "missing input": ("/v1/responses", {"model": MODEL}),
         "missing messages (Anthropic)": ("/v1/messages", {"model": MODEL, "max_tokens": 1}),
         "temperature not a number": ("/v1/chat/completions", {**chat, "temperature": "hot"}),
