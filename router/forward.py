@@ -201,6 +201,8 @@ FORWARDED_ROUTES = (
         ForwardedRoute(path, ("text_1", "queries"), _first_text("text_1", "queries"), model_optional=True)
         for path in ("/v1/score", "/score")
     ),
+    # vLLM's Anthropic token count: no KV cache computed, like /tokenize.
+    ForwardedRoute("/v1/messages/count_tokens", ("messages",), None),
     ForwardedRoute("/tokenize", ("prompt", "messages"), None, model_optional=True),
     ForwardedRoute("/detokenize", ("tokens",), None, model_optional=True),
 )

@@ -2,7 +2,8 @@
 
 Endpoints: POST /v1/completions, POST /v1/chat/completions (both with SSE streaming in vLLM's chunk
 format), POST /v1/responses and POST /v1/messages (the Responses and Anthropic Messages APIs, read
-as vLLM reads them by router/api_formats.py, answered and streamed in vLLM's shapes), GET /v1/models,
+as vLLM reads them by router/api_formats.py, answered and streamed in vLLM's shapes; and
+POST /v1/messages/count_tokens), GET /v1/models,
 POST /tokenize, POST /detokenize, GET /health, GET /metrics, POST /reset_prefix_cache, GET /version.
 Every usage says how many prompt tokens were cached (prompt_tokens_details.cached_tokens;
 input_tokens_details.cached_tokens; cache_read_input_tokens). Requests are refused where vLLM
@@ -401,6 +402,15 @@ def build_app(
             }
         )
 
+    async def count_tokens(request: Request) -> Response:
+        """POST /v1/messages/count_tokens: the prompt tokens a /v1/messages body would have."""
+        try:
+            body = await read_body(request)
+            prompt = chat_tokens(as_chat(messages_as_chat, body), "messages")
+        except RequestRefused as exc:
+            return _refused(exc)
+        return _ok({"input_tokens": len(prompt)})
+
     async def completions(request: Request) -> Response:
         return await generate(request, completion_api)
 
@@ -559,6 +569,7 @@ def build_app(
             Route("/v1/chat/completions", chat_completions, methods=["POST"]),
             Route("/v1/responses", responses, methods=["POST"]),
             Route("/v1/messages", messages, methods=["POST"]),
+            Route("/v1/messages/count_tokens", count_tokens, methods=["POST"]),
             Route("/v1/models", models, methods=["GET"]),
             Route("/tokenize", tokenize, methods=["POST"]),
             Route("/detokenize", detokenize, methods=["POST"]),
