@@ -3,7 +3,8 @@
     python -m kvgate_testing.fuzz_http [--seconds 300] [--seed 1]
 
 Starts `kvgate serve` with two simulated engines (kv_aware, the builtin Qwen3 tokenizer) and sends
-it valid requests of every route and shape (generation routes streamed or not, chunked bodies,
+it valid requests of every route and shape (generation routes streamed or not, the Responses and
+Anthropic Messages APIs among them, chunked bodies,
 token-id prompts, content parts, sessions, the debug page, /lookup, /metrics, /backends), each
 mutated at random: bytes set, tokens of HTTP and JSON syntax inserted, slices cut, duplicated
 (pipelining, repeated headers) or other requests spliced in. Fails on an answer 500, a connection
@@ -62,6 +63,22 @@ def seed_requests(rand: random.Random) -> list[bytes]:
         prompt = "Once upon a time " * rand.randint(1, 30)
         return json.dumps({"model": MODEL, "prompt": prompt, "max_tokens": 4, **extra}).encode()
 
+    def responses(**extra) -> bytes:
+        items = [
+            {
+                "role": "user",
+                "content": [{"type": "input_text", "text": "Say hi " + "x" * rand.randint(0, 300)}],
+            }
+        ]
+        body = {"model": MODEL, "instructions": "You are terse.", "input": items, "max_output_tokens": 4}
+        return json.dumps({**body, **extra}).encode()
+
+    def messages(**extra) -> bytes:
+        blocks = [{"type": "text", "text": "Say hi " + "x" * rand.randint(0, 300)}]
+        body = {"model": MODEL, "system": "You are terse.", "max_tokens": 4,
+                "messages": [{"role": "user", "content": blocks}]}  # fmt: skip
+        return json.dumps({**body, **extra}).encode()
+
     parts = [{"role": "user", "content": [{"type": "text", "text": "hi"}]}]
     usage = {"include_usage": True}
     token_ids = json.dumps({"model": MODEL, "prompt": [1, 2, 3], "max_tokens": 2}).encode()
@@ -74,6 +91,10 @@ def seed_requests(rand: random.Random) -> list[bytes]:
         request("POST", "/v1/completions", completion()),
         request("POST", "/v1/completions", completion(stream=True)),
         request("POST", "/v1/completions", token_ids),
+        request("POST", "/v1/responses", responses()),
+        request("POST", "/v1/responses", responses(stream=True)),
+        request("POST", "/v1/messages", messages()),
+        request("POST", "/v1/messages", messages(stream=True), chunked=True),
         request("GET", "/v1/models"),
         request("GET", f"/v1/models/{MODEL}"),
         request("GET", "/health"),

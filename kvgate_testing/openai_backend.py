@@ -2,6 +2,8 @@
 
 Run it as `python -m kvgate_testing.openai_backend --port P --name NAME [--models m1,m2]`.
 
+The generation paths (/v1/completions, /v1/chat/completions, /v1/responses, /v1/messages) all answer
+the same made-up completion, whole or streamed: the gateway's forwarding is what these tests check.
 Behaviour per request, chosen by headers the gateway forwards unchanged:
 - `x-test-status: 503` answers that status (OpenAI error shape);
 - `x-test-delay-ms: N` waits before the response headers (upstream timeouts);
@@ -67,7 +69,7 @@ class OpenAIBackend:
             await self._send(send, status, b'{"status":"ok"}' if status == 200 else b'{"status":"down"}')
         elif path == "/v1/models":
             await self._send(send, 200, self._models_body)
-        elif path in ("/v1/completions", "/v1/chat/completions"):
+        elif path in ("/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/messages"):
             client_port = scope["client"][1] if scope.get("client") else None
             await self._generate(path, headers, body, send, receive, client_port)
         elif path == "/_test/received":

@@ -67,13 +67,18 @@ class GatewayError(KvgateError):
 def error_body(status: int, message: str, param: str | None = None, error_type: str | None = None) -> bytes:
     """The JSON bytes of vLLM's ErrorResponse: `{"error": {"message", "type", "param", "code"}}`,
     `code` the HTTP status (an integer, as vLLM sends it)."""
-    kind = (
-        error_type
-        or ERROR_TYPES.get(status)
-        or ("InternalServerError" if status >= 500 else "BadRequestError")
-    )
-    error = {"message": message, "type": kind, "param": param, "code": status}
+    error = {
+        "message": message,
+        "type": error_type or status_error_type(status),
+        "param": param,
+        "code": status,
+    }
     return _encoder.encode({"error": error})
+
+
+def status_error_type(status: int) -> str:
+    """vLLM's error `type` for an HTTP status (ERROR_TYPES; its class names for the others)."""
+    return ERROR_TYPES.get(status) or ("InternalServerError" if status >= 500 else "BadRequestError")
 
 
 def gateway_error_body(error: GatewayError) -> bytes:

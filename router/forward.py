@@ -41,6 +41,7 @@ from router.errors import (
     gateway_error_body,
     log_unexpected,
     send_error,
+    status_error_type,
 )
 from router.policies.base import RouteRequest
 from router.policies.least_loaded import LeastLoaded
@@ -139,6 +140,17 @@ def _as_chat(
     return view
 
 
+def _openai_stream_error(status: int, message: str) -> bytes:
+    """OpenAI's and vLLM's in-stream error, `data: {"error": {...}}` (the openai client raises on it)."""
+    return b"data: " + error_body(status, message) + b"\n\n"
+
+
+def _anthropic_stream_error(status: int, message: str) -> bytes:
+    """The Messages API's in-stream error, an `error` event (the anthropic client raises on it)."""
+    error = {"type": "error", "error": {"type": status_error_type(status), "message": message}}
+    return b"event: error\ndata: " + _encoder.encode(error) + b"\n\n"
+
+
 def _first_text(*fields: str) -> Callable[[dict[str, Any]], dict[str, Any] | None]:
     """Rerank and score: the engine pairs the query (or text_1) with each document, so what every
     pair of one request shares, and what a cache can hold, is the leading text: route by it."""
@@ -168,6 +180,8 @@ class ForwardedRoute:
     routing_view: Callable[[dict[str, Any]], dict[str, Any] | None] | None = _whole_body
     # vLLM and SGLang make `model` optional on these paths; with one configured model it is that one.
     model_optional: bool = False
+    # The server-sent event that ends a stream the backend broke off: (status, message) -> bytes.
+    stream_error: Callable[[int, str], bytes] = _openai_stream_error
 
 
 # vLLM's OpenAI-compatible server and SGLang's serve these paths under these names (vLLM also
@@ -177,7 +191,9 @@ FORWARDED_ROUTES = (
     ForwardedRoute("/v1/completions", ("prompt",)),
     ForwardedRoute("/v1/chat/completions", ("messages",)),
     ForwardedRoute("/v1/responses", ("input",), _as_chat(responses_as_chat)),
-    ForwardedRoute("/v1/messages", ("messages",), _as_chat(messages_as_chat)),
+    ForwardedRoute(
+        "/v1/messages", ("messages",), _as_chat(messages_as_chat), stream_error=_anthropic_stream_error
+    ),
     ForwardedRoute("/v1/embeddings", ("input", "messages"), _input_prompt),
     *(
         ForwardedRoute(path, ("query",), _first_text("query"), model_optional=True)
@@ -187,6 +203,8 @@ FORWARDED_ROUTES = (
         ForwardedRoute(path, ("text_1", "queries"), _first_text("text_1", "queries"), model_optional=True)
         for path in ("/v1/score", "/score")
     ),
+    # vLLM's Anthropic token count: no KV cache computed, like /tokenize.
+    ForwardedRoute("/v1/messages/count_tokens", ("messages",), None),
     ForwardedRoute("/tokenize", ("prompt", "messages"), None, model_optional=True),
     ForwardedRoute("/detokenize", ("tokens",), None, model_optional=True),
 )
@@ -676,11 +694,7 @@ class ProxyEndpoint:
                 if entry is not None:
                     entry.error = f"backend {backend.name} failed mid-response: {exc}"
                 if _is_event_stream(response.headers):
-                    event = (
-                        b"data: "
-                        + error_body(outcome_status, f"backend {backend.name} failed: {exc}")
-                        + b"\n\n"
-                    )
+                    event = self.route.stream_error(outcome_status, f"backend {backend.name} failed: {exc}")
                     await responder.body(event, False)
                 # Otherwise end without completing: the server closes the connection, so the client
                 # sees a truncated response instead of a short one that looks whole.

@@ -272,6 +272,13 @@ def test_anthropic_client_repeats_land_on_the_engine_that_caches_them(sim_gatewa
             assert stream.response.headers["x-kvgate-backend"] == backend
         assert text and final.content[0].text == text
         assert final.usage.output_tokens == 3 and final.usage.cache_read_input_tokens >= 16 * 10
+        # vLLM's count_tokens is forwarded too (by load: it computes no KV cache).
+        counted = client.messages.count_tokens(
+            model=MODEL,
+            system=_profile("messages", n),
+            messages=[{"role": "user", "content": "Streamed, please."}],
+        )
+        assert counted.input_tokens == final.usage.input_tokens
 
 
 def test_the_gateway_and_the_engines_answer_errors_in_one_shape(sim_gateway):
@@ -284,6 +291,8 @@ def test_the_gateway_and_the_engines_answer_errors_in_one_shape(sim_gateway):
         "bad JSON": ("/v1/chat/completions", b"{not json"),
         "unknown model": ("/v1/chat/completions", {**chat, "model": "no-such-model"}),
         "missing messages": ("/v1/chat/completions", {"model": MODEL}),
+        # The schema first, the model after it (vLLM's order): a 400, not a 404.
+        "unknown model, no messages": ("/v1/chat/completions", {"model": "no-such-model"}),
         "missing input": ("/v1/responses", {"model": MODEL}),
         "missing messages (Anthropic)": ("/v1/messages", {"model": MODEL, "max_tokens": 1}),
         "temperature not a number": ("/v1/chat/completions", {**chat, "temperature": "hot"}),

@@ -146,6 +146,36 @@ def test_a_stream_that_fails_after_the_first_byte_ends_with_an_error_and_is_not_
     assert other.received() == []
 
 
+@pytest.mark.parametrize(
+    ("path", "body", "expected_start"),
+    [
+        ("/v1/responses", {"model": MODEL, "input": "long stream", "stream": True}, b'data: {"error"'),
+        # The Messages API's own error event, which the anthropic client raises on.
+        (
+            "/v1/messages",
+            {
+                "model": MODEL,
+                "max_tokens": 8,
+                "messages": [{"role": "user", "content": "long stream"}],
+                "stream": True,
+            },
+            b'event: error\ndata: {"type":"error","error":{"type":"Bad Gateway","message":"backend ',
+        ),
+    ],
+    ids=["responses", "messages"],
+)
+def test_a_broken_stream_ends_with_the_error_event_of_its_api(client, backends, path, body, expected_start):
+    headers = {"x-test-chunks": "30", "x-test-chunk-delay-ms": "100", "x-session-id": "s"}
+    with client.stream("POST", path, json=body, headers=headers) as response:
+        serving = next(b for b in backends if b.name == response.headers["x-kvgate-backend"])
+        pieces = response.iter_raw()
+        assert next(pieces).startswith(b"data: ")
+        serving.kill()
+        rest = b"".join(pieces)
+    last_event = rest.strip().split(b"\n\n")[-1]
+    assert last_event.startswith(expected_start), last_event
+
+
 def test_a_client_that_leaves_mid_stream_stops_the_backend(client, backends):
     headers = {"x-test-chunks": "50", "x-test-chunk-delay-ms": "100", "x-request-id": "leaver"}
     body = {"model": MODEL, "prompt": "long stream", "stream": True}

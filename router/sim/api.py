@@ -2,7 +2,8 @@
 
 Endpoints: POST /v1/completions, POST /v1/chat/completions (both with SSE streaming in vLLM's chunk
 format), POST /v1/responses and POST /v1/messages (the Responses and Anthropic Messages APIs, read
-as vLLM reads them by router/api_formats.py, answered and streamed in vLLM's shapes), GET /v1/models,
+as vLLM reads them by router/api_formats.py, answered and streamed in vLLM's shapes; and
+POST /v1/messages/count_tokens), GET /v1/models,
 POST /tokenize, POST /detokenize, GET /health, GET /metrics, POST /reset_prefix_cache, GET /version.
 Every usage says how many prompt tokens were cached (prompt_tokens_details.cached_tokens;
 input_tokens_details.cached_tokens; cache_read_input_tokens). Requests are refused where vLLM
@@ -169,17 +170,23 @@ def build_app(
     registry.register(_MetricsCollector(engine, model.name))
     started = int(time.time())
 
-    async def read_body(request: Request) -> dict:
+    async def read_body(request: Request, known_model: bool = True) -> dict:
+        """The JSON object of the body; its model checked unless `known_model` is False (a
+        generation path checks it after the request schema, in vLLM's order)."""
         try:
             body = msgspec.json.decode(await request.body())
         except msgspec.DecodeError as exc:
             raise schema_error(f"the request body is not valid JSON: {exc}", "") from None
         if not isinstance(body, dict):
             raise schema_error("the request body must be a JSON object", "")
+        if known_model:
+            check_model(body)
+        return body
+
+    def check_model(body: dict) -> None:
         requested = body.get("model")
         if requested is not None and requested != model.name and requested not in model.lora_names:
             raise RequestRefused(f"The model `{requested}` does not exist.", status=404, param="model")
-        return body
 
     def generation_request(
         body: dict, prompt, max_tokens_field: str, values: dict | None = None
@@ -245,9 +252,10 @@ def build_app(
     async def generate(request: Request, api: _GenerationApi) -> Response:
         """One completion or chat completion, streamed or not; `api` says how its JSON is shaped."""
         try:
-            body = await read_body(request)
+            body = await read_body(request, known_model=False)
             api.check_shape(body)
             values = check_request(body, api.fields)
+            check_model(body)
             try:
                 prompt = api.read_prompt(body)
             except PromptError as exc:
@@ -338,9 +346,10 @@ def build_app(
     async def responses(request: Request) -> Response:
         """POST /v1/responses: the Responses API, rendered as vLLM renders it, in its response shape."""
         try:
-            body = await read_body(request)
+            body = await read_body(request, known_model=False)
             chat = as_chat(responses_as_chat, body)  # `input` first, as vLLM's schema reports it
             values = check_request(body, "responses")
+            check_model(body)
             prompt = chat_tokens(chat, "input")
             generation = generation_request(body, prompt, "max_output_tokens", values)
         except RequestRefused as exc:
@@ -364,9 +373,10 @@ def build_app(
     async def messages(request: Request) -> Response:
         """POST /v1/messages: the Anthropic Messages API, as vLLM serves it (its chat underneath)."""
         try:
-            body = await read_body(request)
+            body = await read_body(request, known_model=False)
             chat = as_chat(messages_as_chat, body)  # `messages` first, as vLLM's schema reports it
             values = check_request(body, "messages")
+            check_model(body)
             prompt = chat_tokens(chat, "messages")
             generation = generation_request(body, prompt, "max_tokens", values)
         except RequestRefused as exc:
@@ -391,6 +401,15 @@ def build_app(
                 "usage": _anthropic_usage(len(prompt), len(tokens), generation.cached_tokens),
             }
         )
+
+    async def count_tokens(request: Request) -> Response:
+        """POST /v1/messages/count_tokens: the prompt tokens a /v1/messages body would have."""
+        try:
+            body = await read_body(request)
+            prompt = chat_tokens(as_chat(messages_as_chat, body), "messages")
+        except RequestRefused as exc:
+            return _refused(exc)
+        return _ok({"input_tokens": len(prompt)})
 
     async def completions(request: Request) -> Response:
         return await generate(request, completion_api)
@@ -550,6 +569,7 @@ def build_app(
             Route("/v1/chat/completions", chat_completions, methods=["POST"]),
             Route("/v1/responses", responses, methods=["POST"]),
             Route("/v1/messages", messages, methods=["POST"]),
+            Route("/v1/messages/count_tokens", count_tokens, methods=["POST"]),
             Route("/v1/models", models, methods=["GET"]),
             Route("/tokenize", tokenize, methods=["POST"]),
             Route("/detokenize", detokenize, methods=["POST"]),
