@@ -4,6 +4,10 @@ with it through LMCache's controller protocol."""
 from __future__ import annotations
 
 import contextlib
+import json
+import os
+import subprocess
+import threading
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -11,8 +15,9 @@ from typing import Any
 import httpx
 import torch
 
+from kvgate_testing.cachelayer import CHUNK
 from kvgate_testing.ports import free_port
-from kvgate_testing.processes import python_command, start_process
+from kvgate_testing.processes import REPO_ROOT, python_command, start_process
 
 
 @contextlib.contextmanager
@@ -70,3 +75,64 @@ def wait_gone(client: httpx.Client, instance_id: str) -> None:
 def same_bits(left: torch.Tensor, right: torch.Tensor) -> bool:
     """Same shape and the same bf16 bit patterns (NaNs and signed zeros included)."""
     return left.shape == right.shape and torch.equal(left.view(torch.int16), right.view(torch.int16))
+
+
+# A cache engine registered with a controller, alone in a fresh interpreter (nothing compiled or
+# imported before it), holding request(seed, 2) for each seed given: it prints "ready" and the
+# seconds its codec warm-up took once the warm-up is done, then serves until its stdin closes.
+_WORKER_SCRIPT = """
+import json, sys, torch
+from cachelayer import CacheEngine
+from kvgate_testing.cachelayer import HEAD_DIM, HEADS, LAYERS, request
+config = json.loads(sys.argv[1])
+engine = CacheEngine.from_config(config["engine"], num_layers=LAYERS, num_kv_heads=HEADS,
+                                 head_dim=HEAD_DIM, dtype=torch.bfloat16)
+for seed in config["seeds"]:
+    tokens, kv = request(seed, 2)
+    engine.store(tokens, kv)
+engine.flush()
+worker = engine.controller_worker
+worker.codecs_warm.wait()
+print("ready", worker.codec_warm_up_s, flush=True)
+sys.stdin.read()
+engine.close()
+"""
+
+
+@contextlib.contextmanager
+def worker_process(
+    monitor_port: int, instance_id: str, seeds: list[int], ready_timeout_s: float = 300.0
+) -> Iterator[float]:
+    """A fresh engine process registered as `instance_id` (module comment above); yields the seconds
+    its codec warm-up took, once it is done (a machine without numba's cache compiles for about half
+    a minute: `ready_timeout_s` bounds that)."""
+    engine_config = {
+        "chunk_size": CHUNK,
+        "max_local_cpu_size": 0.01,
+        **worker_config(monitor_port, instance_id),
+    }
+    config = json.dumps({"engine": engine_config, "seeds": seeds})
+    process = subprocess.Popen(
+        python_command("-c", _WORKER_SCRIPT, config),
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+        cwd=REPO_ROOT,
+        env=dict(os.environ, PYTHONPATH=str(REPO_ROOT)),
+    )
+    try:
+        ready: list[str] = []
+        reader = threading.Thread(target=lambda: ready.append(process.stdout.readline()), daemon=True)
+        reader.start()
+        reader.join(ready_timeout_s)
+        if not ready or not ready[0].startswith("ready"):
+            raise AssertionError(f"the worker process was not ready within {ready_timeout_s}s: {ready}")
+        yield float(ready[0].split()[1])
+    finally:
+        if process.stdin is not None:
+            process.stdin.close()
+        try:
+            process.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()

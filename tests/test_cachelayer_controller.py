@@ -1,5 +1,6 @@
 """The controller as LMCache defines it, run as a real `cachelayer controller` process with real engines."""
 
+import threading
 import time
 
 import httpx
@@ -9,10 +10,23 @@ import torch
 import zmq
 
 from cachelayer import CacheEngine
-from cachelayer.controller.protocol import WorkerReport
-from cachelayer.controller.server import MISSED_HEARTBEATS
+from cachelayer.controller.protocol import Command, WorkerReport
+from cachelayer.controller.server import (
+    COMMAND_SECONDS_PER_KV_BYTE,
+    COMMAND_TIMEOUT_S,
+    DEFAULT_KV_BYTES_PER_TOKEN,
+    MISSED_HEARTBEATS,
+    command_timeout_s,
+)
 from kvgate_testing.cachelayer import CHUNK, HEAD_DIM, HEADS, LAYERS, make_engine, request
-from kvgate_testing.controller import controller_process, same_bits, wait_gone, wait_registered, worker_config
+from kvgate_testing.controller import (
+    controller_process,
+    same_bits,
+    wait_gone,
+    wait_registered,
+    worker_config,
+    worker_process,
+)
 from kvgate_testing.ports import free_port
 
 # The heartbeat interval a worker that announces none gets.
@@ -457,3 +471,90 @@ def test_move_between_tensor_parallel_instances_pairs_workers_by_rank(controller
     finally:
         for engine in sources + destinations:
             engine.close()
+
+
+# ---- the first compress: codecs warmed up at worker start ----
+
+
+def test_a_fresh_workers_first_cachegen_compress_is_as_fast_as_the_next(controller):
+    """A first /compress once took "worker 0 did not answer in 5.0s": numba compiled CacheGen's CPU
+    kernels inside the command. A fresh worker process warms its codecs up at start; its first
+    compress then answers well within the ordinary command timeout, as its second does."""
+    client, monitor_port = controller
+    with worker_process(monitor_port, "first-compress", seeds=[31, 32]) as warm_up_s:
+        wait_registered(client, "first-compress", 1)
+        took = []
+        for seed in (31, 32):
+            tokens, _ = request(seed, 2)
+            body = {"instance_id": "first-compress", "method": "cachegen", "location": "LocalCPUBackend"}
+            started = time.perf_counter()
+            response = client.post("/compress", json={**body, "tokens": tokens})
+            took.append(time.perf_counter() - started)
+            assert response.status_code == 200, response.text
+            assert response.json()["num_tokens"] == 2 * CHUNK
+    first_s, second_s = took
+    print(f"codec warm-up {warm_up_s:.2f} s; compress: first {first_s:.3f} s, second {second_s:.3f} s")
+    # Bounds, not timings: the first compiled nothing (a compile takes seconds, the compress
+    # milliseconds), so it is within the ordinary timeout with room to spare.
+    assert first_s < COMMAND_TIMEOUT_S / 2
+    assert first_s < second_s + 1.0
+
+
+def test_a_compress_during_the_codec_warm_up_is_refused_with_what_to_do(controller, monkeypatch):
+    import cachelayer.compress
+    from cachelayer.controller import worker as worker_module
+
+    release = threading.Event()
+    monkeypatch.setattr(cachelayer.compress, "warm_up", lambda dtype: release.wait(60) and 0.0)
+    monkeypatch.setattr(worker_module, "CODEC_WARM_UP_WAIT_S", 0.2)
+    client, monitor_port = controller
+    engine = instance_engine(monitor_port, "warming")
+    try:
+        wait_registered(client, "warming", 1)
+        tokens, kv = request(33, 2)
+        engine.store(tokens, kv)
+        engine.flush()
+        body = {
+            "instance_id": "warming",
+            "method": "cachegen",
+            "location": "LocalCPUBackend",
+            "tokens": tokens,
+        }
+        refused = client.post("/compress", json=body)
+        assert refused.status_code == 503  # try again later, not a bad request
+        detail = refused.json()["detail"]
+        assert "still being compiled" in detail and "NUMBA_CACHE_DIR" in detail
+        assert "send the compress again in" in detail
+        assert {entry.meta.fmt for entry in engine.cpu.committed_entries()} != {"cachegen"}  # nothing ran
+        release.set()
+        assert engine.controller_worker.codecs_warm.wait(10)
+        assert client.post("/compress", json=body).json()["num_tokens"] == 2 * CHUNK
+    finally:
+        release.set()
+        engine.close()
+
+
+def test_the_command_timeout_follows_the_kv_of_the_tokens_a_command_carries():
+    many = list(range(100_000))
+    per_token = 28 * 2 * 1024 * 2  # a 28-layer model's bf16 K and V, 8 heads of 128
+    compress = Command(op="compress", tokens=many)
+    expected = COMMAND_TIMEOUT_S + COMMAND_SECONDS_PER_KV_BYTE * 100_000 * per_token
+    assert command_timeout_s(compress, per_token) == pytest.approx(expected)
+    assert command_timeout_s(compress, 2 * per_token) > command_timeout_s(compress, per_token)
+    # Not reported: an 8B model's size is assumed.
+    assert command_timeout_s(compress) == pytest.approx(
+        COMMAND_TIMEOUT_S + COMMAND_SECONDS_PER_KV_BYTE * 100_000 * DEFAULT_KV_BYTES_PER_TOKEN
+    )
+    assert command_timeout_s(Command(op="lookup", tokens=many), per_token) == COMMAND_TIMEOUT_S
+    assert command_timeout_s(Command(op="health")) == COMMAND_TIMEOUT_S
+
+
+def test_workers_report_their_kv_bytes_per_token(controller):
+    client, monitor_port = controller
+    engine = instance_engine(monitor_port, "sized")
+    try:
+        wait_registered(client, "sized", 1)
+        report = engine.controller_worker._report("heartbeat")
+        assert report.kv_bytes_per_token == LAYERS * 2 * HEADS * HEAD_DIM * 2  # bf16
+    finally:
+        engine.close()

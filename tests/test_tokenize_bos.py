@@ -44,7 +44,10 @@ def bos_id(bos_tokenizer: PromptTokenizer) -> int:
 def test_the_shipped_tokenizer_is_what_the_script_builds(tmp_path) -> None:
     build(tmp_path)
     for name in ("tokenizer.json", "tokenizer_config.json"):
-        assert (tmp_path / name).read_bytes() == (BOS_TOKENIZER_DIR / name).read_bytes(), name
+        assert (tmp_path / name).read_bytes() == (BOS_TOKENIZER_DIR / name).read_bytes(), (
+            f"tests/data/bos_tokenizer/{name} is not what the script builds now (another `tokenizers`?): "
+            "run `python scripts/build_bos_tokenizer.py` and commit the result"
+        )
     assert sum(path.stat().st_size for path in BOS_TOKENIZER_DIR.iterdir()) < 200_000
 
 

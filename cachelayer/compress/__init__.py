@@ -8,11 +8,15 @@ allocated for its values.
 `layer_offset` / `total_layers` tell a codec where the given layers sit in the model (CacheGen
 quantizes early layers finer). Codecs live in modules of this package; the registry imports
 them on first use, so an optional codec costs nothing until asked for.
+`warm_up(dtype)` runs every codec once on a tiny chunk: CacheGen's CPU kernels are compiled by
+numba on their first call in a process (seconds loaded from numba's cache, tens of seconds on a
+machine that has none), which a caller with a deadline (a controller command) must not pay.
 """
 
 from __future__ import annotations
 
 import importlib
+import time
 from typing import NamedTuple, Protocol
 
 import torch
@@ -75,3 +79,19 @@ def get_codec(name: str) -> Codec:
         ) from None
     codec = _instances[name] = getattr(module, class_name)()
     return codec
+
+
+def warm_up(dtype: torch.dtype) -> float:
+    """Encode and decode a tiny chunk of `dtype` on the CPU with every codec, so that the first real
+    call runs as fast as the next (CacheGen's kernels are then compiled, or loaded from numba's
+    cache); the seconds it took. A codec whose module is missing is skipped."""
+    started = time.perf_counter()
+    # Values of several magnitudes: every kernel path runs (rANS words are written and read).
+    chunk = (torch.arange(1 * 2 * 16 * 32, dtype=torch.float32).reshape(1, 2, 16, 32) % 7 - 3).to(dtype)
+    for name in _CODECS:
+        try:
+            codec = get_codec(name)
+        except UnknownCodecError:
+            continue
+        codec.decode(codec.encode(chunk, layer_offset=0, total_layers=1), dtype=dtype)
+    return time.perf_counter() - started

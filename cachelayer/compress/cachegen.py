@@ -398,8 +398,9 @@ class CacheGenCodec:
         shape = (num_layers, 2, num_tokens, channels)
         out = torch.empty(shape, dtype=torch.bfloat16 if as_bf16 else torch.float32)
         target = out.view(torch.int16).numpy().view(np.uint16) if as_bf16 else out.numpy()
-        # The kernel reads a word before knowing whether it needs it, so give it one to read.
-        words = section("words", "<u2") if header["total_words"] else np.zeros(1, dtype="<u2")
+        # The kernel reads a word before knowing whether it needs it, so give it one to read: read-only
+        # like the blob's sections, so that the kernel has one compiled signature, not two.
+        words = section("words", "<u2") if header["total_words"] else np.frombuffer(bytes(2), dtype="<u2")
         with cachegen_cpu.threads_for(out.numel()):
             clean = cachegen_cpu.rans_decode(
                 states,

@@ -64,6 +64,9 @@ class WorkerReport(msgspec.Struct, kw_only=True):
     port: int = 0
     heartbeat_interval_s: float = 2.0
     chunk_size: int = 256
+    # Bytes of KV a token holds in this engine (all layers, K and V): the controller's timeout for
+    # commands whose work follows the tokens' KV grows with it. 0: not reported (an older worker).
+    kv_bytes_per_token: int = 0
 
 
 class Command(msgspec.Struct, kw_only=True):
@@ -83,6 +86,9 @@ class Reply(msgspec.Struct, kw_only=True):
     location: str | None = None
     error: str | None = None
     info: dict[str, Any] | None = None
+    # A refusal for now (the worker is not ready for this command yet): the same command, sent
+    # again after about this many seconds, is expected to run. The controller answers 503.
+    retry_after_s: float | None = None
     chunk_format: str | None = None  # export_chunk: "raw" or the codec the bytes are encoded with
 
 

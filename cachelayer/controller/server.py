@@ -60,6 +60,25 @@ log = logging.getLogger(__name__)
 
 MISSED_HEARTBEATS = 3
 COMMAND_TIMEOUT_S = 5.0
+# Operations whose work grows with the KV of the tokens they carry get longer: this many seconds per
+# byte of it, 10 MB/s, a quarter of what CacheGen's CPU encoder did on a busy 2-core machine (38 MB/s:
+# 3 ms a token of a 28-layer model, 112 KiB a token). A compress of 100k such tokens gets 20 minutes.
+COMMAND_SECONDS_PER_KV_BYTE = 1e-7
+# A worker that does not report its bytes per token is taken to hold this many (an 8B model in bf16).
+DEFAULT_KV_BYTES_PER_TOKEN = 128 * 1024
+KV_SIZED_OPERATIONS = frozenset({"compress", "decompress", "move", "export_chunk", "import_chunk", "drop"})
+
+
+def command_timeout_s(command: Command, kv_bytes_per_token: int = 0) -> float:
+    """How long the controller waits for a worker's answer to `command`: COMMAND_TIMEOUT_S, plus, for
+    the operations whose work follows the tokens' KV, COMMAND_SECONDS_PER_KV_BYTE per byte of it
+    (`kv_bytes_per_token` as the worker reported it, DEFAULT_KV_BYTES_PER_TOKEN when it did not)."""
+    if command.op not in KV_SIZED_OPERATIONS:
+        return COMMAND_TIMEOUT_S
+    kv_bytes = len(command.tokens) * (kv_bytes_per_token or DEFAULT_KV_BYTES_PER_TOKEN)
+    return COMMAND_TIMEOUT_S + COMMAND_SECONDS_PER_KV_BYTE * kv_bytes
+
+
 _MAX_REPORT_BYTES = 64 * 1024  # a WorkerReport is ~200 bytes; ZMQ drops larger messages unread
 
 
@@ -256,8 +275,13 @@ class Controller:
             frames = [encode(command)] if chunk_bytes is None else [encode(command), chunk_bytes]
             frames, nonce = self._auth.seal(COMMAND, frames)
             await socket.send_multipart(frames, copy=False)
-            if not await socket.poll(int(COMMAND_TIMEOUT_S * 1000)):
-                error = f"worker {record.report.worker_id} did not answer in {COMMAND_TIMEOUT_S}s"
+            timeout_s = command_timeout_s(command, record.report.kv_bytes_per_token)
+            if not await socket.poll(int(timeout_s * 1000)):
+                error = (
+                    f"worker {record.report.worker_id} did not answer in {timeout_s:.1f}s (the allowance "
+                    f"for {command.op} of {len(command.tokens)} tokens): it may still be running it, or be "
+                    "stopped; check its log, and send the command again once /health answers for it"
+                )
                 return Reply(ok=False, error=error), None
             answer = await socket.recv_multipart()
             try:
@@ -290,7 +314,13 @@ class Controller:
     def _raise_failures(operation: str, instance_id: str, replies: dict[int, Reply]) -> None:
         failures = {worker: reply.error for worker, reply in replies.items() if not reply.ok}
         if failures:
-            status = 400 if all("did not answer" not in str(error) for error in failures.values()) else 503
+            # 503 where trying again later can succeed: a worker that did not answer, or one that
+            # said it is not ready yet (retry_after_s); 400 for a refusal of the command itself.
+            later = any(
+                not reply.ok and (reply.retry_after_s is not None or "did not answer" in str(reply.error))
+                for reply in replies.values()
+            )
+            status = 503 if later else 400
             raise ApiError(status, f"{operation} failed on {instance_id}: {failures}")
 
     async def move_between_instances(

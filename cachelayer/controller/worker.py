@@ -6,6 +6,13 @@ Two threads per engine, one socket each: a PUSH to the controller's monitor sock
 have their own thread so that a long command never makes the controller drop the worker. Commands
 run on the engine exactly like a local call. With `controller_auth_secret_env` every message is
 signed (cachelayer/controller/auth.py); an unsigned command is answered with a refusal, never run.
+
+A third thread, at start, warms the codecs up (cachelayer.compress.warm_up): CacheGen's CPU kernels
+are compiled by numba on their first call in a process, a second or two from numba's cache and half a
+minute on a busy machine without one, which a first `/compress` paid inside the controller's command
+timeout ("worker 0 did not answer in 5.0s"). A compress or decompress that comes before the warm-up
+is done waits up to CODEC_WARM_UP_WAIT_S for it, then is refused with `retry_after_s` and a message
+that says what is going on and what to do.
 """
 
 from __future__ import annotations
@@ -41,6 +48,14 @@ if TYPE_CHECKING:
     from cachelayer.engine import CacheEngine
 
 log = logging.getLogger(__name__)
+
+# How long a compress or decompress that comes during the codecs' warm-up waits for it before it is
+# refused for now (under the controller's COMMAND_TIMEOUT_S, so that the refusal reaches it).
+CODEC_WARM_UP_WAIT_S = 3.0
+# What the refusal suggests waiting before the next try.
+CODEC_WARM_UP_RETRY_S = 10.0
+# How long close() waits for a warm-up still compiling (a cold numba cache on a busy machine).
+CODEC_WARM_UP_CLOSE_WAIT_S = 60.0
 
 
 class ControllerWorker:
@@ -84,6 +99,14 @@ class ControllerWorker:
         else:
             self.port = self._commands.bind_to_random_port(f"tcp://{self.ip}")
         self._closed = threading.Event()
+        # Set once every codec has run once in this process (or its warm-up failed: a real call
+        # then reports the failure itself).
+        self.codecs_warm = threading.Event()
+        self.codec_warm_up_s: float | None = None
+        self._warm_up_thread = threading.Thread(
+            target=self._warm_up_codecs, name="cachelayer-codec-warm-up", daemon=True
+        )
+        self._warm_up_thread.start()
         self._threads = [
             threading.Thread(target=self._serve_commands, name="cachelayer-controller-worker", daemon=True),
             threading.Thread(
@@ -103,6 +126,7 @@ class ControllerWorker:
             port=self.port,
             heartbeat_interval_s=self._config.lmcache_worker_heartbeat_time,
             chunk_size=self._engine.chunk_size,
+            kv_bytes_per_token=self._engine._raw_nbytes(1),
         )
 
     def _send_report(self, kind: str) -> None:
@@ -120,9 +144,22 @@ class ControllerWorker:
         self._closed.set()
         for thread in self._threads:
             thread.join(timeout=5)
+        # A compile cut short by the interpreter's exit can crash it in numba's LLVM: let it end.
+        self._warm_up_thread.join(timeout=CODEC_WARM_UP_CLOSE_WAIT_S)
         self._send_report("deregister")  # the heartbeat thread has ended: the PUSH socket is ours now
         self._push.close(linger=500)
         self._commands.close(linger=0)
+
+    def _warm_up_codecs(self) -> None:
+        from cachelayer.compress import warm_up
+
+        try:
+            self.codec_warm_up_s = warm_up(self._engine.dtype)
+            log.info("cachelayer worker: codecs ready in %.1f s", self.codec_warm_up_s)
+        except Exception:
+            log.exception("cachelayer worker: warming the codecs up failed; their first call pays it")
+        finally:
+            self.codecs_warm.set()
 
     def _send_heartbeats(self) -> None:
         self._send_report("register")
@@ -203,6 +240,17 @@ class ControllerWorker:
             if command.op == "pin":
                 return Reply(num_tokens=engine.pin(command.tokens, command.location))
             if command.op in ("compress", "decompress"):
+                if not self.codecs_warm.wait(CODEC_WARM_UP_WAIT_S):
+                    return Reply(
+                        ok=False,
+                        retry_after_s=CODEC_WARM_UP_RETRY_S,
+                        error=(
+                            f"{command.op} not run on worker {engine.worker_id}: its codecs are still "
+                            "being compiled (CacheGen's numba kernels on their first use on this machine: "
+                            "up to a minute, then kept in numba's cache, NUMBA_CACHE_DIR, for later starts); "
+                            f"send the {command.op} again in {CODEC_WARM_UP_RETRY_S:.0f} s"
+                        ),
+                    )
                 operation = engine.compress if command.op == "compress" else engine.decompress
                 return Reply(
                     num_tokens=operation(command.tokens, command.method or "", command.location or "cpu")
