@@ -209,7 +209,6 @@ class CacheEngine:
         model_name: str = "",
         world_size: int = 1,
         worker_id: int = 0,
-        start_controller_worker: bool = True,
         cpu_tier: CpuTier | None = None,
         lock: threading.RLock | None = None,
     ) -> None:
@@ -312,15 +311,9 @@ class CacheEngine:
                 target=self._write_remote_backlog, name="cachelayer-remote", daemon=True
             )
             self._remote_writer.start()
-        self.controller_worker: Any = None
-        if config.enable_controller and start_controller_worker:
-            from cachelayer.controller.worker import ControllerWorker
-
-            try:
-                self.controller_worker = ControllerWorker(self, config)
-            except BaseException:  # e.g. a refused secret or address: stop the threads started above
-                self.close()
-                raise
+        # Closed with the engine: what its owner attached to it (e.g. the controller's worker,
+        # cachelayer.controller.worker.attach_controller_worker). The engine knows nothing more of them.
+        self._close_hooks: list[Callable[[], None]] = []
 
     @classmethod
     def from_config(
@@ -346,8 +339,13 @@ class CacheEngine:
             **identity,
         )
 
+    def on_close(self, hook: Callable[[], None]) -> None:
+        """Call `hook` when the engine closes, after its pending writes and before its publisher
+        stops: how an owner ties what it attached (a controller worker) to the engine's life."""
+        self._close_hooks.append(hook)
+
     def close(self) -> None:
-        """Finish the pending disk writes, then stop the threads (controller worker, publisher)."""
+        """Finish the pending disk writes, then stop the threads (what was attached, the publisher)."""
         if self._disk_writer is not None:
             self.flush()
             self._disk_queue.put(None)
@@ -360,9 +358,8 @@ class CacheEngine:
             self._remote_writer = None
         if self.remote is not None:
             self.remote.close()
-        if self.controller_worker is not None:
-            self.controller_worker.close()
-            self.controller_worker = None
+        while self._close_hooks:
+            self._close_hooks.pop()()  # the last attached first
         if self.publisher is not None:
             self.publisher.close()
             self.publisher = None

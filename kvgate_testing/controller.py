@@ -15,6 +15,8 @@ from typing import Any
 import httpx
 import torch
 
+from cachelayer import CacheEngine
+from cachelayer.controller.worker import attach_controller_worker
 from kvgate_testing.cachelayer import CHUNK
 from kvgate_testing.ports import free_port
 from kvgate_testing.processes import REPO_ROOT, python_command, start_process
@@ -50,6 +52,13 @@ def worker_config(monitor_port: int, instance_id: str, **extra: Any) -> dict:
     }
 
 
+def registered(engine: CacheEngine) -> CacheEngine:
+    """`engine` with the controller worker attached that its config asks for (`enable_controller`,
+    worker_config), as the engine's owner attaches it (the daemon, the vLLM connector's store)."""
+    attach_controller_worker(engine, engine.config)
+    return engine
+
+
 def wait_registered(client: httpx.Client, instance_id: str, count: int) -> dict:
     """Until the controller lists `count` workers of `instance_id`; its /query_worker_info answer."""
     deadline = time.monotonic() + 10
@@ -83,15 +92,16 @@ def same_bits(left: torch.Tensor, right: torch.Tensor) -> bool:
 _WORKER_SCRIPT = """
 import json, sys, torch
 from cachelayer import CacheEngine
+from cachelayer.controller.worker import attach_controller_worker
 from kvgate_testing.cachelayer import HEAD_DIM, HEADS, LAYERS, request
 config = json.loads(sys.argv[1])
 engine = CacheEngine.from_config(config["engine"], num_layers=LAYERS, num_kv_heads=HEADS,
                                  head_dim=HEAD_DIM, dtype=torch.bfloat16)
+worker = attach_controller_worker(engine, engine.config)
 for seed in config["seeds"]:
     tokens, kv = request(seed, 2)
     engine.store(tokens, kv)
 engine.flush()
-worker = engine.controller_worker
 worker.codecs_warm.wait()
 print("ready", worker.codec_warm_up_s, flush=True)
 sys.stdin.read()

@@ -10,6 +10,7 @@ import torch
 import zmq
 
 from cachelayer import CacheEngine
+from cachelayer.config import as_config
 from cachelayer.controller.protocol import Command, WorkerReport
 from cachelayer.controller.server import (
     COMMAND_SECONDS_PER_KV_BYTE,
@@ -18,9 +19,13 @@ from cachelayer.controller.server import (
     MISSED_HEARTBEATS,
     command_timeout_s,
 )
+from cachelayer.controller.worker import attach_controller_worker
+from cachelayer.server.daemon import StoreServer
+from cachelayer.server.protocol import KeySpace
 from kvgate_testing.cachelayer import CHUNK, HEAD_DIM, HEADS, LAYERS, make_engine, request
 from kvgate_testing.controller import (
     controller_process,
+    registered,
     same_bits,
     wait_gone,
     wait_registered,
@@ -62,15 +67,17 @@ def instance_engine(
     if tmp_path is not None:
         disk = tmp_path / instance_id if world_size == 1 else tmp_path / instance_id / f"w{worker_id}"
         config |= {"local_disk": str(disk), "max_local_disk_size": 0.01}
-    return CacheEngine.from_config(
-        config,
-        num_layers=LAYERS,
-        num_kv_heads=HEADS,
-        head_dim=HEAD_DIM,
-        dtype=dtype,
-        model_name=model_name,
-        world_size=world_size,
-        worker_id=worker_id,
+    return registered(
+        CacheEngine.from_config(
+            config,
+            num_layers=LAYERS,
+            num_kv_heads=HEADS,
+            head_dim=HEAD_DIM,
+            dtype=dtype,
+            model_name=model_name,
+            world_size=world_size,
+            worker_id=worker_id,
+        )
     )
 
 
@@ -84,12 +91,14 @@ def tensor_parallel_instance(monitor_port, instance_id, tmp_path=None):
 
 def test_lmcache_documented_example_twelve_token_prompt(controller):
     client, monitor_port = controller
-    engine = CacheEngine.from_config(
-        worker_config(monitor_port, "lmcache_default_instance", max_local_cpu_size=0.01),
-        num_layers=LAYERS,
-        num_kv_heads=HEADS,
-        head_dim=HEAD_DIM,
-        dtype=torch.bfloat16,
+    engine = registered(
+        CacheEngine.from_config(
+            worker_config(monitor_port, "lmcache_default_instance", max_local_cpu_size=0.01),
+            num_layers=LAYERS,
+            num_kv_heads=HEADS,
+            head_dim=HEAD_DIM,
+            dtype=torch.bfloat16,
+        )
     )
     try:
         wait_registered(client, "lmcache_default_instance", 1)
@@ -108,7 +117,7 @@ def test_lmcache_documented_example_twelve_token_prompt(controller):
 
 def test_lookup_full_hit_partial_match_and_miss(controller):
     client, monitor_port = controller
-    engine = make_engine(16, **worker_config(monitor_port, "lookup-instance"))
+    engine = registered(make_engine(16, **worker_config(monitor_port, "lookup-instance")))
     try:
         wait_registered(client, "lookup-instance", 1)
         tokens, kv = request(1, 3)
@@ -234,9 +243,33 @@ def test_a_worker_that_stops_heartbeating_is_dropped(controller):
         context.term()
 
 
+def test_the_in_process_store_registers_the_engines_it_makes_and_the_shared_daemon_does_not(controller):
+    """The engine starts no worker itself: its owner attaches one. The vLLM connector's in-process
+    StoreServer (start_controller_worker) does, for every engine it makes; the shared daemon does not."""
+    client, monitor_port = controller
+    space = KeySpace(model="m", dtype="bfloat16", num_layers=LAYERS, num_kv_heads=HEADS, head_dim=HEAD_DIM)
+
+    def server(instance_id, **options):
+        config = {"chunk_size": CHUNK, "max_local_cpu_size": 0.01, **worker_config(monitor_port, instance_id)}
+        return StoreServer(as_config(config), "tcp://127.0.0.1:0", **options)
+
+    in_process, shared = server("in-process-store", start_controller_worker=True), server("shared-daemon")
+    try:
+        in_process.engine_for(space)
+        shared.engine_for(space)
+        wait_registered(client, "in-process-store", 1)
+        time.sleep(5 * 0.2)  # five heartbeat intervals of the shared daemon's engine, had it a worker
+        unknown = client.post("/query_worker_info", json={"instance_id": "shared-daemon", "worker_ids": []})
+        assert unknown.status_code == 404, unknown.text
+    finally:
+        in_process.close()
+        shared.close()
+    wait_gone(client, "in-process-store")  # the worker closed with its engine
+
+
 def test_unknown_location_is_a_400_naming_the_choices(controller):
     client, monitor_port = controller
-    engine = make_engine(4, **worker_config(monitor_port, "bad-location"))
+    engine = registered(make_engine(4, **worker_config(monitor_port, "bad-location")))
     try:
         wait_registered(client, "bad-location", 1)
         response = client.post("/clear", json={"instance_id": "bad-location", "location": "GPU"})
@@ -508,7 +541,8 @@ def test_a_compress_during_the_codec_warm_up_is_refused_with_what_to_do(controll
     monkeypatch.setattr(cachelayer.compress, "warm_up", lambda dtype: release.wait(60) and 0.0)
     monkeypatch.setattr(worker_module, "CODEC_WARM_UP_WAIT_S", 0.2)
     client, monitor_port = controller
-    engine = instance_engine(monitor_port, "warming")
+    engine = make_engine(8, **worker_config(monitor_port, "warming"))
+    worker = attach_controller_worker(engine, engine.config)
     try:
         wait_registered(client, "warming", 1)
         tokens, kv = request(33, 2)
@@ -527,7 +561,7 @@ def test_a_compress_during_the_codec_warm_up_is_refused_with_what_to_do(controll
         assert "send the compress again in" in detail
         assert {entry.meta.fmt for entry in engine.cpu.committed_entries()} != {"cachegen"}  # nothing ran
         release.set()
-        assert engine.controller_worker.codecs_warm.wait(10)
+        assert worker.codecs_warm.wait(10)
         assert client.post("/compress", json=body).json()["num_tokens"] == 2 * CHUNK
     finally:
         release.set()
@@ -551,10 +585,11 @@ def test_the_command_timeout_follows_the_kv_of_the_tokens_a_command_carries():
 
 def test_workers_report_their_kv_bytes_per_token(controller):
     client, monitor_port = controller
-    engine = instance_engine(monitor_port, "sized")
+    engine = make_engine(4, **worker_config(monitor_port, "sized"))
+    worker = attach_controller_worker(engine, engine.config)
     try:
         wait_registered(client, "sized", 1)
-        report = engine.controller_worker._report("heartbeat")
+        report = worker._report("heartbeat")
         assert report.kv_bytes_per_token == LAYERS * 2 * HEADS * HEAD_DIM * 2  # bf16
     finally:
         engine.close()

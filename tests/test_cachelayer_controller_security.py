@@ -15,8 +15,16 @@ import zmq
 from cachelayer.compress import get_codec
 from cachelayer.controller.auth import COMMAND, REPORT, AuthConfigError, MessageAuth
 from cachelayer.controller.protocol import Command, Reply, WorkerReport, encode
+from cachelayer.controller.worker import attach_controller_worker
 from kvgate_testing.cachelayer import CHUNK, HEAD_DIM, HEADS, LAYERS, make_engine, request, store_blob_as_is
-from kvgate_testing.controller import controller_process, same_bits, wait_gone, wait_registered, worker_config
+from kvgate_testing.controller import (
+    controller_process,
+    registered,
+    same_bits,
+    wait_gone,
+    wait_registered,
+    worker_config,
+)
 from kvgate_testing.ports import free_port
 
 SECRET_VARIABLE = "KVGATE_TEST_CONTROLLER_SECRET"
@@ -125,9 +133,8 @@ def test_http_calls_without_the_bearer_token_get_a_401(secured):
 
 def test_a_fake_registration_is_dropped_and_a_move_from_it_cannot_poison_a_real_instance(secured):
     client, monitor_port = secured
-    real = make_engine(
-        8, **worker_config(monitor_port, "secured-real", controller_auth_secret_env=SECRET_VARIABLE)
-    )
+    secured_config = worker_config(monitor_port, "secured-real", controller_auth_secret_env=SECRET_VARIABLE)
+    real = registered(make_engine(8, **secured_config))
     tokens, kv = request(31, 1)
     real.store(tokens, kv)
     target, _ = request(35, 1)  # a prefix the real instance does not hold yet: the one to poison
@@ -185,11 +192,12 @@ def test_worker_commands_without_a_valid_signature_are_not_run_and_replays_are_r
     engine = make_engine(
         8, **worker_config(monitor_port, "secured-commands", controller_auth_secret_env=SECRET_VARIABLE)
     )
+    worker = attach_controller_worker(engine, engine.config)
     try:
         wait_registered(client, "secured-commands", 1)
         tokens, kv = request(32, 2)
         engine.store(tokens, kv)
-        port = engine.controller_worker.port
+        port = worker.port
         clear = [encode(Command(op="clear"))]
         unsigned = msgspec.msgpack.decode(ask_worker(port, clear)[-1], type=Reply)
         assert not unsigned.ok and "refused" in unsigned.error
@@ -208,12 +216,14 @@ def test_worker_commands_without_a_valid_signature_are_not_run_and_replays_are_r
 
 def test_listening_beyond_loopback_without_a_secret_is_refused_unless_opted_into():
     with pytest.raises(AuthConfigError, match="p2p_host"):
-        make_engine(4, **worker_config(free_port(), "anywhere", p2p_host="0.0.0.0"))
+        registered(make_engine(4, **worker_config(free_port(), "anywhere", p2p_host="0.0.0.0")))
     with pytest.raises(AuthConfigError, match="NOT_SET_ANYWHERE"):
-        make_engine(4, **worker_config(free_port(), "unset", controller_auth_secret_env="NOT_SET_ANYWHERE"))
-    opted_in = make_engine(
-        4, **worker_config(free_port(), "opted-in", p2p_host="0.0.0.0", controller_allow_unauthenticated=True)
+        unset = worker_config(free_port(), "unset", controller_auth_secret_env="NOT_SET_ANYWHERE")
+        registered(make_engine(4, **unset))
+    open_config = worker_config(
+        free_port(), "opted-in", p2p_host="0.0.0.0", controller_allow_unauthenticated=True
     )
+    opted_in = registered(make_engine(4, **open_config))
     opted_in.close()
     from cachelayer.controller.server import serve
 
@@ -230,7 +240,7 @@ def test_listening_beyond_loopback_without_a_secret_is_refused_unless_opted_into
 
 def test_a_move_of_a_wrong_shape_cachegen_blob_is_refused_and_nothing_is_stored(open_controller):
     client, monitor_port = open_controller
-    destination = make_engine(8, **worker_config(monitor_port, "shape-destination"))
+    destination = registered(make_engine(8, **worker_config(monitor_port, "shape-destination")))
     tokens, _ = request(33, 1)
     wrong = get_codec("cachegen").encode(torch.randn(LAYERS, 2, CHUNK // 2, HEADS * HEAD_DIM).bfloat16())
     source = FakeWorker(monitor_port, "shape-source", impostor_source(destination, "cachegen", wrong))
@@ -250,7 +260,7 @@ def test_a_move_of_a_wrong_shape_cachegen_blob_is_refused_and_nothing_is_stored(
 
 def test_decompress_of_a_stored_wrong_shape_blob_is_a_400_and_changes_nothing(open_controller):
     client, monitor_port = open_controller
-    engine = make_engine(8, **worker_config(monitor_port, "shape-decompress"))
+    engine = registered(make_engine(8, **worker_config(monitor_port, "shape-decompress")))
     try:
         wait_registered(client, "shape-decompress", 1)
         tokens, _ = request(34, 1)
@@ -277,9 +287,10 @@ def test_a_request_with_too_many_tokens_is_a_413_on_the_controller_and_refused_b
     response = client.post("/lookup", json={"tokens": list(range(MAX_TOKENS + 1))})
     assert response.status_code == 413 and f"at most {MAX_TOKENS}" in response.json()["detail"]
     engine = make_engine(4, **worker_config(monitor_port, "bounded-worker", controller_max_tokens=1000))
+    worker = attach_controller_worker(engine, engine.config)
     try:
         answer = ask_worker(
-            engine.controller_worker.port, [encode(Command(op="lookup", tokens=list(range(1001))))]
+            worker.port, [encode(Command(op="lookup", tokens=list(range(1001))))]
         )
         reply = msgspec.msgpack.decode(answer[0], type=Reply)
         assert not reply.ok and "at most 1000" in reply.error
@@ -290,6 +301,7 @@ def test_a_request_with_too_many_tokens_is_a_413_on_the_controller_and_refused_b
 def test_heartbeats_continue_while_the_worker_runs_a_long_command(open_controller):
     client, monitor_port = open_controller
     engine = make_engine(4, **worker_config(monitor_port, "busy-worker"))  # heartbeat every 0.2 s
+    worker = attach_controller_worker(engine, engine.config)
     try:
         wait_registered(client, "busy-worker", 1)
         answers = []
@@ -297,7 +309,7 @@ def test_heartbeats_continue_while_the_worker_runs_a_long_command(open_controlle
         # drops it (asserted below, so a faster hash cannot make this test pass vacuously).
         command = encode(Command(op="lookup", tokens=list(range(1_000_000))))
         long_lookup = threading.Thread(
-            target=lambda: answers.append(ask_worker(engine.controller_worker.port, [command]))
+            target=lambda: answers.append(ask_worker(worker.port, [command]))
         )
         started = time.monotonic()
         long_lookup.start()

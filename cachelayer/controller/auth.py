@@ -16,8 +16,6 @@ from __future__ import annotations
 
 import hashlib
 import hmac
-import ipaddress
-import os
 import secrets
 import struct
 import threading
@@ -26,8 +24,31 @@ from collections import OrderedDict
 
 from cachelayer.errors import CacheLayerError
 
+# Where the secret comes from and when a socket needs one: shared with the daemon and the remote tier.
+from cachelayer.shared_secret import (
+    MIN_SECRET_LENGTH,
+    AuthConfigError,
+    is_loopback,
+    refuse_open_socket_beyond_loopback,
+    secret_from_env,
+)
+
+__all__ = [
+    "COMMAND",
+    "MAX_CLOCK_SKEW_S",
+    "MIN_SECRET_LENGTH",
+    "REPLY",
+    "REPORT",
+    "AuthConfigError",
+    "AuthError",
+    "MessageAuth",
+    "bearer_token_matches",
+    "is_loopback",
+    "refuse_open_socket_beyond_loopback",
+    "secret_from_env",
+]
+
 MAX_CLOCK_SKEW_S = 30.0
-MIN_SECRET_LENGTH = 16
 _MAGIC = b"KVA1"
 _AUTH_FRAME = struct.Struct("<4sd16s32s")  # magic, unix time, nonce, mac
 _REMEMBERED_NONCES = 200_000
@@ -39,48 +60,6 @@ REPLY = b"reply"
 
 class AuthError(CacheLayerError):
     """A message without a valid signature, or a replayed one."""
-
-
-class AuthConfigError(CacheLayerError, ValueError):
-    """A secret that cannot be used, or an open socket beyond loopback that was not opted into."""
-
-
-def secret_from_env(variable: str | None, where: str) -> bytes | None:
-    """The secret held by environment variable `variable`; None when no variable is named."""
-    if not variable:
-        return None
-    value = os.environ.get(variable)
-    if not value:
-        raise AuthConfigError(
-            f"{where} names the environment variable {variable!r} for the shared secret, but it is "
-            "not set: set it (the same value on the controller and every engine) or remove the setting"
-        )
-    if len(value) < MIN_SECRET_LENGTH:
-        raise AuthConfigError(
-            f"the secret in {variable} has {len(value)} characters; use at least {MIN_SECRET_LENGTH} "
-            "(e.g. `python -c 'import secrets; print(secrets.token_urlsafe(32))'`)"
-        )
-    return value.encode()
-
-
-def is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host.strip("[]")).is_loopback
-    except ValueError:
-        return False  # a hostname other than localhost, or a wildcard such as 0.0.0.0 / *
-
-
-def refuse_open_socket_beyond_loopback(
-    host: str, secret: bytes | None, allow_unauthenticated: bool, what: str, fix: str
-) -> None:
-    """Raise unless `host` is loopback, a secret is set, or the operator opted into an open socket."""
-    if secret is None and not allow_unauthenticated and not is_loopback(host):
-        raise AuthConfigError(
-            f"{what} would listen on {host!r} without authentication: anyone who reaches it could "
-            f"read which prompts are cached and write into the cache. {fix}"
-        )
 
 
 def bearer_token_matches(header: str, secret: bytes) -> bool:

@@ -1,5 +1,10 @@
 """The cache engine's side of the controller: register, heartbeat, and serve the controller's commands.
 
+The engine does not start it: whoever owns an engine attaches one (`attach_controller_worker`, when
+the config's `enable_controller` is true): the daemon's StoreServer for the engines it makes when
+asked to (the vLLM connector's in-process store asks; the shared daemon does not), or a program that
+builds a CacheEngine itself. The worker then closes with the engine.
+
 Two threads per engine, one socket each: a PUSH to the controller's monitor socket for reports
 (register, a heartbeat every interval, deregister), and a REP bound on `p2p_host` (default
 127.0.0.1) at `lmcache_worker_ports[worker_id]` (or a port the OS picks) for commands. Heartbeats
@@ -276,3 +281,20 @@ class ControllerWorker:
             log.exception("cachelayer worker: %s failed", command.op)
             return Reply(ok=False, error=f"{command.op} failed on worker {engine.worker_id}: {exc!r}")
         return Reply(ok=False, error=f"unknown operation {command.op!r}")
+
+
+def attach_controller_worker(engine: CacheEngine, config: CacheLayerConfig) -> ControllerWorker | None:
+    """Register `engine` with the controller and serve its commands when `config.enable_controller`
+    is true (None when it is not); the worker closes with the engine (`CacheEngine.on_close`).
+
+    A worker that cannot start (e.g. a refused secret or address) closes the engine before the error
+    goes on: a caller that gets the error has nothing left running."""
+    if not config.enable_controller:
+        return None
+    try:
+        worker = ControllerWorker(engine, config)
+    except BaseException:
+        engine.close()
+        raise
+    engine.on_close(worker.close)
+    return worker

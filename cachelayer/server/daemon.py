@@ -43,6 +43,7 @@ import zmq
 
 from cachelayer.config import CacheLayerConfig
 from cachelayer.controller.protocol import lmcache_error_body
+from cachelayer.controller.worker import attach_controller_worker
 from cachelayer.engine import CacheEngine
 from cachelayer.errors import CacheLayerError
 from cachelayer.server import protocol
@@ -234,7 +235,7 @@ class StoreServer:
 
     # ---- engines per key space ----
     def _new_engine(self, space: KeySpace) -> CacheEngine:
-        return CacheEngine(
+        engine = CacheEngine(
             self.config,
             num_layers=space.num_layers,
             num_kv_heads=space.num_kv_heads,
@@ -243,10 +244,12 @@ class StoreServer:
             model_name=space.model,
             world_size=space.world_size,
             worker_id=space.worker_id,
-            start_controller_worker=self._start_controller_worker,
             cpu_tier=self.cpu,
             lock=self.store_lock,
         )
+        if self._start_controller_worker:
+            attach_controller_worker(engine, self.config)
+        return engine
 
     def engine_for(
         self, space: KeySpace, *, create: bool = True, credential: str = ANONYMOUS

@@ -53,8 +53,8 @@ import xxhash
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
-from cachelayer.controller.auth import AuthConfigError, is_loopback, secret_from_env
 from cachelayer.errors import CacheLayerError
+from cachelayer.shared_secret import AuthConfigError, is_loopback, secret_from_env
 
 log = logging.getLogger(__name__)
 
