@@ -39,7 +39,7 @@ from cachelayer.config import CacheLayerConfig, as_config
 from cachelayer.errors import CacheLayerError
 from cachelayer.keys import CacheIdentity, ChunkSpan, chunk_spans
 from cachelayer.storage.cpu import CpuTier
-from cachelayer.storage.disk import DiskTier
+from cachelayer.storage.disk import DiskTier, DiskWriter
 from cachelayer.storage.remote import (
     MAX_TRAILER_BYTES,
     CorruptValue,
@@ -49,6 +49,7 @@ from cachelayer.storage.remote import (
     remote_tier_secret,
 )
 from cachelayer.storage.tier import ChunkMeta, Tier, TierEntry
+from cachelayer.storage.write_behind import TierWrite
 from kvwire import AllBlocksCleared, BlockRemoved, BlockStored, EventPublisher
 from kvwire import KVEvent as Event
 
@@ -148,6 +149,29 @@ class StoreReservation:
     held_end: int
     chunks: list[tuple[ChunkSpan, TierEntry]]
     write: ChunkWrite = field(repr=False)
+
+
+class _EngineWrites:
+    """The engine as the tiers' writer threads see it (cachelayer.storage.write_behind.WriteHost):
+    its lock, its clear() generation, its write transaction and its event listeners."""
+
+    __slots__ = ("_engine",)
+
+    def __init__(self, engine: CacheEngine) -> None:
+        self._engine = engine
+
+    @property
+    def lock(self) -> threading.RLock:
+        return self._engine._lock
+
+    def generation(self) -> int:
+        return self._engine._clear_generation
+
+    def begin_write(self, tier: Tier) -> TierWrite:
+        return ChunkWrite(self._engine, tier)
+
+    def emit(self, events: list[Event]) -> None:
+        self._engine._emit(events)
 
 
 class CacheEngineError(CacheLayerError, ValueError):
@@ -286,19 +310,14 @@ class CacheEngine:
                 state_lock=self._lock,
             )
             self.add_event_listener(self.publisher.publish)
-        # Disk writes happen behind the store, in one writer thread (stores return after the CPU copy).
-        self._disk_queue: queue.SimpleQueue[tuple[int, list[ChunkMeta]] | None] = queue.SimpleQueue()
         # Bumped by clear(): writes and promotions that began before a clear are dropped, never
         # committed after it (a cleared cache must not refill from work queued before the clear).
         self._clear_generation = 0
-        self._disk_backlog = 0
-        self._disk_idle = threading.Condition()
-        self._disk_writer: threading.Thread | None = None
-        if self.disk is not None:
-            self._disk_writer = threading.Thread(
-                target=self._write_disk_backlog, name="cachelayer-disk", daemon=True
-            )
-            self._disk_writer.start()
+        # Disk writes happen behind the store, in the disk tier's writer thread (stores return after
+        # the CPU copy).
+        self._disk_writer = (
+            DiskWriter(self.disk, self.cpu, _EngineWrites(self)) if self.disk is not None else None
+        )
         # Remote writes happen behind the store too; a full queue drops the batch (never waits).
         self._remote_queue: queue.Queue[tuple[int, list[ChunkMeta]] | None] = queue.Queue(
             maxsize=config.remote_write_queue_batches
@@ -347,9 +366,7 @@ class CacheEngine:
     def close(self) -> None:
         """Finish the pending disk writes, then stop the threads (what was attached, the publisher)."""
         if self._disk_writer is not None:
-            self.flush()
-            self._disk_queue.put(None)
-            self._disk_writer.join(timeout=30)
+            self._disk_writer.close()
             self._disk_writer = None
         if self._remote_writer is not None:
             self.flush_remote(timeout_s=30)
@@ -566,11 +583,7 @@ class CacheEngine:
             self.counters["write_chunks"] += len(reservation.chunks)
             self._emit(stored)
         if self._disk_writer is not None:
-            with self._disk_idle:
-                self._disk_backlog += 1
-            with self._lock:
-                generation = self._clear_generation
-            self._disk_queue.put((generation, [entry.meta for _, entry in reservation.chunks]))
+            self._disk_writer.submit([entry.meta for _, entry in reservation.chunks])
         if self._remote_writer is not None:
             self._queue_remote_write([entry.meta for _, entry in reservation.chunks])
 
@@ -697,60 +710,8 @@ class CacheEngine:
 
     def flush(self) -> None:
         """Wait until every chunk stored so far has been written to the disk tier (or skipped)."""
-        with self._disk_idle:
-            self._disk_idle.wait_for(lambda: self._disk_backlog == 0)
-
-    def _write_disk_backlog(self) -> None:
-        assert self.disk is not None
-        while True:
-            item = self._disk_queue.get()
-            if item is None:
-                return
-            try:
-                self._write_through(self.disk, *item)
-            except Exception:  # the writer must outlive one bad chunk
-                log.exception("cachelayer: writing chunks to the disk tier failed")
-            finally:
-                with self._disk_idle:
-                    self._disk_backlog -= 1
-                    self._disk_idle.notify_all()
-
-    def _write_through(self, disk: DiskTier, generation: int, metas: list[ChunkMeta]) -> None:
-        """Copy stored chunks from L1 to the disk tier; a chunk that left L1 meanwhile, or was
-        stored before a clear(), is skipped (the disk tier is a best-effort copy, not a journal)."""
-        for meta in metas:
-            with self._lock:
-                if generation != self._clear_generation:
-                    return
-                source = self.cpu.get(meta.key)
-                if source is None or disk.has_key(meta.key):
-                    continue
-                self.cpu.acquire(source)
-                write = ChunkWrite(self, disk)
-                target = write.reserve(
-                    ChunkMeta(meta.key, meta.parent_key, meta.token_ids, source.meta.fmt), source.nbytes
-                )
-                write.announce_evictions()
-            try:
-                if target is None:
-                    log.warning(
-                        "cachelayer: disk tier full of pinned or in-use chunks; chunk %#x kept in CPU only",
-                        meta.key,
-                    )
-                    continue
-                try:
-                    with write.copying():
-                        disk.write(target, self.cpu.view(source))
-                except OSError as exc:
-                    log.error("cachelayer: writing chunk %#x to %s failed: %s", meta.key, disk.directory, exc)
-                    continue
-                with self._lock:
-                    self._emit(write.commit())
-                    if write.cleared:  # so is the rest of the batch
-                        return
-            finally:
-                with self._lock:
-                    self.cpu.release(source)
+        if self._disk_writer is not None:
+            self._disk_writer.flush()
 
     # ---- lookup ----
     def _held_prefix(self, spans: list[ChunkSpan]) -> list[tuple[ChunkSpan, list[Tier]]]:

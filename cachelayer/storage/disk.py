@@ -6,6 +6,9 @@ length, a msgpack header (key, parent, token ids, format, geometry) and the payl
 are written to a temporary name and renamed into place, so a crash never leaves a half chunk
 under a real name; on start the index is rebuilt from the headers (oldest file first in the
 eviction order) and leftover temporary files are deleted.
+
+Chunks reach the disk behind the store (`DiskWriter`): one thread copies what a store committed to
+the CPU pool into this tier, so a store returns after its CPU copy.
 """
 
 from __future__ import annotations
@@ -21,7 +24,9 @@ import msgspec
 import numpy as np
 import torch
 
+from cachelayer.storage.cpu import CpuTier
 from cachelayer.storage.tier import ChunkMeta, Tier, TierEntry
+from cachelayer.storage.write_behind import WriteBehind, WriteHost
 
 log = logging.getLogger(__name__)
 
@@ -166,6 +171,70 @@ class DiskTier(Tier):
             entry.extra["path"] = path
             entry.extra["payload_offset"] = payload_offset
             self.commit(entry)
+
+
+class DiskWriter:
+    """Copies the chunks a store committed to the CPU pool into the disk tier, in one writer thread
+    (an unbounded queue: a store never waits for the disk). A chunk that left the pool meanwhile, is
+    on disk already, or was stored before a clear() is skipped: the disk tier is a best-effort copy,
+    not a journal. A disk full of pinned or in-use chunks, or a failed file write, keeps the chunk
+    in the pool only (logged)."""
+
+    def __init__(self, disk: DiskTier, source: CpuTier, host: WriteHost) -> None:
+        self.disk = disk
+        self._source = source
+        self._host = host
+        self._behind = WriteBehind(self._write_batch, name="cachelayer-disk", what="the disk tier")
+
+    def submit(self, metas: list[ChunkMeta]) -> None:
+        """Queue the chunks of one store for the disk (called once they are committed to the pool)."""
+        with self._host.lock:
+            generation = self._host.generation()
+        self._behind.submit(generation, metas)
+
+    def flush(self) -> None:
+        """Wait until every chunk submitted so far was written to disk (or skipped)."""
+        self._behind.flush()
+
+    def close(self) -> None:
+        """Write what is pending, then stop the thread."""
+        self._behind.close()
+
+    def _write_batch(self, generation: int, metas: list[ChunkMeta]) -> None:
+        disk, source, host = self.disk, self._source, self._host
+        for meta in metas:
+            with host.lock:
+                if generation != host.generation():
+                    return
+                chunk = source.get(meta.key)
+                if chunk is None or disk.has_key(meta.key):
+                    continue
+                source.acquire(chunk)  # held while it is copied: never evicted under the copy
+                write = host.begin_write(disk)
+                target = write.reserve(
+                    ChunkMeta(meta.key, meta.parent_key, meta.token_ids, chunk.meta.fmt), chunk.nbytes
+                )
+                write.announce_evictions()
+            try:
+                if target is None:
+                    log.warning(
+                        "cachelayer: disk tier full of pinned or in-use chunks; chunk %#x kept in CPU only",
+                        meta.key,
+                    )
+                    continue
+                try:
+                    with write.copying():
+                        disk.write(target, source.view(chunk))
+                except OSError as exc:
+                    log.error("cachelayer: writing chunk %#x to %s failed: %s", meta.key, disk.directory, exc)
+                    continue
+                with host.lock:
+                    host.emit(write.commit())
+                    if write.cleared:  # so is the rest of the batch
+                        return
+            finally:
+                with host.lock:
+                    source.release(chunk)
 
 
 def as_bytes_tensor(data: bytes) -> torch.Tensor:
