@@ -26,8 +26,7 @@ import logging
 import queue
 import threading
 from array import array
-from collections.abc import Callable, Collection, Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -38,6 +37,7 @@ from cachelayer.compress import codec_names, get_codec
 from cachelayer.config import CacheLayerConfig, as_config
 from cachelayer.errors import CacheLayerError
 from cachelayer.keys import CacheIdentity, ChunkSpan, chunk_spans
+from cachelayer.storage.chunk_write import ChunkWrite, removal_events, stored_event
 from cachelayer.storage.cpu import CpuTier
 from cachelayer.storage.disk import DiskTier, DiskWriter
 from cachelayer.storage.remote import (
@@ -49,8 +49,7 @@ from cachelayer.storage.remote import (
     remote_tier_secret,
 )
 from cachelayer.storage.tier import ChunkMeta, Tier, TierEntry
-from cachelayer.storage.write_behind import TierWrite
-from kvwire import AllBlocksCleared, BlockRemoved, BlockStored, EventPublisher
+from kvwire import AllBlocksCleared, EventPublisher
 from kvwire import KVEvent as Event
 
 log = logging.getLogger(__name__)
@@ -66,82 +65,6 @@ _LOCATION_ALIASES = {
 }
 
 
-class ChunkWrite:
-    """Chunks written into one tier as a unit: the one transaction behind every store, promotion,
-    move, import and re-encode.
-
-    Under the engine lock the chunks are reserved (invisible to lookups, never evicted); their
-    bytes are copied outside it (`copying`); then, under the lock again, `commit` makes them
-    visible together. A copy that raises aborts them all (their space goes back, nothing becomes
-    visible). With `dropped_by_clear`, a clear() since the reservation aborts them at commit: a
-    cleared cache never refills from work begun before the clear.
-    """
-
-    __slots__ = ("_dropped_by_clear", "_engine", "_evicted", "_generation", "entries", "tier")
-
-    def __init__(self, engine: CacheEngine, tier: Tier, *, dropped_by_clear: bool = True) -> None:
-        """Begin a write into `tier`; the caller holds the engine lock."""
-        self._engine = engine
-        self.tier = tier
-        self.entries: list[TierEntry] = []
-        self._evicted: list[ChunkMeta] = []
-        self._generation = engine._clear_generation
-        self._dropped_by_clear = dropped_by_clear
-
-    def reserve(self, meta: ChunkMeta, nbytes: int) -> TierEntry | None:
-        """Space for one more chunk, evicting as needed; None when even eviction makes no room.
-        Under the engine lock."""
-        entry, evicted = self.tier.reserve(meta, nbytes)
-        self._evicted.extend(evicted)
-        if entry is not None:
-            self.entries.append(entry)
-        return entry
-
-    def announce_evictions(self) -> None:
-        """One BlockRemoved for the chunks the reservations evicted so far. Under the engine lock."""
-        self._engine._emit(self._engine._removal_events(self.tier, self._evicted))
-        self._evicted = []
-
-    @contextmanager
-    def copying(self, *, on_failure: Callable[[], None] | None = None) -> Iterator[None]:
-        """Wrap the copy into the reserved chunks (run without the lock): when it raises, every
-        reserved chunk is aborted, and `on_failure` runs, under the lock, before the error goes on."""
-        try:
-            yield
-        except BaseException:
-            with self._engine._lock:
-                self.abort()
-                if on_failure is not None:
-                    on_failure()
-            raise
-
-    def abort(self) -> None:
-        """Give back the space of every reserved chunk; nothing becomes visible. Under the engine lock."""
-        for entry in self.entries:
-            self.tier.abort(entry)
-
-    def commit(self, written: Collection[TierEntry] | None = None) -> list[Event]:
-        """Make the written chunks (`written`, by default all) visible and return their BlockStored
-        events, for the caller to emit; the others are aborted, and all of them when a clear()
-        came since the reservation (`dropped_by_clear`). Under the engine lock."""
-        if self._dropped_by_clear and self.cleared:
-            self.abort()
-            return []
-        events: list[Event] = []
-        for entry in self.entries:
-            if written is None or entry in written:
-                self.tier.commit(entry)
-                events.append(self._engine._stored_event(self.tier, entry.meta))
-            else:
-                self.tier.abort(entry)
-        return events
-
-    @property
-    def cleared(self) -> bool:
-        """Whether a clear() came since the write began. Under the engine lock."""
-        return self._generation != self._engine._clear_generation
-
-
 @dataclass(slots=True)
 class StoreReservation:
     """L1 space reserved for a store: the chunks to write, and the leading tokens held once they are."""
@@ -151,9 +74,9 @@ class StoreReservation:
     write: ChunkWrite = field(repr=False)
 
 
-class _EngineWrites:
-    """The engine as the tiers' writer threads see it (cachelayer.storage.write_behind.WriteHost):
-    its lock, its clear() generation, its write transaction and its event listeners."""
+class _EngineAsHost:
+    """The engine as a write into one of its tiers sees it (cachelayer.storage.chunk_write.TierHost):
+    its lock, its clear() generation and its event listeners."""
 
     __slots__ = ("_engine",)
 
@@ -166,9 +89,6 @@ class _EngineWrites:
 
     def generation(self) -> int:
         return self._engine._clear_generation
-
-    def begin_write(self, tier: Tier) -> TierWrite:
-        return ChunkWrite(self._engine, tier)
 
     def emit(self, events: list[Event]) -> None:
         self._engine._emit(events)
@@ -313,10 +233,11 @@ class CacheEngine:
         # Bumped by clear(): writes and promotions that began before a clear are dropped, never
         # committed after it (a cleared cache must not refill from work queued before the clear).
         self._clear_generation = 0
+        self._host = _EngineAsHost(self)
         # Disk writes happen behind the store, in the disk tier's writer thread (stores return after
         # the CPU copy).
         self._disk_writer = (
-            DiskWriter(self.disk, self.cpu, _EngineWrites(self)) if self.disk is not None else None
+            DiskWriter(self.disk, self.cpu, self._host) if self.disk is not None else None
         )
         # Remote writes happen behind the store too; a full queue drops the batch (never waits).
         self._remote_queue: queue.Queue[tuple[int, list[ChunkMeta]] | None] = queue.Queue(
@@ -398,20 +319,6 @@ class CacheEngine:
             for listener in self._listeners:
                 listener(events)
 
-    def _removal_events(self, tier: Tier | RemoteTier, metas: list[ChunkMeta]) -> list[Event]:
-        return [BlockRemoved(block_hashes=[meta.key for meta in metas], medium=tier.medium)] if metas else []
-
-    @staticmethod
-    def _stored_event(tier: Tier | RemoteTier, meta: ChunkMeta) -> BlockStored:
-        return BlockStored(
-            block_hashes=[meta.key],
-            parent_block_hash=meta.parent_key,
-            token_ids=list(meta.token_ids),
-            block_size=meta.num_tokens,
-            medium=tier.medium,
-            extra_keys=[(meta.cache_salt,)] if meta.cache_salt is not None else None,
-        )
-
     def snapshot_events(self) -> list[Event]:
         """A BlockStored for every chunk held, per tier, parents before children."""
         with self._lock:
@@ -436,7 +343,7 @@ class CacheEngine:
                 for key in entries:
                     depth_of(key)
                 for key in sorted(entries, key=lambda item: depth.get(item, 0)):
-                    events.append(self._stored_event(tier, entries[key].meta))
+                    events.append(stored_event(tier, entries[key].meta))
             return events
 
     # ---- keys and validation ----
@@ -547,7 +454,7 @@ class CacheEngine:
         spans = self._spans(token_list, cache_salt, lora)
         with self._lock:
             # A clear() does not drop a store under way: it commits what it wrote after the clear.
-            write = ChunkWrite(self, self.cpu, dropped_by_clear=False)
+            write = ChunkWrite(self._host, self.cpu, dropped_by_clear=False)
             reservation = StoreReservation(held_end=0, chunks=[], write=write)
             for span in spans:
                 # A chunk held, or being written by another thread, is not written twice.
@@ -702,7 +609,7 @@ class CacheEngine:
                 written.append(meta)
             if values and remote.put(values):
                 with self._lock:
-                    self._emit([self._stored_event(remote, meta) for meta in written])
+                    self._emit([stored_event(remote, meta) for meta in written])
         finally:
             with self._lock:
                 for entry in held:
@@ -781,7 +688,7 @@ class CacheEngine:
             self._promote_from_remote(spans, token_list)
         plan: list[tuple[ChunkSpan, Tier, TierEntry, TierEntry | None]] = []
         with self._lock:
-            promotions = ChunkWrite(self, self.cpu)
+            promotions = ChunkWrite(self._host, self.cpu)
             for span in spans:
                 entry = self.cpu.get(span.key)
                 if entry is not None:
@@ -844,7 +751,7 @@ class CacheEngine:
                 for tier, entry in failed:
                     if tier.get(entry.meta.key) is entry:  # not a replacement written since
                         tier.remove(entry.meta.key)
-                        stored_events.extend(self._removal_events(tier, [entry.meta]))
+                        stored_events.extend(removal_events(tier, [entry.meta]))
                 self.counters["read_chunks"] += sum(1 for span, *_ in plan if span.end <= hit)
                 self._emit(stored_events)
         if hit == 0:
@@ -891,7 +798,7 @@ class CacheEngine:
             return
         reserved: list[tuple[TierEntry, memoryview]] = []
         with self._lock:
-            write = ChunkWrite(self, self.cpu)
+            write = ChunkWrite(self._host, self.cpu)
             for span, payload, codec in accepted:
                 if self.cpu.has_key(span.key):
                     continue
@@ -974,7 +881,7 @@ class CacheEngine:
                     tier.remove(meta.key)
                     counted[meta.key] = meta.num_tokens
                 if location is not None:
-                    events.extend(self._removal_events(tier, removed))
+                    events.extend(removal_events(tier, removed))
             if location is None:
                 events.append(AllBlocksCleared())
             self._emit(events)
@@ -1009,7 +916,7 @@ class CacheEngine:
                 if span.key not in destination_tier:
                     source_tier.acquire(entry)
                     # Like a store, a move under way is not dropped by a clear().
-                    write = ChunkWrite(self, destination_tier, dropped_by_clear=False)
+                    write = ChunkWrite(self._host, destination_tier, dropped_by_clear=False)
                     target = write.reserve(
                         ChunkMeta(span.key, span.parent_key, entry.meta.token_ids, entry.meta.fmt),
                         entry.nbytes,
@@ -1029,7 +936,7 @@ class CacheEngine:
                 if not copy:
                     removed = source_tier.remove(span.key)
                     if removed is not None:
-                        events.extend(self._removal_events(source_tier, [removed.meta]))
+                        events.extend(removal_events(source_tier, [removed.meta]))
                 self._emit(events)
             moved_end = span.end
         return moved_end
@@ -1118,7 +1025,7 @@ class CacheEngine:
             if tier.has_key(span.key):
                 tier.touch(span.key)
                 return span.end
-            write = ChunkWrite(self, tier)
+            write = ChunkWrite(self._host, tier)
             meta = ChunkMeta(span.key, span.parent_key, array("q", token_list[span.start : span.end]), fmt)
             target = write.reserve(meta, len(data))
             write.announce_evictions()
@@ -1155,7 +1062,7 @@ class CacheEngine:
                     break
                 removed.append(entry.meta)
                 dropped_end = span.end
-            self._emit(self._removal_events(tier, removed))
+            self._emit(removal_events(tier, removed))
         return dropped_end
 
     # ---- compression ----
@@ -1232,7 +1139,7 @@ class CacheEngine:
                 with self._lock:
                     # The old entry stays referenced until the new one is written: no window without
                     # data. The chunk keeps its key, so its replacement is not announced again.
-                    write = ChunkWrite(self, tier, dropped_by_clear=False)
+                    write = ChunkWrite(self._host, tier, dropped_by_clear=False)
                     replacement = write.reserve(
                         ChunkMeta(span.key, span.parent_key, entry.meta.token_ids, to_fmt), payload.numel()
                     )

@@ -24,9 +24,10 @@ import msgspec
 import numpy as np
 import torch
 
+from cachelayer.storage.chunk_write import ChunkWrite, TierHost
 from cachelayer.storage.cpu import CpuTier
 from cachelayer.storage.tier import ChunkMeta, Tier, TierEntry
-from cachelayer.storage.write_behind import WriteBehind, WriteHost
+from cachelayer.storage.write_behind import WriteBehind
 
 log = logging.getLogger(__name__)
 
@@ -180,7 +181,7 @@ class DiskWriter:
     not a journal. A disk full of pinned or in-use chunks, or a failed file write, keeps the chunk
     in the pool only (logged)."""
 
-    def __init__(self, disk: DiskTier, source: CpuTier, host: WriteHost) -> None:
+    def __init__(self, disk: DiskTier, source: CpuTier, host: TierHost) -> None:
         self.disk = disk
         self._source = source
         self._host = host
@@ -210,7 +211,7 @@ class DiskWriter:
                 if chunk is None or disk.has_key(meta.key):
                     continue
                 source.acquire(chunk)  # held while it is copied: never evicted under the copy
-                write = host.begin_write(disk)
+                write = ChunkWrite(host, disk)
                 target = write.reserve(
                     ChunkMeta(meta.key, meta.parent_key, meta.token_ids, chunk.meta.fmt), chunk.nbytes
                 )

@@ -1,10 +1,6 @@
 """Writing chunks into a slower tier behind the store: one writer thread per tier, fed batches of the
-chunks a store committed to L1, so that a store returns after its CPU copy.
-
-What such a writer needs from the tiers' owner (the engine) is `WriteHost`: the one lock over every
-tier's index, the clear() generation (a batch queued before a clear is dropped, never written after
-it: a cleared cache must not refill from work queued before the clear), the write transaction every
-write into a tier goes through (`TierWrite`, the engine's ChunkWrite), and the event listeners.
+chunks a store committed to L1, so that a store returns after its CPU copy. Each batch carries the
+clear() generation it was queued under: the tier's writer drops a batch queued before a clear.
 """
 
 from __future__ import annotations
@@ -12,53 +8,14 @@ from __future__ import annotations
 import logging
 import queue
 import threading
-from collections.abc import Callable, Collection
-from contextlib import AbstractContextManager
-from typing import Protocol
+from collections.abc import Callable
 
-from cachelayer.storage.tier import ChunkMeta, Tier, TierEntry
-from kvwire import KVEvent
+from cachelayer.storage.tier import ChunkMeta
 
 log = logging.getLogger(__name__)
 
 # A batch: the clear() generation when it was queued, and the metadata of the chunks to copy.
 Batch = tuple[int, list[ChunkMeta]]
-
-
-class TierWrite(Protocol):
-    """Chunks written into one tier as a unit (reserve, copy, commit or abort): the engine's ChunkWrite."""
-
-    def reserve(self, meta: ChunkMeta, nbytes: int) -> TierEntry | None: ...
-
-    def announce_evictions(self) -> None: ...
-
-    def copying(self, *, on_failure: Callable[[], None] | None = None) -> AbstractContextManager[None]: ...
-
-    def commit(self, written: Collection[TierEntry] | None = None) -> list[KVEvent]: ...
-
-    @property
-    def cleared(self) -> bool: ...
-
-
-class WriteHost(Protocol):
-    """The tiers' owner as a writer thread sees it."""
-
-    @property
-    def lock(self) -> AbstractContextManager[bool]:
-        """The lock over every tier's index (re-entrant)."""
-        ...
-
-    def generation(self) -> int:
-        """How many clear()s came so far."""
-        ...
-
-    def begin_write(self, tier: Tier) -> TierWrite:
-        """A write into `tier`, dropped at commit when a clear() comes first. Under the lock."""
-        ...
-
-    def emit(self, events: list[KVEvent]) -> None:
-        """Announce state changes to the event listeners. Under the lock."""
-        ...
 
 
 class WriteBehind:
