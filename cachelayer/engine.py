@@ -35,9 +35,9 @@ import torch
 
 from cachelayer.compress import codec_names, get_codec
 from cachelayer.config import CacheLayerConfig, as_config
-from cachelayer.errors import CacheLayerError
 from cachelayer.keys import CacheIdentity, ChunkSpan, chunk_spans
-from cachelayer.storage.chunk_write import ChunkWrite, removal_events, stored_event
+from cachelayer.kv_layout import CacheEngineError, KVLayout, Tokens, as_dtype, checked_tokens, copy_tensor
+from cachelayer.storage.chunk_write import ChunkWrite, removal_events, snapshot_events, stored_event
 from cachelayer.storage.cpu import CpuTier
 from cachelayer.storage.disk import DiskTier, DiskWriter
 from cachelayer.storage.remote import (
@@ -54,7 +54,6 @@ from kvwire import KVEvent as Event
 
 log = logging.getLogger(__name__)
 
-Tokens = Sequence[int] | np.ndarray | torch.Tensor
 EventListener = Callable[[list[Event]], None]
 
 _LOCATION_ALIASES = {
@@ -94,53 +93,6 @@ class _EngineAsHost:
         self._engine._emit(events)
 
 
-class CacheEngineError(CacheLayerError, ValueError):
-    """A call the engine cannot serve as asked (wrong shape, dtype, location...); the message says why."""
-
-
-def _as_dtype(dtype: torch.dtype | str) -> torch.dtype:
-    if isinstance(dtype, torch.dtype):
-        return dtype
-    resolved = getattr(torch, str(dtype).removeprefix("torch."), None)
-    if not isinstance(resolved, torch.dtype):
-        raise CacheEngineError(f"unknown KV dtype {dtype!r}; use a torch dtype such as 'bfloat16'")
-    return resolved
-
-
-def _token_list(tokens: Tokens) -> list[int]:
-    """Token ids as a list of ints in [0, 2**63); anything else is refused with what was wrong."""
-    values = tokens.tolist() if isinstance(tokens, (torch.Tensor, np.ndarray)) else list(tokens)
-    if not values:
-        return []
-    try:
-        array = np.asarray(values)
-    except (ValueError, OverflowError):  # ragged nesting or ints beyond 64 bits: found by the loop below
-        array = np.asarray([], dtype=np.float64)
-    if array.ndim == 1 and array.dtype.kind in "iu" and array.min() >= 0 and array.max() < 2**63:
-        return array.tolist()
-    for position, token in enumerate(values):
-        if not isinstance(token, (int, np.integer)) or isinstance(token, bool) or not 0 <= token < 2**63:
-            raise CacheEngineError(f"token {position} is {token!r}: token ids must be integers in [0, 2**63)")
-    return [int(token) for token in values]
-
-
-_SAME_WIDTH_INTEGER = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
-
-
-def copy_tensor(destination: torch.Tensor, source: torch.Tensor, *, non_blocking: bool = False) -> None:
-    """destination[...] = source. Between CPU tensors numpy's copy moves the strided chunk slices
-    at memcpy speed, where torch's strided copy_ falls well short of it (docs/benchmarks.md).
-    `non_blocking`: a copy to or from a GPU is only queued (the caller synchronizes)."""
-    if destination.device.type == "cpu" and source.device.type == "cpu" and destination.dtype == source.dtype:
-        as_integer = _SAME_WIDTH_INTEGER.get(destination.dtype.itemsize)
-        try:
-            np.copyto(destination.view(as_integer).numpy(), source.detach().view(as_integer).numpy())
-            return
-        except (RuntimeError, TypeError):  # no numpy view (e.g. conjugate or grad-tracking views)
-            pass
-    destination.copy_(source, non_blocking=non_blocking)
-
-
 class CacheEngine:
     def __init__(
         self,
@@ -166,7 +118,8 @@ class CacheEngine:
         self.config = config
         self.num_layers = num_layers
         self.channels = num_kv_heads * head_dim
-        self.dtype = _as_dtype(dtype)
+        self.dtype = as_dtype(dtype)
+        self.layout = KVLayout(num_layers, self.channels, self.dtype)
         self.chunk_size = config.chunk_size
         self.worker_id = worker_id
         self.world_size = world_size
@@ -176,7 +129,6 @@ class CacheEngine:
             world_size=world_size,
             worker_id=worker_id,
         )
-        self._bytes_per_token = num_layers * 2 * self.channels * self.dtype.itemsize
         self._lock = lock if lock is not None else threading.RLock()
         self.cpu = (
             cpu_tier if cpu_tier is not None else CpuTier(config.max_local_cpu_bytes, config.cache_policy)
@@ -322,29 +274,7 @@ class CacheEngine:
     def snapshot_events(self) -> list[Event]:
         """A BlockStored for every chunk held, per tier, parents before children."""
         with self._lock:
-            events: list[Event] = []
-            for tier in self._tiers.values():
-                entries = {entry.meta.key: entry for entry in tier.committed_entries()}
-                depth: dict[int, int] = {}
-
-                def depth_of(
-                    key: int, entries: dict[int, TierEntry] = entries, depth: dict[int, int] = depth
-                ) -> None:
-                    chain: list[int] = []
-                    current: int | None = key
-                    while current in entries and current not in depth:
-                        chain.append(current)
-                        current = entries[current].meta.parent_key
-                    level = depth.get(current, 0) if current is not None else 0
-                    for member in reversed(chain):
-                        level += 1
-                        depth[member] = level
-
-                for key in entries:
-                    depth_of(key)
-                for key in sorted(entries, key=lambda item: depth.get(item, 0)):
-                    events.append(stored_event(tier, entries[key].meta))
-            return events
+            return snapshot_events(self._tiers.values())
 
     # ---- keys and validation ----
     def _spans(self, tokens: list[int], cache_salt: str | None, lora: str | None) -> list[ChunkSpan]:
@@ -361,19 +291,6 @@ class CacheEngine:
             save_unfull_chunk=self.config.save_unfull_chunk,
         )
 
-    def _check_kv(self, kv: torch.Tensor, num_tokens: int, name: str, *, at_least: bool = False) -> None:
-        expected = (self.num_layers, 2, num_tokens, self.channels)
-        shape = tuple(kv.shape)
-        tokens_ok = kv.dim() == 4 and (shape[2] >= num_tokens if at_least else shape[2] == num_tokens)
-        if kv.dim() != 4 or shape[:2] != expected[:2] or shape[3] != expected[3] or not tokens_ok:
-            relation = "at least " if at_least else ""
-            raise CacheEngineError(
-                f"{name} must be [num_layers={self.num_layers}, 2, {relation}{num_tokens} tokens, "
-                f"channels={self.channels}], got {list(shape)}"
-            )
-        if kv.dtype != self.dtype:
-            raise CacheEngineError(f"{name} has dtype {kv.dtype}, the engine was built for {self.dtype}")
-
     def _tier(self, location: str) -> Tier:
         alias = _LOCATION_ALIASES.get(location)
         if alias is None:
@@ -386,35 +303,6 @@ class CacheEngine:
                 f"location {location!r} is not configured (set local_disk and max_local_disk_size)"
             )
         return tier
-
-    def _raw_nbytes(self, num_tokens: int) -> int:
-        return num_tokens * self._bytes_per_token
-
-    def _chunk_view(self, payload: torch.Tensor, meta: ChunkMeta) -> torch.Tensor:
-        """A chunk's KV [num_layers, 2, n, channels] from its stored bytes (decoded if compressed).
-
-        An encoded chunk whose header, checksum or shape is wrong raises CacheEngineError before
-        anything is allocated for its values."""
-        if meta.fmt == "raw":
-            return payload.view(self.dtype).view(self.num_layers, 2, meta.num_tokens, self.channels)
-        blob = payload.numpy().tobytes()
-        self._check_blob(meta.fmt, blob, meta.num_tokens, f"chunk {meta.key:#x}")
-        return get_codec(meta.fmt).decode(blob, device="cpu", dtype=self.dtype)
-
-    def _check_blob(self, fmt: str, blob: bytes, num_tokens: int, name: str) -> None:
-        """Refuse an encoded chunk unless its header, length and checksum check out and it holds
-        exactly [num_layers, 2, num_tokens, channels] of this engine's dtype."""
-        try:
-            info = get_codec(fmt).inspect(blob)
-        except ValueError as exc:
-            raise CacheEngineError(f"{name} ({fmt}) refused: {exc}") from None
-        expected = (self.num_layers, 2, num_tokens, self.channels)
-        if tuple(info.shape) != expected or info.dtype != self.dtype:
-            raise CacheEngineError(
-                f"{name} ({fmt}) refused: it holds {list(info.shape)} {info.dtype}, this engine "
-                f"keeps [num_layers={self.num_layers}, 2, {num_tokens} tokens, channels={self.channels}] "
-                f"{self.dtype}"
-            )
 
     def _read_payload(self, tier: Tier, entry: TierEntry) -> torch.Tensor:
         if isinstance(tier, CpuTier):
@@ -434,8 +322,8 @@ class CacheEngine:
         self, tokens: Tokens, kv: torch.Tensor, *, cache_salt: str | None = None, lora: str | None = None
     ) -> int:
         """Store the chunks of `tokens`; returns how many leading tokens are now held."""
-        token_list = _token_list(tokens)
-        self._check_kv(kv, len(token_list), "kv")
+        token_list = checked_tokens(tokens)
+        self.layout.check_kv(kv, len(token_list), "kv")
         reservation = self.reserve_chunks(token_list, cache_salt=cache_salt, lora=lora)
         with reservation.write.copying():
             for span, entry in reservation.chunks:
@@ -450,7 +338,7 @@ class CacheEngine:
         stopping at the first that does not fit. The caller writes each chunk into
         `chunk_buffer(entry)`, then calls `commit_chunks` (or `abort_chunks`); until then the
         chunks are invisible to lookups and never evicted."""
-        token_list = _token_list(tokens)
+        token_list = checked_tokens(tokens)
         spans = self._spans(token_list, cache_salt, lora)
         with self._lock:
             # A clear() does not drop a store under way: it commits what it wrote after the clear.
@@ -469,7 +357,7 @@ class CacheEngine:
                     array("q", token_list[span.start : span.end]),
                     cache_salt=cache_salt if span.parent_key is None else None,
                 )
-                entry = write.reserve(meta, self._raw_nbytes(span.num_tokens))
+                entry = write.reserve(meta, self.layout.raw_nbytes(span.num_tokens))
                 if entry is None:
                     break
                 reservation.chunks.append((span, entry))
@@ -479,7 +367,7 @@ class CacheEngine:
 
     def chunk_buffer(self, entry: TierEntry) -> torch.Tensor:
         """An L1 chunk's KV [num_layers, 2, num_tokens, channels], a view of the pool (no copy)."""
-        return self._chunk_view(self.cpu.view(entry), entry.meta)
+        return self.layout.chunk_view(self.cpu.view(entry), entry.meta)
 
     def commit_chunks(self, reservation: StoreReservation) -> None:
         """Make written chunks visible (and queue them for the disk tier)."""
@@ -512,7 +400,7 @@ class CacheEngine:
     ) -> list[tuple[ChunkSpan, TierEntry]]:
         """The longest prefix of `tokens` held raw in L1, each chunk referenced (never evicted nor
         reused) until `release_chunks`: a reader outside this process copies from the pool itself."""
-        spans = self._spans(_token_list(tokens), cache_salt, lora)
+        spans = self._spans(checked_tokens(tokens), cache_salt, lora)
         acquired: list[tuple[ChunkSpan, TierEntry]] = []
         with self._lock:
             for span in spans:
@@ -593,7 +481,7 @@ class CacheEngine:
                 payload: Any = self.cpu.view(entry).numpy()
                 fmt = entry.meta.fmt
                 if fmt == "raw" and self.config.remote_serde == "cachegen":
-                    kv = self._chunk_view(self.cpu.view(entry), entry.meta)
+                    kv = self.layout.chunk_view(self.cpu.view(entry), entry.meta)
                     payload = get_codec("cachegen").encode(kv, layer_offset=0, total_layers=self.num_layers)
                     fmt = "cachegen"
                 trailer = remote.value_trailer(
@@ -632,7 +520,7 @@ class CacheEngine:
 
     def lookup(self, tokens: Tokens, *, cache_salt: str | None = None, lora: str | None = None) -> int:
         """The longest prefix of `tokens` held across tiers, in tokens (ends on a chunk boundary)."""
-        token_list = _token_list(tokens)
+        token_list = checked_tokens(tokens)
         spans = self._spans(token_list, cache_salt, lora)
         with self._lock:
             held = self._held_prefix(spans)
@@ -656,7 +544,7 @@ class CacheEngine:
         The location is the slowest tier the contiguous prefix needs: LocalCPUBackend when every
         chunk is in the CPU pool, LocalDiskBackend when some are only on disk.
         """
-        spans = self._spans(_token_list(tokens), cache_salt, lora)
+        spans = self._spans(checked_tokens(tokens), cache_salt, lora)
         with self._lock:
             held = self._held_prefix(spans)
         if not held:
@@ -680,9 +568,9 @@ class CacheEngine:
         into out[:, :, :hit_tokens] and that view is returned: no intermediate tensor. Chunks found
         only on disk are promoted into the CPU pool on the way.
         """
-        token_list = _token_list(tokens)
+        token_list = checked_tokens(tokens)
         if out is not None:
-            self._check_kv(out, len(token_list), "out", at_least=True)
+            self.layout.check_kv(out, len(token_list), "out", at_least=True)
         spans = self._spans(token_list, cache_salt, lora)
         if self.remote is not None:
             self._promote_from_remote(spans, token_list)
@@ -727,7 +615,7 @@ class CacheEngine:
                         payload = self.cpu.view(promoted)
                     else:
                         payload = self._read_payload(tier, entry)
-                    chunk = self._chunk_view(payload, entry.meta)
+                    chunk = self.layout.chunk_view(payload, entry.meta)
                 except (OSError, ValueError) as exc:  # unreadable file, corrupt or foreign blob
                     log.error(
                         "cachelayer: chunk %#x unusable in %s (%s); treated as a miss and removed",
@@ -770,7 +658,7 @@ class CacheEngine:
         if not rest:
             return
         # No value larger than its chunk can be is read (an encoded chunk's worst case is twice raw).
-        limits = [2 * self._raw_nbytes(span.num_tokens) + MAX_TRAILER_BYTES for span in rest]
+        limits = [2 * self.layout.raw_nbytes(span.num_tokens) + MAX_TRAILER_BYTES for span in rest]
         values = remote.fetch([span.key for span in rest], limits)
         accepted: list[tuple[ChunkSpan, memoryview, str]] = []
         for span, value in zip(rest, values, strict=True):
@@ -824,7 +712,7 @@ class CacheEngine:
                 f"{list(expected)} in {self.identity.dtype}"
             )
         if chunk.codec == "raw":
-            if chunk.payload.nbytes != self._raw_nbytes(span.num_tokens):
+            if chunk.payload.nbytes != self.layout.raw_nbytes(span.num_tokens):
                 raise CorruptValue(
                     f"raw payload of {chunk.payload.nbytes} bytes for {span.num_tokens} tokens"
                 )
@@ -857,7 +745,7 @@ class CacheEngine:
         self, tokens: Tokens, location: str | None, cache_salt: str | None, lora: str | None, *, pin: bool
     ) -> int:
         tiers = [self._tier(location)] if location is not None else list(self._tiers.values())
-        spans = self._spans(_token_list(tokens), cache_salt, lora)
+        spans = self._spans(checked_tokens(tokens), cache_salt, lora)
         done_end = 0
         with self._lock:
             for span in spans:
@@ -902,7 +790,7 @@ class CacheEngine:
         Stops at the first chunk missing at the source or that does not fit; returns the tokens moved.
         """
         source_tier, destination_tier = self._tier(source), self._tier(destination)
-        spans = self._spans(_token_list(tokens), cache_salt, lora)
+        spans = self._spans(checked_tokens(tokens), cache_salt, lora)
         moved_end = 0
         for span in spans:
             with self._lock:
@@ -973,7 +861,7 @@ class CacheEngine:
         """Chunk `index` of `tokens` as held at `location`: (span, format, stored bytes), or None
         when that chunk is not held there. Compressed chunks leave in their encoded form."""
         tier = self._tier(location)
-        spans = self._spans(_token_list(tokens), cache_salt, lora)
+        spans = self._spans(checked_tokens(tokens), cache_salt, lora)
         if not 0 <= index < len(spans):
             return None
         span = spans[index]
@@ -1004,13 +892,13 @@ class CacheEngine:
         `transfer_identity`); returns the chunk's end, or 0 when it does not fit. A chunk already
         held there is kept as it is."""
         tier = self._tier(location)
-        token_list = _token_list(tokens)
+        token_list = checked_tokens(tokens)
         spans = self._spans(token_list, cache_salt, lora)
         if not 0 <= index < len(spans):
             raise CacheEngineError(f"chunk {index} is out of range: the tokens make {len(spans)} chunk(s)")
         span = spans[index]
         if fmt == "raw":
-            expected = self._raw_nbytes(span.num_tokens)
+            expected = self.layout.raw_nbytes(span.num_tokens)
             if len(data) != expected:
                 raise CacheEngineError(
                     f"chunk {index} has {len(data)} bytes; {span.num_tokens} tokens of raw KV need {expected}"
@@ -1018,7 +906,7 @@ class CacheEngine:
         else:
             # An unknown format, a wrong shape, dtype or token count, or a corrupted blob is refused
             # before anything is reserved: an import must never store what a retrieve cannot use.
-            self._check_blob(fmt, data, span.num_tokens, f"chunk {index}")
+            self.layout.check_blob(fmt, data, span.num_tokens, f"chunk {index}")
         if not data:
             raise CacheEngineError(f"chunk {index} arrived without bytes")
         with self._lock:
@@ -1052,7 +940,7 @@ class CacheEngine:
         """Remove the leading chunks of `tokens` held at `location`, up to the first one not held
         there; returns the tokens removed (the source side of a move between instances)."""
         tier = self._tier(location)
-        spans = self._spans(_token_list(tokens), cache_salt, lora)
+        spans = self._spans(checked_tokens(tokens), cache_salt, lora)
         dropped_end = 0
         with self._lock:
             removed: list[ChunkMeta] = []
@@ -1121,7 +1009,7 @@ class CacheEngine:
         transform: Callable[[torch.Tensor], torch.Tensor],
     ) -> int:
         tier = self._tier(location)
-        spans = self._spans(_token_list(tokens), cache_salt, lora)
+        spans = self._spans(checked_tokens(tokens), cache_salt, lora)
         affected = 0
         for span in spans:
             with self._lock:
@@ -1135,7 +1023,7 @@ class CacheEngine:
                     break
                 tier.acquire(entry)
             try:
-                payload = transform(self._chunk_view(self._read_payload(tier, entry), entry.meta))
+                payload = transform(self.layout.chunk_view(self._read_payload(tier, entry), entry.meta))
                 with self._lock:
                     # The old entry stays referenced until the new one is written: no window without
                     # data. The chunk keeps its key, so its replacement is not announced again.

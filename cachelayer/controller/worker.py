@@ -92,7 +92,7 @@ class ControllerWorker:
         # The largest legitimate command: its tokens, plus a chunk (import_chunk) of at most twice
         # the raw size (an encoded chunk's worst case) and its headers. A larger message is dropped
         # by ZMQ before it is buffered.
-        raw_chunk = engine._raw_nbytes(engine.chunk_size)
+        raw_chunk = engine.layout.raw_nbytes(engine.chunk_size)
         self._commands.setsockopt(
             zmq.MAXMSGSIZE, MAX_BYTES_PER_TOKEN * config.controller_max_tokens + 2 * raw_chunk + (1 << 20)
         )
@@ -131,7 +131,7 @@ class ControllerWorker:
             port=self.port,
             heartbeat_interval_s=self._config.lmcache_worker_heartbeat_time,
             chunk_size=self._engine.chunk_size,
-            kv_bytes_per_token=self._engine._raw_nbytes(1),
+            kv_bytes_per_token=self._engine.layout.bytes_per_token,
         )
 
     def _send_report(self, kind: str) -> None:

@@ -9,7 +9,7 @@ listeners, which hear every change in order, under the lock.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Collection, Iterator
+from collections.abc import Callable, Collection, Iterable, Iterator
 from contextlib import AbstractContextManager, contextmanager
 from typing import Protocol
 
@@ -53,6 +53,28 @@ def stored_event(tier: _Medium, meta: ChunkMeta) -> BlockStored:
 def removal_events(tier: _Medium, metas: list[ChunkMeta]) -> list[KVEvent]:
     """One BlockRemoved for the chunks `tier` lost (none when it lost none)."""
     return [BlockRemoved(block_hashes=[meta.key for meta in metas], medium=tier.medium)] if metas else []
+
+
+def snapshot_events(tiers: Iterable[Tier]) -> list[KVEvent]:
+    """A BlockStored for every chunk the tiers hold, tier by tier, parents before children (what a
+    subscriber that starts late replays). Under the lock."""
+    events: list[KVEvent] = []
+    for tier in tiers:
+        entries = {entry.meta.key: entry for entry in tier.committed_entries()}
+        depth: dict[int, int] = {}  # a chunk's place in its chain: 1 for a chain's first held chunk
+        for key in entries:
+            chain: list[int] = []
+            current: int | None = key
+            while current in entries and current not in depth:
+                chain.append(current)
+                current = entries[current].meta.parent_key
+            level = depth.get(current, 0) if current is not None else 0
+            for member in reversed(chain):
+                level += 1
+                depth[member] = level
+        for key in sorted(entries, key=lambda item: depth.get(item, 0)):
+            events.append(stored_event(tier, entries[key].meta))
+    return events
 
 
 class ChunkWrite:
