@@ -37,7 +37,13 @@ from cachelayer.compress import codec_names, get_codec
 from cachelayer.config import CacheLayerConfig, as_config
 from cachelayer.keys import CacheIdentity, ChunkSpan, chunk_spans
 from cachelayer.kv_layout import CacheEngineError, KVLayout, Tokens, as_dtype, checked_tokens, copy_tensor
-from cachelayer.storage.chunk_write import ChunkWrite, removal_events, snapshot_events, stored_event
+from cachelayer.storage.chunk_write import (
+    ChunkWrite,
+    TierState,
+    removal_events,
+    snapshot_events,
+    stored_event,
+)
 from cachelayer.storage.cpu import CpuTier
 from cachelayer.storage.disk import DiskTier, DiskWriter
 from cachelayer.storage.remote import (
@@ -71,26 +77,6 @@ class StoreReservation:
     held_end: int
     chunks: list[tuple[ChunkSpan, TierEntry]]
     write: ChunkWrite = field(repr=False)
-
-
-class _EngineAsHost:
-    """The engine as a write into one of its tiers sees it (cachelayer.storage.chunk_write.TierHost):
-    its lock, its clear() generation and its event listeners."""
-
-    __slots__ = ("_engine",)
-
-    def __init__(self, engine: CacheEngine) -> None:
-        self._engine = engine
-
-    @property
-    def lock(self) -> threading.RLock:
-        return self._engine._lock
-
-    def generation(self) -> int:
-        return self._engine._clear_generation
-
-    def emit(self, events: list[Event]) -> None:
-        self._engine._emit(events)
 
 
 class CacheEngine:
@@ -129,7 +115,9 @@ class CacheEngine:
             world_size=world_size,
             worker_id=worker_id,
         )
-        self._lock = lock if lock is not None else threading.RLock()
+        # The lock over every tier's index, the clear() generation and the event listeners.
+        self._state = TierState(lock)
+        self._lock = self._state.lock
         self.cpu = (
             cpu_tier if cpu_tier is not None else CpuTier(config.max_local_cpu_bytes, config.cache_policy)
         )
@@ -164,7 +152,6 @@ class CacheEngine:
                     config.remote_allow_unauthenticated,
                 ),
             )
-        self._listeners: list[EventListener] = []
         self.counters = {
             "read_chunks": 0,
             "write_chunks": 0,
@@ -182,14 +169,10 @@ class CacheEngine:
                 state_lock=self._lock,
             )
             self.add_event_listener(self.publisher.publish)
-        # Bumped by clear(): writes and promotions that began before a clear are dropped, never
-        # committed after it (a cleared cache must not refill from work queued before the clear).
-        self._clear_generation = 0
-        self._host = _EngineAsHost(self)
         # Disk writes happen behind the store, in the disk tier's writer thread (stores return after
         # the CPU copy).
         self._disk_writer = (
-            DiskWriter(self.disk, self.cpu, self._host) if self.disk is not None else None
+            DiskWriter(self.disk, self.cpu, self._state) if self.disk is not None else None
         )
         # Remote writes happen behind the store too; a full queue drops the batch (never waits).
         self._remote_queue: queue.Queue[tuple[int, list[ChunkMeta]] | None] = queue.Queue(
@@ -264,12 +247,10 @@ class CacheEngine:
     def add_event_listener(self, listener: EventListener) -> None:
         """Call `listener(events)` for every batch of state changes, in order, under the engine lock."""
         with self._lock:
-            self._listeners.append(listener)
+            self._state.listeners.append(listener)
 
     def _emit(self, events: list[Event]) -> None:
-        if events:
-            for listener in self._listeners:
-                listener(events)
+        self._state.emit(events)
 
     def snapshot_events(self) -> list[Event]:
         """A BlockStored for every chunk held, per tier, parents before children."""
@@ -342,7 +323,7 @@ class CacheEngine:
         spans = self._spans(token_list, cache_salt, lora)
         with self._lock:
             # A clear() does not drop a store under way: it commits what it wrote after the clear.
-            write = ChunkWrite(self._host, self.cpu, dropped_by_clear=False)
+            write = ChunkWrite(self._state, self.cpu, dropped_by_clear=False)
             reservation = StoreReservation(held_end=0, chunks=[], write=write)
             for span in spans:
                 # A chunk held, or being written by another thread, is not written twice.
@@ -422,7 +403,7 @@ class CacheEngine:
     def _queue_remote_write(self, metas: list[ChunkMeta]) -> None:
         assert self.remote is not None
         with self._lock:
-            generation = self._clear_generation
+            generation = self._state.generation
         with self._remote_idle:
             try:
                 self._remote_queue.put_nowait((generation, metas))
@@ -470,7 +451,7 @@ class CacheEngine:
                 if meta.key not in wanted:
                     continue
                 with self._lock:
-                    if generation != self._clear_generation:
+                    if generation != self._state.generation:
                         return
                     entry = self.cpu.get(meta.key)
                     if entry is None:
@@ -576,7 +557,7 @@ class CacheEngine:
             self._promote_from_remote(spans, token_list)
         plan: list[tuple[ChunkSpan, Tier, TierEntry, TierEntry | None]] = []
         with self._lock:
-            promotions = ChunkWrite(self._host, self.cpu)
+            promotions = ChunkWrite(self._state, self.cpu)
             for span in spans:
                 entry = self.cpu.get(span.key)
                 if entry is not None:
@@ -686,7 +667,7 @@ class CacheEngine:
             return
         reserved: list[tuple[TierEntry, memoryview]] = []
         with self._lock:
-            write = ChunkWrite(self._host, self.cpu)
+            write = ChunkWrite(self._state, self.cpu)
             for span, payload, codec in accepted:
                 if self.cpu.has_key(span.key):
                     continue
@@ -760,7 +741,9 @@ class CacheEngine:
         """Drop every chunk (of one tier, or all); returns the tokens dropped. Readers finish first."""
         with self._lock:
             tiers = [self._tier(location)] if location is not None else list(self._tiers.values())
-            self._clear_generation += 1
+            # Writes and promotions begun before now are dropped, never committed after it (a cleared
+            # cache must not refill from work queued before the clear).
+            self._state.generation += 1
             counted: dict[int, int] = {}
             events: list[Event] = []
             for tier in tiers:
@@ -804,7 +787,7 @@ class CacheEngine:
                 if span.key not in destination_tier:
                     source_tier.acquire(entry)
                     # Like a store, a move under way is not dropped by a clear().
-                    write = ChunkWrite(self._host, destination_tier, dropped_by_clear=False)
+                    write = ChunkWrite(self._state, destination_tier, dropped_by_clear=False)
                     target = write.reserve(
                         ChunkMeta(span.key, span.parent_key, entry.meta.token_ids, entry.meta.fmt),
                         entry.nbytes,
@@ -913,7 +896,7 @@ class CacheEngine:
             if tier.has_key(span.key):
                 tier.touch(span.key)
                 return span.end
-            write = ChunkWrite(self._host, tier)
+            write = ChunkWrite(self._state, tier)
             meta = ChunkMeta(span.key, span.parent_key, array("q", token_list[span.start : span.end]), fmt)
             target = write.reserve(meta, len(data))
             write.announce_evictions()
@@ -1027,7 +1010,7 @@ class CacheEngine:
                 with self._lock:
                     # The old entry stays referenced until the new one is written: no window without
                     # data. The chunk keeps its key, so its replacement is not announced again.
-                    write = ChunkWrite(self._host, tier, dropped_by_clear=False)
+                    write = ChunkWrite(self._state, tier, dropped_by_clear=False)
                     replacement = write.reserve(
                         ChunkMeta(span.key, span.parent_key, entry.meta.token_ids, to_fmt), payload.numel()
                     )

@@ -1,7 +1,7 @@
 """ChunkWrite: chunks written into one tier as a unit, the one transaction behind every store,
 promotion, write-through, move, import and re-encode; and the KV events a tier's changes make.
 
-A write needs three things from the tiers' owner (the engine), its `TierHost`: the one lock over
+What every write shares with the tiers' owner (the engine) is its `TierState`: the one lock over
 every tier's index, the clear() generation (bumped by each clear: work begun before a clear is
 dropped, never committed after it, so a cleared cache never refills from it), and the event
 listeners, which hear every change in order, under the lock.
@@ -9,29 +9,31 @@ listeners, which hear every change in order, under the lock.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable, Collection, Iterable, Iterator
-from contextlib import AbstractContextManager, contextmanager
+from contextlib import contextmanager
 from typing import Protocol
 
 from cachelayer.storage.tier import ChunkMeta, Tier, TierEntry
 from kvwire import BlockRemoved, BlockStored, KVEvent
 
 
-class TierHost(Protocol):
-    """The tiers' owner as a write into one of them sees it."""
+class TierState:
+    """The lock, clear() generation and event listeners of one engine's tiers."""
 
-    @property
-    def lock(self) -> AbstractContextManager[bool]:
-        """The (re-entrant) lock over every tier's index."""
-        ...
+    __slots__ = ("generation", "listeners", "lock")
 
-    def generation(self) -> int:
-        """How many clear()s came so far. Under the lock."""
-        ...
+    def __init__(self, lock: threading.RLock | None = None) -> None:
+        """`lock`: one shared with other engines (the daemon's one pool); by default a new one."""
+        self.lock = lock if lock is not None else threading.RLock()
+        self.generation = 0  # bumped by clear(), under the lock
+        self.listeners: list[Callable[[list[KVEvent]], None]] = []
 
     def emit(self, events: list[KVEvent]) -> None:
-        """Announce state changes to the event listeners. Under the lock."""
-        ...
+        """Announce state changes to every listener, in order. Under the lock."""
+        if events:
+            for listener in self.listeners:
+                listener(events)
 
 
 class _Medium(Protocol):
@@ -80,22 +82,22 @@ def snapshot_events(tiers: Iterable[Tier]) -> list[KVEvent]:
 class ChunkWrite:
     """Chunks written into one tier as a unit.
 
-    Under the host's lock the chunks are reserved (invisible to lookups, never evicted); their
+    Under the tiers' lock the chunks are reserved (invisible to lookups, never evicted); their
     bytes are copied outside it (`copying`); then, under the lock again, `commit` makes them
     visible together. A copy that raises aborts them all (their space goes back, nothing becomes
     visible). With `dropped_by_clear`, a clear() since the reservation aborts them at commit: a
     cleared cache never refills from work begun before the clear.
     """
 
-    __slots__ = ("_dropped_by_clear", "_evicted", "_generation", "_host", "entries", "tier")
+    __slots__ = ("_dropped_by_clear", "_evicted", "_generation", "_state", "entries", "tier")
 
-    def __init__(self, host: TierHost, tier: Tier, *, dropped_by_clear: bool = True) -> None:
-        """Begin a write into `tier`; the caller holds the host's lock."""
-        self._host = host
+    def __init__(self, state: TierState, tier: Tier, *, dropped_by_clear: bool = True) -> None:
+        """Begin a write into `tier`; the caller holds the lock."""
+        self._state = state
         self.tier = tier
         self.entries: list[TierEntry] = []
         self._evicted: list[ChunkMeta] = []
-        self._generation = host.generation()
+        self._generation = state.generation
         self._dropped_by_clear = dropped_by_clear
 
     def reserve(self, meta: ChunkMeta, nbytes: int) -> TierEntry | None:
@@ -109,7 +111,7 @@ class ChunkWrite:
 
     def announce_evictions(self) -> None:
         """One BlockRemoved for the chunks the reservations evicted so far. Under the lock."""
-        self._host.emit(removal_events(self.tier, self._evicted))
+        self._state.emit(removal_events(self.tier, self._evicted))
         self._evicted = []
 
     @contextmanager
@@ -119,7 +121,7 @@ class ChunkWrite:
         try:
             yield
         except BaseException:
-            with self._host.lock:
+            with self._state.lock:
                 self.abort()
                 if on_failure is not None:
                     on_failure()
@@ -149,4 +151,4 @@ class ChunkWrite:
     @property
     def cleared(self) -> bool:
         """Whether a clear() came since the write began. Under the lock."""
-        return self._generation != self._host.generation()
+        return self._generation != self._state.generation

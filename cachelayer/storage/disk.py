@@ -24,7 +24,7 @@ import msgspec
 import numpy as np
 import torch
 
-from cachelayer.storage.chunk_write import ChunkWrite, TierHost
+from cachelayer.storage.chunk_write import ChunkWrite, TierState
 from cachelayer.storage.cpu import CpuTier
 from cachelayer.storage.tier import ChunkMeta, Tier, TierEntry
 from cachelayer.storage.write_behind import WriteBehind
@@ -181,16 +181,16 @@ class DiskWriter:
     not a journal. A disk full of pinned or in-use chunks, or a failed file write, keeps the chunk
     in the pool only (logged)."""
 
-    def __init__(self, disk: DiskTier, source: CpuTier, host: TierHost) -> None:
+    def __init__(self, disk: DiskTier, source: CpuTier, state: TierState) -> None:
         self.disk = disk
         self._source = source
-        self._host = host
+        self._state = state
         self._behind = WriteBehind(self._write_batch, name="cachelayer-disk", what="the disk tier")
 
     def submit(self, metas: list[ChunkMeta]) -> None:
         """Queue the chunks of one store for the disk (called once they are committed to the pool)."""
-        with self._host.lock:
-            generation = self._host.generation()
+        with self._state.lock:
+            generation = self._state.generation
         self._behind.submit(generation, metas)
 
     def flush(self) -> None:
@@ -202,16 +202,16 @@ class DiskWriter:
         self._behind.close()
 
     def _write_batch(self, generation: int, metas: list[ChunkMeta]) -> None:
-        disk, source, host = self.disk, self._source, self._host
+        disk, source, state = self.disk, self._source, self._state
         for meta in metas:
-            with host.lock:
-                if generation != host.generation():
+            with state.lock:
+                if generation != state.generation:
                     return
                 chunk = source.get(meta.key)
                 if chunk is None or disk.has_key(meta.key):
                     continue
                 source.acquire(chunk)  # held while it is copied: never evicted under the copy
-                write = ChunkWrite(host, disk)
+                write = ChunkWrite(state, disk)
                 target = write.reserve(
                     ChunkMeta(meta.key, meta.parent_key, meta.token_ids, chunk.meta.fmt), chunk.nbytes
                 )
@@ -229,12 +229,12 @@ class DiskWriter:
                 except OSError as exc:
                     log.error("cachelayer: writing chunk %#x to %s failed: %s", meta.key, disk.directory, exc)
                     continue
-                with host.lock:
-                    host.emit(write.commit())
+                with state.lock:
+                    state.emit(write.commit())
                     if write.cleared:  # so is the rest of the batch
                         return
             finally:
-                with host.lock:
+                with state.lock:
                     source.release(chunk)
 
 
