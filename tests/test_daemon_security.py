@@ -82,10 +82,10 @@ def test_an_unauthenticated_client_gets_no_service_and_the_victims_kv_is_unchang
                         Request(op="retrieve", space=SPACE, tokens=tokens_to_bytes(tokens)),
                     ]
                     for request in asked:
-                        assert attacker.ask(request, timeout_s=1.0) is None
+                        assert attacker.ask(request, timeout_s=0.5) is None
                     store = Request(op="store", space=SPACE, tokens=tokens_to_bytes(tokens), chunk_size=CHUNK)
                     assert attacker.ask(store, kv_of(64, -7.0).view(torch.uint8).numpy().tobytes(),
-                                        timeout_s=1.0) is None  # fmt: skip
+                                        timeout_s=0.5) is None  # fmt: skip
                 finally:
                     attacker.close()
             # A StoreClient without the secret is told why, not left to time out silently.
@@ -100,9 +100,10 @@ def test_an_unauthenticated_client_gets_no_service_and_the_victims_kv_is_unchang
 
 
 def test_a_daemon_beyond_loopback_without_a_secret_refuses_to_start():
-    """`--host 0.0.0.0` and no secret: exit 2 with one line naming the fix, before binding anything."""
-    command = [sys.executable, "-m", "cachelayer.cli", "server", "--host", "0.0.0.0", "--port", "0",
-               "--http-port", "0", "--l1-size-gb", "0.001"]  # fmt: skip
+    """A host beyond loopback and no secret: exit 2 with one line naming the fix, before binding
+    anything. The host is a name that resolves nowhere, so even a regression binds nothing."""
+    command = [sys.executable, "-m", "cachelayer.cli", "server", "--host", "beyond-loopback.invalid",
+               "--port", "0", "--http-port", "0", "--l1-size-gb", "0.001"]  # fmt: skip
     refused = subprocess.run(command, capture_output=True, text=True, timeout=60)
     assert refused.returncode == 2, refused.stdout + refused.stderr
     assert "without authentication" in refused.stdout and "--auth-secret-env" in refused.stdout
