@@ -16,9 +16,10 @@ from pathlib import Path
 import msgspec
 import pytest
 import torch
+import zmq
 
 from cachelayer.config import parse_config
-from cachelayer.server import KeySpace, StoreClient, StoreRefused, StoreServer, StoreUnavailable
+from cachelayer.server import KeySpace, StoreClient, StoreRefused, StoreServer, StoreUnavailable, protocol
 from cachelayer.server.access import Credential
 from cachelayer.server.daemon import MAX_KEY_SPACES, start_http
 from cachelayer.server.leases import process_start_time
@@ -276,6 +277,31 @@ def test_frames_over_the_message_bound_are_dropped_before_they_are_buffered():
             assert grown < 48 << 20, f"daemon grew by {grown >> 20} MiB"
             assert good.lookup(SPACE, list(range(CHUNK))) == CHUNK
         finally:
+            good.close()
+
+
+def test_a_client_that_pipelines_retrieves_and_never_reads_cannot_make_the_daemon_hold_their_answers():
+    """128 retrieves of a held 4 MiB prefix, pipelined by a client whose socket reads nothing: the
+    daemon holds at most its per-connection queue of answers (16), so it grows by well under the
+    512 MiB that all the answers are, and keeps answering a good client."""
+    big = KeySpace(model="big-model@rev", dtype="bfloat16", num_layers=4, num_kv_heads=8, head_dim=128)
+    tokens = list(range(16 * CHUNK))  # 16 chunks of 256 KiB: a 4 MiB answer
+    with running_daemon(l1_size_gb=0.008) as daemon:
+        good = StoreClient(daemon.endpoint, chunk_size=CHUNK, timeout_s=30, transport="tcp")
+        attacker = RawClient(daemon.endpoint)
+        attacker.socket.setsockopt(zmq.RCVHWM, 1)  # its libzmq stops reading: TCP pushes back
+        try:
+            kv = torch.ones(4, 2, len(tokens), 1024, dtype=torch.bfloat16)
+            assert good.store(big, tokens, kv)[0] == len(tokens)
+            baseline = _resident_bytes(daemon.process.pid)
+            request = protocol.encode(Request(op="retrieve", space=big, tokens=tokens_to_bytes(tokens)))
+            sent = sum(attacker.send_frames([b"", request]) for _ in range(128))
+            time.sleep(1.0)  # let the daemon answer what it took
+            assert good.lookup(big, tokens) == len(tokens)
+            grown = _resident_bytes(daemon.process.pid) - baseline
+            assert grown < 160 << 20, f"daemon grew by {grown >> 20} MiB after {sent} pipelined retrieves"
+        finally:
+            attacker.close()
             good.close()
 
 
