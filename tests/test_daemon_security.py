@@ -392,6 +392,38 @@ def test_a_tenant_credential_reaches_only_its_models_and_never_maps_the_pool():
             host.close()
 
 
+def test_the_pool_descriptor_goes_only_to_a_ticket_attach_issued_and_only_once():
+    """A process that connects to the daemon's pool handout with a made-up ticket, or with one
+    already used, gets no file descriptor; the ticket an authenticated `attach` answered gets it
+    once (the pool is no longer opened through /proc/<daemon pid>/fd, which any process of the
+    daemon's user could)."""
+    server = start_daemon(4, credentials=[Credential("host", SECRET.encode())])
+    client = RawClient(server.endpoint, SECRET.encode())
+    try:
+        assert server.pool_handout is not None
+        reply = client.ask(Request(op="attach", **own_process()))
+        assert reply is not None and reply.ok and reply.segment is not None
+        segment = reply.segment
+
+        def descriptors_for(ticket: bytes) -> list[int]:
+            with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as conn:
+                conn.settimeout(10)
+                conn.connect(segment.handout)
+                conn.sendall(ticket)
+                _, fds, _, _ = socket.recv_fds(conn, 16, 1)
+            for fd in fds:
+                os.close(fd)
+            return fds
+
+        assert descriptors_for(os.urandom(16)) == []
+        assert len(descriptors_for(segment.ticket)) == 1
+        assert descriptors_for(segment.ticket) == []  # one use only
+        assert server.pool_handout.handed_out == 1 and server.pool_handout.refused == 2
+    finally:
+        client.close()
+        server.close()
+
+
 # ---- 7. logs and the HTTP side ----
 
 

@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
 import threading
 import time
 import weakref
@@ -57,7 +56,7 @@ from cachelayer.server.access import (
 )
 from cachelayer.server.leases import ClientProcess, LeaseLimitError, LeaseTable, Owner
 from cachelayer.server.protocol import ChunkEvent, KeySpace, Reply, Request, SharedSegment, Slot
-from cachelayer.server.shared_pool import SharedPool
+from cachelayer.server.shared_pool import PoolHandout, SharedPool
 from cachelayer.storage.allocator import ALIGNMENT
 from cachelayer.storage.cpu import CpuTier
 from kvwire import BlockRemoved, BlockStored
@@ -192,9 +191,11 @@ class StoreServer:
         self._engines_lock = threading.Lock()
         # One L1 pool and one lock for every key space's engine: one memory budget in total.
         self.shared_pool: SharedPool | None = None
+        self.pool_handout: PoolHandout | None = None
         if shared_memory:
             capacity = config.max_local_cpu_bytes
             self.shared_pool = SharedPool.create(capacity - capacity % ALIGNMENT)
+            self.pool_handout = PoolHandout(self.shared_pool.fd)
         pool = self.shared_pool.pool if self.shared_pool is not None else None
         self.cpu = CpuTier(config.max_local_cpu_bytes, config.cache_policy, pool=pool)
         self.store_lock = threading.RLock()
@@ -331,6 +332,8 @@ class StoreServer:
         self.leases.close()
         for engine in self.engines():
             engine.close()
+        if self.pool_handout is not None:
+            self.pool_handout.close()
         if self.shared_pool is not None:
             self.shared_pool.close()
 
@@ -451,10 +454,10 @@ class StoreServer:
     def _attach(self, request: Request, owner: Owner) -> Reply:
         self._check_pool_access(owner)
         self._client_process(request)
-        assert self.shared_pool is not None
+        assert self.shared_pool is not None and self.pool_handout is not None
         segment = SharedSegment(
-            pid=os.getpid(),
-            fd=self.shared_pool.fd,
+            handout=self.pool_handout.address,
+            ticket=self.pool_handout.issue(),
             pool_bytes=self.shared_pool.pool_bytes,
             token=self.shared_pool.token,
             lease_ttl_s=self.leases.ttl_s,
