@@ -195,7 +195,9 @@ class StoreClient:
                 if reply.segment is None:
                     raise SharedPoolUnavailable("the daemon answered attach without a segment")
                 segment = reply.segment
-                self._shared = SharedPool.attach(segment.pid, segment.fd, segment.pool_bytes, segment.token)
+                self._shared = SharedPool.attach(
+                    segment.handout, segment.ticket, segment.pool_bytes, segment.token
+                )
                 if self._register_with_cuda:
                     self._shared.register_with_cuda()
             except (StoreRefused, SharedPoolUnavailable) as exc:

@@ -7,6 +7,7 @@ never from the command line itself, which other users of the host can read in /p
 from __future__ import annotations
 
 import argparse
+import ctypes
 import logging
 import signal
 import threading
@@ -113,6 +114,23 @@ def credentials_from_args(args: argparse.Namespace) -> list[Credential]:
     return credentials
 
 
+PR_SET_DUMPABLE = 4
+
+
+def make_non_dumpable() -> bool:
+    """prctl(PR_SET_DUMPABLE, 0): /proc/<this pid>/fd and /proc/<this pid>/mem become root's, so
+    other processes of this user cannot open the pool's memfd (or read the daemon's memory)
+    without asking the daemon; its pool handout is the only way in. False (logged) if refused."""
+    try:
+        refused = ctypes.CDLL(None, use_errno=True).prctl(PR_SET_DUMPABLE, 0, 0, 0, 0)
+    except (OSError, AttributeError) as exc:
+        log.warning("cachelayer server: cannot make the daemon non-dumpable (%s)", exc)
+        return False
+    if refused:
+        log.warning("cachelayer server: prctl(PR_SET_DUMPABLE, 0) failed (errno %d)", ctypes.get_errno())
+    return not refused
+
+
 def run(args: argparse.Namespace, server_class: type[StoreServer] = StoreServer) -> int:
     try:
         config = parse_config(
@@ -152,6 +170,8 @@ def run(args: argparse.Namespace, server_class: type[StoreServer] = StoreServer)
     except AuthConfigError as exc:
         print(f"cachelayer server: {exc}")
         return 2
+    if not args.no_shared_memory:
+        make_non_dumpable()
     server = server_class(
         config,
         f"tcp://{args.host}:{args.port}",
