@@ -493,3 +493,30 @@ def test_a_burst_of_huge_messages_leaves_the_replicas_in_sync(
     finally:
         slow.join()
     assert refused(second, "oversized") >= 1
+
+
+def test_sessions_with_keys_over_4096_characters_follow_across_replicas(
+    start_replicas: Callable[..., list[GatewayProcess]],
+) -> None:
+    # Peers used to refuse a whole sync message for one session key over 4,096 characters (no log
+    # line): the pins never arrived. Bound: none of a's messages refused by b, every pin followed.
+    first, second = start_replicas(2, policy="session")
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "hello"}], "max_tokens": 2}
+    sessions = [f"{n:04d}-" + "s" * 5000 for n in range(10)]
+    with httpx.Client(timeout=30) as client:
+        placed = {
+            session: client.post(
+                first.url + "/v1/chat/completions", json=body, headers={"x-session-id": session}
+            ).headers["x-kvgate-backend"]
+            for session in sessions
+        }
+        assert len(set(placed.values())) > 1
+        time.sleep(0.5)
+        # In reverse order: b's own least-loaded rotation would not place them as a did.
+        followed = 0
+        for session in reversed(sessions):
+            answer = client.post(
+                second.url + "/v1/chat/completions", json=body, headers={"x-session-id": session}
+            )
+            followed += answer.headers["x-kvgate-backend"] == placed[session]
+    assert (followed, refused(second, "invalid")) == (len(sessions), 0)
