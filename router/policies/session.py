@@ -58,6 +58,8 @@ class SessionAffinity:
 
     def choose(self, request: RouteRequest, candidates: list[BackendState]) -> BackendState:
         key = None if request.session_key is None else session_table_key(request.session_key)
+        # The request carries the short form on: on_routed and the replica sync do not hash again.
+        request.session_key = key
         if key is not None:
             pinned = self._pins.get(key)
             if pinned is not None:
