@@ -55,6 +55,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--remote-serde", default="naive", choices=["naive", "cachegen"])
     parser.add_argument(
+        "--remote-auth-secret-env",
+        default=None,
+        metavar="NAME",
+        help="environment variable holding the secret the engines share for the remote tier's values "
+        "(HMAC-tagged); needed for a --remote-url beyond loopback",
+    )
+    parser.add_argument(
+        "--remote-allow-unauthenticated",
+        action="store_true",
+        help="accept a --remote-url beyond loopback without --remote-auth-secret-env (only trusted "
+        "hosts reach that Redis)",
+    )
+    parser.add_argument(
         "--auth-secret-env",
         default=None,
         metavar="NAME",
@@ -142,11 +155,15 @@ def run(args: argparse.Namespace, server_class: type[StoreServer] = StoreServer)
                 "save_unfull_chunk": False,
                 "remote_url": args.remote_url,
                 "remote_serde": args.remote_serde,
+                "remote_auth_secret_env": args.remote_auth_secret_env,
+                "remote_allow_unauthenticated": args.remote_allow_unauthenticated,
             },
             source="cachelayer server flags",
         )
     except CacheLayerConfigError as exc:
-        print(f"cachelayer server: {exc}")
+        # The config's keys are this command's flags: remote_auth_secret_env is --remote-auth-secret-env.
+        flags = " (here: --remote-auth-secret-env NAME, --remote-allow-unauthenticated)"
+        print(f"cachelayer server: {exc}{flags if 'remote_' in str(exc) else ''}")
         return 2
     for flag, value in (
         ("--lease-ttl-s", args.lease_ttl_s),

@@ -96,7 +96,7 @@ class OversizedValue(CorruptValue):
     """A remote value larger than the chunk it is stored for can be; refused before its body was read."""
 
 
-class DeadlineExceeded(redis.TimeoutError):
+class DeadlineExceeded(CacheLayerError, redis.TimeoutError):
     """A remote call that did not finish within its total deadline."""
 
 
@@ -674,7 +674,7 @@ class RemoteTier:
             }
 
 
-class _Refused(Exception):
+class _Refused(CacheLayerError):
     """Not an error: carries the values read before a refusal out of the exchange."""
 
     def __init__(self, values: list[bytearray | CorruptValue | None]) -> None:
