@@ -118,6 +118,17 @@ def test_a_daemon_beyond_loopback_without_a_secret_refuses_to_start():
     assert unset.returncode == 2 and "KVGATE_TEST_UNSET_SECRET" in unset.stdout
 
 
+def test_a_daemon_with_a_remote_tier_beyond_loopback_needs_its_secret_flag():
+    """The remote tier's values are only authenticated with a secret the engines share: a
+    --remote-url beyond loopback without one stops the daemon, naming the flags that fix it."""
+    command = [sys.executable, "-m", "cachelayer.cli", "server", "--port", "0", "--http-port", "0",
+               "--l1-size-gb", "0.001", "--remote-url", "redis://beyond-loopback.invalid:6379"]  # fmt: skip
+    refused = subprocess.run(command, capture_output=True, text=True, timeout=60)
+    assert refused.returncode == 2, refused.stdout + refused.stderr
+    assert "--remote-auth-secret-env" in refused.stdout and "--remote-allow-unauthenticated" in refused.stdout
+    assert "Traceback" not in refused.stdout + refused.stderr
+
+
 # ---- 2. ownership ----
 
 
