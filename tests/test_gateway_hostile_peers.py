@@ -1,6 +1,8 @@
 """Hostile peers of the gateway, each a real process or socket on loopback against the real gateway
-process: a backend whose response head never ends, a client that pipelines requests and never
-reads the answers, a client naming headers in `Connection:`, idle connections filling the limit.
+process: a backend whose response head (or trailer section) never ends; a client that pipelines
+requests and never reads the answers, or queues large bodies behind a slow request; a client naming
+headers in `Connection:`. (Idle connections filling the limit: tests/test_gateway_connection_limits.py;
+a stopped worker: tests/test_gateway_replicas.py; client keys opening admin: tests/test_gateway_admin.py.)
 
 Each test states the bound it holds the gateway to.
 """
@@ -102,7 +104,7 @@ _BIG_ANSWER_REQUEST = (
     b"POST /v1/completions HTTP/1.1\r\nhost: gateway\r\ncontent-type: application/json\r\n"
     b"content-length: %d\r\n\r\n%s" % (len(_UNKNOWN_MODEL_BODY), _UNKNOWN_MODEL_BODY)
 )
-# 31 bytes in, a few KiB out (uvicorn's ASGI path): thousands of them arrive in one read.
+# 34 bytes in, a few KiB out (uvicorn's ASGI path): thousands of them arrive in one read.
 _SMALL_REQUEST = b"GET /metrics HTTP/1.1\r\nhost: g\r\n\r\n"
 
 
