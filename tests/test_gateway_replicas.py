@@ -360,10 +360,9 @@ def test_a_stopped_worker_is_killed_and_replaced_so_new_connections_succeed_agai
                     streak += 1
                 except httpx.HTTPError:
                     streak, failures = 0, failures + 1
-            recovered_s = time.monotonic() - started
             assert streak == RECOVERED_STREAK, (
-                f"new connections still failed {RECOVERY_BOUND_S:g} s after a worker stopped "
-                f"({failures} failed)"
+                f"new connections still failed {time.monotonic() - started:.0f} s after a worker "
+                f"stopped ({failures} failed)"
             )
             assert not _alive(stopped)
         finally:
@@ -372,7 +371,6 @@ def test_a_stopped_worker_is_killed_and_replaced_so_new_connections_succeed_agai
         assert "sent no heartbeat" in gateway.process.output()
         # Replaced: two workers answer again, the stopped one not among them.
         assert stopped not in _worker_pids(gateway, 2)
-        print(f"recovered {recovered_s:.1f} s after SIGSTOP, {failures} connections failed meanwhile")
 
 
 def test_workers_without_a_cluster_section_are_refused_with_the_fix(engines: Engines) -> None:
