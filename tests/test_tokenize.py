@@ -26,7 +26,8 @@ from kvgate_testing.tokenizers import (
 from router.backends import BackendState
 from router.config import builtin_tokenizer_dir
 from router.policies.base import RouteRequest
-from router.tokenize import PromptTokenizer, RequestTokenizer, TokenizeError, _PieceCache
+from router.tokenize import PromptTokenizer, RequestTokenizer, TokenizeError
+from router.tokenize.caches import PieceCache
 
 QWEN3_EXAMPLE = (
     "Qwen3 is the latest generation of large language models in Qwen series, offering a comprehensive "
@@ -187,10 +188,10 @@ def test_segment_encoding_equals_whole_encoding_on_random_text(tokenizer: Prompt
             assert ids.tolist() == whole
             # Through the cache: cold (one encode split by offsets), then warm, then after a prefix.
             fresh = PromptTokenizer.__new__(PromptTokenizer)
-            fresh.__dict__.update(tokenizer.__dict__, cache=_PieceCache(1_000_000))
+            fresh.__dict__.update(tokenizer.__dict__, cache=PieceCache(1_000_000))
             assert fresh._encode_by_segments(piece, segment_chars).tolist() == whole
             assert fresh._encode_by_segments(piece, segment_chars).tolist() == whole
-            fresh.cache = _PieceCache(1_000_000)
+            fresh.cache = PieceCache(1_000_000)
             fresh._encode_by_segments(piece[: len(piece) // 2], segment_chars)
             assert fresh._encode_by_segments(piece, segment_chars).tolist() == whole
 
