@@ -61,7 +61,7 @@ class Gateway:
         self.backends.listen(_IndexSubscriptions(self.index_service))
 
         # 3. The tokenizer, for the policies that route by the prompt's tokens.
-        self.tokenizer = RequestTokenizer(config, self.backends)
+        self.tokenizer = RequestTokenizer(config, self.backends, self.pool)
         self.routes_by_tokens = isinstance(config.policy, _TOKEN_POLICIES)
         request_preparers = [self.tokenizer.prepare] if self.routes_by_tokens else []
 

@@ -32,6 +32,7 @@ if TYPE_CHECKING:
     from router.backends import BackendState
     from router.config import Config
     from router.policies.base import RouteRequest
+    from router.upstream import UpstreamPool
 
 logger = logging.getLogger("kvgate.tokenize")
 
@@ -67,13 +68,19 @@ RENDERED_MIN_CHARS = 1 << 20
 class RequestTokenizer:
     """The gateway's pre-route step: fills RouteRequest.tokens and .namespace for token-aware policies."""
 
-    def __init__(self, config: Config, backends: dict[str, BackendState] | None = None) -> None:
+    def __init__(
+        self,
+        config: Config,
+        backends: dict[str, BackendState] | None = None,
+        pool: UpstreamPool | None = None,
+    ) -> None:
         self._config = config
         self._backends = backends if backends is not None else {}
         self._tokenizers: dict[str, PromptTokenizer] = {}
         self._load_lock = threading.Lock()
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvgate-tokenize")
-        self._engine = EngineTokenizer(config, self._backends)
+        # `tokenize: engine` calls go through the gateway's upstream pool (`pool`).
+        self._engine = EngineTokenizer(config, self._backends, pool)
         self._sandboxes: dict[str, TemplateSandbox] = {}
         self.failures = 0
 
