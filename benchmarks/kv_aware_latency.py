@@ -194,7 +194,7 @@ def stage_breakdown(workload_name: str, users: int, turns: int, engines: int) ->
         )
     loop.close()
     executor.shutdown()
-    # Encode cost per character, uncached text, for where the thread hop pays (router/tokenize.py).
+    # Encode cost per character, uncached text, for where the thread hop pays (router/tokenize/request.py).
     text = tokenizer.render_chat({"messages": ordered[-1].messages})
     encoders = {"tokenizer": lambda: tokenizer.tokenizer.encode(text, add_special_tokens=False)}
     ascii_encoder = getattr(tokenizer, "_ascii", None)
