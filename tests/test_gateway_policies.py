@@ -38,7 +38,7 @@ def request(session_key: str | None = None) -> RouteRequest:
 def test_round_robin_rotates_strictly():
     policy = make_policy(config_schema.RoundRobinPolicy())
     candidates = states("a", "b", "c")
-    assert [policy.choose(request(), candidates).name for _ in range(7)] == [
+    assert [policy.choose(request(), candidates).backend.name for _ in range(7)] == [
         "a",
         "b",
         "c",
@@ -53,9 +53,9 @@ def test_least_loaded_picks_fewest_in_flight_and_rotates_ties():
     policy = make_policy(config_schema.LeastLoadedPolicy())
     a, b, c = candidates = states("a", "b", "c")
     a.in_flight, b.in_flight, c.in_flight = 3, 1, 2
-    assert policy.choose(request(), candidates) is b
+    assert policy.choose(request(), candidates).backend is b
     a.in_flight = b.in_flight = c.in_flight = 0
-    assert sorted(policy.choose(request(), candidates).name for _ in range(6)) == [
+    assert sorted(policy.choose(request(), candidates).backend.name for _ in range(6)) == [
         "a",
         "a",
         "b",
@@ -68,23 +68,25 @@ def test_least_loaded_picks_fewest_in_flight_and_rotates_ties():
 def test_session_pins_until_its_backend_leaves():
     policy = make_policy(config_schema.SessionPolicy())
     candidates = states("a", "b", "c")
-    first = policy.choose(request("s1"), candidates)
-    policy.on_routed(request("s1"), first)
+    first_choice = policy.choose(request("s1"), candidates)
+    policy.on_routed(first_choice)
+    first = first_choice.backend
     for _ in range(5):
-        assert policy.choose(request("s1"), candidates) is first
+        assert policy.choose(request("s1"), candidates).backend is first
     # Its backend goes down: the session moves, then stays on its new backend.
     remaining = [backend for backend in candidates if backend is not first]
-    moved = policy.choose(request("s1"), remaining)
-    policy.on_routed(request("s1"), moved)
+    moved_choice = policy.choose(request("s1"), remaining)
+    policy.on_routed(moved_choice)
+    moved = moved_choice.backend
     assert moved is not first
-    assert policy.choose(request("s1"), candidates) is moved
+    assert policy.choose(request("s1"), candidates).backend is moved
 
 
 def test_session_without_key_balances_by_load():
     policy = make_policy(config_schema.SessionPolicy())
     a, b, c = candidates = states("a", "b", "c")
     a.in_flight = 5
-    assert policy.choose(request(None), candidates) in (b, c)
+    assert policy.choose(request(None), candidates).backend in (b, c)
 
 
 def test_missing_policy_module_is_a_clear_error(monkeypatch):
