@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import collections
+import collections.abc
+import dataclasses
 import os
 import subprocess
 import time
@@ -19,7 +21,7 @@ from kvgate_testing.ports import free_port
 from kvgate_testing.processes import REPO_ROOT, python_command
 from router import config as config_schema
 from router.backends import BackendState
-from router.policies import POLICY_MODULES, PolicyUnavailable, RouteRequest, make_policy
+from router.policies import POLICY_MODULES, Choice, Policy, PolicyUnavailable, RouteRequest, make_policy
 
 MODEL = TEST_MODEL
 
@@ -87,6 +89,47 @@ def test_session_without_key_balances_by_load():
     a, b, c = candidates = states("a", "b", "c")
     a.in_flight = 5
     assert policy.choose(request(None), candidates).backend in (b, c)
+
+
+def test_every_configured_policy_returns_an_immutable_choice_and_answers_the_whole_interface():
+    """What any caller (the forwarder, an endpoint picker, a prefill/decode split) may call on a policy
+    works on every one of them, with nothing but the Choice handed back; the Choice cannot be changed."""
+    for policy_config in (
+        config_schema.RoundRobinPolicy(),
+        config_schema.LeastLoadedPolicy(),
+        config_schema.SessionPolicy(),
+        config_schema.KVAwarePolicy(),
+        config_schema.ApproximatePolicy(),
+    ):
+        policy = make_policy(policy_config)
+        candidates = states("a", "b")
+        choice = policy.choose(request("s1"), candidates)
+        assert choice.backend in candidates
+        with pytest.raises(dataclasses.FrozenInstanceError):
+            choice.backend = candidates[0]  # type: ignore[misc]
+        policy.on_routed(choice)
+        policy.on_finished(choice, 200, 0.01)
+        placement = policy.for_peers(choice)
+        assert isinstance(placement.prefix_keys, list) and placement.ttl_s >= 0
+        assert isinstance(policy.recent_decisions(), collections.abc.Sequence)
+        assert policy.measured_load_costs() is None  # none measures load costs unless configured to
+
+
+def test_a_policy_that_only_chooses_gets_the_rest_of_the_interface_from_the_base():
+    class First(Policy):
+        name = "first"
+
+        def choose(self, request, candidates):
+            return Choice(candidates[0])
+
+    policy = First()
+    candidates = states("a", "b")
+    choice = policy.choose(request(), candidates)
+    policy.on_routed(choice)
+    policy.on_finished(choice, 502, None)
+    assert policy.for_peers(choice).prefix_keys == [] and policy.for_peers(choice).hot_prefix_key is None
+    assert list(policy.recent_decisions()) == [] and policy.measured_load_costs() is None
+    assert not policy.needs_tokens and choice.reason is None and choice.prefill_tokens is None
 
 
 def test_missing_policy_module_is_a_clear_error(monkeypatch):

@@ -323,6 +323,23 @@ def test_a_prefix_credited_lately_is_not_credited_again() -> None:
     assert policy.predictions.leading_blocks(home, prompt_prefix_keys(longer), time.monotonic()) == 42
 
 
+def test_two_choices_for_one_request_each_credit_their_own_backend() -> None:
+    """A request chosen for twice before either is routed (a prefill engine and a decode engine):
+    each Choice carries its own record, so each routing credits the prompt to its own backend."""
+    policy = KVAware(KVAwarePolicy(prediction_ttl_s=60), PrefixIndex())
+    prefill_engine, decode_engine = backends(2)
+    req = request(PROMPTS[0])
+    prefill = policy.choose(req, [prefill_engine])
+    decode = policy.choose(req, [decode_engine])
+    policy.on_routed(prefill)
+    policy.on_routed(decode)
+    keys = prompt_prefix_keys(PROMPTS[0])
+    now = time.monotonic()
+    assert policy.predictions.leading_blocks("b0", keys, now) == len(keys)
+    assert policy.predictions.leading_blocks("b1", keys, now) == len(keys)
+    assert [d["backend"] for d in policy.recent_decisions()] == ["b0", "b1"]
+
+
 def test_salted_requests_ignore_unsalted_entries() -> None:
     index = PrefixIndex()
     store(index, "b1", PROMPTS[0])
