@@ -29,22 +29,21 @@ from prometheus_client import CollectorRegistry
 
 from kvgate_testing.processes import REPO_ROOT
 from router.access_log import AccessEntry, AccessLogWriter
+from router.backends import BackendState
 from router.config import AccessLog
-from router.policies.base import RouteRequest
+from router.policies.base import Choice, RouteRequest
 
 BURST_LINES = 50_000
 PACED_LINES = 3_000
 PACE_S = 0.0002
+_BACKEND = BackendState(name="sim-1", url="http://127.0.0.1:9000")
 
 
 def _entry(n: int) -> AccessEntry:
     request = RouteRequest(f"{n:032x}", "tiny-qwen3", {}, None)
     request.tokens = np.zeros(466, dtype=np.uint32)
-    decision = request.decision
-    decision.policy, decision.reason = "kv_aware", "cache_hit"
-    decision.prompt_tokens, decision.cached_tokens = 466, 448
-    decision.upstream_ttft_s = 0.0123
     entry = AccessEntry("/v1/chat/completions", b"%032x" % n, time.perf_counter())
+    entry.choice = Choice(_BACKEND, "cache_hit", cached_tokens=448, prefill_tokens=18)
     entry.request, entry.backend, entry.policy, entry.status = request, "sim-1", "kv_aware", 200
     entry.stream, entry.upstream_started, entry.first_piece_s = True, entry.started, 0.0123
     return entry

@@ -149,8 +149,9 @@ class RequestPathSteps:
         self.service.longest_cached_prefix(tokens, (None, None), self.names)
         t5 = time.perf_counter()
         route = RouteRequest("r", self.model, data, session_id, tokens, Namespace())
-        chosen = self.policy.choose(route, self.backends)
-        self.policy.on_routed(route, chosen)
+        choice = self.policy.choose(route, self.backends)
+        self.policy.on_routed(choice)
+        chosen = choice.backend
         t6 = time.perf_counter()
         return tokens, chosen, (t1 - t0, t2 - t1, t3 - t2, t4 - t3, t5 - t4, t6 - t5)
 

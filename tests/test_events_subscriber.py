@@ -450,8 +450,8 @@ def test_kv_aware_does_not_credit_the_entries_of_a_disconnected_stream() -> None
 
     def cached_per_backend() -> dict[str, int]:
         request = RouteRequest(request_id="r", model="m", body={}, tokens=prompt, namespace=Namespace())
-        policy.choose(request, candidates)
-        return {name: score["cached"] for name, score in request.decision.candidates.items()}
+        choice = policy.choose(request, candidates)
+        return {name: score["cached"] for name, score in choice.candidates.items()}
 
     try:
         wait_until(lambda: all(s.stats.connected for name in endpoints for s in service.subscribers(name)))
