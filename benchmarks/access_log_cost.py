@@ -19,7 +19,6 @@ import json
 import logging
 import logging.handlers
 import queue
-import subprocess
 import tempfile
 import time
 from pathlib import Path
@@ -28,6 +27,7 @@ import numpy as np
 from prometheus_client import CollectorRegistry
 
 from kvgate_testing.processes import REPO_ROOT
+from kvgate_testing.provenance import with_source
 from router.access_log import AccessEntry, AccessLogWriter
 from router.backends import BackendState
 from router.config import AccessLog
@@ -100,18 +100,14 @@ def main() -> None:
         burst = _measure(BURST_LINES, 0.0, Path(directory))
         paced = _measure(PACED_LINES, PACE_S, Path(directory))
     queue_handler = _queue_handler_us(BURST_LINES)
-    commit = subprocess.run(
-        ["git", "rev-parse", "--short", "HEAD"], cwd=REPO_ROOT, capture_output=True, text=True, check=False
-    ).stdout.strip()
     results = {
-        "commit": commit,
         "burst": {"lines": BURST_LINES, **burst},
         "paced": {"lines": PACED_LINES, "pace_s": PACE_S, **paced},
         "logging_queue_handler_us_per_line": queue_handler,
     }
     print(json.dumps(results, indent=2))
     out = REPO_ROOT / "benchmarks" / "results" / "access_log_cost.json"
-    out.write_text(json.dumps(results, indent=2) + "\n")
+    out.write_text(json.dumps(with_source(results), indent=2) + "\n")
 
 
 if __name__ == "__main__":
