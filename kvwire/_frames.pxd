@@ -13,6 +13,7 @@ cdef extern from "Python.h":
     object PyLong_FromUnsignedLongLong(unsigned long long value)
     object PyLong_FromLongLong(long long value)
     object PyBytes_FromStringAndSize(const char* data, Py_ssize_t size)
+    object PyUnicode_DecodeUTF8(const char* data, Py_ssize_t size, const char* errors)
     const Py_ssize_t PY_SSIZE_T_MAX
 
 cdef enum:
@@ -156,5 +157,21 @@ cdef inline bint token_at(const unsigned char* data, Py_ssize_t* at, uint64_t* v
     return int_at(data, PY_SSIZE_T_MAX, at, value) == 1 and value[0] <= 0xFFFFFFFF
 
 
-cdef bint token_words_at(const unsigned char* data, Py_ssize_t* at, Py_ssize_t blocks, uint64_t* words) noexcept
-cdef object text_object(const unsigned char* data, Py_ssize_t at)
+cdef inline bint token_words_at(const unsigned char* data, Py_ssize_t* at, Py_ssize_t blocks, uint64_t* words) noexcept:
+    """8 words per 16-token block from scanned token ids at `at`; False unless each is uint32."""
+    cdef Py_ssize_t index
+    cdef uint64_t low = 0, high = 0
+    for index in range(blocks * WORDS_PER_BLOCK):
+        if not token_at(data, at, &low) or not token_at(data, at, &high):
+            return False
+        words[index] = low | (high << 32)
+    return True
+
+
+cdef inline object text_object(const unsigned char* data, Py_ssize_t at):
+    """A scanned `str | None` field as the decoder gives it (`at` -1: None)."""
+    cdef Py_ssize_t start = 0, length
+    if at < 0:
+        return None
+    length = bytes_at(data, PY_SSIZE_T_MAX, &at, True, &start)
+    return PyUnicode_DecodeUTF8(<const char*>data + start, length, NULL)

@@ -15,9 +15,6 @@ from cpython.mem cimport PyMem_Free, PyMem_Malloc
 from libc.stdint cimport int64_t, uint32_t, uint64_t
 from libc.string cimport memcmp, memcpy
 
-cdef extern from "Python.h":
-    object PyUnicode_DecodeUTF8(const char* data, Py_ssize_t size, const char* errors)
-
 # ---- msgpack payloads read in place ----
 #
 # An EventBatch as engines publish it is scanned here without building event objects: the
@@ -482,27 +479,3 @@ def scan_batch(bytes payload):
     if not _rank_at(data, end, rank_at, batch) or not _rank_at(data, end, attn_rank_at, batch):
         return None
     return batch
-
-
-
-
-
-
-cdef bint token_words_at(const unsigned char* data, Py_ssize_t* at, Py_ssize_t blocks, uint64_t* words) noexcept:
-    """8 words per 16-token block from scanned token ids at `at`; False unless each is uint32."""
-    cdef Py_ssize_t index
-    cdef uint64_t low = 0, high = 0
-    for index in range(blocks * WORDS_PER_BLOCK):
-        if not token_at(data, at, &low) or not token_at(data, at, &high):
-            return False
-        words[index] = low | (high << 32)
-    return True
-
-
-cdef object text_object(const unsigned char* data, Py_ssize_t at):
-    """A scanned `str | None` field as the decoder gives it (`at` -1: None)."""
-    cdef Py_ssize_t start = 0, length
-    if at < 0:
-        return None
-    length = bytes_at(data, PY_SSIZE_T_MAX, &at, True, &start)
-    return PyUnicode_DecodeUTF8(<const char*>data + start, length, NULL)
