@@ -125,8 +125,6 @@ def snapshot_order(events: list[KVEvent]) -> list[KVEvent]:
     return others + sorted(stored, key=lambda event: depth[id(event)])
 
 
-
-
 class paused_gc:
     """The cyclic GC paused while a batch is applied: a batch allocates thousands of small tuples
     of ints, which hold no cycles; left on, the collector would run every few hundred of them and
