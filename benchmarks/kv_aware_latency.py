@@ -189,7 +189,7 @@ def stage_breakdown(workload_name: str, users: int, turns: int, engines: int) ->
         full = len(tokens) // 16 * 16
         hashes = list(range(next_hash, next_hash + full // 16))
         next_hash += len(hashes)
-        path.service.index.apply(
+        path.service.writer.apply(
             chosen.name,
             [BlockStored(block_hashes=hashes, token_ids=tokens[:full].tolist(), block_size=16)],
         )

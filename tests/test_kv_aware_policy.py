@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 from prometheus_client import CollectorRegistry
 
+from kvgate_testing.index_oracle import WritableIndex
 from kvgate_testing.policy_inputs import PROMPTS, backends, request, store
 from kvwire import BlockRemoved, BlockStored
 from router.backends import BackendState
@@ -29,7 +30,7 @@ def route(policy, req: RouteRequest, candidates: list[BackendState]) -> Choice:
 
 
 def test_the_backend_holding_the_prefix_wins() -> None:
-    index = PrefixIndex()
+    index = WritableIndex()
     store(index, "b2", PROMPTS[0][:256])
     policy = KVAware(KVAwarePolicy(), index)
     req = request(PROMPTS[0])
@@ -42,7 +43,7 @@ def test_the_backend_holding_the_prefix_wins() -> None:
 
 
 def test_gpu_hits_beat_cpu_hits_of_the_same_length() -> None:
-    index = PrefixIndex()
+    index = WritableIndex()
     store(index, "b0", PROMPTS[0][:256], medium="CPU")
     store(index, "b1", PROMPTS[0][:256], medium="GPU")
     policy = KVAware(KVAwarePolicy(), index)
@@ -96,7 +97,7 @@ def test_a_prefix_split_over_two_tiers_counts_each_token_at_its_fastest_tier(lay
     only for the tokens past what the faster tiers hold (counting the whole CPU run again, as if the
     GPU head were not there, picked b0 holding 256 on GPU and 512 on CPU over b1 holding 512 on GPU)."""
     layout_b0, layout_b1, winner = layouts
-    index = PrefixIndex()
+    index = WritableIndex()
     for name, layout in (("b0", layout_b0), ("b1", layout_b1)):
         for medium, start, end in layout:
             store(index, name, PROMPTS[0][:end], medium=medium, start=start)
@@ -112,7 +113,7 @@ def test_a_prefix_split_over_two_tiers_counts_each_token_at_its_fastest_tier(lay
 
 
 def test_load_outweighs_a_small_cache_hit() -> None:
-    index = PrefixIndex()
+    index = WritableIndex()
     store(index, "b0", PROMPTS[0][:96])
     candidates = backends(2)
     candidates[0].in_flight = 2
@@ -128,7 +129,7 @@ def test_in_flight_guard_moves_a_hot_prefix_but_leaves_a_conversation_home() -> 
     """The in-flight line skips an overloaded holder of a hot prefix (the next requests share the
     replica it makes), not the holder of a prefix one conversation uses: moving that pays its whole
     prefill again, and the cost's load terms already weigh the holder's queue."""
-    index = PrefixIndex()
+    index = WritableIndex()
     store(index, "b0", PROMPTS[0][:480])
     candidates = backends(4)
     candidates[0].in_flight = 4  # over 1.25 x mean (1) + 2; the cost still favours b0 (32 tokens to compute)
@@ -153,7 +154,7 @@ def test_with_replica_must_pay_a_hot_prefix_moves_only_once_its_uses_outweigh_th
     """replica_must_pay (the default): the guard copies a hot prefix to another engine only when its recent
     requests, at request_load_weight prompt tokens each, outweigh the prefill the copy costs (the
     512 tokens held here): a document's few questions stay with it, a much-shared prefix moves."""
-    index = PrefixIndex()
+    index = WritableIndex()
     store(index, "b0", PROMPTS[0][:480])
     candidates = backends(4)
     candidates[0].in_flight = 4  # over the in-flight line, as above
@@ -179,7 +180,7 @@ def test_with_replica_must_pay_a_hot_prefix_moves_only_once_its_uses_outweigh_th
 
 
 def test_cold_prefixes_arriving_one_at_a_time_spread_over_all_engines() -> None:
-    policy = KVAware(KVAwarePolicy(), PrefixIndex())
+    policy = KVAware(KVAwarePolicy(), WritableIndex())
     candidates = backends(4)
     first = [route(policy, request(PROMPTS[n], rid=f"r{n}"), candidates).backend.name for n in range(8)]
     assert sorted(first) == ["b0", "b0", "b1", "b1", "b2", "b2", "b3", "b3"]
@@ -192,7 +193,7 @@ def test_cold_prefixes_arriving_one_at_a_time_spread_over_all_engines() -> None:
 def test_a_cold_prompt_goes_where_recent_prefills_are_fewest_when_spread_by_prefill_tokens(
     cold_spread_by: str,
 ) -> None:
-    policy = KVAware(KVAwarePolicy(cold_spread_by=cold_spread_by), PrefixIndex())
+    policy = KVAware(KVAwarePolicy(cold_spread_by=cold_spread_by), WritableIndex())
     candidates = backends(2)
     busy = route(policy, request(PROMPTS[0][:128], rid="conversation-a"), candidates).backend.name
     quiet = route(policy, request(PROMPTS[1][:128], rid="conversation-b"), candidates).backend.name
@@ -211,7 +212,7 @@ def test_a_cold_prompt_goes_where_recent_prefills_are_fewest_when_spread_by_pref
 
 @pytest.mark.parametrize("still_prefilling", [True, False])
 def test_a_cold_prompt_takes_the_in_flight_slack_only_past_the_other_prefills(still_prefilling: bool) -> None:
-    policy = KVAware(KVAwarePolicy(), PrefixIndex())
+    policy = KVAware(KVAwarePolicy(), WritableIndex())
     candidates = backends(2)
     # b1 took the last cold prompt (its 500 tokens); b0 has had none lately but has a request in flight.
     policy.cold_spread.add("b1", 500.0, time.monotonic())
@@ -227,7 +228,7 @@ def test_a_cold_prompt_takes_the_in_flight_slack_only_past_the_other_prefills(st
 
 
 def test_predictions_expire_and_never_reach_the_index() -> None:
-    index = PrefixIndex()
+    index = WritableIndex()
     policy = KVAware(KVAwarePolicy(prediction_ttl_s=0.2), index)
     candidates = backends(2)
     home = route(policy, request(PROMPTS[0]), candidates).backend.name
@@ -279,7 +280,7 @@ def test_predictions_are_bounded_per_backend_and_keep_the_latest_credits() -> No
 
 
 def test_a_routed_prompt_is_predicted_past_what_its_engine_showed_and_no_further_back() -> None:
-    index = PrefixIndex()
+    index = WritableIndex()
     store(index, "b1", PROMPTS[0][:256])  # b1's events show the first 16 blocks
     policy = KVAware(KVAwarePolicy(prediction_ttl_s=60), index)
     candidates = backends(2)
@@ -305,7 +306,7 @@ def test_a_routed_prompt_is_predicted_past_what_its_engine_showed_and_no_further
 
 
 def test_a_prefix_credited_lately_is_not_credited_again() -> None:
-    policy = KVAware(KVAwarePolicy(prediction_ttl_s=60), PrefixIndex())
+    policy = KVAware(KVAwarePolicy(prediction_ttl_s=60), WritableIndex())
     candidates = backends(2)
     home = route(policy, request(PROMPTS[0]), candidates).backend.name
     keys = prompt_prefix_keys(PROMPTS[0])
@@ -341,7 +342,7 @@ def test_two_choices_for_one_request_each_credit_their_own_backend() -> None:
 
 
 def test_salted_requests_ignore_unsalted_entries() -> None:
-    index = PrefixIndex()
+    index = WritableIndex()
     store(index, "b1", PROMPTS[0])
     store(index, "b2", PROMPTS[0], salt="tenant-a")
     policy = KVAware(KVAwarePolicy(prediction_ttl_s=0), index)
@@ -353,7 +354,7 @@ def test_salted_requests_ignore_unsalted_entries() -> None:
 
 
 def test_without_tokens_it_routes_by_load() -> None:
-    policy = KVAware(KVAwarePolicy(), PrefixIndex())
+    policy = KVAware(KVAwarePolicy(), WritableIndex())
     candidates = backends(3)
     candidates[0].in_flight = 1
     candidates[1].in_flight = 1
@@ -365,7 +366,7 @@ def test_without_tokens_it_routes_by_load() -> None:
 
 def test_decisions_are_counted_and_kept_for_the_debug_page() -> None:
     registry = CollectorRegistry()
-    index = PrefixIndex()
+    index = WritableIndex()
     store(index, "b0", PROMPTS[0][:128])
     policy = KVAware(KVAwarePolicy(), index, registry)
     route(policy, request(PROMPTS[0], rid="hit"), backends(2))
@@ -423,7 +424,7 @@ def test_approximate_rejects_a_block_size_the_router_cannot_use() -> None:
 
 
 def test_a_request_for_a_lora_adapter_matches_that_adapters_entries() -> None:
-    index = PrefixIndex()
+    index = WritableIndex()
     store(index, "b1", PROMPTS[0])
     index.apply(
         "b2",
@@ -458,7 +459,7 @@ def _family_prompt(prefix: np.ndarray, n: int) -> np.ndarray:
 
 def test_a_hot_prefix_family_spills_to_a_second_engine_and_load_stays_balanced() -> None:
     # Requests finish at once (in flight stays 0): only the share guard can see the hot spot.
-    policy = KVAware(KVAwarePolicy(), PrefixIndex())
+    policy = KVAware(KVAwarePolicy(), WritableIndex())
     candidates = backends(4)
     hot_prefix = PROMPTS[0][:384]
     counts: dict[str, int] = {}
@@ -482,7 +483,7 @@ def test_a_hot_prefix_family_spills_to_a_second_engine_and_load_stays_balanced()
 
 
 def test_a_burst_of_cold_prompts_spreads_evenly() -> None:
-    policy = KVAware(KVAwarePolicy(), PrefixIndex())
+    policy = KVAware(KVAwarePolicy(), WritableIndex())
     candidates = backends(4)
     chosen = [
         route(policy, request(_family_prompt(PROMPTS[0][:0], n)), candidates).backend.name for n in range(40)
@@ -492,7 +493,7 @@ def test_a_burst_of_cold_prompts_spreads_evenly() -> None:
 
 def test_nothing_cached_deals_new_prefixes_out_among_the_least_loaded() -> None:
     # Counted by new prefixes (prompts of unequal lengths here; by prefill tokens see the test above).
-    policy = KVAware(KVAwarePolicy(cold_spread_by="new_prefixes"), PrefixIndex())
+    policy = KVAware(KVAwarePolicy(cold_spread_by="new_prefixes"), WritableIndex())
     candidates = backends(4)
     for backend, in_flight in zip(candidates, [8, 1, 2, 1], strict=True):
         backend.in_flight = in_flight  # every request past its prefill: no prefill queued anywhere
@@ -517,7 +518,7 @@ def test_an_engine_busy_at_the_instant_still_gets_its_share_of_new_conversations
     """Two engines, new conversations one at a time while earlier ones run: the one engine with
     more requests decoding at that instant must not be skipped every time (it would get 5 of 12).
     (3 against 1 is what 2 real engines showed at the simulated tier's request rate.)"""
-    policy = KVAware(KVAwarePolicy(), PrefixIndex())
+    policy = KVAware(KVAwarePolicy(), WritableIndex())
     candidates = backends(2)
     homes = []
     for n in range(12):
@@ -530,7 +531,7 @@ def test_an_engine_busy_at_the_instant_still_gets_its_share_of_new_conversations
 
 
 def test_cached_work_still_wins_under_light_balanced_load() -> None:
-    index = PrefixIndex()
+    index = WritableIndex()
     policy = KVAware(KVAwarePolicy(), index)
     candidates = backends(4)
     for n in range(8):  # two cold requests each: shares balanced
@@ -543,7 +544,7 @@ def test_cached_work_still_wins_under_light_balanced_load() -> None:
 
 
 def test_a_conversation_of_its_own_stays_home_even_when_home_is_over_its_share() -> None:
-    index = PrefixIndex()
+    index = WritableIndex()
     policy = KVAware(KVAwarePolicy(hot_prefix_requests=2), index)
     candidates = backends(4)
     for n in range(12):  # b0 took far more than its share of recent requests
@@ -562,7 +563,7 @@ def test_a_conversation_of_its_own_stays_home_even_when_home_is_over_its_share()
 
 
 def test_a_spilled_prefix_goes_to_the_engine_with_most_headroom_and_the_next_spill_follows() -> None:
-    index = PrefixIndex()
+    index = WritableIndex()
     store(index, "b0", PROMPTS[0][:384])
     policy = KVAware(KVAwarePolicy(hot_prefix_requests=0), index)
     candidates = backends(3)
@@ -598,16 +599,16 @@ def _document_questions(policy: KVAware) -> list[str]:
 def test_a_few_requests_against_one_are_chance_not_a_hot_spot() -> None:
     # 5 against 1 on two engines is within the chance spread of such small counts: the document
     # stays home instead of being computed again on the other engine.
-    assert _document_questions(KVAware(KVAwarePolicy(), PrefixIndex())) == ["b0"] * 6
+    assert _document_questions(KVAware(KVAwarePolicy(), WritableIndex())) == ["b0"] * 6
     # A proportional line alone (share_noise 0) spills at the fifth question.
-    spilled = _document_questions(KVAware(KVAwarePolicy(share_noise=0), PrefixIndex()))
+    spilled = _document_questions(KVAware(KVAwarePolicy(share_noise=0), WritableIndex()))
     assert spilled[:4] == ["b0"] * 4 and "b1" in spilled[4:]
 
 
 def test_a_shared_header_alone_does_not_draw_cold_prompts_to_one_engine() -> None:
     # Every prompt starts with the same 16-token header (a chat template's), cached on b0 only:
     # new documents are spread as cold ones, not all sent to b0 for 16 cached tokens.
-    index = PrefixIndex()
+    index = WritableIndex()
     header = PROMPTS[3][:16]
     store(index, "b0", header)
     policy = KVAware(KVAwarePolicy(), index)
@@ -636,7 +637,7 @@ def test_a_prefix_held_only_in_a_shared_tier_is_a_hit_for_every_attached_backend
     from router.config import SharedTier
     from router.policies.shared_tiers import SharedTiers
 
-    index = PrefixIndex()
+    index = WritableIndex()
     # b0 stored the prompt into the Redis tier that b0, b1 and b2 read; b3 is not attached.
     store(index, "b0", PROMPTS[0], medium="REMOTE")
     fleet = shared_tier_fleet([2, 0, 1, 0])
@@ -662,7 +663,7 @@ def test_an_own_gpu_hit_beats_the_same_prefix_in_the_shared_tier() -> None:
     from router.config import SharedTier
     from router.policies.shared_tiers import SharedTiers
 
-    index = PrefixIndex()
+    index = WritableIndex()
     store(index, "b0", PROMPTS[1], medium="REMOTE")
     store(index, "b2", PROMPTS[1], medium="GPU")
     tiers = SharedTiers([SharedTier(name="remote", backends=["b0", "b1", "b2"])])
@@ -677,7 +678,7 @@ def test_a_shared_tier_stored_by_a_backend_that_is_not_a_candidate_still_counts(
     from router.config import SharedTier
     from router.policies.shared_tiers import SharedTiers
 
-    index = PrefixIndex()
+    index = WritableIndex()
     store(index, "b0", PROMPTS[2], medium="SHARED")  # the daemon's store, reported by b0
     tiers = SharedTiers([SharedTier(name="shared", backends=["b0", "b1", "b2", "b3"])])
     policy = KVAware(KVAwarePolicy(), index, shared_tiers=tiers)
@@ -694,7 +695,7 @@ def test_a_shared_tier_stored_by_a_backend_that_is_not_a_candidate_still_counts(
 def _pressure_fleet(blocks: int = 32):
     from kvgate_testing.sim_pool import PoolEngine
 
-    index = PrefixIndex()
+    index = WritableIndex()
     engines = {name: PoolEngine(index, name, num_blocks=blocks) for name in ("b0", "b1")}
     return index, engines, {b.name: b for b in backends(2)}
 
@@ -764,7 +765,7 @@ def test_under_pressure_an_evicted_prefix_comes_back_where_it_does_not_evict_a_h
 def test_under_pressure_a_new_prompt_spreads_by_prefill_tokens_per_token_of_capacity() -> None:
     from kvgate_testing.sim_pool import PoolEngine
 
-    index = PrefixIndex()
+    index = WritableIndex()
     small, large = PoolEngine(index, "b0", num_blocks=32), PoolEngine(index, "b1", num_blocks=96)
     candidates = backends(2)
     policy = _pressure_policy(index)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from kvgate_testing.index_oracle import WritableIndex
 from kvgate_testing.policy_inputs import PROMPTS, backends, request, store
 from router.backends import BackendState
 from router.config import KVAwarePolicy
@@ -67,7 +68,7 @@ def test_recent_requests_outweigh_old_ones() -> None:
 
 
 def _holder_with_followers_in_flight() -> tuple[PrefixIndex, list[BackendState]]:
-    index = PrefixIndex()
+    index = WritableIndex()
     store(index, "b0", PROMPTS[0][:384])
     candidates = backends(2)
     candidates[0].in_flight = 3
