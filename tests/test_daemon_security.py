@@ -89,9 +89,9 @@ def test_an_unauthenticated_client_gets_no_service_and_the_victims_kv_is_unchang
                                         timeout_s=0.5) is None  # fmt: skip
                 finally:
                     attacker.close()
-            # A StoreClient without the secret is told why, not left to time out silently.
-            # Time enough for the refused handshake to be reported on a loaded host (its event is what is read).
-                unauthenticated = StoreClient(daemon.endpoint, chunk_size=CHUNK, timeout_s=5)
+            # A StoreClient without the secret is told why, not left to time out silently. It waits
+            # long enough for the refused handshake to be reported on a loaded host.
+            unauthenticated = StoreClient(daemon.endpoint, chunk_size=CHUNK, timeout_s=5)
             with pytest.raises(StoreRefused, match="disagree on authentication"):
                 unauthenticated.lookup(SPACE, tokens)
             unauthenticated.close()
