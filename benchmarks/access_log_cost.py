@@ -19,7 +19,6 @@ import json
 import logging
 import logging.handlers
 import queue
-import subprocess
 import tempfile
 import time
 from pathlib import Path
@@ -28,23 +27,23 @@ import numpy as np
 from prometheus_client import CollectorRegistry
 
 from kvgate_testing.processes import REPO_ROOT
+from kvgate_testing.provenance import with_source
 from router.access_log import AccessEntry, AccessLogWriter
+from router.backends import BackendState
 from router.config import AccessLog
-from router.policies.base import RouteRequest
+from router.policies.base import Choice, RouteRequest
 
 BURST_LINES = 50_000
 PACED_LINES = 3_000
 PACE_S = 0.0002
+_BACKEND = BackendState(name="sim-1", url="http://127.0.0.1:9000")
 
 
 def _entry(n: int) -> AccessEntry:
     request = RouteRequest(f"{n:032x}", "tiny-qwen3", {}, None)
     request.tokens = np.zeros(466, dtype=np.uint32)
-    decision = request.decision
-    decision.policy, decision.reason = "kv_aware", "cache_hit"
-    decision.prompt_tokens, decision.cached_tokens = 466, 448
-    decision.upstream_ttft_s = 0.0123
     entry = AccessEntry("/v1/chat/completions", b"%032x" % n, time.perf_counter())
+    entry.choice = Choice(_BACKEND, "cache_hit", cached_tokens=448, prefill_tokens=18)
     entry.request, entry.backend, entry.policy, entry.status = request, "sim-1", "kv_aware", 200
     entry.stream, entry.upstream_started, entry.first_piece_s = True, entry.started, 0.0123
     return entry
@@ -101,18 +100,14 @@ def main() -> None:
         burst = _measure(BURST_LINES, 0.0, Path(directory))
         paced = _measure(PACED_LINES, PACE_S, Path(directory))
     queue_handler = _queue_handler_us(BURST_LINES)
-    commit = subprocess.run(
-        ["git", "rev-parse", "--short", "HEAD"], cwd=REPO_ROOT, capture_output=True, text=True, check=False
-    ).stdout.strip()
     results = {
-        "commit": commit,
         "burst": {"lines": BURST_LINES, **burst},
         "paced": {"lines": PACED_LINES, "pace_s": PACE_S, **paced},
         "logging_queue_handler_us_per_line": queue_handler,
     }
     print(json.dumps(results, indent=2))
     out = REPO_ROOT / "benchmarks" / "results" / "access_log_cost.json"
-    out.write_text(json.dumps(results, indent=2) + "\n")
+    out.write_text(json.dumps(with_source(results), indent=2) + "\n")
 
 
 if __name__ == "__main__":

@@ -17,7 +17,7 @@ numbers drift. Lookups are side by side too.
   32 one-block stores); what the subscriber hands over for a drained burst of
   messages (16 decode steps of 32 requests in one call; 512 one-block events of one request in
   one call); and from the wire: msgpack payloads (vLLM >= 0.24 encoding) decoded and applied, or
-  for `after` scanned and applied undecoded (`PrefixIndex.wire_ingest`), one message per call;
+  for `after` scanned and applied undecoded (`IndexWriter.wire_ingest`), one message per call;
 - one-block events alone in their batch through a real ZMQ PUB -> SUB: the receiving thread's CPU
   per message for recv alone, + decode, + apply (the floor that ZMQ and msgpack set for that
   shape), the same with the GC paused, recv + scan + apply undecoded, and the real
@@ -53,6 +53,7 @@ from typing import Any
 import numpy as np
 import zmq
 
+from kvgate_testing.index_oracle import WritableIndex
 from kvgate_testing.provenance import with_source
 from kvwire import (
     BlockRemoved,
@@ -64,7 +65,7 @@ from kvwire import (
 )
 from router.index.ingest import WireIngest
 from router.index.keys import namespace_seed, prefix_keys, prompt_prefix_keys
-from router.index.store import BackendIndexStats, PrefixIndex
+from router.index.store import BackendIndexStats
 from router.index.transport import EventSubscriber, receive_frames
 
 BACKENDS = 16
@@ -97,11 +98,11 @@ def load_baseline_index(revision: str = BASELINE_REVISION) -> ModuleType:
 
 IMPLEMENTATIONS: dict[str, Callable[[], Any]] = {
     "before": load_baseline_index().PrefixIndex,
-    "after": PrefixIndex,
+    "after": WritableIndex,
     # The working tree's index with its compiled one-block path switched off: the pure-Python
     # paths `after` falls back to when the extension is not built (ingest rows only; lookups and
     # memory are the same code as `after`'s).
-    "after_python": lambda: PrefixIndex(compiled_ingest=False),
+    "after_python": lambda: WritableIndex(compiled_ingest=False),
 }
 # Lookups and memory are measured for these (the fallback's are `after`'s).
 COMPARED = ("before", "after")
@@ -169,7 +170,7 @@ class SideBySide:
 
     def apply_wire(self, backend: str, payloads: list[bytes]) -> None:
         """Each payload as the subscriber hands over one message: scanned and applied undecoded
-        where the index has a wire ingest (`PrefixIndex.wire_ingest`: `after`) and the scan
+        where the index has a wire ingest (`IndexWriter.wire_ingest`: `after`) and the scan
         accepts it, else decoded and applied; the list timed at once on each index in turn.
 
         The cyclic GC is paused while one side decodes and applies (`apply` pauses it anyway):
@@ -364,7 +365,7 @@ def message_floor(payloads: list[bytes], index: Any, backend: str, rounds: int =
     """Per-message CPU cost of the subscriber's fixed work for one-event batches, from a real ZMQ
     PUB -> SUB over loopback TCP: receiving the 3 frames alone; + seq and msgpack decode; + apply;
     the same with the cyclic GC paused (what collections cost that loop); receiving, then the seq,
-    and the payload scanned and applied undecoded (`PrefixIndex.wire_ingest`); and the real
+    and the payload scanned and applied undecoded (`IndexWriter.wire_ingest`); and the real
     `EventSubscriber` thread as the gateway makes it (drained messages scanned, applied together).
 
     The messages are all queued before the receiving thread drains them (as the subscriber does,
@@ -942,7 +943,7 @@ def report(results: dict) -> str:
         "Rows `wire:` start from the msgpack payloads (vLLM >= 0.24 encoding: array batch, map events), "
         "one message per call as the subscriber hands them over: `before` and `after, pure Python` decode "
         "them (msgspec) and apply the events; `after` scans each payload in C and applies its events "
-        "undecoded (`PrefixIndex.wire_ingest`, as the gateway's subscribers do), decoding only a payload "
+        "undecoded (`IndexWriter.wire_ingest`, as the gateway's subscribers do), decoding only a payload "
         "the scan leaves. The cyclic GC is paused while each side works, as `apply` pauses it: otherwise "
         "collections caused by both sides land on one. The other rows apply already-decoded events. "
         "Decode steps: each step's batch holds one new 16-token block per running request, its parent "
@@ -997,7 +998,7 @@ def report(results: dict) -> str:
     for stage, label in (
         ("recv", "receive the 3 frames (`receive_frames`, as the subscriber does)"),
         ("recv_decode", "+ seq and msgpack decode (`decode_batch`)"),
-        ("recv_decode_apply", "+ `PrefixIndex.apply` (after), one call per message"),
+        ("recv_decode_apply", "+ `IndexWriter.apply` (after), one call per message"),
         ("recv_decode_apply_gc_paused", "the same with the cyclic GC paused during the drain"),
         ("recv_scan_apply", "receive, seq, the payload scanned and applied undecoded (`wire_ingest`)"),
         ("subscriber", "the real `EventSubscriber` thread (as the gateway wires it: payloads scanned, "

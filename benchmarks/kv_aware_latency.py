@@ -149,8 +149,9 @@ class RequestPathSteps:
         self.service.longest_cached_prefix(tokens, (None, None), self.names)
         t5 = time.perf_counter()
         route = RouteRequest("r", self.model, data, session_id, tokens, Namespace())
-        chosen = self.policy.choose(route, self.backends)
-        self.policy.on_routed(route, chosen)
+        choice = self.policy.choose(route, self.backends)
+        self.policy.on_routed(choice)
+        chosen = choice.backend
         t6 = time.perf_counter()
         return tokens, chosen, (t1 - t0, t2 - t1, t3 - t2, t4 - t3, t5 - t4, t6 - t5)
 
@@ -188,13 +189,13 @@ def stage_breakdown(workload_name: str, users: int, turns: int, engines: int) ->
         full = len(tokens) // 16 * 16
         hashes = list(range(next_hash, next_hash + full // 16))
         next_hash += len(hashes)
-        path.service.index.apply(
+        path.service.writer.apply(
             chosen.name,
             [BlockStored(block_hashes=hashes, token_ids=tokens[:full].tolist(), block_size=16)],
         )
     loop.close()
     executor.shutdown()
-    # Encode cost per character, uncached text, for where the thread hop pays (router/tokenize.py).
+    # Encode cost per character, uncached text, for where the thread hop pays (router/tokenize/request.py).
     text = tokenizer.render_chat({"messages": ordered[-1].messages})
     encoders = {"tokenizer": lambda: tokenizer.tokenizer.encode(text, add_special_tokens=False)}
     ascii_encoder = getattr(tokenizer, "_ascii", None)

@@ -21,7 +21,9 @@ from kvgate_testing.provenance import with_source
 
 POLICIES = ("least_loaded", "kv_aware")
 SUBSCRIBER_THREAD = "kv-events-engine-N"
-TOKENIZE = "tokenize.py:PromptTokenizer.tokens_for"
+# PromptTokenizer.tokens_for as profiles name it: router/tokenize/prompt.py, or router/tokenize.py in
+# results recorded before the tokenizer became a package.
+TOKENIZE = ("prompt.py:PromptTokenizer.tokens_for", "tokenize.py:PromptTokenizer.tokens_for")
 FORWARD = "forward.py:ProxyEndpoint.serve"
 
 
@@ -30,10 +32,15 @@ def _subscriber_share(measured: dict[str, Any]) -> float | None:
     return threads.get(SUBSCRIBER_THREAD, 0.0) if threads else None
 
 
-def _on_stack_share(measured: dict[str, Any], function: str) -> float | None:
-    """The share of samples with `function` (file:qualified name) anywhere on the stack."""
+def _on_stack_share(measured: dict[str, Any], function: str | tuple[str, ...]) -> float | None:
+    """The share of samples with `function` (file:qualified name, or any of several names it had)
+    anywhere on the stack."""
     profile = measured.get("profile")
-    return dict(profile.get("total", [])).get(function, 0.0) if profile else None
+    if not profile:
+        return None
+    totals = dict(profile.get("total", []))
+    names = (function,) if isinstance(function, str) else function
+    return sum(totals.get(name, 0.0) for name in names)
 
 
 def summarize(pairs: list[tuple[Path, Path]]) -> dict[str, Any]:

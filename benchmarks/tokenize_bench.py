@@ -2,7 +2,7 @@
 
 Side by side in one run, with the real Qwen3 tokenizer and chat template:
 - whole: what a router without a cache does every turn: render the template, encode all of it;
-- kvgate: router/tokenize.py (render, cut after added tokens, encode only pieces not cached).
+- kvgate: router/tokenize/ (render, cut after added tokens, encode only pieces not cached).
 A first turn is a conversation the cache has never seen; a follow-up turn appends an assistant
 answer and a new user question to the previous turn's messages; a new question sends the first
 turn's long user message again with another question after the document, in the same message

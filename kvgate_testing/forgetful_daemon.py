@@ -13,16 +13,17 @@ import zmq
 
 from cachelayer.server import protocol
 from cachelayer.server.daemon import StoreServer
+from cachelayer.server.leases import Owner
 from cachelayer.server.main import add_arguments, run
 from cachelayer.server.protocol import Reply
 
 
 class ForgetfulStoreServer(StoreServer):
-    def _handle(self, frames: list[zmq.Frame]) -> tuple[Reply, memoryview | None]:
+    def _handle(self, frames: list[zmq.Frame], owner: Owner | None = None) -> tuple[Reply, memoryview | None]:
         header = frames[1] if frames and len(frames[0].bytes) == 0 else frames[0]
         if protocol.decode_request(header.buffer).op in ("retrieve", "lease"):
             return Reply(hit_tokens=0, chunk_size=self.config.chunk_size), None
-        return super()._handle(frames)
+        return super()._handle(frames, owner)
 
 
 def main() -> int:

@@ -1,5 +1,5 @@
 """Mutation fuzzing of the compiled code that reads what sockets bring: the KV-event scan
-(router/index/_ingest.pyx `scan_batch` and the wire ingest) and the ASCII encoder's split and
+(kvwire/_frames.pyx `scan_batch`, router/index/_ingest.pyx's wire ingest) and the ASCII encoder's split and
 pretoken table (router/_ascii_split.pyx, behind `PromptTokenizer.encode_text`).
 
     python -m kvgate_testing.fuzz_compiled [--seconds 300] [--seed 1] [--target wire|text|all]
@@ -96,7 +96,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--target", choices=["wire", "text", "all"], default="all")
     args = parser.parse_args(argv)
-    for name in ("router.index._ingest", "router._ascii_split"):
+    for name in ("kvwire._frames", "router.index._ingest", "router._ascii_split"):
         module = importlib.import_module(name)
         print(f"{name}: {module.__file__}", flush=True)
     if args.target in ("wire", "all"):

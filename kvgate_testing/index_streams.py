@@ -114,9 +114,9 @@ def apply_through_general_path(index: PrefixIndex, backend: str, events: list[KV
         state = index._backends[backend]
         for event in events:
             if isinstance(event, BlockStored):
-                index.python_writer.store_locked(state, event)
+                index.writer.rules.store_locked(state, event)
             elif isinstance(event, BlockRemoved):
-                index.python_writer.remove_locked(state, event)
+                index.writer.rules.remove_locked(state, event)
             else:
                 state.stats.cleared_events += 1
                 index.clear_locked(state)

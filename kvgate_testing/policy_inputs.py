@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import numpy as np
 
+from kvgate_testing.index_oracle import WritableIndex
 from kvwire import BlockStored
 from router.backends import BackendState
 from router.index.keys import Namespace
-from router.index.store import PrefixIndex
 from router.policies.base import RouteRequest
 
 _rng = np.random.default_rng(11)
@@ -26,7 +26,7 @@ def request(tokens: np.ndarray | None, salt: str | None = None, rid: str = "r") 
 
 
 def store(
-    index: PrefixIndex,
+    index: WritableIndex,
     backend: str,
     tokens: np.ndarray,
     *,

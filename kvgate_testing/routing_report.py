@@ -183,6 +183,18 @@ MODEL_NOTE = (
 )
 
 
+def _source_text(source: dict | None) -> str:
+    """ " at <commit> (clean tree)" from a results file's `source` (kvgate_testing/provenance.py)."""
+    if not source:
+        return ""
+    if source.get("commit"):
+        state = {True: "work tree dirty", False: "clean tree"}.get(source.get("dirty"), "tree state unknown")
+        return f" at {source['commit'][:10]} ({state})"
+    if source.get("committed_at"):
+        return f" (committed at {source['committed_at'][:10]})"
+    return ""
+
+
 def _foresight_text(entry: dict) -> str:
     if "upper_bound_hit_ratio" not in entry:  # results from before the foresight figures
         return ""
@@ -197,8 +209,9 @@ def write_markdown(results: dict, path: Path) -> None:
     lines = [
         f"# Routing benchmark: {meta['engines']} {meta.get('engine_kind', 'simulated')} engines",
         "",
-        f"Run {meta['date']} with `{meta['command']}` ({meta['wall_s']:.0f} s wall); workloads at scale "
-        f"{meta['scale']}, rate scale {meta['rate_scale']}.",
+        f"Run {meta['date']}{_source_text(results.get('source'))} with `{meta['command']}` "
+        f"({meta['wall_s']:.0f} s wall); workloads at scale {meta['scale']}, rate scale "
+        f"{meta['rate_scale']}.",
         f"Engines: {meta.get('engine_description', '`kvgate sim`')}, {meta['num_gpu_blocks']} KV blocks of "
         f"{meta['block_size']} tokens each"
         + engine_cores_remark(meta)

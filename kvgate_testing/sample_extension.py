@@ -29,7 +29,7 @@ class SampleExtension:
     async def prepare(self, route_request) -> None:
         route_request.tokens = np.arange(PROMPT_TOKENS, dtype=np.uint32)
         route_request.namespace = Namespace()
-        route_request.decision.cached_tokens = CACHED_TOKENS
+        route_request.known_cached_tokens = CACHED_TOKENS
 
     def routes(self) -> list[Route]:
         async def sample(request: Request) -> JSONResponse:

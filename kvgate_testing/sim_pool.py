@@ -3,16 +3,28 @@ they would over ZMQ: encoded as the simulator publishes them, decoded as the gat
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 
 from kvwire import decode_batch, encode_batch
-from router.index.store import PrefixIndex
+from router.index.ingest import IndexWriter
 from router.sim.blocks import BlockPool
 
 
 class PoolEngine:
-    def __init__(self, index: PrefixIndex, name: str, num_blocks: int, block_size: int = 16) -> None:
+    def __init__(
+        self,
+        index: Any,
+        name: str,
+        num_blocks: int,
+        block_size: int = 16,
+        *,
+        writer: IndexWriter | None = None,
+    ) -> None:
+        """`index`: a `PrefixIndex` whose `writer` is given, or a `WritableIndex` (its own writer)."""
         self.index, self.name = index, name
+        self.writer: Any = writer if writer is not None else index
         self.pool = BlockPool(num_blocks, block_size)
         self.served = 0
         index.add_backend(name)
@@ -20,7 +32,7 @@ class PoolEngine:
     def publish(self, events: list) -> None:
         if events:
             payload = encode_batch(events, ts=0.0, data_parallel_rank=0)
-            self.index.apply(self.name, decode_batch(payload).events)
+            self.writer.apply(self.name, decode_batch(payload).events)
 
     def serve(self, tokens: np.ndarray) -> int:
         """Run one request (no generated tokens) to completion; return its cached prompt tokens."""

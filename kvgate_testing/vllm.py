@@ -93,6 +93,10 @@ def greedy_output(response: dict) -> tuple[list, list[float]]:
     return choice.get("token_ids") or choice["text"], choice["logprobs"]["token_logprobs"]
 
 
+# The shared daemon's secret in the real-engine tests (any 16+ characters; never a real one).
+DAEMON_TEST_SECRET = "kvgate-daemon-test-secret-0123456789"
+
+
 def write_cache_config(directory: Path, **overrides) -> Path:
     config = {"chunk_size": 256, "max_local_cpu_size": 0.25, **overrides}
     path = directory / "cachelayer.yaml"
@@ -222,10 +226,12 @@ class CacheDaemon:
 
 @contextlib.contextmanager
 def running_cache_daemon(
-    *, chunk_size: int = 256, l1_size_gb: float = 0.25, forgetful: bool = False
+    *, chunk_size: int = 256, l1_size_gb: float = 0.25, forgetful: bool = False, secret_env: str | None = None
 ) -> Iterator[CacheDaemon]:
     """`cachelayer server` on free ports (run with the project's interpreter), killed on exit.
-    `forgetful`: kvgate_testing.forgetful_daemon instead, which loses every chunk before it is read."""
+    `forgetful`: kvgate_testing.forgetful_daemon instead, which loses every chunk before it is read.
+    `secret_env`: the daemon takes its secret from that variable, set to DAEMON_TEST_SECRET (the
+    engines need `server_auth_secret_env` naming a variable with the same value)."""
     port, http_port = free_port(), free_port()
     command = ["kvgate_testing.forgetful_daemon"] if forgetful else ["cachelayer.cli", "server"]
     args = [
@@ -233,7 +239,11 @@ def running_cache_daemon(
         "--host", "127.0.0.1", "--port", str(port), "--http-port", str(http_port),
         "--chunk-size", str(chunk_size), "--l1-size-gb", str(l1_size_gb), "--eviction-policy", "LRU",
     ]  # fmt: skip
-    process = ManagedProcess(args)
+    env = None
+    if secret_env is not None:
+        args += ["--auth-secret-env", secret_env]
+        env = {secret_env: DAEMON_TEST_SECRET}
+    process = ManagedProcess(args, env=env)
     try:
         http_url = f"http://127.0.0.1:{http_port}"
         wait_for_http(f"{http_url}/healthcheck", process, timeout_s=60)

@@ -13,9 +13,9 @@ from typing import Any
 import msgspec
 
 from kvgate_testing.event_publisher import encode_batch
+from kvgate_testing.index_oracle import WritableIndex
 from kvgate_testing.index_streams import StreamMaker, decode_streams, internal_state
 from kvwire import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent, decode_batch, event_kind
-from router.index.store import PrefixIndex
 
 STORED_FIELDS = tuple(BlockStored.__struct_fields__)
 REMOVED_FIELDS = tuple(BlockRemoved.__struct_fields__)
@@ -125,8 +125,8 @@ def check_scan(payload: bytes) -> str:
     """What the compiled scan made of `payload` ("refused" by both, "decoded only", "scanned"),
     asserting that it scans only what the decoder decodes, to as many events, that build the index
     the decoded events build."""
-    ingest = importlib.import_module("router.index._ingest")
-    batch = ingest.scan_batch(payload)
+    frames = importlib.import_module("kvwire._frames")
+    batch = frames.scan_batch(payload)
     try:
         decoded = decode_batch(payload)
     except Exception as error:  # the decoder's refusal (kvwire.WireError or msgspec's)
@@ -135,7 +135,7 @@ def check_scan(payload: bytes) -> str:
     if batch is None:
         return "decoded only"
     assert len(batch) == len(decoded.events), (payload, len(batch), len(decoded.events))
-    wired, plain = PrefixIndex(), PrefixIndex(compiled_ingest=False)
+    wired, plain = WritableIndex(), WritableIndex(compiled_ingest=False)
     plain.apply("a", decoded.events)
     wire = wired.wire_ingest("a")
     assert wire is not None

@@ -7,6 +7,8 @@ every part of that protocol and nothing else (it needs msgspec and pyzmq, never 
   with vLLM's `kv_events.py`, and what their fields mean (`tier_of`, `cache_salt_of`);
 - `encode`: batches as publishers write them, in the vLLM, old-vLLM array and SGLang encodings;
 - `decode`: the one decoder for every dialect (`decode_batch`);
+- `frames`: the compiled byte reader of event frames (`scan_batch`: a payload mapped in place,
+  for consumers that read events without decoding them; None where it is not built);
 - `replay`: seq frames, the replay end marker, the snapshot request and its client;
 - `publisher`: the one publisher (PUB, replay buffer, snapshots), used by the simulator, the
   cache layer and the tests;

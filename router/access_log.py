@@ -32,7 +32,7 @@ from prometheus_client import CollectorRegistry, Counter
 
 if TYPE_CHECKING:
     from router.config import AccessLog
-    from router.policies.base import RouteRequest
+    from router.policies.base import Choice, RouteRequest
 
 log = logging.getLogger("kvgate.access_log")
 
@@ -85,6 +85,7 @@ class AccessEntry:
 
     __slots__ = (
         "backend",
+        "choice",
         "error",
         "first_piece_s",
         "path",
@@ -103,6 +104,8 @@ class AccessEntry:
         self.request_id = request_id
         self.started = started
         self.request: RouteRequest | None = None
+        # What the policy chose for the last attempt (its reason and cached tokens go in the line).
+        self.choice: Choice | None = None
         # Set when a backend answered: its name, and the policy that chose it.
         self.backend: str | None = None
         self.policy: str | None = None
@@ -182,12 +185,12 @@ class AccessLogWriter:
         request = entry.request
         if request is not None:
             model = request.model
-            decision = request.decision
-            reason = decision.reason or (f"session_{decision.session}" if decision.session else None)
+            choice = entry.choice
+            if choice is not None:
+                reason, cached_tokens = choice.reason, choice.cached_tokens
             if request.tokens is None:
-                pass  # not tokenized (a policy that needs no tokens, or no tokenizer): counts unknown
-            elif decision.policy is not None:  # a cache-aware policy scored it: its token counts
-                prompt_tokens, cached_tokens = decision.prompt_tokens, decision.cached_tokens
+                # Not tokenized (a policy that needs no tokens, or no tokenizer): counts unknown.
+                cached_tokens = None
             else:
                 prompt_tokens = len(request.tokens)
         self._queue.put(

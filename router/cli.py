@@ -23,7 +23,7 @@ class Subcommand(NamedTuple):
 SUBCOMMANDS: dict[str, Subcommand] = {
     "serve": Subcommand("router.serve", "run the gateway on a proxy.yaml"),
     "sim": Subcommand("router.sim.cli", "run one simulated vLLM-compatible engine (no GPU, no model)"),
-    "demo": Subcommand("router.sim.demo", "compare routing policies on simulated engines (about a minute)"),
+    "demo": Subcommand("router.demo", "compare routing policies on simulated engines (about a minute)"),
 }
 
 

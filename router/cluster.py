@@ -49,7 +49,7 @@ from router.policies.session import session_table_key
 if TYPE_CHECKING:
     from router.backends import BackendState
     from router.config import Cluster
-    from router.policies.base import Policy, RouteRequest
+    from router.policies.base import Choice, Policy, RouteRequest
 
 log = logging.getLogger("kvgate.cluster")
 
@@ -90,7 +90,7 @@ class RoutedNote(msgspec.Struct, array_like=True, forbid_unknown_fields=True):
     backend: _Name
     prefill_tokens: _Count = 0
     # kv_aware's router keys of the prompt (router/index/keys.py prompt_prefix_keys) past those the
-    # backend's KV events already showed (RouteDecision.predicted_keys), credited to the backend as
+    # backend's KV events already showed (the policy's for_peers), credited to the backend as
     # predicted for ttl_s seconds.
     prefix_keys: Annotated[list[int], msgspec.Meta(max_length=MAX_PREFIX_KEYS)] = []
     ttl_s: Annotated[float, msgspec.Meta(ge=0, le=3600)] = 0.0
@@ -200,23 +200,22 @@ class ClusterSync:
 
     # ---- the request path (no I/O: a note queued and a flag set) ----
 
-    def routed(self, request: RouteRequest, backend: BackendState, prefill_tokens: int) -> None:
-        """Queue the note of a request just routed (before the policy's on_routed consumes its decision)."""
-        decision = request.decision
-        keys = decision.predicted_keys(backend.name)
+    def routed(self, request: RouteRequest, choice: Choice, prefill_tokens: int) -> None:
+        """Queue the note of a request just routed to choice.backend."""
+        placement = self.policy.for_peers(choice)
+        keys = placement.prefix_keys
         if len(keys) > MAX_PREFIX_KEYS:
             keys = keys[:MAX_PREFIX_KEYS]
-        ttl_s = getattr(getattr(self.policy, "predictions", None), "ttl_s", 0.0) if keys else 0.0
         if len(self._pending) == self._pending.maxlen:
             self.dropped_notes.inc()
         self._pending.append(
             RoutedNote(
-                backend=backend.name,
+                backend=choice.backend.name,
                 prefill_tokens=max(0, prefill_tokens),
                 prefix_keys=keys,
-                ttl_s=ttl_s,
-                hot_prefix_key=decision.hot_prefix_key,
-                cold=decision.reason == "cold_spread",
+                ttl_s=placement.ttl_s if keys else 0.0,
+                hot_prefix_key=placement.hot_prefix_key,
+                cold=choice.reason == "cold_spread",
                 # Never a client's whole key: a long one travels as its digest (router/policies/session.py).
                 session=None if request.session_key is None else session_table_key(request.session_key),
             )

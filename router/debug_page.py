@@ -108,17 +108,16 @@ class DebugPage:
                 item["token_ids"] = top["preview_tokens"][:32]
             prefixes.append(item)
         policy = self.policy
-        decisions = list(getattr(policy, "recent_decisions", []))[-50:][::-1]
-        load_costs = getattr(policy, "load_costs", None)
+        decisions = list(policy.recent_decisions())[-50:][::-1]
         return {
             "warnings": self.warnings.current(status),
             "backends": backends,
             "prefixes": prefixes,
             "decisions": decisions,
             "index": self.index.index.size(),
-            "policy": getattr(policy, "name", None),
+            "policy": policy.name,
             # kv_aware's measured load weights (router/policies/load_costs.py), when it measures them.
-            "load_costs": None if load_costs is None else load_costs.describe(),
+            "load_costs": policy.measured_load_costs(),
             "redacted": redact,
             "generated_at": dt.datetime.now(dt.UTC).isoformat(),
         }

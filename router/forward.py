@@ -43,7 +43,7 @@ from router.errors import (
     send_error,
     status_error_type,
 )
-from router.policies.base import RouteRequest
+from router.policies.base import Choice, Policy, RouteRequest
 from router.policies.least_loaded import LeastLoaded
 from router.upstream import UpstreamError, UpstreamResponse, UpstreamTimeout
 
@@ -566,21 +566,23 @@ class ProxyEndpoint:
             candidates = _candidates(context.backends, route_request.model, tried)
             if not candidates:
                 break
-            backend = policy.choose(route_request, candidates)
+            choice = policy.choose(route_request, candidates)
+            backend = choice.backend
+            if entry is not None:
+                entry.choice = choice
             if not backend.healthy:
                 context.metrics.panic_routed.labels(backend.name).inc()
             tried.append(backend)
             # Counted from the moment the request is sent: the engine is busy with it from then on.
-            prefill_tokens = _prefill_tokens(route_request)
+            prefill_tokens = _prefill_tokens(route_request, choice)
             backend.in_flight += 1
             backend.in_flight_prefill_tokens += prefill_tokens
             if context.cluster is not None:
-                # Before on_routed, which consumes the decision's prefix keys.
-                context.cluster.routed(route_request, backend, prefill_tokens)
+                context.cluster.routed(route_request, choice, prefill_tokens)
             # The policy learns of the placement now, not when the answer starts: a non-streamed
             # answer starts only when it is complete, and requests sharing this prompt that arrive
             # meanwhile must already see it placed (kv_aware's predictions, approximate's blocks).
-            policy.on_routed(route_request, backend)
+            policy.on_routed(choice)
             upstream_started = perf_counter()
             try:
                 response = await context.pool.request(
@@ -619,8 +621,8 @@ class ProxyEndpoint:
                 context.backends.mark_up(backend)  # marked down, yet it answered: it is back
             await self._relay(
                 policy,
+                choice,
                 route_request,
-                backend,
                 prefill_tokens,
                 response,
                 id_header,
@@ -639,9 +641,9 @@ class ProxyEndpoint:
 
     async def _relay(
         self,
-        policy: Any,
+        policy: Policy,
+        choice: Choice,
         route_request: RouteRequest,
-        backend: BackendState,
         prefill_tokens: int,
         response: UpstreamResponse,
         id_header: tuple[bytes, bytes],
@@ -652,6 +654,7 @@ class ProxyEndpoint:
     ) -> None:
         """Stream the answer to the client; release the backend's in-flight share when it ends."""
         context = self.context
+        backend = choice.backend
         status = response.status
         dropped = _RESPONSE_DROPPED
         connection_options = [value for name, value in response.headers if name == b"connection"]
@@ -666,6 +669,7 @@ class ProxyEndpoint:
         # A streamed answer's first piece comes with its first token: the policy may learn from
         # the time to it (a whole answer's first piece says nothing about the prefill).
         first_piece_pending = status == 200 and _is_event_stream(response.headers)
+        ttft_s: float | None = None
         try:
             await responder.start(status, headers)
             context.metrics.overhead.observe(
@@ -679,7 +683,7 @@ class ProxyEndpoint:
                         if context.cluster is not None:
                             context.cluster.loads_changed()
                     if first_piece_pending:
-                        route_request.decision.upstream_ttft_s = perf_counter() - upstream_started
+                        ttft_s = perf_counter() - upstream_started
                         first_piece_pending = False
                     if response.at_end:
                         # The last piece ends the response in the same write (saves a write per request).
@@ -707,7 +711,7 @@ class ProxyEndpoint:
                 entry.stream = _is_event_stream(response.headers)
                 # The first streamed piece's time from sending upstream (200 event streams only).
                 entry.upstream_started = upstream_started
-                entry.first_piece_s = route_request.decision.upstream_ttft_s
+                entry.first_piece_s = ttft_s
             response.close()
             context.metrics.observe_upstream(backend.name, perf_counter() - upstream_started)
             _release(backend, prefill_tokens)
@@ -715,7 +719,7 @@ class ProxyEndpoint:
                 context.cluster.loads_changed()
             backend.requests_total += 1
             context.metrics.count_request(backend.name, outcome_status)
-            policy.on_finished(route_request, backend)
+            policy.on_finished(choice, outcome_status, ttft_s)
 
 
 def connection_named_headers(values: Sequence[bytes]) -> frozenset[bytes]:
@@ -745,14 +749,14 @@ def _carries_chat_template(data: dict) -> bool:
     return isinstance(kwargs, dict) and kwargs.get("chat_template") is not None
 
 
-def _prefill_tokens(route_request: RouteRequest) -> int:
-    """Prompt tokens the backend still has to prefill: the policy's figure, else tokens minus cached."""
-    decision = route_request.decision
-    prefill_tokens = decision.prefill_tokens
+def _prefill_tokens(route_request: RouteRequest, choice: Choice) -> int:
+    """Prompt tokens the backend still has to prefill: the policy's figure, else the prompt's tokens
+    less those a request preparer knows are cached."""
+    prefill_tokens = choice.prefill_tokens
     if prefill_tokens is not None:
         return prefill_tokens
     tokens = route_request.tokens
-    return 0 if tokens is None else max(0, len(tokens) - decision.cached_tokens)
+    return 0 if tokens is None else max(0, len(tokens) - route_request.known_cached_tokens)
 
 
 def _release(backend: BackendState, prefill_tokens: int) -> None:

@@ -86,9 +86,12 @@ class _BackpressuredFlow(FlowControl):
     would only queue more answers in memory. Reading is on when the protocol wants it (`pause_reading`
     / `resume_reading`, as uvicorn and GatewayHttpProtocol call them) and writes are not paused."""
 
-    def __init__(self, transport: asyncio.Transport) -> None:
+    def __init__(self, transport: asyncio.Transport, on_resumed: Callable[[], None]) -> None:
         super().__init__(transport)
         self.reading_wanted = True
+        # Called instead of resuming the transport: the protocol parses what it holds unparsed
+        # first, then resumes it (GatewayHttpProtocol._reading_resumed).
+        self._on_resumed = on_resumed
 
     def pause_reading(self) -> None:
         self.reading_wanted = False
@@ -117,7 +120,7 @@ class _BackpressuredFlow(FlowControl):
         if paused:
             transport.pause_reading()
         else:
-            transport.resume_reading()
+            self._on_resumed()
 
 
 class _Answered(KvgateError):
@@ -240,6 +243,10 @@ class GatewayHttpProtocol(HttpToolsProtocol):
         self._next_when_writable = False
         # Armed while writes are paused: the client must read within limits.write_timeout_s.
         self._write_timer: asyncio.TimerHandle | None = None
+        # What a read brought past the point where reading paused: parsed when it resumes. At most
+        # one read's worth; without it, one read of small pipelined requests (256 KiB: thousands)
+        # would all be parsed and queued at once, whatever the pause.
+        self._unparsed = b""
 
     # ---- bytes in: the header limit is applied before the parser sees them ----
 
@@ -253,6 +260,8 @@ class GatewayHttpProtocol(HttpToolsProtocol):
                 self.transport.close()
             return
         self._unset_keepalive_if_required()
+        if self._unparsed:
+            data, self._unparsed = self._unparsed + data, b""
         # Fed to the parser a part of a request at a time, so that every head is counted against
         # max_header_bytes before the parser sees it, also a pipelined one that begins inside this
         # read: a head ends at its empty line, a body at its content-length. (A head that follows
@@ -289,6 +298,28 @@ class GatewayHttpProtocol(HttpToolsProtocol):
             if self._lingering_bytes is not None:  # answered and lingering: the rest is dropped
                 self._lingering_bytes += len(data)
                 return
+            if data and self.flow.read_paused:
+                # Paused by what was just parsed (requests queued, an answer the client has not
+                # read): the rest waits, as bytes not read yet would.
+                self._unparsed = data
+                return
+
+    def _reading_resumed(self) -> None:
+        """Reading may go on: what was left unparsed first (soon, not inside the caller), and only
+        then new bytes, so the unparsed ones never pile up."""
+        if self._unparsed:
+            self.loop.call_soon(self._parse_unparsed)
+        else:
+            self.transport.resume_reading()
+
+    def _parse_unparsed(self) -> None:
+        if self.flow.read_paused or self.transport.is_closing():
+            return  # paused again meanwhile: the next resume comes back here
+        if self._unparsed:
+            data, self._unparsed = self._unparsed, b""
+            self.data_received(data)
+        if not self._unparsed and not self.flow.read_paused and not self.transport.is_closing():
+            self.transport.resume_reading()
 
     def _head_end(self, data: bytes) -> int:
         """Where in `data` the head being read ends (past its empty line), or -1."""
@@ -554,7 +585,7 @@ class GatewayHttpProtocol(HttpToolsProtocol):
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
-        self.flow = _BackpressuredFlow(transport)
+        self.flow = _BackpressuredFlow(transport, self._reading_resumed)
         self._start_reading(_HEAD)
         open_connections = len(self.connections)
         if open_connections > self.max_client_connections and self._close_longest_unanswering():

@@ -102,7 +102,7 @@ class RoutingWarnings:
                 }
             )
         status = self.index.status() if status is None else status
-        decisions = list(getattr(self.policy, "recent_decisions", []))
+        decisions = list(self.policy.recent_decisions())
         for name, stream in status.items():
             if stream["socket_errors"]:
                 warnings.append(

@@ -32,7 +32,7 @@ from urllib.parse import urlsplit
 
 if TYPE_CHECKING:
     from router.config import Config
-    from router.sim.launcher import SimulatedFleet
+    from router.launch import SimulatedFleet
 
 log = logging.getLogger("kvgate")
 
@@ -192,8 +192,8 @@ def run(args: argparse.Namespace) -> int:
     from router.app import create_app
     from router.config import ConfigError, check_admin_exposure
     from router.http_server import gateway_http_protocol
+    from router.launch import LaunchError
     from router.policies import PolicyUnavailable
-    from router.sim.launcher import LaunchError
 
     try:
         config = _load(args)
@@ -306,7 +306,7 @@ def _launch_simulated_engines(config: Config) -> SimulatedFleet | None:
     for none); raises LaunchError."""
     if config.launch is None or config.launch.simulated_engines is None:
         return None
-    from router.sim.launcher import launch_simulated_engines
+    from router.launch import launch_simulated_engines
 
     fleet = launch_simulated_engines(config.launch.simulated_engines, config)
     config.backends.extend(fleet.backends)
@@ -346,7 +346,7 @@ def _supervise(
     import msgspec
     import yaml
 
-    from router.sim.launcher import LaunchError, die_with_parent
+    from router.launch import LaunchError, die_with_parent
 
     refusal = _refusal(args.config or FLAGS_SOURCE, workers, config, port)
     if refusal is not None:

@@ -5,7 +5,7 @@ ImmutableSandboxedEnvironment) keeps a template away from Python's internals, bu
 CPU: two nested `range(8000)` loops cost seconds, three cost hours, and a Python thread cannot be
 stopped. So the gateway renders a request's own template (only for a model with
 `trust_request_chat_template`) in a child process that runs the same code as the engine
-(`router.tokenize.render_chat`, transformers' apply_chat_template) and is killed when a render
+(`router.tokenize.render.render_chat`, transformers' apply_chat_template) and is killed when a render
 runs past RENDER_TIMEOUT_S; its address space is capped (MEMORY_HEADROOM_BYTES over what the
 loaded tokenizer takes) and so is the text it sends back. A request whose template fails any of
 these is routed without tokens, as any request that cannot be tokenized.
@@ -213,7 +213,7 @@ def main(tokenizer_dir: str) -> None:
     sys.stdout = sys.stderr  # the protocol owns stdout; a stray print must not corrupt it
     from transformers import AutoTokenizer
 
-    from router.tokenize import TokenizeError, render_chat
+    from router.tokenize.render import TokenizeError, render_chat
 
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
     _limit_address_space(MEMORY_HEADROOM_BYTES)

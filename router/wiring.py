@@ -3,7 +3,7 @@
 `Gateway(config)` builds, in this order, handing each part what it uses and nothing more:
 1. the metrics, the one upstream client pool, the backend registry (with the configured backends);
 2. the KV index (router/index/service.py): one event stream per backend with `kv_events`;
-3. the tokenizer (router/tokenize.py): the request preparer of the policies that route by tokens;
+3. the tokenizer (router/tokenize/): the request preparer of the policies that route by tokens;
 4. the extensions (router/extensions.py), which may hand the policy another index or add a preparer;
 5. the policy (router/policies/), given the index, the metrics registry and the shared tiers;
 6. the replica sync (`cluster:`), the health checker, the routing warnings;
@@ -61,7 +61,7 @@ class Gateway:
         self.backends.listen(_IndexSubscriptions(self.index_service))
 
         # 3. The tokenizer, for the policies that route by the prompt's tokens.
-        self.tokenizer = RequestTokenizer(config, self.backends)
+        self.tokenizer = RequestTokenizer(config, self.backends, self.pool)
         self.routes_by_tokens = isinstance(config.policy, _TOKEN_POLICIES)
         request_preparers = [self.tokenizer.prepare] if self.routes_by_tokens else []
 

@@ -1,5 +1,6 @@
-"""A configuration file's errors as one line each, for the gateway's and the cache layer's loaders:
-a YAML syntax error as `file:line:column: problem`, and the bad value beside a validation error."""
+"""A gateway configuration file's errors as one line each: a YAML syntax error as
+`file:line:column: problem`, and the bad value beside a validation error. (The cache layer, which
+imports nothing of the gateway, words its own the same way: cachelayer/yaml_errors.py.)"""
 
 from __future__ import annotations
 

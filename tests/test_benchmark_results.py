@@ -164,3 +164,18 @@ def test_the_vllm_connector_report_shows_every_run_and_their_median_not_only_the
         assert f"| {number} | {run['prompts']} | {run['load_average_1m_at_end']:.1f} | {ratios} |" in report
     medians = " | ".join(f"{statistics.median(run[key] for run in runs):.2f}" for key in keys)
     assert f"| median | | | {medians} |" in report
+
+
+def test_a_routing_report_names_the_commit_its_run_was_at(tmp_path):
+    from kvgate_testing.routing_report import write_markdown
+
+    for name in ("routing", "routing_64"):
+        results = json.loads((RESULTS / f"{name}.json").read_text())
+        write_markdown(results, tmp_path / f"{name}.md")
+        first_line = (tmp_path / f"{name}.md").read_text().splitlines()[2]
+        source = results["source"]
+        if "commit" in source:
+            state = "work tree dirty" if source["dirty"] else "clean tree"
+            assert f" at {source['commit'][:10]} ({state}) with " in first_line
+        else:
+            assert f" (committed at {source['committed_at'][:10]}) with " in first_line

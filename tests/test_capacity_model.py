@@ -8,10 +8,10 @@ import math
 import numpy as np
 import pytest
 
+from kvgate_testing.index_oracle import WritableIndex
 from kvgate_testing.sim_pool import PoolEngine as Engine
 from router.config import KVEvents
 from router.index.service import KVIndexService
-from router.index.store import PrefixIndex
 from router.policies.capacity import RATE_HALF_LIFE_S, CapacityModel
 from router.sim.blocks import BlockPool
 
@@ -24,7 +24,7 @@ def prompt(tokens: int) -> np.ndarray:
 
 
 def test_capacity_is_unknown_until_the_engine_evicts_then_its_high_water_mark():
-    index = PrefixIndex()
+    index = WritableIndex()
     engine = Engine(index, "e0", num_blocks=32)  # 512 tokens
     model = CapacityModel(index, check_interval_s=0.0)
     engine.serve(prompt(160))
@@ -42,7 +42,7 @@ def test_capacity_is_unknown_until_the_engine_evicts_then_its_high_water_mark():
 
 
 def test_a_cleared_cache_forgets_the_capacity_until_the_engine_evicts_again():
-    index = PrefixIndex()
+    index = WritableIndex()
     engine = Engine(index, "e0", num_blocks=32)
     model = CapacityModel(index, check_interval_s=0.0)
     for _ in range(4):
@@ -59,13 +59,13 @@ def test_a_cleared_cache_forgets_the_capacity_until_the_engine_evicts_again():
 
 
 def test_a_configured_capacity_is_used_as_given():
-    model = CapacityModel(PrefixIndex(), configured_tokens={"e0": 4096})
+    model = CapacityModel(WritableIndex(), configured_tokens={"e0": 4096})
     assert model.capacity_tokens("e0") == 4096
     assert model.capacity_tokens("e1") == 0
 
 
 def test_earliest_survival_is_capacity_over_the_tokens_touched_per_second():
-    index = PrefixIndex()
+    index = WritableIndex()
     engines = [Engine(index, f"e{i}", num_blocks=32) for i in range(2)]
     model = CapacityModel(index, check_interval_s=0.0)
     for engine in engines:
@@ -89,7 +89,7 @@ def test_earliest_survival_is_capacity_over_the_tokens_touched_per_second():
 
 
 def test_earliest_survival_is_unbounded_while_the_capacity_is_unknown():
-    index = PrefixIndex()
+    index = WritableIndex()
     Engine(index, "e0", num_blocks=64).serve(prompt(100))
     model = CapacityModel(index, check_interval_s=0.0)
     model.on_routed("e0", 100_000, 0.0)
@@ -100,7 +100,7 @@ def test_the_gateways_index_service_sums_a_data_parallel_engines_ranks():
     # The gateway hands kv_aware its KVIndexService (one index stream per DP rank), not the index.
     service = KVIndexService()
     service.add_backend("e0", KVEvents(endpoint="tcp://127.0.0.1:1", dp_ranks=2))  # never started
-    ranks = [Engine(service.index, f"e0@dp{rank}", num_blocks=16) for rank in range(2)]
+    ranks = [Engine(service.index, f"e0@dp{rank}", num_blocks=16, writer=service.writer) for rank in range(2)]
     model = CapacityModel(service, check_interval_s=0.0)
     ranks[0].serve(prompt(128))
     ranks[1].serve(prompt(128))
@@ -114,7 +114,7 @@ def test_the_gateways_index_service_sums_a_data_parallel_engines_ranks():
 
 
 def test_a_prompt_is_seen_before_when_a_prefix_of_it_was_routed_lately():
-    model = CapacityModel(PrefixIndex(), max_seen_keys=8)
+    model = CapacityModel(WritableIndex(), max_seen_keys=8)
     keys = list(range(100, 140))  # 40 router blocks
     assert not model.seen_before(keys)
     model.on_routed("e0", 40 * BLOCK, 0.0, keys[:10])

@@ -1,4 +1,4 @@
-"""The fast chat-template path (router/chat_render.py): the same text and tokens as transformers'
+"""The fast chat-template path (router/tokenize/render.py): the same text and tokens as transformers'
 apply_chat_template on plain chats, by either engine; a diverging engine refused when the tokenizer
 loads; everything that is not a plain chat rendered the general way. The parity runs on Qwen3's
 template and on the Llama-3-style test tokenizer's, which starts with {{ bos_token }}."""
@@ -12,9 +12,9 @@ import pytest
 
 from kvgate_testing.tokenizers import PARITY_TOKENIZERS, tokenizer_dir
 from kvgate_testing.workloads import ChatSessionsParams, chat_sessions
-from router.chat_render import FastChatRenderer
 from router.config import builtin_tokenizer_dir
 from router.tokenize import PromptTokenizer, TokenizeError, render_chat
+from router.tokenize.render import FastChatRenderer, render_plain_chat
 
 WORDS = [
     "cache", "prefix", "  spaced", "token\n", "ünï", "中文", "\t", "end.", "KV", "<tag>", "  ", "😀",
@@ -102,7 +102,7 @@ def test_each_engine_renders_plain_chats_as_transformers_token_for_token(
         for body in [*varied_bodies(120, seed=5), *workload_bodies()]:
             expected = transformers_text(tokenizer, body)
             # The fast path itself answered (not the general path behind it) ...
-            assert tokenizer._render_plain_chat(body) == expected
+            assert render_plain_chat(tokenizer.fast_render, body) == expected
             # ... and the tokens the gateway routes by are the engine's.
             assert tokenizer.tokens_for(body).tolist() == tokenizer.tokenizer.encode(
                 expected, add_special_tokens=False
@@ -148,7 +148,7 @@ def test_an_engine_that_renders_a_probe_differently_is_not_used(
          "request-template"],
 )  # fmt: skip
 def test_requests_that_are_not_plain_chats_take_the_general_path(qwen3: PromptTokenizer, body: dict) -> None:
-    assert qwen3._render_plain_chat(body) is None
+    assert render_plain_chat(qwen3.fast_render, body) is None
 
 
 def test_a_template_that_raises_is_redone_the_general_way(qwen3: PromptTokenizer) -> None:

@@ -61,9 +61,9 @@ def test_a_peers_routed_prompt_is_predicted_on_its_backend_here() -> None:
     note = RoutedNote("b", prefill_tokens=len(tokens), prefix_keys=keys, ttl_s=5.0)
     sync.receive(encode(SyncMessage("peer-1", [BackendLoad("b", 1, len(tokens))], [note])), now=1.0)
     request = RouteRequest("r1", "m", {}, tokens=tokens, namespace=Namespace())
-    chosen = policy.choose(request, list(backends.values()))
-    assert chosen.name == "b"
-    assert request.decision.candidates["b"]["predicted"] == len(keys) * ROUTER_BLOCK_TOKENS
+    choice = policy.choose(request, list(backends.values()))
+    assert choice.backend.name == "b"
+    assert choice.candidates["b"]["predicted"] == len(keys) * ROUTER_BLOCK_TOKENS
 
 
 def test_a_peers_session_pin_is_kept_here() -> None:
@@ -71,8 +71,9 @@ def test_a_peers_session_pin_is_kept_here() -> None:
     sync, backends = make_sync(policy)
     sync.receive(encode(SyncMessage("peer-1", [], [RoutedNote("c", session="user-7")])), now=1.0)
     request = RouteRequest("r1", "m", {}, session_key="user-7")
-    assert policy.choose(request, list(backends.values())).name == "c"
-    assert request.decision.session == "pinned"
+    choice = policy.choose(request, list(backends.values()))
+    assert choice.backend.name == "c"
+    assert choice.reason == "session_pinned"
 
 
 def test_bad_messages_are_refused_and_counted_never_applied() -> None:
@@ -188,7 +189,7 @@ def test_a_long_session_key_travels_as_its_digest_and_pins_the_same_session_on_t
     sender_policy = SessionAffinity()
     sender, backends = signed_sync(monkeypatch, "peer-1", policy=sender_policy)
     request = RouteRequest("r1", "m", {}, session_key=long_key)
-    sender.routed(request, backends["b"], 0)
+    sender.routed(request, sender_policy.choose(request, [backends["b"]]), 0)
     data = sender._message_within_bound([sender._pending.popleft()])
     assert len(data) < 1024
     receiver_policy = SessionAffinity()
@@ -196,8 +197,9 @@ def test_a_long_session_key_travels_as_its_digest_and_pins_the_same_session_on_t
     receiver.receive(data, now=1.0)
     assert receiver.peers == ["peer-1"]
     again = RouteRequest("r2", "m", {}, session_key=long_key)
-    assert receiver_policy.choose(again, list(receiver_backends.values())).name == "b"
-    assert again.decision.session == "pinned"
+    choice = receiver_policy.choose(again, list(receiver_backends.values()))
+    assert choice.backend.name == "b"
+    assert choice.reason == "session_pinned"
     assert len(session_table_key(long_key)) <= MAX_SESSION_KEY_CHARS
 
 

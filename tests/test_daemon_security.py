@@ -16,9 +16,10 @@ from pathlib import Path
 import msgspec
 import pytest
 import torch
+import zmq
 
 from cachelayer.config import parse_config
-from cachelayer.server import KeySpace, StoreClient, StoreRefused, StoreServer, StoreUnavailable
+from cachelayer.server import KeySpace, StoreClient, StoreRefused, StoreServer, StoreUnavailable, protocol
 from cachelayer.server.access import Credential
 from cachelayer.server.daemon import MAX_KEY_SPACES, start_http
 from cachelayer.server.leases import process_start_time
@@ -82,14 +83,15 @@ def test_an_unauthenticated_client_gets_no_service_and_the_victims_kv_is_unchang
                         Request(op="retrieve", space=SPACE, tokens=tokens_to_bytes(tokens)),
                     ]
                     for request in asked:
-                        assert attacker.ask(request, timeout_s=1.0) is None
+                        assert attacker.ask(request, timeout_s=0.5) is None
                     store = Request(op="store", space=SPACE, tokens=tokens_to_bytes(tokens), chunk_size=CHUNK)
                     assert attacker.ask(store, kv_of(64, -7.0).view(torch.uint8).numpy().tobytes(),
-                                        timeout_s=1.0) is None  # fmt: skip
+                                        timeout_s=0.5) is None  # fmt: skip
                 finally:
                     attacker.close()
-            # A StoreClient without the secret is told why, not left to time out silently.
-            unauthenticated = StoreClient(daemon.endpoint, chunk_size=CHUNK, timeout_s=1)
+            # A StoreClient without the secret is told why, not left to time out silently. It waits
+            # long enough for the refused handshake to be reported on a loaded host.
+            unauthenticated = StoreClient(daemon.endpoint, chunk_size=CHUNK, timeout_s=5)
             with pytest.raises(StoreRefused, match="disagree on authentication"):
                 unauthenticated.lookup(SPACE, tokens)
             unauthenticated.close()
@@ -100,9 +102,10 @@ def test_an_unauthenticated_client_gets_no_service_and_the_victims_kv_is_unchang
 
 
 def test_a_daemon_beyond_loopback_without_a_secret_refuses_to_start():
-    """`--host 0.0.0.0` and no secret: exit 2 with one line naming the fix, before binding anything."""
-    command = [sys.executable, "-m", "cachelayer.cli", "server", "--host", "0.0.0.0", "--port", "0",
-               "--http-port", "0", "--l1-size-gb", "0.001"]  # fmt: skip
+    """A host beyond loopback and no secret: exit 2 with one line naming the fix, before binding
+    anything. The host is a name that resolves nowhere, so even a regression binds nothing."""
+    command = [sys.executable, "-m", "cachelayer.cli", "server", "--host", "beyond-loopback.invalid",
+               "--port", "0", "--http-port", "0", "--l1-size-gb", "0.001"]  # fmt: skip
     refused = subprocess.run(command, capture_output=True, text=True, timeout=60)
     assert refused.returncode == 2, refused.stdout + refused.stderr
     assert "without authentication" in refused.stdout and "--auth-secret-env" in refused.stdout
@@ -114,6 +117,17 @@ def test_a_daemon_beyond_loopback_without_a_secret_refuses_to_start():
         timeout=60,
     )
     assert unset.returncode == 2 and "KVGATE_TEST_UNSET_SECRET" in unset.stdout
+
+
+def test_a_daemon_with_a_remote_tier_beyond_loopback_needs_its_secret_flag():
+    """The remote tier's values are only authenticated with a secret the engines share: a
+    --remote-url beyond loopback without one stops the daemon, naming the flags that fix it."""
+    command = [sys.executable, "-m", "cachelayer.cli", "server", "--port", "0", "--http-port", "0",
+               "--l1-size-gb", "0.001", "--remote-url", "redis://beyond-loopback.invalid:6379"]  # fmt: skip
+    refused = subprocess.run(command, capture_output=True, text=True, timeout=60)
+    assert refused.returncode == 2, refused.stdout + refused.stderr
+    assert "--remote-auth-secret-env" in refused.stdout and "--remote-allow-unauthenticated" in refused.stdout
+    assert "Traceback" not in refused.stdout + refused.stderr
 
 
 # ---- 2. ownership ----
@@ -278,6 +292,31 @@ def test_frames_over_the_message_bound_are_dropped_before_they_are_buffered():
             good.close()
 
 
+def test_a_client_that_pipelines_retrieves_and_never_reads_cannot_make_the_daemon_hold_their_answers():
+    """128 retrieves of a held 4 MiB prefix, pipelined by a client whose socket reads nothing: the
+    daemon holds at most its per-connection queue of answers (16), so it grows by well under the
+    512 MiB that all the answers are, and keeps answering a good client."""
+    big = KeySpace(model="big-model@rev", dtype="bfloat16", num_layers=4, num_kv_heads=8, head_dim=128)
+    tokens = list(range(16 * CHUNK))  # 16 chunks of 256 KiB: a 4 MiB answer
+    with running_daemon(l1_size_gb=0.008) as daemon:
+        good = StoreClient(daemon.endpoint, chunk_size=CHUNK, timeout_s=30, transport="tcp")
+        attacker = RawClient(daemon.endpoint)
+        attacker.socket.setsockopt(zmq.RCVHWM, 1)  # its libzmq stops reading: TCP pushes back
+        try:
+            kv = torch.ones(4, 2, len(tokens), 1024, dtype=torch.bfloat16)
+            assert good.store(big, tokens, kv)[0] == len(tokens)
+            baseline = _resident_bytes(daemon.process.pid)
+            request = protocol.encode(Request(op="retrieve", space=big, tokens=tokens_to_bytes(tokens)))
+            sent = sum(attacker.send_frames([b"", request]) for _ in range(128))
+            time.sleep(1.0)  # let the daemon answer what it took
+            assert good.lookup(big, tokens) == len(tokens)
+            grown = _resident_bytes(daemon.process.pid) - baseline
+            assert grown < 160 << 20, f"daemon grew by {grown >> 20} MiB after {sent} pipelined retrieves"
+        finally:
+            attacker.close()
+            good.close()
+
+
 def test_a_long_lookup_is_refused_past_max_tokens_and_an_uncached_one_hashes_one_slice():
     """A lookup above `max_tokens` is refused with the bound; one of 512K uncached tokens answers
     in a small fraction of the time hashing all of them takes (it hashes only its first slice),
@@ -363,6 +402,38 @@ def test_a_tenant_credential_reaches_only_its_models_and_never_maps_the_pool():
         finally:
             tenant.close()
             host.close()
+
+
+def test_the_pool_descriptor_goes_only_to_a_ticket_attach_issued_and_only_once():
+    """A process that connects to the daemon's pool handout with a made-up ticket, or with one
+    already used, gets no file descriptor; the ticket an authenticated `attach` answered gets it
+    once (the pool is no longer opened through /proc/<daemon pid>/fd, which any process of the
+    daemon's user could)."""
+    server = start_daemon(4, credentials=[Credential("host", SECRET.encode())])
+    client = RawClient(server.endpoint, SECRET.encode())
+    try:
+        assert server.pool_handout is not None
+        reply = client.ask(Request(op="attach", **own_process()))
+        assert reply is not None and reply.ok and reply.segment is not None
+        segment = reply.segment
+
+        def descriptors_for(ticket: bytes) -> list[int]:
+            with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as conn:
+                conn.settimeout(10)
+                conn.connect(segment.handout)
+                conn.sendall(ticket)
+                _, fds, _, _ = socket.recv_fds(conn, 16, 1)
+            for fd in fds:
+                os.close(fd)
+            return fds
+
+        assert descriptors_for(os.urandom(16)) == []
+        assert len(descriptors_for(segment.ticket)) == 1
+        assert descriptors_for(segment.ticket) == []  # one use only
+        assert server.pool_handout.handed_out == 1 and server.pool_handout.refused == 2
+    finally:
+        client.close()
+        server.close()
 
 
 # ---- 7. logs and the HTTP side ----

@@ -255,3 +255,20 @@ def test_the_l1_budget_bounds_the_daemon_over_every_key_space_clients_invent():
     values = {line.split()[0]: float(line.split()[1]) for line in usage.splitlines() if line[0] != "#"}
     assert values["lmcache_mp_l1_evicted_chunks_total"] > 0  # the stores competed for one pool
     assert values["lmcache_mp_l1_usage_ratio"] <= 1
+
+
+def test_the_forgetful_test_daemon_stores_and_answers_every_read_as_a_miss():
+    """kvgate_testing.forgetful_daemon (the real-engine tests' lost-chunk daemon) still plugs into the
+    serving loop: it stores and answers lookups, and every retrieve is a miss."""
+    from kvgate_testing.forgetful_daemon import ForgetfulStoreServer
+
+    config = parse_config({"chunk_size": CHUNK, "max_local_cpu_size": 0.001, "save_unfull_chunk": False})
+    server = ForgetfulStoreServer(config, "tcp://127.0.0.1:0").start()
+    client = StoreClient(server.endpoint, chunk_size=CHUNK, timeout_s=5, transport="tcp")
+    try:
+        assert client.store(SPACE, list(range(32)), make_kv(32))[0] == 32
+        assert client.lookup(SPACE, list(range(32))) == 32
+        assert client.retrieve(SPACE, list(range(32))) == (0, None)
+    finally:
+        client.close()
+        server.close()

@@ -20,6 +20,7 @@ from kvgate_testing.event_publisher import (
     block_stored,
     encode_batch,
 )
+from kvgate_testing.index_oracle import WritableIndex
 from kvwire import (
     AllBlocksCleared,
     BlockRemoved,
@@ -32,7 +33,6 @@ from kvwire import (
     event_kind,
     tier_of,
 )
-from router.index.store import PrefixIndex
 
 TOKENS = list(range(100, 132))
 
@@ -173,7 +173,7 @@ def test_real_example_vllm_with_lmcache_chunk() -> None:
     assert isinstance(stored, BlockStored)
     assert stored.block_hashes == [LMCACHE_VLLM_HASH]
     assert len(stored.token_ids) == 36
-    index = PrefixIndex()
+    index = WritableIndex()
     index.apply("engine", batch.events)
     match = index.longest_cached_prefix([*LMCACHE_VLLM_TOKENS, 5, 6, 7])["engine"]
     assert match.by_tier == {"cpu": 36}
@@ -187,7 +187,7 @@ def test_real_example_sglang_with_lmcache_overlapping_chunks() -> None:
         encode_batch([SGLANG_FIRST_EVENT, SGLANG_SECOND_EVENT], encoding="sglang-map", rank=0)
     )
     assert batch.data_parallel_rank == 0
-    index = PrefixIndex()
+    index = WritableIndex()
     index.apply("sglang", batch.events)
     prompt = SGLANG_FIRST[:8] + SGLANG_SECOND[:8] + [42, 43]
     # 16 tokens cached: the shared token 5535 is counted once.

@@ -11,12 +11,13 @@ import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 
 from kvgate_testing.event_publisher import EventPublisher, block_removed, block_stored, encode_batch
+from kvgate_testing.index_oracle import WritableIndex
 from kvgate_testing.metrics import metric_samples, sample_key
 from kvgate_testing.ports import free_port
 from kvgate_testing.waiting import wait_for
 from kvwire import decode_batch
 from router.config import KVEvents
-from router.index.service import KVIndexService
+from router.index.service import KVIndexService, new_index
 from router.index.store import PrefixIndex
 
 
@@ -47,7 +48,7 @@ def test_distinct_blocks_past_the_cap_keep_the_backend_at_the_cap_and_count_evic
     cap = 2000
     registry = CollectorRegistry()
     service = KVIndexService(registry=registry)
-    service.index = PrefixIndex(compiled_ingest=ingest == "compiled")
+    service.index, service.writer = new_index(compiled_ingest=ingest == "compiled")
     publisher = EventPublisher(endpoint, replay_endpoint, topic="")
     service.add_backend(
         "engine", KVEvents(endpoint=endpoint, replay_endpoint=replay_endpoint, max_blocks=cap)
@@ -86,7 +87,7 @@ def test_distinct_blocks_past_the_cap_keep_the_backend_at_the_cap_and_count_evic
         publisher.publish([block_stored([9, 10, 11, 12], prompt, 16)])
         wait_for(lambda: service.longest_cached_prefix(prompt)["engine"].tokens == 64, what="a new prompt")
         if ingest == "compiled":
-            assert service.index._entry.applied >= LONE_STEPS
+            assert service.writer.compiled_applied >= LONE_STEPS
     finally:
         service.stop()
         publisher.close()
@@ -130,7 +131,7 @@ def test_an_eviction_leaves_the_index_as_removals_of_the_same_blocks_would(compi
         if request % 5 == 0:  # the same prefix again under another hash (a second KV-cache group)
             events.append(block_stored([f"q{request}".encode()], prompt, 64))
     decoded = decode_batch(encode_batch(events)).events
-    capped, reference = PrefixIndex(compiled_ingest=compiled), PrefixIndex(compiled_ingest=compiled)
+    capped, reference = WritableIndex(compiled_ingest=compiled), WritableIndex(compiled_ingest=compiled)
     capped.add_backend("engine", max_blocks=50)
     for event in decoded:  # one event per batch: the compiled entry's lone-event path where built
         capped.apply("engine", [event])

@@ -24,12 +24,12 @@ from kvgate_testing.backend import start_backend
 from kvgate_testing.cachelayer import CHUNK, make_engine, request
 from kvgate_testing.event_publisher import block_stored
 from kvgate_testing.gateway import start_gateway
+from kvgate_testing.index_oracle import WritableIndex
 from kvgate_testing.ports import free_port
 from kvwire import AllBlocksCleared, BlockStored, EventPublisher
 from router.config import KVEvents, parse_config
-from router.index.ingest import snapshot_order
+from router.index.python_writer import snapshot_order
 from router.index.service import KVIndexService
-from router.index.store import PrefixIndex
 
 BACKEND = "cache-a"
 
@@ -282,7 +282,7 @@ def test_garbage_in_answer_to_a_snapshot_is_a_failed_snapshot_not_a_crash():
 
 def test_a_lookup_never_sees_a_half_applied_snapshot():
     """Lookups racing snapshots that swap between two states see one state or the other."""
-    index = PrefixIndex()
+    index = WritableIndex()
     index.add_backend("a")
     prompt = list(range(5000, 5000 + 64 * 16))
 
@@ -337,7 +337,7 @@ def test_snapshot_order_places_children_after_parents_held_in_another_tier():
     ordered = snapshot_order([AllBlocksCleared(), child_cpu, parent_disk, parent])
     assert isinstance(ordered[0], AllBlocksCleared)
     assert ordered.index(child_cpu) > ordered.index(parent_disk)
-    index = PrefixIndex()
+    index = WritableIndex()
     index.replace_backend("a", [AllBlocksCleared(), child_cpu, parent_disk])
     match = index.longest_cached_prefix(list(range(32)))["a"]
     assert match.tokens == 32

@@ -15,12 +15,12 @@ import zmq
 
 from kvgate_testing import waiting
 from kvgate_testing.event_publisher import EventPublisher, all_blocks_cleared, block_removed, block_stored
+from kvgate_testing.index_oracle import WritableIndex
 from kvgate_testing.ports import free_port
 from router.backends import BackendState
 from router.config import KVAwarePolicy, KVEvents
 from router.index.keys import Namespace
 from router.index.service import KVIndexService
-from router.index.store import PrefixIndex
 from router.index.transport import EventSubscriber, connectable, rank_endpoint
 from router.policies.base import RouteRequest
 from router.policies.kv_aware import KVAware
@@ -53,7 +53,7 @@ class Harness:
         self.replay_endpoint = f"tcp://127.0.0.1:{free_port()}" if replay else None
         self.replay_format = replay_format
         self.buffer_steps = buffer_steps
-        self.index = PrefixIndex()
+        self.index = WritableIndex()
         self.publisher = self.new_publisher()
         self.subscriber = EventSubscriber(
             "engine",
@@ -324,7 +324,7 @@ def test_clear_and_cleared_events_over_the_wire(harness: Harness) -> None:
 
 def test_bind_mode_accepts_a_publisher_that_connects_out() -> None:
     endpoint = f"tcp://127.0.0.1:{free_port()}"
-    index = PrefixIndex()
+    index = WritableIndex()
     subscriber = EventSubscriber(
         "engine", endpoint, apply=lambda e: index.apply("engine", e), clear=lambda: None, bind=True
     )
@@ -343,7 +343,7 @@ def test_bind_mode_accepts_a_publisher_that_connects_out() -> None:
 
 def test_subscriber_started_before_the_engine_connects_when_it_comes_up() -> None:
     endpoint = f"tcp://127.0.0.1:{free_port()}"
-    index = PrefixIndex()
+    index = WritableIndex()
     subscriber = EventSubscriber(
         "engine",
         endpoint,
@@ -450,8 +450,8 @@ def test_kv_aware_does_not_credit_the_entries_of_a_disconnected_stream() -> None
 
     def cached_per_backend() -> dict[str, int]:
         request = RouteRequest(request_id="r", model="m", body={}, tokens=prompt, namespace=Namespace())
-        policy.choose(request, candidates)
-        return {name: score["cached"] for name, score in request.decision.candidates.items()}
+        choice = policy.choose(request, candidates)
+        return {name: score["cached"] for name, score in choice.candidates.items()}
 
     try:
         wait_until(lambda: all(s.stats.connected for name in endpoints for s in service.subscribers(name)))

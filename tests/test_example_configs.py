@@ -108,12 +108,26 @@ def test_the_examples_are_found():
     } <= found
 
 
+def _secret_variables(data: object) -> list[str]:
+    """The environment variables an example names under a key ending in `_env`, at any depth."""
+    if isinstance(data, dict):
+        named = [value for key, value in data.items() if str(key).endswith("_env") and isinstance(value, str)]
+        return named + [name for value in data.values() for name in _secret_variables(value)]
+    if isinstance(data, list):
+        return [name for value in data for name in _secret_variables(value)]
+    return []
+
+
 @pytest.mark.parametrize("example", WHOLE_CONFIGS, ids=[example.where for example in WHOLE_CONFIGS])
 def test_an_example_configuration_loads(example, tmp_path, monkeypatch):
     # An example's tokenizer under ~ is the engine's model directory, which the reader has
     # downloaded: the loader checks that the directory exists, so make it exist in a HOME of its own.
     monkeypatch.setenv("HOME", str(tmp_path))
     data = yaml.safe_load(example.text)
+    # A key ending in _env names the variable the reader exports with a secret (a cache layer's
+    # remote_auth_secret_env, a cluster's auth_secret_env): export one, as the reader would.
+    for name in _secret_variables(data):
+        monkeypatch.setenv(name, "an-example-secret-of-32-characters")
     for model in data.get("models", []) if _kind(example) == "proxy.yaml" else []:
         if str(model.get("tokenizer", "")).startswith("~/"):
             (tmp_path / model["tokenizer"].removeprefix("~/")).mkdir(parents=True)

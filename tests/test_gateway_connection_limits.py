@@ -237,18 +237,15 @@ def _busy_connections(url: str, count: int, delay_ms: int) -> tuple[list[threadi
     return threads, statuses
 
 
-def _requests_in_flight(url: str) -> float:
-    samples = metric_samples(httpx.get(f"{url}/metrics", timeout=10).text)
-    return sum(value for (name, _), value in samples.items() if name == "kvgate_backend_in_flight")
-
-
-def test_connections_past_the_limit_are_refused_while_open_ones_keep_working(small_gateway):
+def test_connections_past_the_limit_are_refused_while_open_ones_keep_working(small_gateway, backend):
     url = small_gateway.url
     completion = {"model": MODEL, "prompt": "hi"}
-    # Fill the limit with connections that each have a request in flight.
+    backend.reset()
+    # Fill the limit with connections that each have a request in flight (asked of the backend, so
+    # that no connection of the test's own takes a slot meanwhile).
     threads, statuses = _busy_connections(url, MAX_CLIENT_CONNECTIONS, delay_ms=3000)
     try:
-        wait_for(lambda: _requests_in_flight(url) == MAX_CLIENT_CONNECTIONS, what="the busy requests")
+        wait_for(lambda: len(backend.received()) == MAX_CLIENT_CONNECTIONS, what="the busy requests")
         refused = httpx.post(f"{url}/v1/completions", json=completion, timeout=10)
         assert refused.status_code == 503
         assert "limits.max_client_connections" in refused.json()["error"]["message"]

@@ -1,6 +1,8 @@
 """Hostile peers of the gateway, each a real process or socket on loopback against the real gateway
-process: a backend whose response head never ends, a client that pipelines requests and never
-reads the answers, a client naming headers in `Connection:`, idle connections filling the limit.
+process: a backend whose response head (or trailer section) never ends; a client that pipelines
+requests and never reads the answers, or queues large bodies behind a slow request; a client naming
+headers in `Connection:`. (Idle connections filling the limit: tests/test_gateway_connection_limits.py;
+a stopped worker: tests/test_gateway_replicas.py; client keys opening admin: tests/test_gateway_admin.py.)
 
 Each test states the bound it holds the gateway to.
 """
@@ -94,20 +96,25 @@ def test_upstream_trailers_that_never_end_cut_the_answer_short_and_hold_no_memor
 
 # ---- a client that pipelines and never reads ----
 
-PIPELINE_ATTACK_S = 12.0
+PIPELINE_ATTACK_S = 10.0
 # A model name the 404 answer repeats: 64 KiB in, about 64 KiB out, answered without any backend.
 _UNKNOWN_MODEL = "m" * 65536
+_UNKNOWN_MODEL_BODY = json.dumps({"model": _UNKNOWN_MODEL, "prompt": "x"}).encode()
+_BIG_ANSWER_REQUEST = (
+    b"POST /v1/completions HTTP/1.1\r\nhost: gateway\r\ncontent-type: application/json\r\n"
+    b"content-length: %d\r\n\r\n%s" % (len(_UNKNOWN_MODEL_BODY), _UNKNOWN_MODEL_BODY)
+)
+# 34 bytes in, a few KiB out (uvicorn's ASGI path): thousands of them arrive in one read.
+_SMALL_REQUEST = b"GET /metrics HTTP/1.1\r\nhost: g\r\n\r\n"
 
 
-def _pipeline_without_reading(url: str, pid: int, duration_s: float, max_bytes: int) -> tuple[int, int, int]:
-    """Send pipelined requests on one connection for `duration_s` (at most `max_bytes`), reading
+def _pipeline_without_reading(
+    url: str, pid: int, duration_s: float, max_bytes: int, request: bytes = _BIG_ANSWER_REQUEST
+) -> tuple[int, int, int]:
+    """Send `request` pipelined on one connection for `duration_s` (at most `max_bytes`), reading
     nothing. Returns the bytes the gateway took, its largest RSS growth (process `pid`) seen
     while it went on, and its growth 1 s after the connection closed."""
-    body = json.dumps({"model": _UNKNOWN_MODEL, "prompt": "x"}).encode()
-    request = (
-        b"POST /v1/completions HTTP/1.1\r\nhost: gateway\r\ncontent-type: application/json\r\n"
-        b"content-length: %d\r\n\r\n%s" % (len(body), body)
-    ) * 16
+    request *= max(1, 65536 // len(request))
     before = rss_bytes(pid)
     sent = peak = 0
     with socket.socket() as sock:
@@ -136,12 +143,18 @@ def _pipeline_without_reading(url: str, pid: int, duration_s: float, max_bytes: 
     return sent, peak, rss_bytes(pid) - before
 
 
-def test_gateway_rss_grows_less_than_100_mb_while_a_client_pipelines_without_reading(backend):
+@pytest.mark.parametrize(
+    "request_bytes",
+    [_BIG_ANSWER_REQUEST, _SMALL_REQUEST],
+    ids=["direct-path-64KiB-answers", "asgi-path-small"],
+)
+def test_gateway_rss_grows_less_than_100_mb_while_a_client_pipelines_without_reading(backend, request_bytes):
     # Before: the gateway read on and queued every answer for the client (270 MB in 40 s in the
-    # report; here as fast as one socket sends: 2 GiB within the attack's first seconds).
+    # report; here 457 MiB in 12 s, 212 MiB still held after the client closed), or, for small
+    # requests, parsed every one a read brought and queued it (200 MiB in 5 s).
     with start_gateway(gateway_config([backend])) as gateway:
         sent, peak, after_close = _pipeline_without_reading(
-            gateway.url, gateway.process.pid, PIPELINE_ATTACK_S, max_bytes=1 << 30
+            gateway.url, gateway.process.pid, PIPELINE_ATTACK_S, max_bytes=1 << 30, request=request_bytes
         )
         assert peak < 100 * MIB, f"gateway grew {peak / MIB:.0f} MiB while taking {sent / MIB:.0f} MiB"
         assert after_close < 100 * MIB, f"{after_close / MIB:.0f} MiB stayed after the client closed"
@@ -162,16 +175,11 @@ def test_a_client_that_reads_none_of_its_answers_is_dropped_after_the_write_time
     # holding its slot and its request's engine; limits.write_timeout_s ends it.
     limits = {"write_timeout_s": WRITE_TIMEOUT_S}
     with start_gateway(gateway_config([backend], limits=limits)) as gateway:
-        body = json.dumps({"model": _UNKNOWN_MODEL, "prompt": "x"}).encode()
-        request = (
-            b"POST /v1/completions HTTP/1.1\r\nhost: gateway\r\ncontent-type: application/json\r\n"
-            b"content-length: %d\r\n\r\n%s" % (len(body), body)
-        )
         ended: list[BaseException] = []
 
         def send_all(sock: socket.socket) -> None:
             try:
-                sock.sendall(request * 400)  # 26 MiB of requests, 26 MiB of answers never read
+                sock.sendall(_BIG_ANSWER_REQUEST * 400)  # 26 MiB of requests, 26 MiB of answers never read
             except OSError as exc:
                 ended.append(exc)
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import collections
+import collections.abc
 import os
 import subprocess
 import time
@@ -19,7 +20,7 @@ from kvgate_testing.ports import free_port
 from kvgate_testing.processes import REPO_ROOT, python_command
 from router import config as config_schema
 from router.backends import BackendState
-from router.policies import POLICY_MODULES, PolicyUnavailable, RouteRequest, make_policy
+from router.policies import POLICY_MODULES, Choice, Policy, PolicyUnavailable, RouteRequest, make_policy
 
 MODEL = TEST_MODEL
 
@@ -38,7 +39,7 @@ def request(session_key: str | None = None) -> RouteRequest:
 def test_round_robin_rotates_strictly():
     policy = make_policy(config_schema.RoundRobinPolicy())
     candidates = states("a", "b", "c")
-    assert [policy.choose(request(), candidates).name for _ in range(7)] == [
+    assert [policy.choose(request(), candidates).backend.name for _ in range(7)] == [
         "a",
         "b",
         "c",
@@ -53,9 +54,9 @@ def test_least_loaded_picks_fewest_in_flight_and_rotates_ties():
     policy = make_policy(config_schema.LeastLoadedPolicy())
     a, b, c = candidates = states("a", "b", "c")
     a.in_flight, b.in_flight, c.in_flight = 3, 1, 2
-    assert policy.choose(request(), candidates) is b
+    assert policy.choose(request(), candidates).backend is b
     a.in_flight = b.in_flight = c.in_flight = 0
-    assert sorted(policy.choose(request(), candidates).name for _ in range(6)) == [
+    assert sorted(policy.choose(request(), candidates).backend.name for _ in range(6)) == [
         "a",
         "a",
         "b",
@@ -68,23 +69,66 @@ def test_least_loaded_picks_fewest_in_flight_and_rotates_ties():
 def test_session_pins_until_its_backend_leaves():
     policy = make_policy(config_schema.SessionPolicy())
     candidates = states("a", "b", "c")
-    first = policy.choose(request("s1"), candidates)
-    policy.on_routed(request("s1"), first)
+    first_choice = policy.choose(request("s1"), candidates)
+    policy.on_routed(first_choice)
+    first = first_choice.backend
     for _ in range(5):
-        assert policy.choose(request("s1"), candidates) is first
+        assert policy.choose(request("s1"), candidates).backend is first
     # Its backend goes down: the session moves, then stays on its new backend.
     remaining = [backend for backend in candidates if backend is not first]
-    moved = policy.choose(request("s1"), remaining)
-    policy.on_routed(request("s1"), moved)
+    moved_choice = policy.choose(request("s1"), remaining)
+    policy.on_routed(moved_choice)
+    moved = moved_choice.backend
     assert moved is not first
-    assert policy.choose(request("s1"), candidates) is moved
+    assert policy.choose(request("s1"), candidates).backend is moved
 
 
 def test_session_without_key_balances_by_load():
     policy = make_policy(config_schema.SessionPolicy())
     a, b, c = candidates = states("a", "b", "c")
     a.in_flight = 5
-    assert policy.choose(request(None), candidates) in (b, c)
+    assert policy.choose(request(None), candidates).backend in (b, c)
+
+
+def test_every_configured_policy_returns_an_immutable_choice_and_answers_the_whole_interface():
+    """What any caller (the forwarder, an endpoint picker, a prefill/decode split) may call on a policy
+    works on every one of them, with nothing but the Choice handed back; the Choice cannot be changed."""
+    for policy_config in (
+        config_schema.RoundRobinPolicy(),
+        config_schema.LeastLoadedPolicy(),
+        config_schema.SessionPolicy(),
+        config_schema.KVAwarePolicy(),
+        config_schema.ApproximatePolicy(),
+    ):
+        policy = make_policy(policy_config)
+        candidates = states("a", "b")
+        choice = policy.choose(request("s1"), candidates)
+        assert choice.backend in candidates
+        with pytest.raises(AttributeError):
+            choice.backend = candidates[0]  # type: ignore[misc]
+        policy.on_routed(choice)
+        policy.on_finished(choice, 200, 0.01)
+        placement = policy.for_peers(choice)
+        assert isinstance(placement.prefix_keys, list) and placement.ttl_s >= 0
+        assert isinstance(policy.recent_decisions(), collections.abc.Sequence)
+        assert policy.measured_load_costs() is None  # none measures load costs unless configured to
+
+
+def test_a_policy_that_only_chooses_gets_the_rest_of_the_interface_from_the_base():
+    class First(Policy):
+        name = "first"
+
+        def choose(self, request, candidates):
+            return Choice(candidates[0])
+
+    policy = First()
+    candidates = states("a", "b")
+    choice = policy.choose(request(), candidates)
+    policy.on_routed(choice)
+    policy.on_finished(choice, 502, None)
+    assert policy.for_peers(choice).prefix_keys == [] and policy.for_peers(choice).hot_prefix_key is None
+    assert list(policy.recent_decisions()) == [] and policy.measured_load_costs() is None
+    assert not policy.needs_tokens and choice.reason is None and choice.prefill_tokens is None
 
 
 def test_missing_policy_module_is_a_clear_error(monkeypatch):

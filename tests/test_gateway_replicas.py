@@ -360,10 +360,9 @@ def test_a_stopped_worker_is_killed_and_replaced_so_new_connections_succeed_agai
                     streak += 1
                 except httpx.HTTPError:
                     streak, failures = 0, failures + 1
-            recovered_s = time.monotonic() - started
             assert streak == RECOVERED_STREAK, (
-                f"new connections still failed {RECOVERY_BOUND_S:g} s after a worker stopped "
-                f"({failures} failed)"
+                f"new connections still failed {time.monotonic() - started:.0f} s after a worker "
+                f"stopped ({failures} failed)"
             )
             assert not _alive(stopped)
         finally:
@@ -372,7 +371,6 @@ def test_a_stopped_worker_is_killed_and_replaced_so_new_connections_succeed_agai
         assert "sent no heartbeat" in gateway.process.output()
         # Replaced: two workers answer again, the stopped one not among them.
         assert stopped not in _worker_pids(gateway, 2)
-        print(f"recovered {recovered_s:.1f} s after SIGSTOP, {failures} connections failed meanwhile")
 
 
 def test_workers_without_a_cluster_section_are_refused_with_the_fix(engines: Engines) -> None:
@@ -485,8 +483,11 @@ def test_a_flood_of_fake_peers_does_not_keep_a_genuine_new_replica_out(
     start_replicas: Callable[..., list[GatewayProcess]],
 ) -> None:
     first, second = start_replicas(2, policy="least_loaded", **cluster_secret)
-    # 20,000 fake peers (the table holds 1,024) published while the third replica starts and joins.
-    flood = subprocess.Popen(attack_command(redis_server, "fake-peers", "20000", "b0"))
+    # Fake peers (the table holds 1,024), new ones published for as long as the third replica takes
+    # to start and join; the flood is ended by the test (bounded: 200,000 messages at most).
+    flood = subprocess.Popen(
+        attack_command(redis_server, "fake-peers", "200000", "b0"), stdout=subprocess.DEVNULL
+    )
     third = None
     try:
         third = start_gateway(
@@ -503,13 +504,12 @@ def test_a_flood_of_fake_peers_does_not_keep_a_genuine_new_replica_out(
             wait_until(lambda: sum(peer_load(first).values()) == 1, 10, "replica a counting c's request")
         finally:
             slow.join()
-        assert flood.wait(timeout=120) == 0
+        assert flood.poll() is None, "the flood ended before the checks: it proved nothing"
     finally:
         if third is not None:
             third.stop()
-        if flood.poll() is None:
-            flood.kill()
-            flood.wait()
+        flood.terminate()
+        flood.wait(timeout=30)
     assert refused(first, "unauthenticated") > 1024 and refused(first, "peer_table_full") == 0
 
 
@@ -538,3 +538,30 @@ def test_a_burst_of_huge_messages_leaves_the_replicas_in_sync(
     finally:
         slow.join()
     assert refused(second, "oversized") >= 1
+
+
+def test_sessions_with_keys_over_4096_characters_follow_across_replicas(
+    start_replicas: Callable[..., list[GatewayProcess]],
+) -> None:
+    # Peers used to refuse a whole sync message for one session key over 4,096 characters (no log
+    # line): the pins never arrived. Bound: none of a's messages refused by b, every pin followed.
+    first, second = start_replicas(2, policy="session")
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "hello"}], "max_tokens": 2}
+    sessions = [f"{n:04d}-" + "s" * 5000 for n in range(10)]
+    with httpx.Client(timeout=30) as client:
+        placed = {
+            session: client.post(
+                first.url + "/v1/chat/completions", json=body, headers={"x-session-id": session}
+            ).headers["x-kvgate-backend"]
+            for session in sessions
+        }
+        assert len(set(placed.values())) > 1
+        time.sleep(0.5)
+        # In reverse order: b's own least-loaded rotation would not place them as a did.
+        followed = 0
+        for session in reversed(sessions):
+            answer = client.post(
+                second.url + "/v1/chat/completions", json=body, headers={"x-session-id": session}
+            )
+            followed += answer.headers["x-kvgate-backend"] == placed[session]
+    assert (followed, refused(second, "invalid")) == (len(sessions), 0)

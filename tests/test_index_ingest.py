@@ -11,6 +11,7 @@ import msgspec
 import pytest
 
 from kvgate_testing.event_publisher import all_blocks_cleared, block_removed, block_stored, encode_batch
+from kvgate_testing.index_oracle import WritableIndex
 from kvgate_testing.index_streams import (
     DOC_TOKENS,
     StreamMaker,
@@ -27,8 +28,7 @@ from kvwire import (
     decode_batch,
     decode_event,
 )
-from router.index.ingest import PythonWriter
-from router.index.store import PrefixIndex
+from router.index.python_writer import PythonWriter
 
 
 def record_decode_step_path(monkeypatch) -> list[bool]:
@@ -53,8 +53,8 @@ BOTH_PATHS = pytest.mark.parametrize("compiled", [True, False], ids=["compiled",
 @pytest.mark.parametrize("seed", range(12))
 def test_batched_one_by_one_and_general_paths_build_the_same_index(seed: int, compiled: bool) -> None:
     maker = StreamMaker(seed)
-    batched = PrefixIndex(compiled_ingest=compiled)
-    one_by_one, general = PrefixIndex(compiled_ingest=compiled), PrefixIndex()
+    batched = WritableIndex(compiled_ingest=compiled)
+    one_by_one, general = WritableIndex(compiled_ingest=compiled), WritableIndex()
     for step in range(60):
         batch = maker.batch()
         batched.apply("a", batch)
@@ -84,7 +84,7 @@ def test_long_mixed_lists_applied_run_by_run_match_the_general_path(seed: int, m
         return chains
 
     decoding = start_requests()
-    joined, general = PrefixIndex(compiled_ingest=False), PrefixIndex()
+    joined, general = WritableIndex(compiled_ingest=False), WritableIndex()
     for _ in range(12):
         events: list[KVEvent] = []
         for _ in range(maker.rand.randint(2, 8)):
@@ -109,7 +109,7 @@ def test_decode_steps_of_many_requests_in_one_batch_match_the_general_path(compi
     chains = [maker.new_chain() for _ in range(6)]
     for chain in chains:
         chain.update(block_size=16, overlap=False, group=None)
-    batched, general = PrefixIndex(compiled_ingest=compiled), PrefixIndex()
+    batched, general = WritableIndex(compiled_ingest=compiled), WritableIndex()
     for _ in range(30):
         batch: list[KVEvent] = [event for chain in chains if (event := maker.store(chain, 1)) is not None]
         batched.apply("a", batch)
@@ -141,7 +141,7 @@ def test_decode_steps_take_the_column_path_and_match_the_general_path(running: i
             return took
 
         monkeypatch.setattr(PythonWriter, name, spy)
-    fast, general = PrefixIndex(compiled_ingest=False), PrefixIndex()
+    fast, general = WritableIndex(compiled_ingest=False), WritableIndex()
     for step in range(40):
         batch: list[KVEvent] = [event for chain in chains if (event := maker.store(chain, 1)) is not None]
         if step == 20:  # the fast path must leave these to the general path
@@ -171,7 +171,7 @@ def test_several_decode_steps_in_one_list_take_the_column_path(
         chain.update(block_size=16, overlap=False, group=None, medium="GPU", doc=len(maker.docs) - 1)
     chains[-1]["namespace"] = {}  # (looked up below in the default namespace)
     taken = record_decode_step_path(monkeypatch)
-    fast, general = PrefixIndex(compiled_ingest=False), PrefixIndex()
+    fast, general = WritableIndex(compiled_ingest=False), WritableIndex()
     first = [event for chain in chains if (event := maker.store(chain, 1)) is not None]
     for index in (fast, general):
         apply_through_general_path(index, "a", first)  # the chains' first blocks: roots
@@ -194,7 +194,7 @@ def test_decode_step_path_refuses_what_it_cannot_apply_and_changes_nothing() -> 
     """Shapes outside the decode step (a re-store, a parent with a tail, tokens out of uint32
     range, two media, an unknown parent) are refused with the index untouched."""
     tokens = make_docs(random.Random(5))[0]
-    index = PrefixIndex(compiled_ingest=False)
+    index = WritableIndex(compiled_ingest=False)
     index.apply("a", [BlockStored(block_hashes=[1, 2], token_ids=tokens[:32], block_size=16)])
     index.apply("a", [BlockStored(block_hashes=[3], token_ids=tokens[:24], block_size=24)])  # tail
 
@@ -203,9 +203,9 @@ def test_decode_step_path_refuses_what_it_cannot_apply_and_changes_nothing() -> 
         backend = index._backends["a"]
         with index._lock:
             took = (
-                index.python_writer.store_one_block_locked(backend, events[0])
+                index.writer.rules.store_one_block_locked(backend, events[0])
                 if len(events) == 1
-                else index.python_writer.store_decode_step_locked(backend, list(events))
+                else index.writer.rules.store_decode_step_locked(backend, list(events))
             )
         if not took:
             assert internal_state(index, "a") == before
@@ -239,7 +239,7 @@ def test_decode_step_path_refuses_what_it_cannot_apply_and_changes_nothing() -> 
 def test_a_batch_storing_one_prefix_twice_keeps_both_references() -> None:
     """Two KV-cache groups announce the same tokens in one batch: removing one keeps the prefix."""
     tokens = make_docs(random.Random(3))[0][:64]
-    index = PrefixIndex()
+    index = WritableIndex()
     index.apply(
         "a",
         [

@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 
 from kvgate_testing.event_publisher import block_removed, block_stored, encode_batch
+from kvgate_testing.index_oracle import WritableIndex
 from kvgate_testing.index_streams import (
     StreamMaker,
     apply_through_general_path,
@@ -27,7 +28,7 @@ from kvgate_testing.index_streams import (
 from kvwire import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent, decode_batch
 from router.index import ingest as index_ingest
 from router.index import keys as keys_module
-from router.index.ingest import PythonWriter
+from router.index.ingest import IndexWriter
 from router.index.keys import (
     FINALISER_MULTIPLIER_INTS,
     POSITION_WEIGHT_INT,
@@ -38,7 +39,8 @@ from router.index.keys import (
     prefix_keys,
     prompt_prefix_keys,
 )
-from router.index.store import NODE_FIELDS, PREVIEW_TOKENS, Chain, PrefixIndex
+from router.index.python_writer import PythonWriter
+from router.index.store import NODE_FIELDS, PREVIEW_TOKENS, Chain
 
 ingest = importlib.import_module("router.index._ingest")
 
@@ -66,9 +68,9 @@ def test_the_extension_is_built_and_applies_prefills_decode_steps_and_evictions(
     """A build that failed (or a module that is not the compiled one) fails here, not silently."""
     assert ingest.__file__.endswith(tuple(importlib.machinery.EXTENSION_SUFFIXES)), ingest.__file__
     assert index_ingest.INGEST_PATH == "compiled"
-    index = PrefixIndex()
+    index = WritableIndex()
     assert index.ingest_path == "compiled"
-    assert PrefixIndex(compiled_ingest=False).ingest_path == "python"
+    assert WritableIndex(compiled_ingest=False).ingest_path == "python"
     rand = random.Random(1)
     tokens = [rand.randrange(150_000) for _ in range(16 * 40)]
 
@@ -78,7 +80,7 @@ def test_the_extension_is_built_and_applies_prefills_decode_steps_and_evictions(
     for name in (
         "store_one_block_locked",
         "store_decode_step_locked",
-        "_apply_in_runs_locked",
+        "apply_in_runs_locked",
         "apply_general_locked",
         "remove_locked",
     ):
@@ -163,7 +165,7 @@ def test_without_the_extension_the_index_falls_back_to_pure_python(monkeypatch, 
         assert index_ingest.load_compiled_ingest() is None
     assert "not built" in caplog.text
     monkeypatch.setattr(index_ingest, "_compiled_ingest", None)
-    index = PrefixIndex()
+    index = WritableIndex()
     assert index.ingest_path == "python"
     tokens = list(range(48))
     index.apply("a", [BlockStored(block_hashes=[1, 2], token_ids=tokens[:32], block_size=16)])
@@ -198,7 +200,7 @@ def test_a_stale_build_is_refused_with_a_warning_not_a_crash(monkeypatch, caplog
 
 @pytest.mark.parametrize("seed", range(8))
 def test_compiled_python_and_general_paths_build_the_same_index(seed: int, applied_by_compiled_path) -> None:
-    compiled, python, general = PrefixIndex(), PrefixIndex(compiled_ingest=False), PrefixIndex()
+    compiled, python, general = WritableIndex(), WritableIndex(compiled_ingest=False), WritableIndex()
     assert compiled.ingest_path == "compiled"
     maker = StreamMaker(200 + seed)
     for call, events in enumerate(decode_streams(maker, 160)):
@@ -210,7 +212,7 @@ def test_compiled_python_and_general_paths_build_the_same_index(seed: int, appli
             assert internal_state(compiled, "a") == reference
             assert internal_state(python, "a") == reference
     assert_same_lookups(general, [compiled, python], maker.docs)
-    assert compiled._entry.applied > 0, "lone one-block events did not take the compiled entry"
+    assert compiled.writer.compiled_applied > 0, "lone one-block events did not take the compiled entry"
     assert sum(applied_by_compiled_path) > 300, "the compiled path applied (almost) nothing"
     assert 0 in applied_by_compiled_path, "the compiled path refused nothing: the hazards did not reach it"
 
@@ -224,7 +226,7 @@ def test_removals_take_the_compiled_path_and_leave_the_index_the_python_paths_le
     rand = random.Random(9)
     tokens = [rand.randrange(150_000) for _ in range(16 * 30)]
     chain = lone_chain(tokens, 1, 30)
-    compiled, python = PrefixIndex(), PrefixIndex(compiled_ingest=False)
+    compiled, python = WritableIndex(), WritableIndex(compiled_ingest=False)
     removals_in_python: list[BlockRemoved] = []  # by the compiled index's Python path
     original = PythonWriter.remove_locked
 
@@ -278,7 +280,7 @@ def test_the_same_decode_stream_on_two_backends_shares_mask_objects(applied_by_c
         )
         for h in range(2, 31)
     ]
-    compiled, python = PrefixIndex(), PrefixIndex(compiled_ingest=False)
+    compiled, python = WritableIndex(), WritableIndex(compiled_ingest=False)
     for index in (compiled, python):
         # Slots 0-9 elsewhere: a and b get bits past 256 (smaller ints are CPython singletons anyway).
         for other in range(10):
@@ -290,7 +292,7 @@ def test_the_same_decode_stream_on_two_backends_shares_mask_objects(applied_by_c
     # Lone events: the compiled entry applies them. The first event of each of the 12 backends
     # goes the Python apply, which makes the backend and its writer, and the writer's `apply_one`
     # applies it (`store`, for batches of several, is never called).
-    assert compiled._entry.applied == 2 * 29 and applied_by_compiled_path == []
+    assert compiled.writer.compiled_applied == 2 * 29 and applied_by_compiled_path == []
     assert internal_state(compiled, "a") == internal_state(python, "a")
     assert internal_state(compiled, "b") == internal_state(python, "b")
     both = compiled._backends["a"].medium_slots[None][1] | compiled._backends["b"].medium_slots[None][1]
@@ -308,7 +310,7 @@ def test_the_same_decode_stream_on_two_backends_shares_mask_objects(applied_by_c
 def test_events_outside_the_shape_are_refused_with_the_index_untouched() -> None:
     rand = random.Random(5)
     tokens = [rand.randrange(150_000) for _ in range(16 * 8)]
-    index = PrefixIndex()
+    index = WritableIndex()
     index.apply("a", [BlockStored(block_hashes=[1, 2], token_ids=tokens[:32], block_size=16)])
     index.apply("a", [BlockStored(block_hashes=[3], token_ids=tokens[:24], block_size=24)])  # a tail
     index.apply(
@@ -425,7 +427,7 @@ def test_a_drained_burst_from_the_wire_resumes_the_compiled_path_after_other_eve
             wire.append(block_removed([first + 2], encoding="map"))
     events = decode_batch(encode_batch(wire, encoding="array")).events
     assert type(events[1]) is not BlockStored and isinstance(events[1], BlockStored)
-    compiled, python = PrefixIndex(), PrefixIndex(compiled_ingest=False)
+    compiled, python = WritableIndex(), WritableIndex(compiled_ingest=False)
     compiled.apply("a", events)
     python.apply("a", events)
     assert internal_state(compiled, "a") == internal_state(python, "a")
@@ -453,29 +455,28 @@ def test_lone_decode_events_take_the_compiled_entry_and_every_other_batch_the_py
     monkeypatch,
 ) -> None:
     calls: list[int] = []
-    original = PythonWriter.apply
+    original = IndexWriter._apply_refused
 
-    def spy(
-        self: PythonWriter, backend_name: str, events: list[KVEvent], first_refused: bool = False
-    ) -> None:
+    def spy(self: IndexWriter, backend_name: str, events: list[KVEvent], first_refused: bool) -> None:
         calls.append(len(events))
         original(self, backend_name, events, first_refused)
 
-    monkeypatch.setattr(PythonWriter, "apply", spy)
-    index, general = PrefixIndex(), PrefixIndex()
+    # (where the compiled entry hands a batch back to the Python rules)
+    monkeypatch.setattr(IndexWriter, "_apply_refused", spy)
+    index, general = WritableIndex(), WritableIndex()
     rand = random.Random(5)
     tokens = [rand.randrange(150_000) for _ in range(16 * 12)]
     chain = lone_chain(tokens, 1, 12)
     for event in chain[:6]:
         index.apply("a", [event])
     # The root has no parent: the Python apply takes it; its children the compiled entry.
-    assert calls == [1] and index._entry.applied == 5
+    assert calls == [1] and index.writer.compiled_applied == 5
     index.apply("a", chain[6:8])  # two events: a batch for the Python apply
     index.apply("a", [chain[7]])  # stored already: refused, then the Python apply counts it
     index.apply("a", (chain[8],))  # not a list: the Python apply
     for event in chain[9:]:
         index.apply("a", [event])
-    assert calls == [1, 2, 1, 1] and index._entry.applied == 8
+    assert calls == [1, 2, 1, 1] and index.writer.compiled_applied == 8
     for event in [*chain[:8], chain[7], *chain[8:]]:
         apply_through_general_path(general, "a", [event])
     assert internal_state(index, "a") == internal_state(general, "a")
@@ -487,11 +488,11 @@ def test_stats_of_events_the_compiled_entry_applied_are_there_when_read() -> Non
     held_tokens) and every reset (a clear, a snapshot) sees them, as the Python paths' stats."""
     rand = random.Random(6)
     tokens = [rand.randrange(150_000) for _ in range(16 * 20)]
-    compiled, python = PrefixIndex(), PrefixIndex(compiled_ingest=False)
+    compiled, python = WritableIndex(), WritableIndex(compiled_ingest=False)
     for index in (compiled, python):
         for event in lone_chain(tokens, 1, 20):
             index.apply("a", [event])
-    assert compiled._entry.applied == 19
+    assert compiled.writer.compiled_applied == 19
     assert compiled.held_tokens("a") == python.held_tokens("a") == 16 * 20
     assert compiled.stats("a") == python.stats("a")
     for index in (compiled, python):
@@ -510,7 +511,7 @@ def test_stats_of_events_the_compiled_entry_applied_are_there_when_read() -> Non
 
 
 def test_the_writer_lock_excludes_writers_and_lets_its_holder_finish() -> None:
-    index = PrefixIndex()
+    index = WritableIndex()
     lock = index._lock
     assert isinstance(lock, ingest.WriterLock)
     rand = random.Random(7)
@@ -549,7 +550,7 @@ def test_writers_of_several_backends_at_once_build_the_index_one_writer_builds()
         f"b{n}": [event for d, doc in enumerate(docs) for event in lone_chain(doc, 1000 * d + 1, 40)]
         for n in range(4)
     }
-    concurrent, sequential = PrefixIndex(), PrefixIndex()
+    concurrent, sequential = WritableIndex(), WritableIndex()
     for index in (concurrent, sequential):  # each backend's first event, in turn: the same slots
         for name, events in streams.items():
             index.apply(name, events[:1])
@@ -569,7 +570,7 @@ def test_writers_of_several_backends_at_once_build_the_index_one_writer_builds()
     for thread in threads:
         thread.join(30)
     # Every event after each backend's first, the roots of documents 2 and 3 included.
-    assert concurrent._entry.applied == sequential._entry.applied == 4 * (3 * 40 - 1)
+    assert concurrent.writer.compiled_applied == sequential.writer.compiled_applied == 4 * (3 * 40 - 1)
     for name in streams:
         assert internal_state(concurrent, name) == internal_state(sequential, name)
     assert_same_lookups(sequential, [concurrent], docs)
@@ -601,7 +602,7 @@ def test_an_event_the_compiled_entry_refused_is_not_offered_to_the_compiled_writ
     rand = random.Random(8)
     tokens = [rand.randrange(150_000) for _ in range(16 * 10)]
     chain = lone_chain(tokens, 1, 10)
-    index, python = PrefixIndex(), PrefixIndex(compiled_ingest=False)
+    index, python = WritableIndex(), WritableIndex(compiled_ingest=False)
     for event in chain[:6]:
         index.apply("a", [event])
         python.apply("a", [event])
@@ -625,5 +626,5 @@ def test_an_event_the_compiled_entry_refused_is_not_offered_to_the_compiled_writ
     # The entry applied the first event and refused the second; the Python writer applies that
     # one and offers the compiled writer only the third.
     assert offered == [("store", (8,))]
-    assert index._entry.applied == 5  # chain[1:6] alone; the refused wire batch went on to Python
+    assert index.writer.compiled_applied == 5  # chain[1:6] alone; the refused wire batch went on to Python
     assert internal_state(index, "a") == internal_state(python, "a")

@@ -8,6 +8,7 @@ from collections.abc import Sequence
 import numpy as np
 import pytest
 
+from kvgate_testing.index_oracle import WritableIndex
 from kvwire import BlockRemoved, BlockStored
 from router.index.keys import namespace_seed, prefix_keys, prompt_prefix_keys
 from router.index.store import PrefixIndex
@@ -35,7 +36,7 @@ def chain(tokens: list[int], block_size: int, first_hash: int, **kw) -> list[Blo
 def mixed_index() -> PrefixIndex:
     """Backends of every shape: whole blocks, cache-layer chunks with a short tail chunk, CPU and
     disk tiers, a hole, a salted namespace and a long document past the first 32k-token span."""
-    index = PrefixIndex()
+    index = WritableIndex()
     index.apply("gpu16", chain(DOC[:4096], 16, 1))
     index.apply("chunks", chain(DOC[:1000], 256, 1, medium="cpu"))  # ends 8 tokens off a boundary
     index.apply("tiers", chain(DOC[:512], 16, 1))
@@ -83,7 +84,7 @@ def test_answers_equal_with_and_without_keys(prompt_name: str, namespace: tuple)
 
 
 def test_keys_from_more_than_64_slots() -> None:
-    index = PrefixIndex()
+    index = WritableIndex()
     for n in range(70):
         index.apply(f"b{n}", chain(DOC[: 16 * (n % 5 + 1)], 16, 1))
     prompt = DOC[:1024]
@@ -130,7 +131,7 @@ def test_a_key_count_that_does_not_fit_the_prompt_is_refused_with_the_fix() -> N
 def test_prompt_prefix_keys_is_prefix_keys_from_the_namespace_seed() -> None:
     """What callers pass: the numpy form and the list form are the same keys."""
     prompt = np.asarray(DOC[:4096], dtype=np.uint32)
-    index = PrefixIndex()
+    index = WritableIndex()
     keys = prompt_prefix_keys(prompt, ("lora", None))
     assert keys == prefix_keys(prompt, namespace_seed(("lora", None))).tolist()
     assert index.longest_cached_prefix(prompt, ("lora", None), keys=keys) == {}

@@ -7,6 +7,7 @@ import threading
 import numpy as np
 import pytest
 
+from kvgate_testing.index_oracle import WritableIndex
 from kvwire import AllBlocksCleared, BlockRemoved, BlockStored
 from router.index.keys import ROUTER_BLOCK_TOKENS, namespace_seed, prefix_keys, small_prefix_keys
 from router.index.store import PrefixIndex
@@ -58,7 +59,7 @@ def test_python_and_numpy_keys_agree() -> None:
 
 
 def test_vllm_blocks_in_one_event_then_removal_cuts_the_prefix() -> None:
-    index = PrefixIndex()
+    index = WritableIndex()
     index.apply("a", [BlockStored(block_hashes=list(range(8)), token_ids=PROMPT[:256], block_size=32)])
     assert cached(index, PROMPT, "a") == 256
     assert cached(index, PROMPT[:100], "a") == 96  # only whole router blocks of the prompt
@@ -69,7 +70,7 @@ def test_vllm_blocks_in_one_event_then_removal_cuts_the_prefix() -> None:
 
 
 def test_different_block_sizes_across_backends_answer_in_tokens() -> None:
-    index = PrefixIndex()
+    index = WritableIndex()
     index.apply("vllm16", stored_chain(PROMPT[:320], 16, 1))
     index.apply("vllm32", stored_chain(PROMPT[:320], 32, 1))
     # Cache layer: 256-token chunks with a short tail chunk, one-token overlap, medium "cpu".
@@ -87,14 +88,14 @@ def test_different_block_sizes_across_backends_answer_in_tokens() -> None:
 
 
 def test_a_prompt_that_diverges_inside_a_block_matches_up_to_the_block_before() -> None:
-    index = PrefixIndex()
+    index = WritableIndex()
     index.apply("a", stored_chain(PROMPT[:128], 16, 1))
     other = [*PROMPT[:70], 1, 2, 3, *PROMPT[73:128]]
     assert cached(index, other, "a") == 64
 
 
 def test_tiers_are_reported_separately_and_cumulatively() -> None:
-    index = PrefixIndex()
+    index = WritableIndex()
     index.apply("a", [BlockStored(block_hashes=[1, 2], token_ids=PROMPT[:64], block_size=32, medium="GPU")])
     index.apply(
         "a", [BlockStored(block_hashes=[1, 2, 3, 4], token_ids=PROMPT[:128], block_size=32, medium="CPU")]
@@ -110,7 +111,7 @@ def test_tiers_are_reported_separately_and_cumulatively() -> None:
 
 
 def test_gpu_and_cpu_pieces_combine_into_one_contiguous_prefix() -> None:
-    index = PrefixIndex()
+    index = WritableIndex()
     index.apply("a", [BlockStored(block_hashes=[1, 2], token_ids=PROMPT[:64], block_size=32, medium="GPU")])
     cpu_child = BlockStored(
         block_hashes=[3], parent_block_hash=2, token_ids=PROMPT[64:96], block_size=32, medium="CPU"
@@ -122,7 +123,7 @@ def test_gpu_and_cpu_pieces_combine_into_one_contiguous_prefix() -> None:
 
 
 def test_salted_and_lora_prompts_never_match_other_namespaces() -> None:
-    index = PrefixIndex()
+    index = WritableIndex()
     index.apply("plain", stored_chain(PROMPT[:64], 16, 1))
     index.apply("salted", stored_chain(PROMPT[:64], 16, 1, extra_keys=[["secret"], None, None, None]))
     index.apply("lora", stored_chain(PROMPT[:64], 16, 1, lora_name="sql", extra_keys=[["sql"]]))
@@ -137,7 +138,7 @@ def test_salted_and_lora_prompts_never_match_other_namespaces() -> None:
 
 
 def test_a_block_whose_parent_is_unknown_is_counted_not_guessed() -> None:
-    index = PrefixIndex()
+    index = WritableIndex()
     index.apply(
         "a", [BlockStored(block_hashes=[5], parent_block_hash=4, token_ids=PROMPT[64:80], block_size=16)]
     )
@@ -147,7 +148,7 @@ def test_a_block_whose_parent_is_unknown_is_counted_not_guessed() -> None:
 
 
 def test_all_blocks_cleared_and_clear_backend_forget_only_that_backend() -> None:
-    index = PrefixIndex()
+    index = WritableIndex()
     index.apply("a", stored_chain(PROMPT[:64], 16, 1))
     index.apply("b", stored_chain(PROMPT[:64], 16, 1))
     index.apply("a", [AllBlocksCleared()])
@@ -159,7 +160,7 @@ def test_all_blocks_cleared_and_clear_backend_forget_only_that_backend() -> None
 
 
 def test_the_same_prefix_in_two_kv_cache_groups_needs_both_removed() -> None:
-    index = PrefixIndex()
+    index = WritableIndex()
     index.apply("a", [BlockStored(block_hashes=[1], token_ids=PROMPT[:16], block_size=16, group_idx=0)])
     index.apply("a", [BlockStored(block_hashes=[1], token_ids=PROMPT[:16], block_size=16, group_idx=1)])
     index.apply("a", [BlockRemoved(block_hashes=[1], group_idx=1)])
@@ -169,7 +170,7 @@ def test_the_same_prefix_in_two_kv_cache_groups_needs_both_removed() -> None:
 
 
 def test_removing_unknown_blocks_is_counted_and_harmless() -> None:
-    index = PrefixIndex()
+    index = WritableIndex()
     index.apply("a", stored_chain(PROMPT[:32], 16, 1))
     index.apply("a", [BlockRemoved(block_hashes=[999, b"zz"])])
     assert cached(index, PROMPT, "a") == 32
@@ -178,7 +179,7 @@ def test_removing_unknown_blocks_is_counted_and_harmless() -> None:
 
 
 def test_removed_backend_frees_its_slots_for_new_ones() -> None:
-    index = PrefixIndex()
+    index = WritableIndex()
     index.apply("a", stored_chain(PROMPT[:32], 16, 1))
     index.remove_backend("a")
     assert index.longest_cached_prefix(PROMPT) == {}
@@ -187,7 +188,7 @@ def test_removed_backend_frees_its_slots_for_new_ones() -> None:
 
 
 def test_more_than_64_backend_tier_slots() -> None:
-    index = PrefixIndex()
+    index = WritableIndex()
     for n in range(70):
         index.apply(f"b{n}", stored_chain(PROMPT[: 16 * (n % 5 + 1)], 16, 1))
     result = index.longest_cached_prefix(PROMPT)
@@ -196,7 +197,7 @@ def test_more_than_64_backend_tier_slots() -> None:
 
 
 def test_restricting_the_lookup_to_some_backends() -> None:
-    index = PrefixIndex()
+    index = WritableIndex()
     index.apply("a", stored_chain(PROMPT[:32], 16, 1))
     index.apply("b", stored_chain(PROMPT[:64], 16, 1))
     result = index.longest_cached_prefix(PROMPT, backends=["b", "unknown"])
@@ -205,7 +206,7 @@ def test_restricting_the_lookup_to_some_backends() -> None:
 
 
 def test_top_prefixes_merge_backends_and_rank_by_length() -> None:
-    index = PrefixIndex()
+    index = WritableIndex()
     other = rng.integers(0, 150_000, size=64).tolist()
     index.apply("a", stored_chain(PROMPT[:128], 16, 1))
     index.apply("b", stored_chain(PROMPT[:64], 16, 1))
@@ -219,7 +220,7 @@ def test_top_prefixes_merge_backends_and_rank_by_length() -> None:
 
 
 def test_lookups_during_concurrent_writes_stay_consistent() -> None:
-    index = PrefixIndex()
+    index = WritableIndex()
     index.apply("steady", stored_chain(PROMPT[:256], 16, 1))
     stop = threading.Event()
     errors: list[BaseException] = []
@@ -249,7 +250,7 @@ def test_lookups_during_concurrent_writes_stay_consistent() -> None:
 
 @pytest.mark.parametrize("length", [0, 5, 16, 17])
 def test_short_prompts(length: int) -> None:
-    index = PrefixIndex()
+    index = WritableIndex()
     index.apply("a", stored_chain(PROMPT[:32], 16, 1))
     assert cached(index, PROMPT[:length], "a") == (length // 16) * 16
 
@@ -284,7 +285,7 @@ def test_batched_and_one_by_one_application_agree() -> None:
             )
             chains[doc] = (hashes[-1], stored + size * count)
         batches.append(batch)
-    batched, one_by_one = PrefixIndex(), PrefixIndex()
+    batched, one_by_one = WritableIndex(), WritableIndex()
     for batch in batches:
         batched.apply("a", batch)
         for event in batch:
@@ -297,7 +298,7 @@ def test_batched_and_one_by_one_application_agree() -> None:
 
 def test_cumulative_tiers_with_a_short_tail_chunk() -> None:
     """Cache-layer chunks held on CPU and disk, the last one short: 44 tokens in every view."""
-    index = PrefixIndex()
+    index = WritableIndex()
     for medium in ("cpu", "disk"):
         index.apply(
             "a",
@@ -325,7 +326,7 @@ def test_cumulative_tiers_with_a_short_tail_chunk() -> None:
 
 
 def test_token_ids_that_are_not_uint32_are_counted_not_indexed() -> None:
-    index = PrefixIndex()
+    index = WritableIndex()
     index.apply(
         "a",
         [
@@ -343,7 +344,7 @@ def test_token_ids_that_are_not_uint32_are_counted_not_indexed() -> None:
 def test_long_prompts_across_probe_chunks(held_tokens: int) -> None:
     """Lookups compute and probe keys in growing chunks; runs ending in any chunk are exact."""
     long_prompt = np.random.default_rng(held_tokens).integers(0, 150_000, size=16384).tolist()
-    index = PrefixIndex()
+    index = WritableIndex()
     index.apply("a", [BlockStored(block_hashes=list(range(1, held_tokens // 16 + 1)),
                                   token_ids=long_prompt[:held_tokens], block_size=16)])  # fmt: skip
     index.apply("b", [BlockStored(block_hashes=list(range(1, 3001 // 16 + 1)),
@@ -370,7 +371,7 @@ def test_a_hole_anywhere_stops_the_run_there(prompt_blocks: int, held_blocks: in
     """Lookups find where the cached part ends by bisection, then fetch the masks before it in one
     call: a hole anywhere before that point (a removed middle block) still ends the run exactly."""
     prompt = np.random.default_rng(prompt_blocks + held_blocks).integers(0, 150_000, size=16 * prompt_blocks)
-    index = PrefixIndex()
+    index = WritableIndex()
     index.apply("a", [BlockStored(block_hashes=list(range(1, held_blocks + 1)),
                                   token_ids=prompt[: 16 * held_blocks].tolist(), block_size=16)])  # fmt: skip
     if hole is not None:
@@ -381,7 +382,7 @@ def test_a_hole_anywhere_stops_the_run_there(prompt_blocks: int, held_blocks: in
 
 
 def test_prompts_given_as_lists_tuples_or_arrays_answer_alike() -> None:
-    index = PrefixIndex()
+    index = WritableIndex()
     index.apply("a", stored_chain(PROMPT[:64], 16, 1))
     for tokens in (
         PROMPT,

@@ -19,6 +19,7 @@ from kvgate_testing.event_publisher import (
     block_removed,
     block_stored,
 )
+from kvgate_testing.index_oracle import WritableIndex
 from kvgate_testing.ports import free_port
 from kvgate_testing.waiting import wait_for
 from kvwire import END_SEQ, decode_batch
@@ -49,7 +50,7 @@ def stored(n: int, *, medium: str = "GPU") -> dict:
 
 def replayed_everything(publisher: EventPublisher) -> PrefixIndex:
     """The index one gets by applying every batch the engine published, one call per batch."""
-    index = PrefixIndex()
+    index = WritableIndex()
     for _seq, payload in publisher.buffer:
         index.apply("engine", decode_batch(payload).events)
     return index
@@ -84,7 +85,7 @@ class Harness:
         self.publisher = EventPublisher(
             self.endpoint, self.replay_endpoint if own_router else None, buffer_steps=buffer_steps
         )
-        self.index = PrefixIndex()
+        self.index = WritableIndex()
         self.apply_calls = 0
         self.subscriber = EventSubscriber(
             "engine",

@@ -14,6 +14,7 @@ import pytest
 
 from kvgate_testing import waiting
 from kvgate_testing.event_publisher import EventPublisher, block_removed, block_stored, encode_batch
+from kvgate_testing.index_oracle import WritableIndex
 from kvgate_testing.ports import free_port
 from kvwire import BlockRemoved, BlockStored, KVEvent, decode_batch
 from router.index import transport
@@ -45,7 +46,7 @@ class BlockingRecorder:
 def wired() -> Iterator[tuple[EventPublisher, EventSubscriber, BlockingRecorder]]:
     endpoint, replay_endpoint = (f"tcp://127.0.0.1:{free_port()}" for _ in range(2))
     publisher = EventPublisher(endpoint, replay_endpoint)
-    recorder = BlockingRecorder(PrefixIndex())
+    recorder = BlockingRecorder(WritableIndex())
     subscriber = EventSubscriber(
         "engine",
         endpoint,
@@ -100,7 +101,7 @@ def test_queued_messages_reach_the_index_in_few_calls_with_the_same_result(wired
     last = len(sent) - 1
     wait_for(lambda: subscriber.stats.last_seq == last, what=f"seq {last} applied")
 
-    expected = PrefixIndex()
+    expected = WritableIndex()
     applied_alone: list[KVEvent] = []
     for payload in sent:
         if payload:

@@ -17,12 +17,15 @@ from kvgate_testing.event_publisher import (
     SGLANG_SECOND_EVENT,
     encode_batch,
 )
+from kvgate_testing.index_oracle import WritableIndex
 from kvgate_testing.index_streams import StreamMaker, assert_same_lookups, decode_streams, internal_state
 from kvgate_testing.wire_payloads import HASH_STYLES, check_scan, mutate, payload_corpus, payload_of
 from kvwire import BlockRemoved, BlockStored, decode_batch, event_kind
 from router.index.store import PrefixIndex
 
 ingest = importlib.import_module("router.index._ingest")
+# The wire protocol's compiled frame reader (kvwire/_frames.pyx), which the compiled writer reads.
+frames = importlib.import_module("kvwire._frames")
 
 def apply_payloads(index: PrefixIndex, payloads: list[bytes]) -> int:
     """The subscriber's way: scanned payloads in one `apply` of the wire ingest, the others
@@ -72,7 +75,7 @@ def counting_writer(monkeypatch) -> type[CountingWireWriter]:
 def test_payloads_applied_undecoded_build_the_index_their_decoded_events_build(
     seed: int, hashes: str, counting_writer
 ) -> None:
-    wired, decoded = PrefixIndex(), PrefixIndex(compiled_ingest=False)
+    wired, decoded = WritableIndex(), WritableIndex(compiled_ingest=False)
     maker = StreamMaker(500 + seed)
     rand = random.Random(seed)
     scanned = total = 0
@@ -96,7 +99,7 @@ def test_payloads_applied_undecoded_build_the_index_their_decoded_events_build(
     # compiled entry applies scanned batches whole, and hands on those it refuses (the streams'
     # hazards reach it), which the Python entry's writer then applies in part.
     assert scanned > total // 2, (scanned, total)
-    assert wired._entry.applied > 0 and sum(counting_writer.applied) > 0
+    assert wired.writer.compiled_applied > 0 and sum(counting_writer.applied) > 0
     assert False in counting_writer.whole
 
 
@@ -113,7 +116,7 @@ def test_the_writer_refuses_a_scanned_event_exactly_where_it_refuses_the_decoded
     """Twin indexes, one fed scanned payloads and one decoded events, each batch through the
     writer's entry for it (`store_wire`; `apply_one` alone in a batch, `store` in a run): the
     first event each refuses is the same, and the rest goes the same general way."""
-    wired, decoded = PrefixIndex(), PrefixIndex()
+    wired, decoded = WritableIndex(), WritableIndex()
     maker = StreamMaker(700 + seed)
     rand = random.Random(seed)
     refusals = 0
@@ -121,7 +124,7 @@ def test_the_writer_refuses_a_scanned_event_exactly_where_it_refuses_the_decoded
     decoded.add_backend("a")
     for events in decode_streams(maker, 160):
         payload = payload_of(events, rand, rand.choice(HASH_STYLES))
-        batch, events = ingest.scan_batch(payload), decode_batch(payload).events
+        batch, events = frames.scan_batch(payload), decode_batch(payload).events
         if batch is None:
             wired.apply("a", events)
             decoded.apply("a", events)
@@ -136,7 +139,7 @@ def test_the_writer_refuses_a_scanned_event_exactly_where_it_refuses_the_decoded
             if stopped < len(events):
                 refusals += 1
                 for index, writer in ((wired, wired_writer), (decoded, decoded_writer)):
-                    index.python_writer._apply_mixed_locked(
+                    index.writer._apply_mixed_locked(
                         index._backends["a"], writer, events, stopped, True
                     )
     assert internal_state(wired, "a") == internal_state(decoded, "a")
@@ -144,7 +147,7 @@ def test_the_writer_refuses_a_scanned_event_exactly_where_it_refuses_the_decoded
 
 
 def test_decode_steps_prefills_and_evictions_from_the_wire_take_the_compiled_path(counting_writer) -> None:
-    index, reference = PrefixIndex(), PrefixIndex(compiled_ingest=False)
+    index, reference = WritableIndex(), WritableIndex(compiled_ingest=False)
     rand = random.Random(5)
     tokens = [rand.randrange(150_000) for _ in range(64 * 16)]
     prefill = BlockStored(block_hashes=list(range(1, 65)), token_ids=tokens, block_size=16, medium="GPU")
@@ -175,7 +178,7 @@ def test_decode_steps_prefills_and_evictions_from_the_wire_take_the_compiled_pat
     # Every event applied by the compiled writer: through the compiled entry, or the Python entry
     # (the first batch, before the backend had a writer), none decoded.
     assert all(counting_writer.whole)
-    assert index._entry.applied + sum(counting_writer.applied) == 12
+    assert index.writer.compiled_applied + sum(counting_writer.applied) == 12
     assert internal_state(index, "a") == internal_state(reference, "a")
     assert index.longest_cached_prefix(tokens + steps[0].token_ids)["a"].tokens == 64 * 16 + 16
     stats = index.stats("a")
@@ -218,10 +221,10 @@ def test_the_scan_accepts_only_payloads_the_decoder_decodes_to_the_same_events()
             or (not event.extra_keys and all(isinstance(token, int) for token in event.token_ids))
         ]
         payload = payload_of(plain, rand, rand.choice(HASH_STYLES))
-        batch = ingest.scan_batch(payload)
+        batch = frames.scan_batch(payload)
         assert batch is not None and len(batch) == len(plain)
         for candidate in [payload, *mutations(payload, rand, 60)]:
-            batch = ingest.scan_batch(candidate)
+            batch = frames.scan_batch(candidate)
             if batch is None:
                 rejected += 1
                 continue
@@ -266,7 +269,7 @@ REFUSED = {
 
 @pytest.mark.parametrize("what", REFUSED)
 def test_the_scan_refuses_what_it_does_not_read_exactly(what: str) -> None:
-    assert ingest.scan_batch(REFUSED[what]) is None
+    assert frames.scan_batch(REFUSED[what]) is None
 
 
 @pytest.mark.parametrize("seed", range(2))
@@ -284,8 +287,8 @@ def test_corrupted_payloads_are_scanned_only_as_the_decoder_reads_them(seed: int
 
 
 def test_an_index_without_the_compiled_path_has_no_wire_ingest() -> None:
-    assert PrefixIndex(compiled_ingest=False).wire_ingest("a") is None
-    assert PrefixIndex().wire_ingest("a") is not None
+    assert WritableIndex(compiled_ingest=False).wire_ingest("a") is None
+    assert WritableIndex().wire_ingest("a") is not None
 
 
 def test_the_examples_of_lmcache_docs_are_scanned_and_build_the_decoded_index() -> None:
@@ -296,7 +299,7 @@ def test_the_examples_of_lmcache_docs_are_scanned_and_build_the_decoded_index() 
         encode_batch([SGLANG_FIRST_EVENT, SGLANG_SECOND_EVENT], encoding="sglang-map", rank=0),
     ]
     for payload in payloads:
-        wired, decoded = PrefixIndex(), PrefixIndex()
+        wired, decoded = WritableIndex(), WritableIndex()
         wire = wired.wire_ingest("a")
         assert wire is not None
         batch = wire.scan(payload)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from kvgate_testing.index_oracle import WritableIndex
 from kvgate_testing.policy_inputs import PROMPTS, backends, request, store
 from router.backends import BackendState
 from router.config import KVAwarePolicy
@@ -67,7 +68,7 @@ def test_recent_requests_outweigh_old_ones() -> None:
 
 
 def _holder_with_followers_in_flight() -> tuple[PrefixIndex, list[BackendState]]:
-    index = PrefixIndex()
+    index = WritableIndex()
     store(index, "b0", PROMPTS[0][:384])
     candidates = backends(2)
     candidates[0].in_flight = 3
@@ -78,14 +79,14 @@ def test_measured_load_costs_move_a_request_off_a_busy_holder() -> None:
     index, candidates = _holder_with_followers_in_flight()
     policy = KVAware(KVAwarePolicy(measure_load_costs=True), index)
     # Configured weights (128 tokens a request): 384 cached tokens outweigh 3 requests in flight.
-    assert policy.choose(request(PROMPTS[0]), candidates).name == "b0"
+    assert policy.choose(request(PROMPTS[0]), candidates).backend.name == "b0"
     assert policy.load_costs is not None
     feed(policy.load_costs, 200, us_per_token=85, ms_per_request=150)
     request_weight, _ = policy.load_weights()
     assert request_weight > 1000
-    req = request(PROMPTS[0])
-    assert policy.choose(req, candidates).name == "b1"
-    assert req.decision.candidates["b0"]["load"] > 3000
+    choice = policy.choose(request(PROMPTS[0]), candidates)
+    assert choice.backend.name == "b1"
+    assert choice.candidates["b0"]["load"] > 3000
 
 
 def test_measured_weights_never_go_below_the_configured_ones() -> None:
@@ -107,18 +108,18 @@ def test_the_policy_learns_from_streamed_requests_it_routed() -> None:
     for n in range(16):
         req = RouteRequest(request_id=f"r{n}", model="m", body={}, tokens=PROMPTS[n % 4][: 64 * (1 + n % 8)],
                            namespace=Namespace())  # fmt: skip
-        chosen = policy.choose(req, candidates)
+        choice = policy.choose(req, candidates)
+        chosen = choice.backend
         chosen.in_flight += 1  # as the gateway counts it before on_routed
-        policy.on_routed(req, chosen)
-        load = req.decision.load_at_send
+        policy.on_routed(choice)
+        load = choice.state.load_at_send
         assert load[1] == chosen.in_flight - 1  # the load the request met, not counting itself
-        req.decision.upstream_ttft_s = 0.05 + 1e-4 * load[0] + 0.2 * load[1]
+        ttft_s = 0.05 + 1e-4 * load[0] + 0.2 * load[1]
         chosen.in_flight -= 1
-        policy.on_finished(req, chosen)
+        policy.on_finished(choice, 200, ttft_s)
     assert policy.load_costs.observed == 16
     # A request whose answer was not streamed (no first-piece time) teaches nothing.
-    req = request(PROMPTS[5])
-    chosen = policy.choose(req, candidates)
-    policy.on_routed(req, chosen)
-    policy.on_finished(req, chosen)
+    choice = policy.choose(request(PROMPTS[5]), candidates)
+    policy.on_routed(choice)
+    policy.on_finished(choice, 200, None)
     assert policy.load_costs.observed == 16

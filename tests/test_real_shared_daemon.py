@@ -5,6 +5,7 @@ the daemon. A salted request must not see them (0 chunks read), and the greedy o
 cold, hit and salted requests must be identical: the cache layer changes speed, never results.
 Both engines run on the daemon's host, so their KV moves through its shared memory (leases), and
 their saves finish in the background: the daemon's counters are read once the writes landed.
+The daemon has a secret, which the engines' connectors present (`server_auth_secret_env`).
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from __future__ import annotations
 import pytest
 
 from kvgate_testing.vllm import (
+    DAEMON_TEST_SECRET,
     cached_tokens,
     greedy_output,
     prompt_tokens,
@@ -27,6 +29,7 @@ CHUNK = 256
 READS = "lmcache_mp_l1_read_chunks_total"
 WRITES = "lmcache_mp_l1_write_chunks_total"
 LEASES = "cachelayer_daemon_leases_total"
+SECRET_ENV = "KVGATE_DAEMON_SECRET"
 
 
 def metrics_once_written(daemon, writes: int) -> dict[str, float]:
@@ -36,10 +39,15 @@ def metrics_once_written(daemon, writes: int) -> dict[str, float]:
 
 
 def test_instance_b_hits_what_instance_a_stored_in_the_daemon(tmp_path):
-    config = write_cache_config(tmp_path, chunk_size=CHUNK)
+    config = write_cache_config(tmp_path, chunk_size=CHUNK, server_auth_secret_env=SECRET_ENV)
     prompt = prompt_tokens(700, seed=2)
-    with running_cache_daemon(chunk_size=CHUNK) as daemon:
-        shared = {"cache_config": config, "cache_server": daemon.endpoint, "kv_events": False}
+    with running_cache_daemon(chunk_size=CHUNK, secret_env=SECRET_ENV) as daemon:
+        shared = {
+            "cache_config": config,
+            "cache_server": daemon.endpoint,
+            "kv_events": False,
+            "extra_env": {SECRET_ENV: DAEMON_TEST_SECRET},
+        }
         with running_vllms({"name": "vllm-a", **shared}, {"name": "vllm-b", **shared}) as (
             engine_a,
             engine_b,

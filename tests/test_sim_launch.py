@@ -16,7 +16,7 @@ import pytest
 
 from kvgate_testing.gateway import simulated_fleet_config, start_gateway
 from kvgate_testing.processes import REPO_ROOT, python_command
-from router.sim.launcher import _pick_ports
+from router.launch import _pick_ports
 
 MODEL = "tiny-qwen3"
 

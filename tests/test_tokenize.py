@@ -1,20 +1,14 @@
 """Tokenization parity with vLLM (the real Qwen3 tokenizer and chat template, which add no BOS token,
 and a Llama-3-style tokenizer whose template writes one and whose encode adds one), the per-message
-cache, completions' special-token rule, `tokenize: engine` over real HTTP, and bad input."""
+cache, completions' special-token rule, and bad input (`tokenize: engine`: tests/test_tokenize_engine.py)."""
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterator
 
 import numpy as np
 import pytest
-from starlette.applications import Starlette
-from starlette.requests import Request
-from starlette.responses import JSONResponse
-from starlette.routing import Route
 
-from kvgate_testing.in_thread_server import serving_in_thread
 from kvgate_testing.tokenizers import (
     PARITY_TOKENIZERS,
     completion_tokens,
@@ -23,10 +17,10 @@ from kvgate_testing.tokenizers import (
     tokenizer_dir,
     whole_prompt_tokens,
 )
-from router.backends import BackendState
 from router.config import builtin_tokenizer_dir
 from router.policies.base import RouteRequest
-from router.tokenize import PromptTokenizer, RequestTokenizer, TokenizeError, _PieceCache
+from router.tokenize import PromptTokenizer, RequestTokenizer, TokenizeError
+from router.tokenize.caches import PieceCache
 
 QWEN3_EXAMPLE = (
     "Qwen3 is the latest generation of large language models in Qwen series, offering a comprehensive "
@@ -187,10 +181,10 @@ def test_segment_encoding_equals_whole_encoding_on_random_text(tokenizer: Prompt
             assert ids.tolist() == whole
             # Through the cache: cold (one encode split by offsets), then warm, then after a prefix.
             fresh = PromptTokenizer.__new__(PromptTokenizer)
-            fresh.__dict__.update(tokenizer.__dict__, cache=_PieceCache(1_000_000))
+            fresh.__dict__.update(tokenizer.__dict__, cache=PieceCache(1_000_000))
             assert fresh._encode_by_segments(piece, segment_chars).tolist() == whole
             assert fresh._encode_by_segments(piece, segment_chars).tolist() == whole
-            fresh.cache = _PieceCache(1_000_000)
+            fresh.cache = PieceCache(1_000_000)
             fresh._encode_by_segments(piece[: len(piece) // 2], segment_chars)
             assert fresh._encode_by_segments(piece, segment_chars).tolist() == whole
 
@@ -314,35 +308,3 @@ def test_prepare_leaves_tokens_empty_on_a_bad_body() -> None:
     request = RouteRequest(request_id="r2", model="qwen", body={"messages": 7})
     asyncio.run(tokenizer.prepare(request))
     assert request.tokens is None and tokenizer.failures == 1
-
-
-@pytest.fixture
-def tokenize_server() -> Iterator[tuple[str, list[dict]]]:
-    """A real HTTP server with vLLM's POST /tokenize answer shape."""
-    received: list[dict] = []
-
-    async def tokenize(request: Request) -> JSONResponse:
-        body = await request.json()
-        received.append(body)
-        return JSONResponse({"tokens": [1, 2, 3, 4], "count": 4, "max_model_len": 2048})
-
-    app = Starlette(routes=[Route("/tokenize", tokenize, methods=["POST"])])
-    with serving_in_thread(app, log_level="error") as url:
-        yield url, received
-
-
-def test_tokenize_engine_asks_the_backend(tokenize_server: tuple[str, list[dict]]) -> None:
-    url, received = tokenize_server
-    backends = {"b1": BackendState(name="b1", url=url)}
-    tokenizer = RequestTokenizer(config("engine"), backends)
-    body = {"model": "qwen", "messages": [{"role": "user", "content": "hi"}], "tools": TOOLS}
-
-    async def run() -> np.ndarray | None:
-        try:
-            return await tokenizer.tokens_for("qwen", body)
-        finally:
-            await tokenizer.close()
-
-    tokens = asyncio.run(run())
-    assert tokens is not None and tokens.tolist() == [1, 2, 3, 4]
-    assert received == [{"model": "qwen", "messages": body["messages"], "tools": TOOLS}]

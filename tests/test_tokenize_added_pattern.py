@@ -1,4 +1,4 @@
-"""The added-token regex (router/tokenize.py _added_tokens_pattern) writes the tokens' common
+"""The added-token regex (router/tokenize/prompt.py _added_tokens_pattern) writes the tokens' common
 beginning once; it must find exactly what the plain alternation, longest token first, finds."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import re
 import pytest
 
 from router.config import builtin_tokenizer_dir
-from router.tokenize import _added_tokens_pattern
+from router.tokenize.prompt import _added_tokens_pattern
 
 TOKEN_SETS = [
     ["<a>", "<ab>", "<a", "<"],  # tokens that are prefixes of others, one equal to the common beginning

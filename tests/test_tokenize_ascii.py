@@ -1,4 +1,4 @@
-"""The ASCII fast path (router/ascii_encoder.py): equal to the tokenizer's own encode on ASCII text
+"""The ASCII fast path (router/tokenize/ascii.py): equal to the tokenizer's own encode on ASCII text
 (the real Qwen3 tokenizer, and the Llama-3-style test tokenizer, whose split regex groups digits by
 three and is not the compiled Qwen2-family split), used by PromptTokenizer for ASCII pieces only,
 and refused for pipelines it does not reproduce."""
@@ -10,9 +10,9 @@ import pytest
 from tokenizers import Tokenizer, normalizers, pre_tokenizers
 
 from kvgate_testing.tokenizers import PARITY_TOKENIZERS, tokenizer_dir
-from router.ascii_encoder import AsciiEncoder, ascii_pattern
 from router.config import builtin_tokenizer_dir
 from router.tokenize import PromptTokenizer
+from router.tokenize.ascii import AsciiEncoder, ascii_pattern
 
 QWEN3_SPLIT = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+"
@@ -226,7 +226,7 @@ def test_a_stale_compiled_split_is_refused_with_a_warning(
     import types
 
     import router
-    from router import ascii_encoder
+    from router.tokenize import ascii as ascii_encoder
 
     stale = types.ModuleType("router._ascii_split")
     stale.QWEN2_PATTERN = QWEN3_SPLIT  # type: ignore[attr-defined]
@@ -242,7 +242,7 @@ def test_a_stale_compiled_split_is_refused_with_a_warning(
 def test_long_distinct_pretokens_do_not_grow_the_table_past_its_byte_bound(
     backend: Tokenizer, monkeypatch: pytest.MonkeyPatch, path: str
 ) -> None:
-    from router import ascii_encoder
+    from router.tokenize import ascii as ascii_encoder
 
     monkeypatch.setattr(ascii_encoder, "MAX_CACHED_PRETOKEN_BYTES", 20_000)
     if path == "dict":  # no compiled module: the re split and the dict cache, under the same bound

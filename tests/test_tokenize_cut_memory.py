@@ -8,14 +8,9 @@ import pytest
 from kvgate_testing.tokenizers import config, encode_threads
 from router.config import builtin_tokenizer_dir
 from router.recent_keys import RecentKeys
-from router.tokenize import (
-    LONG_PIECE_SIGHTINGS,
-    SEGMENT_CHARS,
-    PromptTokenizer,
-    RequestTokenizer,
-    _CutMemory,
-    _SegmentedText,
-)
+from router.tokenize import PromptTokenizer, RequestTokenizer
+from router.tokenize.caches import CutMemory, SegmentedText
+from router.tokenize.prompt import LONG_PIECE_SIGHTINGS, SEGMENT_CHARS
 
 WORDS = [
     "Cache", "router", "engine's", "prefix", "token", "ünïcödé", "中文", "x2", "3.14", "(see", "table)",
@@ -33,7 +28,7 @@ def fresh(qwen3: PromptTokenizer, cut_memory_chars: int = 1 << 24) -> PromptToke
     tokenizer = PromptTokenizer.__new__(PromptTokenizer)
     tokenizer.__dict__.update(qwen3.__dict__)
     tokenizer.cache = type(qwen3.cache)(4_000_000)
-    tokenizer.cuts = _CutMemory(cut_memory_chars)
+    tokenizer.cuts = CutMemory(cut_memory_chars)
     tokenizer.long_pieces = RecentKeys(LONG_PIECE_SIGHTINGS)
     return tokenizer
 
@@ -119,17 +114,17 @@ def test_a_changed_beginning_is_not_reused_past_the_change(qwen3: PromptTokenize
 
 
 def test_the_cut_memory_is_bounded_by_characters_and_evicts_the_oldest() -> None:
-    memory = _CutMemory(max_chars=10_000)
+    memory = CutMemory(max_chars=10_000)
     bodies = [f"{index:04d}" + "x" * 2996 for index in range(5)]  # distinct first segments
     for body in bodies:
-        memory.put(SEGMENT_CHARS, _SegmentedText(body, [len(body)], [np.zeros(1, dtype=np.uint32)]))
+        memory.put(SEGMENT_CHARS, SegmentedText(body, [len(body)], [np.zeros(1, dtype=np.uint32)]))
     assert len(memory) == 3 and memory.size <= 10_000
     assert memory.get(SEGMENT_CHARS, bodies[0]) is None and memory.get(SEGMENT_CHARS, bodies[1]) is None
     assert memory.get(SEGMENT_CHARS, bodies[2]) is not None  # now the most recent
-    memory.put(SEGMENT_CHARS, _SegmentedText(bodies[0], [3000], [np.zeros(1, dtype=np.uint32)]))
+    memory.put(SEGMENT_CHARS, SegmentedText(bodies[0], [3000], [np.zeros(1, dtype=np.uint32)]))
     assert memory.get(SEGMENT_CHARS, bodies[3]) is None  # the least recently used went
     assert memory.get(SEGMENT_CHARS, bodies[2]) is not None
-    memory.put(SEGMENT_CHARS, _SegmentedText("y" * 20_000, [20_000], [np.zeros(1, dtype=np.uint32)]))
+    memory.put(SEGMENT_CHARS, SegmentedText("y" * 20_000, [20_000], [np.zeros(1, dtype=np.uint32)]))
     assert memory.get(SEGMENT_CHARS, "y" * 20_000) is None  # over the bound alone: not kept
 
 

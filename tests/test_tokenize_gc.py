@@ -1,4 +1,4 @@
-"""A loaded tokenizer's objects are out of the cyclic collector's reach (router/tokenize.py)."""
+"""A loaded tokenizer's objects are out of the cyclic collector's reach (router/tokenize/prompt.py)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The piece cache and the prompt memory (router/tokenize.py) are bounded by the memory their
+"""The piece cache and the prompt memory (router/tokenize/caches.py) are bounded by the memory their
 entries hold, not only by tokens and characters: a client sending many distinct short chats (a word
 and the template's added tokens, a few tokens and characters each) must not grow them by hundreds
 of bytes of Python objects an entry up to their token and character bounds (over 1 GB a model)."""
@@ -11,14 +11,8 @@ import numpy as np
 import pytest
 
 from router.config import builtin_tokenizer_dir
-from router.tokenize import (
-    _PROMPT_ENTRY_KEY_BYTES,
-    PromptTokenizer,
-    _CutMemory,
-    _entry_bytes,
-    _PieceCache,
-    _PromptMemory,
-)
+from router.tokenize import PromptTokenizer
+from router.tokenize.caches import PROMPT_ENTRY_KEY_BYTES, CutMemory, PieceCache, PromptMemory, entry_bytes
 
 BOUND = 1 << 20  # 1 MiB for each, in these tests
 
@@ -32,9 +26,9 @@ def with_small_memories(qwen3: PromptTokenizer) -> PromptTokenizer:
     """The loaded tokenizer with its default token and character bounds and 1 MiB memory bounds."""
     tokenizer = PromptTokenizer.__new__(PromptTokenizer)
     tokenizer.__dict__.update(qwen3.__dict__)
-    tokenizer.cache = _PieceCache(4_000_000, max_bytes=BOUND)
-    tokenizer.cuts = _CutMemory(1 << 24)
-    tokenizer.prompts = _PromptMemory(16 << 20, max_bytes=BOUND)
+    tokenizer.cache = PieceCache(4_000_000, max_bytes=BOUND)
+    tokenizer.cuts = CutMemory(1 << 24)
+    tokenizer.prompts = PromptMemory(16 << 20, max_bytes=BOUND)
     return tokenizer
 
 
@@ -61,9 +55,9 @@ def test_many_short_chats_stay_within_the_memory_bounds(qwen3: PromptTokenizer) 
     # The count is the memory: what the process holds grew by about the two bounds, not more.
     assert grown < 3 * BOUND
     # What each holds is accounted exactly, so evictions keep the count true.
-    assert cache.bytes == sum(_entry_bytes(text, ids) for text, ids in cache._entries.items())
+    assert cache.bytes == sum(entry_bytes(text, ids) for text, ids in cache._entries.items())
     assert prompts.bytes == sum(
-        _entry_bytes(prompt, ids) + _PROMPT_ENTRY_KEY_BYTES for prompt, ids in prompts._entries.values()
+        entry_bytes(prompt, ids) + PROMPT_ENTRY_KEY_BYTES for prompt, ids in prompts._entries.values()
     )
 
 
@@ -86,11 +80,11 @@ def test_the_latest_entries_are_kept_and_still_exact(qwen3: PromptTokenizer) -> 
 
 
 def test_an_entry_larger_than_the_bound_is_not_kept() -> None:
-    cache = _PieceCache(1_000_000, max_bytes=4096)
+    cache = PieceCache(1_000_000, max_bytes=4096)
     cache.put("small", np.arange(3, dtype=np.uint32))
     cache.put("x" * 8000, np.arange(10, dtype=np.uint32))
     assert cache.get("small") is not None and cache.get("x" * 8000) is None
-    prompts = _PromptMemory(1 << 20, max_bytes=4096)
+    prompts = PromptMemory(1 << 20, max_bytes=4096)
     prompts.put("y" * 8000, np.arange(10, dtype=np.uint32))
     assert len(prompts) == 0 and prompts.bytes == 0
 
@@ -109,5 +103,5 @@ def test_cached_segments_own_their_tokens(qwen3: PromptTokenizer) -> None:
         cached = tokenizer.cache.get(segment)
         assert cached is not None and cached.base is None, segment[:40]
     assert tokenizer.cache.bytes == sum(
-        _entry_bytes(text, ids) for text, ids in tokenizer.cache._entries.items()
+        entry_bytes(text, ids) for text, ids in tokenizer.cache._entries.items()
     )

@@ -1,4 +1,4 @@
-"""The prompt memory (router/tokenize.py, _PromptMemory): a chat's next turn takes the tokens of
+"""The prompt memory (router/tokenize/caches.py, PromptMemory): a chat's next turn takes the tokens of
 the earlier prompt it repeats (up to that prompt's last added token) and encodes only the rest.
 Every probe compares with the whole rendered text encoded at once, token for token (growing chats on
 Qwen3's template and on the Llama-3-style test tokenizer's, which writes a BOS first)."""
@@ -10,7 +10,8 @@ import pytest
 
 from kvgate_testing.tokenizers import PARITY_TOKENIZERS, tokenizer_dir
 from router.config import builtin_tokenizer_dir
-from router.tokenize import PromptTokenizer, _CutMemory, _PieceCache, _PromptMemory
+from router.tokenize import PromptTokenizer
+from router.tokenize.caches import CutMemory, PieceCache, PromptMemory
 
 WORDS = [
     "Cache", "router", "engine's", "prefix", "token", "ünïcödé", "中文", "e\u0301t\u00e9", "x2", "3.14",
@@ -28,9 +29,9 @@ def fresh(qwen3: PromptTokenizer, prompt_memory_chars: int = 1 << 24) -> PromptT
     """The loaded tokenizer with empty caches and an empty prompt memory of its own."""
     tokenizer = PromptTokenizer.__new__(PromptTokenizer)
     tokenizer.__dict__.update(qwen3.__dict__)
-    tokenizer.cache = _PieceCache(4_000_000)
-    tokenizer.cuts = _CutMemory(1 << 24)
-    tokenizer.prompts = _PromptMemory(prompt_memory_chars)
+    tokenizer.cache = PieceCache(4_000_000)
+    tokenizer.cuts = CutMemory(1 << 24)
+    tokenizer.prompts = PromptMemory(prompt_memory_chars)
     return tokenizer
 
 
@@ -79,7 +80,7 @@ def test_a_follow_up_encodes_only_its_new_messages_even_with_the_piece_cache_emp
         {"role": "user", "content": text_of(rng, 80)},
     ]
     tokenizer.tokens_for({"messages": messages})
-    tokenizer.cache = _PieceCache(4_000_000)  # only the prompt memory knows the history now
+    tokenizer.cache = PieceCache(4_000_000)  # only the prompt memory knows the history now
     follow_up = {
         "messages": [*messages, {"role": "assistant", "content": "ok"}, {"role": "user", "content": "more?"}]
     }

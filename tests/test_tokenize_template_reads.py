@@ -11,9 +11,10 @@ from jinja2.runtime import Undefined
 from jinja2.sandbox import ImmutableSandboxedEnvironment, SecurityError
 from transformers.utils.chat_template_utils import _compile_jinja_template
 
-import router.tokenize as tokenize_module
+import router.tokenize.render as render_module
 from router.config import builtin_tokenizer_dir
-from router.tokenize import PromptTokenizer, _MemoizedAttributeCheck, _SandboxGetattr, _speed_up_sandbox_reads
+from router.tokenize import PromptTokenizer
+from router.tokenize.render import _MemoizedAttributeCheck, _SandboxGetattr, _speed_up_sandbox_reads
 
 
 @pytest.fixture(scope="module")
@@ -93,7 +94,7 @@ def test_unsafe_reads_are_refused_every_time_with_the_shortcuts(template: str) -
 
 
 def test_memo_is_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(tokenize_module, "ATTRIBUTE_CHECKS_MAX", 8)
+    monkeypatch.setattr(render_module, "ATTRIBUTE_CHECKS_MAX", 8)
     memo = _MemoizedAttributeCheck(ImmutableSandboxedEnvironment().is_safe_attribute)
     for index in range(50):
         assert memo("text", f"name{index}", None) is True
@@ -136,7 +137,7 @@ def random_conversation(rng: np.random.Generator) -> dict:
 def test_qwen3_renders_and_tokenizes_identically_with_and_without_the_shortcuts(
     qwen3: PromptTokenizer,
 ) -> None:
-    assert jinja2.__version__.startswith(tokenize_module._FAST_READS_JINJA_SERIES)
+    assert jinja2.__version__.startswith(render_module._FAST_READS_JINJA_SERIES)
     assert qwen3.template_reads_sped_up
     environment = _compile_jinja_template(qwen3.tokenizer.chat_template).environment
     memo, reads = vars(environment)["is_safe_attribute"], vars(environment)["getattr"]

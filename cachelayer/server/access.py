@@ -24,6 +24,7 @@ from __future__ import annotations
 import hmac
 import logging
 import threading
+import time
 from dataclasses import dataclass
 
 import zmq
@@ -64,6 +65,31 @@ def may_reach(credential: Credential | None, space: KeySpace) -> bool:
     return credential is None or credential.models is None or model_name(space) in credential.models
 
 
+class RateLimitedLog:
+    """Warning lines `template % (what, why, suffix)`, at most `per_s` a second; the lines skipped
+    are counted in the next one, so a flood of bad frames or connections costs a few lines a second."""
+
+    def __init__(self, logger: logging.Logger, template: str, per_s: int) -> None:
+        self._logger, self._template, self.per_s = logger, template, per_s
+        self._window = 0.0
+        self._logged = 0
+        self._skipped = 0
+        self._lock = threading.Lock()
+
+    def line(self, what: str, why: str) -> None:
+        with self._lock:
+            now = time.monotonic()
+            if now - self._window >= 1.0:
+                self._window, self._logged = now, 0
+            if self._logged >= self.per_s:
+                self._skipped += 1
+                return
+            self._logged += 1
+            skipped, self._skipped = self._skipped, 0
+        suffix = f" ({skipped} more since the last line)" if skipped else ""
+        self._logger.warning(self._template, what, why[:300], suffix)
+
+
 class ZapHandler:
     """Answers libzmq's ZAP requests for one context: a PLAIN handshake passes when its password is
     one credential's secret (constant-time compare), and the connection is then labelled with the
@@ -80,6 +106,7 @@ class ZapHandler:
         self._socket.bind(ZAP_ENDPOINT)
         self._stop = threading.Event()
         self.refused = 0
+        self._refusals = RateLimitedLog(log, "cachelayer server: refused a connection from %s: %s%s", 5)
         self._thread = threading.Thread(target=self._serve, name="cachelayer-zap", daemon=True)
         self._thread.start()
 
@@ -111,7 +138,7 @@ class ZapHandler:
             if status != b"200":
                 self.refused += 1
                 address = request[3].decode(errors="replace") if len(request) > 3 else "?"
-                log.warning("cachelayer server: refused a connection from %s: %s", address, text.decode())
+                self._refusals.line(address, text.decode())
             version = request[0] if request else b"1.0"
             request_id = request[1] if len(request) > 1 else b""
             self._socket.send_multipart([version, request_id, status, text, user_id, b""])

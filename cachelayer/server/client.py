@@ -134,7 +134,9 @@ class StoreClient:
                 socket.plain_password = self._secret
             # Handshake failures only show on a monitor: they explain a daemon that never answers.
             self._monitor = socket.get_monitor_socket(
-                zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+                zmq.EVENT_HANDSHAKE_FAILED_AUTH
+                | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+                | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
             )
             socket.connect(self.endpoint)
             self._socket = socket
@@ -151,6 +153,11 @@ class StoreClient:
 
     def _handshake_failure(self) -> str | None:
         """Why the daemon refused this client's connection, if its monitor says it did."""
+        mismatch = (
+            "this client and the daemon disagree on authentication (one has a secret, the "
+            "other none): set server_auth_secret_env here and --auth-secret-env there alike"
+        )
+        ended_handshakes = False
         while self._monitor is not None and self._monitor.poll(0):
             event = recv_monitor_message(self._monitor)["event"]
             if event == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
@@ -159,11 +166,11 @@ class StoreClient:
                     "holding the daemon's --auth-secret-env value"
                 )
             if event == zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL:
-                return (
-                    "this client and the daemon disagree on authentication (one has a secret, the "
-                    "other none): set server_auth_secret_env here and --auth-secret-env there alike"
-                )
-        return None
+                return mismatch
+            # A daemon that wants a secret from a client that offers none closes the connection
+            # mid-handshake; which side notices the mismatch first varies from one try to the next.
+            ended_handshakes = ended_handshakes or event == zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
+        return f"it ended every handshake: most likely {mismatch}" if ended_handshakes else None
 
     def close(self) -> None:
         with self._lock:
@@ -195,7 +202,9 @@ class StoreClient:
                 if reply.segment is None:
                     raise SharedPoolUnavailable("the daemon answered attach without a segment")
                 segment = reply.segment
-                self._shared = SharedPool.attach(segment.pid, segment.fd, segment.pool_bytes, segment.token)
+                self._shared = SharedPool.attach(
+                    segment.handout, segment.ticket, segment.pool_bytes, segment.token
+                )
                 if self._register_with_cuda:
                     self._shared.register_with_cuda()
             except (StoreRefused, SharedPoolUnavailable) as exc:

@@ -21,7 +21,8 @@ Access (cachelayer.server.access): with credentials, a connection must present o
 its handshake, and each request may only name key spaces its credential allows; leases belong to
 the connection that opened them. Bounds on what one request can cost: `max_message_bytes` a frame
 (ZMQ MAXMSGSIZE: a larger frame disconnects its sender before it is buffered), `max_tokens` a
-request, and lookups that hash no further than the held prefix (`_held_tokens`). A malformed or
+request, `MAX_QUEUED_PER_CONNECTION` messages queued per connection each way (a client that never
+reads its answers), and lookups that hash no further than the held prefix (`_held_tokens`). A malformed or
 refused request is answered with an error and logged as one line (at most `REFUSAL_LOG_PER_S` a
 second), never with a traceback.
 """
@@ -30,7 +31,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
 import threading
 import time
 import weakref
@@ -47,10 +47,17 @@ from cachelayer.controller.worker import attach_controller_worker
 from cachelayer.engine import CacheEngine
 from cachelayer.errors import CacheLayerError
 from cachelayer.server import protocol
-from cachelayer.server.access import ANONYMOUS, Credential, ZapHandler, may_reach, model_name
+from cachelayer.server.access import (
+    ANONYMOUS,
+    Credential,
+    RateLimitedLog,
+    ZapHandler,
+    may_reach,
+    model_name,
+)
 from cachelayer.server.leases import ClientProcess, LeaseLimitError, LeaseTable, Owner
 from cachelayer.server.protocol import ChunkEvent, KeySpace, Reply, Request, SharedSegment, Slot
-from cachelayer.server.shared_pool import SharedPool
+from cachelayer.server.shared_pool import PoolHandout, SharedPool
 from cachelayer.storage.allocator import ALIGNMENT
 from cachelayer.storage.cpu import CpuTier
 from kvwire import BlockRemoved, BlockStored
@@ -70,6 +77,10 @@ DEFAULT_MAX_MESSAGE_BYTES = 1 << 30
 # A lookup hashes its tokens in slices that double, stopping at the first that is not all held:
 # a long prompt that is not cached costs one slice of hashing, not its whole length.
 FIRST_LOOKUP_SLICE_CHUNKS = 16
+# Messages queued per connection, each way: a client that pipelines requests and never reads the
+# answers makes the daemon hold this many replies (KV included) at most, after which its replies
+# are dropped; an honest client has one request in flight.
+MAX_QUEUED_PER_CONNECTION = 16
 # Refused requests logged a second, at most (a flood of bad frames must not flood the log).
 REFUSAL_LOG_PER_S = 5
 # Engine counters a retired key space leaves in the daemon's totals (counters never go down).
@@ -130,29 +141,6 @@ REFUSALS = (
 )
 
 
-class _RefusalLog:
-    """One line per refused request, at most `per_s` a second; the lines skipped are counted in
-    the next one, so a flood of bad frames costs the log a few lines a second."""
-
-    def __init__(self, per_s: int) -> None:
-        self.per_s = per_s
-        self._window = 0.0
-        self._logged = 0
-        self._skipped = 0
-
-    def refused(self, op: str, error: str) -> None:
-        now = time.monotonic()
-        if now - self._window >= 1.0:
-            self._window, self._logged = now, 0
-        if self._logged >= self.per_s:
-            self._skipped += 1
-            return
-        self._logged += 1
-        skipped, self._skipped = self._skipped, 0
-        suffix = f" ({skipped} more refused since the last line)" if skipped else ""
-        log.warning("cachelayer server: refused %s: %s%s", op, error[:300], suffix)
-
-
 def _operation_of(frames: list[zmq.Frame]) -> str:
     """The op a request names, for the log line of a refusal ("a request" when unreadable)."""
     for frame in frames[1:3]:
@@ -204,14 +192,16 @@ class StoreServer:
         self._engines_lock = threading.Lock()
         # One L1 pool and one lock for every key space's engine: one memory budget in total.
         self.shared_pool: SharedPool | None = None
+        self.pool_handout: PoolHandout | None = None
         if shared_memory:
             capacity = config.max_local_cpu_bytes
             self.shared_pool = SharedPool.create(capacity - capacity % ALIGNMENT)
+            self.pool_handout = PoolHandout(self.shared_pool.fd)
         pool = self.shared_pool.pool if self.shared_pool is not None else None
         self.cpu = CpuTier(config.max_local_cpu_bytes, config.cache_policy, pool=pool)
         self.store_lock = threading.RLock()
         self.leases = LeaseTable(ttl_s=lease_ttl_s, max_per_client=max_leases_per_client)
-        self._refusals = _RefusalLog(REFUSAL_LOG_PER_S)
+        self._refusals = RateLimitedLog(log, "cachelayer server: refused %s: %s%s", REFUSAL_LOG_PER_S)
         self.refused_requests = 0
         self._own_context: zmq.Context | None = None
         self._zap: ZapHandler | None = None
@@ -225,6 +215,8 @@ class StoreServer:
         self._socket = self._context.socket(zmq.ROUTER)
         self._socket.setsockopt(zmq.LINGER, 0)
         self._socket.setsockopt(zmq.MAXMSGSIZE, max_message_bytes)
+        self._socket.setsockopt(zmq.SNDHWM, MAX_QUEUED_PER_CONNECTION)
+        self._socket.setsockopt(zmq.RCVHWM, MAX_QUEUED_PER_CONNECTION)
         if self.credentials:
             self._socket.plain_server = True
         self._socket.bind(endpoint)
@@ -320,7 +312,7 @@ class StoreServer:
                 reply, payload = self._handle(frames[1:], owner)
             except REFUSALS as exc:  # bad input or a refusal: one line, no traceback
                 self.refused_requests += 1
-                self._refusals.refused(_operation_of(frames), f"{type(exc).__name__}: {exc}")
+                self._refusals.line(_operation_of(frames), f"{type(exc).__name__}: {exc}")
                 reply, payload = Reply(ok=False, error=f"{type(exc).__name__}: {exc}"), None
             except Exception as exc:  # a bug: the traceback is wanted; the daemon keeps serving
                 log.exception("cachelayer server: request failed")
@@ -343,6 +335,8 @@ class StoreServer:
         self.leases.close()
         for engine in self.engines():
             engine.close()
+        if self.pool_handout is not None:
+            self.pool_handout.close()
         if self.shared_pool is not None:
             self.shared_pool.close()
 
@@ -360,9 +354,7 @@ class StoreServer:
                 f"(it allows {sorted(credential.models)})"
             )
 
-    def _handle(
-        self, frames: list[zmq.Frame], owner: Owner | None = None
-    ) -> tuple[Reply, memoryview | None]:
+    def _handle(self, frames: list[zmq.Frame], owner: Owner | None = None) -> tuple[Reply, memoryview | None]:
         """One request's reply (and KV bytes); `owner`: the connection it came on."""
         owner = owner or Owner(ANONYMOUS, b"")
         # frames: [b"", header] or [b"", header, payload]; tolerate a client that omits the delimiter.
@@ -465,10 +457,10 @@ class StoreServer:
     def _attach(self, request: Request, owner: Owner) -> Reply:
         self._check_pool_access(owner)
         self._client_process(request)
-        assert self.shared_pool is not None
+        assert self.shared_pool is not None and self.pool_handout is not None
         segment = SharedSegment(
-            pid=os.getpid(),
-            fd=self.shared_pool.fd,
+            handout=self.pool_handout.address,
+            ticket=self.pool_handout.issue(),
             pool_bytes=self.shared_pool.pool_bytes,
             token=self.shared_pool.token,
             lease_ttl_s=self.leases.ttl_s,

@@ -140,9 +140,7 @@ class LeaseTable:
         self, owner: Owner, process: ClientProcess | None, engine: CacheEngine, entries: list[TierEntry]
     ) -> Lease:
         deadline = time.monotonic() + self.ttl_s
-        return self._open(
-            Lease(_new_id(), owner, process, engine, "read", deadline, entries=entries)
-        )
+        return self._open(Lease(_new_id(), owner, process, engine, "read", deadline, entries=entries))
 
     def open_write(
         self,

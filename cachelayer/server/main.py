@@ -7,6 +7,7 @@ never from the command line itself, which other users of the host can read in /p
 from __future__ import annotations
 
 import argparse
+import ctypes
 import logging
 import signal
 import threading
@@ -53,6 +54,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--remote-url", default=None, help="shared remote tier below L1 (redis://HOST:PORT); none by default"
     )
     parser.add_argument("--remote-serde", default="naive", choices=["naive", "cachegen"])
+    parser.add_argument(
+        "--remote-auth-secret-env",
+        default=None,
+        metavar="NAME",
+        help="environment variable holding the secret the engines share for the remote tier's values "
+        "(HMAC-tagged); needed for a --remote-url beyond loopback",
+    )
+    parser.add_argument(
+        "--remote-allow-unauthenticated",
+        action="store_true",
+        help="accept a --remote-url beyond loopback without --remote-auth-secret-env (only trusted "
+        "hosts reach that Redis)",
+    )
     parser.add_argument(
         "--auth-secret-env",
         default=None,
@@ -113,6 +127,23 @@ def credentials_from_args(args: argparse.Namespace) -> list[Credential]:
     return credentials
 
 
+PR_SET_DUMPABLE = 4
+
+
+def make_non_dumpable() -> bool:
+    """prctl(PR_SET_DUMPABLE, 0): /proc/<this pid>/fd and /proc/<this pid>/mem become root's, so
+    other processes of this user cannot open the pool's memfd (or read the daemon's memory)
+    without asking the daemon; its pool handout is the only way in. False (logged) if refused."""
+    try:
+        refused = ctypes.CDLL(None, use_errno=True).prctl(PR_SET_DUMPABLE, 0, 0, 0, 0)
+    except (OSError, AttributeError) as exc:
+        log.warning("cachelayer server: cannot make the daemon non-dumpable (%s)", exc)
+        return False
+    if refused:
+        log.warning("cachelayer server: prctl(PR_SET_DUMPABLE, 0) failed (errno %d)", ctypes.get_errno())
+    return not refused
+
+
 def run(args: argparse.Namespace, server_class: type[StoreServer] = StoreServer) -> int:
     try:
         config = parse_config(
@@ -124,11 +155,15 @@ def run(args: argparse.Namespace, server_class: type[StoreServer] = StoreServer)
                 "save_unfull_chunk": False,
                 "remote_url": args.remote_url,
                 "remote_serde": args.remote_serde,
+                "remote_auth_secret_env": args.remote_auth_secret_env,
+                "remote_allow_unauthenticated": args.remote_allow_unauthenticated,
             },
             source="cachelayer server flags",
         )
     except CacheLayerConfigError as exc:
-        print(f"cachelayer server: {exc}")
+        # The config's keys are this command's flags: remote_auth_secret_env is --remote-auth-secret-env.
+        flags = " (here: --remote-auth-secret-env NAME, --remote-allow-unauthenticated)"
+        print(f"cachelayer server: {exc}{flags if 'remote_' in str(exc) else ''}")
         return 2
     for flag, value in (
         ("--lease-ttl-s", args.lease_ttl_s),
@@ -152,6 +187,8 @@ def run(args: argparse.Namespace, server_class: type[StoreServer] = StoreServer)
     except AuthConfigError as exc:
         print(f"cachelayer server: {exc}")
         return 2
+    if not args.no_shared_memory:
+        make_non_dumpable()
     server = server_class(
         config,
         f"tcp://{args.host}:{args.port}",

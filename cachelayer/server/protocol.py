@@ -66,10 +66,11 @@ class Slot(msgspec.Struct, array_like=True):
 
 
 class SharedSegment(msgspec.Struct, kw_only=True):
-    """Where a same-host client maps the daemon's pool: /proc/<pid>/fd/<fd>, checked by `token`."""
+    """How a same-host client maps the daemon's pool: `ticket` to the Unix socket `handout` (in the
+    abstract namespace) gets its file descriptor once; the segment's header must hold `token`."""
 
-    pid: int
-    fd: int
+    handout: bytes
+    ticket: bytes
     pool_bytes: int
     token: bytes
     lease_ttl_s: float

@@ -1,16 +1,20 @@
 """The daemon's L1 pool in shared memory, mapped by clients on the same host (zero-copy data plane).
 
 The daemon creates an anonymous memory file (memfd) the size of its L1 budget and builds its CPU
-tier over it. A client on the same host maps the same memory through `/proc/<daemon pid>/fd/<fd>`,
-which only a process of the same user in the same PID namespace may open: that is what "same
-host" means here. The daemon writes a random token into the segment's header and sends it over
-the control socket; a client that maps a segment whose header differs (a stale pid, another
-daemon) refuses it and uses TCP. The memfd has no name in any filesystem, so a daemon that dies
-leaves nothing behind in /dev/shm.
+tier over it. The file descriptor is handed only to clients the daemon let attach: `attach` (on
+the authenticated data plane) answers a one-time ticket and the name of a Unix socket in the
+abstract namespace (`PoolHandout`); a client that connects there and sends the ticket gets the
+descriptor (SCM_RIGHTS) and maps it. Only processes in the daemon's network namespace reach that
+socket: that is what "same host" means here. `cachelayer server` also makes itself non-dumpable,
+so that other processes of its user cannot open /proc/<daemon pid>/fd/<fd> to map the pool
+without asking. The segment's header holds a random token that the client checks against the
+one `attach` answered. The memfd has no name in any filesystem, so a daemon that dies leaves
+nothing behind in /dev/shm.
 
 A client that maps the pool can read and write every chunk in it: the shared-memory path is for
-engines the operator trusts as much as the daemon (the same user on the same host). Anything else
-uses the TCP path (`cachelayer server --no-shared-memory` turns the shared path off).
+engines the operator trusts as much as the daemon, and only a credential that reaches every key
+space may attach. Anything else uses the TCP path (`cachelayer server --no-shared-memory` turns
+the shared path off).
 """
 
 from __future__ import annotations
@@ -20,6 +24,9 @@ import logging
 import mmap
 import os
 import secrets
+import socket
+import threading
+import time
 
 import torch
 
@@ -30,6 +37,12 @@ log = logging.getLogger(__name__)
 # The segment starts with a header page (the token); the pool follows, page-aligned.
 HEADER_BYTES = 4096
 TOKEN_BYTES = 16
+TICKET_BYTES = 16
+# How long an `attach` ticket may wait to be used, and how many may wait at once.
+TICKET_TTL_S = 10.0
+MAX_OPEN_TICKETS = 1024
+# How long the handout waits for a connected client's ticket (a silent client must not stall it).
+HANDOUT_READ_TIMEOUT_S = 2.0
 
 
 class SharedPoolUnavailable(CacheLayerError, OSError):
@@ -67,13 +80,15 @@ class SharedPool:
         return cls(fd, pool_bytes, mapping, token)
 
     @classmethod
-    def attach(cls, daemon_pid: int, fd: int, pool_bytes: int, token: bytes) -> SharedPool:
-        """Map the daemon's segment; SharedPoolUnavailable when it is not this host's same daemon."""
-        path = f"/proc/{daemon_pid}/fd/{fd}"
+    def attach(cls, handout: bytes, ticket: bytes, pool_bytes: int, token: bytes) -> SharedPool:
+        """Map the daemon's segment, asked of its handout socket with `ticket`;
+        SharedPoolUnavailable when it is not reachable (another host or namespace) or not the
+        daemon's."""
+        path = f"the daemon's pool handout {handout!r}"
         try:
-            local_fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
+            local_fd = _receive_pool_fd(handout, ticket)
         except OSError as exc:
-            raise SharedPoolUnavailable(f"cannot open the daemon's pool at {path}: {exc}") from exc
+            raise SharedPoolUnavailable(f"cannot get the daemon's pool from {path}: {exc}") from exc
         try:
             size = os.fstat(local_fd).st_size
             if size != HEADER_BYTES + pool_bytes:
@@ -124,3 +139,84 @@ class SharedPool:
             self._mapping.close()
         with contextlib.suppress(OSError):
             os.close(self.fd)
+
+
+def _receive_pool_fd(handout: bytes, ticket: bytes) -> int:
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as conn:
+        conn.settimeout(HANDOUT_READ_TIMEOUT_S * 2)
+        conn.connect(handout)
+        conn.sendall(ticket)
+        _, fds, _, _ = socket.recv_fds(conn, 16, 1)
+    if not fds:
+        raise OSError("the daemon refused the ticket (expired or already used): attach again")
+    for extra in fds[1:]:
+        os.close(extra)
+    return fds[0]
+
+
+class PoolHandout:
+    """Hands the pool's file descriptor, over a Unix socket in the abstract namespace, to whoever
+    brings a ticket `issue()` made: once each, within TICKET_TTL_S. One thread, one client at a
+    time, each given HANDOUT_READ_TIMEOUT_S to send its ticket."""
+
+    def __init__(self, pool_fd: int) -> None:
+        self._pool_fd = pool_fd
+        self.address = b"\0cachelayer-pool-" + secrets.token_hex(8).encode()
+        self._listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self._listener.bind(self.address)
+        self._listener.listen(64)
+        self._listener.settimeout(0.1)
+        self._tickets: dict[bytes, float] = {}
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self.handed_out = 0
+        self.refused = 0
+        self._thread = threading.Thread(target=self._serve, name="cachelayer-pool-handout", daemon=True)
+        self._thread.start()
+
+    def issue(self) -> bytes:
+        """A one-time ticket for the pool's descriptor."""
+        now = time.monotonic()
+        ticket = secrets.token_bytes(TICKET_BYTES)
+        with self._lock:
+            for old in [old for old, deadline in self._tickets.items() if deadline < now]:
+                del self._tickets[old]
+            while len(self._tickets) >= MAX_OPEN_TICKETS:  # the oldest unused goes
+                del self._tickets[next(iter(self._tickets))]
+            self._tickets[ticket] = now + TICKET_TTL_S
+        return ticket
+
+    def _redeem(self, ticket: bytes) -> bool:
+        with self._lock:
+            deadline = self._tickets.pop(ticket, None)
+        return deadline is not None and deadline >= time.monotonic()
+
+    def _serve(self) -> None:
+        while not self._stop.is_set():
+            try:
+                conn, _ = self._listener.accept()
+            except TimeoutError:
+                continue
+            except OSError:
+                return
+            with conn:
+                try:
+                    conn.settimeout(HANDOUT_READ_TIMEOUT_S)
+                    ticket = b""
+                    while len(ticket) < TICKET_BYTES:
+                        piece = conn.recv(TICKET_BYTES - len(ticket))
+                        if not piece:
+                            break
+                        ticket += piece
+                    if len(ticket) == TICKET_BYTES and self._redeem(ticket):
+                        socket.send_fds(conn, [b"pool"], [self._pool_fd])
+                        self.handed_out += 1
+                    else:
+                        self.refused += 1
+                except OSError as exc:  # a client that vanished or stalled: its problem only
+                    log.debug("cachelayer server: pool handout: %s", exc)
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+        self._listener.close()

@@ -39,6 +39,7 @@ import contextlib
 import hashlib
 import hmac
 import logging
+import select
 import socket
 import struct
 import threading
@@ -95,7 +96,7 @@ class OversizedValue(CorruptValue):
     """A remote value larger than the chunk it is stored for can be; refused before its body was read."""
 
 
-class DeadlineExceeded(redis.TimeoutError):
+class DeadlineExceeded(CacheLayerError, redis.TimeoutError):
     """A remote call that did not finish within its total deadline."""
 
 
@@ -477,9 +478,17 @@ class RemoteTier:
     # ---- connections: each call has one deadline ----
 
     def _connection(self, deadline: float) -> Any:
-        with self._idle_lock:
-            if self._idle:
-                return self._idle.pop()
+        while True:
+            with self._idle_lock:
+                if not self._idle:
+                    break
+                connection = self._idle.pop()
+            # An idle socket with something to read was closed by Redis (restart, idle timeout) or
+            # holds stray bytes: either way not one to send a command on.
+            readable, _, _ = select.select([connection._sock], [], [], 0)
+            if not readable:
+                return connection
+            connection.disconnect()
         connection = self._connection_class(**self._connection_kwargs)
         # The handshake (AUTH, SELECT, CLIENT SETINFO) is read by redis-py, whose timeout restarts
         # at each read: a timer ends the socket at the call's deadline instead.
@@ -665,7 +674,7 @@ class RemoteTier:
             }
 
 
-class _Refused(Exception):
+class _Refused(CacheLayerError):
     """Not an error: carries the values read before a refusal out of the exchange."""
 
     def __init__(self, values: list[bytearray | CorruptValue | None]) -> None:

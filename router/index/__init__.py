@@ -1,6 +1,7 @@
-"""KV-event index: router keys (keys), the prefix index and its lookups (store), the writers that
-apply events to it (ingest), per-engine subscribers (subscriber) and the service that ties them
-together for the gateway (service). The wire protocol is `kvwire`'s."""
+"""KV-event index: router keys (keys), the prefix index, its rules and lookups (store), the one
+writer that applies events to it (ingest, with the Python rules of python_writer), per-engine
+subscribers (stream, transport) and the service that builds the index and its writer and ties
+them together for the gateway (service). The wire protocol is `kvwire`'s."""
 
 from router.index.keys import DEFAULT_NAMESPACE, ROUTER_BLOCK_TOKENS, Namespace, prompt_prefix_keys
 from router.index.store import BackendMatch, PrefixIndex

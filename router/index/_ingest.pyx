@@ -6,7 +6,7 @@ evicted block from vLLM), into the prefix index's own Python dicts.
 `BackendWriter(index, backend).store(events, start)` applies `events[start:]` in order while
 each is of a shape described below and returns the position of the first one it did not apply
 (the caller hands that one and the events after it to the pure-Python paths of
-`router/index/ingest.py`'s `PythonWriter`, which stays the oracle). Shapes are checked per event against
+`router/index/python_writer.py`'s `PythonWriter`, the reference). Shapes are checked per event against
 the index as it stands after the events before it; an event outside them changes nothing.
 
 The decode shape: a BlockStored of one 16-token block (`block_size` 16, `token_ids` a list of 16
@@ -36,9 +36,10 @@ as an unknown removal) or a plain node: no tail, and no second reference to any 
 the last bit), the node loses it too (the node goes with its last slot, and its chain with its
 last node), and the stats follow. An event with any other block is left whole to the Python path.
 
-The same shapes are taken from msgpack payloads without decoding them: `scan_batch` checks a
-payload and notes where each event's fields lie, and `BackendWriter.store_wire` reads hashes and
-token ids from the bytes (the section "msgpack payloads read in place" below).
+The same shapes are taken from msgpack payloads without decoding them: the wire protocol's
+compiled frame reader (`kvwire/_frames.pyx`: `scan_batch`, `WireBatch`, its readers cimported
+from `kvwire/_frames.pxd`) checks a payload and notes where each event's fields lie, and
+`BackendWriter.store_wire` reads hashes and token ids from the bytes through those readers.
 
 Callers hold the index's writer lock; lookups read the same dicts without it (each insert is one
 dict store, as in the Python paths).
@@ -49,12 +50,14 @@ from cpython.pythread cimport (
     NOWAIT_LOCK, WAIT_LOCK, PyThread_acquire_lock, PyThread_allocate_lock, PyThread_free_lock,
     PyThread_release_lock, PyThread_type_lock,
 )
-cimport cython
 from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_GET_SIZE
 from cpython.mem cimport PyMem_Free, PyMem_Malloc
 from cpython.ref cimport Py_INCREF, Py_XDECREF
 from libc.stdint cimport int64_t, uint32_t, uint64_t
-from libc.string cimport memcmp, memcpy
+
+from kvwire._frames cimport (
+    KIND_REMOVED, KIND_STORED, EventView, WireBatch, hash_object, text_object, token_words_at,
+)
 
 import types
 
@@ -75,10 +78,6 @@ cdef extern from "Python.h":
     unsigned long long PyLong_AsUnsignedLongLong(object value) except? <unsigned long long>-1
     void PyObject_GC_UnTrack(void* value)
     object PyLong_FromUnsignedLongLong(unsigned long long value)
-    object PyLong_FromLongLong(long long value)
-    object PyBytes_FromStringAndSize(const char* data, Py_ssize_t size)
-    object PyUnicode_DecodeUTF8(const char* data, Py_ssize_t size, const char* errors)
-    const Py_ssize_t PY_SSIZE_T_MAX
     ctypedef struct PyMemberDef:
         Py_ssize_t offset
     ctypedef struct PyMemberDescrObject:
@@ -334,620 +333,6 @@ cdef inline object _end_object(long long end_tokens):
         return <object>PyList_GET_ITEM(_shared_ends, end_tokens // BLOCK_TOKENS)
     return end_tokens
 
-
-# ---- msgpack payloads read in place (`scan_batch`, `BackendWriter.store_wire`) ----
-#
-# An EventBatch as engines publish it is scanned here without building event objects: the
-# events' fields are checked against the types the wire decoder (`kvwire/decode.py`)
-# declares, and where each value lies is kept. The writer then reads hashes and token ids from
-# the payload itself: a decode step's 16 token ids never become Python ints. The scan is at
-# least as strict as the decoder: whatever it accepts, the decoder decodes to the same events,
-# one for one, so the Python path can take over at any event. Anything else (an unknown event
-# type, a value of another type, a duplicate key, extra keys other than nil: a cache_salt or
-# multimodal keys) makes the scan give up, and the payload goes to the decoder.
-
-cdef enum:
-    # Fields of an event, in the order array-encoded BlockStored events hold them.
-    F_BLOCK_HASHES, F_PARENT, F_TOKEN_IDS, F_BLOCK_SIZE, F_LORA_ID, F_MEDIUM, F_LORA_NAME,
-    F_EXTRA_KEYS, F_GROUP, F_SPEC_KIND, F_SPEC_WINDOW, F_TYPE, FIELD_COUNT
-    # Event kinds.
-    KIND_STORED = 1
-    KIND_REMOVED = 2
-    KIND_CLEARED = 3
-    # Nesting the scan follows inside values it skips.
-    SKIP_DEPTH = 32
-
-
-
-cdef struct EventView:
-    int kind
-    # Where the elements of `block_hashes` and `token_ids` start, and how many there are.
-    Py_ssize_t hashes_at, hash_count, tokens_at, token_count
-    # Where the parent hash, the medium and the LoRA name lie (-1: nil or absent).
-    Py_ssize_t parent_at, medium_at, lora_name_at
-    # block_size is the int 16; group_idx is nil, absent or 0.
-    bint sixteen, group_zero
-
-
-cdef inline uint64_t _big_endian(const unsigned char* at, int size) noexcept:
-    cdef uint64_t value = 0
-    cdef int index
-    for index in range(size):
-        value = (value << 8) | at[index]
-    return value
-
-
-cdef inline Py_ssize_t _header(const unsigned char* data, Py_ssize_t end, Py_ssize_t* at,
-                               unsigned char fixed, unsigned char wide16) noexcept:
-    """The element count of the array (fixed 0x90, wide16 0xdc) or map (0x80, 0xde) at `at`,
-    moved past its header; -1 for any other value."""
-    cdef Py_ssize_t position = at[0]
-    cdef unsigned char first
-    if position >= end:
-        return -1
-    first = data[position]
-    if first & 0xF0 == fixed:
-        at[0] = position + 1
-        return first & 0x0F
-    if first == wide16 and end - position >= 3:
-        at[0] = position + 3
-        return <Py_ssize_t>_big_endian(data + position + 1, 2)
-    if first == wide16 + 1 and end - position >= 5:
-        at[0] = position + 5
-        return <Py_ssize_t>_big_endian(data + position + 1, 4)
-    return -1
-
-
-cdef inline int _int_at(const unsigned char* data, Py_ssize_t end, Py_ssize_t* at, uint64_t* value) noexcept:
-    """The int at `at` (moved past it): 1 with its value when it is 0 or more, 2 with its two's
-    complement when negative, 0 (nothing moved) when the value there is not an int."""
-    cdef Py_ssize_t position = at[0]
-    cdef unsigned char first
-    cdef int size
-    cdef int64_t signed_value
-    if position >= end:
-        return 0
-    first = data[position]
-    if first < 0x80:
-        at[0] = position + 1
-        value[0] = first
-        return 1
-    if first >= 0xE0:
-        at[0] = position + 1
-        value[0] = <uint64_t>(<int64_t>(<signed char>first))
-        return 2
-    if first < 0xCC or first > 0xD3:
-        return 0
-    # uint8/16/32/64 (0xCC-0xCF), int8/16/32/64 (0xD0-0xD3): 1, 2, 4 or 8 big-endian bytes
-    size = 1 << ((first - 0xCC) & 3)
-    if end - position < 1 + size:
-        return 0
-    at[0] = position + 1 + size
-    value[0] = _big_endian(data + position + 1, size)
-    if first <= 0xCF:
-        return 1
-    signed_value = <int64_t>(value[0] << (64 - 8 * size)) >> (64 - 8 * size)  # sign-extended
-    value[0] = <uint64_t>signed_value
-    return 1 if signed_value >= 0 else 2
-
-
-cdef inline Py_ssize_t _bytes_at(const unsigned char* data, Py_ssize_t end, Py_ssize_t* at,
-                                 bint text, Py_ssize_t* start) noexcept:
-    """The length of the str (`text`) or bin at `at`, its first byte's offset in `start`, `at`
-    moved past it; -1 (nothing moved) when the value there is not one."""
-    cdef Py_ssize_t position = at[0], length, size
-    cdef unsigned char first
-    if position >= end:
-        return -1
-    first = data[position]
-    if text and 0xA0 <= first <= 0xBF:
-        size, length = 1, first & 0x1F
-    elif (text and 0xD9 <= first <= 0xDB) or (not text and 0xC4 <= first <= 0xC6):
-        size = 1 << (first - (0xD9 if text else 0xC4))
-        if end - position < 1 + size:
-            return -1
-        size, length = 1 + size, <Py_ssize_t>_big_endian(data + position + 1, size)
-    else:
-        return -1
-    if end - position - size < length:
-        return -1
-    start[0] = position + size
-    at[0] = position + size + length
-    return length
-
-
-cdef inline bint _nil_at(const unsigned char* data, Py_ssize_t end, Py_ssize_t* at) noexcept:
-    if at[0] < end and data[at[0]] == 0xC0:
-        at[0] += 1
-        return True
-    return False
-
-
-cdef bint _skip(const unsigned char* data, Py_ssize_t end, Py_ssize_t* at, int depth) noexcept:
-    """`at` moved past one value of any type (False for a malformed or truncated one, or one
-    nested deeper than SKIP_DEPTH)."""
-    cdef Py_ssize_t position = at[0], count, index, start = 0, size
-    cdef unsigned char first
-    cdef uint64_t value = 0
-    if position >= end or depth > SKIP_DEPTH:
-        return False
-    first = data[position]
-    if _int_at(data, end, at, &value):
-        return True
-    if first == 0xC0 or first == 0xC2 or first == 0xC3:
-        at[0] = position + 1
-        return True
-    if first == 0xCA or first == 0xCB:
-        size = 5 if first == 0xCA else 9
-        if end - position < size:
-            return False
-        at[0] = position + size
-        return True
-    if _bytes_at(data, end, at, True, &start) >= 0 or _bytes_at(data, end, at, False, &start) >= 0:
-        return True
-    if 0xD4 <= first <= 0xD8:  # fixext: type byte and 1-16 bytes
-        size = 2 + (1 << (first - 0xD4))
-        if end - position < size:
-            return False
-        at[0] = position + size
-        return True
-    if 0xC7 <= first <= 0xC9:  # ext 8/16/32: length, type byte, data
-        size = 1 << (first - 0xC7)
-        if end - position < 2 + size:
-            return False
-        count = <Py_ssize_t>_big_endian(data + position + 1, size)
-        if end - position - 2 - size < count:
-            return False
-        at[0] = position + 2 + size + count
-        return True
-    count = _header(data, end, at, 0x90, 0xDC)
-    if count < 0:
-        count = _header(data, end, at, 0x80, 0xDE)
-        if count < 0:
-            return False
-        count *= 2
-    for index in range(count):
-        if not _skip(data, end, at, depth + 1):
-            return False
-    return True
-
-
-cdef inline bint _float_at(const unsigned char* data, Py_ssize_t end, Py_ssize_t* at, double* value) noexcept:
-    """A float field's value (a float or an int, as the decoder accepts)."""
-    cdef Py_ssize_t position = at[0]
-    cdef uint64_t bits = 0
-    cdef int kind
-    cdef float single
-    cdef double double_value
-    cdef uint32_t single_bits
-    cdef int size
-    if position < end and (data[position] == 0xCB or data[position] == 0xCA):  # float64, float32
-        size = 8 if data[position] == 0xCB else 4
-        if end - position < 1 + size:
-            return False
-        bits = _big_endian(data + position + 1, size)
-        if size == 8:
-            memcpy(&double_value, &bits, 8)
-            value[0] = double_value
-        else:
-            single_bits = <uint32_t>bits
-            memcpy(&single, &single_bits, 4)
-            value[0] = single
-        at[0] = position + 1 + size
-        return True
-    kind = _int_at(data, end, at, &bits)
-    if kind == 1:
-        value[0] = <double>bits
-    elif kind == 2:
-        value[0] = <double>(<int64_t>bits)
-    return kind != 0
-
-
-cdef inline bint _utf8_at(const unsigned char* data, Py_ssize_t start, Py_ssize_t length) noexcept:
-    """Whether a str's bytes are valid UTF-8 (the decoder refuses a str field that is not)."""
-    cdef Py_ssize_t index
-    for index in range(length):
-        if data[start + index] >= 0x80:
-            try:
-                PyUnicode_DecodeUTF8(<const char*>data + start, length, NULL)
-            except UnicodeDecodeError:
-                return False
-            return True
-    return True
-
-
-cdef bint _optional_int(const unsigned char* data, Py_ssize_t end, Py_ssize_t at, uint64_t* value,
-                        int* kind) noexcept:
-    """A field of type `int | None` at `at` (-1: absent): kind 0 for nil or absent, else the
-    int's kind (`_int_at`) and value; False for another type."""
-    kind[0] = 0
-    if at < 0 or _nil_at(data, end, &at):
-        return True
-    kind[0] = _int_at(data, end, &at, value)
-    return kind[0] != 0
-
-
-cdef bint _optional_text(const unsigned char* data, Py_ssize_t end, Py_ssize_t at, bint* present) noexcept:
-    """A field of type `str | None` at `at` (-1: absent), its bytes valid UTF-8."""
-    cdef Py_ssize_t start = 0, length
-    present[0] = False
-    if at < 0 or _nil_at(data, end, &at):
-        return True
-    length = _bytes_at(data, end, &at, True, &start)
-    if length < 0 or not _utf8_at(data, start, length):
-        return False
-    present[0] = True
-    return True
-
-
-cdef inline bint _hash_at(const unsigned char* data, Py_ssize_t end, Py_ssize_t* at) noexcept:
-    """`at` moved past an engine block hash (an int or bytes)."""
-    cdef uint64_t value = 0
-    cdef Py_ssize_t start = 0
-    return _int_at(data, end, at, &value) != 0 or _bytes_at(data, end, at, False, &start) >= 0
-
-
-cdef Py_ssize_t _list_at(const unsigned char* data, Py_ssize_t end, Py_ssize_t* at, bint hashes,
-                         Py_ssize_t* first) noexcept:
-    """The length of the `list[int | bytes]` (`hashes`) or `list[int]` at `at`, moved past it, its
-    first element's offset in `first`; -1 for another type. (One tight pass: a prefill's list
-    holds thousands of token ids.)"""
-    cdef Py_ssize_t count = _header(data, end, at, 0x90, 0xDC), index, position, start = 0
-    cdef unsigned char first_byte
-    if count < 0:
-        return -1
-    position = at[0]
-    first[0] = position
-    for index in range(count):
-        if position >= end:
-            return -1
-        first_byte = data[position]
-        if first_byte < 0x80 or first_byte >= 0xE0:  # fixints
-            position += 1
-        elif 0xCC <= first_byte <= 0xD3:  # uint8..uint64, int8..int64
-            position += 1 + (1 << ((first_byte - 0xCC) & 3))
-            if position > end:
-                return -1
-        elif hashes and 0xC4 <= first_byte <= 0xC6:
-            at[0] = position
-            if _bytes_at(data, end, at, False, &start) < 0:
-                return -1
-            position = at[0]
-        else:
-            return -1
-    at[0] = position
-    return count
-
-
-cdef int _event_kind(const unsigned char* data, Py_ssize_t start, Py_ssize_t length) noexcept:
-    if length == 11 and memcmp(data + start, b"BlockStored", 11) == 0:
-        return KIND_STORED
-    if length == 12 and memcmp(data + start, b"BlockRemoved", 12) == 0:
-        return KIND_REMOVED
-    if length == 16 and memcmp(data + start, b"AllBlocksCleared", 16) == 0:
-        return KIND_CLEARED
-    return 0
-
-
-cdef inline bint _is_key(const unsigned char* data, Py_ssize_t start, Py_ssize_t length,
-                         const char* name, Py_ssize_t name_length) noexcept:
-    return length == name_length and memcmp(data + start, name, length) == 0
-
-
-cdef int _field_of_key(const unsigned char* data, Py_ssize_t start, Py_ssize_t length) noexcept:
-    """The field a map key names, or -1 for a key the decoder ignores (C strings compared by
-    length first: no Python object touched per key)."""
-    if _is_key(data, start, length, b"type", 4):
-        return F_TYPE
-    if _is_key(data, start, length, b"block_hashes", 12):
-        return F_BLOCK_HASHES
-    if _is_key(data, start, length, b"parent_block_hash", 17):
-        return F_PARENT
-    if _is_key(data, start, length, b"token_ids", 9):
-        return F_TOKEN_IDS
-    if _is_key(data, start, length, b"block_size", 10):
-        return F_BLOCK_SIZE
-    if _is_key(data, start, length, b"lora_id", 7):
-        return F_LORA_ID
-    if _is_key(data, start, length, b"medium", 6):
-        return F_MEDIUM
-    if _is_key(data, start, length, b"lora_name", 9):
-        return F_LORA_NAME
-    if _is_key(data, start, length, b"extra_keys", 10):
-        return F_EXTRA_KEYS
-    if _is_key(data, start, length, b"group_idx", 9):
-        return F_GROUP
-    if _is_key(data, start, length, b"kv_cache_spec_kind", 18):
-        return F_SPEC_KIND
-    if _is_key(data, start, length, b"kv_cache_spec_sliding_window", 28):
-        return F_SPEC_WINDOW
-    return -1
-
-
-cdef inline bint _field_value(const unsigned char* data, Py_ssize_t end, Py_ssize_t* at, int field,
-                              EventView* view) noexcept:
-    """`at` moved past a field's value: the two lists are checked and placed on the way (into
-    `view`), any other value skipped (checked after, by kind)."""
-    if field == F_BLOCK_HASHES:
-        view.hash_count = _list_at(data, end, at, True, &view.hashes_at)
-        return view.hash_count >= 0
-    if field == F_TOKEN_IDS:
-        view.token_count = _list_at(data, end, at, False, &view.tokens_at)
-        return view.token_count >= 0
-    return _skip(data, end, at, 1)
-
-
-cdef bint _scan_event(const unsigned char* data, Py_ssize_t end, Py_ssize_t* at, EventView* view) noexcept:
-    """One event (array- or map-encoded) scanned into `view`, `at` moved past it; False when the
-    decoder might decode it otherwise than the writer would read it."""
-    cdef Py_ssize_t values[FIELD_COUNT]
-    cdef Py_ssize_t count, index, start = 0, length
-    cdef int field, kind = 0, int_kind = 0
-    cdef uint64_t value = 0
-    cdef bint present = False
-    for field in range(FIELD_COUNT):
-        values[field] = -1
-    view.hash_count = -1
-    view.token_count = 0
-    view.tokens_at = 0
-    count = _header(data, end, at, 0x90, 0xDC)
-    if count == 0:
-        return False
-    if count > 0:  # array-encoded: the tag, then the fields in the class's order
-        length = _bytes_at(data, end, at, True, &start)
-        if length < 0:
-            return False
-        kind = _event_kind(data, start, length)
-        for index in range(1, count):
-            field = -1
-            if kind == KIND_STORED and index - 1 < F_TYPE:
-                field = index - 1
-            elif kind == KIND_REMOVED and index - 1 < 3:  # block_hashes, medium, group_idx
-                field = F_BLOCK_HASHES if index == 1 else (F_MEDIUM if index == 2 else F_GROUP)
-            if field >= 0:
-                values[field] = at[0]
-            if not _field_value(data, end, at, field, view):
-                return False
-    else:
-        count = _header(data, end, at, 0x80, 0xDE)
-        if count < 0:
-            return False
-        for index in range(count):
-            length = _bytes_at(data, end, at, True, &start)
-            if length < 0:
-                return False
-            field = _field_of_key(data, start, length)
-            if field >= 0:
-                if values[field] >= 0:  # a duplicate key: the decoder keeps the last one
-                    return False
-                values[field] = at[0]
-            if not _field_value(data, end, at, field, view):
-                return False
-        if values[F_TYPE] < 0:
-            return False
-        index = values[F_TYPE]
-        length = _bytes_at(data, end, &index, True, &start)
-        if length < 0:
-            return False
-        kind = _event_kind(data, start, length)
-    view.kind = kind
-    if kind == KIND_CLEARED:
-        return True
-    if kind == 0 or view.hash_count < 0:
-        return False
-    if not _optional_text(data, end, values[F_MEDIUM], &present):
-        return False
-    view.medium_at = values[F_MEDIUM] if present else -1
-    if not _optional_int(data, end, values[F_GROUP], &value, &int_kind):
-        return False
-    view.group_zero = int_kind == 0 or (int_kind == 1 and value == 0)
-    if kind == KIND_REMOVED:
-        return True
-    index = values[F_PARENT]
-    view.parent_at = -1
-    if index >= 0 and not _nil_at(data, end, &index):
-        view.parent_at = index
-        if not _hash_at(data, end, &index):
-            return False
-    if not _optional_int(data, end, values[F_BLOCK_SIZE], &value, &int_kind):
-        return False
-    view.sixteen = int_kind == 1 and value == BLOCK_TOKENS
-    if (not _optional_int(data, end, values[F_LORA_ID], &value, &int_kind)
-            or not _optional_int(data, end, values[F_SPEC_WINDOW], &value, &int_kind)):
-        return False
-    if not _optional_text(data, end, values[F_SPEC_KIND], &present):
-        return False
-    if not _optional_text(data, end, values[F_LORA_NAME], &present):
-        return False
-    view.lora_name_at = values[F_LORA_NAME] if present else -1
-    # extra_keys: nil, or one nil per block (keys of multimodal inputs or a cache_salt name a
-    # namespace the Python path works out).
-    index = values[F_EXTRA_KEYS]
-    if index >= 0 and not _nil_at(data, end, &index):
-        count = _header(data, end, &index, 0x90, 0xDC)
-        if count < 0:
-            return False
-        for field in range(count):
-            if not _nil_at(data, end, &index):
-                return False
-    return True
-
-
-@cython.no_gc
-cdef class WireBatch:
-    """A msgpack EventBatch scanned by `scan_batch`: its events, where their fields lie in the
-    payload, and their number by kind (what the subscriber counts). Untracked by the cyclic GC:
-    it holds bytes and an int, never part of a cycle."""
-
-    cdef readonly bytes payload
-    cdef readonly double ts
-    cdef readonly object data_parallel_rank
-    cdef readonly Py_ssize_t stored, removed, cleared
-    cdef EventView* views
-    cdef Py_ssize_t count
-    # A batch of one event (the usual message) keeps its view here: no allocation.
-    cdef EventView single
-
-    def __dealloc__(self):
-        if self.views is not &self.single:
-            PyMem_Free(self.views)
-
-    def __len__(self):
-        return self.count
-
-
-cdef bint _scan_events(const unsigned char* data, Py_ssize_t end, Py_ssize_t* at, WireBatch batch) except -1:
-    """The batch's events (the array at `at`, moved past it) scanned into `batch`; False when
-    one is not read exactly as the decoder would."""
-    cdef Py_ssize_t count = _header(data, end, at, 0x90, 0xDC), index
-    cdef int kind
-    # (an event takes 2 bytes at least: a count past that is a malformed header, never an allocation)
-    if count < 0 or count > (end - at[0]) // 2 or batch.views is not NULL:
-        return False
-    if count <= 1:
-        batch.views = &batch.single
-    else:
-        batch.views = <EventView*>PyMem_Malloc(count * sizeof(EventView))
-        if batch.views is NULL:
-            raise MemoryError()
-    for index in range(count):
-        if not _scan_event(data, end, at, &batch.views[index]):
-            return False
-        kind = batch.views[index].kind
-        if kind == KIND_STORED:
-            batch.stored += 1
-        elif kind == KIND_REMOVED:
-            batch.removed += 1
-        else:
-            batch.cleared += 1
-        batch.count = index + 1
-    return True
-
-
-cdef inline bint _rank_at(const unsigned char* data, Py_ssize_t end, Py_ssize_t at, WireBatch batch) except -1:
-    """A rank field (`int | None`, at `at`; -1: absent) checked, and kept unless the batch has one."""
-    cdef uint64_t value = 0
-    cdef int kind = 0
-    if not _optional_int(data, end, at, &value, &kind):
-        return False
-    if batch.data_parallel_rank is None and kind == 1:
-        batch.data_parallel_rank = value
-    elif batch.data_parallel_rank is None and kind == 2:
-        batch.data_parallel_rank = <int64_t>value
-    return True
-
-
-def scan_batch(bytes payload):
-    """The payload scanned (a `WireBatch`) when it is an EventBatch (array- or map-encoded) whose
-    every event the scan reads exactly as the decoder would (module section above); None for
-    any other payload, which goes to the decoder (`kvwire.decode_batch`)."""
-    cdef const unsigned char* data = <const unsigned char*>PyBytes_AS_STRING(payload)
-    cdef Py_ssize_t end = PyBytes_GET_SIZE(payload), at = 0, count, index, length, start = 0
-    cdef Py_ssize_t rank_at = -1, attn_rank_at = -1
-    cdef bint has_ts = False
-    cdef WireBatch batch = WireBatch.__new__(WireBatch)
-    batch.payload = payload
-    batch.data_parallel_rank = None
-    count = _header(data, end, &at, 0x90, 0xDC)
-    if count >= 2:  # [ts, events, data_parallel_rank]
-        if not _float_at(data, end, &at, &batch.ts) or not _scan_events(data, end, &at, batch):
-            return None
-        has_ts = True
-        if count >= 3:
-            rank_at = at
-        for index in range(2, count):
-            if not _skip(data, end, &at, 0):
-                return None
-    elif count < 0:
-        count = _header(data, end, &at, 0x80, 0xDE)
-        if count < 0:
-            return None
-        for index in range(count):
-            length = _bytes_at(data, end, &at, True, &start)
-            if length < 0:
-                return None
-            if _is_key(data, start, length, b"ts", 2):
-                if has_ts or not _float_at(data, end, &at, &batch.ts):
-                    return None
-                has_ts = True
-                continue
-            if _is_key(data, start, length, b"events", 6):
-                if not _scan_events(data, end, &at, batch):  # (False for a second "events")
-                    return None
-                continue
-            if _is_key(data, start, length, b"data_parallel_rank", 18):
-                if rank_at >= 0:
-                    return None
-                rank_at = at
-            elif _is_key(data, start, length, b"attn_dp_rank", 12):
-                if attn_rank_at >= 0:
-                    return None
-                attn_rank_at = at
-            if not _skip(data, end, &at, 0):
-                return None
-    if at != end or not has_ts or batch.views is NULL:
-        return None
-    if not _rank_at(data, end, rank_at, batch) or not _rank_at(data, end, attn_rank_at, batch):
-        return None
-    return batch
-
-
-cdef inline object _hash_object(const unsigned char* data, Py_ssize_t* at):
-    """The engine hash at `at` (scanned: an int or bytes) as the decoder gives it, `at` moved
-    past it."""
-    cdef uint64_t value = 0
-    cdef Py_ssize_t start = 0, length
-    cdef int kind = _int_at(data, PY_SSIZE_T_MAX, at, &value)
-    if kind == 1:
-        return PyLong_FromUnsignedLongLong(value)
-    if kind == 2:
-        return PyLong_FromLongLong(<int64_t>value)
-    length = _bytes_at(data, PY_SSIZE_T_MAX, at, False, &start)
-    return PyBytes_FromStringAndSize(<const char*>data + start, length)
-
-
-cdef inline bint _token_at(const unsigned char* data, Py_ssize_t* at, uint64_t* value) noexcept:
-    """A scanned token id (an int), `at` moved past it; False unless it is in uint32 range. The
-    encodings of token ids (fixint, uint8/16/32) are read here, any other the general way."""
-    cdef const unsigned char* here = data + at[0]
-    cdef unsigned char first = here[0]
-    if first < 0x80:
-        value[0] = first
-        at[0] += 1
-        return True
-    if first == 0xCE:
-        value[0] = (<uint64_t>here[1] << 24) | (<uint64_t>here[2] << 16) | (<uint64_t>here[3] << 8) | here[4]
-        at[0] += 5
-        return True
-    if first == 0xCD:
-        value[0] = (<uint64_t>here[1] << 8) | here[2]
-        at[0] += 3
-        return True
-    if first == 0xCC:
-        value[0] = here[1]
-        at[0] += 2
-        return True
-    return _int_at(data, PY_SSIZE_T_MAX, at, value) == 1 and value[0] <= 0xFFFFFFFF
-
-
-cdef bint _token_words_at(const unsigned char* data, Py_ssize_t* at, Py_ssize_t blocks, uint64_t* words) noexcept:
-    """8 words per 16-token block from scanned token ids at `at`; False unless each is uint32."""
-    cdef Py_ssize_t index
-    cdef uint64_t low = 0, high = 0
-    for index in range(blocks * WORDS):
-        if not _token_at(data, at, &low) or not _token_at(data, at, &high):
-            return False
-        words[index] = low | (high << 32)
-    return True
-
-
-cdef object _text_object(const unsigned char* data, Py_ssize_t at):
-    """A scanned `str | None` field as the decoder gives it (`at` -1: None)."""
-    cdef Py_ssize_t start = 0, length
-    if at < 0:
-        return None
-    length = _bytes_at(data, PY_SSIZE_T_MAX, &at, True, &start)
-    return PyUnicode_DecodeUTF8(<const char*>data + start, length, NULL)
 
 
 cdef class BackendWriter:
@@ -1387,13 +772,13 @@ cdef class BackendWriter:
         cdef uint64_t words[WORDS]
         cdef Py_ssize_t at = view.tokens_at
         if (not view.sixteen or not view.group_zero or view.hash_count != 1 or view.parent_at < 0
-                or view.token_count != BLOCK_TOKENS or not _token_words_at(data, &at, 1, words)):
+                or view.token_count != BLOCK_TOKENS or not token_words_at(data, &at, 1, words)):
             return False
         at = view.hashes_at
-        block_hash = _hash_object(data, &at)
+        block_hash = hash_object(data, &at)
         at = view.parent_at
-        parent_hash = _hash_object(data, &at)
-        return self._store_block(block_hash, parent_hash, words, _text_object(data, view.medium_at))
+        parent_hash = hash_object(data, &at)
+        return self._store_block(block_hash, parent_hash, words, text_object(data, view.medium_at))
 
     cdef bint _store_many_view(self, const unsigned char* data, const EventView* view) except -1:
         """`_store_many` of a scanned BlockStored."""
@@ -1406,24 +791,24 @@ cdef class BackendWriter:
             raise MemoryError()
         try:
             at = view.tokens_at
-            if not _token_words_at(data, &at, count, words):
+            if not token_words_at(data, &at, count, words):
                 return False
             hashes = [None] * count
             at = view.hashes_at
             for position in range(count):
-                hashes[position] = _hash_object(data, &at)
+                hashes[position] = hash_object(data, &at)
             if view.parent_at >= 0:
                 at = view.parent_at
-                return self._store_blocks(hashes, _hash_object(data, &at), words, count,
-                                          _text_object(data, view.medium_at), None)
+                return self._store_blocks(hashes, hash_object(data, &at), words, count,
+                                          text_object(data, view.medium_at), None)
             # A root: its chain is named by the namespace (its LoRA name, and no cache_salt: the
             # scan took extra keys only when all nil) and the first tokens it covers, as
             # `PrefixIndex.root_chain_locked` names it.
             preview = [None] * min(count * BLOCK_TOKENS, _preview_tokens)
             for position in range(len(preview)):
                 preview[position] = (words[position // 2] >> (32 * (position % 2))) & 0xFFFFFFFF
-            namespace = _namespace_class(_text_object(data, view.lora_name_at), None)
-            return self._store_blocks(hashes, None, words, count, _text_object(data, view.medium_at),
+            namespace = _namespace_class(text_object(data, view.lora_name_at), None)
+            return self._store_blocks(hashes, None, words, count, text_object(data, view.medium_at),
                                       (namespace, tuple(preview)))
         finally:
             PyMem_Free(words)
@@ -1435,8 +820,8 @@ cdef class BackendWriter:
             return False
         hashes = [None] * view.hash_count
         for position in range(view.hash_count):
-            hashes[position] = _hash_object(data, &at)
-        return self._remove_blocks(hashes, _text_object(data, view.medium_at))
+            hashes[position] = hash_object(data, &at)
+        return self._remove_blocks(hashes, text_object(data, view.medium_at))
 
     cdef bint _plain_node_in(self, object node, object slot, object bit) except -1:
         """Whether a node this module may remove from a slot: a 7-tuple with no tail whose keys
@@ -1503,147 +888,5 @@ def next_compiled_candidate(list events, Py_ssize_t start):
     return count
 
 
-cdef class WriterLock:
-    """The index's writer lock: `with lock:` in Python (as a `threading.Lock`), taken in C by
-    `CompiledEntry` without a Python call. Waiting for it releases the GIL, as `threading.Lock`
-    does, so the thread that holds it can finish."""
-
-    cdef PyThread_type_lock handle
-    cdef bint held
-
-    def __cinit__(self):
-        self.handle = PyThread_allocate_lock()
-        if self.handle is NULL:
-            raise MemoryError("cannot allocate a lock")
-
-    def __dealloc__(self):
-        if self.handle is not NULL:
-            PyThread_free_lock(self.handle)
-
-    cdef inline void take(self) noexcept:
-        if not PyThread_acquire_lock(self.handle, NOWAIT_LOCK):
-            with nogil:
-                PyThread_acquire_lock(self.handle, WAIT_LOCK)
-        self.held = True
-
-    cdef inline void give(self) noexcept:
-        self.held = False
-        PyThread_release_lock(self.handle)
-
-    def acquire(self, bint blocking=True):
-        """Take the lock (True), or False at once when `blocking` is false and it is held."""
-        if not blocking:
-            if not PyThread_acquire_lock(self.handle, NOWAIT_LOCK):
-                return False
-            self.held = True
-            return True
-        self.take()
-        return True
-
-    def release(self):
-        if not self.held:
-            raise RuntimeError("release of an unheld index lock")
-        self.give()
-
-    def locked(self):
-        return self.held
-
-    def __enter__(self):
-        self.take()
-        return True
-
-    def __exit__(self, exc_type, exc_value, traceback):
-        self.give()
-        return False
-
-
-cdef class CompiledEntry:
-    """The index's ingest entry when the compiled writer is built (`PrefixIndex.apply` and
-    `apply_wire` go here): a batch of one event of a shape the writer takes (an engine step that
-    filled one block, a prefill, an eviction) is applied here, in C, under the index's
-    `WriterLock`, through the backend's `BackendWriter`; every other call goes to
-    `general(backend_name, events, first_refused)` (`PythonWriter.apply`), told whether this
-    entry offered the event already, so that no event is offered to the compiled writer twice.
-    The backend is looked up under the lock: a replaced or cleared backend is never written
-    through a stale writer. When what it applied took the backend past its `max_blocks`,
-    `over_capacity(backend_name)` (the index's eviction) runs once the lock is given back."""
-
-    cdef dict backends, shared_masks
-    cdef WriterLock lock
-    cdef object general, general_wire, over_capacity
-    cdef Py_ssize_t shared_masks_limit
-    # Events this entry applied itself (the rest went to `general` or `general_wire`).
-    cdef readonly Py_ssize_t applied
-
-    def __init__(self, dict backends, dict shared_masks, WriterLock lock, general, Py_ssize_t shared_masks_limit,
-                 general_wire=None, *, over_capacity):
-        self.backends = backends
-        self.shared_masks = shared_masks
-        self.lock = lock
-        self.general = general
-        self.general_wire = general_wire
-        self.over_capacity = over_capacity
-        self.shared_masks_limit = shared_masks_limit
-
-    cdef object _writer_of(self, backend_name):
-        """The backend's compiled writer, or None (no backend yet, no writer yet, or the shared
-        masks due to be dropped): the Python entry takes the call. The caller holds the lock."""
-        cdef PyObject* found = PyDict_GetItemWithError(self.backends, backend_name)
-        if found is NULL or PyDict_GET_SIZE(self.shared_masks) > self.shared_masks_limit:
-            return None
-        writer = (<object>found).compiled_writer
-        return writer if isinstance(writer, BackendWriter) else None
-
-    def apply_wire(self, backend_name, list batches):
-        """Apply scanned batches (`scan_batch`) in order (`PrefixIndex.apply_wire`): while the
-        backend's writer takes every event, here, under the lock; from the first event it
-        refuses, `general_wire(backend_name, batches_left, refused_at)` (`PythonWriter.apply_wire`),
-        `refused_at` the refused event's position in the first batch left (None when no writer
-        was there to offer it to)."""
-        cdef Py_ssize_t position = 0, count = PyList_GET_SIZE(batches), stopped = 0
-        cdef WireBatch batch
-        cdef bint over = False, offered = False
-        if count == 0:
-            return
-        self.lock.take()
-        try:
-            writer = self._writer_of(backend_name)
-            if writer is not None:
-                offered = True
-                while position < count:
-                    batch = <WireBatch?>PyList_GET_ITEM(batches, position)
-                    stopped = (<BackendWriter>writer)._store_wire(batch, 0)
-                    if stopped < batch.count:
-                        break
-                    self.applied += batch.count
-                    position += 1
-                over = PyDict_GET_SIZE((<BackendWriter>writer).nodes) > (<BackendWriter>writer).max_nodes
-        finally:
-            self.lock.give()
-        if position < count:
-            # (it evicts itself)
-            self.general_wire(backend_name, batches[position:], stopped if offered else None)
-        elif over:
-            self.over_capacity(backend_name)
-
-    def apply(self, backend_name, events):
-        """Apply the events of one batch, in order (`PrefixIndex.apply`)."""
-        cdef bint stored = False, over = False, offered = False
-        if type(events) is list and PyList_GET_SIZE(events) == 1:
-            self.lock.take()
-            try:
-                writer = self._writer_of(backend_name)
-                if writer is not None:
-                    offered = True
-                    # The event's stats stay pending in the writer (`flush_stats`), added once
-                    # before they are read: cheaper than updating the backend's dicts per event.
-                    stored = (<BackendWriter>writer)._apply_one(<object>PyList_GET_ITEM(events, 0))
-                    over = PyDict_GET_SIZE((<BackendWriter>writer).nodes) > (<BackendWriter>writer).max_nodes
-            finally:
-                self.lock.give()
-            if stored:
-                self.applied += 1
-                if over:
-                    self.over_capacity(backend_name)
-                return
-        self.general(backend_name, events, offered)
+# The entry and the writer lock (router/index/_ingest_entry.pxi).
+include "_ingest_entry.pxi"

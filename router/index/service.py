@@ -21,6 +21,7 @@ from prometheus_client import CollectorRegistry, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from router.config import KVEvents
+from router.index.ingest import IndexWriter, writer_lock
 from router.index.keys import DEFAULT_NAMESPACE, Namespace
 from router.index.store import DEFAULT_MAX_BLOCKS, BackendIndexStats, BackendMatch, PrefixIndex
 from router.index.transport import EventSubscriber, rank_endpoint
@@ -28,6 +29,13 @@ from router.index.transport import EventSubscriber, rank_endpoint
 logger = logging.getLogger("kvgate.index")
 
 _LOOKUP_BUCKETS = (10e-6, 25e-6, 50e-6, 100e-6, 200e-6, 400e-6, 800e-6, 1.6e-3, 3.2e-3, 10e-3)
+
+
+def new_index(*, compiled_ingest: bool = True) -> tuple[PrefixIndex, IndexWriter]:
+    """An empty index and its one writer, sharing the writer lock. `compiled_ingest=False`: the
+    Python rules apply every event even where the compiled writer is built."""
+    index = PrefixIndex(lock=writer_lock(compiled_ingest))
+    return index, IndexWriter(index, compiled=compiled_ingest)
 
 
 @dataclass
@@ -42,7 +50,8 @@ class KVIndexService:
     """Subscribers + index + their metrics, for every backend that publishes KV events."""
 
     def __init__(self, registry: CollectorRegistry | None = None, *, replay_timeout_s: float = 1.0) -> None:
-        self.index = PrefixIndex()
+        # The index, and the one writer every subscriber hands its events to.
+        self.index, self.writer = new_index()
         self.replay_timeout_s = replay_timeout_s
         self._streams: dict[str, list[_Stream]] = {}
         self._configs: dict[str, KVEvents] = {}
@@ -116,8 +125,8 @@ class KVIndexService:
                 index_name,
                 rank_endpoint(kv_events.endpoint, rank),
                 # (a partial: no Python frame per applied batch on top of the index's entry)
-                apply=functools.partial(self.index.apply, index_name),
-                wire=self.index.wire_ingest(index_name),
+                apply=functools.partial(self.writer.apply, index_name),
+                wire=self.writer.wire_ingest(index_name),
                 clear=functools.partial(self.index.clear_backend, index_name),
                 replay_endpoint=(
                     rank_endpoint(kv_events.replay_endpoint, rank) if kv_events.replay_endpoint else None
@@ -128,7 +137,7 @@ class KVIndexService:
                 max_message_bytes=kv_events.max_message_bytes,
                 max_queued_bytes=kv_events.max_queued_bytes,
                 replace=(
-                    (lambda events, target=index_name: self.index.replace_backend(target, events))
+                    (lambda events, target=index_name: self.writer.replace_backend(target, events))
                     if kv_events.snapshot
                     else None
                 ),

@@ -1,6 +1,8 @@
 """The prefix index: which leading tokens of a prompt each backend holds, per storage tier.
 
-The data structure and its lookups; events reach it through `ingest.py` (see docs/index.md).
+The data structure, its rules and its lookups; events reach it through the index's writer
+(`ingest.IndexWriter`, built beside it by `service.py`), which this module knows nothing of
+(see docs/index.md).
 - The router never reproduces an engine's block hash: prefixes are named by router keys
   (`keys.py`). `holders[key]` is a bitmask of the (backend, tier) *slots* holding that prefix. A
   lookup maps the prompt's keys through the dict (one C-level pass), then finds, per slot, the
@@ -13,8 +15,9 @@ The data structure and its lookups; events reach it through `ingest.py` (see doc
   continue from there, and lookups extend a match by comparing those few tail tokens.
 
 The index's invariants (holder masks and their extra references, tails, chains, stats) are kept
-by the `*_locked` methods of `PrefixIndex`: the public API its writers (`ingest.py`'s Python
-writer and the compiled one) change the state through, under the writer lock. Lookups take no
+by the `*_locked` methods of `PrefixIndex`: the public API its writer (`ingest.IndexWriter`: the
+compiled writer where it is built, `python_writer.PythonWriter` for the rest) changes the state
+through, under the writer lock. Lookups take no
 lock: they only read dict values and copy-on-write structures, which the GIL keeps consistent.
 """
 
@@ -22,16 +25,16 @@ from __future__ import annotations
 
 import bisect
 import contextlib
-import gc
 import itertools
 import operator
+import threading
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
-from kvwire import BlockStored, KVEvent, cache_salt_of, tier_of
+from kvwire import BlockStored, cache_salt_of, tier_of
 from router.index.keys import (
     DEFAULT_NAMESPACE,
     LOOKUP_SPAN_BLOCKS,
@@ -41,9 +44,6 @@ from router.index.keys import (
     prefix_keys,
     token_array,
 )
-
-if TYPE_CHECKING:
-    from router.index.ingest import WireIngest
 
 TIER_ORDER = ("gpu", "cpu", "disk")
 # How many tokens of each chain's first event are kept to show the prefix on the debug page.
@@ -208,14 +208,12 @@ def _record_lost_bits(runs: dict[int, int], bits: int, position: int) -> None:
 class PrefixIndex:
     """Per backend and tier, the cached token prefixes announced by KV events."""
 
-    def __init__(self, *, compiled_ingest: bool = True) -> None:
-        """`compiled_ingest=False` applies every event with the Python writer even when the
-        compiled one is built (the oracle it is tested and benchmarked against)."""
-        # (ingest.py builds on this module's types, so it is imported when an index is made)
-        from router.index import ingest
-
-        # The writer lock: the compiled entry takes it in C; Python code takes it with `with`.
-        self._lock: Any = ingest.writer_lock(compiled_ingest)
+    def __init__(self, *, lock: Any = None) -> None:
+        """`lock`: the writer lock (`ingest.writer_lock`: the compiled writer takes it in C);
+        a `threading.Lock` by default. Events reach the index through an `ingest.IndexWriter`
+        made over it with the same lock."""
+        # Python code takes the lock with `with`; the index's writer holds it while it applies.
+        self._lock: Any = threading.Lock() if lock is None else lock
         # ---- the state writers change (under the lock), through the `*_locked` methods below ----
         self.holders: dict[int, int] = {}
         # One int object per distinct mask value, shared by every key holding it: a million keys
@@ -237,30 +235,16 @@ class PrefixIndex:
         # LoRA adapter names engines announced blocks under: a request whose model is one of them
         # is looked up in that adapter's namespace (vLLM serves an adapter under its own name).
         self.lora_names: set[str] = set()
-        # ---- ingest (ingest.py) ----
-        # The Python writer applies every event the compiled one does not take (all of them
-        # without the extension); `_entry` is where `apply` and `apply_wire` go: the compiled
-        # entry when built, else the Python writer.
-        self.python_writer = ingest.PythonWriter(self, self._lock, self._backends, compiled=compiled_ingest)
-        self._entry: Any = ingest.make_entry(self, self.python_writer, self._backends)
-        # "compiled" when the compiled writer takes the shapes engines publish most, else "python".
-        self.ingest_path = self.python_writer.path
 
-    # ---- events (ingest.py) ----
+    @property
+    def lock(self) -> Any:
+        """The writer lock (what the index's writer holds while it applies events)."""
+        return self._lock
 
-    def apply(self, backend_name: str, events: list[KVEvent]) -> None:
-        """Apply the events of one batch, in order."""
-        self._entry.apply(backend_name, events)
-
-    def apply_wire(self, backend_name: str, batches: list[Any]) -> None:
-        """Apply msgpack batches as `wire_ingest(...).scan` scanned them, in order (only where
-        `wire_ingest` is not None)."""
-        self._entry.apply_wire(backend_name, batches)
-
-    def wire_ingest(self, backend_name: str) -> WireIngest | None:
-        """What a subscriber uses to hand `backend_name` payloads without decoding them, or None
-        when this index has no compiled writer (the subscriber decodes every payload)."""
-        return self.python_writer.wire_ingest(self._entry, backend_name)
+    @property
+    def indexed_backends(self) -> dict[str, IndexedBackend]:
+        """Backend name -> its state (the writer adds backends at their first event, under the lock)."""
+        return self._backends
 
     # ---- backends ----
 
@@ -292,44 +276,37 @@ class PrefixIndex:
             if backend is not None:
                 self.clear_locked(backend)
 
-    def replace_backend(self, name: str, events: list[KVEvent]) -> None:
-        """Replace everything a backend holds by a snapshot's events, atomically for lookups.
+    def snapshot_backend_locked(self, name: str) -> IndexedBackend:
+        """A hidden backend for `name` that a writer builds a snapshot into (`IndexWriter.
+        replace_backend`): absent from the readers' layout until `install_snapshot_locked`."""
+        old = self._backends.get(name)
+        max_blocks = DEFAULT_MAX_BLOCKS if old is None else old.max_blocks
+        return IndexedBackend(name, visible=False, max_blocks=max_blocks)
 
-        The snapshot is built into a hidden backend with slots of its own (absent from the
-        readers' layout, so no lookup sees it half-built); one assignment of the layout then
-        switches readers from the old slots to the new ones, and the old slots are torn down and
-        freed. Counters carry over; blocks and tokens are the snapshot's.
-        """
-        with self._lock:
-            old = self._backends.get(name)
-            max_blocks = DEFAULT_MAX_BLOCKS if old is None else old.max_blocks
-            fresh = IndexedBackend(name, visible=False, max_blocks=max_blocks)
-            collecting = gc.isenabled()
-            gc.disable()
-            try:
-                self.python_writer.apply_snapshot_locked(fresh, events)
-                self.evict_over_capacity_locked(fresh)
-            finally:
-                if collecting:
-                    gc.enable()
-            fresh.visible = True
-            self._backends[name] = fresh
-            layout = {k: v for k, v in self._layout.items() if k != name}
-            if fresh.tier_slots:
-                layout[name] = tuple(sorted(fresh.tier_slots.items(), key=lambda item: tier_rank(item[0])))
-            self._layout = layout
-            if old is None:
-                return
-            self.sync_stats_locked(old)
-            stats, previous = fresh.stats, old.stats
-            stats.stored_events += previous.stored_events
-            stats.removed_events += previous.removed_events
-            stats.cleared_events += previous.cleared_events
-            stats.unplaced_blocks += previous.unplaced_blocks
-            stats.unknown_removals += previous.unknown_removals
-            stats.evicted_blocks += previous.evicted_blocks
-            self.clear_locked(old)
-            self._free_slots.extend(old.tier_slots.values())
+    def install_snapshot_locked(self, name: str, fresh: IndexedBackend) -> None:
+        """Replace everything `name` holds by the snapshot built into `fresh`, atomically for
+        lookups: one assignment of the layout switches readers from the old slots to the new
+        ones, and the old slots are torn down and freed. Counters carry over; blocks and tokens
+        are the snapshot's."""
+        old = self._backends.get(name)
+        fresh.visible = True
+        self._backends[name] = fresh
+        layout = {k: v for k, v in self._layout.items() if k != name}
+        if fresh.tier_slots:
+            layout[name] = tuple(sorted(fresh.tier_slots.items(), key=lambda item: tier_rank(item[0])))
+        self._layout = layout
+        if old is None:
+            return
+        self.sync_stats_locked(old)
+        stats, previous = fresh.stats, old.stats
+        stats.stored_events += previous.stored_events
+        stats.removed_events += previous.removed_events
+        stats.cleared_events += previous.cleared_events
+        stats.unplaced_blocks += previous.unplaced_blocks
+        stats.unknown_removals += previous.unknown_removals
+        stats.evicted_blocks += previous.evicted_blocks
+        self.clear_locked(old)
+        self._free_slots.extend(old.tier_slots.values())
 
     def backends(self) -> list[str]:
         return list(self._backends)

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 
 from router import config as config_schema
 from router.errors import KvgateError
-from router.policies.base import Policy, RouteDecision, RouteRequest
+from router.policies.base import Choice, PeerPlacement, Policy, RouteRequest
 
 if TYPE_CHECKING:
     from prometheus_client import CollectorRegistry
@@ -78,11 +78,12 @@ def make_policy(policy_config: config_schema.Policy, context: PolicyContext | No
 
 __all__ = [
     "POLICY_MODULES",
+    "Choice",
     "InvalidPolicyConfig",
+    "PeerPlacement",
     "Policy",
     "PolicyContext",
     "PolicyUnavailable",
-    "RouteDecision",
     "RouteRequest",
     "make_policy",
 ]

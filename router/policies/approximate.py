@@ -10,18 +10,19 @@ from __future__ import annotations
 
 import time
 from collections import OrderedDict
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from router.config import ApproximatePolicy
 from router.index.keys import ROUTER_BLOCK_TOKENS, prompt_prefix_keys
 from router.policies import InvalidPolicyConfig
-from router.policies.kv_aware import CacheAwarePolicy
+from router.policies.kv_aware import CacheAwarePolicy, RequestState
 
 if TYPE_CHECKING:
     from router.backends import BackendState
     from router.cluster import RoutedNote
     from router.policies import PolicyContext
-    from router.policies.base import CandidateScore, RouteRequest
+    from router.policies.base import CandidateScore, Choice, RouteRequest
 
 
 class Approximate(CacheAwarePolicy):
@@ -56,11 +57,11 @@ class Approximate(CacheAwarePolicy):
             count += 1
         return count
 
-    def choose(self, request: RouteRequest, candidates: list[BackendState]) -> BackendState:
+    def choose(self, request: RouteRequest, candidates: Sequence[BackendState]) -> Choice:
         now = time.monotonic()
         keys = self._block_keys(request)
-        request.decision.prefix_keys = keys
         prompt_tokens = 0 if request.tokens is None else len(request.tokens)
+        state = RequestState(request.request_id, request.model, prompt_tokens, keys)
         allowed = self.guarded(candidates, now)
         costs: dict[str, float] = {}
         cached: dict[str, int] = {}
@@ -87,17 +88,14 @@ class Approximate(CacheAwarePolicy):
             reason = "load_guard"
         else:
             reason = "least_load"
-        self.record(request, winner.name, reason, scores, prompt_tokens, cached[winner.name])
-        return winner
+        return self.record(winner, reason, scores, cached[winner.name], state)
 
-    def on_routed(self, request: RouteRequest, backend: BackendState) -> None:
-        keys = request.decision.prefix_keys or []
-        request.decision.prefix_keys = None  # consumed: a retry's choose() sets them again
-        self._learn(backend.name, keys, time.monotonic())
-        self.remember_routed(request, backend)
+    def on_routed(self, choice: Choice) -> None:
+        self._learn(choice.backend.name, choice.state.prefix_keys or [], time.monotonic())
+        self.remember_routed(choice)
 
     def on_peer_routed(self, note: RoutedNote) -> None:
-        # A peer's note carries this policy's block keys (its decision's prefix_keys).
+        # A peer's note carries this policy's block keys (for_peers: its RequestState's prefix_keys).
         self._learn(note.backend, note.prefix_keys, time.monotonic())
         super().on_peer_routed(note)
 
@@ -116,9 +114,6 @@ class Approximate(CacheAwarePolicy):
             _, evicted = blocks.popitem(last=False)
             for name in evicted:
                 self._held[name] -= 1
-
-    def on_finished(self, request: RouteRequest, backend: BackendState) -> None:
-        pass
 
     def cache_size(self, backend: str) -> int:
         return self._held.get(backend, 0)

@@ -1,13 +1,21 @@
-"""The one small interface every routing policy implements.
+"""The one small interface every routing policy implements, and the result it hands its callers.
 
-The app builds a RouteRequest per incoming request, hands the policy the healthy candidates, and
-tells it when the request has been routed and when it has finished. Policies never do I/O.
+A caller (router/forward.py, which relays the answer; an endpoint picker that only chooses; a
+prefill/decode split that chooses twice for one request) builds a RouteRequest and asks the policy
+to `choose` among the candidates. The answer is a Choice, an immutable result: the backend, why,
+and how each candidate scored. The caller hands that Choice back when the request is sent
+(`on_routed`) and when its answer has ended (`on_finished`, with the status and the time to the
+first streamed piece). What the policy must remember of a request between those calls it keeps in
+the Choice's `state`, its own object, which callers never read. Policies never do I/O.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Protocol, TypedDict
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, ClassVar, TypedDict
+
+import msgspec
 
 from router.index.keys import DEFAULT_NAMESPACE, Namespace
 
@@ -19,7 +27,7 @@ if TYPE_CHECKING:
 
 
 class CandidateScore(TypedDict, total=False):
-    """How a cache-aware policy scored one candidate backend (RouteDecision.candidates)."""
+    """How a cache-aware policy scored one candidate backend (Choice.candidates)."""
 
     # Leading prompt tokens the backend holds (cached or predicted), in one contiguous prefix.
     cached: int
@@ -34,48 +42,54 @@ class CandidateScore(TypedDict, total=False):
     cost: float
 
 
-@dataclass(slots=True)
-class RouteDecision:
-    """What the policy decided for one request and why, handed between the policy, router/forward.py,
-    the replica sync (router/cluster.py) and /debug/prefix-map. Only the cache-aware policies
-    (kv_aware, approximate) fill the scoring fields; the others leave their defaults."""
+class RecentDecision(TypedDict):
+    """One routed request as /debug/prefix-map and the routing warnings read it (Policy.recent_decisions)."""
 
-    # The policy that scored the candidates, and the backend it chose (None until one did).
-    policy: str | None = None
-    winner: str | None = None
-    # Why the winner won: a key of router/debug_page.py DECISION_REASONS ("cache_hit", "cold_spread"...).
+    at: float  # time.time() when it was routed
+    request_id: str
+    model: str
+    backend: str
+    reason: str | None  # Choice.reason
+    prompt_tokens: int
+    cached_tokens: int
+    # Per candidate: the tokens it held and its cost (CandidateScore's `cached` and `cost`).
+    candidates: dict[str, dict[str, Any]]
+
+
+# Frozen msgspec structs: immutable, and a tenth of a frozen dataclass's construction time (one
+# Choice per request and attempt).
+class Choice(msgspec.Struct, frozen=True):
+    """What a policy chose for one request, and why: returned by `choose`, handed back unchanged to
+    the same policy's `on_routed` and `on_finished`."""
+
+    backend: BackendState
+    # Why it won: a key of router/debug_page.py DECISION_REASONS for the cache-aware policies
+    # ("cache_hit", "cold_spread"...); "session_pinned", "session_repinned" or "session_new" for
+    # session; None where the policy has no reason to give (round_robin, least_loaded).
     reason: str | None = None
-    # Prompt tokens, and how many of them the winner holds (cached or predicted).
-    prompt_tokens: int = 0
-    cached_tokens: int = 0
-    # Prompt tokens the winner still has to prefill; None: router/forward.py counts tokens - cached_tokens.
+    # Leading prompt tokens the backend holds (cached or predicted); None: the policy did not look.
+    cached_tokens: int | None = None
+    # Prompt tokens the backend still has to prefill; None: the policy did not count them
+    # (router/forward.py then counts the prompt's tokens less RouteRequest.known_cached_tokens).
     prefill_tokens: int | None = None
-    # Per candidate backend, how the policy scored it.
-    candidates: dict[str, CandidateScore] = field(default_factory=dict)
-    # The prompt's router keys (router/index keys), from choose() until on_routed() consumes them
-    # (the replica sync reads them in between).
-    prefix_keys: list[int] | None = None
-    # kv_aware: for the backend it chose, the first of prefix_keys that routing the prompt there
-    # credits as predicted: past the blocks its KV events show (the index's contiguous prefix, any
-    # tier) and those credited there lately; until on_routed() consumes it.
-    predicted_from: dict[str, int] | None = None
-    # kv_aware: the router key where the best cached prefix ends, until on_routed() consumes it.
-    hot_prefix_key: int | None = None
-    # session: "pinned" (its backend took it), "repinned" (its backend was gone) or "new".
-    session: str | None = None
-    # kv_aware with measure_load_costs: (prefill tokens, requests in flight, prompt tokens queued) at
-    # the backend when the request was sent, and the time from sending it to the answer's first
-    # streamed piece (router/forward.py); on_finished() fits the load costs from both.
-    load_at_send: tuple[int, int, int] | None = None
-    upstream_ttft_s: float | None = None
+    # Per candidate backend, how the policy scored it (empty: it scores none).
+    candidates: Mapping[str, CandidateScore] = {}
+    # The policy's own record of the request, for its on_routed and on_finished; callers never read it.
+    state: Any = None
 
-    def predicted_keys(self, backend: str) -> list[int]:
-        """The prompt's router keys that routing it to `backend` credits there as predicted: those
-        its KV events do not show yet and that are not freshly credited (all of them for a backend
-        the policy did not choose)."""
-        keys = self.prefix_keys or []
-        start = (self.predicted_from or {}).get(backend, 0)
-        return keys[start:] if start else keys
+
+class PeerPlacement(msgspec.Struct, frozen=True):
+    """What the other replicas of the gateway should learn of a request this one routed
+    (router/cluster.py sends it in a RoutedNote; their policies take it in `on_peer_routed`)."""
+
+    # Router keys of the prompt to credit to the backend as predicted there, for ttl_s seconds.
+    prefix_keys: list[int]
+    ttl_s: float = 0.0
+    # The router key where the prompt's best cached prefix ends (the hot-prefix guard counts it).
+    hot_prefix_key: int | None = None
+
+
+NO_PEER_PLACEMENT = PeerPlacement([])
 
 
 @dataclass(slots=True)
@@ -92,47 +106,49 @@ class RouteRequest:
     # Cache namespace (LoRA adapter, cache salt) as the request names it: salted prompts never match
     # unsalted entries. kv_aware looks an unnamed adapter up by `model` (`PrefixIndex.namespace_for`).
     namespace: Namespace = DEFAULT_NAMESPACE
-    # Filled by the policy: what it chose and why (forward.py's accounting, metrics, /debug/prefix-map).
-    decision: RouteDecision = field(default_factory=RouteDecision)
     # Bytes of the request body as received: how much parsing it further may cost (the tokenizer
     # moves large bodies off the event loop).
     body_size: int = 0
+    # Leading prompt tokens a request preparer (router/extensions.py) knows the backends hold: the
+    # in-flight prefill accounting counts the rest when the policy's Choice has no prefill_tokens.
+    known_cached_tokens: int = 0
 
 
-class Policy(Protocol):
-    name: str
+class Policy:
+    """A routing policy. Only `choose` is required; the rest have defaults for a policy that keeps
+    no state about requests and has nothing to tell anyone else."""
+
+    name: ClassVar[str]
     # True when choose() needs RouteRequest.tokens (the app tokenizes off the event loop first).
-    needs_tokens: bool
+    needs_tokens: ClassVar[bool] = False
 
-    def choose(self, request: RouteRequest, candidates: list[BackendState]) -> BackendState:
+    def choose(self, request: RouteRequest, candidates: Sequence[BackendState]) -> Choice:
         """Pick one of the candidates (never empty, all healthy and accepting; or, when none is,
         the one marked-down backend that router/forward.py tries before answering 503)."""
-        ...
+        raise NotImplementedError(f"{type(self).__name__} must implement choose()")
 
-    def on_routed(self, request: RouteRequest, backend: BackendState) -> None:
-        """Called when the request is sent to `backend`, before any answer: once per attempt (a
-        retry on another backend calls choose() and on_routed() again, so the last call wins)."""
-        ...
+    def on_routed(self, choice: Choice) -> None:
+        """The request was sent to choice.backend, before any answer: once per attempt (a retry on
+        another backend comes with a new choose(), so the last attempt's Choice wins)."""
 
-    def on_finished(self, request: RouteRequest, backend: BackendState) -> None:
-        """Called when the response to the request has ended, successfully or not."""
-        ...
+    def on_finished(self, choice: Choice, status: int, ttft_s: float | None) -> None:
+        """The answer to a routed request has ended with HTTP `status` (502/504 when the backend
+        failed mid-answer); `ttft_s`: seconds from sending it to the first piece of a streamed 200
+        answer, else None. At most once per Choice; an attempt left for a retry never gets it."""
 
     def on_peer_routed(self, note: RoutedNote) -> None:
         """Another replica of the gateway routed a request (router/cluster.py): take it into the
         state that steers routing as if this one had (its in-flight count arrives separately)."""
-        ...
 
+    def for_peers(self, choice: Choice) -> PeerPlacement:
+        """What the other replicas' policies should learn of this routed Choice (their on_peer_routed)."""
+        return NO_PEER_PLACEMENT
 
-class WithoutFeedback:
-    """The hooks of a policy that keeps no state about requests (round_robin, least_loaded): what a
-    request did after choose() changes nothing it decides, its own or a peer replica's."""
+    def recent_decisions(self) -> Sequence[RecentDecision]:
+        """The last requests routed, oldest first (for /debug/prefix-map and the routing warnings)."""
+        return ()
 
-    def on_routed(self, request: RouteRequest, backend: BackendState) -> None:
-        pass
-
-    def on_finished(self, request: RouteRequest, backend: BackendState) -> None:
-        pass
-
-    def on_peer_routed(self, note: RoutedNote) -> None:
-        pass
+    def measured_load_costs(self) -> dict[str, Any] | None:
+        """What the policy has measured of the engines' load costs (router/policies/load_costs.py
+        describe()), for /debug/prefix-map; None: it measures none."""
+        return None

@@ -50,13 +50,15 @@ import math
 import time
 from collections import OrderedDict, deque
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any, Protocol, TypedDict
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Protocol
 
 from prometheus_client import Counter
 
 from router.config import CacheAwareGuards, KVAwarePolicy
 from router.index.keys import ROUTER_BLOCK_TOKENS, prompt_prefix_keys
 from router.index.store import BackendMatch
+from router.policies.base import Choice, PeerPlacement, Policy
 from router.policies.capacity import CapacityModel
 from router.policies.least_loaded import fewest_in_flight
 from router.policies.load_costs import MeasuredLoadCosts
@@ -66,7 +68,7 @@ if TYPE_CHECKING:
     from router.backends import BackendState
     from router.cluster import RoutedNote
     from router.policies import PolicyContext
-    from router.policies.base import CandidateScore, RouteRequest
+    from router.policies.base import CandidateScore, RecentDecision, RouteRequest
 
 logger = logging.getLogger("kvgate.policy")
 
@@ -92,18 +94,34 @@ PLACEMENT_HALF_LIFE_S = 30.0
 DECISIONS_KEPT = 200
 
 
-class RecentDecision(TypedDict):
-    """One routed request as /debug/prefix-map lists it (CacheAwarePolicy.recent_decisions)."""
+@dataclass(slots=True)
+class RequestState:
+    """What a cache-aware policy keeps of one request from choose() to on_routed() and
+    on_finished(): the Choice's `state`, read by no one else."""
 
-    at: float  # time.time() when it was routed
     request_id: str
     model: str
-    backend: str
-    reason: str | None  # RouteDecision.reason
     prompt_tokens: int
-    cached_tokens: int
-    # Per candidate: the tokens it held and its cost (CandidateScore's `cached` and `cost`).
-    candidates: dict[str, dict[str, Any]]
+    # The prompt's router keys (kv_aware: router/index keys; approximate: its block keys); None:
+    # the prompt had no tokens.
+    prefix_keys: list[int] | None = None
+    # kv_aware: the first of prefix_keys that routing the prompt to the chosen backend credits as
+    # predicted there: past the blocks its KV events show (the index's contiguous prefix, any tier)
+    # and those credited there lately.
+    predicted_from: int = 0
+    # kv_aware: the router key where the best cached prefix ends.
+    hot_prefix_key: int | None = None
+    # kv_aware with measure_load_costs: (prefill tokens, requests in flight, prompt tokens queued)
+    # at the backend when the request was sent (on_routed); on_finished() fits the load costs from
+    # them and the answer's TTFT.
+    load_at_send: tuple[int, int, int] | None = None
+
+    def predicted_keys(self) -> list[int]:
+        """The prompt's router keys that routing it to the chosen backend credits there as
+        predicted: those its KV events do not show yet and that are not freshly credited."""
+        keys = self.prefix_keys or []
+        start = self.predicted_from
+        return keys[start:] if start else keys
 
 
 class RoutingMetrics:
@@ -229,7 +247,7 @@ class Predictions:
         0 when no prediction continues them.
 
         A routed prompt is credited at once from where its engine's events showed it held, or
-        from where an earlier credit it keeps ends (`RouteDecision.predicted_keys`), to its end;
+        from where an earlier credit it keeps ends (`RequestState.predicted_keys`), to its end;
         the kept credit lapses first. So once the block after `held` is credited, credit runs on
         without a gap to where it ends (unless the engine has since evicted blocks inside a
         credited run, which the index then reports for itself): one lookup when that block is not
@@ -258,7 +276,7 @@ class Predictions:
         self._older.pop(backend, None)
 
 
-class CacheAwarePolicy:
+class CacheAwarePolicy(Policy):
     """What kv_aware and approximate share: load guard, spreading, decisions, metrics."""
 
     name = "cache_aware"
@@ -278,7 +296,7 @@ class CacheAwarePolicy:
         by_tokens = config.cold_spread_by == "prefill_tokens"
         self.cold_spread = self.placements if by_tokens else self.cold_placements
         self._turn = -1
-        self.recent_decisions: deque[RecentDecision] = deque(maxlen=DECISIONS_KEPT)
+        self._recent_decisions: deque[RecentDecision] = deque(maxlen=DECISIONS_KEPT)
         self.metrics = RoutingMetrics(registry) if registry is not None else None
 
     def guarded(self, candidates: list[BackendState], now: float) -> list[BackendState]:
@@ -307,53 +325,56 @@ class CacheAwarePolicy:
         line = self.max_load_ratio * mean + self.load_slack
         return [b for b in backends if b.in_flight <= line] or backends
 
-    def record(self, request: RouteRequest, winner: str, reason: str, scores: dict[str, CandidateScore],
-               prompt_tokens: int, cached_tokens: int) -> None:  # fmt: skip
-        decision = request.decision
-        decision.policy = self.name
-        decision.winner = winner
-        decision.reason = reason
-        decision.prompt_tokens = prompt_tokens
-        decision.cached_tokens = cached_tokens
-        decision.prefill_tokens = max(0, prompt_tokens - cached_tokens)
-        decision.candidates = scores
+    def record(self, winner: BackendState, reason: str, scores: dict[str, CandidateScore],
+               cached_tokens: int, state: RequestState) -> Choice:  # fmt: skip
+        """The Choice of `winner` (counted in the metrics, logged at debug level)."""
         if self.metrics is not None:
             self.metrics.count_decision(self.name, reason)
         logger.debug(
             "route %s -> %s (%s): %d of %d prompt tokens cached; candidates %s",
-            request.request_id,
-            winner,
+            state.request_id,
+            winner.name,
             reason,
             cached_tokens,
-            prompt_tokens,
+            state.prompt_tokens,
             scores,
         )
+        prefill_tokens = max(0, state.prompt_tokens - cached_tokens)
+        return Choice(winner, reason, cached_tokens, prefill_tokens, scores, state)
 
-    def remember_routed(self, request: RouteRequest, backend: BackendState) -> None:
-        decision = request.decision
-        prompt_tokens = decision.prompt_tokens
-        cached_tokens = decision.cached_tokens
+    def remember_routed(self, choice: Choice) -> None:
+        state: RequestState = choice.state
+        prompt_tokens = state.prompt_tokens
+        cached_tokens = choice.cached_tokens or 0
+        backend = choice.backend
         now = time.monotonic()
         self._count_placement(
-            backend.name, max(0, prompt_tokens - cached_tokens), decision.reason == "cold_spread", now
+            backend.name, max(0, prompt_tokens - cached_tokens), choice.reason == "cold_spread", now
         )
         if self.metrics is not None and prompt_tokens:
             self.metrics.count_prompt_tokens(self.name, prompt_tokens, cached_tokens)
-        self.recent_decisions.append(
+        self._recent_decisions.append(
             {
                 "at": time.time(),
-                "request_id": request.request_id,
-                "model": request.model,
+                "request_id": state.request_id,
+                "model": state.model,
                 "backend": backend.name,
-                "reason": decision.reason,
+                "reason": choice.reason,
                 "prompt_tokens": prompt_tokens,
                 "cached_tokens": cached_tokens,
                 "candidates": {
                     name: {"cached": score.get("cached", 0), "cost": score.get("cost")}
-                    for name, score in decision.candidates.items()
+                    for name, score in choice.candidates.items()
                 },
             }
         )
+
+    def recent_decisions(self) -> Sequence[RecentDecision]:
+        return self._recent_decisions
+
+    def for_peers(self, choice: Choice) -> PeerPlacement:
+        # The peers learn the prompt's keys as held where it went (approximate's blocks).
+        return PeerPlacement(choice.state.prefix_keys or [])
 
     def _count_placement(self, backend: str, prefill_tokens: int, cold: bool, now: float) -> None:
         self.placements.add(backend, prefill_tokens, now)
@@ -467,11 +488,12 @@ class KVAware(CacheAwarePolicy):
             **self.shared_tiers.hit_weights,
         }
 
-    def choose(self, request: RouteRequest, candidates: list[BackendState]) -> BackendState:
+    def choose(self, request: RouteRequest, candidates: Sequence[BackendState]) -> Choice:
         now = time.monotonic()
         self.predictions.expire(now)
         tokens = request.tokens
         prompt_tokens = 0 if tokens is None else len(tokens)
+        state = RequestState(request.request_id, request.model, prompt_tokens)
         namespace = request.namespace
         if namespace.lora_name is None and self.kv_index is not None:
             namespace = self.kv_index.namespace_for(request.model, namespace.cache_salt)
@@ -488,7 +510,7 @@ class KVAware(CacheAwarePolicy):
                 matches = self.kv_index.longest_cached_prefix(tokens, namespace, backends, keys=keys)
                 if self.shared_tiers:
                     matches = self.shared_tiers.credit(matches)
-            request.decision.prefix_keys = keys
+            state.prefix_keys = keys
         costs: dict[str, float] = {}
         cached: dict[str, int] = {}
         scores: dict[str, CandidateScore] = {}
@@ -523,8 +545,7 @@ class KVAware(CacheAwarePolicy):
         best_held = max(cached.values(), default=0)
         best_blocks = min(len(keys), best_held // ROUTER_BLOCK_TOKENS)
         if best_blocks:
-            hot_key = keys[best_blocks - 1]
-            request.decision.hot_prefix_key = hot_key
+            hot_key = state.hot_prefix_key = keys[best_blocks - 1]
         uses = self.prefix_uses.value(hot_key, now) if hot_key is not None else 0.0
         # A copy made for a hot prefix pays when its recent requests, each worth a request in
         # flight, outweigh the prefill of the tokens the move forfeits (replica_must_pay).
@@ -550,10 +571,9 @@ class KVAware(CacheAwarePolicy):
                 fresh = self.predictions.leading_blocks(
                     winner.name, keys, now + self.predictions.ttl_s / 2, indexed
                 )
-            request.decision.predicted_from = {winner.name: max(indexed, fresh)}
+            state.predicted_from = max(indexed, fresh)
         reason = self._reason(tokens, candidates, allowed, winner, cached)
-        self.record(request, winner.name, reason, scores, prompt_tokens, cached[winner.name])
-        return winner
+        return self.record(winner, reason, scores, cached[winner.name], state)
 
     def load_weights(self) -> tuple[float, float]:
         """Prompt tokens one request in flight, and one queued prompt token, are worth: the
@@ -636,29 +656,33 @@ class KVAware(CacheAwarePolicy):
             values = super().cold_spread_values(near, now, keys)
         return {name: value * mean / sizes[name] for name, value in values.items()}
 
-    def on_routed(self, request: RouteRequest, backend: BackendState) -> None:
-        decision = request.decision
-        keys = decision.prefix_keys
-        predicted_keys = decision.predicted_keys(backend.name)
-        hot_key = decision.hot_prefix_key
-        # Consumed: a retry's choose() sets them again for its own backend.
-        decision.prefix_keys = decision.hot_prefix_key = decision.predicted_from = None
+    def on_routed(self, choice: Choice) -> None:
+        state: RequestState = choice.state
+        backend = choice.backend
+        predicted_keys = state.predicted_keys()
+        hot_key = state.hot_prefix_key
         now = time.monotonic()
         if predicted_keys:
             self.predictions.add(backend.name, predicted_keys, now)
         if hot_key is not None:
             self.prefix_uses.add(hot_key, now)
         if self.capacity is not None:
-            self.capacity.on_routed(backend.name, decision.prompt_tokens, now, keys)
+            self.capacity.on_routed(backend.name, state.prompt_tokens, now, state.prefix_keys)
         if self.load_costs is not None:
             # The load the request met: on_routed comes after the gateway counted it in.
-            prefill_tokens = decision.prefill_tokens or 0
-            decision.load_at_send = (
+            prefill_tokens = choice.prefill_tokens or 0
+            state.load_at_send = (
                 prefill_tokens,
                 backend.in_flight - 1,
                 backend.in_flight_prefill_tokens - prefill_tokens,
             )
-        self.remember_routed(request, backend)
+        self.remember_routed(choice)
+
+    def for_peers(self, choice: Choice) -> PeerPlacement:
+        # Past what the backend's events show: the peers credit it as predicted, as on_routed does here.
+        state: RequestState = choice.state
+        keys = state.predicted_keys()
+        return PeerPlacement(keys, self.predictions.ttl_s if keys else 0.0, state.hot_prefix_key)
 
     def on_peer_routed(self, note: RoutedNote) -> None:
         now = time.monotonic()
@@ -669,12 +693,13 @@ class KVAware(CacheAwarePolicy):
             self.prefix_uses.add(note.hot_prefix_key, now)
         super().on_peer_routed(note)
 
-    def on_finished(self, request: RouteRequest, backend: BackendState) -> None:
-        decision = request.decision
-        ttft_s = decision.upstream_ttft_s
-        load = decision.load_at_send
+    def on_finished(self, choice: Choice, status: int, ttft_s: float | None) -> None:
+        load = choice.state.load_at_send
         if ttft_s is not None and load is not None and self.load_costs is not None:
             self.load_costs.observe(*load, ttft_s)
+
+    def measured_load_costs(self) -> dict[str, Any] | None:
+        return None if self.load_costs is None else self.load_costs.describe()
 
 
 def create(policy_config: KVAwarePolicy, context: PolicyContext) -> KVAware:

@@ -2,20 +2,22 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from router.backends import BackendState
-from router.policies.base import RouteRequest, WithoutFeedback
+from router.policies.base import Choice, Policy, RouteRequest
 
 
-class RoundRobin(WithoutFeedback):
+class RoundRobin(Policy):
     name = "round_robin"
     needs_tokens = False
 
     def __init__(self) -> None:
         self._turn = -1
 
-    def choose(self, request: RouteRequest, candidates: list[BackendState]) -> BackendState:
+    def choose(self, request: RouteRequest, candidates: Sequence[BackendState]) -> Choice:
         self._turn += 1
-        return candidates[self._turn % len(candidates)]
+        return Choice(candidates[self._turn % len(candidates)])
 
 
 def create(policy_config: object, context: object) -> RoundRobin:

@@ -10,10 +10,11 @@ from __future__ import annotations
 import hashlib
 import sys
 from collections import OrderedDict
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from router.backends import BackendState
-from router.policies.base import RouteRequest
+from router.policies.base import Choice, Policy, RouteRequest
 
 if TYPE_CHECKING:
     from router.cluster import RoutedNote
@@ -41,7 +42,7 @@ def session_table_key(key: str) -> str:
     return _DIGEST_PREFIX + digest
 
 
-class SessionAffinity:
+class SessionAffinity(Policy):
     name = "session"
     needs_tokens = False
 
@@ -56,29 +57,28 @@ class SessionAffinity:
         self._backend_names: dict[str, str] = {}
         self._turn = -1
 
-    def choose(self, request: RouteRequest, candidates: list[BackendState]) -> BackendState:
+    def choose(self, request: RouteRequest, candidates: Sequence[BackendState]) -> Choice:
+        # The Choice's state: the session's table key, pinned at on_routed (None: no session).
         key = None if request.session_key is None else session_table_key(request.session_key)
+        # The request carries the short form on: on_routed and the replica sync do not hash again.
+        request.session_key = key
         if key is not None:
             pinned = self._pins.get(key)
             if pinned is not None:
                 for backend in candidates:
                     if backend.name == pinned:
                         self._pins.move_to_end(key)
-                        request.decision.session = "pinned"
-                        return backend
+                        return Choice(backend, "session_pinned", state=key)
         self._turn += 1
         backend = fewest_in_flight(candidates, self._turn)
-        if key is not None:
-            request.decision.session = "repinned" if key in self._pins else "new"
-        return backend
+        if key is None:
+            return Choice(backend)
+        return Choice(backend, "session_repinned" if key in self._pins else "session_new", state=key)
 
-    def on_routed(self, request: RouteRequest, backend: BackendState) -> None:
+    def on_routed(self, choice: Choice) -> None:
         # Pinned on every attempt: a retry pins again, so a session follows the backend that answered.
-        if request.session_key is not None:
-            self._pin(session_table_key(request.session_key), backend.name)
-
-    def on_finished(self, request: RouteRequest, backend: BackendState) -> None:
-        pass
+        if choice.state is not None:
+            self._pin(choice.state, choice.backend.name)
 
     def on_peer_routed(self, note: RoutedNote) -> None:
         # A session another replica placed stays there when its next request comes here.

@@ -163,7 +163,7 @@ def _spawn_gateway(config: dict, policy: str) -> _Gateway:
     """Start a `kvgate serve` process for `policy` (all are started at once: their start-up overlaps)."""
     import yaml
 
-    from router.sim.launcher import os_free_port
+    from router.launch import os_free_port
 
     port = os_free_port("127.0.0.1")
     config = {**config, "listen": {"host": "127.0.0.1", "port": port}, "policy": {"name": policy}}
@@ -184,7 +184,7 @@ def run(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
     from router.config import builtin_tokenizer_dir, parse_config
-    from router.sim.launcher import LaunchError, launch_simulated_engines, os_free_port
+    from router.launch import LaunchError, launch_simulated_engines, os_free_port
 
     policies = [p.strip() for p in args.policies.split(",") if p.strip()]
     if (

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from router.config import Backend, Config, KVEvents, SimulatedEngines
 from router.errors import KvgateError
 
-log = logging.getLogger("kvgate.sim.launcher")
+log = logging.getLogger("kvgate.launch")
 TOPIC = "kv-events"
 
 
