@@ -13,6 +13,12 @@ KV comes in and goes out as one tensor `[num_layers, 2, num_tokens, num_kv_heads
   only for the chunks after the local prefix, in one round trip; a retrieve promotes what it
   fetches to L1. A failing remote is a miss, never an error (cachelayer.storage.remote).
 
+The engine orchestrates the tiers; they implement themselves (cachelayer.storage): the disk and
+remote writes behind the store are the tiers' writers (disk.DiskWriter, remote_sync.RemoteWriter),
+a promotion from Redis is remote_sync.promote_from_remote, and what an input must look like is
+cachelayer.kv_layout. The engine knows nothing of who serves it: its owner attaches a controller
+worker (cachelayer.controller.worker.attach_controller_worker).
+
 Thread safety: one lock guards the index of every tier; tensor copies run outside it, protected
 by the reference each reader or writer holds on its chunks (a referenced chunk is never evicted,
 and its space is given back only when the last reference goes). Every write into a tier is one
@@ -23,17 +29,15 @@ listeners (KV events) while the lock is held, so listeners see changes in order.
 from __future__ import annotations
 
 import logging
-import queue
 import threading
 from array import array
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-import numpy as np
 import torch
 
-from cachelayer.compress import codec_names, get_codec
+from cachelayer.compress import get_codec
 from cachelayer.config import CacheLayerConfig, as_config
 from cachelayer.keys import CacheIdentity, ChunkSpan, chunk_spans
 from cachelayer.kv_layout import CacheEngineError, KVLayout, Tokens, as_dtype, checked_tokens, copy_tensor
@@ -42,18 +46,10 @@ from cachelayer.storage.chunk_write import (
     TierState,
     removal_events,
     snapshot_events,
-    stored_event,
 )
 from cachelayer.storage.cpu import CpuTier
 from cachelayer.storage.disk import DiskTier, DiskWriter
-from cachelayer.storage.remote import (
-    MAX_TRAILER_BYTES,
-    CorruptValue,
-    RemoteTier,
-    UnauthenticatedValue,
-    UnverifiableValue,
-    remote_tier_secret,
-)
+from cachelayer.storage.remote_sync import RemoteWriter, promote_from_remote, remote_tier_for
 from cachelayer.storage.tier import ChunkMeta, Tier, TierEntry
 from kvwire import AllBlocksCleared, EventPublisher
 from kvwire import KVEvent as Event
@@ -135,23 +131,7 @@ class CacheEngine:
         self._tiers: dict[str, Tier] = {"cpu": self.cpu}
         if self.disk is not None:
             self._tiers["disk"] = self.disk
-        self.remote: RemoteTier | None = None
-        if config.remote_url is not None:
-            self.remote = RemoteTier(
-                config.remote_url,
-                # What decides whether two engines can read each other's bytes, beyond the chunk key.
-                layout=(num_layers, self.channels, self.identity.dtype, config.pre_caching_hash_algorithm),
-                timeout_s=config.remote_call_timeout_s,
-                min_transfer_bytes_per_s=config.remote_min_transfer_mb_per_s * (1 << 20),
-                failure_threshold=config.remote_failure_threshold,
-                retry_after_s=config.remote_retry_after_s,
-                secret=remote_tier_secret(
-                    config.remote_url,
-                    config.remote_auth_secret_env,
-                    config.remote_authenticate_values,
-                    config.remote_allow_unauthenticated,
-                ),
-            )
+        self.remote = remote_tier_for(config, self.layout) if config.remote_url is not None else None
         self.counters = {
             "read_chunks": 0,
             "write_chunks": 0,
@@ -174,18 +154,20 @@ class CacheEngine:
         self._disk_writer = (
             DiskWriter(self.disk, self.cpu, self._state) if self.disk is not None else None
         )
-        # Remote writes happen behind the store too; a full queue drops the batch (never waits).
-        self._remote_queue: queue.Queue[tuple[int, list[ChunkMeta]] | None] = queue.Queue(
-            maxsize=config.remote_write_queue_batches
-        )
-        self._remote_backlog = 0
-        self._remote_idle = threading.Condition()
-        self._remote_writer: threading.Thread | None = None
-        if self.remote is not None:
-            self._remote_writer = threading.Thread(
-                target=self._write_remote_backlog, name="cachelayer-remote", daemon=True
+        # Remote writes happen behind the store too, in the remote tier's writer thread; a full
+        # queue drops the batch (a store never waits for Redis).
+        self._remote_writer = (
+            RemoteWriter(
+                self.remote,
+                self.cpu,
+                self._state,
+                self.layout,
+                serde=config.remote_serde,
+                max_batches=config.remote_write_queue_batches,
             )
-            self._remote_writer.start()
+            if self.remote is not None
+            else None
+        )
         # Closed with the engine: what its owner attached to it (e.g. the controller's worker,
         # cachelayer.controller.worker.attach_controller_worker). The engine knows nothing more of them.
         self._close_hooks: list[Callable[[], None]] = []
@@ -225,9 +207,7 @@ class CacheEngine:
             self._disk_writer.close()
             self._disk_writer = None
         if self._remote_writer is not None:
-            self.flush_remote(timeout_s=30)
-            self._remote_queue.put(None)
-            self._remote_writer.join(timeout=30)
+            self._remote_writer.close()
             self._remote_writer = None
         if self.remote is not None:
             self.remote.close()
@@ -361,7 +341,7 @@ class CacheEngine:
         if self._disk_writer is not None:
             self._disk_writer.submit([entry.meta for _, entry in reservation.chunks])
         if self._remote_writer is not None:
-            self._queue_remote_write([entry.meta for _, entry in reservation.chunks])
+            self._remote_writer.submit([entry.meta for _, entry in reservation.chunks])
 
     def abort_chunks(self, reservation: StoreReservation) -> None:
         """Give back the space of chunks that will not be written; nothing becomes visible."""
@@ -400,89 +380,10 @@ class CacheEngine:
             for entry in entries:
                 self.cpu.release(entry)
 
-    def _queue_remote_write(self, metas: list[ChunkMeta]) -> None:
-        assert self.remote is not None
-        with self._lock:
-            generation = self._state.generation
-        with self._remote_idle:
-            try:
-                self._remote_queue.put_nowait((generation, metas))
-            except queue.Full:
-                self.remote.note_dropped_write(len(metas))
-                return
-            self._remote_backlog += 1
-
     def flush_remote(self, timeout_s: float | None = None) -> bool:
         """Wait until every chunk stored so far was written to the remote tier (or dropped);
         False when `timeout_s` passed first."""
-        with self._remote_idle:
-            return self._remote_idle.wait_for(lambda: self._remote_backlog == 0, timeout=timeout_s)
-
-    def _write_remote_backlog(self) -> None:
-        while True:
-            item = self._remote_queue.get()
-            if item is None:
-                return
-            try:
-                self._write_remote(*item)
-            except Exception:  # the writer must outlive one bad batch
-                log.exception("cachelayer: writing chunks to the remote tier failed")
-            finally:
-                with self._remote_idle:
-                    self._remote_backlog -= 1
-                    self._remote_idle.notify_all()
-
-    def _write_remote(self, generation: int, metas: list[ChunkMeta]) -> None:
-        """Copy stored chunks from L1 to the remote tier: the ones it does not hold yet (another
-        engine may have written them), in one round trip. A chunk that left L1 meanwhile, or was
-        stored before a clear(), is skipped: the remote tier is a best-effort copy."""
-        remote = self.remote
-        assert remote is not None
-        missing = remote.missing([meta.key for meta in metas])
-        if missing is None:  # remote down: not written (a later store of the prompt retries)
-            remote.note_dropped_write(len(metas))
-            return
-        wanted = set(missing)
-        values: list[tuple[int, list[Any]]] = []
-        held: list[TierEntry] = []
-        written: list[ChunkMeta] = []
-        try:
-            for meta in metas:
-                if meta.key not in wanted:
-                    continue
-                with self._lock:
-                    if generation != self._state.generation:
-                        return
-                    entry = self.cpu.get(meta.key)
-                    if entry is None:
-                        continue
-                    # Held until sent: the value goes to the socket straight from the L1 bytes.
-                    self.cpu.acquire(entry)
-                    held.append(entry)
-                payload: Any = self.cpu.view(entry).numpy()
-                fmt = entry.meta.fmt
-                if fmt == "raw" and self.config.remote_serde == "cachegen":
-                    kv = self.layout.chunk_view(self.cpu.view(entry), entry.meta)
-                    payload = get_codec("cachegen").encode(kv, layer_offset=0, total_layers=self.num_layers)
-                    fmt = "cachegen"
-                trailer = remote.value_trailer(
-                    meta.key,
-                    payload,
-                    codec=fmt,
-                    dtype=self.identity.dtype,
-                    num_layers=self.num_layers,
-                    num_tokens=meta.num_tokens,
-                    channels=self.channels,
-                )
-                values.append((meta.key, [memoryview(payload).cast("B"), trailer]))
-                written.append(meta)
-            if values and remote.put(values):
-                with self._lock:
-                    self._emit([stored_event(remote, meta) for meta in written])
-        finally:
-            with self._lock:
-                for entry in held:
-                    self.cpu.release(entry)
+        return self._remote_writer.flush(timeout_s) if self._remote_writer is not None else True
 
     def flush(self) -> None:
         """Wait until every chunk stored so far has been written to the disk tier (or skipped)."""
@@ -554,7 +455,11 @@ class CacheEngine:
             self.layout.check_kv(out, len(token_list), "out", at_least=True)
         spans = self._spans(token_list, cache_salt, lora)
         if self.remote is not None:
-            self._promote_from_remote(spans, token_list)
+            with self._lock:
+                local = len(self._held_prefix(spans))
+            promote_from_remote(
+                self.remote, spans[local:], token_list, into=self.cpu, state=self._state, layout=self.layout
+            )
         plan: list[tuple[ChunkSpan, Tier, TierEntry, TierEntry | None]] = []
         with self._lock:
             promotions = ChunkWrite(self._state, self.cpu)
@@ -626,79 +531,6 @@ class CacheEngine:
         if hit == 0:
             return 0, None
         return hit, result
-
-    def _promote_from_remote(self, spans: list[ChunkSpan], token_list: list[int]) -> None:
-        """Fetch the chunks after the local prefix from the remote tier (one round trip) and put the
-        leading ones that check out into L1, for the retrieve that follows. A value that fails its
-        check is a miss and is deleted from the remote tier."""
-        remote = self.remote
-        assert remote is not None
-        with self._lock:
-            local = len(self._held_prefix(spans))
-        rest = spans[local:]
-        if not rest:
-            return
-        # No value larger than its chunk can be is read (an encoded chunk's worst case is twice raw).
-        limits = [2 * self.layout.raw_nbytes(span.num_tokens) + MAX_TRAILER_BYTES for span in rest]
-        values = remote.fetch([span.key for span in rest], limits)
-        accepted: list[tuple[ChunkSpan, memoryview, str]] = []
-        for span, value in zip(rest, values, strict=True):
-            if value is None:
-                break
-            try:
-                if isinstance(value, CorruptValue):
-                    raise value
-                chunk = remote.decode(value, span.key)
-                self._check_remote_chunk(chunk, span)
-            except UnverifiableValue as exc:  # usable by the engines that hold the secret: kept
-                log.error("cachelayer: remote chunk %#x not loaded (%s); treated as a miss", span.key, exc)
-                remote.note_corrupt(unauthenticated=True)
-                break
-            except CorruptValue as exc:
-                log.error(
-                    "cachelayer: remote chunk %#x rejected (%s); deleted, treated as a miss", span.key, exc
-                )
-                remote.note_corrupt(unauthenticated=isinstance(exc, UnauthenticatedValue))
-                remote.delete(span.key)
-                break
-            accepted.append((span, chunk.payload, chunk.codec))
-        remote.note_lookup(len(accepted), len(rest) - len(accepted))
-        if not accepted:
-            return
-        reserved: list[tuple[TierEntry, memoryview]] = []
-        with self._lock:
-            write = ChunkWrite(self._state, self.cpu)
-            for span, payload, codec in accepted:
-                if self.cpu.has_key(span.key):
-                    continue
-                tokens = array("q", token_list[span.start : span.end])
-                entry = write.reserve(ChunkMeta(span.key, span.parent_key, tokens, codec), payload.nbytes)
-                if entry is None:
-                    break
-                reserved.append((entry, payload))
-            write.announce_evictions()
-        with write.copying():
-            for entry, payload in reserved:
-                np.copyto(self.cpu.view(entry).numpy(), np.frombuffer(payload, dtype=np.uint8))
-        with self._lock:
-            self._emit(write.commit())
-
-    def _check_remote_chunk(self, chunk: Any, span: ChunkSpan) -> None:
-        """Refuse a remote chunk of another geometry, dtype or an unknown codec (CorruptValue)."""
-        geometry = (chunk.num_layers, chunk.num_tokens, chunk.channels)
-        expected = (self.num_layers, span.num_tokens, self.channels)
-        if geometry != expected or chunk.dtype != self.identity.dtype:
-            raise CorruptValue(
-                f"holds [layers, tokens, channels] {list(geometry)} in {chunk.dtype}, expected "
-                f"{list(expected)} in {self.identity.dtype}"
-            )
-        if chunk.codec == "raw":
-            if chunk.payload.nbytes != self.layout.raw_nbytes(span.num_tokens):
-                raise CorruptValue(
-                    f"raw payload of {chunk.payload.nbytes} bytes for {span.num_tokens} tokens"
-                )
-        elif chunk.codec not in codec_names():
-            raise CorruptValue(f"unknown codec {chunk.codec!r}")
 
     # ---- pins ----
     def pin(

@@ -78,6 +78,11 @@ class KVLayout:
     dtype: torch.dtype
 
     @property
+    def dtype_name(self) -> str:
+        """The dtype as chunk keys, disk headers and remote values name it, e.g. "bfloat16"."""
+        return str(self.dtype).removeprefix("torch.")
+
+    @property
     def bytes_per_token(self) -> int:
         return self.num_layers * 2 * self.channels * self.dtype.itemsize
 
