@@ -102,6 +102,11 @@ class PromptTokenizer:
         self._last_split: tuple[str, list[str], np.ndarray | None] | None = None
         self._added_pattern = _added_tokens_pattern(list(self.tokenizer.added_tokens_encoder))
         self.piecewise = self._added_pattern is not None and self._piecewise_encoding_is_exact()
+        # What adding special tokens puts around a text's tokens (a BOS before it for Llama-style
+        # tokenizers, nothing for Qwen's), when it is the same for every text: a completion's
+        # prompt (special tokens added, vLLM's default) then goes through the caches and the ASCII
+        # encoder like a chat's, instead of the whole text through the tokenizer on every request.
+        self._special_affixes = self._constant_special_affixes() if self.piecewise else None
         if not self.piecewise:
             logger.info(
                 "tokenizer %s: per-message cache off (pieces do not encode independently)", tokenizer_dir
@@ -156,6 +161,8 @@ class PromptTokenizer:
         A long piece that is not cached whole counts from the end of the segments remembered for
         a text that began like it (self.cuts: a new question after the same document), else whole,
         though its leading segments may be cached: finding out would cut it into segments twice."""
+        if add_special_tokens and self._special_affixes is not None:
+            add_special_tokens = False  # encode_text adds the affixes around the cached encoding
         if add_special_tokens or not self.piecewise:
             cached = not add_special_tokens and self.cache.peek(text)
             return (0 if cached else len(text)), 0
@@ -177,13 +184,18 @@ class PromptTokenizer:
     def encodes_on_fast_path(self, text: str, add_special_tokens: bool) -> bool:
         """Whether encode_text takes every uncached character of `text` through the ASCII encoder
         (a check of the text's ASCII flag, without looking it up in the caches)."""
-        return self._ascii is not None and not add_special_tokens and self.piecewise and text.isascii()
+        adds_unknown_affixes = add_special_tokens and self._special_affixes is None
+        return self._ascii is not None and not adds_unknown_affixes and self.piecewise and text.isascii()
 
     def render_chat(self, body: dict[str, Any]) -> str:
         fast = render_plain_chat(self.fast_render, body)
         return fast if fast is not None else render_chat(self.tokenizer, body)
 
     def encode_text(self, text: str, *, add_special_tokens: bool) -> np.ndarray:
+        if add_special_tokens and self._special_affixes is not None:
+            before, after = self._special_affixes
+            ids = self.encode_text(text, add_special_tokens=False)
+            return np.concatenate((before, ids, after)) if len(before) or len(after) else ids
         if add_special_tokens or not self.piecewise:
             cached = self.cache.get(text) if not add_special_tokens else None
             if cached is not None:
@@ -428,6 +440,29 @@ class PromptTokenizer:
         finally:
             self.cache, self.cuts = saved_cache, saved_cuts
         return True
+
+    def _constant_special_affixes(self) -> tuple[np.ndarray, np.ndarray] | None:
+        """The tokens that adding special tokens puts before and after a text's own tokens, when
+        they are the same on every sample (None otherwise: such texts are encoded whole)."""
+        samples = [
+            "Hello, world!", " leading space", "ünïcödé 中文 text  ", "a", "line\n\nnext",
+            *(f"{special} after an added token" for special in list(self.tokenizer.added_tokens_encoder)[:2]),
+        ]  # fmt: skip
+        affixes: tuple[list[int], list[int]] | None = None
+        for sample in samples:
+            plain = self.tokenizer.encode(sample, add_special_tokens=False)
+            added = self.tokenizer.encode(sample, add_special_tokens=True)
+            found = None
+            for start in range(len(added) - len(plain) + 1):
+                if added[start : start + len(plain)] == plain:
+                    found = (added[:start], added[start + len(plain) :])
+                    break
+            if found is None or (affixes is not None and found != affixes):
+                return None
+            affixes = found
+        if affixes is None or self.tokenizer.encode("", add_special_tokens=True) != affixes[0] + affixes[1]:
+            return None
+        return np.asarray(affixes[0], dtype=np.uint32), np.asarray(affixes[1], dtype=np.uint32)
 
     def _piecewise_encoding_is_exact(self) -> bool:
         assert self._added_pattern is not None
