@@ -1,7 +1,9 @@
 """The gateway (`router`) and the cache layer (`cachelayer`) import nothing of each other: the cache
 layer runs inside engines, beside no gateway, and the gateway installs beside any engine without
 the cache layer's dependencies. What both need is the wire protocol's (`kvwire`), which imports
-neither.
+neither. Inside router/ and cachelayer/, each part imports only the parts below it in
+docs/README.md's diagram (the ground floor, then index, tokenize, policies, the front faces; the
+cache side from gpu and compress up to the connectors).
 
 Every module of each package is read as source (no import runs), so an import inside a function or
 under `if TYPE_CHECKING:` counts as well, and a new module is checked without being listed here."""
@@ -9,6 +11,7 @@ under `if TYPE_CHECKING:` counts as well, and a new module is checked without be
 from __future__ import annotations
 
 import ast
+import sys
 from pathlib import Path
 
 import pytest
@@ -54,3 +57,170 @@ def test_a_package_imports_nothing_of_the_packages_it_must_not_know(package: str
         if imported in FORBIDDEN[package]
     ]
     assert not crossings, f"{package} must not import {', '.join(FORBIDDEN[package])}: {crossings}"
+
+
+# The parts inside each package and what each may import (docs/README.md, "Parts and import
+# directions"). A module is placed by the longest prefix that names it (a package's own name names
+# its __init__ alone); a module of router/ or
+# cachelayer/ that no prefix names sits in the outermost part (the front faces, the cache layer's
+# cli), so nothing lower may import it until it is placed here. Imports of other packages (kvwire,
+# third parties) are the rule above's business, not these.
+ROUTER_PARTS = {
+    "router": "ground",
+    "router.config": "ground",
+    "router.errors": "ground",
+    "router.yaml_errors": "ground",
+    "router.backends": "ground",
+    "router.metrics": "ground",
+    "router.upstream": "ground",
+    "router.api_formats": "ground",
+    "router.compiled": "ground",
+    "router.recent_keys": "ground",
+    "router.index.keys": "keys",
+    "router.index": "index",
+    "router.tokenize": "tokenize",
+    "router.template_sandbox": "tokenize",
+    "router.policies": "policies",
+    "router.cluster": "policies",
+    "router.sim": "sim",
+}
+CACHE_PARTS = {
+    "cachelayer.errors": "ground",
+    "cachelayer.yaml_errors": "ground",
+    "cachelayer.config": "ground",
+    "cachelayer.keys": "ground",
+    "cachelayer.shared_secret": "ground",
+    "cachelayer.gpu": "gpu",
+    "cachelayer.compress": "compress",
+    "cachelayer.storage": "storage",
+    "cachelayer.kv_layout": "storage",
+    "cachelayer": "engine",
+    "cachelayer.engine": "engine",
+    "cachelayer.controller": "controller",
+    "cachelayer.server": "server",
+    "cachelayer.connectors": "connectors",
+}
+OUTERMOST = {"router": "front", "cachelayer": "cli"}
+# part -> the parts its modules may import (its own included): whatever lies below it along the
+# diagram's lines; the outermost parts may import any.
+MAY_IMPORT = {
+    "ground": {"ground"},
+    "keys": {"ground", "keys"},
+    "index": {"ground", "keys", "index"},
+    "tokenize": {"ground", "keys", "tokenize"},
+    "policies": {"ground", "keys", "index", "policies"},
+    "sim": {"ground", "sim"},
+    "gpu": {"ground", "gpu"},
+    "compress": {"ground", "gpu", "compress"},
+    "storage": {"ground", "gpu", "compress", "storage"},
+    "engine": {"ground", "gpu", "compress", "storage", "engine"},
+    "controller": {"ground", "gpu", "compress", "storage", "engine", "controller"},
+    "server": {"ground", "gpu", "compress", "storage", "engine", "controller", "server"},
+    "connectors": {"ground", "gpu", "compress", "storage", "engine", "controller", "server", "connectors"},
+}
+# Crossings the code has today, each against the diagram, with what would remove it. A crossing
+# not listed fails; a listed one that is gone fails too, so the list only shrinks.
+KNOWN_CROSSINGS = {
+    # RouteRequest, for type hints only: the hand-off type belongs on the ground floor.
+    ("router/tokenize/request.py", "router.policies.base"),
+    # remote_tier_secret, called by a check of the config: the secret's reading belongs on the ground floor.
+    ("cachelayer/config.py", "cachelayer.storage.remote"),
+}
+
+
+def part_of(module: str) -> str | None:
+    """The part of a module of router/ or cachelayer/ (None for any other package)."""
+    top = module.split(".")[0]
+    if top not in OUTERMOST:
+        return None
+    parts = ROUTER_PARTS if top == "router" else CACHE_PARTS
+    for prefix in sorted(parts, key=len, reverse=True):
+        if module == prefix or ("." in prefix and module.startswith(prefix + ".")):
+            return parts[prefix]
+    return OUTERMOST[top]
+
+
+def imported_modules(path: Path) -> list[tuple[int, str]]:
+    """(line, module) of every import in the file, relative ones resolved; `from a import b` gives
+    both `a` and `a.b`, so a submodule imported by name is placed by its own name."""
+    package = list(path.relative_to(REPOSITORY).with_suffix("").parts)
+    if path.name != "__init__.py":
+        package = package[:-1]
+    found: list[tuple[int, str]] = []
+    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+        if isinstance(node, ast.Import):
+            found += [(node.lineno, alias.name) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package[: len(package) - node.level + 1]
+                base = ".".join([*anchor, base] if base else anchor)
+            found += [(node.lineno, f"{base}.{alias.name}") for alias in node.names]
+    return found
+
+
+def crossings(package: str) -> set[tuple[str, str, str]]:
+    """(file, line, imported module) of every import out of the parts its file's part may import."""
+    found = set()
+    for path in sorted((REPOSITORY / package).rglob("*.py")):
+        relative = path.relative_to(REPOSITORY)
+        own = part_of(".".join(relative.with_suffix("").parts).removesuffix(".__init__"))
+        if own not in MAY_IMPORT:
+            continue  # an outermost part may import any
+        for line, module in imported_modules(path):
+            target = part_of(module)
+            if target is not None and target not in MAY_IMPORT[own]:
+                found.add((str(relative), str(line), module))
+    return found
+
+
+def _is_known(file: str, module: str, known: tuple[str, str]) -> bool:
+    return file == known[0] and (module == known[1] or module.startswith(known[1] + "."))
+
+
+def test_parts_are_placed_by_their_longest_prefix() -> None:
+    assert part_of("router.index.keys") == "keys"
+    assert part_of("router.index.store") == "index"
+    assert part_of("router.policies.base.RouteRequest") == "policies"
+    assert part_of("router.forward") == "front"
+    assert part_of("router") == "ground"
+    assert part_of("cachelayer.storage.remote") == "storage"
+    assert part_of("cachelayer.cli") == "cli"
+    assert part_of("kvwire.frames") is None
+
+
+def test_the_part_check_finds_an_import_against_the_diagram(tmp_path, monkeypatch) -> None:
+    """The checker itself: an index module importing a policy, a relative import of the front faces
+    and a type-only import are found; imports the diagram allows are not."""
+    monkeypatch.setattr(sys.modules[__name__], "REPOSITORY", tmp_path)
+    sample = tmp_path / "router" / "index" / "sample.py"
+    sample.parent.mkdir(parents=True)
+    sample.write_text(
+        "from typing import TYPE_CHECKING\n"
+        "from router.config import Config\n"
+        "from router.index.keys import Namespace\n"
+        "from ..forward import ProxyEndpoint\n"
+        "if TYPE_CHECKING:\n    from router.policies.base import Choice\n"
+        "import kvwire\n"
+    )
+    assert crossings("router") == {
+        ("router/index/sample.py", "4", "router.forward.ProxyEndpoint"),
+        ("router/index/sample.py", "6", "router.policies.base.Choice"),
+    }
+
+
+@pytest.mark.parametrize("package", ["router", "cachelayer"])
+def test_each_part_imports_only_the_parts_below_it(package: str) -> None:
+    found = crossings(package)
+    new = sorted(
+        f"{file}:{line} imports {module}"
+        for file, line, module in found
+        if not any(_is_known(file, module, known) for known in KNOWN_CROSSINGS)
+    )
+    assert not new, f"imports against docs/README.md's diagram (move the shared thing down): {new}"
+    gone = sorted(
+        known
+        for known in KNOWN_CROSSINGS
+        if known[0].startswith(package + "/") and not any(_is_known(f, m, known) for f, _, m in found)
+    )
+    assert not gone, f"remove from KNOWN_CROSSINGS, the code no longer does it: {gone}"

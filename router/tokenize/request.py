@@ -36,7 +36,8 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("kvgate.tokenize")
 
-# Where tokenization leaves the event loop (docs/request-path.md has the costs behind these lines).
+# Where tokenization leaves the event loop (docs/request-path.md, "Where tokenization runs"; the costs
+# behind these lines: docs/benchmarks.md, "kv_aware's request path, cut by cut").
 # The hop to the tokenizer thread costs the request time; it pays only where the loop would
 # otherwise stall for longer, for other requests. Text the Rust tokenizer encodes releases the GIL
 # there, so the loop runs meanwhile: moved from OFF_LOOP_MIN_CHARS uncached characters. The ASCII
