@@ -7,8 +7,9 @@ BIN := $(VENV)/bin
 PIP := $(BIN)/python -m pip install -q -c constraints.txt
 GATEWAY_STAMP := $(VENV)/.installed-gateway
 STAMP := $(VENV)/.installed
-# Everything ruff checks: the packages, what tests and benchmarks share, the tests, benchmarks, scripts.
-LINTED := router cachelayer kvwire kvgate_testing tests benchmarks scripts
+# Everything ruff checks: the packages and their ground floor, what tests and benchmarks share, the
+# tests, benchmarks, scripts.
+LINTED := router cachelayer kvwire kvgate_common kvgate_testing tests benchmarks scripts
 
 .PHONY: serve demo lint test test-real test-slow test-reverse fuzz bench-gateway bench-routing-real bench-routing-real-4
 

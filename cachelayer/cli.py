@@ -8,16 +8,7 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
-
-class DefaultsHelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
-    """--help shows each flag's default, except where there is none to show (None, off): the same
-    layout as `kvgate`'s (router/cli.py), kept here because the cache layer imports nothing of the
-    gateway."""
-
-    def _get_help_string(self, action: argparse.Action) -> str | None:
-        if action.default is None or action.default is False or action.default == []:
-            return action.help
-        return super()._get_help_string(action)
+from kvgate_common.help_format import DefaultsHelpFormatter
 
 
 def _configure_controller(parser: argparse.ArgumentParser) -> None:

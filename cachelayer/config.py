@@ -17,7 +17,7 @@ import msgspec
 import yaml
 
 from cachelayer.errors import CacheLayerError
-from cachelayer.yaml_errors import with_bad_value, yaml_syntax_error
+from kvgate_common.yaml_errors import with_bad_value, yaml_syntax_error
 
 log = logging.getLogger(__name__)
 

@@ -36,6 +36,7 @@ from kvgate_testing.reference_placement import (
     EngineBlockCache,
     PlacementResult,
     greedy_placement,
+    request_block_keys,
 )
 from kvgate_testing.workloads import Workload, block_keys, cacheable_hit_tokens
 
@@ -161,7 +162,7 @@ def foresight_placement(
     max_over_mean: float = 1.3,
 ) -> PlacementResult:
     """The foresight reference of the module docstring; keeps the reference's load cap."""
-    keys = [block_keys(request.prompt_token_ids, block_size) for request in workload.requests]
+    keys = request_block_keys(workload, block_size)
     usable = [
         request_keys[: (request.prompt_tokens - 1) // block_size]
         for request, request_keys in zip(workload.requests, keys, strict=True)

@@ -111,6 +111,12 @@ class EngineBlockCache:
 SLACKS: tuple[int | None, ...] = (0, 1, 2, 4, None)
 
 
+def request_block_keys(workload: Workload, block_size: int) -> list[list[bytes]]:
+    """Every request's prompt as its chain of block keys, in the workload's order: what the
+    placements (this one, kvgate_testing/foresight.py's) look up and store."""
+    return [block_keys(request.prompt_token_ids, block_size) for request in workload.requests]
+
+
 def reference_placement(
     workload: Workload,
     engines: int,
@@ -119,7 +125,7 @@ def reference_placement(
     max_over_mean: float = 1.3,
 ) -> PlacementResult:
     """The best of the greedy placements over `SLACKS`; every one keeps max/mean load <= max_over_mean."""
-    keys = [block_keys(request.prompt_token_ids, block_size) for request in workload.requests]
+    keys = request_block_keys(workload, block_size)
     results = []
     for slack in SLACKS:
         caches = [EngineBlockCache(num_gpu_blocks, block_size) for _ in range(engines)]

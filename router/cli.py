@@ -13,6 +13,8 @@ import os
 import sys
 from typing import NamedTuple
 
+from kvgate_common.help_format import DefaultsHelpFormatter
+
 
 class Subcommand(NamedTuple):
     module: str
@@ -25,15 +27,6 @@ SUBCOMMANDS: dict[str, Subcommand] = {
     "sim": Subcommand("router.sim.cli", "run one simulated vLLM-compatible engine (no GPU, no model)"),
     "demo": Subcommand("router.demo", "compare routing policies on simulated engines (about a minute)"),
 }
-
-
-class DefaultsHelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
-    """--help shows each flag's default, except where there is none to show (None, off)."""
-
-    def _get_help_string(self, action: argparse.Action) -> str | None:
-        if action.default is None or action.default is False or action.default == []:
-            return action.help
-        return super()._get_help_string(action)
 
 
 def version() -> str:

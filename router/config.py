@@ -16,8 +16,8 @@ from urllib.parse import urlsplit
 import msgspec
 import yaml
 
+from kvgate_common.yaml_errors import with_bad_value, yaml_syntax_error
 from router.errors import KvgateError
-from router.yaml_errors import with_bad_value, yaml_syntax_error
 
 
 class ConfigError(KvgateError):
@@ -603,8 +603,7 @@ def _check_shared_tiers(config: Config, source: str) -> None:
         for backend in tier.backends:
             if config.backends and backend not in names:
                 raise ConfigError(
-                    f"{where}.backends`: unknown backend {backend!r}; configured backends are "
-                    f"{sorted(names)}"
+                    f"{where}.backends`: unknown backend {backend!r}; configured backends are {sorted(names)}"
                 )
             earlier = attached.setdefault((tier_name, backend), i)
             if earlier != i:

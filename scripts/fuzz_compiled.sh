@@ -16,7 +16,7 @@ fi
 work="$(mktemp -d)"
 trap 'rm -rf "$work"' EXIT
 cd "$root"
-cp -r --parents pyproject.toml router kvwire kvgate_testing "$work"
+cp -r --parents pyproject.toml router kvwire kvgate_common kvgate_testing "$work"
 find "$work" -name '*.so' -delete
 (cd "$work" && CFLAGS="-fsanitize=address -fno-omit-frame-pointer -O1 -g" LDFLAGS="-fsanitize=address" \
     "$python" -c "from setuptools import setup; setup()" -q build_ext --inplace >"$work/build.log" 2>&1) \

@@ -17,7 +17,8 @@ REPO = Path(__file__).resolve().parent.parent
 RESULTS = REPO / "benchmarks" / "results"
 COMMIT = re.compile(r"[0-9a-f]{40}")
 # A repository path as results files write them: a top-level directory of the repository, then more.
-TOP_LEVEL = ("benchmarks", "kvgate_testing", "tests", "router", "cachelayer", "kvwire", "scripts", "docs",
+TOP_LEVEL = ("benchmarks", "kvgate_testing", "tests", "router", "cachelayer", "kvwire", "kvgate_common",
+             "scripts", "docs",
              "deploy")  # fmt: skip
 NAMED_PATH = re.compile(rf"(?<![\w./-])((?:{'|'.join(TOP_LEVEL)})/[\w./-]*\w)(?: at ([0-9a-f]{{7,40}})\b)?")
 

@@ -44,11 +44,15 @@ def _module_names(package: str) -> list[str]:
     return names
 
 
+def _source_of(module_name: str) -> str:
+    path = REPOSITORY / Path(*module_name.split("."))
+    return (path / "__init__.py" if path.is_dir() else path.with_suffix(".py")).read_text()
+
+
 def _exceptions_in_source(module_name: str, root: type[Exception]) -> list[str]:
     """For a module that cannot be imported here: the classes that subclass an exception by name and do
     not name the root among their bases."""
-    path = REPOSITORY / Path(*module_name.split("."))
-    source = (path / "__init__.py" if path.is_dir() else path.with_suffix(".py")).read_text()
+    source = _source_of(module_name)
     strays = []
     for node in ast.walk(ast.parse(source)):
         if not isinstance(node, ast.ClassDef):
@@ -90,3 +94,20 @@ def test_every_exception_class_derives_from_its_package_root(package):
         f"these exception classes do not derive from {root.__module__}.{root.__name__}: {strays}; "
         f"root first, then the builtin base callers catch: class X({root.__name__}, ValueError)"
     )
+
+
+def test_the_shared_ground_floor_defines_no_error_of_its_own():
+    """kvgate_common words messages that router/ and cachelayer/ raise under their own roots: an
+    exception class there would belong to neither package's family."""
+    defined = [
+        f"{module_name}.{node.name}"
+        for module_name in _module_names("kvgate_common")
+        for node in ast.walk(ast.parse(_source_of(module_name)))
+        if isinstance(node, ast.ClassDef)
+        and any(
+            getattr(base, "id", "") in _BUILTIN_EXCEPTIONS or getattr(base, "id", "").endswith("Error")
+            for base in node.bases
+        )
+    ]
+    assert _module_names("kvgate_common"), "the walk of kvgate_common found no module"
+    assert not defined, f"kvgate_common defines exception classes: {defined}; raise the package's own"

@@ -1,4 +1,6 @@
-"""benchmarks/gateway_overhead.py's kv_aware report: worker counts, which rows are synced workers."""
+"""The gateway overhead benchmark's reports (kvgate_testing/gateway_overhead_report.py, which
+benchmarks/gateway_overhead.py writes its results with): worker counts, which rows are synced
+workers, the kv_aware table and CPU budget, no SSE rate."""
 
 from __future__ import annotations
 
@@ -8,28 +10,28 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.gateway_overhead import (
-    _kv_workers_argument,
-    _synced_workers,
+from kvgate_testing.gateway_overhead_report import (
+    synced_workers,
+    worker_counts_argument,
     write_kv_aware_report,
     write_report,
 )
 
 
 def test_only_kvgate_rows_with_several_workers_count_the_redis_server():
-    assert _synced_workers("kvgate kv_aware --workers 2")
-    assert _synced_workers("kvgate kv_aware --workers 4")
-    assert not _synced_workers("kvgate kv_aware --workers 1")
-    assert not _synced_workers("kvgate least_loaded --workers 1")
-    assert not _synced_workers("kvgate kv_aware --workers 1 (before-2440423)")
-    assert not _synced_workers("sglang-router cache_aware")
+    assert synced_workers("kvgate kv_aware --workers 2")
+    assert synced_workers("kvgate kv_aware --workers 4")
+    assert not synced_workers("kvgate kv_aware --workers 1")
+    assert not synced_workers("kvgate least_loaded --workers 1")
+    assert not synced_workers("kvgate kv_aware --workers 1 (before-2440423)")
+    assert not synced_workers("sglang-router cache_aware")
 
 
 def test_worker_counts_are_parsed_and_bad_ones_refused():
-    assert _kv_workers_argument("1,2,4") == [1, 2, 4]
+    assert worker_counts_argument("1,2,4") == [1, 2, 4]
     for bad in ("", "0", "1,x", "-1"):
         with pytest.raises(argparse.ArgumentTypeError):
-            _kv_workers_argument(bad)
+            worker_counts_argument(bad)
 
 
 def _row(
@@ -103,4 +105,3 @@ def test_the_overhead_report_claims_no_sse_rate_its_one_client_process_bounds(tm
     assert "SSE req/s" not in text and f"{rates['kvgate round_robin']:.0f}" not in text
     assert "No SSE requests/s: with one client process the SSE rate measures that client" in text
     assert "| JSON req/s |" in text  # the JSON rate stays
-

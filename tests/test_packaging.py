@@ -178,11 +178,11 @@ def test_constraints_pin_the_local_cpu_torch_and_satisfy_every_range():
 
 def test_the_wheel_ships_the_gateway_the_cache_layer_and_the_wire_not_the_test_helpers_nor_the_benchmarks():
     """kvgate_testing and benchmarks run from a checkout (tests, `python -m benchmarks.NAME`); what
-    `pip install kvgate` installs is router/, cachelayer/ and the kvwire/ both import, found as
-    setuptools finds them."""
+    `pip install kvgate` installs is router/, cachelayer/ and the kvwire/ and kvgate_common/ both
+    import, found as setuptools finds them."""
     from setuptools import find_namespace_packages
 
     include = _pyproject()["tool"]["setuptools"]["packages"]["find"]["include"]
     shipped = {name.partition(".")[0] for name in find_namespace_packages(str(REPO_ROOT), include=include)}
-    assert shipped == {"router", "cachelayer", "kvwire"}
+    assert shipped == {"router", "cachelayer", "kvwire", "kvgate_common"}
     assert (REPO_ROOT / "kvgate_testing" / "__init__.py").exists()  # a package, left out on purpose

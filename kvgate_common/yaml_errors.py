@@ -1,9 +1,7 @@
-"""A cache-layer configuration file's errors as one line each: a YAML syntax error as
-`file:line:column: problem`, and the bad value beside a validation error.
-
-The gateway words its own configuration's errors the same way (router/yaml_errors.py); this is the
-cache layer's own copy, because the cache layer runs inside engines and imports nothing of the
-gateway (tests/test_import_directions.py). tests/test_cachelayer_config.py checks its messages."""
+"""A configuration file's errors as one line each: a YAML syntax error as `file:line:column: problem`,
+and the bad value beside a validation error. The gateway's proxy.yaml (router/config.py) and the
+cache layer's file (cachelayer/config.py) word theirs through it; each raises its own package's
+error with the message (tests/test_config.py and tests/test_cachelayer_config.py check them)."""
 
 from __future__ import annotations
 
