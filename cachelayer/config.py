@@ -139,7 +139,7 @@ class CacheLayerConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True)
                 )
             # Checked here, so that every entry point (a YAML file, the daemon's flags) refuses at
             # startup: an unset secret variable, or an unauthenticated Redis beyond loopback.
-            from cachelayer.storage.remote import remote_tier_secret
+            from cachelayer.shared_secret import remote_tier_secret
 
             remote_tier_secret(
                 self.remote_url,

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import ipaddress
 import os
+from urllib.parse import urlsplit
 
 from cachelayer.errors import CacheLayerError
 
@@ -54,3 +55,24 @@ def refuse_open_socket_beyond_loopback(
             f"{what} would listen on {host!r} without authentication: anyone who reaches it could "
             f"read which prompts are cached and write into the cache. {fix}"
         )
+
+
+def remote_tier_secret(
+    url: str, secret_env: str | None, authenticate_values: bool, allow_unauthenticated: bool
+) -> bytes | None:
+    """The secret values are tagged with (None: checksum only), after refusing an unauthenticated
+    tier beyond loopback: whoever can write to that Redis could feed any KV to every engine."""
+    secret = secret_from_env(secret_env, "remote_auth_secret_env")
+    if secret is not None and authenticate_values:
+        return secret
+    parts = urlsplit(url)
+    host = parts.hostname or ""
+    if parts.scheme != "unix" and not is_loopback(host) and not allow_unauthenticated:
+        raise AuthConfigError(
+            f"remote_url names the Redis at {host!r}, beyond loopback, and remote values are not "
+            "authenticated: anyone who can write to it could make every engine load KV of their "
+            "choosing. Set remote_auth_secret_env to a variable holding a secret the engines share "
+            "(with remote_authenticate_values: true), or set remote_allow_unauthenticated: true if "
+            "only trusted hosts can reach that Redis."
+        )
+    return None

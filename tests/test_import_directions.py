@@ -191,8 +191,6 @@ MAY_IMPORT = {
 KNOWN_CROSSINGS = {
     # RouteRequest, for type hints only: the hand-off type belongs on the ground floor.
     ("router/tokenize/request.py", "router.policies.base"),
-    # remote_tier_secret, called by a check of the config: the secret's reading belongs on the ground floor.
-    ("cachelayer/config.py", "cachelayer.storage.remote"),
 }
 
 

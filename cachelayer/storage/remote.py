@@ -47,7 +47,6 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
-from urllib.parse import urlsplit
 
 import redis
 import xxhash
@@ -55,7 +54,6 @@ from redis.backoff import NoBackoff
 from redis.retry import Retry
 
 from cachelayer.errors import CacheLayerError
-from cachelayer.shared_secret import AuthConfigError, is_loopback, secret_from_env
 
 log = logging.getLogger(__name__)
 
@@ -198,27 +196,6 @@ def decode_value(value: Buffer, key: int, *, secret: bytes | None = None, contex
     except UnicodeDecodeError:
         raise CorruptValue("codec or dtype name is not text") from None
     return ChunkValue(codec, dtype, layers, tokens, channels, view[:length])
-
-
-def remote_tier_secret(
-    url: str, secret_env: str | None, authenticate_values: bool, allow_unauthenticated: bool
-) -> bytes | None:
-    """The secret values are tagged with (None: checksum only), after refusing an unauthenticated
-    tier beyond loopback: whoever can write to that Redis could feed any KV to every engine."""
-    secret = secret_from_env(secret_env, "remote_auth_secret_env")
-    if secret is not None and authenticate_values:
-        return secret
-    parts = urlsplit(url)
-    host = parts.hostname or ""
-    if parts.scheme != "unix" and not is_loopback(host) and not allow_unauthenticated:
-        raise AuthConfigError(
-            f"remote_url names the Redis at {host!r}, beyond loopback, and remote values are not "
-            "authenticated: anyone who can write to it could make every engine load KV of their "
-            "choosing. Set remote_auth_secret_env to a variable holding a secret the engines share "
-            "(with remote_authenticate_values: true), or set remote_allow_unauthenticated: true if "
-            "only trusted hosts can reach that Redis."
-        )
-    return None
 
 
 class _Exchange:

@@ -18,6 +18,7 @@ from cachelayer.compress import codec_names, get_codec
 from cachelayer.config import CacheLayerConfig
 from cachelayer.keys import ChunkSpan
 from cachelayer.kv_layout import KVLayout
+from cachelayer.shared_secret import remote_tier_secret
 from cachelayer.storage.chunk_write import ChunkWrite, TierState, stored_event
 from cachelayer.storage.cpu import CpuTier
 from cachelayer.storage.remote import (
@@ -27,7 +28,6 @@ from cachelayer.storage.remote import (
     RemoteTier,
     UnauthenticatedValue,
     UnverifiableValue,
-    remote_tier_secret,
 )
 from cachelayer.storage.tier import ChunkMeta, TierEntry
 from cachelayer.storage.write_behind import WriteBehind
@@ -54,7 +54,6 @@ def remote_tier_for(config: CacheLayerConfig, layout: KVLayout) -> RemoteTier:
             config.remote_allow_unauthenticated,
         ),
     )
-
 
 
 class RemoteWriter:
