@@ -54,6 +54,8 @@ class KVIndexService:
         self.index, self.writer = new_index()
         self.replay_timeout_s = replay_timeout_s
         self._streams: dict[str, list[_Stream]] = {}
+        # Backends whose cached prefixes get no credit, and why (the contract check, router/contract.py).
+        self.uncredited: dict[str, str] = {}
         self._configs: dict[str, KVEvents] = {}
         self._started = False
         self.lookup_seconds = Histogram(
@@ -172,13 +174,16 @@ class KVIndexService:
 
         `keys`: the prompt's router keys when the caller has them (prompt_prefix_keys), not recomputed.
         A rank whose event stream is disconnected holds nothing here (what it announced may be
-        gone, and its removals do not reach the index) unless `disconnected` is true.
+        gone, and its removals do not reach the index), and neither does a backend `set_uncredited`,
+        unless `disconnected` is true.
         """
         started = time.perf_counter()
         wanted = list(self._streams) if backends is None else [b for b in backends if b in self._streams]
+        uncredited = () if disconnected else self.uncredited
         index_names = [
             stream.index_name
             for name in wanted
+            if name not in uncredited
             for stream in self._streams[name]
             if disconnected or stream.subscriber.stats.connected
         ]
@@ -193,6 +198,14 @@ class KVIndexService:
             result[name] = best or BackendMatch({}, [])
         self.lookup_seconds.observe(time.perf_counter() - started)
         return result
+
+    def set_uncredited(self, name: str, reason: str | None) -> None:
+        """Give the backend's cached prefixes no credit (`reason`: why, shown with stale holders), or
+        credit them again (None)."""
+        if reason is None:
+            self.uncredited.pop(name, None)
+        else:
+            self.uncredited[name] = reason
 
     def disconnected_streams(self) -> dict[str, str]:
         """Backends with a disconnected event stream (some rank's), each with the reason to show."""

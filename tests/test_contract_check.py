@@ -1,0 +1,84 @@
+"""The contract check on simulated engines: a backend with another block size or another hash seed
+than the model's reference is named in a warning (backend, field, both values) on /health, on
+/debug/prefix-map and in kvgate_routing_warnings, and its cached prefixes get no credit; the
+reference and an agreeing backend raise nothing."""
+
+from __future__ import annotations
+
+import functools
+
+import httpx
+import pytest
+
+from kvgate_testing import waiting
+from kvgate_testing.gateway import start_gateway
+from kvgate_testing.sim_fleet import EVENTS_TOPIC, MODEL, EngineFleet
+
+wait_for = functools.partial(waiting.wait_for, timeout_s=90.0)
+
+
+@pytest.fixture(scope="module")
+def fleet():
+    # engine-0: the reference; engine-1: 32-token blocks; engine-2: another hash seed; engine-3: agrees.
+    with EngineFleet(
+        4, num_gpu_blocks=512, per_engine_args=[[], ["--block-size", "32"], ["--hash-seed", "7"], []]
+    ) as fleet:
+        yield fleet
+
+
+def contract_warnings(gateway_url: str) -> dict[str, str]:
+    body = httpx.get(f"{gateway_url}/health", timeout=10).json()
+    return {w["subject"]: w["message"] for w in body.get("warnings", []) if w["kind"] == "contract_mismatch"}
+
+
+@pytest.mark.slow  # four simulated engines and a gateway: ~100 s on the loaded 2-core machine
+def test_block_size_and_hash_seed_mismatches_are_named_and_lose_their_credit(fleet):
+    config = {
+        "models": [{"name": MODEL, "tokenizer": "builtin:qwen3"}],
+        "backends": [
+            {
+                "name": engine.name,
+                "url": engine.url,
+                "kv_events": {
+                    "endpoint": engine.events_endpoint,
+                    "replay_endpoint": engine.replay_endpoint,
+                    "topic": EVENTS_TOPIC,
+                },
+            }
+            for engine in fleet.engines
+        ],
+        "policy": {"name": "kv_aware"},
+        "contract_check": {"enabled": True, "timeout_s": 15},
+    }
+    with start_gateway(config) as gateway:
+        found = wait_for(lambda: contract_warnings(gateway.url) or None)
+        assert set(found) == {"engine-1/block_size", "engine-2/block_hash"}, found
+        assert "expects 16 tokens, the backend reports 32 tokens" in found["engine-1/block_size"]
+        assert "hash algorithm and seed" in found["engine-2/block_hash"]
+        assert "routed by load only" in found["engine-2/block_hash"]
+
+        metrics = httpx.get(f"{gateway.url}/metrics", timeout=10).text
+        assert 'kvgate_routing_warnings{kind="contract_mismatch"} 2.0' in metrics
+        debug = httpx.get(f"{gateway.url}/debug/prefix-map", params={"format": "json"}, timeout=10).json()
+        subjects = {w["subject"] for w in debug["warnings"] if w["kind"] == "contract_mismatch"}
+        assert subjects == {"engine-1/block_size", "engine-2/block_hash"}
+
+        # A prompt every engine has cached: only the agreeing backends are credited with it.
+        prompt = "the contract test's own prompt, " * 20
+        for engine in fleet.engines:
+            httpx.post(
+                f"{engine.url}/v1/completions",
+                json={"model": MODEL, "prompt": prompt, "max_tokens": 1},
+                timeout=30,
+            ).raise_for_status()
+        tokens = httpx.post(
+            f"{fleet.engines[0].url}/tokenize", json={"model": MODEL, "prompt": prompt}, timeout=10
+        ).json()["tokens"]
+
+        def lookup():
+            answer = httpx.post(f"{gateway.url}/lookup", json={"tokens": tokens}, timeout=10).json()
+            return answer if set(answer["layout_info"]) == {"engine-0", "engine-3"} else None
+
+        answer = wait_for(lookup)
+        assert "contract mismatch on block_size" in answer["stale_holders"]["engine-1"]["reason"]
+        assert "contract mismatch on block_hash" in answer["stale_holders"]["engine-2"]["reason"]
