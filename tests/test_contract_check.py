@@ -8,6 +8,8 @@ from __future__ import annotations
 import functools
 
 import httpx
+import msgspec
+import numpy as np
 import pytest
 
 from kvgate_testing import waiting
@@ -113,3 +115,69 @@ def test_a_real_vllm_with_another_block_size_is_named_and_agrees_on_everything_e
             found = waiting.wait_for(lambda: contract_warnings(gateway.url) or None, timeout_s=300)
             assert set(found) == {"vllm/block_size"}, found
             assert "expects 16 tokens, the backend reports 32 tokens" in found["vllm/block_size"]
+
+
+@pytest.mark.slow  # one more gateway before the module's engines
+def test_a_gateway_tokenizing_otherwise_than_the_engines_is_named_for_every_backend(fleet):
+    from pathlib import Path
+
+    bos_tokenizer = Path(__file__).parent / "data" / "bos_tokenizer"  # adds a BOS the engines do not
+    config = {
+        "models": [{"name": MODEL, "tokenizer": str(bos_tokenizer)}],
+        "backends": [
+            {
+                "name": engine.name,
+                "url": engine.url,
+                "kv_events": {
+                    "endpoint": engine.events_endpoint,
+                    "replay_endpoint": engine.replay_endpoint,
+                    "topic": EVENTS_TOPIC,
+                },
+            }
+            for engine in fleet.engines
+        ],
+        "policy": {"name": "kv_aware"},
+        "contract_check": {"enabled": True, "timeout_s": 5},
+    }
+    with start_gateway(config) as gateway:
+        found = wait_for(lambda: contract_warnings(gateway.url) or None)
+        for engine in fleet.engines:
+            assert f"{engine.name}/tokens" in found, found
+            assert f"{engine.name}/kv_events" in found, found
+
+
+def _checker(**settings):
+    from router.config import Config
+    from router.contract import ContractChecker
+
+    config = msgspec.convert({"models": [{"name": "m"}], "contract_check": settings}, Config)
+    return ContractChecker(config, {}, None, None, None)  # type: ignore[arg-type]
+
+
+def test_chunk_size_and_salt_are_compared_with_the_configuration_and_a_short_probe_is_not_held_against():
+    from router.contract import PROBE_SALT, ProbeReport
+
+    checker = _checker(chunk_size=256)
+    tokens = np.arange(300)
+    agreeing = ProbeReport(
+        indexed_tokens=288, block_size=16, chunk_size=256, first_block_hash=1, cache_salt=PROBE_SALT,
+        events_read=True, probe_tokens=300,
+    )  # fmt: skip
+
+    def mismatches(report, probe=tokens):
+        found = checker._compare("b", report, agreeing, is_reference=False, gateway_tokens=probe)
+        return [(m.field, m.expected, m.reported) for m in found]
+
+    assert checker._compare("a", agreeing, agreeing, is_reference=True, gateway_tokens=tokens) == []
+    assert mismatches(ProbeReport(**{**_fields(agreeing), "chunk_size": 128})) == [
+        ("chunk_size", "256 tokens", "128 tokens")
+    ]
+    unsalted = mismatches(ProbeReport(**{**_fields(agreeing), "cache_salt": None}))
+    assert [field for field, _, _ in unsalted] == ["cache_salt"]
+    # A probe shorter than a chunk shows its tail chunk only: no chunk size can be read from it.
+    short = ProbeReport(**{**_fields(agreeing), "chunk_size": 200, "probe_tokens": 200})
+    assert mismatches(short, tokens[:200]) == []
+
+
+def _fields(report) -> dict:
+    return {name: getattr(report, name) for name in report.__slots__}
