@@ -96,6 +96,8 @@ class ProbeReport:
     cache_salt: str | None = None
     events_read: bool = False
     probe_tokens: int = 0
+    # The engine took the probe (a 2xx answer); without it nothing can be compared.
+    answered: bool = False
 
 
 class ContractChecker:
@@ -193,11 +195,13 @@ class ContractChecker:
         reference = reports[members[0].name]
         found: dict[str, list[Mismatch]] = {}
         for backend in members:
+            if not reports[backend.name].answered:
+                continue
             found[backend.name] = self._compare(
                 backend.name, reports[backend.name], reference, is_reference=backend is members[0],
                 gateway_tokens=gateway_tokens,
             )  # fmt: skip
-        for name, mismatches in found.items():
+        for name, mismatches in found.items():  # an unanswered probe changes nothing
             self.mismatches[name] = mismatches
             self.checked_at[name] = time.time()
             reason = "; ".join(f"contract mismatch on {m.field}" for m in mismatches) or None
@@ -278,10 +282,14 @@ class ContractChecker:
         start_seq = self._last_seq(backend.name)
         body = {"model": served, "prompt": text, "max_tokens": 1, "temperature": 0, "cache_salt": PROBE_SALT}
         try:
-            await self._post(backend, b"/v1/completions", body, timeout_s)
+            status, _ = await self._post(backend, b"/v1/completions", body, timeout_s)
         except Exception as exc:
             logger.warning("contract check: backend %s did not answer the probe (%s)", backend.name, exc)
             return report
+        if not 200 <= status < 300:  # e.g. an engine with --api-key: the check cannot run there
+            logger.warning("contract check: backend %s answered the probe with HTTP %d", backend.name, status)
+            return report
+        report.answered = True
         if gateway_tokens is not None:
             namespace = self._index.namespace_for(model, PROBE_SALT)
             deadline = time.monotonic() + timeout_s
