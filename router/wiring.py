@@ -59,6 +59,7 @@ class Gateway:
 
         # 2. The KV index: what each engine's events say it holds.
         self.index_service = KVIndexService(registry=self.metrics.registry)
+        self.index_service.share_removals(config.shared_tiers)
         self.backends.listen(_IndexSubscriptions(self.index_service))
 
         # 3. The tokenizer, for the policies that route by the prompt's tokens.

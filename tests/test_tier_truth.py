@@ -12,7 +12,7 @@ import pytest
 from kvgate_testing import waiting
 from kvgate_testing.cachelayer import make_engine, request
 from kvgate_testing.redis_server import running_redis
-from kvwire import AllBlocksCleared, BlockStored, EventPublisher
+from kvwire import AllBlocksCleared, BlockRemoved, BlockStored, EventPublisher
 from router.config import KVEvents
 from router.index.service import KVIndexService
 
@@ -220,3 +220,46 @@ def test_a_restarted_daemon_is_seen_by_its_client_as_an_emptied_store():
             assert client.take_restarts() == 0  # told once
     finally:
         client.close()
+
+
+@pytest.mark.parametrize("encoding", ["vllm", "vllm-array"])
+def test_a_shared_tier_removal_reported_by_one_member_leaves_every_member(encoding):
+    """The daemon's eviction caused by b's store is reported by b; a, which stored the chunk, loses it."""
+    from router.config import SharedTier
+
+    publishers = {
+        name: EventPublisher("tcp://127.0.0.1:*", "tcp://127.0.0.1:*", encoding=encoding) for name in "abc"
+    }
+    service = KVIndexService(replay_timeout_s=1.0)
+    service.share_removals([SharedTier(name="shared", backends=["a", "b"])])
+    try:
+        for name, publisher in publishers.items():
+            service.add_backend(
+                name, KVEvents(endpoint=publisher.endpoint, replay_endpoint=publisher.replay_endpoint)
+            )
+        service.start()
+
+        def subscribed():
+            for publisher in publishers.values():
+                publisher.publish([])
+            return all(service.status()[name]["last_seq"] is not None for name in publishers)
+
+        wait_for(subscribed)
+        tokens = list(range(1, 33))
+        stored = BlockStored(block_hashes=[101, 102], token_ids=tokens, block_size=16, medium="SHARED")
+        publishers["a"].publish([stored])
+        publishers["c"].publish([stored])  # c is no member: its copy is its own
+
+        def shared(name):
+            return service.longest_cached_prefix(tokens)[name].by_tier.get("shared", 0)
+
+        wait_for(lambda: shared("a") == 32 and shared("c") == 32)
+        publishers["b"].publish([BlockRemoved(block_hashes=[102], medium="SHARED")])
+        wait_for(lambda: shared("a") == 16)
+        publishers["c"].publish([BlockRemoved(block_hashes=[101], medium="SHARED")])
+        wait_for(lambda: shared("c") == 0)
+        assert shared("a") == 16  # a removal from a non-member reaches no member
+    finally:
+        service.stop()
+        for publisher in publishers.values():
+            publisher.close()
