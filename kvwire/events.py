@@ -5,7 +5,8 @@ one medium of it) is cleared (`AllBlocksCleared`). Every field but the block has
 so that the field sets of older vLLM versions, SGLang and cache layers under the engine
 (LMCache, `cachelayer`) decode into the same types. An event travels as an array whose first
 element is the tag (these classes, as vLLM first declared them; SGLang and `cachelayer` write
-them so) or as a map with a "type" key (vLLM >= 0.24): the `...Map` subclasses, which the decoder builds for those.
+them so) or as a map with a "type" key (vLLM >= 0.24): the `...Map` subclasses, which the decoder
+builds for those.
 """
 
 from __future__ import annotations
