@@ -150,15 +150,27 @@ def test_a_chunk_written_back_after_an_eviction_is_not_retracted_by_a_stale_look
             assert engine.flush_remote(timeout_s=20)
             key = engine._spans(tokens, None, None)[0].key
             truth = engine.remote_truth
-            with engine._lock:
-                looked = dict(truth._announced)
-            truth.announced([key])  # announced again after the look (written back)
-            with engine._lock:
-                assert truth._announced[key] != looked[key]
-            with server.client() as client:
-                assert client.exists(engine.remote.redis_key(key))
+            ask_redis = engine.remote.missing
+
+            def evicted_then_written_back(keys):
+                # The look finds the chunk evicted; before it is retracted, the writer puts it back
+                # and the engine announces it again.
+                with engine._lock:
+                    truth.announced([key])
+                return [key]
+
+            engine.remote.missing = evicted_then_written_back
+            assert truth.reconcile() == 0  # announced since the look: not retracted
+            assert truth.announced_chunks == 1
+            engine.remote.missing = ask_redis
+            assert held_in_redis(server, engine, key)
         finally:
             engine.close()
+
+
+def held_in_redis(server, engine, key) -> bool:
+    with server.client() as client:
+        return bool(client.exists(engine.remote.redis_key(key)))
 
 
 @pytest.mark.parametrize("encoding", ["vllm", "vllm-array"])
