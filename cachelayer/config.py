@@ -109,6 +109,16 @@ class CacheLayerConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True)
     # Not LMCache's: store batches waiting for the remote writer; a store finding it full is not
     # written through (counted as dropped), so a slow remote never delays the engine.
     remote_write_queue_batches: Annotated[int, msgspec.Meta(ge=1)] = 64
+    # Not LMCache's: how the engine learns which of the chunks it announced in the remote tier
+    # Redis has since lost, so that its KV events retract them (docs/cachelayer.md, "Remote tier
+    # truth"): every remote_reconcile_interval_s it asks Redis which still exist (0: never), and
+    # with remote_eviction_notifications it also listens to Redis's keyspace notifications of
+    # evicted, expired and deleted keys (needs the server's notify-keyspace-events to include them).
+    remote_reconcile_interval_s: Annotated[float, msgspec.Meta(ge=0)] = 5.0
+    remote_eviction_notifications: bool = False
+    # Not LMCache's: most announced remote chunks an engine remembers; past it the oldest is
+    # retracted (announced removed) rather than left credited unchecked.
+    remote_max_announced_chunks: Annotated[int, msgspec.Meta(ge=1)] = 1 << 18
     # The cache layer's own KV-event publisher (vLLM's protocol), used when enable_kv_events is
     # true and the engine does not forward the events itself.
     kv_events_endpoint: str | None = None

@@ -50,6 +50,7 @@ from cachelayer.storage.chunk_write import (
 from cachelayer.storage.cpu import CpuTier
 from cachelayer.storage.disk import DiskTier, DiskWriter
 from cachelayer.storage.remote_sync import RemoteWriter, promote_from_remote, remote_tier_for
+from cachelayer.storage.remote_truth import RemoteTruth
 from cachelayer.storage.tier import ChunkMeta, Tier, TierEntry
 from kvwire import AllBlocksCleared, EventPublisher
 from kvwire import KVEvent as Event
@@ -132,6 +133,18 @@ class CacheEngine:
         if self.disk is not None:
             self._tiers["disk"] = self.disk
         self.remote = remote_tier_for(config, self.layout) if config.remote_url is not None else None
+        # Retracts, in KV events, the remote chunks this engine announced and Redis lost.
+        self.remote_truth = (
+            RemoteTruth(
+                self.remote,
+                self._state,
+                reconcile_interval_s=config.remote_reconcile_interval_s,
+                notifications=config.remote_eviction_notifications,
+                max_chunks=config.remote_max_announced_chunks,
+            )
+            if self.remote is not None
+            else None
+        )
         self.counters = {
             "read_chunks": 0,
             "write_chunks": 0,
@@ -151,9 +164,7 @@ class CacheEngine:
             self.add_event_listener(self.publisher.publish)
         # Disk writes happen behind the store, in the disk tier's writer thread (stores return after
         # the CPU copy).
-        self._disk_writer = (
-            DiskWriter(self.disk, self.cpu, self._state) if self.disk is not None else None
-        )
+        self._disk_writer = DiskWriter(self.disk, self.cpu, self._state) if self.disk is not None else None
         # Remote writes happen behind the store too, in the remote tier's writer thread; a full
         # queue drops the batch (a store never waits for Redis).
         self._remote_writer = (
@@ -164,6 +175,7 @@ class CacheEngine:
                 self.layout,
                 serde=config.remote_serde,
                 max_batches=config.remote_write_queue_batches,
+                truth=self.remote_truth,
             )
             if self.remote is not None
             else None
@@ -209,6 +221,8 @@ class CacheEngine:
         if self._remote_writer is not None:
             self._remote_writer.close()
             self._remote_writer = None
+        if self.remote_truth is not None:
+            self.remote_truth.close()
         if self.remote is not None:
             self.remote.close()
         while self._close_hooks:
@@ -458,7 +472,13 @@ class CacheEngine:
             with self._lock:
                 local = len(self._held_prefix(spans))
             promote_from_remote(
-                self.remote, spans[local:], token_list, into=self.cpu, state=self._state, layout=self.layout
+                self.remote,
+                spans[local:],
+                token_list,
+                into=self.cpu,
+                state=self._state,
+                layout=self.layout,
+                truth=self.remote_truth,
             )
         plan: list[tuple[ChunkSpan, Tier, TierEntry, TierEntry | None]] = []
         with self._lock:
@@ -872,4 +892,6 @@ class CacheEngine:
                 stats["disk_used_bytes"] = self.disk.used_bytes
         if self.remote is not None:
             stats.update(self.remote.stats())
+        if self.remote_truth is not None:
+            stats.update(self.remote_truth.stats())
         return stats

@@ -31,10 +31,16 @@ class RunningDaemon:
 
 @contextlib.contextmanager
 def running_daemon(
-    *flags: str, env: dict[str, str] | None = None, chunk_size: int = 16, l1_size_gb: float = 0.001
+    *flags: str,
+    env: dict[str, str] | None = None,
+    chunk_size: int = 16,
+    l1_size_gb: float = 0.001,
+    port: int | None = None,
+    http_port: int | None = None,
 ) -> Iterator[RunningDaemon]:
-    """`cachelayer server` on 127.0.0.1 and free ports with `flags`, killed on exit."""
-    port, http_port = free_port(), free_port()
+    """`cachelayer server` on 127.0.0.1 and free ports (or those given: a daemon restarted where
+    its clients know it) with `flags`, killed on exit."""
+    port, http_port = port or free_port(), http_port or free_port()
     args = [sys.executable, "-m", "cachelayer.cli", "server", "--host", "127.0.0.1", "--port", str(port),
             "--http-port", str(http_port), "--chunk-size", str(chunk_size), "--l1-size-gb", str(l1_size_gb),
             *flags]  # fmt: skip

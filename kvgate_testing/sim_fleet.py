@@ -76,12 +76,15 @@ class EngineFleet:
         block_size: int = 16,
         sim_args: list[str] | None = None,
         shared_tier: str | None = None,
+        per_engine_args: list[list[str]] | None = None,
     ):
+        """`per_engine_args[i]`: more `kvgate sim` flags for engine i alone (e.g. another block size)."""
         self.count = count
         self.num_gpu_blocks = num_gpu_blocks
         self.block_size = block_size
         self.sim_args = list(sim_args or [])
         self.shared_tier = shared_tier
+        self.per_engine_args = per_engine_args or []
         self.engines: list[Engine] = []
         self._processes: list[ManagedProcess] = []
         self._redis: RedisServer | None = None
@@ -132,6 +135,7 @@ class EngineFleet:
                 "--log-level", "warning",
                 *shared_args,
                 *self.sim_args,
+                *(self.per_engine_args[index] if index < len(self.per_engine_args) else []),
             ]  # fmt: skip
             self.engines.append(engine)
             self._processes.append(ManagedProcess(args))

@@ -300,6 +300,8 @@ cdef bint _scan_event(const unsigned char* data, Py_ssize_t end, Py_ssize_t* at,
                 field = index - 1
             elif kind == KIND_REMOVED and index - 1 < 3:  # block_hashes, medium, group_idx
                 field = F_BLOCK_HASHES if index == 1 else (F_MEDIUM if index == 2 else F_GROUP)
+            elif kind == KIND_CLEARED and index == 1:  # medium (kvgate's one-medium clear)
+                field = F_MEDIUM
             if field >= 0:
                 values[field] = at[0]
             if not _field_value(data, end, at, field, view):
@@ -328,7 +330,10 @@ cdef bint _scan_event(const unsigned char* data, Py_ssize_t end, Py_ssize_t* at,
         kind = _event_kind(data, start, length)
     view.kind = kind
     if kind == KIND_CLEARED:
-        return True
+        # A clear of one medium is read by the decoder (the writer's clear empties every medium).
+        if not _optional_text(data, end, values[F_MEDIUM], &present):
+            return False
+        return not present
     if kind == 0 or view.hash_count < 0:
         return False
     if not _optional_text(data, end, values[F_MEDIUM], &present):

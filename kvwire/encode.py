@@ -23,7 +23,8 @@ ENCODINGS: tuple[Encoding, ...] = ("vllm", "vllm-array", "sglang")
 
 # How many leading fields each array encoding writes, per event type.
 _ARRAY_FIELD_COUNTS: dict[str, dict[type, int]] = {
-    "vllm-array": {BlockStored: 8, BlockRemoved: 2, AllBlocksCleared: 0},  # up to extra_keys
+    # up to extra_keys; a clear's medium (kvgate's extension) only when one is named
+    "vllm-array": {BlockStored: 8, BlockRemoved: 2, AllBlocksCleared: 1},
     "sglang": {BlockStored: 6, BlockRemoved: 2, AllBlocksCleared: 0},  # up to medium
 }
 _TAGS = {BlockStored: "BlockStored", BlockRemoved: "BlockRemoved", AllBlocksCleared: "AllBlocksCleared"}

@@ -1,11 +1,12 @@
 """The KV events an engine publishes, declared once, field for field as vLLM's `kv_events.py` has them.
 
-A block is announced stored (`BlockStored`) or removed (`BlockRemoved`), or the whole cache is
-cleared (`AllBlocksCleared`). Every field but the block hashes has a default, so that the field
-sets of older vLLM versions, SGLang and cache layers under the engine (LMCache, `cachelayer`)
-decode into the same types. An event travels as an array whose first element is the tag (these
-classes, as vLLM first declared them; SGLang and `cachelayer` write them so) or as a map with a
-"type" key (vLLM >= 0.24): the `...Map` subclasses, which the decoder builds for those.
+A block is announced stored (`BlockStored`) or removed (`BlockRemoved`), or the whole cache (or
+one medium of it) is cleared (`AllBlocksCleared`). Every field but the block hashes has a default,
+so that the field sets of older vLLM versions, SGLang and cache layers under the engine
+(LMCache, `cachelayer`) decode into the same types. An event travels as an array whose first
+element is the tag (these classes, as vLLM first declared them; SGLang and `cachelayer` write
+them so) or as a map with a "type" key (vLLM >= 0.24): the `...Map` subclasses, which the decoder
+builds for those.
 """
 
 from __future__ import annotations
@@ -47,7 +48,15 @@ class BlockRemoved(msgspec.Struct, array_like=True, tag="BlockRemoved", tag_fiel
 
 
 class AllBlocksCleared(msgspec.Struct, array_like=True, tag="AllBlocksCleared", tag_field="type"):
-    """Everything the engine held is gone (every medium)."""
+    """Everything the engine held is gone: in every medium, or only in `medium` when one is named.
+
+    `medium` is kvgate's extension (vLLM's event has no field): the cache layer names the tier a
+    restarted store lost (its shared daemon's), so the engine's other tiers keep their blocks. It
+    is a trailing field with a default, so vLLM's own decoder reads the event as a whole clear and a
+    clear without it means what it means in vLLM.
+    """
+
+    medium: str | None = None
 
 
 KVEvent = BlockStored | BlockRemoved | AllBlocksCleared

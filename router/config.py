@@ -318,6 +318,23 @@ class SharedTier(_Struct):
     hit_weight: Annotated[float, msgspec.Meta(ge=0)] = 0.6
 
 
+class ContractCheck(_Struct):
+    """The contract check (router/contract.py): a probe prompt sent to each backend at subscription
+    and every `interval_s`, and what the engine reports for it compared with what the gateway
+    expects; a backend that disagrees is routed by load only until a check passes."""
+
+    enabled: bool = False
+    interval_s: Annotated[float, msgspec.Meta(gt=0)] = 300.0
+    # How long one check waits for the engine's answers and its KV events.
+    timeout_s: Annotated[float, msgspec.Meta(gt=0)] = 10.0
+    # Tokens per engine KV block and per cache-layer chunk the gateway expects; null: those of the
+    # model's first backend in this file (the reference).
+    block_size: Annotated[int, msgspec.Meta(ge=1)] | None = None
+    chunk_size: Annotated[int, msgspec.Meta(ge=1)] | None = None
+    # Words of the probe prompt (after its nonce): enough for several blocks, and a whole chunk.
+    probe_words: Annotated[int, msgspec.Meta(ge=8, le=4096)] = 320
+
+
 MIN_CLUSTER_SECRET_LENGTH = 16
 
 
@@ -418,6 +435,7 @@ class Config(_Struct):
     shared_tiers: list[SharedTier] = []
     cluster: Cluster | None = None
     access_log: AccessLog = msgspec.field(default_factory=AccessLog)
+    contract_check: ContractCheck = msgspec.field(default_factory=ContractCheck)
     log_level: Literal["debug", "info", "warning", "error"] = "info"
 
     def model(self, name: str) -> Model | None:

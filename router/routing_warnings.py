@@ -4,7 +4,10 @@
 - `silent_events`: a subscribed backend that takes requests but whose events never arrive: a stream
   that never connected (both sides connect, or both bind: the message says which side to change)
   or one that reads connected (a topic mismatch);
-- `socket_error`: an event socket that could not be bound or connected.
+- `socket_error`: an event socket that could not be bound or connected;
+- `contract_mismatch`: a backend keying its cache otherwise than the gateway expects (block size,
+  hash algorithm and seed, chunk size, tokens, salt), from the contract check (router/contract.py,
+  which adds its findings as a `source`); the backend is routed by load only meanwhile.
 
 They are shown on /debug/prefix-map (router/debug_page.py) and in its JSON and on /health (as the
 last check found them), logged (each at most once every WARNING_LOG_EVERY_S while it lasts), and
@@ -17,7 +20,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from prometheus_client.core import GaugeMetricFamily
@@ -43,7 +46,7 @@ SILENT_AFTER_S = 5.0
 SILENT_MIN_PREFILL_TOKENS = 16
 WARNING_LOG_EVERY_S = 300.0
 WARNING_CHECK_EVERY_S = 2.0
-WARNING_KINDS = ("no_tokenizer", "silent_events", "socket_error")
+WARNING_KINDS = ("no_tokenizer", "silent_events", "socket_error", "contract_mismatch")
 
 
 class RoutingWarnings:
@@ -70,6 +73,8 @@ class RoutingWarnings:
         self._logged_at: dict[tuple[str, str], float] = {}
         # What the background check found last (what /health shows without checking again).
         self.latest: list[dict[str, str]] = []
+        # More warnings, from parts that find them on their own (the contract check).
+        self.sources: list[Callable[[], list[dict[str, str]]]] = []
         self._watch_task: asyncio.Task | None = None
         metrics_registry.register(_WarningsCollector(self))
 
@@ -84,7 +89,7 @@ class RoutingWarnings:
         KVIndexService.status() when the caller has it already."""
         if not self.enabled:
             return []
-        warnings = []
+        warnings = [warning for source in self.sources for warning in source()]
         for model in self.models:
             if model.name in self.tokenizer_errors:
                 problem = f"its tokenizer failed to load ({self.tokenizer_errors[model.name]})"

@@ -20,6 +20,7 @@ from router import config as config_schema
 from router.access_log import AccessLogWriter
 from router.auth import ClientKeys
 from router.backends import BackendRegistry, BackendState
+from router.contract import ContractChecker
 from router.debug_page import DebugPage
 from router.extensions import EXTENSION_FACTORIES, Extension, ExtensionContext, load_extensions
 from router.forward import ForwardContext
@@ -58,6 +59,7 @@ class Gateway:
 
         # 2. The KV index: what each engine's events say it holds.
         self.index_service = KVIndexService(registry=self.metrics.registry)
+        self.index_service.share_removals(config.shared_tiers)
         self.backends.listen(_IndexSubscriptions(self.index_service))
 
         # 3. The tokenizer, for the policies that route by the prompt's tokens.
@@ -102,6 +104,10 @@ class Gateway:
             enabled=self.routes_by_tokens,
         )
         self.backends.listen(self.routing_warnings)
+        # The contract check (router/contract.py; `contract_check:`), its findings among the warnings.
+        self.contract = ContractChecker(config, self.backends, self.index_service, self.tokenizer, self.pool)
+        self.backends.listen(self.contract)
+        self.routing_warnings.sources.append(self.contract.warnings)
         for extension in self.extensions:
             self.backends.listen(extension)
 
@@ -140,6 +146,7 @@ class Gateway:
             await self._load_tokenizers()
             self.tokenizer.start_sandboxes()  # for models that accept client templates, if any
             self.routing_warnings.start()
+            self.contract.start()
         for extension in self.extensions:
             await extension.start()
         # The configured backends: the index subscribes to their events, the extensions hear of them.
@@ -155,6 +162,7 @@ class Gateway:
                 await extension.stop()
             except Exception:
                 log.exception("extension %r failed to stop", extension)
+        await self.contract.stop()
         await self.routing_warnings.stop()
         self.index_service.stop()
         await self.tokenizer.close()

@@ -75,7 +75,9 @@ def test_a_model_without_tokenizer_and_an_unbindable_event_socket_are_reported_a
             page = httpx.get(f"{gateway.url}/debug/prefix-map", timeout=10).text
             assert "Routing blind spots" in page and "model plain: it has no `tokenizer:`" in page
             assert "socket failed" in page
-            assert _warning_gauge(gateway) == {"no_tokenizer": 1, "socket_error": 1, "silent_events": 0}
+            assert _warning_gauge(gateway) == {
+                "no_tokenizer": 1, "socket_error": 1, "silent_events": 0, "contract_mismatch": 0
+            }  # fmt: skip
             _wait_for_log(gateway, "kv_aware routes blind: model plain")
             log = _wait_for_log(gateway, "kv_aware routes blind: backend e1")
             assert "e1 is NOT subscribed" in log

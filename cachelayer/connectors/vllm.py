@@ -185,6 +185,16 @@ class CacheLayerKVEvents(KVConnectorKVEvents):
         self._events.clear()
 
 
+class MediumCleared(KVCacheEvent, tag="AllBlocksCleared"):
+    """vLLM's AllBlocksCleared with kvgate's `medium` (kvwire.AllBlocksCleared): everything this
+    engine announced in one medium is gone. Sent when the shared daemon restarted (its store is
+    empty), so a router forgets the engine's "SHARED" chunks and keeps its GPU blocks; a reader
+    that knows no medium on a clear (vLLM's decoder ignores the trailing field) clears everything,
+    which errs towards a miss, never a false hit."""
+
+    medium: str | None = None
+
+
 def to_vllm_events(
     chunk_events: list[ChunkEvent], cache_salt: str | None, medium: str = EVENT_MEDIUM
 ) -> list[KVCacheEvent]:
@@ -603,6 +613,9 @@ class CacheLayerConnector(KVConnectorBase_V1):
         self._collect_completed_saves()
         with self._remote_events_lock:
             remote, self._remote_events = self._remote_events, []
+        restarted = isinstance(self.store, RemoteChunkStore) and self.store.client.take_restarts()
+        if restarted and self.tp_rank == 0:  # the daemon's store is empty: so is this engine's SHARED
+            self._step_events.insert(0, MediumCleared(medium=SHARED_DAEMON_MEDIUM))
         if not self._step_events and not remote:
             return None
         events, self._step_events = self._step_events + remote, []

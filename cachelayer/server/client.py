@@ -124,6 +124,9 @@ class StoreClient:
         self._monitor: zmq.Socket | None = None
         self._pid = os.getpid()
         self._pid_start = process_start_time(self._pid) or 0
+        # The daemon's boot id as last seen, and restarts seen since `take_restarts` last asked.
+        self._boot_id = b""
+        self._restarts = 0
 
     def _connect(self) -> zmq.Socket:
         if self._socket is None:
@@ -238,9 +241,25 @@ class StoreClient:
             reply_frames = socket.recv_multipart(copy=False)
         # [b"", header(, payload)]
         reply = protocol.decode_reply(reply_frames[1].buffer)
+        self._note_boot(reply.boot_id)
         if not reply.ok:
             raise StoreRefused(f"cache daemon at {self.endpoint} refused {request.op}: {reply.error}")
         return reply, reply_frames[2] if len(reply_frames) > 2 else None
+
+    def _note_boot(self, boot_id: bytes) -> None:
+        with self._lock:
+            if boot_id and boot_id != self._boot_id:
+                if self._boot_id:
+                    self._restarts += 1
+                    log.warning("cache daemon at %s restarted: its store is empty", self.endpoint)
+                self._boot_id = boot_id
+
+    def take_restarts(self) -> int:
+        """How many times the daemon was seen restarting since the last call (its store then
+        starts empty: what this client announced of it is gone)."""
+        with self._lock:
+            restarts, self._restarts = self._restarts, 0
+            return restarts
 
     def hello(self) -> int:
         """The daemon's chunk size (raises StoreUnavailable when it does not answer)."""

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import threading
 import time
 import weakref
@@ -177,6 +178,8 @@ class StoreServer:
         `max_tokens`, `max_message_bytes`, `max_key_spaces_per_client`, `max_leases_per_client`:
         what one request, one frame, one credential and one connection may cost."""
         self.config = config
+        # New at every start: clients tell a restarted daemon (an empty store) by it.
+        self.boot_id = os.urandom(16)
         self.max_tokens = max_tokens
         self.max_key_spaces_per_client = max_key_spaces_per_client
         self.credentials = {credential.name: credential for credential in credentials or []}
@@ -317,6 +320,7 @@ class StoreServer:
             except Exception as exc:  # a bug: the traceback is wanted; the daemon keeps serving
                 log.exception("cachelayer server: request failed")
                 reply, payload = Reply(ok=False, error=f"{type(exc).__name__}: {exc}"), None
+            reply.boot_id = self.boot_id
             out = [client, b"", protocol.encode(reply)]
             if payload is not None:
                 out.append(payload)

@@ -96,6 +96,9 @@ class Reply(msgspec.Struct, kw_only=True):
     segment: SharedSegment | None = None
     lease: bytes = b""
     slots: list[Slot] = []
+    # The daemon process's random id, on every reply: a client that sees it change knows the
+    # daemon restarted, its store empty (what it announced of the daemon's chunks is gone).
+    boot_id: bytes = b""
 
 
 _request_encoder = msgspec.msgpack.Encoder()

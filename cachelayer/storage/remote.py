@@ -71,6 +71,10 @@ MAX_TRAILER_BYTES = 2 * 255 + TAG_BYTES + _FOOTER.size
 _MAX_REPLY_LINE = 64
 # Idle connections kept for the next call.
 _IDLE_CONNECTIONS = 8
+# The keyevent notifications that say a key is gone: eviction (maxmemory), expiry, DEL/UNLINK.
+_REMOVAL_KEYEVENTS = (b"evicted", b"expired", b"del")
+# A notification's longest part: a channel name or one of this tier's keys (about 60 bytes).
+_MAX_NOTIFICATION_BYTES = 256
 
 T = TypeVar("T")
 Buffer = bytes | bytearray | memoryview
@@ -299,6 +303,16 @@ class _Exchange:
             raise redis.InvalidResponse(f"an unreadable reply line {line[:32]!r}") from None
         raise redis.InvalidResponse(f"an unexpected reply {line[:32]!r}")
 
+    @property
+    def buffered(self) -> bool:
+        """Whether bytes already read wait to be parsed."""
+        return len(self._buffer) > self._start
+
+    def restart_deadline(self, deadline: float) -> None:
+        """A new deadline for the next reply (a subscription's messages come one by one, at any time)."""
+        self._deadline = deadline
+        self._moved = 0
+
     def array_length(self) -> int:
         line = self._line()
         if line[:1] != b"*":
@@ -309,6 +323,15 @@ class _Exchange:
             return int(line[1:])
         except ValueError:
             raise redis.InvalidResponse(f"an unreadable array length {line[:32]!r}") from None
+
+
+def _notification(exchange: _Exchange) -> list[Any]:
+    """A pub/sub message, a subscription's confirmation or a CONFIG GET answer: an array of at most
+    three short parts (anything longer is no answer Redis gives to these, and drops the connection)."""
+    count = exchange.array_length()
+    if count > 3:
+        raise redis.InvalidResponse(f"an array of {count} parts where at most 3 were expected")
+    return [exchange.reply(max_bulk_bytes=_MAX_NOTIFICATION_BYTES) for _ in range(count)]
 
 
 def _command(*parts: bytes) -> bytes:
@@ -427,6 +450,11 @@ class RemoteTier:
         self._idle: list[Any] = []
         self._idle_lock = threading.Lock()
         self._closed = False
+
+    @property
+    def database(self) -> int:
+        """The Redis database number the URL selects (its keyevent channels are named after it)."""
+        return int(self._connection_kwargs.get("db") or 0)
 
     @property
     def authenticated(self) -> bool:
@@ -623,6 +651,79 @@ class RemoteTier:
             exchange.reply()
 
         self._call("delete", lambda: self._exchange(delete))
+
+    # ---- removals Redis announces (keyspace notifications) ----
+
+    def chunk_key_of(self, redis_key: bytes) -> int | None:
+        """The chunk key a Redis key of this tier names; None for any other key."""
+        prefix = self._prefix.encode()
+        if not redis_key.startswith(prefix) or len(redis_key) != len(prefix) + 16:
+            return None
+        try:
+            return int(redis_key[len(prefix) :], 16)
+        except ValueError:
+            return None
+
+    def keyevent_flags(self) -> str | None:
+        """The server's `notify-keyspace-events`, or None when it cannot be read (CONFIG refused by
+        an ACL or renamed, Redis down)."""
+
+        def config_get(exchange: _Exchange) -> str | None:
+            exchange.send([_command(b"CONFIG", b"GET", b"notify-keyspace-events")])
+            answer = _notification(exchange)
+            if len(answer) == 2 and isinstance(answer[1], bytearray):
+                return bytes(answer[1]).decode(errors="replace")
+            return None
+
+        try:
+            return self._exchange(config_get)
+        except (redis.RedisError, OSError):
+            return None
+
+    def watch_removals(
+        self,
+        on_removed: Callable[[list[int]], None],
+        stopped: threading.Event,
+        *,
+        database: int,
+        on_subscribed: Callable[[], None] = lambda: None,
+        poll_s: float = 0.5,
+    ) -> None:
+        """Until `stopped` is set, call `on_removed` with the chunk keys of this tier that the server
+        announces evicted, expired or deleted (its keyevent notifications on `database`). Returns
+        when `stopped` is set; raises (redis.RedisError, OSError) when the connection fails, so the
+        caller reconnects: pub/sub keeps nothing for a subscriber that was away. Every message is
+        read within the tier's deadline and bounded (a notification names one key; a longer one
+        drops the connection)."""
+        deadline = time.monotonic() + self.timeout_s
+        connection = self._connection(deadline)
+        try:
+            sock = connection._sock
+            exchange = _Exchange(sock, deadline, self.min_transfer_bytes_per_s)
+            channels = [b"__keyevent@%d__:%s" % (database, event) for event in _REMOVAL_KEYEVENTS]
+            exchange.send([_command(b"SUBSCRIBE", *channels)])
+            for _ in channels:  # ["subscribe", channel, count] each
+                _notification(exchange)
+            on_subscribed()
+            while not stopped.is_set():
+                if not exchange.buffered:
+                    readable, _, _ = select.select([sock], [], [], poll_s)
+                    if not readable:
+                        continue
+                removed: list[int] = []
+                while True:  # every message already here, then one call
+                    exchange.restart_deadline(time.monotonic() + self.timeout_s)
+                    parts = _notification(exchange)
+                    if len(parts) == 3 and parts[0] == b"message" and isinstance(parts[2], bytearray):
+                        key = self.chunk_key_of(bytes(parts[2]))
+                        if key is not None:
+                            removed.append(key)
+                    if not exchange.buffered and not select.select([sock], [], [], 0)[0]:
+                        break
+                if removed:
+                    on_removed(removed)
+        finally:
+            connection.disconnect()  # a subscribed connection is never reused for commands
 
     def note_lookup(self, hit_chunks: int, miss_chunks: int) -> None:
         self._count(hit_chunks=hit_chunks, miss_chunks=miss_chunks)

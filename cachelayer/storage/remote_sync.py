@@ -29,6 +29,7 @@ from cachelayer.storage.remote import (
     UnauthenticatedValue,
     UnverifiableValue,
 )
+from cachelayer.storage.remote_truth import RemoteTruth
 from cachelayer.storage.tier import ChunkMeta, TierEntry
 from cachelayer.storage.write_behind import WriteBehind
 
@@ -73,8 +74,11 @@ class RemoteWriter:
         *,
         serde: str,
         max_batches: int,
+        truth: RemoteTruth | None = None,
     ) -> None:
         self.remote = remote
+        # Remembers what this writer announced, to retract what Redis loses (remote_truth.py).
+        self._truth = truth
         self._source = source
         self._state = state
         self._layout = layout
@@ -142,6 +146,8 @@ class RemoteWriter:
             if values and remote.put(values):
                 with state.lock:
                     state.emit([stored_event(remote, meta) for meta in written])
+                    if self._truth is not None:
+                        self._truth.announced(meta.key for meta in written)
         finally:
             with state.lock:
                 for entry in held:
@@ -156,6 +162,7 @@ def promote_from_remote(
     into: CpuTier,
     state: TierState,
     layout: KVLayout,
+    truth: RemoteTruth | None = None,
 ) -> None:
     """Fetch the chunks of `spans` (those after the local prefix) from the remote tier in one round
     trip and put the leading ones that check out into L1 (`into`), for the retrieve that follows. A
@@ -183,6 +190,8 @@ def promote_from_remote(
             log.error("cachelayer: remote chunk %#x rejected (%s); deleted, treated as a miss", span.key, exc)
             remote.note_corrupt(unauthenticated=isinstance(exc, UnauthenticatedValue))
             remote.delete(span.key)
+            if truth is not None:
+                truth.lost([span.key])
             break
         accepted.append((span, chunk.payload, chunk.codec))
     remote.note_lookup(len(accepted), len(spans) - len(accepted))

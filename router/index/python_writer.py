@@ -428,7 +428,10 @@ class PythonWriter:
                 self.remove_locked(backend, event)
             elif isinstance(event, AllBlocksCleared):
                 backend.stats.cleared_events += 1
-                self.index.clear_locked(backend)
+                if event.medium:  # one medium cleared (a restarted shared store): the rest stays
+                    self.clear_medium_locked(backend, event.medium)
+                else:
+                    self.index.clear_locked(backend)
         self._flush_stores_locked(backend, pending, pending_hashes)
 
     @staticmethod
@@ -799,6 +802,21 @@ class PythonWriter:
             nodes[node_key] = node
             previous_full, previous_end = full, end
         return added_blocks, added_tokens
+
+    def clear_medium_locked(self, backend: IndexedBackend, medium: str) -> None:
+        """Forget every block the backend holds in `medium`'s tier (its other tiers keep theirs)."""
+        slot = backend.tier_slots.get(tier_of(medium))
+        if slot is None:
+            return
+        bit = 1 << slot
+        held = [node_key for node_key, node in backend.nodes.items() if node[NODE_SLOTS] & bit]
+        by_group: dict[int, list[Any]] = {}
+        for node_key in held:
+            group, block_hash = node_key if isinstance(node_key, tuple) else (0, node_key)
+            by_group.setdefault(group, []).append(block_hash)
+        for group, hashes in by_group.items():
+            self.remove_locked(backend, BlockRemoved(hashes, medium=medium, group_idx=group or None))
+            backend.stats.removed_events -= 1  # a clear, counted as one (cleared_events)
 
     def remove_locked(self, backend: IndexedBackend, event: BlockRemoved) -> None:
         stats = backend.stats

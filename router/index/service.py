@@ -20,9 +20,10 @@ import numpy as np
 from prometheus_client import CollectorRegistry, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from router.config import KVEvents
+from router.config import KVEvents, SharedTier
 from router.index.ingest import IndexWriter, writer_lock
 from router.index.keys import DEFAULT_NAMESPACE, Namespace
+from router.index.shared_removals import SharedRemovals
 from router.index.store import DEFAULT_MAX_BLOCKS, BackendIndexStats, BackendMatch, PrefixIndex
 from router.index.transport import EventSubscriber, rank_endpoint
 
@@ -54,6 +55,12 @@ class KVIndexService:
         self.index, self.writer = new_index()
         self.replay_timeout_s = replay_timeout_s
         self._streams: dict[str, list[_Stream]] = {}
+        # Backends whose cached prefixes get no credit, and why (the contract check, router/contract.py).
+        self.uncredited: dict[str, str] = {}
+        # A shared tier's removals, whichever member reports them, reach every member's index.
+        self.shared_removals = SharedRemovals(
+            self.writer.apply, lambda name: [stream.index_name for stream in self._streams.get(name, [])]
+        )
         self._configs: dict[str, KVEvents] = {}
         self._started = False
         self.lookup_seconds = Histogram(
@@ -125,8 +132,8 @@ class KVIndexService:
                 index_name,
                 rank_endpoint(kv_events.endpoint, rank),
                 # (a partial: no Python frame per applied batch on top of the index's entry)
-                apply=functools.partial(self.writer.apply, index_name),
-                wire=self.writer.wire_ingest(index_name),
+                apply=self.shared_removals.wrap(name, functools.partial(self.writer.apply, index_name)),
+                wire=self.shared_removals.wrap_wire(name, self.writer.wire_ingest(index_name)),
                 clear=functools.partial(self.index.clear_backend, index_name),
                 replay_endpoint=(
                     rank_endpoint(kv_events.replay_endpoint, rank) if kv_events.replay_endpoint else None
@@ -172,13 +179,16 @@ class KVIndexService:
 
         `keys`: the prompt's router keys when the caller has them (prompt_prefix_keys), not recomputed.
         A rank whose event stream is disconnected holds nothing here (what it announced may be
-        gone, and its removals do not reach the index) unless `disconnected` is true.
+        gone, and its removals do not reach the index), and neither does a backend `set_uncredited`,
+        unless `disconnected` is true.
         """
         started = time.perf_counter()
         wanted = list(self._streams) if backends is None else [b for b in backends if b in self._streams]
+        uncredited = () if disconnected else self.uncredited
         index_names = [
             stream.index_name
             for name in wanted
+            if name not in uncredited
             for stream in self._streams[name]
             if disconnected or stream.subscriber.stats.connected
         ]
@@ -193,6 +203,19 @@ class KVIndexService:
             result[name] = best or BackendMatch({}, [])
         self.lookup_seconds.observe(time.perf_counter() - started)
         return result
+
+    def share_removals(self, tiers: Sequence[SharedTier]) -> None:
+        """Apply a shared tier's removals from any member to every member (shared_removals.py);
+        called before the backends are added."""
+        self.shared_removals.configure(tiers)
+
+    def set_uncredited(self, name: str, reason: str | None) -> None:
+        """Give the backend's cached prefixes no credit (`reason`: why, shown with stale holders), or
+        credit them again (None)."""
+        if reason is None:
+            self.uncredited.pop(name, None)
+        else:
+            self.uncredited[name] = reason
 
     def disconnected_streams(self) -> dict[str, str]:
         """Backends with a disconnected event stream (some rank's), each with the reason to show."""

@@ -774,6 +774,8 @@ def _count_kinds(counts: dict[str, int], events: list[KVEvent]) -> None:
 
 def _last_clear(events: list[KVEvent]) -> int | None:
     for position in range(len(events) - 1, -1, -1):
-        if isinstance(events[position], AllBlocksCleared):
+        event = events[position]
+        # Only a whole clear supersedes what came before it (a one-medium clear leaves the rest).
+        if isinstance(event, AllBlocksCleared) and not event.medium:
             return position
     return None

@@ -509,7 +509,8 @@ class KVAware(CacheAwarePolicy):
                     backends += [name for name in self.shared_tiers.members if name not in backends]
                 matches = self.kv_index.longest_cached_prefix(tokens, namespace, backends, keys=keys)
                 if self.shared_tiers:
-                    matches = self.shared_tiers.credit(matches)
+                    # A backend the contract check found disagreeing gets no shared credit either.
+                    matches = self.shared_tiers.credit(matches, getattr(self.kv_index, "uncredited", ()))
             state.prefix_keys = keys
         costs: dict[str, float] = {}
         cached: dict[str, int] = {}

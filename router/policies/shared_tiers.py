@@ -11,7 +11,7 @@ that stored it, and kv_aware chooses among the members by load. The tier keeps i
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 
 from kvwire import tier_of
 from router.config import SharedTier
@@ -28,9 +28,12 @@ class SharedTiers:
     def __bool__(self) -> bool:
         return bool(self._tiers)
 
-    def credit(self, matches: dict[str, BackendMatch]) -> dict[str, BackendMatch]:
+    def credit(
+        self, matches: dict[str, BackendMatch], uncredited: Collection[str] = ()
+    ) -> dict[str, BackendMatch]:
         """`matches` (index lookups, members of the shared tiers included) with each shared tier's
-        longest prefix credited to all its members."""
+        longest prefix credited to all its members but the `uncredited` (a contract mismatch: the
+        member may key the store otherwise, so what the others wrote may be no hit for it)."""
         credited = dict(matches)
         for tier, backends in self._tiers:
             held = max(
@@ -39,7 +42,8 @@ class SharedTiers:
             if not held:
                 continue
             for name in backends:
-                credited[name] = with_tier_prefix(credited.get(name), tier, held)
+                if name not in uncredited:
+                    credited[name] = with_tier_prefix(credited.get(name), tier, held)
         return credited
 
 

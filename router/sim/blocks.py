@@ -29,6 +29,13 @@ from kvwire import MEDIUM_GPU, AllBlocksCleared, BlockRemoved, BlockStored, KVEv
 _ROOT_HASH = 0x6B76676174652D73  # "kvgate-s"
 
 
+def set_hash_seed(seed: int) -> None:
+    """Seed the chain of every block hash this process computes (`kvgate sim --hash-seed`): one
+    process is one engine, as PYTHONHASHSEED is for vLLM's NONE_HASH."""
+    global _ROOT_HASH
+    _ROOT_HASH = xxhash.xxh3_64_intdigest(b"kvgate-sim-hash-seed:%d" % seed)
+
+
 def block_hash(parent: int | None, tokens: np.ndarray, extra: tuple[str, ...] | None) -> int:
     """The chained 64-bit hash of one full block of uint32 tokens (an unsigned int, like vLLM's)."""
     return _hash_bytes(parent, tokens.astype(np.uint32, copy=False).tobytes(), extra)

@@ -20,6 +20,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
+    parser.add_argument(
+        "--hash-seed",
+        type=int,
+        default=None,
+        help="seed of the block hashes' chain (as PYTHONHASHSEED seeds vLLM's): engines with other "
+        "seeds announce other hashes for the same blocks (what the gateway's contract check detects)",
+    )
     parser.add_argument("--num-gpu-blocks-override", type=int, default=2048, help="KV blocks in the pool")
     parser.add_argument("--max-num-seqs", type=int, default=256, help="most sequences running at once")
     parser.add_argument("--max-model-len", type=int, default=32768, help="longest prompt + output, in tokens")
@@ -89,6 +96,10 @@ def _refuse(message: str) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.hash_seed is not None:
+        from router.sim.blocks import set_hash_seed
+
+        set_hash_seed(args.hash_seed)
     """Start the simulated engine and serve until interrupted."""
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
