@@ -11,7 +11,7 @@ STAMP := $(VENV)/.installed
 # tests, benchmarks, scripts.
 LINTED := router cachelayer kvwire kvgate_common kvgate_testing tests benchmarks scripts
 
-.PHONY: serve demo lint test test-real test-slow test-reverse fuzz bench-gateway bench-routing-real bench-routing-real-4 bench-added-latency
+.PHONY: serve demo lint test test-real test-slow test-image test-reverse fuzz bench-gateway bench-routing-real bench-routing-real-4 bench-added-latency
 
 $(GATEWAY_STAMP): pyproject.toml constraints.txt
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -40,6 +40,12 @@ test: $(STAMP)
 
 test-slow: $(STAMP)
 	$(BIN)/python -m pytest -q -m slow
+
+# The container images (scripts/build_image.sh: a debootstrap Debian base on first use, cached in
+# .cache/image-rootfs) built and run with podman: the gateway in front of simulated engines, the cache daemon.
+test-image: $(STAMP)
+	bash scripts/install_container_tools.sh
+	$(BIN)/python -m pytest -q -m container
 
 # The default suite last test first: catches tests that pass only after the ones before them.
 test-reverse: $(STAMP)

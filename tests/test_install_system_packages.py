@@ -24,13 +24,13 @@ def test_missing_packages_without_apt_get_are_named_with_what_to_do(tmp_path):
     )
     assert result.returncode == 1
     assert "missing" in result.stderr
-    assert "chromium" in result.stderr and "redis-server" in result.stderr
+    assert "chromium" in result.stderr and "redis-server" in result.stderr and "kubectl" in result.stderr
     assert "no apt-get" in result.stderr
 
 
 def test_nothing_is_installed_when_everything_is_there():
-    if not (shutil.which("chromium") and shutil.which("redis-server")):
-        raise AssertionError("make test installs chromium and redis-server before the suite runs")
+    if not (shutil.which("chromium") and shutil.which("redis-server") and shutil.which("kubectl")):
+        raise AssertionError("make test installs chromium, redis-server and kubectl before the suite runs")
     result = subprocess.run(["bash", str(SCRIPT)], capture_output=True, text=True, timeout=30)
     assert result.returncode == 0, result.stderr
     assert result.stdout == "" and result.stderr == ""
@@ -45,7 +45,7 @@ def test_missing_packages_are_installed_without_recommends_and_the_reasons_are_p
     fake_apt_get.write_text(f'#!{shutil.which("bash")}\necho "$*" >> {calls}\n')
     fake_apt_get.chmod(0o755)
     fake_id = tmp_path / "id"
-    fake_id.write_text(f'#!{shutil.which("bash")}\necho 0\n')
+    fake_id.write_text(f"#!{shutil.which('bash')}\necho 0\n")
     fake_id.chmod(0o755)
     (tmp_path / "env").symlink_to(shutil.which("env"))
     result = subprocess.run(
@@ -59,9 +59,10 @@ def test_missing_packages_are_installed_without_recommends_and_the_reasons_are_p
     installs = [line for line in calls.read_text().splitlines() if line.split()[0] == "install"]
     assert len(installs) == 1
     assert "--no-install-recommends" in installs[0].split()
-    assert {"chromium", "redis-server"} <= set(installs[0].split())
+    assert {"chromium", "redis-server", "kubectl"} <= set(installs[0].split())
     # What is installed and why, before apt-get runs.
     assert "as root" in result.stdout and "without recommended packages" in result.stdout
     assert "chromium: the debug page's browser tests" in result.stdout
     assert "redis-server: the shared Redis tier's tests" in result.stdout
+    assert "kubectl: the Kubernetes manifests' test" in result.stdout
     assert "apt-get install -y --no-install-recommends" in result.stdout
