@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
+from pathlib import Path
 
 from kvgate_testing.processes import REPO_ROOT
 
@@ -36,18 +37,25 @@ def test_nothing_is_installed_when_everything_is_there():
     assert result.stdout == "" and result.stderr == ""
 
 
-def test_missing_packages_are_installed_without_recommends_and_the_reasons_are_printed(tmp_path):
-    # A PATH with `id`, `env` and an apt-get that only writes down each command line it was given:
-    # the script's real apt-get calls, without installing anything on the machine that runs the test.
-    # Running as root (uid 0) is what `make test` in CI does; as another user the script adds sudo.
+def _run_with_fake_apt(tmp_path, kubectl_candidate: str) -> tuple[subprocess.CompletedProcess, Path]:
+    """The script on a PATH with `id`, `env`, `grep`, an apt-cache that offers kubectl at
+    `kubectl_candidate` ("(none)": no repository has it) and an apt-get that only writes down each
+    command line it was given: the script's real apt-get calls, without installing anything on the
+    machine that runs the test. Running as root (uid 0) is what `make test` in CI does."""
     calls = tmp_path / "apt-get-calls"
+    calls.touch()
     fake_apt_get = tmp_path / "apt-get"
     fake_apt_get.write_text(f'#!{shutil.which("bash")}\necho "$*" >> {calls}\n')
     fake_apt_get.chmod(0o755)
+    fake_apt_cache = tmp_path / "apt-cache"
+    answer = f'echo "$2:"; echo "  Candidate: {kubectl_candidate}"'
+    fake_apt_cache.write_text(f"#!{shutil.which('bash')}\n{answer}\n")
+    fake_apt_cache.chmod(0o755)
     fake_id = tmp_path / "id"
     fake_id.write_text(f"#!{shutil.which('bash')}\necho 0\n")
     fake_id.chmod(0o755)
     (tmp_path / "env").symlink_to(shutil.which("env"))
+    (tmp_path / "grep").symlink_to(shutil.which("grep"))
     result = subprocess.run(
         [shutil.which("bash"), str(SCRIPT)],
         capture_output=True,
@@ -55,6 +63,20 @@ def test_missing_packages_are_installed_without_recommends_and_the_reasons_are_p
         timeout=30,
         env={**os.environ, "PATH": str(tmp_path)},
     )
+    return result, calls
+
+
+def test_kubectl_that_no_repository_offers_is_left_out_with_a_warning(tmp_path):
+    result, calls = _run_with_fake_apt(tmp_path, "(none)")
+    assert result.returncode == 0, result.stderr
+    installs = [line.split() for line in calls.read_text().splitlines() if line.split()[0] == "install"]
+    assert len(installs) == 1 and {"chromium", "redis-server"} <= set(installs[0])
+    assert "kubectl" not in installs[0]
+    assert "no apt repository here offers kubectl" in result.stderr
+
+
+def test_missing_packages_are_installed_without_recommends_and_the_reasons_are_printed(tmp_path):
+    result, calls = _run_with_fake_apt(tmp_path, "1:528.0.0-0")
     assert result.returncode == 0, result.stderr
     installs = [line for line in calls.read_text().splitlines() if line.split()[0] == "install"]
     assert len(installs) == 1
