@@ -29,6 +29,7 @@ from router.prefix_treemap import sharing_legend, sharing_svg
 if TYPE_CHECKING:
     from router.backends import BackendState
     from router.config import Config
+    from router.disaggregation import Disaggregation
     from router.index.service import KVIndexService
     from router.policies.base import Policy
     from router.routing_warnings import RoutingWarnings
@@ -51,6 +52,7 @@ class DebugPage:
         tokenizer: RequestTokenizer,
         warnings: RoutingWarnings,
         admin_token: str | None,
+        disaggregation: Disaggregation | None = None,
     ) -> None:
         self.config = config
         self.backends = backends
@@ -59,6 +61,7 @@ class DebugPage:
         self.tokenizer = tokenizer
         self.warnings = warnings
         self.admin_token = admin_token
+        self.disaggregation = disaggregation
 
     def routes(self) -> list[BaseRoute]:
         return [Route("/debug/prefix-map", self.endpoint, methods=["GET"])]
@@ -77,6 +80,7 @@ class DebugPage:
                 "healthy": backend.healthy,
                 "in_flight": backend.in_flight,
                 "events": backend.kv_events is not None,
+                "role": backend.role,
                 "stale": stale.get(name),
             }
             stream = status.get(name)
@@ -118,6 +122,8 @@ class DebugPage:
             "policy": policy.name,
             # kv_aware's measured load weights (router/policies/load_costs.py), when it measures them.
             "load_costs": policy.measured_load_costs(),
+            # Prefill/decode disaggregation: roles, measured costs, recent decisions with estimates.
+            "disaggregation": None if self.disaggregation is None else self.disaggregation.describe(),
             "redacted": redact,
             "generated_at": dt.datetime.now(dt.UTC).isoformat(),
         }

@@ -62,6 +62,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="cost of loading one prompt token's KV from the shared tier instead of computing it",
     )
     parser.add_argument(
+        "--kv-role",
+        choices=("both", "prefill", "decode"),
+        default="both",
+        help="what the engine does with the shared tier, as vLLM's kv_producer/kv_consumer: prefill "
+        "stores each prompt before answering, decode only loads, both loads and stores in the background",
+    )
+    parser.add_argument(
         "--default-max-tokens", type=int, default=16, help="max_tokens when a request gives none"
     )
     parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
@@ -109,6 +116,8 @@ def run(args: argparse.Namespace) -> int:
         return _refuse(str(exc))
     if bool(args.shared_tier) != bool(args.shared_tier_url):
         return _refuse("--shared-tier and --shared-tier-url go together; give both or neither")
+    if args.kv_role != "both" and not args.shared_tier:
+        return _refuse(f"--kv-role {args.kv_role} hands KV over through a shared tier; give --shared-tier")
     if args.shared_load_us_per_token < 0:
         return _refuse("--shared-load-us-per-token must not be negative")
     events_config = None
@@ -172,6 +181,7 @@ def run(args: argparse.Namespace) -> int:
         args.max_num_seqs,
         publisher,
         shared_store,
+        args.kv_role,
     )
     app = build_app(
         engine,
@@ -180,7 +190,8 @@ def run(args: argparse.Namespace) -> int:
     )
     log.warning(
         "SIMULATED engine (no model runs here): serving %r on http://%s:%d, %d KV blocks of %d tokens, "
-        "KV events %s (%s encoding); prefill %.1f us/token, decode %.2f ms/token; shared tier %s",
+        "KV events %s (%s encoding); prefill %.1f us/token, decode %.2f ms/token; shared tier %s, "
+        "kv role %s",
         model_name,
         args.host,
         args.port,
@@ -191,6 +202,7 @@ def run(args: argparse.Namespace) -> int:
         args.prefill_us_per_token,
         args.decode_ms_per_token,
         f"{args.shared_tier!r} ({args.shared_load_us_per_token} us/token)" if shared_store else "off",
+        args.kv_role,
     )
     config = uvicorn.Config(
         app,
