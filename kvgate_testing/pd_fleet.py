@@ -103,9 +103,12 @@ class RoledFleet:
                     "name": engine.name,
                     "url": engine.url,
                     "role": engine.role,
-                    "kv_events": {"endpoint": engine.events_endpoint, "replay_endpoint": engine.replay_endpoint,
-                                  "topic": "kv-events"},
-                }  # fmt: skip
+                    "kv_events": {
+                        "endpoint": engine.events_endpoint,
+                        "replay_endpoint": engine.replay_endpoint,
+                        "topic": "kv-events",
+                    },
+                }
                 for engine in self.engines
             ],
             "shared_tiers": [{"name": MEDIUM_SHARED, "backends": [engine.name for engine in self.engines]}],
