@@ -1,8 +1,9 @@
 """Simulated engines with roles (`kvgate sim --kv-role`) sharing a real redis-server as their KV tier,
 and the gateway configuration that disaggregates over them: for the prefill/decode tests.
 
-Each engine publishes KV events on its own ZMQ ports; an engine named in `dead` is a backend whose
-port nothing listens on (a crashed engine). `stores` gives an engine a Redis of its own instead of
+Each engine publishes KV events on its own ZMQ ports; an engine named in `crashing` is
+kvgate_testing/crashing_engine.py instead: up for the health probes, it drops every request it is
+sent before answering. `stores` gives an engine a Redis of its own instead of
 the shared one (its store then holds nothing another engine wrote, as after a daemon restart).
 """
 
@@ -42,7 +43,7 @@ class RoledFleet:
 
     roles: dict[str, str]
     sim_args: dict[str, list[str]] = field(default_factory=dict)
-    dead: tuple[str, ...] = ()
+    crashing: tuple[str, ...] = ()
     stores: tuple[str, ...] = ()  # engines given a Redis of their own
     engines: list[RoledEngine] = field(default_factory=list)
     redis: RedisServer | None = None
@@ -58,7 +59,10 @@ class RoledFleet:
                     f"tcp://127.0.0.1:{replay}",
                 )  # fmt: skip
                 self.engines.append(engine)
-                if name in self.dead:
+                if name in self.crashing:
+                    engine.process = ManagedProcess(
+                        [sys.executable, "-m", "kvgate_testing.crashing_engine", "--port", str(http)]
+                    )
                     continue
                 store = self.redis
                 if name in self.stores:

@@ -180,7 +180,9 @@ class DecodeLeg:
     option: str
     # The policy's choice of decode engine, for the loop's first attempt.
     first_choice: Choice
-    # Split: the prompt tokens the prefill engine reported the store holds (None: not reported).
+    # Split: the engine that ran the prefill, and the prompt tokens it reported the store holds
+    # (None: it did not say).
+    prefill_backend: str | None = None
     stored_tokens: int | None = None
     # The features the cost model learns the decode engine's prefill cost from, per engine.
     computed_tokens: dict[str, int] = field(default_factory=dict)
@@ -232,7 +234,7 @@ class Disaggregation:
         )
         self.prefill_failures = Counter(
             "kvgate_pd_prefill_failures",
-            "Prefill legs that failed, by backend and why (connect, status, timeout)",
+            "Prefill legs that failed, by backend and why (error: unreachable or broke off; status; timeout)",
             ["backend", "reason"],
             registry=registry,
         )
@@ -295,7 +297,7 @@ class Disaggregation:
         fallback = None
         if option == SPLIT and prefill_choice is not None:
             try:
-                leg.stored_tokens = await self._prefill(
+                leg.prefill_backend, leg.stored_tokens = await self._prefill(
                     policy, request, data, headers, path, model_name, prefill_choice, prefill_pool
                 )
                 leg.expected_prefill_tokens = max(0, prompt_tokens - (leg.stored_tokens or 0))
@@ -318,7 +320,7 @@ class Disaggregation:
             "mode": self.config.mode,
             "option": leg.option,
             "backend": chosen.backend if leg.option != SPLIT else estimates[SPLIT].backend,
-            "prefill_backend": estimates[SPLIT].prefill_backend if leg.option == SPLIT else None,
+            "prefill_backend": leg.prefill_backend,
             "prompt_tokens": leg.prompt_tokens,
             "estimate_s": round(chosen.total_s, 6),
             "estimates": {option: estimate.describe() for option, estimate in estimates.items()},
@@ -346,9 +348,10 @@ class Disaggregation:
         model_name: str,
         choice: Choice,
         pool: Sequence[BackendState],
-    ) -> int | None:
+    ) -> tuple[str, int | None]:
         """Run the prefill leg on `choice`, and on one other prefill engine if it fails; return the
-        prompt tokens the store holds as the engine reported them (None: it did not say)."""
+        engine that ran it and the prompt tokens the store holds as it reported them (None: it did
+        not say)."""
         body = _prefill_body(data, model_name)
         tried: list[BackendState] = []
         errors: list[str] = []
@@ -360,7 +363,8 @@ class Disaggregation:
                 choice = policy.choose(request, rest)
             tried.append(choice.backend)
             try:
-                return await self._prefill_once(policy, choice, request, headers, path, body)
+                stored = await self._prefill_once(policy, choice, request, headers, path, body)
+                return choice.backend.name, stored
             except PrefillFailed as exc:
                 errors.append(str(exc))
         raise PrefillFailed("; ".join(errors))
@@ -399,7 +403,7 @@ class Disaggregation:
                 f"prefill backend {backend.name} did not answer within {self.config.prefill_timeout_s:g} s"
             ) from None
         except UpstreamError as exc:
-            self.prefill_failures.labels(backend.name, "connect").inc()
+            self.prefill_failures.labels(backend.name, "error").inc()
             self.backends.mark_down(backend, str(exc))
             raise PrefillFailed(f"prefill backend {backend.name} failed: {exc}") from None
         finally:
