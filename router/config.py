@@ -474,9 +474,32 @@ def _format_error(source: str, exc: Exception, data: Any = None) -> str:
         where = where.rstrip("`").lstrip(".") or "(top level)"
     if where == "policy.name" and message.startswith("Invalid value"):
         message += f"; known policies: {', '.join(POLICY_NAMES)}"
+    elif message.startswith("Invalid enum value") and (choices := _literal_choices(where)):
+        message += f"; expected one of {', '.join(choices)}"
     elif message.startswith("Object contains unknown field"):
         message += "; check its spelling or remove it (docs/configuration.md lists the keys)"
     return f"{source}: invalid configuration at `{where}`: {message}"
+
+
+def _literal_choices(where: str) -> list[str]:
+    """The values a `Literal` key allows, by its path as errors show it (`backends[0].role`)."""
+    import msgspec.inspect as inspect
+
+    info: Any = inspect.type_info(Config)
+    for step in where.replace("]", "").replace("[", ".").split("."):
+        if step.isdigit() and isinstance(info, inspect.ListType):
+            info = info.item_type
+            continue
+        if isinstance(info, inspect.UnionType):
+            info = next((t for t in info.types if isinstance(t, inspect.StructType)), info)
+        if not isinstance(info, inspect.StructType):
+            return []
+        info = next((field.type for field in info.fields if field.name == step), None)
+        if info is None:
+            return []
+    if isinstance(info, inspect.UnionType):
+        info = next((t for t in info.types if isinstance(t, inspect.LiteralType)), info)
+    return [str(value) for value in info.values] if isinstance(info, inspect.LiteralType) else []
 
 
 def _check_semantics(config: Config, source: str, base_dir: Path | None) -> None:
