@@ -25,6 +25,9 @@ TIER = "pd"
 # The simulated hardware of these tests: a prefill long enough for the cost terms to differ.
 PREFILL_US_PER_TOKEN = 100.0
 LOAD_US_PER_TOKEN = 10.0
+# A store that takes its time (tens of ms for a long prompt): a decode request sent before the
+# store holds the prompt would find it missing.
+STORE_US_PER_TOKEN = 100.0
 
 
 @dataclass(slots=True)
@@ -83,6 +86,7 @@ class RoledFleet:
                         "--shared-tier", TIER, "--shared-tier-url", store.url, "--kv-role", role,
                         "--prefill-us-per-token", str(PREFILL_US_PER_TOKEN),
                         "--shared-load-us-per-token", str(LOAD_US_PER_TOKEN),
+                        "--shared-store-us-per-token", str(STORE_US_PER_TOKEN),
                         "--prefill-overhead-ms", "0",
                         *self.sim_args.get(name, []),
                     ]

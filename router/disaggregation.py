@@ -511,8 +511,10 @@ class _CostCollector:
 
 
 def _prefill_body(data: dict[str, Any], model_name: str) -> bytes:
-    """The prefill leg's request: the same prompt, one output token, answered whole."""
-    body = {key: value for key, value in data.items() if key not in ("stream", "stream_options", "n")}
+    """The prefill leg's request: the same prompt, one output token, answered whole (what would
+    contradict one token, `min_tokens`, or ask for several answers, `n`, is left out)."""
+    dropped = ("stream", "stream_options", "n", "min_tokens")
+    body = {key: value for key, value in data.items() if key not in dropped}
     body["model"] = model_name
     body["max_tokens"] = 1
     if "max_completion_tokens" in body:

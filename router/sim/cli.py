@@ -62,6 +62,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="cost of loading one prompt token's KV from the shared tier instead of computing it",
     )
     parser.add_argument(
+        "--shared-store-us-per-token",
+        type=float,
+        default=0.0,
+        help="time a write of one prompt token's KV into the shared tier takes before it lands",
+    )
+    parser.add_argument(
         "--kv-role",
         choices=("both", "prefill", "decode"),
         default="both",
@@ -120,6 +126,8 @@ def run(args: argparse.Namespace) -> int:
         return _refuse(f"--kv-role {args.kv_role} hands KV over through a shared tier; give --shared-tier")
     if args.shared_load_us_per_token < 0:
         return _refuse("--shared-load-us-per-token must not be negative")
+    if args.shared_store_us_per_token < 0:
+        return _refuse("--shared-store-us-per-token must not be negative")
     events_config = None
     if args.kv_events_config:
         try:
@@ -146,6 +154,7 @@ def run(args: argparse.Namespace) -> int:
         decode_ms_per_token=args.decode_ms_per_token,
         decode_batch_slope_ms=args.decode_batch_slope,
         shared_load_us_per_token=args.shared_load_us_per_token,
+        shared_store_us_per_token=args.shared_store_us_per_token,
     )
     shared_store = None
     if args.shared_tier:

@@ -11,7 +11,8 @@ Timing model (every knob a `kvgate sim` flag):
 - With a shared tier (`--shared-tier`, router/sim/shared_store.py), the prompt blocks the GPU pool
   misses but the shared store holds are loaded at `shared_load_us_per_token` each instead of
   recomputed, on the same prefill timeline; once the prompt is computed, the full blocks it computed
-  are written to the store (and announced with medium "shared").
+  are written to the store (and announced with medium "shared"), each write taking
+  `shared_store_us_per_token` per token written before it lands.
 - Roles (`--kv-role`, as vLLM's kv_producer / kv_consumer): a `prefill` engine writes the prompt's
   blocks to the shared store before its first token leaves (its answer is sent only once the store
   holds them: a decode engine asked next finds them); a `decode` engine only loads from the store
@@ -54,6 +55,9 @@ class TimingModel:
     decode_batch_slope_ms: float = 0.05
     # Loading one token's KV from the shared tier: between a GPU hit (free) and a recompute.
     shared_load_us_per_token: float = 10.0
+    # Writing one token's KV into the shared tier (the bytes a real store moves; the simulated one
+    # holds only block hashes): spent before the write lands, off the prefill timeline.
+    shared_store_us_per_token: float = 0.0
 
     def prefill_seconds(self, uncached_tokens: int, loaded_tokens: int = 0) -> float:
         computed_ms = uncached_tokens * self.prefill_us_per_token / 1000.0
@@ -293,7 +297,11 @@ class SimulatedEngine:
     async def _store_shared(self, request: GenerationRequest, hashes: list[int], first_computed: int) -> bool:
         """Write hashes[first_computed:] and announce them; False when the store took none."""
         assert self.shared_store is not None
-        if not await self.shared_store.written(hashes[first_computed:]):
+        written = hashes[first_computed:]
+        if self.timing.shared_store_us_per_token:
+            tokens = len(written) * self.pool.block_size
+            await asyncio.sleep(tokens * self.timing.shared_store_us_per_token / 1e6)
+        if not await self.shared_store.written(written):
             return False
         events: list[KVEvent] = []
         size = self.pool.block_size
