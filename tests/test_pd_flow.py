@@ -130,6 +130,9 @@ def test_the_decision_names_its_choice_and_estimate_on_the_debug_page_and_in_met
     assert decision["estimate_s"] == split_estimate["total_s"] > 0
     # A split pays the transfer and the decode engine's load on top of the prefill a colocated run pays.
     assert split_estimate["transfer_s"] > 0 and split_estimate["load_s"] > 0
+    page_html = httpx.get(f"{gateway.url}/debug/prefix-map", timeout=10).text
+    assert "Prefill/decode decisions (mode always)" in page_html
+    assert "split-shown" in page_html and "prefill-0 → decode-0" in page_html
     metrics = gateway_metrics(gateway.url)
     assert metrics['kvgate_pd_decisions_total{option="split"}'] >= 1
     assert metrics['kvgate_pd_prefill_seconds_per_token{backend="prefill-0"}'] > 0
