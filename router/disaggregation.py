@@ -79,6 +79,11 @@ _LOAD_SECONDS = re.compile(rb'"load_seconds"\s*:\s*([0-9.eE+-]+)')
 class PrefillFailed(KvgateError):
     """A prefill leg that did not end in a stored prompt (unreachable, an error, a timeout)."""
 
+    def __init__(self, message: str, *, retry_elsewhere: bool = True) -> None:
+        super().__init__(message)
+        # False when another prefill engine would refuse it too (the engine found the request bad).
+        self.retry_elsewhere = retry_elsewhere
+
 
 @dataclass(frozen=True, slots=True)
 class Estimate:
@@ -367,6 +372,8 @@ class Disaggregation:
                 return choice.backend.name, stored
             except PrefillFailed as exc:
                 errors.append(str(exc))
+                if not exc.retry_elsewhere:
+                    break
         raise PrefillFailed("; ".join(errors))
 
     async def _prefill_once(
@@ -416,7 +423,10 @@ class Disaggregation:
             self.prefill_failures.labels(backend.name, "status").inc()
             if status >= 500:
                 self.backends.mark_down(backend, f"answered HTTP {status} to a prefill")
-            raise PrefillFailed(f"prefill backend {backend.name} answered HTTP {status}")
+            # A 4xx is the request's: the decode engine, colocated, answers the client the same.
+            raise PrefillFailed(
+                f"prefill backend {backend.name} answered HTTP {status}", retry_elsewhere=status >= 500
+            )
         transfer = _transfer_params(answer)
         stored = _int(transfer.get("stored_tokens"))
         store_s = _float(transfer.get("store_seconds")) or 0.0

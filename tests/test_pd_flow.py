@@ -174,3 +174,21 @@ def test_the_costs_are_learned_from_what_the_engines_report(split):
     assert metrics['kvgate_pd_load_seconds_per_token{backend="decode-0"}'] == pytest.approx(
         LOAD_US_PER_TOKEN / 1e6, rel=0.05
     )
+
+
+def test_a_request_the_engines_refuse_gets_their_error_without_another_prefill(split):
+    _, gateway = split
+    body = {"model": MODEL, "prompt": "refused " * 40, "max_tokens": 3, "temperature": -1}
+    before = gateway_metrics(gateway.url).get(
+        'kvgate_pd_prefill_failures_total{backend="prefill-0",reason="status"}', 0.0
+    )
+    response = httpx.post(f"{gateway.url}/v1/completions", json=body, timeout=30)
+    # The decode engine, colocated, refuses it as the prefill engine did: the client sees vLLM's 400.
+    assert response.status_code == 400
+    assert response.json()["error"]["param"] == "temperature"
+    failures = gateway_metrics(gateway.url)[
+        'kvgate_pd_prefill_failures_total{backend="prefill-0",reason="status"}'
+    ]
+    assert failures - before == 1
+    backends = httpx.get(f"{gateway.url}/backends", timeout=10).json()["backends"]
+    assert all(b["in_flight"] == 0 and b["healthy"] for b in backends)
