@@ -68,6 +68,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="time a write of one prompt token's KV into the shared tier takes before it lands",
     )
     parser.add_argument(
+        "--prefill-blocks-decode",
+        action="store_true",
+        help="a decode step waits for the prefills being computed (one accelerator, no chunked "
+        "prefill): a long prompt stalls the streams decoding on the engine",
+    )
+    parser.add_argument(
         "--kv-role",
         choices=("both", "prefill", "decode"),
         default="both",
@@ -155,6 +161,7 @@ def run(args: argparse.Namespace) -> int:
         decode_batch_slope_ms=args.decode_batch_slope,
         shared_load_us_per_token=args.shared_load_us_per_token,
         shared_store_us_per_token=args.shared_store_us_per_token,
+        prefill_blocks_decode=args.prefill_blocks_decode,
     )
     shared_store = None
     if args.shared_tier:

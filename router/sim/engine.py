@@ -7,7 +7,9 @@ Timing model (every knob a `kvgate sim` flag):
   from the cache. Prefills run one after another (the accelerator is busy), and a prompt that hits
   blocks another request is still computing waits until they are ready.
 - Each further output token costs `decode_ms_per_token` plus `decode_batch_slope_ms` for every
-  other running sequence, so decode slows as the batch grows.
+  other running sequence, so decode slows as the batch grows. With `prefill_blocks_decode`, it
+  also waits for the prefills being computed (one accelerator, no chunked prefill): a long prompt
+  arriving stalls every stream decoding on that engine.
 - With a shared tier (`--shared-tier`, router/sim/shared_store.py), the prompt blocks the GPU pool
   misses but the shared store holds are loaded at `shared_load_us_per_token` each instead of
   recomputed, on the same prefill timeline; once the prompt is computed, the full blocks it computed
@@ -58,6 +60,9 @@ class TimingModel:
     # Writing one token's KV into the shared tier (the bytes a real store moves; the simulated one
     # holds only block hashes): spent before the write lands, off the prefill timeline.
     shared_store_us_per_token: float = 0.0
+    # True: a decode step waits for the prefills in progress, as on one accelerator that runs a
+    # whole prefill in a step (no chunked prefill); what prefill/decode disaggregation removes.
+    prefill_blocks_decode: bool = False
 
     def prefill_seconds(self, uncached_tokens: int, loaded_tokens: int = 0) -> float:
         computed_ms = uncached_tokens * self.prefill_us_per_token / 1000.0
@@ -175,7 +180,7 @@ class SimulatedEngine:
                 self._write_shared(request)
             for index, token in enumerate(outputs):
                 if index:
-                    await asyncio.sleep(self.timing.decode_seconds(self._running))
+                    await asyncio.sleep(self._decode_wait(loop.time()))
                 self._publish(self.pool.append_token(request.request_id, token, loop.time()))
                 self.counters.generation_tokens += 1
                 yield token
@@ -253,6 +258,14 @@ class SimulatedEngine:
             self.counters.prompt_tokens += len(request.prompt)
             self._running += 1
             future.set_result(first_token_at)
+
+    def _decode_wait(self, now: float) -> float:
+        """Seconds until the next output token: a decode step, after the prefills being computed
+        when `prefill_blocks_decode` (they run back to back until `_prefill_free_at`)."""
+        wait = self.timing.decode_seconds(self._running)
+        if self.timing.prefill_blocks_decode:
+            wait += max(0.0, self._prefill_free_at - now)
+        return wait
 
     def _shared_tokens_to_load(self, request: GenerationRequest, gpu_hit_tokens: int) -> int:
         """Prompt tokens past the GPU hit that the shared store holds (the last token is always
