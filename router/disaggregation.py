@@ -530,6 +530,9 @@ def _prefill_body(data: dict[str, Any], model_name: str) -> bytes:
     if "max_completion_tokens" in body:
         body["max_completion_tokens"] = 1
     body["stream"] = False
+    # vLLM's prefill/decode request field: a remote decode follows, so the engine hands the KV over
+    # before it answers (an engine of role `both` would otherwise store it in the background).
+    body["kv_transfer_params"] = {"do_remote_decode": True}
     return _encoder.encode(body)
 
 

@@ -230,6 +230,7 @@ def build_app(
         if salt is not None and (not isinstance(salt, str) or not salt):
             raise RequestRefused("`cache_salt` must be a non-empty string", param="cache_salt")
         seed = values.get("seed")
+        transfer = body.get("kv_transfer_params")
         request = GenerationRequest(
             request_id=uuid.uuid4().hex,
             prompt=prompt,
@@ -238,6 +239,7 @@ def build_app(
             lora_name=body.get("model") if body.get("model") in model.lora_names else None,
             cache_salt=salt,
             seed=seed,
+            hand_over=isinstance(transfer, dict) and transfer.get("do_remote_decode") is True,
         )
         try:
             engine.check_fits(request)

@@ -18,7 +18,8 @@ Timing model (every knob a `kvgate sim` flag):
 - Roles (`--kv-role`, as vLLM's kv_producer / kv_consumer): a `prefill` engine writes the prompt's
   blocks to the shared store before its first token leaves (its answer is sent only once the store
   holds them: a decode engine asked next finds them); a `decode` engine only loads from the store
-  and never writes; `both` (the default) loads, and writes in the background after the first token.
+  and never writes; `both` (the default) loads, and writes in the background after the first token,
+  or before it for a prefill leg (`kv_transfer_params: {"do_remote_decode": true}`, vLLM's field).
 TTFT is therefore queueing + prefill of the uncached tokens (+ loads): it reflects cache hits.
 
 All waiting is asyncio sleeping, never CPU work, so many simulated engines share two cores.
@@ -93,6 +94,9 @@ class GenerationRequest:
     lora_name: str | None = None
     cache_salt: str | None = None
     seed: int | None = None
+    # A prefill leg (`kv_transfer_params.do_remote_decode`): a decode elsewhere loads the prompt from
+    # the shared tier next, so even a `both` engine stores it before answering.
+    hand_over: bool = False
     # Filled at admission: prompt tokens served from the prefix cache (GPU hits and shared loads),
     # and of those the ones loaded from the shared tier.
     cached_tokens: int = 0
@@ -173,7 +177,9 @@ class SimulatedEngine:
         try:
             outputs = self._output_tokens(request)
             await asyncio.sleep(max(first_token_at - loop.time(), 0.0))
-            if self.kv_role == KV_ROLE_PREFILL:
+            if self.kv_role == KV_ROLE_PREFILL or (
+                request.hand_over and self.kv_role == KV_ROLE_BOTH and self.shared_store is not None
+            ):
                 # The first token leaves only once the store holds the prompt (the hand-over).
                 await self._store_computed(request)
             elif self.kv_role == KV_ROLE_BOTH and self.shared_store is not None:
