@@ -11,10 +11,7 @@ import httpx
 import pytest
 
 from kvgate_testing.gateway import GatewayProcess, start_gateway
-from kvgate_testing.pd_fleet import (
-    MODEL,
-    RoledFleet,
-)
+from kvgate_testing.pd_fleet import MODEL, RoledFleet
 
 
 @pytest.fixture(scope="module")
