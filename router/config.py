@@ -308,19 +308,6 @@ class SimulatedEngines(_Struct):
     extra_args: list[str] = []
 
 
-class SharedTier(_Struct):
-    """A KV store several backends read (a cache daemon they share, a Redis tier): a prefix any of
-    them put there is a hit for every one of them (router/policies/shared_tiers.py)."""
-
-    # The tier as the engines' KV events spell it in `medium` (case does not matter): the cache
-    # layer reports its Redis tier as "remote" and, in daemon mode, the daemon's store as "shared".
-    name: Annotated[str, msgspec.Meta(min_length=1)]
-    backends: Annotated[list[str], msgspec.Meta(min_length=1)]
-    # Prompt tokens one token loadable from this tier saves, as cpu_hit_weight does for a CPU tier:
-    # a load, not a GPU hit.
-    hit_weight: Annotated[float, msgspec.Meta(ge=0)] = 0.6
-
-
 class Disaggregation(_Struct):
     """Prefill/decode disaggregation (router/disaggregation.py): a request may be split into a
     prefill on a `prefill` backend, whose KV goes to a shared tier, and a decode on a `decode`
@@ -342,6 +329,19 @@ class Disaggregation(_Struct):
     min_observations: Annotated[int, msgspec.Meta(ge=1)] = 8
     # Observations count half as much after this many more of the same engine.
     half_life_observations: Annotated[float, msgspec.Meta(gt=0)] = 64.0
+
+
+class SharedTier(_Struct):
+    """A KV store several backends read (a cache daemon they share, a Redis tier): a prefix any of
+    them put there is a hit for every one of them (router/policies/shared_tiers.py)."""
+
+    # The tier as the engines' KV events spell it in `medium` (case does not matter): the cache
+    # layer reports its Redis tier as "remote" and, in daemon mode, the daemon's store as "shared".
+    name: Annotated[str, msgspec.Meta(min_length=1)]
+    backends: Annotated[list[str], msgspec.Meta(min_length=1)]
+    # Prompt tokens one token loadable from this tier saves, as cpu_hit_weight does for a CPU tier:
+    # a load, not a GPU hit.
+    hit_weight: Annotated[float, msgspec.Meta(ge=0)] = 0.6
 
 
 MIN_CLUSTER_SECRET_LENGTH = 16
