@@ -6,6 +6,8 @@ No request hangs, and in-flight load is back to zero after each."""
 
 from __future__ import annotations
 
+import time
+
 import httpx
 import pytest
 
@@ -66,6 +68,15 @@ def test_failed_and_slow_prefill_engines_leave_the_request_colocated_after_one_r
         # The colocated answer computed the whole prompt on the decode engine.
         assert response.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
         assert loads(gateway) == {name: (0, 0) for name in roles}
+
+        # A client that leaves while its prefill leg runs (on prefill-slow, the one engine not marked
+        # down): the leg is dropped and every in-flight count is back to zero.
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(f"{gateway.url}/v1/completions", json=body, timeout=httpx.Timeout(10, read=0.2))
+        deadline = time.monotonic() + 10
+        while loads(gateway) != {name: (0, 0) for name in roles}:
+            assert time.monotonic() < deadline, f"in-flight load never went back to zero: {loads(gateway)}"
+            time.sleep(0.05)
 
 
 def test_a_decode_engine_down_before_its_first_byte_hands_the_request_to_another_that_loads_the_same_kv():
