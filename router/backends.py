@@ -25,6 +25,8 @@ class BackendState:
     # Models this backend serves; empty means every configured model.
     models: list[str] = field(default_factory=list)
     kv_events: KVEvents | None = None
+    # `prefill`, `decode` or `both` (proxy.yaml `role`): which legs of a request it takes (`takes`).
+    role: str = "both"
     healthy: bool = True
     # A draining backend finishes what it has but takes nothing new (DELETE /backends/{name}).
     draining: bool = False
@@ -54,6 +56,11 @@ class BackendState:
     def serves(self, model: str) -> bool:
         return not self.models or model in self.models
 
+    def takes(self, leg: str) -> bool:
+        """Whether it may be sent `leg`: "prefill" (a split request's prefill) or "decode" (a split
+        request's decode, or a whole request, which decodes where it prefills)."""
+        return self.role == "both" or self.role == leg
+
     @property
     def accepting(self) -> bool:
         return self.healthy and not self.draining
@@ -64,6 +71,7 @@ class BackendState:
             "name": self.name,
             "url": self.url,
             "models": self.models,
+            "role": self.role,
             "healthy": self.healthy,
             "draining": self.draining,
             "state": "draining" if self.draining else ("healthy" if self.healthy else "down"),
@@ -130,7 +138,7 @@ class BackendRegistry(Mapping[str, BackendState]):
     def add(self, spec: Backend) -> BackendState:
         """Register a backend (from the configuration, or POST /backends); it takes traffic at once."""
         backend = BackendState(
-            name=spec.name, url=spec.url, models=list(spec.models), kv_events=spec.kv_events
+            name=spec.name, url=spec.url, models=list(spec.models), kv_events=spec.kv_events, role=spec.role
         )
         self._backends[spec.name] = backend
         self._metrics.track_backend(backend)
@@ -148,15 +156,24 @@ class BackendRegistry(Mapping[str, BackendState]):
 
     # ---- routing ----
 
-    def candidates(self, model: str, exclude: list[BackendState] = ()) -> list[BackendState]:
-        """Backends that may take a request for `model` now: healthy, not draining, serving it."""
+    def candidates(
+        self, model: str, exclude: list[BackendState] = (), leg: str = "decode"
+    ) -> list[BackendState]:
+        """Backends that may take a request for `model` now: healthy, not draining, serving it, and
+        taking `leg` (a whole request is a "decode": prefill-only engines never get one)."""
         return [
             backend
             for backend in self._backends.values()
-            if backend.healthy and not backend.draining and backend.serves(model) and backend not in exclude
+            if backend.healthy
+            and not backend.draining
+            and backend.serves(model)
+            and backend.takes(leg)
+            and backend not in exclude
         ]
 
-    def panic_candidates(self, model: str, exclude: list[BackendState] = ()) -> list[BackendState]:
+    def panic_candidates(
+        self, model: str, exclude: list[BackendState] = (), leg: str = "decode"
+    ) -> list[BackendState]:
         """Backends serving `model` that are marked down (not draining), least recently failed first.
 
         Tried when no backend is a candidate, before answering 503 (as Envoy's panic threshold
@@ -165,7 +182,10 @@ class BackendRegistry(Mapping[str, BackendState]):
         down = [
             backend
             for backend in self._backends.values()
-            if not (backend.healthy or backend.draining) and backend.serves(model) and backend not in exclude
+            if not (backend.healthy or backend.draining)
+            and backend.serves(model)
+            and backend.takes(leg)
+            and backend not in exclude
         ]
         return sorted(down, key=lambda backend: backend.down_since)
 

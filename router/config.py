@@ -97,6 +97,9 @@ class Backend(_Struct):
     # Models this backend serves; empty means every configured model.
     models: list[str] = []
     kv_events: KVEvents | None = None
+    # What the engine is sent (router/disaggregation.py): `prefill` only the prefill leg of split
+    # requests, `decode` the decode leg and whole requests, `both` anything.
+    role: Literal["prefill", "decode", "both"] = "both"
 
     def __post_init__(self) -> None:
         validate_url(self.url)
@@ -305,6 +308,29 @@ class SimulatedEngines(_Struct):
     extra_args: list[str] = []
 
 
+class Disaggregation(_Struct):
+    """Prefill/decode disaggregation (router/disaggregation.py): a request may be split into a
+    prefill on a `prefill` backend, whose KV goes to a shared tier, and a decode on a `decode`
+    backend that loads it; one cost estimate per request decides."""
+
+    # conditional: split when the estimate says it is cheaper; always: split every request routed by
+    # its prompt; never: keep every request colocated (the estimates are still computed and shown).
+    mode: Literal["conditional", "always", "never"] = "conditional"
+    # The prefill leg's whole answer (the KV stored and visible) within this long, else it failed.
+    prefill_timeout_s: Annotated[float, msgspec.Meta(gt=0)] = 30.0
+    # Prefill engines tried for one request (1: no retry) before it runs colocated on a decode engine.
+    prefill_attempts: Annotated[int, msgspec.Meta(ge=1, le=2)] = 2
+    # Priors of the cost model, used for an engine or tier until it has been measured
+    # (`min_observations` answers): seconds per prompt token computed, per token loaded from a
+    # shared tier, and per token the prefill engine stores into the tier (the transfer).
+    prior_prefill_us_per_token: Annotated[float, msgspec.Meta(ge=0)] = 100.0
+    prior_load_us_per_token: Annotated[float, msgspec.Meta(ge=0)] = 20.0
+    prior_transfer_us_per_token: Annotated[float, msgspec.Meta(ge=0)] = 5.0
+    min_observations: Annotated[int, msgspec.Meta(ge=1)] = 8
+    # Observations count half as much after this many more of the same engine.
+    half_life_observations: Annotated[float, msgspec.Meta(gt=0)] = 64.0
+
+
 class SharedTier(_Struct):
     """A KV store several backends read (a cache daemon they share, a Redis tier): a prefix any of
     them put there is a hit for every one of them (router/policies/shared_tiers.py)."""
@@ -433,6 +459,7 @@ class Config(_Struct):
     auth: Auth = msgspec.field(default_factory=Auth)
     launch: Launch | None = None
     shared_tiers: list[SharedTier] = []
+    disaggregation: Disaggregation | None = None
     cluster: Cluster | None = None
     access_log: AccessLog = msgspec.field(default_factory=AccessLog)
     contract_check: ContractCheck = msgspec.field(default_factory=ContractCheck)
@@ -465,9 +492,32 @@ def _format_error(source: str, exc: Exception, data: Any = None) -> str:
         where = where.rstrip("`").lstrip(".") or "(top level)"
     if where == "policy.name" and message.startswith("Invalid value"):
         message += f"; known policies: {', '.join(POLICY_NAMES)}"
+    elif message.startswith("Invalid enum value") and (choices := _literal_choices(where)):
+        message += f"; expected one of {', '.join(choices)}"
     elif message.startswith("Object contains unknown field"):
         message += "; check its spelling or remove it (docs/configuration.md lists the keys)"
     return f"{source}: invalid configuration at `{where}`: {message}"
+
+
+def _literal_choices(where: str) -> list[str]:
+    """The values a `Literal` key allows, by its path as errors show it (`backends[0].role`)."""
+    import msgspec.inspect as inspect
+
+    info: Any = inspect.type_info(Config)
+    for step in where.replace("]", "").replace("[", ".").split("."):
+        if step.isdigit() and isinstance(info, inspect.ListType):
+            info = info.item_type
+            continue
+        if isinstance(info, inspect.UnionType):
+            info = next((t for t in info.types if isinstance(t, inspect.StructType)), info)
+        if not isinstance(info, inspect.StructType):
+            return []
+        info = next((field.type for field in info.fields if field.name == step), None)
+        if info is None:
+            return []
+    if isinstance(info, inspect.UnionType):
+        info = next((t for t in info.types if isinstance(t, inspect.LiteralType)), info)
+    return [str(value) for value in info.values] if isinstance(info, inspect.LiteralType) else []
 
 
 def _check_semantics(config: Config, source: str, base_dir: Path | None) -> None:
@@ -521,6 +571,7 @@ def _check_semantics(config: Config, source: str, base_dir: Path | None) -> None
     except ValueError as exc:
         raise ConfigError(f"{source}: invalid configuration at `auth.api_keys_env`: {exc}") from None
     _check_shared_tiers(config, source)
+    _check_disaggregation(config, source)
     _check_access_log(config.access_log, source, base_dir)
     if config.cluster is not None and importlib.util.find_spec("redis") is None:
         raise ConfigError(
@@ -629,6 +680,48 @@ def _check_shared_tiers(config: Config, source: str) -> None:
                     f"{where}.backends`: backend {backend!r} is attached to tier {tier.name!r} in "
                     f"shared_tiers[{earlier}] already; a backend reads one store per tier name"
                 )
+
+
+def _check_disaggregation(config: Config, source: str) -> None:
+    """Roles need the disaggregation, and the disaggregation needs prefix routing, both kinds of
+    engine and a shared tier between them (the KV transfer)."""
+    prefill_only = [i for i, backend in enumerate(config.backends) if backend.role == "prefill"]
+    if config.disaggregation is None:
+        if prefill_only:
+            name = config.backends[prefill_only[0]].name
+            raise ConfigError(
+                f"{source}: invalid configuration at `backends[{prefill_only[0]}].role`: backend {name!r} "
+                "takes only prefills, which only `disaggregation:` sends; add `disaggregation: {}` or give "
+                "it role `both`"
+            )
+        return
+    where = f"{source}: invalid configuration at `disaggregation`"
+    if not isinstance(config.policy, KVAwarePolicy):
+        raise ConfigError(
+            f"{where}: a split is decided from the prompt's cached prefix, which only `policy: kv_aware` "
+            "looks up; set `policy: {name: kv_aware}` or remove `disaggregation:`"
+        )
+    if not config.backends:
+        return  # backends come from the admin API or discovery: checked as they arrive
+    prefill = [b.name for b in config.backends if b.role in ("prefill", "both")]
+    decode = [b.name for b in config.backends if b.role in ("decode", "both")]
+    if not decode:
+        raise ConfigError(
+            f"{where}: no backend takes decodes (role `decode` or `both`); every request ends on one"
+        )
+    if not prefill:
+        raise ConfigError(f"{where}: no backend takes prefills (role `prefill` or `both`)")
+    tiers = [set(tier.backends) for tier in config.shared_tiers]
+    for i, backend in enumerate(config.backends):
+        if backend.role != "prefill":
+            continue
+        readers = {name for tier in tiers if backend.name in tier for name in tier} & set(decode)
+        if not readers:
+            raise ConfigError(
+                f"{source}: invalid configuration at `backends[{i}].role`: prefill backend "
+                f"{backend.name!r} shares no `shared_tiers` entry with a decode backend, so its KV "
+                "reaches no one; list it and the decode backends in one `shared_tiers` entry"
+            )
 
 
 def parse_config(data: Any, source: str = "<config>", base_dir: Path | None = None) -> Config:

@@ -29,6 +29,7 @@ from router.prefix_treemap import sharing_legend, sharing_svg
 if TYPE_CHECKING:
     from router.backends import BackendState
     from router.config import Config
+    from router.disaggregation import Disaggregation
     from router.index.service import KVIndexService
     from router.policies.base import Policy
     from router.routing_warnings import RoutingWarnings
@@ -51,6 +52,7 @@ class DebugPage:
         tokenizer: RequestTokenizer,
         warnings: RoutingWarnings,
         admin_token: str | None,
+        disaggregation: Disaggregation | None = None,
     ) -> None:
         self.config = config
         self.backends = backends
@@ -59,6 +61,7 @@ class DebugPage:
         self.tokenizer = tokenizer
         self.warnings = warnings
         self.admin_token = admin_token
+        self.disaggregation = disaggregation
 
     def routes(self) -> list[BaseRoute]:
         return [Route("/debug/prefix-map", self.endpoint, methods=["GET"])]
@@ -77,6 +80,7 @@ class DebugPage:
                 "healthy": backend.healthy,
                 "in_flight": backend.in_flight,
                 "events": backend.kv_events is not None,
+                "role": backend.role,
                 "stale": stale.get(name),
             }
             stream = status.get(name)
@@ -118,6 +122,8 @@ class DebugPage:
             "policy": policy.name,
             # kv_aware's measured load weights (router/policies/load_costs.py), when it measures them.
             "load_costs": policy.measured_load_costs(),
+            # Prefill/decode disaggregation: roles, measured costs, recent decisions with estimates.
+            "disaggregation": None if self.disaggregation is None else self.disaggregation.describe(),
             "redacted": redact,
             "generated_at": dt.datetime.now(dt.UTC).isoformat(),
         }
@@ -223,6 +229,42 @@ def _refresh_links(refresh: str | None) -> str:
     return "Reload: " + " · ".join(links)
 
 
+def _disaggregation_section(pd: dict[str, Any] | None) -> str:
+    """Prefill/decode decisions: each one's option, engines and every option's estimate (seconds)."""
+    if pd is None:
+        return ""
+    rows = []
+    for decision in pd["decisions"]:
+        when = dt.datetime.fromtimestamp(decision["at"], dt.UTC).strftime("%H:%M:%S.%f")[:-3]
+        estimates = " ".join(
+            f'<span class="pill">{html.escape(option)} {estimate["total_s"] * 1000:,.1f} ms</span>'
+            for option, estimate in decision["estimates"].items()
+        )
+        engines = html.escape(decision["backend"])
+        if decision["prefill_backend"]:
+            engines = f"{html.escape(decision['prefill_backend'])} → {engines}"
+        failed = decision.get("prefill_failed")
+        note = f'<br><span class="warn">prefill failed: {html.escape(failed)}</span>' if failed else ""
+        rows.append(
+            f"<tr><td>{when}</td><td>{html.escape(str(decision['request_id']))}</td>"
+            f"<td><b>{html.escape(decision['option'])}</b>{note}</td><td>{engines}</td>"
+            f'<td class="num">{decision["prompt_tokens"]:,}</td><td>{estimates}</td></tr>'
+        )
+    costs = " ".join(
+        f'<span class="pill">{html.escape(name)} ({html.escape(pd["roles"].get(name, "?"))}): prefill '
+        f"{cost['prefill_us_per_token']:g}, load {cost['load_us_per_token']:g}, transfer "
+        f"{cost['transfer_us_per_token']:g} us/token</span>"
+        for name, cost in pd["costs"].items()
+    )
+    body = "\n".join(rows) or '<tr><td colspan="6" class="muted">no requests yet</td></tr>'
+    return (
+        f"<h2>Prefill/decode decisions (mode {html.escape(pd['mode'])})</h2>"
+        f'<div class="sub">measured costs (priors until measured): {costs or "none yet"}</div>'
+        "<table><tr><th>at</th><th>request</th><th>option</th><th>engines</th><th>prompt tokens</th>"
+        f"<th>estimates</th></tr>{body}</table>"
+    )
+
+
 def render_page(data: dict[str, Any], refresh: str | None = None) -> str:
     rows = []
     warned: dict[str, set[str]] = {}
@@ -301,6 +343,7 @@ def render_page(data: dict[str, Any], refresh: str | None = None) -> str:
     if warnings:
         warnings = f'<div id="warnings"><h2>Routing blind spots</h2>{warnings}</div>'
     return _TEMPLATE.substitute(
+        disaggregation=_disaggregation_section(data.get("disaggregation")),
         warnings=warnings,
         refresh=f'<meta http-equiv="refresh" content="{refresh}">' if refresh else "",
         refresh_links=_refresh_links(refresh),

@@ -32,6 +32,7 @@ from router.access_log import AccessEntry
 from router.api_formats import ApiFormatError, messages_as_chat, responses_as_chat
 from router.auth import UNAUTHORIZED_HEADERS, UNAUTHORIZED_MESSAGE
 from router.config import SessionPolicy
+from router.disaggregation import SPLIT_PATHS, USAGE_TAIL_BYTES, DecodeLeg
 from router.errors import (
     SCHEMA_ERROR_TYPE,
     GatewayError,
@@ -53,6 +54,7 @@ if TYPE_CHECKING:
     from router.backends import BackendRegistry, BackendState
     from router.cluster import ClusterSync
     from router.config import Config
+    from router.disaggregation import Disaggregation
     from router.metrics import GatewayMetrics
     from router.policies.base import Policy
     from router.upstream import UpstreamPool
@@ -219,6 +221,7 @@ class ForwardContext:
         "client_keys",
         "cluster",
         "config",
+        "disaggregation",
         "metrics",
         "model_names",
         "policy",
@@ -241,8 +244,12 @@ class ForwardContext:
         request_preparers: Sequence[Callable[[RouteRequest], Awaitable[None]]] = (),
         client_keys: ClientKeys | None = None,
         access_log: AccessLogWriter | None = None,
+        disaggregation: Disaggregation | None = None,
     ) -> None:
         self.config = config
+        # Splits generation requests into a prefill and a decode leg when configured
+        # (router/disaggregation.py); None: every request runs whole on one backend.
+        self.disaggregation = disaggregation
         self.backends = backends
         self.policy = policy
         self.pool = pool
@@ -562,11 +569,23 @@ class ProxyEndpoint:
         limits = context.config.limits
         timeout_s = limits.upstream_timeout_s
         tried: list[BackendState] = []
+        # Prefill/decode disaggregation: decided (and a split's prefill run) before the loop, which
+        # then sends the request to the decode engine the plan chose, or on a retry another one.
+        leg: DecodeLeg | None = None
+        if context.disaggregation is not None and by_policy and self.path in SPLIT_PATHS:
+            leg = await context.disaggregation.plan(
+                policy, route_request, data, forward_headers, self.path, served_name or route_request.model
+            )
         for attempt in range(limits.max_attempts):
             candidates = _candidates(context.backends, route_request.model, tried)
             if not candidates:
                 break
-            choice = policy.choose(route_request, candidates)
+            if leg is not None and attempt == 0 and leg.first_choice.backend in candidates:
+                choice = leg.for_decode(leg.first_choice)
+            elif leg is not None:
+                choice = leg.for_decode(policy.choose(route_request, candidates))
+            else:
+                choice = policy.choose(route_request, candidates)
             backend = choice.backend
             if entry is not None:
                 entry.choice = choice
@@ -577,6 +596,8 @@ class ProxyEndpoint:
             prefill_tokens = _prefill_tokens(route_request, choice)
             backend.in_flight += 1
             backend.in_flight_prefill_tokens += prefill_tokens
+            if leg is not None:
+                leg.sent(backend, choice)
             if context.cluster is not None:
                 context.cluster.routed(route_request, choice, prefill_tokens)
             # The policy learns of the placement now, not when the answer starts: a non-streamed
@@ -630,6 +651,7 @@ class ProxyEndpoint:
                 started,
                 upstream_started,
                 entry,
+                leg,
             )
             return
         if tried:
@@ -651,8 +673,10 @@ class ProxyEndpoint:
         started: float,
         upstream_started: float,
         entry: AccessEntry | None = None,
+        leg: DecodeLeg | None = None,
     ) -> None:
-        """Stream the answer to the client; release the backend's in-flight share when it ends."""
+        """Stream the answer to the client; release the backend's in-flight share when it ends.
+        With a disaggregation `leg`, the answer's end is kept for it to read the engine's usage."""
         context = self.context
         backend = choice.backend
         status = response.status
@@ -670,6 +694,7 @@ class ProxyEndpoint:
         # the time to it (a whole answer's first piece says nothing about the prefill).
         first_piece_pending = status == 200 and _is_event_stream(response.headers)
         ttft_s: float | None = None
+        tail = b""
         try:
             await responder.start(status, headers)
             context.metrics.overhead.observe(
@@ -685,6 +710,8 @@ class ProxyEndpoint:
                     if first_piece_pending:
                         ttft_s = perf_counter() - upstream_started
                         first_piece_pending = False
+                    if leg is not None:
+                        tail = (tail + piece)[-USAGE_TAIL_BYTES:]
                     if response.at_end:
                         # The last piece ends the response in the same write (saves a write per request).
                         await responder.body(piece, False)
@@ -720,6 +747,8 @@ class ProxyEndpoint:
             backend.requests_total += 1
             context.metrics.count_request(backend.name, outcome_status)
             policy.on_finished(choice, outcome_status, ttft_s)
+            if leg is not None:
+                leg.finished(backend, outcome_status, ttft_s, tail)
 
 
 def connection_named_headers(values: Sequence[bytes]) -> frozenset[bytes]:

@@ -7,7 +7,8 @@
 4. the extensions (router/extensions.py), which may hand the policy another index or add a preparer;
 5. the policy (router/policies/), given the index, the metrics registry and the shared tiers;
 6. the replica sync (`cluster:`), the health checker, the routing warnings;
-7. what the HTTP app serves: the forwarding context, /debug/prefix-map and /lookup.
+7. what the HTTP app serves: the forwarding context (with the prefill/decode disaggregation, when
+   configured), /debug/prefix-map and /lookup.
 router/app.py serves them over HTTP; `start()`/`stop()` run in the app's lifespan.
 """
 
@@ -22,6 +23,7 @@ from router.auth import ClientKeys
 from router.backends import BackendRegistry, BackendState
 from router.contract import ContractChecker
 from router.debug_page import DebugPage
+from router.disaggregation import Disaggregation
 from router.extensions import EXTENSION_FACTORIES, Extension, ExtensionContext, load_extensions
 from router.forward import ForwardContext
 from router.health import HealthChecker
@@ -115,6 +117,12 @@ class Gateway:
         self.access_log = (
             AccessLogWriter(config.access_log, self.metrics.registry) if config.access_log.enabled else None
         )
+        # Prefill/decode disaggregation, when configured (router/disaggregation.py).
+        self.disaggregation = None
+        if config.disaggregation is not None:
+            self.disaggregation = Disaggregation(
+                config.disaggregation, self.backends, self.pool, self.metrics.registry
+            )
         self.forwarding = ForwardContext(
             config,
             self.backends,
@@ -125,6 +133,7 @@ class Gateway:
             request_preparers=context.request_preparers,
             client_keys=self.client_keys,
             access_log=self.access_log,
+            disaggregation=self.disaggregation,
         )
         self.debug_page = DebugPage(
             config,
@@ -134,6 +143,7 @@ class Gateway:
             self.tokenizer,
             self.routing_warnings,
             self.admin_token,
+            self.disaggregation,
         )
         self.lookup = LookupEndpoint(self.index_service, self.backends, self.admin_token)
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import itertools
 
 import numpy as np
 
@@ -114,3 +115,32 @@ def test_decode_slows_as_the_batch_grows():
     assert timing.decode_seconds(1) == 0.005
     assert timing.decode_seconds(9) == 0.009
     assert timing.prefill_seconds(0) == timing.prefill_overhead_ms / 1000
+
+
+def test_a_long_prefill_stalls_decoding_streams_only_when_prefill_blocks_decode():
+    long_prompt = np.arange(5000, 6000, dtype=np.uint32)  # 1000 tokens at 200 us: 0.2 s of prefill
+
+    async def largest_gap(blocking: bool) -> float:
+        timing = TimingModel(
+            prefill_us_per_token=200.0, prefill_overhead_ms=0.0, decode_ms_per_token=2.0,
+            prefill_blocks_decode=blocking,
+        )  # fmt: skip
+        sim = engine(timing)
+        loop = asyncio.get_running_loop()
+        arrivals: list[float] = []
+
+        async def stream() -> None:
+            async for _ in sim.generate(GenerationRequest("stream", np.arange(16, dtype=np.uint32), 100)):
+                arrivals.append(loop.time())
+
+        async def long_request() -> None:
+            await asyncio.sleep(0.05)  # while the stream decodes
+            async for _ in sim.generate(GenerationRequest("long", long_prompt, 1)):
+                pass
+
+        await asyncio.gather(stream(), long_request())
+        return max(later - earlier for earlier, later in itertools.pairwise(arrivals))
+
+    # Blocking: one gap spans the other request's whole prefill; otherwise decode steps go on.
+    assert asyncio.run(largest_gap(True)) >= 0.2
+    assert asyncio.run(largest_gap(False)) < 0.1

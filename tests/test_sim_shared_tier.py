@@ -138,3 +138,48 @@ def test_an_unreachable_shared_store_is_a_miss_not_an_error():
     assert len(tokens) == 2 and request.cached_tokens == 0
     assert events.shared_stored() == []  # nothing announced that was never written
     assert errors >= 2  # the lookup and the write, each counted
+
+
+def test_a_prefill_leg_is_in_the_store_before_its_first_token_leaves_whatever_the_role(
+    redis_server: RedisServer,
+):
+    # Writes that take 50 us per token (50 ms here): a background write is surely not done at the
+    # first token, a hand-over surely is.
+    timing = TimingModel(
+        prefill_us_per_token=500.0,
+        prefill_overhead_ms=0.0,
+        decode_ms_per_token=0.1,
+        shared_store_us_per_token=50.0,
+    )
+
+    async def scenario() -> tuple[int, int, int]:
+        engines = {
+            role: SimulatedEngine(
+                BlockPool(512, 16),
+                timing,
+                VOCABULARY,
+                8,
+                RecordedEvents(),  # type: ignore[arg-type]
+                SharedBlockStore(redis_server.url, role),
+                role,
+            )
+            for role in ("prefill", "both")
+        }
+        held = {}
+        for role, engine in engines.items():
+            request = GenerationRequest(role, PROMPT, 1, hand_over=role == "both")
+            async for _ in engine.generate(request):
+                # The first token: the store must hold every full block of the prompt by now.
+                held[role] = await engine.shared_store.longest_prefix(request.block_hashes)
+        background = SimulatedEngine(
+            BlockPool(512, 16), timing, VOCABULARY, 8, RecordedEvents(),  # type: ignore[arg-type]
+            SharedBlockStore(redis_server.url, "background"),
+        )  # fmt: skip
+        plain = GenerationRequest("plain", PROMPT, 1)
+        async for _ in background.generate(plain):
+            held["both, no hand-over"] = await background.shared_store.longest_prefix(plain.block_hashes)
+        return held["prefill"], held["both"], held["both, no hand-over"]
+
+    prefill, both, background = asyncio.run(scenario())
+    assert prefill == both == FULL_BLOCKS
+    assert background == 0  # written only after the first token, in the background

@@ -130,6 +130,11 @@ class _MetricsCollector:
             ),
             ("vllm:prompt_tokens", "Number of prefill tokens processed.", counters.prompt_tokens),
             ("vllm:generation_tokens", "Number of generation tokens processed.", counters.generation_tokens),
+            (
+                "kvgate_sim:shared_load_seconds",
+                "Simulated seconds spent loading prompt KV from the shared tier.",
+                engine.shared_load_seconds,
+            ),
         ):
             counter = CounterMetricFamily(name, doc, labels=names)
             counter.add_metric(values, value)
@@ -157,6 +162,20 @@ def _usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> di
         "completion_tokens": completion_tokens,
         "prompt_tokens_details": {"cached_tokens": cached_tokens},
     }
+
+
+def _kv_transfer(generation: GenerationRequest) -> dict:
+    """What the engine moved through the shared tier for this prompt, in the answer's top-level
+    `kv_transfer_params` (the field vLLM's KV connectors answer in): the tokens it loaded and the
+    load's seconds; a prefill engine's the tokens the store holds as it answers and its write's seconds."""
+    params: dict[str, Any] = {}
+    if generation.shared_loaded_tokens:
+        params["loaded_tokens"] = generation.shared_loaded_tokens
+        params["load_seconds"] = round(generation.shared_load_seconds, 6)
+    if generation.stored_tokens is not None:
+        params["stored_tokens"] = generation.stored_tokens
+        params["store_seconds"] = round(generation.store_seconds, 6)
+    return {"kv_transfer_params": params} if params else {}
 
 
 def build_app(
@@ -211,6 +230,7 @@ def build_app(
         if salt is not None and (not isinstance(salt, str) or not salt):
             raise RequestRefused("`cache_salt` must be a non-empty string", param="cache_salt")
         seed = values.get("seed")
+        transfer = body.get("kv_transfer_params")
         request = GenerationRequest(
             request_id=uuid.uuid4().hex,
             prompt=prompt,
@@ -219,6 +239,7 @@ def build_app(
             lora_name=body.get("model") if body.get("model") in model.lora_names else None,
             cache_salt=salt,
             seed=seed,
+            hand_over=isinstance(transfer, dict) and transfer.get("do_remote_decode") is True,
         )
         try:
             engine.check_fits(request)
@@ -280,6 +301,7 @@ def build_app(
                 "choices": [api.response_choice(text)],
                 "usage": _usage(len(prompt), len(tokens), generation.cached_tokens),
                 **api.response_trailer,
+                **_kv_transfer(generation),
             }
         )
 
@@ -610,7 +632,7 @@ def _sse(
             await generator.aclose()
         if include_usage:
             usage = _usage(len(generation.prompt), count, generation.cached_tokens)
-            yield _frame({**header, "choices": [], "usage": usage}, False)
+            yield _frame({**header, "choices": [], "usage": usage, **_kv_transfer(generation)}, False)
         yield b"data: [DONE]\n\n"
 
     return StreamingResponse(events(), media_type="text/event-stream")

@@ -69,6 +69,25 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="cost of loading one prompt token's KV from the shared tier instead of computing it",
     )
     parser.add_argument(
+        "--shared-store-us-per-token",
+        type=float,
+        default=0.0,
+        help="time a write of one prompt token's KV into the shared tier takes before it lands",
+    )
+    parser.add_argument(
+        "--prefill-blocks-decode",
+        action="store_true",
+        help="a decode step waits for the prefills being computed (one accelerator, no chunked "
+        "prefill): a long prompt stalls the streams decoding on the engine",
+    )
+    parser.add_argument(
+        "--kv-role",
+        choices=("both", "prefill", "decode"),
+        default="both",
+        help="what the engine does with the shared tier, as vLLM's kv_producer/kv_consumer: prefill "
+        "stores each prompt before answering, decode only loads, both loads and stores in the background",
+    )
+    parser.add_argument(
         "--default-max-tokens", type=int, default=16, help="max_tokens when a request gives none"
     )
     parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
@@ -120,8 +139,12 @@ def run(args: argparse.Namespace) -> int:
         return _refuse(str(exc))
     if bool(args.shared_tier) != bool(args.shared_tier_url):
         return _refuse("--shared-tier and --shared-tier-url go together; give both or neither")
+    if args.kv_role != "both" and not args.shared_tier:
+        return _refuse(f"--kv-role {args.kv_role} hands KV over through a shared tier; give --shared-tier")
     if args.shared_load_us_per_token < 0:
         return _refuse("--shared-load-us-per-token must not be negative")
+    if args.shared_store_us_per_token < 0:
+        return _refuse("--shared-store-us-per-token must not be negative")
     events_config = None
     if args.kv_events_config:
         try:
@@ -148,6 +171,8 @@ def run(args: argparse.Namespace) -> int:
         decode_ms_per_token=args.decode_ms_per_token,
         decode_batch_slope_ms=args.decode_batch_slope,
         shared_load_us_per_token=args.shared_load_us_per_token,
+        shared_store_us_per_token=args.shared_store_us_per_token,
+        prefill_blocks_decode=args.prefill_blocks_decode,
     )
     shared_store = None
     if args.shared_tier:
@@ -183,6 +208,7 @@ def run(args: argparse.Namespace) -> int:
         args.max_num_seqs,
         publisher,
         shared_store,
+        args.kv_role,
     )
     app = build_app(
         engine,
@@ -191,7 +217,8 @@ def run(args: argparse.Namespace) -> int:
     )
     log.warning(
         "SIMULATED engine (no model runs here): serving %r on http://%s:%d, %d KV blocks of %d tokens, "
-        "KV events %s (%s encoding); prefill %.1f us/token, decode %.2f ms/token; shared tier %s",
+        "KV events %s (%s encoding); prefill %.1f us/token, decode %.2f ms/token; shared tier %s, "
+        "kv role %s",
         model_name,
         args.host,
         args.port,
@@ -202,6 +229,7 @@ def run(args: argparse.Namespace) -> int:
         args.prefill_us_per_token,
         args.decode_ms_per_token,
         f"{args.shared_tier!r} ({args.shared_load_us_per_token} us/token)" if shared_store else "off",
+        args.kv_role,
     )
     config = uvicorn.Config(
         app,

@@ -7,11 +7,19 @@ Timing model (every knob a `kvgate sim` flag):
   from the cache. Prefills run one after another (the accelerator is busy), and a prompt that hits
   blocks another request is still computing waits until they are ready.
 - Each further output token costs `decode_ms_per_token` plus `decode_batch_slope_ms` for every
-  other running sequence, so decode slows as the batch grows.
+  other running sequence, so decode slows as the batch grows. With `prefill_blocks_decode`, it
+  also waits for the prefills being computed (one accelerator, no chunked prefill): a long prompt
+  arriving stalls every stream decoding on that engine.
 - With a shared tier (`--shared-tier`, router/sim/shared_store.py), the prompt blocks the GPU pool
   misses but the shared store holds are loaded at `shared_load_us_per_token` each instead of
   recomputed, on the same prefill timeline; once the prompt is computed, the full blocks it computed
-  are written to the store (and announced with medium "shared").
+  are written to the store (and announced with medium "shared"), each write taking
+  `shared_store_us_per_token` per token written before it lands.
+- Roles (`--kv-role`, as vLLM's kv_producer / kv_consumer): a `prefill` engine writes the prompt's
+  blocks to the shared store before its first token leaves (its answer is sent only once the store
+  holds them: a decode engine asked next finds them); a `decode` engine only loads from the store
+  and never writes; `both` (the default) loads, and writes in the background after the first token,
+  or before it for a prefill leg (`kv_transfer_params: {"do_remote_decode": true}`, vLLM's field).
 TTFT is therefore queueing + prefill of the uncached tokens (+ loads): it reflects cache hits.
 
 All waiting is asyncio sleeping, never CPU work, so many simulated engines share two cores.
@@ -35,6 +43,12 @@ from router.errors import KvgateError
 from router.sim.blocks import BlockPool, chained_block_hashes
 from router.sim.shared_store import MEDIUM_SHARED, SharedBlockStore
 
+# What an engine does with the shared tier (`--kv-role`), as vLLM's kv_role names it.
+KV_ROLE_BOTH = "both"
+KV_ROLE_PREFILL = "prefill"
+KV_ROLE_DECODE = "decode"
+KV_ROLES = (KV_ROLE_BOTH, KV_ROLE_PREFILL, KV_ROLE_DECODE)
+
 
 @dataclass(slots=True)
 class TimingModel:
@@ -44,6 +58,12 @@ class TimingModel:
     decode_batch_slope_ms: float = 0.05
     # Loading one token's KV from the shared tier: between a GPU hit (free) and a recompute.
     shared_load_us_per_token: float = 10.0
+    # Writing one token's KV into the shared tier (the bytes a real store moves; the simulated one
+    # holds only block hashes): spent before the write lands, off the prefill timeline.
+    shared_store_us_per_token: float = 0.0
+    # True: a decode step waits for the prefills in progress, as on one accelerator that runs a
+    # whole prefill in a step (no chunked prefill); what prefill/decode disaggregation removes.
+    prefill_blocks_decode: bool = False
 
     def prefill_seconds(self, uncached_tokens: int, loaded_tokens: int = 0) -> float:
         computed_ms = uncached_tokens * self.prefill_us_per_token / 1000.0
@@ -74,10 +94,19 @@ class GenerationRequest:
     lora_name: str | None = None
     cache_salt: str | None = None
     seed: int | None = None
+    # A prefill leg (`kv_transfer_params.do_remote_decode`): a decode elsewhere loads the prompt from
+    # the shared tier next, so even a `both` engine stores it before answering.
+    hand_over: bool = False
     # Filled at admission: prompt tokens served from the prefix cache (GPU hits and shared loads),
     # and of those the ones loaded from the shared tier.
     cached_tokens: int = 0
     shared_loaded_tokens: int = 0
+    # The simulated time the shared loads took (seconds), as a connector reports its load time.
+    shared_load_seconds: float = 0.0
+    # A prefill engine's hand-over: prompt tokens the store holds once its answer leaves (None: the
+    # engine is no prefill engine), and the (real, wall-clock) seconds its write took.
+    stored_tokens: int | None = None
+    store_seconds: float = 0.0
     # With a shared tier: the prompt's full-block hashes, and how many leading ones the store holds.
     block_hashes: list[int] | None = None
     shared_prefix_blocks: int = 0
@@ -96,9 +125,15 @@ class SimulatedEngine:
         max_num_seqs: int = 256,
         publisher: EventPublisher | None = None,
         shared_store: SharedBlockStore | None = None,
+        kv_role: str = KV_ROLE_BOTH,
     ):
         if len(output_vocabulary) == 0:
             raise ValueError("the output vocabulary is empty")
+        if kv_role not in KV_ROLES:
+            raise ValueError(f"kv_role {kv_role!r} must be one of {', '.join(KV_ROLES)}")
+        if kv_role != KV_ROLE_BOTH and shared_store is None:
+            raise ValueError(f"a {kv_role} engine hands KV over through a shared tier; give it one")
+        self.kv_role = kv_role
         self.pool = block_pool
         self.timing = timing
         self.max_num_seqs = max_num_seqs
@@ -108,6 +143,8 @@ class SimulatedEngine:
         self._announced_shared: set[int] = set()
         self._shared_writes: set[asyncio.Task] = set()
         self.counters = EngineCounters()
+        # Seconds spent loading from the shared tier, all requests together (exported on /metrics).
+        self.shared_load_seconds = 0.0
         self._output_vocabulary = [int(token) for token in output_vocabulary]
         self._waiting: deque[tuple[GenerationRequest, asyncio.Future[float]]] = deque()
         self._running = 0
@@ -140,11 +177,16 @@ class SimulatedEngine:
         try:
             outputs = self._output_tokens(request)
             await asyncio.sleep(max(first_token_at - loop.time(), 0.0))
-            if self.shared_store is not None:
+            if self.kv_role == KV_ROLE_PREFILL or (
+                request.hand_over and self.kv_role == KV_ROLE_BOTH and self.shared_store is not None
+            ):
+                # The first token leaves only once the store holds the prompt (the hand-over).
+                await self._store_computed(request)
+            elif self.kv_role == KV_ROLE_BOTH and self.shared_store is not None:
                 self._write_shared(request)
             for index, token in enumerate(outputs):
                 if index:
-                    await asyncio.sleep(self.timing.decode_seconds(self._running))
+                    await asyncio.sleep(self._decode_wait(loop.time()))
                 self._publish(self.pool.append_token(request.request_id, token, loop.time()))
                 self.counters.generation_tokens += 1
                 yield token
@@ -214,12 +256,22 @@ class SimulatedEngine:
             self.pool.mark_prompt_ready(sequence, first_token_at)
             request.cached_tokens = sequence.cached_tokens + loaded
             request.shared_loaded_tokens = loaded
+            request.shared_load_seconds = loaded * self.timing.shared_load_us_per_token / 1e6
+            self.shared_load_seconds += request.shared_load_seconds
             self.counters.prefix_cache_queries += len(request.prompt)
             self.counters.prefix_cache_hits += sequence.cached_tokens
             self.counters.external_prefix_cache_hits += loaded
             self.counters.prompt_tokens += len(request.prompt)
             self._running += 1
             future.set_result(first_token_at)
+
+    def _decode_wait(self, now: float) -> float:
+        """Seconds until the next output token: a decode step, after the prefills being computed
+        when `prefill_blocks_decode` (they run back to back until `_prefill_free_at`)."""
+        wait = self.timing.decode_seconds(self._running)
+        if self.timing.prefill_blocks_decode:
+            wait += max(0.0, self._prefill_free_at - now)
+        return wait
 
     def _shared_tokens_to_load(self, request: GenerationRequest, gpu_hit_tokens: int) -> int:
         """Prompt tokens past the GPU hit that the shared store holds (the last token is always
@@ -233,6 +285,19 @@ class SimulatedEngine:
         extra_keys = tuple(key for key in (request.lora_name, request.cache_salt) if key) or None
         request.block_hashes = chained_block_hashes(request.prompt, self.pool.block_size, extra_keys)
         request.shared_prefix_blocks = await self.shared_store.longest_prefix(request.block_hashes)
+
+    async def _store_computed(self, request: GenerationRequest) -> None:
+        """Write the prompt's blocks the store lacks to it now (a prefill engine's hand-over: its own
+        GPU hits too, which the store may have lost); a store that cannot be reached skips the write
+        (the decode engine then recomputes)."""
+        hashes = request.block_hashes or []
+        held = request.shared_prefix_blocks
+        if held < len(hashes):
+            started = asyncio.get_running_loop().time()
+            if await self._store_shared(request, hashes, held):
+                held = len(hashes)
+            request.store_seconds = asyncio.get_running_loop().time() - started
+        request.stored_tokens = held * self.pool.block_size
 
     def _write_shared(self, request: GenerationRequest) -> None:
         """Write the prompt's full blocks this engine computed (past its GPU hit and its loads) to
@@ -248,10 +313,15 @@ class SimulatedEngine:
         self._shared_writes.add(task)
         task.add_done_callback(self._shared_writes.discard)
 
-    async def _store_shared(self, request: GenerationRequest, hashes: list[int], first_computed: int) -> None:
+    async def _store_shared(self, request: GenerationRequest, hashes: list[int], first_computed: int) -> bool:
+        """Write hashes[first_computed:] and announce them; False when the store took none."""
         assert self.shared_store is not None
-        if not await self.shared_store.written(hashes[first_computed:]):
-            return
+        written = hashes[first_computed:]
+        if self.timing.shared_store_us_per_token:
+            tokens = len(written) * self.pool.block_size
+            await asyncio.sleep(tokens * self.timing.shared_store_us_per_token / 1e6)
+        if not await self.shared_store.written(written):
+            return False
         events: list[KVEvent] = []
         size = self.pool.block_size
         start: int | None = None
@@ -264,6 +334,7 @@ class SimulatedEngine:
                 start = None
         self._announced_shared.update(hashes[first_computed:])
         self._publish(events)
+        return True
 
     @staticmethod
     def _shared_stored(
