@@ -167,3 +167,50 @@ def test_fail_open_is_ignored_in_full_duplex_streaming(fleet: EngineFleet) -> No
         assert (
             envoy.stats("http.inference.ext_proc").get("http.inference.ext_proc.failure_mode_allowed", 0) == 0
         )
+
+
+def _header_from(source: str) -> dict:
+    """A Lua filter standing in for the picker's header mutation: it copies request header `source`
+    into the destination header (placed after the ext_proc filter, so the client-header drop and a
+    fail-open picker leave it alone)."""
+    lua = (
+        f'function envoy_on_request(handle) local value = handle:headers():get("{source}") '
+        f'if value then handle:headers():replace("{DESTINATION_HEADER}", value) end end'
+    )
+    return {
+        "name": "envoy.filters.http.lua",
+        "typed_config": {
+            "@type": "type.googleapis.com/envoy.extensions.filters.http.lua.v3.Lua",
+            "default_source_code": {"inline_string": lua},
+        },
+    }
+
+
+def test_original_dst_goes_where_the_header_says_and_fails_as_documented(fleet: EngineFleet) -> None:
+    config = picker_config(
+        free_port(), free_port(), _dead_picker(), BodyMode.BUFFERED, failure_mode_allow=True
+    )
+    filters = config["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
+    filters["http_filters"].insert(len(filters["http_filters"]) - 1, _header_from("x-test-destination"))
+    engine = fleet.engines[1].url.removeprefix("http://")
+    before = _requests_served(fleet)
+    with EnvoyProcess(config).start() as envoy:
+
+        def send(destination: str) -> httpx.Response:
+            return httpx.post(
+                f"{envoy.url}/v1/chat/completions",
+                json=CHAT,
+                headers={"x-test-destination": destination},
+                timeout=30,
+            )
+
+        assert send(engine).status_code == 200
+        unreachable = send(f"127.0.0.1:{free_port()}")
+        assert unreachable.status_code == 503
+        assert "remote connection failure" in unreachable.text  # UF
+        for not_one_address in ("not-an-address", f"{engine},{fleet.engines[0].url.removeprefix('http://')}"):
+            refused = send(not_one_address)
+            assert refused.status_code == 503
+            assert "no healthy upstream" in refused.text  # UH: the header takes one ip:port, no list
+    served = [after - earlier for after, earlier in zip(_requests_served(fleet), before, strict=True)]
+    assert served == [0, 1]
