@@ -37,7 +37,16 @@ SUBSET_KEY = "x-gateway-destination-endpoint-subset"
 
 
 class BodyMode(StrEnum):
+    """How Envoy sends the request body to the picker."""
+
     BUFFERED = "BUFFERED"
+    FULL_DUPLEX_STREAMED = "FULL_DUPLEX_STREAMED"
+
+
+class ResponseBodyMode(StrEnum):
+    """Whether the response body streams through the picker (it then sees the answer's end and usage)."""
+
+    NONE = "NONE"
     FULL_DUPLEX_STREAMED = "FULL_DUPLEX_STREAMED"
 
 
@@ -106,6 +115,7 @@ def picker_config(
     failure_mode_allow: bool = False,
     buffer_limit_bytes: int | None = None,
     filters_before_picker: Iterable[dict] = (),
+    response_body_mode: ResponseBodyMode = ResponseBodyMode.FULL_DUPLEX_STREAMED,
 ) -> dict[str, Any]:
     """deploy/envoy/envoy-epp.yaml on these ports, with the picker at `picker_address`.
 
@@ -118,6 +128,9 @@ def picker_config(
     mode = settings["processing_mode"]
     mode["request_body_mode"] = str(body_mode)
     mode["request_trailer_mode"] = "SEND" if body_mode is BodyMode.FULL_DUPLEX_STREAMED else "SKIP"
+    mode["response_body_mode"] = str(response_body_mode)
+    streamed_response = response_body_mode is ResponseBodyMode.FULL_DUPLEX_STREAMED
+    mode["response_trailer_mode"] = "SEND" if streamed_response else "SKIP"
     host, port = picker_address
     endpoint = cluster(config, PICKER_CLUSTER)["load_assignment"]["endpoints"][0]["lb_endpoints"][0]
     endpoint["endpoint"]["address"] = _socket_address(host, port)
@@ -280,10 +293,11 @@ def start_envoy_with_picker(
     buffer_limit_bytes: int | None = None,
     filters_before_picker: Iterable[dict] = (),
     concurrency: int = 1,
+    response_body_mode: ResponseBodyMode = ResponseBodyMode.FULL_DUPLEX_STREAMED,
 ) -> EnvoyProcess:
     config = picker_config(
         free_port(), free_port(), picker_address, body_mode, failure_mode_allow, buffer_limit_bytes,
-        filters_before_picker,
+        filters_before_picker, response_body_mode,
     )  # fmt: skip
     return EnvoyProcess(config, concurrency).start()
 

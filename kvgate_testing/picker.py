@@ -18,7 +18,7 @@ from typing import Any
 import httpx
 import yaml
 
-from kvgate_testing.envoy import BodyMode, EnvoyProcess, start_envoy_with_picker
+from kvgate_testing.envoy import BodyMode, EnvoyProcess, ResponseBodyMode, start_envoy_with_picker
 from kvgate_testing.ports import free_port
 from kvgate_testing.processes import ManagedProcess, python_command
 
@@ -145,6 +145,7 @@ def start_envoy_and_picker(
     filters_before_picker: list[dict] | None = None,
     concurrency: int = 1,
     timeout_s: float = 60.0,
+    response_body_mode: ResponseBodyMode = ResponseBodyMode.FULL_DUPLEX_STREAMED,
 ) -> EnvoyWithPicker:
     picker = PickerProcess(picker_config).start(timeout_s)
     try:
@@ -154,6 +155,7 @@ def start_envoy_and_picker(
             buffer_limit_bytes=buffer_limit_bytes,
             filters_before_picker=filters_before_picker or (),
             concurrency=concurrency,
+            response_body_mode=response_body_mode,
         )
     except BaseException:
         picker.remove()
