@@ -37,9 +37,12 @@ SHARED_TIER_POLICY = "kv_aware_shared_tiers"
 BASELINE_POLICIES = ("vllm_router_consistent_hash",)
 # Behind the real Envoy (routing_bench --via envoy): kv_aware as Envoy's endpoint picker (`kvgate epp`),
 # and Envoy alone balancing the engines by its own LEAST_REQUEST (the latency reference).
+# `..._headers_only`: Envoy sends the picker no response body (response_body_mode NONE), so the
+# picker releases a request's load at its response headers and handles no answer chunk.
 VIA_ENVOY_POLICY = "kv_aware_via_envoy"
+VIA_ENVOY_HEADERS_ONLY_POLICY = "kv_aware_via_envoy_headers_only"
 ENVOY_ALONE_POLICY = "envoy_least_request"
-ENVOY_POLICIES = (VIA_ENVOY_POLICY, ENVOY_ALONE_POLICY)
+ENVOY_POLICIES = (VIA_ENVOY_POLICY, VIA_ENVOY_HEADERS_ONLY_POLICY, ENVOY_ALONE_POLICY)
 ALL_POLICIES = (*KVGATE_POLICIES, SHARED_TIER_POLICY, *PEER_POLICIES, *BASELINE_POLICIES, *ENVOY_POLICIES)
 # vllm-router's kv_aware is left out by default: against the simulated engines its debug log shows
 # credited_prefix_tokens=0 on every decision (it does not recognise the simulator's block hashes), so
@@ -72,8 +75,8 @@ def start_router(policy: str, fleet: EngineFleet, timeout_s: float = 90.0) -> Ru
         return _start_kvgate(name, _parse_knobs(knobs), fleet, timeout_s, label=policy)
     if policy in PEER_POLICIES or policy in BASELINE_POLICIES:
         return _start_peer(policy, fleet, timeout_s)
-    if policy == VIA_ENVOY_POLICY:
-        return _start_via_envoy(_parse_knobs(knobs), fleet, timeout_s)
+    if policy in (VIA_ENVOY_POLICY, VIA_ENVOY_HEADERS_ONLY_POLICY):
+        return _start_via_envoy(policy, _parse_knobs(knobs), fleet, timeout_s)
     if policy == ENVOY_ALONE_POLICY:
         return _start_envoy_alone(fleet, timeout_s)
     raise ValueError(f"unknown policy {policy!r}; known: {', '.join(ALL_POLICIES)}")
@@ -145,12 +148,20 @@ def kvgate_config(policy: str, knobs: dict, fleet: EngineFleet) -> dict:
     }
 
 
-def _start_via_envoy(knobs: dict, fleet: EngineFleet, timeout_s: float) -> RunningRouter:
+def _start_via_envoy(policy: str, knobs: dict, fleet: EngineFleet, timeout_s: float) -> RunningRouter:
     """Envoy in front of `kvgate epp` (kv_aware): the router's process is the picker's, so the CPU a
     run records is the picker's alone (Envoy's is its own process, `envoy_pid` in the result)."""
-    from kvgate_testing.picker import start_envoy_and_picker  # needs the [epp] extra
+    from kvgate_testing.envoy import ResponseBodyMode  # needs the [epp] extra
+    from kvgate_testing.picker import start_envoy_and_picker
 
-    pair = start_envoy_and_picker(kvgate_config("kv_aware", knobs, fleet), timeout_s=timeout_s)
+    response_body_mode = (
+        ResponseBodyMode.NONE
+        if policy == VIA_ENVOY_HEADERS_ONLY_POLICY
+        else ResponseBodyMode.FULL_DUPLEX_STREAMED
+    )
+    pair = start_envoy_and_picker(
+        kvgate_config("kv_aware", knobs, fleet), timeout_s=timeout_s, response_body_mode=response_body_mode
+    )
     try:
         _wait_until_forwarding(pair.url, pair.picker.process, timeout_s)
         wait_until_synced(pair.picker.url, timeout_s)
@@ -159,7 +170,7 @@ def _start_via_envoy(knobs: dict, fleet: EngineFleet, timeout_s: float) -> Runni
         raise
     assert pair.picker.process is not None
     return RunningRouter(
-        VIA_ENVOY_POLICY, pair.url, pair.picker.process, pair.stop, metrics_url=f"{pair.picker.url}/metrics"
+        policy, pair.url, pair.picker.process, pair.stop, metrics_url=f"{pair.picker.url}/metrics"
     )
 
 
