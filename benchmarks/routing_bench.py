@@ -44,6 +44,7 @@ import datetime
 import json
 import os
 import platform
+import re
 import signal
 import sys
 import time
@@ -112,7 +113,9 @@ def envoy_version() -> str:
     output = subprocess.run(
         [str(envoy_binary()), "--version"], capture_output=True, text=True, timeout=30
     ).stdout
-    return output.split("/")[1] if output.count("/") >= 2 else output.strip()
+    # "<path>  version: <commit>/1.40.0/Clean/RELEASE/BoringSSL"
+    found = re.search(r"version: \S+?/(\d+\.\d+\.\d+)/", output)
+    return found.group(1) if found else output.strip()
 
 
 def _log(message: str) -> None:

@@ -229,16 +229,17 @@ def write_plot(results: dict[str, Any], path: Path) -> None:
 
     figure, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
     workloads = list(results["workloads"])
-    width = 0.25
-    for offset, policy in enumerate((PROXY_POLICY, VIA_ENVOY_POLICY, ENVOY_ALONE_POLICY)):
+    width = 0.2
+    for offset, policy in enumerate(VIA_ENVOY_POLICIES):
         ratios = [
             results["workloads"][w]["policies"].get(policy, {}).get("hit_ratio", 0.0) for w in workloads
         ]
-        left.bar([i + (offset - 1) * width for i in range(len(workloads))], ratios, width, label=policy)
+        left.bar([i + (offset - 1.5) * width for i in range(len(workloads))], ratios, width, label=policy)
     left.set_xticks(range(len(workloads)), workloads, rotation=20)
     left.set_ylabel("hit ratio")
     left.set_title("Routing quality per workload")
-    left.legend(fontsize=8)
+    left.set_ylim(0, 1.25)
+    left.legend(fontsize=7, ncol=2, loc="upper center")
     probe = results["latency_probe"]
     names = list(probe)
     for offset, key in enumerate(("p50_ms", "p99_ms")):
