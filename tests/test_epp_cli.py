@@ -1,7 +1,7 @@
 """`kvgate epp`'s command line and `epp:` configuration: a clear error without the `epp` extra, bad
 keys named, no listener beyond loopback without mutual TLS (or `epp.open`), and a mutual-TLS picker
 that refuses a client without a certificate and serves one with it (real certificates from openssl,
-a real process)."""
+a real process), and that checks client API keys as the proxy does."""
 
 from __future__ import annotations
 
@@ -89,7 +89,9 @@ def _certificates(directory: Path) -> None:
 
 
 @pytest.mark.skipif(shutil.which("openssl") is None, reason="needs the openssl command")
-def test_a_mutual_tls_picker_serves_envoy_with_its_certificate_and_refuses_others(tmp_path: Path) -> None:
+def test_a_mutual_tls_picker_serves_envoy_with_its_certificate_and_client_keys_and_refuses_others(
+    tmp_path: Path,
+) -> None:
     _certificates(tmp_path)
     http_port, grpc_port = free_port(), free_port()
     config = {
@@ -97,6 +99,9 @@ def test_a_mutual_tls_picker_serves_envoy_with_its_certificate_and_refuses_other
         "backends": [{"name": "e0", "url": "http://127.0.0.1:9"}],
         "policy": {"name": "least_loaded"},
         "listen": {"host": "127.0.0.1", "port": http_port},
+        # Client API keys: Envoy passes the client's Authorization header on to the picker.
+        "auth": {"api_keys": ["client-key-0123456789"]},
+        "admin": {"token": "admin-token-0123456789"},
         # Beyond loopback is allowed by mutual TLS; bound here to loopback all the same (the test's port).
         "epp": {
             "host": "127.0.0.1",
@@ -124,12 +129,22 @@ def test_a_mutual_tls_picker_serves_envoy_with_its_certificate_and_refuses_other
         credentials = grpc.ssl_channel_credentials(
             ca, (tmp_path / "client.key").read_bytes(), (tmp_path / "client.pem").read_bytes()
         )
+        key = [("authorization", "Bearer client-key-0123456789")]
         with grpc.secure_channel(f"127.0.0.1:{grpc_port}", credentials) as channel:
             stream = ExtProcStream(channel)
-            assert exchange(stream, "/v1/chat/completions", body, timeout_s=20).header == "127.0.0.1:9"
+            picked = exchange(stream, "/v1/chat/completions", body, extra=key, timeout_s=20)
+            assert picked.header == "127.0.0.1:9"
             stream.cancel()
+            stream = ExtProcStream(channel)
+            refused = exchange(stream, "/v1/chat/completions", body, timeout_s=20)
+            assert refused.status == 401 and refused.details == "kvgate_epp_unauthorized"
         # The HTTP listener serves the admin side only: the proxy's forwarded paths are not there.
-        answer = httpx.post(f"http://127.0.0.1:{http_port}/v1/chat/completions", content=body, timeout=10)
+        answer = httpx.post(
+            f"http://127.0.0.1:{http_port}/v1/chat/completions",
+            content=body,
+            headers={"authorization": "Bearer client-key-0123456789"},
+            timeout=10,
+        )
         assert answer.status_code == 404
     finally:
         process.stop()
