@@ -18,8 +18,11 @@ from kvgate_testing.backend import BackendProcess, start_backend
 from kvgate_testing.epp import EppProcess, start_epp
 from kvgate_testing.ext_proc_client import (
     FULL_DUPLEX_STREAMED,
+    BodySendMode,
     ExtProcStream,
+    Picked,
     exchange,
+    headers_message,
     response_body_message,
     response_headers_message,
 )
@@ -199,3 +202,17 @@ def test_grpc_health_follows_the_backends(
     finally:
         backend.reset()
     wait_for("readiness", serving)
+
+
+@pytest.mark.parametrize("mode", ["NONE", "STREAMED", "BUFFERED_PARTIAL"])
+def test_a_body_mode_where_no_pick_can_be_made_is_refused_not_let_through(
+    channel: grpc.Channel, mode: str
+) -> None:
+    """With these modes Envoy would send the request on before the picker could name its endpoint."""
+    stream = ExtProcStream(channel)
+    stream.send(headers_message("/v1/chat/completions", body_mode=BodySendMode.Value(mode)))
+    picked = Picked()
+    picked.take(stream.recv())
+    assert picked.status == 500 and picked.details == "kvgate_epp_body_mode_unsupported"
+    assert mode in json.loads(picked.body)["error"]["message"]
+    assert stream.recv() is None

@@ -135,10 +135,12 @@ class _Exchange:
         self, message: protocol.ProcessingRequest
     ) -> AsyncIterator[protocol.ProcessingResponse]:
         servicer = self.servicer
+        announced = None
         if message.HasField("protocol_config"):
             modes = message.protocol_config
+            announced = modes.request_body_mode
             if servicer.config.request_body_mode == "auto":
-                self.request_streamed = modes.request_body_mode == protocol.FULL_DUPLEX_STREAMED
+                self.request_streamed = announced == protocol.FULL_DUPLEX_STREAMED
             self.response_streamed = modes.response_body_mode == protocol.FULL_DUPLEX_STREAMED
         self.headers = protocol.header_pairs(message.request_headers)
         self.subset = protocol.subset_hint(message)
@@ -151,6 +153,15 @@ class _Exchange:
             self.pick = await servicer.picker.pick_by_load(self.subset)
             yield protocol.pick_on_headers(await self._endpoint())
             return
+        if announced is not None and announced not in protocol.PICKABLE_BODY_MODES:
+            # Envoy would forward the request before the body could be read, without the header.
+            message = (
+                "the gateway's ext_proc filter sends request bodies in mode "
+                f"{protocol.BodySendMode.Name(announced)}, where the picker cannot set the destination "
+                "before the request leaves; set request_body_mode BUFFERED or FULL_DUPLEX_STREAMED "
+                "(with request_trailer_mode SEND)"
+            )
+            raise PickRefused(500, error_body(500, message), "body_mode_unsupported")
         if message.request_headers.end_of_stream:
             raise PickRefused(
                 400,
@@ -171,7 +182,9 @@ class _Exchange:
             self.held.clear()
             raise body_too_large(self.servicer.body_limit)
         self.held.append((chunk, end))
-        if end:
+        # BUFFERED sends the whole body in one message (end_of_stream false when trailers follow),
+        # and waits for its answer: pick on it, never wait for more.
+        if end or not self.request_streamed:
             async for response in self._pick_and_release():
                 yield response
 
