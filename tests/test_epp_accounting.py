@@ -30,6 +30,8 @@ from kvgate_testing.metrics import metric_samples, sample_key
 
 MODEL = "test-model"
 MAX_IN_FLIGHT = 12
+# Long enough for every other test's streams on a busy machine.
+STREAM_TIMEOUT_S = 6.0
 BODY = json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "Count my load."}]}).encode()
 
 
@@ -47,7 +49,11 @@ def epp(backend: BackendProcess) -> Iterator[EppProcess]:
         "backends": [{"name": backend.name, "url": backend.url}],
         "policy": {"name": "least_loaded"},
         "health": {"interval_s": 0.2},
-        "epp": {"response_timeout_s": 1.0, "max_in_flight": MAX_IN_FLIGHT},
+        "epp": {
+            "response_timeout_s": 1.0,
+            "max_in_flight": MAX_IN_FLIGHT,
+            "stream_timeout_s": STREAM_TIMEOUT_S,
+        },
     }
     with start_epp(config) as epp:
         yield epp
@@ -216,3 +222,14 @@ def test_a_body_mode_where_no_pick_can_be_made_is_refused_not_let_through(
     assert picked.status == 500 and picked.details == "kvgate_epp_body_mode_unsupported"
     assert mode in json.loads(picked.body)["error"]["message"]
     assert stream.recv() is None
+
+
+def test_a_stream_that_never_sends_its_body_is_ended_after_the_stream_timeout(channel: grpc.Channel) -> None:
+    stream = ExtProcStream(channel)
+    started = time.monotonic()
+    stream.send(headers_message("/v1/chat/completions"))
+    assert stream.recv().WhichOneof("response") == "request_headers"
+    # No body follows: the picker holds nothing for it past epp.stream_timeout_s.
+    assert stream.recv(timeout_s=STREAM_TIMEOUT_S + 20) is None
+    assert stream.error is not None and stream.error.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    assert time.monotonic() - started >= STREAM_TIMEOUT_S - 0.5

@@ -21,6 +21,7 @@ import contextlib
 import logging
 from collections.abc import AsyncIterator
 
+import grpc
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc
 
 from router.config import Epp
@@ -46,14 +47,31 @@ class ExtProcServicer(external_processor_pb2_grpc.ExternalProcessorServicer):
     ) -> AsyncIterator[protocol.ProcessingResponse]:
         exchange = _Exchange(self)
         task = asyncio.current_task()
-        # The stream's whole life is bounded: the task is cancelled past it, which ends the RPC.
-        deadline = asyncio.get_running_loop().call_later(self.config.stream_timeout_s, task.cancel)
+        assert task is not None
+        timed_out = False
+
+        def expire() -> None:
+            nonlocal timed_out
+            timed_out = True
+            task.cancel()
+
+        # The stream's whole life is bounded: past it the task is cancelled, the RPC ends with
+        # DEADLINE_EXCEEDED and the pick's accounting closes.
+        deadline = asyncio.get_running_loop().call_later(self.config.stream_timeout_s, expire)
         try:
             async for message in requests:
                 async for response in exchange.handle(message):
                     yield response
                 if exchange.done:
                     return
+        except asyncio.CancelledError:
+            if not timed_out:
+                raise  # Envoy (or the client behind it) reset the stream
+            task.uncancel()
+            await context.abort(  # type: ignore[attr-defined]
+                grpc.StatusCode.DEADLINE_EXCEEDED,
+                f"ext_proc stream open longer than epp.stream_timeout_s ({self.config.stream_timeout_s:g} s)",
+            )
         finally:
             deadline.cancel()
             if exchange.pick is not None:
