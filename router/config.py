@@ -10,7 +10,7 @@ import importlib.util
 import ipaddress
 import os
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, get_args
 from urllib.parse import urlsplit
 
 import msgspec
@@ -405,6 +405,9 @@ class AccessLog(_Struct):
     max_pending_lines: Annotated[int, msgspec.Meta(ge=1, le=10_000_000)] = 100_000
 
 
+EppBodyMode = Literal["auto", "buffered", "full_duplex_streamed"]
+
+
 class EppTls(_Struct):
     """TLS on the endpoint picker's gRPC listener (`epp.tls`); with `client_ca_file`, mutual TLS:
     only a client (Envoy) holding a certificate that CA signed may open a stream."""
@@ -437,7 +440,7 @@ class Epp(_Struct):
     max_in_flight: Annotated[int, msgspec.Meta(ge=1)] | None = None
     # How Envoy sends request bodies: "auto" reads the mode Envoy announces in the stream's first
     # message (protocol_config) and takes BUFFERED when it announces none.
-    request_body_mode: Literal["auto", "buffered", "full_duplex_streamed"] = "auto"
+    request_body_mode: EppBodyMode = "auto"
     # Read `usage` (prompt, cached, completion tokens) from response bodies Envoy sends the
     # picker, chunk by chunk, never holding a streamed answer back.
     usage_from_body: bool = True
@@ -489,6 +492,8 @@ def _format_error(source: str, exc: Exception, data: Any = None) -> str:
         where = where.rstrip("`").lstrip(".") or "(top level)"
     if where == "policy.name" and message.startswith("Invalid value"):
         message += f"; known policies: {', '.join(POLICY_NAMES)}"
+    elif where == "epp.request_body_mode" and message.startswith("Invalid enum value"):
+        message += f"; one of {', '.join(get_args(EppBodyMode))}"
     elif message.startswith("Object contains unknown field"):
         message += "; check its spelling or remove it (docs/configuration.md lists the keys)"
     return f"{source}: invalid configuration at `{where}`: {message}"

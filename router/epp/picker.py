@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 import msgspec
 
 from router.auth import UNAUTHORIZED_MESSAGE
-from router.errors import GatewayError, error_body, gateway_error_body
+from router.errors import GatewayError, KvgateError, error_body, gateway_error_body
 from router.forward import FORWARDED_ROUTES, ForwardedRoute
 from router.policies.base import Choice, RouteRequest
 from router.policies.least_loaded import LeastLoaded
@@ -32,7 +32,7 @@ if TYPE_CHECKING:
     from router.wiring import Gateway
 
 
-class PickRefused(Exception):
+class PickRefused(KvgateError):
     """The picker answers the client itself: `status`, vLLM's error `body`, and `reason` (metrics)."""
 
     def __init__(self, status: int, body: bytes, reason: str) -> None:

@@ -24,6 +24,10 @@ SERVED_KEY = "x-gateway-destination-endpoint-served"
 
 BodySendMode = processing_mode_pb2.ProcessingMode.BodySendMode
 FULL_DUPLEX_STREAMED = BodySendMode.Value("FULL_DUPLEX_STREAMED")
+# The request body modes in which the pick can still set the destination header: BUFFERED (Envoy
+# holds the headers until the body's answer) and FULL_DUPLEX_STREAMED (until the headers' answer,
+# which the picker sends after the body's end).
+PICKABLE_BODY_MODES = frozenset({BodySendMode.Value("BUFFERED"), FULL_DUPLEX_STREAMED})
 _OVERWRITE = base_pb2.HeaderValueOption.HeaderAppendAction.Value("OVERWRITE_IF_EXISTS_OR_ADD")
 
 ProcessingRequest = ext_proc.ProcessingRequest

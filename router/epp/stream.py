@@ -21,6 +21,7 @@ import contextlib
 import logging
 from collections.abc import AsyncIterator
 
+import grpc
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc
 
 from router.config import Epp
@@ -46,14 +47,31 @@ class ExtProcServicer(external_processor_pb2_grpc.ExternalProcessorServicer):
     ) -> AsyncIterator[protocol.ProcessingResponse]:
         exchange = _Exchange(self)
         task = asyncio.current_task()
-        # The stream's whole life is bounded: the task is cancelled past it, which ends the RPC.
-        deadline = asyncio.get_running_loop().call_later(self.config.stream_timeout_s, task.cancel)
+        assert task is not None
+        timed_out = False
+
+        def expire() -> None:
+            nonlocal timed_out
+            timed_out = True
+            task.cancel()
+
+        # The stream's whole life is bounded: past it the task is cancelled, the RPC ends with
+        # DEADLINE_EXCEEDED and the pick's accounting closes.
+        deadline = asyncio.get_running_loop().call_later(self.config.stream_timeout_s, expire)
         try:
             async for message in requests:
                 async for response in exchange.handle(message):
                     yield response
                 if exchange.done:
                     return
+        except asyncio.CancelledError:
+            if not timed_out:
+                raise  # Envoy (or the client behind it) reset the stream
+            task.uncancel()
+            await context.abort(  # type: ignore[attr-defined]
+                grpc.StatusCode.DEADLINE_EXCEEDED,
+                f"ext_proc stream open longer than epp.stream_timeout_s ({self.config.stream_timeout_s:g} s)",
+            )
         finally:
             deadline.cancel()
             if exchange.pick is not None:
@@ -135,10 +153,12 @@ class _Exchange:
         self, message: protocol.ProcessingRequest
     ) -> AsyncIterator[protocol.ProcessingResponse]:
         servicer = self.servicer
+        announced = None
         if message.HasField("protocol_config"):
             modes = message.protocol_config
+            announced = modes.request_body_mode
             if servicer.config.request_body_mode == "auto":
-                self.request_streamed = modes.request_body_mode == protocol.FULL_DUPLEX_STREAMED
+                self.request_streamed = announced == protocol.FULL_DUPLEX_STREAMED
             self.response_streamed = modes.response_body_mode == protocol.FULL_DUPLEX_STREAMED
         self.headers = protocol.header_pairs(message.request_headers)
         self.subset = protocol.subset_hint(message)
@@ -151,6 +171,15 @@ class _Exchange:
             self.pick = await servicer.picker.pick_by_load(self.subset)
             yield protocol.pick_on_headers(await self._endpoint())
             return
+        if announced is not None and announced not in protocol.PICKABLE_BODY_MODES:
+            # Envoy would forward the request before the body could be read, without the header.
+            message = (
+                "the gateway's ext_proc filter sends request bodies in mode "
+                f"{protocol.BodySendMode.Name(announced)}, where the picker cannot set the destination "
+                "before the request leaves; set request_body_mode BUFFERED or FULL_DUPLEX_STREAMED "
+                "(with request_trailer_mode SEND)"
+            )
+            raise PickRefused(500, error_body(500, message), "body_mode_unsupported")
         if message.request_headers.end_of_stream:
             raise PickRefused(
                 400,
@@ -171,7 +200,9 @@ class _Exchange:
             self.held.clear()
             raise body_too_large(self.servicer.body_limit)
         self.held.append((chunk, end))
-        if end:
+        # BUFFERED sends the whole body in one message (end_of_stream false when trailers follow),
+        # and waits for its answer: pick on it, never wait for more.
+        if end or not self.request_streamed:
             async for response in self._pick_and_release():
                 yield response
 
