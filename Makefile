@@ -20,7 +20,7 @@ $(GATEWAY_STAMP): pyproject.toml constraints.txt
 	touch $(GATEWAY_STAMP)
 
 $(STAMP): $(GATEWAY_STAMP)
-	$(PIP) -e '.[cachelayer,test,bench]'
+	$(PIP) -e '.[cachelayer,epp,test,bench]'
 	touch $(STAMP)
 
 serve: $(GATEWAY_STAMP)

@@ -18,6 +18,13 @@ the reference's placement replayed with no request ever waiting for another (`ru
     .venv/bin/python -m benchmarks.routing_bench --engines 64 --output benchmarks/results/routing_64
     .venv/bin/python -m benchmarks.routing_bench --real-engines 2    # the real tier (make bench-routing-real)
     .venv/bin/python -m benchmarks.routing_bench --shared-tier       # engines sharing a KV tier
+    .venv/bin/python -m benchmarks.routing_bench --via envoy         # kv_aware as Envoy's endpoint picker
+
+With `--via envoy` (kvgate_testing/epp_runs.py) the workloads run through kv_aware as the proxy, through
+the real Envoy with `kvgate epp` as its endpoint picker, and through Envoy alone (LEAST_REQUEST); a
+latency probe then compares the three up at once, and the results (benchmarks/results/epp) carry
+hit_ratio_epp, hit_ratio_proxy, added_latency_p50_ms, added_latency_p99_ms (Envoy + picker over Envoy
+alone) and cpu_per_request_epp_over_proxy.
 
 With `--shared-tier` the simulated engines share one simulated KV tier (router/sim/shared_store.py, in a
 redis-server the fleet starts): the `shared_tier_documents` workload runs through kv_aware told of the
@@ -37,6 +44,7 @@ import datetime
 import json
 import os
 import platform
+import re
 import signal
 import sys
 import time
@@ -45,6 +53,7 @@ from typing import Any
 
 import yaml
 
+from kvgate_testing import epp_runs
 from kvgate_testing import workloads as workload_catalog
 from kvgate_testing.foresight import foresight_placement, upper_bound
 from kvgate_testing.processes import exit_on_sigterm
@@ -86,11 +95,27 @@ SHARED_TIER_DEFAULT_BLOCKS = 256
 SHARED_TIER_POLICIES = (
     SHARED_TIER_POLICY, "kv_aware", "least_loaded", "sglang_router_cache_aware", "vllm_router_cache_aware"
 )  # fmt: skip
+# --via envoy: workloads with reuse, where where a request goes decides its cache hits.
+VIA_ENVOY_WORKLOADS = ("chat_sessions", "shared_system_prompts", "document_qa")
 REAL_DEFAULT_SCALE = 0.25
 REAL_DEFAULT_RATE_SCALE = 1.0
 # Raw py-spy stacks and per-request outcomes (large, not committed); summaries go into the results.
 PROFILES_DIR = Path(".cache") / "profiles"
 OUTCOMES_DIR = Path(".cache") / "routing_outcomes"
+
+
+def envoy_version() -> str:
+    """`envoy --version`'s release (e.g. 1.40.0), for the --via envoy results."""
+    import subprocess
+
+    from kvgate_testing.envoy import envoy_binary
+
+    output = subprocess.run(
+        [str(envoy_binary()), "--version"], capture_output=True, text=True, timeout=30
+    ).stdout
+    # "<path>  version: <commit>/1.40.0/Clean/RELEASE/BoringSSL"
+    found = re.search(r"version: \S+?/(\d+\.\d+\.\d+)/", output)
+    return found.group(1) if found else output.strip()
 
 
 def _log(message: str) -> None:
@@ -172,16 +197,36 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--profile", default="", help="policy whose router py-spy samples during each replay (e.g. kv_aware)"
     )
+    parser.add_argument(
+        "--via",
+        choices=("proxy", "envoy"),
+        default="proxy",
+        help="envoy: kv_aware through the real Envoy with `kvgate epp` as its picker, against the proxy "
+        f"and Envoy alone; defaults then: --workloads {','.join(VIA_ENVOY_WORKLOADS)} --policies "
+        f"{','.join(epp_runs.VIA_ENVOY_POLICIES)} --no-floor --output benchmarks/results/epp",
+    )
+    parser.add_argument(
+        "--probe-rounds", type=int, default=300, help="--via envoy: latency-probe requests per router"
+    )
     args = parser.parse_args(argv)
     real = args.real_engines > 0
+    via_envoy = args.via == "envoy"
+    if via_envoy and (real or args.shared_tier):
+        parser.error("--via envoy runs simulated engines without a shared tier")
     shared = args.shared_tier
     if real and shared:
         parser.error("--shared-tier runs simulated engines; leave out --real-engines")
     defaults = {
         "workloads": ",".join(
-            workload_catalog.SHARED_TIER_WORKLOADS if shared else workload_catalog.DEFAULT_WORKLOADS
+            workload_catalog.SHARED_TIER_WORKLOADS
+            if shared
+            else VIA_ENVOY_WORKLOADS
+            if via_envoy
+            else workload_catalog.DEFAULT_WORKLOADS
         ),
-        "policies": ",".join(SHARED_TIER_POLICIES if shared else DEFAULT_POLICIES),
+        "policies": ",".join(
+            SHARED_TIER_POLICIES if shared else epp_runs.VIA_ENVOY_POLICIES if via_envoy else DEFAULT_POLICIES
+        ),
         "num_gpu_blocks": REAL_DEFAULT_BLOCKS if real else SHARED_TIER_DEFAULT_BLOCKS if shared else 512,
         "block_size": REAL_BLOCK_SIZE if real else 16,
         "scale": REAL_DEFAULT_SCALE if real else 1.0,
@@ -190,8 +235,12 @@ def main(argv: list[str] | None = None) -> int:
         if real
         else "benchmarks/results/routing_shared_tier"
         if shared
+        else "benchmarks/results/epp"
+        if via_envoy
         else "benchmarks/results/routing",
     }
+    if via_envoy:
+        args.no_floor = True  # the comparison is between routers; the floor is routing_bench's own
     if shared:
         args.no_floor = True  # the floor replays GPU-cache placements alone: no reference with a shared tier
     for key, value in defaults.items():
@@ -360,6 +409,22 @@ def main(argv: list[str] | None = None) -> int:
                 if args.repeats > 1:
                     measured = combine_repeats(runs[policy], pooled[policy])
                 results["workloads"][workload.name]["policies"][policy] = measured
+        if via_envoy:
+            _log(f"latency probe: {args.probe_rounds} rounds over {', '.join(epp_runs.VIA_ENVOY_POLICIES)}")
+            results["latency_probe"] = epp_runs.latency_probe(fleet, args.probe_rounds)
+    if via_envoy:
+        results["meta"].update(
+            probe_rounds=args.probe_rounds,
+            envoy_version=envoy_version(),
+            wall_s=round(time.monotonic() - started, 1),
+        )
+        results["meta"]["load_average_end"] = round(os.getloadavg()[0], 2)
+        results.update(epp_runs.summary(results))
+        results["goals"] = epp_runs.goal_checks(results)
+        results = with_source(results)
+        epp_runs.write_results(results, Path(args.output))
+        _log(f"wrote {args.output}.json, .md and .png: " + json.dumps(epp_runs.summary(results)))
+        return 0
     results["targets"] = (shared_tier_checks if shared else check_targets)(results, ttft_runs)
     results["meta"]["wall_s"] = round(time.monotonic() - started, 1)
     if any(policy.partition("@")[0] in PEER_POLICIES for policy in policies):

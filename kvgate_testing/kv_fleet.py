@@ -4,6 +4,8 @@ speaking vLLM's protocol (`Fleet`), and the documents and chat bodies the tests 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
+from typing import Any
 
 import httpx
 import numpy as np
@@ -33,9 +35,17 @@ def chat_body(doc: str, question: str) -> dict:
 
 class Fleet:
     """Backends b0, b1, b2 and the gateway (its model on `tokenizer`, a config's `tokenizer` value);
-    `cache` announces cached blocks as vLLM does."""
+    `cache` announces cached blocks as vLLM does. `start` runs the gateway from its config mapping
+    (start_gateway: `kvgate serve`; kvgate_testing/epp.py start_epp: `kvgate epp`), `sections` are
+    further config sections."""
 
-    def __init__(self, admin: dict | None = None, tokenizer: str = "builtin:qwen3") -> None:
+    def __init__(
+        self,
+        admin: dict | None = None,
+        tokenizer: str = "builtin:qwen3",
+        start: Callable[[dict], Any] = start_gateway,
+        **sections: Any,
+    ) -> None:
         self.backends = [start_backend(f"b{i}", [MODEL]) for i in range(3)]
         self.publishers: dict[str, EventPublisher] = {}
         specs = []
@@ -56,8 +66,9 @@ class Fleet:
                 "backends": specs,
                 "policy": {"name": "kv_aware", "measure_load_costs": True},
                 "admin": admin or {},
+                **sections,
             }
-            self.gateway = start_gateway(config)
+            self.gateway = start(config)
             self.headers = {"authorization": f"Bearer {admin['token']}"} if admin else {}
             self.client = httpx.Client(base_url=self.gateway.url, timeout=30, headers=self.headers)
             self.wait_for(lambda m: all(b["connected"] for b in m["backends"].values()))

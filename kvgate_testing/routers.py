@@ -35,7 +35,15 @@ SHARED_TIER_POLICY = "kv_aware_shared_tiers"
 # nodes a worker); the workloads name the prefix family in the session (cache_pressure: the
 # prefix), so it is "hash each prefix family onto a fixed engine".
 BASELINE_POLICIES = ("vllm_router_consistent_hash",)
-ALL_POLICIES = (*KVGATE_POLICIES, SHARED_TIER_POLICY, *PEER_POLICIES, *BASELINE_POLICIES)
+# Behind the real Envoy (routing_bench --via envoy): kv_aware as Envoy's endpoint picker (`kvgate epp`),
+# and Envoy alone balancing the engines by its own LEAST_REQUEST (the latency reference).
+# `..._headers_only`: Envoy sends the picker no response body (response_body_mode NONE), so the
+# picker releases a request's load at its response headers and handles no answer chunk.
+VIA_ENVOY_POLICY = "kv_aware_via_envoy"
+VIA_ENVOY_HEADERS_ONLY_POLICY = "kv_aware_via_envoy_headers_only"
+ENVOY_ALONE_POLICY = "envoy_least_request"
+ENVOY_POLICIES = (VIA_ENVOY_POLICY, VIA_ENVOY_HEADERS_ONLY_POLICY, ENVOY_ALONE_POLICY)
+ALL_POLICIES = (*KVGATE_POLICIES, SHARED_TIER_POLICY, *PEER_POLICIES, *BASELINE_POLICIES, *ENVOY_POLICIES)
 # vllm-router's kv_aware is left out by default: against the simulated engines its debug log shows
 # credited_prefix_tokens=0 on every decision (it does not recognise the simulator's block hashes), so
 # its numbers would measure that mismatch, not its routing.
@@ -67,6 +75,10 @@ def start_router(policy: str, fleet: EngineFleet, timeout_s: float = 90.0) -> Ru
         return _start_kvgate(name, _parse_knobs(knobs), fleet, timeout_s, label=policy)
     if policy in PEER_POLICIES or policy in BASELINE_POLICIES:
         return _start_peer(policy, fleet, timeout_s)
+    if policy in (VIA_ENVOY_POLICY, VIA_ENVOY_HEADERS_ONLY_POLICY):
+        return _start_via_envoy(policy, _parse_knobs(knobs), fleet, timeout_s)
+    if policy == ENVOY_ALONE_POLICY:
+        return _start_envoy_alone(fleet, timeout_s)
     raise ValueError(f"unknown policy {policy!r}; known: {', '.join(ALL_POLICIES)}")
 
 
@@ -101,19 +113,7 @@ def kvgate_backends(fleet: EngineFleet, policy: str) -> list[dict]:
 def _start_kvgate(
     policy: str, knobs: dict, fleet: EngineFleet, timeout_s: float, label: str
 ) -> RunningRouter:
-    shared_tiers: dict = {}
-    if policy == SHARED_TIER_POLICY:
-        if not getattr(fleet, "shared_tiers", None):
-            raise ValueError(f"{policy} needs engines that share a KV tier (routing_bench --shared-tier)")
-        shared_tiers = {"shared_tiers": fleet.shared_tiers}
-    config = {
-        "models": [{"name": MODEL, "tokenizer": "builtin:qwen3"}],
-        "backends": kvgate_backends(fleet, policy),
-        "policy": {"name": "kv_aware" if policy == SHARED_TIER_POLICY else policy, **knobs},
-        **shared_tiers,
-        "log_level": "warning",
-        **getattr(fleet, "gateway_settings", {}),  # e.g. slower health checks for real engines
-    }
+    config = kvgate_config(policy, knobs, fleet)
     gateway: GatewayProcess = start_gateway(config, timeout_s=timeout_s)
     try:
         _wait_until_forwarding(gateway.url, gateway.process, timeout_s)
@@ -129,6 +129,63 @@ def _start_kvgate(
         names_backend=True,
         metrics_url=f"{gateway.url}/metrics",
     )
+
+
+def kvgate_config(policy: str, knobs: dict, fleet: EngineFleet) -> dict:
+    """The proxy.yaml mapping of a kvgate router (`kvgate serve` or `kvgate epp`) over the fleet."""
+    shared_tiers: dict = {}
+    if policy == SHARED_TIER_POLICY:
+        if not getattr(fleet, "shared_tiers", None):
+            raise ValueError(f"{policy} needs engines that share a KV tier (routing_bench --shared-tier)")
+        shared_tiers = {"shared_tiers": fleet.shared_tiers}
+    return {
+        "models": [{"name": MODEL, "tokenizer": "builtin:qwen3"}],
+        "backends": kvgate_backends(fleet, policy),
+        "policy": {"name": "kv_aware" if policy == SHARED_TIER_POLICY else policy, **knobs},
+        **shared_tiers,
+        "log_level": "warning",
+        **getattr(fleet, "gateway_settings", {}),  # e.g. slower health checks for real engines
+    }
+
+
+def _start_via_envoy(policy: str, knobs: dict, fleet: EngineFleet, timeout_s: float) -> RunningRouter:
+    """Envoy in front of `kvgate epp` (kv_aware): the router's process is the picker's, so the CPU a
+    run records is the picker's alone (Envoy's is its own process, `envoy_pid` in the result)."""
+    from kvgate_testing.envoy import ResponseBodyMode  # needs the [epp] extra
+    from kvgate_testing.picker import start_envoy_and_picker
+
+    response_body_mode = (
+        ResponseBodyMode.NONE
+        if policy == VIA_ENVOY_HEADERS_ONLY_POLICY
+        else ResponseBodyMode.FULL_DUPLEX_STREAMED
+    )
+    pair = start_envoy_and_picker(
+        kvgate_config("kv_aware", knobs, fleet), timeout_s=timeout_s, response_body_mode=response_body_mode
+    )
+    try:
+        _wait_until_forwarding(pair.url, pair.picker.process, timeout_s)
+        wait_until_synced(pair.picker.url, timeout_s)
+    except BaseException:
+        pair.stop()
+        raise
+    assert pair.picker.process is not None
+    return RunningRouter(
+        policy, pair.url, pair.picker.process, pair.stop, metrics_url=f"{pair.picker.url}/metrics"
+    )
+
+
+def _start_envoy_alone(fleet: EngineFleet, timeout_s: float) -> RunningRouter:
+    from kvgate_testing.envoy import start_envoy_alone
+
+    envoy = start_envoy_alone([engine.url for engine in fleet.engines])
+    try:
+        assert envoy.process is not None
+        _wait_until_forwarding(envoy.url, envoy.process, timeout_s)
+    except BaseException:
+        envoy.stop()
+        raise
+    assert envoy.process is not None
+    return RunningRouter(ENVOY_ALONE_POLICY, envoy.url, envoy.process, envoy.stop)
 
 
 def wait_until_synced(url: str, timeout_s: float) -> None:

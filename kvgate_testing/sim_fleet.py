@@ -184,6 +184,11 @@ class EngineFleet:
     def all_alive(self) -> bool:
         return all(process.alive() for process in self._processes)
 
+    def stop_engine(self, index: int) -> None:
+        """Stop one engine (SIGTERM), as an engine that goes away: its port stops answering. The fleet
+        keeps its entry, so `counters()` must not be called after this."""
+        self._processes[index].stop()
+
     def stop(self) -> None:
         for process in self._processes:
             process.stop()

@@ -11,6 +11,8 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections.abc import Sequence
+from typing import Protocol
 
 import msgspec
 from starlette.applications import Starlette
@@ -34,6 +36,14 @@ MODELS_CACHE_S = 2.0
 # Set in a request's scope once _internal_error has answered its 500.
 _ANSWERED_500 = "kvgate.answered_500"
 _json_decoder = msgspec.json.Decoder()
+
+
+class Face(Protocol):
+    """Another front face over the same gateway (the endpoint picker's gRPC server, router/epp/)."""
+
+    async def start(self, gateway: Gateway) -> None: ...
+
+    async def stop(self) -> None: ...
 
 
 class ModelList:
@@ -123,9 +133,17 @@ class GatewayApp(Starlette):
                 raise
 
 
-def create_app(config: config_schema.Config, extension_factories: list[str] | None = None) -> Starlette:
+def create_app(
+    config: config_schema.Config,
+    extension_factories: list[str] | None = None,
+    *,
+    proxy: bool = True,
+    faces: Sequence[Face] = (),
+) -> Starlette:
     """The gateway's ASGI app for `config`; `app.state.gateway` is its Gateway (router/wiring.py).
-    `extension_factories` ("module:function") replace router/extensions.py's EXTENSION_FACTORIES."""
+    `extension_factories` ("module:function") replace router/extensions.py's EXTENSION_FACTORIES.
+    `proxy=False` leaves the forwarded POST paths out (`kvgate epp`: the picker relays no bytes);
+    `faces` start after the gateway and stop before it, in the app's lifespan."""
     gateway = Gateway(config, extension_factories)
     model_list = ModelList(config.models, gateway.backends, gateway.pool, config.health.timeout_s)
 
@@ -162,12 +180,19 @@ def create_app(config: config_schema.Config, extension_factories: list[str] | No
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette):
         await gateway.start()
+        started: list[Face] = []
         try:
+            for face in faces:
+                await face.start(gateway)
+                started.append(face)
             yield
         finally:
+            for face in reversed(started):
+                await face.stop()
             await gateway.stop()
 
-    fast_endpoints = {route.path: ProxyEndpoint(gateway.forwarding, route) for route in FORWARDED_ROUTES}
+    forwarded = FORWARDED_ROUTES if proxy else ()
+    fast_endpoints = {route.path: ProxyEndpoint(gateway.forwarding, route) for route in forwarded}
     routes = [
         *(Route(path, endpoint, methods=["POST"]) for path, endpoint in fast_endpoints.items()),
         Route("/v1/models", models, methods=["GET"]),

@@ -24,6 +24,9 @@ class Subcommand(NamedTuple):
 # Add a subcommand with one line here (and its module).
 SUBCOMMANDS: dict[str, Subcommand] = {
     "serve": Subcommand("router.serve", "run the gateway on a proxy.yaml"),
+    "epp": Subcommand(
+        "router.epp.cli", "run the endpoint picker (Envoy ext_proc, Gateway API Inference Extension)"
+    ),
     "sim": Subcommand("router.sim.cli", "run one simulated vLLM-compatible engine (no GPU, no model)"),
     "demo": Subcommand("router.demo", "compare routing policies on simulated engines (about a minute)"),
 }

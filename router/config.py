@@ -448,6 +448,50 @@ class AccessLog(_Struct):
     max_pending_lines: Annotated[int, msgspec.Meta(ge=1, le=10_000_000)] = 100_000
 
 
+EppBodyMode = Literal["auto", "buffered", "full_duplex_streamed"]
+
+
+class EppTls(_Struct):
+    """TLS on the endpoint picker's gRPC listener (`epp.tls`); with `client_ca_file`, mutual TLS:
+    only a client (Envoy) holding a certificate that CA signed may open a stream."""
+
+    cert_file: Annotated[str, msgspec.Meta(min_length=1)]
+    key_file: Annotated[str, msgspec.Meta(min_length=1)]
+    client_ca_file: Annotated[str, msgspec.Meta(min_length=1)] | None = None
+
+
+class Epp(_Struct):
+    """`kvgate epp`: the endpoint picker Envoy calls over ext_proc (router/epp/, docs/gateway.md)."""
+
+    # The gRPC listener; 9002 is the Gateway API Inference Extension's conventional port.
+    host: str = "127.0.0.1"
+    port: Annotated[int, msgspec.Meta(ge=0, le=65535)] = 9002
+    # A request body over this many bytes gets a 413 immediate response; null: limits.max_body_bytes.
+    max_body_bytes: Annotated[int, msgspec.Meta(ge=1)] | None = None
+    # The largest gRPC message read or sent; null: the body limit plus 1 MiB (a BUFFERED body
+    # arrives in one message, with its headers beside it).
+    max_message_bytes: Annotated[int, msgspec.Meta(ge=65536)] | None = None
+    # ext_proc streams (one per HTTP request) open at once; past it gRPC refuses new ones and
+    # Envoy applies its failure_mode_allow.
+    max_streams: Annotated[int, msgspec.Meta(ge=1, le=1_000_000)] = 4096
+    # The longest one ext_proc stream may stay open (the whole HTTP exchange, streamed answer included).
+    stream_timeout_s: Annotated[float, msgspec.Meta(gt=0)] = 900.0
+    # From the pick to the response headers: past it the request's load on its engine is released
+    # (a request the gateway dropped, or one that never reached the engine, must not hold it).
+    response_timeout_s: Annotated[float, msgspec.Meta(gt=0)] = 600.0
+    # Picked requests still running past which new ones get a 429 (load shedding); null: never.
+    max_in_flight: Annotated[int, msgspec.Meta(ge=1)] | None = None
+    # How Envoy sends request bodies: "auto" reads the mode Envoy announces in the stream's first
+    # message (protocol_config) and takes BUFFERED when it announces none.
+    request_body_mode: EppBodyMode = "auto"
+    # Read `usage` (prompt, cached, completion tokens) from response bodies Envoy sends the
+    # picker, chunk by chunk, never holding a streamed answer back.
+    usage_from_body: bool = True
+    tls: EppTls | None = None
+    # Listen beyond loopback without mutual TLS (whoever reaches the port steers routing).
+    open: bool = False
+
+
 class Config(_Struct):
     models: Annotated[list[Model], msgspec.Meta(min_length=1)]
     listen: Listen = msgspec.field(default_factory=Listen)
@@ -463,6 +507,7 @@ class Config(_Struct):
     cluster: Cluster | None = None
     access_log: AccessLog = msgspec.field(default_factory=AccessLog)
     contract_check: ContractCheck = msgspec.field(default_factory=ContractCheck)
+    epp: Epp = msgspec.field(default_factory=Epp)
     log_level: Literal["debug", "info", "warning", "error"] = "info"
 
     def model(self, name: str) -> Model | None:
@@ -573,6 +618,7 @@ def _check_semantics(config: Config, source: str, base_dir: Path | None) -> None
     _check_shared_tiers(config, source)
     _check_disaggregation(config, source)
     _check_access_log(config.access_log, source, base_dir)
+    _check_epp_tls(config.epp, source, base_dir)
     if config.cluster is not None and importlib.util.find_spec("redis") is None:
         raise ConfigError(
             f"{source}: invalid configuration at `cluster`: replicas sync through Redis, and the redis "
@@ -628,6 +674,21 @@ def check_admin_exposure(config: Config, host: str, source: str, where: str) -> 
     )
 
 
+def check_epp_exposure(config: Config, host: str, source: str, where: str) -> None:
+    """Refuse an endpoint picker listening beyond loopback without mutual TLS (`epp.tls` with
+    `client_ca_file`) unless `epp: {open: true}` accepts it: every stream it answers moves load
+    credit and speculative prefixes, and its picks tell which engine holds which prompt."""
+    tls = config.epp.tls
+    if config.epp.open or is_loopback_host(host) or (tls is not None and tls.client_ca_file is not None):
+        return
+    raise ConfigError(
+        f"{source}: invalid configuration at `{where}`: the endpoint picker would listen on {host!r}, "
+        "beyond loopback, without client authentication, so anyone who reaches it could steer routing "
+        "and probe which engine caches which prompt; set epp.tls (cert_file, key_file, client_ca_file: "
+        "mutual TLS with Envoy), listen on 127.0.0.1, or accept the exposure with `epp: {open: true}`"
+    )
+
+
 def _check_access_log(access_log: AccessLog, source: str, base_dir: Path | None) -> None:
     """Resolve `access_log.path` and, when the log is on, check without creating anything that it
     can be written."""
@@ -653,6 +714,25 @@ def _check_access_log(access_log: AccessLog, source: str, base_dir: Path | None)
             f"{where}: the directory {str(path.parent)!r} does not exist or is not writable; create it, "
             "or set path: null to log to stderr"
         )
+
+
+def _check_epp_tls(epp: Epp, source: str, base_dir: Path | None) -> None:
+    """Resolve `epp.tls`'s files against the configuration's directory and check they can be read."""
+    if epp.tls is None:
+        return
+    for field in ("cert_file", "key_file", "client_ca_file"):
+        value = getattr(epp.tls, field)
+        if value is None:
+            continue
+        path = Path(value).expanduser()
+        if not path.is_absolute() and base_dir is not None:
+            path = base_dir / path
+        if not os.access(path, os.R_OK) or not path.is_file():
+            raise ConfigError(
+                f"{source}: invalid configuration at `epp.tls.{field}`: cannot read {str(path)!r}; "
+                "give the path of a PEM file the gateway may read"
+            )
+        setattr(epp.tls, field, str(path.absolute()))
 
 
 def _check_shared_tiers(config: Config, source: str) -> None:

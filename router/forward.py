@@ -34,10 +34,8 @@ from router.auth import UNAUTHORIZED_HEADERS, UNAUTHORIZED_MESSAGE
 from router.config import SessionPolicy
 from router.disaggregation import SPLIT_PATHS, USAGE_TAIL_BYTES, DecodeLeg
 from router.errors import (
-    SCHEMA_ERROR_TYPE,
     GatewayError,
     KvgateError,
-    decode_json_body,
     error_body,
     gateway_error_body,
     log_unexpected,
@@ -46,6 +44,12 @@ from router.errors import (
 )
 from router.policies.base import Choice, Policy, RouteRequest
 from router.policies.least_loaded import LeastLoaded
+from router.request_routing import (
+    parse_route_request,
+    prefill_tokens_of,
+    release_backend,
+    route_candidates,
+)
 from router.upstream import UpstreamError, UpstreamResponse, UpstreamTimeout
 
 if TYPE_CHECKING:
@@ -477,73 +481,8 @@ class ProxyEndpoint:
     def _parse(
         self, body: bytes, request_id: bytes, session_value: bytes | None
     ) -> tuple[RouteRequest, dict[str, Any], bool]:
-        """(the request as the policy reads it, the whole parsed body, whether the policy routes it).
-
-        A request with nothing to route by goes to the least-loaded backend and the policy never sees it.
-        """
-        if not body:
-            raise GatewayError(400, "empty request body; send a JSON object", "body", SCHEMA_ERROR_TYPE)
-        try:
-            data = decode_json_body(_decoder, body)
-        except msgspec.DecodeError as exc:
-            raise GatewayError(
-                400, f"request body is not valid JSON: {exc}", "body", SCHEMA_ERROR_TYPE
-            ) from None
-        if not isinstance(data, dict):
-            raise GatewayError(
-                400,
-                f"request body must be a JSON object, got {type(data).__name__}",
-                "body",
-                SCHEMA_ERROR_TYPE,
-            )
-        route = self.route
-        model = data.get("model")
-        if model is None and route.model_optional and len(self.context.config.models) == 1:
-            model = self.context.config.models[0].name
-        if not isinstance(model, str) or not model:
-            raise GatewayError(
-                400,
-                "missing `model`: name one of the models listed by GET /v1/models",
-                "body.model",
-                SCHEMA_ERROR_TYPE,
-            )
-        if not any(field in data for field in route.required):
-            fields = " or ".join(f"`{field}`" for field in route.required)
-            raise GatewayError(
-                400, f"missing {fields} for {route.path}", f"body.{route.required[0]}", SCHEMA_ERROR_TYPE
-            )
-        if model not in self.context.model_names:
-            known = ", ".join(m.name for m in self.context.config.models)
-            raise GatewayError(
-                404, f"the model `{model}` does not exist; configured models: {known}", "model"
-            )
-        view = None if route.routing_view is None else route.routing_view(data)
-        if (
-            # Where the gateway renders the messages itself (a routed path, /v1/responses and
-            # /v1/messages by their chat); /tokenize leaves the rendering to the engine, which has
-            # its own --trust-request-chat-template.
-            view is not None
-            and "messages" in view
-            and model not in self.context.request_template_models
-            and _carries_chat_template(view)
-        ):
-            raise GatewayError(
-                400,
-                "the request carries its own chat template (`chat_template`, or `chat_template` in "
-                "`chat_template_kwargs`), which this gateway refuses: a template is code that would run "
-                "on the gateway and the engines. Leave it out to use the model's own template; an "
-                f"operator who trusts every client can set `trust_request_chat_template: true` on the "
-                f"model `{model}` in the gateway configuration (and --trust-request-chat-template on vLLM)",
-                "chat_template",
-            )
-        if session_value is not None:
-            session_key = session_value.decode("latin-1")
-        else:
-            user = data.get("user")
-            session_key = user if isinstance(user, str) and user else None
-        route_request = RouteRequest(request_id.decode("latin-1"), model, view or {}, session_key)
-        route_request.body_size = len(body)
-        return route_request, data, view is not None
+        """router/request_routing.py parse_route_request for this path."""
+        return parse_route_request(self.context, self.route, body, request_id, session_value)
 
     async def _forward(
         self,
@@ -577,7 +516,7 @@ class ProxyEndpoint:
                 policy, route_request, data, forward_headers, self.path, served_name or route_request.model
             )
         for attempt in range(limits.max_attempts):
-            candidates = _candidates(context.backends, route_request.model, tried)
+            candidates = route_candidates(context.backends, route_request.model, tried)
             if not candidates:
                 break
             if leg is not None and attempt == 0 and leg.first_choice.backend in candidates:
@@ -593,7 +532,7 @@ class ProxyEndpoint:
                 context.metrics.panic_routed.labels(backend.name).inc()
             tried.append(backend)
             # Counted from the moment the request is sent: the engine is busy with it from then on.
-            prefill_tokens = _prefill_tokens(route_request, choice)
+            prefill_tokens = prefill_tokens_of(route_request, choice)
             backend.in_flight += 1
             backend.in_flight_prefill_tokens += prefill_tokens
             if leg is not None:
@@ -610,21 +549,21 @@ class ProxyEndpoint:
                     backend.origin, b"POST", self.path, forward_headers, body, timeout_s
                 )
             except UpstreamTimeout:
-                _release(backend, prefill_tokens)
+                release_backend(backend, prefill_tokens)
                 raise GatewayError(
                     504,
                     f"backend {backend.name} sent no response within {timeout_s:g} s "
                     "(raise limits.upstream_timeout_s for longer generations)",
                 ) from None
             except UpstreamError as exc:
-                _release(backend, prefill_tokens)
+                release_backend(backend, prefill_tokens)
                 context.backends.mark_down(backend, str(exc))
                 if not exc.before_response:
                     raise GatewayError(502, f"backend {backend.name} failed: {exc}") from None
                 context.metrics.retries.labels(backend.name, "connect").inc()
                 continue
             except BaseException:  # cancelled: the client left
-                _release(backend, prefill_tokens)
+                release_backend(backend, prefill_tokens)
                 raise
             status = response.status
             if status >= 500:
@@ -632,9 +571,9 @@ class ProxyEndpoint:
                 if (
                     status in _RETRYABLE_STATUSES
                     and attempt + 1 < limits.max_attempts
-                    and _candidates(context.backends, route_request.model, tried)
+                    and route_candidates(context.backends, route_request.model, tried)
                 ):
-                    _release(backend, prefill_tokens)
+                    release_backend(backend, prefill_tokens)
                     response.close()  # unread body: the connection is dropped, not reused
                     context.metrics.retries.labels(backend.name, str(status)).inc()
                     continue
@@ -741,7 +680,7 @@ class ProxyEndpoint:
                 entry.first_piece_s = ttft_s
             response.close()
             context.metrics.observe_upstream(backend.name, perf_counter() - upstream_started)
-            _release(backend, prefill_tokens)
+            release_backend(backend, prefill_tokens)
             if context.cluster is not None:
                 context.cluster.loads_changed()
             backend.requests_total += 1
@@ -758,39 +697,6 @@ def connection_named_headers(values: Sequence[bytes]) -> frozenset[bytes]:
     named.discard(b"")
     named.add(b"connection")
     return frozenset(named)
-
-
-def _candidates(backends: BackendRegistry, model: str, tried: list[BackendState]) -> list[BackendState]:
-    """The healthy candidates not tried yet; when there are none, the marked-down backend that failed
-    longest ago (panic routing: one that is back answers instead of a 503)."""
-    candidates = backends.candidates(model, exclude=tried)
-    if candidates:
-        return candidates
-    return backends.panic_candidates(model, exclude=tried)[:1]
-
-
-def _carries_chat_template(data: dict) -> bool:
-    """Whether a request body brings a chat template of its own (as vLLM reads it: a top-level
-    `chat_template`, or one inside `chat_template_kwargs`)."""
-    if data.get("chat_template") is not None:
-        return True
-    kwargs = data.get("chat_template_kwargs")
-    return isinstance(kwargs, dict) and kwargs.get("chat_template") is not None
-
-
-def _prefill_tokens(route_request: RouteRequest, choice: Choice) -> int:
-    """Prompt tokens the backend still has to prefill: the policy's figure, else the prompt's tokens
-    less those a request preparer knows are cached."""
-    prefill_tokens = choice.prefill_tokens
-    if prefill_tokens is not None:
-        return prefill_tokens
-    tokens = route_request.tokens
-    return 0 if tokens is None else max(0, len(tokens) - route_request.known_cached_tokens)
-
-
-def _release(backend: BackendState, prefill_tokens: int) -> None:
-    backend.in_flight -= 1
-    backend.in_flight_prefill_tokens -= prefill_tokens
 
 
 def _is_event_stream(headers: list[tuple[bytes, bytes]]) -> bool:

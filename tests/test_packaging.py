@@ -42,9 +42,14 @@ import importlib, json, pkgutil
 for name in {blocked!r}:
     sys.modules[name] = None
 import router
+# router/epp/ needs the `epp` extra (gRPC), all but its command line, which says how to install it.
+EPP_ONLY = ("router.epp.",)
 for module in pkgutil.walk_packages(router.__path__, "router."):
-    if not module.name.endswith("__main__"):  # runs a program when imported
-        importlib.import_module(module.name)
+    if module.name.endswith("__main__"):  # runs a program when imported
+        continue
+    if module.name.startswith(EPP_ONLY) and module.name != "router.epp.cli":
+        continue
+    importlib.import_module(module.name)
 from router.app import create_app
 from router.config import parse_config
 from router.tokenize import PromptTokenizer
@@ -142,6 +147,16 @@ def test_pip_install_kvgate_brings_no_torch_and_the_extras_bring_the_cache_layer
     assert "kvgate" in _names(extras["gpu"])  # the kernels run inside the cache layer
 
 
+def test_grpc_comes_with_the_epp_extra_only_and_the_serve_path_never_imports_it(gateway_path):
+    """`kvgate epp` needs gRPC and Envoy's types; `pip install kvgate` (the proxy) stays without them."""
+    project = _pyproject()["project"]
+    assert not _names(project["dependencies"]) & {"grpcio", "xds-protos", "grpcio-health-checking"}
+    assert {"grpcio", "grpcio-health-checking", "xds-protos"} <= _names(
+        project["optional-dependencies"]["epp"]
+    )
+    assert not {"grpc", "envoy", "grpc_health"} & set(gateway_path["modules"])
+
+
 def test_no_dependency_is_pinned_exactly_except_the_bundled_tokenizer():
     """Exact pins belong in constraints.txt: in pyproject they clash with an engine's own pins."""
     project = _pyproject()["project"]
@@ -166,7 +181,7 @@ def test_constraints_pin_the_local_cpu_torch_and_satisfy_every_range():
     assert constraints["torch"] == "2.13.0"
     project = _pyproject()["project"]
     extras = project["optional-dependencies"]
-    wanted = project["dependencies"] + extras["cachelayer"] + extras["test"] + extras["bench"]
+    wanted = project["dependencies"] + extras["cachelayer"] + extras["epp"] + extras["test"] + extras["bench"]
     unmet = []
     for line in wanted:
         requirement = Requirement(line)

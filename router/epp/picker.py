@@ -1,0 +1,301 @@
+"""The routing call of the endpoint picker: one request body in, one engine endpoint (`ip:port`) out,
+over the very core `kvgate serve` routes with (router/request_routing.py parses, the gateway's
+request preparers tokenize, its policy chooses), and the accounting of that pick (`Pick`) until the
+answer ends: in-flight load, prefill tokens, the policy's feedback, the replica sync.
+
+A refusal is a `PickRefused`: the status and error body the client gets, and a reason for the metrics.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ipaddress
+import socket
+from collections.abc import Sequence
+from time import perf_counter
+from typing import TYPE_CHECKING
+
+import msgspec
+
+from router.auth import UNAUTHORIZED_MESSAGE
+from router.errors import GatewayError, KvgateError, error_body, gateway_error_body
+from router.forward import FORWARDED_ROUTES, ForwardedRoute
+from router.policies.base import Choice, RouteRequest
+from router.policies.least_loaded import LeastLoaded
+from router.request_routing import parse_route_request, prefill_tokens_of, release_backend
+
+if TYPE_CHECKING:
+    from router.backends import BackendState
+    from router.config import Epp
+    from router.epp.metrics import EppMetrics
+    from router.policies.base import Policy
+    from router.wiring import Gateway
+
+
+class PickRefused(KvgateError):
+    """The picker answers the client itself: `status`, vLLM's error `body`, and `reason` (metrics)."""
+
+    def __init__(self, status: int, body: bytes, reason: str) -> None:
+        super().__init__(reason)
+        self.status = status
+        self.body = body
+        self.reason = reason
+
+    @classmethod
+    def of(cls, error: GatewayError, reason: str) -> PickRefused:
+        return cls(error.status, gateway_error_body(error), reason)
+
+
+def body_too_large(limit: int) -> PickRefused:
+    message = f"request body is over the limit of {limit} bytes (epp.max_body_bytes)"
+    return PickRefused(413, error_body(413, message, "body"), "body_too_large")
+
+
+def format_endpoint(host: str, port: int) -> str:
+    """`ip:port`, an IPv6 address in brackets (what Envoy's ORIGINAL_DST reads)."""
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+class EndpointPicker:
+    """Picks for the ext_proc streams (router/epp/stream.py); one per `kvgate epp` process."""
+
+    def __init__(self, gateway: Gateway, config: Epp, metrics: EppMetrics | None = None) -> None:
+        self.gateway = gateway
+        self.context = gateway.forwarding
+        self.config = config
+        self.metrics = metrics
+        self.routes = {route.path: route for route in FORWARDED_ROUTES}
+        # Paths with no prompt to route by (and unknown paths) go to the least-loaded engine.
+        self.least_loaded = LeastLoaded()
+        # Picked requests whose accounting is still open (Pick.finish closes it).
+        self.in_flight = 0
+        # (host, port) of a backend URL -> its `ip:port`; host names are resolved once.
+        self._endpoints: dict[tuple[str, int], str] = {}
+
+    def route_for(self, path: bytes) -> ForwardedRoute | None:
+        return self.routes.get(path.split(b"?", 1)[0].decode("latin-1"))
+
+    async def endpoint_of(self, backend: BackendState) -> str:
+        """The backend's `ip:port`, as Envoy must connect to it (a host name resolved, IPv4 first)."""
+        endpoint = self._endpoints.get(backend.origin)
+        if endpoint is not None:
+            return endpoint
+        host, port = backend.origin
+        try:
+            ipaddress.ip_address(host)
+        except ValueError:
+            found = await asyncio.get_running_loop().getaddrinfo(host, port, type=socket.SOCK_STREAM)
+            found.sort(key=lambda entry: entry[0] != socket.AF_INET)
+            host = found[0][4][0]
+        endpoint = self._endpoints[backend.origin] = format_endpoint(host, port)
+        return endpoint
+
+    async def backend_at(self, endpoint: str) -> BackendState | None:
+        for backend in self.context.backends.values():
+            if await self.endpoint_of(backend) == endpoint:
+                return backend
+        return None
+
+    def check_admission(self, headers: Sequence[tuple[bytes, bytes]]) -> None:
+        """Refuse before reading the body: a client without an API key (when keys are configured),
+        or any request while the picker sheds load (`epp.max_in_flight`)."""
+        keys = self.context.client_keys
+        if keys is not None and not keys.allows_headers(list(headers)):
+            raise PickRefused(401, error_body(401, UNAUTHORIZED_MESSAGE), "unauthorized")
+        limit = self.config.max_in_flight
+        if limit is not None and self.in_flight >= limit:
+            message = (
+                f"the gateway is at its limit of {limit} requests in flight (epp.max_in_flight); retry later"
+            )
+            raise PickRefused(429, error_body(429, message), "shed")
+
+    async def pick(
+        self,
+        route: ForwardedRoute,
+        body: bytes,
+        headers: Sequence[tuple[bytes, bytes]],
+        subset: frozenset[str] | None,
+    ) -> Pick:
+        """Parse, prepare and route one request body; raises PickRefused."""
+        started = perf_counter()
+        request_id, session_value = b"", None
+        session_header = self.context.session_header
+        for name, value in headers:
+            if name == b"x-request-id":
+                request_id = value
+            elif name == session_header:
+                session_value = value
+        try:
+            route_request, _data, by_policy = parse_route_request(
+                self.context, route, body, request_id, session_value
+            )
+        except GatewayError as exc:
+            raise PickRefused.of(exc, "unknown_model" if exc.status == 404 else "bad_request") from None
+        if by_policy:
+            for prepare in self.context.request_preparers:
+                await prepare(route_request)
+        policy = self.context.policy if by_policy else self.least_loaded
+        candidates = await self._candidates(route_request.model, subset)
+        pick = self._choose(policy, route_request, candidates)
+        if self.metrics is not None:
+            self.metrics.pick_seconds.observe(perf_counter() - started)
+        return pick
+
+    async def pick_by_load(self, subset: frozenset[str] | None) -> Pick:
+        """A request with no model to route by (GET /v1/models, an unknown path): the least-loaded
+        accepting engine of any model."""
+        backends = self.context.backends
+        candidates = [backend for backend in backends.values() if backend.accepting]
+        if subset is not None:
+            candidates = [backend for backend in candidates if await self.endpoint_of(backend) in subset]
+            if not candidates:
+                raise self._subset_refusal(subset)
+        if not candidates:
+            raise PickRefused(503, error_body(503, "no healthy backend"), "no_endpoint")
+        return self._choose(self.least_loaded, RouteRequest("", "", {}), candidates)
+
+    async def _candidates(self, model: str, subset: frozenset[str] | None) -> list[BackendState]:
+        """As the proxy's: the healthy backends serving `model`, else the one marked down longest ago
+        (panic routing); all inside the subset hint when the gateway sends one."""
+        backends = self.context.backends
+        healthy = backends.candidates(model)
+        down = backends.panic_candidates(model)
+        if subset is not None:
+            healthy = [backend for backend in healthy if await self.endpoint_of(backend) in subset]
+            down = [backend for backend in down if await self.endpoint_of(backend) in subset]
+            if not healthy and not down:
+                raise self._subset_refusal(subset)
+        candidates = healthy or down[:1]
+        if not candidates:
+            message = f"no healthy backend serves the model `{model}`"
+            raise PickRefused(503, error_body(503, message), "no_endpoint")
+        return candidates
+
+    def _subset_refusal(self, subset: frozenset[str]) -> PickRefused:
+        named = ", ".join(sorted(subset)) or "none"
+        message = (
+            f"the gateway's subset hint allows endpoints ({named}) that name no healthy backend of this "
+            "picker that serves the request"
+        )
+        return PickRefused(503, error_body(503, message), "subset_no_endpoint")
+
+    def _choose(self, policy: Policy, route_request: RouteRequest, candidates: list[BackendState]) -> Pick:
+        choice = policy.choose(route_request, candidates)
+        backend = choice.backend
+        if not backend.healthy:
+            self.context.metrics.panic_routed.labels(backend.name).inc()
+        prefill_tokens = prefill_tokens_of(route_request, choice)
+        # Counted from the pick: Envoy sends the request on at once.
+        backend.in_flight += 1
+        backend.in_flight_prefill_tokens += prefill_tokens
+        cluster = self.context.cluster
+        if cluster is not None:
+            cluster.routed(route_request, choice, prefill_tokens)
+        policy.on_routed(choice)
+        self.in_flight += 1
+        if self.metrics is not None:
+            self.metrics.picks.labels(choice.reason or "load").inc()
+        return Pick(self, policy, choice, prefill_tokens, self._endpoints.get(backend.origin, ""))
+
+
+class Pick:
+    """One picked request's accounting, open from the pick until `finish` (once)."""
+
+    __slots__ = (
+        "_timer",
+        "choice",
+        "endpoint",
+        "finished",
+        "picked_at",
+        "picker",
+        "policy",
+        "prefill_tokens",
+        "status",
+        "ttft_s",
+    )
+
+    def __init__(
+        self, picker: EndpointPicker, policy: Policy, choice: Choice, prefill_tokens: int, endpoint: str
+    ) -> None:
+        self.picker = picker
+        self.policy = policy
+        self.choice = choice
+        self.prefill_tokens = prefill_tokens
+        self.endpoint = endpoint
+        self.picked_at = perf_counter()
+        self.status: int | None = None
+        self.ttft_s: float | None = None
+        self.finished = False
+        self._timer: asyncio.TimerHandle | None = None
+
+    @property
+    def backend(self) -> BackendState:
+        return self.choice.backend
+
+    async def resolve(self) -> str:
+        """The picked endpoint (`ip:port`), resolving the backend's host name on its first pick."""
+        if not self.endpoint:
+            self.endpoint = await self.picker.endpoint_of(self.backend)
+        return self.endpoint
+
+    def start_response_timer(self) -> None:
+        """Close the accounting if no response headers come within epp.response_timeout_s."""
+        loop = asyncio.get_running_loop()
+        self._timer = loop.call_later(self.picker.config.response_timeout_s, self._response_timed_out)
+
+    def _response_timed_out(self) -> None:
+        self.finish(504, "response_timeout")
+
+    async def response_started(self, status: int, served: str | None, event_stream: bool) -> None:
+        """The response headers arrived: the prefill is over; the time to them is a streamed answer's
+        time to its first token; the endpoint Envoy says served it takes the credit."""
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        if self.finished:
+            return
+        self.status = status
+        if status == 200 and event_stream:
+            self.ttft_s = perf_counter() - self.picked_at
+        picker = self.picker
+        if served is not None and served != self.endpoint:
+            other = await picker.backend_at(served)
+            if other is not None and other is not self.backend and not self.finished:
+                release_backend(self.backend, self.prefill_tokens)
+                other.in_flight += 1
+                other.in_flight_prefill_tokens += self.prefill_tokens
+                self.choice = msgspec.structs.replace(self.choice, backend=other)
+                self.endpoint = served
+                if picker.metrics is not None:
+                    picker.metrics.served_elsewhere.inc()
+        if self.prefill_tokens and not self.finished:
+            self.backend.in_flight_prefill_tokens -= self.prefill_tokens
+            self.prefill_tokens = 0
+            if picker.context.cluster is not None:
+                picker.context.cluster.loads_changed()
+
+    def finish(self, status: int | None, how: str) -> None:
+        """The answer ended (or will never be seen): release the load and tell the policy, once."""
+        if self.finished:
+            return
+        self.finished = True
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        picker = self.picker
+        context = picker.context
+        backend = self.backend
+        # No status seen: Envoy closed the stream before any response (the client left, or the
+        # engine never answered); 499 as nginx logs a client that went away.
+        outcome = status if status is not None else (self.status if self.status is not None else 499)
+        release_backend(backend, self.prefill_tokens)
+        self.prefill_tokens = 0
+        if context.cluster is not None:
+            context.cluster.loads_changed()
+        backend.requests_total += 1
+        context.metrics.count_request(backend.name, outcome)
+        context.metrics.observe_upstream(backend.name, perf_counter() - self.picked_at)
+        self.policy.on_finished(self.choice, outcome, self.ttft_s)
+        picker.in_flight -= 1
+        if picker.metrics is not None:
+            picker.metrics.finished.labels(how).inc()

@@ -1,0 +1,276 @@
+"""The ext_proc servicer (`envoy.service.ext_proc.v3.ExternalProcessor`): one bidirectional stream
+per HTTP request, read in order (request headers, body, trailers, then the response's), answered in
+the order Envoy expects.
+
+Request side. BUFFERED: the headers are let through at once, the whole body arrives in one message,
+and the answer to it carries the pick (header mutation + dynamic metadata). FULL_DUPLEX_STREAMED:
+Envoy sends headers and body chunks without waiting, so the headers' answer waits for the body's end;
+then the pick goes out on the headers' answer and every chunk is re-emitted unchanged, in order. In
+both modes a body over the limit is answered 413 at the chunk that crosses it, never held.
+
+Response side: the status, the endpoint Envoy says served it, the time to the headers (a streamed
+answer's time to first token) and, where Envoy sends the body, its `usage`; the pick's accounting
+closes at the answer's end, when Envoy closes the stream, or after epp.response_timeout_s without
+response headers. Each stream lives at most epp.stream_timeout_s.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator
+
+import grpc
+from envoy.service.ext_proc.v3 import external_processor_pb2_grpc
+
+from router.config import Epp
+from router.epp import protocol
+from router.epp.metrics import EppMetrics
+from router.epp.picker import EndpointPicker, Pick, PickRefused, body_too_large
+from router.epp.usage import UsageReader
+from router.errors import error_body, log_unexpected
+from router.forward import ForwardedRoute
+
+log = logging.getLogger("kvgate.epp")
+
+
+class ExtProcServicer(external_processor_pb2_grpc.ExternalProcessorServicer):
+    def __init__(self, picker: EndpointPicker, config: Epp, body_limit: int, metrics: EppMetrics) -> None:
+        self.picker = picker
+        self.config = config
+        self.body_limit = body_limit
+        self.metrics = metrics
+
+    async def Process(
+        self, requests: AsyncIterator[protocol.ProcessingRequest], context: object
+    ) -> AsyncIterator[protocol.ProcessingResponse]:
+        exchange = _Exchange(self)
+        task = asyncio.current_task()
+        assert task is not None
+        timed_out = False
+
+        def expire() -> None:
+            nonlocal timed_out
+            timed_out = True
+            task.cancel()
+
+        # The stream's whole life is bounded: past it the task is cancelled, the RPC ends with
+        # DEADLINE_EXCEEDED and the pick's accounting closes.
+        deadline = asyncio.get_running_loop().call_later(self.config.stream_timeout_s, expire)
+        try:
+            async for message in requests:
+                async for response in exchange.handle(message):
+                    yield response
+                if exchange.done:
+                    return
+        except asyncio.CancelledError:
+            if not timed_out:
+                raise  # Envoy (or the client behind it) reset the stream
+            task.uncancel()
+            await context.abort(  # type: ignore[attr-defined]
+                grpc.StatusCode.DEADLINE_EXCEEDED,
+                f"ext_proc stream open longer than epp.stream_timeout_s ({self.config.stream_timeout_s:g} s)",
+            )
+        finally:
+            deadline.cancel()
+            if exchange.pick is not None:
+                exchange.pick.finish(None, "stream_closed")
+
+
+class _Exchange:
+    """One HTTP request's state across its stream's messages."""
+
+    __slots__ = (
+        "body_size",
+        "done",
+        "event_stream",
+        "headers",
+        "held",
+        "pick",
+        "request_streamed",
+        "response_streamed",
+        "route",
+        "servicer",
+        "subset",
+        "usage",
+    )
+
+    def __init__(self, servicer: ExtProcServicer) -> None:
+        self.servicer = servicer
+        self.headers: list[tuple[bytes, bytes]] = []
+        self.route: ForwardedRoute | None = None
+        self.subset: frozenset[str] | None = None
+        # Request body chunks read so far, with their end_of_stream flags (streamed mode re-emits them).
+        self.held: list[tuple[bytes, bool]] = []
+        self.body_size = 0
+        self.request_streamed = servicer.config.request_body_mode == "full_duplex_streamed"
+        self.response_streamed = False
+        self.pick: Pick | None = None
+        self.event_stream = False
+        self.usage: UsageReader | None = None
+        # An immediate response went out: the stream is over.
+        self.done = False
+
+    async def handle(self, message: protocol.ProcessingRequest) -> AsyncIterator[protocol.ProcessingResponse]:
+        kind = message.WhichOneof("request")
+        try:
+            if kind == "request_headers":
+                async for response in self._request_headers(message):
+                    yield response
+            elif kind == "request_body":
+                async for response in self._request_body(message.request_body):
+                    yield response
+            elif kind == "request_trailers":
+                async for response in self._request_trailers():
+                    yield response
+            elif kind == "response_headers":
+                yield await self._response_headers(message)
+            elif kind == "response_body":
+                yield self._response_body(message.response_body)
+            elif kind == "response_trailers":
+                if self.pick is not None:
+                    self.pick.finish(None, "response_end")
+                yield protocol.response_trailers_continue()
+        except PickRefused as refused:
+            yield self._refuse(refused)
+        except Exception as exc:
+            # A bug must not take Envoy's request down with a broken stream: answer 500, log it.
+            log_unexpected(log, exc, "ext_proc stream failed inside the picker on %s", kind)
+            yield self._refuse(
+                PickRefused(500, error_body(500, "internal gateway error; see the picker's log"), "internal")
+            )
+
+    def _refuse(self, refused: PickRefused) -> protocol.ProcessingResponse:
+        self.done = True
+        if self.pick is not None:
+            self.pick.finish(refused.status, "response_end")
+            self.pick = None
+        self.servicer.metrics.immediate.labels(refused.reason, str(refused.status)).inc()
+        return protocol.immediate(refused.status, refused.body, f"kvgate_epp_{refused.reason}")
+
+    async def _request_headers(
+        self, message: protocol.ProcessingRequest
+    ) -> AsyncIterator[protocol.ProcessingResponse]:
+        servicer = self.servicer
+        announced = None
+        if message.HasField("protocol_config"):
+            modes = message.protocol_config
+            announced = modes.request_body_mode
+            if servicer.config.request_body_mode == "auto":
+                self.request_streamed = announced == protocol.FULL_DUPLEX_STREAMED
+            self.response_streamed = modes.response_body_mode == protocol.FULL_DUPLEX_STREAMED
+        self.headers = protocol.header_pairs(message.request_headers)
+        self.subset = protocol.subset_hint(message)
+        path = next((value for name, value in self.headers if name == b":path"), b"")
+        self.route = servicer.picker.route_for(path)
+        servicer.picker.check_admission(self.headers)
+        if self.route is None:
+            # Nothing to route by (GET /v1/models, /health, an unknown path): by load, now; a body
+            # that follows passes through untouched.
+            self.pick = await servicer.picker.pick_by_load(self.subset)
+            yield protocol.pick_on_headers(await self._endpoint())
+            return
+        if announced is not None and announced not in protocol.PICKABLE_BODY_MODES:
+            # Envoy would forward the request before the body could be read, without the header.
+            message = (
+                "the gateway's ext_proc filter sends request bodies in mode "
+                f"{protocol.BodySendMode.Name(announced)}, where the picker cannot set the destination "
+                "before the request leaves; set request_body_mode BUFFERED or FULL_DUPLEX_STREAMED "
+                "(with request_trailer_mode SEND)"
+            )
+            raise PickRefused(500, error_body(500, message), "body_mode_unsupported")
+        if message.request_headers.end_of_stream:
+            raise PickRefused(
+                400,
+                error_body(400, f"{self.route.path} needs a JSON request body; none was sent", "body"),
+                "missing_body",
+            )
+        if not self.request_streamed:
+            yield protocol.request_headers_continue()
+
+    async def _request_body(self, body: object) -> AsyncIterator[protocol.ProcessingResponse]:
+        chunk, end = body.body, body.end_of_stream  # type: ignore[attr-defined]
+        if self.pick is not None:
+            # Routed already (by load, on the headers): pass the body on.
+            yield protocol.request_body_chunk(chunk, end) if self.request_streamed else _body_continue()
+            return
+        self.body_size += len(chunk)
+        if self.body_size > self.servicer.body_limit:
+            self.held.clear()
+            raise body_too_large(self.servicer.body_limit)
+        self.held.append((chunk, end))
+        # BUFFERED sends the whole body in one message (end_of_stream false when trailers follow),
+        # and waits for its answer: pick on it, never wait for more.
+        if end or not self.request_streamed:
+            async for response in self._pick_and_release():
+                yield response
+
+    async def _request_trailers(self) -> AsyncIterator[protocol.ProcessingResponse]:
+        if self.pick is None and self.route is not None:
+            # The body ended with the trailers (Envoy's request_trailer_mode: SEND).
+            async for response in self._pick_and_release():
+                yield response
+        yield protocol.request_trailers_continue()
+
+    async def _pick_and_release(self) -> AsyncIterator[protocol.ProcessingResponse]:
+        picker = self.servicer.picker
+        assert self.route is not None
+        body = b"".join(chunk for chunk, _ in self.held)
+        if not body:
+            raise PickRefused(
+                400,
+                error_body(400, f"{self.route.path} needs a JSON request body; it was empty", "body"),
+                "missing_body",
+            )
+        self.pick = await picker.pick(self.route, body, self.headers, self.subset)
+        endpoint = await self._endpoint()
+        if self.request_streamed:
+            yield protocol.pick_on_headers(endpoint)
+            for chunk, end in self.held:
+                yield protocol.request_body_chunk(chunk, end)
+        else:
+            yield protocol.pick_on_body(endpoint)
+        self.held = []
+
+    async def _endpoint(self) -> str:
+        assert self.pick is not None
+        try:
+            endpoint = await self.pick.resolve()
+        except OSError as exc:
+            message = f"cannot resolve the address of backend {self.pick.backend.name}: {exc}"
+            raise PickRefused(503, error_body(503, message), "no_endpoint") from None
+        self.pick.start_response_timer()
+        return endpoint
+
+    async def _response_headers(self, message: protocol.ProcessingRequest) -> protocol.ProcessingResponse:
+        headers = protocol.header_pairs(message.response_headers)
+        status = 0
+        for name, value in headers:
+            if name == b":status":
+                with contextlib.suppress(ValueError):
+                    status = int(value)
+            elif name == b"content-type":
+                self.event_stream = value.startswith(b"text/event-stream")
+        pick = self.pick
+        if pick is not None:
+            await pick.response_started(status, protocol.served_endpoint(message), self.event_stream)
+            if message.response_headers.end_of_stream:
+                pick.finish(status, "response_end")
+            elif self.servicer.config.usage_from_body and status == 200:
+                self.usage = UsageReader(self.event_stream, self.servicer.metrics)
+        return protocol.response_headers_continue()
+
+    def _response_body(self, body: object) -> protocol.ProcessingResponse:
+        chunk, end = body.body, body.end_of_stream  # type: ignore[attr-defined]
+        if self.usage is not None:
+            self.usage.feed(chunk, end)
+        if end and self.pick is not None:
+            self.pick.finish(None, "response_end")
+        if self.response_streamed:
+            return protocol.response_body_chunk(chunk, end)
+        return protocol.response_body_continue()
+
+
+def _body_continue() -> protocol.ProcessingResponse:
+    return protocol.ProcessingResponse(request_body=protocol.ext_proc.BodyResponse())

@@ -1,0 +1,123 @@
+"""What every front face does to route one request, whatever carries it: the proxy
+(router/forward.py) and the endpoint picker (router/epp/) both parse a body into the RouteRequest the
+policy reads (`parse_route_request`), take the candidates (`route_candidates`), and count a routed
+request's load on its backend (`prefill_tokens_of`, `release_backend`)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import msgspec
+
+from router.errors import SCHEMA_ERROR_TYPE, GatewayError, decode_json_body
+from router.policies.base import Choice, RouteRequest
+
+if TYPE_CHECKING:
+    from router.backends import BackendRegistry, BackendState
+    from router.forward import ForwardContext, ForwardedRoute
+
+_decoder = msgspec.json.Decoder()
+
+
+def parse_route_request(
+    context: ForwardContext,
+    route: ForwardedRoute,
+    body: bytes,
+    request_id: bytes,
+    session_value: bytes | None,
+) -> tuple[RouteRequest, dict[str, Any], bool]:
+    """(the request as the policy reads it, the whole parsed body, whether the policy routes it).
+
+    A request with nothing to route by goes to the least-loaded backend and the policy never sees it.
+    """
+    if not body:
+        raise GatewayError(400, "empty request body; send a JSON object", "body", SCHEMA_ERROR_TYPE)
+    try:
+        data = decode_json_body(_decoder, body)
+    except msgspec.DecodeError as exc:
+        raise GatewayError(400, f"request body is not valid JSON: {exc}", "body", SCHEMA_ERROR_TYPE) from None
+    if not isinstance(data, dict):
+        raise GatewayError(
+            400,
+            f"request body must be a JSON object, got {type(data).__name__}",
+            "body",
+            SCHEMA_ERROR_TYPE,
+        )
+    model = data.get("model")
+    if model is None and route.model_optional and len(context.config.models) == 1:
+        model = context.config.models[0].name
+    if not isinstance(model, str) or not model:
+        raise GatewayError(
+            400,
+            "missing `model`: name one of the models listed by GET /v1/models",
+            "body.model",
+            SCHEMA_ERROR_TYPE,
+        )
+    if not any(field in data for field in route.required):
+        fields = " or ".join(f"`{field}`" for field in route.required)
+        raise GatewayError(
+            400, f"missing {fields} for {route.path}", f"body.{route.required[0]}", SCHEMA_ERROR_TYPE
+        )
+    if model not in context.model_names:
+        known = ", ".join(m.name for m in context.config.models)
+        raise GatewayError(404, f"the model `{model}` does not exist; configured models: {known}", "model")
+    view = None if route.routing_view is None else route.routing_view(data)
+    if (
+        # Where the gateway renders the messages itself (a routed path, /v1/responses and
+        # /v1/messages by their chat); /tokenize leaves the rendering to the engine, which has
+        # its own --trust-request-chat-template.
+        view is not None
+        and "messages" in view
+        and model not in context.request_template_models
+        and carries_chat_template(view)
+    ):
+        raise GatewayError(
+            400,
+            "the request carries its own chat template (`chat_template`, or `chat_template` in "
+            "`chat_template_kwargs`), which this gateway refuses: a template is code that would run "
+            "on the gateway and the engines. Leave it out to use the model's own template; an "
+            f"operator who trusts every client can set `trust_request_chat_template: true` on the "
+            f"model `{model}` in the gateway configuration (and --trust-request-chat-template on vLLM)",
+            "chat_template",
+        )
+    if session_value is not None:
+        session_key = session_value.decode("latin-1")
+    else:
+        user = data.get("user")
+        session_key = user if isinstance(user, str) and user else None
+    route_request = RouteRequest(request_id.decode("latin-1"), model, view or {}, session_key)
+    route_request.body_size = len(body)
+    return route_request, data, view is not None
+
+
+def route_candidates(backends: BackendRegistry, model: str, tried: list[BackendState]) -> list[BackendState]:
+    """The healthy candidates not tried yet; when there are none, the marked-down backend that failed
+    longest ago (panic routing: one that is back answers instead of a 503)."""
+    candidates = backends.candidates(model, exclude=tried)
+    if candidates:
+        return candidates
+    return backends.panic_candidates(model, exclude=tried)[:1]
+
+
+def carries_chat_template(data: dict) -> bool:
+    """Whether a request body brings a chat template of its own (as vLLM reads it: a top-level
+    `chat_template`, or one inside `chat_template_kwargs`)."""
+    if data.get("chat_template") is not None:
+        return True
+    kwargs = data.get("chat_template_kwargs")
+    return isinstance(kwargs, dict) and kwargs.get("chat_template") is not None
+
+
+def prefill_tokens_of(route_request: RouteRequest, choice: Choice) -> int:
+    """Prompt tokens the backend still has to prefill: the policy's figure, else the prompt's tokens
+    less those a request preparer knows are cached."""
+    prefill_tokens = choice.prefill_tokens
+    if prefill_tokens is not None:
+        return prefill_tokens
+    tokens = route_request.tokens
+    return 0 if tokens is None else max(0, len(tokens) - route_request.known_cached_tokens)
+
+
+def release_backend(backend: BackendState, prefill_tokens: int) -> None:
+    backend.in_flight -= 1
+    backend.in_flight_prefill_tokens -= prefill_tokens
