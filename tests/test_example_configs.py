@@ -70,12 +70,18 @@ _PROXY_KEYS = set(Config.__struct_fields__)
 _CACHELAYER_KEYS = set(CacheLayerConfig.__struct_fields__)
 
 
+# Top-level keys only another tool's configuration has: Envoy's bootstrap (deploy/envoy/), whose
+# `admin` is Envoy's admin listener, not kvgate's admin section.
+_OTHER_TOOLS_KEYS = {"static_resources", "dynamic_resources", "layered_runtime"}
+
+
 def _kind(example: Example) -> str:
     """proxy.yaml, cachelayer, fragment (one section of proxy.yaml shown alone, as docs/gateway.md's
-    shared_tiers and cluster) or other (another tool's YAML: a Prometheus scrape configuration)."""
+    shared_tiers and cluster) or other (another tool's YAML: a Prometheus scrape configuration, Envoy's
+    bootstrap)."""
     data = yaml.safe_load(example.text)
     keys = set(data) if isinstance(data, dict) else set()
-    if not keys & (_PROXY_KEYS | _CACHELAYER_KEYS):
+    if not keys & (_PROXY_KEYS | _CACHELAYER_KEYS) or keys & _OTHER_TOOLS_KEYS:
         return "other"
     if "models" in keys and keys & {"backends", "launch"}:
         return "proxy.yaml"
