@@ -212,7 +212,7 @@ def measure_router(
 
 def write_report(results: dict, stem: str) -> None:
     RESULTS.mkdir(parents=True, exist_ok=True)
-    (RESULTS / f"{stem}.json").write_text(json.dumps(results, indent=2) + "\n")
+    (RESULTS / f"{stem}.json").write_text(json.dumps(with_source(results), indent=2) + "\n")
     routers = results["routers"]
     shape_names = [shape.name for shape in SHAPES]
     lines = [
