@@ -30,7 +30,7 @@ from kvwire import BlockRemoved, BlockStored, KVEvent, decode_batch
 from kvwire.frames import scan_batch
 from router.compiled import load_compiled, rebuild_hint
 from router.index.keys import (
-    FINALISER_MULTIPLIER_INTS,
+    FINALISER_STEPS,
     POSITION_WEIGHT_INT,
     ROUTER_BLOCK_TOKENS,
     WORD_WEIGHT_INTS,
@@ -70,7 +70,7 @@ def load_compiled_ingest() -> Any:
         return None
     try:
         compiled.configure(
-            WORD_WEIGHT_INTS, POSITION_WEIGHT_INT, *FINALISER_MULTIPLIER_INTS, ROUTER_BLOCK_TOKENS,
+            WORD_WEIGHT_INTS, POSITION_WEIGHT_INT, FINALISER_STEPS, ROUTER_BLOCK_TOKENS,
             NODE_FIELDS, BlockStored, Chain,
             block_removed_class=BlockRemoved, preview_tokens=PREVIEW_TOKENS, capacity_field="max_blocks",
             namespace_class=Namespace,
