@@ -126,7 +126,7 @@ class KVIndexService:
                 rank_endpoint(kv_events.endpoint, rank),
                 # (a partial: no Python frame per applied batch on top of the index's entry)
                 apply=functools.partial(self.writer.apply, index_name),
-                wire=self.writer.wire_ingest(index_name),
+                apply_payloads=functools.partial(self.writer.apply_payloads, index_name),
                 clear=functools.partial(self.index.clear_backend, index_name),
                 replay_endpoint=(
                     rank_endpoint(kv_events.replay_endpoint, rank) if kv_events.replay_endpoint else None
