@@ -197,9 +197,10 @@ class IndexWriter:
         return 0 if self._entry is None else self._entry.applied
 
     def wire_ingest(self, backend_name: str) -> WireIngest | None:
-        """What a subscriber uses to hand `backend_name` payloads without decoding them, or None
-        without the compiled writer or the compiled frame reader (the subscriber decodes every
-        payload). (A partial of the compiled entry: no Python frame per drained run of messages.)"""
+        """The scan and the compiled apply of scanned payloads for `backend_name`, for a caller
+        that scans payloads itself (`apply_payloads` does both), or None without the compiled
+        writer or the compiled frame reader (every payload is decoded then). (A partial of the
+        compiled entry: no Python frame per call.)"""
         if self._entry is None or scan_batch is None:
             return None
         return WireIngest(scan_batch, functools.partial(self._entry.apply_wire, backend_name))
