@@ -178,7 +178,7 @@ class IndexWriter:
                 try:
                     batch = decode_batch(payload)
                 except MalformedBatch as refused:
-                    read.append(refused)
+                    read.append(refused.with_traceback(None))  # (no cycle through this frame)
                     continue
                 if scanned:
                     self.apply_wire(backend_name, scanned)

@@ -372,7 +372,7 @@ class EventSubscriber:
             try:
                 batch = decode_batch(payload)
             except MalformedBatch as refused:
-                read.append(refused)
+                read.append(refused.with_traceback(None))  # (no cycle through this frame)
                 continue
             read.append(batch)
             events += batch.events
