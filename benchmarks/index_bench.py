@@ -454,16 +454,14 @@ def _through_subscriber(port: int, publisher: Any, index: Any, backend: str, cou
         queued.wait(120)
         index.apply(backend, events)
 
-    wire = index.wire_ingest(backend)
-
-    def apply_scanned(batches: list) -> None:
+    def apply_payloads(payloads: list[bytes]) -> list:
         queued.wait(120)
-        wire.apply(batches)
+        return index.apply_payloads(backend, payloads)
 
     context = zmq.Context()
     subscriber = EventSubscriber(
         backend, f"tcp://127.0.0.1:{port}", apply, lambda: index.clear_backend(backend), topic="kv-events",
-        context=context, wire=WireIngest(wire.scan, apply_scanned) if wire is not None else None,
+        context=context, apply_payloads=apply_payloads,
     )  # fmt: skip
     subscriber.start()
     try:

@@ -2,9 +2,10 @@
 
 `WritableIndex(compiled_ingest=...)` is a `PrefixIndex` with its one `IndexWriter` (as
 `router.index.service.new_index` wires them) and the writer's entry points bound onto it, so a
-test reads and writes one object: `apply`, `apply_wire`, `wire_ingest`, `replace_backend`,
-`ingest_path`. `oracle_index()` is the reference: the same index applying every event with the
-Python rules (`router/index/python_writer.py`), the code an install without a compiler runs.
+test reads and writes one object: `apply`, `apply_payloads`, `apply_wire`, `wire_ingest`,
+`replace_backend`, `ingest_path`. `oracle_index()` is the reference: the same index applying
+every event with the Python rules (`router/index/python_writer.py`), the code an install without
+a compiler runs.
 The compiled writer (`router/index/_ingest.pyx`) is checked against it event stream by event
 stream (tests/test_index_differential.py, tests/test_index_ingest_compiled.py).
 """
@@ -23,6 +24,7 @@ class WritableIndex(PrefixIndex):
         self.writer = IndexWriter(self, compiled=compiled_ingest)
         # (bound methods of the writer: no extra Python frame per call)
         self.apply = self.writer.apply
+        self.apply_payloads = self.writer.apply_payloads
         self.apply_wire = self.writer.apply_wire
         self.wire_ingest = self.writer.wire_ingest
         self.replace_backend = self.writer.replace_backend

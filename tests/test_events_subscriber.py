@@ -47,8 +47,8 @@ class Harness:
         buffer_steps: int = 10_000,
         wire: bool = False,
     ) -> None:
-        """`wire`: in-order payloads go to the index undecoded (`wire_ingest`), as the gateway
-        wires its subscribers; else every payload is decoded."""
+        """`wire`: in-order payloads go to the index writer raw (`apply_payloads`: it scans most of
+        them, as the gateway wires its subscribers); else the subscriber decodes every payload."""
         self.endpoint = f"tcp://127.0.0.1:{free_port()}"
         self.replay_endpoint = f"tcp://127.0.0.1:{free_port()}" if replay else None
         self.replay_format = replay_format
@@ -63,7 +63,7 @@ class Harness:
             replay_endpoint=self.replay_endpoint,
             topic="kv-events",
             replay_timeout_s=0.5,
-            wire=self.index.wire_ingest("engine") if wire else None,
+            apply_payloads=functools.partial(self.index.apply_payloads, "engine") if wire else None,
         )
 
     def new_publisher(self) -> EventPublisher:
@@ -107,9 +107,10 @@ def test_live_stream_applies_stores_and_removals(harness: Harness) -> None:
     assert harness.cached(1) == 32
     assert harness.subscriber.stats.events == {"BlockStored": 2, "BlockRemoved": 1}
     assert harness.subscriber.stats.replays == 0
-    # With the wire ingest the in-order payloads (all but the first) reach the index undecoded.
+    # Given to the writer raw, the in-order payloads (all but the first) reach the index undecoded.
     scanned = harness.subscriber.stats.scanned_batches
-    assert scanned == (2 if harness.subscriber._wire is not None else 0)
+    wired = harness.subscriber._apply_payloads != harness.subscriber._decode_and_apply
+    assert scanned == (2 if wired else 0)
 
 
 def test_stop_wakes_an_idle_subscriber_whose_poll_has_no_timeout(harness: Harness) -> None:

@@ -1,7 +1,9 @@
 """The differential test of the index's writer: the compiled implementation (router/index/_ingest.pyx
 behind `IndexWriter`, reading decoded events and payload bytes through kvwire's frame reader)
 against the pure-Python reference (`kvgate_testing.index_oracle.oracle_index`: the Python rules
-alone), on the same generated event streams, valid and malformed.
+alone), on the same generated event streams, valid and malformed, and the two statements of the
+router-key math (router/index/_keys.pxd's `block_mix` in C, `keys.mix` in Python) on generated
+blocks and prompts.
 
 Both indexes are fed the same stream call by call, as the gateway's subscriber feeds its index, and
 must hold the same state after it: holder masks and their extra references, tails, nodes, chains,
@@ -11,14 +13,26 @@ math, its shapes, its stats) makes them disagree here.
 
 from __future__ import annotations
 
+import importlib
 import random
 
+import numpy as np
 import pytest
 
 from kvgate_testing.index_oracle import WritableIndex, oracle_index
 from kvgate_testing.index_streams import StreamMaker, assert_same_lookups, decode_streams, internal_state
 from kvgate_testing.wire_payloads import HASH_STYLES, mutate, payload_corpus, payload_of
 from kvwire import BlockStored, KVEvent, decode_batch
+from router.index import ingest
+from router.index.keys import (
+    ROUTER_BLOCK_TOKENS,
+    Namespace,
+    block_value,
+    namespace_seed,
+    prefix_keys,
+    router_block_values,
+    small_prefix_keys,
+)
 
 BACKENDS = ("a", "b")
 
@@ -31,8 +45,12 @@ class CompiledIndex(WritableIndex):
         super().__init__()
         for backend in BACKENDS:
             self.add_backend(backend)
-        # Without the build this test compares the reference with itself: a failed build fails here.
-        assert self.ingest_path == "compiled", "router/index/_ingest.pyx is not built (pip install -e .)"
+        # Without the compiled writer this test compares the reference with itself: fail instead.
+        assert self.ingest_path == "compiled", (
+            "the compiled writer is not in use: router/index/_ingest.pyx is not built (pip install -e .), "
+            "or the import refused it (a stale build, or key math that differs from keys.py: see the "
+            "warning `router.index.ingest` logged, and test_both_statements_of_the_key_math_agree)"
+        )
         assert self.wire_ingest("a") is not None, "kvwire/_frames.pyx is not built (pip install -e .)"
         self.to_rules = 0
         rules = self.writer.rules
@@ -66,27 +84,10 @@ def assert_same(
 
 
 def wire_feed(index: WritableIndex, backend: str, payloads: list[bytes]) -> None:
-    """`payloads` as the subscriber hands them over in one drain: each scanned one held for one
-    `apply_wire` call, and one the scan refuses decoded (a payload the decoder refuses too is
-    dropped, as the subscriber drops it) and applied in order after the held ones."""
-    wire = index.wire_ingest(backend)
-    assert wire is not None
-    held: list = []
-    for payload in payloads:
-        scanned = wire.scan(payload)
-        if scanned is not None:
-            held.append(scanned)
-            continue
-        if held:
-            wire.apply(held)
-            held = []
-        try:
-            events = decode_batch(payload).events
-        except Exception:  # the decoder's refusal (kvwire.WireError or msgspec's): dropped
-            continue
-        index.apply(backend, events)
-    if held:
-        wire.apply(held)
+    """`payloads` as the subscriber hands them over in one drain: raw, to the writer's
+    `apply_payloads`, which applies each one the scan accepts undecoded and decodes the rest (a
+    payload the decoder refuses too is dropped, as the subscriber drops it)."""
+    index.apply_payloads(backend, payloads)
 
 
 def oracle_feed(index: WritableIndex, backend: str, payloads: list[bytes]) -> None:
@@ -185,3 +186,33 @@ def test_lone_one_block_payloads_of_every_hash_style_build_the_same_index() -> N
             oracle_feed(oracle, "a", [payload])
     assert_same(compiled, oracle, {"a": maker}, "lone payloads")
     assert compiled.to_rules <= len(HASH_STYLES)  # each chain's root; its children in place
+
+
+def test_both_statements_of_the_key_math_agree() -> None:
+    """The compiled module's key math (`block_mix`, through its `block_value` and `prompt_keys`)
+    and the Python one (`keys.mix`, through the int path `block_value` and the numpy path
+    `router_block_values` / `prefix_keys`) give the same values on generated blocks, positions
+    and prompts, edge tokens and positions past 2**32 included. The compiled module is read as
+    built, configured with keys.py's constants: a change to either statement alone fails here,
+    even where the import check refused the module (then the tests above fail too)."""
+    compiled = importlib.import_module("router.index._ingest")
+    rand = np.random.default_rng(11)
+    edges = np.array([0, 1, 2**31, 2**32 - 1], dtype=np.uint32)
+    for position in [0, 1, 2, 63, 2047, 2048, 2**20 + 3, 2**32 + 5, 2**63 + 9]:
+        for _ in range(40):
+            tokens = rand.integers(0, 2**32, size=ROUTER_BLOCK_TOKENS, dtype=np.uint32)
+            tokens[rand.random(ROUTER_BLOCK_TOKENS) < 0.3] = rand.choice(edges)
+            block = tokens.tolist()
+            expected = block_value(block, position)
+            assert compiled.block_value(block, position) == expected, (block, position)
+            assert router_block_values(tokens, position).tolist() == [expected], (block, position)
+    for length in [0, 15, 16, 47, 48, 1000, 2048 * 16 + 40]:
+        tokens = rand.integers(0, 2**32, size=length, dtype=np.uint32)
+        for seed in (0, 2**64 - 1, namespace_seed(Namespace(cache_salt="s"))):
+            for first_block in (0, 5, 2**40):
+                expected = prefix_keys(tokens, seed, first_block).tolist()
+                assert compiled.prompt_keys(tokens, seed, first_block) == expected, (length, first_block)
+                if length <= 64:
+                    assert small_prefix_keys(tokens.tolist(), seed, first_block) == expected
+    # And the import took the module (it checks the same agreement on a few blocks).
+    assert ingest.load_compiled_ingest() is not None

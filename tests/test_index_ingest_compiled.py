@@ -30,7 +30,7 @@ from router.index import ingest as index_ingest
 from router.index import keys as keys_module
 from router.index.ingest import IndexWriter
 from router.index.keys import (
-    FINALISER_MULTIPLIER_INTS,
+    FINALISER_STEPS,
     POSITION_WEIGHT_INT,
     WORD_WEIGHT_INTS,
     Namespace,
@@ -149,12 +149,17 @@ def test_the_compiled_prompt_keys_are_the_numpy_ones_and_serve_prompt_prefix_key
 
 def test_a_mismatched_configuration_is_refused_and_leaves_the_module_working() -> None:
     weights = list(WORD_WEIGHT_INTS)
-    constants = (POSITION_WEIGHT_INT, *FINALISER_MULTIPLIER_INTS)
+    constants = (POSITION_WEIGHT_INT, FINALISER_STEPS)
     preview = {"preview_tokens": PREVIEW_TOKENS, "capacity_field": "max_blocks", "namespace_class": Namespace}
     with pytest.raises(ValueError, match="node tuples"):
         ingest.configure(weights, *constants, 16, ("end", "keys"), BlockStored, Chain, **preview)
     with pytest.raises(ValueError, match="router blocks"):
         ingest.configure(weights, *constants, 32, NODE_FIELDS, BlockStored, Chain, **preview)
+    for steps in (FINALISER_STEPS[:4], (64, *FINALISER_STEPS[1:])):  # a shift of 64 is undefined in C
+        with pytest.raises(ValueError, match="finaliser"):
+            ingest.configure(
+                weights, POSITION_WEIGHT_INT, steps, 16, NODE_FIELDS, BlockStored, Chain, **preview
+            )
     block = list(range(16))
     assert ingest.block_value(block, 3) == block_value(block, 3)
 
@@ -182,7 +187,7 @@ def test_a_stale_build_is_refused_with_a_warning_not_a_crash(monkeypatch, caplog
     index warns, names the rebuild, and applies events in pure Python."""
     import types
 
-    def old_configure(word_weights, position_weight, mix_1, mix_2, block_tokens, node_layout,
+    def old_configure(word_weights, position_weight, finaliser_steps, block_tokens, node_layout,
                       block_stored_class, chain_class):  # fmt: skip
         raise AssertionError("not reached: the call itself is refused")
 

@@ -20,33 +20,44 @@ from kvgate_testing.event_publisher import (
 from kvgate_testing.index_oracle import WritableIndex
 from kvgate_testing.index_streams import StreamMaker, assert_same_lookups, decode_streams, internal_state
 from kvgate_testing.wire_payloads import HASH_STYLES, check_scan, mutate, payload_corpus, payload_of
-from kvwire import BlockRemoved, BlockStored, decode_batch, event_kind
+from kvwire import BlockRemoved, BlockStored, DecodedBatch, MalformedBatch, decode_batch, event_kind
 from router.index.store import PrefixIndex
 
 ingest = importlib.import_module("router.index._ingest")
 # The wire protocol's compiled frame reader (kvwire/_frames.pyx), which the compiled writer reads.
 frames = importlib.import_module("kvwire._frames")
 
-def apply_payloads(index: PrefixIndex, payloads: list[bytes]) -> int:
-    """The subscriber's way: scanned payloads in one `apply` of the wire ingest, the others
-    decoded and applied in order. How many were scanned."""
-    wire = index.wire_ingest("a")
-    assert wire is not None
-    scanned: list[Any] = []
-    count = 0
-    for payload in payloads:
-        batch = wire.scan(payload)
-        if batch is None:
-            if scanned:
-                wire.apply(scanned)
-                scanned = []
-            index.apply("a", decode_batch(payload).events)
-            continue
-        count += 1
-        scanned.append(batch)
-    if scanned:
-        wire.apply(scanned)
-    return count
+
+def apply_payloads(index: WritableIndex, payloads: list[bytes]) -> int:
+    """The subscriber's way: the payloads raw to the writer (`IndexWriter.apply_payloads`), which
+    applies those its scan takes undecoded and decodes the others. How many were scanned."""
+    return sum(1 for batch in index.apply_payloads("a", payloads) if type(batch) is frames.WireBatch)
+
+
+def test_apply_payloads_reads_each_payload_once_and_applies_them_in_order() -> None:
+    """What `apply_payloads` answers for each payload (the scanned batch, the decoded batch of one
+    the scan refuses, the decoder's refusal), in the payloads' order, and the index it builds:
+    the one the decoded events build, applied one payload at a time. The reference writer
+    (`compiled_ingest=False`) decodes every payload."""
+    maker = StreamMaker(31)
+    payloads = payload_corpus(random.Random(31), maker, 40)
+    first = decode_batch(payloads[0]).events[0]
+    unknown = encode_batch([{"type": "Unknown"}, msgspec.to_builtins(first)])
+    garbage = b"\xc1 not msgpack"
+    mixed = [*payloads[:5], unknown, garbage, *payloads[5:]]
+    wired, plain = WritableIndex(), WritableIndex(compiled_ingest=False)
+    read = wired.apply_payloads("a", mixed)
+    assert [type(batch) for batch in read[5:7]] == [DecodedBatch, MalformedBatch]
+    assert read[5].skipped_events == 1 and len(read[5].events) == 1
+    assert sum(1 for batch in read if type(batch) is frames.WireBatch) > len(payloads) // 2
+    reference_read = plain.apply_payloads("a", mixed)
+    assert {type(batch) for batch in reference_read} == {DecodedBatch, MalformedBatch}
+    one_by_one = WritableIndex(compiled_ingest=False)
+    for payload in mixed[:6] + mixed[7:]:
+        one_by_one.apply("a", decode_batch(payload).events)
+    assert internal_state(wired, "a") == internal_state(one_by_one, "a")
+    assert internal_state(plain, "a") == internal_state(one_by_one, "a")
+    assert_same_lookups(one_by_one, [wired, plain], maker.docs)
 
 
 class CountingWireWriter(ingest.BackendWriter):
@@ -139,9 +150,7 @@ def test_the_writer_refuses_a_scanned_event_exactly_where_it_refuses_the_decoded
             if stopped < len(events):
                 refusals += 1
                 for index, writer in ((wired, wired_writer), (decoded, decoded_writer)):
-                    index.writer._apply_mixed_locked(
-                        index._backends["a"], writer, events, stopped, True
-                    )
+                    index.writer._apply_mixed_locked(index._backends["a"], writer, events, stopped, True)
     assert internal_state(wired, "a") == internal_state(decoded, "a")
     assert refusals > 10
 

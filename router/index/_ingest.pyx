@@ -17,9 +17,8 @@ node tuple `(end, 16, key, (), key, chain_id, bit)` in `backend.nodes`, the hold
 `index.holders` (the tier's shared bit for a prefix nobody held, else the shared object of
 `mask | bit` from `index.shared_masks`), the chain's `nodes` and `longest`, and the backend's
 stats. The router key is the parent's boundary key plus the block's mixed value, in C uint64
-arithmetic: the same math as `keys.block_value` (8 little-endian words of two tokens times
-the word weights, xor position times the position weight, splitmix64 finaliser), with the
-constants handed over once by `configure`.
+arithmetic: `block_mix` of router/index/_keys.pxd, the C statement of `keys.mix`, with the
+constants of router/index/keys.py handed over once by `configure`.
 
 The prefill shape, alone in its batch (`BackendWriter.apply_one`, `CompiledEntry`; in a batch of
 several, the Python path's one numpy pass over all of them is as fast): a BlockStored of any
@@ -58,6 +57,7 @@ from libc.stdint cimport int64_t, uint32_t, uint64_t
 from kvwire._frames cimport (
     KIND_REMOVED, KIND_STORED, EventView, WireBatch, hash_object, text_object, token_words_at,
 )
+from router.index._keys cimport FINALISER_STEP_COUNT, KeyMath, block_mix, token_word
 
 import types
 
@@ -96,9 +96,8 @@ cdef enum:
     SHARED_ENDS = 1 << 14
 cdef list _shared_ends = [position * BLOCK_TOKENS for position in range(SHARED_ENDS)]
 
-# The index's constants (`configure`): nothing is stored before they are set.
-cdef uint64_t _word_weights[8]
-cdef uint64_t _position_weight = 0, _mix_1 = 0, _mix_2 = 0
+# The index's key constants (`configure`): nothing is stored before they are set.
+cdef KeyMath _key_math
 cdef bint _configured = False
 # Tokens of a root's start that name its chain (the index's PREVIEW_TOKENS).
 cdef Py_ssize_t _preview_tokens = 0
@@ -157,24 +156,29 @@ _STORED_FIELDS = ("block_hashes", "parent_block_hash", "token_ids", "block_size"
 _REMOVED_FIELDS = ("block_hashes", "medium", "group_idx")
 
 
-def configure(word_weights, uint64_t position_weight, uint64_t mix_1, uint64_t mix_2,
+def configure(word_weights, uint64_t position_weight, finaliser_steps,
               int block_tokens, tuple node_layout, block_stored_class, chain_class,
               block_removed_class=None, *, Py_ssize_t preview_tokens, str capacity_field,
               namespace_class):
-    """Hand over the index's key constants, the BlockStored class, the index's chain class
+    """Hand over the index's key constants (keys.py: `WORD_WEIGHT_INTS`, `POSITION_WEIGHT_INT`,
+    `FINALISER_STEPS`), the BlockStored class, the index's chain class
     (`Chain`), the BlockRemoved class (None: removals stay with the Python path), the tokens
     that name a root's chain (`PREVIEW_TOKENS`) and the backend attribute holding its most
     blocks (`IndexedBackend.max_blocks`) and the index's `Namespace` class; ValueError for a
     mismatch (another block size, node layout or field layout)."""
-    global _position_weight, _mix_1, _mix_2, _configured, _event_class, _event_subclass, _chain_class
+    global _configured, _event_class, _event_subclass, _chain_class
     global _preview_tokens, _capacity_field, _namespace_class
     global _block_hashes_at, _parent_hash_at, _token_ids_at, _block_size_at, _medium_at, _group_at
     global _chain_nodes_at, _chain_longest_at
     global _removed_class, _removed_subclass, _removed_hashes_at, _removed_medium_at, _removed_group_at
     weights = tuple(word_weights)
+    steps = tuple(finaliser_steps)
     if block_tokens != BLOCK_TOKENS or len(weights) != WORDS:
         raise ValueError(f"compiled for {BLOCK_TOKENS}-token router blocks of {WORDS} words, "
                          f"not {block_tokens} tokens and {len(weights)} weights")
+    if len(steps) != FINALISER_STEP_COUNT or not all(0 < steps[index] < 64 for index in (0, 2, 4)):
+        raise ValueError(f"compiled for a finaliser of {FINALISER_STEP_COUNT} steps (shift, multiplier, "
+                         f"shift, multiplier, shift; shifts below 64), not {steps}")
     if node_layout != NODE_LAYOUT:
         raise ValueError(f"compiled for node tuples {NODE_LAYOUT}, the index has {node_layout}")
     removed_offsets = None
@@ -182,8 +186,10 @@ def configure(word_weights, uint64_t position_weight, uint64_t mix_1, uint64_t m
         removed_offsets = [_slot_offset(block_removed_class, name) for name in _REMOVED_FIELDS]
     _configured = False
     for position in range(WORDS):
-        _word_weights[position] = weights[position]
-    _position_weight, _mix_1, _mix_2 = position_weight, mix_1, mix_2
+        _key_math.word_weights[position] = weights[position]
+    _key_math.position_weight = position_weight
+    for position in range(FINALISER_STEP_COUNT):
+        _key_math.finaliser[position] = steps[position]
     _preview_tokens = preview_tokens
     _capacity_field = capacity_field
     _namespace_class = namespace_class
@@ -218,7 +224,7 @@ cdef inline bint _token_word(PyObject* low_item, PyObject* high_item, uint64_t* 
     high = PyLong_AsLongLongAndOverflow(high_item, &overflow)
     if overflow or high < 0 or high > 0xFFFFFFFF:
         return False
-    word[0] = <uint64_t>low | (<uint64_t>high << 32)
+    word[0] = token_word(<uint64_t>low, <uint64_t>high)
     return True
 
 
@@ -241,29 +247,13 @@ cdef inline bint _list_words(object token_ids, Py_ssize_t first, uint64_t* words
     return True
 
 
-cdef inline uint64_t _mix(const uint64_t* words, uint64_t position) noexcept:
-    """The mixed value of one router block from its 8 token words. Arithmetic wraps modulo 2**64,
-    as the index's key math does."""
-    cdef uint64_t total = 0
-    cdef Py_ssize_t index
-    for index in range(WORDS):
-        total += words[index] * _word_weights[index]
-    total ^= position * _position_weight
-    total ^= total >> 30
-    total *= _mix_1
-    total ^= total >> 27
-    total *= _mix_2
-    total ^= total >> 31
-    return total
-
-
 cdef inline bint _block_value_at(object token_ids, Py_ssize_t first, uint64_t position, uint64_t* value) noexcept:
     """`_block_value` of the 16 tokens from `first` of a list that holds them (the caller checks
     its length); False unless they are uint32 ints."""
     cdef uint64_t words[WORDS]
     if not _list_words(token_ids, first, words):
         return False
-    value[0] = _mix(words, position)
+    value[0] = block_mix(&_key_math, words, position)
     return True
 
 
@@ -291,8 +281,8 @@ def prompt_keys(const uint32_t[::1] tokens, uint64_t seed, uint64_t first_block=
     for block in range(blocks):
         first = block * BLOCK_TOKENS
         for index in range(WORDS):
-            words[index] = <uint64_t>tokens[first + 2 * index] | (<uint64_t>tokens[first + 2 * index + 1] << 32)
-        total += _mix(words, first_block + block)
+            words[index] = token_word(tokens[first + 2 * index], tokens[first + 2 * index + 1])
+        total += block_mix(&_key_math, words, first_block + block)
         keys.append(PyLong_FromUnsignedLongLong(total))
     return keys
 
@@ -522,7 +512,7 @@ cdef class BackendWriter:
         nodes = self.nodes
         if PyDict_Contains(nodes, block_hash):
             return False
-        value = _mix(words, <uint64_t>(parent_end // BLOCK_TOKENS))
+        value = block_mix(&_key_math, words, <uint64_t>(parent_end // BLOCK_TOKENS))
         chain_id = <object>PyTuple_GET_ITEM(parent, 5)
         slot_bit_tier = self._slot_bit_tier(medium)
         bit = slot_bit_tier[1]
@@ -634,7 +624,7 @@ cdef class BackendWriter:
         held = False
         first_block = parent_end // BLOCK_TOKENS
         for position in range(count):
-            running += _mix(words + position * WORDS, <uint64_t>(first_block + position))
+            running += block_mix(&_key_math, words + position * WORDS, <uint64_t>(first_block + position))
             key = running
             found = PyDict_GetItemWithError(holders, key)
             mask = <object>found if found is not NULL else None

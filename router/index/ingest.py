@@ -2,10 +2,12 @@
 
 `IndexWriter(index)` is what every producer of events hands them to (`service.py` builds one per
 index; subscribers, snapshots and replays go through it): `apply(backend, events)` for decoded
-events, `apply_wire(backend, batches)` for payloads scanned by the wire protocol's frame reader
-(`kvwire.frames.scan_batch`) and applied without decoding them, `replace_backend` for a
-snapshot. The store never calls back into this module: the writer changes it through its public
-state and `*_locked` methods, under its writer lock.
+events, `apply_payloads(backend, payloads)` for a stream's in-order payloads as they came off the
+wire (each scanned by the wire protocol's frame reader, `kvwire.frames.scan_batch`, and applied
+without decoding it where the compiled writer is built and the scan accepts it, else decoded),
+`apply_wire(backend, batches)` for payloads scanned already, `replace_backend` for a snapshot.
+The store never calls back into this module: the writer changes it through its public state and
+`*_locked` methods, under its writer lock.
 
 Where the compiled writer is built (`router/index/_ingest.pyx`, loaded and checked here) it is
 the implementation of the shapes engines publish most: a decode step's one-block stores, a
@@ -26,11 +28,11 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from kvwire import BlockRemoved, BlockStored, KVEvent, decode_batch
+from kvwire import BlockRemoved, BlockStored, KVEvent, MalformedBatch, decode_batch
 from kvwire.frames import scan_batch
 from router.compiled import load_compiled, rebuild_hint
 from router.index.keys import (
-    FINALISER_MULTIPLIER_INTS,
+    FINALISER_STEPS,
     POSITION_WEIGHT_INT,
     ROUTER_BLOCK_TOKENS,
     WORD_WEIGHT_INTS,
@@ -70,7 +72,7 @@ def load_compiled_ingest() -> Any:
         return None
     try:
         compiled.configure(
-            WORD_WEIGHT_INTS, POSITION_WEIGHT_INT, *FINALISER_MULTIPLIER_INTS, ROUTER_BLOCK_TOKENS,
+            WORD_WEIGHT_INTS, POSITION_WEIGHT_INT, FINALISER_STEPS, ROUTER_BLOCK_TOKENS,
             NODE_FIELDS, BlockStored, Chain,
             block_removed_class=BlockRemoved, preview_tokens=PREVIEW_TOKENS, capacity_field="max_blocks",
             namespace_class=Namespace,
@@ -137,6 +139,8 @@ class IndexWriter:
         self.path = "compiled" if module is not None else "python"
         self.apply: Callable[[str, list[KVEvent]], None]
         self.apply_wire: Callable[[str, list[Any]], None]
+        # The frame reader `apply_payloads` scans payloads with (None: it decodes each).
+        self._scan: Callable[[bytes], Any] | None = scan_batch if module is not None else None
         if module is None:
             self._entry: Any = None
             self.apply = self.rules.apply
@@ -152,15 +156,51 @@ class IndexWriter:
             self.apply = self._entry.apply
             self.apply_wire = self._entry.apply_wire
 
+    def apply_payloads(self, backend_name: str, payloads: list[bytes]) -> list[Any]:
+        """Apply in-order EventBatch payloads (msgpack, as a stream delivered them) to a backend, in
+        order, and return what was read of each, in order: its `WireBatch` where the compiled
+        frame reader scanned it (applied undecoded, by the compiled writer), else its
+        `DecodedBatch` (its events applied as `apply` applies them), or the `MalformedBatch` the
+        decoder raised (nothing of it applied). Consecutive payloads read the same way go to the
+        index in one call."""
+        scan = self._scan
+        read: list[Any] = []
+        scanned: list[Any] = []
+        events: list[KVEvent] = []
+        for payload in payloads:
+            batch = scan(payload) if scan is not None else None
+            if batch is not None:
+                if events:
+                    self.apply(backend_name, events)
+                    events = []
+                scanned.append(batch)
+            else:
+                try:
+                    batch = decode_batch(payload)
+                except MalformedBatch as refused:
+                    read.append(refused.with_traceback(None))  # (no cycle through this frame)
+                    continue
+                if scanned:
+                    self.apply_wire(backend_name, scanned)
+                    scanned = []
+                events += batch.events
+            read.append(batch)
+        if scanned:
+            self.apply_wire(backend_name, scanned)
+        elif events:
+            self.apply(backend_name, events)
+        return read
+
     @property
     def compiled_applied(self) -> int:
         """Events the compiled entry applied itself (0 without it)."""
         return 0 if self._entry is None else self._entry.applied
 
     def wire_ingest(self, backend_name: str) -> WireIngest | None:
-        """What a subscriber uses to hand `backend_name` payloads without decoding them, or None
-        without the compiled writer or the compiled frame reader (the subscriber decodes every
-        payload). (A partial of the compiled entry: no Python frame per drained run of messages.)"""
+        """The scan and the compiled apply of scanned payloads for `backend_name`, for a caller
+        that scans payloads itself (`apply_payloads` does both), or None without the compiled
+        writer or the compiled frame reader (every payload is decoded then). (A partial of the
+        compiled entry: no Python frame per call.)"""
         if self._entry is None or scan_batch is None:
             return None
         return WireIngest(scan_batch, functools.partial(self._entry.apply_wire, backend_name))

@@ -13,7 +13,7 @@ from __future__ import annotations
 import array
 import struct
 from collections.abc import Callable, Sequence
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import numpy as np
 import xxhash
@@ -48,16 +48,16 @@ WORDS_PER_BLOCK = ROUTER_BLOCK_TOKENS // 2
 _TOKEN_DTYPE = np.dtype("<u4")
 WORD_WEIGHTS = _rng.integers(0, 2**63, size=WORDS_PER_BLOCK, dtype=np.uint64) * np.uint64(2) + np.uint64(1)
 POSITION_WEIGHT = np.uint64(0x9E3779B97F4A7C15)
-# The splitmix64 finaliser: x ^= x >> 30; x *= M1; x ^= x >> 27; x *= M2; x ^= x >> 31.
-FINALISER_MULTIPLIER_1 = np.uint64(0xBF58476D1CE4E5B9)
-FINALISER_MULTIPLIER_2 = np.uint64(0x94D049BB133111EB)
-_FINALISER_SHIFT_1, _FINALISER_SHIFT_2, _FINALISER_SHIFT_3 = np.uint64(30), np.uint64(27), np.uint64(31)
+# The splitmix64 finaliser, in the order `mix` applies its steps: x ^= x >> shift, x *= multiplier,
+# x ^= x >> shift, x *= multiplier, x ^= x >> shift.
+FINALISER_STEPS: tuple[int, int, int, int, int] = (30, 0xBF58476D1CE4E5B9, 27, 0x94D049BB133111EB, 31)
+# (numpy scalars for numpy arrays: a Python int operand is converted at every operation)
+_FINALISER_STEPS_NUMPY = tuple(np.uint64(step) for step in FINALISER_STEPS)
 
 UINT64_MASK = (1 << 64) - 1
-# The same constants as Python ints (the one-block path and the compiled writer use these).
+# The weights as Python ints (the one-block path; the compiled module is configured with these).
 WORD_WEIGHT_INTS: tuple[int, ...] = tuple(WORD_WEIGHTS.tolist())
 POSITION_WEIGHT_INT = int(POSITION_WEIGHT)
-FINALISER_MULTIPLIER_INTS = (int(FINALISER_MULTIPLIER_1), int(FINALISER_MULTIPLIER_2))
 # Below this many router blocks, plain Python ints beat numpy's per-call overhead.
 NUMPY_MIN_BLOCKS = 3
 # A lookup computes a prompt's keys this many router blocks (32k tokens) at a time.
@@ -66,33 +66,50 @@ LOOKUP_SPAN_BLOCKS = 2048
 _POSITION_TERMS = np.arange(LOOKUP_SPAN_BLOCKS, dtype=np.uint64) * POSITION_WEIGHT
 
 
+def mix(word_sums: Any, position_terms: Any, steps: tuple[Any, ...], wrap: bool) -> Any:
+    """A router block's mixed value: the key math, stated once for Python (the compiled module's
+    statement is `block_mix` in router/index/_keys.pxd). `word_sums`: the block's 8 words times
+    WORD_WEIGHTS, summed; `position_terms`: its position times POSITION_WEIGHT; their xor goes
+    through the splitmix64 finaliser (`steps`: FINALISER_STEPS), which makes the value a nonlinear
+    function of content and position.
+
+    The same code serves Python ints (`wrap`: each step reduced modulo 2**64) and numpy uint64
+    arrays of many blocks (`wrap` false: their arithmetic wraps by itself; changed in place)."""
+    shift_1, multiplier_1, shift_2, multiplier_2, shift_3 = steps
+    x = word_sums
+    x ^= position_terms
+    if wrap:  # (xor and mask commute: the sum is masked once, with the position term)
+        x &= UINT64_MASK
+    x ^= x >> shift_1
+    x *= multiplier_1
+    if wrap:
+        x &= UINT64_MASK
+    x ^= x >> shift_2
+    x *= multiplier_2
+    if wrap:
+        x &= UINT64_MASK
+    x ^= x >> shift_3
+    return x
+
+
 def router_block_values(tokens: np.ndarray, first_block: int | np.ndarray) -> np.ndarray:
-    """Mixed value of each full router block of `tokens` (uint32, length a multiple of the block size).
+    """`mix` of each full router block of `tokens` (uint32, length a multiple of the block size),
+    with numpy: one pass for any number of blocks.
 
     `first_block` is the position of the first block, or an array with every block's position.
     """
-    # uint64 array arithmetic wraps silently, which is the modular arithmetic wanted here.
     if tokens.dtype != _TOKEN_DTYPE or not tokens.flags.c_contiguous:  # (numpy's cost is per call)
         tokens = np.ascontiguousarray(tokens, dtype=_TOKEN_DTYPE)
     words = tokens.view("<u8").reshape(-1, WORDS_PER_BLOCK)
-    x = words @ WORD_WEIGHTS
     if isinstance(first_block, np.ndarray):
         if first_block.dtype != np.uint64:
             first_block = first_block.astype(np.uint64)
-        x ^= first_block * POSITION_WEIGHT
-    elif first_block + len(x) <= len(_POSITION_TERMS):
-        x ^= _POSITION_TERMS[first_block : first_block + len(x)]
+        position_terms = first_block * POSITION_WEIGHT
+    elif first_block + len(words) <= len(_POSITION_TERMS):
+        position_terms = _POSITION_TERMS[first_block : first_block + len(words)]
     else:
-        x ^= np.arange(first_block, first_block + len(x), dtype=np.uint64) * POSITION_WEIGHT
-    # splitmix64 finaliser: makes the per-block value a nonlinear function of content and position.
-    # (One scratch array for the shifts: numpy's cost here is per call and per allocation.)
-    shifted = np.empty_like(x)
-    x ^= np.right_shift(x, _FINALISER_SHIFT_1, out=shifted)
-    x *= FINALISER_MULTIPLIER_1
-    x ^= np.right_shift(x, _FINALISER_SHIFT_2, out=shifted)
-    x *= FINALISER_MULTIPLIER_2
-    x ^= np.right_shift(x, _FINALISER_SHIFT_3, out=shifted)
-    return x
+        position_terms = np.arange(first_block, first_block + len(words), dtype=np.uint64) * POSITION_WEIGHT
+    return mix(words @ WORD_WEIGHTS, position_terms, _FINALISER_STEPS_NUMPY, False)
 
 
 # One block's 16 tokens packed and read back as its 8 words in two C calls (struct.error for token
@@ -104,25 +121,17 @@ _UNPACK_WORDS = struct.Struct(f"<{WORDS_PER_BLOCK}Q").unpack
     _WORD_WEIGHT_0, _WORD_WEIGHT_1, _WORD_WEIGHT_2, _WORD_WEIGHT_3,
     _WORD_WEIGHT_4, _WORD_WEIGHT_5, _WORD_WEIGHT_6, _WORD_WEIGHT_7,
 ) = WORD_WEIGHT_INTS  # fmt: skip
-_MULTIPLIER_1_INT, _MULTIPLIER_2_INT = FINALISER_MULTIPLIER_INTS
 
 
 def block_value(block_tokens: Sequence[int], position: int) -> int:
-    """`router_block_values` of one block, with Python ints (cheaper than numpy for a block or two).
-
-    Raises struct.error when a token id is not a uint32."""
+    """`mix` of one block with Python ints (cheaper than numpy for a block or two): the same value
+    as `router_block_values`. Raises struct.error when a token id is not a uint32."""
     w0, w1, w2, w3, w4, w5, w6, w7 = _UNPACK_WORDS(_PACK_BLOCK(*block_tokens))
-    # (xor and mask commute: the sum is masked once, with the position term)
-    x = (
+    word_sum = (
         w0 * _WORD_WEIGHT_0 + w1 * _WORD_WEIGHT_1 + w2 * _WORD_WEIGHT_2 + w3 * _WORD_WEIGHT_3
         + w4 * _WORD_WEIGHT_4 + w5 * _WORD_WEIGHT_5 + w6 * _WORD_WEIGHT_6 + w7 * _WORD_WEIGHT_7
-        ^ position * POSITION_WEIGHT_INT
-    ) & UINT64_MASK  # fmt: skip
-    x ^= x >> 30
-    x = (x * _MULTIPLIER_1_INT) & UINT64_MASK
-    x ^= x >> 27
-    x = (x * _MULTIPLIER_2_INT) & UINT64_MASK
-    return x ^ (x >> 31)
+    )  # fmt: skip
+    return mix(word_sum, position * POSITION_WEIGHT_INT, FINALISER_STEPS, True)  # type: ignore[no-any-return]
 
 
 def small_prefix_keys(tokens: Sequence[int], seed: int, first_block: int) -> list[int]:

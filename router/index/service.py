@@ -133,7 +133,9 @@ class KVIndexService:
                 rank_endpoint(kv_events.endpoint, rank),
                 # (a partial: no Python frame per applied batch on top of the index's entry)
                 apply=self.shared_removals.wrap(name, functools.partial(self.writer.apply, index_name)),
-                wire=self.shared_removals.wrap_wire(name, self.writer.wire_ingest(index_name)),
+                apply_payloads=self.shared_removals.wrap_payloads(
+                    name, functools.partial(self.writer.apply_payloads, index_name)
+                ),
                 clear=functools.partial(self.index.clear_backend, index_name),
                 replay_endpoint=(
                     rank_endpoint(kv_events.replay_endpoint, rank) if kv_events.replay_endpoint else None

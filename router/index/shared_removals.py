@@ -5,8 +5,8 @@ The daemon's pool is one store, but its events travel in the engines' streams: a
 engine B's store is reported by B, while engine A, which stored it, announced it. Applied to B's
 index alone, that removal finds nothing there, and A keeps a credit for a chunk that is gone
 (shared tiers credit the longest prefix any member holds to all of them). `SharedRemovals` wraps a
-member's apply callables: every `BlockRemoved` of a shared tier's medium it sees is applied to the
-other members' indexes too (where they never held the chunk it is an unknown removal, a no-op).
+member's apply callables (`wrap`, `wrap_payloads`): every `BlockRemoved` of a shared tier's medium
+it sees is applied to the other members' indexes too (where they never held the chunk it is an unknown removal, a no-op).
 
 Streams are not ordered with each other, so a removal can reach A after A announced the chunk
 again (stored anew after the eviction): A then loses a credit it had, a missed hit, never a false
@@ -18,9 +18,8 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from kvwire import BlockRemoved, KVEvent, decode_batch, tier_of
+from kvwire import BlockRemoved, DecodedBatch, KVEvent, decode_batch, tier_of
 from router.config import SharedTier
-from router.index.ingest import WireIngest
 
 ApplyTo = Callable[[str, list[KVEvent]], None]
 
@@ -54,19 +53,25 @@ class SharedRemovals:
 
         return apply_and_share
 
-    def wrap_wire(self, backend: str, wire: WireIngest | None) -> WireIngest | None:
+    def wrap_payloads(
+        self, backend: str, apply_payloads: Callable[[list[bytes]], list[Any]]
+    ) -> Callable[[list[bytes]], list[Any]]:
+        """`apply_payloads` (the writer's, for one of `backend`'s streams) fanning its shared removals
+        out: a payload the frame reader scanned is decoded again only when it holds removals."""
         peers = self._peers.get(backend)
-        if wire is None or not peers:
-            return wire
-        apply_scanned = wire.apply
+        if not peers:
+            return apply_payloads
 
-        def apply_and_share(batches: list[Any]) -> None:
-            apply_scanned(batches)
-            for batch in batches:
-                if batch.removed:  # only then decoded a second time
-                    self._share(peers, decode_batch(batch.payload).events)
+        def apply_and_share(payloads: list[bytes]) -> list[Any]:
+            read = apply_payloads(payloads)
+            for payload, batch in zip(payloads, read, strict=True):
+                if isinstance(batch, DecodedBatch):
+                    self._share(peers, batch.events)
+                elif getattr(batch, "removed", 0):  # a scanned WireBatch holding removals
+                    self._share(peers, decode_batch(payload).events)
+            return read
 
-        return WireIngest(wire.scan, apply_and_share)
+        return apply_and_share
 
     def _share(self, peers: dict[str, tuple[str, ...]], events: list[KVEvent]) -> None:
         shared: dict[str, list[KVEvent]] = {}

@@ -282,10 +282,12 @@ class EventStream:
         if ts is not None:
             self.last_ts = ts
 
-    def released(self, ts: float) -> None:
-        """The batches taken by `take_next` are in the index; the newest was published at `ts`."""
+    def released(self, ts: float | None) -> None:
+        """The batches taken by `take_next` are in the index; the newest was published at `ts`
+        (None: none of them could be read, their seqs advance all the same)."""
         self.stats.last_seq = self.newest_seq
-        self.last_ts = ts
+        if ts is not None:
+            self.last_ts = ts
 
     def restarted(self) -> None:
         """The restart `on_live` announced is handled (the backend replaced or cleared, the batch

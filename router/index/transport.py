@@ -7,8 +7,9 @@ and carries that out: replays and snapshots over a DEALER, events into the index
 callbacks it is given.
 
 Live messages are drained, not read one per wakeup: every message queued when the socket turns
-readable is handled in that wakeup, and the events of consecutive in-order batches go to the index
-in one call (`_drain`), flushed before anything else touches the index (a gap's replay, a restart,
+readable is handled in that wakeup, and the payloads of consecutive in-order batches are held, as
+they came, and go to the index in one call (`_drain`, `apply_payloads`: the index writer scans or
+decodes each itself), flushed before anything else touches the index (a gap's replay, a restart,
 a snapshot) and at the end of the drain, so the index sees the same events in the same order and a
 burst of one-block messages pays one index call, not one per message. A replay skips dead work:
 AllBlocksCleared empties the whole backend, so replayed batches before the last one holding a
@@ -50,7 +51,7 @@ import socket
 import threading
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import zmq
 
@@ -66,6 +67,7 @@ from kvwire import (
     event_class_kind,
     event_kind,
 )
+from kvwire.frames import WireBatch
 from router.config import DEFAULT_MAX_MESSAGE_BYTES, DEFAULT_MAX_QUEUED_BYTES
 from router.errors import KvgateError
 from router.index.stream import (
@@ -79,14 +81,13 @@ from router.index.stream import (
     replies_in_range,
 )
 
-if TYPE_CHECKING:
-    from router.index.ingest import WireIngest
-
 logger = logging.getLogger("kvgate.index")
 
-# Callbacks: apply(events), clear() on a restart, replace(events) with a snapshot. All run in the
-# subscriber's thread.
+# Callbacks: apply(events), clear() on a restart, replace(events) with a snapshot, and
+# apply_payloads(payloads) for the raw in-order payloads a drain held, returning what was read of
+# each (`IndexWriter.apply_payloads`). All run in the subscriber's thread.
 ApplyEvents = Callable[[list[KVEvent]], None]
+ApplyPayloads = Callable[[list[bytes]], list[Any]]
 ClearBackend = Callable[[], None]
 ReplaceBackend = Callable[[list[KVEvent]], None]
 
@@ -96,10 +97,12 @@ _CLEARED_TAG = b"AllBlocksCleared"
 # Replayed events go to the index in calls of at most this many (one lock hold stays short).
 _REPLAY_APPLY_CHUNK = 8192
 # One wakeup handles at most this many queued live messages (then the stop flag is checked), and
-# the in-order events it holds back go to the index whenever they reach `_DRAIN_APPLY_EVENTS`, so a
+# the in-order payloads it holds back go to the index whenever they reach `_DRAIN_APPLY_BYTES`, so a
 # long burst is applied in steps (a lookup meanwhile sees the stream a few ms behind, not more).
+# Bytes, not events: the index's work on a payload follows its hashes and token ids (a prefill of
+# many blocks is one event), and a held payload is not read before its apply.
 _DRAIN_MAX_MESSAGES = 1000
-_DRAIN_APPLY_EVENTS = 512
+_DRAIN_APPLY_BYTES = 64 * 1024
 # Replies queued per DEALER.
 _REPLAY_RCVHWM = 200_000
 # Live messages read into the queue per wakeup of a request's wait (then the wait goes on).
@@ -157,11 +160,10 @@ class EventSubscriber:
         replay_timeout_s: float = 1.0,
         reconnect_initial_s: float = 0.1,
         reconnect_max_s: float = 5.0,
-        on_batch: Callable[[str, DecodedBatch], None] | None = None,
         context: zmq.Context | None = None,
         replace: ReplaceBackend | None = None,
         snapshot_after_outage_s: float = 0.0,
-        wire: WireIngest | None = None,
+        apply_payloads: ApplyPayloads | None = None,
         max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
         max_queued_bytes: int = DEFAULT_MAX_QUEUED_BYTES,
     ) -> None:
@@ -186,10 +188,10 @@ class EventSubscriber:
         self.stats: StreamStats = self._stream.stats
         self._apply = apply
         self._clear = clear
-        self._on_batch = on_batch
-        # In-order live payloads the index's scan accepts go to it undecoded (`on_batch` needs
-        # decoded batches, so it turns this off).
-        self._wire = wire if on_batch is None else None
+        # The in-order live payloads go to the index raw (`KVIndexService` passes the writer's
+        # `apply_payloads`, which reads most of them without decoding them); without it they are
+        # decoded here and their events given to `apply`.
+        self._apply_payloads = apply_payloads if apply_payloads is not None else self._decode_and_apply
         self._context = context or zmq.Context.instance()
         self._stop = threading.Event()
         # stop() writes a byte here to wake the thread's poll, which otherwise waits for messages
@@ -203,14 +205,10 @@ class EventSubscriber:
         # Live messages read while a request waited, in order, handled before the socket's next.
         self._queued: collections.deque[list[bytes]] = collections.deque()
         self._last_log: dict[str, float] = {}
-        # While a drain runs: events of in-order live batches not yet given to the index, their
-        # batches (for `on_batch`, after the apply) and the seq of the first one; or, for payloads
-        # the wire scan accepted, the scanned batches and their events' count (one kind at a time:
-        # a batch of the other kind releases what is held first, so the order holds).
-        self._held_events: list[KVEvent] = []
-        self._held_batches: list[DecodedBatch] = []
-        self._held_scanned: list[Any] = []
-        self._held_scanned_events = 0
+        # While a drain runs: the payloads of in-order live batches not yet given to the index, as
+        # they came, their bytes, and the seq of the first one.
+        self._held: list[bytes] = []
+        self._held_bytes = 0
         self._held_from: int | None = None
 
     # ---- lifecycle ----
@@ -309,7 +307,7 @@ class EventSubscriber:
                     except zmq.Again:
                         break
                 self._handle_live(frames)
-                if len(self._held_events) + self._held_scanned_events >= _DRAIN_APPLY_EVENTS:
+                if self._held_bytes >= _DRAIN_APPLY_BYTES:
                     self._release_held()
         finally:
             try:
@@ -319,42 +317,68 @@ class EventSubscriber:
                     gc.enable()
 
     def _release_held(self) -> None:
-        """Give the index the events (or scanned batches) held back by the drain, in one call,
-        then run `on_batch`."""
-        if self._held_scanned:
-            self._release_scanned()
+        """Give the index the payloads held back by the drain, in one call, and count what it read
+        of them."""
+        if not self._held:
             return
-        if not self._held_batches:
-            return
-        events, batches, first = self._held_events, self._held_batches, self._held_from
-        self._held_events, self._held_batches, self._held_from = [], [], None
-        self.stats.batches += len(batches)
-        _count_kinds(self.stats.events, events)
-        if events:
-            self._apply_events(events, f"seq {first}..{self._stream.newest_seq}")
-        self._stream.released(batches[-1].ts)
-        if self._on_batch is not None:
-            for batch in batches:
-                self._on_batch(self.name, batch)
+        payloads, first = self._held, self._held_from
+        self._held, self._held_bytes, self._held_from = [], 0, None
+        assert first is not None  # (set with the first payload held)
+        read = self._guarded(self._apply_payloads, payloads, f"seq {first}..{self._stream.newest_seq}")
+        self._stream.released(None if read is None else self._count_read(first, read))
 
-    def _release_scanned(self) -> None:
-        scanned, first = self._held_scanned, self._held_from
-        self._held_scanned, self._held_scanned_events, self._held_from = [], 0, None
+    def _count_read(self, first: int, read: list[Any]) -> float | None:
+        """Count what the index read of held payloads (`first`: the first one's seq): batches and
+        their events by kind, those read undecoded, undecodable events and payloads (a payload
+        the decoder refuses is malformed; its seq advanced all the same). Returns the ts of the
+        newest batch read (None: none was)."""
         stats = self.stats
-        stats.batches += len(scanned)
-        stats.scanned_batches += len(scanned)
-        stored = removed = cleared = 0
-        for batch in scanned:
-            stored += batch.stored
-            removed += batch.removed
-            cleared += batch.cleared
-        kinds = (("BlockStored", stored), ("BlockRemoved", removed), ("AllBlocksCleared", cleared))
-        for kind, number in kinds:
-            if number:
-                stats.events[kind] = stats.events.get(kind, 0) + number
-        assert self._wire is not None  # (only a wire scan fills `_held_scanned`)
-        self._guarded(self._wire.apply, scanned, f"seq {first}..{self._stream.newest_seq}")
-        self._stream.released(scanned[-1].ts)
+        newest_ts = None
+        decoded_events: list[KVEvent] = []
+        batches = scanned = stored = removed = cleared = 0
+        for position, batch in enumerate(read):
+            cls = batch.__class__
+            if cls is DecodedBatch:
+                if batch.skipped_events:
+                    self._count_skipped(first + position, batch)
+                decoded_events += batch.events
+            elif cls is WireBatch:
+                scanned += 1
+                stored += batch.stored
+                removed += batch.removed
+                cleared += batch.cleared
+            else:  # the decoder's refusal (MalformedBatch)
+                self._malformed(f"seq {first + position}: {batch}")
+                continue
+            batches += 1
+            newest_ts = batch.ts
+        stats.batches += batches
+        if decoded_events:
+            _count_kinds(stats.events, decoded_events)
+        if scanned:
+            stats.scanned_batches += scanned
+            kinds = (("BlockStored", stored), ("BlockRemoved", removed), ("AllBlocksCleared", cleared))
+            for kind, number in kinds:
+                if number:
+                    stats.events[kind] = stats.events.get(kind, 0) + number
+        return newest_ts
+
+    def _decode_and_apply(self, payloads: list[bytes]) -> list[DecodedBatch | MalformedBatch]:
+        """`apply_payloads` for a subscriber given none: each payload decoded, their events given
+        to `apply` in one call."""
+        read: list[DecodedBatch | MalformedBatch] = []
+        events: list[KVEvent] = []
+        for payload in payloads:
+            try:
+                batch = decode_batch(payload)
+            except MalformedBatch as refused:
+                read.append(refused.with_traceback(None))  # (no cycle through this frame)
+                continue
+            read.append(batch)
+            events += batch.events
+        if events:
+            self._apply(events)
+        return read
 
     def _drain_monitor(self, monitor: zmq.Socket) -> None:
         stream = self._stream
@@ -406,15 +430,16 @@ class EventSubscriber:
         if len(payload) > self.max_message_bytes:
             self._oversized(seq, len(payload))
             return
-        # The usual message: the next seq, nothing to check.
-        in_order = self._stream.is_next(seq)
-        if in_order and self._wire is not None:
-            scanned = self._wire.scan(payload)
-            if scanned is not None:  # held undecoded for one apply per drain
-                self._hold(seq, scanned=True)
-                self._held_scanned.append(scanned)
-                self._held_scanned_events += len(scanned)
-                return
+        # The usual message: the next seq, nothing to check. Held as it came, for one apply per drain
+        # (read, and its batch and events counted, then).
+        if self._stream.is_next(seq):
+            self.stats.last_message_at = time.time()
+            self._stream.take_next(seq)
+            if self._held_from is None:
+                self._held_from = seq
+            self._held.append(payload)
+            self._held_bytes += len(payload)
+            return
         try:
             batch = decode_batch(payload)
         except MalformedBatch as exc:
@@ -422,26 +447,7 @@ class EventSubscriber:
             # The seq itself is good: advance it so the next message is not taken for a gap.
             self._advance(seq, None)
             return
-        if in_order:
-            # Held for one apply per drain (batches and event kinds are counted then).
-            self._hold(seq, scanned=False)
-            if batch.skipped_events:
-                self._count_skipped(seq, batch)
-            self._held_events += batch.events
-            self._held_batches.append(batch)
-            return
         self._advance(seq, batch)
-
-    def _hold(self, seq: int, *, scanned: bool) -> None:
-        """Take the in-order message `seq` as held, of one kind (`scanned`, or decoded): held
-        messages of the other kind go to the index first, so the order holds."""
-        other_kind_held = self._held_batches if scanned else self._held_scanned
-        if other_kind_held:
-            self._release_held()
-        self.stats.last_message_at = time.time()
-        self._stream.take_next(seq)
-        if self._held_from is None:
-            self._held_from = seq
 
     def _advance(self, seq: int, batch: DecodedBatch | None) -> None:
         """A live batch that is not simply the next one (or an undecodable one): do what the stream says."""
@@ -588,8 +594,6 @@ class EventSubscriber:
         if batch.events:
             self._apply_events(batch.events, f"seq {seq}")
         self._stream.applied(seq, batch.ts)
-        if self._on_batch is not None:
-            self._on_batch(self.name, batch)
 
     def _count_batch(self, seq: int, batch: DecodedBatch) -> None:
         self.stats.batches += 1
@@ -604,13 +608,15 @@ class EventSubscriber:
     def _apply_events(self, events: list[KVEvent], where: str) -> None:
         self._guarded(self._apply, events, where)
 
-    def _guarded(self, apply: Callable[[Any], None], batch: Any, where: str) -> None:
+    def _guarded(self, apply: Callable[[Any], Any], batch: Any, where: str) -> Any:
+        """`apply(batch)`'s answer, or None when it raised (counted, logged, the backend uncertain)."""
         try:
-            apply(batch)
+            return apply(batch)
         except Exception:  # a bug applying one batch must not end the stream
             self.stats.apply_errors += 1
             self._stream.mark_uncertain(f"{where}: the index failed to apply the batch (see the log)")
             logger.exception("kv events %s: applying %s failed", self.name, where)
+            return None
 
     # ---- replay ----
 
@@ -670,7 +676,6 @@ class EventSubscriber:
             break
         pending: list[KVEvent] = []
         pending_from = seqs[0]
-        applied: list[DecodedBatch] = []
         newest_ts = 0.0
         for seq in seqs:
             batch = decoded[seq] if seq in decoded else self._decode_replayed(seq, batches[seq])
@@ -678,7 +683,6 @@ class EventSubscriber:
                 continue
             newest_ts = max(newest_ts, batch.ts)
             self._count_batch(seq, batch)
-            applied.append(batch)
             pending.extend(batch.events)
             if len(pending) >= _REPLAY_APPLY_CHUNK:
                 self._apply_events(pending, f"replayed seq {pending_from}..{seq}")
@@ -686,9 +690,6 @@ class EventSubscriber:
         if pending:
             self._apply_events(pending, f"replayed seq {pending_from}..{seqs[-1]}")
         self._stream.replayed(list(batches), cleared_at, newest_ts)
-        if self._on_batch is not None:
-            for batch in applied:
-                self._on_batch(self.name, batch)
         return cleared_at, newest_ts
 
     def _decode_replayed(self, seq: int, payload: bytes) -> DecodedBatch | None:
