@@ -6,7 +6,8 @@ engine B's store is reported by B, while engine A, which stored it, announced it
 index alone, that removal finds nothing there, and A keeps a credit for a chunk that is gone
 (shared tiers credit the longest prefix any member holds to all of them). `SharedRemovals` wraps a
 member's apply callables (`wrap`, `wrap_payloads`): every `BlockRemoved` of a shared tier's medium
-it sees is applied to the other members' indexes too (where they never held the chunk it is an unknown removal, a no-op).
+it sees is applied to the other members' indexes too (where they never held the chunk it is an
+unknown removal, a no-op).
 
 Streams are not ordered with each other, so a removal can reach A after A announced the chunk
 again (stored anew after the eviction): A then loses a credit it had, a missed hit, never a false
