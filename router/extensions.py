@@ -21,7 +21,7 @@ if TYPE_CHECKING:
     from router.backends import BackendRegistry, BackendState
     from router.config import Config
     from router.metrics import GatewayMetrics
-    from router.policies.base import RouteRequest
+    from router.route_request import RouteRequest
     from router.upstream import UpstreamPool
 
 # "module:function" factories, called in this order after the gateway's own parts are built.

@@ -12,16 +12,13 @@ the Choice's `state`, its own object, which callers never read. Policies never d
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar, TypedDict
 
 import msgspec
 
-from router.index.keys import DEFAULT_NAMESPACE, Namespace
+from router.route_request import RouteRequest
 
 if TYPE_CHECKING:
-    import numpy as np
-
     from router.backends import BackendState
     from router.cluster import RoutedNote
 
@@ -90,28 +87,6 @@ class PeerPlacement(msgspec.Struct, frozen=True):
 
 
 NO_PEER_PLACEMENT = PeerPlacement([])
-
-
-@dataclass(slots=True)
-class RouteRequest:
-    request_id: str
-    model: str
-    # The parsed JSON body (never modified: the original bytes are forwarded).
-    body: dict
-    # Session key from `x-session-id` or the OpenAI `user` field, if any.
-    session_key: str | None = None
-    # Prompt tokens as the engine will see them (uint32 array); only filled when the policy
-    # asks for them through `needs_tokens`.
-    tokens: np.ndarray | None = None
-    # Cache namespace (LoRA adapter, cache salt) as the request names it: salted prompts never match
-    # unsalted entries. kv_aware looks an unnamed adapter up by `model` (`PrefixIndex.namespace_for`).
-    namespace: Namespace = DEFAULT_NAMESPACE
-    # Bytes of the request body as received: how much parsing it further may cost (the tokenizer
-    # moves large bodies off the event loop).
-    body_size: int = 0
-    # Leading prompt tokens a request preparer (router/extensions.py) knows the backends hold: the
-    # in-flight prefill accounting counts the rest when the policy's Choice has no prefill_tokens.
-    known_cached_tokens: int = 0
 
 
 class Policy:

@@ -31,7 +31,7 @@ from router.tokenize.prompt import PromptTokenizer
 if TYPE_CHECKING:
     from router.backends import BackendState
     from router.config import Config
-    from router.policies.base import RouteRequest
+    from router.route_request import RouteRequest
     from router.upstream import UpstreamPool
 
 logger = logging.getLogger("kvgate.tokenize")
