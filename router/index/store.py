@@ -28,8 +28,9 @@ import contextlib
 import itertools
 import operator
 import threading
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from types import MappingProxyType
 from typing import Any
 
 import numpy as np
@@ -207,6 +208,10 @@ def _record_lost_bits(runs: dict[int, int], bits: int, position: int) -> None:
 
 class PrefixIndex:
     """Per backend and tier, the cached token prefixes announced by KV events."""
+
+    # Backends whose prefixes get no credit, and why: a bare index credits every backend (the
+    # gateway's KVIndexService fills its own from the contract check, router/contract.py).
+    uncredited: Mapping[str, str] = MappingProxyType({})
 
     def __init__(self, *, lock: Any = None) -> None:
         """`lock`: the writer lock (`ingest.writer_lock`: the compiled writer takes it in C);

@@ -49,7 +49,7 @@ import logging
 import math
 import time
 from collections import OrderedDict, deque
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -86,6 +86,9 @@ class KVIndex(Protocol):
     def held_tokens(self, backend: str) -> int: ...
 
     def stats(self, backend: str) -> Any: ...
+
+    # Backends routed by load only, and why (a contract mismatch): they get no shared-tier credit.
+    uncredited: Mapping[str, str]
 
 
 # Recent placements decay with this half-life (seconds): long enough to spread a burst of cold
@@ -510,7 +513,7 @@ class KVAware(CacheAwarePolicy):
                 matches = self.kv_index.longest_cached_prefix(tokens, namespace, backends, keys=keys)
                 if self.shared_tiers:
                     # A backend the contract check found disagreeing gets no shared credit either.
-                    matches = self.shared_tiers.credit(matches, getattr(self.kv_index, "uncredited", ()))
+                    matches = self.shared_tiers.credit(matches, self.kv_index.uncredited)
             state.prefix_keys = keys
         costs: dict[str, float] = {}
         cached: dict[str, int] = {}
