@@ -47,7 +47,7 @@ _lookup_decoder = msgspec.json.Decoder(_LookupBody)
 def stale_holders(index: KVIndexService, backends: Mapping[str, BackendState]) -> dict[str, str]:
     """Backends with KV events whose index entries are not to be trusted now, and why."""
     stale = index.disconnected_streams()
-    for name, reason in getattr(index, "uncredited", {}).items():
+    for name, reason in index.uncredited.items():
         stale[name] = f"{stale[name]}; {reason}" if name in stale else reason
     for name in index.backends():
         backend = backends.get(name)
