@@ -33,6 +33,7 @@ from kvgate_testing.vllm import (
     doc_snippet,
     greedy_output,
     require_vllm,
+    wait_until,
 )
 
 pytestmark = pytest.mark.real_engine
@@ -172,10 +173,20 @@ def test_the_prefill_decode_setup_runs_as_written(tmp_path: Path) -> None:
         assert loaded.get("load_seconds", -1) >= 0, loaded
 
         # The same request colocated: computed whole on the decode engine (salted: nothing shared).
+        writes_before_colocated = daemon_metrics(daemon_url)[WRITES]
         colocated = completion(decode_url, LONG_PROMPT, 12, cache_salt="colocated-reference")
         assert colocated.status_code == 200, colocated.text[:500]
         assert cached_tokens(colocated.json()) == 0
         assert greedy_output(answer) == greedy_output(colocated.json())
+        # A consumer saves nothing, though it computed whole new chunks (a kv_both engine would
+        # store them in the background: give such a save time to land).
+        assert not wait_until(
+            lambda: daemon_metrics(daemon_url)[WRITES] > writes_before_colocated, timeout_s=5
+        ), "the kv_consumer decode engine stored chunks"
+        print(
+            f"pd: direct prefill {params}; split decision {long['estimates']}; decode "
+            f"cached {cached_tokens(answer)} of {prompt_tokens}, {loaded}"
+        )
 
         # The gateway learnt from both reports and saw no transfer miss.
         page = httpx.get(f"{gateway_url}/debug/prefix-map", params={"format": "json"}, timeout=10).json()
