@@ -10,6 +10,7 @@ import contextlib
 import json
 import os
 import random
+import re
 import sys
 import threading
 import time
@@ -38,6 +39,16 @@ CONNECTOR_CONFIG = {
     "kv_connector": "CacheLayerConnector",
     "kv_connector_module_path": "cachelayer.connectors.vllm",
 }
+
+
+def doc_snippet(doc: Path, name: str) -> str:
+    """The fenced block right after `<!-- tested: NAME -->` in `doc` (a doc's command run as written)."""
+    text = doc.read_text()
+    marker = f"<!-- tested: {name} -->"
+    assert marker in text, f"{doc} lost its {marker} block"
+    match = re.match(r"\s*```[a-z]*\n(.*?)\n```", text.split(marker, 1)[1], re.S)
+    assert match, f"no fenced block after {marker}"
+    return match.group(1)
 
 
 def require_vllm() -> None:

@@ -18,7 +18,8 @@ engine computes what its GPU lacks), `colocated_tier` (it loads the rest from a 
 
 For a split, the prompt goes to the prefill engine with `max_tokens: 1`, not streamed, and the plan
 waits for its whole answer: a prefill engine answers only once the store holds the prompt (the
-simulator's `--kv-role prefill` does so; docs/gateway.md says what a real connector needs).
+simulator's `--kv-role prefill` does so, and so does the cache layer's vLLM connector as
+`kv_producer`: docs/vllm.md, "Handoff saves").
 The original request then goes to the decode engine through forward.py's usual loop, which
 retries another decode engine before the first byte; the prefill is never repeated. A prefill that
 fails or times out is retried once on another prefill engine (`prefill_attempts`), then the request

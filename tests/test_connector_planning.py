@@ -74,6 +74,35 @@ def test_a_load_writes_only_blocks_past_the_engine_prefix_hit():
     assert step.saves == []
 
 
+def test_a_consumer_loads_but_never_saves():
+    plan = SchedulerPlanner(chunk_size=CHUNK, block_size=BLOCK, saves=False)
+    prompt = list(range(900))
+    assert plan.matched_tokens("r", prompt, 0, cacheable=True, held_tokens=store_holding(512)) == 512
+    plan.allocated("r", prompt, None, blocks_for(900), 512, cacheable=True)
+    step = StepPlan()
+    plan.scheduled(
+        "r", num_computed_tokens=512, num_scheduled_tokens=388, block_ids=blocks_for(900), plan=step
+    )
+    assert [load.token_ids for load in step.loads] == [prompt[:512]]
+    assert step.saves == []  # a third chunk was computed here, and still not saved
+    assert (plan.external_tokens("r"), plan.loaded_tokens("r")) == (512, 512)
+
+
+def test_a_handoff_request_is_saved_as_a_handoff_and_others_are_not():
+    plan = planner()
+    prompt = list(range(600))
+    for request_id, handoff in (("prefill", True), ("plain", False)):
+        plan.matched_tokens(request_id, prompt, 0, cacheable=True, held_tokens=store_holding(0))
+        plan.allocated(request_id, prompt, None, blocks_for(600), 0, cacheable=True, handoff=handoff)
+    step = StepPlan()
+    for request_id in ("prefill", "plain"):
+        plan.scheduled(
+            request_id, num_computed_tokens=0, num_scheduled_tokens=600, block_ids=blocks_for(600), plan=step
+        )
+    assert {save.request_id: save.handoff for save in step.saves} == {"prefill": True, "plain": False}
+    assert plan.external_tokens("prefill") == 0
+
+
 def test_a_prompt_is_saved_once_when_its_last_token_is_computed_even_with_chunked_prefill():
     plan = planner()
     prompt = list(range(900))

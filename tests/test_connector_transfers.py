@@ -18,6 +18,7 @@ from cachelayer.connectors.transfers import (
     detect_layout,
     load_request,
     save_request,
+    store_now,
 )
 from cachelayer.engine import CacheEngine
 from cachelayer.server import KeySpace, StoreClient, StoreServer
@@ -154,6 +155,49 @@ def test_an_unreachable_daemon_fails_the_load_and_skips_the_save():
         )
         assert failed == {5, 6}
         assert torch.equal(reader.kv_caches[0][5], before)
+    finally:
+        client.close()
+
+
+def test_a_handoff_save_is_in_the_store_when_it_returns_and_reports_what_it_holds():
+    tokens = list(range(2000, 2000 + 5 * BLOCK))  # 2 whole chunks and half a one
+    store = LocalChunkStore(engine())
+    writer, reader = paged(cpu_cache(0)), paged(cpu_cache(1))
+    done = store_now(
+        writer,
+        store,
+        request_id="r",
+        token_ids=tokens,
+        block_ids=[1, 2, 3, 4, 5],
+        cache_salt=None,
+        flush_timeout_s=5,
+    )
+    assert done.tokens == 4 * BLOCK  # the store holds the whole chunks (the tail is not shared)
+    assert [event.kind for event in done.events] == ["stored", "stored"]
+    assert done.seconds >= 0
+    # Visible at once to another reader of the store: no background thread is involved.
+    assert store.lookup(tokens, None) == 4 * BLOCK
+    failed = load_request(
+        reader, store, token_ids=tokens[: 4 * BLOCK], block_ids=[6, 7, 8, 9], first_block=0, cache_salt=None
+    )
+    assert failed == set()
+    assert torch.equal(reader.kv_caches[1][9], writer.kv_caches[1][4])
+
+
+def test_a_handoff_save_to_an_unreachable_daemon_reports_nothing_stored():
+    space = KeySpace(model="m", dtype="bfloat16", num_layers=LAYERS, num_kv_heads=HEADS, head_dim=HEAD_DIM)
+    client = StoreClient(f"tcp://127.0.0.1:{free_port()}", chunk_size=CHUNK, timeout_s=0.2)
+    try:
+        done = store_now(
+            paged(cpu_cache(0)),
+            RemoteChunkStore(client, space),
+            request_id="r",
+            token_ids=list(range(2 * BLOCK)),
+            block_ids=[1, 2],
+            cache_salt=None,
+            flush_timeout_s=1,
+        )
+        assert (done.tokens, done.events) == (0, [])
     finally:
         client.close()
 

@@ -16,7 +16,7 @@ import pytest
 
 from kvgate_testing.ports import free_port
 from kvgate_testing.processes import REPO_ROOT, ManagedProcess, wait_for_http
-from kvgate_testing.vllm import TINY_MODEL, VLLM_START_TIMEOUT_S, VLLM_VENV, require_vllm
+from kvgate_testing.vllm import TINY_MODEL, VLLM_START_TIMEOUT_S, VLLM_VENV, doc_snippet, require_vllm
 
 pytestmark = pytest.mark.real_engine
 
@@ -29,13 +29,7 @@ CPU_ONLY_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1"}
 
 
 def snippet(name: str) -> str:
-    """The fenced block right after `<!-- tested: NAME -->` in the doc."""
-    text = DOC.read_text()
-    marker = f"<!-- tested: {name} -->"
-    assert marker in text, f"{DOC} lost its {marker} block"
-    match = re.match(r"\s*```[a-z]*\n(.*?)\n```", text.split(marker, 1)[1], re.S)
-    assert match, f"no fenced block after {marker}"
-    return match.group(1)
+    return doc_snippet(DOC, name)
 
 
 def test_the_vllm_quickstart_runs_as_written(tmp_path: Path) -> None:

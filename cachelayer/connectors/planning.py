@@ -10,6 +10,9 @@ Rules (the invariants docs/vllm.md names):
   chunks (the store skips chunks it already holds). Generated tokens are not saved.
 - Requests whose KV depends on more than tokens and salt (LoRA adapters, multimodal inputs,
   prompt embeddings) are neither looked up nor saved: never a wrong tensor.
+- A consumer engine (`saves=False`, vLLM's `kv_consumer`) loads and never saves. A handoff
+  request (a producer's prompt whose decode runs on another engine) is saved as a `handoff`:
+  the worker stores it before the step that computed it returns (see docs/vllm.md).
 """
 
 from __future__ import annotations
@@ -37,6 +40,8 @@ class SaveSpec:
     token_ids: list[int]
     block_ids: list[int]
     cache_salt: str | None
+    # Stored before the step returns (the request's first token waits for it), not in the background.
+    handoff: bool = False
 
 
 @dataclass(slots=True)
@@ -56,12 +61,15 @@ class _RequestState:
     loaded_tokens: int = 0
     pending_load: LoadSpec | None = None
     saved: bool = False
+    handoff: bool = False
+    # Tokens the connector loads past the engine's own prefix-cache hit.
+    external_tokens: int = 0
 
 
 class SchedulerPlanner:
     """Tracks every request the scheduler has handed the connector and plans each step's transfers."""
 
-    def __init__(self, *, chunk_size: int, block_size: int) -> None:
+    def __init__(self, *, chunk_size: int, block_size: int, saves: bool = True) -> None:
         if chunk_size % block_size:
             raise ValueError(
                 f"the cache layer's chunk_size {chunk_size} must be a multiple of vLLM's block size "
@@ -70,6 +78,7 @@ class SchedulerPlanner:
             )
         self.chunk_size = chunk_size
         self.block_size = block_size
+        self.saves = saves
         self._requests: dict[str, _RequestState] = {}
         # request id -> (tokens the engine computed itself, tokens the store holds), from the lookup.
         self._lookups: dict[str, tuple[int, int]] = {}
@@ -109,17 +118,20 @@ class SchedulerPlanner:
         num_external_tokens: int,
         *,
         cacheable: bool,
+        handoff: bool = False,
     ) -> None:
-        """The scheduler allocated blocks for the request (update_state_after_alloc)."""
+        """The scheduler allocated blocks for the request (update_state_after_alloc). `handoff`:
+        its prompt is saved before the step that computes it returns."""
         state = self._requests.get(request_id)
         if state is None:
-            state = _RequestState(request_id, list(prompt_token_ids), cache_salt, cacheable)
+            state = _RequestState(request_id, list(prompt_token_ids), cache_salt, cacheable, handoff=handoff)
             self._requests[request_id] = state
         state.block_ids = list(block_ids)
         local_tokens, _ = self._lookups.pop(request_id, (0, 0))
         if num_external_tokens > 0:
             end = local_tokens + num_external_tokens
             state.loaded_tokens = end
+            state.external_tokens = num_external_tokens
             state.pending_load = LoadSpec(
                 request_id=request_id,
                 token_ids=state.prompt_token_ids[:end],
@@ -150,7 +162,7 @@ class SchedulerPlanner:
         if state.pending_load is not None:
             plan.loads.append(state.pending_load)
             state.pending_load = None
-        if state.saved or not state.cacheable:
+        if state.saved or not state.cacheable or not self.saves:
             return
         prompt_length = len(state.prompt_token_ids)
         if num_computed_tokens + num_scheduled_tokens < prompt_length:
@@ -165,8 +177,22 @@ class SchedulerPlanner:
                 token_ids=state.prompt_token_ids[:whole_chunks],
                 block_ids=state.block_ids[: whole_chunks // self.block_size],
                 cache_salt=state.cache_salt,
+                handoff=state.handoff,
             )
         )
+
+    def external_tokens(self, request_id: str) -> int:
+        """Tokens the connector was planned to load for the request (0: none, or untracked)."""
+        state = self._requests.get(request_id)
+        return state.external_tokens if state is not None else 0
+
+    def loaded_tokens(self, request_id: str) -> int:
+        """The prompt prefix the request has once its load landed (its own hit and the load)."""
+        state = self._requests.get(request_id)
+        return state.loaded_tokens if state is not None else 0
+
+    def tracks(self, request_id: str) -> bool:
+        return request_id in self._requests
 
     def finished(self, request_id: str) -> None:
         self._requests.pop(request_id, None)

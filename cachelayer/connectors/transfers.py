@@ -17,7 +17,8 @@ the shared daemon (`RemoteChunkStore`). Both report the chunks a store added or 
 `BackgroundSaver` keeps saves off the step that computed the prompt: the step copies the
 request's blocks out of the paged cache (one copy, `PagedKV.snapshot`), and a background thread
 turns that snapshot into chunks and stores them. Once copied out, the blocks may be freed,
-preempted or reused at once: nothing later reads them.
+preempted or reused at once: nothing later reads them. `store_now` is the synchronous save of a
+handoff (a prefill whose decode runs on another engine): it returns once the store holds it.
 """
 
 from __future__ import annotations
@@ -228,6 +229,10 @@ class ChunkStore(Protocol):
 
     def retrieve(self, tokens: Sequence[int], cache_salt: str | None) -> tuple[int, Tensor | None]: ...
 
+    def flush_remote(self, timeout_s: float) -> bool:
+        """Wait until what was stored has reached the remote tier (if any); False on timeout."""
+        ...
+
 
 class LocalChunkStore:
     """The worker's own CacheEngine (in-process mode)."""
@@ -245,6 +250,9 @@ class LocalChunkStore:
 
     def retrieve(self, tokens: Sequence[int], cache_salt: str | None) -> tuple[int, Tensor | None]:
         return self.engine.retrieve(tokens, cache_salt=cache_salt)
+
+    def flush_remote(self, timeout_s: float) -> bool:
+        return self.engine.flush_remote(timeout_s)
 
     @contextlib.contextmanager
     def held_chunks(self, tokens: Sequence[int], cache_salt: str | None) -> Iterator[list[HeldChunk]]:
@@ -270,6 +278,11 @@ class RemoteChunkStore:
 
     def retrieve(self, tokens: Sequence[int], cache_salt: str | None) -> tuple[int, Tensor | None]:
         return self.client.retrieve(self.space, list(tokens), cache_salt=cache_salt)
+
+    def flush_remote(self, timeout_s: float) -> bool:
+        # The daemon is the store every engine attached to it reads: a store it answered is
+        # visible to all of them. (Its own remote tier, if any, is written behind it.)
+        return True
 
     @contextlib.contextmanager
     def held_chunks(self, tokens: Sequence[int], cache_salt: str | None) -> Iterator[list[HeldChunk]]:
@@ -304,6 +317,7 @@ class RequestLoad:
         layerwise: bool = False,
     ) -> None:
         block_size = paged.block_size
+        self._paged_block_size = block_size
         self._wanted_blocks = list(block_ids[: len(token_ids) // block_size])
         self._first_block = first_block
         self._loaded_blocks = 0
@@ -350,6 +364,15 @@ class RequestLoad:
             self._loaded_blocks = 0
         self.late_layers = late_layers
         return set(self._wanted_blocks[max(self._loaded_blocks, self._first_block) :])
+
+    def loaded_tokens(self, failed: set[int]) -> int:
+        """Tokens that landed past the engine's own hit: the planned blocks up to the first failed."""
+        landed = 0
+        for block in self._wanted_blocks[self._first_block :]:
+            if block in failed:
+                break
+            landed += 1
+        return landed * self._paged_block_size
 
     def _failed(self, exc: StoreUnavailable) -> None:
         log.warning("cachelayer: load failed, vLLM will recompute: %s", exc)
@@ -404,6 +427,38 @@ class CompletedSave:
     tokens: int
     events: list[ChunkEvent]
     seconds: float
+
+
+def store_now(
+    paged: PagedKV,
+    store: ChunkStore,
+    *,
+    request_id: str,
+    token_ids: Sequence[int],
+    block_ids: Sequence[int],
+    cache_salt: str | None,
+    flush_timeout_s: float,
+) -> CompletedSave:
+    """Store a prompt's whole blocks now and wait until the store (and its remote tier, when it
+    writes one) holds them; `tokens` of the result is the leading tokens the store then holds
+    (0 when the store was unreachable: the decode engine will recompute)."""
+    started = time.perf_counter()
+    num_blocks = len(token_ids) // paged.block_size
+    held, events = 0, []
+    if num_blocks:
+        kv = paged.gather(block_ids[:num_blocks])
+        try:
+            held, events = store.store(token_ids[: num_blocks * paged.block_size], kv, cache_salt)
+            if not store.flush_remote(flush_timeout_s):
+                log.warning(
+                    "cachelayer: the remote tier did not take request %s's prompt within %g s",
+                    request_id,
+                    flush_timeout_s,
+                )
+        except StoreUnavailable as exc:
+            log.warning("cachelayer: handoff save of request %s failed: %s", request_id, exc)
+            held = 0
+    return CompletedSave(request_id, cache_salt, held, events, time.perf_counter() - started)
 
 
 @dataclass(slots=True)

@@ -6,6 +6,14 @@ Load it with
 `"kv_connector_extra_config": {"cachelayer_server": "tcp://HOST:PORT"}` to use the shared daemon
 (`cachelayer server`) instead of a store inside the worker.
 
+Roles (`kv_role`): `kv_both` loads and saves (saves finish in the background); `kv_consumer` (a
+decode engine) loads and never saves; `kv_producer` (a prefill engine) loads, and saves every
+prompt as a handoff: the worker stores it before the step that computed it returns, so the
+request's first token, and with it the answer, leaves the engine only once the store holds the
+prompt. A `kv_both` engine saves a request marked `kv_transfer_params: {"do_remote_decode": true}`
+the same way. The answer's `kv_transfer_params` report `stored_tokens`/`store_seconds` and
+`loaded_tokens`/`load_seconds`, which kvgate's gateway learns its costs from.
+
 vLLM makes two instances that share no memory: one in the scheduler process (plans loads and
 saves, answers how many tokens the cache holds) and one per worker (moves KV). The scheduler side
 asks the store over ZMQ: the daemon in daemon mode, or, in the in-process mode, the worker's own
@@ -32,6 +40,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
+    KVConnectorWorkerMetadata,
 )
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
@@ -45,6 +54,7 @@ from cachelayer.connectors.transfers import (
     RemoteChunkStore,
     RequestLoad,
     detect_layout,
+    store_now,
 )
 from cachelayer.controller.auth import secret_from_env
 from cachelayer.server.client import StoreClient, StoreUnavailable
@@ -76,6 +86,13 @@ SHARED_DAEMON_MEDIUM = "SHARED"
 REMOTE_MEDIUM = "REMOTE"
 # Set to a file path to get one JSON line per hook call with its duration (benchmarks read it).
 TIMINGS_ENV = "CACHELAYER_CONNECTOR_TIMINGS"
+# How long a handoff save waits for the remote tier to take the prompt (in-process store only).
+HANDOFF_FLUSH_KEY = "cachelayer_handoff_flush_s"
+# The request field (vLLM's, from its prefill/decode protocol) that marks a prefill whose decode
+# runs on another engine.
+REMOTE_DECODE_FIELD = "do_remote_decode"
+# Finished requests' kv_transfer_params still open for the worker's figures of their last step.
+OPEN_PARAMS_KEPT = 1024
 
 
 # ---- the cache identity contract ----
@@ -153,6 +170,24 @@ def _layer_index(name: str) -> tuple[int, str]:
 @dataclass
 class CacheLayerConnectorMetadata(KVConnectorMetadata):
     plan: StepPlan = field(default_factory=StepPlan)
+
+
+@dataclass
+class CacheLayerWorkerMetadata(KVConnectorWorkerMetadata):
+    """What the workers moved this step, per request: `loaded_tokens`, `load_seconds` (a load),
+    `stored_tokens`, `store_seconds` (a handoff save). Across TP ranks: the fewest tokens and
+    the longest time, since the request needs every rank's shard."""
+
+    transfers: dict[str, dict[str, float]] = field(default_factory=dict)
+
+    def aggregate(self, other: KVConnectorWorkerMetadata) -> CacheLayerWorkerMetadata:
+        if isinstance(other, CacheLayerWorkerMetadata):
+            for request_id, figures in other.transfers.items():
+                mine = self.transfers.setdefault(request_id, dict(figures))
+                for key, value in figures.items():
+                    pick = max if key.endswith("_seconds") else min
+                    mine[key] = pick(mine.get(key, value), value)
+        return self
 
 
 class CacheLayerKVEvents(KVConnectorKVEvents):
@@ -291,6 +326,11 @@ class CacheLayerConnector(KVConnectorBase_V1):
         )
         self.lookup_timeout_s = float(extra.get("cachelayer_timeout_s", 5.0))
         self.layerwise = bool(extra.get(LAYERWISE_KEY, False))
+        self.handoff_flush_s = float(extra.get(HANDOFF_FLUSH_KEY, 30.0))
+        kv_role = self._kv_transfer_config.kv_role
+        # A decode engine never saves; a prefill engine hands every prompt over (see above).
+        self.saves = kv_role != "kv_consumer"
+        self.producer_only = kv_role == "kv_producer"
         self.timings = _HookTimings("scheduler" if role == KVConnectorRole.SCHEDULER else "worker")
         if role == KVConnectorRole.SCHEDULER:
             self._init_scheduler(vllm_config, kv_cache_config)
@@ -305,7 +345,15 @@ class CacheLayerConnector(KVConnectorBase_V1):
     # ======== scheduler side ========
 
     def _init_scheduler(self, vllm_config: VllmConfig, kv_cache_config: KVCacheConfig | None) -> None:
-        self.planner = SchedulerPlanner(chunk_size=self.chunk_size, block_size=self.block_size)
+        self.planner = SchedulerPlanner(
+            chunk_size=self.chunk_size, block_size=self.block_size, saves=self.saves
+        )
+        # Per request, what the workers reported moving (CacheLayerWorkerMetadata), until it finishes.
+        self._transfers: dict[str, dict[str, float]] = {}
+        # Finished requests' kv_transfer_params, filled with their last step's figures: vLLM asks
+        # request_finished before it hands the connector that step's worker output, and sends the
+        # outputs only after both (Scheduler.update_from_output), so the dict can still be filled.
+        self._open_params: dict[str, dict[str, Any]] = {}
         self.space = key_space(vllm_config, kv_cache_config, worker_id=0)
         endpoint = self.server_endpoint or in_process_endpoint(vllm_config)
         self.lookup_client = StoreClient(
@@ -356,6 +404,13 @@ class CacheLayerConnector(KVConnectorBase_V1):
         )
         return matched, False
 
+    def _handoff(self, request: Request) -> bool:
+        """Whether the request's prompt must be in the store before its answer leaves."""
+        if self.producer_only:
+            return True
+        params = getattr(request, "kv_transfer_params", None)
+        return self.saves and isinstance(params, dict) and params.get(REMOTE_DECODE_FIELD) is True
+
     def update_state_after_alloc(
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
     ) -> None:
@@ -367,6 +422,7 @@ class CacheLayerConnector(KVConnectorBase_V1):
             blocks.get_block_ids()[0],
             num_external_tokens,
             cacheable=self._cacheable(request),
+            handoff=self._handoff(request),
         )
         self.timings.record("update_state_after_alloc", started, request_id=request.request_id)
 
@@ -399,14 +455,43 @@ class CacheLayerConnector(KVConnectorBase_V1):
         return CacheLayerConnectorMetadata(plan=plan)
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
-        # A save copies its blocks out within the step that computes the prompt (the store itself
-        # finishes in the background from that copy): the blocks may be freed now.
-        self.planner.finished(request.request_id)
-        return False, None
+        # Every save is done with the blocks within the step that computed the prompt (a handoff
+        # stored, a background save copied out): the blocks may be freed now.
+        request_id = request.request_id
+        planned_load = self.planner.external_tokens(request_id)
+        # What the store is known to hold of the prompt without a save: what was loaded from it.
+        held = self.planner.loaded_tokens(request_id) if planned_load else 0
+        handoff = self.planner.tracks(request_id) and self._handoff(request)
+        self.planner.finished(request_id)
+        figures = self._transfers.pop(request_id, {})
+        if not (planned_load or handoff or figures):
+            return False, None
+        params: dict[str, Any] = {}
+        if planned_load:
+            params["loaded_tokens"] = 0
+        if handoff:
+            params["stored_tokens"] = held
+        params.update(_as_params(figures))
+        if (handoff and "store_seconds" not in params) or (planned_load and "load_seconds" not in params):
+            # This request's last step moved KV whose figures come with that step's worker output.
+            self._open_params[request_id] = params
+            while len(self._open_params) > OPEN_PARAMS_KEPT:
+                self._open_params.pop(next(iter(self._open_params)))
+        return False, params
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         if connector_output.kv_cache_events:
             self._events.extend(connector_output.kv_cache_events.get_all_events())
+        meta = connector_output.kv_connector_worker_meta
+        if isinstance(meta, CacheLayerWorkerMetadata):
+            for request_id, figures in meta.transfers.items():
+                params = self._open_params.get(request_id)
+                if params is not None:
+                    params.update(_as_params(figures))
+                elif self.planner.tracks(request_id):
+                    self._transfers.setdefault(request_id, {}).update(figures)
+        # The step whose output this is has been answered: a dict left open now stays as it is.
+        self._open_params.clear()
 
     def take_events(self):
         events, self._events = self._events, []
@@ -438,6 +523,8 @@ class CacheLayerConnector(KVConnectorBase_V1):
         self._loading: list[tuple[str, float, RequestLoad]] = []
         self._layer_positions: dict[str, int] = {}
         self._step_events: list[KVCacheEvent] = []
+        # What this step loaded and handed off, per request (build_connector_worker_meta).
+        self._step_transfers: dict[str, dict[str, float]] = {}
         # The remote tier's events arrive from the store's writer thread, between steps.
         self._remote_events: list[KVCacheEvent] = []
         self._remote_events_lock = threading.Lock()
@@ -526,6 +613,10 @@ class CacheLayerConnector(KVConnectorBase_V1):
             else:
                 failed = request_load.finish()
                 self._failed_blocks |= failed
+                self._step_transfers.setdefault(load.request_id, {}).update(
+                    loaded_tokens=request_load.loaded_tokens(failed),
+                    load_seconds=time.perf_counter() - started,
+                )
             self.timings.record(
                 "start_load_kv",
                 started,
@@ -552,6 +643,9 @@ class CacheLayerConnector(KVConnectorBase_V1):
         for request_id, started, request_load in loading:
             failed = request_load.finish(layers_awaited=layers_awaited)
             self._failed_blocks |= failed
+            self._step_transfers.setdefault(request_id, {}).update(
+                loaded_tokens=request_load.loaded_tokens(failed), load_seconds=time.perf_counter() - started
+            )
             self.timings.record("layerwise_load", started, request_id=request_id, failed=len(failed))
             if request_load.late_layers and self.layerwise:
                 # The engine did not ask for every layer before reading it (an attention backend
@@ -577,6 +671,9 @@ class CacheLayerConnector(KVConnectorBase_V1):
             return
         for save in metadata.plan.saves:
             started = time.perf_counter()
+            if save.handoff:
+                self._hand_off(save)
+                continue
             self.saver.submit(
                 request_id=save.request_id,
                 token_ids=save.token_ids,
@@ -587,11 +684,42 @@ class CacheLayerConnector(KVConnectorBase_V1):
                 "wait_for_save", started, request_id=save.request_id, tokens=len(save.token_ids)
             )
 
+    def _hand_off(self, save: Any) -> None:
+        """Store a handoff's prompt before this step returns: vLLM sends the step's sampled tokens
+        (the prefill's one token, and so its answer) only after wait_for_save has returned."""
+        assert self.paged is not None and self.store is not None
+        completed = store_now(
+            self.paged,
+            self.store,
+            request_id=save.request_id,
+            token_ids=save.token_ids,
+            block_ids=save.block_ids,
+            cache_salt=save.cache_salt,
+            flush_timeout_s=self.handoff_flush_s,
+        )
+        self._step_transfers.setdefault(save.request_id, {}).update(
+            stored_tokens=completed.tokens, store_seconds=completed.seconds
+        )
+        if self.tp_rank == 0:
+            self._step_events.extend(to_vllm_events(completed.events, completed.cache_salt, self._medium()))
+        self.timings.record_seconds(
+            "handoff_save", completed.seconds, request_id=save.request_id, tokens=completed.tokens
+        )
+
+    def _medium(self) -> str:
+        # The daemon's chunks are every attached engine's, not this engine's CPU tier.
+        return SHARED_DAEMON_MEDIUM if self.server_endpoint else EVENT_MEDIUM
+
+    def build_connector_worker_meta(self) -> CacheLayerWorkerMetadata | None:
+        if not self._step_transfers:
+            return None
+        transfers, self._step_transfers = self._step_transfers, {}
+        return CacheLayerWorkerMetadata(transfers)
+
     def _collect_completed_saves(self) -> None:
         if self.saver is None:
             return
-        # The daemon's chunks are every attached engine's, not this engine's CPU tier.
-        medium = SHARED_DAEMON_MEDIUM if self.server_endpoint else EVENT_MEDIUM
+        medium = self._medium()
         for completed in self.saver.take_completed():
             if self.tp_rank == 0:
                 self._step_events.extend(to_vllm_events(completed.events, completed.cache_salt, medium))
@@ -630,6 +758,11 @@ class CacheLayerConnector(KVConnectorBase_V1):
             self.lookup_server = None
         if isinstance(self.store, RemoteChunkStore):
             self.store.client.close()
+
+
+def _as_params(figures: dict[str, float]) -> dict[str, Any]:
+    """Worker figures as kv_transfer_params: token counts as ints, seconds as floats."""
+    return {key: (float(value) if key.endswith("_seconds") else int(value)) for key, value in figures.items()}
 
 
 # Keep the name vLLM users look for next to the class (kv_connector names the class).
