@@ -759,7 +759,8 @@ def _check_shared_tiers(config: Config, source: str) -> None:
                 "entries the same one"
             )
         for backend in tier.backends:
-            if config.backends and backend not in names:
+            # (a pod found by `discovery:` may be named before it exists)
+            if config.backends and config.discovery is None and backend not in names:
                 raise ConfigError(
                     f"{where}.backends`: unknown backend {backend!r}; configured backends are {sorted(names)}"
                 )

@@ -103,21 +103,15 @@ class DiscoveredBackends:
             with contextlib.suppress(asyncio.CancelledError):
                 await task
 
-    def warnings(self) -> list[dict[str, str]]:
-        """For /health's warnings: the API failing, pods that could not become backends."""
-        found = []
-        if self.watcher.last_error is not None:
-            found.append(
-                {
-                    "kind": "discovery_api",
-                    "subject": "kubernetes",
-                    "message": f"{self.watcher.last_error}; keeping the last known backends",
-                }
-            )
-        found += [
-            {"kind": "discovery_pod", "subject": pod, "message": why} for pod, why in self.skipped.items()
-        ]
-        return found
+    def describe(self) -> dict[str, object]:
+        """For /health: whether the API answers (else its last error: the last known set is kept),
+        the discovered backends, and the pods that could not become backends, with why."""
+        return {
+            "api": "ok" if self.watcher.last_error is None else "failing",
+            "error": self.watcher.last_error,
+            "backends": sorted(self._owned),
+            "skipped": dict(self.skipped),
+        }
 
     # ---- following the endpoint set ----
 

@@ -120,29 +120,6 @@ class EndpointSliceWatcher:
         # Why the API failed last, until a list succeeds again (a routing warning on /health).
         self.last_error: str | None = None
 
-    @classmethod
-    def in_cluster(
-        cls, namespace: str, label_selector: str, on_change: Callable[[dict[str, DiscoveredEndpoint]], None]
-    ) -> EndpointSliceWatcher:
-        """With the pod's service account: the API at KUBERNETES_SERVICE_HOST, its token and CA."""
-        import os
-
-        host, port = os.environ.get("KUBERNETES_SERVICE_HOST"), os.environ.get("KUBERNETES_SERVICE_PORT")
-        if not host or not port:
-            raise DiscoveryError(
-                "discovery: not running in a Kubernetes pod (KUBERNETES_SERVICE_HOST/PORT unset); "
-                "give discovery.api_url and a token instead"
-            )
-        token = (SERVICE_ACCOUNT_DIR / "token").read_text().strip()
-        return cls(
-            f"https://{host}:{port}",
-            namespace,
-            label_selector,
-            token,
-            on_change,
-            str(SERVICE_ACCOUNT_DIR / "ca.crt"),
-        )
-
     async def run(self) -> None:
         """Forever: list, watch, resume; re-list on 410; on failures keep the last set and retry."""
         delay = self._retry_s

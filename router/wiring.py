@@ -120,7 +120,6 @@ class Gateway:
             from router.discovered_backends import DiscoveredBackends
 
             self.discovered = DiscoveredBackends(config.discovery, self.backends)
-            self.routing_warnings.sources.append(self.discovered.warnings)
 
         # 7. What the HTTP app serves (and, when on, the access log of what it forwards).
         self.access_log = (

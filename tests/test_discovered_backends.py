@@ -193,11 +193,12 @@ def test_watch_restarts_410_and_an_api_server_down_keep_the_backends(api, token_
         failures = watcher.counts["failures"]
         await until(lambda: watcher.counts["failures"] >= failures + 2, "failures while the API is down")
         assert {"vllm-0", "vllm-1"} <= set(registry) and registry["vllm-0"].accepting
-        assert [w["kind"] for w in discovered.warnings()] == ["discovery_api"]
+        assert discovered.describe()["api"] == "failing"
+        assert discovered.describe()["backends"] == ["vllm-0", "vllm-1"]
         api.start()
         api.apply(pod_slice("vllm-2", "10.0.0.3"))
         await until(lambda: "vllm-2" in registry, "a change after the outage")
-        assert discovered.warnings() == []
+        assert discovered.describe()["api"] == "ok" and discovered.describe()["error"] is None
         # Through all of it, the pod was never removed nor added twice.
         assert membership.events == [("added", "vllm-0"), ("added", "vllm-1"), ("added", "vllm-2")]
 
@@ -212,10 +213,11 @@ def test_a_403_says_which_rbac_the_service_account_needs(api, token_file, caplog
     caplog.set_level(logging.WARNING, logger="kvgate.discovery")
 
     async def scenario(discovered, registry, membership):
-        await until(lambda: "forbidden" in api.requests and discovered.warnings(), "the refusal")
-        (warning,) = discovered.warnings()
-        assert "403" in warning["message"] and "is forbidden" in warning["message"]
-        assert "get, list and watch on endpointslices (discovery.k8s.io)" in warning["message"]
+        await until(lambda: discovered.describe()["api"] == "failing", "the refusal")
+        assert "forbidden" in api.requests
+        error = discovered.describe()["error"]
+        assert "403" in error and "is forbidden" in error
+        assert "get, list and watch on endpointslices (discovery.k8s.io)" in error
         assert len(registry) == 0
 
     run_discovery(api, token_file, scenario)
@@ -275,6 +277,12 @@ def test_discovery_alone_is_a_valid_configuration_without_backends(token_file):
     assert config.discovery is not None and config.discovery.ports.http == 8000
     with pytest.raises(ConfigError, match="no backends; list at least one, add `discovery:`"):
         parse_config({"models": [{"name": "m"}]})
+    # A shared tier may name pods discovery will find (a StatefulSet's names are known in advance).
+    static = [{"name": "static-0", "url": "http://127.0.0.1:9000"}]
+    tiers = [{"name": "cpu", "backends": ["static-0", "vllm-0"]}]
+    parse_config({**config_with(section, static), "shared_tiers": tiers})
+    with pytest.raises(ConfigError, match="unknown backend 'vllm-0'"):
+        parse_config({"models": [{"name": "m"}], "backends": static, "shared_tiers": tiers})
 
 
 @pytest.mark.parametrize(

@@ -3,17 +3,23 @@ API on loopback (real HTTP, list + watch) names simulated engines (`kvgate sim`,
 real KV-event streams) as pods, beside a backend from the file. A pod that becomes ready is routed
 to and its KV events indexed; a terminating one gets no new request; a vanished one leaves the
 registry and the index; an API server that goes down (and comes back with its history compacted:
-410, a re-list) drops none of the backends; the file's backend stays throughout."""
+410, a re-list) drops none of the backends; the file's backend stays throughout. Without
+credentials, `kvgate serve` stops at start with what to give."""
 
 from __future__ import annotations
 
+import os
+import subprocess
 from pathlib import Path
 from urllib.parse import urlsplit
 
 import httpx
+import yaml
 
 from kvgate_testing.fake_kube_api import FakeKubeAPI, endpoint_slice
 from kvgate_testing.gateway import start_gateway
+from kvgate_testing.ports import free_port
+from kvgate_testing.processes import REPO_ROOT, python_command
 from kvgate_testing.sim_fleet import EVENTS_TOPIC, MODEL, Engine, EngineFleet
 from kvgate_testing.waiting import wait_for
 
@@ -105,6 +111,7 @@ def test_the_gateway_follows_pods_by_label_routes_to_them_and_indexes_their_even
             wait_for(lambda: indexed_blocks(url, "vllm-a") > 0, 30, "vllm-a's KV events in the index")
             health = httpx.get(f"{url}/health", timeout=10).json()
             assert health["backends"] == {"static-0": "healthy", "vllm-a": "healthy"}
+            assert health["discovery"]["api"] == "ok" and health["discovery"]["backends"] == ["vllm-a"]
 
             # The API server goes down: the set stays. It comes back having compacted its history
             # (the watch gets 410, the gateway lists again) while vllm-b became ready.
@@ -112,6 +119,11 @@ def test_the_gateway_follows_pods_by_label_routes_to_them_and_indexes_their_even
             api.apply(pod_slice("vllm-b", pod_b))
             api.compact()
             assert set(backends(url)) == {"static-0", "vllm-a"}
+            wait_for(
+                lambda: httpx.get(f"{url}/health", timeout=10).json()["discovery"]["api"] == "failing",
+                30,
+                "/health saying the API fails",
+            )
             served_by_a = backends(url)["vllm-a"]["requests_total"]
             api.start()
             wait_for(lambda: "vllm-b" in backends(url), 30, "the pod the re-list found")
@@ -139,3 +151,27 @@ def test_the_gateway_follows_pods_by_label_routes_to_them_and_indexes_their_even
     finally:
         fleet.stop()
         api.stop()
+
+
+def test_serve_without_in_cluster_credentials_stops_at_start_saying_what_to_give(tmp_path: Path):
+    config_path = tmp_path / "proxy.yaml"
+    config_path.write_text(
+        yaml.safe_dump(
+            {"models": [{"name": MODEL}], "discovery": {"kubernetes": {"label_selector": "app=vllm"}}}
+        )
+    )
+    env = {key: value for key, value in os.environ.items() if not key.startswith("KUBERNETES_SERVICE")}
+    result = subprocess.run(
+        python_command("-m", "router.cli", "serve", "--config", str(config_path), "--port", str(free_port())),
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=REPO_ROOT,
+        env=dict(env, PYTHONPATH=str(REPO_ROOT)),
+    )
+    assert result.returncode == 2, result.stderr
+    (line,) = result.stderr.strip().splitlines()
+    assert (
+        f"{config_path}: invalid configuration at `discovery.kubernetes`: no in-cluster credentials" in line
+    )
+    assert "or set discovery.kubernetes.api_server and token_file" in line
