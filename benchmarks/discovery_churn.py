@@ -248,6 +248,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "p99_terminating_to_drained_s": _percentile(terminating_to_drained, 0.99),
             "p50_terminating_to_drained_s": _percentile(terminating_to_drained, 0.5),
             "requests_to_terminating": len(to_terminating),
+            # How long after its pod's API change each of those was sent: the watch's propagation
+            # window (the gateway cannot know before the event reaches it).
+            "requests_to_terminating_sent_after_s": sorted(
+                sent - terminating_at[backend] for sent, backend in to_terminating
+            ),
             "failed_requests": len(failed),
             "requests": len(records),
             "failed_by_status": failed_by_status,
@@ -296,7 +301,9 @@ def write_markdown(results: dict[str, Any], path: Path) -> None:
         f"| terminating -> drained, p50 / p99 | {ms(results['p50_terminating_to_drained_s'])} / "
         f"{ms(results['p99_terminating_to_drained_s'])} |",
         f"| requests sent after their pod was marked terminating, answered by it | "
-        f"{results['requests_to_terminating']} |",
+        f"{results['requests_to_terminating']} (sent "
+        f"{', '.join(ms(after) for after in results['requests_to_terminating_sent_after_s']) or '-'} "
+        "after the change) |",
         f"| failed requests | {results['failed_requests']} of {results['requests']} |",
         f"| pods never seen routable | {results['pods_never_routable']} |",
         f"| pods that answered requests | {results['pods_routed_to']} |",
