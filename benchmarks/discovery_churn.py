@@ -41,7 +41,7 @@ import httpx
 from kvgate_testing.fake_kube_api import FakeKubeAPI, endpoint_slice
 from kvgate_testing.gateway import start_gateway
 from kvgate_testing.processes import exit_on_sigterm
-from kvgate_testing.provenance import with_source
+from kvgate_testing.provenance import run_source, with_source
 from kvgate_testing.sim_fleet import EVENTS_TOPIC, MODEL, Engine, EngineFleet
 
 NAMESPACE = "llm"
@@ -241,43 +241,39 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     for _, backend, status in records:
         if status == 200 and backend is not None:
             answered_by[backend] = answered_by.get(backend, 0) + 1
-    return with_source(
-        {
-            "p99_ready_to_routable_s": _percentile(ready_to_routable, 0.99),
-            "p50_ready_to_routable_s": _percentile(ready_to_routable, 0.5),
-            "p99_terminating_to_drained_s": _percentile(terminating_to_drained, 0.99),
-            "p50_terminating_to_drained_s": _percentile(terminating_to_drained, 0.5),
-            "requests_to_terminating": len(to_terminating),
-            # How long after its pod's API change each of those was sent: the watch's propagation
-            # window (the gateway cannot know before the event reaches it).
-            "requests_to_terminating_sent_after_s": sorted(
-                sent - terminating_at[backend] for sent, backend in to_terminating
-            ),
-            "failed_requests": len(failed),
-            "requests": len(records),
-            "failed_by_status": failed_by_status,
-            # When the first and last failure were sent, seconds from the start of the churn.
-            "failed_between_s": [failed[0][0], failed[-1][0]] if failed else None,
-            "pods": args.pods,
-            "pods_never_routable": sum(1 for entry in per_pod.values() if entry["never_routable"]),
-            "pods_routed_to": len(answered_by),
-            "gateway_tracebacks": len(bug_lines),
-            "meta": {
-                "engines": args.engines,
-                "clients": args.clients,
-                "duration_s": args.duration_s,
-                "initial_pods": args.initial,
-                "poll_interval_s": POLL_INTERVAL_S,
-                "observer_polls": observer.polls,
-                "wall_s": wall_s,
-                "seed": args.seed,
-                "mean_ready_to_routable_s": statistics.fmean(ready_to_routable)
-                if ready_to_routable
-                else None,
-            },
-            "per_pod": per_pod,
-        }
-    )
+    return {
+        "p99_ready_to_routable_s": _percentile(ready_to_routable, 0.99),
+        "p50_ready_to_routable_s": _percentile(ready_to_routable, 0.5),
+        "p99_terminating_to_drained_s": _percentile(terminating_to_drained, 0.99),
+        "p50_terminating_to_drained_s": _percentile(terminating_to_drained, 0.5),
+        "requests_to_terminating": len(to_terminating),
+        # How long after its pod's API change each of those was sent: the watch's propagation
+        # window (the gateway cannot know before the event reaches it).
+        "requests_to_terminating_sent_after_s": sorted(
+            sent - terminating_at[backend] for sent, backend in to_terminating
+        ),
+        "failed_requests": len(failed),
+        "requests": len(records),
+        "failed_by_status": failed_by_status,
+        # When the first and last failure were sent, seconds from the start of the churn.
+        "failed_between_s": [failed[0][0], failed[-1][0]] if failed else None,
+        "pods": args.pods,
+        "pods_never_routable": sum(1 for entry in per_pod.values() if entry["never_routable"]),
+        "pods_routed_to": len(answered_by),
+        "gateway_tracebacks": len(bug_lines),
+        "meta": {
+            "engines": args.engines,
+            "clients": args.clients,
+            "duration_s": args.duration_s,
+            "initial_pods": args.initial,
+            "poll_interval_s": POLL_INTERVAL_S,
+            "observer_polls": observer.polls,
+            "wall_s": wall_s,
+            "seed": args.seed,
+            "mean_ready_to_routable_s": statistics.fmean(ready_to_routable) if ready_to_routable else None,
+        },
+        "per_pod": per_pod,
+    }
 
 
 def write_markdown(results: dict[str, Any], path: Path) -> None:
@@ -286,6 +282,8 @@ def write_markdown(results: dict[str, Any], path: Path) -> None:
     def ms(value: float | None) -> str:
         return "n/a" if value is None else f"{value * 1000:.0f} ms"
 
+    after = results["requests_to_terminating_sent_after_s"]
+    sent_after = f" (sent {', '.join(ms(value) for value in after)} after the change)" if after else ""
     lines = [
         "# Discovery under churn (benchmarks/discovery_churn.py)",
         "",
@@ -301,9 +299,7 @@ def write_markdown(results: dict[str, Any], path: Path) -> None:
         f"| terminating -> drained, p50 / p99 | {ms(results['p50_terminating_to_drained_s'])} / "
         f"{ms(results['p99_terminating_to_drained_s'])} |",
         f"| requests sent after their pod was marked terminating, answered by it | "
-        f"{results['requests_to_terminating']} (sent "
-        f"{', '.join(ms(after) for after in results['requests_to_terminating_sent_after_s']) or '-'} "
-        "after the change) |",
+        f"{results['requests_to_terminating']}{sent_after} |",
         f"| failed requests | {results['failed_requests']} of {results['requests']} |",
         f"| pods never seen routable | {results['pods_never_routable']} |",
         f"| pods that answered requests | {results['pods_routed_to']} |",
@@ -349,9 +345,10 @@ def main() -> None:
     parser.add_argument("--output", default="benchmarks/results/discovery")
     args = parser.parse_args()
     signal.signal(signal.SIGTERM, exit_on_sigterm)
-    results = run(args)
+    run_source()  # the source as the run starts, not as it ends
+    results = with_source(run(args))
     output = Path(args.output)
-    output.with_suffix(".json").write_text(json.dumps(results, indent=2) + "\n")
+    output.with_suffix(".json").write_text(json.dumps(with_source(results), indent=2) + "\n")
     write_markdown(results, output.with_suffix(".md"))
     write_plot(results, output.with_suffix(".png"))
     _log(
