@@ -120,6 +120,9 @@ class DiscoveredBackends:
         for pod, endpoint in endpoints.items():
             spec = self._spec(endpoint)
             if spec is None:
+                backend = self.registry.get(pod) if pod in self._owned else None
+                if backend is not None:
+                    backend.draining = True  # it was a backend, and its slice no longer says how
                 continue
             owned_url = self._owned.get(pod)
             if owned_url is None:

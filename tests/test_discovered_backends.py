@@ -255,6 +255,10 @@ def test_the_role_comes_from_the_slice_label_and_a_bad_value_or_port_skips_the_p
         assert "kvgate/role='fast' is not a role" in discovered.skipped["odd-0"]
         assert "no port named 'kv-events'" in discovered.skipped["bare-0"]
         assert set(registry) == {"prefill-0", "any-0"}
+        # A backend whose slice stops naming its ports is drained, not left taking traffic.
+        api.apply(endpoint_slice("vllm-any-0", SERVICE, {"any-0": {"address": "10.0.0.2"}}, 8000))
+        await until(lambda: registry["any-0"].draining, "the pod without its ports drained")
+        assert "no port named 'kv-events'" in discovered.skipped["any-0"]
 
     run_discovery(api, token_file, scenario, role_label="kvgate/role", default_role="decode")
 
