@@ -26,12 +26,21 @@ from urllib.parse import parse_qs, urlsplit
 SLICES_PATH = "/apis/discovery.k8s.io/v1/namespaces/{namespace}/endpointslices"
 
 
-def endpoint_slice(name: str, service: str, pods: dict[str, dict[str, Any]], port: int) -> dict[str, Any]:
-    """An EndpointSlice of `service`: `pods` maps pod name -> {address, ready, terminating}."""
+def endpoint_slice(
+    name: str,
+    service: str,
+    pods: dict[str, dict[str, Any]],
+    port: int,
+    more_ports: dict[str, int] | None = None,
+    labels: dict[str, str] | None = None,
+) -> dict[str, Any]:
+    """An EndpointSlice of `service`: `pods` maps pod name -> {address, ready, terminating}; `port` is
+    the one named `http`, `more_ports` more named ports, `labels` more labels (the Service's)."""
+    named_ports = {"http": port, **(more_ports or {})}
     return {
         "apiVersion": "discovery.k8s.io/v1",
         "kind": "EndpointSlice",
-        "metadata": {"name": name, "labels": {"kubernetes.io/service-name": service}},
+        "metadata": {"name": name, "labels": {"kubernetes.io/service-name": service, **(labels or {})}},
         "addressType": "IPv4",
         "endpoints": [
             {
@@ -45,7 +54,7 @@ def endpoint_slice(name: str, service: str, pods: dict[str, dict[str, Any]], por
             }
             for pod_name, pod in pods.items()
         ],
-        "ports": [{"name": "http", "port": port, "protocol": "TCP"}],
+        "ports": [{"name": key, "port": number, "protocol": "TCP"} for key, number in named_ports.items()],
     }
 
 
@@ -90,7 +99,9 @@ class FakeKubeAPI:
         self._watch_generation = 0
         self._down = False  # stopped: a handler still running ends its watch
         self._server: ThreadingHTTPServer | None = None
-        self.requests: list[str] = []  # "list" / "watch RV" / "unauthorized", in order
+        # Tokens that authenticate but whose account has no RBAC grant on endpointslices: 403.
+        self.forbidden_tokens: set[str] = set()
+        self.requests: list[str] = []  # "list" / "watch RV" / "unauthorized" / "forbidden", in order
 
     # ---- the test's side ----
 
@@ -190,9 +201,21 @@ class _Handler(BaseHTTPRequestHandler):
         fake = self.fake
         parts = urlsplit(self.path)
         query = {key: values[-1] for key, values in parse_qs(parts.query).items()}
-        if self.headers.get("Authorization") != f"Bearer {fake.token}":
+        if self.headers.get("Authorization") not in (
+            f"Bearer {token}" for token in (fake.token, *fake.forbidden_tokens)
+        ):
             fake.requests.append("unauthorized")
             self._send_json(401, _status(401, "Unauthorized", "Unauthorized"))
+            return
+        given = self.headers.get("Authorization", "").removeprefix("Bearer ")
+        if given in fake.forbidden_tokens:
+            fake.requests.append("forbidden")
+            message = (
+                'endpointslices.discovery.k8s.io is forbidden: User "system:serviceaccount:'
+                f'{fake.namespace}:kvgate-gateway" cannot list resource "endpointslices" in API group '
+                f'"discovery.k8s.io" in the namespace "{fake.namespace}"'
+            )
+            self._send_json(403, _status(403, "Forbidden", message))
             return
         if parts.path != SLICES_PATH.format(namespace=fake.namespace):
             self._send_json(404, _status(404, "NotFound", f"{parts.path} not found"))

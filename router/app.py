@@ -156,6 +156,8 @@ def create_app(
         # the gateway answers, but kv_aware routes part of its traffic without seeing the caches.
         if gateway.routing_warnings.latest:
             body["warnings"] = gateway.routing_warnings.latest
+        if gateway.discovered is not None:  # `discovery:`: is the Kubernetes API answering?
+            body["discovery"] = gateway.discovered.describe()
         return JSONResponse(body, status_code=200 if accepting else 503)
 
     async def metrics(request: Request) -> Response:

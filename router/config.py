@@ -17,6 +17,7 @@ import msgspec
 import yaml
 
 from kvgate_common.yaml_errors import with_bad_value, yaml_syntax_error
+from router.discovery_config import Discovery, DiscoveryConfigError, check_discovery
 from router.errors import KvgateError
 
 
@@ -508,6 +509,8 @@ class Config(_Struct):
     access_log: AccessLog = msgspec.field(default_factory=AccessLog)
     contract_check: ContractCheck = msgspec.field(default_factory=ContractCheck)
     epp: Epp = msgspec.field(default_factory=Epp)
+    # Backends found by label through the Kubernetes API (router/discovery_config.py).
+    discovery: Discovery | None = None
     log_level: Literal["debug", "info", "warning", "error"] = "info"
 
     def model(self, name: str) -> Model | None:
@@ -624,10 +627,16 @@ def _check_semantics(config: Config, source: str, base_dir: Path | None) -> None
             f"{source}: invalid configuration at `cluster`: replicas sync through Redis, and the redis "
             "client is not installed; pip install 'kvgate[cluster]' (or remove `cluster:`)"
         )
-    if not config.backends and not (config.launch and config.launch.simulated_engines):
+    if config.discovery is not None:
+        try:
+            check_discovery(config.discovery, model_names, base_dir)
+        except DiscoveryConfigError as exc:
+            raise ConfigError(f"{source}: invalid configuration at `{exc.key}`: {exc}") from None
+    found_later = config.discovery is not None or (config.launch and config.launch.simulated_engines)
+    if not config.backends and not found_later:
         raise ConfigError(
             f"{source}: invalid configuration at `backends`: no backends; list at least one, "
-            "or add `launch: {simulated_engines: {count: N}}`"
+            "add `discovery:` (found by label), or `launch: {simulated_engines: {count: N}}`"
         )
 
 
@@ -750,7 +759,8 @@ def _check_shared_tiers(config: Config, source: str) -> None:
                 "entries the same one"
             )
         for backend in tier.backends:
-            if config.backends and backend not in names:
+            # (a pod found by `discovery:` may be named before it exists)
+            if config.backends and config.discovery is None and backend not in names:
                 raise ConfigError(
                     f"{where}.backends`: unknown backend {backend!r}; configured backends are {sorted(names)}"
                 )

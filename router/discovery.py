@@ -54,9 +54,14 @@ class DiscoveredEndpoint:
     ports: tuple[tuple[str, int], ...]  # (port name, number), as the slice lists them
     ready: bool
     terminating: bool
+    # The labels of the slice that lists it (a Service's slices copy its labels: the engine's role).
+    labels: tuple[tuple[str, str], ...] = ()
 
     def port(self, name: str) -> int | None:
         return dict(self.ports).get(name)
+
+    def label(self, key: str) -> str | None:
+        return dict(self.labels).get(key)
 
 
 def endpoints_of(slices: dict[str, dict[str, Any]]) -> dict[str, DiscoveredEndpoint]:
@@ -67,6 +72,7 @@ def endpoints_of(slices: dict[str, dict[str, Any]]) -> dict[str, DiscoveredEndpo
         ports = tuple(
             (port.get("name") or "", int(port["port"])) for port in obj.get("ports") or [] if "port" in port
         )
+        labels = tuple(sorted(((obj.get("metadata") or {}).get("labels") or {}).items()))
         for endpoint in obj.get("endpoints") or []:
             addresses = endpoint.get("addresses") or []
             target = endpoint.get("targetRef") or {}
@@ -76,7 +82,7 @@ def endpoints_of(slices: dict[str, dict[str, Any]]) -> dict[str, DiscoveredEndpo
             terminating = bool(conditions.get("terminating", False))
             # `ready` unset means ready (the API's rule); a terminating endpoint is never ready.
             ready = conditions.get("ready") is not False and not terminating
-            pod = DiscoveredEndpoint(target["name"], addresses[0], ports, ready, terminating)
+            pod = DiscoveredEndpoint(target["name"], addresses[0], ports, ready, terminating, labels)
             earlier = found.get(pod.pod)
             if earlier is None or (pod.ready and not earlier.ready):
                 found[pod.pod] = pod
@@ -111,29 +117,8 @@ class EndpointSliceWatcher:
         self.endpoints: dict[str, DiscoveredEndpoint] = {}
         # What happened, for /metrics and the tests: lists, watches, gone (410), failures, bookmarks.
         self.counts = {"lists": 0, "watches": 0, "gone": 0, "failures": 0, "bookmarks": 0}
-
-    @classmethod
-    def in_cluster(
-        cls, namespace: str, label_selector: str, on_change: Callable[[dict[str, DiscoveredEndpoint]], None]
-    ) -> EndpointSliceWatcher:
-        """With the pod's service account: the API at KUBERNETES_SERVICE_HOST, its token and CA."""
-        import os
-
-        host, port = os.environ.get("KUBERNETES_SERVICE_HOST"), os.environ.get("KUBERNETES_SERVICE_PORT")
-        if not host or not port:
-            raise DiscoveryError(
-                "discovery: not running in a Kubernetes pod (KUBERNETES_SERVICE_HOST/PORT unset); "
-                "give discovery.api_url and a token instead"
-            )
-        token = (SERVICE_ACCOUNT_DIR / "token").read_text().strip()
-        return cls(
-            f"https://{host}:{port}",
-            namespace,
-            label_selector,
-            token,
-            on_change,
-            str(SERVICE_ACCOUNT_DIR / "ca.crt"),
-        )
+        # Why the API failed last, until a list succeeds again (a routing warning on /health).
+        self.last_error: str | None = None
 
     async def run(self) -> None:
         """Forever: list, watch, resume; re-list on 410; on failures keep the last set and retry."""
@@ -151,6 +136,7 @@ class EndpointSliceWatcher:
                     self._version = None
                 except (httpx.HTTPError, OSError, DiscoveryError) as exc:
                     self.counts["failures"] += 1
+                    self.last_error = str(exc)
                     log.warning(
                         "discovery: the Kubernetes API failed (%s); keeping the last %d endpoints, "
                         "retrying in %.1f s",
@@ -171,6 +157,7 @@ class EndpointSliceWatcher:
         listing = json.loads(body)
         self._slices = {obj["metadata"]["name"]: obj for obj in listing.get("items") or []}
         self._version = listing["metadata"]["resourceVersion"]
+        self.last_error = None
         self._publish()
 
     async def _watch(self, client: httpx.AsyncClient) -> None:
@@ -186,6 +173,7 @@ class EndpointSliceWatcher:
         async with client.stream("GET", self._url, params=params, timeout=timeout) as response:
             if response.status_code != 200:
                 self._check_status(response.status_code, await self._bounded_body(response, MAX_EVENT_BYTES))
+            self.last_error = None
             buffer = b""
             async for chunk in response.aiter_bytes():
                 buffer += chunk

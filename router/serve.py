@@ -234,7 +234,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         try:
             app = create_app(config)
-        except PolicyUnavailable as exc:
+        except (PolicyUnavailable, ConfigError) as exc:  # ConfigError: discovery's credentials
             print(f"kvgate: {source}: {exc}", file=sys.stderr)
             return 2
         server = _server_class()(

@@ -6,7 +6,8 @@
 3. the tokenizer (router/tokenize/): the request preparer of the policies that route by tokens;
 4. the extensions (router/extensions.py), which may hand the policy another index or add a preparer;
 5. the policy (router/policies/), given the index, the metrics registry and the shared tiers;
-6. the replica sync (`cluster:`), the health checker, the routing warnings;
+6. the replica sync (`cluster:`), the health checker, the routing warnings, the backends found by
+   label (`discovery:`, router/discovered_backends.py);
 7. what the HTTP app serves: the forwarding context (with the prefill/decode disaggregation, when
    configured), /debug/prefix-map and /lookup.
 router/app.py serves them over HTTP; `start()`/`stop()` run in the app's lifespan.
@@ -112,6 +113,13 @@ class Gateway:
         self.routing_warnings.sources.append(self.contract.warnings)
         for extension in self.extensions:
             self.backends.listen(extension)
+        # Backends found by label (`discovery:`), into the same registry; its credentials now, so
+        # that a gateway that cannot reach the API refuses to start with the reason.
+        self.discovered = None
+        if config.discovery is not None:
+            from router.discovered_backends import DiscoveredBackends
+
+            self.discovered = DiscoveredBackends(config.discovery, self.backends)
 
         # 7. What the HTTP app serves (and, when on, the access log of what it forwards).
         self.access_log = (
@@ -161,10 +169,14 @@ class Gateway:
             await extension.start()
         # The configured backends: the index subscribes to their events, the extensions hear of them.
         self.backends.announce()
+        if self.discovered is not None:
+            self.discovered.start()  # after announce(): its backends reach the listeners as they join
         if self.cluster is not None:
             await self.cluster.start()
 
     async def stop(self) -> None:
+        if self.discovered is not None:
+            await self.discovered.stop()
         if self.cluster is not None:
             await self.cluster.stop()
         for extension in reversed(self.extensions):

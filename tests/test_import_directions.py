@@ -138,6 +138,7 @@ def test_a_package_imports_nothing_of_the_packages_it_must_not_know(package: str
 ROUTER_PARTS = {
     "router": "ground",
     "router.config": "ground",
+    "router.discovery_config": "ground",
     "router.errors": "ground",
     "router.backends": "ground",
     "router.metrics": "ground",

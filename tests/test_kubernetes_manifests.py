@@ -158,6 +158,52 @@ def test_the_cluster_component_is_the_base_config_plus_cluster_sync(monkeypatch)
     )
 
 
+def test_the_discovery_component_grants_list_and_watch_on_endpointslices_to_the_gateway_only():
+    # The component replaces proxy.yaml whole: the base's, with `discovery:` instead of `backends:`.
+    base = yaml.safe_load((KUBERNETES / "base" / "proxy.yaml").read_text())
+    found = yaml.safe_load((KUBERNETES / "components" / "discovery" / "proxy.yaml").read_text())
+    discovery = found.pop("discovery")
+    base.pop("backends")
+    assert found == base
+    assert discovery["kubernetes"].get("api_server") is None  # in-cluster credentials
+    objects = render("standalone-discovery")
+    _, config = gateway_proxy_yaml(objects)
+    assert config["discovery"] == discovery and "backends" not in config
+    # One Role: get, list, watch on EndpointSlices, nothing more, in the gateway's namespace
+    # (a Role, not a ClusterRole), bound to the account the gateway's pods run as, whose token
+    # they mount.
+    assert [o["kind"] for o in objects if o["kind"] in ("ClusterRole", "ClusterRoleBinding")] == []
+    role = find(objects, "Role", "kvgate-discovery")
+    assert role["rules"] == [
+        {
+            "apiGroups": ["discovery.k8s.io"],
+            "resources": ["endpointslices"],
+            "verbs": ["get", "list", "watch"],
+        }
+    ]
+    binding = find(objects, "RoleBinding", "kvgate-discovery")
+    assert binding["roleRef"] == {
+        "apiGroup": "rbac.authorization.k8s.io",
+        "kind": "Role",
+        "name": "kvgate-discovery",
+    }
+    pod = find(objects, "Deployment", "kvgate-gateway")["spec"]["template"]["spec"]
+    assert binding["subjects"] == [
+        {"kind": "ServiceAccount", "name": pod["serviceAccountName"], "namespace": "kvgate"}
+    ]
+    assert pod["automountServiceAccountToken"] is True
+    assert find(objects, "ServiceAccount", pod["serviceAccountName"])["automountServiceAccountToken"] is True
+    # Without the component, the gateway gets no API token at all.
+    plain = render("standalone")
+    assert (
+        find(plain, "Deployment", "kvgate-gateway")["spec"]["template"]["spec"][
+            "automountServiceAccountToken"
+        ]
+        is False
+    )
+    assert not [o for o in plain if o["kind"] in ("Role", "RoleBinding")]
+
+
 def test_the_dashboard_config_map_is_deploy_grafanas_dashboard():
     objects = render("standalone")
     config_map = find(objects, "ConfigMap", "kvgate-grafana-dashboard")
