@@ -25,6 +25,8 @@ from typing import Any
 
 import httpx
 
+from router.errors import KvgateError
+
 log = logging.getLogger("kvgate.discovery")
 
 # In-cluster credentials, where Kubernetes mounts a pod's service-account token and CA.
@@ -37,11 +39,11 @@ MAX_LIST_BYTES = 64 << 20
 WATCH_TIMEOUT_S = 300
 
 
-class Gone(Exception):
+class Gone(KvgateError):
     """The server no longer holds the resourceVersion a watch asked for (410): re-list."""
 
 
-class DiscoveryError(Exception):
+class DiscoveryError(KvgateError):
     """The API answered something a client cannot use (not a transient failure)."""
 
 

@@ -13,6 +13,8 @@ from urllib.parse import urlsplit
 
 import msgspec
 
+from router.errors import KvgateError
+
 # A label value or port name as Kubernetes allows it (a DNS-1123 label, or a name of 63 characters).
 _PORT_NAME = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"
 PortRef = (
@@ -126,7 +128,9 @@ def check_discovery(discovery: Discovery, model_names: list[str], base_dir: Path
             )
 
 
-class DiscoveryConfigError(ValueError):
+class DiscoveryConfigError(KvgateError, ValueError):
+    """A `discovery:` setting that cannot work, with the key it names (router/config.py words it)."""
+
     def __init__(self, key: str, message: str):
         super().__init__(message)
         self.key = key
