@@ -66,7 +66,8 @@ def finish(stream: ExtProcStream, status: int = 200) -> None:
 
 
 def in_flight(fleet: Fleet) -> dict[str, int]:
-    return {backend["name"]: backend["in_flight"] for backend in fleet.client.get("/backends").json()["backends"]}
+    listed = fleet.client.get("/backends").json()["backends"]
+    return {backend["name"]: backend["in_flight"] for backend in listed}
 
 
 @pytest.mark.parametrize("mode", MODES)
