@@ -109,7 +109,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         try:
             app = create_app(config, proxy=False, faces=[EppServer(config)])
-        except PolicyUnavailable as exc:
+        except (PolicyUnavailable, ConfigError) as exc:  # ConfigError: discovery's credentials
             print(f"kvgate: {args.config}: {exc}", file=sys.stderr)
             return 2
         # The asyncio loop, not uvloop: grpc.aio runs on the standard event loop.
