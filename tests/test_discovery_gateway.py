@@ -14,6 +14,7 @@ from pathlib import Path
 from urllib.parse import urlsplit
 
 import httpx
+import pytest
 import yaml
 
 from kvgate_testing.fake_kube_api import FakeKubeAPI, endpoint_slice
@@ -153,7 +154,8 @@ def test_the_gateway_follows_pods_by_label_routes_to_them_and_indexes_their_even
         api.stop()
 
 
-def test_serve_without_in_cluster_credentials_stops_at_start_saying_what_to_give(tmp_path: Path):
+@pytest.mark.parametrize("face", ["serve", "epp"])
+def test_a_face_without_in_cluster_credentials_stops_at_start_saying_what_to_give(tmp_path: Path, face: str):
     config_path = tmp_path / "proxy.yaml"
     config_path.write_text(
         yaml.safe_dump(
@@ -162,7 +164,7 @@ def test_serve_without_in_cluster_credentials_stops_at_start_saying_what_to_give
     )
     env = {key: value for key, value in os.environ.items() if not key.startswith("KUBERNETES_SERVICE")}
     result = subprocess.run(
-        python_command("-m", "router.cli", "serve", "--config", str(config_path), "--port", str(free_port())),
+        python_command("-m", "router.cli", face, "--config", str(config_path), "--port", str(free_port())),
         capture_output=True,
         text=True,
         timeout=120,
