@@ -107,17 +107,20 @@ def request_headers_continue() -> ProcessingResponse:
     return ProcessingResponse(request_headers=ext_proc.HeadersResponse())
 
 
-def request_body_chunk(body: bytes, end_of_stream: bool) -> ProcessingResponse:
-    """A FULL_DUPLEX_STREAMED request body chunk, re-emitted unchanged."""
-    return ProcessingResponse(
-        request_body=ext_proc.BodyResponse(
-            response=ext_proc.CommonResponse(
-                body_mutation=ext_proc.BodyMutation(
-                    streamed_response=ext_proc.StreamedBodyResponse(body=body, end_of_stream=end_of_stream)
-                )
+def _streamed_body(body: bytes, end_of_stream: bool) -> ext_proc.BodyResponse:
+    """A FULL_DUPLEX_STREAMED body chunk (request or response), sent back as it came."""
+    return ext_proc.BodyResponse(
+        response=ext_proc.CommonResponse(
+            body_mutation=ext_proc.BodyMutation(
+                streamed_response=ext_proc.StreamedBodyResponse(body=body, end_of_stream=end_of_stream)
             )
         )
     )
+
+
+def request_body_chunk(body: bytes, end_of_stream: bool) -> ProcessingResponse:
+    """A FULL_DUPLEX_STREAMED request body chunk, re-emitted unchanged."""
+    return ProcessingResponse(request_body=_streamed_body(body, end_of_stream))
 
 
 def request_trailers_continue() -> ProcessingResponse:
@@ -134,15 +137,7 @@ def response_body_continue() -> ProcessingResponse:
 
 def response_body_chunk(body: bytes, end_of_stream: bool) -> ProcessingResponse:
     """A FULL_DUPLEX_STREAMED response body chunk, passed on unchanged."""
-    return ProcessingResponse(
-        response_body=ext_proc.BodyResponse(
-            response=ext_proc.CommonResponse(
-                body_mutation=ext_proc.BodyMutation(
-                    streamed_response=ext_proc.StreamedBodyResponse(body=body, end_of_stream=end_of_stream)
-                )
-            )
-        )
-    )
+    return ProcessingResponse(response_body=_streamed_body(body, end_of_stream))
 
 
 def response_trailers_continue() -> ProcessingResponse:
