@@ -6,6 +6,11 @@
 # --init` starts (only recommended by Debian's podman, so not installed with it here). Not part of `make test`: the default
 # suite needs none of them. --no-install-recommends keeps out what apt would add besides.
 set -euo pipefail
+# The shared apt steps, found beside this script (no dirname: the tests run it on a bare PATH).
+script_dir=${BASH_SOURCE[0]%/*}
+[ "$script_dir" = "${BASH_SOURCE[0]}" ] && script_dir=.
+# shellcheck source=scripts/apt_packages.sh
+source "$script_dir/apt_packages.sh"
 
 # command that must be on PATH -> the Debian package that provides it
 declare -A PACKAGE_FOR_COMMAND=([podman]=podman [buildah]=buildah [runc]=runc [debootstrap]=debootstrap [catatonit]=catatonit)
@@ -19,21 +24,8 @@ for command_name in "${!PACKAGE_FOR_COMMAND[@]}"; do
 done
 [ ${#missing[@]} -eq 0 ] && exit 0
 
-if ! command -v apt-get >/dev/null; then
-    echo "install_container_tools: missing ${missing[*]}, and there is no apt-get here: install them" \
-        "with this system's package manager" >&2
-    exit 1
-fi
-SUDO=()
-if [ "$(id -u)" -ne 0 ]; then
-    command -v sudo >/dev/null || {
-        echo "install_container_tools: missing ${missing[*]}: run as root or install sudo, or install" \
-            "them yourself: apt-get install -y --no-install-recommends ${missing[*]}" >&2
-        exit 1
-    }
-    SUDO=(sudo)
-fi
+apt_prepare install_container_tools "" "${missing[@]}"
 echo "install_container_tools: the image tier needs ${missing[*]}; installing them with apt-get" \
     "(as root), without recommended packages"
-"${SUDO[@]}" apt-get update -q
-"${SUDO[@]}" env DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends "${missing[@]}"
+apt_update
+apt_install "${missing[@]}"

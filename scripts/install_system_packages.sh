@@ -7,6 +7,11 @@
 # themselves and what they depend on: --no-install-recommends keeps out what apt would add besides
 # (with recommends, Chromium alone pulled 115 packages and 479 MB, avahi-daemon and a systemd upgrade).
 set -euo pipefail
+# The shared apt steps, found beside this script (no dirname: the tests run it on a bare PATH).
+script_dir=${BASH_SOURCE[0]%/*}
+[ "$script_dir" = "${BASH_SOURCE[0]}" ] && script_dir=.
+# shellcheck source=scripts/apt_packages.sh
+source "$script_dir/apt_packages.sh"
 
 # command that must be on PATH -> the Debian package that provides it
 declare -A PACKAGE_FOR_COMMAND=([chromium]=chromium [redis-server]=redis-server [kubectl]=kubectl)
@@ -27,25 +32,12 @@ for command_name in "${!PACKAGE_FOR_COMMAND[@]}"; do
 done
 [ ${#missing[@]} -eq 0 ] && exit 0
 
-if ! command -v apt-get >/dev/null; then
-    echo "install_system_packages: missing ${missing[*]}, and there is no apt-get here: install them" \
-        "with this system's package manager, then run the tests again" >&2
-    exit 1
-fi
-SUDO=()
-if [ "$(id -u)" -ne 0 ]; then
-    command -v sudo >/dev/null || {
-        echo "install_system_packages: missing ${missing[*]}: run as root or install sudo," \
-            "or install them yourself: apt-get install -y --no-install-recommends ${missing[*]}" >&2
-        exit 1
-    }
-    SUDO=(sudo)
-fi
+apt_prepare install_system_packages ", then run the tests again" "${missing[@]}"
 echo "install_system_packages: the test suite needs system packages that are missing; installing" \
     "them with apt-get (as root), without recommended packages:"
 printf '%s\n' "${reasons[@]}"
 echo "install_system_packages: apt-get install -y --no-install-recommends ${missing[*]}"
-"${SUDO[@]}" apt-get update -q
+apt_update
 # kubectl comes from the Kubernetes or Google Cloud apt repository, which a machine may not have:
 # then it is left out with a warning (only the manifests' test needs it, and it fails saying so)
 # instead of failing the install of everything else.
@@ -60,4 +52,4 @@ for package in "${missing[@]}"; do
     installable+=("$package")
 done
 [ ${#installable[@]} -eq 0 ] && exit 0
-"${SUDO[@]}" env DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends "${installable[@]}"
+apt_install "${installable[@]}"
