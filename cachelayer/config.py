@@ -41,6 +41,55 @@ class CacheLayerConfigError(CacheLayerError):
     """A cache-layer configuration that cannot be used; the message says where and how to fix it."""
 
 
+# A share of a tier: a fraction of its size, above 0 and at most 1.
+Share = Annotated[float, msgspec.Meta(gt=0, le=1)]
+
+
+class TenantShare(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, frozen=True):
+    """The most one tenant may hold: a share of L1 (the CPU or shared-memory pool) and of the remote tier."""
+
+    l1_share: Share = 1.0
+    remote_share: Share = 1.0
+
+
+class TenantQuotas(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, frozen=True):
+    """Per-tenant caps (docs/cachelayer.md, "Tenant quotas"). A chunk's tenant is the part of its
+    cache_salt before the first ':'; chunks stored without a salt belong to the shared tenant."""
+
+    # Tenant name -> its share; a tenant not listed gets `default` (each on its own).
+    tenants: dict[str, TenantShare] = {}
+    default: TenantShare = TenantShare()
+    # Chunks stored without a cache_salt (what every tenant may reuse).
+    shared: TenantShare = TenantShare()
+    # The remote tier's size in GB that remote shares are fractions of; None: the server's maxmemory.
+    remote_size_gb: Annotated[float, msgspec.Meta(gt=0)] | None = None
+
+    def __post_init__(self) -> None:
+        for name in self.tenants:
+            if not name or ":" in name:
+                raise ValueError(
+                    f"tenant name {name!r}: a tenant is the part of a cache_salt before the first ':', "
+                    "so its name must be non-empty and hold no ':'"
+                )
+            if name in ("_shared", "_other"):
+                raise ValueError(
+                    f"tenant name {name!r} is reserved: usage reports name the shared tenant "
+                    "'_shared' and the tenants not listed '_other'; rename the tenant"
+                )
+
+    def share_of(self, tenant: str) -> TenantShare:
+        """The share that applies to `tenant` ("" is the shared tenant)."""
+        if not tenant:
+            return self.shared
+        return self.tenants.get(tenant, self.default)
+
+    @property
+    def limits_remote(self) -> bool:
+        """Whether any share of the remote tier is below 1 (else the remote tier keeps no index)."""
+        shares = [self.default, self.shared, *self.tenants.values()]
+        return any(share.remote_share < 1 for share in shares)
+
+
 class CacheLayerConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     chunk_size: Annotated[int, msgspec.Meta(ge=1, le=1 << 20)] = 256
     local_cpu: bool = True
@@ -124,6 +173,8 @@ class CacheLayerConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True)
     kv_events_endpoint: str | None = None
     kv_events_replay_endpoint: str | None = None
     kv_events_topic: str = ""
+    # Not LMCache's: per-tenant caps on L1 and the remote tier; None: none (one shared budget).
+    tenant_quotas: TenantQuotas | None = None
     extra_config: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:

@@ -213,7 +213,15 @@ class DiskWriter:
                 source.acquire(chunk)  # held while it is copied: never evicted under the copy
                 write = ChunkWrite(state, disk)
                 target = write.reserve(
-                    ChunkMeta(meta.key, meta.parent_key, meta.token_ids, chunk.meta.fmt), chunk.nbytes
+                    ChunkMeta(
+                        meta.key,
+                        meta.parent_key,
+                        meta.token_ids,
+                        chunk.meta.fmt,
+                        meta.cache_salt,
+                        meta.tenant,
+                    ),
+                    chunk.nbytes,
                 )
                 write.announce_evictions()
             try:

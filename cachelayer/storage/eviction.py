@@ -22,6 +22,13 @@ class EvictionPolicy(Protocol):
         """Keys in the order they should leave (a snapshot: the caller may remove while iterating)."""
         ...
 
+    def in_order(self) -> Iterator[int]:
+        """The same order, lazily, without a snapshot: the caller must not change the policy while
+        iterating (cheap when only the first few keys are wanted)."""
+        ...
+
+    def __len__(self) -> int: ...
+
 
 class LRUPolicy:
     """Least recently used first."""
@@ -42,6 +49,12 @@ class LRUPolicy:
 
     def candidates(self) -> Iterator[int]:
         return iter(list(self._order))
+
+    def in_order(self) -> Iterator[int]:
+        return iter(self._order)
+
+    def __len__(self) -> int:
+        return len(self._order)
 
 
 class FIFOPolicy(LRUPolicy):
@@ -81,6 +94,12 @@ class LFUPolicy:
 
     def candidates(self) -> Iterator[int]:
         return iter([key for _, _, key in self._order])
+
+    def in_order(self) -> Iterator[int]:
+        return (key for _, _, key in self._order)
+
+    def __len__(self) -> int:
+        return len(self._rank)
 
 
 def make_policy(name: str) -> EvictionPolicy:

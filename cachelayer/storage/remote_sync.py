@@ -21,6 +21,7 @@ from cachelayer.kv_layout import KVLayout
 from cachelayer.shared_secret import remote_tier_secret
 from cachelayer.storage.chunk_write import ChunkWrite, TierState, stored_event
 from cachelayer.storage.cpu import CpuTier
+from cachelayer.storage.quotas import tenant_of
 from cachelayer.storage.remote import (
     MAX_TRAILER_BYTES,
     ChunkValue,
@@ -163,6 +164,7 @@ def promote_from_remote(
     state: TierState,
     layout: KVLayout,
     truth: RemoteTruth | None = None,
+    cache_salt: str | None = None,
 ) -> None:
     """Fetch the chunks of `spans` (those after the local prefix) from the remote tier in one round
     trip and put the leading ones that check out into L1 (`into`), for the retrieve that follows. A
@@ -204,7 +206,15 @@ def promote_from_remote(
             if into.has_key(span.key):
                 continue
             tokens = array("q", token_ids[span.start : span.end])
-            entry = write.reserve(ChunkMeta(span.key, span.parent_key, tokens, codec), payload.nbytes)
+            meta = ChunkMeta(
+                span.key,
+                span.parent_key,
+                tokens,
+                codec,
+                cache_salt if span.parent_key is None else None,
+                tenant_of(cache_salt),
+            )
+            entry = write.reserve(meta, payload.nbytes)
             if entry is None:
                 break
             reserved.append((entry, payload))
