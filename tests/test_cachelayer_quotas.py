@@ -2,11 +2,21 @@
 survive, free space is usable under the share, pins count against their tenant, and the books
 always equal the pool's allocations (back to zero after a clear)."""
 
+import subprocess
+import sys
+from pathlib import Path
+
+import httpx
 import pytest
 import torch
 
 from cachelayer.config import CacheLayerConfigError, parse_config
+from cachelayer.server import KeySpace, StoreClient
 from kvgate_testing.cachelayer import CHUNK, assert_no_leak, make_engine, request
+from kvgate_testing.ports import free_port
+from kvgate_testing.processes import ManagedProcess, wait_for_http
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
 
 # A pool of 20 chunks: tenant "a" may hold 6 (0.3), "b" 10 (0.5); the rest get 4 each (0.2).
 POOL_CHUNKS = 20
@@ -202,3 +212,68 @@ def test_a_bad_quota_configuration_is_refused_naming_the_key(quotas, message):
     with pytest.raises(CacheLayerConfigError, match=message) as refused:
         parse_config({"tenant_quotas": quotas}, source="cache.yaml")
     assert "cache.yaml" in str(refused.value)
+
+
+# ---- the shared daemon (`cachelayer server --tenant-quotas FILE`), a real process ----
+
+
+def _metric(text: str, name: str, tenant: str) -> float:
+    prefix = f'{name}{{tenant="{tenant}"}} '
+    return float(next(line for line in text.splitlines() if line.startswith(prefix))[len(prefix) :])
+
+
+def test_the_daemon_holds_each_tenant_to_its_share_of_its_one_pool(tmp_path):
+    quotas = tmp_path / "quotas.yaml"
+    quotas.write_text("tenants:\n  a: {l1_share: 0.25}\n  b: {l1_share: 0.5}\ndefault: {l1_share: 0.1}\n")
+    port, http_port = free_port(), free_port()
+    chunk = 256
+    space = KeySpace(model="m", dtype="bfloat16", num_layers=2, num_kv_heads=2, head_dim=64)
+    chunk_bytes = 2 * 2 * chunk * 128 * 2  # 256 KiB
+    pool_gb = 16 * chunk_bytes / (1 << 30)  # 16 chunks: a may hold 4, b 8
+    args = [sys.executable, "-m", "cachelayer.cli", "server", "--host", "127.0.0.1", "--port", str(port),
+            "--http-port", str(http_port), "--chunk-size", str(chunk), "--l1-size-gb", str(pool_gb),
+            "--tenant-quotas", str(quotas)]  # fmt: skip
+    generator = torch.Generator().manual_seed(5)
+
+    def prompt(seed: int) -> tuple[list[int], torch.Tensor]:
+        tokens = list(range(seed * 10_000, seed * 10_000 + 2 * chunk))
+        return tokens, torch.randn(2, 2, 2 * chunk, 128, generator=generator).to(torch.bfloat16)
+
+    with ManagedProcess(args) as process:
+        wait_for_http(f"http://127.0.0.1:{http_port}/healthcheck", process, timeout_s=60)
+        engine_of_b = StoreClient(f"tcp://127.0.0.1:{port}", chunk_size=chunk, timeout_s=30)
+        engine_of_a = StoreClient(f"tcp://127.0.0.1:{port}", chunk_size=chunk, timeout_s=30)
+        try:
+            b_prompts = [prompt(seed) for seed in range(4)]  # 8 chunks: b's share
+            for tokens, kv in b_prompts:
+                assert engine_of_b.store(space, tokens, kv, cache_salt="b:user-7")[0] == 2 * chunk
+            for seed in range(10, 18):  # 16 chunks of a, share 4
+                tokens, kv = prompt(seed)
+                assert engine_of_a.store(space, tokens, kv, cache_salt="a")[0] == 2 * chunk
+            for tokens, kv in b_prompts:
+                hit, loaded = engine_of_b.retrieve(space, tokens, cache_salt="b:user-7")
+                assert hit == 2 * chunk and torch.equal(loaded, kv)
+            assert [engine_of_a.lookup(space, prompt(seed)[0], cache_salt="a") for seed in range(10, 18)] == [
+                0
+            ] * 6 + [2 * chunk] * 2
+            metrics = httpx.get(f"http://127.0.0.1:{http_port}/metrics").text
+        finally:
+            engine_of_a.close()
+            engine_of_b.close()
+    assert _metric(metrics, "cachelayer_tenant_l1_chunks", "a") == 4
+    assert _metric(metrics, "cachelayer_tenant_l1_chunks", "b") == 8
+    assert _metric(metrics, "cachelayer_tenant_l1_used_bytes", "b") == 8 * chunk_bytes
+    assert _metric(metrics, "cachelayer_tenant_l1_cap_bytes", "a") == 4 * chunk_bytes
+    assert _metric(metrics, "cachelayer_tenant_l1_chunks", "_other") == 0
+
+
+def test_the_daemon_refuses_a_bad_quota_file_naming_it_and_the_key(tmp_path):
+    quotas = tmp_path / "quotas.yaml"
+    quotas.write_text("tenants:\n  a: {l1_share: 2}\n")
+    refused = subprocess.run(
+        [sys.executable, "-m", "cachelayer.cli", "server", "--port", "0", "--http-port", "0",
+         "--tenant-quotas", str(quotas)],
+        capture_output=True, text=True, timeout=60, cwd=REPO_ROOT,
+    )  # fmt: skip
+    assert refused.returncode == 2
+    assert str(quotas) in refused.stdout and "l1_share" in refused.stdout and "<= 1.0" in refused.stdout

@@ -115,6 +115,14 @@ REMOTE_METRIC_HELP = {
 }
 
 
+# Per-tenant gauges of the L1 pool (with tenant_quotas): name, usage field, help.
+TENANT_METRICS = (
+    ("cachelayer_tenant_l1_used_bytes", "bytes", "Bytes of the L1 pool a tenant's chunks take"),
+    ("cachelayer_tenant_l1_chunks", "chunks", "Chunks of a tenant in the L1 pool"),
+    ("cachelayer_tenant_l1_cap_bytes", "cap_bytes", "Most bytes of the L1 pool a tenant may take"),
+)
+
+
 def _remote_metric_name(field: str) -> str:
     kind, _ = REMOTE_METRIC_HELP[field]
     return f"cachelayer_{field}_total" if kind == "counter" else f"cachelayer_{field}"
@@ -201,7 +209,10 @@ class StoreServer:
             self.shared_pool = SharedPool.create(capacity - capacity % ALIGNMENT)
             self.pool_handout = PoolHandout(self.shared_pool.fd)
         pool = self.shared_pool.pool if self.shared_pool is not None else None
-        self.cpu = CpuTier(config.max_local_cpu_bytes, config.cache_policy, pool=pool)
+        # Tenant quotas are shares of this one pool, whatever key space (model) a chunk is in.
+        self.cpu = CpuTier(
+            config.max_local_cpu_bytes, config.cache_policy, pool=pool, quotas=config.tenant_quotas
+        )
         self.store_lock = threading.RLock()
         self.leases = LeaseTable(ttl_s=lease_ttl_s, max_per_client=max_leases_per_client)
         self._refusals = RateLimitedLog(log, "cachelayer server: refused %s: %s%s", REFUSAL_LOG_PER_S)
@@ -550,12 +561,24 @@ class StoreServer:
         totals["cachelayer_daemon_reclaimed_leases_total"] = self.leases.reclaimed_total
         return totals
 
+    def tenant_usage(self) -> dict[str, dict[str, int]] | None:
+        """The pool's bytes, chunks and cap per tenant label (configured tenants, `_shared`,
+        `_other`); None without tenant quotas."""
+        with self.store_lock:
+            return self.cpu.tenant_usage()
+
     def metrics_text(self) -> str:
         lines = []
         help_by_name = METRIC_HELP | {_remote_metric_name(f): help for f, help in REMOTE_METRIC_HELP.items()}
         for name, value in self.metric_values().items():
             kind, help_text = help_by_name[name]
             lines += [f"# HELP {name} {help_text}", f"# TYPE {name} {kind}", f"{name} {value:g}"]
+        tenants = self.tenant_usage()
+        if tenants is not None:
+            # One series per configured tenant (plus _shared and _other): a bounded label set.
+            for name, field, help_text in TENANT_METRICS:
+                lines += [f"# HELP {name} {help_text}", f"# TYPE {name} gauge"]
+                lines += [f'{name}{{tenant="{tenant}"}} {row[field]}' for tenant, row in tenants.items()]
         return "\n".join(lines) + "\n"
 
 

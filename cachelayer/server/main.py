@@ -11,6 +11,10 @@ import ctypes
 import logging
 import signal
 import threading
+from pathlib import Path
+from typing import Any
+
+import yaml
 
 from cachelayer.config import CacheLayerConfigError, parse_config
 from cachelayer.controller.auth import AuthConfigError, refuse_open_socket_beyond_loopback, secret_from_env
@@ -22,6 +26,7 @@ from cachelayer.server.daemon import (
     StoreServer,
     start_http,
 )
+from kvgate_common.yaml_errors import yaml_syntax_error
 
 log = logging.getLogger(__name__)
 
@@ -81,6 +86,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="NAME=MODEL[,MODEL...]",
         help="another credential, limited to these model names (repeatable); it cannot map the "
         "shared pool (TCP only)",
+    )
+    parser.add_argument(
+        "--tenant-quotas",
+        default=None,
+        metavar="FILE",
+        help="YAML file of per-tenant shares of the L1 pool and the remote tier (the cache config's "
+        "tenant_quotas mapping: tenants, default, shared, remote_size_gb); none by default",
     )
     parser.add_argument(
         "--allow-unauthenticated",
@@ -144,8 +156,24 @@ def make_non_dumpable() -> bool:
     return not refused
 
 
+def tenant_quotas_from_file(path: str | None) -> Any:
+    """The mapping in the --tenant-quotas file (None without one); CacheLayerConfigError naming
+    the file when it cannot be read or parsed."""
+    if path is None:
+        return None
+    try:
+        text = Path(path).read_text()
+    except OSError as exc:
+        raise CacheLayerConfigError(f"--tenant-quotas {path}: cannot read it: {exc.strerror}") from None
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        raise CacheLayerConfigError(f"--tenant-quotas {yaml_syntax_error(Path(path), exc)}") from None
+
+
 def run(args: argparse.Namespace, server_class: type[StoreServer] = StoreServer) -> int:
     try:
+        quotas = tenant_quotas_from_file(args.tenant_quotas)
         config = parse_config(
             {
                 "chunk_size": args.chunk_size,
@@ -157,8 +185,11 @@ def run(args: argparse.Namespace, server_class: type[StoreServer] = StoreServer)
                 "remote_serde": args.remote_serde,
                 "remote_auth_secret_env": args.remote_auth_secret_env,
                 "remote_allow_unauthenticated": args.remote_allow_unauthenticated,
+                "tenant_quotas": quotas,
             },
-            source="cachelayer server flags",
+            source=f"cachelayer server flags (--tenant-quotas {args.tenant_quotas})"
+            if args.tenant_quotas
+            else "cachelayer server flags",
         )
     except CacheLayerConfigError as exc:
         # The config's keys are this command's flags: remote_auth_secret_env is --remote-auth-secret-env.
