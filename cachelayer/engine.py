@@ -49,7 +49,6 @@ from cachelayer.storage.chunk_write import (
 )
 from cachelayer.storage.cpu import CpuTier
 from cachelayer.storage.disk import DiskTier, DiskWriter
-from cachelayer.storage.quotas import tenant_of
 from cachelayer.storage.remote_sync import RemoteWriter, promote_from_remote, remote_tier_for
 from cachelayer.storage.remote_truth import RemoteTruth
 from cachelayer.storage.tier import ChunkMeta, Tier, TierEntry
@@ -318,7 +317,6 @@ class CacheEngine:
         chunks are invisible to lookups and never evicted."""
         token_list = checked_tokens(tokens)
         spans = self._spans(token_list, cache_salt, lora)
-        tenant = tenant_of(cache_salt)
         with self._lock:
             # A clear() does not drop a store under way: it commits what it wrote after the clear.
             write = ChunkWrite(self._state, self.cpu, dropped_by_clear=False)
@@ -330,12 +328,8 @@ class CacheEngine:
                         tier.touch(span.key)
                     reservation.held_end = span.end
                     continue
-                meta = ChunkMeta(
-                    span.key,
-                    span.parent_key,
-                    array("q", token_list[span.start : span.end]),
-                    cache_salt=cache_salt if span.parent_key is None else None,
-                    tenant=tenant,
+                meta = ChunkMeta.of_span(
+                    span, array("q", token_list[span.start : span.end]), cache_salt=cache_salt
                 )
                 entry = write.reserve(meta, self.layout.raw_nbytes(span.num_tokens))
                 if entry is None:
@@ -503,14 +497,7 @@ class CacheEngine:
                 self.disk.acquire(disk_entry)
                 self.disk.touch(span.key)
                 promoted = promotions.reserve(
-                    ChunkMeta(
-                        span.key,
-                        span.parent_key,
-                        disk_entry.meta.token_ids,
-                        disk_entry.meta.fmt,
-                        cache_salt=cache_salt if span.parent_key is None else None,
-                        tenant=tenant_of(cache_salt),
-                    ),
+                    ChunkMeta.of_span(span, disk_entry.meta.token_ids, disk_entry.meta.fmt, cache_salt),
                     disk_entry.nbytes,
                 )
                 plan.append((span, self.disk, disk_entry, promoted))
@@ -654,14 +641,7 @@ class CacheEngine:
                     # Like a store, a move under way is not dropped by a clear().
                     write = ChunkWrite(self._state, destination_tier, dropped_by_clear=False)
                     target = write.reserve(
-                        ChunkMeta(
-                            span.key,
-                            span.parent_key,
-                            entry.meta.token_ids,
-                            entry.meta.fmt,
-                            entry.meta.cache_salt,
-                            tenant_of(cache_salt),
-                        ),
+                        ChunkMeta.of_span(span, entry.meta.token_ids, entry.meta.fmt, cache_salt),
                         entry.nbytes,
                     )
                     write.announce_evictions()
@@ -769,14 +749,7 @@ class CacheEngine:
                 tier.touch(span.key)
                 return span.end
             write = ChunkWrite(self._state, tier)
-            meta = ChunkMeta(
-                span.key,
-                span.parent_key,
-                array("q", token_list[span.start : span.end]),
-                fmt,
-                cache_salt if span.parent_key is None else None,
-                tenant_of(cache_salt),
-            )
+            meta = ChunkMeta.of_span(span, array("q", token_list[span.start : span.end]), fmt, cache_salt)
             target = write.reserve(meta, len(data))
             write.announce_evictions()
             if target is None:
@@ -891,15 +864,7 @@ class CacheEngine:
                     # data. The chunk keeps its key, so its replacement is not announced again.
                     write = ChunkWrite(self._state, tier, dropped_by_clear=False)
                     replacement = write.reserve(
-                        ChunkMeta(
-                            span.key,
-                            span.parent_key,
-                            entry.meta.token_ids,
-                            to_fmt,
-                            entry.meta.cache_salt,
-                            entry.meta.tenant,
-                        ),
-                        payload.numel(),
+                        ChunkMeta.of_span(span, entry.meta.token_ids, to_fmt, cache_salt), payload.numel()
                     )
                     write.announce_evictions()
                 if replacement is None:
@@ -921,10 +886,9 @@ class CacheEngine:
             stats["cpu_chunks"] = self.cpu.num_chunks
             stats["cpu_evicted_chunks"] = self.cpu.evicted_chunks
             stats["cpu_usage_ratio"] = self.cpu.usage_ratio
-            tenants = self.cpu.tenant_usage()
-            if tenants is not None:
-                stats["cpu_tenant_usage"] = tenants
-                stats["cpu_tenant_refused_chunks"] = self.cpu.ledger.refused_chunks if self.cpu.ledger else 0
+            if self.cpu.ledger is not None:
+                stats["cpu_tenant_usage"] = self.cpu.ledger.report()
+                stats["cpu_tenant_refused_chunks"] = self.cpu.ledger.refused_chunks
             if self.disk is not None:
                 stats["disk_chunks"] = self.disk.num_chunks
                 stats["disk_evicted_chunks"] = self.disk.evicted_chunks

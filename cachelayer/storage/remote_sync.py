@@ -21,7 +21,6 @@ from cachelayer.kv_layout import KVLayout
 from cachelayer.shared_secret import remote_tier_secret
 from cachelayer.storage.chunk_write import ChunkWrite, TierState, stored_event
 from cachelayer.storage.cpu import CpuTier
-from cachelayer.storage.quotas import tenant_of
 from cachelayer.storage.remote import (
     MAX_TRAILER_BYTES,
     ChunkValue,
@@ -206,14 +205,7 @@ def promote_from_remote(
             if into.has_key(span.key):
                 continue
             tokens = array("q", token_ids[span.start : span.end])
-            meta = ChunkMeta(
-                span.key,
-                span.parent_key,
-                tokens,
-                codec,
-                cache_salt if span.parent_key is None else None,
-                tenant_of(cache_salt),
-            )
+            meta = ChunkMeta.of_span(span, tokens, codec, cache_salt)
             entry = write.reserve(meta, payload.nbytes)
             if entry is None:
                 break

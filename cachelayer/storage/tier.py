@@ -16,8 +16,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from cachelayer.keys import ChunkSpan
 from cachelayer.storage.eviction import EvictionPolicy, make_policy
-from cachelayer.storage.quotas import SHARED_TENANT, TenantLedger
+from cachelayer.storage.quotas import SHARED_TENANT, TenantLedger, tenant_of
 
 
 @dataclass(slots=True)
@@ -41,6 +42,16 @@ class ChunkMeta:
     @property
     def num_tokens(self) -> int:
         return len(self.token_ids)
+
+    @classmethod
+    def of_span(
+        cls, span: ChunkSpan, token_ids: Sequence[int], fmt: str = "raw", cache_salt: str | None = None
+    ) -> ChunkMeta:
+        """The chunk `span` of a chain stored under `cache_salt`: the salt on its first chunk only
+        (for its event), the tenant on every chunk (for its quota)."""
+        first = span.parent_key is None
+        salt = cache_salt if first else None
+        return cls(span.key, span.parent_key, token_ids, fmt, salt, tenant_of(cache_salt))
 
 
 @dataclass(slots=True, eq=False)
