@@ -59,12 +59,7 @@ log = logging.getLogger(__name__)
 
 EventListener = Callable[[list[Event]], None]
 
-_LOCATION_ALIASES = {
-    "LocalCPUBackend": "cpu",
-    "cpu": "cpu",
-    "LocalDiskBackend": "disk",
-    "disk": "disk",
-}
+_LOCATION_ALIASES = {"LocalCPUBackend": "cpu", "cpu": "cpu", "LocalDiskBackend": "disk", "disk": "disk"}
 
 
 @dataclass(slots=True)
@@ -178,6 +173,7 @@ class CacheEngine:
                 serde=config.remote_serde,
                 max_batches=config.remote_write_queue_batches,
                 truth=self.remote_truth,
+                quotas=config.tenant_quotas,
             )
             if self.remote is not None
             else None
@@ -897,4 +893,6 @@ class CacheEngine:
             stats.update(self.remote.stats())
         if self.remote_truth is not None:
             stats.update(self.remote_truth.stats())
+        if self._remote_writer is not None and self._remote_writer.quota is not None:
+            stats["remote_tenant_usage"] = self._remote_writer.quota.report()
         return stats

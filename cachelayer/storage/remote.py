@@ -334,7 +334,7 @@ def _notification(exchange: _Exchange) -> list[Any]:
     return [exchange.reply(max_bulk_bytes=_MAX_NOTIFICATION_BYTES) for _ in range(count)]
 
 
-def _command(*parts: bytes) -> bytes:
+def resp_command(*parts: bytes) -> bytes:
     return b"*%d\r\n" % len(parts) + b"".join(b"$%d\r\n%s\r\n" % (len(part), part) for part in parts)
 
 
@@ -559,7 +559,7 @@ class RemoteTier:
         when Redis failed."""
 
         def exists(exchange: _Exchange) -> list[bool]:
-            exchange.send([b"".join(_command(b"EXISTS", self.redis_key(key).encode()) for key in keys)])
+            exchange.send([b"".join(resp_command(b"EXISTS", self.redis_key(key).encode()) for key in keys)])
             answers = [exchange.reply() for _ in keys]
             if not all(isinstance(answer, int) for answer in answers):
                 raise redis.InvalidResponse("EXISTS answered something other than an integer")
@@ -585,7 +585,7 @@ class RemoteTier:
             return []
 
         def mget(exchange: _Exchange) -> list[bytearray | CorruptValue | None]:
-            exchange.send([_command(b"MGET", *(self.redis_key(key).encode() for key in keys))])
+            exchange.send([resp_command(b"MGET", *(self.redis_key(key).encode() for key in keys))])
             if exchange.array_length() != len(keys):
                 raise redis.InvalidResponse("MGET answered another number of values than keys asked")
             values: list[bytearray | CorruptValue | None] = []
@@ -623,31 +623,56 @@ class RemoteTier:
     def put(self, values: Sequence[tuple[int, Sequence[Buffer]]]) -> bool:
         """SET every key to its value, given as pieces sent one after the other (no copy made), in
         one round trip; False when Redis failed."""
-        if not values:
-            return True
-        written = self._call(
-            "write", lambda: self._exchange(lambda exchange: self._send_sets(exchange, values))
+        return self.put_with(values, []) is not None
+
+    def put_with(
+        self, values: Sequence[tuple[int, Sequence[Buffer]]], commands: Sequence[bytes], max_items: int = 0
+    ) -> list[list[Any]] | None:
+        """`put`, then `commands` (whole RESP commands, e.g. the tenant index's EVAL) in the same
+        round trip; their array replies (at most `max_items` short parts each), or None when Redis
+        failed."""
+        if not values and not commands:
+            return []
+        replies = self._call(
+            "write",
+            lambda: self._exchange(lambda exchange: self._send_sets(exchange, values, commands, max_items)),
         )
-        if written is None:
-            return False
+        if replies is None:
+            return None
         sent = sum(memoryview(piece).nbytes for _, pieces in values for piece in pieces)
         self._count(bytes_out=sent, written_chunks=len(values))
-        return True
+        return replies
 
-    def _send_sets(self, exchange: _Exchange, values: Sequence[tuple[int, Sequence[Buffer]]]) -> bool:
+    def _send_sets(
+        self,
+        exchange: _Exchange,
+        values: Sequence[tuple[int, Sequence[Buffer]]],
+        commands: Sequence[bytes],
+        max_items: int,
+    ) -> list[list[Any]]:
         # A chunk is tens of MB: each value's pieces go straight to the socket, never joined.
         for key, pieces in values:
             name = self.redis_key(key).encode()
             length = sum(memoryview(piece).nbytes for piece in pieces)
             head = b"*3\r\n$3\r\nSET\r\n$%d\r\n%s\r\n$%d\r\n" % (len(name), name, length)
             exchange.send([head, *pieces, b"\r\n"])
+        if commands:
+            exchange.send(list(commands))
         for _ in values:
             exchange.reply()  # raises the server's error, if any
-        return True
+        replies = []
+        for _ in commands:
+            count = exchange.array_length()
+            if count > max_items:
+                raise redis.InvalidResponse(
+                    f"an array of {count} parts where at most {max_items} were expected"
+                )
+            replies.append([exchange.reply(max_bulk_bytes=_MAX_NOTIFICATION_BYTES) for _ in range(count)])
+        return replies
 
     def delete(self, key: int) -> None:
         def delete(exchange: _Exchange) -> None:
-            exchange.send([_command(b"DEL", self.redis_key(key).encode())])
+            exchange.send([resp_command(b"DEL", self.redis_key(key).encode())])
             exchange.reply()
 
         self._call("delete", lambda: self._exchange(delete))
@@ -667,9 +692,14 @@ class RemoteTier:
     def keyevent_flags(self) -> str | None:
         """The server's `notify-keyspace-events`, or None when it cannot be read (CONFIG refused by
         an ACL or renamed, Redis down)."""
+        return self.config_value("notify-keyspace-events")
+
+    def config_value(self, name: str) -> str | None:
+        """One server setting (CONFIG GET), or None when it cannot be read (CONFIG refused by an ACL
+        or renamed, Redis down)."""
 
         def config_get(exchange: _Exchange) -> str | None:
-            exchange.send([_command(b"CONFIG", b"GET", b"notify-keyspace-events")])
+            exchange.send([resp_command(b"CONFIG", b"GET", name.encode())])
             answer = _notification(exchange)
             if len(answer) == 2 and isinstance(answer[1], bytearray):
                 return bytes(answer[1]).decode(errors="replace")
@@ -701,7 +731,7 @@ class RemoteTier:
             sock = connection._sock
             exchange = _Exchange(sock, deadline, self.min_transfer_bytes_per_s)
             channels = [b"__keyevent@%d__:%s" % (database, event) for event in _REMOVAL_KEYEVENTS]
-            exchange.send([_command(b"SUBSCRIBE", *channels)])
+            exchange.send([resp_command(b"SUBSCRIBE", *channels)])
             for _ in channels:  # ["subscribe", channel, count] each
                 _notification(exchange)
             on_subscribed()

@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 
 from cachelayer.compress import codec_names, get_codec
-from cachelayer.config import CacheLayerConfig
+from cachelayer.config import CacheLayerConfig, TenantQuotas
 from cachelayer.keys import ChunkSpan
 from cachelayer.kv_layout import KVLayout
 from cachelayer.shared_secret import remote_tier_secret
@@ -29,6 +29,7 @@ from cachelayer.storage.remote import (
     UnauthenticatedValue,
     UnverifiableValue,
 )
+from cachelayer.storage.remote_quota import MAX_REMOVED, RemoteQuota
 from cachelayer.storage.remote_truth import RemoteTruth
 from cachelayer.storage.tier import ChunkMeta, TierEntry
 from cachelayer.storage.write_behind import WriteBehind
@@ -75,8 +76,11 @@ class RemoteWriter:
         serde: str,
         max_batches: int,
         truth: RemoteTruth | None = None,
+        quotas: TenantQuotas | None = None,
     ) -> None:
+        """`quotas`: per-tenant caps; those with a remote share below 1 are enforced on each write."""
         self.remote = remote
+        self.quota = RemoteQuota(remote, quotas) if quotas is not None and quotas.limits_remote else None
         # Remembers what this writer announced, to retract what Redis loses (remote_truth.py).
         self._truth = truth
         self._source = source
@@ -113,6 +117,7 @@ class RemoteWriter:
         values: list[tuple[int, list[Any]]] = []
         held: list[TierEntry] = []
         written: list[ChunkMeta] = []
+        quota = self.quota
         try:
             for meta in metas:
                 if meta.key not in wanted:
@@ -143,15 +148,42 @@ class RemoteWriter:
                 )
                 values.append((meta.key, [memoryview(payload).cast("B"), trailer]))
                 written.append(meta)
-            if values and remote.put(values):
-                with state.lock:
-                    state.emit([stored_event(remote, meta) for meta in written])
-                    if self._truth is not None:
-                        self._truth.announced(meta.key for meta in written)
+            if quota is not None:
+                self._write_within_quota(quota, values, written)
+            elif values and remote.put(values):
+                self._announce(written, [])
         finally:
             with state.lock:
                 for entry in held:
                     source.release(entry)
+
+    def _write_within_quota(
+        self, quota: RemoteQuota, values: list[tuple[int, list[Any]]], written: list[ChunkMeta]
+    ) -> None:
+        """Write the chunks their tenants' caps allow, and account for them in the same round trip;
+        retract what the accounting removed to stay within a cap."""
+        sizes = [sum(memoryview(piece).nbytes for piece in pieces) for _, pieces in values]
+        batch = [(meta.tenant, meta.key, size) for meta, size in zip(written, sizes, strict=True)]
+        commands, tenants, refused = quota.commands(batch)
+        if refused:
+            self.remote.note_dropped_write(len(refused))
+            values = [value for value in values if value[0] not in refused]
+            written = [meta for meta in written if meta.key not in refused]
+        replies = self.remote.put_with(values, commands, max_items=MAX_REMOVED + 1) if values else None
+        if replies is not None:
+            removed = quota.removed(tenants, replies)
+            gone = set(removed)
+            self._announce([meta for meta in written if meta.key not in gone], removed)
+
+    def _announce(self, written: list[ChunkMeta], removed: list[int]) -> None:
+        """BlockStored for what this write put in Redis; BlockRemoved for what it took out that this
+        engine had announced."""
+        with self._state.lock:
+            self._state.emit([stored_event(self.remote, meta) for meta in written])
+            if self._truth is not None:
+                self._truth.announced(meta.key for meta in written)
+                if removed:
+                    self._truth.lost(removed, by="quota")
 
 
 def promote_from_remote(

@@ -54,6 +54,7 @@ class TruthCounters:
     retracted_by_notification: int = 0
     retracted_by_read: int = 0  # values a retrieve found corrupt and deleted
     retracted_by_bound: int = 0  # forgotten past remote_max_announced_chunks
+    retracted_by_quota: int = 0  # removed by this engine's write to keep a tenant within its share
     notifications: int = 0
     subscriptions: int = 0
 
@@ -224,6 +225,7 @@ class RemoteTruth:
                 + counters.retracted_by_notification
                 + counters.retracted_by_read
                 + counters.retracted_by_bound
+                + counters.retracted_by_quota
             ),
             "remote_retracted_by_notification": counters.retracted_by_notification,
             "remote_notifications": counters.notifications,
