@@ -13,6 +13,7 @@ import torch
 from cachelayer.config import CacheLayerConfigError, parse_config
 from cachelayer.server import KeySpace, StoreClient
 from kvgate_testing.cachelayer import CHUNK, assert_no_leak, make_engine, request
+from kvgate_testing.controller import controller_process, registered, wait_registered, worker_config
 from kvgate_testing.ports import free_port
 from kvgate_testing.processes import ManagedProcess, wait_for_http
 
@@ -277,3 +278,37 @@ def test_the_daemon_refuses_a_bad_quota_file_naming_it_and_the_key(tmp_path):
     )  # fmt: skip
     assert refused.returncode == 2
     assert str(quotas) in refused.stdout and "l1_share" in refused.stdout and "<= 1.0" in refused.stdout
+
+
+# ---- the controller API (a real `cachelayer controller` process) ----
+
+
+def test_the_controller_reports_each_workers_usage_by_configured_tenant():
+    with controller_process() as (url, monitor_port), httpx.Client(base_url=url, timeout=10) as client:
+        engine = registered(
+            make_engine(POOL_CHUNKS, tenant_quotas=QUOTAS, **worker_config(monitor_port, "quota"))
+        )
+        plain = registered(make_engine(4, **worker_config(monitor_port, "no-quota")))
+        try:
+            wait_registered(client, "quota", 1)
+            wait_registered(client, "no-quota", 1)
+            for seed, salt in ((1, "a"), (2, "b:x"), (3, "invented")):
+                tokens, kv = request(seed, 2)
+                engine.store(tokens, kv, cache_salt=salt)
+            answer = client.post("/tenant_usage", json={"instance_id": "quota"}).json()
+            l1 = answer["tenant_usage"]["0"]["l1"]
+            assert {label: row["chunks"] for label, row in l1.items()} == {
+                "_shared": 0,
+                "a": 2,
+                "b": 2,
+                "_other": 2,
+            }
+            assert l1["a"]["cap_bytes"] == usage(engine)["a"]["cap_bytes"]
+            assert answer["tenant_usage"]["0"]["remote"] is None  # no remote tier
+            without = client.post("/tenant_usage", json={"instance_id": "no-quota"}).json()
+            assert without["tenant_usage"]["0"] == {"l1": None, "remote": None}
+            missing = client.post("/tenant_usage", json={"instance_id": "nobody"})
+            assert missing.status_code == 404 and "nobody" in missing.json()["detail"]
+        finally:
+            engine.close()
+            plain.close()

@@ -129,6 +129,10 @@ class HealthBody(_Body):
     instance_id: str
 
 
+class TenantUsageBody(_Body):
+    instance_id: str
+
+
 class CheckFinishBody(_Body):
     event_id: str
 
@@ -572,6 +576,21 @@ def build_app(controller: Controller, *, max_tokens: int = DEFAULT_MAX_TOKENS) -
             )
         return {"worker_infos": [workers[worker].info() for worker in wanted]}
 
+    async def tenant_usage(body: TenantUsageBody) -> dict[str, Any]:
+        replies = await controller.fan_out(body.instance_id, Command(op="info"))
+        controller._raise_failures("tenant_usage", body.instance_id, replies)
+        # Per worker: its L1 and remote-tier usage by tenant label (configured tenants, `_shared`,
+        # `_other`: bounded whatever salts clients send); null without tenant_quotas.
+        return {
+            "tenant_usage": {
+                str(worker): {
+                    "l1": (reply.info or {}).get("cpu_tenant_usage"),
+                    "remote": (reply.info or {}).get("remote_tenant_usage"),
+                }
+                for worker, reply in replies.items()
+            }
+        }
+
     async def check_finish(body: CheckFinishBody) -> dict[str, Any]:
         if body.event_id not in finished_events:
             raise ApiError(
@@ -588,6 +607,7 @@ def build_app(controller: Controller, *, max_tokens: int = DEFAULT_MAX_TOKENS) -
         Route("/move", endpoint(MoveBody, "Move", move), methods=["POST"]),
         Route("/health", endpoint(HealthBody, "Health", health), methods=["POST"]),
         Route("/check_finish", endpoint(CheckFinishBody, "CheckFinish", check_finish), methods=["POST"]),
+        Route("/tenant_usage", endpoint(TenantUsageBody, "TenantUsage", tenant_usage), methods=["POST"]),
         Route(
             "/query_worker_info",
             endpoint(QueryWorkerInfoBody, "QueryWorkerInfo", query_worker_info),
