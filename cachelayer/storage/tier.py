@@ -129,17 +129,15 @@ class Tier:
             ledger.refused_chunks += 1
             return None, evicted
         location = self._allocate(nbytes)
-        if location is None:
-            # The pool itself is full: its eviction order decides, over every tenant (each of them
-            # within its cap; docs/cachelayer.md, "Tenant quotas").
-            for key in self._policy.candidates():
-                victim = self._entries.get(key)
-                if victim is None or victim.refcount or victim.pins:
-                    continue
-                self._evict(victim, evicted)
-                location = self._allocate(nbytes)
-                if location is not None:
-                    break
+        # The pool itself is full: its eviction order decides, over every tenant (each of them
+        # within its cap; docs/cachelayer.md, "Tenant quotas"). One victim at a time, read lazily
+        # from the front of the order: a snapshot of the whole order per eviction cost O(chunks).
+        while location is None:
+            victim = self._first_evictable()
+            if victim is None:
+                break
+            self._evict(victim, evicted)
+            location = self._allocate(nbytes)
         if location is None:
             return None, evicted
         entry = TierEntry(meta=meta, nbytes=nbytes, location=location, refcount=1)
@@ -174,6 +172,14 @@ class Tier:
         for victim in victims:
             self._evict(victim, evicted)
         return True
+
+    def _first_evictable(self) -> TierEntry | None:
+        """The first chunk in the eviction order that no one holds or pinned (None: there is none)."""
+        for key in self._policy.in_order():
+            entry = self._entries.get(key)
+            if entry is not None and not entry.refcount and not entry.pins:
+                return entry
+        return None
 
     def _evict(self, victim: TierEntry, evicted: list[ChunkMeta]) -> None:
         self.remove(victim.meta.key)
