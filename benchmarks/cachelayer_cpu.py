@@ -3,8 +3,11 @@
 KV of 32 layers, 8 KV heads, head_dim 128, bf16 (128 KiB a token, 512 MiB per 4096-token
 request), chunk_size 256. Measured side by side in one run: a plain torch copy of the same bytes
 (the memcpy ceiling), CacheEngine.store of fresh requests (eviction running once the pool is
-full), retrieve into a new tensor and into a caller buffer (out=), lookup, and the key hashing
-alone for both algorithms. Each round runs every operation once, in turn; median of the rounds.
+full), the same store by a tenant at its quota (tenant_quotas: every store evicts the tenant's
+own oldest chunks), retrieve into a new tensor and into a caller buffer (out=), lookup, and the
+key hashing alone for both algorithms. Each round runs every operation once, in turn; median of
+the rounds. A second part times the bookkeeping alone: stores of tiny chunks (2 KiB), with and
+without quotas, where the copy costs next to nothing.
 
     .venv/bin/python -m benchmarks.cachelayer_cpu [--repeats 7] [--pool-gb 2.5]
 
@@ -89,12 +92,33 @@ def main() -> None:
     for _ in range(pool_requests):
         engine.store(fresh_tokens(), kv)
 
+    # The same pool with tenant quotas: tenant "bench" may hold half of it and is filled to its cap,
+    # so that each of its stores evicts its own oldest chunks first.
+    quota_engine = CacheEngine.from_config(
+        {
+            "chunk_size": CHUNK,
+            "max_local_cpu_size": args.pool_gb,
+            "pre_caching_hash_algorithm": "xxhash",
+            "tenant_quotas": {"tenants": {"bench": {"l1_share": 0.5}}},
+        },
+        num_layers=LAYERS,
+        num_kv_heads=KV_HEADS,
+        head_dim=HEAD_DIM,
+        dtype=torch.bfloat16,
+    )
+    quota_engine.cpu.pool.fill_(0)
+    for _ in range(pool_requests):
+        quota_engine.store(fresh_tokens(), kv, cache_salt="bench")
+
     stored_tokens: list[list[int]] = []
 
     def store_once() -> None:
         tokens = fresh_tokens()
         assert engine.store(tokens, kv) == TOKENS
         stored_tokens.append(tokens)
+
+    def store_at_quota() -> None:
+        assert quota_engine.store(fresh_tokens(), kv, cache_salt="bench:client") == TOKENS
 
     store_once()
     hit, loaded = engine.retrieve(stored_tokens[-1])
@@ -105,6 +129,7 @@ def main() -> None:
     operations = {
         "memcpy_ceiling": lambda: destination.copy_(kv),  # one contiguous copy of the same bytes
         "store": store_once,
+        "store_tenant_at_quota": store_at_quota,
         "retrieve_new_tensor": lambda: engine.retrieve(stored_tokens[-1]),
         "retrieve_into_out": lambda: engine.retrieve(stored_tokens[-1], out=out),
         "lookup_4k_tokens": lambda: engine.lookup(stored_tokens[-1]),
@@ -121,7 +146,11 @@ def main() -> None:
     )
     last = stored_tokens[-1]
     evicted = engine.stats()["cpu_evicted_chunks"]
+    quota_usage = quota_engine.stats()["cpu_tenant_usage"]["bench"]
+    assert quota_usage["bytes"] <= quota_usage["cap_bytes"], "the tenant went past its cap"
     engine.close()
+    quota_engine.close()
+    results["bookkeeping_us_per_chunk"] = small_chunk_bookkeeping(args.repeats)
 
     hashing = {}
     for algorithm in ("sha256_cbor_64bit", "xxhash"):
@@ -140,12 +169,14 @@ def main() -> None:
     results["GBps"] = {
         "memcpy_ceiling": gbps(memcpy),
         "store": gbps(store),
+        "store_tenant_at_quota": gbps(times["store_tenant_at_quota"]),
         "retrieve_new_tensor": gbps(retrieve_new),
         "retrieve_into_out": gbps(retrieve_out),
     }
     results["median_seconds"] = {
         "memcpy_ceiling": statistics.median(memcpy),
         "store": statistics.median(store),
+        "store_tenant_at_quota": statistics.median(times["store_tenant_at_quota"]),
         "retrieve_new_tensor": statistics.median(retrieve_new),
         "retrieve_into_out": statistics.median(retrieve_out),
         "lookup_4k_tokens": statistics.median(lookup),
@@ -158,6 +189,49 @@ def main() -> None:
     write_report(results)
     plot(results)
     print(json.dumps(results["GBps"], indent=2))
+
+
+def small_chunk_bookkeeping(repeats: int) -> dict[str, float]:
+    """Microseconds a chunk for stores of 16 tiny chunks (2 layers, 2 heads, head_dim 8, 16 tokens:
+    2 KiB) into a full pool of 4096, without quotas (the pool evicts) and with them (the tenant, at
+    half the pool, evicts its own); interleaved rounds of 200 stores, median."""
+    layers, heads, head_dim, chunk, chunks_a_store = 2, 2, 8, 16, 16
+    pool_gb = 4096 * layers * 2 * chunk * heads * head_dim * 2 / 2**30
+    quotas = {"tenants": {"t": {"l1_share": 0.5}}}
+    engines = {
+        name: CacheEngine.from_config(
+            {
+                "chunk_size": chunk,
+                "max_local_cpu_size": pool_gb,
+                "pre_caching_hash_algorithm": "xxhash",
+                **({"tenant_quotas": quotas} if name == "with_quotas" else {}),
+            },
+            num_layers=layers,
+            num_kv_heads=heads,
+            head_dim=head_dim,
+            dtype=torch.bfloat16,
+        )
+        for name in ("without_quotas", "with_quotas")
+    }
+    kv = torch.randn(layers, 2, chunk * chunks_a_store, heads * head_dim).to(torch.bfloat16)
+    counter = iter(range(10**9))
+
+    def stores(engine: CacheEngine, count: int) -> None:
+        for _ in range(count):
+            base = next(counter) * chunk * chunks_a_store
+            engine.store(list(range(base, base + chunk * chunks_a_store)), kv, cache_salt="t")
+
+    for engine in engines.values():
+        stores(engine, 4096 // chunks_a_store * 2)  # full (and the tenant at its cap)
+    per_chunk: dict[str, list[float]] = {name: [] for name in engines}
+    for _ in range(repeats):
+        for name, engine in engines.items():
+            started = time.perf_counter()
+            stores(engine, 200)
+            per_chunk[name].append((time.perf_counter() - started) / (200 * chunks_a_store) * 1e6)
+    for engine in engines.values():
+        engine.close()
+    return {name: statistics.median(values) for name, values in per_chunk.items()}
 
 
 def write_report(results: dict) -> None:
@@ -177,7 +251,13 @@ def write_report(results: dict) -> None:
         "| operation | GB/s | share of the memcpy ceiling | median time |",
         "| --- | --- | --- | --- |",
     ]
-    for name in ("memcpy_ceiling", "store", "retrieve_new_tensor", "retrieve_into_out"):
+    for name in (
+        "memcpy_ceiling",
+        "store",
+        "store_tenant_at_quota",
+        "retrieve_new_tensor",
+        "retrieve_into_out",
+    ):
         lines.append(
             f"| {name} | {speeds[name]:.2f} | {speeds[name] / ceiling:.0%} | {seconds[name] * 1000:.1f} ms |"
         )
@@ -187,6 +267,12 @@ def write_report(results: dict) -> None:
         f"Lookup of a 4k-token prompt: {seconds['lookup_4k_tokens'] * 1000:.2f} ms. "
         f"Chunk keys for 4k tokens: sha256_cbor_64bit {keys['sha256_cbor_64bit'] * 1000:.2f} ms, "
         f"xxhash {keys['xxhash'] * 1000:.2f} ms.",
+        "",
+        f"Tenant quotas: a store by a tenant at its cap (evicting its own oldest chunks) ran at "
+        f"{speeds['store_tenant_at_quota'] / speeds['store']:.2f}x the store without quotas (evicting "
+        "from the whole pool). Bookkeeping alone, stores of 2 KiB chunks into full pools: "
+        f"{results['bookkeeping_us_per_chunk']['without_quotas']:.1f} us a chunk without quotas, "
+        f"{results['bookkeeping_us_per_chunk']['with_quotas']:.1f} us with them.",
         "",
         "store copies each chunk's strided slice of the request into its pool allocation and retrieve "
         "copies it back (numpy copyto between CPU tensors: torch's strided copy_ reached only ~60% of "
@@ -211,7 +297,9 @@ def plot(results: dict) -> None:
     names = list(speeds)
     figure, axis = plt.subplots(figsize=(7, 3.5))
     bars = axis.bar(
-        names, [speeds[name] for name in names], color=["grey", "tab:blue", "tab:orange", "tab:green"]
+        names,
+        [speeds[name] for name in names],
+        color=["grey", "tab:blue", "tab:cyan", "tab:orange", "tab:green"],
     )
     axis.bar_label(bars, fmt="%.2f")
     axis.set_ylabel("GB/s")
