@@ -96,10 +96,11 @@ def test_tenants_under_their_share_use_free_space_and_unlisted_ones_are_counted_
 def test_a_prompt_longer_than_the_share_stores_the_prefix_that_fits():
     engine = quota_engine()
     tokens, kv = request(500, 9)
-    # Storing stops at the first chunk that does not fit: evicting its own earlier chunks of the
-    # same prompt would only leave a tail no lookup reaches, so a's cap holds the first 6.
+    # Storing stops at the first chunk that does not fit: the prompt's own earlier chunks are still
+    # being written (never evicted), so a's cap holds the first 6 and the rest is refused.
     held = engine.store(tokens, kv, cache_salt="a")
-    assert held <= 9 * CHUNK and usage(engine)["a"]["chunks"] == 6
+    assert held == 6 * CHUNK and usage(engine)["a"]["chunks"] == 6
+    assert engine.lookup(tokens, cache_salt="a") == 6 * CHUNK
     assert_books_balance(engine)
 
 
