@@ -41,8 +41,9 @@ def assert_books_balance(engine) -> None:
     assert total == engine.cpu.allocator.allocated_bytes
 
 
-def test_a_tenant_past_its_share_evicts_only_its_own_oldest_chunks():
-    engine = quota_engine()
+@pytest.mark.parametrize("cache_policy", ["LRU", "LFU", "FIFO"])
+def test_a_tenant_past_its_share_evicts_only_its_own_oldest_chunks(cache_policy):
+    engine = quota_engine(cache_policy=cache_policy)
     b_prompts = [request(100 + i, 2) for i in range(5)]  # 10 chunks: b's whole share
     for tokens, kv in b_prompts:
         assert engine.store(tokens, kv, cache_salt="b:client-1") == len(tokens)
