@@ -51,19 +51,19 @@ def test_eviction_orders():
     for key in (1, 2, 3):
         lru.on_insert(key)
     lru.on_access(1)
-    assert list(lru.candidates()) == [2, 3, 1]
+    assert list(lru.in_order()) == [2, 3, 1]
     lfu = LFUPolicy()
     for key in (1, 2, 3):
         lfu.on_insert(key)
     lfu.on_access(1)
     lfu.on_access(1)
     lfu.on_access(3)
-    assert list(lfu.candidates()) == [2, 3, 1]
+    assert list(lfu.in_order()) == [2, 3, 1]
     fifo = make_policy("FIFO")
     for key in (1, 2):
         fifo.on_insert(key)
     fifo.on_access(1)
-    assert list(fifo.candidates()) == [1, 2]
+    assert list(fifo.in_order()) == [1, 2]
 
 
 def test_eviction_under_memory_pressure_spares_pinned_chunks_and_stores_a_prefix():

@@ -18,13 +18,9 @@ class EvictionPolicy(Protocol):
     def on_insert(self, key: int) -> None: ...
     def on_access(self, key: int) -> None: ...
     def on_remove(self, key: int) -> None: ...
-    def candidates(self) -> Iterator[int]:
-        """Keys in the order they should leave (a snapshot: the caller may remove while iterating)."""
-        ...
-
     def in_order(self) -> Iterator[int]:
-        """The same order, lazily, without a snapshot: the caller must not change the policy while
-        iterating (cheap when only the first few keys are wanted)."""
+        """Keys in the order they should leave, lazily (no snapshot: the caller must not change the
+        policy while iterating; cheap when only the first few keys are wanted)."""
         ...
 
     def __len__(self) -> int: ...
@@ -46,9 +42,6 @@ class LRUPolicy:
 
     def on_remove(self, key: int) -> None:
         self._order.pop(key, None)
-
-    def candidates(self) -> Iterator[int]:
-        return iter(list(self._order))
 
     def in_order(self) -> Iterator[int]:
         return iter(self._order)
@@ -91,9 +84,6 @@ class LFUPolicy:
         rank = self._rank.pop(key, None)
         if rank is not None:
             self._order.remove((*rank, key))
-
-    def candidates(self) -> Iterator[int]:
-        return iter([key for _, _, key in self._order])
 
     def in_order(self) -> Iterator[int]:
         return (key for _, _, key in self._order)
