@@ -225,7 +225,8 @@ def _metric(text: str, name: str, tenant: str) -> float:
     return float(next(line for line in text.splitlines() if line.startswith(prefix))[len(prefix) :])
 
 
-def test_the_daemon_holds_each_tenant_to_its_share_of_its_one_pool(tmp_path):
+@pytest.mark.parametrize("transport", ["shm", "tcp"])
+def test_the_daemon_holds_each_tenant_to_its_share_of_its_one_pool(tmp_path, transport):
     quotas = tmp_path / "quotas.yaml"
     quotas.write_text("tenants:\n  a: {l1_share: 0.25}\n  b: {l1_share: 0.5}\ndefault: {l1_share: 0.1}\n")
     port, http_port = free_port(), free_port()
@@ -236,6 +237,8 @@ def test_the_daemon_holds_each_tenant_to_its_share_of_its_one_pool(tmp_path):
     args = [sys.executable, "-m", "cachelayer.cli", "server", "--host", "127.0.0.1", "--port", str(port),
             "--http-port", str(http_port), "--chunk-size", str(chunk), "--l1-size-gb", str(pool_gb),
             "--tenant-quotas", str(quotas)]  # fmt: skip
+    if transport == "tcp":
+        args.append("--no-shared-memory")
     generator = torch.Generator().manual_seed(5)
 
     def prompt(seed: int) -> tuple[list[int], torch.Tensor]:
@@ -247,6 +250,8 @@ def test_the_daemon_holds_each_tenant_to_its_share_of_its_one_pool(tmp_path):
         engine_of_b = StoreClient(f"tcp://127.0.0.1:{port}", chunk_size=chunk, timeout_s=30)
         engine_of_a = StoreClient(f"tcp://127.0.0.1:{port}", chunk_size=chunk, timeout_s=30)
         try:
+            # Same-host stores write the shared pool under leases; --no-shared-memory sends the KV.
+            assert engine_of_a.transport == transport
             b_prompts = [prompt(seed) for seed in range(4)]  # 8 chunks: b's share
             for tokens, kv in b_prompts:
                 assert engine_of_b.store(space, tokens, kv, cache_salt="b:user-7")[0] == 2 * chunk
