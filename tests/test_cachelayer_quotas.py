@@ -58,8 +58,9 @@ def test_a_tenant_past_its_share_evicts_only_its_own_oldest_chunks(cache_policy)
     # a kept its three most recent prompts; its oldest went.
     held = [engine.lookup(tokens, cache_salt="a") for tokens, _ in a_prompts]
     assert held == [0] * 5 + [2 * CHUNK] * 3
-    assert usage(engine)["a"] == {"bytes": 6 * engine.layout.raw_nbytes(CHUNK), "chunks": 6,
-                                  "cap_bytes": usage(engine)["a"]["cap_bytes"]}  # fmt: skip
+    a_row = usage(engine)["a"]
+    assert (a_row["bytes"], a_row["chunks"]) == (6 * engine.layout.raw_nbytes(CHUNK), 6)
+    assert (a_row["evicted_for_cap"], usage(engine)["b"]["evicted_for_cap"]) == (10, 0)
     assert engine.stats()["cpu_evicted_chunks"] == 10
     assert_books_balance(engine)
     assert_no_leak(engine)
@@ -114,6 +115,7 @@ def test_pinned_chunks_count_against_their_tenant_and_are_never_evicted_for_it()
     tokens, kv = request(610, 2)
     assert engine.store(tokens, kv, cache_salt="a") == 0  # refused: nothing of a's may leave
     assert engine.stats()["cpu_tenant_refused_chunks"] == 1
+    assert (usage(engine)["a"]["refused"], usage(engine)["b"]["refused"]) == (1, 0)
     b_tokens, b_kv = request(611, 2)
     assert engine.store(b_tokens, b_kv, cache_salt="b") == 2 * CHUNK  # b is not held back by a's pins
     for tokens_pinned, _ in pinned:
@@ -273,6 +275,8 @@ def test_the_daemon_holds_each_tenant_to_its_share_of_its_one_pool(tmp_path, tra
     assert _metric(metrics, "cachelayer_tenant_l1_used_bytes", "b") == 8 * chunk_bytes
     assert _metric(metrics, "cachelayer_tenant_l1_cap_bytes", "a") == 4 * chunk_bytes
     assert _metric(metrics, "cachelayer_tenant_l1_chunks", "_other") == 0
+    assert _metric(metrics, "cachelayer_tenant_l1_evicted_for_cap_total", "a") == 12
+    assert _metric(metrics, "cachelayer_tenant_l1_evicted_for_cap_total", "b") == 0
 
 
 def test_the_daemon_refuses_a_bad_quota_file_naming_it_and_the_key(tmp_path):

@@ -120,6 +120,16 @@ TENANT_METRICS = (
     ("cachelayer_tenant_l1_used_bytes", "bytes", "Bytes of the L1 pool a tenant's chunks take"),
     ("cachelayer_tenant_l1_chunks", "chunks", "Chunks of a tenant in the L1 pool"),
     ("cachelayer_tenant_l1_cap_bytes", "cap_bytes", "Most bytes of the L1 pool a tenant may take"),
+    (
+        "cachelayer_tenant_l1_evicted_for_cap_total",
+        "evicted_for_cap",
+        "Chunks evicted to keep a tenant in its cap",
+    ),
+    (
+        "cachelayer_tenant_l1_refused_chunks_total",
+        "refused",
+        "Chunks not stored: the tenant's own made no room",
+    ),
 )
 
 
@@ -577,7 +587,8 @@ class StoreServer:
         if tenants is not None:
             # One series per configured tenant (plus _shared and _other): a bounded label set.
             for name, field, help_text in TENANT_METRICS:
-                lines += [f"# HELP {name} {help_text}", f"# TYPE {name} gauge"]
+                kind = "counter" if name.endswith("_total") else "gauge"
+                lines += [f"# HELP {name} {help_text}", f"# TYPE {name} {kind}"]
                 lines += [f'{name}{{tenant="{tenant}"}} {row[field]}' for tenant, row in tenants.items()]
         return "\n".join(lines) + "\n"
 

@@ -38,7 +38,7 @@ class TenantLedger:
 
     Only tenants holding something have an entry: the ledger is bounded by the tier's chunks."""
 
-    __slots__ = ("_caps", "_default_cap", "capacity_bytes", "quotas", "refused_chunks", "usage")
+    __slots__ = ("_caps", "_counts", "_default_cap", "capacity_bytes", "quotas", "refused_chunks", "usage")
 
     def __init__(self, quotas: TenantQuotas, capacity_bytes: int, *, tier: str = "l1") -> None:
         self.quotas = quotas
@@ -55,6 +55,20 @@ class TenantLedger:
         self.usage: dict[str, TenantUsage] = {}
         # Chunks refused because their tenant's own chunks could not make room (pinned or in use).
         self.refused_chunks = 0
+        # Per report label: chunks evicted to keep their tenant within its cap, and chunks refused.
+        self._counts: dict[str, dict[str, int]] = {}
+
+    def label(self, tenant: str) -> str:
+        """The name `tenant` is reported under: its own when configured, else `_shared` / `_other`."""
+        if tenant == SHARED_TENANT:
+            return SHARED_TENANT_LABEL
+        return tenant if tenant in self.quotas.tenants else OTHER_TENANTS
+
+    def note(self, tenant: str, *, evicted: int = 0, refused: int = 0) -> None:
+        counts = self._counts.setdefault(self.label(tenant), {"evicted_for_cap": 0, "refused": 0})
+        counts["evicted_for_cap"] += evicted
+        counts["refused"] += refused
+        self.refused_chunks += refused
 
     def cap(self, tenant: str) -> int:
         return self._caps.get(tenant, self._default_cap)
@@ -78,16 +92,19 @@ class TenantLedger:
             del self.usage[tenant]
 
     def report(self) -> dict[str, dict[str, int]]:
-        """{tenant label: {bytes, chunks, cap_bytes}} for the shared tenant, every configured tenant
-        (held or not) and the unlisted ones summed: a bounded set of labels."""
-        labels = {SHARED_TENANT: SHARED_TENANT_LABEL} | {tenant: tenant for tenant in self.quotas.tenants}
+        """{tenant label: {bytes, chunks, cap_bytes, evicted_for_cap, refused}} for the shared tenant,
+        every configured tenant (held or not) and the unlisted ones summed (`cap_bytes` is then each
+        one's): a bounded set of labels."""
+        caps = {SHARED_TENANT_LABEL: self.cap(SHARED_TENANT), OTHER_TENANTS: self._default_cap}
+        caps |= {tenant: self.cap(tenant) for tenant in self.quotas.tenants}
         report = {
-            label: {"bytes": 0, "chunks": 0, "cap_bytes": self.cap(tenant)}
-            for tenant, label in labels.items()
+            label: {"bytes": 0, "chunks": 0, "cap_bytes": cap, "evicted_for_cap": 0, "refused": 0}
+            for label, cap in caps.items()
         }
-        report[OTHER_TENANTS] = {"bytes": 0, "chunks": 0, "cap_bytes": self._default_cap}
+        for label, counts in self._counts.items():
+            report[label].update(counts)
         for tenant, usage in self.usage.items():
-            row = report[labels.get(tenant, OTHER_TENANTS)]
+            row = report[self.label(tenant)]
             row["bytes"] += usage.bytes
             row["chunks"] += usage.chunks
         return report

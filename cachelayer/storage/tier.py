@@ -126,7 +126,7 @@ class Tier:
         if ledger is not None and not self._within_cap(
             ledger, meta.tenant, self._charged_bytes(nbytes), evicted
         ):
-            ledger.refused_chunks += 1
+            ledger.note(meta.tenant, refused=1)
             return None, evicted
         location = self._allocate(nbytes)
         # The pool itself is full: its eviction order decides, over every tenant (each of them
@@ -171,6 +171,7 @@ class Tier:
             return False  # pinned or in use: nothing is evicted for a store that cannot fit anyway
         for victim in victims:
             self._evict(victim, evicted)
+        ledger.note(tenant, evicted=len(victims))
         return True
 
     def _first_evictable(self) -> TierEntry | None:
