@@ -4,7 +4,9 @@ fails), and what the objects say agrees with kvgate itself: the ConfigMap's prox
 the gateway's own config loader, the Deployment reads it from where it is mounted, the ports and
 probes are the ones the config and the daemon listen on, the dashboard is deploy/grafana's. The
 custom resources (the epp overlay's InferencePool and HTTPRoute) validate against their CRDs' own
-schemas, vendored in tests/data/crds/ (README there: release, source, license)."""
+schemas, vendored in tests/data/crds/ (README there: release, source, license); in the epp
+overlay the pool, the picker's Service, probes and discovery agree, and a real `kvgate epp` on the
+rendered config finds the pool's pods through the fake Kubernetes API."""
 
 from __future__ import annotations
 
@@ -15,6 +17,7 @@ import subprocess
 from pathlib import Path
 from typing import Any
 
+import httpx
 import jsonschema
 import kubernetes_validate
 import pytest
@@ -515,3 +518,63 @@ def test_a_misspelled_field_of_the_pool_fails_its_crd_schema():
     )
     with pytest.raises(pytest.fail.Exception, match="backendRef"):
         check_custom_resource(find(bad_route, "HTTPRoute", "kvgate-pool"), route_schema, "route")
+
+
+# One simulated engine, the fake Kubernetes API and a real `kvgate epp`: about 5 s.
+def test_the_picker_with_the_overlays_config_finds_the_pools_pods_and_answers_its_probes(
+    tmp_path: Path, monkeypatch
+):
+    """The rendered proxy.yaml drives a real picker. Replaced for a run outside a pod: the API's
+    address and token (a pod uses its service account's), the namespace, the listeners (loopback
+    ports) and the engine's port and model (a simulated engine on a free port)."""
+    from kvgate_testing.fake_kube_api import FakeKubeAPI, endpoint_slice
+    from kvgate_testing.picker import PickerProcess, grpc_health
+    from kvgate_testing.sim_fleet import MODEL, EngineFleet
+    from kvgate_testing.waiting import wait_for
+
+    objects = render(EPP_OVERLAY)
+    config = picker_proxy_yaml(objects)
+    pool = find(objects, "InferencePool", "kvgate-pool")["spec"]
+    _, container = picker_container(objects)
+    for name, value in SECRET_ENV.items():
+        monkeypatch.setenv(name, value)
+    token_file = tmp_path / "token"
+    token_file.write_text("picker-token")
+    api = FakeKubeAPI("kvgate", "picker-token").start()
+    fleet = EngineFleet(1, num_gpu_blocks=256)
+    picker = None
+    try:
+        fleet.start()
+        (engine,) = fleet.engines
+        port = int(engine.url.rsplit(":", 1)[1])
+        pod = {"address": "127.0.0.1"}
+        # A Service carrying the pool's labels (its slices copy them), and one that does not.
+        api.apply(
+            endpoint_slice("vllm-x", "vllm", {"vllm-0": pod}, port, labels=pool["selector"]["matchLabels"])
+        )
+        api.apply(endpoint_slice("other-x", "other", {"other-0": pod}, port, labels={"app": "other"}))
+        config["models"] = [{"name": MODEL}]
+        config["discovery"]["kubernetes"] |= {
+            "api_server": api.url,
+            "token_file": str(token_file),
+            "namespace": "kvgate",
+        }
+        config["discovery"]["ports"] = {"http": port}
+        picker = PickerProcess(config).start(timeout_s=120)  # returns once `readiness` is SERVING
+        wait_for(
+            lambda: (
+                httpx.get(f"{picker.url}/health", timeout=10).json()["discovery"]["backends"] == ["vllm-0"]
+            ),
+            30,
+            "the pool's pod, and only it, as a backend",
+        )
+        health = httpx.get(f"{picker.url}/health", timeout=10).json()
+        assert health["backends"] == {"vllm-0": "healthy"}
+        # The kubelet's probes: the services the Deployment names answer SERVING.
+        for probe in ("readinessProbe", "livenessProbe"):
+            assert grpc_health(picker.grpc_address, container[probe]["grpc"]["service"]) == "SERVING"
+    finally:
+        if picker is not None:
+            picker.remove()
+        fleet.stop()
+        api.stop()
