@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Builds kvgate's two container images with podman from the Containerfile at the repository root:
-#   kvgate-gateway  (target gateway: `kvgate serve`, non-root, no torch)
+#   kvgate-gateway  (target gateway: `kvgate serve` and `kvgate epp`, non-root, no torch)
 #   kvgate-cache    (target cache:   `cachelayer server`, non-root, torch CPU)
 #
 #   scripts/build_image.sh                 # base: a Debian bookworm rootfs built here with debootstrap
