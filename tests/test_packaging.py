@@ -201,3 +201,21 @@ def test_the_wheel_ships_the_gateway_the_cache_layer_and_the_wire_not_the_test_h
     shipped = {name.partition(".")[0] for name in find_namespace_packages(str(REPO_ROOT), include=include)}
     assert shipped == {"router", "cachelayer", "kvwire", "kvgate_common"}
     assert (REPO_ROOT / "kvgate_testing" / "__init__.py").exists()  # a package, left out on purpose
+
+
+def test_the_container_image_builds_its_wheel_from_every_package_the_wheel_ships():
+    """The Containerfile's wheel stage copies the packages one by one: a package the wheel ships
+    but the stage leaves out builds a wheel that fails at import in the image (kvgate_common did,
+    found only by the image tier)."""
+    from setuptools import find_namespace_packages
+
+    include = _pyproject()["tool"]["setuptools"]["packages"]["find"]["include"]
+    shipped = {name.partition(".")[0] for name in find_namespace_packages(str(REPO_ROOT), include=include)}
+    containerfile = (REPO_ROOT / "Containerfile").read_text().splitlines()
+    copied = {
+        line.split()[1]
+        for line in containerfile
+        if line.startswith("COPY ") and line.endswith(f"/src/{line.split()[1]}")
+    }
+    missing = sorted(shipped - copied)
+    assert not missing, f"Containerfile's wheel stage lacks `COPY {missing[0]} /src/{missing[0]}`"
