@@ -70,6 +70,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "to include Exeg); without it the engine never hears of a loss",
     )
     parser.add_argument(
+        "--shared-block-bytes",
+        type=int,
+        default=1,
+        help="bytes each block takes in the shared tier's Redis (filler standing for its KV), which a "
+        "server under maxmemory counts",
+    )
+    parser.add_argument(
         "--shared-load-us-per-token",
         type=float,
         default=10.0,
@@ -186,7 +193,9 @@ def run(args: argparse.Namespace) -> int:
     shared_store = None
     if args.shared_tier:
         try:
-            shared_store = SharedBlockStore(args.shared_tier_url, args.shared_tier)
+            shared_store = SharedBlockStore(
+                args.shared_tier_url, args.shared_tier, block_bytes=args.shared_block_bytes
+            )
         except ValueError as exc:
             return _refuse(str(exc))
     publisher = None

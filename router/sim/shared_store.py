@@ -7,11 +7,12 @@ members' KV events report the blocks each one wrote with medium "shared", as the
 daemon reports its store, so a gateway's `shared_tiers` can name them.
 
 Simulated engines run as separate processes (`kvgate sim`, one per engine), so the store lives in a
-real `redis-server` that every member reaches over loopback: one small key per block (`block_key`;
-no KV bytes: the simulator computes nothing), so a server under `maxmemory` evicts block by block as
-the cache layer's Redis tier does. Every call is one round trip and time-boxed; a store that does not
-answer is a miss (lookups) or a skipped write, never an error to a request. Emptying it (between
-benchmark runs) is its owner's job, not an engine's: `/reset_prefix_cache` leaves a shared store
+real `redis-server` that every member reaches over loopback: one key per block (`block_key`), its
+value `--shared-block-bytes` of filler standing for the block's KV (the simulator computes nothing),
+so a server under `maxmemory` evicts block by block as the cache layer's Redis tier does. Every
+call is one round trip and time-boxed; a store that does not answer is a miss (lookups) or a
+skipped write, never an error to a request. Emptying it (between benchmark runs) is its owner's
+job, not an engine's: `/reset_prefix_cache` leaves a shared store
 alone, as it does in vLLM with a KV connector.
 
 Removals (`--shared-tier-removals`, `watch_removals`): the server's keyevent notifications of
@@ -37,8 +38,10 @@ MEDIUM_SHARED = "shared"
 KEY_PREFIX = "kvgate-sim:shared-tier:"
 # The keyevent classes a removal needs: E (keyevent channel), x (expired), e (evicted), g (DEL).
 NEEDED_KEYEVENT_FLAGS = "Exeg"
-# Seconds between attempts to subscribe again after the notification connection failed.
-RESUBSCRIBE_AFTER_S = 0.5
+# Seconds before subscribing again after the notification connection failed: short at first (a
+# restarted store is cleared only once the member is back; until then the router credits what it
+# lost), doubling up to the last while the server stays away.
+RESUBSCRIBE_AFTER_S = (0.02, 1.0)
 # Keys asked about in one round trip of the check after a (re)subscription.
 RECHECK_SLICE = 1024
 
@@ -66,13 +69,18 @@ class RemovalListener(Protocol):
 class SharedBlockStore:
     """The blocks of one shared tier, one Redis key each, in a server every member reaches."""
 
-    def __init__(self, url: str, tier: str, timeout_s: float = 0.2):
+    def __init__(self, url: str, tier: str, timeout_s: float = 0.2, block_bytes: int = 1):
+        """`block_bytes`: the size of each block's value, standing for its KV bytes (what a server
+        under `maxmemory` counts)."""
         if not tier:
             raise ValueError("the shared tier needs a name (--shared-tier)")
         if not url.startswith(("redis://", "rediss://", "unix://")):
             raise ValueError(f"--shared-tier-url {url!r} must start with redis://, rediss:// or unix://")
+        if block_bytes < 1:
+            raise ValueError(f"--shared-block-bytes must be at least 1, got {block_bytes}")
         self.tier = tier
         self.url = url
+        self._value = b"k" * block_bytes
         self.timeout_s = timeout_s
         self._prefix = tier_prefix(tier)
         # Imported here: the redis client comes with the `cluster` extra, and only a simulated engine
@@ -122,7 +130,9 @@ class SharedBlockStore:
         if not hashes:
             return True
         try:
-            await asyncio.wait_for(self._client.mset({self._key(h): b"1" for h in hashes}), self.timeout_s)
+            await asyncio.wait_for(
+                self._client.mset({self._key(h): self._value for h in hashes}), self.timeout_s
+            )
         except self._errors as exc:
             self._note_error("write", exc)
             return False
@@ -131,14 +141,18 @@ class SharedBlockStore:
     async def watch_removals(self, listener: RemovalListener) -> None:
         """Tell `listener` of every block key the server evicts, expires or deletes, and of a server
         restart; runs until cancelled, subscribing again whenever the connection drops."""
+        first, most = RESUBSCRIBE_AFTER_S
+        delay = first
         while True:
+            subscriptions = self.subscriptions
             try:
                 await self._watch_once(listener)
             except asyncio.CancelledError:
                 raise
             except self._errors as exc:
                 self._note_error("removal watch", exc)
-            await asyncio.sleep(RESUBSCRIBE_AFTER_S)
+            delay = first if self.subscriptions > subscriptions else min(delay * 2, most)
+            await asyncio.sleep(delay)
 
     async def _watch_once(self, listener: RemovalListener) -> None:
         # Its own connection without a read timeout: a quiet tier sends nothing for long stretches.
