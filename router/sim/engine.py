@@ -20,6 +20,9 @@ Timing model (every knob a `kvgate sim` flag):
   holds them: a decode engine asked next finds them); a `decode` engine only loads from the store
   and never writes; `both` (the default) loads, and writes in the background after the first token,
   or before it for a prefill leg (`kv_transfer_params: {"do_remote_decode": true}`, vLLM's field).
+- With `watch_shared_removals` (`--shared-tier-removals`), the blocks the store loses (evicted,
+  expired, deleted) are announced removed in the shared medium, and a restarted store as a clear
+  of that medium (`AllBlocksCleared(medium="shared")`); without it the engine never hears of a loss.
 TTFT is therefore queueing + prefill of the uncached tokens (+ loads): it reflects cache hits.
 
 All waiting is asyncio sleeping, never CPU work, so many simulated engines share two cores.
@@ -30,6 +33,7 @@ same request gives the same text.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import random
 from collections import deque
 from collections.abc import AsyncIterator
@@ -38,7 +42,7 @@ from dataclasses import dataclass
 import numpy as np
 import xxhash
 
-from kvwire import BlockStored, EventPublisher, KVEvent
+from kvwire import AllBlocksCleared, BlockRemoved, BlockStored, EventPublisher, KVEvent
 from router.errors import KvgateError
 from router.sim.blocks import BlockPool, chained_block_hashes
 from router.sim.shared_store import MEDIUM_SHARED, SharedBlockStore
@@ -126,6 +130,7 @@ class SimulatedEngine:
         publisher: EventPublisher | None = None,
         shared_store: SharedBlockStore | None = None,
         kv_role: str = KV_ROLE_BOTH,
+        watch_shared_removals: bool = False,
     ):
         if len(output_vocabulary) == 0:
             raise ValueError("the output vocabulary is empty")
@@ -133,6 +138,10 @@ class SimulatedEngine:
             raise ValueError(f"kv_role {kv_role!r} must be one of {', '.join(KV_ROLES)}")
         if kv_role != KV_ROLE_BOTH and shared_store is None:
             raise ValueError(f"a {kv_role} engine hands KV over through a shared tier; give it one")
+        if watch_shared_removals and shared_store is None:
+            raise ValueError("watching the shared tier's removals needs a shared tier; give it one")
+        self.watch_shared_removals = watch_shared_removals
+        self._removal_watch: asyncio.Task | None = None
         self.kv_role = kv_role
         self.pool = block_pool
         self.timing = timing
@@ -204,7 +213,37 @@ class SimulatedEngine:
         self._publish(events)
         return True
 
+    def start(self) -> None:
+        """Start the background work that runs for the engine's life (inside its event loop): the
+        shared tier's removal watch, when asked for."""
+        if self.watch_shared_removals and self._removal_watch is None:
+            assert self.shared_store is not None
+            self._removal_watch = asyncio.get_running_loop().create_task(
+                self.shared_store.watch_removals(self)
+            )
+
+    # The shared store's removal listener (router/sim/shared_store.py: RemovalListener).
+
+    def announced(self) -> set[int]:
+        return set(self._announced_shared)
+
+    def removed(self, block_hashes: list[int]) -> None:
+        """Retract the blocks of `block_hashes` this engine announced in the shared medium."""
+        gone = [h for h in block_hashes if h in self._announced_shared]
+        if gone:
+            self._announced_shared.difference_update(gone)
+            self._publish([BlockRemoved(block_hashes=gone, medium=MEDIUM_SHARED)])
+
+    def store_restarted(self) -> None:
+        """The shared store lost everything: clear the shared medium (the GPU pool keeps its blocks)."""
+        self._announced_shared.clear()
+        self._publish([AllBlocksCleared(medium=MEDIUM_SHARED)])
+
     async def close(self) -> None:
+        if self._removal_watch is not None:
+            self._removal_watch.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._removal_watch
         for task in list(self._shared_writes):
             task.cancel()
         if self.shared_store is not None:
