@@ -400,7 +400,7 @@ def plot(results: dict[str, Any], path: Path) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--duration", type=float, default=60.0, help="seconds of arrivals per configuration")
-    parser.add_argument("--long-interval", type=float, default=6.0, help="seconds between long prompts")
+    parser.add_argument("--long-interval", type=float, default=3.0, help="seconds between long prompts")
     parser.add_argument("--order", default="colocated,always_split,conditional")
     parser.add_argument("--output", default=str(RESULTS / "pd_real"), help="path prefix of the results")
     parser.add_argument("--report-only", action="store_true", help="rewrite the .md and .png from the .json")
