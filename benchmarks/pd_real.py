@@ -361,9 +361,9 @@ def write_report(results: dict[str, Any], path: Path) -> None:
         )
     lines += [
         "",
-        "Every request's record is in pd_real.json (`runs.*.requests`).",
+        f"Every request's record is in {path.with_suffix('.json').name} (`runs.*.requests`).",
         "",
-        "![ITL and TTFT](pd_real.png)",
+        f"![ITL and TTFT]({path.with_suffix('.png').name})",
         "",
     ]
     path.write_text("\n".join(lines))
