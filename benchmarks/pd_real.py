@@ -45,7 +45,7 @@ import httpx
 
 from kvgate_testing.gateway import start_gateway
 from kvgate_testing.processes import REPO_ROOT, wait_for_http
-from kvgate_testing.provenance import with_source
+from kvgate_testing.provenance import run_source, with_source
 from kvgate_testing.real_fleet import ENGINE_ENV, RealEngineFleet, filler_text, pin_engines_to_cores
 from kvgate_testing.vllm import (
     SERVED_MODEL,
@@ -414,8 +414,9 @@ def main(argv: list[str] | None = None) -> int:
             parser.error(f"--order {args.order!r}: name each of {sorted(CONFIGURATIONS)} once")
         if args.duration <= 0 or args.long_interval <= 0:
             parser.error("--duration and --long-interval must be positive")
-        results = with_source(measure(args.duration, args.long_interval, order))
-        output.with_suffix(".json").write_text(json.dumps(results, indent=2) + "\n")
+        run_source()  # the checkout as the run starts: edits made while it runs change nothing recorded
+        results = measure(args.duration, args.long_interval, order)
+        output.with_suffix(".json").write_text(json.dumps(with_source(results), indent=2) + "\n")
     write_report(results, output.with_suffix(".md"))
     plot(results, output.with_suffix(".png"))
     print(output.with_suffix(".md").read_text())
