@@ -293,7 +293,7 @@ def main(argv: list[str] | None = None) -> int:
         }
     )
     args.output.parent.mkdir(parents=True, exist_ok=True)
-    args.output.with_suffix(".json").write_text(json.dumps(results, indent=1) + "\n")
+    args.output.with_suffix(".json").write_text(json.dumps(with_source(results), indent=1) + "\n")
     if not args.skip_overhead:
         write_markdown(results, args.output.with_suffix(".md"))
         write_plot(results, args.output.with_suffix(".png"))
