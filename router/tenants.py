@@ -16,9 +16,9 @@ from typing import Any, Protocol
 
 from router.errors import KvgateError
 
-# The paths whose bodies vLLM reads `cache_salt` from (completions, chat, and the Responses API it
-# renders as chat): a tenant's requests on them are salted with its name.
-SALTED_PATHS = frozenset(("/v1/completions", "/v1/chat/completions", "/v1/responses"))
+# The generation paths whose bodies vLLM reads `cache_salt` from (completions, chat, and the
+# Responses and Anthropic Messages APIs it renders as chat): a tenant's requests on them are salted.
+SALTED_PATHS = frozenset(("/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/messages"))
 
 # A tenant's name becomes its requests' cache_salt and a metric label: plain, short, and free of ':'
 # (the cache layer reads the tenant as the salt's part before the first ':').

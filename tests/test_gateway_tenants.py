@@ -124,6 +124,34 @@ def test_a_client_salt_is_namespaced_under_its_own_tenant(tenant_gateway):
     assert _complete(tenant_gateway, ACME_KEY, prompt, "salt-acme-3") == {"engine": 0, "router": 0}
 
 
+def test_anthropic_messages_are_salted_per_tenant_too(tenant_gateway):
+    def send(key: str, request_id: str) -> dict:
+        body = {
+            "model": MODEL,
+            "max_tokens": 1,
+            "system": _prompt("anthropic"),
+            "messages": [{"role": "user", "content": "Which clause applies?"}],
+        }
+        headers = {"authorization": f"Bearer {key}", "x-request-id": request_id}
+        response = httpx.post(f"{tenant_gateway.url}/v1/messages", json=body, headers=headers, timeout=30)
+        assert response.status_code == 200, response.text
+        decision = next(d for d in _state(tenant_gateway)["decisions"] if d["request_id"] == request_id)
+        return {
+            "engine": response.json()["usage"]["cache_read_input_tokens"],
+            "router": decision["cached_tokens"],
+        }
+
+    before = _gpu_tokens(tenant_gateway)
+    assert send(ACME_KEY, "messages-acme-1") == {"engine": 0, "router": 0}
+    deadline = time.monotonic() + 15
+    while _gpu_tokens(tenant_gateway) <= before:
+        assert time.monotonic() < deadline, "the engine never published the new blocks"
+        time.sleep(0.05)
+    again = send(ACME_KEY, "messages-acme-2")
+    assert again["engine"] >= 160 and again["router"] >= 160, again
+    assert send(BETA_KEY, "messages-beta-1") == {"engine": 0, "router": 0}
+
+
 def test_unknown_keys_are_refused_and_tenants_are_counted(tenant_gateway):
     body = {"model": MODEL, "prompt": "hello", "max_tokens": 1}
     for headers in ({}, {"authorization": "Bearer not-a-key"}):
