@@ -198,7 +198,8 @@ def _responses_tools(tools: Any) -> list[dict[str, Any]]:
 
 
 def messages_as_chat(body: dict[str, Any]) -> dict[str, Any]:
-    """The chat request (`messages`, `tools`, `chat_template_kwargs`) vLLM renders for a /v1/messages body."""
+    """The chat request (`messages`, `tools`, `chat_template_kwargs`, `cache_salt`) vLLM renders for
+    a /v1/messages body."""
     items = body.get("messages")
     if not isinstance(items, list):
         raise ApiFormatError("`messages` must be a list of {role, content} messages", "messages")
@@ -263,6 +264,8 @@ def messages_as_chat(body: dict[str, Any]) -> dict[str, Any]:
     variables = _template_variables(body)
     if variables:
         chat["chat_template_kwargs"] = variables
+    if "cache_salt" in body:  # vLLM's Anthropic request takes it as its chat request does
+        chat["cache_salt"] = body["cache_salt"]
     return chat
 
 

@@ -29,31 +29,46 @@ def _digest(key: bytes) -> bytes:
 
 
 class ClientKeys:
-    """The keys a client may present; `allows` checks one Authorization header value."""
+    """The keys a client may present, each speaking for a tenant or for none (auth.tenants);
+    `tenant_of` checks one Authorization header value."""
 
-    def __init__(self, keys: Iterable[str]) -> None:
-        self._digests = [_digest(key.encode()) for key in keys]
+    def __init__(self, keys: Iterable[str | tuple[str, str | None]]) -> None:
+        pairs = [(key, None) if isinstance(key, str) else key for key in keys]
+        self._digests = [_digest(key.encode()) for key, _tenant in pairs]
+        self._tenants = [tenant for _key, tenant in pairs]
         if not self._digests:
             raise ValueError("ClientKeys needs at least one key")
 
-    def allows(self, authorization: bytes | None) -> bool:
+    def tenant_of(self, authorization: bytes | None) -> tuple[bool, str | None]:
+        """(whether the key is allowed, the tenant it speaks for or None)."""
         if authorization is None:
-            return False
+            return False, None
         scheme, _, value = authorization.strip().partition(b" ")
         if scheme.lower() != b"bearer":
-            return False
+            return False, None
         presented = _digest(value.strip())
         allowed = False
-        for digest in self._digests:  # no early exit: every key costs the same comparison
-            allowed |= hmac.compare_digest(presented, digest)
-        return allowed
+        tenant: str | None = None
+        for digest, owner in zip(self._digests, self._tenants, strict=True):
+            # No early exit: every key costs the same comparison, whichever matched.
+            match = hmac.compare_digest(presented, digest)
+            allowed |= match
+            if match:
+                tenant = owner
+        return allowed, tenant
 
-    def allows_headers(self, headers: Iterable[tuple[bytes, bytes]]) -> bool:
-        """`headers` with lower-case names, as ASGI and the direct path hold them."""
+    def allows(self, authorization: bytes | None) -> bool:
+        return self.tenant_of(authorization)[0]
+
+    def tenant_of_headers(self, headers: Iterable[tuple[bytes, bytes]]) -> tuple[bool, str | None]:
+        """`tenant_of` for `headers` with lower-case names, as ASGI and the direct path hold them."""
         for name, value in headers:
             if name == b"authorization":
-                return self.allows(value)
-        return False
+                return self.tenant_of(value)
+        return False, None
+
+    def allows_headers(self, headers: Iterable[tuple[bytes, bytes]]) -> bool:
+        return self.tenant_of_headers(headers)[0]
 
 
 def unauthorized_body() -> bytes:

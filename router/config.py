@@ -19,6 +19,7 @@ import yaml
 from kvgate_common.yaml_errors import with_bad_value, yaml_syntax_error
 from router.discovery_config import Discovery, DiscoveryConfigError, check_discovery
 from router.errors import KvgateError
+from router.tenants import TenantConfigError, check_tenants, keys_from
 
 
 class ConfigError(KvgateError):
@@ -271,6 +272,18 @@ class Admin(_Struct):
         return self.token
 
 
+class Tenant(_Struct):
+    """One tenant: the client API keys that speak for it. Its name becomes the `cache_salt` of its
+    requests (docs/gateway.md, "Tenants"), so tenants never share cached KV."""
+
+    # Letters, digits, '.', '_' and '-' (no ':': the cache layer reads a salt's tenant as the part
+    # before the first ':'). Shown as the tenant label of the gateway's metrics.
+    name: str
+    # As auth.api_keys_env and auth.api_keys, for this tenant's keys (prefer the environment).
+    api_keys_env: list[str] = []
+    api_keys: list[str] = []
+
+
 class Auth(_Struct):
     """API keys clients must send as `Authorization: Bearer <key>` (router/auth.py); none: open."""
 
@@ -279,20 +292,38 @@ class Auth(_Struct):
     api_keys_env: list[str] = []
     # Keys written in the file itself (readable by whoever reads the file: prefer api_keys_env).
     api_keys: list[str] = []
+    # Keys that speak for a tenant; the keys above speak for none (their requests keep the salt the
+    # client sent, if any).
+    tenants: list[Tenant] = []
+
+    def keys_with_tenants(self) -> list[tuple[str, str | None]]:
+        """(key, tenant name or None) for every configured key; raises ValueError naming an unset
+        environment variable or a key given twice under different tenants."""
+        pairs: list[tuple[str, str | None]] = [
+            (key, None) for key in keys_from(self.api_keys, self.api_keys_env, "auth.api_keys_env")
+        ]
+        for i, tenant in enumerate(self.tenants):
+            where = f"auth.tenants[{i}].api_keys_env"
+            pairs += [(key, tenant.name) for key in keys_from(tenant.api_keys, tenant.api_keys_env, where)]
+        owner: dict[str, str | None] = {}
+        for key, tenant_name in pairs:
+            if key in owner and owner[key] != tenant_name:
+                first, second = (
+                    "no tenant" if name is None else f"tenant {name!r}" for name in (owner[key], tenant_name)
+                )
+                raise ValueError(
+                    f"one API key is configured for {first} and for {second}; a key must speak for "
+                    "one tenant only: give each tenant keys of its own"
+                )
+            owner[key] = tenant_name
+        return pairs
 
     def resolved_keys(self) -> list[str]:
-        """Every configured key; raises ValueError naming an environment variable that is unset."""
-        keys = [key for key in self.api_keys if key]
-        for name in self.api_keys_env:
-            value = os.environ.get(name, "")
-            found = [key.strip() for key in value.split(",") if key.strip()]
-            if not found:
-                raise ValueError(
-                    f"environment variable {name} is unset or empty; export it with the API key(s) "
-                    "(comma-separated) or remove it from auth.api_keys_env"
-                )
-            keys += found
-        return keys
+        """Every configured key, tenants' included; raises ValueError as keys_with_tenants."""
+        return [key for key, _tenant in self.keys_with_tenants()]
+
+    def configured(self) -> bool:
+        return bool(self.api_keys or self.api_keys_env or self.tenants)
 
 
 class SimulatedEngines(_Struct):
@@ -614,10 +645,7 @@ def _check_semantics(config: Config, source: str, base_dir: Path | None) -> None
             f"/debug/prefix-map open; export {config.admin.token_env} with the admin token, or remove "
             "admin.token_env"
         )
-    try:
-        config.auth.resolved_keys()
-    except ValueError as exc:
-        raise ConfigError(f"{source}: invalid configuration at `auth.api_keys_env`: {exc}") from None
+    _check_tenants(config.auth, source)
     _check_shared_tiers(config, source)
     _check_disaggregation(config, source)
     _check_access_log(config.access_log, source, base_dir)
@@ -657,7 +685,7 @@ def check_admin_exposure(config: Config, host: str, source: str, where: str) -> 
     that is also a client key. `kvgate serve` calls it with the host it will listen on; `where`
     names the setting that gave it (listen.host or --host)."""
     admin_token = config.admin.resolved_token()
-    client_keys = config.auth.resolved_keys() if config.auth.api_keys or config.auth.api_keys_env else []
+    client_keys = config.auth.resolved_keys() if config.auth.configured() else []
     if admin_token is None and client_keys and not config.admin.open:
         # A client key opens every route but /health and /metrics: with no admin token of their own,
         # the admin endpoints would be open to every client.
@@ -696,6 +724,13 @@ def check_epp_exposure(config: Config, host: str, source: str, where: str) -> No
         "and probe which engine caches which prompt; set epp.tls (cert_file, key_file, client_ca_file: "
         "mutual TLS with Envoy), listen on 127.0.0.1, or accept the exposure with `epp: {open: true}`"
     )
+
+
+def _check_tenants(auth: Auth, source: str) -> None:
+    try:
+        check_tenants(auth)
+    except TenantConfigError as exc:
+        raise ConfigError(f"{source}: invalid configuration at `{exc.key}`: {exc}") from None
 
 
 def _check_access_log(access_log: AccessLog, source: str, base_dir: Path | None) -> None:

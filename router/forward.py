@@ -50,6 +50,7 @@ from router.request_routing import (
     release_backend,
     route_candidates,
 )
+from router.tenants import SALTED_PATHS
 from router.upstream import UpstreamError, UpstreamResponse, UpstreamTimeout
 
 if TYPE_CHECKING:
@@ -406,7 +407,8 @@ class ProxyEndpoint:
         context = self.context
         id_header = (b"x-request-id", request_id)
         keys = context.client_keys
-        if keys is not None and not keys.allows_headers(forward_headers):
+        allowed, tenant = (True, None) if keys is None else keys.tenant_of_headers(forward_headers)
+        if not allowed:
             context.metrics.gateway_errors.labels("401").inc()
             if entry is not None:
                 entry.status, entry.error = 401, UNAUTHORIZED_MESSAGE
@@ -415,7 +417,10 @@ class ProxyEndpoint:
             )
             return
         try:
-            route_request, data, by_policy = self._parse(body, request_id, session_value)
+            route_request, data, by_policy = self._parse(body, request_id, session_value, tenant)
+            if tenant is not None and self.route.path in SALTED_PATHS:
+                # The tenant's cache_salt is in `data` now; the engine must see it too.
+                body = self._encode(data)
             if entry is not None:
                 entry.request = route_request
             if by_policy:
@@ -432,6 +437,8 @@ class ProxyEndpoint:
                 return  # the client left: upstream closed and accounting done on the way out
         except GatewayError as exc:
             context.metrics.gateway_errors.labels(str(exc.status)).inc()
+            if tenant is not None:
+                context.metrics.count_tenant_request(tenant, exc.status)
             if entry is not None:
                 entry.status, entry.error = exc.status, exc.message
             await _respond_error(responder, exc.status, gateway_error_body(exc), id_header)
@@ -479,10 +486,17 @@ class ProxyEndpoint:
                 return b"".join(parts)
 
     def _parse(
-        self, body: bytes, request_id: bytes, session_value: bytes | None
+        self, body: bytes, request_id: bytes, session_value: bytes | None, tenant: str | None = None
     ) -> tuple[RouteRequest, dict[str, Any], bool]:
         """router/request_routing.py parse_route_request for this path."""
-        return parse_route_request(self.context, self.route, body, request_id, session_value)
+        return parse_route_request(self.context, self.route, body, request_id, session_value, tenant)
+
+    @staticmethod
+    def _encode(data: dict[str, Any]) -> bytes:
+        try:
+            return _encoder.encode(data)
+        except RecursionError:
+            raise GatewayError(400, "request body is JSON nested too deeply to forward") from None
 
     async def _forward(
         self,
@@ -500,10 +514,7 @@ class ProxyEndpoint:
         served_name = context.served_names.get(route_request.model)
         if served_name is not None:
             # The one case where the body is re-encoded: the engines know the model by another name.
-            try:
-                body = _encoder.encode({**data, "model": served_name})
-            except RecursionError:
-                raise GatewayError(400, "request body is JSON nested too deeply to forward") from None
+            body = self._encode({**data, "model": served_name})
         policy = context.policy if by_policy else self.least_loaded
         limits = context.config.limits
         timeout_s = limits.upstream_timeout_s
@@ -685,6 +696,8 @@ class ProxyEndpoint:
                 context.cluster.loads_changed()
             backend.requests_total += 1
             context.metrics.count_request(backend.name, outcome_status)
+            if route_request.tenant is not None:
+                context.metrics.count_tenant_request(route_request.tenant, outcome_status)
             policy.on_finished(choice, outcome_status, ttft_s)
             if leg is not None:
                 leg.finished(backend, outcome_status, ttft_s, tail)

@@ -28,6 +28,14 @@ class GatewayMetrics:
             ["backend", "status"],
             registry=self.registry,
         )
+        # Labelled by tenant names from the configuration only (auth.tenants): bounded cardinality.
+        self.tenant_requests = Counter(
+            "kvgate_tenant_requests",
+            "Requests of each tenant (auth.tenants) by the HTTP status the client got, whether a backend "
+            "or the gateway answered",
+            ["tenant", "status"],
+            registry=self.registry,
+        )
         self.gateway_errors = Counter(
             "kvgate_gateway_errors",
             "Requests the gateway answered itself with an error (no backend answered), by status",
@@ -105,6 +113,9 @@ class GatewayMetrics:
         if child is None:
             child = self._request_children[key] = self.requests.labels(backend, str(status))
         child.inc()
+
+    def count_tenant_request(self, tenant: str, status: int) -> None:
+        self.tenant_requests.labels(tenant, str(status)).inc()
 
     def observe_upstream(self, backend: str, seconds: float) -> None:
         child = self._upstream_children.get(backend)

@@ -11,6 +11,7 @@ import msgspec
 
 from router.errors import SCHEMA_ERROR_TYPE, GatewayError, decode_json_body
 from router.policies.base import Choice, RouteRequest
+from router.tenants import SALTED_PATHS, salt_for_tenant
 
 if TYPE_CHECKING:
     from router.backends import BackendRegistry, BackendState
@@ -25,10 +26,14 @@ def parse_route_request(
     body: bytes,
     request_id: bytes,
     session_value: bytes | None,
+    tenant: str | None = None,
 ) -> tuple[RouteRequest, dict[str, Any], bool]:
     """(the request as the policy reads it, the whole parsed body, whether the policy routes it).
 
     A request with nothing to route by goes to the least-loaded backend and the policy never sees it.
+    A `tenant`'s request on a salted path gets its cache_salt in the parsed body (the caller
+    forwards the body re-encoded): the routing view, the tokenizer's namespace and the engine's
+    block hashes then all separate tenants.
     """
     if not body:
         raise GatewayError(400, "empty request body; send a JSON object", "body", SCHEMA_ERROR_TYPE)
@@ -58,6 +63,12 @@ def parse_route_request(
         raise GatewayError(
             400, f"missing {fields} for {route.path}", f"body.{route.required[0]}", SCHEMA_ERROR_TYPE
         )
+    if tenant is not None and route.path in SALTED_PATHS:
+        client_salt = data.get("cache_salt")
+        if client_salt is not None and not (isinstance(client_salt, str) and client_salt):
+            message = "`cache_salt` must be a non-empty string"
+            raise GatewayError(400, message, "cache_salt", SCHEMA_ERROR_TYPE)
+        data["cache_salt"] = salt_for_tenant(tenant, client_salt)
     if model not in context.model_names:
         known = ", ".join(m.name for m in context.config.models)
         raise GatewayError(404, f"the model `{model}` does not exist; configured models: {known}", "model")
@@ -87,6 +98,7 @@ def parse_route_request(
         session_key = user if isinstance(user, str) and user else None
     route_request = RouteRequest(request_id.decode("latin-1"), model, view or {}, session_key)
     route_request.body_size = len(body)
+    route_request.tenant = tenant
     return route_request, data, view is not None
 
 

@@ -17,7 +17,8 @@ if TYPE_CHECKING:
 class RouteRequest:
     request_id: str
     model: str
-    # The parsed JSON body (never modified: the original bytes are forwarded).
+    # The parsed JSON body (the bytes forwarded are the original ones, unless the gateway changed
+    # the body: a tenant's cache_salt, a served model name).
     body: dict
     # Session key from `x-session-id` or the OpenAI `user` field, if any.
     session_key: str | None = None
@@ -33,3 +34,6 @@ class RouteRequest:
     # Leading prompt tokens a request preparer (router/extensions.py) knows the backends hold: the
     # in-flight prefill accounting counts the rest when the policy's Choice has no prefill_tokens.
     known_cached_tokens: int = 0
+    # The tenant its API key speaks for (auth.tenants), None without one; its name leads the
+    # request's cache_salt (router/request_routing.py salt_for_tenant).
+    tenant: str | None = None

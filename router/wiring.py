@@ -55,9 +55,9 @@ class Gateway:
             self.backends.add(spec)  # its listeners hear of these at start()
         self.admin_token = config.admin.resolved_token()
         # Client API keys (router/auth.py); the admin token opens what a client key opens.
-        client_keys = config.auth.resolved_keys()
+        client_keys = config.auth.keys_with_tenants()
         if client_keys and self.admin_token:
-            client_keys.append(self.admin_token)
+            client_keys.append((self.admin_token, None))
         self.client_keys = ClientKeys(client_keys) if client_keys else None
 
         # 2. The KV index: what each engine's events say it holds.
