@@ -360,3 +360,41 @@ def held_by_tier(batches: list[tuple[int, list]]) -> dict[str, dict[str, int]]:
 
 def _hashable(block_hash: object) -> object:
     return tuple(block_hash) if isinstance(block_hash, list) else block_hash
+
+
+# Words of the long prompts the real-engine tests send (each seed its own text, one token a word).
+WORDS = [
+    "river", "stone", "cloud", "lantern", "market", "violet", "engine", "harbor", "quiet", "signal",
+    "amber", "forest", "winter", "copper", "garden", "needle", "orbit", "paper", "silver", "thunder",
+    "velvet", "window", "yellow", "zephyr", "anchor", "bridge", "candle", "desert", "ember", "falcon",
+]  # fmt: skip
+
+
+def long_text(seed: int, words: int = 560) -> str:
+    """`words` words drawn by `seed`: a prompt no other seed shares a block with."""
+    rng = random.Random(seed)
+    return " ".join(rng.choice(WORDS) for _ in range(words))
+
+
+def gateway_config(engines, policy: dict | None = None) -> dict:
+    """A kvgate config for `engines` (running_vllms' engines): their KV events bound by the gateway."""
+    return {
+        "models": [{"name": SERVED_MODEL, "tokenizer": str(TINY_MODEL)}],
+        "backends": [
+            {
+                "name": engine.name,
+                "url": engine.url,
+                # vLLM's PUB connects out to a loopback endpoint: the gateway binds it.
+                "kv_events": {
+                    "endpoint": engine.events_endpoint,
+                    "replay_endpoint": engine.replay_endpoint,
+                    "topic": "kv-events",
+                    "bind": True,
+                },
+            }
+            for engine in engines
+        ],
+        "policy": policy or {"name": "kv_aware"},
+        # vLLM on 2 busy cores can take seconds to answer /health: do not mark it down for that.
+        "health": {"interval_s": 2.0, "timeout_s": 15.0},
+    }

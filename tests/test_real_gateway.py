@@ -11,8 +11,6 @@
 
 from __future__ import annotations
 
-import random
-
 import httpx
 import pytest
 from transformers import AutoTokenizer
@@ -22,7 +20,9 @@ from kvgate_testing.vllm import (
     SERVED_MODEL,
     TINY_MODEL,
     cached_tokens,
+    gateway_config,
     held_by_tier,
+    long_text,
     replay_events,
     running_cache_daemon,
     running_vllms,
@@ -31,40 +31,6 @@ from kvgate_testing.vllm import (
 )
 
 pytestmark = pytest.mark.real_engine
-
-WORDS = [
-    "river", "stone", "cloud", "lantern", "market", "violet", "engine", "harbor", "quiet", "signal",
-    "amber", "forest", "winter", "copper", "garden", "needle", "orbit", "paper", "silver", "thunder",
-    "velvet", "window", "yellow", "zephyr", "anchor", "bridge", "candle", "desert", "ember", "falcon",
-]  # fmt: skip
-
-
-def long_text(seed: int, words: int = 560) -> str:
-    rng = random.Random(seed)
-    return " ".join(rng.choice(WORDS) for _ in range(words))
-
-
-def gateway_config(engines, policy: dict | None = None) -> dict:
-    return {
-        "models": [{"name": SERVED_MODEL, "tokenizer": str(TINY_MODEL)}],
-        "backends": [
-            {
-                "name": engine.name,
-                "url": engine.url,
-                # vLLM's PUB connects out to a loopback endpoint: the gateway binds it.
-                "kv_events": {
-                    "endpoint": engine.events_endpoint,
-                    "replay_endpoint": engine.replay_endpoint,
-                    "topic": "kv-events",
-                    "bind": True,
-                },
-            }
-            for engine in engines
-        ],
-        "policy": policy or {"name": "kv_aware"},
-        # vLLM on 2 busy cores can take seconds to answer /health: do not mark it down for that.
-        "health": {"interval_s": 2.0, "timeout_s": 15.0},
-    }
 
 
 def complete(url: str, prompt: str) -> tuple[str, dict]:

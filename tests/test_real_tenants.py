@@ -7,8 +7,14 @@ import httpx
 import pytest
 
 from kvgate_testing.gateway import start_gateway
-from kvgate_testing.vllm import SERVED_MODEL, cached_tokens, running_vllms, wait_until
-from tests.test_real_gateway import gateway_config, long_text
+from kvgate_testing.vllm import (
+    SERVED_MODEL,
+    cached_tokens,
+    gateway_config,
+    long_text,
+    running_vllms,
+    wait_until,
+)
 
 pytestmark = pytest.mark.real_engine
 
