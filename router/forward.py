@@ -634,6 +634,10 @@ class ProxyEndpoint:
         first_piece_pending = status == 200 and _is_event_stream(response.headers)
         ttft_s: float | None = None
         tail = b""
+        # The answer's end is kept for the decode leg, and for missed reuse to read the cached
+        # tokens the engine reports where the policy credited the winner some (stale index).
+        missed_reuse = context.metrics.missed_reuse
+        keep_tail = leg is not None or missed_reuse.wants_tail(choice)
         try:
             await responder.start(status, headers)
             context.metrics.overhead.observe(
@@ -649,7 +653,7 @@ class ProxyEndpoint:
                     if first_piece_pending:
                         ttft_s = perf_counter() - upstream_started
                         first_piece_pending = False
-                    if leg is not None:
+                    if keep_tail:
                         tail = (tail + piece)[-USAGE_TAIL_BYTES:]
                     if response.at_end:
                         # The last piece ends the response in the same write (saves a write per request).
@@ -686,6 +690,10 @@ class ProxyEndpoint:
             backend.requests_total += 1
             context.metrics.count_request(backend.name, outcome_status)
             policy.on_finished(choice, outcome_status, ttft_s)
+            if missed_reuse.enabled:
+                # Once per request: the Choice of the attempt that answered.
+                missed_reuse.routed(choice)
+                missed_reuse.finished(choice, outcome_status, tail)
             if leg is not None:
                 leg.finished(backend, outcome_status, ttft_s, tail)
 

@@ -146,6 +146,7 @@ ROUTER_PARTS = {
     "router.api_formats": "ground",
     "router.compiled": "ground",
     "router.recent_keys": "ground",
+    "router.missed_reuse": "ground",
     "router.index.keys": "keys",
     "router.route_request": "keys",
     "router.index": "index",
