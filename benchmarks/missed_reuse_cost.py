@@ -26,12 +26,13 @@ cands = {
 ch = Choice(SimpleNamespace(name="b1"), "cache_vs_load", 256, None, cands)
 tail = (
     b'data: {"choices":[{"delta":{"content":" word"}}]}\n\n'
-    + b'data: {"choices":[],"usage":{"prompt_tokens":1200,"prompt_tokens_details":{"cached_tokens":256}}}\n\ndata: [DONE]\n\n'
+    + b'data: {"choices":[],"usage":{"prompt_tokens":1200,'
+    + b'"prompt_tokens_details":{"cached_tokens":256}}}\n\ndata: [DONE]\n\n'
 )[-8192:]
 for enabled in (True, False):
     m = MissedReuse(CollectorRegistry(), enabled)
 
-    def one():
+    def one(m: MissedReuse = m) -> None:
         if m.enabled:
             m.routed(ch)
             m.finished(ch, 200, tail)
