@@ -376,6 +376,13 @@ class SharedTier(_Struct):
     hit_weight: Annotated[float, msgspec.Meta(ge=0)] = 0.6
 
 
+class MissedReuse(_Struct):
+    """Missed-reuse accounting (router/missed_reuse.py): kvgate_missed_reuse_tokens_total and its
+    section of /debug/prefix-map. Cheap enough to leave on; off, the request path skips it."""
+
+    enabled: bool = True
+
+
 class ContractCheck(_Struct):
     """The contract check (router/contract.py): a probe prompt sent to each backend at subscription
     and every `interval_s`, and what the engine reports for it compared with what the gateway
@@ -539,6 +546,7 @@ class Config(_Struct):
     cluster: Cluster | None = None
     access_log: AccessLog = msgspec.field(default_factory=AccessLog)
     contract_check: ContractCheck = msgspec.field(default_factory=ContractCheck)
+    missed_reuse: MissedReuse = msgspec.field(default_factory=MissedReuse)
     epp: Epp = msgspec.field(default_factory=Epp)
     # Backends found by label through the Kubernetes API (router/discovery_config.py).
     discovery: Discovery | None = None

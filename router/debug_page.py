@@ -31,6 +31,7 @@ if TYPE_CHECKING:
     from router.config import Config
     from router.disaggregation import Disaggregation
     from router.index.service import KVIndexService
+    from router.missed_reuse import MissedReuse
     from router.policies.base import Policy
     from router.routing_warnings import RoutingWarnings
     from router.tokenize import RequestTokenizer
@@ -53,8 +54,10 @@ class DebugPage:
         warnings: RoutingWarnings,
         admin_token: str | None,
         disaggregation: Disaggregation | None = None,
+        missed_reuse: MissedReuse | None = None,
     ) -> None:
         self.config = config
+        self.missed_reuse = missed_reuse
         self.backends = backends
         self.index = index
         self.policy = policy
@@ -122,6 +125,8 @@ class DebugPage:
             "policy": policy.name,
             # kv_aware's measured load weights (router/policies/load_costs.py), when it measures them.
             "load_costs": policy.measured_load_costs(),
+            # Prompt tokens cached in the fleet but computed anyway, by reason (router/missed_reuse.py).
+            "missed_reuse": None if self.missed_reuse is None else self.missed_reuse.describe(),
             # Prefill/decode disaggregation: roles, measured costs, recent decisions with estimates.
             "disaggregation": None if self.disaggregation is None else self.disaggregation.describe(),
             "redacted": redact,

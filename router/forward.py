@@ -645,6 +645,13 @@ class ProxyEndpoint:
         first_piece_pending = status == 200 and _is_event_stream(response.headers)
         ttft_s: float | None = None
         tail = b""
+        # The answer's end is kept for the decode leg, and for missed reuse to read the cached
+        # tokens the engine reports where the policy credited the winner some (stale index).
+        # Missed reuse keeps references to the last two pieces (no copy per piece: a long stream
+        # has hundreds); the usage event, near the end, lies in them.
+        missed_reuse = context.metrics.missed_reuse
+        keep_last = leg is None and missed_reuse.wants_tail(choice)
+        before_last = last_piece = b""
         try:
             await responder.start(status, headers)
             context.metrics.overhead.observe(
@@ -662,6 +669,8 @@ class ProxyEndpoint:
                         first_piece_pending = False
                     if leg is not None:
                         tail = (tail + piece)[-USAGE_TAIL_BYTES:]
+                    elif keep_last:
+                        before_last, last_piece = last_piece, piece
                     if response.at_end:
                         # The last piece ends the response in the same write (saves a write per request).
                         await responder.body(piece, False)
@@ -699,6 +708,14 @@ class ProxyEndpoint:
             if route_request.tenant is not None:
                 context.metrics.count_tenant_request(route_request.tenant, outcome_status)
             policy.on_finished(choice, outcome_status, ttft_s)
+            if missed_reuse.enabled:
+                # Once per request: the Choice of the attempt that answered.
+                missed_reuse.routed(choice)
+                missed_reuse.finished(
+                    choice,
+                    outcome_status,
+                    tail if leg is not None else (before_last + last_piece)[-USAGE_TAIL_BYTES:],
+                )
             if leg is not None:
                 leg.finished(backend, outcome_status, ttft_s, tail)
 

@@ -8,6 +8,8 @@ from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
+from router.missed_reuse import MissedReuse
+
 if TYPE_CHECKING:
     from router.backends import BackendState
 
@@ -94,6 +96,8 @@ class GatewayMetrics:
             buckets=_STALL_BUCKETS,
             registry=self.registry,
         )
+        # kvgate_missed_reuse_tokens_total (router/missed_reuse.py); the wiring sets its switch.
+        self.missed_reuse = MissedReuse(self.registry)
         self._request_children: dict[tuple[str, int], Counter] = {}
         self._upstream_children: dict[str, Histogram] = {}
 

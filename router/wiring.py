@@ -63,6 +63,9 @@ class Gateway:
         # 2. The KV index: what each engine's events say it holds.
         self.index_service = KVIndexService(registry=self.metrics.registry)
         self.index_service.share_removals(config.shared_tiers)
+        self.metrics.missed_reuse.enabled = config.missed_reuse.enabled
+        # A backend routed by load only for a contract mismatch: its missed reuse has that reason.
+        self.metrics.missed_reuse.uncredited = self.index_service.uncredited
         self.backends.listen(_IndexSubscriptions(self.index_service))
 
         # 3. The tokenizer, for the policies that route by the prompt's tokens.
@@ -152,6 +155,7 @@ class Gateway:
             self.routing_warnings,
             self.admin_token,
             self.disaggregation,
+            self.metrics.missed_reuse,
         )
         self.lookup = LookupEndpoint(self.index_service, self.backends, self.admin_token)
 

@@ -147,6 +147,7 @@ ROUTER_PARTS = {
     "router.compiled": "ground",
     "router.recent_keys": "ground",
     "router.tenants": "ground",
+    "router.missed_reuse": "ground",
     "router.index.keys": "keys",
     "router.route_request": "keys",
     "router.index": "index",

@@ -296,6 +296,9 @@ class Pick:
         context.metrics.count_request(backend.name, outcome)
         context.metrics.observe_upstream(backend.name, perf_counter() - self.picked_at)
         self.policy.on_finished(self.choice, outcome, self.ttft_s)
+        if context.metrics.missed_reuse.enabled:
+            # The routing-time reasons; a stale index needs the answer's usage, which Envoy keeps.
+            context.metrics.missed_reuse.routed(self.choice)
         picker.in_flight -= 1
         if picker.metrics is not None:
             picker.metrics.finished.labels(how).inc()
