@@ -20,9 +20,11 @@ gateway's proxy.yaml mapping, and headers sent on every request (to both gateway
 are the same). What exists on main today:
 - `contract_check`: router/contract.py, with `interval_s` 1 s (300 times the default, so that a
   phase of a few seconds sees several rounds of probes; the default would cost nothing measurable).
-To add once merged (their branches are not on main yet): `missed_reuse` (the
-`kvgate_missed_reuse_tokens_total` accounting, if it gets a switch) and `tenant_salts` (client API
-keys mapped to tenants: its `auth`/tenant fragment, with the API key as a header here).
+- `missed_reuse`: router/missed_reuse.py (`kvgate_missed_reuse_tokens_total`), off in "off" with
+  `missed_reuse.enabled: false` (it is on by default).
+- `tenant_salts`: router/tenants.py: the client's API key belongs to a tenant, whose name becomes
+  the request's `cache_salt` (the body re-encoded for the engine). "Off" checks the same key, with
+  no tenant, so both gateways pay the key check and only the tenant's work differs.
 
     .venv/bin/python -m benchmarks.one_system                 # writes benchmarks/results/one_system.*
     .venv/bin/python -m benchmarks.one_system --rounds 6 --requests 800
@@ -65,10 +67,24 @@ class Feature:
 
     config: dict[str, Any]
     headers: dict[str, str] = field(default_factory=dict)
+    # What "off" needs instead (a feature on by default is switched off here).
+    off_config: dict[str, Any] = field(default_factory=dict)
+
+
+# The one client key both gateways check (tenant_salts); the admin endpoints stay open on loopback.
+_BENCH_KEY = "kvgate-one-system-bench-key"
 
 
 FEATURES: dict[str, Feature] = {
     "contract_check": Feature({"contract_check": {"enabled": True, "interval_s": 1.0}}),
+    "missed_reuse": Feature(
+        {"missed_reuse": {"enabled": True}}, off_config={"missed_reuse": {"enabled": False}}
+    ),
+    "tenant_salts": Feature(
+        {"auth": {"api_keys": [], "tenants": [{"name": "bench", "api_keys": [_BENCH_KEY]}]}},
+        headers={"authorization": f"Bearer {_BENCH_KEY}"},
+        off_config={"auth": {"api_keys": [_BENCH_KEY]}, "admin": {"open": True}},
+    ),
 }
 
 
@@ -86,6 +102,8 @@ def merged(base: dict, overlay: dict) -> dict:
 def gateway_configs(fleet: EngineFleet, features: dict[str, Feature]) -> tuple[dict, dict]:
     """(off, on): kv_aware over the fleet, and the same with every feature's fragment merged in."""
     off = kvgate_config("kv_aware", {}, fleet)
+    for feature in features.values():
+        off = merged(off, feature.off_config)
     on = off
     for feature in features.values():
         on = merged(on, feature.config)
