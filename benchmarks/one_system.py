@@ -125,7 +125,7 @@ def measure_overhead(args: argparse.Namespace, log: Any) -> dict:
         gateways = {"off": start_gateway(off_config), "on": start_gateway(on_config)}
         try:
             for gateway in gateways.values():
-                wait_until_synced(gateway.url, 60)
+                wait_until_synced(gateway.url, 60, headers)
             # Warm-up: both gateways' tokenizer caches and pools, and the first contract rounds.
             for index, gateway in enumerate(gateways.values()):
                 bodies, _ = chat_bodies(args.warmup_requests, seed=9000 + index)

@@ -188,7 +188,7 @@ def _start_envoy_alone(fleet: EngineFleet, timeout_s: float) -> RunningRouter:
     return RunningRouter(ENVOY_ALONE_POLICY, envoy.url, envoy.process, envoy.stop)
 
 
-def wait_until_synced(url: str, timeout_s: float) -> None:
+def wait_until_synced(url: str, timeout_s: float, headers: dict[str, str] | None = None) -> None:
     """Wait until /debug/prefix-map says every backend with KV events is `synced` (its subscribers
     have replayed what the engine still buffers); TimeoutError naming the laggards otherwise."""
     deadline = time.monotonic() + timeout_s
@@ -196,7 +196,9 @@ def wait_until_synced(url: str, timeout_s: float) -> None:
     last_error = ""
     while True:
         try:
-            response = httpx.get(f"{url}/debug/prefix-map", params={"format": "json"}, timeout=10.0)
+            response = httpx.get(
+                f"{url}/debug/prefix-map", params={"format": "json"}, headers=headers, timeout=10.0
+            )
             response.raise_for_status()
             backends = response.json()["backends"]
             laggards = {
