@@ -137,9 +137,11 @@ def test_a_streamed_request_logs_its_ttft_apart_from_its_total_time(logged):
     assert line["request_id"] == "r-stream" and line["stream"] is True
     assert line["status"] == 200 and line["outcome"] == "ok"
     # Lower bounds only (the sleeps are at least that long, however slow the machine): the first
-    # token came after the 150 ms wait, and the last one at least 4 x 100 ms after it.
+    # token came after the 150 ms wait, the whole answer after 150 + 4 x 100 ms. Their difference is
+    # no bound: on a loaded machine the first chunk can reach the gateway late, shrinking the gap.
     assert line["ttft_ms"] >= 150
-    assert line["total_ms"] - line["ttft_ms"] >= 400
+    assert line["total_ms"] >= 550
+    assert line["ttft_ms"] < line["total_ms"]  # the first token's time, not the whole answer's
 
 
 def test_client_aborts_are_logged_with_their_status(logged):
