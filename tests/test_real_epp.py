@@ -32,7 +32,7 @@ pytestmark = pytest.mark.real_engine
 # Upper bounds only, generous: the machine these run on is shared and often loaded (the picker's
 # admin API has been seen to take over 10 s to answer right after its start).
 
-# long_text's default: 560 words, one token each, so 17 whole blocks of 32 tokens.
+# long_text's default: 560 words, about 615 tokens of the tiny Qwen3's tokenizer: 19 whole blocks of 32.
 MIN_CACHED = 512
 
 
