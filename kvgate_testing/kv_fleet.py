@@ -36,7 +36,7 @@ def chat_body(doc: str, question: str) -> dict:
 class Fleet:
     """Backends b0, b1, b2 and the gateway (its model on `tokenizer`, a config's `tokenizer` value);
     `cache` announces cached blocks as vLLM does. `start` runs the gateway from its config mapping
-    (start_gateway: `kvgate serve`; kvgate_testing/epp.py start_epp: `kvgate epp`), `sections` are
+    (start_gateway: `kvgate serve`; kvgate_testing/picker.py start_picker: `kvgate epp`), `sections` are
     further config sections."""
 
     def __init__(

@@ -1,9 +1,12 @@
 """Run the real endpoint picker (`python -m router.cli epp`) on free loopback ports, and the pair a test
-or benchmark puts in front of simulated engines: the picker and the real Envoy that asks it.
+or benchmark puts in front of engines: the picker and the real Envoy that asks it.
 
 The picker gets a proxy.yaml mapping (the engines under `backends:`, as for `kvgate serve`); its gRPC
 address (`epp:`) and its HTTP listener (`listen:`: /health, /metrics, the admin API) are filled in with
-free ports. Start-up waits, bounded, for its gRPC readiness (grpc.health.v1, service `readiness`).
+free ports, its other `epp:` and `listen:` keys kept. Start-up waits, bounded, for its gRPC readiness
+(grpc.health.v1, service `readiness`). The ports stay the picker's for its life: `kill()` (a crash)
+then `start()` again brings it back where Envoy looks for it. Tests that play Envoy themselves talk
+to it over `channel()` (kvgate_testing/ext_proc_client.py).
 """
 
 from __future__ import annotations
@@ -13,7 +16,7 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import httpx
 import yaml
@@ -21,6 +24,9 @@ import yaml
 from kvgate_testing.envoy import BodyMode, EnvoyProcess, ResponseBodyMode, start_envoy_with_picker
 from kvgate_testing.ports import free_port
 from kvgate_testing.processes import ManagedProcess, python_command
+
+if TYPE_CHECKING:
+    import grpc
 
 READINESS_SERVICE = "readiness"
 
@@ -51,16 +57,18 @@ class PickerProcess:
         self.config["listen"] = {**self.config.get("listen", {}), "host": "127.0.0.1", "port": self.http_port}
         self.grpc_address = f"127.0.0.1:{self.grpc_port}"
         self.url = f"http://127.0.0.1:{self.http_port}"
+        self.config_path: Path | None = None
+        self.process: ManagedProcess | None = None
+
+    def start(self, timeout_s: float = 60.0) -> PickerProcess:
+        """Start it (again, after kill() or stop(): the same ports) on its config, written to a
+        temporary file that stop() and kill() remove."""
+        assert self.process is None, "picker already running"
         handle, name = tempfile.mkstemp(prefix="kvgate-epp-", suffix=".yaml")
         with os.fdopen(handle, "w") as file:
             yaml.safe_dump(self.config, file)
         self.config_path = Path(name)
-        self.process: ManagedProcess | None = None
-
-    def start(self, timeout_s: float = 60.0) -> PickerProcess:
-        self.process = ManagedProcess(
-            python_command("-m", "router.cli", "epp", "--config", str(self.config_path))
-        )
+        self.process = ManagedProcess(python_command("-m", "router.cli", "epp", "--config", name))
         deadline = time.monotonic() + timeout_s
         status = "no answer"
         while time.monotonic() < deadline:
@@ -91,21 +99,25 @@ class PickerProcess:
         listed = httpx.get(f"{self.url}/backends", timeout=10.0).json()["backends"]
         return {entry["name"]: entry for entry in listed}
 
+    def channel(self) -> grpc.Channel:
+        """A gRPC channel to its ext_proc server (close it: use it as a context manager)."""
+        import grpc
+
+        return grpc.insecure_channel(self.grpc_address)
+
     def kill(self) -> None:
-        """SIGKILL, as a crash: no stream is closed cleanly. The config file stays, for a restart."""
+        """SIGKILL, as a crash: no stream is closed cleanly. start() brings it back on the same ports."""
         if self.process is not None:
             self.process.kill()
-            self.process.stop()
-            self.process = None
+        self.stop()
 
     def stop(self) -> None:
         if self.process is not None:
             self.process.stop()
             self.process = None
-
-    def remove(self) -> None:
-        self.stop()
-        self.config_path.unlink(missing_ok=True)
+        if self.config_path is not None:
+            self.config_path.unlink(missing_ok=True)
+            self.config_path = None
 
     def __enter__(self) -> PickerProcess:
         if self.process is None:
@@ -113,7 +125,12 @@ class PickerProcess:
         return self
 
     def __exit__(self, *exc_info: object) -> None:
-        self.remove()
+        self.stop()
+
+
+def start_picker(config: dict[str, Any], timeout_s: float = 60.0) -> PickerProcess:
+    """`kvgate epp` on `config`, started and ready (use it as a context manager, or stop() it)."""
+    return PickerProcess(config).start(timeout_s)
 
 
 @dataclass
@@ -129,7 +146,7 @@ class EnvoyWithPicker:
 
     def stop(self) -> None:
         self.envoy.stop()
-        self.picker.remove()
+        self.picker.stop()
 
     def __enter__(self) -> EnvoyWithPicker:
         return self
@@ -147,7 +164,7 @@ def start_envoy_and_picker(
     timeout_s: float = 60.0,
     response_body_mode: ResponseBodyMode = ResponseBodyMode.FULL_DUPLEX_STREAMED,
 ) -> EnvoyWithPicker:
-    picker = PickerProcess(picker_config).start(timeout_s)
+    picker = start_picker(picker_config, timeout_s)
     try:
         envoy = start_envoy_with_picker(
             ("127.0.0.1", picker.grpc_port),
@@ -158,6 +175,6 @@ def start_envoy_and_picker(
             response_body_mode=response_body_mode,
         )
     except BaseException:
-        picker.remove()
+        picker.stop()
         raise
     return EnvoyWithPicker(picker, envoy)

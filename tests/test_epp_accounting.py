@@ -15,7 +15,6 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from kvgate_testing.backend import BackendProcess, start_backend
-from kvgate_testing.epp import EppProcess, start_epp
 from kvgate_testing.ext_proc_client import (
     FULL_DUPLEX_STREAMED,
     BodySendMode,
@@ -27,6 +26,7 @@ from kvgate_testing.ext_proc_client import (
     response_headers_message,
 )
 from kvgate_testing.metrics import metric_samples, sample_key
+from kvgate_testing.picker import PickerProcess, start_picker
 
 MODEL = "test-model"
 MAX_IN_FLIGHT = 12
@@ -43,7 +43,7 @@ def backend() -> Iterator[BackendProcess]:
 
 
 @pytest.fixture(scope="module")
-def epp(backend: BackendProcess) -> Iterator[EppProcess]:
+def epp(backend: BackendProcess) -> Iterator[PickerProcess]:
     config = {
         "models": [{"name": MODEL}],
         "backends": [{"name": backend.name, "url": backend.url}],
@@ -55,30 +55,30 @@ def epp(backend: BackendProcess) -> Iterator[EppProcess]:
             "stream_timeout_s": STREAM_TIMEOUT_S,
         },
     }
-    with start_epp(config) as epp:
+    with start_picker(config) as epp:
         yield epp
 
 
 @pytest.fixture(scope="module")
-def channel(epp: EppProcess) -> Iterator[grpc.Channel]:
+def channel(epp: PickerProcess) -> Iterator[grpc.Channel]:
     with epp.channel() as channel:
         yield channel
 
 
-def samples(epp: EppProcess) -> dict:
+def samples(epp: PickerProcess) -> dict:
     import httpx
 
     return metric_samples(httpx.get(f"{epp.url}/metrics", timeout=10).text)
 
 
-def backend_in_flight(epp: EppProcess) -> int:
+def backend_in_flight(epp: PickerProcess) -> int:
     import httpx
 
     (backend,) = httpx.get(f"{epp.url}/backends", timeout=10).json()["backends"]
     return backend["in_flight"]
 
 
-def wait_until_idle(epp: EppProcess, timeout_s: float = 15.0) -> None:
+def wait_until_idle(epp: PickerProcess, timeout_s: float = 15.0) -> None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if backend_in_flight(epp) == 0 and samples(epp)[sample_key("kvgate_epp_in_flight")] == 0:
@@ -99,7 +99,7 @@ def answered(stream: ExtProcStream) -> None:
 
 
 def test_in_flight_returns_to_zero_after_a_burst_with_answers_aborts_and_silence(
-    epp: EppProcess, channel: grpc.Channel
+    epp: PickerProcess, channel: grpc.Channel
 ) -> None:
     wait_until_idle(epp)
     before = samples(epp)
@@ -142,7 +142,7 @@ def test_in_flight_returns_to_zero_after_a_burst_with_answers_aborts_and_silence
         stream.close()
 
 
-def test_past_max_in_flight_new_requests_get_a_429(epp: EppProcess, channel: grpc.Channel) -> None:
+def test_past_max_in_flight_new_requests_get_a_429(epp: PickerProcess, channel: grpc.Channel) -> None:
     wait_until_idle(epp)
     held = []
     for _ in range(MAX_IN_FLIGHT):
@@ -161,7 +161,7 @@ def test_past_max_in_flight_new_requests_get_a_429(epp: EppProcess, channel: grp
     answered(stream)
 
 
-def test_usage_in_a_streamed_answer_is_read_across_chunks(epp: EppProcess, channel: grpc.Channel) -> None:
+def test_usage_in_a_streamed_answer_is_read_across_chunks(epp: PickerProcess, channel: grpc.Channel) -> None:
     cached = sample_key("kvgate_epp_usage_tokens_total", kind="cached")
     prompt = sample_key("kvgate_epp_usage_tokens_total", kind="prompt")
     before = samples(epp)
@@ -184,7 +184,7 @@ def test_usage_in_a_streamed_answer_is_read_across_chunks(epp: EppProcess, chann
 
 
 def test_grpc_health_follows_the_backends(
-    epp: EppProcess, backend: BackendProcess, channel: grpc.Channel
+    epp: PickerProcess, backend: BackendProcess, channel: grpc.Channel
 ) -> None:
     stub = health_pb2_grpc.HealthStub(channel)
 

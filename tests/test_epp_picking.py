@@ -13,7 +13,6 @@ from collections.abc import Iterator
 import grpc
 import pytest
 
-from kvgate_testing.epp import start_epp
 from kvgate_testing.ext_proc_client import (
     BUFFERED,
     FULL_DUPLEX_STREAMED,
@@ -25,6 +24,7 @@ from kvgate_testing.ext_proc_client import (
 )
 from kvgate_testing.kv_fleet import DOCS, MODEL, Fleet, chat_body
 from kvgate_testing.metrics import metric_samples, sample_key
+from kvgate_testing.picker import start_picker
 from router.config import builtin_tokenizer_dir
 from router.tokenize import PromptTokenizer
 
@@ -35,7 +35,7 @@ BODY_LIMIT = 8192
 @pytest.fixture(scope="module")
 def fleet() -> Iterator[Fleet]:
     qwen3 = PromptTokenizer(builtin_tokenizer_dir("qwen3"))
-    fleet = Fleet(start=start_epp, epp={"max_body_bytes": BODY_LIMIT}, health={"interval_s": 0.2})
+    fleet = Fleet(start=start_picker, epp={"max_body_bytes": BODY_LIMIT}, health={"interval_s": 0.2})
     try:
         for n, (name, doc) in enumerate(DOCS.items()):
             fleet.cache(name, qwen3.tokens_for(chat_body(doc, "What is this about?")), 1000 * (n + 1))

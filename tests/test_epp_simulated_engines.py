@@ -12,7 +12,6 @@ import time
 import httpx
 import pytest
 
-from kvgate_testing.epp import start_epp
 from kvgate_testing.ext_proc_client import (
     ExtProcStream,
     exchange,
@@ -21,6 +20,7 @@ from kvgate_testing.ext_proc_client import (
 )
 from kvgate_testing.gateway import simulated_fleet_config
 from kvgate_testing.metrics import metric_samples, sample_key
+from kvgate_testing.picker import start_picker
 
 MODEL = "sim-model"
 DOCUMENT = "A long shared document about lighthouses, their keepers and the logbooks they kept. " * 30
@@ -30,7 +30,7 @@ DOCUMENT = "A long shared document about lighthouses, their keepers and the logb
 @pytest.mark.slow
 def test_a_repeated_long_prompt_goes_to_the_engine_that_cached_it_and_hits_there() -> None:
     config = simulated_fleet_config(MODEL, "kv_aware", num_gpu_blocks=2048, prefill_us_per_token=1)
-    with start_epp(config, timeout_s=120) as epp, epp.channel() as channel:
+    with start_picker(config, timeout_s=120) as epp, epp.channel() as channel:
         picks = []
         for question in range(4):
             body = json.dumps(

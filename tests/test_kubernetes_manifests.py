@@ -575,6 +575,6 @@ def test_the_picker_with_the_overlays_config_finds_the_pools_pods_and_answers_it
             assert grpc_health(picker.grpc_address, container[probe]["grpc"]["service"]) == "SERVING"
     finally:
         if picker is not None:
-            picker.remove()
+            picker.stop()
         fleet.stop()
         api.stop()
