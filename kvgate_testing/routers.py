@@ -43,10 +43,15 @@ VIA_ENVOY_POLICY = "kv_aware_via_envoy"
 VIA_ENVOY_HEADERS_ONLY_POLICY = "kv_aware_via_envoy_headers_only"
 ENVOY_ALONE_POLICY = "envoy_least_request"
 ENVOY_POLICIES = (VIA_ENVOY_POLICY, VIA_ENVOY_HEADERS_ONLY_POLICY, ENVOY_ALONE_POLICY)
+VIA_ENVOY_POLICY_NAMES = (VIA_ENVOY_POLICY, VIA_ENVOY_HEADERS_ONLY_POLICY)
 ALL_POLICIES = (*KVGATE_POLICIES, SHARED_TIER_POLICY, *PEER_POLICIES, *BASELINE_POLICIES, *ENVOY_POLICIES)
 # vllm-router's kv_aware is left out by default: against the simulated engines its debug log shows
 # credited_prefix_tokens=0 on every decision (it does not recognise the simulator's block hashes), so
 # its numbers would measure that mismatch, not its routing.
+# The kvgate policies that fill Choice.candidates, from which the gateway counts missed reuse
+# (router/missed_reuse.py; docs/gateway.md, "Missed reuse"). round_robin, least_loaded and session
+# see no cache, and the peers publish no such metric.
+MISSED_REUSE_POLICIES = ("approximate", "kv_aware", SHARED_TIER_POLICY, *VIA_ENVOY_POLICY_NAMES)
 DEFAULT_POLICIES = (
     *KVGATE_POLICIES,
     "sglang_router_cache_aware",
@@ -65,6 +70,10 @@ class RunningRouter:
     names_backend: bool = False
     # The router's Prometheus endpoint: its routing-decision counters go into the results.
     metrics_url: str | None = None
+    # True when the router counts missed reuse (kvgate_missed_reuse_tokens_total): a kvgate policy
+    # that scores candidates by their cached prefixes (MISSED_REUSE_POLICIES). The others have no
+    # such count: their results say "n/a", not 0.
+    counts_missed_reuse: bool = False
 
 
 def start_router(policy: str, fleet: EngineFleet, timeout_s: float = 90.0) -> RunningRouter:
@@ -128,6 +137,7 @@ def _start_kvgate(
         gateway.stop,
         names_backend=True,
         metrics_url=f"{gateway.url}/metrics",
+        counts_missed_reuse=policy in MISSED_REUSE_POLICIES,
     )
 
 
@@ -170,7 +180,12 @@ def _start_via_envoy(policy: str, knobs: dict, fleet: EngineFleet, timeout_s: fl
         raise
     assert pair.picker.process is not None
     return RunningRouter(
-        policy, pair.url, pair.picker.process, pair.stop, metrics_url=f"{pair.picker.url}/metrics"
+        policy,
+        pair.url,
+        pair.picker.process,
+        pair.stop,
+        metrics_url=f"{pair.picker.url}/metrics",
+        counts_missed_reuse=True,  # the three routing-time reasons; the picker never sees usage
     )
 
 
@@ -294,11 +309,14 @@ def _start_peer(policy: str, fleet: EngineFleet, timeout_s: float) -> RunningRou
 # tokenizes every request on every worker over HTTP before it matches prefixes; when those calls time
 # out it routes with no prefix at all (outcome="missing_tokens", result="preparation_unavailable").
 # kvgate's cache-aware policies count their decisions by reason (cache_hit, cache_vs_load, load_guard,
-# cold_spread, ...: docs/index.md): a conversation moved off its engine shows there.
+# cold_spread, ...: docs/index.md): a conversation moved off its engine shows there. kvgate's missed
+# reuse (tokens by reason) is scraped with them; `missed_reuse` splits it off.
+MISSED_REUSE_COUNTER = "kvgate_missed_reuse_tokens_total"
 DECISION_COUNTERS = (
     "vllm_router_prefix_routing_decisions_total",
     "vllm_router_kv_routing_inputs_total",
     "kvgate_route_decisions_total",
+    MISSED_REUSE_COUNTER + "{",
 )
 
 
@@ -316,6 +334,20 @@ def decision_counters(router: RunningRouter) -> dict[str, float]:
             name, _, value = line.rpartition(" ")
             counters[name] = counters.get(name, 0.0) + float(value)
     return counters
+
+
+def missed_reuse(counters: dict[str, float]) -> tuple[dict[str, float], dict[str, int]]:
+    """(the other counters, missed reuse tokens by reason) of `decision_counters`' scrape (or of the
+    difference of two)."""
+    others: dict[str, float] = {}
+    missed: dict[str, int] = {}
+    for name, value in counters.items():
+        if name.startswith(MISSED_REUSE_COUNTER + "{"):
+            reason = name.partition('reason="')[2].partition('"')[0]
+            missed[reason] = missed.get(reason, 0) + round(value)
+        else:
+            others[name] = value
+    return others, missed
 
 
 def _wait_until_forwarding(url: str, process: ManagedProcess, timeout_s: float) -> None:

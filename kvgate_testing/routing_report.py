@@ -241,27 +241,29 @@ def write_markdown(results: dict, path: Path) -> None:
             f"cache {summary['unbounded_cache_hit_ratio']:.3f}.",
             "",
             *_own_run_lines(entry),
-            "| policy | hit ratio | of reference | of upper bound | TTFT p50 | TTFT p90 | TTFT p99 | req/s "
-            "| max/mean load | router CPU ms/req | errors |",
-            "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+            "| policy | hit ratio | missed reuse | of reference | of upper bound | TTFT p50 | TTFT p90 "
+            "| TTFT p99 | req/s | max/mean load | router CPU ms/req | errors |",
+            "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
         ]
         reference = entry["reference_hit_ratio"]
         bound = entry.get("upper_bound_hit_ratio")
         for policy, measured in entry["policies"].items():
             if "failed" in measured:
-                lines.append(f"| {policy} | failed: {measured['failed'][:80]} | | | | | | | | | |")
+                lines.append(f"| {policy} | failed: {measured['failed'][:80]} | | | | | | | | | | |")
                 continue
             of_reference = f"{measured['hit_ratio'] / reference:.0%}" if reference else "-"
             of_bound = f"{measured['hit_ratio'] / bound:.0%}" if bound else "-"
             starved = " (starved)" if measured.get("send_lag_p99_ms", 0.0) > STARVED_SEND_LAG_MS else ""
             lines.append(
-                f"| {policy}{starved} | {measured['hit_ratio']:.3f} | {of_reference} | {of_bound} | "
+                f"| {policy}{starved} | {measured['hit_ratio']:.3f} | {missed_reuse_cell(measured)} | "
+                f"{of_reference} | {of_bound} | "
                 f"{measured['ttft_p50']:.1f} | {measured['ttft_p90']:.1f} | {measured['ttft_p99']:.1f} | "
                 f"{measured['throughput']:.2f} | "
                 f"{measured['max_over_mean_load']:.2f} | {measured.get('router_cpu_ms_per_request', '-')} | "
                 f"{measured['errors']} |"
             )
         lines.append("")
+        lines += _missed_reuse_lines(entry)
         lines += _floor_lines(entry)
         repeated = {policy: m["repeats"] for policy, m in entry["policies"].items() if "repeats" in m}
         if repeated:
@@ -305,16 +307,17 @@ def write_markdown(results: dict, path: Path) -> None:
             "reference and the upper bound know "
             "the engines' GPU caches only.",
             "",
-            "| policy | hit ratio | GPU hit ratio | TTFT p50 | TTFT p90 | max/mean load "
+            "| policy | hit ratio | missed reuse | GPU hit ratio | TTFT p50 | TTFT p90 | max/mean load "
             "| requests per engine |",
-            "|---|---:|---:|---:|---:|---:|---|",
+            "|---|---:|---:|---:|---:|---:|---:|---|",
         ]
         for entry in results["workloads"].values():
             for policy, measured in entry["policies"].items():
                 if "failed" in measured:
                     continue
                 lines.append(
-                    f"| {policy} | {measured['hit_ratio']:.3f} | {measured.get('engine_hit_ratio', 0):.3f} | "
+                    f"| {policy} | {measured['hit_ratio']:.3f} | {missed_reuse_cell(measured)} | "
+                    f"{measured.get('engine_hit_ratio', 0):.3f} | "
                     f"{measured['ttft_p50']:.1f} | {measured['ttft_p90']:.1f} | "
                     f"{measured['max_over_mean_load']:.2f} | {measured.get('requests_per_engine', '-')} |"
                 )
@@ -329,6 +332,36 @@ def write_markdown(results: dict, path: Path) -> None:
             lines.append(f"| {check['workload']} | {check['target']} | {check['measured']} | {mark} |")
         lines.append("")
     path.write_text("\n".join(lines))
+
+
+def missed_reuse_cell(measured: dict) -> str:
+    """A run's missed reuse as a share of its prompt tokens: "n/a" where the router counts none (the
+    peers, the policies that see no cache), "-" for results from before it was measured."""
+    if "missed_reuse_ratio" not in measured:
+        return "-"
+    ratio = measured["missed_reuse_ratio"]
+    return "n/a" if ratio is None else f"{ratio:.3f}"
+
+
+def _missed_reuse_lines(entry: dict) -> list[str]:
+    measured_by = {
+        policy: m["missed_reuse_tokens"]
+        for policy, m in entry["policies"].items()
+        if m.get("missed_reuse_tokens") is not None
+    }
+    if not measured_by:
+        return []
+    lines = [
+        "Missed reuse = prompt tokens the fleet held cached (any engine, any tier the router credits) "
+        "that the chosen engine computed anyway, over the prompt tokens, from the router's own "
+        '`kvgate_missed_reuse_tokens_total` (docs/gateway.md, "Missed reuse"); n/a: the router has no '
+        "such count (the peers; round_robin, least_loaded and session see no cache). Tokens by reason:",
+        "",
+    ]
+    for policy, tokens in measured_by.items():
+        listed = ", ".join(f"`{reason}` {count}" for reason, count in tokens.items()) or "none"
+        lines.append(f"- {policy}: {listed}")
+    return [*lines, ""]
 
 
 def _own_run_lines(entry: dict) -> list[str]:

@@ -13,7 +13,7 @@ from kvgate_testing.proc_stats import cpu_seconds
 from kvgate_testing.profiling import Profiler
 from kvgate_testing.profiling import summarize as summarize_profile
 from kvgate_testing.replay import hit_and_ttft, replay, replay_one_at_a_time, summarize
-from kvgate_testing.routers import decision_counters, start_router
+from kvgate_testing.routers import decision_counters, missed_reuse, start_router
 from kvgate_testing.sim_fleet import MODEL, EngineFleet
 
 
@@ -59,12 +59,14 @@ def run_policy(
     result = summarize(workload, outcomes)
     # The router process's CPU time (all threads) over the replay, per request it forwarded.
     result["router_cpu_ms_per_request"] = round(router_cpu_s * 1000.0 / max(1, len(outcomes)), 3)
-    if decisions_after:  # the router's own counts of how it routed this replay (labels as it names them)
-        result["router_decisions"] = {
-            name: round(value - decisions_before.get(name, 0.0))
-            for name, value in decisions_after.items()
-            if value != decisions_before.get(name, 0.0)
-        }
+    delta = {name: value - decisions_before.get(name, 0.0) for name, value in decisions_after.items()}
+    decisions, missed = missed_reuse(delta)
+    if decisions:  # the router's own counts of how it routed this replay (labels as it names them)
+        result["router_decisions"] = {name: round(value) for name, value in decisions.items() if value}
+    # Prompt tokens the fleet held cached but the chosen engine computed anyway, by reason, and as a
+    # share of the prompt tokens (beside the hit ratio); None where the router has no such count.
+    counted = missed if router.counts_missed_reuse else None
+    result.update(missed_reuse_fields(counted, result["prompt_tokens"]))
     if profile_to is not None:
         result["profile"] = summarize_profile(profile_to)
     per_engine = [a.minus(b) for a, b in zip(after, before, strict=True)]
@@ -80,6 +82,18 @@ def run_policy(
                 by_header[outcome.backend] += 1
         result["max_over_mean_load_by_header"] = _load_imbalance(list(by_header.values()))
     return result
+
+
+def missed_reuse_fields(tokens: dict[str, int] | None, prompt_tokens: int) -> dict:
+    """`missed_reuse_tokens` (by reason) and `missed_reuse_ratio` (their sum over the prompt tokens)
+    of a run; both None when the router counts no missed reuse (the report shows n/a, not 0)."""
+    if tokens is None:
+        return {"missed_reuse_tokens": None, "missed_reuse_ratio": None}
+    total = sum(tokens.values())
+    return {
+        "missed_reuse_tokens": dict(sorted(tokens.items())),
+        "missed_reuse_ratio": round(total / prompt_tokens, 4) if prompt_tokens else 0.0,
+    }
 
 
 def write_outcomes(
@@ -146,6 +160,14 @@ def combine_repeats(runs: list[dict], pooled: list) -> dict:
     combined["repeats"] = [
         {key: run[key] for key in ("hit_ratio", "ttft_p50", "ttft_p90", "max_over_mean_load")} for run in runs
     ]
+    if all(run.get("missed_reuse_tokens") is not None for run in runs):
+        tokens: dict[str, int] = {}
+        for run in runs:
+            for reason, count in run["missed_reuse_tokens"].items():
+                tokens[reason] = tokens.get(reason, 0) + count
+        combined.update(missed_reuse_fields(tokens, combined["prompt_tokens"]))
+    else:
+        combined.update(missed_reuse_fields(None, 0))
     decisions: dict[str, int] = {}
     for run in runs:
         for name, count in run.get("router_decisions", {}).items():

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 from urllib.parse import urlsplit
 
-from router.config import Backend, KVEvents
+from router.config import Backend, CacheController, KVEvents
 
 if TYPE_CHECKING:
     from router.metrics import GatewayMetrics
@@ -25,6 +25,8 @@ class BackendState:
     # Models this backend serves; empty means every configured model.
     models: list[str] = field(default_factory=list)
     kv_events: KVEvents | None = None
+    # The cache layer's controller its store registers with (proxy.yaml `cache_controller`).
+    cache_controller: CacheController | None = None
     # `prefill`, `decode` or `both` (proxy.yaml `role`): which legs of a request it takes (`takes`).
     role: str = "both"
     healthy: bool = True
@@ -138,7 +140,12 @@ class BackendRegistry(Mapping[str, BackendState]):
     def add(self, spec: Backend) -> BackendState:
         """Register a backend (from the configuration, or POST /backends); it takes traffic at once."""
         backend = BackendState(
-            name=spec.name, url=spec.url, models=list(spec.models), kv_events=spec.kv_events, role=spec.role
+            name=spec.name,
+            url=spec.url,
+            models=list(spec.models),
+            kv_events=spec.kv_events,
+            cache_controller=spec.cache_controller,
+            role=spec.role,
         )
         self._backends[spec.name] = backend
         self._metrics.track_backend(backend)

@@ -93,12 +93,28 @@ class KVEvents(_Struct):
             )
 
 
+class CacheController(_Struct):
+    """The cache layer's controller its store registers with: the contract check asks its /lookup."""
+
+    # http://host:port of the controller's HTTP API.
+    url: str
+    # The name the engine's store registers under (the cache layer's `lmcache_instance_id`).
+    instance_id: Annotated[str, msgspec.Meta(min_length=1)] = "lmcache_default_instance"
+    # Environment variable holding the controller's shared secret, sent as a bearer token.
+    auth_secret_env: str | None = None
+
+    def __post_init__(self) -> None:
+        validate_url(self.url)
+        self.url = self.url.rstrip("/")
+
+
 class Backend(_Struct):
     name: Annotated[str, msgspec.Meta(min_length=1, pattern=r"^[A-Za-z0-9_.:-]+$")]
     url: str
     # Models this backend serves; empty means every configured model.
     models: list[str] = []
     kv_events: KVEvents | None = None
+    cache_controller: CacheController | None = None
     # What the engine is sent (router/disaggregation.py): `prefill` only the prefill leg of split
     # requests, `decode` the decode leg and whole requests, `both` anything.
     role: Literal["prefill", "decode", "both"] = "both"

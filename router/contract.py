@@ -12,6 +12,12 @@ sent with the salt PROBE_SALT, as a 1-token completion straight to each engine),
   `block_hash` (the first block's hash, which the hash algorithm and seed decide: engines of one
   model and block size announce the same hash for the same tokens), and `cache_salt` (the salt
   comes back in the first block's extra keys, or the engine ignores salts).
+- `model`: the engine's own /v1/models lists the model under the name the gateway sends (its
+  `served_name`), as a base model or as a LoRA adapter (an entry with a `parent`);
+- with a `cache_controller` on the backend: `cache_lookup`, the cache layer's controller /lookup
+  finds the probe's whole chunks for the backend's instance, under the gateway's tokens and the
+  probe's namespace (its salt, its LoRA), and `chunk_size` from the chunk size its workers
+  registered with (/query_worker_info) when no events of the cache layer's gave one.
 What a field is expected to be: `contract_check.block_size` / `chunk_size` when configured, else
 what the model's reference backend (its first backend in the configuration) reported in the same
 round. A mismatch names the backend, the field and both values; it is a routing warning
@@ -60,7 +66,18 @@ _MAX_REPLAYED_BATCHES = 4096
 _MAX_REPLAYED_BYTES = 64 << 20
 _JSON_HEADERS = [(b"content-type", b"application/json")]
 _MAX_ANSWER_BYTES = 4 << 20
-FIELDS = ("tokens", "kv_events", "block_size", "chunk_size", "block_hash", "cache_salt")
+FIELDS = (
+    "model",
+    "tokens",
+    "kv_events",
+    "block_size",
+    "chunk_size",
+    "block_hash",
+    "cache_salt",
+    "cache_lookup",
+)
+# The cache layer's chunk size when neither the configuration nor a worker names one (LMCache's).
+_DEFAULT_CHUNK = 256
 
 
 def probe_text(nonce: str, words: int) -> str:
@@ -98,6 +115,14 @@ class ProbeReport:
     probe_tokens: int = 0
     # The engine took the probe (a 2xx answer); without it nothing can be compared.
     answered: bool = False
+    # The engine's /v1/models: each id and its `parent` (a LoRA adapter's base model; None for a
+    # base model); None when it did not answer.
+    served_models: dict[str, str | None] | None = None
+    # From the backend's cache_controller: the probe's tokens its /lookup found for the instance
+    # (None: no controller, or it did not answer), where, and the chunk size its workers registered.
+    controller_tokens: int | None = None
+    controller_layout: dict[str, Any] | None = None
+    controller_chunk_size: int | None = None
 
 
 class ContractChecker:
@@ -118,7 +143,8 @@ class ContractChecker:
         self._index = index
         self._tokenizer = tokenizer
         self._pool = pool
-        self.mismatches: dict[str, list[Mismatch]] = {}
+        # Per backend, per model: the last round's mismatches (a round checks one model).
+        self.mismatches: dict[str, dict[str, list[Mismatch]]] = {}
         self.checked_at: dict[str, float] = {}
         self._due: set[str] = set()  # models with a backend that joined since their last round
         self._wake = asyncio.Event() if self.settings.enabled else None
@@ -145,7 +171,8 @@ class ContractChecker:
                 "subject": f"{mismatch.backend}/{mismatch.field}",
                 "message": mismatch.message(),
             }
-            for found in self.mismatches.values()
+            for by_model in self.mismatches.values()
+            for found in by_model.values()
             for mismatch in found
         ]
 
@@ -194,17 +221,25 @@ class ContractChecker:
             reports[backend.name] = await self._probe(backend, model, text, gateway_tokens)
         reference = reports[members[0].name]
         found: dict[str, list[Mismatch]] = {}
+        served = self._served_name(model)
         for backend in members:
-            if not reports[backend.name].answered:
+            report = reports[backend.name]
+            if not report.answered:
+                # An engine that does not serve the model refuses its probe: that much is known.
+                missing = _model_mismatch(backend.name, model, served, report.served_models)
+                if missing is not None:
+                    found[backend.name] = [missing]
                 continue
             found[backend.name] = self._compare(
-                backend.name, reports[backend.name], reference, is_reference=backend is members[0],
-                gateway_tokens=gateway_tokens,
+                backend.name, report, reference, is_reference=backend is members[0],
+                gateway_tokens=gateway_tokens, model=model,
             )  # fmt: skip
         for name, mismatches in found.items():  # an unanswered probe changes nothing
-            self.mismatches[name] = mismatches
+            by_model = self.mismatches.setdefault(name, {})
+            by_model[model] = mismatches
             self.checked_at[name] = time.time()
-            reason = "; ".join(f"contract mismatch on {m.field}" for m in mismatches) or None
+            fields = dict.fromkeys(m.field for found_now in by_model.values() for m in found_now)
+            reason = "; ".join(f"contract mismatch on {field}" for field in fields) or None
             self._index.set_uncredited(name, reason)
             for mismatch in mismatches:
                 logger.warning("%s", mismatch.message())
@@ -218,9 +253,14 @@ class ContractChecker:
         *,
         is_reference: bool,
         gateway_tokens: np.ndarray | None,
+        model: str | None = None,
     ) -> list[Mismatch]:
         settings = self.settings
         found: list[Mismatch] = []
+        if model is not None:
+            missing = _model_mismatch(name, model, self._served_name(model), report.served_models)
+            if missing is not None:
+                found.append(missing)
 
         def differ(field: str, expected: Any, reported: Any, describe: Callable[[Any], str] = str) -> None:
             if expected is not None and reported is not None and expected != reported:
@@ -253,6 +293,24 @@ class ContractChecker:
             or (report.chunk_size or 0) > expected_chunk
         ):
             differ("chunk_size", expected_chunk, report.chunk_size, tokens)
+        if report.chunk_size is None and report.controller_chunk_size is not None:
+            # The cache layer published no events for the probe: its workers' registered chunk size.
+            differ("chunk_size", expected_chunk, report.controller_chunk_size, tokens)
+        if report.controller_tokens is not None and gateway_tokens is not None:
+            chunk = report.controller_chunk_size or expected_chunk or _DEFAULT_CHUNK
+            whole = len(gateway_tokens) // chunk * chunk
+            if report.controller_tokens < whole:
+                found.append(
+                    Mismatch(
+                        name,
+                        "cache_lookup",
+                        f"the cache layer's controller to find the probe's {whole} tokens (whole "
+                        f"{chunk}-token chunks) under the gateway's tokens and the salt {PROBE_SALT!r}",
+                        f"{report.controller_tokens} tokens within {settings.timeout_s:g} s "
+                        f"(its /lookup answered {report.controller_layout}: chunks keyed otherwise, "
+                        "another instance_id, or the engine does not store into this cache layer)",
+                    )
+                )
         if not is_reference and report.block_size == reference.block_size:
             differ("block_hash", reference.first_block_hash, report.first_block_hash, _describe_hash)
         if report.events_read and report.first_block_hash is not None and report.cache_salt != PROBE_SALT:
@@ -271,9 +329,13 @@ class ContractChecker:
         self, backend: BackendState, model: str, text: str, gateway_tokens: np.ndarray | None
     ) -> ProbeReport:
         report = ProbeReport()
-        spec = self._config.model(model)
-        served = (spec.served_name if spec is not None else None) or model
+        served = self._served_name(model)
         timeout_s = self.settings.timeout_s
+        with contextlib.suppress(Exception):
+            status, answer = await self._request(backend.origin, b"GET", b"/v1/models", None, timeout_s)
+            if status == 200:
+                listed = _json(answer)["data"]
+                report.served_models = {str(entry["id"]): entry.get("parent") for entry in listed}
         with contextlib.suppress(Exception):
             request = {"model": served, "prompt": text}
             status, answer = await self._post(backend, b"/tokenize", request, timeout_s)
@@ -291,9 +353,10 @@ class ContractChecker:
             return report
         report.answered = True
         if gateway_tokens is not None:
-            namespace = self._index.namespace_for(model, PROBE_SALT)
             deadline = time.monotonic() + timeout_s
             while time.monotonic() < deadline:
+                # Asked each time: a LoRA adapter's namespace is known once its events announce it.
+                namespace = self._index.namespace_for(model, PROBE_SALT)
                 match = self._index.longest_cached_prefix(
                     gateway_tokens, namespace, [backend.name], disconnected=True
                 )[backend.name]
@@ -309,7 +372,65 @@ class ContractChecker:
                 report.events_read = True
                 report.probe_tokens = len(probe_tokens)
                 _read_probe_events(report, events, probe_tokens)
+        if backend.cache_controller is not None and gateway_tokens is not None:
+            await self._ask_controller(backend, model, gateway_tokens, report)
         return report
+
+    def _served_name(self, model: str) -> str:
+        spec = self._config.model(model)
+        return (spec.served_name if spec is not None else None) or model
+
+    async def _ask_controller(
+        self, backend: BackendState, model: str, tokens: np.ndarray, report: ProbeReport
+    ) -> None:
+        """Fill the controller's part of `report`: its workers' chunk size, and the probe's tokens
+        its /lookup finds for the instance (asked until whole chunks show or timeout_s passes: the
+        store writes after the answer)."""
+        controller = backend.cache_controller
+        assert controller is not None
+        origin = _origin(controller.url)
+        headers = list(_JSON_HEADERS)
+        if controller.auth_secret_env:
+            secret = os.environ.get(controller.auth_secret_env, "")
+            headers.append((b"authorization", b"Bearer " + secret.encode()))
+        timeout_s = self.settings.timeout_s
+        try:
+            body = {"instance_id": controller.instance_id}
+            status, answer = await self._request(
+                origin, b"POST", b"/query_worker_info", body, timeout_s, headers
+            )
+            if status == 200:
+                sizes = {info.get("chunk_size") for info in _json(answer)["worker_infos"]} - {None}
+                if len(sizes) == 1:
+                    report.controller_chunk_size = int(sizes.pop())
+            # A LoRA adapter's chunks are keyed by its name: the engine's /v1/models says which
+            # models are adapters (they have a parent), as do the events the index has read.
+            served = self._served_name(model)
+            is_adapter = (report.served_models or {}).get(served) is not None
+            lora = served if is_adapter else self._index.namespace_for(model, PROBE_SALT).lora_name
+            lookup = {"tokens": tokens.tolist(), "cache_salt": PROBE_SALT, "lora": lora}
+            chunk = report.controller_chunk_size or self.settings.chunk_size or _DEFAULT_CHUNK
+            whole = len(tokens) // chunk * chunk
+            deadline = time.monotonic() + timeout_s
+            while True:
+                status, answer = await self._request(origin, b"POST", b"/lookup", lookup, timeout_s, headers)
+                if status != 200:
+                    logger.warning(
+                        "contract check: the cache controller of %s answered /lookup with HTTP %d: %s",
+                        backend.name, status, answer[:200],
+                    )  # fmt: skip
+                    return
+                layout = _json(answer)["layout_info"]
+                held = layout.get(controller.instance_id)
+                report.controller_layout = layout
+                report.controller_tokens = int(held[1]) if held else 0
+                if report.controller_tokens >= whole or time.monotonic() >= deadline:
+                    return
+                await asyncio.sleep(0.1)
+        except Exception as exc:  # an unreachable controller: nothing to compare, as an unanswered probe
+            logger.warning(
+                "contract check: the cache controller of %s did not answer (%s)", backend.name, exc
+            )
 
     async def _streams_connected(self, names: list[str]) -> None:
         """Wait (up to timeout_s) until every backend's event stream is connected: a probe's events
@@ -332,10 +453,21 @@ class ContractChecker:
     async def _post(
         self, backend: BackendState, path: bytes, body: dict[str, Any], timeout_s: float
     ) -> tuple[int, bytes]:
+        return await self._request(backend.origin, b"POST", path, body, timeout_s)
+
+    async def _request(
+        self,
+        origin: tuple[str, int],
+        method: bytes,
+        path: bytes,
+        body: dict[str, Any] | None,
+        timeout_s: float,
+        headers: list[tuple[bytes, bytes]] = _JSON_HEADERS,
+    ) -> tuple[int, bytes]:
         import json
 
-        encoded = json.dumps(body, separators=(",", ":")).encode()
-        response = await self._pool.request(backend.origin, b"POST", path, _JSON_HEADERS, encoded, timeout_s)
+        encoded = b"" if body is None else json.dumps(body, separators=(",", ":")).encode()
+        response = await self._pool.request(origin, method, path, headers, encoded, timeout_s)
         try:
             pieces: list[bytes] = []
             size = 0
@@ -347,6 +479,29 @@ class ContractChecker:
         finally:
             response.close()
         return response.status, b"".join(pieces)
+
+
+def _origin(url: str) -> tuple[str, int]:
+    from urllib.parse import urlsplit
+
+    parts = urlsplit(url)
+    return parts.hostname or "127.0.0.1", parts.port or (443 if parts.scheme == "https" else 80)
+
+
+def _model_mismatch(
+    name: str, model: str, served: str, served_models: dict[str, str | None] | None
+) -> Mismatch | None:
+    """A `model` mismatch when the engine's /v1/models does not list the name it is sent."""
+    if served_models is None or served in served_models:
+        return None
+    listed = ", ".join(
+        repr(id_) if parent is None else f"{id_!r} (LoRA adapter of {parent!r})"
+        for id_, parent in served_models.items()
+    )
+    configured = "" if served == model else f" (the configured model {model!r})"
+    return Mismatch(
+        name, "model", f"it to serve {served!r}{configured}", f"its /v1/models lists {listed or 'nothing'}"
+    )
 
 
 def _json(answer: bytes) -> Any:

@@ -127,8 +127,9 @@ def _input_prompt(body: dict[str, Any]) -> dict[str, Any] | None:
     if "messages" in body:
         return body
     view = {"prompt": body.get("input")}
-    if "add_special_tokens" in body:
-        view["add_special_tokens"] = body["add_special_tokens"]
+    for field in ("add_special_tokens", "cache_salt"):  # the salt: the request's index namespace
+        if field in body:
+            view[field] = body[field]
     return view
 
 
@@ -168,7 +169,10 @@ def _first_text(*fields: str) -> Callable[[dict[str, Any]], dict[str, Any] | Non
             if isinstance(value, list) and value and isinstance(value[0], str):
                 value = value[0]
             if isinstance(value, str):
-                return {"prompt": value}
+                view = {"prompt": value}
+                if "cache_salt" in body:  # the request's index namespace
+                    view["cache_salt"] = body["cache_salt"]
+                return view
         return None
 
     return view

@@ -5,11 +5,12 @@ decision already holds, the policy's frozen Choice, and, for a stale index, the 
 The reasons split the missed tokens so that none is counted twice (docs/gateway.md, "Missed reuse"):
 at routing time, the gap is the best other candidate's credited prefix less the winner's. If the
 winner is routed by load only for a contract mismatch, the whole gap is `contract_mismatch`.
-Otherwise the part of the gap that the best candidate holds on its GPU (or as predicted) is
-`load_guard` (only routing there could reuse it: the policy chose another for its load), and the
-rest, held only in a tier (CPU, disk, a shared store) the winner cannot load from, is
-`tier_unreachable`. When the answer ends, the winner's own credit less the cached tokens its usage
-reports is `stale_index`: tokens below the winner's credit, so disjoint from the gap.
+Otherwise the part of the gap that the best candidate holds on its GPU (or as predicted; all of it
+for a policy whose credit has no tiers, approximate's learned placements) is `load_guard` (only
+routing there could reuse it: the policy chose another for its load), and the rest, held only in
+a tier (CPU, disk, a shared store) the winner cannot load from, is `tier_unreachable`. When the
+answer ends, the winner's own credit less the cached tokens its usage reports is `stale_index`:
+tokens below the winner's credit, so disjoint from the gap.
 """
 
 from __future__ import annotations
@@ -49,7 +50,12 @@ def routing_gap(choice: Choice, uncredited: Mapping[str, str]) -> tuple[str | No
     if winner in uncredited:
         return "contract_mismatch", 0, gap
     score = candidates[best_name]
-    on_gpu = max(score.get("by_tier", {}).get("gpu", 0), score.get("predicted", 0))
+    if "by_tier" in score or "predicted" in score:
+        on_gpu = max(score.get("by_tier", {}).get("gpu", 0), score.get("predicted", 0))
+    else:
+        # A policy with no tier view (approximate: the placements it learned) credits what it
+        # believes the engine's GPU holds: none of its gap is a tier's.
+        on_gpu = best
     return None, min(gap, max(0, on_gpu - held)), gap
 
 

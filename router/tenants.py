@@ -16,9 +16,17 @@ from typing import Any, Protocol
 
 from router.errors import KvgateError
 
-# The generation paths whose bodies vLLM reads `cache_salt` from (completions, chat, and the
-# Responses and Anthropic Messages APIs it renders as chat): a tenant's requests on them are salted.
-SALTED_PATHS = frozenset(("/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/messages"))
+# The paths whose bodies vLLM reads `cache_salt` from: a tenant's requests on them are salted. The
+# generation paths (completions, chat, and the Responses and Anthropic Messages APIs it renders as
+# chat), and the pooling paths: every vLLM pooling request (embeddings, rerank, score) takes
+# `cache_salt` (vllm/entrypoints/pooling/base/protocol.py, PoolingBasicRequestMixin, vLLM 0.32) and
+# salts its prompt's blocks, which prefix caching shares like a generation's.
+SALTED_PATHS = frozenset(
+    (
+        "/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/messages",
+        "/v1/embeddings", "/v1/rerank", "/rerank", "/v2/rerank", "/v1/score", "/score",
+    )
+)  # fmt: skip
 
 # A tenant's name becomes its requests' cache_salt and a metric label: plain, short, and free of ':'
 # (the cache layer reads the tenant as the salt's part before the first ':').

@@ -136,6 +136,30 @@ def test_lookup_full_hit_partial_match_and_miss(controller):
         engine.close()
 
 
+def test_lookup_takes_the_chunks_namespace_and_worker_info_names_the_chunk_size(controller):
+    """kvgate's additions (the gateway's contract check reads them): /lookup's `cache_salt` and `lora`
+    ask for the chunks of that namespace, and /query_worker_info gives each worker's chunk size."""
+    client, monitor_port = controller
+    engine = registered(make_engine(16, **worker_config(monitor_port, "salted-instance")))
+    try:
+        infos = wait_registered(client, "salted-instance", 1)["worker_infos"]
+        assert [info["chunk_size"] for info in infos] == [CHUNK]
+        tokens, kv = request(5, 2)
+        engine.store(tokens, kv, cache_salt="tenant-a")
+
+        def layout(**namespace):
+            response = client.post("/lookup", json={"tokens": tokens, **namespace})
+            assert response.status_code == 200, response.text
+            return response.json()["layout_info"].get("salted-instance")
+
+        assert layout(cache_salt="tenant-a") == ["LocalCPUBackend", 2 * CHUNK]
+        assert layout() is None  # LMCache's body: the unsalted namespace, which holds nothing here
+        assert layout(cache_salt="tenant-b") is None
+        assert layout(cache_salt="tenant-a", lora="an-adapter") is None
+    finally:
+        engine.close()
+
+
 def test_operations_fan_out_to_every_tensor_parallel_worker(controller, tmp_path):
     client, monitor_port = controller
     workers = tensor_parallel_instance(monitor_port, "tp", tmp_path)

@@ -152,6 +152,32 @@ def test_anthropic_messages_are_salted_per_tenant_too(tenant_gateway):
     assert send(BETA_KEY, "messages-beta-1") == {"engine": 0, "router": 0}
 
 
+def test_embeddings_are_salted_per_tenant_too(tenant_gateway):
+    """vLLM's pooling requests take cache_salt: the engine computes each tenant's copy of the same
+    input (its blocks grow again for the other tenant), and the router credits a tenant only with
+    its own."""
+
+    def embed(key: str, request_id: str) -> tuple[int, int]:
+        """(the router's credit, the engine's GPU tokens gained) for one embedding request."""
+        before = _gpu_tokens(tenant_gateway)
+        body = {"model": MODEL, "input": _prompt("embedded")}
+        headers = {"authorization": f"Bearer {key}", "x-request-id": request_id}
+        response = httpx.post(f"{tenant_gateway.url}/v1/embeddings", json=body, headers=headers, timeout=30)
+        assert response.status_code == 200, response.text
+        decision = next(d for d in _state(tenant_gateway)["decisions"] if d["request_id"] == request_id)
+        deadline = time.monotonic() + 5
+        while _gpu_tokens(tenant_gateway) <= before and time.monotonic() < deadline:
+            time.sleep(0.05)  # new blocks, if any, reach the index
+        return decision["cached_tokens"], _gpu_tokens(tenant_gateway) - before
+
+    credit, gained = embed(ACME_KEY, "embed-acme-1")
+    assert credit == 0 and gained >= 160
+    credit, gained = embed(ACME_KEY, "embed-acme-2")
+    assert credit >= 160 and gained == 0  # acme's own blocks: credited, and the engine computes nothing new
+    credit, gained = embed(BETA_KEY, "embed-beta-1")
+    assert credit == 0 and gained >= 160  # beta's salt reached the engine: its own copy
+
+
 def test_unknown_keys_are_refused_and_tenants_are_counted(tenant_gateway):
     body = {"model": MODEL, "prompt": "hello", "max_tokens": 1}
     for headers in ({}, {"authorization": "Bearer not-a-key"}):

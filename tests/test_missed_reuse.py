@@ -68,6 +68,16 @@ def test_tokens_held_only_in_another_engines_cpu_tier_are_tier_unreachable() -> 
     assert totals(missed) == {"load_guard": 64, "tier_unreachable": 384}
 
 
+def test_a_learned_credit_without_tiers_passed_over_is_load_guard_not_a_tier() -> None:
+    """approximate's candidates carry only `cached` (what it learned it sent there): no tier holds
+    it, so a gap of its is the policy's choice, not an unreachable tier."""
+    missed = MissedReuse(CollectorRegistry())
+    missed.routed(
+        choice("b0", "load_guard", {"b0": {"cached": 0, "cost": 9.0}, "b1": {"cached": 256, "cost": 1.0}})
+    )
+    assert totals(missed) == {"load_guard": 256}
+
+
 def test_a_winner_routed_by_load_for_a_contract_mismatch_is_contract_mismatch() -> None:
     missed = MissedReuse(CollectorRegistry())
     missed.uncredited = {"b0": "contract mismatch on block_size"}

@@ -59,9 +59,81 @@ def test_a_policy_run_counts_hits_load_and_token_parity(fleet, chat):
     assert measured["ttft_p50"] <= measured["ttft_p90"] <= measured["ttft_p99"]
     assert measured["throughput"] > 0
 
+    # session sees no cache: it counts no missed reuse, and the results say so (None, shown n/a).
+    assert measured["missed_reuse_tokens"] is None and measured["missed_reuse_ratio"] is None
+
     # Caches are emptied before each run: the same run again measures the same hits.
     again = routing_runs.run_policy(fleet, "session", chat, concurrency=8)
     assert again["hit_ratio"] == measured["hit_ratio"]
+
+
+@pytest.mark.slow  # a gateway with KV events over the two engines
+def test_a_cache_aware_run_reports_its_missed_reuse_by_reason(fleet, chat):
+    measured = routing_runs.run_policy(fleet, "kv_aware", chat, concurrency=8)
+    assert measured["errors"] == 0
+    # Scraped from the gateway's kvgate_missed_reuse_tokens_total, split off the decision counters.
+    tokens = measured["missed_reuse_tokens"]
+    assert set(tokens) == {"load_guard", "stale_index", "tier_unreachable", "contract_mismatch"}
+    assert all(count >= 0 for count in tokens.values())
+    assert measured["missed_reuse_ratio"] == pytest.approx(
+        sum(tokens.values()) / measured["prompt_tokens"], abs=1e-4
+    )
+    assert not any("missed_reuse" in name for name in measured.get("router_decisions", {}))
+
+
+def test_missed_reuse_is_a_column_beside_the_hit_ratio_and_n_a_where_not_counted(tmp_path) -> None:
+    def run(hit: float, missed: dict | None) -> dict:
+        base = {"hit_ratio": hit, "ttft_p50": 1.0, "ttft_p90": 2.0, "ttft_p99": 3.0, "throughput": 1.0,
+                "max_over_mean_load": 1.0, "errors": 0}  # fmt: skip
+        return base | routing_runs.missed_reuse_fields(missed, 1000)
+
+    results = {
+        "meta": {
+            "engines": 2,
+            "date": "today",
+            "command": "c",
+            "wall_s": 1.0,
+            "scale": 1,
+            "rate_scale": 1,
+            "num_gpu_blocks": 8,
+            "block_size": 16,
+            "sim_args": [],
+            "concurrency": 1,
+            "machine": "m",
+        },
+        "workloads": {
+            "chat": {
+                "description": "d",
+                "reference_hit_ratio": 0.5,
+                "has_reuse": True,
+                "workload": {
+                    "requests": 1,
+                    "mean_prompt_tokens": 1,
+                    "arrival_span_s": 1,
+                    "unbounded_cache_hit_ratio": 1,
+                },
+                "policies": {
+                    "kv_aware": run(0.5, {"load_guard": 30, "stale_index": 0, "tier_unreachable": 12}),
+                    "sglang_router_cache_aware": run(0.4, None),
+                    "old_run": {k: v for k, v in run(0.3, None).items() if "missed" not in k},
+                },
+            },
+        },
+    }
+    path = tmp_path / "r.md"
+    routing_report.write_markdown(results, path)
+    rows = {
+        line.split(" | ")[0]: line.split(" | ")
+        for line in path.read_text().splitlines()
+        if line.startswith("| ")
+    }
+    header = rows["| policy"]
+    column = header.index("missed reuse")
+    assert header[column - 1] == "hit ratio"
+    assert rows["| kv_aware"][column] == "0.042"  # 42 of 1000 prompt tokens
+    assert rows["| sglang_router_cache_aware"][column] == "n/a"  # a peer: no such metric, never 0
+    assert rows["| old_run"][column] == "-"  # not measured then
+    assert "- kv_aware: `load_guard` 30, `stale_index` 0, `tier_unreachable` 12" in path.read_text()
 
 
 def test_the_floor_serves_the_reference_placement_one_request_at_a_time_per_engine(fleet, chat, tmp_path):
@@ -234,6 +306,13 @@ def test_repeated_runs_pool_every_request_and_keep_each_run() -> None:
     assert combined["send_lag_p99_ms"] == 9.0 and combined["router_cpu_ms_per_request"] == 2.0
     assert [run["ttft_p90"] for run in combined["repeats"]] == [37.0, 371.0]
     assert combined["router_decisions"] == {'reason="cache_hit"': 7, 'reason="cold"': 1}  # summed
+    # Missed reuse: summed over the runs, over the pooled prompt tokens; n/a if any run had none.
+    assert combined["missed_reuse_ratio"] is None
+    runs[0].update(routing_runs.missed_reuse_fields({"load_guard": 40, "stale_index": 0}, 400))
+    runs[1].update(routing_runs.missed_reuse_fields({"load_guard": 20, "stale_index": 20}, 400))
+    combined = routing_runs.combine_repeats(runs, first + second)
+    assert combined["missed_reuse_tokens"] == {"load_guard": 60, "stale_index": 20}
+    assert combined["missed_reuse_ratio"] == 0.1  # 80 of the 800 tokens of the completed requests
     assert routing_runs.combine_repeats([runs[0], {"failed": "boom"}], first) == {"failed": "boom"}
 
 

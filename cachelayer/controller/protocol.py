@@ -78,6 +78,9 @@ class Command(msgspec.Struct, kw_only=True):
     copy: bool = False
     chunk_index: int = 0
     chunk_format: str | None = None  # import_chunk: the format export_chunk reported
+    # lookup: the namespace of the tokens' chunks (not LMCache's: its lookup has none).
+    cache_salt: str | None = None
+    lora: str | None = None
 
 
 class Reply(msgspec.Struct, kw_only=True):

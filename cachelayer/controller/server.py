@@ -98,6 +98,10 @@ class _Body(msgspec.Struct, forbid_unknown_fields=False):
 
 class LookupBody(_Body):
     tokens: list[int]
+    # Not LMCache's: the namespace the chunks were stored under (a request's cache_salt, its LoRA
+    # adapter); without them, the unsalted base model's (all LMCache's lookup can ask for).
+    cache_salt: str | None = None
+    lora: str | None = None
 
 
 class ClearBody(_Body):
@@ -159,6 +163,8 @@ class WorkerRecord:
             "ip": self.report.ip,
             "port": self.report.port,
             "world_size": self.report.world_size,
+            # Not LMCache's: the worker's chunk size (tokens), as it registered (the contract check).
+            "chunk_size": self.report.chunk_size,
             "registration_time": self.registration_time,
             "last_heartbeat_time": self.last_heartbeat_time,
         }
@@ -424,7 +430,9 @@ class Controller:
             await self.same_count(source_instance, drop)
         return moved_end
 
-    async def lookup(self, tokens: list[int]) -> dict[str, list[Any]]:
+    async def lookup(
+        self, tokens: list[int], cache_salt: str | None = None, lora: str | None = None
+    ) -> dict[str, list[Any]]:
         """Per instance, [location, matched tokens]; an instance holding nothing is left out.
 
         Tensor-parallel workers each hold their shard: the instance holds what all of them hold (the minimum).
@@ -432,7 +440,12 @@ class Controller:
         layout: dict[str, list[Any]] = {}
         instance_ids = list(self.instances)
         answers = await asyncio.gather(
-            *(self.fan_out(instance_id, Command(op="lookup", tokens=tokens)) for instance_id in instance_ids),
+            *(
+                self.fan_out(
+                    instance_id, Command(op="lookup", tokens=tokens, cache_salt=cache_salt, lora=lora)
+                )
+                for instance_id in instance_ids
+            ),
             return_exceptions=True,
         )
         for instance_id, replies in zip(instance_ids, answers, strict=True):
@@ -533,7 +546,7 @@ def build_app(controller: Controller, *, max_tokens: int = DEFAULT_MAX_TOKENS) -
         return handle
 
     async def lookup(body: LookupBody) -> dict[str, Any]:
-        return {"layout_info": await controller.lookup(body.tokens)}
+        return {"layout_info": await controller.lookup(body.tokens, body.cache_salt, body.lora)}
 
     async def clear(body: ClearBody) -> dict[str, Any]:
         command = Command(op="clear", location=body.location)

@@ -238,7 +238,9 @@ class ControllerWorker:
         engine = self._engine
         try:
             if command.op == "lookup":
-                location, matched = engine.lookup_location(command.tokens)
+                location, matched = engine.lookup_location(
+                    command.tokens, cache_salt=command.cache_salt, lora=command.lora
+                )
                 return Reply(num_tokens=matched, location=location)
             if command.op == "clear":
                 return Reply(num_tokens=engine.clear(command.location))

@@ -505,7 +505,9 @@ def build_app(
                 prompts = [tokenizer.completion_prompt(item, add_special) for item in inputs]
             except PromptError as exc:
                 raise RequestRefused(str(exc), param="input") from None
-            generations = [generation_request({}, prompt, "max_tokens") for prompt in prompts]
+            # A salted request's blocks hash apart (vLLM's pooling requests take cache_salt too).
+            salted = {"cache_salt": body["cache_salt"]} if "cache_salt" in body else {}
+            generations = [generation_request(salted, prompt, "max_tokens") for prompt in prompts]
         except RequestRefused as exc:
             return _refused(exc)
         data = []

@@ -102,6 +102,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "stores each prompt before answering, decode only loads, both loads and stores in the background",
     )
     parser.add_argument(
+        "--unannounced-prefix-cache-reset",
+        action="store_true",
+        help="a fault for tests: POST /reset_prefix_cache empties the cache but publishes no "
+        "AllBlocksCleared, so a router's index keeps crediting the lost blocks (a stale index) while "
+        "the usage reports the truth, fewer cached tokens",
+    )
+    parser.add_argument(
         "--default-max-tokens", type=int, default=16, help="max_tokens when a request gives none"
     )
     parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
@@ -228,6 +235,7 @@ def run(args: argparse.Namespace) -> int:
         shared_store,
         args.kv_role,
         args.shared_tier_removals,
+        args.unannounced_prefix_cache_reset,
     )
     app = build_app(
         engine,

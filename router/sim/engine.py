@@ -131,6 +131,7 @@ class SimulatedEngine:
         shared_store: SharedBlockStore | None = None,
         kv_role: str = KV_ROLE_BOTH,
         watch_shared_removals: bool = False,
+        unannounced_prefix_cache_reset: bool = False,
     ):
         if len(output_vocabulary) == 0:
             raise ValueError("the output vocabulary is empty")
@@ -141,6 +142,9 @@ class SimulatedEngine:
         if watch_shared_removals and shared_store is None:
             raise ValueError("watching the shared tier's removals needs a shared tier; give it one")
         self.watch_shared_removals = watch_shared_removals
+        # A test fault: reset_prefix_cache publishes no AllBlocksCleared, so a router's index keeps
+        # crediting the lost blocks (a stale index) and the usage reports fewer cached tokens.
+        self.unannounced_prefix_cache_reset = unannounced_prefix_cache_reset
         self._removal_watch: asyncio.Task | None = None
         self.kv_role = kv_role
         self.pool = block_pool
@@ -210,7 +214,8 @@ class SimulatedEngine:
         if events is None:
             return False
         self._announced_shared.clear()  # AllBlocksCleared withdraws this engine's shared blocks too
-        self._publish(events)
+        if not self.unannounced_prefix_cache_reset:
+            self._publish(events)
         return True
 
     def start(self) -> None:
