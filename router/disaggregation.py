@@ -203,6 +203,8 @@ class DecodeLeg:
     stored_tokens: int | None = None
     # The features the cost model learns the decode engine's prefill cost from, per engine.
     computed_tokens: dict[str, int] = field(default_factory=dict)
+    # Of those, the prompt tokens of other requests still to prefill there when it was sent.
+    queued_tokens: dict[str, int] = field(default_factory=dict)
     # Counted into the backend's in-flight prefill when the loop sends it (what it still computes).
     expected_prefill_tokens: int | None = None
     # What the decode engine is expected to load from a tier (split: the prompt its GPU lacks).
@@ -223,6 +225,7 @@ class DecodeLeg:
         prefill_tokens = choice.prefill_tokens or 0
         queued = max(0, backend.in_flight_prefill_tokens - prefill_tokens)
         self.computed_tokens[backend.name] = prefill_tokens + queued
+        self.queued_tokens[backend.name] = queued
 
     def stream_gaps(self, backend: BackendState, computed_tokens: int) -> StreamGaps:
         """The timer of this answer's streamed pieces on `backend` (router/forward.py's relay)."""
@@ -536,9 +539,16 @@ class Disaggregation:
         computed = leg.computed_tokens.get(backend.name)
         if ttft_s is not None and computed is not None and (load_s is not None or not leg.split):
             costs.prefill.observe(computed, max(0.0, ttft_s - (load_s or 0.0)))
-        elif ttft_s is not None and computed is not None and leg.split and loaded is None:
+        elif (
+            ttft_s is not None
+            and computed is not None
+            and leg.split
+            and loaded is None
+            and not leg.queued_tokens.get(backend.name)
+        ):
             # A streamed decode leg reports no load time: its time to the first token, less the
-            # prefill of what it computed (and the queue before it), is its load.
+            # prefill of what it computed, is its load; only when nothing was queued before it (a
+            # queue's wait is not the load's, and the fit cannot tell them apart).
             prefill_s = computed * self.costs.figures(backend.name).prefill_s_per_token
             costs.load_from_ttft.observe(leg.loaded_tokens, max(0.0, ttft_s - prefill_s))
         if leg.split and leg.stored_tokens and cached is not None and cached < leg.stored_tokens:

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections import deque
 from dataclasses import dataclass
 
 import numpy as np
@@ -41,6 +42,8 @@ from router.config import Disaggregation
 # weighs the slope and the constant alike.
 _TOKEN_SCALE = 1000.0
 _RIDGE = 1e-6
+# How many recent observations bound a fit's fixed time from above.
+_FASTEST_OF = 32
 
 
 class _DecayedRatio:
@@ -120,10 +123,19 @@ class _PrefillFit:
         self.observed = 0
         self.per_token: float | None = None
         self.constant = 0.0
+        # The fastest of the recent observations: every one includes the fixed part.
+        self._recent: deque[float] = deque(maxlen=_FASTEST_OF)
+
+    @property
+    def fixed_s(self) -> float:
+        """The fixed time per request: the fit's constant, but never more than the fastest recent
+        observation (a constant above it is queueing the fit could not tell from fixed cost)."""
+        return min(self.constant, min(self._recent, default=0.0))
 
     def observe(self, tokens: int, seconds: float) -> None:
         if not (math.isfinite(seconds) and seconds >= 0 and tokens >= 0):
             return
+        self._recent.append(seconds)
         x = np.array([tokens / _TOKEN_SCALE, 1.0])
         self._xtx = self._xtx * self._decay + np.outer(x, x)
         self._xty = self._xty * self._decay + seconds * x
@@ -205,7 +217,7 @@ class EngineCosts:
             prefill_measured,
             load_measured,
             transfer_measured,
-            request_s=self.prefill.constant if prefill_measured else 0.0,
+            request_s=self.prefill.fixed_s if prefill_measured else 0.0,
         )
 
     def with_stall(self, figures: CostFigures) -> CostFigures:

@@ -208,3 +208,27 @@ def test_the_gateway_learns_the_stall_from_the_gaps_of_the_streams_it_relays(gat
     # The stalled gaps were longer than the usual ones by about each prefill: some of that is learnt.
     stall = decode["stall"]
     assert 900 * stall["per_computed_token_us"] / 1000 >= 20.0
+
+
+def test_a_legs_fixed_time_is_never_more_than_its_fastest_recent_answer():
+    # An overloaded prefill engine (pd_real under a load average of 16): long prompts queued for
+    # seconds behind each other, which the fit's constant took for a 5 s fixed time per request.
+    model = CostModel(CONFIG)
+    for tokens, seconds in ((1600, 9.0), (40, 0.08), (1600, 7.5), (3200, 9.5), (40, 0.09), (1700, 8.0)):
+        model.engine("prefill-0").prefill.observe(tokens, seconds)
+    assert model.engine("prefill-0").prefill.constant > 1.0
+    assert model.figures("prefill-0").request_s <= 0.08
+
+
+def test_a_decode_leg_queued_behind_others_teaches_no_load_cost():
+    disaggregation = Disaggregation(CONFIG, backends=None, pool=None)  # type: ignore[arg-type]
+    _, decode = engines(decoding=0)
+    choice = Choice(decode, candidates={})
+    for loaded in (40, 1600, 800, 1200, 60, 400):
+        leg = DecodeLeg(disaggregation, "r", loaded, SPLIT, choice, prefill_backend="prefill-0")
+        leg.loaded_tokens = loaded
+        leg.computed_tokens[decode.name] = 1600
+        leg.queued_tokens[decode.name] = 1600  # a colocated long prefill ahead of it on the engine
+        leg.finished(decode, 200, 1.0 + loaded * 65e-6, b"data: [DONE]")
+    assert disaggregation.costs.engine(decode.name).load_from_ttft.observed == 0
+    assert not disaggregation.costs.figures(decode.name).load_measured
