@@ -298,7 +298,10 @@ class CostModel:
             if other.prefill_measured
         )
         if not measured:
-            return engine.with_stall(figures)
+            # No prefill measured anywhere yet: a measured stall would be weighed against prior
+            # prefill costs (pd_real under load: a decode leg's measured stall above a long
+            # prefill's prior one kept long prompts colocated). The stall keeps its prior too.
+            return figures
         middle = len(measured) // 2
         median = measured[middle] if len(measured) % 2 else (measured[middle - 1] + measured[middle]) / 2
         return engine.with_stall(dataclasses.replace(figures, prefill_s_per_token=median))

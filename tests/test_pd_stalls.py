@@ -90,6 +90,8 @@ def test_stream_gaps_credit_a_gap_to_the_admissions_whose_first_token_came_withi
             # The admitted request's first token leaves in the same step, relayed after the others'.
             StreamGaps(disaggregation, "decode", *admitted_at[step]).piece(now + 0.004)
     fit = disaggregation.costs.engine("decode").stall
+    for tokens in (40, 1600, 400, 1200):  # the stall counts once a prefill cost is measured
+        disaggregation.costs.engine("decode").prefill.observe(tokens, tokens * PER_COMPUTED_S)
     # Each admission stalled each of the three streams once; their own first tokens stalled nothing.
     assert fit.observed == 3 * len(admitted_at)
     assert fit.usual_gap_s == pytest.approx(USUAL_GAP_S, rel=0.01)
@@ -232,3 +234,18 @@ def test_a_decode_leg_queued_behind_others_teaches_no_load_cost():
         leg.finished(decode, 200, 1.0 + loaded * 65e-6, b"data: [DONE]")
     assert disaggregation.costs.engine(decode.name).load_from_ttft.observed == 0
     assert not disaggregation.costs.figures(decode.name).load_measured
+
+
+def test_a_measured_stall_is_not_weighed_against_prior_prefill_costs():
+    # The gaps measured a decode leg's load at 300 us a token of stall (an overloaded machine)
+    # while no engine's prefill was measured yet (prior 100 us): a long prompt's split would have
+    # looked costlier to the streams than its prefill on their engine.
+    model = CostModel(CONFIG)
+    fit = model.engine("decode-0").stall
+    for _ in range(10):
+        fit.observe_gap(USUAL_GAP_S)
+        fit.observe_stall(USUAL_GAP_S + 1600 * 300e-6, 1, 0, 1600)
+    colocated, split = estimates(model, prompt_tokens=1600, decoding=4)
+    assert not model.figures("decode-0").stall_measured
+    assert split.stall_s < colocated.stall_s
+    assert split.total_s < colocated.total_s
