@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import datetime
 import itertools
 import json
@@ -38,11 +39,13 @@ import platform
 import subprocess
 import tempfile
 import time
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
 import httpx
 
+from benchmarks.pd_stalls import attribute
 from kvgate_testing.gateway import start_gateway
 from kvgate_testing.processes import REPO_ROOT, wait_for_http
 from kvgate_testing.provenance import run_source, with_source
@@ -67,6 +70,7 @@ DECODE_TOKENS = 128
 STREAM_WORDS = 24
 LONG_WORDS = 1600  # one token a word: about 1,600 prompt tokens
 LONG_OUTPUT_TOKENS = 4
+DECISION_POLL_S = 5.0
 CONFIGURATIONS = {
     "colocated": ({"engine-a": "both", "engine-b": "both"}, "never"),
     "always_split": ({"engine-a": "prefill", "engine-b": "decode"}, "always"),
@@ -107,6 +111,7 @@ async def streamed(client: httpx.AsyncClient, url: str, prompt: str, max_tokens:
         if response.status_code != 200:
             raise RuntimeError(f"HTTP {response.status_code}: {(await response.aread())[:300]!r}")
         backend = response.headers.get("x-kvgate-backend")
+        request_id = response.headers.get("x-request-id")
         async for line in response.aiter_lines():
             if line.startswith("data: {"):
                 arrivals.append(time.perf_counter())
@@ -116,6 +121,7 @@ async def streamed(client: httpx.AsyncClient, url: str, prompt: str, max_tokens:
         "ttft_s": arrivals[0] - started,
         "gaps_s": [b - a for a, b in itertools.pairwise(arrivals)],
         "backend": backend,
+        "request_id": request_id,
     }
 
 
@@ -217,6 +223,35 @@ def warm_up(engines: list[VllmServer]) -> None:
             response.raise_for_status()
 
 
+async def with_decisions(
+    url: str, tag: str, duration_s: float, long_interval_s: float
+) -> tuple[list[dict[str, Any]], dict[str, dict[str, Any]]]:
+    """workload()'s records, and every decision the gateway logged meanwhile by request id (the debug
+    page lists the last 50: it is read every few seconds)."""
+    decisions: dict[str, dict[str, Any]] = {}
+    done = asyncio.Event()
+
+    async def poll() -> None:
+        async with httpx.AsyncClient(timeout=30) as client:
+            while True:
+                page = (await client.get(f"{url}/debug/prefix-map", params={"format": "json"})).json()
+                for decision in page["disaggregation"]["decisions"]:
+                    decisions[decision["request_id"]] = decision
+                if done.is_set():
+                    return
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(done.wait(), DECISION_POLL_S)
+
+    async def run() -> list[dict[str, Any]]:
+        try:
+            return await workload(url, tag, duration_s, long_interval_s)
+        finally:
+            done.set()
+
+    records, _ = await asyncio.gather(run(), poll())
+    return records, decisions
+
+
 def run_configuration(
     name: str, engines: dict[str, VllmServer], duration_s: float, long_interval_s: float
 ) -> dict[str, Any]:
@@ -224,9 +259,19 @@ def run_configuration(
     load_before = os.getloadavg()
     with start_gateway(gateway_config(engines, roles, mode), timeout_s=120) as gateway:
         wait_for_http(f"{gateway.url}/health", gateway.process, timeout_s=60)
-        records = asyncio.run(workload(gateway.url, f"run {name}", duration_s, long_interval_s))
+        records, logged = asyncio.run(with_decisions(gateway.url, f"run {name}", duration_s, long_interval_s))
         page = httpx.get(f"{gateway.url}/debug/prefix-map", params={"format": "json"}, timeout=10).json()
         metrics = httpx.get(f"{gateway.url}/metrics", timeout=10).text
+    for record in records:
+        decision = logged.get(record.get("request_id") or "")
+        if decision is not None:
+            record["decision"] = {
+                "option": decision["option"],
+                "prefill_backend": decision["prefill_backend"],
+                "prompt_tokens": decision["prompt_tokens"],
+                "estimates_s": {o: e["total_s"] for o, e in decision["estimates"].items()},
+                "estimates": decision["estimates"],
+            }
     decisions = [d["option"] for d in page["disaggregation"]["decisions"]]
     misses = [line for line in metrics.splitlines() if line.startswith("kvgate_pd_transfer_misses_total")]
     return {
@@ -234,12 +279,20 @@ def run_configuration(
         "mode": mode,
         **summarise(records),
         "options_of_last_decisions": {option: decisions.count(option) for option in sorted(set(decisions))},
+        "decisions_by_kind": {
+            kind: dict(Counter(option_of(r) for r in records if r["kind"] == kind))
+            for kind in ("decode", "long_prompt")
+        },
         "learnt_costs": page["disaggregation"].get("costs"),
         "transfer_misses": misses,
         "load_average_before": [round(v, 2) for v in load_before],
         "load_average_after": [round(v, 2) for v in os.getloadavg()],
         "requests": records,
     }
+
+
+def option_of(record: dict[str, Any]) -> str:
+    return record.get("decision", {}).get("option", "?")
 
 
 def ratio(a: float | None, b: float | None) -> float | None:
@@ -316,6 +369,7 @@ def measure(duration_s: float, long_interval_s: float, order: list[str]) -> dict
             "long_interval_s": long_interval_s,
         },
         "daemon_metrics": daemon_metrics,
+        "stalls": attribute(runs),
         "runs": runs,
     }
 
@@ -359,6 +413,27 @@ def write_report(results: dict[str, Any], path: Path) -> None:
             f"{run['options_of_last_decisions']} | "
             f"{run['load_average_before'][0]} -> {run['load_average_after'][0]} |"
         )
+    stalls = results.get("stalls") or {}
+    if stalls:
+        threshold = next(iter(stalls.values()))["threshold_ms"]
+        lines += [
+            "",
+            f"Stalled gaps (benchmarks/pd_stalls.py): the streams' inter-token gaps over {threshold:g} ms "
+            "(always split's ITL p99), by what the decode engine admitted during them (another "
+            "request's first token from the same engine: its prefill or its KV load ran in that step), "
+            "and the streams decoding there when a long prompt's first token came (each took that stall).",
+            "",
+            "| configuration | decisions (decode; long) | gaps over / all | by what landed "
+            "| streams decoding at a long prompt's landing |",
+            "| --- | --- | --- | --- | --- |",
+        ]
+        for name, stall in stalls.items():
+            kinds = results["runs"][name].get("decisions_by_kind", {})
+            lines.append(
+                f"| {name} | {kinds.get('decode')}; {kinds.get('long_prompt')} | "
+                f"{stall['gaps_over']} / {stall['gaps']} | {stall['gaps_over_by_what_landed']} | "
+                f"{stall['streams_decoding_when_a_long_prompt_landed']} |"
+            )
     lines += [
         "",
         f"Every request's record is in {path.with_suffix('.json').name} (`runs.*.requests`).",

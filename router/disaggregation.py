@@ -11,10 +11,16 @@ serve the request it estimates, in seconds (router/pd_costs.py measures the per-
     queue wait + uncached prompt tokens x prefill cost + tier-loadable tokens x load cost
     + transfer (split only: the prompt stored into the shared tier) + stall
 
-where the stall is the time the other requests decoding on that engine wait for this prefill
-(a split moves it to an engine where nothing decodes). The options: `colocated_gpu` (the decode
-engine computes what its GPU lacks), `colocated_tier` (it loads the rest from a tier it reads),
-`split`. The cheapest wins in `mode: conditional`.
+where the stall is what the other requests decoding on that engine lose to this one's admission:
+per stream, the engine's measured stall per load from a tier, per token computed and per token loaded
+(router/pd_costs.py learns them from the inter-token gaps of the streamed answers the gateway
+relays, `StreamGaps`; until then, one stream waits the prefill and the loads whole), times the
+streams there. A split moves the prefill to an engine where nothing decodes, but its decode leg is
+still admitted on the decode engine, which loads the prompt there: on real engines that admission
+stalls the streams about as much as a short colocated prefill does, and only the gaps show it.
+Each leg also pays its engine's fixed time to a first token (the prefill fit's constant).
+The options: `colocated_gpu` (the decode engine computes what its GPU lacks), `colocated_tier`
+(it loads the rest from a tier it reads), `split`. The cheapest wins in `mode: conditional`.
 
 For a split, the prompt goes to the prefill engine with `max_tokens: 1`, not streamed, and the plan
 waits for its whole answer: a prefill engine answers only once the store holds the prompt (the
@@ -70,6 +76,8 @@ MAX_PREFILL_ANSWER_BYTES = 1 << 20
 # The end of a decode answer the gateway keeps to read its usage and kv_transfer_params from.
 USAGE_TAIL_BYTES = 8192
 DECISIONS_KEPT = 200
+# Admissions kept per engine for StreamGaps: more than one gap's worth at any concurrency.
+ADMISSIONS_KEPT = 256
 _decoder = msgspec.json.Decoder()
 _encoder = msgspec.json.Encoder()
 _CACHED_TOKENS = re.compile(rb'"cached_tokens"\s*:\s*(\d+)')
@@ -129,7 +137,7 @@ class _LegLoad:
 
 
 def _colocated(backend: BackendState, load: _LegLoad, prompt_tokens: int, costs: CostFigures) -> Estimate:
-    compute_s = max(0, prompt_tokens - load.gpu_tokens - load.tier_tokens) * costs.prefill_s_per_token
+    computed = max(0, prompt_tokens - load.gpu_tokens - load.tier_tokens)
     load_s = load.tier_tokens * costs.load_s_per_token
     others = max(0, backend.in_flight)
     return Estimate(
@@ -137,11 +145,11 @@ def _colocated(backend: BackendState, load: _LegLoad, prompt_tokens: int, costs:
         backend.name,
         None,
         queue_s=max(0, backend.in_flight_prefill_tokens) * costs.prefill_s_per_token,
-        compute_s=compute_s,
+        compute_s=costs.request_s + computed * costs.prefill_s_per_token,
         load_s=load_s,
         transfer_s=0.0,
         # The requests decoding there wait for this prefill (and these loads) to pass.
-        stall_s=others * (compute_s + load_s),
+        stall_s=others * costs.stall_s(computed, load.tier_tokens),
     )
 
 
@@ -154,13 +162,15 @@ def _split(
     decode_costs: CostFigures,
     prompt_tokens: int,
 ) -> Estimate:
+    computed = max(0, prompt_tokens - prefill_load.gpu_tokens - prefill_load.tier_tokens)
+    # Each leg pays its engine's fixed time to a first token.
     compute_s = (
-        max(0, prompt_tokens - prefill_load.gpu_tokens - prefill_load.tier_tokens)
-        * prefill_costs.prefill_s_per_token
+        prefill_costs.request_s + computed * prefill_costs.prefill_s_per_token + decode_costs.request_s
     )
     prefill_load_s = prefill_load.tier_tokens * prefill_costs.load_s_per_token
     # The decode engine loads from the shared tier whatever its GPU lacks.
-    decode_load_s = max(0, prompt_tokens - decode_load.gpu_tokens) * decode_costs.load_s_per_token
+    decode_loaded = max(0, prompt_tokens - decode_load.gpu_tokens)
+    decode_load_s = decode_loaded * decode_costs.load_s_per_token
     # Only an engine that also decodes has streams for a prefill to stall.
     prefill_stall = 0 if prefill.role == "prefill" else max(0, prefill.in_flight)
     return Estimate(
@@ -172,7 +182,8 @@ def _split(
         compute_s=compute_s,
         load_s=prefill_load_s + decode_load_s,
         transfer_s=prompt_tokens * prefill_costs.transfer_s_per_token,
-        stall_s=prefill_stall * (compute_s + prefill_load_s) + max(0, decode.in_flight) * decode_load_s,
+        stall_s=prefill_stall * prefill_costs.stall_s(computed, prefill_load.tier_tokens)
+        + max(0, decode.in_flight) * decode_costs.stall_s(0, decode_loaded),
     )
 
 
@@ -192,8 +203,12 @@ class DecodeLeg:
     stored_tokens: int | None = None
     # The features the cost model learns the decode engine's prefill cost from, per engine.
     computed_tokens: dict[str, int] = field(default_factory=dict)
+    # Of those, the prompt tokens of other requests still to prefill there when it was sent.
+    queued_tokens: dict[str, int] = field(default_factory=dict)
     # Counted into the backend's in-flight prefill when the loop sends it (what it still computes).
     expected_prefill_tokens: int | None = None
+    # What the decode engine is expected to load from a tier (split: the prompt its GPU lacks).
+    loaded_tokens: int = 0
 
     @property
     def split(self) -> bool:
@@ -210,10 +225,64 @@ class DecodeLeg:
         prefill_tokens = choice.prefill_tokens or 0
         queued = max(0, backend.in_flight_prefill_tokens - prefill_tokens)
         self.computed_tokens[backend.name] = prefill_tokens + queued
+        self.queued_tokens[backend.name] = queued
+
+    def stream_gaps(self, backend: BackendState, computed_tokens: int) -> StreamGaps:
+        """The timer of this answer's streamed pieces on `backend` (router/forward.py's relay)."""
+        return StreamGaps(self.disaggregation, backend.name, computed_tokens, self.loaded_tokens)
 
     def finished(self, backend: BackendState, status: int, ttft_s: float | None, tail: bytes) -> None:
         """The answer ended: learn from what the engine reported, count a transfer miss."""
         self.disaggregation.decode_finished(self, backend, status, ttft_s, tail)
+
+
+class StreamGaps:
+    """Times one streamed answer's pieces on an engine and teaches the engine's stall fit.
+
+    Its first piece is its own admission there (the step that computed or loaded its prompt ended),
+    logged with its computed and loaded tokens. Each later gap is resolved one piece late, once the
+    admissions around its end have been relayed too: the admissions whose first piece came within
+    it (from halfway through the gap before it to halfway through the gap after it) stalled it; a
+    gap with none is a usual one."""
+
+    __slots__ = ("_admissions", "_computed", "_costs", "_from", "_last", "_loaded", "_pending")
+
+    def __init__(self, disaggregation: Disaggregation, backend: str, computed: int, loaded: int) -> None:
+        self._admissions = disaggregation.admissions(backend)
+        self._costs = disaggregation.costs.engine(backend).stall
+        self._computed, self._loaded = max(0, computed), max(0, loaded)
+        self._last: float | None = None
+        self._from = 0.0
+        self._pending: tuple[float, float] | None = None
+
+    def piece(self, now: float) -> None:
+        last = self._last
+        self._last = now
+        if last is None:
+            self._admissions.append((now, self._computed, self._loaded))
+            self._from = now  # its own admission is not a stall of its gaps
+            return
+        if self._pending is not None:
+            start, end = self._pending
+            until = end + (now - end) / 2
+            self._resolve(end - start, self._from, until)
+            self._from = until
+        self._pending = (last, now)
+
+    def _resolve(self, gap: float, since: float, until: float) -> None:
+        admitted = loads = computed = loaded = 0
+        for at, tokens, from_tier in reversed(self._admissions):
+            if at <= since:
+                break
+            if at <= until:
+                admitted += 1
+                loads += from_tier > 0
+                computed += tokens
+                loaded += from_tier
+        if admitted:
+            self._costs.observe_stall(gap, loads, computed, loaded)
+        else:
+            self._costs.observe_gap(gap)
 
 
 class Disaggregation:
@@ -231,6 +300,8 @@ class Disaggregation:
         self.pool = pool
         self.costs = CostModel(config)
         self._decisions: deque[dict[str, Any]] = deque(maxlen=DECISIONS_KEPT)
+        # Per backend: (time, computed, loaded tokens) of the streamed answers admitted there lately.
+        self._admissions: dict[str, deque[tuple[float, int, int]]] = {}
         self.decisions = Counter(
             "kvgate_pd_decisions",
             "Requests by how the disaggregation served them (colocated_gpu, colocated_tier, split), "
@@ -252,6 +323,12 @@ class Disaggregation:
         )
         if registry is not None:
             registry.register(_CostCollector(self.costs))
+
+    def admissions(self, backend: str) -> deque[tuple[float, int, int]]:
+        log_ = self._admissions.get(backend)
+        if log_ is None:
+            log_ = self._admissions[backend] = deque(maxlen=ADMISSIONS_KEPT)
+        return log_
 
     # ---- the decision ----
 
@@ -300,6 +377,7 @@ class Disaggregation:
         ):
             option = SPLIT
         leg = DecodeLeg(self, request.request_id, prompt_tokens, option, decode_choice)
+        leg.loaded_tokens = decode_load.tier_tokens
         fallback = None
         if option == SPLIT and prefill_choice is not None:
             try:
@@ -307,6 +385,9 @@ class Disaggregation:
                     policy, request, data, headers, path, model_name, prefill_choice, prefill_pool
                 )
                 leg.expected_prefill_tokens = max(0, prompt_tokens - (leg.stored_tokens or 0))
+                leg.loaded_tokens = max(
+                    0, prompt_tokens - decode_load.gpu_tokens - leg.expected_prefill_tokens
+                )
             except PrefillFailed as exc:
                 fallback = str(exc)
                 leg.option = colocated.option
@@ -458,6 +539,18 @@ class Disaggregation:
         computed = leg.computed_tokens.get(backend.name)
         if ttft_s is not None and computed is not None and (load_s is not None or not leg.split):
             costs.prefill.observe(computed, max(0.0, ttft_s - (load_s or 0.0)))
+        elif (
+            ttft_s is not None
+            and computed is not None
+            and leg.split
+            and loaded is None
+            and not leg.queued_tokens.get(backend.name)
+        ):
+            # A streamed decode leg reports no load time: its time to the first token, less the
+            # prefill of what it computed, is its load; only when nothing was queued before it (a
+            # queue's wait is not the load's, and the fit cannot tell them apart).
+            prefill_s = computed * self.costs.figures(backend.name).prefill_s_per_token
+            costs.load_from_ttft.observe(leg.loaded_tokens, max(0.0, ttft_s - prefill_s))
         if leg.split and leg.stored_tokens and cached is not None and cached < leg.stored_tokens:
             self.transfer_misses.inc()
             log.warning(

@@ -649,6 +649,8 @@ class ProxyEndpoint:
         first_piece_pending = status == 200 and _is_event_stream(response.headers)
         ttft_s: float | None = None
         tail = b""
+        # A streamed decode leg times its pieces: the cost model learns the engine's stalls from the gaps.
+        gaps = leg.stream_gaps(backend, prefill_tokens) if leg is not None and first_piece_pending else None
         # The answer's end is kept for the decode leg, and for missed reuse to read the cached
         # tokens the engine reports where the policy credited the winner some (stale index).
         # Missed reuse keeps references to the last two pieces (no copy per piece: a long stream
@@ -668,7 +670,13 @@ class ProxyEndpoint:
                         prefill_tokens = 0
                         if context.cluster is not None:
                             context.cluster.loads_changed()
-                    if first_piece_pending:
+                    if gaps is not None:
+                        arrived = perf_counter()
+                        gaps.piece(arrived)
+                        if first_piece_pending:
+                            ttft_s = arrived - upstream_started
+                            first_piece_pending = False
+                    elif first_piece_pending:
                         ttft_s = perf_counter() - upstream_started
                         first_piece_pending = False
                     if leg is not None:

