@@ -148,6 +148,7 @@ def envoy_alone_config(
     config = load_deploy_config()
     _set_ports(config, listen_port, admin_port, buffer_limit_bytes)
     manager = _connection_manager(config)
+    manager.pop("access_log", None)  # it goes to the picker
     manager["http_filters"] = [
         entry for entry in http_filters(config) if entry["name"] == "envoy.filters.http.router"
     ]

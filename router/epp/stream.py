@@ -11,7 +11,9 @@ both modes a body over the limit is answered 413 at the chunk that crosses it, n
 Response side: the status, the endpoint Envoy says served it, the time to the headers (a streamed
 answer's time to first token) and, where Envoy sends the body, its `usage`; the pick's accounting
 closes at the answer's end, when Envoy closes the stream, or after epp.response_timeout_s without
-response headers. Each stream lives at most epp.stream_timeout_s.
+response headers. With the response body not sent (response_body_mode NONE), Envoy half-closes the
+stream at the response headers; the answer's end then comes from Envoy's access log
+(router/epp/access_log.py), when one is connected. Each stream lives at most epp.stream_timeout_s.
 """
 
 from __future__ import annotations
@@ -49,6 +51,8 @@ class ExtProcServicer(external_processor_pb2_grpc.ExternalProcessorServicer):
         task = asyncio.current_task()
         assert task is not None
         timed_out = False
+        # Envoy half-closed the stream: its processing of the request is over (not a reset).
+        ended = False
 
         def expire() -> None:
             nonlocal timed_out
@@ -64,6 +68,7 @@ class ExtProcServicer(external_processor_pb2_grpc.ExternalProcessorServicer):
                     yield response
                 if exchange.done:
                     return
+            ended = True
         except asyncio.CancelledError:
             if not timed_out:
                 raise  # Envoy (or the client behind it) reset the stream
@@ -74,8 +79,11 @@ class ExtProcServicer(external_processor_pb2_grpc.ExternalProcessorServicer):
             )
         finally:
             deadline.cancel()
-            if exchange.pick is not None:
-                exchange.pick.finish(None, "stream_closed")
+            pick = exchange.pick
+            # With the response body not sent to the picker, Envoy ends the stream at the response
+            # headers: Envoy's access log then tells the answer's end (router/epp/access_log.py).
+            if pick is not None and not (ended and pick.wait_for_access_log()):
+                pick.finish(None, "stream_closed")
 
 
 class _Exchange:
@@ -168,7 +176,8 @@ class _Exchange:
         if self.route is None:
             # Nothing to route by (GET /v1/models, /health, an unknown path): by load, now; a body
             # that follows passes through untouched.
-            self.pick = await servicer.picker.pick_by_load(self.subset)
+            request_id = next((value for name, value in self.headers if name == b"x-request-id"), b"")
+            self.pick = await servicer.picker.pick_by_load(self.subset, request_id)
             yield protocol.pick_on_headers(await self._endpoint())
             return
         if announced is not None and announced not in protocol.PICKABLE_BODY_MODES:
