@@ -204,6 +204,7 @@ class EndpointPicker:
         if self.metrics is not None:
             self.metrics.picks.labels(choice.reason or "load").inc()
         pick = Pick(self, policy, choice, prefill_tokens, self._endpoints.get(backend.origin, ""), request_id)
+        pick.fallback = _next_best(choice, candidates)
         if request_id:
             self._by_request_id.setdefault(request_id, []).append(pick)
         return pick
@@ -240,6 +241,23 @@ class EndpointPicker:
                     pick.finish(None, how)
 
 
+def _next_best(choice: Choice, candidates: list[BackendState]) -> BackendState | None:
+    """The candidate the policy would have taken had the winner been absent: lowest cost where the
+    policy scored them, else fewest requests in flight (the protocol's fallback endpoint)."""
+    others = [backend for backend in candidates if backend is not choice.backend]
+    if not others:
+        return None
+    scores = choice.candidates
+    infinity = float("inf")
+
+    def rank(backend: BackendState) -> tuple[float, int]:
+        score = scores.get(backend.name)
+        cost = score.get("cost", infinity) if score is not None else infinity
+        return cost, backend.in_flight
+
+    return min(others, key=rank)
+
+
 class Pick:
     """One picked request's accounting, open from the pick until `finish` (once)."""
 
@@ -247,6 +265,7 @@ class Pick:
         "_timer",
         "choice",
         "endpoint",
+        "fallback",
         "finished",
         "picked_at",
         "picker",
@@ -277,6 +296,8 @@ class Pick:
         self.ttft_s: float | None = None
         self.finished = False
         self.request_id = request_id
+        # The next best engine, listed after the pick in the `envoy.lb` metadata (Envoy's retry).
+        self.fallback: BackendState | None = None
         # Left for its access-log entry (its ext_proc stream ended before the answer).
         self.waiting = False
         self._timer: asyncio.TimerHandle | None = None
@@ -290,6 +311,17 @@ class Pick:
         if not self.endpoint:
             self.endpoint = await self.picker.endpoint_of(self.backend)
         return self.endpoint
+
+    async def endpoints(self) -> str:
+        """The pick then its fallback, comma-separated, as the `envoy.lb` metadata lists them (the
+        pick alone when there is no other candidate, or its address cannot be resolved)."""
+        endpoint = await self.resolve()
+        if self.fallback is None:
+            return endpoint
+        try:
+            return f"{endpoint},{await self.picker.endpoint_of(self.fallback)}"
+        except OSError:
+            return endpoint
 
     def start_response_timer(self) -> None:
         """Close the accounting if no response headers come within epp.response_timeout_s."""

@@ -178,7 +178,7 @@ class _Exchange:
             # that follows passes through untouched.
             request_id = next((value for name, value in self.headers if name == b"x-request-id"), b"")
             self.pick = await servicer.picker.pick_by_load(self.subset, request_id)
-            yield protocol.pick_on_headers(await self._endpoint())
+            yield protocol.pick_on_headers(*await self._endpoints())
             return
         if announced is not None and announced not in protocol.PICKABLE_BODY_MODES:
             # Envoy would forward the request before the body could be read, without the header.
@@ -233,24 +233,26 @@ class _Exchange:
                 "missing_body",
             )
         self.pick = await picker.pick(self.route, body, self.headers, self.subset)
-        endpoint = await self._endpoint()
+        endpoint, listed = await self._endpoints()
         if self.request_streamed:
-            yield protocol.pick_on_headers(endpoint)
+            yield protocol.pick_on_headers(endpoint, listed)
             for chunk, end in self.held:
                 yield protocol.request_body_chunk(chunk, end)
         else:
-            yield protocol.pick_on_body(endpoint)
+            yield protocol.pick_on_body(endpoint, listed)
         self.held = []
 
-    async def _endpoint(self) -> str:
+    async def _endpoints(self) -> tuple[str, str]:
+        """The picked endpoint (the header's value) and the list the metadata carries (it first)."""
         assert self.pick is not None
         try:
             endpoint = await self.pick.resolve()
         except OSError as exc:
             message = f"cannot resolve the address of backend {self.pick.backend.name}: {exc}"
             raise PickRefused(503, error_body(503, message), "no_endpoint") from None
+        listed = await self.pick.endpoints()
         self.pick.start_response_timer()
-        return endpoint
+        return endpoint, listed
 
     async def _response_headers(self, message: protocol.ProcessingRequest) -> protocol.ProcessingResponse:
         headers = protocol.header_pairs(message.response_headers)
