@@ -15,6 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
+from typing import Any
 
 import httpx
 import yaml
@@ -43,6 +44,11 @@ VIA_ENVOY_POLICY = "kv_aware_via_envoy"
 VIA_ENVOY_HEADERS_ONLY_POLICY = "kv_aware_via_envoy_headers_only"
 ENVOY_ALONE_POLICY = "envoy_least_request"
 ENVOY_POLICIES = (VIA_ENVOY_POLICY, VIA_ENVOY_HEADERS_ONLY_POLICY, ENVOY_ALONE_POLICY)
+# Knobs of the via-Envoy routers that set Envoy's ext_proc processing_mode, not the policy.
+ENVOY_MODE_KNOBS = frozenset(
+    {"request_body_mode", "request_trailer_mode", "response_header_mode", "response_body_mode",
+     "response_trailer_mode"}
+)  # fmt: skip
 ALL_POLICIES = (*KVGATE_POLICIES, SHARED_TIER_POLICY, *PEER_POLICIES, *BASELINE_POLICIES, *ENVOY_POLICIES)
 # vllm-router's kv_aware is left out by default: against the simulated engines its debug log shows
 # credited_prefix_tokens=0 on every decision (it does not recognise the simulator's block hashes), so
@@ -75,7 +81,7 @@ def start_router(policy: str, fleet: EngineFleet, timeout_s: float = 90.0) -> Ru
         return _start_kvgate(name, _parse_knobs(knobs), fleet, timeout_s, label=policy)
     if policy in PEER_POLICIES or policy in BASELINE_POLICIES:
         return _start_peer(policy, fleet, timeout_s)
-    if policy in (VIA_ENVOY_POLICY, VIA_ENVOY_HEADERS_ONLY_POLICY):
+    if name in (VIA_ENVOY_POLICY, VIA_ENVOY_HEADERS_ONLY_POLICY):
         return _start_via_envoy(policy, _parse_knobs(knobs), fleet, timeout_s)
     if policy == ENVOY_ALONE_POLICY:
         return _start_envoy_alone(fleet, timeout_s)
@@ -156,12 +162,16 @@ def _start_via_envoy(policy: str, knobs: dict, fleet: EngineFleet, timeout_s: fl
 
     response_body_mode = (
         ResponseBodyMode.NONE
-        if policy == VIA_ENVOY_HEADERS_ONLY_POLICY
+        if policy.partition("@")[0] == VIA_ENVOY_HEADERS_ONLY_POLICY
         else ResponseBodyMode.FULL_DUPLEX_STREAMED
     )
-    pair = start_envoy_and_picker(
-        kvgate_config("kv_aware", knobs, fleet), timeout_s=timeout_s, response_body_mode=response_body_mode
-    )
+    # Knobs naming ext_proc processing_mode fields (e.g. response_header_mode=SKIP) go to Envoy.
+    modes = {key: str(knobs.pop(key)) for key in list(knobs) if key in ENVOY_MODE_KNOBS}
+    config = kvgate_config("kv_aware", knobs, fleet)
+    if modes:
+        pair = start_envoy_and_picker_with_modes(config, response_body_mode, modes, timeout_s)
+    else:
+        pair = start_envoy_and_picker(config, timeout_s=timeout_s, response_body_mode=response_body_mode)
     try:
         _wait_until_forwarding(pair.url, pair.picker.process, timeout_s)
         wait_until_synced(pair.picker.url, timeout_s)
@@ -172,6 +182,28 @@ def _start_via_envoy(policy: str, knobs: dict, fleet: EngineFleet, timeout_s: fl
     return RunningRouter(
         policy, pair.url, pair.picker.process, pair.stop, metrics_url=f"{pair.picker.url}/metrics"
     )
+
+
+def start_envoy_and_picker_with_modes(
+    config: dict, response_body_mode: Any, modes: dict[str, str], timeout_s: float
+) -> Any:
+    """start_envoy_and_picker, with these ext_proc processing_mode fields set on Envoy's side."""
+    from kvgate_testing.envoy import BodyMode, EnvoyProcess, ext_proc_settings, picker_config
+    from kvgate_testing.picker import EnvoyWithPicker, PickerProcess
+
+    body_mode = BodyMode(modes.get("request_body_mode", BodyMode.FULL_DUPLEX_STREAMED))
+    picker = PickerProcess(config).start(timeout_s)
+    try:
+        envoy_config = picker_config(
+            free_port(), free_port(), ("127.0.0.1", picker.grpc_port), body_mode,
+            response_body_mode=response_body_mode,
+        )  # fmt: skip
+        ext_proc_settings(envoy_config)["processing_mode"].update(modes)
+        envoy = EnvoyProcess(envoy_config).start()
+    except BaseException:
+        picker.remove()
+        raise
+    return EnvoyWithPicker(picker, envoy)
 
 
 def _start_envoy_alone(fleet: EngineFleet, timeout_s: float) -> RunningRouter:
