@@ -38,12 +38,22 @@ SHARED_TIER_POLICY = "kv_aware_shared_tiers"
 BASELINE_POLICIES = ("vllm_router_consistent_hash",)
 # Behind the real Envoy (routing_bench --via envoy): kv_aware as Envoy's endpoint picker (`kvgate epp`),
 # and Envoy alone balancing the engines by its own LEAST_REQUEST (the latency reference).
-# `..._headers_only`: Envoy sends the picker no response body (response_body_mode NONE), so the
-# picker releases a request's load at its response headers and handles no answer chunk.
+# `kv_aware_via_envoy` runs deploy/envoy/envoy-epp.yaml's processing modes as they stand (the answer's
+# end from Envoy's access log); `..._streamed_body` the earlier design: the request body streamed
+# through the picker and re-emitted, the response headers and every answer chunk through it too.
 VIA_ENVOY_POLICY = "kv_aware_via_envoy"
-VIA_ENVOY_HEADERS_ONLY_POLICY = "kv_aware_via_envoy_headers_only"
+VIA_ENVOY_STREAMED_BODY_POLICY = "kv_aware_via_envoy_streamed_body"
 ENVOY_ALONE_POLICY = "envoy_least_request"
-ENVOY_POLICIES = (VIA_ENVOY_POLICY, VIA_ENVOY_HEADERS_ONLY_POLICY, ENVOY_ALONE_POLICY)
+ENVOY_POLICIES = (VIA_ENVOY_POLICY, VIA_ENVOY_STREAMED_BODY_POLICY, ENVOY_ALONE_POLICY)
+# The processing modes of `..._streamed_body`.
+STREAMED_BODY_MODES = {
+    "request_header_mode": "SEND",
+    "request_body_mode": "FULL_DUPLEX_STREAMED",
+    "request_trailer_mode": "SEND",
+    "response_header_mode": "SEND",
+    "response_body_mode": "FULL_DUPLEX_STREAMED",
+    "response_trailer_mode": "SEND",
+}
 # Knobs of the via-Envoy routers that set Envoy's ext_proc processing_mode, not the policy.
 ENVOY_MODE_KNOBS = frozenset(
     {"request_body_mode", "request_trailer_mode", "response_header_mode", "response_body_mode",
@@ -81,7 +91,7 @@ def start_router(policy: str, fleet: EngineFleet, timeout_s: float = 90.0) -> Ru
         return _start_kvgate(name, _parse_knobs(knobs), fleet, timeout_s, label=policy)
     if policy in PEER_POLICIES or policy in BASELINE_POLICIES:
         return _start_peer(policy, fleet, timeout_s)
-    if name in (VIA_ENVOY_POLICY, VIA_ENVOY_HEADERS_ONLY_POLICY):
+    if name in (VIA_ENVOY_POLICY, VIA_ENVOY_STREAMED_BODY_POLICY):
         return _start_via_envoy(policy, _parse_knobs(knobs), fleet, timeout_s)
     if policy == ENVOY_ALONE_POLICY:
         return _start_envoy_alone(fleet, timeout_s)
@@ -157,21 +167,22 @@ def kvgate_config(policy: str, knobs: dict, fleet: EngineFleet) -> dict:
 def _start_via_envoy(policy: str, knobs: dict, fleet: EngineFleet, timeout_s: float) -> RunningRouter:
     """Envoy in front of `kvgate epp` (kv_aware): the router's process is the picker's, so the CPU a
     run records is the picker's alone (Envoy's is its own process, `envoy_pid` in the result)."""
-    from kvgate_testing.envoy import ResponseBodyMode  # needs the [epp] extra
-    from kvgate_testing.picker import start_envoy_and_picker
+    from kvgate_testing.envoy import ResponseBodyMode, ext_proc_settings, load_deploy_config
 
-    response_body_mode = (
-        ResponseBodyMode.NONE
-        if policy.partition("@")[0] == VIA_ENVOY_HEADERS_ONLY_POLICY
-        else ResponseBodyMode.FULL_DUPLEX_STREAMED
-    )
-    # Knobs naming ext_proc processing_mode fields (e.g. response_header_mode=SKIP) go to Envoy.
+    # Knobs naming ext_proc processing_mode fields (e.g. response_header_mode=SEND) go to Envoy.
     modes = {key: str(knobs.pop(key)) for key in list(knobs) if key in ENVOY_MODE_KNOBS}
-    config = kvgate_config("kv_aware", knobs, fleet)
-    if modes:
-        pair = start_envoy_and_picker_with_modes(config, response_body_mode, modes, timeout_s)
+    if policy.partition("@")[0] == VIA_ENVOY_STREAMED_BODY_POLICY:
+        base = dict(STREAMED_BODY_MODES)
     else:
-        pair = start_envoy_and_picker(config, timeout_s=timeout_s, response_body_mode=response_body_mode)
+        base = {
+            key: str(value)
+            for key, value in ext_proc_settings(load_deploy_config())["processing_mode"].items()
+        }
+    modes = {**base, **modes}
+    config = kvgate_config("kv_aware", knobs, fleet)
+    pair = start_envoy_and_picker_with_modes(
+        config, ResponseBodyMode(modes["response_body_mode"]), modes, timeout_s
+    )
     try:
         _wait_until_forwarding(pair.url, pair.picker.process, timeout_s)
         wait_until_synced(pair.picker.url, timeout_s)

@@ -13,7 +13,13 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
-from kvgate_testing.envoy import BodyMode, ResponseBodyMode, subset_hint_filter
+from kvgate_testing.envoy import (
+    BodyMode,
+    ResponseBodyMode,
+    ext_proc_settings,
+    load_deploy_config,
+    subset_hint_filter,
+)
 from kvgate_testing.metrics import metric_samples
 from kvgate_testing.picker import EnvoyWithPicker, start_envoy_and_picker
 from kvgate_testing.routers import kvgate_backends, start_envoy_and_picker_with_modes
@@ -228,17 +234,19 @@ def _hold_streams(url: str, count: int, body: dict, aborts: int) -> tuple[thread
 
 
 # How the picker learns the answer's end: the response body through ext_proc (its last chunk), or,
-# with the body not sent, Envoy's gRPC access log (deploy/envoy/envoy-epp.yaml), with or without the
-# response headers sent (with SKIP the log entry also brings the status and the served endpoint).
+# with the body not sent, Envoy's gRPC access log: with the response headers sent, or with
+# deploy/envoy/envoy-epp.yaml's own modes (headers skipped too: the log entry brings the status and
+# the served endpoint; the request body BUFFERED).
 ANSWER_END_MODES = {
     "response_body": None,
-    "access_log": {"response_body_mode": "NONE", "response_trailer_mode": "SKIP"},
-    "access_log_headers_skipped": {
-        "response_header_mode": "SKIP",
+    "access_log_with_response_headers": {
+        "response_header_mode": "SEND",
         "response_body_mode": "NONE",
         "response_trailer_mode": "SKIP",
-        "request_body_mode": "BUFFERED",
-        "request_trailer_mode": "SKIP",
+    },
+    "access_log_deployed": {
+        str(key): str(value)
+        for key, value in ext_proc_settings(load_deploy_config())["processing_mode"].items()
     },
 }
 
@@ -250,7 +258,8 @@ def envoy_and_picker(config: dict, answer_end: str) -> Iterator[EnvoyWithPicker]
         with start_envoy_and_picker(config) as pair:
             yield pair
         return
-    with start_envoy_and_picker_with_modes(config, ResponseBodyMode.NONE, modes, 60.0) as pair:
+    response_body_mode = ResponseBodyMode(modes["response_body_mode"])
+    with start_envoy_and_picker_with_modes(config, response_body_mode, modes, 60.0) as pair:
         # Envoy opens its access-log stream with its first entry: until then the picker has no
         # answer's end to wait for (a pick then closes at its stream's end). Warm it up.
         def log_connected() -> bool:
