@@ -2,11 +2,14 @@
 Envoy writes one entry per HTTP request when its stream ends (the answer's last byte sent, or the
 stream reset) and streams the entries, batched, to the picker over one long-lived stream per worker.
 
-Why: with `response_body_mode: NONE` Envoy half-closes the ext_proc stream right after the picker's
-last answer (the response headers'), long before a streamed answer ends, so the stream's close cannot
-mark the end; sending the body through ext_proc instead costs a round trip per answer chunk. The entry
-carries the request's `x-request-id`, the response code, the upstream that served it and the time to
-its first byte: the picker closes the pick's accounting (router/epp/picker.py, `Pick.finish`) on it.
+Why: Envoy does not always keep the ext_proc stream open for the answer. With `response_body_mode:
+NONE`, a request body sent FULL_DUPLEX_STREAMED (or not at all) and the response headers sent, Envoy
+1.40 half-closes it right after the picker answers the response headers, long before a streamed
+answer ends; with a BUFFERED request body it kept it open to the HTTP stream's end. Sending the body
+through ext_proc instead costs a round trip per answer chunk. The entry, whatever the modes, comes
+when the request ends and carries its `x-request-id`, the response code, the upstream that served it
+and the time to its first byte: the picker closes the pick's accounting (router/epp/picker.py,
+`Pick.finish`) on it.
 
 An entry for a request id with no open pick (an immediate response, a request Envoy routed without
 the picker) is ignored; while no access-log stream is connected the picks close at their ext_proc

@@ -11,9 +11,10 @@ both modes a body over the limit is answered 413 at the chunk that crosses it, n
 Response side: the status, the endpoint Envoy says served it, the time to the headers (a streamed
 answer's time to first token) and, where Envoy sends the body, its `usage`; the pick's accounting
 closes at the answer's end, when Envoy closes the stream, or after epp.response_timeout_s without
-response headers. With the response body not sent (response_body_mode NONE), Envoy half-closes the
-stream at the response headers; the answer's end then comes from Envoy's access log
-(router/epp/access_log.py), when one is connected. Each stream lives at most epp.stream_timeout_s.
+response headers. With the response body not sent (response_body_mode NONE), Envoy may end the
+stream before the answer does (at the response headers, in some modes); a pick whose stream ended
+normally then waits for the answer's end from Envoy's access log (router/epp/access_log.py), when one
+is connected. Each stream lives at most epp.stream_timeout_s.
 """
 
 from __future__ import annotations
