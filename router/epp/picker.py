@@ -332,8 +332,8 @@ class Pick:
         self.finish(504, "response_timeout")
 
     def wait_for_access_log(self) -> bool:
-        """The ext_proc stream ended before the answer: leave the accounting open for the answer's
-        access-log entry, at most epp.stream_timeout_s (the longest exchange). False (close it now)
+        """The ext_proc stream ended (closed or reset) with the accounting open: leave it for the
+        request's access-log entry, at most epp.stream_timeout_s (the longest exchange). False (close it now)
         when no access-log stream is connected or the request has no id to find it by."""
         picker = self.picker
         if self.finished or not self.request_id or picker.access_log_streams == 0:

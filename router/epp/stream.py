@@ -13,8 +13,8 @@ answer's time to first token) and, where Envoy sends the body, its `usage`; the 
 closes at the answer's end, when Envoy closes the stream, or after epp.response_timeout_s without
 response headers. With the response body not sent (response_body_mode NONE), Envoy may end the
 stream before the answer does (at the response headers, in some modes); a pick whose stream ended
-normally then waits for the answer's end from Envoy's access log (router/epp/access_log.py), when one
-is connected. Each stream lives at most epp.stream_timeout_s.
+then waits for the answer's end from Envoy's access log (router/epp/access_log.py), when one is
+connected. Each stream lives at most epp.stream_timeout_s.
 """
 
 from __future__ import annotations
@@ -52,8 +52,6 @@ class ExtProcServicer(external_processor_pb2_grpc.ExternalProcessorServicer):
         task = asyncio.current_task()
         assert task is not None
         timed_out = False
-        # Envoy half-closed the stream: its processing of the request is over (not a reset).
-        ended = False
 
         def expire() -> None:
             nonlocal timed_out
@@ -69,7 +67,6 @@ class ExtProcServicer(external_processor_pb2_grpc.ExternalProcessorServicer):
                     yield response
                 if exchange.done:
                     return
-            ended = True
         except asyncio.CancelledError:
             if not timed_out:
                 raise  # Envoy (or the client behind it) reset the stream
@@ -81,9 +78,11 @@ class ExtProcServicer(external_processor_pb2_grpc.ExternalProcessorServicer):
         finally:
             deadline.cancel()
             pick = exchange.pick
-            # With the response body not sent to the picker, Envoy ends the stream at the response
-            # headers: Envoy's access log then tells the answer's end (router/epp/access_log.py).
-            if pick is not None and not (ended and pick.wait_for_access_log()):
+            # With the response body not sent to the picker, Envoy may end the stream before the
+            # answer ends: Envoy's access log then tells the end (router/epp/access_log.py). A reset
+            # (a client that left) waits for its entry too: grpc.aio does not always tell a reset
+            # from a half-close here, and Envoy logs every request, a reset one with no status.
+            if pick is not None and (timed_out or not pick.wait_for_access_log()):
                 pick.finish(None, "stream_closed")
 
 
