@@ -54,6 +54,7 @@ class EppServer:
         self.port: int | None = None
         self._server: grpc.aio.Server | None = None
         self._readiness: asyncio.Task | None = None
+        self._readiness_status: int | None = None
 
     async def start(self, gateway: Gateway) -> None:
         picker = EndpointPicker(gateway, self.epp)
@@ -101,6 +102,9 @@ class EppServer:
         ready = any(backend.accepting for backend in gateway.backends.values())
         serving = health_pb2.HealthCheckResponse
         status = serving.SERVING if ready else serving.NOT_SERVING
+        if status == self._readiness_status:
+            return  # unchanged: setting it again would wake every Watch stream for nothing
+        self._readiness_status = status
         for service in READY_SERVICES:
             await self.health.set(service, status)
 
