@@ -119,7 +119,8 @@ def picker_config(
 ) -> dict[str, Any]:
     """deploy/envoy/envoy-epp.yaml on these ports, with the picker at `picker_address`.
 
-    `body_mode` BUFFERED applies the variant the file shows in its comments (no trailers sent);
+    `body_mode` FULL_DUPLEX_STREAMED applies the variant the file shows in its comments (trailers sent),
+    and so does `response_body_mode` FULL_DUPLEX_STREAMED (the answer through the picker);
     `filters_before_picker` go right before the ext_proc filter (e.g. one that sets the subset hint)."""
     config = load_deploy_config()
     _set_ports(config, listen_port, admin_port, buffer_limit_bytes)
@@ -131,6 +132,8 @@ def picker_config(
     mode["response_body_mode"] = str(response_body_mode)
     streamed_response = response_body_mode is ResponseBodyMode.FULL_DUPLEX_STREAMED
     mode["response_trailer_mode"] = "SEND" if streamed_response else "SKIP"
+    if streamed_response:
+        mode["response_header_mode"] = "SEND"  # the file's usage variant sends the answer whole
     host, port = picker_address
     endpoint = cluster(config, PICKER_CLUSTER)["load_assignment"]["endpoints"][0]["lb_endpoints"][0]
     endpoint["endpoint"]["address"] = _socket_address(host, port)
@@ -148,6 +151,7 @@ def envoy_alone_config(
     config = load_deploy_config()
     _set_ports(config, listen_port, admin_port, buffer_limit_bytes)
     manager = _connection_manager(config)
+    manager.pop("access_log", None)  # it goes to the picker
     manager["http_filters"] = [
         entry for entry in http_filters(config) if entry["name"] == "envoy.filters.http.router"
     ]

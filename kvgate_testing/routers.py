@@ -15,6 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
+from typing import Any
 
 import httpx
 import yaml
@@ -37,13 +38,28 @@ SHARED_TIER_POLICY = "kv_aware_shared_tiers"
 BASELINE_POLICIES = ("vllm_router_consistent_hash",)
 # Behind the real Envoy (routing_bench --via envoy): kv_aware as Envoy's endpoint picker (`kvgate epp`),
 # and Envoy alone balancing the engines by its own LEAST_REQUEST (the latency reference).
-# `..._headers_only`: Envoy sends the picker no response body (response_body_mode NONE), so the
-# picker releases a request's load at its response headers and handles no answer chunk.
+# `kv_aware_via_envoy` runs deploy/envoy/envoy-epp.yaml's processing modes as they stand (the answer's
+# end from Envoy's access log); `..._streamed_body` the earlier design: the request body streamed
+# through the picker and re-emitted, the response headers and every answer chunk through it too.
 VIA_ENVOY_POLICY = "kv_aware_via_envoy"
-VIA_ENVOY_HEADERS_ONLY_POLICY = "kv_aware_via_envoy_headers_only"
+VIA_ENVOY_STREAMED_BODY_POLICY = "kv_aware_via_envoy_streamed_body"
 ENVOY_ALONE_POLICY = "envoy_least_request"
-ENVOY_POLICIES = (VIA_ENVOY_POLICY, VIA_ENVOY_HEADERS_ONLY_POLICY, ENVOY_ALONE_POLICY)
-VIA_ENVOY_POLICY_NAMES = (VIA_ENVOY_POLICY, VIA_ENVOY_HEADERS_ONLY_POLICY)
+ENVOY_POLICIES = (VIA_ENVOY_POLICY, VIA_ENVOY_STREAMED_BODY_POLICY, ENVOY_ALONE_POLICY)
+VIA_ENVOY_POLICY_NAMES = (VIA_ENVOY_POLICY, VIA_ENVOY_STREAMED_BODY_POLICY)
+# The processing modes of `..._streamed_body`.
+STREAMED_BODY_MODES = {
+    "request_header_mode": "SEND",
+    "request_body_mode": "FULL_DUPLEX_STREAMED",
+    "request_trailer_mode": "SEND",
+    "response_header_mode": "SEND",
+    "response_body_mode": "FULL_DUPLEX_STREAMED",
+    "response_trailer_mode": "SEND",
+}
+# Knobs of the via-Envoy routers that set Envoy's ext_proc processing_mode, not the policy.
+ENVOY_MODE_KNOBS = frozenset(
+    {"request_body_mode", "request_trailer_mode", "response_header_mode", "response_body_mode",
+     "response_trailer_mode"}
+)  # fmt: skip
 ALL_POLICIES = (*KVGATE_POLICIES, SHARED_TIER_POLICY, *PEER_POLICIES, *BASELINE_POLICIES, *ENVOY_POLICIES)
 # vllm-router's kv_aware is left out by default: against the simulated engines its debug log shows
 # credited_prefix_tokens=0 on every decision (it does not recognise the simulator's block hashes), so
@@ -84,7 +100,7 @@ def start_router(policy: str, fleet: EngineFleet, timeout_s: float = 90.0) -> Ru
         return _start_kvgate(name, _parse_knobs(knobs), fleet, timeout_s, label=policy)
     if policy in PEER_POLICIES or policy in BASELINE_POLICIES:
         return _start_peer(policy, fleet, timeout_s)
-    if policy in (VIA_ENVOY_POLICY, VIA_ENVOY_HEADERS_ONLY_POLICY):
+    if name in (VIA_ENVOY_POLICY, VIA_ENVOY_STREAMED_BODY_POLICY):
         return _start_via_envoy(policy, _parse_knobs(knobs), fleet, timeout_s)
     if policy == ENVOY_ALONE_POLICY:
         return _start_envoy_alone(fleet, timeout_s)
@@ -161,16 +177,21 @@ def kvgate_config(policy: str, knobs: dict, fleet: EngineFleet) -> dict:
 def _start_via_envoy(policy: str, knobs: dict, fleet: EngineFleet, timeout_s: float) -> RunningRouter:
     """Envoy in front of `kvgate epp` (kv_aware): the router's process is the picker's, so the CPU a
     run records is the picker's alone (Envoy's is its own process, `envoy_pid` in the result)."""
-    from kvgate_testing.envoy import ResponseBodyMode  # needs the [epp] extra
-    from kvgate_testing.picker import start_envoy_and_picker
+    from kvgate_testing.envoy import ResponseBodyMode, ext_proc_settings, load_deploy_config
 
-    response_body_mode = (
-        ResponseBodyMode.NONE
-        if policy == VIA_ENVOY_HEADERS_ONLY_POLICY
-        else ResponseBodyMode.FULL_DUPLEX_STREAMED
-    )
-    pair = start_envoy_and_picker(
-        kvgate_config("kv_aware", knobs, fleet), timeout_s=timeout_s, response_body_mode=response_body_mode
+    # Knobs naming ext_proc processing_mode fields (e.g. response_header_mode=SEND) go to Envoy.
+    modes = {key: str(knobs.pop(key)) for key in list(knobs) if key in ENVOY_MODE_KNOBS}
+    if policy.partition("@")[0] == VIA_ENVOY_STREAMED_BODY_POLICY:
+        base = dict(STREAMED_BODY_MODES)
+    else:
+        base = {
+            key: str(value)
+            for key, value in ext_proc_settings(load_deploy_config())["processing_mode"].items()
+        }
+    modes = {**base, **modes}
+    config = kvgate_config("kv_aware", knobs, fleet)
+    pair = start_envoy_and_picker_with_modes(
+        config, ResponseBodyMode(modes["response_body_mode"]), modes, timeout_s
     )
     try:
         _wait_until_forwarding(pair.url, pair.picker.process, timeout_s)
@@ -187,6 +208,28 @@ def _start_via_envoy(policy: str, knobs: dict, fleet: EngineFleet, timeout_s: fl
         metrics_url=f"{pair.picker.url}/metrics",
         counts_missed_reuse=True,  # the three routing-time reasons; the picker never sees usage
     )
+
+
+def start_envoy_and_picker_with_modes(
+    config: dict, response_body_mode: Any, modes: dict[str, str], timeout_s: float
+) -> Any:
+    """start_envoy_and_picker, with these ext_proc processing_mode fields set on Envoy's side."""
+    from kvgate_testing.envoy import BodyMode, EnvoyProcess, ext_proc_settings, picker_config
+    from kvgate_testing.picker import EnvoyWithPicker, PickerProcess
+
+    body_mode = BodyMode(modes.get("request_body_mode", BodyMode.FULL_DUPLEX_STREAMED))
+    picker = PickerProcess(config).start(timeout_s)
+    try:
+        envoy_config = picker_config(
+            free_port(), free_port(), ("127.0.0.1", picker.grpc_port), body_mode,
+            response_body_mode=response_body_mode,
+        )  # fmt: skip
+        ext_proc_settings(envoy_config)["processing_mode"].update(modes)
+        envoy = EnvoyProcess(envoy_config).start()
+    except BaseException:
+        picker.remove()
+        raise
+    return EnvoyWithPicker(picker, envoy)
 
 
 def _start_envoy_alone(fleet: EngineFleet, timeout_s: float) -> RunningRouter:

@@ -529,7 +529,8 @@ class Epp(_Struct):
     # ext_proc streams (one per HTTP request) open at once; past it gRPC refuses new ones and
     # Envoy applies its failure_mode_allow.
     max_streams: Annotated[int, msgspec.Meta(ge=1, le=1_000_000)] = 4096
-    # The longest one ext_proc stream may stay open (the whole HTTP exchange, streamed answer included).
+    # The longest one ext_proc stream may stay open (the whole HTTP exchange, streamed answer included),
+    # and the longest a pick whose stream ended first waits for its answer's access-log entry.
     stream_timeout_s: Annotated[float, msgspec.Meta(gt=0)] = 900.0
     # From the pick to the response headers: past it the request's load on its engine is released
     # (a request the gateway dropped, or one that never reached the engine, must not hold it).

@@ -18,6 +18,7 @@ from kvgate_testing.envoy import (
     DESTINATION_HEADER,
     BodyMode,
     EnvoyProcess,
+    ResponseBodyMode,
     envoy_alone_config,
     ext_proc_settings,
     load_deploy_config,
@@ -86,6 +87,9 @@ def test_harness_runs_the_deployed_file_itself() -> None:
         (picker_address["socket_address"]["address"], picker_address["socket_address"]["port_value"]),
         BodyMode(ext_proc_settings(deployed)["processing_mode"]["request_body_mode"]),
         ext_proc_settings(deployed)["failure_mode_allow"],
+        response_body_mode=ResponseBodyMode(
+            ext_proc_settings(deployed)["processing_mode"]["response_body_mode"]
+        ),
     )
     expected = copy.deepcopy(deployed)
     # The harness binds loopback only; everything else must be the file's.
@@ -93,15 +97,24 @@ def test_harness_runs_the_deployed_file_itself() -> None:
     assert generated == expected
 
 
-def test_deployed_config_streams_and_fails_closed() -> None:
-    settings = ext_proc_settings(load_deploy_config())
+def test_deployed_config_buffers_the_request_learns_the_end_from_the_access_log_and_fails_closed() -> None:
+    deployed = load_deploy_config()
+    settings = ext_proc_settings(deployed)
     mode = settings["processing_mode"]
     assert settings["failure_mode_allow"] is False
-    assert mode["request_body_mode"] == "FULL_DUPLEX_STREAMED"
-    assert mode["request_trailer_mode"] == "SEND"  # Envoy refuses full-duplex streaming without it
-    assert mode["response_header_mode"] == "SEND"
-    # The answer streams through the picker (it sees its end and usage) without being buffered.
-    assert (mode["response_body_mode"], mode["response_trailer_mode"]) == ("FULL_DUPLEX_STREAMED", "SEND")
+    # One message for the body, answered with the pick; the headers pass at once.
+    assert (mode["request_body_mode"], mode["request_trailer_mode"]) == ("BUFFERED", "SKIP")
+    # The answer does not go through the picker at all...
+    assert (mode["response_header_mode"], mode["response_body_mode"]) == ("SKIP", "NONE")
+    assert mode["response_trailer_mode"] == "SKIP"
+    # ...its end (status, engine served, time to first byte) comes in the access log, to the picker.
+    manager = deployed["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
+    (logger,) = manager["access_log"]
+    assert logger["name"] == "envoy.access_loggers.http_grpc"
+    common = logger["typed_config"]["common_config"]
+    assert common["grpc_service"]["envoy_grpc"]["cluster_name"] == "endpoint_picker"
+    assert common["transport_api_version"] == "V3"
+    assert "content-type" in logger["typed_config"]["additional_response_headers_to_log"]
 
 
 def test_a_config_envoy_refuses_fails_start_with_its_log() -> None:

@@ -33,7 +33,7 @@ def test_summary_compares_the_picker_with_the_proxy_and_with_envoy_alone() -> No
     assert top["added_latency_p50_ms"] == pytest.approx(0.5)
     assert top["added_latency_p99_ms"] == pytest.approx(3.5)
     assert top["cpu_per_request_epp_over_proxy"] == pytest.approx(5.0 / 20.0)
-    assert top["hit_ratio_epp_headers_only"] is None  # not run: not made up
+    assert top["hit_ratio_epp_streamed_body"] is None  # not run: not made up
     checks = epp_runs.goal_checks(top)
     assert checks["added_latency_p50_ms"].startswith("met")
     assert checks["added_latency_p99_ms"].startswith("missed")

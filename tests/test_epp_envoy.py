@@ -13,9 +13,16 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
-from kvgate_testing.envoy import BodyMode, subset_hint_filter
+from kvgate_testing.envoy import (
+    BodyMode,
+    ResponseBodyMode,
+    ext_proc_settings,
+    load_deploy_config,
+    subset_hint_filter,
+)
+from kvgate_testing.metrics import metric_samples
 from kvgate_testing.picker import EnvoyWithPicker, start_envoy_and_picker
-from kvgate_testing.routers import kvgate_backends
+from kvgate_testing.routers import kvgate_backends, start_envoy_and_picker_with_modes
 from kvgate_testing.sim_fleet import MODEL, EngineFleet
 from kvgate_testing.waiting import wait_for
 
@@ -226,8 +233,59 @@ def _hold_streams(url: str, count: int, body: dict, aborts: int) -> tuple[thread
     return release, threads, results
 
 
-def test_load_shedding_gets_429_and_in_flight_load_returns_to_zero(own_fleet: EngineFleet) -> None:
-    with start_envoy_and_picker(picker_config(own_fleet, max_in_flight=4)) as pair:
+# How the picker learns the answer's end: the response body through ext_proc (its last chunk), or,
+# with the body not sent, Envoy's gRPC access log: with the response headers sent, or with
+# deploy/envoy/envoy-epp.yaml's own modes (headers skipped too: the log entry brings the status and
+# the served endpoint; the request body BUFFERED).
+ANSWER_END_MODES = {
+    "response_body": None,
+    "access_log_with_response_headers": {
+        "response_header_mode": "SEND",
+        "response_body_mode": "NONE",
+        "response_trailer_mode": "SKIP",
+    },
+    "access_log_deployed": {
+        str(key): str(value)
+        for key, value in ext_proc_settings(load_deploy_config())["processing_mode"].items()
+    },
+}
+
+
+@contextlib.contextmanager
+def envoy_and_picker(config: dict, answer_end: str) -> Iterator[EnvoyWithPicker]:
+    modes = ANSWER_END_MODES[answer_end]
+    if modes is None:
+        with start_envoy_and_picker(config) as pair:
+            yield pair
+        return
+    response_body_mode = ResponseBodyMode(modes["response_body_mode"])
+    with start_envoy_and_picker_with_modes(config, response_body_mode, modes, 60.0) as pair:
+        # Envoy opens its access-log stream with its first entry: until then the picker has no
+        # answer's end to wait for (a pick then closes at its stream's end). Warm it up.
+        def log_connected() -> bool:
+            assert post(pair, chat("opens the access log")).status_code == 200
+            time.sleep(0.1)
+            return _finished(pair).get("access_log", 0) >= 1
+
+        wait_for(log_connected, 30, "a request's accounting closed by its access-log entry")
+        yield pair
+
+
+def _finished(pair: EnvoyWithPicker) -> dict[str, float]:
+    """kvgate_epp_finished_total by `how`."""
+    samples = metric_samples(httpx.get(f"{pair.picker.url}/metrics", timeout=10).text)
+    return {
+        dict(labels)["how"]: value
+        for (name, labels), value in samples.items()
+        if name == "kvgate_epp_finished_total"
+    }
+
+
+@pytest.mark.parametrize("answer_end", ANSWER_END_MODES)
+def test_load_shedding_gets_429_and_in_flight_load_returns_to_zero(
+    own_fleet: EngineFleet, answer_end: str
+) -> None:
+    with envoy_and_picker(picker_config(own_fleet, max_in_flight=4), answer_end) as pair:
         long_answer = chat("a long answer please", max_tokens=100, stream=True)  # 2 s of decoding
         release, threads, results = _hold_streams(pair.url, 4, long_answer, aborts=2)
         # Four picked requests still run: the fifth is shed.
@@ -258,6 +316,9 @@ def test_load_shedding_gets_429_and_in_flight_load_returns_to_zero(own_fleet: En
             "every engine's in-flight load back to zero",
         )
         assert post(pair, chat("served again")).status_code == 200
+        if answer_end != "response_body":
+            # The held streams' loads were closed by their log entries, at their real end.
+            assert _finished(pair).get("access_log", 0) >= 4, _finished(pair)
 
 
 def test_a_killed_picker_fails_requests_and_a_restarted_one_serves_again(own_fleet: EngineFleet) -> None:

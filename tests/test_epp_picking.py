@@ -80,8 +80,13 @@ def test_a_repeated_long_prompt_is_picked_for_the_engine_that_holds_it(
             stream = ExtProcStream(channel)
             picked = exchange(stream, "/v1/chat/completions", body, mode=MODES[mode], chunk_size=500)
             assert picked.status is None, picked.body
-            # The header and the envoy.lb metadata name the same endpoint, the one holding the prefix.
-            assert picked.header == picked.metadata == endpoint(fleet, name)
+            # The header names one endpoint, the one holding the prefix; the envoy.lb metadata lists
+            # it first, then the next best (another engine) for a proxy that retries down the list.
+            assert picked.header == endpoint(fleet, name)
+            listed = picked.metadata.split(",")
+            assert listed[0] == picked.header and len(listed) == 2
+            others = {backend.url.removeprefix("http://") for backend in fleet.backends} - {picked.header}
+            assert listed[1] in others
             if mode == "full_duplex_streamed":
                 assert picked.kinds[0] == "request_headers"
                 # Every chunk re-emitted unchanged, in order, the last one ending the body.
@@ -100,8 +105,9 @@ def test_the_subset_hint_is_obeyed_and_one_naming_no_endpoint_is_a_503(
     allowed = [endpoint(fleet, "b2"), "10.255.0.1:8000"]
     stream = ExtProcStream(channel)
     picked = exchange(stream, "/v1/chat/completions", body, subset=allowed)
-    # b1 holds the prefix, but the gateway allows only b2 (and an endpoint it does not know).
-    assert picked.header == endpoint(fleet, "b2")
+    # b1 holds the prefix, but the gateway allows only b2 (and an endpoint it does not know); no
+    # fallback outside the hint is listed.
+    assert picked.header == picked.metadata == endpoint(fleet, "b2")
     finish(stream)
     stream = ExtProcStream(channel)
     picked = exchange(stream, "/v1/chat/completions", body, subset=["10.255.0.1:8000"])

@@ -29,7 +29,9 @@ class EppMetrics:
         self.finished = Counter(
             "kvgate_epp_finished",
             "Picked requests whose accounting closed, by how: response_end (the answer ended), "
-            "stream_closed (Envoy closed the stream first), response_timeout (no response headers in time)",
+            "stream_closed (Envoy closed the stream first), response_timeout (no response headers in time), "
+            "access_log (Envoy's access-log entry told the end), access_log_timeout / access_log_closed "
+            "(the entry did not come within epp.stream_timeout_s / the access-log stream closed)",
             ["how"],
             registry=registry,
         )

@@ -71,6 +71,12 @@ class EndpointPicker:
         self.in_flight = 0
         # (host, port) of a backend URL -> its `ip:port`; host names are resolved once.
         self._endpoints: dict[tuple[str, int], str] = {}
+        # Open picks by their request's x-request-id (router/epp/access_log.py ends them); a list, as
+        # a client may send the same id twice.
+        self._by_request_id: dict[bytes, list[Pick]] = {}
+        # Envoy's access-log streams connected now: while there is one, a pick whose ext_proc stream
+        # ended before its answer did waits for the answer's log entry.
+        self.access_log_streams = 0
 
     def route_for(self, path: bytes) -> ForwardedRoute | None:
         return self.routes.get(path.split(b"?", 1)[0].decode("latin-1"))
@@ -136,12 +142,12 @@ class EndpointPicker:
                 await prepare(route_request)
         policy = self.context.policy if by_policy else self.least_loaded
         candidates = await self._candidates(route_request.model, subset)
-        pick = self._choose(policy, route_request, candidates)
+        pick = self._choose(policy, route_request, candidates, request_id)
         if self.metrics is not None:
             self.metrics.pick_seconds.observe(perf_counter() - started)
         return pick
 
-    async def pick_by_load(self, subset: frozenset[str] | None) -> Pick:
+    async def pick_by_load(self, subset: frozenset[str] | None, request_id: bytes = b"") -> Pick:
         """A request with no model to route by (GET /v1/models, an unknown path): the least-loaded
         accepting engine of any model."""
         backends = self.context.backends
@@ -152,7 +158,7 @@ class EndpointPicker:
                 raise self._subset_refusal(subset)
         if not candidates:
             raise PickRefused(503, error_body(503, "no healthy backend"), "no_endpoint")
-        return self._choose(self.least_loaded, RouteRequest("", "", {}), candidates)
+        return self._choose(self.least_loaded, RouteRequest("", "", {}), candidates, request_id)
 
     async def _candidates(self, model: str, subset: frozenset[str] | None) -> list[BackendState]:
         """As the proxy's: the healthy backends serving `model`, else the one marked down longest ago
@@ -179,7 +185,9 @@ class EndpointPicker:
         )
         return PickRefused(503, error_body(503, message), "subset_no_endpoint")
 
-    def _choose(self, policy: Policy, route_request: RouteRequest, candidates: list[BackendState]) -> Pick:
+    def _choose(
+        self, policy: Policy, route_request: RouteRequest, candidates: list[BackendState], request_id: bytes
+    ) -> Pick:
         choice = policy.choose(route_request, candidates)
         backend = choice.backend
         if not backend.healthy:
@@ -195,7 +203,59 @@ class EndpointPicker:
         self.in_flight += 1
         if self.metrics is not None:
             self.metrics.picks.labels(choice.reason or "load").inc()
-        return Pick(self, policy, choice, prefill_tokens, self._endpoints.get(backend.origin, ""))
+        pick = Pick(self, policy, choice, prefill_tokens, self._endpoints.get(backend.origin, ""), request_id)
+        pick.fallback = _next_best(choice, candidates)
+        if request_id:
+            self._by_request_id.setdefault(request_id, []).append(pick)
+        return pick
+
+    def _forget(self, pick: Pick) -> None:
+        picks = self._by_request_id.get(pick.request_id)
+        if picks is None:
+            return
+        if pick in picks:
+            picks.remove(pick)
+        if not picks:
+            del self._by_request_id[pick.request_id]
+
+    async def answer_ended(
+        self, request_id: bytes, status: int, served: str | None, ttft_s: float | None
+    ) -> None:
+        """Envoy's access log says the request `request_id` ended with `status` (0: no response, the
+        stream was reset), served by `served`: close the oldest open pick of that id."""
+        picks = self._by_request_id.get(request_id)
+        if not picks:
+            return
+        pick = picks[0]
+        if pick.status is None and status:
+            # The response headers were not seen (response_header_mode SKIP): the entry tells all.
+            await pick.response_started(status, served, False)
+            pick.ttft_s = ttft_s if status == 200 else None
+        pick.finish(status or None, "access_log")
+
+    def close_waiting(self, how: str) -> None:
+        """Close the picks left for an access-log entry that will not come."""
+        for picks in list(self._by_request_id.values()):
+            for pick in list(picks):
+                if pick.waiting:
+                    pick.finish(None, how)
+
+
+def _next_best(choice: Choice, candidates: list[BackendState]) -> BackendState | None:
+    """The candidate the policy would have taken had the winner been absent: lowest cost where the
+    policy scored them, else fewest requests in flight (the protocol's fallback endpoint)."""
+    others = [backend for backend in candidates if backend is not choice.backend]
+    if not others:
+        return None
+    scores = choice.candidates
+    infinity = float("inf")
+
+    def rank(backend: BackendState) -> tuple[float, int]:
+        score = scores.get(backend.name)
+        cost = score.get("cost", infinity) if score is not None else infinity
+        return cost, backend.in_flight
+
+    return min(others, key=rank)
 
 
 class Pick:
@@ -205,17 +265,26 @@ class Pick:
         "_timer",
         "choice",
         "endpoint",
+        "fallback",
         "finished",
         "picked_at",
         "picker",
         "policy",
         "prefill_tokens",
+        "request_id",
         "status",
         "ttft_s",
+        "waiting",
     )
 
     def __init__(
-        self, picker: EndpointPicker, policy: Policy, choice: Choice, prefill_tokens: int, endpoint: str
+        self,
+        picker: EndpointPicker,
+        policy: Policy,
+        choice: Choice,
+        prefill_tokens: int,
+        endpoint: str,
+        request_id: bytes = b"",
     ) -> None:
         self.picker = picker
         self.policy = policy
@@ -226,6 +295,11 @@ class Pick:
         self.status: int | None = None
         self.ttft_s: float | None = None
         self.finished = False
+        self.request_id = request_id
+        # The next best engine, listed after the pick in the `envoy.lb` metadata (Envoy's retry).
+        self.fallback: BackendState | None = None
+        # Left for its access-log entry (its ext_proc stream ended before the answer).
+        self.waiting = False
         self._timer: asyncio.TimerHandle | None = None
 
     @property
@@ -238,6 +312,17 @@ class Pick:
             self.endpoint = await self.picker.endpoint_of(self.backend)
         return self.endpoint
 
+    async def endpoints(self) -> str:
+        """The pick then its fallback, comma-separated, as the `envoy.lb` metadata lists them (the
+        pick alone when there is no other candidate, or its address cannot be resolved)."""
+        endpoint = await self.resolve()
+        if self.fallback is None:
+            return endpoint
+        try:
+            return f"{endpoint},{await self.picker.endpoint_of(self.fallback)}"
+        except OSError:
+            return endpoint
+
     def start_response_timer(self) -> None:
         """Close the accounting if no response headers come within epp.response_timeout_s."""
         loop = asyncio.get_running_loop()
@@ -245,6 +330,23 @@ class Pick:
 
     def _response_timed_out(self) -> None:
         self.finish(504, "response_timeout")
+
+    def wait_for_access_log(self) -> bool:
+        """The ext_proc stream ended (closed or reset) with the accounting open: leave it for the
+        request's access-log entry, at most epp.stream_timeout_s (the longest exchange). False (close it now)
+        when no access-log stream is connected or the request has no id to find it by."""
+        picker = self.picker
+        if self.finished or not self.request_id or picker.access_log_streams == 0:
+            return False
+        self.waiting = True
+        if self._timer is not None:
+            self._timer.cancel()
+        loop = asyncio.get_running_loop()
+        self._timer = loop.call_later(picker.config.stream_timeout_s, self._log_timed_out)
+        return True
+
+    def _log_timed_out(self) -> None:
+        self.finish(None, "access_log_timeout")
 
     async def response_started(self, status: int, served: str | None, event_stream: bool) -> None:
         """The response headers arrived: the prefill is over; the time to them is a streamed answer's
@@ -283,6 +385,8 @@ class Pick:
             self._timer.cancel()
             self._timer = None
         picker = self.picker
+        if self.request_id:
+            picker._forget(self)
         context = picker.context
         backend = self.backend
         # No status seen: Envoy closed the stream before any response (the client left, or the

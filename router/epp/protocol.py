@@ -2,8 +2,11 @@
 ProcessingRequest (headers, subset hint, served endpoint) and the ProcessingResponses it answers with.
 
 The Gateway API Inference Extension (docs/proposals/004-endpoint-picker-protocol) names the keys:
-the pick goes out as the `x-gateway-destination-endpoint` request header and, with the same value,
-under the `envoy.lb` namespace of the dynamic metadata; the gateway's subset hint comes in under
+the pick goes out as the `x-gateway-destination-endpoint` request header and under the `envoy.lb`
+namespace of the dynamic metadata, where it is followed by the next best endpoint (`ip:port,ip:port`:
+a proxy that retries goes down the list). The header stays one endpoint: Envoy's ORIGINAL_DST reads
+it as one address (a list there is 503 UH). The spec asks for the same value in both; the first
+endpoint, the one every proxy takes, is the same. The gateway's subset hint comes in under
 `envoy.lb.subset_hint`, and the endpoint that served a response under `envoy.lb` as
 `x-gateway-destination-endpoint-served`.
 """
@@ -80,26 +83,28 @@ def _pick_mutation(endpoints: str) -> ext_proc.CommonResponse:
 
 
 def _pick_metadata(endpoints: str) -> struct_pb2.Struct:
+    """`envoy.lb` / DESTINATION_HEADER: the pick, then the fallbacks a proxy with retries may try."""
     metadata = struct_pb2.Struct()
     metadata.fields[LB_NAMESPACE].struct_value.fields[DESTINATION_HEADER].string_value = endpoints
     return metadata
 
 
-def pick_on_headers(endpoints: str) -> ProcessingResponse:
+def pick_on_headers(endpoint: str, listed: str | None = None) -> ProcessingResponse:
     """The answer to the request headers that carries the pick (FULL_DUPLEX_STREAMED, or a request
-    with no body to read)."""
+    with no body to read): `endpoint` in the header (ORIGINAL_DST reads one address), `listed` (it,
+    then fallbacks; default: it alone) in the metadata."""
     return ProcessingResponse(
-        request_headers=ext_proc.HeadersResponse(response=_pick_mutation(endpoints)),
-        dynamic_metadata=_pick_metadata(endpoints),
+        request_headers=ext_proc.HeadersResponse(response=_pick_mutation(endpoint)),
+        dynamic_metadata=_pick_metadata(listed or endpoint),
     )
 
 
-def pick_on_body(endpoints: str) -> ProcessingResponse:
+def pick_on_body(endpoint: str, listed: str | None = None) -> ProcessingResponse:
     """The answer to a BUFFERED body that carries the pick (Envoy applies the header mutation to the
-    request headers it still holds)."""
+    request headers it still holds); header and metadata as in pick_on_headers."""
     return ProcessingResponse(
-        request_body=ext_proc.BodyResponse(response=_pick_mutation(endpoints)),
-        dynamic_metadata=_pick_metadata(endpoints),
+        request_body=ext_proc.BodyResponse(response=_pick_mutation(endpoint)),
+        dynamic_metadata=_pick_metadata(listed or endpoint),
     )
 
 

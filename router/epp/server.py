@@ -1,7 +1,7 @@
-"""The endpoint picker's gRPC server (`EppServer`): the ext_proc servicer and gRPC health
-(`grpc.health.v1`) on `epp.host:epp.port`, bounded (message size, concurrent streams, each stream's
-life), with TLS or mutual TLS when `epp.tls` says so. A face of router/app.py: it starts after the
-gateway's core and stops before it.
+"""The endpoint picker's gRPC server (`EppServer`): the ext_proc servicer, the access-log service
+(Envoy's entries tell the answers' ends) and gRPC health (`grpc.health.v1`) on `epp.host:epp.port`,
+bounded (message size, concurrent streams, each stream's life), with TLS or mutual TLS when
+`epp.tls` says so. A face of router/app.py: it starts after the gateway's core and stops before it.
 
 Health names the Gateway API Inference Extension reads: `liveness` (the process answers), and
 `readiness`, `envoy.service.ext_proc.v3.ExternalProcessor` and "" (the server as a whole), SERVING
@@ -18,9 +18,11 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import grpc
+from envoy.service.accesslog.v3 import als_pb2_grpc
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+from router.epp.access_log import AccessLogServicer
 from router.epp.metrics import EppMetrics
 from router.epp.picker import EndpointPicker, format_endpoint
 from router.epp.stream import ExtProcServicer
@@ -52,6 +54,7 @@ class EppServer:
         self.port: int | None = None
         self._server: grpc.aio.Server | None = None
         self._readiness: asyncio.Task | None = None
+        self._readiness_status: int | None = None
 
     async def start(self, gateway: Gateway) -> None:
         picker = EndpointPicker(gateway, self.epp)
@@ -74,6 +77,7 @@ class EppServer:
         external_processor_pb2_grpc.add_ExternalProcessorServicer_to_server(
             ExtProcServicer(picker, self.epp, self.body_limit, picker.metrics), server
         )
+        als_pb2_grpc.add_AccessLogServiceServicer_to_server(AccessLogServicer(picker), server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
         address = format_endpoint(self.epp.host, self.epp.port)
         tls = self.epp.tls
@@ -98,6 +102,9 @@ class EppServer:
         ready = any(backend.accepting for backend in gateway.backends.values())
         serving = health_pb2.HealthCheckResponse
         status = serving.SERVING if ready else serving.NOT_SERVING
+        if status == self._readiness_status:
+            return  # unchanged: setting it again would wake every Watch stream for nothing
+        self._readiness_status = status
         for service in READY_SERVICES:
             await self.health.set(service, status)
 

@@ -11,7 +11,10 @@ both modes a body over the limit is answered 413 at the chunk that crosses it, n
 Response side: the status, the endpoint Envoy says served it, the time to the headers (a streamed
 answer's time to first token) and, where Envoy sends the body, its `usage`; the pick's accounting
 closes at the answer's end, when Envoy closes the stream, or after epp.response_timeout_s without
-response headers. Each stream lives at most epp.stream_timeout_s.
+response headers. With the response body not sent (response_body_mode NONE), Envoy may end the
+stream before the answer does (at the response headers, in some modes); a pick whose stream ended
+then waits for the answer's end from Envoy's access log (router/epp/access_log.py), when one is
+connected. Each stream lives at most epp.stream_timeout_s.
 """
 
 from __future__ import annotations
@@ -74,8 +77,13 @@ class ExtProcServicer(external_processor_pb2_grpc.ExternalProcessorServicer):
             )
         finally:
             deadline.cancel()
-            if exchange.pick is not None:
-                exchange.pick.finish(None, "stream_closed")
+            pick = exchange.pick
+            # With the response body not sent to the picker, Envoy may end the stream before the
+            # answer ends: Envoy's access log then tells the end (router/epp/access_log.py). A reset
+            # (a client that left) waits for its entry too: grpc.aio does not always tell a reset
+            # from a half-close here, and Envoy logs every request, a reset one with no status.
+            if pick is not None and (timed_out or not pick.wait_for_access_log()):
+                pick.finish(None, "stream_closed")
 
 
 class _Exchange:
@@ -168,8 +176,9 @@ class _Exchange:
         if self.route is None:
             # Nothing to route by (GET /v1/models, /health, an unknown path): by load, now; a body
             # that follows passes through untouched.
-            self.pick = await servicer.picker.pick_by_load(self.subset)
-            yield protocol.pick_on_headers(await self._endpoint())
+            request_id = next((value for name, value in self.headers if name == b"x-request-id"), b"")
+            self.pick = await servicer.picker.pick_by_load(self.subset, request_id)
+            yield protocol.pick_on_headers(*await self._endpoints())
             return
         if announced is not None and announced not in protocol.PICKABLE_BODY_MODES:
             # Envoy would forward the request before the body could be read, without the header.
@@ -224,24 +233,26 @@ class _Exchange:
                 "missing_body",
             )
         self.pick = await picker.pick(self.route, body, self.headers, self.subset)
-        endpoint = await self._endpoint()
+        endpoint, listed = await self._endpoints()
         if self.request_streamed:
-            yield protocol.pick_on_headers(endpoint)
+            yield protocol.pick_on_headers(endpoint, listed)
             for chunk, end in self.held:
                 yield protocol.request_body_chunk(chunk, end)
         else:
-            yield protocol.pick_on_body(endpoint)
+            yield protocol.pick_on_body(endpoint, listed)
         self.held = []
 
-    async def _endpoint(self) -> str:
+    async def _endpoints(self) -> tuple[str, str]:
+        """The picked endpoint (the header's value) and the list the metadata carries (it first)."""
         assert self.pick is not None
         try:
             endpoint = await self.pick.resolve()
         except OSError as exc:
             message = f"cannot resolve the address of backend {self.pick.backend.name}: {exc}"
             raise PickRefused(503, error_body(503, message), "no_endpoint") from None
+        listed = await self.pick.endpoints()
         self.pick.start_response_timer()
-        return endpoint
+        return endpoint, listed
 
     async def _response_headers(self, message: protocol.ProcessingRequest) -> protocol.ProcessingResponse:
         headers = protocol.header_pairs(message.response_headers)
