@@ -18,6 +18,7 @@ import httpx
 from kvgate_testing.ports import free_port
 from kvgate_testing.processes import ManagedProcess, wait_for_http
 from kvgate_testing.redis_server import RedisServer
+from kvgate_testing.sim_fleet import gateway_backend
 from router.sim.shared_store import MEDIUM_SHARED
 
 MODEL = "tiny-qwen3"
@@ -106,19 +107,7 @@ class RoledFleet:
         """proxy.yaml: kv_aware over the engines, every one attached to the shared tier."""
         return {
             "models": [{"name": MODEL, "tokenizer": "builtin:qwen3"}],
-            "backends": [
-                {
-                    "name": engine.name,
-                    "url": engine.url,
-                    "role": engine.role,
-                    "kv_events": {
-                        "endpoint": engine.events_endpoint,
-                        "replay_endpoint": engine.replay_endpoint,
-                        "topic": "kv-events",
-                    },
-                }
-                for engine in self.engines
-            ],
+            "backends": [gateway_backend(engine, role=engine.role) for engine in self.engines],
             "shared_tiers": [{"name": MEDIUM_SHARED, "backends": [engine.name for engine in self.engines]}],
             "policy": {"name": "kv_aware"},
             # Probes seldom: a dead engine must be found by the request sent to it.

@@ -23,7 +23,7 @@ import yaml
 from kvgate_testing.gateway import GatewayProcess, start_gateway
 from kvgate_testing.ports import free_port
 from kvgate_testing.processes import REPO_ROOT, ManagedProcess
-from kvgate_testing.sim_fleet import EVENTS_TOPIC, MODEL, EngineFleet
+from kvgate_testing.sim_fleet import MODEL, EngineFleet, gateway_backend
 
 PEERS_DIR = REPO_ROOT / ".cache" / "peers"
 PEER_DISTRIBUTIONS = ("sglang-router", "vllm-router")
@@ -121,17 +121,12 @@ def kvgate_backends(fleet: EngineFleet, policy: str) -> list[dict]:
     """The `backends:` section of a kvgate config for the fleet's engines under `policy`."""
     backends = []
     for engine in fleet.engines:
-        backend: dict = {"name": engine.name, "url": engine.url}
         # Only kv_aware reads KV events; the others would pay for nothing.
         if policy in ("kv_aware", SHARED_TIER_POLICY):
-            backend["kv_events"] = {
-                "endpoint": engine.events_endpoint,
-                "replay_endpoint": engine.replay_endpoint,
-                "topic": EVENTS_TOPIC,
-                # Real vLLM connects its PUB out to this endpoint (real_fleet.py): bind it here.
-                "bind": getattr(fleet, "events_bind", False),
-            }
-        backends.append(backend)
+            # Real vLLM connects its PUB out to this endpoint (real_fleet.py): bind it here.
+            backends.append(gateway_backend(engine, bind=getattr(fleet, "events_bind", False)))
+        else:
+            backends.append({"name": engine.name, "url": engine.url})
     return backends
 
 

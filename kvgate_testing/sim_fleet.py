@@ -12,6 +12,7 @@ import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import Any
 
 import httpx
 
@@ -34,6 +35,21 @@ class Engine:
     url: str
     events_endpoint: str
     replay_endpoint: str
+
+
+def gateway_backend(engine: Any, *, url: str | None = None, bind: bool = False, **extra: Any) -> dict:
+    """One `backends:` entry of a kvgate config for an engine publishing KV events (a simulated
+    engine here, or anything with name, url, events_endpoint and replay_endpoint, as real vLLM's
+    VllmServer): its events subscribed with replay; `bind` when the engine connects out to the
+    gateway (real vLLM's PUB does); `extra` keys (role, cache_controller, ...) added as given."""
+    events = {
+        "endpoint": engine.events_endpoint,
+        "replay_endpoint": engine.replay_endpoint,
+        "topic": EVENTS_TOPIC,
+    }
+    if bind:
+        events["bind"] = True
+    return {"name": engine.name, "url": url or engine.url, "kv_events": events, **extra}
 
 
 @dataclass(frozen=True, slots=True)

@@ -26,6 +26,7 @@ import zmq
 
 from kvgate_testing.ports import free_port
 from kvgate_testing.processes import REPO_ROOT, ManagedProcess, wait_for_http
+from kvgate_testing.sim_fleet import gateway_backend
 
 VLLM_VENV = Path(os.environ.get("VLLM_VENV", REPO_ROOT / ".cache" / "vllm-venv"))
 VLLM_BIN = VLLM_VENV / "bin" / "vllm"
@@ -381,17 +382,8 @@ def gateway_config(engines, policy: dict | None = None) -> dict:
     return {
         "models": [{"name": SERVED_MODEL, "tokenizer": str(TINY_MODEL)}],
         "backends": [
-            {
-                "name": engine.name,
-                "url": engine.url,
-                # vLLM's PUB connects out to a loopback endpoint: the gateway binds it.
-                "kv_events": {
-                    "endpoint": engine.events_endpoint,
-                    "replay_endpoint": engine.replay_endpoint,
-                    "topic": "kv-events",
-                    "bind": True,
-                },
-            }
+            # vLLM's PUB connects out to a loopback endpoint: the gateway binds it.
+            gateway_backend(engine, bind=True)
             for engine in engines
         ],
         "policy": policy or {"name": "kv_aware"},

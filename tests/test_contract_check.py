@@ -14,7 +14,7 @@ import pytest
 
 from kvgate_testing import waiting
 from kvgate_testing.gateway import start_gateway
-from kvgate_testing.sim_fleet import EVENTS_TOPIC, MODEL, EngineFleet
+from kvgate_testing.sim_fleet import MODEL, EngineFleet, gateway_backend
 
 wait_for = functools.partial(waiting.wait_for, timeout_s=90.0)
 
@@ -37,18 +37,7 @@ def contract_warnings(gateway_url: str) -> dict[str, str]:
 def test_block_size_and_hash_seed_mismatches_are_named_and_lose_their_credit(fleet):
     config = {
         "models": [{"name": MODEL, "tokenizer": "builtin:qwen3"}],
-        "backends": [
-            {
-                "name": engine.name,
-                "url": engine.url,
-                "kv_events": {
-                    "endpoint": engine.events_endpoint,
-                    "replay_endpoint": engine.replay_endpoint,
-                    "topic": EVENTS_TOPIC,
-                },
-            }
-            for engine in fleet.engines
-        ],
+        "backends": [gateway_backend(engine) for engine in fleet.engines],
         "policy": {"name": "kv_aware"},
         "contract_check": {"enabled": True, "timeout_s": 15},
     }
@@ -108,18 +97,7 @@ def test_a_gateway_tokenizing_otherwise_than_the_engines_is_named_for_every_back
     bos_tokenizer = Path(__file__).parent / "data" / "bos_tokenizer"  # adds a BOS the engines do not
     config = {
         "models": [{"name": MODEL, "tokenizer": str(bos_tokenizer)}],
-        "backends": [
-            {
-                "name": engine.name,
-                "url": engine.url,
-                "kv_events": {
-                    "endpoint": engine.events_endpoint,
-                    "replay_endpoint": engine.replay_endpoint,
-                    "topic": EVENTS_TOPIC,
-                },
-            }
-            for engine in fleet.engines
-        ],
+        "backends": [gateway_backend(engine) for engine in fleet.engines],
         "policy": {"name": "kv_aware"},
         "contract_check": {"enabled": True, "timeout_s": 5},
     }

@@ -29,7 +29,7 @@ from kvgate_testing.cachelayer import CHUNK, HEAD_DIM, HEADS, LAYERS, make_engin
 from kvgate_testing.controller import controller_process, registered, wait_registered, worker_config
 from kvgate_testing.gateway import start_gateway
 from kvgate_testing.in_thread_server import serving_in_thread
-from kvgate_testing.sim_fleet import EVENTS_TOPIC, MODEL, EngineFleet
+from kvgate_testing.sim_fleet import MODEL, EngineFleet, gateway_backend
 
 wait_for = functools.partial(waiting.wait_for, timeout_s=120.0)
 
@@ -37,15 +37,6 @@ wait_for = functools.partial(waiting.wait_for, timeout_s=120.0)
 def contract_warnings(gateway_url: str) -> dict[str, str]:
     body = httpx.get(f"{gateway_url}/health", timeout=10).json()
     return {w["subject"]: w["message"] for w in body.get("warnings", []) if w["kind"] == "contract_mismatch"}
-
-
-def backend_spec(engine, url: str | None = None, **extra) -> dict:  # type: ignore[no-untyped-def]
-    events = {
-        "endpoint": engine.events_endpoint,
-        "replay_endpoint": engine.replay_endpoint,
-        "topic": EVENTS_TOPIC,
-    }
-    return {"name": engine.name, "url": url or engine.url, "kv_events": events, **extra}
 
 
 @pytest.fixture(scope="module")
@@ -70,7 +61,7 @@ def test_a_configured_lora_adapter_an_engine_does_not_serve_is_a_model_mismatch(
         "models": [
             {"name": name, "tokenizer": "builtin:qwen3"} for name in (MODEL, "adapter-a", "adapter-b")
         ],
-        "backends": [backend_spec(engine) for engine in lora_engines.engines],
+        "backends": [gateway_backend(engine) for engine in lora_engines.engines],
         "policy": {"name": "kv_aware"},
         "contract_check": {"enabled": True, "timeout_s": 5},
     }
@@ -149,8 +140,8 @@ def controller_config(cache_fleet, **contract_check) -> dict:  # type: ignore[no
     return {
         "models": [{"name": MODEL, "tokenizer": "builtin:qwen3"}],
         "backends": [
-            backend_spec(
-                engine, url, cache_controller={"url": controller_url, "instance_id": f"cache-{index}"}
+            gateway_backend(
+                engine, url=url, cache_controller={"url": controller_url, "instance_id": f"cache-{index}"}
             )
             for index, (engine, url) in enumerate(zip(fleet.engines, proxies, strict=True))
         ],

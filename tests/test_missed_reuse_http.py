@@ -24,7 +24,7 @@ from kvgate_testing import waiting
 from kvgate_testing.gateway import start_gateway
 from kvgate_testing.kv_fleet import Fleet, chat_body
 from kvgate_testing.metrics import metric_samples, sample_key
-from kvgate_testing.sim_fleet import EVENTS_TOPIC, MODEL, EngineFleet
+from kvgate_testing.sim_fleet import MODEL, EngineFleet, gateway_backend
 from router.config import builtin_tokenizer_dir
 from router.missed_reuse import REASONS
 from router.tokenize import PromptTokenizer
@@ -166,18 +166,6 @@ def forgetful() -> Iterator[EngineFleet]:
         yield fleet
 
 
-def backend_spec(engine) -> dict:  # type: ignore[no-untyped-def]
-    return {
-        "name": engine.name,
-        "url": engine.url,
-        "kv_events": {
-            "endpoint": engine.events_endpoint,
-            "replay_endpoint": engine.replay_endpoint,
-            "topic": EVENTS_TOPIC,
-        },
-    }
-
-
 def credited(gateway_url: str, engine_url: str, prompt: str, backend: str) -> int:
     """The tokens of `prompt` the gateway's index credits `backend` with (0 until its events arrive)."""
     tokens = httpx.post(f"{engine_url}/tokenize", json={"model": MODEL, "prompt": prompt}, timeout=10).json()[
@@ -194,7 +182,7 @@ def test_a_winner_routed_by_load_only_for_a_contract_mismatch_counts_the_gap_as_
     reference, mismatched = engines.engines[0], engines.engines[1]
     config = {
         "models": [{"name": MODEL, "tokenizer": "builtin:qwen3"}],
-        "backends": [backend_spec(reference), backend_spec(mismatched)],
+        "backends": [gateway_backend(reference), gateway_backend(mismatched)],
         "policy": LOAD_DECIDES,
         # engine-1's probe events never match the gateway's blocks: each round waits timeout_s for them.
         "contract_check": {"enabled": True, "timeout_s": 5},
@@ -247,7 +235,7 @@ def test_credit_for_blocks_the_engine_lost_unannounced_is_stale_index(forgetful:
     engine = forgetful.engines[0]
     config = {
         "models": [{"name": MODEL, "tokenizer": "builtin:qwen3"}],
-        "backends": [backend_spec(engine)],
+        "backends": [gateway_backend(engine)],
         "policy": {"name": "kv_aware"},
     }
     prompt = "The stale index test's document, which its engine forgets without a word. " * 12
