@@ -12,8 +12,7 @@ import torch
 
 from cachelayer.config import parse_config
 from cachelayer.server import KeySpace, StoreClient, StoreServer, protocol
-from cachelayer.server import remote_feed as feed_module
-from cachelayer.server.protocol import FeedEvent, Request
+from cachelayer.server.protocol import Request
 from kvgate_testing import waiting
 from kvgate_testing.daemon import RawClient, running_daemon
 from kvgate_testing.ports import free_port
@@ -43,7 +42,7 @@ class Feed:
 
     def __init__(self, client: StoreClient) -> None:
         self.client = client
-        self.events: list[FeedEvent] = []
+        self.events: list = []
         self.announced: set[int] = set()
 
     def update(self) -> set[int]:
@@ -194,6 +193,8 @@ def test_a_lost_reply_is_resent_and_acknowledged_events_are_never_sent_again(dae
 def test_an_overflowing_feed_is_replaced_by_one_clear_and_its_old_announcements_go_nowhere(
     daemon_with_redis, monkeypatch
 ):
+    from cachelayer.server import remote_feed as feed_module
+
     server, redis_server = daemon_with_redis
     monkeypatch.setattr(feed_module, "MAX_EVENTS_PER_FEED", 3)
     client = StoreClient(server.endpoint, chunk_size=CHUNK, transport="tcp", remote_feed=True, feed_poll_s=0)
@@ -228,3 +229,41 @@ def test_a_client_without_a_feed_costs_the_daemon_no_feed(daemon_with_redis):
         assert len(server.feeds) == 0 and client.take_remote_feed() == []
     finally:
         client.close()
+
+
+def test_a_shared_memory_store_is_announced_and_another_credential_cannot_read_the_feed():
+    """The same-host path (reserve, write, commit) is announced like a TCP store; a tenant naming
+    the host client's feed id reaches nothing (a feed carries the prompts' token ids)."""
+    from cachelayer.server.access import Credential
+
+    host_secret, tenant_secret = b"host-secret-0123456789abcdef", b"tenant-secret-0123456789abcd"
+    credentials = [Credential("host", host_secret), Credential("tenant", tenant_secret, frozenset({"other"}))]
+    with running_redis() as redis_server:
+        config = parse_config(
+            {"chunk_size": CHUNK, "max_local_cpu_size": 0.001, "remote_url": redis_server.url,
+             "save_unfull_chunk": False}
+        )  # fmt: skip
+        server = StoreServer(config, "tcp://127.0.0.1:0", shared_memory=True, credentials=credentials).start()
+        host = StoreClient(server.endpoint, chunk_size=CHUNK, secret=host_secret, remote_feed=True)
+        tenant = RawClient(server.endpoint, secret=tenant_secret)
+        try:
+            feed = Feed(host)
+            tokens = list(range(400, 400 + 2 * CHUNK))
+            assert host.transport == "shm"
+            _, l1_events = host.store(SPACE, tokens, make_kv(len(tokens)))
+            wait_for(lambda: feed.update() == {event.key for event in l1_events})
+            stolen = tenant.ask(Request(op="feed", feed=host._feed_id))
+            assert stolen is not None and stolen.ok and stolen.feed_events == []
+            # Nor does a tenant's store under that id touch the host's feed.
+            other = KeySpace(model="other@r", dtype="bfloat16", num_layers=2, num_kv_heads=2, head_dim=8)
+            store = Request(
+                op="store", space=other, chunk_size=CHUNK, tokens=protocol.tokens_to_bytes(tokens),
+                feed=host._feed_id,
+            )  # fmt: skip
+            assert tenant.ask(store, bytes(protocol.kv_to_bytes(make_kv(len(tokens))))).ok
+            wait_for(lambda: all(engine.flush_remote(timeout_s=10) for engine in server.engines()))
+            host.poll_feed()
+            assert [event.kind for event in host.take_remote_feed()] == []
+        finally:
+            host.close()
+            server.close()

@@ -319,9 +319,13 @@ class StoreClient:
         self._call(Request(op="feed"))
 
     def _poll_feed_loop(self, interval_s: float) -> None:
-        while not self._feed_stop.wait(interval_s):
-            if time.monotonic() - self._feed_asked < interval_s:
-                continue  # a store asked meanwhile
+        wait_s = interval_s
+        while not self._feed_stop.wait(wait_s):
+            # At most `interval_s` since the last request that asked (a store's, or this thread's).
+            wait_s = self._feed_asked + interval_s - time.monotonic()
+            if wait_s > 0:
+                continue
+            wait_s = interval_s
             try:
                 self.poll_feed()
             except StoreUnavailable as exc:
