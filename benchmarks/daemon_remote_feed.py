@@ -26,6 +26,7 @@ import torch
 
 from cachelayer.config import parse_config
 from cachelayer.server import KeySpace, StoreClient, StoreServer
+from kvgate_testing.provenance import with_source
 from kvgate_testing.redis_server import running_redis
 
 CHUNK = 256
@@ -114,7 +115,7 @@ def main() -> None:
     args = parser.parse_args()
     result = run(args.prompts, args.deletes, args.polls)
     result["command"] = f"python -m benchmarks.daemon_remote_feed --prompts {args.prompts}"
-    Path(f"{args.output}.json").write_text(json.dumps(result, indent=2) + "\n")
+    Path(f"{args.output}.json").write_text(json.dumps(with_source(result), indent=2) + "\n")
     lines = ["| measure | n | median ms | p90 ms |", "|---|---|---|---|"]
     for name, row in result.items():
         if isinstance(row, dict) and "median_ms" in row:
