@@ -90,6 +90,9 @@ def test_a_store_through_the_daemon_is_announced_remote_once_redis_holds_it_and_
             wait_for(lambda: feed.update() == {keys[0], keys[2]})
             assert [event.kind for event in feed.events].count("removed") == 1
             assert other_feed.update() == set()  # nothing for an engine that announced nothing
+            metrics = daemon.metrics()
+            assert metrics["cachelayer_daemon_remote_feeds"] == 2
+            assert metrics["cachelayer_daemon_remote_feed_resets_total"] == 0
         finally:
             writer.close()
             other.close()

@@ -118,6 +118,12 @@ REMOTE_METRIC_HELP = {
     "remote_circuit_open": ("gauge", "Engines whose remote circuit breaker is open"),
 }
 
+# The remote-tier feeds (present when remote_url is set; cachelayer.server.remote_feed).
+FEED_METRIC_HELP = {
+    "cachelayer_daemon_remote_feeds": ("gauge", "Clients with a remote-tier feed"),
+    "cachelayer_daemon_remote_feed_queued_events": ("gauge", "Feed events not acknowledged yet"),
+    "cachelayer_daemon_remote_feed_resets_total": ("counter", "Feeds cleared because they overflowed"),
+}
 
 # Per-tenant gauges of the L1 pool (with tenant_quotas): name, usage field, help.
 TENANT_METRICS = (
@@ -603,6 +609,10 @@ class StoreServer:
         totals["cachelayer_daemon_leases_total"] = self.leases.opened_total
         totals["cachelayer_daemon_expired_leases_total"] = self.leases.expired_total
         totals["cachelayer_daemon_reclaimed_leases_total"] = self.leases.reclaimed_total
+        if self.config.remote_url is not None:
+            totals["cachelayer_daemon_remote_feeds"] = len(self.feeds)
+            totals["cachelayer_daemon_remote_feed_queued_events"] = self.feeds.queued_events
+            totals["cachelayer_daemon_remote_feed_resets_total"] = self.feeds.resets
         return totals
 
     def tenant_usage(self) -> dict[str, dict[str, int]] | None:
@@ -613,7 +623,11 @@ class StoreServer:
 
     def metrics_text(self) -> str:
         lines = []
-        help_by_name = METRIC_HELP | {_remote_metric_name(f): help for f, help in REMOTE_METRIC_HELP.items()}
+        help_by_name = (
+            METRIC_HELP
+            | FEED_METRIC_HELP
+            | {_remote_metric_name(f): help for f, help in REMOTE_METRIC_HELP.items()}
+        )
         for name, value in self.metric_values().items():
             kind, help_text = help_by_name[name]
             lines += [f"# HELP {name} {help_text}", f"# TYPE {name} {kind}", f"{name} {value:g}"]
