@@ -238,18 +238,25 @@ class CacheDaemon:
 
 @contextlib.contextmanager
 def running_cache_daemon(
-    *, chunk_size: int = 256, l1_size_gb: float = 0.25, forgetful: bool = False, secret_env: str | None = None
+    *,
+    chunk_size: int = 256,
+    l1_size_gb: float = 0.25,
+    forgetful: bool = False,
+    secret_env: str | None = None,
+    flags: tuple[str, ...] = (),
 ) -> Iterator[CacheDaemon]:
     """`cachelayer server` on free ports (run with the project's interpreter), killed on exit.
     `forgetful`: kvgate_testing.forgetful_daemon instead, which loses every chunk before it is read.
     `secret_env`: the daemon takes its secret from that variable, set to DAEMON_TEST_SECRET (the
-    engines need `server_auth_secret_env` naming a variable with the same value)."""
+    engines need `server_auth_secret_env` naming a variable with the same value). `flags`: more of
+    the daemon's flags (`--remote-url ...`)."""
     port, http_port = free_port(), free_port()
     command = ["kvgate_testing.forgetful_daemon"] if forgetful else ["cachelayer.cli", "server"]
     args = [
         sys.executable, "-m", *command,
         "--host", "127.0.0.1", "--port", str(port), "--http-port", str(http_port),
         "--chunk-size", str(chunk_size), "--l1-size-gb", str(l1_size_gb), "--eviction-policy", "LRU",
+        *flags,
     ]  # fmt: skip
     env = None
     if secret_env is not None:

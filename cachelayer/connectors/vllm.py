@@ -59,7 +59,7 @@ from cachelayer.connectors.transfers import (
 from cachelayer.controller.auth import secret_from_env
 from cachelayer.server.client import StoreClient, StoreUnavailable
 from cachelayer.server.daemon import StoreServer
-from cachelayer.server.protocol import ChunkEvent, KeySpace
+from cachelayer.server.protocol import ChunkEvent, FeedEvent, KeySpace
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -278,6 +278,32 @@ def remote_tier_events(events: list[Any]) -> list[KVCacheEvent]:
             )
         else:
             converted.append(BlockRemoved(block_hashes=list(event.block_hashes), medium=REMOTE_MEDIUM))
+    return converted
+
+
+def remote_feed_events(feed: list[FeedEvent]) -> list[KVCacheEvent]:
+    """The shared daemon's remote-tier feed (cachelayer.server.remote_feed) as vLLM KV events of
+    medium REMOTE, as an engine-local remote tier announces them: "cleared" (the daemon restarted,
+    or the feed overflowed) becomes a one-medium AllBlocksCleared."""
+    converted: list[KVCacheEvent] = []
+    for event in feed:
+        if event.kind == "stored":
+            converted.append(
+                BlockStored(
+                    block_hashes=[event.key],
+                    parent_block_hash=event.parent_key,
+                    token_ids=list(event.token_ids),
+                    block_size=len(event.token_ids),
+                    lora_id=None,
+                    medium=REMOTE_MEDIUM,
+                    lora_name=None,
+                    extra_keys=[(event.cache_salt,)] if event.cache_salt is not None else None,
+                )
+            )
+        elif event.kind == "removed":
+            converted.append(BlockRemoved(block_hashes=[event.key], medium=REMOTE_MEDIUM))
+        else:
+            converted.append(MediumCleared(medium=REMOTE_MEDIUM))
     return converted
 
 
@@ -561,6 +587,9 @@ class CacheLayerConnector(KVConnectorBase_V1):
                 timeout_s=self.lookup_timeout_s,
                 register_with_cuda=layers[0].is_cuda,
                 secret=self.server_secret,
+                # The daemon's remote-tier writes for this engine's stores, and their losses (rank
+                # 0 reports, as for every medium).
+                remote_feed=self.tp_rank == 0,
             )
             self.store = RemoteChunkStore(client, space)
             where = self.server_endpoint
@@ -744,6 +773,9 @@ class CacheLayerConnector(KVConnectorBase_V1):
         restarted = isinstance(self.store, RemoteChunkStore) and self.store.client.take_restarts()
         if restarted and self.tp_rank == 0:  # the daemon's store is empty: so is this engine's SHARED
             self._step_events.insert(0, MediumCleared(medium=SHARED_DAEMON_MEDIUM))
+        if isinstance(self.store, RemoteChunkStore):
+            # After the daemon's L1 events: a chunk is stored in L1 before it is written through.
+            remote = remote_feed_events(self.store.client.take_remote_feed())
         if not self._step_events and not remote:
             return None
         events, self._step_events = self._step_events + remote, []

@@ -22,6 +22,7 @@ import contextlib
 import logging
 import os
 import threading
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Literal
@@ -36,12 +37,17 @@ from cachelayer.errors import CacheLayerError
 from cachelayer.server import protocol
 from cachelayer.server.access import PLAIN_USERNAME
 from cachelayer.server.leases import process_start_time
-from cachelayer.server.protocol import ChunkEvent, KeySpace, Reply, Request, Slot
+from cachelayer.server.protocol import ChunkEvent, FeedEvent, KeySpace, Reply, Request, Slot
 from cachelayer.server.shared_pool import SharedPool, SharedPoolUnavailable
 
 log = logging.getLogger(__name__)
 
 Transport = Literal["auto", "shm", "tcp"]
+# Requests that carry this client's remote-tier feed (the daemon's FEED_OPERATIONS).
+FEED_OPERATIONS = frozenset({"store", "reserve", "commit", "feed"})
+# Remote-tier events this client holds before the connector takes them; past it they are replaced
+# by one "cleared" (the connector then forgets its REMOTE announcements: a miss, never a false hit).
+MAX_BUFFERED_FEED_EVENTS = 65536
 
 
 @dataclass(slots=True)
@@ -101,12 +107,17 @@ class StoreClient:
         transport: Transport = "auto",
         register_with_cuda: bool = False,
         secret: bytes | None = None,
+        remote_feed: bool = False,
+        feed_poll_s: float = 0.25,
     ) -> None:
-        """`register_with_cuda`: page-lock the daemon's shared pool for CUDA in this process once
-        it is mapped (an engine whose KV lives on a GPU), so chunks move between the pool and the
-        GPU in one DMA copy; see `SharedPool.register_with_cuda`. `secret`: the daemon's shared
-        secret (read it with cachelayer.controller.auth.secret_from_env), None for a daemon
-        without one."""
+        """`remote_feed`: ask the daemon which chunks of this client's stores it wrote through to
+        its remote tier, and which of those the tier lost since (cachelayer.server.remote_feed):
+        `take_remote_feed` answers them, in order; a thread asks the daemon every `feed_poll_s`
+        when no store did meanwhile (0: only stores ask). `register_with_cuda`: page-lock the
+        daemon's shared pool for CUDA in this process once it is mapped (an engine whose KV lives
+        on a GPU), so chunks move between the pool and the GPU in one DMA copy; see
+        `SharedPool.register_with_cuda`. `secret`: the daemon's shared secret (read it with
+        cachelayer.controller.auth.secret_from_env), None for a daemon without one."""
         if transport not in ("auto", "shm", "tcp"):
             raise ValueError(f"transport must be 'auto', 'shm' or 'tcp', got {transport!r}")
         self.endpoint = endpoint
@@ -127,6 +138,18 @@ class StoreClient:
         # The daemon's boot id as last seen, and restarts seen since `take_restarts` last asked.
         self._boot_id = b""
         self._restarts = 0
+        # The remote-tier feed: its random id, the last event number received, what is buffered.
+        self._feed_id = os.urandom(16) if remote_feed else b""
+        self._feed_ack = 0
+        self._feed: list[FeedEvent] = []
+        self._feed_asked = 0.0
+        self._feed_stop = threading.Event()
+        self._feed_thread: threading.Thread | None = None
+        if remote_feed and feed_poll_s > 0:
+            self._feed_thread = threading.Thread(
+                target=self._poll_feed_loop, args=(feed_poll_s,), name="cachelayer-feed", daemon=True
+            )
+            self._feed_thread.start()
 
     def _connect(self) -> zmq.Socket:
         if self._socket is None:
@@ -176,6 +199,9 @@ class StoreClient:
         return f"it ended every handshake: most likely {mismatch}" if ended_handshakes else None
 
     def close(self) -> None:
+        self._feed_stop.set()
+        if self._feed_thread is not None and self._feed_thread is not threading.current_thread():
+            self._feed_thread.join(timeout=self.timeout_ms / 1000 + 1)
         with self._lock:
             self._drop_socket()
             if self._shared is not None:
@@ -223,10 +249,13 @@ class StoreClient:
 
     def _call(self, request: Request, payload: memoryview | None = None) -> tuple[Reply, zmq.Frame | None]:
         request.chunk_size = self.chunk_size
-        frames: list = [b"", protocol.encode(request)]
-        if payload is not None:
-            frames.append(payload)
         with self._lock:
+            if self._feed_id and request.op in FEED_OPERATIONS:
+                request.feed, request.feed_ack = self._feed_id, self._feed_ack
+                self._feed_asked = time.monotonic()
+            frames: list = [b"", protocol.encode(request)]
+            if payload is not None:
+                frames.append(payload)
             socket = self._connect()
             socket.send_multipart(frames, copy=False)
             if not socket.poll(self.timeout_ms, zmq.POLLIN):
@@ -242,6 +271,8 @@ class StoreClient:
         # [b"", header(, payload)]
         reply = protocol.decode_reply(reply_frames[1].buffer)
         self._note_boot(reply.boot_id)
+        if reply.feed_events:
+            self._note_feed(reply)
         if not reply.ok:
             raise StoreRefused(f"cache daemon at {self.endpoint} refused {request.op}: {reply.error}")
         return reply, reply_frames[2] if len(reply_frames) > 2 else None
@@ -252,7 +283,53 @@ class StoreClient:
                 if self._boot_id:
                     self._restarts += 1
                     log.warning("cache daemon at %s restarted: its store is empty", self.endpoint)
+                    if self._feed_id:  # what it told of its remote tier, nobody can retract now
+                        self._buffer_feed([FeedEvent("cleared")])
+                        self._feed_ack = 0
                 self._boot_id = boot_id
+
+    def _note_feed(self, reply: Reply) -> None:
+        """Buffer the events of a reply this client has not received yet (a lost reply's are
+        resent, and two threads' replies may arrive in either order: numbers decide)."""
+        with self._lock:
+            if not self._feed_id or reply.boot_id != self._boot_id:
+                return
+            first = reply.feed_seq - len(reply.feed_events) + 1
+            fresh = [event for seq, event in enumerate(reply.feed_events, first) if seq > self._feed_ack]
+            if fresh:
+                self._buffer_feed(fresh)
+                self._feed_ack = reply.feed_seq
+
+    def _buffer_feed(self, events: list[FeedEvent]) -> None:
+        self._feed.extend(events)
+        if len(self._feed) > MAX_BUFFERED_FEED_EVENTS:
+            self._feed = [FeedEvent("cleared")]
+
+    def take_remote_feed(self) -> list[FeedEvent]:
+        """The remote-tier events received since the last call, in order: chunks written through
+        for this client's stores ("stored"), announced chunks the tier lost ("removed"), and
+        "cleared" where everything announced before is void (a restarted daemon, an overflow)."""
+        with self._lock:
+            events, self._feed = self._feed, []
+            return events
+
+    def poll_feed(self) -> None:
+        """Ask the daemon for this client's remote-tier events (StoreUnavailable when it does not
+        answer)."""
+        self._call(Request(op="feed"))
+
+    def _poll_feed_loop(self, interval_s: float) -> None:
+        wait_s = interval_s
+        while not self._feed_stop.wait(wait_s):
+            # At most `interval_s` since the last request that asked (a store's, or this thread's).
+            wait_s = self._feed_asked + interval_s - time.monotonic()
+            if wait_s > 0:
+                continue
+            wait_s = interval_s
+            try:
+                self.poll_feed()
+            except StoreUnavailable as exc:
+                log.debug("cachelayer: remote feed: %s", exc)
 
     def take_restarts(self) -> int:
         """How many times the daemon was seen restarting since the last call (its store then

@@ -58,6 +58,7 @@ from cachelayer.server.access import (
 )
 from cachelayer.server.leases import ClientProcess, LeaseLimitError, LeaseTable, Owner
 from cachelayer.server.protocol import ChunkEvent, KeySpace, Reply, Request, SharedSegment, Slot
+from cachelayer.server.remote_feed import EngineFeed, RemoteFeeds
 from cachelayer.server.shared_pool import PoolHandout, SharedPool
 from cachelayer.storage.allocator import ALIGNMENT
 from cachelayer.storage.cpu import CpuTier
@@ -84,6 +85,9 @@ FIRST_LOOKUP_SLICE_CHUNKS = 16
 MAX_QUEUED_PER_CONNECTION = 16
 # Refused requests logged a second, at most (a flood of bad frames must not flood the log).
 REFUSAL_LOG_PER_S = 5
+# Requests that may carry a client's remote-tier feed: those that store (and so cause
+# write-throughs) and the feed's own poll; loads and lookups stay as small as they were.
+FEED_OPERATIONS = frozenset({"store", "reserve", "commit", "feed"})
 # Engine counters a retired key space leaves in the daemon's totals (counters never go down).
 RETIRED_COUNTERS = ("read_chunks", "write_chunks", "lookup_requested_tokens", "lookup_hit_tokens")
 
@@ -114,6 +118,12 @@ REMOTE_METRIC_HELP = {
     "remote_circuit_open": ("gauge", "Engines whose remote circuit breaker is open"),
 }
 
+# The remote-tier feeds (present when remote_url is set; cachelayer.server.remote_feed).
+FEED_METRIC_HELP = {
+    "cachelayer_daemon_remote_feeds": ("gauge", "Clients with a remote-tier feed"),
+    "cachelayer_daemon_remote_feed_queued_events": ("gauge", "Feed events not acknowledged yet"),
+    "cachelayer_daemon_remote_feed_resets_total": ("counter", "Feeds cleared because they overflowed"),
+}
 
 # Per-tenant gauges of the L1 pool (with tenant_quotas): name, usage field, help.
 TENANT_METRICS = (
@@ -205,6 +215,9 @@ class StoreServer:
         # inside one vLLM worker honours the whole config (controller registration included).
         self._start_controller_worker = start_controller_worker
         self._engines: dict[KeySpace, CacheEngine] = {}
+        # The remote tier's writes and losses, told to the clients whose stores caused them.
+        self.feeds = RemoteFeeds()
+        self._engine_feeds: dict[KeySpace, EngineFeed] = {}
         # Per key space: the credential that created it, and when a request last used it.
         self._space_creator: dict[KeySpace, str] = {}
         self._space_used: dict[KeySpace, float] = {}
@@ -265,6 +278,10 @@ class StoreServer:
         )
         if self._start_controller_worker:
             attach_controller_worker(engine, self.config)
+        if engine.remote is not None:
+            feed = EngineFeed(self.feeds, engine.cpu.medium, engine.remote.medium)
+            engine.add_event_listener(feed)
+            self._engine_feeds[space] = feed
         return engine
 
     def engine_for(
@@ -305,8 +322,16 @@ class StoreServer:
         for field in RETIRED_COUNTERS:
             self._retired_counts[field] += float(stats.get(field, 0))
         self.retired_key_spaces += 1
+        feed = self._engine_feeds.pop(oldest, None)
+
+        def retire() -> None:
+            engine.close()
+            if feed is not None:  # nobody will retract what it announced: retract it now
+                with self.store_lock:
+                    feed.retract_all()
+
         # Off the serving thread: an engine with a remote tier flushes its writes before it stops.
-        threading.Thread(target=engine.close, name="cachelayer-retire", daemon=True).start()
+        threading.Thread(target=retire, name="cachelayer-retire", daemon=True).start()
 
     def engines(self) -> list[CacheEngine]:
         with self._engines_lock:
@@ -388,7 +413,22 @@ class StoreServer:
         if not frames:
             return Reply(ok=False, error="empty request: send [b'', header(, kv bytes)]"), None
         request = protocol.decode_request(frames[0].buffer)
+        outbox = None
+        if request.feed and request.op in FEED_OPERATIONS:
+            # Only a store makes a feed: a poll of an unknown one (another credential's) finds nothing.
+            outbox = self.feeds.outbox(owner.credential, request.feed, create=request.op != "feed")
+        with self.feeds.attributing(outbox):
+            reply, payload = self._answer(request, frames, owner)
+        if outbox is not None and reply.ok:
+            reply.feed_events, reply.feed_seq = self.feeds.deliver(outbox, request.feed_ack)
+        return reply, payload
+
+    def _answer(
+        self, request: Request, frames: list[zmq.Frame], owner: Owner
+    ) -> tuple[Reply, memoryview | None]:
         chunk_size = self.config.chunk_size
+        if request.op == "feed":
+            return Reply(chunk_size=chunk_size), None
         if request.op == "hello":
             return Reply(chunk_size=chunk_size), None
         if request.op == "attach":
@@ -569,6 +609,10 @@ class StoreServer:
         totals["cachelayer_daemon_leases_total"] = self.leases.opened_total
         totals["cachelayer_daemon_expired_leases_total"] = self.leases.expired_total
         totals["cachelayer_daemon_reclaimed_leases_total"] = self.leases.reclaimed_total
+        if self.config.remote_url is not None:
+            totals["cachelayer_daemon_remote_feeds"] = len(self.feeds)
+            totals["cachelayer_daemon_remote_feed_queued_events"] = self.feeds.queued_events
+            totals["cachelayer_daemon_remote_feed_resets_total"] = self.feeds.resets
         return totals
 
     def tenant_usage(self) -> dict[str, dict[str, int]] | None:
@@ -579,7 +623,11 @@ class StoreServer:
 
     def metrics_text(self) -> str:
         lines = []
-        help_by_name = METRIC_HELP | {_remote_metric_name(f): help for f, help in REMOTE_METRIC_HELP.items()}
+        help_by_name = (
+            METRIC_HELP
+            | FEED_METRIC_HELP
+            | {_remote_metric_name(f): help for f, help in REMOTE_METRIC_HELP.items()}
+        )
         for name, value in self.metric_values().items():
             kind, help_text = help_by_name[name]
             lines += [f"# HELP {name} {help_text}", f"# TYPE {name} {kind}", f"{name} {value:g}"]

@@ -60,6 +60,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--remote-serde", default="naive", choices=["naive", "cachegen"])
     parser.add_argument(
+        "--remote-reconcile-interval-s",
+        type=float,
+        default=5.0,
+        help="seconds between checks of which announced remote chunks Redis still holds (0: never); "
+        "the lost ones are retracted to the engines they were announced to",
+    )
+    parser.add_argument(
+        "--remote-eviction-notifications",
+        action="store_true",
+        help="also learn Redis's evictions, expiries and deletions from its keyspace notifications "
+        "(the server's notify-keyspace-events must include Exeg)",
+    )
+    parser.add_argument(
         "--remote-auth-secret-env",
         default=None,
         metavar="NAME",
@@ -183,6 +196,8 @@ def run(args: argparse.Namespace, server_class: type[StoreServer] = StoreServer)
                 "save_unfull_chunk": False,
                 "remote_url": args.remote_url,
                 "remote_serde": args.remote_serde,
+                "remote_reconcile_interval_s": args.remote_reconcile_interval_s,
+                "remote_eviction_notifications": args.remote_eviction_notifications,
                 "remote_auth_secret_env": args.remote_auth_secret_env,
                 "remote_allow_unauthenticated": args.remote_allow_unauthenticated,
                 "tenant_quotas": quotas,

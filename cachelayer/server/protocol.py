@@ -29,7 +29,11 @@ import msgspec
 import numpy as np
 import torch
 
-Operation = Literal["lookup", "store", "retrieve", "hello", "attach", "reserve", "commit", "lease", "release"]
+Operation = Literal[
+    "lookup", "store", "retrieve", "hello", "attach", "reserve", "commit", "lease", "release", "feed"
+]
+# A client's remote-tier feed id (random, cachelayer.server.remote_feed): at most this many bytes.
+MAX_FEED_ID_BYTES = 32
 
 
 class KeySpace(msgspec.Struct, frozen=True, kw_only=True):
@@ -54,6 +58,10 @@ class Request(msgspec.Struct, kw_only=True):
     pid: int = 0
     pid_start: int = 0
     lease: bytes = b""
+    # The client's remote-tier feed (cachelayer.server.remote_feed): its random id, and the last
+    # event number it has received (the daemon forgets what is acknowledged, resends the rest).
+    feed: Annotated[bytes, msgspec.Meta(max_length=MAX_FEED_ID_BYTES)] = b""
+    feed_ack: Annotated[int, msgspec.Meta(ge=0)] = 0
 
 
 class Slot(msgspec.Struct, array_like=True):
@@ -85,6 +93,19 @@ class ChunkEvent(msgspec.Struct, array_like=True):
     token_ids: list[int] = []
 
 
+class FeedEvent(msgspec.Struct, array_like=True):
+    """A chunk the daemon wrote through to its remote tier for this client's store ("stored"), one
+    it announced so and the remote tier has since lost ("removed"), or "cleared": everything this
+    client was told of the remote tier is void (its feed overflowed, or the daemon restarted)."""
+
+    kind: Literal["stored", "removed", "cleared"]
+    key: int = 0
+    parent_key: int | None = None
+    token_ids: list[int] = []
+    # The chain's salt, on the chunk whose announcement carries it (vLLM's extra_keys).
+    cache_salt: str | None = None
+
+
 class Reply(msgspec.Struct, kw_only=True):
     ok: bool = True
     error: str | None = None
@@ -99,6 +120,9 @@ class Reply(msgspec.Struct, kw_only=True):
     # The daemon process's random id, on every reply: a client that sees it change knows the
     # daemon restarted, its store empty (what it announced of the daemon's chunks is gone).
     boot_id: bytes = b""
+    # The client's remote-tier feed: events after its acknowledgement, the last numbered feed_seq.
+    feed_events: list[FeedEvent] = []
+    feed_seq: int = 0
 
 
 _request_encoder = msgspec.msgpack.Encoder()
