@@ -13,6 +13,8 @@ request's first token, and with it the answer, leaves the engine only once the s
 prompt. A `kv_both` engine saves a request marked `kv_transfer_params: {"do_remote_decode": true}`
 the same way. The answer's `kv_transfer_params` report `stored_tokens`/`store_seconds` and
 `loaded_tokens`/`load_seconds`, which kvgate's gateway learns its costs from.
+`"async_load": true` in kv_connector_extra_config loads in a background thread while the
+request waits off the batch (vLLM's asynchronous load, reported through get_finished).
 
 vLLM makes two instances that share no memory: one in the scheduler process (plans loads and
 saves, answers how many tokens the cache holds) and one per worker (moves KV). The scheduler side
