@@ -299,10 +299,13 @@ def ratio(a: float | None, b: float | None) -> float | None:
     return None if a is None or not b else round(a / b, 3)
 
 
-def measure(duration_s: float, long_interval_s: float, order: list[str]) -> dict[str, Any]:
+def measure(
+    duration_s: float, long_interval_s: float, order: list[str], decode_async_load: bool = False
+) -> dict[str, Any]:
     require_vllm()
     model = prefill_model_dir()
     runs: dict[str, Any] = {}
+    decode_extra = {"async_load": True} if decode_async_load else None
     with running_cache_daemon(chunk_size=CHUNK, l1_size_gb=2.0) as daemon:
         with tempfile.TemporaryDirectory() as scratch:
             config = write_cache_config(Path(scratch), chunk_size=CHUNK)
@@ -313,6 +316,8 @@ def measure(duration_s: float, long_interval_s: float, order: list[str]) -> dict
                     cache_server=daemon.endpoint,
                     extra_env=ENGINE_ENV,
                     model_dir=model,
+                    # B decodes every split; its connector may load in the background (async_load).
+                    connector_extra=decode_extra if name == "engine-b" else None,
                 )
                 for name in ("engine-a", "engine-b")
             ]
@@ -359,6 +364,7 @@ def measure(duration_s: float, long_interval_s: float, order: list[str]) -> dict
                 for key in ("num_hidden_layers", "hidden_size", "num_key_value_heads")
             ),
             "order": order,
+            "decode_async_load": decode_async_load,
         },
         "workload": {
             "duration_s": duration_s,
@@ -478,6 +484,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--long-interval", type=float, default=3.0, help="seconds between long prompts")
     parser.add_argument("--order", default="colocated,always_split,conditional")
     parser.add_argument("--output", default=str(RESULTS / "pd_real"), help="path prefix of the results")
+    parser.add_argument(
+        "--decode-async-load",
+        action="store_true",
+        help="engine B's connector loads asynchronously (kv_connector_extra_config async_load)",
+    )
     parser.add_argument("--report-only", action="store_true", help="rewrite the .md and .png from the .json")
     args = parser.parse_args(argv)
     output = Path(args.output)
@@ -490,7 +501,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.duration <= 0 or args.long_interval <= 0:
             parser.error("--duration and --long-interval must be positive")
         run_source()  # the checkout as the run starts: edits made while it runs change nothing recorded
-        results = measure(args.duration, args.long_interval, order)
+        results = measure(args.duration, args.long_interval, order, args.decode_async_load)
         output.with_suffix(".json").write_text(json.dumps(with_source(results), indent=2) + "\n")
     write_report(results, output.with_suffix(".md"))
     plot(results, output.with_suffix(".png"))

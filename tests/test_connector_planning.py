@@ -155,3 +155,43 @@ def test_finished_requests_are_forgotten():
 def test_a_chunk_size_that_is_not_a_multiple_of_the_block_size_is_refused_with_the_fix():
     with pytest.raises(ValueError, match=r"chunk_size 100 must be a multiple of vLLM's block size 32"):
         SchedulerPlanner(chunk_size=100, block_size=32)
+
+
+def test_an_asynchronous_load_is_planned_in_the_step_that_allocated_it_though_not_scheduled():
+    plan = planner()
+    prompt = list(range(700))
+    plan.matched_tokens("r", prompt, 0, cacheable=True, held_tokens=store_holding(512))
+    plan.allocated("r", prompt, None, blocks_for(512), 512, cacheable=True)
+    step = StepPlan()
+    plan.take_pending_loads(step)  # the request waits off the batch: it is not scheduled
+    (load,) = step.loads
+    assert (load.token_ids, load.block_ids, load.first_block) == (prompt[:512], blocks_for(512), 0)
+    again = StepPlan()
+    plan.take_pending_loads(again)
+    assert again.loads == []  # planned once
+    # The load landed; vLLM allocates the rest and schedules the request with nothing to load.
+    plan.load_result("r", 512)
+    plan.allocated("r", prompt, None, blocks_for(700), 0, cacheable=True)
+    later = StepPlan()
+    plan.scheduled(
+        "r", num_computed_tokens=512, num_scheduled_tokens=188, block_ids=blocks_for(700), plan=later
+    )
+    assert later.loads == [] and later.saves == []  # both chunks came from the store
+
+
+def test_a_request_whose_load_failed_is_not_looked_up_again_and_its_prompt_is_saved():
+    plan = planner()
+    prompt = list(range(700))
+    held = store_holding(512)  # the store still claims the prefix
+    assert plan.matched_tokens("r", prompt, 0, cacheable=True, held_tokens=held) == 512
+    plan.allocated("r", prompt, None, blocks_for(512), 512, cacheable=True)
+    plan.take_pending_loads(StepPlan())
+    plan.load_result("r", 0)  # nothing landed: vLLM frees the blocks and asks again
+    assert plan.load_failed("r")
+    assert plan.matched_tokens("r", prompt, 0, cacheable=True, held_tokens=held) == 0
+    assert held.asked == [512]  # not asked again: the request is recomputed
+    plan.allocated("r", prompt, None, blocks_for(700), 0, cacheable=True)
+    step = StepPlan()
+    plan.scheduled("r", num_computed_tokens=0, num_scheduled_tokens=700, block_ids=blocks_for(700), plan=step)
+    assert step.loads == []
+    assert [len(save.token_ids) for save in step.saves] == [512]  # the recomputed prompt is stored

@@ -10,6 +10,7 @@ import torch
 
 from cachelayer.config import parse_config
 from cachelayer.connectors.transfers import (
+    BackgroundLoader,
     BackgroundSaver,
     LocalChunkStore,
     PagedKV,
@@ -447,3 +448,66 @@ def test_a_layerwise_load_into_a_gpu_cache_lands_each_layer_on_the_compute_strea
         loaded = reader.kv_caches[layer][:, 10:14].clone()  # on the compute stream, after the wait
         assert torch.equal(loaded.cpu(), writer.kv_caches[layer][:, 1:5])
     assert load.finish(layers_awaited=True) == set() and load.late_layers == 0
+
+
+class _GatedReads(_GatedStore):
+    """A real store whose reads wait for a gate (a slow daemon); `broken`: reads raise."""
+
+    broken = False
+
+    def held_chunks(self, tokens, cache_salt):
+        assert self.gate.wait(10), "the test never opened the gate"
+        if self.broken:
+            raise RuntimeError("a bug in the store")
+        return self.inner.held_chunks(tokens, cache_salt)
+
+
+def test_a_background_load_fills_the_blocks_off_the_caller_and_reports_each_load_once():
+    tokens = list(range(700, 700 + 4 * BLOCK))  # 2 chunks
+    inner = LocalChunkStore(engine())
+    writer, reader = paged(cpu_cache(0)), paged(cpu_cache(1))
+    save_request(writer, inner, token_ids=tokens, block_ids=[1, 2, 3, 4], cache_salt=None)
+    store = _GatedReads(inner)
+    loader = BackgroundLoader(reader, store)
+    try:
+        untouched = reader.kv_caches[0][10].clone()
+        loader.submit(
+            request_id="r", token_ids=tokens, block_ids=[10, 11, 12, 13], first_block=1, cache_salt=None
+        )
+        # submit returned while the store is blocked: nothing finished, nothing reported.
+        assert loader.take_completed(wait_s=0.05) == [] and loader.outstanding == 1
+        store.gate.set()
+        [done] = loader.take_completed(wait_s=10)
+        assert (done.request_id, done.failed_blocks, done.loaded_tokens) == ("r", set(), 3 * BLOCK)
+        assert torch.equal(reader.kv_caches[0][10], untouched)  # the engine's own block is left alone
+        for src, dst in zip([2, 3, 4], [11, 12, 13], strict=True):
+            for layer in range(LAYERS):
+                assert torch.equal(reader.kv_caches[layer][dst], writer.kv_caches[layer][src])
+        assert loader.take_completed() == [] and loader.outstanding == 0
+    finally:
+        store.gate.set()
+        loader.close()
+
+
+def test_a_background_load_that_misses_or_breaks_fails_its_blocks_and_still_finishes():
+    tokens = list(range(4 * BLOCK))
+    inner = LocalChunkStore(engine())
+    save_request(paged(cpu_cache(0)), inner, token_ids=tokens[: 2 * BLOCK], block_ids=[1, 2], cache_salt=None)
+    store = _GatedReads(inner)
+    store.gate.set()
+    loader = BackgroundLoader(paged(cpu_cache(1)), store)
+    try:
+        loader.submit(
+            request_id="short", token_ids=tokens, block_ids=[10, 11, 12, 13], first_block=0, cache_salt=None
+        )
+        [short] = loader.take_completed(wait_s=10)
+        assert (short.failed_blocks, short.loaded_tokens) == ({12, 13}, 2 * BLOCK)
+        store.broken = True  # an error of any kind: every block it was to write is recomputed
+        loader.submit(
+            request_id="bug", token_ids=tokens, block_ids=[20, 21, 22, 23], first_block=1, cache_salt=None
+        )
+        [bug] = loader.take_completed(wait_s=10)
+        assert (bug.request_id, bug.failed_blocks, bug.loaded_tokens) == ("bug", {21, 22, 23}, 0)
+        assert loader.wait_idle(1)
+    finally:
+        loader.close()

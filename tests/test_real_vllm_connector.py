@@ -115,3 +115,75 @@ def test_a_layerwise_load_through_the_daemon_gives_identical_greedy_output(tmp_p
     ]
     assert len(loads) == 1 and loads[0]["failed"] == 0
     assert "layer-by-layer loading turned off" not in output
+
+
+def _hook_records(path, hook: str) -> list[dict]:
+    if not path.exists():
+        return []
+    return [record for record in map(json.loads, path.read_text().splitlines()) if record["hook"] == hook]
+
+
+def test_an_asynchronous_load_through_the_daemon_gives_identical_greedy_output(tmp_path):
+    """`async_load`: the request waits off the batch while the worker's loader thread fills its
+    blocks from the daemon; vLLM schedules it once get_finished reports the load."""
+    config = write_cache_config(tmp_path)
+    prompt = prompt_tokens(700, seed=7)
+    hooks = tmp_path / "hooks.jsonl"
+    with (
+        running_cache_daemon() as daemon,
+        running_vllm(
+            "vllm-async-load",
+            cache_config=config,
+            cache_server=daemon.endpoint,
+            connector_extra={"async_load": True},
+            prefix_caching=False,
+            kv_events=False,
+            extra_env={"CACHELAYER_CONNECTOR_TIMINGS": str(hooks)},
+        ) as engine,
+    ):
+        cold = engine.complete(prompt, max_tokens=12)
+        wait_until(lambda: daemon.metrics()["lmcache_mp_l1_write_chunks_total"] >= 2, timeout_s=30)
+        hit = engine.complete(prompt, max_tokens=12)
+
+    assert cached_tokens(cold) == 0
+    assert cached_tokens(hit) == 512
+    assert greedy_output(hit)[0] == greedy_output(cold)[0]
+    assert greedy_output(hit)[1] == pytest.approx(greedy_output(cold)[1], abs=1e-3)
+    # The load ran on the loader thread, not inside a step: one asynchronous load, nothing failed.
+    loads = _hook_records(hooks, "async_load")
+    assert len(loads) == 1 and loads[0]["failed"] == 0
+    assert _hook_records(hooks, "start_load_kv") == []
+    assert hit["kv_transfer_params"]["loaded_tokens"] == 512
+
+
+def test_an_asynchronous_load_of_chunks_the_store_lost_is_recomputed_never_served(tmp_path):
+    """The daemon's lookups promise the prompt, its loads find nothing: the asynchronous load is
+    reported finished with every block failed, vLLM recomputes (no hang, no second lookup loop)
+    and the answer is the cold one."""
+    config = write_cache_config(tmp_path)
+    prompt = prompt_tokens(700, seed=9)
+    hooks = tmp_path / "hooks.jsonl"
+    with (
+        running_cache_daemon(forgetful=True) as daemon,
+        running_vllm(
+            "vllm-async-forgetful",
+            cache_config=config,
+            cache_server=daemon.endpoint,
+            connector_extra={"async_load": True},
+            prefix_caching=False,
+            kv_events=False,
+            extra_env={"CACHELAYER_CONNECTOR_TIMINGS": str(hooks)},
+        ) as engine,
+    ):
+        cold = engine.complete(prompt, max_tokens=12)
+        repeat = engine.complete(prompt, max_tokens=12)
+        metrics = daemon.metrics()
+
+    assert metrics["lmcache_mp_lookup_hit_tokens_total"] >= 512  # the scheduler was promised a hit
+    assert metrics["lmcache_mp_l1_read_chunks_total"] == 0  # and the load got nothing
+    loads = _hook_records(hooks, "async_load")
+    assert len(loads) == 1 and loads[0]["failed"] == 512 // 32  # every block of the load failed
+    assert repeat["choices"][0]["finish_reason"] == "length"
+    assert greedy_output(repeat)[0] == greedy_output(cold)[0]
+    assert greedy_output(repeat)[1] == pytest.approx(greedy_output(cold)[1], abs=1e-3)
+    assert repeat["kv_transfer_params"]["loaded_tokens"] == 0

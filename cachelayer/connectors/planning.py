@@ -64,6 +64,8 @@ class _RequestState:
     handoff: bool = False
     # Tokens the connector loads past the engine's own prefix-cache hit.
     external_tokens: int = 0
+    # A load of this request failed (some blocks recomputed): it is not looked up again.
+    load_failed: bool = False
 
 
 class SchedulerPlanner:
@@ -101,7 +103,7 @@ class SchedulerPlanner:
         `held_tokens(prefix)` asks the store how many leading tokens of `prefix` it holds.
         """
         limit = self.lookup_limit(len(prompt_token_ids))
-        if not cacheable or limit <= num_computed_tokens:
+        if not cacheable or limit <= num_computed_tokens or self.load_failed(request_id):
             self._lookups.pop(request_id, None)
             return 0
         held = min(held_tokens(prompt_token_ids[:limit]), limit)
@@ -180,6 +182,30 @@ class SchedulerPlanner:
                 handoff=state.handoff,
             )
         )
+
+    def take_pending_loads(self, plan: StepPlan) -> None:
+        """Add every allocated request's load to `plan`, scheduled this step or not: an
+        asynchronous load runs while its request waits off the batch (vLLM's
+        WAITING_FOR_REMOTE_KVS), so the request is not among the step's scheduled ones."""
+        for state in self._requests.values():
+            if state.pending_load is not None:
+                plan.loads.append(state.pending_load)
+                state.pending_load = None
+
+    def load_result(self, request_id: str, loaded_tokens: int) -> None:
+        """The workers loaded `loaded_tokens` of the request past the engine's own hit. Fewer
+        than planned: the rest is recomputed, and the request is not looked up again (vLLM asks
+        again for a request whose load failed entirely; a store that still claims the prefix
+        would fail it again)."""
+        state = self._requests.get(request_id)
+        if state is None or loaded_tokens >= state.external_tokens:
+            return
+        state.load_failed = True
+        state.loaded_tokens -= state.external_tokens - loaded_tokens
+
+    def load_failed(self, request_id: str) -> bool:
+        state = self._requests.get(request_id)
+        return state is not None and state.load_failed
 
     def external_tokens(self, request_id: str) -> int:
         """Tokens the connector was planned to load for the request (0: none, or untracked)."""

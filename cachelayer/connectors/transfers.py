@@ -566,3 +566,116 @@ class BackgroundSaver:
                 time.perf_counter() - started,
             )
             self._settle(staged.nbytes, completed)
+
+
+@dataclass(slots=True)
+class CompletedLoad:
+    """A load the background thread finished: the blocks that could not be loaded (vLLM
+    recomputes them), the tokens that landed past the engine's own hit, and how long it took."""
+
+    request_id: str
+    failed_blocks: set[int]
+    loaded_tokens: int
+    seconds: float
+
+
+@dataclass(slots=True)
+class _QueuedLoad:
+    request_id: str
+    token_ids: list[int]
+    block_ids: list[int]
+    first_block: int
+    cache_salt: str | None
+
+
+class BackgroundLoader:
+    """Loads requests' stored prefixes into their blocks on one background thread (vLLM's
+    asynchronous load: the request waits off the batch, in WAITING_FOR_REMOTE_KVS, until the
+    connector reports it finished, so no forward pass reads its blocks while they are written,
+    and the engine keeps decoding the other requests meanwhile).
+
+    Every submitted load completes, loaded or failed, exactly once (`take_completed`): an error
+    of any kind fails every block the load was to write, so vLLM recomputes them; a load never
+    hangs the request and never leaves its blocks half written and reported as loaded.
+    """
+
+    def __init__(self, paged: PagedKV, store: ChunkStore) -> None:
+        self.paged = paged
+        self.store = store
+        self._queue: queue.SimpleQueue[_QueuedLoad | None] = queue.SimpleQueue()
+        self._state = threading.Condition()
+        self._outstanding = 0
+        self._completed: list[CompletedLoad] = []
+        self._thread = threading.Thread(target=self._run, name="cachelayer-loader", daemon=True)
+        self._thread.start()
+
+    def submit(
+        self,
+        *,
+        request_id: str,
+        token_ids: Sequence[int],
+        block_ids: Sequence[int],
+        first_block: int,
+        cache_salt: str | None,
+    ) -> None:
+        with self._state:
+            self._outstanding += 1
+        self._queue.put(_QueuedLoad(request_id, list(token_ids), list(block_ids), first_block, cache_salt))
+
+    @property
+    def outstanding(self) -> int:
+        """Loads submitted and not yet taken by `take_completed`."""
+        with self._state:
+            return self._outstanding
+
+    def take_completed(self, wait_s: float = 0.0) -> list[CompletedLoad]:
+        """The loads finished since the last call; waits up to `wait_s` for one when none has
+        finished yet and some are outstanding."""
+        with self._state:
+            if wait_s > 0 and not self._completed and self._outstanding:
+                self._state.wait_for(lambda: bool(self._completed), timeout=wait_s)
+            completed, self._completed = self._completed, []
+            self._outstanding -= len(completed)
+        return completed
+
+    def wait_idle(self, timeout_s: float) -> bool:
+        """Wait until every submitted load has finished (taken or not); False on timeout."""
+        with self._state:
+            return self._state.wait_for(lambda: len(self._completed) == self._outstanding, timeout=timeout_s)
+
+    def close(self, timeout_s: float = 30.0) -> None:
+        if not self.wait_idle(timeout_s):
+            log.warning("cachelayer: loads still running at shutdown are abandoned")
+        self._queue.put(None)
+        self._thread.join(timeout=5)
+
+    def _load(self, queued: _QueuedLoad) -> CompletedLoad:
+        started = time.perf_counter()
+        wanted = queued.block_ids[: len(queued.token_ids) // self.paged.block_size]
+        try:
+            request_load = RequestLoad(
+                self.paged,
+                self.store,
+                token_ids=queued.token_ids,
+                block_ids=queued.block_ids,
+                first_block=queued.first_block,
+                cache_salt=queued.cache_salt,
+            )
+            failed = request_load.finish()
+            loaded_tokens = request_load.loaded_tokens(failed)
+        except Exception:  # the loader must outlive one bad load, and the request must not hang
+            log.exception("cachelayer: load of request %s failed, vLLM will recompute", queued.request_id)
+            failed, loaded_tokens = set(wanted[queued.first_block :]), 0
+        return CompletedLoad(queued.request_id, failed, loaded_tokens, time.perf_counter() - started)
+
+    def _run(self) -> None:
+        side: contextlib.AbstractContextManager[object] = contextlib.nullcontext()
+        if self.paged.device.type == "cuda":  # copies on a stream of their own, off the forward's
+            torch.cuda.set_device(self.paged.device)
+            side = torch.cuda.stream(torch.cuda.Stream(self.paged.device))
+        while (queued := self._queue.get()) is not None:
+            with side:
+                completed = self._load(queued)
+            with self._state:
+                self._completed.append(completed)
+                self._state.notify_all()

@@ -13,6 +13,8 @@ request's first token, and with it the answer, leaves the engine only once the s
 prompt. A `kv_both` engine saves a request marked `kv_transfer_params: {"do_remote_decode": true}`
 the same way. The answer's `kv_transfer_params` report `stored_tokens`/`store_seconds` and
 `loaded_tokens`/`load_seconds`, which kvgate's gateway learns its costs from.
+`"async_load": true` in kv_connector_extra_config loads in a background thread while the
+request waits off the batch (vLLM's asynchronous load, reported through get_finished).
 
 vLLM makes two instances that share no memory: one in the scheduler process (plans loads and
 saves, answers how many tokens the cache holds) and one per worker (moves KV). The scheduler side
@@ -47,6 +49,7 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 from cachelayer.config import load_config
 from cachelayer.connectors.planning import SchedulerPlanner, StepPlan
 from cachelayer.connectors.transfers import (
+    BackgroundLoader,
     BackgroundSaver,
     ChunkStore,
     LocalChunkStore,
@@ -77,6 +80,11 @@ log = logging.getLogger("vllm.cachelayer_connector")
 SERVER_KEY = "cachelayer_server"
 # LMCache's name for the same switch, so an LMCache user's kv_connector_extra_config carries over.
 LAYERWISE_KEY = "use_layerwise"
+# Load in the background while the request waits off the batch (vLLM's asynchronous load).
+ASYNC_LOAD_KEY = "async_load"
+# How long a step with nothing scheduled waits for an asynchronous load to finish before it
+# returns (vLLM steps again at once: without the wait, the engine spins while the load runs).
+ASYNC_IDLE_WAIT_S = 0.01
 # Medium of the cache layer's chunks in vLLM's KV-event stream (vLLM's own blocks say "GPU"):
 # the worker's own store is this engine's CPU tier; the daemon's store is shared by every engine
 # attached to it, and the remote tier (Redis) by every engine configured with it. A router told
@@ -170,6 +178,8 @@ def _layer_index(name: str) -> tuple[int, str]:
 @dataclass
 class CacheLayerConnectorMetadata(KVConnectorMetadata):
     plan: StepPlan = field(default_factory=StepPlan)
+    # The step runs no forward pass (nothing scheduled, e.g. only asynchronous loads pending).
+    idle: bool = False
 
 
 @dataclass
@@ -352,6 +362,7 @@ class CacheLayerConnector(KVConnectorBase_V1):
         )
         self.lookup_timeout_s = float(extra.get("cachelayer_timeout_s", 5.0))
         self.layerwise = bool(extra.get(LAYERWISE_KEY, False))
+        self.async_load = bool(extra.get(ASYNC_LOAD_KEY, False))
         self.handoff_flush_s = float(extra.get(HANDOFF_FLUSH_KEY, 30.0))
         kv_role = self._kv_transfer_config.kv_role
         # A decode engine never saves; a prefill engine hands every prompt over (see above).
@@ -428,7 +439,8 @@ class CacheLayerConnector(KVConnectorBase_V1):
         self.timings.record(
             "get_num_new_matched_tokens", started, request_id=request.request_id, matched=matched
         )
-        return matched, False
+        # Asynchronous: the request waits off the batch while the worker loads its blocks.
+        return matched, self.async_load and matched > 0
 
     def _handoff(self, request: Request) -> bool:
         """Whether the request's prompt must be in the store before its answer leaves."""
@@ -455,6 +467,8 @@ class CacheLayerConnector(KVConnectorBase_V1):
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         started = time.perf_counter()
         plan = StepPlan()
+        if self.async_load:  # requests whose load starts now wait unscheduled
+            self.planner.take_pending_loads(plan)
         for new_request in scheduler_output.scheduled_new_reqs:
             self.planner.scheduled(
                 new_request.req_id,
@@ -478,7 +492,7 @@ class CacheLayerConnector(KVConnectorBase_V1):
             )
         if plan.loads or plan.saves:
             self.timings.record("build_connector_meta", started, loads=len(plan.loads), saves=len(plan.saves))
-        return CacheLayerConnectorMetadata(plan=plan)
+        return CacheLayerConnectorMetadata(plan=plan, idle=scheduler_output.total_num_scheduled_tokens == 0)
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         # Every save is done with the blocks within the step that computed the prompt (a handoff
@@ -511,6 +525,8 @@ class CacheLayerConnector(KVConnectorBase_V1):
         meta = connector_output.kv_connector_worker_meta
         if isinstance(meta, CacheLayerWorkerMetadata):
             for request_id, figures in meta.transfers.items():
+                if "loaded_tokens" in figures:
+                    self.planner.load_result(request_id, int(figures["loaded_tokens"]))
                 params = self._open_params.get(request_id)
                 if params is not None:
                     params.update(_as_params(figures))
@@ -543,6 +559,7 @@ class CacheLayerConnector(KVConnectorBase_V1):
         self.paged: PagedKV | None = None
         self.store: ChunkStore | None = None
         self.saver: BackgroundSaver | None = None
+        self.loader: BackgroundLoader | None = None
         self.lookup_server: StoreServer | None = None
         self._failed_blocks: set[int] = set()
         # Loads of this step, from start_load_kv until wait_for_save (the forward pass between).
@@ -609,24 +626,37 @@ class CacheLayerConnector(KVConnectorBase_V1):
             self.store = LocalChunkStore(engine)
             where = f"in-process, lookups served on {self.lookup_server.endpoint}"
         self.saver = BackgroundSaver(self.paged, self.store)
+        if self.async_load:
+            self.loader = BackgroundLoader(self.paged, self.store)
         log.info(
-            "cachelayer connector (worker %d): layout %s, %d layers, store %s",
+            "cachelayer connector (worker %d): layout %s, %d layers, store %s, %s loads",
             self.tp_rank,
             layout,
             len(layers),
             where,
+            "asynchronous" if self.async_load else "layer-by-layer" if self.layerwise else "synchronous",
         )
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         """Start this step's loads. Layer by layer (`use_layerwise`), each layer lands when its
-        attention asks (wait_for_layer_load) and the chunks stay leased until wait_for_save; else
-        every load completes here, before the forward pass."""
+        attention asks (wait_for_layer_load) and the chunks stay leased until wait_for_save;
+        asynchronous (`async_load`), each load is handed to the background loader and reported
+        by get_finished; else every load completes here, before the forward pass."""
         metadata = self._get_connector_metadata()
         assert isinstance(metadata, CacheLayerConnectorMetadata)
         if not metadata.plan.loads or self.paged is None or self.store is None:
             return
         for load in metadata.plan.loads:
             started = time.perf_counter()
+            if self.loader is not None:
+                self.loader.submit(
+                    request_id=load.request_id,
+                    token_ids=load.token_ids,
+                    block_ids=load.block_ids,
+                    first_block=load.first_block,
+                    cache_salt=load.cache_salt,
+                )
+                continue
             request_load = RequestLoad(
                 self.paged,
                 self.store,
@@ -756,6 +786,27 @@ class CacheLayerConnector(KVConnectorBase_V1):
                 "background_save", completed.seconds, request_id=completed.request_id, tokens=completed.tokens
             )
 
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        """The asynchronous loads finished since the last step, as vLLM's finished receives; a
+        load that failed (some or all blocks) is reported finished too, and its blocks by
+        get_block_ids_with_load_errors in the same step, so vLLM recomputes them. A request
+        aborted while loading is reported as well: vLLM frees its blocks only then."""
+        if self.loader is None:
+            return None, None
+        idle = self.has_connector_metadata() and getattr(self._get_connector_metadata(), "idle", False)
+        completed = self.loader.take_completed(ASYNC_IDLE_WAIT_S if idle else 0.0)
+        if not completed:
+            return None, None
+        for load in completed:
+            self._failed_blocks |= load.failed_blocks
+            self._step_transfers.setdefault(load.request_id, {}).update(
+                loaded_tokens=load.loaded_tokens, load_seconds=load.seconds
+            )
+            self.timings.record_seconds(
+                "async_load", load.seconds, request_id=load.request_id, failed=len(load.failed_blocks)
+            )
+        return None, {load.request_id for load in completed}
+
     def get_block_ids_with_load_errors(self) -> set[int]:
         failed, self._failed_blocks = self._failed_blocks, set()
         return failed
@@ -782,6 +833,9 @@ class CacheLayerConnector(KVConnectorBase_V1):
         return CacheLayerKVEvents(events)
 
     def _shutdown_worker(self) -> None:
+        if self.loader is not None:
+            self.loader.close()
+            self.loader = None
         if self.saver is not None:
             self.saver.close()
             self.saver = None
