@@ -31,6 +31,7 @@ import httpx
 
 from benchmarks.pd_real import LONG_WORDS, STREAM_WORDS, prefill_model_dir, streamed, warm_up
 from kvgate_testing.processes import wait_for_http
+from kvgate_testing.provenance import with_source
 from kvgate_testing.real_fleet import ENGINE_ENV, filler_text, pin_engines_to_cores
 from kvgate_testing.vllm import (
     SERVED_MODEL,
@@ -180,7 +181,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--output", default="/tmp/async_load_stalls.json")
     args = parser.parse_args(argv)
     results = measure(args.trials)
-    Path(args.output).write_text(json.dumps(results, indent=2) + "\n")
+    Path(args.output).write_text(json.dumps(with_source(results), indent=2) + "\n")
     print(json.dumps(results["summary"], indent=2))
     return 0
 
