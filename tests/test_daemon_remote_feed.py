@@ -277,31 +277,15 @@ def test_the_connector_publishes_the_feed_as_remote_events_through_vllms_own_enc
     """The connector's conversion of a feed (in the vLLM venv, where it runs), encoded by vLLM's
     KV-event batch, decodes here as a router reads it: stored and removed medium REMOTE, and the
     restart's clear as a one-medium AllBlocksCleared."""
-    import subprocess
-
-    from kvgate_testing.vllm import REPO_ROOT, VLLM_VENV, require_vllm
+    from kvgate_testing.vllm import kv_batch_encoded_by_vllm
     from kvwire import AllBlocksCleared, BlockRemoved, BlockStored, decode_batch
 
-    require_vllm()
-    script = (
-        "import sys, msgspec\n"
-        "from vllm.distributed.kv_events import KVEventBatch\n"
+    payload = kv_batch_encoded_by_vllm(
+        "remote_feed_events([FeedEvent('stored', 7, None, list(range(16)), 'tenant-a'),"
+        " FeedEvent('stored', 8, 7, list(range(16, 32))), FeedEvent('removed', 8), FeedEvent('cleared')])",
         "from cachelayer.connectors.vllm import remote_feed_events\n"
-        "from cachelayer.server.protocol import FeedEvent\n"
-        "feed = [FeedEvent('stored', 7, None, list(range(16)), 'tenant-a'),\n"
-        "        FeedEvent('stored', 8, 7, list(range(16, 32))), FeedEvent('removed', 8),\n"
-        "        FeedEvent('cleared')]\n"
-        "batch = KVEventBatch(ts=1.0, events=remote_feed_events(feed))\n"
-        "sys.stdout.buffer.write(msgspec.msgpack.Encoder().encode(batch))\n"
+        "from cachelayer.server.protocol import FeedEvent",
     )
-    payload = subprocess.run(
-        [str(VLLM_VENV / "bin" / "python"), "-c", script],
-        cwd=REPO_ROOT,
-        env={"PYTHONPATH": str(REPO_ROOT), "PATH": "/usr/bin:/bin"},
-        capture_output=True,
-        check=True,
-        timeout=300,
-    ).stdout
     first, second, removed, cleared = decode_batch(payload).events
     assert isinstance(first, BlockStored) and first.medium == "REMOTE" and first.block_hashes == [7]
     assert [list(key) for key in first.extra_keys] == [["tenant-a"]] and first.token_ids == list(range(16))

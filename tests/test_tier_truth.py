@@ -281,26 +281,12 @@ def test_a_shared_tier_removal_reported_by_one_member_leaves_every_member(encodi
 def test_the_connectors_one_medium_clear_goes_through_vllms_own_encoder_as_kvwire_reads_it():
     """What the connector sends when its daemon restarted, encoded by vLLM's KV-event batch (in the
     vLLM venv, where the connector runs), decodes here as AllBlocksCleared(medium="SHARED")."""
-    import subprocess
-
-    from kvgate_testing.vllm import REPO_ROOT, VLLM_VENV, require_vllm
+    from kvgate_testing.vllm import kv_batch_encoded_by_vllm
     from kvwire import decode_batch
 
-    require_vllm()
-    script = (
-        "import sys, msgspec\n"
-        "from vllm.distributed.kv_events import KVEventBatch\n"
-        "from cachelayer.connectors.vllm import MediumCleared, SHARED_DAEMON_MEDIUM\n"
-        "batch = KVEventBatch(ts=1.0, events=[MediumCleared(medium=SHARED_DAEMON_MEDIUM)])\n"
-        "sys.stdout.buffer.write(msgspec.msgpack.Encoder().encode(batch))\n"
+    payload = kv_batch_encoded_by_vllm(
+        "[MediumCleared(medium=SHARED_DAEMON_MEDIUM)]",
+        "from cachelayer.connectors.vllm import MediumCleared, SHARED_DAEMON_MEDIUM",
     )
-    payload = subprocess.run(
-        [str(VLLM_VENV / "bin" / "python"), "-c", script],
-        cwd=REPO_ROOT,
-        env={"PYTHONPATH": str(REPO_ROOT), "PATH": "/usr/bin:/bin"},
-        capture_output=True,
-        check=True,
-        timeout=300,
-    ).stdout
     (event,) = decode_batch(payload).events
     assert isinstance(event, AllBlocksCleared) and event.medium == "SHARED"
