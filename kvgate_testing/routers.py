@@ -9,6 +9,7 @@ The peers (sglang-router, vllm-router) come from PyPI into their own virtual env
 
 from __future__ import annotations
 
+import shutil
 import subprocess
 import time
 from collections.abc import Callable
@@ -239,6 +240,32 @@ def _start_envoy_alone(fleet: EngineFleet, timeout_s: float) -> RunningRouter:
         raise
     assert envoy.process is not None
     return RunningRouter(ENVOY_ALONE_POLICY, envoy.url, envoy.process, envoy.stop)
+
+
+SOCAT_RELAY = "socat_relay"
+
+
+def start_socat_relay(fleet: EngineFleet, timeout_s: float = 30.0) -> RunningRouter:
+    """socat (Debian's) relaying bytes to the fleet's first engine: one more loopback TCP hop and one
+    more process to wake, with no HTTP in it. A reference for what any router's hop costs on this
+    host, below which no proxy can go; not a router (it parses nothing, balances nothing)."""
+    binary = shutil.which("socat")
+    if binary is None:
+        raise RuntimeError("socat is not installed: `apt-get install -y socat` (the reference hop)")
+    engine = fleet.engines[0].url.removeprefix("http://")
+    port = free_port()
+    # A child per client connection (fork); 64 KiB reads; Nagle off both ways, as the routers have it.
+    process = ManagedProcess(
+        [binary, "-b", "65536", f"TCP-LISTEN:{port},bind=127.0.0.1,reuseaddr,fork,nodelay",
+         f"TCP:{engine},nodelay"]
+    )  # fmt: skip
+    url = f"http://127.0.0.1:{port}"
+    try:
+        _wait_until_forwarding(url, process, timeout_s)
+    except BaseException:
+        process.kill()
+        raise
+    return RunningRouter(SOCAT_RELAY, url, process, process.stop)
 
 
 def wait_until_synced(url: str, timeout_s: float, headers: dict[str, str] | None = None) -> None:
