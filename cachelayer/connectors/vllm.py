@@ -657,15 +657,7 @@ class CacheLayerConnector(KVConnectorBase_V1):
                     cache_salt=load.cache_salt,
                 )
                 continue
-            request_load = RequestLoad(
-                self.paged,
-                self.store,
-                token_ids=load.token_ids,
-                block_ids=load.block_ids,
-                first_block=load.first_block,
-                cache_salt=load.cache_salt,
-                layerwise=self.layerwise,
-            )
+            request_load = RequestLoad.of(self.paged, self.store, load, layerwise=self.layerwise)
             if self.layerwise:
                 self._loading.append((load.request_id, started, request_load))
                 failed: set[int] = set()
