@@ -47,8 +47,9 @@ import httpx
 from benchmarks.pd_stalls import attribute
 from kvgate_testing.gateway import start_gateway
 from kvgate_testing.processes import wait_for_http
-from kvgate_testing.provenance import run_source, with_source
+from kvgate_testing.provenance import run_source
 from kvgate_testing.real_fleet import ENGINE_ENV, RealEngineFleet, filler_text, pin_engines_to_cores
+from kvgate_testing.results_files import write_results_files
 from kvgate_testing.streamed_decoding import LONG_WORDS, STREAM_WORDS, prefill_model_dir, streamed, warm_up
 from kvgate_testing.vllm import (
     SERVED_MODEL,
@@ -448,10 +449,7 @@ def main(argv: list[str] | None = None) -> int:
             parser.error("--duration and --long-interval must be positive")
         run_source()  # the checkout as the run starts: edits made while it runs change nothing recorded
         results = measure(args.duration, args.long_interval, order, args.decode_async_load)
-        output.with_suffix(".json").write_text(json.dumps(with_source(results), indent=2) + "\n")
-    write_report(results, output.with_suffix(".md"))
-    plot(results, output.with_suffix(".png"))
-    print(output.with_suffix(".md").read_text())
+    write_results_files(results, output, report=write_report, plot=plot, json_too=not args.report_only)
     return 0
 
 
