@@ -29,10 +29,10 @@ from typing import Any
 
 import httpx
 
-from benchmarks.pd_real import LONG_WORDS, STREAM_WORDS, prefill_model_dir, streamed, warm_up
 from kvgate_testing.processes import wait_for_http
 from kvgate_testing.provenance import with_source
 from kvgate_testing.real_fleet import ENGINE_ENV, filler_text, pin_engines_to_cores
+from kvgate_testing.streamed_decoding import LONG_WORDS, STREAM_WORDS, prefill_model_dir, streamed, warm_up
 from kvgate_testing.vllm import (
     SERVED_MODEL,
     VLLM_START_TIMEOUT_S,

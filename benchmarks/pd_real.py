@@ -36,7 +36,6 @@ import itertools
 import json
 import os
 import platform
-import subprocess
 import tempfile
 import time
 from collections import Counter
@@ -47,13 +46,13 @@ import httpx
 
 from benchmarks.pd_stalls import attribute
 from kvgate_testing.gateway import start_gateway
-from kvgate_testing.processes import REPO_ROOT, wait_for_http
-from kvgate_testing.provenance import run_source, with_source
+from kvgate_testing.processes import wait_for_http
+from kvgate_testing.provenance import run_source
 from kvgate_testing.real_fleet import ENGINE_ENV, RealEngineFleet, filler_text, pin_engines_to_cores
+from kvgate_testing.results_files import write_results_files
+from kvgate_testing.streamed_decoding import LONG_WORDS, STREAM_WORDS, prefill_model_dir, streamed, warm_up
 from kvgate_testing.vllm import (
     SERVED_MODEL,
-    TINY_MODEL,
-    VLLM_BIN,
     VLLM_START_TIMEOUT_S,
     VllmServer,
     require_vllm,
@@ -67,8 +66,6 @@ RESULTS = Path(__file__).resolve().parent / "results"
 CHUNK = 256
 STREAMS = 4
 DECODE_TOKENS = 128
-STREAM_WORDS = 24
-LONG_WORDS = 1600  # one token a word: about 1,600 prompt tokens
 LONG_OUTPUT_TOKENS = 4
 DECISION_POLL_S = 5.0
 CONFIGURATIONS = {
@@ -78,51 +75,11 @@ CONFIGURATIONS = {
 }
 
 
-def prefill_model_dir() -> Path:
-    """The `prefill` preset's directory, built by the engines' own Python when missing (else a no-op)."""
-    directory = TINY_MODEL.with_name("prefill-qwen3")
-    build = REPO_ROOT / "scripts" / "build_tiny_model.py"
-    command = [str(VLLM_BIN.with_name("python")), str(build), "--preset", "prefill", "--out", str(directory)]
-    subprocess.run(command, check=True, cwd=REPO_ROOT)
-    return directory
-
-
 def percentile(values: list[float], q: float) -> float | None:
     if not values:
         return None
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
-
-
-async def streamed(client: httpx.AsyncClient, url: str, prompt: str, max_tokens: int) -> dict[str, Any]:
-    """One streamed completion: its TTFT, inter-token gaps and the engine that answered; raises on a
-    failed one (a status other than 200, or fewer tokens than asked for)."""
-    body = {
-        "model": SERVED_MODEL,
-        "prompt": prompt,
-        "max_tokens": max_tokens,
-        "stream": True,
-        "ignore_eos": True,
-        "temperature": 0.0,
-    }
-    started = time.perf_counter()
-    arrivals: list[float] = []
-    async with client.stream("POST", f"{url}/v1/completions", json=body) as response:
-        if response.status_code != 200:
-            raise RuntimeError(f"HTTP {response.status_code}: {(await response.aread())[:300]!r}")
-        backend = response.headers.get("x-kvgate-backend")
-        request_id = response.headers.get("x-request-id")
-        async for line in response.aiter_lines():
-            if line.startswith("data: {"):
-                arrivals.append(time.perf_counter())
-    if len(arrivals) != max_tokens:
-        raise RuntimeError(f"{len(arrivals)} of {max_tokens} tokens streamed")
-    return {
-        "ttft_s": arrivals[0] - started,
-        "gaps_s": [b - a for a, b in itertools.pairwise(arrivals)],
-        "backend": backend,
-        "request_id": request_id,
-    }
 
 
 async def workload(url: str, tag: str, duration_s: float, long_interval_s: float) -> list[dict[str, Any]]:
@@ -211,16 +168,6 @@ def gateway_config(engines: dict[str, VllmServer], roles: dict[str, str], mode: 
         **RealEngineFleet.gateway_settings,
         "disaggregation": {"mode": mode},
     }
-
-
-def warm_up(engines: list[VllmServer]) -> None:
-    """A fresh vLLM is slow on each new shape: one long prompt and one short decode per engine, unmeasured."""
-    for engine in engines:
-        for words, tokens in ((LONG_WORDS, 2), (STREAM_WORDS, 16)):
-            body = {"model": SERVED_MODEL, "prompt": f"warm-up {engine.name}: {filler_text(words)}",
-                    "max_tokens": tokens, "ignore_eos": True}  # fmt: skip
-            response = httpx.post(f"{engine.url}/v1/completions", json=body, timeout=300)
-            response.raise_for_status()
 
 
 async def with_decisions(
@@ -502,10 +449,7 @@ def main(argv: list[str] | None = None) -> int:
             parser.error("--duration and --long-interval must be positive")
         run_source()  # the checkout as the run starts: edits made while it runs change nothing recorded
         results = measure(args.duration, args.long_interval, order, args.decode_async_load)
-        output.with_suffix(".json").write_text(json.dumps(with_source(results), indent=2) + "\n")
-    write_report(results, output.with_suffix(".md"))
-    plot(results, output.with_suffix(".png"))
-    print(output.with_suffix(".md").read_text())
+    write_results_files(results, output, report=write_report, plot=plot, json_too=not args.report_only)
     return 0
 
 

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import os
 import platform
 import statistics
@@ -34,7 +33,6 @@ from pathlib import Path
 import httpx
 
 from kvgate_testing.processes import wait_for_http
-from kvgate_testing.provenance import with_source
 from kvgate_testing.real_fleet import (
     DEFAULT_MODEL_LAYERS,
     ENGINE_ENV,
@@ -46,6 +44,7 @@ from kvgate_testing.real_fleet import (
     pin_engines_to_cores,
 )
 from kvgate_testing.replay import sse_chunks
+from kvgate_testing.results_files import write_results_files
 from kvgate_testing.vllm import (
     SERVED_MODEL,
     TINY_MODEL_LAYERS,
@@ -260,11 +259,7 @@ def main(argv: list[str] | None = None) -> int:
     if not layers or min(layers) < 1 or args.rounds < 1:
         parser.error("--layers needs depths of at least 1, --rounds at least 1")
     results = measure(layers, args.rounds)
-    output = Path(args.output)
-    output.with_suffix(".json").write_text(json.dumps(with_source(results), indent=2) + "\n")
-    write_report(results, output.with_suffix(".md"))
-    plot(results, output.with_suffix(".png"))
-    print(output.with_suffix(".md").read_text())
+    write_results_files(results, Path(args.output), report=write_report, plot=plot)
     return 0
 
 

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import functools
 import logging
 import os
 import re
@@ -30,9 +29,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
 
+from router.startup import cannot_listen, configure_logging, launch_simulated_engines, serve_app
+
+# Looked up as router.serve._server_class when `run` starts (a test hands `run` its own server).
+from router.startup import server_class as _server_class
+
 if TYPE_CHECKING:
     from router.config import Config
-    from router.launch import SimulatedFleet
 
 log = logging.getLogger("kvgate")
 
@@ -42,10 +45,8 @@ _HEALTHY_RUN_S = 10.0
 _MAX_RESTART_DELAY_S = 30.0
 # How long stopping workers get to finish their requests before they are killed.
 _STOP_GRACE_S = 15.0
-# A worker writes a heartbeat this often from its event loop (uvicorn's 0.1 s tick, every 5th)...
-_HEARTBEAT_TICKS = 5
-# ... and its first one within this long of its start (it loads tokenizers and connects first),
-# or it is taken for hung.
+# A worker writes its first heartbeat (router/startup.py) within this long of its start (it loads
+# tokenizers and connects first), or it is taken for hung.
 _FIRST_HEARTBEAT_S = 120.0
 
 # Where --config is read from when the flag is not given (a container sets it once).
@@ -171,29 +172,10 @@ def _load(args: argparse.Namespace) -> Config:
     return load_config(args.config)
 
 
-def check_listen_address(host: str, port: int) -> None:
-    """Bind every address `host` resolves to on `port` as uvicorn will (SO_REUSEADDR), then let go:
-    a port another process listens on fails here, at once, instead of after the simulated engines
-    have started. Raises OSError (strerror says why)."""
-    for family, kind, proto, _, address in socket.getaddrinfo(
-        host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
-    ):
-        with socket.socket(family, kind, proto) as sock:
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            if family == socket.AF_INET6:
-                # As asyncio's create_server: the IPv6 socket does not also claim the IPv4 port.
-                sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
-            sock.bind(address)
-
-
 def run(args: argparse.Namespace) -> int:
-    import uvicorn
-
     from router.app import create_app
     from router.config import ConfigError, check_admin_exposure
     from router.http_server import gateway_http_protocol
-    from router.launch import LaunchError
-    from router.policies import PolicyUnavailable
 
     try:
         config = _load(args)
@@ -205,17 +187,12 @@ def run(args: argparse.Namespace) -> int:
         return 2
     port = config.listen.port if args.port is None else args.port
     log_level = args.log_level or config.log_level
-    logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    configure_logging(log_level)
     if args.worker_index is None:
         # Checked once, by the process that owns the port: a worker binds it beside its siblings.
-        try:
-            check_listen_address(host, port)
-        except OSError as exc:
-            print(
-                f"kvgate: cannot listen on {host}:{port} ({exc.strerror}): stop what holds the port, "
-                "or choose another with listen.port in the config or --port",
-                file=sys.stderr,
-            )
+        refusal = cannot_listen(host, port, fix="listen.port in the config or --port")
+        if refusal is not None:
+            print(refusal, file=sys.stderr)
             return 2
     workers = config.listen.workers if args.workers is None else args.workers
     if args.worker_index is None and workers != 1:
@@ -225,92 +202,36 @@ def run(args: argparse.Namespace) -> int:
         listening = _reuse_port_socket(host, port)
         if config.cluster is not None and config.cluster.replica_id is not None:
             config.cluster.replica_id = f"{config.cluster.replica_id}-w{args.worker_index}"
+
+    def uvicorn_options(app: Any) -> dict[str, Any]:
+        return {
+            "host": host,
+            "port": port,
+            "loop": "uvloop",
+            # uvicorn's httptools protocol plus the direct path for the generation routes.
+            "http": gateway_http_protocol(app.state.gateway, app.fast_endpoints.values()),
+            "log_level": log_level,
+            "access_log": False,
+            # X-Forwarded-* rewriting is not used by the gateway and costs CPU on every request.
+            "proxy_headers": False,
+            # The backend's own Server and Date headers pass through; uvicorn must not add a second pair.
+            "server_header": False,
+            "date_header": False,
+            # Clients (and benchmark load) keep connections open between requests.
+            "timeout_keep_alive": 75,
+            "backlog": 4096,
+        }
+
     # `launch:` asks for simulated engines (router/sim): start them, route to them, stop them on exit.
-    try:
-        fleet = _launch_simulated_engines(config)
-    except LaunchError as exc:
-        print(f"kvgate: {source}: {exc}", file=sys.stderr)
-        return 2
-    try:
-        try:
-            app = create_app(config)
-        except (PolicyUnavailable, ConfigError) as exc:  # ConfigError: discovery's credentials
-            print(f"kvgate: {source}: {exc}", file=sys.stderr)
-            return 2
-        server = _server_class()(
-            uvicorn.Config(
-                app,
-                host=host,
-                port=port,
-                loop="uvloop",
-                # uvicorn's httptools protocol plus the direct path for the generation routes.
-                http=gateway_http_protocol(app.state.gateway, app.fast_endpoints.values()),
-                log_level=log_level,
-                access_log=False,
-                # X-Forwarded-* rewriting is not used by the gateway and costs CPU on every request.
-                proxy_headers=False,
-                # The backend's own Server and Date headers pass through; uvicorn must not add a second pair.
-                server_header=False,
-                date_header=False,
-                # Clients (and benchmark load) keep connections open between requests.
-                timeout_keep_alive=75,
-                backlog=4096,
-            )
-        )
-        if args.heartbeat_fd is not None:
-            # Never blocks the loop: a supervisor that stops reading loses heartbeats, not the worker.
-            os.set_blocking(args.heartbeat_fd, False)
-            server.heartbeat_fd = args.heartbeat_fd
-        try:
-            server.run(sockets=None if listening is None else [listening])
-        except KeyboardInterrupt:
-            # uvicorn has already shut down gracefully; it re-raises the interrupt so the exit
-            # status says so. Exit 130 (interrupted) without a traceback.
-            return 130
-        # The re-raised interrupt can also end as a cancellation of the loop's main task that
-        # came too late to stop it (asyncio's SIGINT handler; a race at the very end): the exit
-        # status still says the gateway was interrupted.
-        return 130 if server.interrupted else 0
-    finally:
-        if fleet is not None:
-            fleet.stop()
-
-
-@functools.cache
-def _server_class() -> type:
-    """uvicorn's Server, noting whether SIGINT stopped it (imported when `serve` runs)."""
-    import uvicorn
-
-    class InterruptibleServer(uvicorn.Server):
-        interrupted = False
-        # A worker's end of its supervisor's heartbeat pipe (--heartbeat-fd).
-        heartbeat_fd: int | None = None
-
-        def handle_exit(self, sig: int, frame: Any) -> None:
-            if sig == signal.SIGINT:
-                self.interrupted = True
-            super().handle_exit(sig, frame)
-
-        async def on_tick(self, counter: int) -> bool:
-            # Written from the event loop itself: a heartbeat says the loop runs, so requests do.
-            if self.heartbeat_fd is not None and counter % _HEARTBEAT_TICKS == 0:
-                with contextlib.suppress(BlockingIOError, BrokenPipeError):
-                    os.write(self.heartbeat_fd, b".")
-            return await super().on_tick(counter)
-
-    return InterruptibleServer
-
-
-def _launch_simulated_engines(config: Config) -> SimulatedFleet | None:
-    """Start the simulated engines `launch:` asks for and add them to the backends (None when it asks
-    for none); raises LaunchError."""
-    if config.launch is None or config.launch.simulated_engines is None:
-        return None
-    from router.launch import launch_simulated_engines
-
-    fleet = launch_simulated_engines(config.launch.simulated_engines, config)
-    config.backends.extend(fleet.backends)
-    return fleet
+    return serve_app(
+        config,
+        source,
+        lambda: create_app(config),
+        uvicorn_options,
+        server=_server_class(),
+        sockets=None if listening is None else [listening],
+        heartbeat_fd=args.heartbeat_fd,
+    )
 
 
 def _reuse_port_socket(host: str, port: int) -> socket.socket:
@@ -356,7 +277,7 @@ def _supervise(
     written = None
     # Started once here, for every worker: the workers get a configuration naming them.
     try:
-        fleet = _launch_simulated_engines(config)
+        fleet = launch_simulated_engines(config)
     except LaunchError as exc:
         print(f"kvgate: {args.config}: {exc}", file=sys.stderr)
         return 2

@@ -57,7 +57,7 @@ def test_a_taken_listen_port_fails_at_once_with_one_line_before_any_engine_start
 
 
 def test_the_check_refuses_a_listening_port_and_leaves_a_free_one_free():
-    from router.serve import check_listen_address
+    from router.startup import check_listen_address
 
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as holder:
         holder.bind(("127.0.0.1", 0))

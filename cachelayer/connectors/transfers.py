@@ -37,6 +37,7 @@ import torch
 from torch import Tensor
 
 from cachelayer import gpu
+from cachelayer.connectors.planning import LoadSpec
 from cachelayer.engine import CacheEngine
 from cachelayer.server.client import StoreClient, StoreUnavailable
 from cachelayer.server.daemon import store_with_events
@@ -339,6 +340,19 @@ class RequestLoad:
         except StoreUnavailable as exc:
             self._failed(exc)
 
+    @classmethod
+    def of(cls, paged: PagedKV, store: ChunkStore, load: LoadSpec, *, layerwise: bool = False) -> RequestLoad:
+        """Start the load the scheduler planned (`load`) from `store` into `paged`."""
+        return cls(
+            paged,
+            store,
+            token_ids=load.token_ids,
+            block_ids=load.block_ids,
+            first_block=load.first_block,
+            cache_salt=load.cache_salt,
+            layerwise=layerwise,
+        )
+
     def load_layer(self, layer: int) -> None:
         """Make layer `layer` of every loaded block hold its KV (before that layer's attention)."""
         for load in self._loads:
@@ -579,15 +593,6 @@ class CompletedLoad:
     seconds: float
 
 
-@dataclass(slots=True)
-class _QueuedLoad:
-    request_id: str
-    token_ids: list[int]
-    block_ids: list[int]
-    first_block: int
-    cache_salt: str | None
-
-
 class BackgroundLoader:
     """Loads requests' stored prefixes into their blocks on one background thread (vLLM's
     asynchronous load: the request waits off the batch, in WAITING_FOR_REMOTE_KVS, until the
@@ -602,7 +607,7 @@ class BackgroundLoader:
     def __init__(self, paged: PagedKV, store: ChunkStore) -> None:
         self.paged = paged
         self.store = store
-        self._queue: queue.SimpleQueue[_QueuedLoad | None] = queue.SimpleQueue()
+        self._queue: queue.SimpleQueue[LoadSpec | None] = queue.SimpleQueue()
         self._state = threading.Condition()
         self._outstanding = 0
         self._completed: list[CompletedLoad] = []
@@ -620,7 +625,7 @@ class BackgroundLoader:
     ) -> None:
         with self._state:
             self._outstanding += 1
-        self._queue.put(_QueuedLoad(request_id, list(token_ids), list(block_ids), first_block, cache_salt))
+        self._queue.put(LoadSpec(request_id, list(token_ids), list(block_ids), first_block, cache_salt))
 
     @property
     def outstanding(self) -> int:
@@ -649,18 +654,11 @@ class BackgroundLoader:
         self._queue.put(None)
         self._thread.join(timeout=5)
 
-    def _load(self, queued: _QueuedLoad) -> CompletedLoad:
+    def _load(self, queued: LoadSpec) -> CompletedLoad:
         started = time.perf_counter()
         wanted = queued.block_ids[: len(queued.token_ids) // self.paged.block_size]
         try:
-            request_load = RequestLoad(
-                self.paged,
-                self.store,
-                token_ids=queued.token_ids,
-                block_ids=queued.block_ids,
-                first_block=queued.first_block,
-                cache_salt=queued.cache_salt,
-            )
+            request_load = RequestLoad.of(self.paged, self.store, queued)
             failed = request_load.finish()
             loaded_tokens = request_load.loaded_tokens(failed)
         except Exception:  # the loader must outlive one bad load, and the request must not hang

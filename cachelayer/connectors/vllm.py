@@ -33,6 +33,7 @@ import re
 import tempfile
 import threading
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -240,6 +241,29 @@ class MediumCleared(KVCacheEvent, tag="AllBlocksCleared"):
     medium: str | None = None
 
 
+def _block_stored(
+    block_hashes: Sequence[Any],
+    parent_block_hash: Any,
+    token_ids: Sequence[int],
+    medium: str,
+    extra_keys: list[Any] | None,
+    *,
+    block_size: int | None = None,
+) -> BlockStored:
+    """vLLM's BlockStored for stored tokens of no LoRA adapter; `block_size` is the number of
+    tokens unless the event says otherwise."""
+    return BlockStored(
+        block_hashes=list(block_hashes),
+        parent_block_hash=parent_block_hash,
+        token_ids=list(token_ids),
+        block_size=len(token_ids) if block_size is None else block_size,
+        lora_id=None,
+        medium=medium,
+        lora_name=None,
+        extra_keys=extra_keys,
+    )
+
+
 def to_vllm_events(
     chunk_events: list[ChunkEvent], cache_salt: str | None, medium: str = EVENT_MEDIUM
 ) -> list[KVCacheEvent]:
@@ -249,18 +273,7 @@ def to_vllm_events(
     for chunk in chunk_events:
         if chunk.kind == "stored":
             extra_keys = [(cache_salt,)] if cache_salt is not None and chunk.parent_key is None else None
-            events.append(
-                BlockStored(
-                    block_hashes=[chunk.key],
-                    parent_block_hash=chunk.parent_key,
-                    token_ids=list(chunk.token_ids),
-                    block_size=len(chunk.token_ids),
-                    lora_id=None,
-                    medium=medium,
-                    lora_name=None,
-                    extra_keys=extra_keys,
-                )
-            )
+            events.append(_block_stored([chunk.key], chunk.parent_key, chunk.token_ids, medium, extra_keys))
         else:
             events.append(BlockRemoved(block_hashes=[chunk.key], medium=medium))
     return events
@@ -275,15 +288,13 @@ def remote_tier_events(events: list[Any]) -> list[KVCacheEvent]:
             continue
         if hasattr(event, "token_ids"):
             converted.append(
-                BlockStored(
-                    block_hashes=list(event.block_hashes),
-                    parent_block_hash=event.parent_block_hash,
-                    token_ids=list(event.token_ids),
+                _block_stored(
+                    event.block_hashes,
+                    event.parent_block_hash,
+                    event.token_ids,
+                    REMOTE_MEDIUM,
+                    event.extra_keys,
                     block_size=event.block_size,
-                    lora_id=None,
-                    medium=REMOTE_MEDIUM,
-                    lora_name=None,
-                    extra_keys=event.extra_keys,
                 )
             )
         else:
@@ -298,17 +309,9 @@ def remote_feed_events(feed: list[FeedEvent]) -> list[KVCacheEvent]:
     converted: list[KVCacheEvent] = []
     for event in feed:
         if event.kind == "stored":
+            extra_keys = [(event.cache_salt,)] if event.cache_salt is not None else None
             converted.append(
-                BlockStored(
-                    block_hashes=[event.key],
-                    parent_block_hash=event.parent_key,
-                    token_ids=list(event.token_ids),
-                    block_size=len(event.token_ids),
-                    lora_id=None,
-                    medium=REMOTE_MEDIUM,
-                    lora_name=None,
-                    extra_keys=[(event.cache_salt,)] if event.cache_salt is not None else None,
-                )
+                _block_stored([event.key], event.parent_key, event.token_ids, REMOTE_MEDIUM, extra_keys)
             )
         elif event.kind == "removed":
             converted.append(BlockRemoved(block_hashes=[event.key], medium=REMOTE_MEDIUM))
@@ -657,15 +660,7 @@ class CacheLayerConnector(KVConnectorBase_V1):
                     cache_salt=load.cache_salt,
                 )
                 continue
-            request_load = RequestLoad(
-                self.paged,
-                self.store,
-                token_ids=load.token_ids,
-                block_ids=load.block_ids,
-                first_block=load.first_block,
-                cache_salt=load.cache_salt,
-                layerwise=self.layerwise,
-            )
+            request_load = RequestLoad.of(self.paged, self.store, load, layerwise=self.layerwise)
             if self.layerwise:
                 self._loading.append((load.request_id, started, request_load))
                 failed: set[int] = set()

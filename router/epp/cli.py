@@ -10,7 +10,6 @@ how to install it when it is missing.
 from __future__ import annotations
 
 import argparse
-import logging
 import os
 import sys
 
@@ -55,14 +54,10 @@ def run(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 2
-    import uvicorn
-
     from router.app import create_app
     from router.config import ConfigError, check_admin_exposure, check_epp_exposure, load_config
     from router.epp.server import EppServer
-    from router.launch import LaunchError
-    from router.policies import PolicyUnavailable
-    from router.serve import _launch_simulated_engines, _server_class, check_listen_address
+    from router.startup import cannot_listen, configure_logging, serve_app, server_class
 
     if args.config is None:
         print(f"kvgate: give --config proxy.yaml (or set {CONFIG_ENV})", file=sys.stderr)
@@ -87,50 +82,29 @@ def run(args: argparse.Namespace) -> int:
         print(f"kvgate: {exc}", file=sys.stderr)
         return 2
     log_level = args.log_level or config.log_level
-    logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    for what, (listen_host, listen_port), key in (
+    configure_logging(log_level)
+    for what, (listen_host, listen_port), fix in (
         ("HTTP", (host, port), "listen.port or --port"),
         ("gRPC", (config.epp.host, config.epp.port), "epp.port or --epp-port"),
     ):
-        try:
-            check_listen_address(listen_host, listen_port)
-        except OSError as exc:
-            print(
-                f"kvgate: cannot listen ({what}) on {listen_host}:{listen_port} ({exc.strerror}): stop what "
-                f"holds the port, or choose another with {key}",
-                file=sys.stderr,
-            )
+        refusal = cannot_listen(listen_host, listen_port, fix=fix, what=what)
+        if refusal is not None:
+            print(refusal, file=sys.stderr)
             return 2
-    try:
-        fleet = _launch_simulated_engines(config)
-    except LaunchError as exc:
-        print(f"kvgate: {args.config}: {exc}", file=sys.stderr)
-        return 2
-    try:
-        try:
-            app = create_app(config, proxy=False, faces=[EppServer(config)])
-        except (PolicyUnavailable, ConfigError) as exc:  # ConfigError: discovery's credentials
-            print(f"kvgate: {args.config}: {exc}", file=sys.stderr)
-            return 2
-        # The asyncio loop, not uvloop: grpc.aio runs on the standard event loop.
-        server = _server_class()(
-            uvicorn.Config(
-                app,
-                host=host,
-                port=port,
-                loop="asyncio",
-                log_level=log_level,
-                access_log=False,
-                lifespan="on",
-            )
-        )
-        try:
-            server.run()
-        except KeyboardInterrupt:
-            return 130
-        if not server.started:
-            return 1  # the lifespan failed (logged): the picker did not start
-        return 130 if server.interrupted else 0
-    finally:
-        if fleet is not None:
-            fleet.stop()
+    # The asyncio loop, not uvloop: grpc.aio runs on the standard event loop.
+    options = {
+        "host": host,
+        "port": port,
+        "loop": "asyncio",
+        "log_level": log_level,
+        "access_log": False,
+        "lifespan": "on",
+    }
+    return serve_app(
+        config,
+        args.config,
+        lambda: create_app(config, proxy=False, faces=[EppServer(config)]),
+        lambda app: options,
+        server=server_class(),
+        exit_1_unless_started=True,  # the lifespan failed (logged): the picker did not start
+    )
