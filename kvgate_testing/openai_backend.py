@@ -7,7 +7,8 @@ the same made-up completion, whole or streamed: the gateway's forwarding is what
 Behaviour per request, chosen by headers the gateway forwards unchanged:
 - `x-test-status: 503` answers that status (OpenAI error shape);
 - `x-test-delay-ms: N` waits before the response headers (upstream timeouts);
-- `x-test-chunks: N` and `x-test-chunk-delay-ms: N` shape a streamed (`"stream": true`) answer.
+- `x-test-chunks: N` and `x-test-chunk-delay-ms: N` shape a streamed (`"stream": true`) answer;
+  `x-test-first-chunk-delay-ms: N` waits between its head and its first chunk (an engine's prefill).
 Behaviour for every request, set with POST /_test/mode {"status": 503, "health_status": 503}
 (and "health_delay_ms": N, a /health that takes N ms to answer).
 GET /_test/received lists what it received (request id, path, body) unless started with --no-record;
@@ -125,6 +126,9 @@ class OpenAIBackend:
         chunk_delay_s = float(headers.get("x-test-chunk-delay-ms", 0)) / 1000
         start = {"type": "http.response.start", "status": 200, "headers": _SSE_HEADERS + self._name_header}
         await send(start)
+        first_chunk_delay_s = float(headers.get("x-test-first-chunk-delay-ms", 0)) / 1000
+        if first_chunk_delay_s:
+            await asyncio.sleep(first_chunk_delay_s)
         disconnected = asyncio.Event()
         watcher = None
         if chunk_delay_s:

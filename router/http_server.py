@@ -161,20 +161,30 @@ class _Exchange:
         self.task: asyncio.Task | None = None
 
     async def start(self, status: int, headers: list[tuple[bytes, bytes]]) -> None:
-        # Held until the first body piece so that a whole JSON answer leaves in one write.
+        # Held until the first body piece so that a whole JSON answer leaves in one write. An event
+        # stream's head leaves at once, as the engine sent it: its client reads the head while the
+        # engine computes the first token, instead of after it (its first event's time otherwise
+        # carries the client's work on the head; benchmarks/real_added_latency.py).
         parts = [STATUS_LINE[status]]
         chunked = True
+        event_stream = False
         for name, value in headers:
             if name == b"content-length":
                 chunked = False
+            elif name == b"content-type" and value.startswith(b"text/event-stream"):
+                event_stream = True
             parts += (name, b": ", value, b"\r\n")
         if chunked:
             parts.append(b"transfer-encoding: chunked\r\n")
         if self.protocol.closing:
             parts.append(b"connection: close\r\n")
         parts.append(b"\r\n")
-        self.head = b"".join(parts)
         self.chunked = chunked
+        protocol = self.protocol
+        if event_stream and not protocol.ended and not protocol.transport.is_closing():
+            protocol.transport.write(b"".join(parts))
+        else:
+            self.head = b"".join(parts)
 
     async def body(self, piece: bytes, more: bool) -> None:
         if self.chunked:

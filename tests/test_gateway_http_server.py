@@ -127,6 +127,28 @@ def test_a_stream_is_sent_chunked_and_the_connection_stays_open(gateway):
     assert not closed
 
 
+def test_an_event_streams_head_is_relayed_before_its_first_event(gateway):
+    # The engine sends an event stream's head at once and its first event after the prefill; the
+    # client reads the head meanwhile. Held back to go out with the first event, the head's handling
+    # would land on the time to the first token (benchmarks/real_added_latency.py, streamed shapes).
+    port = int(gateway.url.rsplit(":", 1)[1])
+    body = _completion("head first", stream=True)
+    headers = {"x-test-chunks": "2", "x-test-first-chunk-delay-ms": "1500"}
+    with socket.create_connection(("127.0.0.1", port), timeout=20) as sock:
+        sock.sendall(_request(port, "POST", "/v1/completions", body, headers))
+        received = b""
+        while b"\r\n\r\n" not in received:
+            received += sock.recv(65536)
+        head_at = time.monotonic()
+        assert received.startswith(b"HTTP/1.1 200")
+        assert b"text/event-stream" in received
+        assert received.endswith(b"\r\n\r\n"), "the first event came with the head"
+        while b"data: " not in received:
+            received += sock.recv(65536)
+        # A lower bound only: the event waited the backend's delay after the head.
+        assert time.monotonic() - head_at > 1.0
+
+
 def test_connection_close_is_honoured_on_a_generation_route(gateway):
     port = int(gateway.url.rsplit(":", 1)[1])
     headers = {"connection": "close", "x-request-id": "bye"}
