@@ -19,11 +19,15 @@ difference is the router's own cost, routing quality does not enter.
 Head to head (`--head-to-head kv_aware,least_loaded`, on by default when both are measured): the
 issue's first goal compares two routers, and two medians taken minutes apart differ by what the
 machine did in between (0.2-0.3 ms at 20 pairs). So both routers also run at once, and each round
-sends the shape direct, through one and through the other, in an order that rotates over all six,
-as triplets; the goal is read from the median of the paired differences between the two routers.
+sends the shape direct and through every side, in an order that rotates over every position; the
+goal is read from the median of the paired differences between the two routers. The same rounds
+also time reference hops (`--references envoy,socat`, both by default): Envoy as a plain L7 proxy
+(its own LEAST_REQUEST balancing, one worker, pinned like the routers) and a socat byte relay (one
+more loopback hop and one more process to wake, nothing parsed): what any hop costs on this host.
 
     .venv/bin/python -m benchmarks.real_added_latency [--pairs 20] [--layout split|shared]
         [--routers least_loaded,kv_aware,...] [--profile kv_aware] [--head-to-head A,B] [--rounds 40]
+        [--references envoy,socat]
 
 `--profile POLICY` also records the router's process with py-spy during that policy's pairs and
 writes the functions that dominate to the report (kvgate_testing/profiling.py).
