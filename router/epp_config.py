@@ -49,6 +49,12 @@ class Epp(_Section):
     # How Envoy sends request bodies: "auto" reads the mode Envoy announces in the stream's first
     # message (protocol_config) and takes BUFFERED when it announces none.
     request_body_mode: EppBodyMode = "auto"
+    # Envoy sends its gRPC access log to the picker (deploy/envoy/envoy-epp.yaml does). Envoy opens
+    # the log's stream with its first entry only, so true lets a pick whose ext_proc stream ended
+    # before its answer wait for the answer's entry before any log stream has connected (the first
+    # requests after Envoy starts, or after the stream dropped); false waits only while one is
+    # connected, and closes the accounting at the ext_proc stream's end otherwise.
+    envoy_access_log: bool = True
     # Read `usage` (prompt, cached, completion tokens) from response bodies Envoy sends the
     # picker, chunk by chunk, never holding a streamed answer back.
     usage_from_body: bool = True
