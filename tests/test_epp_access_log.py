@@ -154,6 +154,24 @@ def test_with_envoy_access_log_false_and_no_log_stream_a_pick_closes_at_its_stre
         assert finished(epp)["stream_closed"] == 1
 
 
+def test_an_entry_that_never_comes_ends_the_wait_at_the_stream_timeout_with_a_warning(
+    backends: list[BackendProcess],
+) -> None:
+    """epp.envoy_access_log true and an Envoy that does not log here: the wait is bounded, and the
+    picker says what to fix."""
+    config = {
+        "models": [{"name": MODEL}],
+        "backends": [{"name": backend.name, "url": backend.url} for backend in backends],
+        "epp": {"stream_timeout_s": 1.0},
+    }
+    with start_picker(config) as epp, epp.channel() as channel:
+        pick_and_end_stream(channel, "never-logged")
+        assert sum(in_flight(epp).values()) == 1
+        wait_for(lambda: sum(in_flight(epp).values()) == 0, 10, "the load released at the timeout")
+        assert finished(epp) == {"access_log_timeout": 1}
+        assert "set epp.envoy_access_log: false" in epp.output()
+
+
 def test_with_the_access_log_connected_the_entry_ends_the_pick_and_names_the_engine(
     epp: PickerProcess, channel: grpc.Channel, backends: list[BackendProcess]
 ) -> None:

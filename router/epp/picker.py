@@ -243,10 +243,11 @@ class EndpointPicker:
     def access_log_closed(self) -> None:
         """The last access-log stream closed. Envoy going away (a restart, a crash) closes it, and no
         entry will come for the requests it had: the picks left waiting close now, and so will those
-        made before this close whose ext_proc stream ends later (their Envoy may be the one gone). An
-        Envoy still running opens a stream again with its next entry; the picks made from now on wait
-        for theirs. The entries that do come for the picks closed here are ignored: a dropped stream
-        costs their load, released before their answers end, not a load held for a request gone."""
+        made before this close whose ext_proc stream ends later while no stream is connected (their
+        Envoy may be the one gone). An Envoy still running opens a stream again with its next entry;
+        the picks made from now on wait for theirs. The entries that do come for the picks closed
+        here are ignored: a dropped stream costs their load, released before their answers end, not
+        a load held for a request gone."""
         self.access_log_closes += 1
         for picks in list(self._by_request_id.values()):
             for pick in list(picks):
