@@ -261,9 +261,8 @@ def main() -> None:
         "rounds_s": times,
         "repeats": args.repeats,
         "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "redis": redis_version()},
-        "command": "python -m benchmarks.remote_tier " + " ".join(
-            f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items()
-        ),
+        "command": "python -m benchmarks.remote_tier "
+        + " ".join(f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items()),
     }
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / "remote_tier.json").write_text(json.dumps(with_source(results), indent=2) + "\n")

@@ -223,7 +223,7 @@ def start_envoy_and_picker_with_modes(
         ext_proc_settings(envoy_config)["processing_mode"].update(modes)
         envoy = EnvoyProcess(envoy_config).start()
     except BaseException:
-        picker.remove()
+        picker.stop()
         raise
     return EnvoyWithPicker(picker, envoy)
 

@@ -1,5 +1,6 @@
 """A gateway extension used by tests/test_gateway_extensions.py to exercise every seam of
-router/extensions.py: routes, start/stop, backend_added/removed and a request preparer."""
+router/extensions.py: routes, start/stop, backend_added/removed and a request preparer; and one that
+fails to start (`create_failing_at_start`), for the exit status of a start-up that fails."""
 
 from __future__ import annotations
 
@@ -52,3 +53,14 @@ class SampleExtension:
 
 def create(gateway) -> SampleExtension:
     return SampleExtension(gateway)
+
+
+class FailingAtStart(SampleExtension):
+    """Raises in the app's startup, as a part of the gateway that cannot start would."""
+
+    async def start(self) -> None:
+        raise RuntimeError("the sample extension refuses to start")
+
+
+def create_failing_at_start(gateway) -> FailingAtStart:
+    return FailingAtStart(gateway)

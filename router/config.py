@@ -1,7 +1,8 @@
 """The gateway's configuration (proxy.yaml): schema, loading and validation.
 
 One loader for every entry point. msgspec validates the YAML against typed structs, so a bad file
-is refused before anything starts, with the file, the key path and what was expected.
+is refused before anything starts, with the file, the key path and what was expected. The schemas of
+the `discovery:` and `epp:` sections live beside it (router/discovery_config.py, router/epp_config.py).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import yaml
 
 from kvgate_common.yaml_errors import with_bad_value, yaml_syntax_error
 from router.discovery_config import Discovery, DiscoveryConfigError, check_discovery
+from router.epp_config import Epp
 from router.errors import KvgateError
 from router.tenants import TenantConfigError, check_tenants, keys_from
 
@@ -501,51 +503,6 @@ class AccessLog(_Struct):
     path: Annotated[str, msgspec.Meta(min_length=1)] | None = None
     # Lines waiting for the writer thread; past it (a stalled disk) lines are dropped and counted.
     max_pending_lines: Annotated[int, msgspec.Meta(ge=1, le=10_000_000)] = 100_000
-
-
-EppBodyMode = Literal["auto", "buffered", "full_duplex_streamed"]
-
-
-class EppTls(_Struct):
-    """TLS on the endpoint picker's gRPC listener (`epp.tls`); with `client_ca_file`, mutual TLS:
-    only a client (Envoy) holding a certificate that CA signed may open a stream."""
-
-    cert_file: Annotated[str, msgspec.Meta(min_length=1)]
-    key_file: Annotated[str, msgspec.Meta(min_length=1)]
-    client_ca_file: Annotated[str, msgspec.Meta(min_length=1)] | None = None
-
-
-class Epp(_Struct):
-    """`kvgate epp`: the endpoint picker Envoy calls over ext_proc (router/epp/, docs/gateway.md)."""
-
-    # The gRPC listener; 9002 is the Gateway API Inference Extension's conventional port.
-    host: str = "127.0.0.1"
-    port: Annotated[int, msgspec.Meta(ge=0, le=65535)] = 9002
-    # A request body over this many bytes gets a 413 immediate response; null: limits.max_body_bytes.
-    max_body_bytes: Annotated[int, msgspec.Meta(ge=1)] | None = None
-    # The largest gRPC message read or sent; null: the body limit plus 1 MiB (a BUFFERED body
-    # arrives in one message, with its headers beside it).
-    max_message_bytes: Annotated[int, msgspec.Meta(ge=65536)] | None = None
-    # ext_proc streams (one per HTTP request) open at once; past it gRPC refuses new ones and
-    # Envoy applies its failure_mode_allow.
-    max_streams: Annotated[int, msgspec.Meta(ge=1, le=1_000_000)] = 4096
-    # The longest one ext_proc stream may stay open (the whole HTTP exchange, streamed answer included),
-    # and the longest a pick whose stream ended first waits for its answer's access-log entry.
-    stream_timeout_s: Annotated[float, msgspec.Meta(gt=0)] = 900.0
-    # From the pick to the response headers: past it the request's load on its engine is released
-    # (a request the gateway dropped, or one that never reached the engine, must not hold it).
-    response_timeout_s: Annotated[float, msgspec.Meta(gt=0)] = 600.0
-    # Picked requests still running past which new ones get a 429 (load shedding); null: never.
-    max_in_flight: Annotated[int, msgspec.Meta(ge=1)] | None = None
-    # How Envoy sends request bodies: "auto" reads the mode Envoy announces in the stream's first
-    # message (protocol_config) and takes BUFFERED when it announces none.
-    request_body_mode: EppBodyMode = "auto"
-    # Read `usage` (prompt, cached, completion tokens) from response bodies Envoy sends the
-    # picker, chunk by chunk, never holding a streamed answer back.
-    usage_from_body: bool = True
-    tls: EppTls | None = None
-    # Listen beyond loopback without mutual TLS (whoever reaches the port steers routing).
-    open: bool = False
 
 
 class Config(_Struct):

@@ -108,13 +108,13 @@ def serve_app(
     server: type,
     sockets: list[socket.socket] | None = None,
     heartbeat_fd: int | None = None,
-    exit_1_unless_started: bool = False,
 ) -> int:
     """Start the simulated engines `launch:` asks for, build the app (`make_app`), serve it on
     uvicorn (a `server` from server_class(), configured with `uvicorn_options(app)`) until it stops,
     then stop the engines. Returns the exit status: 2 when the engines or the app could not start
-    (printed, naming `source`), 130 when interrupted (SIGINT), else 0; with `exit_1_unless_started`,
-    1 when uvicorn returned without serving (the app's lifespan failed, logged)."""
+    (printed, naming `source`), 130 when interrupted (SIGINT), 1 when uvicorn never started serving
+    (the app's lifespan failed, or the port could not be bound: uvicorn logs why, a line printed
+    here says it did not start), else 0."""
     import uvicorn
 
     from router.config import ConfigError
@@ -143,12 +143,24 @@ def serve_app(
             # uvicorn has already shut down gracefully; it re-raises the interrupt so the exit
             # status says so. Exit 130 (interrupted) without a traceback.
             return 130
-        if exit_1_unless_started and not running.started:
-            return 1
+        except SystemExit:
+            # Where its start-up fails, uvicorn exits (SystemExit(3), as 0.54 does; releases before
+            # its exit-status rework returned without having started): both end below, in exit 1.
+            if running.started:
+                raise
         # The re-raised interrupt can also end as a cancellation of the loop's main task that
         # came too late to stop it (asyncio's SIGINT handler; a race at the very end): the exit
         # status still says the gateway was interrupted.
-        return 130 if running.interrupted else 0
+        if running.interrupted:
+            return 130
+        if not running.started:
+            print(
+                f"kvgate: {source}: the gateway did not start: its start-up failed (the error is "
+                "logged above); nothing is listening",
+                file=sys.stderr,
+            )
+            return 1
+        return 0
     finally:
         if fleet is not None:
             fleet.stop()

@@ -289,9 +289,7 @@ def test_a_request_with_too_many_tokens_is_a_413_on_the_controller_and_refused_b
     engine = make_engine(4, **worker_config(monitor_port, "bounded-worker", controller_max_tokens=1000))
     worker = attach_controller_worker(engine, engine.config)
     try:
-        answer = ask_worker(
-            worker.port, [encode(Command(op="lookup", tokens=list(range(1001))))]
-        )
+        answer = ask_worker(worker.port, [encode(Command(op="lookup", tokens=list(range(1001))))])
         reply = msgspec.msgpack.decode(answer[0], type=Reply)
         assert not reply.ok and "at most 1000" in reply.error
     finally:
@@ -308,9 +306,7 @@ def test_heartbeats_continue_while_the_worker_runs_a_long_command(open_controlle
         # Chunk hashing of a million tokens on one worker: longer than the 0.6 s of silence that
         # drops it (asserted below, so a faster hash cannot make this test pass vacuously).
         command = encode(Command(op="lookup", tokens=list(range(1_000_000))))
-        long_lookup = threading.Thread(
-            target=lambda: answers.append(ask_worker(worker.port, [command]))
-        )
+        long_lookup = threading.Thread(target=lambda: answers.append(ask_worker(worker.port, [command])))
         started = time.monotonic()
         long_lookup.start()
         statuses = []

@@ -70,7 +70,11 @@ def test_the_issue_example_loads(tmp_path):
             "backends[1].name",
             "duplicate backend name 'a'",
         ),
-        (with_changes(backends=[{"name": "a", "url": "ftp://h:1"}]), "backends[0]", "must look like http://host:port"),
+        (
+            with_changes(backends=[{"name": "a", "url": "ftp://h:1"}]),
+            "backends[0]",
+            "must look like http://host:port",
+        ),
         (with_changes(backends=[{"name": "a", "url": "http://h:99999"}]), "backends[0]", "bad port"),
         (
             with_changes(policy={"name": "fastest"}),

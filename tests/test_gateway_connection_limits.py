@@ -182,7 +182,7 @@ def test_a_body_that_never_ends_gets_408_after_the_body_timeout(gateway, target)
         started = time.monotonic()
         sock.sendall(
             f"POST {target} HTTP/1.1\r\nhost: gateway\r\ncontent-type: application/json\r\n"
-            "content-length: 100\r\n\r\n{\"model\": ".encode()
+            'content-length: 100\r\n\r\n{"model": '.encode()
         )
         response = _read_until_closed(sock)
         closed_after = time.monotonic() - started

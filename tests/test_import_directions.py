@@ -139,6 +139,7 @@ ROUTER_PARTS = {
     "router": "ground",
     "router.config": "ground",
     "router.discovery_config": "ground",
+    "router.epp_config": "ground",
     "router.errors": "ground",
     "router.backends": "ground",
     "router.metrics": "ground",

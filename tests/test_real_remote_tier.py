@@ -29,10 +29,13 @@ CHUNK = 256
 def test_instance_b_hits_in_redis_what_instance_a_stored(tmp_path, redis_server):
     config = write_cache_config(tmp_path, chunk_size=CHUNK, remote_url=redis_server.url)
     prompt = prompt_tokens(700, seed=5)
-    with redis_server.client() as client, running_vllms(
-        {"name": "vllm-a", "cache_config": config, "kv_events": False},
-        {"name": "vllm-b", "cache_config": config, "kv_events": False},
-    ) as (engine_a, engine_b):
+    with (
+        redis_server.client() as client,
+        running_vllms(
+            {"name": "vllm-a", "cache_config": config, "kv_events": False},
+            {"name": "vllm-b", "cache_config": config, "kv_events": False},
+        ) as (engine_a, engine_b),
+    ):
         started = time.perf_counter()
         cold = engine_a.complete(prompt, max_tokens=12)
         cold_s = time.perf_counter() - started

@@ -15,6 +15,8 @@ import yaml
 from kvgate_testing.ports import free_port
 from kvgate_testing.processes import REPO_ROOT, python_command
 
+FAILING_EXTENSION = "kvgate_testing.sample_extension:create_failing_at_start"
+
 
 def test_a_taken_listen_port_fails_at_once_with_one_line_before_any_engine_starts(tmp_path):
     engine_port = free_port()
@@ -97,6 +99,7 @@ def test_ctrl_c_that_ends_the_loop_without_an_interrupt_still_exits_130(tmp_path
 
     class StoppedServer(interrupted_server):
         def run(self, sockets=None):
+            self.started = True  # it served, then SIGTERM stopped it
             self.handle_exit(signal.SIGTERM, None)
 
     parser = argparse.ArgumentParser()
@@ -106,3 +109,65 @@ def test_ctrl_c_that_ends_the_loop_without_an_interrupt_still_exits_130(tmp_path
     assert serve.run(args) == 130
     monkeypatch.setattr(serve, "_server_class", lambda: StoppedServer)
     assert serve.run(args) == 0
+
+
+@pytest.mark.parametrize("command", ["serve", "epp"])
+def test_a_start_up_that_fails_exits_1_with_a_line_saying_the_gateway_did_not_start(tmp_path, command):
+    """A part of the gateway that raises in the app's startup (uvicorn's lifespan): the command says
+    it did not start and exits 1, as a service manager must see it (not 0, nor uvicorn's own 3)."""
+    config = {
+        "listen": {"host": "127.0.0.1", "port": free_port()},
+        "models": [{"name": "tiny-qwen3"}],
+        "backends": [{"name": "a", "url": "http://127.0.0.1:9"}],
+        "policy": {"name": "least_loaded"},
+        "epp": {"port": free_port()},
+        "log_level": "warning",
+    }
+    config_path = tmp_path / "proxy.yaml"
+    config_path.write_text(yaml.safe_dump(config))
+    result = subprocess.run(
+        python_command(
+            "-m", "kvgate_testing.gateway_with_extensions", FAILING_EXTENSION, command,
+            "--config", str(config_path),
+        ),
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=REPO_ROOT,
+        env=dict(os.environ, PYTHONPATH=str(REPO_ROOT)),
+    )  # fmt: skip
+    assert result.returncode == 1, result.stderr
+    assert "the sample extension refuses to start" in result.stderr  # uvicorn logged the error
+    last = result.stderr.strip().splitlines()[-1]
+    assert last == (
+        f"kvgate: {config_path}: the gateway did not start: its start-up failed (the error is logged "
+        "above); nothing is listening"
+    ), result.stderr
+
+
+def test_a_server_that_returns_without_having_started_exits_1(tmp_path, monkeypatch, capsys):
+    """uvicorn releases before its exit-status rework return from run() where the start-up failed,
+    instead of exiting 3: never started is exit 1 all the same."""
+    import argparse
+
+    from router import serve
+
+    config = {
+        "listen": {"host": "127.0.0.1", "port": free_port()},
+        "models": [{"name": "tiny-qwen3"}],
+        "backends": [{"name": "a", "url": "http://127.0.0.1:9"}],
+        "policy": {"name": "least_loaded"},
+        "log_level": "warning",
+    }
+    config_path = tmp_path / "proxy.yaml"
+    config_path.write_text(yaml.safe_dump(config))
+
+    class NeverStartedServer(serve._server_class()):
+        def run(self, sockets=None):
+            return  # the lifespan failed: uvicorn logged it and returned, self.started still False
+
+    parser = argparse.ArgumentParser()
+    serve.add_arguments(parser)
+    monkeypatch.setattr(serve, "_server_class", lambda: NeverStartedServer)
+    assert serve.run(parser.parse_args(["--config", str(config_path)])) == 1
+    assert "the gateway did not start" in capsys.readouterr().err

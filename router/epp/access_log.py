@@ -11,9 +11,12 @@ when the request ends and carries its `x-request-id`, the response code, the ups
 and the time to its first byte: the picker closes the pick's accounting (router/epp/picker.py,
 `Pick.finish`) on it.
 
-An entry for a request id with no open pick (an immediate response, a request Envoy routed without
-the picker) is ignored; while no access-log stream is connected the picks close at their ext_proc
-stream's end, as before.
+Envoy opens the stream with its first entry only. With `epp.envoy_access_log` (Envoy is configured
+to log here) a pick waits for its entry before any stream has connected too; without it, a pick
+closes at its ext_proc stream's end while none is connected. When the last stream closes, the picks
+made before that close no longer wait (`EndpointPicker.access_log_closed`). An entry for a request
+id with no open pick (an immediate response, a request Envoy routed without the picker, a pick
+closed already) is ignored.
 """
 
 from __future__ import annotations
@@ -91,6 +94,5 @@ class AccessLogServicer(als_pb2_grpc.AccessLogServiceServicer):
         finally:
             picker.access_log_streams -= 1
             if picker.access_log_streams == 0:
-                # Envoy went away (or stopped logging): no entry will come for the picks left waiting.
-                picker.close_waiting("access_log_closed")
+                picker.access_log_closed()
         return als_pb2.StreamAccessLogsResponse()

@@ -106,5 +106,4 @@ def run(args: argparse.Namespace) -> int:
         lambda: create_app(config, proxy=False, faces=[EppServer(config)]),
         lambda app: options,
         server=server_class(),
-        exit_1_unless_started=True,  # the lifespan failed (logged): the picker did not start
     )

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import ipaddress
+import logging
 import socket
 from collections.abc import Sequence
 from time import perf_counter
@@ -30,6 +31,8 @@ if TYPE_CHECKING:
     from router.epp.metrics import EppMetrics
     from router.policies.base import Policy
     from router.wiring import Gateway
+
+log = logging.getLogger("kvgate.epp")
 
 
 class PickRefused(KvgateError):
@@ -74,9 +77,13 @@ class EndpointPicker:
         # Open picks by their request's x-request-id (router/epp/access_log.py ends them); a list, as
         # a client may send the same id twice.
         self._by_request_id: dict[bytes, list[Pick]] = {}
-        # Envoy's access-log streams connected now: while there is one, a pick whose ext_proc stream
-        # ended before its answer did waits for the answer's log entry.
+        # Envoy's access-log streams connected now: while there is one (or, with
+        # epp.envoy_access_log, before Envoy opens the first), a pick whose ext_proc stream ended
+        # before its answer did waits for the answer's log entry.
         self.access_log_streams = 0
+        # How many times the last access-log stream closed (Pick.wait_for_access_log).
+        self.access_log_closes = 0
+        self._told_no_access_log = False
 
     def route_for(self, path: bytes) -> ForwardedRoute | None:
         return self.routes.get(path.split(b"?", 1)[0].decode("latin-1"))
@@ -233,12 +240,32 @@ class EndpointPicker:
             pick.ttft_s = ttft_s if status == 200 else None
         pick.finish(status or None, "access_log")
 
-    def close_waiting(self, how: str) -> None:
-        """Close the picks left for an access-log entry that will not come."""
+    def access_log_closed(self) -> None:
+        """The last access-log stream closed. Envoy going away (a restart, a crash) closes it, and no
+        entry will come for the requests it had: the picks left waiting close now, and so will those
+        made before this close whose ext_proc stream ends later while no stream is connected (their
+        Envoy may be the one gone). An Envoy still running opens a stream again with its next entry;
+        the picks made from now on wait for theirs. The entries that do come for the picks closed
+        here are ignored: a dropped stream costs their load, released before their answers end, not
+        a load held for a request gone."""
+        self.access_log_closes += 1
         for picks in list(self._by_request_id.values()):
             for pick in list(picks):
                 if pick.waiting:
-                    pick.finish(None, how)
+                    pick.finish(None, "access_log_closed")
+
+    def access_log_timed_out(self, pick: Pick) -> None:
+        """`pick` waited epp.stream_timeout_s for its entry in vain; said once when no log stream is
+        connected, as an Envoy that sends no access log here holds every such pick's load that long."""
+        if self.access_log_streams == 0 and not self._told_no_access_log:
+            self._told_no_access_log = True
+            log.warning(
+                "a pick waited epp.stream_timeout_s (%g s) for Envoy's access-log entry of its request "
+                "and no access-log stream from Envoy is connected: point Envoy's http_grpc access log "
+                "at the picker (deploy/envoy/envoy-epp.yaml) or set epp.envoy_access_log: false",
+                self.config.stream_timeout_s,
+            )
+        pick.finish(None, "access_log_timeout")
 
 
 def _next_best(choice: Choice, candidates: list[BackendState]) -> BackendState | None:
@@ -267,6 +294,7 @@ class Pick:
         "endpoint",
         "fallback",
         "finished",
+        "log_closes_before",
         "picked_at",
         "picker",
         "policy",
@@ -300,6 +328,8 @@ class Pick:
         self.fallback: BackendState | None = None
         # Left for its access-log entry (its ext_proc stream ended before the answer).
         self.waiting = False
+        # The access-log closes before this pick: one after it may have been its Envoy going away.
+        self.log_closes_before = picker.access_log_closes
         self._timer: asyncio.TimerHandle | None = None
 
     @property
@@ -333,10 +363,16 @@ class Pick:
 
     def wait_for_access_log(self) -> bool:
         """The ext_proc stream ended (closed or reset) with the accounting open: leave it for the
-        request's access-log entry, at most epp.stream_timeout_s (the longest exchange). False (close it now)
-        when no access-log stream is connected or the request has no id to find it by."""
+        request's access-log entry, at most epp.stream_timeout_s (the longest exchange). False (close
+        it now) when the request has no id to find it by, or no entry is to be expected: no access-log
+        stream is connected, and Envoy is not said to send one (epp.envoy_access_log) or the last
+        one closed since the pick (EndpointPicker.access_log_closed)."""
         picker = self.picker
-        if self.finished or not self.request_id or picker.access_log_streams == 0:
+        if self.finished or not self.request_id:
+            return False
+        if picker.access_log_streams == 0 and not (
+            picker.config.envoy_access_log and self.log_closes_before == picker.access_log_closes
+        ):
             return False
         self.waiting = True
         if self._timer is not None:
@@ -346,7 +382,7 @@ class Pick:
         return True
 
     def _log_timed_out(self) -> None:
-        self.finish(None, "access_log_timeout")
+        self.picker.access_log_timed_out(self)
 
     async def response_started(self, status: int, served: str | None, event_stream: bool) -> None:
         """The response headers arrived: the prefill is over; the time to them is a streamed answer's

@@ -14,7 +14,7 @@ closes at the answer's end, when Envoy closes the stream, or after epp.response_
 response headers. With the response body not sent (response_body_mode NONE), Envoy may end the
 stream before the answer does (at the response headers, in some modes); a pick whose stream ended
 then waits for the answer's end from Envoy's access log (router/epp/access_log.py), when one is
-connected. Each stream lives at most epp.stream_timeout_s.
+connected or epp.envoy_access_log says Envoy sends it. Each stream lives at most epp.stream_timeout_s.
 """
 
 from __future__ import annotations
