@@ -281,6 +281,7 @@ class Pick:
         "picker",
         "policy",
         "prefill_tokens",
+        "reported_cached_tokens",
         "request_id",
         "status",
         "tenant",
@@ -314,6 +315,8 @@ class Pick:
         self._timer: asyncio.TimerHandle | None = None
         # The tenant of the client's key (auth.tenants), for kvgate_tenant_requests_total.
         self.tenant: str | None = None
+        # The cached tokens the answer's usage reports (stream.py reads it), for stale_index.
+        self.reported_cached_tokens: int | None = None
 
     @property
     def backend(self) -> BackendState:
@@ -415,9 +418,11 @@ class Pick:
             context.metrics.count_tenant_request(self.tenant, outcome)
         context.metrics.observe_upstream(backend.name, perf_counter() - self.picked_at)
         self.policy.on_finished(self.choice, outcome, self.ttft_s)
-        if context.metrics.missed_reuse.enabled:
-            # The routing-time reasons; a stale index needs the answer's usage, which Envoy keeps.
-            context.metrics.missed_reuse.routed(self.choice)
+        missed_reuse = context.metrics.missed_reuse
+        if missed_reuse.enabled:
+            missed_reuse.routed(self.choice)
+            # Where Envoy sends the answer's body, its usage tells a stale index (else none is counted).
+            missed_reuse.answered(self.choice, outcome, self.reported_cached_tokens)
         picker.in_flight -= 1
         if picker.metrics is not None:
             picker.metrics.finished.labels(how).inc()

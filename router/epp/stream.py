@@ -288,6 +288,8 @@ class _Exchange:
         chunk, end = body.body, body.end_of_stream  # type: ignore[attr-defined]
         if self.usage is not None:
             self.usage.feed(chunk, end)
+            if self.pick is not None:
+                self.pick.reported_cached_tokens = self.usage.cached_tokens
         if end and self.pick is not None:
             self.pick.finish(None, "response_end")
         if self.response_streamed:
