@@ -201,7 +201,10 @@ def gateway(
             {"name": MODEL, "tokenizer": "builtin:qwen3"},
             {"name": RECORDED_MODEL, "tokenizer": "builtin:qwen3"},
         ],
-        "backends": [gateway_backend(engine.engines[0]), {"name": recorder.name, "url": recorder.url}],
+        "backends": [
+            gateway_backend(engine.engines[0], models=[MODEL]),
+            {"name": recorder.name, "url": recorder.url, "models": [RECORDED_MODEL]},
+        ],
         "policy": {"name": "kv_aware"},
         "health": {"interval_s": 0.5},
         "auth": AUTH,
@@ -270,7 +273,7 @@ def test_through_envoy_tenants_never_share_cached_kv_and_each_tenants_repeats_do
 
 @pytest.mark.slow
 def test_through_envoy_the_engine_receives_the_salted_body_well_formed(
-    gateway: EnvoyWithPicker, recorder: BackendProcess
+    gateway: EnvoyWithPicker, recorder: BackendProcess, request: pytest.FixtureRequest
 ) -> None:
     recorder.reset()
     base = {"model": RECORDED_MODEL, "messages": [{"role": "user", "content": "h\u00e9llo " * 50}]}
@@ -286,18 +289,28 @@ def test_through_envoy_the_engine_receives_the_salted_body_well_formed(
     # A client salt is namespaced under the client's own tenant: acme naming "beta" gets "acme:beta".
     salted_entry = received["salted"]
     assert json.loads(salted_entry["body"]) == {**base, "cache_salt": "acme:beta"}
-    sent = salted_entry["body"].encode()
-    if "content-length" in salted_entry["headers"]:
-        assert salted_entry["headers"]["content-length"] == str(len(sent))
+    headers = salted_entry["headers"]
+    if request.node.callspec.params["gateway"] is BodyMode.BUFFERED:
+        # The length of the body the engine read, the picker's content-length.
+        assert headers["content-length"] == str(len(salted_entry["body"].encode())), headers
     else:
-        assert salted_entry["headers"].get("transfer-encoding") == "chunked"
+        assert headers.get("transfer-encoding") == "chunked" and "content-length" not in headers, headers
     # Without a tenant: the client's bytes, as they were.
     assert received["plain"]["body"].encode() == CLIENT_BODY
 
 
 @pytest.mark.slow
-def test_through_envoy_a_wrong_key_gets_401_and_a_bad_salt_400(gateway: EnvoyWithPicker) -> None:
+def test_through_envoy_a_wrong_key_gets_401_and_a_tenants_bad_salt_400_from_the_picker(
+    gateway: EnvoyWithPicker,
+) -> None:
+    def immediate(reason: str, status: str) -> float:
+        samples = metric_samples(httpx.get(f"{gateway.picker.url}/metrics", timeout=10).text)
+        return samples.get(
+            sample_key("kvgate_epp_immediate_responses_total", reason=reason, status=status), 0
+        )
+
     body = {"model": MODEL, "prompt": "hello", "max_tokens": 1}
+    before = immediate("unauthorized", "401"), immediate("bad_request", "400")
     wrong = httpx.post(
         f"{gateway.url}/v1/completions", json=body, headers={"authorization": "Bearer not-a-key"}, timeout=30
     )
@@ -309,3 +322,8 @@ def test_through_envoy_a_wrong_key_gets_401_and_a_bad_salt_400(gateway: EnvoyWit
         timeout=30,
     )
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "cache_salt", bad.text
+    # Both answered by the picker itself (the engine would refuse an empty salt too, but never sees it).
+    assert (immediate("unauthorized", "401"), immediate("bad_request", "400")) == (
+        before[0] + 1,
+        before[1] + 1,
+    )
