@@ -120,7 +120,8 @@ def response_body_message(chunk: bytes, end_of_stream: bool) -> ext_proc.Process
 
 class Picked:
     """What the picker answered for one request: the pick (header and metadata), or an immediate
-    response, and in streamed mode the body chunks it re-emitted."""
+    response, the request headers it set, in BUFFERED mode the body it sent in place of the
+    client's (None: none), and in streamed mode the body chunks it emitted."""
 
     def __init__(self) -> None:
         self.header: str | None = None
@@ -130,6 +131,8 @@ class Picked:
         self.details = ""
         self.echoed: list[tuple[bytes, bool]] = []
         self.kinds: list[str] = []
+        self.set_headers: dict[str, str] = {}
+        self.replaced_body: bytes | None = None
 
     def take(self, response: ext_proc.ProcessingResponse) -> None:
         kind = response.WhichOneof("response")
@@ -140,8 +143,11 @@ class Picked:
             return
         common = getattr(response, kind).response
         for option in common.header_mutation.set_headers:
+            self.set_headers[option.header.key] = option.header.raw_value.decode()
             if option.header.key == "x-gateway-destination-endpoint":
                 self.header = option.header.raw_value.decode()
+        if common.body_mutation.HasField("body"):
+            self.replaced_body = common.body_mutation.body
         if common.body_mutation.HasField("streamed_response"):
             streamed = common.body_mutation.streamed_response
             self.echoed.append((streamed.body, streamed.end_of_stream))

@@ -45,12 +45,13 @@ from router.errors import (
 from router.policies.base import Choice, Policy, RouteRequest
 from router.policies.least_loaded import LeastLoaded
 from router.request_routing import (
+    encode_body,
     parse_route_request,
     prefill_tokens_of,
     release_backend,
     route_candidates,
+    salted_body,
 )
-from router.tenants import SALTED_PATHS
 from router.upstream import UpstreamError, UpstreamResponse, UpstreamTimeout
 
 if TYPE_CHECKING:
@@ -422,9 +423,9 @@ class ProxyEndpoint:
             return
         try:
             route_request, data, by_policy = self._parse(body, request_id, session_value, tenant)
-            if tenant is not None and self.route.path in SALTED_PATHS:
-                # The tenant's cache_salt is in `data` now; the engine must see it too.
-                body = self._encode(data)
+            salted = salted_body(self.route, data, tenant)
+            if salted is not None:
+                body = salted  # the tenant's cache_salt: the engine must see it too
             if entry is not None:
                 entry.request = route_request
             if by_policy:
@@ -495,13 +496,6 @@ class ProxyEndpoint:
         """router/request_routing.py parse_route_request for this path."""
         return parse_route_request(self.context, self.route, body, request_id, session_value, tenant)
 
-    @staticmethod
-    def _encode(data: dict[str, Any]) -> bytes:
-        try:
-            return _encoder.encode(data)
-        except RecursionError:
-            raise GatewayError(400, "request body is JSON nested too deeply to forward") from None
-
     async def _forward(
         self,
         route_request: RouteRequest,
@@ -518,7 +512,7 @@ class ProxyEndpoint:
         served_name = context.served_names.get(route_request.model)
         if served_name is not None:
             # The one case where the body is re-encoded: the engines know the model by another name.
-            body = self._encode({**data, "model": served_name})
+            body = encode_body({**data, "model": served_name})
         policy = context.policy if by_policy else self.least_loaded
         limits = context.config.limits
         timeout_s = limits.upstream_timeout_s

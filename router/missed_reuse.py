@@ -121,12 +121,18 @@ class MissedReuse:
         return self.enabled and bool(choice.cached_tokens)
 
     def finished(self, choice: Choice, status: int, tail: bytes) -> None:
-        """Count the winner's credit its answer's usage says it did not have (stale index)."""
+        """Count the winner's credit its answer's usage, read from the answer's end `tail`, says it
+        did not have (stale index)."""
+        if self.enabled and choice.cached_tokens and status == 200:
+            self.answered(choice, status, reported_cached_tokens(tail))
+
+    def answered(self, choice: Choice, status: int, reported: int | None) -> None:
+        """`finished` for an answer whose usage was read already: `reported` cached tokens (None:
+        the answer reported none, and nothing is counted)."""
         credited = choice.cached_tokens
-        if not self.enabled or not credited or status != 200:
+        if not self.enabled or not credited or status != 200 or reported is None:
             return
-        reported = reported_cached_tokens(tail)
-        if reported is not None and reported < credited:
+        if reported < credited:
             self._add(choice.backend.name, "stale_index", credited - reported)
 
     def describe(self) -> dict[str, Any]:

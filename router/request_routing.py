@@ -1,7 +1,8 @@
 """What every front face does to route one request, whatever carries it: the proxy
 (router/forward.py) and the endpoint picker (router/epp/) both parse a body into the RouteRequest the
-policy reads (`parse_route_request`), take the candidates (`route_candidates`), and count a routed
-request's load on its backend (`prefill_tokens_of`, `release_backend`)."""
+policy reads (`parse_route_request`, which sets a tenant's cache_salt), re-encode a salted body for
+the engine (`salted_body`), take the candidates (`route_candidates`), and count a routed request's
+load on its backend (`prefill_tokens_of`, `release_backend`)."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ if TYPE_CHECKING:
     from router.forward import ForwardContext, ForwardedRoute
 
 _decoder = msgspec.json.Decoder()
+_encoder = msgspec.json.Encoder()
 
 
 def parse_route_request(
@@ -100,6 +102,24 @@ def parse_route_request(
     route_request.body_size = len(body)
     route_request.tenant = tenant
     return route_request, data, view is not None
+
+
+def salted_body(route: ForwardedRoute, data: dict[str, Any], tenant: str | None) -> bytes | None:
+    """The body the engine gets in place of the client's: `data` as parse_route_request left it (the
+    tenant's cache_salt in it), encoded, so that vLLM's block hashes separate tenants too. None where
+    nothing was salted (no tenant, or a path without a salt): the client's bytes go on unchanged, and
+    cost no encode."""
+    if tenant is None or route.path not in SALTED_PATHS:
+        return None
+    return encode_body(data)
+
+
+def encode_body(data: dict[str, Any]) -> bytes:
+    """A parsed request body encoded again for the engine (a salt added, a model renamed)."""
+    try:
+        return _encoder.encode(data)
+    except RecursionError:
+        raise GatewayError(400, "request body is JSON nested too deeply to forward") from None
 
 
 def route_candidates(backends: BackendRegistry, model: str, tried: list[BackendState]) -> list[BackendState]:

@@ -215,3 +215,47 @@ def test_an_engine_marked_down_is_avoided(fleet: Fleet, channel: grpc.Channel) -
             finish(stream)
     finally:
         b1.reset()
+
+
+@pytest.mark.parametrize("answer", ["json", "event_stream"])
+def test_credit_the_answers_usage_says_the_engine_did_not_have_counts_as_stale_index(
+    fleet: Fleet, channel: grpc.Channel, answer: str
+) -> None:
+    request_id = f"stale-{answer}"
+    body = json.dumps(chat_body(DOCS["b1"], "Stale?")).encode()
+    fleet.wait_for(lambda m: m["backends"]["b1"]["healthy"])  # after the test that marks it down
+    before = metric_samples(fleet.client.get("/metrics").text)
+    stream = ExtProcStream(channel)
+    picked = exchange(stream, "/v1/chat/completions", body, extra=[("x-request-id", request_id)])
+    assert picked.header == endpoint(fleet, "b1")
+    credited = next(d for d in fleet.prefix_map()["decisions"] if d["request_id"] == request_id)[
+        "cached_tokens"
+    ]
+    assert credited > 16
+    # The engine reports 16 of the credited tokens cached (it lost the rest without a word).
+    usage = {
+        "prompt_tokens": credited + 8,
+        "completion_tokens": 1,
+        "prompt_tokens_details": {"cached_tokens": 16},
+    }
+    if answer == "json":
+        stream.send(response_headers_message(200))
+        chunks = [json.dumps({"choices": [], "usage": usage}).encode()]
+    else:
+        stream.send(response_headers_message(200, content_type="text/event-stream"))
+        line = b"data: " + json.dumps({"choices": [], "usage": usage}).encode() + b"\n\n"
+        # The usage line split across two chunks, as Envoy may pass it on.
+        chunks = [b'data: {"choices": [{"delta": {}}]}\n\n' + line[:20], line[20:] + b"data: [DONE]\n\n"]
+    assert stream.recv().WhichOneof("response") == "response_headers"
+    for index, chunk in enumerate(chunks):
+        stream.send(response_body_message(chunk, index == len(chunks) - 1))
+        assert stream.recv().WhichOneof("response") == "response_body"
+    stream.close()
+    key = sample_key("kvgate_missed_reuse_tokens_total", reason="stale_index")
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        counted = metric_samples(fleet.client.get("/metrics").text)[key] - before[key]
+        if counted:
+            break
+        time.sleep(0.05)
+    assert counted == credited - 16

@@ -23,7 +23,7 @@ from router.errors import GatewayError, KvgateError, error_body, gateway_error_b
 from router.forward import FORWARDED_ROUTES, ForwardedRoute
 from router.policies.base import Choice, RouteRequest
 from router.policies.least_loaded import LeastLoaded
-from router.request_routing import parse_route_request, prefill_tokens_of, release_backend
+from router.request_routing import parse_route_request, prefill_tokens_of, release_backend, salted_body
 
 if TYPE_CHECKING:
     from router.backends import BackendState
@@ -109,18 +109,23 @@ class EndpointPicker:
                 return backend
         return None
 
-    def check_admission(self, headers: Sequence[tuple[bytes, bytes]]) -> None:
+    def check_admission(self, headers: Sequence[tuple[bytes, bytes]]) -> str | None:
         """Refuse before reading the body: a client without an API key (when keys are configured),
-        or any request while the picker sheds load (`epp.max_in_flight`)."""
+        or any request while the picker sheds load (`epp.max_in_flight`). Returns the tenant the
+        client's key speaks for (auth.tenants), None for a key without one or no keys configured."""
         keys = self.context.client_keys
-        if keys is not None and not keys.allows_headers(list(headers)):
-            raise PickRefused(401, error_body(401, UNAUTHORIZED_MESSAGE), "unauthorized")
+        tenant = None
+        if keys is not None:
+            allowed, tenant = keys.tenant_of_headers(headers)
+            if not allowed:
+                raise PickRefused(401, error_body(401, UNAUTHORIZED_MESSAGE), "unauthorized")
         limit = self.config.max_in_flight
         if limit is not None and self.in_flight >= limit:
             message = (
                 f"the gateway is at its limit of {limit} requests in flight (epp.max_in_flight); retry later"
             )
             raise PickRefused(429, error_body(429, message), "shed")
+        return tenant
 
     async def pick(
         self,
@@ -128,8 +133,11 @@ class EndpointPicker:
         body: bytes,
         headers: Sequence[tuple[bytes, bytes]],
         subset: frozenset[str] | None,
-    ) -> Pick:
-        """Parse, prepare and route one request body; raises PickRefused."""
+        tenant: str | None = None,
+    ) -> tuple[Pick, bytes | None]:
+        """Parse, prepare and route one request body; raises PickRefused. Returns the pick and the
+        body to send on in place of the client's: `tenant`'s salted one on a salted path (routed
+        by it, as serve does: router/request_routing.py), else None (the client's, unchanged)."""
         started = perf_counter()
         request_id, session_value = b"", None
         session_header = self.context.session_header
@@ -139,9 +147,10 @@ class EndpointPicker:
             elif name == session_header:
                 session_value = value
         try:
-            route_request, _data, by_policy = parse_route_request(
-                self.context, route, body, request_id, session_value
+            route_request, data, by_policy = parse_route_request(
+                self.context, route, body, request_id, session_value, tenant
             )
+            salted = salted_body(route, data, tenant)
         except GatewayError as exc:
             raise PickRefused.of(exc, "unknown_model" if exc.status == 404 else "bad_request") from None
         if by_policy:
@@ -152,7 +161,7 @@ class EndpointPicker:
         pick = self._choose(policy, route_request, candidates, request_id)
         if self.metrics is not None:
             self.metrics.pick_seconds.observe(perf_counter() - started)
-        return pick
+        return pick, salted
 
     async def pick_by_load(self, subset: frozenset[str] | None, request_id: bytes = b"") -> Pick:
         """A request with no model to route by (GET /v1/models, an unknown path): the least-loaded
@@ -212,6 +221,7 @@ class EndpointPicker:
             self.metrics.picks.labels(choice.reason or "load").inc()
         pick = Pick(self, policy, choice, prefill_tokens, self._endpoints.get(backend.origin, ""), request_id)
         pick.fallback = _next_best(choice, candidates)
+        pick.tenant = route_request.tenant
         if request_id:
             self._by_request_id.setdefault(request_id, []).append(pick)
         return pick
@@ -299,8 +309,10 @@ class Pick:
         "picker",
         "policy",
         "prefill_tokens",
+        "reported_cached_tokens",
         "request_id",
         "status",
+        "tenant",
         "ttft_s",
         "waiting",
     )
@@ -331,6 +343,10 @@ class Pick:
         # The access-log closes before this pick: one after it may have been its Envoy going away.
         self.log_closes_before = picker.access_log_closes
         self._timer: asyncio.TimerHandle | None = None
+        # The tenant of the client's key (auth.tenants), for kvgate_tenant_requests_total.
+        self.tenant: str | None = None
+        # The cached tokens the answer's usage reports (stream.py reads it), for stale_index.
+        self.reported_cached_tokens: int | None = None
 
     @property
     def backend(self) -> BackendState:
@@ -434,11 +450,15 @@ class Pick:
             context.cluster.loads_changed()
         backend.requests_total += 1
         context.metrics.count_request(backend.name, outcome)
+        if self.tenant is not None:
+            context.metrics.count_tenant_request(self.tenant, outcome)
         context.metrics.observe_upstream(backend.name, perf_counter() - self.picked_at)
         self.policy.on_finished(self.choice, outcome, self.ttft_s)
-        if context.metrics.missed_reuse.enabled:
-            # The routing-time reasons; a stale index needs the answer's usage, which Envoy keeps.
-            context.metrics.missed_reuse.routed(self.choice)
+        missed_reuse = context.metrics.missed_reuse
+        if missed_reuse.enabled:
+            missed_reuse.routed(self.choice)
+            # Where Envoy sends the answer's body, its usage tells a stale index (else none is counted).
+            missed_reuse.answered(self.choice, outcome, self.reported_cached_tokens)
         picker.in_flight -= 1
         if picker.metrics is not None:
             picker.metrics.finished.labels(how).inc()

@@ -82,6 +82,15 @@ def _pick_mutation(endpoints: str) -> ext_proc.CommonResponse:
     )
 
 
+def _replace_buffered_body(common: ext_proc.CommonResponse, body: bytes) -> None:
+    """Send `body` on in place of the buffered one. In BUFFERED mode Envoy keeps the client's
+    content-length: setting it to the new length is the processor's job (processing_mode.proto)."""
+    common.body_mutation.body = body
+    length = base_pb2.HeaderValue(key="content-length", raw_value=str(len(body)).encode())
+    option = base_pb2.HeaderValueOption(header=length, append_action=_OVERWRITE)
+    common.header_mutation.set_headers.append(option)
+
+
 def _pick_metadata(endpoints: str) -> struct_pb2.Struct:
     """`envoy.lb` / DESTINATION_HEADER: the pick, then the fallbacks a proxy with retries may try."""
     metadata = struct_pb2.Struct()
@@ -99,11 +108,15 @@ def pick_on_headers(endpoint: str, listed: str | None = None) -> ProcessingRespo
     )
 
 
-def pick_on_body(endpoint: str, listed: str | None = None) -> ProcessingResponse:
+def pick_on_body(endpoint: str, listed: str | None = None, body: bytes | None = None) -> ProcessingResponse:
     """The answer to a BUFFERED body that carries the pick (Envoy applies the header mutation to the
-    request headers it still holds); header and metadata as in pick_on_headers."""
+    request headers it still holds); header and metadata as in pick_on_headers. `body`, when given,
+    replaces the request's body (a tenant's salted one), content-length set to match."""
+    common = _pick_mutation(endpoint)
+    if body is not None:
+        _replace_buffered_body(common, body)
     return ProcessingResponse(
-        request_body=ext_proc.BodyResponse(response=_pick_mutation(endpoint)),
+        request_body=ext_proc.BodyResponse(response=common),
         dynamic_metadata=_pick_metadata(listed or endpoint),
     )
 
@@ -124,7 +137,8 @@ def _streamed_body(body: bytes, end_of_stream: bool) -> ext_proc.BodyResponse:
 
 
 def request_body_chunk(body: bytes, end_of_stream: bool) -> ProcessingResponse:
-    """A FULL_DUPLEX_STREAMED request body chunk, re-emitted unchanged."""
+    """A FULL_DUPLEX_STREAMED request body chunk: one re-emitted unchanged, or a whole replacement
+    body sent in place of the chunks read (Envoy needs no answer per chunk in this mode)."""
     return ProcessingResponse(request_body=_streamed_body(body, end_of_stream))
 
 

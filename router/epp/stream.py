@@ -5,8 +5,10 @@ the order Envoy expects.
 Request side. BUFFERED: the headers are let through at once, the whole body arrives in one message,
 and the answer to it carries the pick (header mutation + dynamic metadata). FULL_DUPLEX_STREAMED:
 Envoy sends headers and body chunks without waiting, so the headers' answer waits for the body's end;
-then the pick goes out on the headers' answer and every chunk is re-emitted unchanged, in order. In
-both modes a body over the limit is answered 413 at the chunk that crosses it, never held.
+then the pick goes out on the headers' answer and every chunk is re-emitted unchanged, in order. A
+tenant's request on a salted path (auth.tenants) is the one whose body changes: its salted body
+replaces the buffered one (content-length set to match), or goes out whole in place of the streamed
+chunks. In both modes a body over the limit is answered 413 at the chunk that crosses it, never held.
 
 Response side: the status, the endpoint Envoy says served it, the time to the headers (a streamed
 answer's time to first token) and, where Envoy sends the body, its `usage`; the pick's accounting
@@ -101,6 +103,7 @@ class _Exchange:
         "route",
         "servicer",
         "subset",
+        "tenant",
         "usage",
     )
 
@@ -109,6 +112,8 @@ class _Exchange:
         self.headers: list[tuple[bytes, bytes]] = []
         self.route: ForwardedRoute | None = None
         self.subset: frozenset[str] | None = None
+        # The tenant of the client's key (auth.tenants): its requests on salted paths are salted.
+        self.tenant: str | None = None
         # Request body chunks read so far, with their end_of_stream flags (streamed mode re-emits them).
         self.held: list[tuple[bytes, bool]] = []
         self.body_size = 0
@@ -154,6 +159,8 @@ class _Exchange:
         if self.pick is not None:
             self.pick.finish(refused.status, "response_end")
             self.pick = None
+        elif self.tenant is not None:
+            self.servicer.picker.context.metrics.count_tenant_request(self.tenant, refused.status)
         self.servicer.metrics.immediate.labels(refused.reason, str(refused.status)).inc()
         return protocol.immediate(refused.status, refused.body, f"kvgate_epp_{refused.reason}")
 
@@ -172,7 +179,7 @@ class _Exchange:
         self.subset = protocol.subset_hint(message)
         path = next((value for name, value in self.headers if name == b":path"), b"")
         self.route = servicer.picker.route_for(path)
-        servicer.picker.check_admission(self.headers)
+        self.tenant = servicer.picker.check_admission(self.headers)
         if self.route is None:
             # Nothing to route by (GET /v1/models, /health, an unknown path): by load, now; a body
             # that follows passes through untouched.
@@ -232,14 +239,19 @@ class _Exchange:
                 error_body(400, f"{self.route.path} needs a JSON request body; it was empty", "body"),
                 "missing_body",
             )
-        self.pick = await picker.pick(self.route, body, self.headers, self.subset)
+        self.pick, salted = await picker.pick(self.route, body, self.headers, self.subset, self.tenant)
         endpoint, listed = await self._endpoints()
         if self.request_streamed:
             yield protocol.pick_on_headers(endpoint, listed)
-            for chunk, end in self.held:
-                yield protocol.request_body_chunk(chunk, end)
+            if salted is None:
+                for chunk, end in self.held:
+                    yield protocol.request_body_chunk(chunk, end)
+            else:
+                # A tenant's salted body goes out whole in place of the chunks held (its end as theirs:
+                # false when trailers follow).
+                yield protocol.request_body_chunk(salted, self.held[-1][1])
         else:
-            yield protocol.pick_on_body(endpoint, listed)
+            yield protocol.pick_on_body(endpoint, listed, salted)
         self.held = []
 
     async def _endpoints(self) -> tuple[str, str]:
@@ -276,6 +288,8 @@ class _Exchange:
         chunk, end = body.body, body.end_of_stream  # type: ignore[attr-defined]
         if self.usage is not None:
             self.usage.feed(chunk, end)
+            if self.pick is not None:
+                self.pick.reported_cached_tokens = self.usage.cached_tokens
         if end and self.pick is not None:
             self.pick.finish(None, "response_end")
         if self.response_streamed:

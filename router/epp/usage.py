@@ -22,7 +22,7 @@ _decoder = msgspec.json.Decoder()
 
 
 class UsageReader:
-    __slots__ = ("_given_up", "_metrics", "_pending", "_size", "event_stream")
+    __slots__ = ("_given_up", "_metrics", "_pending", "_size", "cached_tokens", "event_stream")
 
     def __init__(self, event_stream: bool, metrics: EppMetrics) -> None:
         self.event_stream = event_stream
@@ -30,6 +30,8 @@ class UsageReader:
         self._pending: list[bytes] = []
         self._size = 0
         self._given_up = False
+        # The last `usage.prompt_tokens_details.cached_tokens` read (None: none yet), for stale_index.
+        self.cached_tokens: int | None = None
 
     def feed(self, chunk: bytes, end: bool) -> None:
         if self._given_up:
@@ -81,6 +83,7 @@ class UsageReader:
         cached = details.get("cached_tokens") if isinstance(details, dict) else None
         if isinstance(cached, int) and cached >= 0:
             counts.labels("cached").inc(cached)
+            self.cached_tokens = cached
 
 
 def _decode(data: bytes) -> Any:
