@@ -45,12 +45,11 @@ from router.errors import (
 from router.policies.base import Choice, Policy, RouteRequest
 from router.policies.least_loaded import LeastLoaded
 from router.request_routing import (
-    encode_body,
+    engine_body,
     parse_route_request,
     prefill_tokens_of,
     release_backend,
     route_candidates,
-    salted_body,
 )
 from router.upstream import UpstreamError, UpstreamResponse, UpstreamTimeout
 
@@ -423,9 +422,10 @@ class ProxyEndpoint:
             return
         try:
             route_request, data, by_policy = self._parse(body, request_id, session_value, tenant)
-            salted = salted_body(self.route, data, tenant)
-            if salted is not None:
-                body = salted  # the tenant's cache_salt: the engine must see it too
+            # The tenant's cache_salt (the engine must see it too) and the engine's model name.
+            rewritten = engine_body(self.route, data, tenant, context.served_names.get(route_request.model))
+            if rewritten is not None:
+                body = rewritten
             if entry is not None:
                 entry.request = route_request
             if by_policy:
@@ -509,10 +509,8 @@ class ProxyEndpoint:
         entry: AccessEntry | None = None,
     ) -> None:
         context = self.context
+        # `body` carries it already (engine_body); a split's prefill leg is built from `data`.
         served_name = context.served_names.get(route_request.model)
-        if served_name is not None:
-            # The one case where the body is re-encoded: the engines know the model by another name.
-            body = encode_body({**data, "model": served_name})
         policy = context.policy if by_policy else self.least_loaded
         limits = context.config.limits
         timeout_s = limits.upstream_timeout_s

@@ -1,8 +1,9 @@
 """What every front face does to route one request, whatever carries it: the proxy
 (router/forward.py) and the endpoint picker (router/epp/) both parse a body into the RouteRequest the
-policy reads (`parse_route_request`, which sets a tenant's cache_salt), re-encode a salted body for
-the engine (`salted_body`), take the candidates (`route_candidates`), and count a routed request's
-load on its backend (`prefill_tokens_of`, `release_backend`)."""
+policy reads (`parse_route_request`, which sets a tenant's cache_salt), re-encode the body the engine
+gets where it must differ from the client's (`engine_body`: a tenant's salt, the engine's model name),
+take the candidates (`route_candidates`), and count a routed request's load on its backend
+(`prefill_tokens_of`, `release_backend`)."""
 
 from __future__ import annotations
 
@@ -104,14 +105,18 @@ def parse_route_request(
     return route_request, data, view is not None
 
 
-def salted_body(route: ForwardedRoute, data: dict[str, Any], tenant: str | None) -> bytes | None:
-    """The body the engine gets in place of the client's: `data` as parse_route_request left it (the
-    tenant's cache_salt in it), encoded, so that vLLM's block hashes separate tenants too. None where
-    nothing was salted (no tenant, or a path without a salt): the client's bytes go on unchanged, and
-    cost no encode."""
-    if tenant is None or route.path not in SALTED_PATHS:
+def engine_body(
+    route: ForwardedRoute, data: dict[str, Any], tenant: str | None, served_name: str | None
+) -> bytes | None:
+    """The body the engine gets in place of the client's, encoded once: `data` as parse_route_request
+    left it (a tenant's cache_salt in it, so that vLLM's block hashes separate tenants too), with
+    `model` set to `served_name` (models[].served_name: the engines know the model by that name).
+    None where neither applies (no tenant or a path without a salt, and no served name): the
+    client's bytes go on unchanged, and cost no encode."""
+    salted = tenant is not None and route.path in SALTED_PATHS
+    if served_name is None and not salted:
         return None
-    return encode_body(data)
+    return encode_body(data if served_name is None else {**data, "model": served_name})
 
 
 def encode_body(data: dict[str, Any]) -> bytes:

@@ -8,6 +8,7 @@ decision's `cached_tokens` says what the router credited.
 
 from __future__ import annotations
 
+import json
 import os
 import time
 from collections.abc import Iterator
@@ -15,7 +16,8 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
-from kvgate_testing.gateway import GatewayProcess, simulated_fleet_config, start_gateway
+from kvgate_testing.backend import TEST_MODEL, running_backends
+from kvgate_testing.gateway import GatewayProcess, gateway_config, simulated_fleet_config, start_gateway
 from router.config import ConfigError, load_config
 
 MODEL = "qwen3-tiny"
@@ -195,6 +197,21 @@ def test_unknown_keys_are_refused_and_tenants_are_counted(tenant_gateway):
     assert 'kvgate_tenant_requests_total{status="400",tenant="acme"} 1.0' in metrics
     assert 'kvgate_tenant_requests_total{status="200",tenant="beta"}' in metrics
     assert 'tenant="not-a-key"' not in metrics
+
+
+def test_a_tenants_request_to_a_served_name_reaches_the_engine_salted_and_renamed():
+    # One body re-encoded with both (router/request_routing.py engine_body), as the picker sends it.
+    models = [{"name": "client-name", "served_name": TEST_MODEL}]
+    with running_backends("recorder", models=[TEST_MODEL]) as [backend]:
+        auth = {"tenants": [{"name": "acme", "api_keys": [ACME_KEY]}]}
+        config = gateway_config([backend], models=models, auth=auth, admin={"token": ADMIN})
+        with start_gateway(config) as gateway:
+            body = {"model": "client-name", "prompt": "hello", "max_tokens": 1}
+            headers = {"authorization": f"Bearer {ACME_KEY}"}
+            response = httpx.post(f"{gateway.url}/v1/completions", json=body, headers=headers, timeout=10)
+            assert response.status_code == 200, response.text
+        [received] = backend.received()
+    assert json.loads(received["body"]) == {**body, "model": TEST_MODEL, "cache_salt": "acme"}
 
 
 def _load(tmp_path, auth: str) -> None:

@@ -23,7 +23,7 @@ from router.errors import GatewayError, KvgateError, error_body, gateway_error_b
 from router.forward import FORWARDED_ROUTES, ForwardedRoute
 from router.policies.base import Choice, RouteRequest
 from router.policies.least_loaded import LeastLoaded
-from router.request_routing import parse_route_request, prefill_tokens_of, release_backend, salted_body
+from router.request_routing import engine_body, parse_route_request, prefill_tokens_of, release_backend
 
 if TYPE_CHECKING:
     from router.backends import BackendState
@@ -136,8 +136,9 @@ class EndpointPicker:
         tenant: str | None = None,
     ) -> tuple[Pick, bytes | None]:
         """Parse, prepare and route one request body; raises PickRefused. Returns the pick and the
-        body to send on in place of the client's: `tenant`'s salted one on a salted path (routed
-        by it, as serve does: router/request_routing.py), else None (the client's, unchanged)."""
+        body to send on in place of the client's, as serve sends it (router/request_routing.py,
+        engine_body): `tenant`'s salted one on a salted path (routed by it), `model` set to the
+        engines' name for it (models[].served_name); else None (the client's, unchanged)."""
         started = perf_counter()
         request_id, session_value = b"", None
         session_header = self.context.session_header
@@ -150,7 +151,7 @@ class EndpointPicker:
             route_request, data, by_policy = parse_route_request(
                 self.context, route, body, request_id, session_value, tenant
             )
-            salted = salted_body(route, data, tenant)
+            rewritten = engine_body(route, data, tenant, self.context.served_names.get(route_request.model))
         except GatewayError as exc:
             raise PickRefused.of(exc, "unknown_model" if exc.status == 404 else "bad_request") from None
         if by_policy:
@@ -161,7 +162,7 @@ class EndpointPicker:
         pick = self._choose(policy, route_request, candidates, request_id)
         if self.metrics is not None:
             self.metrics.pick_seconds.observe(perf_counter() - started)
-        return pick, salted
+        return pick, rewritten
 
     async def pick_by_load(self, subset: frozenset[str] | None, request_id: bytes = b"") -> Pick:
         """A request with no model to route by (GET /v1/models, an unknown path): the least-loaded

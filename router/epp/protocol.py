@@ -111,7 +111,8 @@ def pick_on_headers(endpoint: str, listed: str | None = None) -> ProcessingRespo
 def pick_on_body(endpoint: str, listed: str | None = None, body: bytes | None = None) -> ProcessingResponse:
     """The answer to a BUFFERED body that carries the pick (Envoy applies the header mutation to the
     request headers it still holds); header and metadata as in pick_on_headers. `body`, when given,
-    replaces the request's body (a tenant's salted one), content-length set to match."""
+    replaces the request's body (salted, renamed: router/request_routing.py engine_body), content-length
+    set to match."""
     common = _pick_mutation(endpoint)
     if body is not None:
         _replace_buffered_body(common, body)

@@ -5,10 +5,12 @@ the order Envoy expects.
 Request side. BUFFERED: the headers are let through at once, the whole body arrives in one message,
 and the answer to it carries the pick (header mutation + dynamic metadata). FULL_DUPLEX_STREAMED:
 Envoy sends headers and body chunks without waiting, so the headers' answer waits for the body's end;
-then the pick goes out on the headers' answer and every chunk is re-emitted unchanged, in order. A
-tenant's request on a salted path (auth.tenants) is the one whose body changes: its salted body
-replaces the buffered one (content-length set to match), or goes out whole in place of the streamed
-chunks. In both modes a body over the limit is answered 413 at the chunk that crosses it, never held.
+then the pick goes out on the headers' answer and every chunk is re-emitted unchanged, in order. The
+body changes where serve's does (router/request_routing.py, engine_body): a tenant's request on a
+salted path (auth.tenants) gets its cache_salt, a model with a served_name that name. The rewritten
+body replaces the buffered one (content-length set to match), or goes out whole in place of the
+streamed chunks. In both modes a body over the limit is answered 413 at the chunk that crosses it,
+never held.
 
 Response side: the status, the endpoint Envoy says served it, the time to the headers (a streamed
 answer's time to first token) and, where Envoy sends the body, its `usage`; the pick's accounting
@@ -239,19 +241,19 @@ class _Exchange:
                 error_body(400, f"{self.route.path} needs a JSON request body; it was empty", "body"),
                 "missing_body",
             )
-        self.pick, salted = await picker.pick(self.route, body, self.headers, self.subset, self.tenant)
+        self.pick, rewritten = await picker.pick(self.route, body, self.headers, self.subset, self.tenant)
         endpoint, listed = await self._endpoints()
         if self.request_streamed:
             yield protocol.pick_on_headers(endpoint, listed)
-            if salted is None:
+            if rewritten is None:
                 for chunk, end in self.held:
                     yield protocol.request_body_chunk(chunk, end)
             else:
-                # A tenant's salted body goes out whole in place of the chunks held (its end as theirs:
-                # false when trailers follow).
-                yield protocol.request_body_chunk(salted, self.held[-1][1])
+                # The rewritten body (salted, renamed) goes out whole in place of the chunks held (its
+                # end as theirs: false when trailers follow).
+                yield protocol.request_body_chunk(rewritten, self.held[-1][1])
         else:
-            yield protocol.pick_on_body(endpoint, listed, salted)
+            yield protocol.pick_on_body(endpoint, listed, rewritten)
         self.held = []
 
     async def _endpoints(self) -> tuple[str, str]:
