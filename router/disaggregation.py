@@ -234,10 +234,12 @@ class DecodeLeg:
         # engine's prefill cost (router/pd_costs.py, OpenPrefill). Not a split's decode leg nor a
         # request loading from a tier (their time is mostly the load, which is no prefill), nor an
         # answer sent whole (its first piece comes after every decode step).
-        if self.streamed and not self.split and not self.loaded_tokens and prefill_tokens:
-            costs = self.disaggregation.costs.engine(backend.name)
-            self.prefill_over()
-            self._open_prefill = (costs, costs.open_prefill(prefill_tokens + queued))
+        costs = self.disaggregation.costs.engine(backend.name)
+        self.prefill_over()
+        if self.streamed and not self.split and not self.loaded_tokens:
+            self._open_prefill = (costs, costs.open_prefill(prefill_tokens, queued))
+        else:
+            costs.prefill_sent(prefill_tokens)
 
     def prefill_over(self) -> None:
         """The attempt's first piece came, or it ended without one: its prefill is no longer open."""
@@ -500,7 +502,9 @@ class Disaggregation:
         opened = None
         if not _LegLoad.of(choice, backend.name, prompt_tokens).tier_tokens:
             store_s = prompt_tokens * self.costs.figures(backend.name).transfer_s_per_token
-            opened = costs.open_prefill(prefill_tokens + queued, store_s)
+            opened = costs.open_prefill(prefill_tokens, queued, store_s)
+        else:
+            costs.prefill_sent(prefill_tokens)
         backend.in_flight += 1
         backend.in_flight_prefill_tokens += prefill_tokens
         policy.on_routed(choice)

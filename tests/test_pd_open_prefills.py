@@ -35,6 +35,23 @@ def test_an_unmeasured_engine_is_as_slow_as_its_oldest_open_prefill_shows():
     assert model.figures("prefill", now=opened.sent_at + 0.1).prefill_s_per_token == PRIOR_S
 
 
+def test_while_nothing_is_measured_another_engines_bound_stands_in_for_the_prior():
+    model = CostModel(CONFIG)
+    model.engine("decode").prefill.observe(20, 0.05)
+    opened = model.engine("prefill").open_prefill(2000)
+    assert opened is not None
+    # The decode engine, at its prior, would look twenty times cheaper to colocate on.
+    decode = model.figures("decode", now=opened.sent_at + 4.05)
+    assert decode.prefill_s_per_token == pytest.approx(2e-3)
+    assert decode.prefill_bound_s_per_token == 0.0  # not its own bound
+    # Once an engine is measured, the median of the measured ones stands in instead.
+    for tokens in (100, 800, 1600, 400):
+        model.engine("other").prefill.observe(tokens, 0.01 + tokens * 500e-6)
+    assert model.figures("decode", now=opened.sent_at + 4.05).prefill_s_per_token == pytest.approx(
+        500e-6, rel=0.01
+    )
+
+
 def test_a_short_prompts_fixed_time_is_not_read_as_a_per_token_cost():
     model = CostModel(CONFIG)
     costs = model.engine("engine")
@@ -43,6 +60,20 @@ def test_a_short_prompts_fixed_time_is_not_read_as_a_per_token_cost():
     assert opened is not None
     # Another one open 0.2 s is not 6 ms a token.
     assert model.figures("engine", now=opened.sent_at + 0.2).prefill_s_per_token == PRIOR_S
+
+
+def test_prompts_sent_after_an_open_prefill_count_as_work_it_waited_on():
+    model = CostModel(CONFIG)
+    costs = model.engine("engine")
+    costs.prefill.observe(10, 0.01)
+    short = costs.open_prefill(33)
+    assert short is not None
+    # A long prompt sent just after it: a batching engine computes both in the same steps, so the
+    # short one's answer comes with the long one's.
+    costs.open_prefill(1600, queued=33, sent_at=short.sent_at + 0.002)
+    costs.prefill_sent(400)  # and one that opens nothing (it loads from a tier)
+    bound = model.figures("engine", now=short.sent_at + 2.01).prefill_bound_s_per_token
+    assert bound == pytest.approx(2.0 / (33 + 1600 + 400))  # not 2.0 / 33
 
 
 def test_a_decode_step_waited_for_is_not_read_as_a_per_token_cost():
