@@ -171,6 +171,7 @@ def test_a_slow_prefill_engine_is_seen_slow_while_its_first_long_prefill_runs(ga
     first.start()
     time.sleep(1.0)  # its prefill leg runs about 2 s on prefill-0
     while_open = debug_page(gateway)["disaggregation"]["costs"]["prefill-0"]
+    page_while_open = httpx.get(f"{gateway.url}/debug/prefix-map", timeout=10).text
     complete(gateway, "second-long", "another document altogether " * 160)
     age = time.perf_counter() - sent
     first.join(60)
@@ -182,6 +183,7 @@ def test_a_slow_prefill_engine_is_seen_slow_while_its_first_long_prefill_runs(ga
     assert queue_s < first_tokens * SLOW_PREFILL_US * 1e-6 * 1.2 and queue_s < age
     assert while_open["open_prefills"] == 1
     assert while_open["prefill_bound_us_per_token"] > 3 * PRIOR_S * 1e6
+    assert "prefill at least" in page_while_open and "prefills running: 1" in page_while_open
     # Answered: nothing holds the bound up.
     after = debug_page(gateway)["disaggregation"]["costs"]["prefill-0"]
     assert (after["open_prefills"], after["prefill_bound_us_per_token"]) == (0, 0.0)
