@@ -381,11 +381,7 @@ class CostModel:
             )
             if measured:
                 measured_anywhere = True
-                middle = len(measured) // 2
-                median = (
-                    measured[middle] if len(measured) % 2 else (measured[middle - 1] + measured[middle]) / 2
-                )
-                figures = dataclasses.replace(figures, prefill_s_per_token=median)
+                figures = dataclasses.replace(figures, prefill_s_per_token=_median(measured))
             else:
                 # Only while nothing is measured (the first answers): the other engines' open prefills.
                 bounds = sorted(
@@ -393,11 +389,8 @@ class CostModel:
                     for bound in (self.prefill_bound(other, now) for other in self._engines if other != name)
                     if bound > 0
                 )
-                if bounds:
-                    middle = len(bounds) // 2
-                    median = bounds[middle] if len(bounds) % 2 else (bounds[middle - 1] + bounds[middle]) / 2
-                    if median > figures.prefill_s_per_token:
-                        figures = dataclasses.replace(figures, prefill_s_per_token=median)
+                if bounds and _median(bounds) > figures.prefill_s_per_token:
+                    figures = dataclasses.replace(figures, prefill_s_per_token=_median(bounds))
         bound = self.prefill_bound(name, now)
         if bound:
             figures = dataclasses.replace(
@@ -449,3 +442,8 @@ class CostModel:
                 "prefill_bound_us_per_token": round(self.prefill_bound(name) * 1e6, 3),
             }
         return described
+
+
+def _median(ordered: list[float]) -> float:
+    middle = len(ordered) // 2
+    return ordered[middle] if len(ordered) % 2 else (ordered[middle - 1] + ordered[middle]) / 2
