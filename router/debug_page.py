@@ -258,7 +258,7 @@ def _disaggregation_section(pd: dict[str, Any] | None) -> str:
     costs = " ".join(
         f'<span class="pill">{html.escape(name)} ({html.escape(pd["roles"].get(name, "?"))}): prefill '
         f"{cost['prefill_us_per_token']:g}, load {cost['load_us_per_token']:g}, transfer "
-        f"{cost['transfer_us_per_token']:g} us/token</span>"
+        f"{cost['transfer_us_per_token']:g} us/token{_prefill_bound(cost)}</span>"
         for name, cost in pd["costs"].items()
     )
     body = "\n".join(rows) or '<tr><td colspan="6" class="muted">no requests yet</td></tr>'
@@ -268,6 +268,14 @@ def _disaggregation_section(pd: dict[str, Any] | None) -> str:
         "<table><tr><th>at</th><th>request</th><th>option</th><th>engines</th><th>prompt tokens</th>"
         f"<th>estimates</th></tr>{body}</table>"
     )
+
+
+def _prefill_bound(cost: dict[str, Any]) -> str:
+    """The lower bound the engine's prefills still in flight put on its prefill cost, if any."""
+    bound = cost.get("prefill_bound_us_per_token") or 0
+    if not bound:
+        return ""
+    return f"; prefill at least {bound:g} us/token, prefills running: {cost['open_prefills']}"
 
 
 def render_page(data: dict[str, Any], refresh: str | None = None) -> str:

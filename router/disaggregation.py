@@ -53,7 +53,7 @@ from prometheus_client.core import GaugeMetricFamily
 
 from router.config import Disaggregation as DisaggregationConfig
 from router.errors import KvgateError
-from router.pd_costs import CostFigures, CostModel
+from router.pd_costs import CostFigures, CostModel, EngineCosts, OpenPrefill
 from router.policies.base import Choice, Policy, RouteRequest
 from router.upstream import UpstreamError, UpstreamTimeout
 
@@ -209,6 +209,10 @@ class DecodeLeg:
     expected_prefill_tokens: int | None = None
     # What the decode engine is expected to load from a tier (split: the prompt its GPU lacks).
     loaded_tokens: int = 0
+    # Whether the answer streams: only then does its first piece mark the end of its prefill.
+    streamed: bool = False
+    # A colocated attempt's prefill still in flight on its engine (the cost model's lower bound).
+    _open_prefill: tuple[EngineCosts, OpenPrefill | None] | None = None
 
     @property
     def split(self) -> bool:
@@ -226,6 +230,23 @@ class DecodeLeg:
         queued = max(0, backend.in_flight_prefill_tokens - prefill_tokens)
         self.computed_tokens[backend.name] = prefill_tokens + queued
         self.queued_tokens[backend.name] = queued
+        # A streamed colocated answer's first piece ends its prefill, so until then it bounds the
+        # engine's prefill cost (router/pd_costs.py, OpenPrefill). Not a split's decode leg nor a
+        # request loading from a tier (their time is mostly the load, which is no prefill), nor an
+        # answer sent whole (its first piece comes after every decode step).
+        costs = self.disaggregation.costs.engine(backend.name)
+        self.prefill_over()
+        if self.streamed and not self.split and not self.loaded_tokens:
+            self._open_prefill = (costs, costs.open_prefill(prefill_tokens, queued))
+        else:
+            costs.prefill_sent(prefill_tokens)
+
+    def prefill_over(self) -> None:
+        """The attempt's first piece came, or it ended without one: its prefill is no longer open."""
+        if self._open_prefill is not None:
+            costs, opened = self._open_prefill
+            costs.close_prefill(opened)
+            self._open_prefill = None
 
     def stream_gaps(self, backend: BackendState, computed_tokens: int) -> StreamGaps:
         """The timer of this answer's streamed pieces on `backend` (router/forward.py's relay)."""
@@ -233,6 +254,7 @@ class DecodeLeg:
 
     def finished(self, backend: BackendState, status: int, ttft_s: float | None, tail: bytes) -> None:
         """The answer ended: learn from what the engine reported, count a transfer miss."""
+        self.prefill_over()
         self.disaggregation.decode_finished(self, backend, status, ttft_s, tail)
 
 
@@ -378,6 +400,7 @@ class Disaggregation:
             option = SPLIT
         leg = DecodeLeg(self, request.request_id, prompt_tokens, option, decode_choice)
         leg.loaded_tokens = decode_load.tier_tokens
+        leg.streamed = data.get("stream") is True
         fallback = None
         if option == SPLIT and prefill_choice is not None:
             try:
@@ -470,6 +493,18 @@ class Disaggregation:
         backend = choice.backend
         prefill_tokens = choice.prefill_tokens or 0
         queued = max(0, backend.in_flight_prefill_tokens)
+        costs = self.costs.engine(backend.name)
+        prompt_tokens = 0 if request.tokens is None else len(request.tokens)
+        # Until it answers, the leg bounds the engine's prefill cost (router/pd_costs.py,
+        # OpenPrefill); not one that loads part of the prompt from a tier (the load is no prefill).
+        # The engine stores the prompt before it answers: that time, at its transfer cost, is not
+        # prefill either.
+        opened = None
+        if not _LegLoad.of(choice, backend.name, prompt_tokens).tier_tokens:
+            store_s = prompt_tokens * self.costs.figures(backend.name).transfer_s_per_token
+            opened = costs.open_prefill(prefill_tokens, queued, store_s)
+        else:
+            costs.prefill_sent(prefill_tokens)
         backend.in_flight += 1
         backend.in_flight_prefill_tokens += prefill_tokens
         policy.on_routed(choice)
@@ -496,6 +531,7 @@ class Disaggregation:
             self.backends.mark_down(backend, str(exc))
             raise PrefillFailed(f"prefill backend {backend.name} failed: {exc}") from None
         finally:
+            costs.close_prefill(opened)
             backend.in_flight -= 1
             backend.in_flight_prefill_tokens -= prefill_tokens
             backend.requests_total += 1
@@ -513,7 +549,6 @@ class Disaggregation:
         stored = _int(transfer.get("stored_tokens"))
         store_s = _float(transfer.get("store_seconds")) or 0.0
         load_s = _float(transfer.get("load_seconds")) or 0.0
-        costs = self.costs.engine(backend.name)
         costs.prefill.observe(prefill_tokens + queued, max(0.0, elapsed - store_s - load_s))
         if stored:
             costs.transfer.observe(store_s, stored)
@@ -591,7 +626,8 @@ class _CostCollector:
         families = {
             "prefill": GaugeMetricFamily(
                 "kvgate_pd_prefill_seconds_per_token",
-                "Measured (else prior) prefill cost of one uncached prompt token, per backend",
+                "Measured (else prior) prefill cost of one uncached prompt token, per backend; at least "
+                "what its prefills still in flight bound it to",
                 labels=["backend"],
             ),
             "load": GaugeMetricFamily(

@@ -556,21 +556,21 @@ class ProxyEndpoint:
                     backend.origin, b"POST", self.path, forward_headers, body, timeout_s
                 )
             except UpstreamTimeout:
-                release_backend(backend, prefill_tokens)
+                _release(backend, prefill_tokens, leg)
                 raise GatewayError(
                     504,
                     f"backend {backend.name} sent no response within {timeout_s:g} s "
                     "(raise limits.upstream_timeout_s for longer generations)",
                 ) from None
             except UpstreamError as exc:
-                release_backend(backend, prefill_tokens)
+                _release(backend, prefill_tokens, leg)
                 context.backends.mark_down(backend, str(exc))
                 if not exc.before_response:
                     raise GatewayError(502, f"backend {backend.name} failed: {exc}") from None
                 context.metrics.retries.labels(backend.name, "connect").inc()
                 continue
             except BaseException:  # cancelled: the client left
-                release_backend(backend, prefill_tokens)
+                _release(backend, prefill_tokens, leg)
                 raise
             status = response.status
             if status >= 500:
@@ -580,7 +580,7 @@ class ProxyEndpoint:
                     and attempt + 1 < limits.max_attempts
                     and route_candidates(context.backends, route_request.model, tried)
                 ):
-                    release_backend(backend, prefill_tokens)
+                    _release(backend, prefill_tokens, leg)
                     response.close()  # unread body: the connection is dropped, not reused
                     context.metrics.retries.labels(backend.name, str(status)).inc()
                     continue
@@ -657,6 +657,8 @@ class ProxyEndpoint:
             )
             try:
                 async for piece in response.pieces(context.config.limits.upstream_timeout_s):
+                    if leg is not None:
+                        leg.prefill_over()
                     if prefill_tokens:
                         backend.in_flight_prefill_tokens -= prefill_tokens
                         prefill_tokens = 0
@@ -722,6 +724,13 @@ class ProxyEndpoint:
                 )
             if leg is not None:
                 leg.finished(backend, outcome_status, ttft_s, tail)
+
+
+def _release(backend: BackendState, prefill_tokens: int, leg: DecodeLeg | None) -> None:
+    """An attempt ended before its answer was relayed: its load and its open prefill with it."""
+    release_backend(backend, prefill_tokens)
+    if leg is not None:
+        leg.prefill_over()
 
 
 def connection_named_headers(values: Sequence[bytes]) -> frozenset[bytes]:

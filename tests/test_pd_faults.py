@@ -37,6 +37,12 @@ def loads(gateway: GatewayProcess) -> dict[str, tuple[int, int]]:
     return {b["name"]: (b["in_flight"], b["in_flight_prefill_tokens"]) for b in backends}
 
 
+def open_prefills(gateway: GatewayProcess) -> dict[str, int]:
+    """Per engine, the prefills the cost model still counts as running (its lower bound's evidence)."""
+    page = httpx.get(f"{gateway.url}/debug/prefix-map", params={"format": "json"}, timeout=10).json()
+    return {name: costs["open_prefills"] for name, costs in page["disaggregation"]["costs"].items()}
+
+
 def test_failed_and_slow_prefill_engines_leave_the_request_colocated_after_one_retry_elsewhere():
     roles = {
         "prefill-down": "prefill",
@@ -68,6 +74,8 @@ def test_failed_and_slow_prefill_engines_leave_the_request_colocated_after_one_r
         # The colocated answer computed the whole prompt on the decode engine.
         assert response.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
         assert loads(gateway) == {name: (0, 0) for name in roles}
+        # A failed or timed-out leg bounds no engine's prefill cost any more.
+        assert set(open_prefills(gateway).values()) == {0}
 
         # A client that leaves while its prefill leg runs (on prefill-slow, the one engine not marked
         # down): the leg is dropped and every in-flight count is back to zero.
@@ -77,6 +85,7 @@ def test_failed_and_slow_prefill_engines_leave_the_request_colocated_after_one_r
         while loads(gateway) != {name: (0, 0) for name in roles}:
             assert time.monotonic() < deadline, f"in-flight load never went back to zero: {loads(gateway)}"
             time.sleep(0.05)
+        assert set(open_prefills(gateway).values()) == {0}
 
 
 def test_a_decode_engine_down_before_its_first_byte_hands_the_request_to_another_that_loads_the_same_kv():
