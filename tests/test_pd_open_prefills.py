@@ -13,9 +13,9 @@ from pathlib import Path
 import httpx
 import pytest
 
-from benchmarks.pd_bound_replay import replay
 from kvgate_testing.gateway import GatewayProcess, start_gateway
 from kvgate_testing.pd_fleet import MODEL, RoledFleet
+from kvgate_testing.pd_replay import replay
 from router.config import Disaggregation
 from router.pd_costs import CostModel
 
