@@ -19,6 +19,8 @@ from google.protobuf import struct_pb2
 BodySendMode = processing_mode_pb2.ProcessingMode.BodySendMode
 BUFFERED = BodySendMode.Value("BUFFERED")
 FULL_DUPLEX_STREAMED = BodySendMode.Value("FULL_DUPLEX_STREAMED")
+# The request body modes the picker serves, by the names tests parametrize with.
+BODY_MODES = {"buffered": BUFFERED, "full_duplex_streamed": FULL_DUPLEX_STREAMED}
 _END = object()
 
 
@@ -199,3 +201,19 @@ def exchange(
         picked.take(response)
         if picked.status is not None or (picked.echoed and picked.echoed[-1][1]):
             return picked
+
+
+def bearer(key: str) -> tuple[str, str]:
+    return ("authorization", f"Bearer {key}")
+
+
+def exchange_with_key(
+    channel: grpc.Channel, key: str, body: bytes, mode: str, path: str = "/v1/chat/completions"
+) -> Picked:
+    """One request from a client holding API key `key`, on a stream of its own, in body mode `mode`
+    (a BODY_MODES name; streamed bodies in 40-byte chunks), read up to the pick."""
+    stream = ExtProcStream(channel)
+    try:
+        return exchange(stream, path, body, mode=BODY_MODES[mode], chunk_size=40, extra=[bearer(key)])
+    finally:
+        stream.close()

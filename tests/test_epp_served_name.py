@@ -21,7 +21,11 @@ import pytest
 
 from kvgate_testing.backend import BackendProcess, start_backend
 from kvgate_testing.envoy import BodyMode
-from kvgate_testing.ext_proc_client import BUFFERED, FULL_DUPLEX_STREAMED, ExtProcStream, Picked, exchange
+from kvgate_testing.ext_proc_client import (
+    BODY_MODES,
+    Picked,
+    exchange_with_key,
+)
 from kvgate_testing.picker import EnvoyWithPicker, PickerProcess, start_envoy_and_picker, start_picker
 from kvgate_testing.sim_fleet import MODEL, EngineFleet
 
@@ -35,7 +39,6 @@ ACME_KEY = "kvgate-test-acme-key-0011"
 PLAIN_KEY = "kvgate-test-plain-key-4455"
 AUTH = {"api_keys": [PLAIN_KEY], "tenants": [{"name": "acme", "api_keys": [ACME_KEY]}]}
 ADMIN = {"token": "kvgate-test-admin-token-6677"}
-MODES = {"buffered": BUFFERED, "full_duplex_streamed": FULL_DUPLEX_STREAMED}
 
 
 def client_body(model: str) -> bytes:
@@ -74,18 +77,6 @@ def channel(recorder: BackendProcess) -> Iterator[grpc.Channel]:
         yield channel
 
 
-def send(
-    channel: grpc.Channel, key: str, body: bytes, mode: str, path: str = "/v1/chat/completions"
-) -> Picked:
-    stream = ExtProcStream(channel)
-    try:
-        return exchange(
-            stream, path, body, mode=MODES[mode], chunk_size=40, extra=[("authorization", f"Bearer {key}")]
-        )
-    finally:
-        stream.close()
-
-
 def body_sent_on(picked: Picked, mode: str) -> dict:
     """The one body the picker sent in place of the client's, parsed; asserts it is one, whole."""
     assert picked.header, picked.body
@@ -99,32 +90,32 @@ def body_sent_on(picked: Picked, mode: str) -> dict:
     return json.loads(picked.echoed[0][0])
 
 
-@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("mode", BODY_MODES)
 @pytest.mark.parametrize("path", ["/v1/chat/completions", "/tokenize"])
 def test_a_model_with_a_served_name_goes_on_under_that_name(
     channel: grpc.Channel, mode: str, path: str
 ) -> None:
     body = client_body(RECORDED_ALIAS)
-    sent = body_sent_on(send(channel, PLAIN_KEY, body, mode, path), mode)
+    sent = body_sent_on(exchange_with_key(channel, PLAIN_KEY, body, mode, path), mode)
     assert sent == {**json.loads(body), "model": RECORDED_MODEL}
 
 
-@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("mode", BODY_MODES)
 def test_a_tenants_request_to_a_served_name_is_salted_and_renamed_in_one_body(
     channel: grpc.Channel, mode: str
 ) -> None:
     body = client_body(RECORDED_ALIAS)
-    sent = body_sent_on(send(channel, ACME_KEY, body, mode), mode)
+    sent = body_sent_on(exchange_with_key(channel, ACME_KEY, body, mode), mode)
     assert sent == {**json.loads(body), "model": RECORDED_MODEL, "cache_salt": "acme"}
 
 
-@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("mode", BODY_MODES)
 @pytest.mark.parametrize("model", [RECORDED_MODEL, SAME_NAME], ids=["no_served_name", "served_name_is_name"])
 def test_a_model_the_engines_know_by_its_name_passes_unchanged(
     channel: grpc.Channel, mode: str, model: str
 ) -> None:
     body = client_body(model)
-    picked = send(channel, PLAIN_KEY, body, mode)
+    picked = exchange_with_key(channel, PLAIN_KEY, body, mode)
     assert picked.header, picked.body
     assert picked.replaced_body is None and "content-length" not in picked.set_headers
     if mode == "buffered":

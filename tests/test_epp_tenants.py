@@ -25,12 +25,12 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as ext_proc
 from kvgate_testing.backend import BackendProcess, start_backend
 from kvgate_testing.envoy import BodyMode
 from kvgate_testing.ext_proc_client import (
-    BUFFERED,
+    BODY_MODES,
     FULL_DUPLEX_STREAMED,
     ExtProcStream,
-    Picked,
+    bearer,
     body_message,
-    exchange,
+    exchange_with_key,
     headers_message,
 )
 from kvgate_testing.metrics import metric_samples, sample_key
@@ -46,15 +46,10 @@ AUTH = {
     "api_keys": [PLAIN_KEY],
     "tenants": [{"name": "acme", "api_keys": [ACME_KEY]}, {"name": "beta", "api_keys": [BETA_KEY]}],
 }
-MODES = {"buffered": BUFFERED, "full_duplex_streamed": FULL_DUPLEX_STREAMED}
 # Unusual spacing: a body the picker re-encoded would not come out byte for byte.
 CLIENT_BODY = (
     b'{"model":  "test-model", "messages": [{"role": "user", "content": "h\\u00e9llo"}], "max_tokens": 2}'
 )
-
-
-def bearer(key: str) -> tuple[str, str]:
-    return ("authorization", f"Bearer {key}")
 
 
 # ---- the picker alone, its answers read as Envoy reads them ----
@@ -86,21 +81,11 @@ def channel(picker: PickerProcess) -> Iterator[grpc.Channel]:
         yield channel
 
 
-def send(
-    channel: grpc.Channel, key: str, body: bytes, mode: str, path: str = "/v1/chat/completions"
-) -> Picked:
-    stream = ExtProcStream(channel)
-    try:
-        return exchange(stream, path, body, mode=MODES[mode], chunk_size=40, extra=[bearer(key)])
-    finally:
-        stream.close()
-
-
 def salted(body: bytes, salt: str) -> dict:
     return {**json.loads(body), "cache_salt": salt}
 
 
-@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("mode", BODY_MODES)
 @pytest.mark.parametrize(("client_salt", "expected"), [(None, "acme"), ("user-7", "acme:user-7")])
 def test_a_tenants_body_goes_on_salted(
     channel: grpc.Channel, mode: str, client_salt: str | None, expected: str
@@ -110,7 +95,7 @@ def test_a_tenants_body_goes_on_salted(
         if client_salt is None
         else json.dumps({**json.loads(CLIENT_BODY), "cache_salt": client_salt}).encode()
     )
-    picked = send(channel, ACME_KEY, body, mode)
+    picked = exchange_with_key(channel, ACME_KEY, body, mode)
     assert picked.header, picked.body
     if mode == "buffered":
         # One body in place of the client's, and a content-length that matches it.
@@ -151,7 +136,7 @@ def test_a_streamed_body_ending_with_trailers_is_replaced_and_the_trailers_follo
     assert json.loads(chunks[0][0]) == salted(CLIENT_BODY, "beta")
 
 
-@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("mode", BODY_MODES)
 @pytest.mark.parametrize(
     ("key", "path"),
     [(PLAIN_KEY, "/v1/chat/completions"), (ACME_KEY, "/tokenize")],
@@ -160,7 +145,7 @@ def test_a_streamed_body_ending_with_trailers_is_replaced_and_the_trailers_follo
 def test_without_a_tenant_or_off_the_salted_paths_the_body_passes_unchanged(
     channel: grpc.Channel, mode: str, key: str, path: str
 ) -> None:
-    picked = send(channel, key, CLIENT_BODY, mode, path)
+    picked = exchange_with_key(channel, key, CLIENT_BODY, mode, path)
     assert picked.header, picked.body
     assert picked.replaced_body is None and "content-length" not in picked.set_headers
     if mode == "buffered":
@@ -169,13 +154,13 @@ def test_without_a_tenant_or_off_the_salted_paths_the_body_passes_unchanged(
         assert b"".join(chunk for chunk, _ in picked.echoed) == CLIENT_BODY and len(picked.echoed) > 1
 
 
-@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("mode", BODY_MODES)
 @pytest.mark.parametrize("bad_salt", [5, "", ["acme"]], ids=["number", "empty", "list"])
 def test_a_bad_client_salt_of_a_tenant_gets_the_400_serve_gives(
     channel: grpc.Channel, mode: str, bad_salt: object
 ) -> None:
     body = json.dumps({**json.loads(CLIENT_BODY), "cache_salt": bad_salt}).encode()
-    picked = send(channel, ACME_KEY, body, mode)
+    picked = exchange_with_key(channel, ACME_KEY, body, mode)
     assert picked.status == 400 and picked.details == "kvgate_epp_bad_request"
     error = json.loads(picked.body)["error"]
     assert error["param"] == "cache_salt" and error["message"] == "`cache_salt` must be a non-empty string"

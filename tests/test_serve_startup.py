@@ -8,6 +8,7 @@ import signal
 import socket
 import subprocess
 import time
+from pathlib import Path
 
 import pytest
 import yaml
@@ -16,6 +17,21 @@ from kvgate_testing.ports import free_port
 from kvgate_testing.processes import REPO_ROOT, python_command
 
 FAILING_EXTENSION = "kvgate_testing.sample_extension:create_failing_at_start"
+
+
+def one_backend_config(tmp_path, **sections) -> Path:
+    """A proxy.yaml on free ports with one backend nobody answers on (port 9), and `sections`."""
+    config = {
+        "listen": {"host": "127.0.0.1", "port": free_port()},
+        "models": [{"name": "tiny-qwen3"}],
+        "backends": [{"name": "a", "url": "http://127.0.0.1:9"}],
+        "policy": {"name": "least_loaded"},
+        "log_level": "warning",
+        **sections,
+    }
+    config_path = tmp_path / "proxy.yaml"
+    config_path.write_text(yaml.safe_dump(config))
+    return config_path
 
 
 def test_a_taken_listen_port_fails_at_once_with_one_line_before_any_engine_starts(tmp_path):
@@ -82,15 +98,7 @@ def test_ctrl_c_that_ends_the_loop_without_an_interrupt_still_exits_130(tmp_path
 
     from router import serve
 
-    config = {
-        "listen": {"host": "127.0.0.1", "port": free_port()},
-        "models": [{"name": "tiny-qwen3"}],
-        "backends": [{"name": "a", "url": "http://127.0.0.1:9"}],
-        "policy": {"name": "least_loaded"},
-        "log_level": "warning",
-    }
-    config_path = tmp_path / "proxy.yaml"
-    config_path.write_text(yaml.safe_dump(config))
+    config_path = one_backend_config(tmp_path)
     interrupted_server = serve._server_class()
 
     class RacedServer(interrupted_server):
@@ -115,16 +123,7 @@ def test_ctrl_c_that_ends_the_loop_without_an_interrupt_still_exits_130(tmp_path
 def test_a_start_up_that_fails_exits_1_with_a_line_saying_the_gateway_did_not_start(tmp_path, command):
     """A part of the gateway that raises in the app's startup (uvicorn's lifespan): the command says
     it did not start and exits 1, as a service manager must see it (not 0, nor uvicorn's own 3)."""
-    config = {
-        "listen": {"host": "127.0.0.1", "port": free_port()},
-        "models": [{"name": "tiny-qwen3"}],
-        "backends": [{"name": "a", "url": "http://127.0.0.1:9"}],
-        "policy": {"name": "least_loaded"},
-        "epp": {"port": free_port()},
-        "log_level": "warning",
-    }
-    config_path = tmp_path / "proxy.yaml"
-    config_path.write_text(yaml.safe_dump(config))
+    config_path = one_backend_config(tmp_path, epp={"port": free_port()})
     result = subprocess.run(
         python_command(
             "-m", "kvgate_testing.gateway_with_extensions", FAILING_EXTENSION, command,
@@ -152,15 +151,7 @@ def test_a_server_that_returns_without_having_started_exits_1(tmp_path, monkeypa
 
     from router import serve
 
-    config = {
-        "listen": {"host": "127.0.0.1", "port": free_port()},
-        "models": [{"name": "tiny-qwen3"}],
-        "backends": [{"name": "a", "url": "http://127.0.0.1:9"}],
-        "policy": {"name": "least_loaded"},
-        "log_level": "warning",
-    }
-    config_path = tmp_path / "proxy.yaml"
-    config_path.write_text(yaml.safe_dump(config))
+    config_path = one_backend_config(tmp_path)
 
     class NeverStartedServer(serve._server_class()):
         def run(self, sockets=None):
