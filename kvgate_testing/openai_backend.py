@@ -8,7 +8,9 @@ Behaviour per request, chosen by headers the gateway forwards unchanged:
 - `x-test-status: 503` answers that status (OpenAI error shape);
 - `x-test-delay-ms: N` waits before the response headers (upstream timeouts);
 - `x-test-chunks: N` and `x-test-chunk-delay-ms: N` shape a streamed (`"stream": true`) answer;
-  `x-test-first-chunk-delay-ms: N` waits between its head and its first chunk (an engine's prefill).
+  `x-test-first-chunk-delay-ms: N` waits between its head and its first chunk (an engine's prefill);
+- `x-test-die-after-head: NAME`: the backend named NAME sends a whole answer's head, then its
+  process exits before the body (a crash between the two).
 Behaviour for every request, set with POST /_test/mode {"status": 503, "health_status": 503}
 (and "health_delay_ms": N, a /health that takes N ms to answer).
 GET /_test/received lists what it received (request id, path, body) unless started with --no-record;
@@ -24,6 +26,7 @@ import argparse
 import asyncio
 import hashlib
 import json
+import os
 
 import uvicorn
 
@@ -118,6 +121,13 @@ class OpenAIBackend:
             f'"request_id": "{request_id}", '
             '"choices":[{"index":0,"text":"héllo ✓ wörld","finish_reason":"stop"}]}'
         )
+        if headers.get("x-test-die-after-head") == self.name:
+            encoded = answer.encode()
+            length = str(len(encoded)).encode()
+            start = [*_JSON_HEADERS, *self._name_header, (b"content-length", length)]
+            await send({"type": "http.response.start", "status": 200, "headers": start})
+            await asyncio.sleep(0.05)  # the head leaves (uvicorn writes it at once)
+            os._exit(1)
         await self._send(send, 200, answer.encode())
 
     async def _stream(self, headers: dict[str, str], digest: str, send, receive, record: dict) -> None:

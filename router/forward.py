@@ -586,6 +586,28 @@ class ProxyEndpoint:
                     continue
             elif not backend.healthy:
                 context.backends.mark_up(backend)  # marked down, yet it answered: it is back
+            if not _is_event_stream(response.headers):
+                # A whole answer's head waits for its body (router/http_server.py), so a backend
+                # that fails between the two has sent the client nothing: routed around as if it
+                # had failed before answering, not a connection dropped on the client.
+                try:
+                    await response.body_started(timeout_s)
+                except UpstreamError as exc:
+                    _release(backend, prefill_tokens, leg)
+                    response.close()
+                    if isinstance(exc, UpstreamTimeout):
+                        raise GatewayError(
+                            504,
+                            f"backend {backend.name} sent no body within {timeout_s:g} s of its headers "
+                            "(raise limits.upstream_timeout_s for longer generations)",
+                        ) from None
+                    context.backends.mark_down(backend, str(exc))
+                    context.metrics.retries.labels(backend.name, "body").inc()
+                    continue
+                except BaseException:  # cancelled: the client left
+                    _release(backend, prefill_tokens, leg)
+                    response.close()
+                    raise
             await self._relay(
                 policy,
                 choice,

@@ -257,6 +257,20 @@ class _Connection(asyncio.Protocol):
                 timer.cancel()
                 self._waiter = None
 
+    async def body_started(self, timeout_s: float) -> None:
+        """Wait, without taking any, until some of the body has arrived or it is complete; raises
+        the connection's error if it failed first (UpstreamTimeout after timeout_s)."""
+        while not (self._body or self._complete):
+            if self._error is not None:
+                raise self._error
+            waiter = self._waiter = self.loop.create_future()
+            timer = self.loop.call_later(timeout_s, _expire, waiter)
+            try:
+                await waiter
+            finally:
+                timer.cancel()
+                self._waiter = None
+
     @property
     def drained(self) -> bool:
         return self._complete and not self._body
@@ -290,6 +304,11 @@ class UpstreamResponse:
             if piece is None:
                 return
             yield piece
+
+    async def body_started(self, timeout_s: float) -> None:
+        """Until the body starts (or the response ends empty); raises UpstreamError if the backend
+        failed first, UpstreamTimeout after timeout_s. Takes nothing: pieces() still yields it all."""
+        await self._connection.body_started(timeout_s)
 
     async def read(self, timeout_s: float) -> bytes:
         parts = [piece async for piece in self.pieces(timeout_s)]

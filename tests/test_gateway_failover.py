@@ -128,6 +128,27 @@ def test_a_killed_backend_loses_no_request_and_comes_back_when_restarted(client,
     assert {send(client, f"after-{i}").headers["x-kvgate-backend"] for i in range(4)} == {"a", "b"}
 
 
+def test_a_backend_that_dies_between_its_head_and_its_body_is_routed_around(client, gateway, backends):
+    # Nothing reached the client (a whole answer's head waits for its body), so the request is
+    # not lost: it goes to the other backend (before: the client's connection was dropped).
+    statuses, served = [], set()
+    for i in range(6):
+        response = client.post(
+            "/v1/completions",
+            json={"model": MODEL, "prompt": f"dies-{i}"},
+            headers={"x-test-die-after-head": "a"},
+        )
+        statuses.append(response.status_code)
+        served.add(response.headers.get("x-kvgate-backend"))
+        if backend_states(gateway.url)["a"] == "down":
+            break
+    assert set(statuses) == {200}
+    assert served == {"b"}
+    assert backend_states(gateway.url)["a"] == "down"
+    retried = metric_samples(client.get("/metrics").text)
+    assert retried[sample_key("kvgate_retries_total", backend="a", reason="body")] >= 1
+
+
 def test_a_stream_that_fails_after_the_first_byte_ends_with_an_error_and_is_not_retried(client, backends):
     headers = {"x-test-chunks": "30", "x-test-chunk-delay-ms": "100", "x-session-id": "s"}
     body = {"model": MODEL, "prompt": "long stream", "stream": True}
