@@ -233,29 +233,19 @@ class _Connection(asyncio.Protocol):
 
     async def next_piece(self, timeout_s: float) -> bytes | None:
         """The body received since the last call (waiting for some if none), or None at the end."""
-        while True:
-            if self._body:
-                # Everything that has already arrived goes out in one piece: no delay is added, and
-                # a backend faster than the client costs one write per wake-up instead of per chunk.
-                body = self._body
-                piece = body.popleft() if len(body) == 1 else b"".join(body)
-                body.clear()
-                self._buffered = 0
-                if self._paused and self._buffered <= MAX_BUFFERED_BYTES // 2:
-                    self._paused = False
-                    self.transport.resume_reading()  # type: ignore[union-attr]
-                return piece
-            if self._complete:
-                return None
-            if self._error is not None:
-                raise self._error
-            waiter = self._waiter = self.loop.create_future()
-            timer = self.loop.call_later(timeout_s, _expire, waiter)
-            try:
-                await waiter
-            finally:
-                timer.cancel()
-                self._waiter = None
+        await self.body_started(timeout_s)
+        body = self._body
+        if not body:
+            return None  # complete, and everything was handed out
+        # Everything that has already arrived goes out in one piece: no delay is added, and a
+        # backend faster than the client costs one write per wake-up instead of per chunk.
+        piece = body.popleft() if len(body) == 1 else b"".join(body)
+        body.clear()
+        self._buffered = 0
+        if self._paused and self._buffered <= MAX_BUFFERED_BYTES // 2:
+            self._paused = False
+            self.transport.resume_reading()  # type: ignore[union-attr]
+        return piece
 
     async def body_started(self, timeout_s: float) -> None:
         """Wait, without taking any, until some of the body has arrived or it is complete; raises
