@@ -141,6 +141,8 @@ def test_a_long_prefill_stalls_decoding_streams_only_when_prefill_blocks_decode(
         await asyncio.gather(stream(), long_request())
         return max(later - earlier for earlier, later in itertools.pairwise(arrivals))
 
-    # Blocking: one gap spans the other request's whole prefill; otherwise decode steps go on.
-    assert asyncio.run(largest_gap(True)) >= 0.2
+    # Blocking: one gap spans the other request's whole prefill (0.2 s, less the event loop's
+    # timer slack: asyncio may wake a sleeper up to its clock resolution early, and CI saw
+    # 0.19987); otherwise decode steps go on.
+    assert asyncio.run(largest_gap(True)) >= 0.18
     assert asyncio.run(largest_gap(False)) < 0.1
