@@ -7,7 +7,6 @@ that the HTTP/2 framing, multiplexing and resets are a real client's."""
 from __future__ import annotations
 
 import json
-import shutil
 import subprocess
 import time
 from collections.abc import Iterator
@@ -23,10 +22,8 @@ from kvgate_testing.routers import kvgate_backends
 from kvgate_testing.sim_fleet import MODEL, EngineFleet
 from kvgate_testing.waiting import wait_for
 
-pytestmark = [
-    pytest.mark.slow,
-    pytest.mark.skipif(shutil.which("curl") is None, reason="curl is not installed"),
-]
+# curl comes with the test command's system packages (scripts/install_system_packages.sh).
+pytestmark = pytest.mark.slow
 
 # A prompt of a few hundred tokens: many KV blocks, so the engine that holds it clearly wins.
 LONG_PROMPT = " ".join(f"part {i} of the document that http2 clients share" for i in range(80))
