@@ -9,7 +9,9 @@ A via-Envoy router takes ext_proc processing_mode fields as knobs (kvgate_testin
 
 - `cpu`: every router up at once over one fleet of simulated engines; rounds of closed-loop load
   (short streamed chat requests) go to each in turn, the order alternating; per router its process's
-  CPU per request, the requests' p50 and the in-flight load left on the engines afterwards.
+  CPU per request, the same split by thread name (the event loop's thread carries the process's
+  name; grpc's core runs in `event_engine`, each KV-event subscriber in a ZMQ thread of its own),
+  the requests' p50 and the in-flight load left on the engines afterwards.
 - `probe`: kvgate_testing/epp_runs.latency_probe over these routers (Envoy alone is added as the
   reference): each one's p50/p99 and what it adds over Envoy alone.
 
@@ -28,7 +30,7 @@ import httpx
 import numpy as np
 
 from kvgate_testing import epp_runs
-from kvgate_testing.proc_stats import cpu_seconds
+from kvgate_testing.proc_stats import cpu_seconds, thread_cpu_seconds
 from kvgate_testing.routers import ENVOY_ALONE_POLICY, RunningRouter, start_router
 from kvgate_testing.sim_fleet import MODEL, EngineFleet
 
@@ -57,13 +59,21 @@ def _closed_loop(router: RunningRouter, clients: int, seconds: float, tokens: in
                     errors[0] += response.status_code != 200
                 latencies.append(time.perf_counter() - started)
 
-    before = cpu_seconds(router.process.pid)
+    pid = router.process.pid
+    before, threads_before = cpu_seconds(pid), thread_cpu_seconds(pid)
     threads = [threading.Thread(target=client, args=(number,)) for number in range(clients)]
     for thread in threads:
         thread.start()
     for thread in threads:
         thread.join()
-    return {"cpu_s": cpu_seconds(router.process.pid) - before, "latencies": latencies, "errors": errors[0]}
+    threads_after = thread_cpu_seconds(pid)
+    by_thread = {name: seconds - threads_before.get(name, 0.0) for name, seconds in threads_after.items()}
+    return {
+        "cpu_s": cpu_seconds(pid) - before,
+        "cpu_s_by_thread": by_thread,
+        "latencies": latencies,
+        "errors": errors[0],
+    }
 
 
 def _in_flight_left(router: RunningRouter) -> int | None:
@@ -79,7 +89,10 @@ def cpu(args: argparse.Namespace) -> list[dict[str, Any]]:
     with EngineFleet(count=args.engines, num_gpu_blocks=256, sim_args=sim_args) as fleet:
         routers = {policy: start_router(policy, fleet) for policy in policies}
         try:
-            totals = {policy: {"cpu_s": 0.0, "latencies": [], "errors": 0} for policy in policies}
+            totals: dict[str, dict[str, Any]] = {
+                policy: {"cpu_s": 0.0, "cpu_s_by_thread": {}, "latencies": [], "errors": 0}
+                for policy in policies
+            }
             for round_number in range(args.rounds):
                 order = policies if round_number % 2 == 0 else policies[::-1]
                 for policy in order:
@@ -87,6 +100,9 @@ def cpu(args: argparse.Namespace) -> list[dict[str, Any]]:
                         routers[policy], args.clients, args.seconds, args.tokens, f"r{round_number}"
                     )
                     totals[policy]["cpu_s"] += run["cpu_s"]
+                    by_thread = totals[policy]["cpu_s_by_thread"]
+                    for name, seconds in run["cpu_s_by_thread"].items():
+                        by_thread[name] = by_thread.get(name, 0.0) + seconds
                     totals[policy]["latencies"] += run["latencies"]
                     totals[policy]["errors"] += run["errors"]
             time.sleep(1.0)  # the last access-log batch
@@ -100,6 +116,13 @@ def cpu(args: argparse.Namespace) -> list[dict[str, Any]]:
                         "requests": count,
                         "errors": total["errors"],
                         "cpu_ms_per_request": round(total["cpu_s"] * 1000 / max(count, 1), 3),
+                        "cpu_ms_per_request_by_thread": {
+                            name: round(seconds * 1000 / max(count, 1), 3)
+                            for name, seconds in sorted(
+                                total["cpu_s_by_thread"].items(), key=lambda item: -item[1]
+                            )
+                            if seconds > 0
+                        },
                         "p50_ms": round(1000 * float(np.percentile(total["latencies"], 50)), 2),
                         "in_flight_left": _in_flight_left(routers[policy]),
                     }

@@ -28,11 +28,34 @@ def process_tree(pid: int) -> list[int]:
 
 def _ticks(pid: int) -> int:
     """utime + stime (fields 14 and 15 of /proc/PID/stat) of one process, all its threads; 0 when gone."""
+    return _stat_ticks(f"/proc/{pid}/stat")
+
+
+def _stat_ticks(stat_path: str) -> int:
     try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+        fields = Path(stat_path).read_text().rpartition(")")[2].split()
     except OSError:
         return 0
     return int(fields[11]) + int(fields[12])
+
+
+def thread_cpu_seconds(pid: int) -> dict[str, float]:
+    """User + system CPU time of each of a process's live threads, summed by thread name (the
+    kernel's `comm`: Python's main thread is the process's name, grpc's and ZMQ's threads carry
+    theirs), in seconds. Threads that ended are not in it."""
+    by_name: dict[str, float] = {}
+    try:
+        threads = os.listdir(f"/proc/{pid}/task")
+    except OSError:  # gone
+        return by_name
+    for thread in threads:
+        try:
+            name = Path(f"/proc/{pid}/task/{thread}/comm").read_text().strip()
+        except OSError:
+            continue
+        seconds = _stat_ticks(f"/proc/{pid}/task/{thread}/stat") / _CLOCK_TICKS
+        by_name[name] = by_name.get(name, 0.0) + seconds
+    return by_name
 
 
 def cpu_seconds(pid: int) -> float:
