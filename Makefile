@@ -11,7 +11,7 @@ STAMP := $(VENV)/.installed
 # tests, benchmarks, scripts.
 LINTED := router cachelayer kvwire kvgate_common kvgate_testing tests benchmarks scripts
 
-.PHONY: serve demo lint test test-real test-slow test-image test-reverse fuzz bench-gateway bench-routing-real bench-routing-real-4 bench-added-latency bench-pd-real
+.PHONY: serve demo lint test test-real test-slow test-image test-reverse fuzz bench-gateway bench-routing-real bench-routing-real-4 bench-added-latency bench-pd-real bench-epp-floor
 
 $(GATEWAY_STAMP): pyproject.toml constraints.txt
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -96,6 +96,12 @@ bench-added-latency: $(STAMP)
 	bash scripts/install_socat.sh
 	$(BIN)/python -m benchmarks.real_added_latency --layout split
 	$(BIN)/python -m benchmarks.real_added_latency --layout shared
+
+# What the endpoint-picker protocol costs through Envoy: kvgate epp against no-op pickers in C++
+# (grpc++) and Python (grpc.aio), the proxy and Envoy alone beside them (~3 minutes). Building the
+# C++ one needs Debian's libgrpc++-dev and pkg-config (the benchmark says so when they are missing).
+bench-epp-floor: $(STAMP)
+	$(BIN)/python -m benchmarks.epp_floor
 
 # Prefill/decode disaggregation on 2 real vLLM engines of the `prefill` model (one per core):
 # 1 prefill + 1 decode (always split, conditional) against 2 colocated, a mixed workload, ~5 minutes.
