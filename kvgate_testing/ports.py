@@ -8,6 +8,8 @@ import threading
 from collections import deque
 from pathlib import Path
 
+from router.launch import port_is_free
+
 # The ports handed out lately by this process. Two calls in a row could otherwise get one port
 # (nothing is bound to it between them), and a caller that asks for an engine's HTTP, KV-event and
 # replay ports at once would then bind two of them to one port (seen in CI: "Address already in
@@ -28,15 +30,6 @@ def _ephemeral_low() -> int:
         return 32768  # Linux's default
 
 
-def _bindable(host: str, port: int) -> bool:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        try:
-            sock.bind((host, port))
-        except OSError:
-            return False
-    return True
-
-
 def free_port(host: str = "127.0.0.1") -> int:
     """A port that is free now, below the OS's ephemeral range, and never one this process was
     handed among its last 4096. A port the OS picks itself (bind to 0) comes from the ephemeral
@@ -52,7 +45,7 @@ def free_port(host: str = "127.0.0.1") -> int:
                 with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
                     sock.bind((host, 0))
                     port = sock.getsockname()[1]
-            if port in _recent_set or not _bindable(host, port):
+            if port in _recent_set or not port_is_free(host, port):
                 continue
             _recent.append(port)
             _recent_set.add(port)

@@ -59,7 +59,8 @@ class SimulatedFleet:
         self.stop()
 
 
-def _port_is_free(host: str, port: int) -> bool:
+def port_is_free(host: str, port: int) -> bool:
+    """Whether a listening socket could bind `port` on `host` now (nothing bound to it there)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
         try:
             probe.bind((host, port))
@@ -78,7 +79,7 @@ def _pick_ports(host: str, wanted: list[int]) -> list[int]:
     """The wanted ports where free, otherwise ports the OS offers; never the same port twice."""
     chosen: list[int] = []
     for port in wanted:
-        if port > 65535 or port in chosen or not _port_is_free(host, port):
+        if port > 65535 or port in chosen or not port_is_free(host, port):
             replacement = os_free_port(host)
             while replacement in chosen:
                 replacement = os_free_port(host)

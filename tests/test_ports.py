@@ -7,6 +7,7 @@ from __future__ import annotations
 import socket
 
 from kvgate_testing import ports
+from router.launch import port_is_free
 
 
 class _ScriptedDraw:
@@ -25,7 +26,7 @@ def _a_port_not_handed_out() -> int:
     high = ports._ephemeral_low()
     return next(
         port for port in range(ports._LOWEST, high)
-        if port not in ports._recent_set and ports._bindable("127.0.0.1", port)
+        if port not in ports._recent_set and port_is_free("127.0.0.1", port)
     )  # fmt: skip
 
 
@@ -45,7 +46,7 @@ def test_a_port_something_else_holds_is_passed_over(monkeypatch):
         held = taken.getsockname()[1]
         other = next(
             port for port in range(held + 1, ports._ephemeral_low())
-            if port not in ports._recent_set and ports._bindable("127.0.0.1", port)
+            if port not in ports._recent_set and port_is_free("127.0.0.1", port)
         )  # fmt: skip
         draw = _ScriptedDraw([held, other])
         monkeypatch.setattr(ports, "_draw", draw)
