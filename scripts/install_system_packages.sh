@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
 # Installs the system packages the test suite drives for real, when they are missing (Debian/Ubuntu
 # apt-get): Chromium for the debug page's browser tests (marker `browser`), redis-server for the
-# Redis tier, kubectl for the Kubernetes manifests' test (`kubectl kustomize`) and curl for HTTP/2
-# clients through Envoy. kubectl is the package of the Kubernetes (pkgs.k8s.io) or Google Cloud apt
-# repository: Debian's own kubernetes-client (kubectl 1.20) has a kustomize too old for
-# deploy/kubernetes. Called by `make test` (and so by .ci/run); a second run only checks. Only the packages
+# Redis tier, kubectl for the Kubernetes manifests' test (`kubectl kustomize`), and curl and nghttp
+# (nghttp2-client) for HTTP/2 clients through Envoy. kubectl is the package of the Kubernetes
+# (pkgs.k8s.io) or Google Cloud apt repository: Debian's own kubernetes-client (kubectl 1.20) has a
+# kustomize too old for deploy/kubernetes. Called by `make test` (and so by .ci/run); a second run
+# only checks. Only the packages
 # themselves and what they depend on: --no-install-recommends keeps out what apt would add besides
 # (with recommends, Chromium alone pulled 115 packages and 479 MB, avahi-daemon and a systemd upgrade).
 set -euo pipefail
@@ -15,13 +16,14 @@ script_dir=${BASH_SOURCE[0]%/*}
 source "$script_dir/apt_packages.sh"
 
 # command that must be on PATH -> the Debian package that provides it
-declare -A PACKAGE_FOR_COMMAND=([chromium]=chromium [redis-server]=redis-server [kubectl]=kubectl [curl]=curl)
+declare -A PACKAGE_FOR_COMMAND=([chromium]=chromium [redis-server]=redis-server [kubectl]=kubectl [curl]=curl [nghttp]=nghttp2-client)
 # command -> why the test suite needs it (printed before anything is installed)
 declare -A REASON_FOR_COMMAND=(
     [chromium]="the debug page's browser tests (pytest marker browser) drive a headless Chromium"
     [redis-server]="the shared Redis tier's tests (cachelayer remote_url, gateway cluster) start a real Redis"
     [kubectl]="the Kubernetes manifests' test renders deploy/kubernetes with kubectl kustomize"
     [curl]="the picker's HTTP/2 tests (tests/test_epp_http2.py) send their requests with curl's HTTP/2 client"
+    [nghttp]="the picker's HTTP/2 tests send many streams on one connection with nghttp"
 )
 
 missing=()

@@ -1,12 +1,13 @@
 """HTTP/2 clients through Envoy with `kvgate epp` as its picker, end to end (real Envoy, real picker,
 simulated engines publishing KV events). Envoy speaks HTTP/2 to clients that ask for it (cleartext,
 with prior knowledge, as gRPC-style and many SDK clients do) and HTTP/1.1 to the engines; the picker
-sees the same ext_proc messages either way. The client is curl (Debian's, built with nghttp2), so
-that the HTTP/2 framing, multiplexing and resets are a real client's."""
+sees the same ext_proc messages either way. The clients are real ones, Debian's: curl (built with
+nghttp2) for single streams and their answers, nghttp for many streams on one connection."""
 
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import time
 from collections.abc import Iterator
@@ -22,7 +23,7 @@ from kvgate_testing.routers import kvgate_backends
 from kvgate_testing.sim_fleet import MODEL, EngineFleet
 from kvgate_testing.waiting import wait_for
 
-# curl comes with the test command's system packages (scripts/install_system_packages.sh).
+# curl and nghttp come with the test command's system packages (scripts/install_system_packages.sh).
 pytestmark = pytest.mark.slow
 
 # A prompt of a few hundred tokens: many KV blocks, so the engine that holds it clearly wins.
@@ -69,9 +70,18 @@ def gateway(request: pytest.FixtureRequest, fleet: EngineFleet) -> Iterator[Envo
 
 
 def http2_posts(url: str, bodies: list[dict], folder: Path, max_time_s: float = 30) -> list[dict]:
-    """POST every body at once over one HTTP/2 connection (prior knowledge, multiplexed streams);
-    per request its status, the HTTP version curl spoke, and the answer's text."""
-    command = ["curl", "--silent", "--parallel", "--parallel-immediate", "--parallel-max", "50"]
+    """POST every body at once over HTTP/2 with prior knowledge (curl --parallel: one connection
+    per request, as curl 7.88 multiplexes no uploads; multiplexed_posts below for streams of one
+    connection); per request its status, the HTTP version curl spoke, and the answer's text."""
+    command = [
+        "curl",
+        "--silent",
+        "--show-error",
+        "--parallel",
+        "--parallel-immediate",
+        "--parallel-max",
+        "50",
+    ]
     for number, body in enumerate(bodies):
         body_file = folder / f"body{number}.json"
         body_file.write_text(json.dumps(body))
@@ -96,6 +106,14 @@ def http2_posts(url: str, bodies: list[dict], folder: Path, max_time_s: float = 
         }
     assert sorted(results) == list(range(len(bodies))), (finished.stdout, finished.stderr)
     return [results[number] for number in range(len(bodies))]
+
+
+def envoy_counter(pair: EnvoyWithPicker, name: str) -> int:
+    """One of Envoy's counters, from its admin API."""
+    text = httpx.get(f"{pair.envoy.admin_url}/stats", params={"filter": f"^{name}$"}, timeout=10).text
+    values = [int(line.split(": ")[1]) for line in text.splitlines() if line.startswith(f"{name}: ")]
+    assert len(values) == 1, text
+    return values[0]
 
 
 def served_by(fleet: EngineFleet) -> list[int]:
@@ -144,36 +162,59 @@ def test_an_http2_client_gets_a_repeated_prompt_from_the_engine_that_holds_it(
     assert all(tokens > 0 for tokens in cached), cached
 
 
+def multiplexed_posts(url: str, body: dict, streams: int, folder: Path) -> dict[int, int]:
+    """POST `body` `streams` times at once as streams of one HTTP/2 connection (nghttp, the nghttp2
+    project's client: curl 7.88 fails multiplexed uploads with "Error in the HTTP2 framing layer");
+    the status each stream got, by stream id."""
+    body_file = folder / "multiplexed.json"
+    body_file.write_text(json.dumps(body))
+    command = [
+        "nghttp", "--null-out", "--verbose", "--timeout=30", f"--multiply={streams}",
+        f"--data={body_file}", "--header=content-type: application/json", f"{url}/v1/chat/completions",
+    ]  # fmt: skip
+    finished = subprocess.run(command, capture_output=True, text=True, timeout=60)
+    statuses = {
+        int(match[1]): int(match[2])
+        for match in re.finditer(r"recv \(stream_id=(\d+)\) :status: (\d+)", finished.stdout)
+    }
+    assert len(statuses) == streams, (finished.returncode, finished.stdout[-3000:], finished.stderr)
+    return statuses
+
+
 def test_multiplexed_http2_streams_are_each_picked_answered_and_released(
     gateway: EnvoyWithPicker, fleet: EngineFleet, tmp_path: Path
 ) -> None:
     body = chat("tell me a story about multiplexing", max_tokens=16, stream=True)
-    direct = httpx.post(f"{fleet.engines[0].url}/v1/chat/completions", json=body, timeout=30)
-    expected = [line for line in direct.text.splitlines() if line.startswith("data: ")]
-    bodies = [body] * 4 + [chat(f"{LONG_PROMPT} stream {number}", max_tokens=8) for number in range(8)]
     before, finished_before = served_by(fleet), finished(gateway)
-    answers = http2_posts(gateway.url, bodies, tmp_path)
-    assert [(answer["status"], answer["version"]) for answer in answers] == [(200, "2")] * len(bodies)
-    for answer in answers[:4]:  # each event stream intact, as the engine sent it
-        events = [line for line in answer["text"].splitlines() if line.startswith("data: ")]
-        assert len(events) == len(expected) > 3
-        assert events[-1] == "data: [DONE]"
-        contents = [
-            json.loads(event.removeprefix("data: "))["choices"][0]["delta"].get("content") or ""
-            for event in events[:-1]
-        ]
-        direct_contents = [
-            json.loads(event.removeprefix("data: "))["choices"][0]["delta"].get("content") or ""
-            for event in expected[:-1]
-        ]
-        assert contents == direct_contents
-    for answer in answers[4:]:
-        assert json.loads(answer["text"])["choices"][0]["message"]["content"]
-    assert sum(served_by(fleet)) - sum(before) == len(bodies)
+    connections = envoy_counter(gateway, "http.inference.downstream_cx_http2_total")
+    requests = envoy_counter(gateway, "http.inference.downstream_rq_http2_total")
+    statuses = multiplexed_posts(gateway.url, body, 12, tmp_path)
+    assert sorted(statuses.values()) == [200] * 12, statuses
+    # Twelve streams of one HTTP/2 connection, each picked and served by an engine.
+    assert envoy_counter(gateway, "http.inference.downstream_cx_http2_total") - connections == 1
+    assert envoy_counter(gateway, "http.inference.downstream_rq_http2_total") - requests == 12
+    assert sum(served_by(fleet)) - sum(before) == 12
     loads_back_to_zero(gateway)
     # Each stream's load closed at its own end (with the deployed file, by its log entry, keyed by
     # its x-request-id), not by a timeout.
-    assert closed_since(gateway, finished_before) == {gateway.closed_how: len(bodies)}  # type: ignore[attr-defined]
+    assert closed_since(gateway, finished_before) == {gateway.closed_how: 12}  # type: ignore[attr-defined]
+
+
+def test_an_http2_stream_is_answered_intact(
+    gateway: EnvoyWithPicker, fleet: EngineFleet, tmp_path: Path
+) -> None:
+    body = chat("tell me a story about http2", max_tokens=16, stream=True)
+    direct = httpx.post(f"{fleet.engines[0].url}/v1/chat/completions", json=body, timeout=30)
+
+    def contents(text: str) -> list[str]:
+        events = [line.removeprefix("data: ") for line in text.splitlines() if line.startswith("data: ")]
+        assert events[-1] == "[DONE]"
+        return [json.loads(event)["choices"][0]["delta"].get("content") or "" for event in events[:-1]]
+
+    (answer,) = http2_posts(gateway.url, [body], tmp_path)
+    assert (answer["status"], answer["version"]) == (200, "2"), answer
+    assert contents(answer["text"]) == contents(direct.text)
+    assert len(contents(direct.text)) > 3
 
 
 def test_an_http2_stream_its_client_abandons_releases_its_load(

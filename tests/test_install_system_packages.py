@@ -30,9 +30,10 @@ def test_missing_packages_without_apt_get_are_named_with_what_to_do(tmp_path):
 
 
 def test_nothing_is_installed_when_everything_is_there():
-    if not all(shutil.which(command) for command in ("chromium", "redis-server", "kubectl", "curl")):
+    commands = ("chromium", "redis-server", "kubectl", "curl", "nghttp")
+    if not all(shutil.which(command) for command in commands):
         raise AssertionError(
-            "make test installs chromium, redis-server, kubectl and curl before the suite runs"
+            "make test installs chromium, redis-server, kubectl, curl and nghttp before the suite runs"
         )
     result = subprocess.run(["bash", str(SCRIPT)], capture_output=True, text=True, timeout=30)
     assert result.returncode == 0, result.stderr
@@ -83,11 +84,12 @@ def test_missing_packages_are_installed_without_recommends_and_the_reasons_are_p
     installs = [line for line in calls.read_text().splitlines() if line.split()[0] == "install"]
     assert len(installs) == 1
     assert "--no-install-recommends" in installs[0].split()
-    assert {"chromium", "redis-server", "kubectl", "curl"} <= set(installs[0].split())
+    assert {"chromium", "redis-server", "kubectl", "curl", "nghttp2-client"} <= set(installs[0].split())
     # What is installed and why, before apt-get runs.
     assert "as root" in result.stdout and "without recommended packages" in result.stdout
     assert "chromium: the debug page's browser tests" in result.stdout
     assert "redis-server: the shared Redis tier's tests" in result.stdout
     assert "kubectl: the Kubernetes manifests' test" in result.stdout
     assert "curl: the picker's HTTP/2 tests" in result.stdout
+    assert "nghttp2-client: the picker's HTTP/2 tests" in result.stdout
     assert "apt-get install -y --no-install-recommends" in result.stdout
