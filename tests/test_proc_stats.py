@@ -22,24 +22,27 @@ def _busy(seconds: float) -> None:
 
 def test_a_busy_threads_cpu_time_is_counted_under_its_own_name():
     pid = os.getpid()
-    ready, done = threading.Event(), threading.Event()
+    named, go, burned, done = (threading.Event() for _ in range(4))
 
     def named_worker() -> None:
         ctypes.CDLL(None).prctl(_PR_SET_NAME, b"kvgate-busy", 0, 0, 0)
-        ready.set()
+        named.set()
+        go.wait(10)
         _busy(0.3)
+        burned.set()
         done.wait(10)  # alive while the caller reads its time
 
     worker = threading.Thread(target=named_worker)
     worker.start()
-    ready.wait(10)
+    assert named.wait(10)
     main_name = Path(f"/proc/{pid}/task/{pid}/comm").read_text().strip()
     before = thread_cpu_seconds(pid)
-    time.sleep(0.5)  # the worker burns 0.3 s while the main thread sleeps
+    go.set()  # the worker burns 0.3 s of its own CPU time while this thread waits
+    assert burned.wait(30)
     after = thread_cpu_seconds(pid)
     done.set()
     worker.join(10)
-    assert after["kvgate-busy"] - before.get("kvgate-busy", 0.0) >= 0.2
+    assert after["kvgate-busy"] - before.get("kvgate-busy", 0.0) >= 0.25
     assert after[main_name] - before[main_name] < 0.1
     # Together the threads account for no more than the whole process.
     assert sum(after.values()) <= cpu_seconds(pid) + 0.05
