@@ -22,6 +22,7 @@ import httpx
 import yaml
 
 from kvgate_testing.envoy import BodyMode, EnvoyProcess, ResponseBodyMode, start_envoy_with_picker
+from kvgate_testing.metrics import metric_samples
 from kvgate_testing.ports import free_port
 from kvgate_testing.processes import ManagedProcess, python_command
 
@@ -98,6 +99,16 @@ class PickerProcess:
         """GET /backends of its admin API: each engine's state (in_flight, healthy...) by name."""
         listed = httpx.get(f"{self.url}/backends", timeout=10.0).json()["backends"]
         return {entry["name"]: entry for entry in listed}
+
+    def finished(self) -> dict[str, float]:
+        """kvgate_epp_finished_total by `how`: how the picks' accounting was closed (the answer's
+        end, its access-log entry, a timeout...)."""
+        samples = metric_samples(httpx.get(f"{self.url}/metrics", timeout=10.0).text)
+        return {
+            dict(labels)["how"]: value
+            for (name, labels), value in samples.items()
+            if name == "kvgate_epp_finished_total"
+        }
 
     def channel(self) -> grpc.Channel:
         """A gRPC channel to its ext_proc server (close it: use it as a context manager)."""

@@ -22,7 +22,6 @@ from google.protobuf import wrappers_pb2
 from kvgate_testing.backend import BackendProcess, start_backend
 from kvgate_testing.envoy import ResponseBodyMode
 from kvgate_testing.ext_proc_client import ExtProcStream, exchange
-from kvgate_testing.metrics import metric_samples
 from kvgate_testing.picker import PickerProcess, start_picker
 from kvgate_testing.routers import start_envoy_and_picker_with_modes
 from kvgate_testing.waiting import wait_for
@@ -99,15 +98,6 @@ def in_flight(epp: PickerProcess) -> dict[str, int]:
     return {backend["name"]: backend["in_flight"] for backend in listed}
 
 
-def finished(epp: PickerProcess) -> dict[str, float]:
-    samples = metric_samples(httpx.get(f"{epp.url}/metrics", timeout=10).text)
-    return {
-        dict(labels)["how"]: value
-        for (name, labels), value in samples.items()
-        if name == "kvgate_epp_finished_total"
-    }
-
-
 def endpoint_of(backend: BackendProcess) -> str:
     return backend.url.removeprefix("http://")
 
@@ -127,7 +117,7 @@ def test_before_envoy_opens_its_log_stream_a_pick_waits_for_its_entry(
 ) -> None:
     """epp.envoy_access_log (the default): Envoy opens the log's stream with its first entry, so the
     first picks after it starts wait for theirs with no stream connected yet."""
-    before = finished(epp).get("stream_closed", 0)
+    before = epp.finished().get("stream_closed", 0)
     pick_and_end_stream(channel, "first-1")
     time.sleep(0.5)
     assert sum(in_flight(epp).values()) == 1
@@ -137,7 +127,7 @@ def test_before_envoy_opens_its_log_stream_a_pick_waits_for_its_entry(
         wait_for(lambda: sum(in_flight(epp).values()) == 0, 10, "the load released on the first entry")
     finally:
         log.close()
-    assert finished(epp).get("stream_closed", 0) == before, finished(epp)
+    assert epp.finished().get("stream_closed", 0) == before, epp.finished()
 
 
 def test_with_envoy_access_log_false_and_no_log_stream_a_pick_closes_at_its_stream_end(
@@ -151,7 +141,7 @@ def test_with_envoy_access_log_false_and_no_log_stream_a_pick_closes_at_its_stre
     with start_picker(config) as epp, epp.channel() as channel:
         pick_and_end_stream(channel, "no-log-1")
         wait_for(lambda: sum(in_flight(epp).values()) == 0, 10, "the load released at the stream's end")
-        assert finished(epp)["stream_closed"] == 1
+        assert epp.finished()["stream_closed"] == 1
 
 
 def test_an_entry_that_never_comes_ends_the_wait_at_the_stream_timeout_with_a_warning(
@@ -168,7 +158,7 @@ def test_an_entry_that_never_comes_ends_the_wait_at_the_stream_timeout_with_a_wa
         pick_and_end_stream(channel, "never-logged")
         assert sum(in_flight(epp).values()) == 1
         wait_for(lambda: sum(in_flight(epp).values()) == 0, 10, "the load released at the timeout")
-        assert finished(epp) == {"access_log_timeout": 1}
+        assert epp.finished() == {"access_log_timeout": 1}
         assert "set epp.envoy_access_log: false" in epp.output()
 
 
@@ -191,7 +181,7 @@ def test_with_the_access_log_connected_the_entry_ends_the_pick_and_names_the_eng
         # Envoy says another engine served it (a retry down the fallback list) and how it ended.
         log.send(entry("logged-1", 200, endpoint_of(other)))
         wait_for(lambda: sum(in_flight(epp).values()) == 0, 10, "the load released on the entry")
-        assert finished(epp)["access_log"] >= 1
+        assert epp.finished()["access_log"] >= 1
         # A pick still waiting when Envoy's log stream goes away is closed with it.
         pick_and_end_stream(channel, "logged-2")
         time.sleep(0.3)
@@ -199,7 +189,7 @@ def test_with_the_access_log_connected_the_entry_ends_the_pick_and_names_the_eng
     finally:
         log.close()
     wait_for(lambda: sum(in_flight(epp).values()) == 0, 10, "the waiting pick closed with the log stream")
-    assert finished(epp)["access_log_closed"] >= 1
+    assert epp.finished()["access_log_closed"] >= 1
 
 
 def test_a_pick_made_before_the_log_stream_closed_no_longer_waits_and_one_made_after_does(
@@ -211,7 +201,7 @@ def test_a_pick_made_before_the_log_stream_closed_no_longer_waits_and_one_made_a
     log = AccessLogStream(channel)
     log.send()
     time.sleep(0.3)
-    before = finished(epp)
+    before = epp.finished()
     stream = ExtProcStream(channel)
     picked = exchange(stream, "/v1/chat/completions", BODY, extra=[("x-request-id", "before-close")])
     assert picked.header, picked.body
@@ -220,7 +210,7 @@ def test_a_pick_made_before_the_log_stream_closed_no_longer_waits_and_one_made_a
     stream.close()  # the pick's stream ends after the log's
     assert stream.recv() is None
     wait_for(lambda: sum(in_flight(epp).values()) == 0, 10, "the pick made before the close closed at once")
-    assert finished(epp).get("stream_closed", 0) == before.get("stream_closed", 0) + 1
+    assert epp.finished().get("stream_closed", 0) == before.get("stream_closed", 0) + 1
     pick_and_end_stream(channel, "after-close")
     time.sleep(0.5)
     assert sum(in_flight(epp).values()) == 1
@@ -240,7 +230,7 @@ def test_a_reset_stream_is_closed_by_its_entry_with_no_status(
     try:
         log.send()
         time.sleep(0.3)
-        before = finished(epp).get("access_log", 0)
+        before = epp.finished().get("access_log", 0)
         stream = ExtProcStream(channel)
         picked = exchange(stream, "/v1/chat/completions", BODY, extra=[("x-request-id", "reset-1")])
         assert picked.header
@@ -248,7 +238,7 @@ def test_a_reset_stream_is_closed_by_its_entry_with_no_status(
         time.sleep(0.3)
         log.send(entry("reset-1", 0, None))
         wait_for(lambda: sum(in_flight(epp).values()) == 0, 10, "the load released on the reset's entry")
-        assert finished(epp)["access_log"] == before + 1
+        assert epp.finished()["access_log"] == before + 1
     finally:
         log.close()
 
@@ -317,4 +307,4 @@ def test_the_first_request_after_envoy_starts_holds_its_load_until_its_answer_en
         assert rest.rstrip().endswith(b"data: [DONE]")
         assert all(sorted(load.values()) == [0, 1] for load in loads), loads
         wait_for(lambda: sum(in_flight(pair.picker).values()) == 0, 10, "the load released at the end")
-        assert finished(pair.picker) == {"access_log": 1}, finished(pair.picker)
+        assert pair.picker.finished() == {"access_log": 1}, pair.picker.finished()

@@ -20,7 +20,6 @@ from kvgate_testing.envoy import (
     load_deploy_config,
     subset_hint_filter,
 )
-from kvgate_testing.metrics import metric_samples
 from kvgate_testing.picker import EnvoyWithPicker, start_envoy_and_picker
 from kvgate_testing.routers import kvgate_backends, start_envoy_and_picker_with_modes
 from kvgate_testing.sim_fleet import MODEL, EngineFleet
@@ -265,16 +264,6 @@ def envoy_and_picker(config: dict, answer_end: str) -> Iterator[EnvoyWithPicker]
         yield pair
 
 
-def _finished(pair: EnvoyWithPicker) -> dict[str, float]:
-    """kvgate_epp_finished_total by `how`."""
-    samples = metric_samples(httpx.get(f"{pair.picker.url}/metrics", timeout=10).text)
-    return {
-        dict(labels)["how"]: value
-        for (name, labels), value in samples.items()
-        if name == "kvgate_epp_finished_total"
-    }
-
-
 @pytest.mark.parametrize("answer_end", ANSWER_END_MODES)
 def test_load_shedding_gets_429_and_in_flight_load_returns_to_zero(
     own_fleet: EngineFleet, answer_end: str
@@ -312,7 +301,7 @@ def test_load_shedding_gets_429_and_in_flight_load_returns_to_zero(
         assert post(pair, chat("served again")).status_code == 200
         if answer_end != "response_body":
             # The held streams' loads were closed by their log entries, at their real end.
-            assert _finished(pair).get("access_log", 0) >= 4, _finished(pair)
+            assert pair.picker.finished().get("access_log", 0) >= 4, pair.picker.finished()
 
 
 def test_a_killed_picker_fails_requests_and_a_restarted_one_serves_again(own_fleet: EngineFleet) -> None:

@@ -17,7 +17,6 @@ import httpx
 import pytest
 
 from kvgate_testing.envoy import BodyMode, ResponseBodyMode
-from kvgate_testing.metrics import metric_samples
 from kvgate_testing.picker import EnvoyWithPicker, start_envoy_and_picker
 from kvgate_testing.routers import kvgate_backends
 from kvgate_testing.sim_fleet import MODEL, EngineFleet
@@ -120,18 +119,8 @@ def served_by(fleet: EngineFleet) -> list[int]:
     return [round(counters.requests) for counters in fleet.counters()]
 
 
-def finished(pair: EnvoyWithPicker) -> dict[str, float]:
-    """kvgate_epp_finished_total by `how`: how the picks' loads were closed."""
-    samples = metric_samples(httpx.get(f"{pair.picker.url}/metrics", timeout=10).text)
-    return {
-        dict(labels)["how"]: value
-        for (name, labels), value in samples.items()
-        if name == "kvgate_epp_finished_total"
-    }
-
-
 def closed_since(pair: EnvoyWithPicker, before: dict[str, float]) -> dict[str, float]:
-    after = finished(pair)
+    after = pair.picker.finished()
     return {how: after[how] - before.get(how, 0) for how in after if after[how] != before.get(how, 0)}
 
 
@@ -185,7 +174,7 @@ def test_multiplexed_http2_streams_are_each_picked_answered_and_released(
     gateway: EnvoyWithPicker, fleet: EngineFleet, tmp_path: Path
 ) -> None:
     body = chat("tell me a story about multiplexing", max_tokens=16, stream=True)
-    before, finished_before = served_by(fleet), finished(gateway)
+    before, finished_before = served_by(fleet), gateway.picker.finished()
     connections = envoy_counter(gateway, "http.inference.downstream_cx_http2_total")
     requests = envoy_counter(gateway, "http.inference.downstream_rq_http2_total")
     statuses = multiplexed_posts(gateway.url, body, 12, tmp_path)
@@ -221,7 +210,7 @@ def test_an_http2_stream_its_client_abandons_releases_its_load(
     gateway: EnvoyWithPicker, fleet: EngineFleet, tmp_path: Path
 ) -> None:
     long_answer = chat("a long answer over http2, please", max_tokens=400, stream=True)
-    started, finished_before = time.monotonic(), finished(gateway)
+    started, finished_before = time.monotonic(), gateway.picker.finished()
     # curl gives up after 1 s, mid-answer: Envoy resets the stream to the engine, and the
     # request's access-log entry closes its load on the picker.
     answers = http2_posts(gateway.url, [long_answer, long_answer], tmp_path, max_time_s=1.0)
