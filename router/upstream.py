@@ -233,7 +233,8 @@ class _Connection(asyncio.Protocol):
 
     async def next_piece(self, timeout_s: float) -> bytes | None:
         """The body received since the last call (waiting for some if none), or None at the end."""
-        await self.body_started(timeout_s)
+        if not (self._body or self._complete):
+            await self.body_started(timeout_s)  # (only when there is nothing yet: the relay's hot path)
         body = self._body
         if not body:
             return None  # complete, and everything was handed out
