@@ -10,10 +10,11 @@ answered with the pick, the answer's end from the access log), with kvgate's pro
   transport and nothing else);
 - `kvgate_epp`: the real picker (kv_aware), whose pick reads the body, tokenizes and routes.
 
-Two phases: a latency probe (one request at a time to each, rotating, one token out: added p50/p99
-over Envoy alone) and closed-loop load (4 clients of 8-token streamed chats per router, rounds
-alternating: CPU per request of the picker's process, or of the proxy's; Envoy's own CPU is not
-counted). The no-op pickers are references, not bounds: a C++ picker could be cheaper still.
+Two phases: a latency probe (kvgate_testing/epp_runs.probe_routers: one request at a time to each,
+rotating, one token out, after 20 rounds not counted: added p50/p99 over Envoy alone) and
+closed-loop load (4 clients of 8-token streamed chats per router, rounds alternating: CPU per
+request of the picker's process, or of the proxy's; Envoy's own CPU is not counted). The no-op
+pickers are references, not bounds: a C++ picker could be cheaper still.
 
     .venv/bin/python -m benchmarks.epp_floor [--rounds 300] [--load-rounds 4] [--output PATH]
 """
@@ -30,20 +31,18 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
-import httpx
-
 from benchmarks.epp_variants import _closed_loop
+from kvgate_testing import epp_runs
 from kvgate_testing.envoy import BodyMode, EnvoyProcess, ResponseBodyMode, picker_config
 from kvgate_testing.ports import free_port
 from kvgate_testing.processes import REPO_ROOT
 from kvgate_testing.provenance import run_source
 from kvgate_testing.results_files import write_results_files
 from kvgate_testing.routers import ENVOY_ALONE_POLICY, RunningRouter, start_router
-from kvgate_testing.sim_fleet import MODEL, EngineFleet
+from kvgate_testing.sim_fleet import EngineFleet
 from router.epp import protocol
 
 RESULTS = Path(__file__).parent / "results"
@@ -104,35 +103,6 @@ class NoopPicker:
             self.process.kill()
 
 
-def probe(routers: dict[str, RunningRouter], rounds: int) -> dict[str, dict[str, float]]:
-    """One request at a time to each router in rotating order; latency p50/p99 (ms)."""
-    names = list(routers)
-    times: dict[str, list[float]] = {name: [] for name in names}
-    clients = {name: httpx.Client(base_url=routers[name].url, timeout=30) for name in names}
-    try:
-        for round_number in range(rounds):
-            for offset in range(len(names)):
-                name = names[(round_number + offset) % len(names)]
-                content = f"probe {round_number} {name} " + "hello there " * 20
-                body = {"model": MODEL, "messages": [{"role": "user", "content": content}], "max_tokens": 1}
-                started = time.perf_counter()
-                response = clients[name].post("/v1/chat/completions", json=body)
-                times[name].append(time.perf_counter() - started)
-                if response.status_code != 200:
-                    raise RuntimeError(f"{name} answered {response.status_code}: {response.text[:300]}")
-    finally:
-        for client in clients.values():
-            client.close()
-    out = {}
-    for name in names:
-        ordered = sorted(times[name])
-        out[name] = {
-            "p50_ms": round(1000 * statistics.median(ordered), 3),
-            "p99_ms": round(1000 * ordered[int(len(ordered) * 0.99)], 3),
-        }
-    return out
-
-
 def load(routers: dict[str, RunningRouter], rounds: int, seconds: float) -> dict[str, dict[str, float]]:
     """Closed-loop rounds to each router in turn (order alternating); CPU per request and p50."""
     names = list(routers)
@@ -172,7 +142,7 @@ def measure(rounds: int, load_rounds: int, seconds: float) -> dict[str, Any]:
                 started["kvgate_epp"] = start_router("kv_aware_via_envoy", fleet)
                 started["proxy"] = start_router("kv_aware", fleet)
                 started["envoy_alone"] = start_router(ENVOY_ALONE_POLICY, fleet)
-                latency = probe(started, rounds)
+                latency = epp_runs.probe_routers(started, rounds)
                 cpu = load(started, load_rounds, seconds)
             finally:
                 for router in started.values():
@@ -181,7 +151,9 @@ def measure(rounds: int, load_rounds: int, seconds: float) -> dict[str, Any]:
     proxy_cpu = cpu["proxy"]["cpu_ms_per_request"]
     rows = {
         name: {
-            **latency[name],
+            "p50_ms": latency[name]["p50_ms"],
+            "p99_ms": latency[name]["p99_ms"],
+            "probe_errors": latency[name]["errors"],
             "added_p50_ms": round(latency[name]["p50_ms"] - alone["p50_ms"], 3),
             "added_p99_ms": round(latency[name]["p99_ms"] - alone["p99_ms"], 3),
             **{f"load_{key}": value for key, value in cpu[name].items()},
@@ -221,7 +193,8 @@ def write_report(results: dict[str, Any], path: Path) -> None:
         f"Run {meta['date']} on {meta['machine']}, load average {meta['load_average'][0]} -> "
         f"{meta['load_average'][1]}; grpc++ {meta['grpcpp']}. One simulated engine; every picker behind "
         "its own Envoy 1.40 (--concurrency 1) on deploy/envoy/envoy-epp.yaml's modes. Probe: "
-        f"{meta['probe_rounds']} rounds, one request to each router per round, rotating. Load: "
+        f"{meta['probe_rounds']} rounds (after 20 not counted), one request to each router per round, "
+        "rotating. Load: "
         f"{meta['load_rounds']} rounds of {meta['load_seconds']:g} s per router, 4 closed-loop clients, "
         "8-token streamed chats. CPU: the picker's process (or the proxy's), Envoy's not counted.",
         "",
@@ -232,7 +205,8 @@ def write_report(results: dict[str, Any], path: Path) -> None:
     for name, row in results["routers"].items():
         cells = [
             name, row["p50_ms"], row["p99_ms"], f"{row['added_p50_ms']:+.3f}", f"{row['added_p99_ms']:+.3f}",
-            row["load_cpu_ms_per_request"], row["cpu_over_proxy"], row["load_p50_ms"], row["load_errors"],
+            row["load_cpu_ms_per_request"], row["cpu_over_proxy"], row["load_p50_ms"],
+            row["probe_errors"] + row["load_errors"],
         ]  # fmt: skip
         lines.append("| " + " | ".join(str(cell) for cell in cells) + " |")
     lines += [

@@ -57,20 +57,28 @@ def _probe_body(number: int) -> dict:
 
 
 def latency_probe(fleet: EngineFleet, rounds: int, warmup: int = 20) -> dict[str, Any]:
-    """`rounds` requests to each of the three routers, in turn (the order rotating each round); each
-    router's end-to-end latency percentiles (ms) and its process's CPU per request (ms)."""
+    """probe_routers over the three routers (VIA_ENVOY_POLICIES), started on `fleet` for it."""
     routers: dict[str, RunningRouter] = {}
     try:
         for policy in VIA_ENVOY_POLICIES:
             routers[policy] = start_router(policy, fleet)
-        clients = {
-            policy: httpx.Client(base_url=router.url, timeout=30.0) for policy, router in routers.items()
-        }
-        latencies: dict[str, list[float]] = {policy: [] for policy in routers}
-        errors: dict[str, int] = dict.fromkeys(routers, 0)
-        cpu_before: dict[str, float] = {}
-        order = list(routers)
-        number = 0
+        return probe_routers(routers, rounds, warmup)
+    finally:
+        for router in routers.values():
+            router.stop()
+
+
+def probe_routers(routers: dict[str, RunningRouter], rounds: int, warmup: int = 20) -> dict[str, Any]:
+    """`rounds` requests to each running router, in turn (the order rotating each round), after
+    `warmup` rounds not counted; each router's end-to-end latency percentiles (ms) and its
+    process's CPU per request (ms)."""
+    clients = {policy: httpx.Client(base_url=router.url, timeout=30.0) for policy, router in routers.items()}
+    latencies: dict[str, list[float]] = {policy: [] for policy in routers}
+    errors: dict[str, int] = dict.fromkeys(routers, 0)
+    cpu_before: dict[str, float] = {}
+    order = list(routers)
+    number = 0
+    try:
         for round_number in range(warmup + rounds):
             if round_number == warmup:
                 cpu_before = {policy: cpu_seconds(router.process.pid) for policy, router in routers.items()}
@@ -90,11 +98,9 @@ def latency_probe(fleet: EngineFleet, rounds: int, warmup: int = 20) -> dict[str
             policy: (cpu_seconds(router.process.pid) - cpu_before[policy]) * 1000.0 / rounds
             for policy, router in routers.items()
         }
+    finally:
         for client in clients.values():
             client.close()
-    finally:
-        for router in routers.values():
-            router.stop()
     return {
         policy: {
             "requests": rounds,
