@@ -16,9 +16,14 @@ of one configuration is cached for the next):
 Workload, per configuration: STREAMS clients each send short prompts decoding DECODE_TOKENS tokens
 (streamed, `ignore_eos`), one after another, while a long prompt (LONG_WORDS words, about 1,600
 tokens) arrives every LONG_INTERVAL_S, each from its own client, for DURATION_S; then the requests in
-flight finish. Reported per configuration: ITL p50/p99 of the streams, TTFT p50/p90 of both kinds,
-requests completed and failed, the gateway's decisions, the load average before and after; every
-request's own record is kept in the json.
+flight finish. The interval follows from the machine: engine A's time for one long prompt alone
+(measured after the warm-up, median of three fresh prompts) over `--prefill-load`, the share of
+one prefill engine's time the long prompts ask for (0.75 unless told: a prefill pool sized with a
+quarter of headroom). A fixed `--long-interval` overrides it; the runs before this option used 3 s,
+which on a machine prefilling at ~2 ms a token asks one engine for more than it can do, and then
+always-split's TTFT measures A's growing queue, not the split. Reported per configuration: ITL
+p50/p99 of the streams, TTFT p50/p90 of both kinds, requests completed and failed, the gateway's
+decisions, the load average before and after; every request's own record is kept in the json.
 
     .venv/bin/python -m benchmarks.pd_real     (about 5 minutes; `make bench-pd-real`)
 
@@ -246,8 +251,25 @@ def ratio(a: float | None, b: float | None) -> float | None:
     return None if a is None or not b else round(a / b, 3)
 
 
+def long_prompt_seconds(engine: VllmServer, tag: str, trials: int = 3) -> float:
+    """The median time of `trials` fresh long prompts sent alone, one after another, straight to the
+    engine (one output token): what a long prompt's prefill costs it with nothing else to do."""
+    timings = []
+    for trial in range(trials):
+        body = {"model": SERVED_MODEL, "prompt": f"{tag} {engine.name} {trial}: {filler_text(LONG_WORDS)}",
+                "max_tokens": 1}  # fmt: skip
+        started = time.perf_counter()
+        httpx.post(f"{engine.url}/v1/completions", json=body, timeout=300).raise_for_status()
+        timings.append(time.perf_counter() - started)
+    return sorted(timings)[trials // 2]
+
+
 def measure(
-    duration_s: float, long_interval_s: float, order: list[str], decode_async_load: bool = False
+    duration_s: float,
+    long_interval_s: float | None,
+    order: list[str],
+    decode_async_load: bool = False,
+    prefill_load: float = 0.75,
 ) -> dict[str, Any]:
     require_vllm()
     model = prefill_model_dir()
@@ -274,10 +296,17 @@ def measure(
                 cores = pin_engines_to_cores([server.process.pid for server in servers])
                 warm_up(servers)
                 engines = {server.name: server for server in servers}
+                long_prompt_s = {"before": round(long_prompt_seconds(engines["engine-a"], "calibration"), 3)}
+                if long_interval_s is None:
+                    long_interval_s = round(long_prompt_s["before"] / prefill_load, 2)
+                alone = long_prompt_s["before"]
+                print(f"a long prompt alone on A: {alone} s, so one every {long_interval_s} s", flush=True)
                 for name in order:
                     runs[name] = run_configuration(name, engines, duration_s, long_interval_s)
                     summary = {k: v for k, v in runs[name].items() if k != "requests"}
                     print(f"{name}: {json.dumps(summary)[:600]}", flush=True)
+                # Measured again at the end: a shared machine that slowed during the run shows here.
+                long_prompt_s["after"] = round(long_prompt_seconds(engines["engine-a"], "recheck"), 3)
             except BaseException:
                 for server in servers:
                     print(f"---- {server.name} ----\n{server.process.output()[-6000:]}")
@@ -320,6 +349,11 @@ def measure(
             "long_words": LONG_WORDS,
             "long_output_tokens": LONG_OUTPUT_TOKENS,
             "long_interval_s": long_interval_s,
+            "long_prompt_alone_on_a_s": long_prompt_s,
+            # The share of one engine's time the long prompts ask for, before and after the run.
+            "prefill_load_offered": {
+                when: round(seconds / long_interval_s, 2) for when, seconds in long_prompt_s.items()
+            },
         },
         "daemon_metrics": daemon_metrics,
         "stalls": attribute(runs),
@@ -343,6 +377,16 @@ def write_report(results: dict[str, Any], path: Path) -> None:
         f"({workload_['long_words']} words, ~1,600 tokens) every {workload_['long_interval_s']} s, for "
         f"{workload_['duration_s']:g} s each.",
         "",
+        *(
+            [
+                f"A long prompt alone on engine A took {workload_['long_prompt_alone_on_a_s']} s (before and "
+                f"after the run), so the long prompts asked one prefill engine for "
+                f"{workload_['prefill_load_offered']} of its time.",
+                "",
+            ]
+            if "prefill_load_offered" in workload_
+            else []
+        ),
         "- ITL p99, 1 prefill + 1 decode (always split) over colocated: "
         f"**{results['itl_p99_pd_over_colocated']}** (goal <= 0.5)",
         "- long-prompt TTFT p50, always split over colocated: "
@@ -428,7 +472,16 @@ def plot(results: dict[str, Any], path: Path) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--duration", type=float, default=60.0, help="seconds of arrivals per configuration")
-    parser.add_argument("--long-interval", type=float, default=3.0, help="seconds between long prompts")
+    parser.add_argument(
+        "--long-interval", type=float, help="seconds between long prompts (default: from --prefill-load)"
+    )
+    parser.add_argument(
+        "--prefill-load",
+        type=float,
+        default=0.75,
+        help="the share of one engine's time the long prompts ask for: sets the interval from engine A's "
+        "measured time for one (default 0.75)",
+    )
     parser.add_argument("--order", default="colocated,always_split,conditional")
     parser.add_argument("--output", default=str(RESULTS / "pd_real"), help="path prefix of the results")
     parser.add_argument(
@@ -445,10 +498,12 @@ def main(argv: list[str] | None = None) -> int:
         order = [name for name in args.order.split(",") if name]
         if sorted(order) != sorted(CONFIGURATIONS):
             parser.error(f"--order {args.order!r}: name each of {sorted(CONFIGURATIONS)} once")
-        if args.duration <= 0 or args.long_interval <= 0:
+        if args.duration <= 0 or (args.long_interval is not None and args.long_interval <= 0):
             parser.error("--duration and --long-interval must be positive")
+        if not 0 < args.prefill_load <= 2:
+            parser.error("--prefill-load must be in (0, 2]: the share of one engine's time, e.g. 0.75")
         run_source()  # the checkout as the run starts: edits made while it runs change nothing recorded
-        results = measure(args.duration, args.long_interval, order, args.decode_async_load)
+        results = measure(args.duration, args.long_interval, order, args.decode_async_load, args.prefill_load)
     write_results_files(results, output, report=write_report, plot=plot, json_too=not args.report_only)
     return 0
 
