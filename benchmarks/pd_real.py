@@ -68,7 +68,7 @@ from kvgate_testing.vllm import (
 from router.sim.shared_store import MEDIUM_SHARED
 
 RESULTS = Path(__file__).resolve().parent / "results"
-CHUNK = 256
+CHUNK = 256  # the cache layer's chunk size unless --chunk-size says (LMCache's default)
 STREAMS = 4
 DECODE_TOKENS = 128
 LONG_OUTPUT_TOKENS = 4
@@ -270,14 +270,15 @@ def measure(
     order: list[str],
     decode_async_load: bool = False,
     prefill_load: float = 0.75,
+    chunk_size: int = CHUNK,
 ) -> dict[str, Any]:
     require_vllm()
     model = prefill_model_dir()
     runs: dict[str, Any] = {}
     decode_extra = {"async_load": True} if decode_async_load else None
-    with running_cache_daemon(chunk_size=CHUNK, l1_size_gb=2.0) as daemon:
+    with running_cache_daemon(chunk_size=chunk_size, l1_size_gb=2.0) as daemon:
         with tempfile.TemporaryDirectory() as scratch:
-            config = write_cache_config(Path(scratch), chunk_size=CHUNK)
+            config = write_cache_config(Path(scratch), chunk_size=chunk_size)
             servers = [
                 start_vllm(
                     name,
@@ -341,6 +342,7 @@ def measure(
             ),
             "order": order,
             "decode_async_load": decode_async_load,
+            "chunk_size": chunk_size,
         },
         "workload": {
             "duration_s": duration_s,
@@ -372,7 +374,8 @@ def write_report(results: dict[str, Any], path: Path) -> None:
         "",
         f"Run {meta['date']}; {meta['model']}; engines pinned to cores {meta['engine_cores']}; "
         f"{meta['shared_cores']}. Machine: {meta['machine']}. One run, configurations in the order "
-        f"{meta['order']} on the same two engine processes. Workload: {workload_['streams']} streams "
+        f"{meta['order']} on the same two engine processes; the cache layer's chunk size "
+        f"{meta.get('chunk_size', CHUNK)} tokens. Workload: {workload_['streams']} streams "
         f"decoding {workload_['decode_tokens']} tokens each, one after another, and a long prompt "
         f"({workload_['long_words']} words, ~1,600 tokens) every {workload_['long_interval_s']} s, for "
         f"{workload_['duration_s']:g} s each.",
@@ -489,6 +492,12 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="engine B's connector loads asynchronously (kv_connector_extra_config async_load)",
     )
+    parser.add_argument(
+        "--chunk-size",
+        type=int,
+        default=CHUNK,
+        help=f"the cache layer's chunk size in tokens, a multiple of vLLM's block size 32 (default {CHUNK})",
+    )
     parser.add_argument("--report-only", action="store_true", help="rewrite the .md and .png from the .json")
     args = parser.parse_args(argv)
     output = Path(args.output)
@@ -502,8 +511,17 @@ def main(argv: list[str] | None = None) -> int:
             parser.error("--duration and --long-interval must be positive")
         if not 0 < args.prefill_load <= 2:
             parser.error("--prefill-load must be in (0, 2]: the share of one engine's time, e.g. 0.75")
+        if args.chunk_size <= 0 or args.chunk_size % 32:
+            parser.error("--chunk-size must be a positive multiple of 32, the engines' --block-size")
         run_source()  # the checkout as the run starts: edits made while it runs change nothing recorded
-        results = measure(args.duration, args.long_interval, order, args.decode_async_load, args.prefill_load)
+        results = measure(
+            args.duration,
+            args.long_interval,
+            order,
+            decode_async_load=args.decode_async_load,
+            prefill_load=args.prefill_load,
+            chunk_size=args.chunk_size,
+        )
     write_results_files(results, output, report=write_report, plot=plot, json_too=not args.report_only)
     return 0
 
