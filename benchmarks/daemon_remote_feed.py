@@ -47,7 +47,7 @@ def run(prompts: int, deletes: int, polls: int) -> dict:
         config = parse_config(
             {"chunk_size": CHUNK, "max_local_cpu_size": 0.5, "remote_url": redis_server.url,
              "remote_reconcile_interval_s": 5.0, "remote_eviction_notifications": True,
-             "save_unfull_chunk": False}
+             "save_unfull_chunk": True}
         )  # fmt: skip
         server = StoreServer(config, "tcp://127.0.0.1:0").start()
         plain = StoreClient(server.endpoint, chunk_size=CHUNK, transport="tcp")

@@ -29,14 +29,32 @@ def blocks_for(num_tokens: int, first: int = 100) -> list[int]:
     return list(range(first, first + (num_tokens + BLOCK - 1) // BLOCK))
 
 
-def test_a_hit_is_whole_chunks_and_never_covers_the_last_prompt_token():
+def whole_chunks_of(count: int):
+    """A store holding the whole chunks of the first `count` tokens of any prompt (as a plain save
+    leaves it); records the prefixes asked."""
+    asked: list[int] = []
+
+    def held(prefix) -> int:
+        asked.append(len(prefix))
+        return min(count, len(prefix)) // CHUNK * CHUNK
+
+    held.asked = asked  # type: ignore[attr-defined]
+    return held
+
+
+def test_a_hit_is_whole_blocks_and_never_covers_the_last_prompt_token():
     held = store_holding(10_000)
     plan = planner()
-    assert plan.matched_tokens("r", list(range(700)), 0, cacheable=True, held_tokens=held) == 512
-    assert held.asked == [512]
-    # Exactly two chunks long: the last token must be computed, so only one chunk may be loaded.
-    assert plan.matched_tokens("r2", list(range(512)), 0, cacheable=True, held_tokens=held) == 256
-    assert plan.matched_tokens("r3", list(range(256)), 0, cacheable=True, held_tokens=held) == 0
+    # The lookup asks for the whole blocks before the last token: 699 // 32 blocks.
+    assert plan.matched_tokens("r", list(range(700)), 0, cacheable=True, held_tokens=held) == 672
+    assert held.asked == [672]
+    # Exactly two chunks long: the last token must be computed, so its last block is not loaded.
+    assert plan.matched_tokens("r2", list(range(512)), 0, cacheable=True, held_tokens=held) == 480
+    assert plan.matched_tokens("r3", list(range(32)), 0, cacheable=True, held_tokens=held) == 0
+    assert held.asked == [672, 480]  # a one-block prompt has nothing to look up
+    # A store holding whole chunks answers whole chunks: a plain prompt's hit is as before.
+    chunks = whole_chunks_of(10_000)
+    assert plan.matched_tokens("r4", list(range(700)), 0, cacheable=True, held_tokens=chunks) == 512
 
 
 def test_the_engine_own_prefix_hit_is_subtracted():
@@ -101,6 +119,13 @@ def test_a_handoff_request_is_saved_as_a_handoff_and_others_are_not():
         )
     assert {save.request_id: save.handoff for save in step.saves} == {"prefill": True, "plain": False}
     assert plan.external_tokens("prefill") == 0
+    # The handoff is saved up to the prefix its decode engine looks up, its tail chunk included
+    # (599 // 32 blocks); the plain prompt as its whole chunks only.
+    lengths = {save.request_id: len(save.token_ids) for save in step.saves}
+    assert lengths == {"prefill": 576, "plain": 512}
+    assert plan.lookup_limit(len(prompt)) == 576
+    (handoff,) = (save for save in step.saves if save.handoff)
+    assert handoff.block_ids == blocks_for(576)
 
 
 def test_a_prompt_is_saved_once_when_its_last_token_is_computed_even_with_chunked_prefill():
@@ -189,7 +214,7 @@ def test_a_request_whose_load_failed_is_not_looked_up_again_and_its_prompt_is_sa
     plan.load_result("r", 0)  # nothing landed: vLLM frees the blocks and asks again
     assert plan.load_failed("r")
     assert plan.matched_tokens("r", prompt, 0, cacheable=True, held_tokens=held) == 0
-    assert held.asked == [512]  # not asked again: the request is recomputed
+    assert held.asked == [672]  # not asked again: the request is recomputed
     plan.allocated("r", prompt, None, blocks_for(700), 0, cacheable=True)
     step = StepPlan()
     plan.scheduled("r", num_computed_tokens=0, num_scheduled_tokens=700, block_ids=blocks_for(700), plan=step)

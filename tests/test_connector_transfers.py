@@ -52,7 +52,7 @@ def paged(layers: list[torch.Tensor]) -> PagedKV:
 
 def engine() -> CacheEngine:
     return CacheEngine.from_config(
-        {"chunk_size": CHUNK, "max_local_cpu_size": 0.01, "save_unfull_chunk": False},
+        {"chunk_size": CHUNK, "max_local_cpu_size": 0.01, "save_unfull_chunk": True},
         num_layers=LAYERS,
         num_kv_heads=HEADS,
         head_dim=HEAD_DIM,
@@ -173,16 +173,21 @@ def test_a_handoff_save_is_in_the_store_when_it_returns_and_reports_what_it_hold
         cache_salt=None,
         flush_timeout_s=5,
     )
-    assert done.tokens == 4 * BLOCK  # the store holds the whole chunks (the tail is not shared)
-    assert [event.kind for event in done.events] == ["stored", "stored"]
+    # The store holds the whole chunks and the tail chunk (its decode engine asks for this prefix).
+    assert done.tokens == 5 * BLOCK
+    assert [event.kind for event in done.events] == ["stored"] * 3
+    assert len(done.events[-1].token_ids) == BLOCK and done.events[-1].parent_key == done.events[1].key
     assert done.seconds >= 0
     # Visible at once to another reader of the store: no background thread is involved.
-    assert store.lookup(tokens, None) == 4 * BLOCK
+    assert store.lookup(tokens, None) == 5 * BLOCK
+    # The tail chunk's key covers exactly its block: a prompt that goes on past it misses it.
+    assert store.lookup([*tokens, *range(9000, 9000 + BLOCK)], None) == 4 * BLOCK
     failed = load_request(
-        reader, store, token_ids=tokens[: 4 * BLOCK], block_ids=[6, 7, 8, 9], first_block=0, cache_salt=None
+        reader, store, token_ids=tokens, block_ids=[6, 7, 8, 9, 10], first_block=0, cache_salt=None
     )
     assert failed == set()
-    assert torch.equal(reader.kv_caches[1][9], writer.kv_caches[1][4])
+    for block, source in ((9, 4), (10, 5)):
+        assert torch.equal(reader.kv_caches[1][block], writer.kv_caches[1][source])
 
 
 def test_a_handoff_save_to_an_unreachable_daemon_reports_nothing_stored():
@@ -277,7 +282,7 @@ def test_saves_beyond_the_pending_budget_are_dropped_not_queued():
 
 @pytest.fixture
 def shared_daemon():
-    config = parse_config({"chunk_size": CHUNK, "max_local_cpu_size": 0.01, "save_unfull_chunk": False})
+    config = parse_config({"chunk_size": CHUNK, "max_local_cpu_size": 0.01, "save_unfull_chunk": True})
     servers: list[StoreServer] = []
 
     def start(lease_ttl_s: float = 30.0) -> StoreServer:

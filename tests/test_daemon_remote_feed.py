@@ -163,7 +163,7 @@ def daemon_with_redis():
     with running_redis() as redis_server:
         config = parse_config(
             {"chunk_size": CHUNK, "max_local_cpu_size": 0.001, "remote_url": redis_server.url,
-             "remote_reconcile_interval_s": 0.2, "save_unfull_chunk": False}
+             "remote_reconcile_interval_s": 0.2, "save_unfull_chunk": True}
         )  # fmt: skip
         server = StoreServer(config, "tcp://127.0.0.1:0").start()
         yield server, redis_server
@@ -244,7 +244,7 @@ def test_a_shared_memory_store_is_announced_and_another_credential_cannot_read_t
     with running_redis() as redis_server:
         config = parse_config(
             {"chunk_size": CHUNK, "max_local_cpu_size": 0.001, "remote_url": redis_server.url,
-             "save_unfull_chunk": False}
+             "save_unfull_chunk": True}
         )  # fmt: skip
         server = StoreServer(config, "tcp://127.0.0.1:0", shared_memory=True, credentials=credentials).start()
         host = StoreClient(server.endpoint, chunk_size=CHUNK, secret=host_secret, remote_feed=True)

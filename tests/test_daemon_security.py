@@ -45,7 +45,7 @@ def start_daemon(
         {
             "chunk_size": CHUNK,
             "max_local_cpu_size": pool_chunks * CHUNK_BYTES / (1 << 30),
-            "save_unfull_chunk": False,
+            "save_unfull_chunk": True,
         }
     )
     return StoreServer(

@@ -33,7 +33,7 @@ def make_kv(num_tokens: int, seed: int = 0, space: KeySpace = SPACE) -> torch.Te
 @pytest.fixture(params=["tcp", "shared-memory"])
 def daemon(request):
     """The daemon, without and with its shared-memory path (its clients pick the path on their own)."""
-    config = parse_config({"chunk_size": CHUNK, "max_local_cpu_size": 0.001, "save_unfull_chunk": False})
+    config = parse_config({"chunk_size": CHUNK, "max_local_cpu_size": 0.001, "save_unfull_chunk": True})
     server = StoreServer(config, "tcp://127.0.0.1:0", shared_memory=request.param == "shared-memory").start()
     http = start_http(server, "127.0.0.1", 0)
     yield server, f"http://127.0.0.1:{http.server_address[1]}"
@@ -205,6 +205,10 @@ def test_the_cachelayer_server_command_serves_healthcheck_and_the_data_plane():
             assert client.hello() == 256
             client.store(SPACE, list(range(256)), make_kv(256))
             assert client.lookup(SPACE, list(range(300))) == 256
+            # A handoff's tail chunk (fewer tokens than a chunk) is kept for its exact prefix.
+            assert client.store(SPACE, list(range(288)), make_kv(288))[0] == 288
+            assert client.lookup(SPACE, list(range(288))) == 288
+            assert client.lookup(SPACE, list(range(300))) == 256
         finally:
             client.close()
     bad_flags = ["--chunk-size", "0", "--port", "0", "--http-port", "0"]
@@ -262,7 +266,7 @@ def test_the_forgetful_test_daemon_stores_and_answers_every_read_as_a_miss():
     serving loop: it stores and answers lookups, and every retrieve is a miss."""
     from kvgate_testing.forgetful_daemon import ForgetfulStoreServer
 
-    config = parse_config({"chunk_size": CHUNK, "max_local_cpu_size": 0.001, "save_unfull_chunk": False})
+    config = parse_config({"chunk_size": CHUNK, "max_local_cpu_size": 0.001, "save_unfull_chunk": True})
     server = ForgetfulStoreServer(config, "tcp://127.0.0.1:0").start()
     client = StoreClient(server.endpoint, chunk_size=CHUNK, timeout_s=5, transport="tcp")
     try:

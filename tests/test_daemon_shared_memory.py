@@ -37,7 +37,7 @@ def same_bits(left: torch.Tensor, right: torch.Tensor) -> bool:
 
 def start_daemon(l1_bytes: int, lease_ttl_s: float = 30.0, shared_memory: bool = True) -> StoreServer:
     config = parse_config(
-        {"chunk_size": CHUNK, "max_local_cpu_size": l1_bytes / (1 << 30), "save_unfull_chunk": False}
+        {"chunk_size": CHUNK, "max_local_cpu_size": l1_bytes / (1 << 30), "save_unfull_chunk": True}
     )
     return StoreServer(
         config, "tcp://127.0.0.1:0", shared_memory=shared_memory, lease_ttl_s=lease_ttl_s
@@ -93,6 +93,32 @@ def test_shared_memory_and_tcp_clients_of_one_daemon_exchange_bit_exact_kv(clien
         assert metrics["cachelayer_daemon_open_leases"] == 0
         # The shm client's store, its two retrieves and its retrieve into `out`; TCP opens none.
         assert metrics["cachelayer_daemon_leases_total"] == 4
+    finally:
+        server.close()
+
+
+def test_a_tail_chunk_is_shared_for_exactly_its_prefix_through_both_paths(clients):
+    """A prefill engine's handoff stores its prompt's tail chunk (fewer tokens than a chunk) for the
+    decode engine's lookup of that very prefix (cachelayer/connectors/planning.py)."""
+    server = start_daemon(1 << 20)
+    try:
+        shared, tcp = clients(server), clients(server, "tcp")
+        handoff = list(range(500, 500 + 2 * CHUNK + 8))  # two whole chunks and an 8-token tail
+        kv = any_bits_kv(len(handoff), seed=4)
+        held, events = shared.store(SPACE, handoff, kv)
+        assert held == len(handoff)
+        assert [len(e.token_ids) for e in events] == [CHUNK, CHUNK, 8]
+        assert events[2].parent_key == events[1].key
+        for reader in (shared, tcp):
+            assert reader.lookup(SPACE, handoff) == len(handoff), reader.transport
+            hit, loaded = reader.retrieve(SPACE, handoff)
+            assert hit == len(handoff) and same_bits(loaded, kv), reader.transport
+            # A prompt going on past the tail, or stopping inside it, finds the whole chunks only.
+            assert reader.lookup(SPACE, [*handoff, 1, 2, 3, 4, 5, 6, 7, 8]) == 2 * CHUNK
+            assert reader.lookup(SPACE, handoff[:-4]) == 2 * CHUNK
+        with shared.leased(SPACE, handoff) as lease:
+            assert [(chunk.start, chunk.end) for chunk in lease.chunks] == [(0, 16), (16, 32), (32, 40)]
+            assert same_bits(lease.chunks[2].kv, kv[:, :, 32:40])
     finally:
         server.close()
 

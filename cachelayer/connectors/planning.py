@@ -1,13 +1,18 @@
 """Scheduler-side planning of the vLLM connector, free of vLLM imports: what to load, what to save.
 
 Rules (the invariants docs/vllm.md names):
-- A hit is the longest stored prefix in whole chunks, and never covers the prompt's last token:
-  vLLM must compute at least one token to produce logits, so the lookup stops at
-  `(len(prompt) - 1) // chunk_size * chunk_size`.
+- A hit is the longest stored prefix in whole blocks, and never covers the prompt's last token:
+  vLLM must compute at least one token to produce logits, so the lookup asks for the prompt's
+  whole blocks before its last token, `(len(prompt) - 1) // block_size * block_size`. The store
+  answers in chunks: whole ones, and a shorter tail chunk only where a handoff stored that very
+  prefix (below), so a plain prompt's hit still ends on a chunk boundary.
 - A load writes only blocks past the engine's own prefix-cache hit (`first_block`), and only
   whole blocks (the chunk size is a multiple of the block size).
 - A prompt is saved once, at the step where its last prompt token is computed, as its whole
-  chunks (the store skips chunks it already holds). Generated tokens are not saved.
+  chunks (the store skips chunks it already holds). Generated tokens are not saved. A handoff's
+  prompt is saved up to the prefix its decode engine will look up, tail chunk included: that
+  engine then computes at most one block of the prompt instead of up to a chunk (with 256-token
+  chunks, ~128 tokens on average, in the step its decoding requests wait on).
 - Requests whose KV depends on more than tokens and salt (LoRA adapters, multimodal inputs,
   prompt embeddings) are neither looked up nor saved: never a wrong tensor.
 - A consumer engine (`saves=False`, vLLM's `kv_consumer`) loads and never saves. A handoff
@@ -34,7 +39,7 @@ class LoadSpec:
 
 @dataclass(slots=True)
 class SaveSpec:
-    """Save the whole chunks token_ids (a prompt prefix) from block_ids."""
+    """Save token_ids (a prompt prefix: whole chunks, or a handoff's whole blocks) from block_ids."""
 
     request_id: str
     token_ids: list[int]
@@ -86,8 +91,10 @@ class SchedulerPlanner:
         self._lookups: dict[str, tuple[int, int]] = {}
 
     def lookup_limit(self, num_prompt_tokens: int) -> int:
-        """How many leading prompt tokens a hit may cover: whole chunks, never the last token."""
-        return max(0, (num_prompt_tokens - 1) // self.chunk_size * self.chunk_size)
+        """How many leading prompt tokens a hit may cover: whole blocks, never the last token. It
+        is also what a handoff saves, so that its decode engine's lookup asks for the same prefix
+        (a tail chunk's key covers exactly its tokens)."""
+        return max(0, (num_prompt_tokens - 1) // self.block_size * self.block_size)
 
     def matched_tokens(
         self,
@@ -170,14 +177,17 @@ class SchedulerPlanner:
         if num_computed_tokens + num_scheduled_tokens < prompt_length:
             return
         state.saved = True
-        whole_chunks = prompt_length // self.chunk_size * self.chunk_size
-        if whole_chunks <= state.loaded_tokens:
+        if state.handoff:
+            end = self.lookup_limit(prompt_length)  # what the decode engine will ask for
+        else:
+            end = prompt_length // self.chunk_size * self.chunk_size  # a tail is this prompt's own
+        if end <= state.loaded_tokens:
             return  # everything saveable came from the store
         plan.saves.append(
             SaveSpec(
                 request_id=request_id,
-                token_ids=state.prompt_token_ids[:whole_chunks],
-                block_ids=state.block_ids[: whole_chunks // self.block_size],
+                token_ids=state.prompt_token_ids[:end],
+                block_ids=state.block_ids[: end // self.block_size],
                 cache_salt=state.cache_salt,
                 handoff=state.handoff,
             )

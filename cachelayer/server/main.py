@@ -192,8 +192,10 @@ def run(args: argparse.Namespace, server_class: type[StoreServer] = StoreServer)
                 "chunk_size": args.chunk_size,
                 "max_local_cpu_size": args.l1_size_gb,
                 "cache_policy": args.eviction_policy,
-                # Only full chunks are shared between engines (a tail chunk differs per prompt).
-                "save_unfull_chunk": False,
+                # Engines store whole chunks, except a handoff (a prefill engine's prompt for another
+                # engine to decode), whose tail chunk is kept for the decode engine's lookup of the
+                # same prefix (cachelayer/connectors/planning.py).
+                "save_unfull_chunk": True,
                 "remote_url": args.remote_url,
                 "remote_serde": args.remote_serde,
                 "remote_reconcile_interval_s": args.remote_reconcile_interval_s,
