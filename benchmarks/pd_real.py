@@ -427,15 +427,16 @@ def write_report(results: dict[str, Any], path: Path) -> None:
             "and the streams decoding there when a long prompt's first token came (each took that stall).",
             "",
             "| configuration | decisions (decode; long) | gaps over / all | by what landed "
-            "| streams decoding at a long prompt's landing |",
-            "| --- | --- | --- | --- | --- |",
+            "| streams decoding at a long prompt's landing | gap p50 ms holding one landing, by what |",
+            "| --- | --- | --- | --- | --- | --- |",
         ]
         for name, stall in stalls.items():
             kinds = results["runs"][name].get("decisions_by_kind", {})
             lines.append(
                 f"| {name} | {kinds.get('decode')}; {kinds.get('long_prompt')} | "
                 f"{stall['gaps_over']} / {stall['gaps']} | {stall['gaps_over_by_what_landed']} | "
-                f"{stall['streams_decoding_when_a_long_prompt_landed']} |"
+                f"{stall['streams_decoding_when_a_long_prompt_landed']} | "
+                f"{stall.get('gap_ms_p50_holding_one_landing', '-')} |"
             )
     lines += [
         "",
@@ -501,11 +502,17 @@ def main(argv: list[str] | None = None) -> int:
         default=CHUNK,
         help=f"the cache layer's chunk size in tokens, a multiple of vLLM's block size 32 (default {CHUNK})",
     )
-    parser.add_argument("--report-only", action="store_true", help="rewrite the .md and .png from the .json")
+    parser.add_argument(
+        "--report-only",
+        action="store_true",
+        help="rewrite the .md and .png from the .json (the stall attribution redone from its records)",
+    )
     args = parser.parse_args(argv)
     output = Path(args.output)
     if args.report_only:
         results = json.loads(output.with_suffix(".json").read_text())
+        # The stall attribution is analysis of the recorded requests: redone with this checkout's.
+        results["stalls"] = attribute(results["runs"])
     else:
         order = [name for name in args.order.split(",") if name]
         if sorted(order) != sorted(CONFIGURATIONS):
