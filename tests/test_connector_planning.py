@@ -128,6 +128,25 @@ def test_a_handoff_request_is_saved_as_a_handoff_and_others_are_not():
     assert handoff.block_ids == blocks_for(576)
 
 
+def test_a_handoff_of_whole_chunks_keeps_its_last_chunk_whole():
+    """Its lookup prefix (480 of 512 tokens) would leave the last chunk as a tail one block short,
+    which no longer prompt could reuse: the save is the whole chunks, as a plain prompt's."""
+    plan = planner()
+    prompt = list(range(2 * CHUNK))
+    plan.matched_tokens("prefill", prompt, 0, cacheable=True, held_tokens=store_holding(0))
+    plan.allocated("prefill", prompt, None, blocks_for(2 * CHUNK), 0, cacheable=True, handoff=True)
+    step = StepPlan()
+    plan.scheduled(
+        "prefill",
+        num_computed_tokens=0,
+        num_scheduled_tokens=2 * CHUNK,
+        block_ids=blocks_for(2 * CHUNK),
+        plan=step,
+    )
+    (save,) = step.saves
+    assert save.handoff and save.token_ids == prompt
+
+
 def test_a_prompt_is_saved_once_when_its_last_token_is_computed_even_with_chunked_prefill():
     plan = planner()
     prompt = list(range(900))

@@ -12,7 +12,8 @@ Rules (the invariants docs/vllm.md names):
   chunks (the store skips chunks it already holds). Generated tokens are not saved. A handoff's
   prompt is saved up to the prefix its decode engine will look up, tail chunk included: that
   engine then computes at most one block of the prompt instead of up to a chunk (with 256-token
-  chunks, ~128 tokens on average, in the step its decoding requests wait on).
+  chunks, ~128 tokens on average, in the step its decoding requests wait on). A prompt of whole
+  chunks is the exception: it is saved as its whole chunks (a longer prompt reuses the last).
 - Requests whose KV depends on more than tokens and salt (LoRA adapters, multimodal inputs,
   prompt embeddings) are neither looked up nor saved: never a wrong tensor.
 - A consumer engine (`saves=False`, vLLM's `kv_consumer`) loads and never saves. A handoff
@@ -177,10 +178,11 @@ class SchedulerPlanner:
         if num_computed_tokens + num_scheduled_tokens < prompt_length:
             return
         state.saved = True
-        if state.handoff:
-            end = self.lookup_limit(prompt_length)  # what the decode engine will ask for
-        else:
-            end = prompt_length // self.chunk_size * self.chunk_size  # a tail is this prompt's own
+        whole_chunks = prompt_length // self.chunk_size * self.chunk_size
+        # A handoff: what the decode engine will ask for. That is short of the whole chunks only
+        # for a prompt of whole chunks, whose last one is worth more whole (a longer prompt reuses
+        # it) than as a tail one block short: such a decode engine computes that chunk, as before.
+        end = max(whole_chunks, self.lookup_limit(prompt_length)) if state.handoff else whole_chunks
         if end <= state.loaded_tokens:
             return  # everything saveable came from the store
         plan.saves.append(
