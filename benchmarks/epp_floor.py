@@ -34,7 +34,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from benchmarks.epp_variants import _closed_loop
+from benchmarks.epp_variants import closed_loop_rounds
 from kvgate_testing import epp_runs
 from kvgate_testing.envoy import BodyMode, EnvoyProcess, ResponseBodyMode, picker_config
 from kvgate_testing.ports import free_port
@@ -105,20 +105,12 @@ class NoopPicker:
 
 def load(routers: dict[str, RunningRouter], rounds: int, seconds: float) -> dict[str, dict[str, float]]:
     """Closed-loop rounds to each router in turn (order alternating); CPU per request and p50."""
-    names = list(routers)
-    totals = {name: {"cpu_s": 0.0, "requests": 0, "latencies": [], "errors": 0} for name in names}
-    for round_number in range(rounds):
-        for name in names if round_number % 2 == 0 else names[::-1]:
-            run = _closed_loop(routers[name], 4, seconds, 8, f"r{round_number}")
-            totals[name]["cpu_s"] += run["cpu_s"]
-            totals[name]["requests"] += len(run["latencies"])
-            totals[name]["latencies"] += run["latencies"]
-            totals[name]["errors"] += run["errors"]
+    totals = closed_loop_rounds(routers, rounds, clients=4, seconds=seconds, tokens=8)
     return {
         name: {
-            "requests": total["requests"],
+            "requests": len(total["latencies"]),
             "errors": total["errors"],
-            "cpu_ms_per_request": round(1000 * total["cpu_s"] / max(total["requests"], 1), 3),
+            "cpu_ms_per_request": round(1000 * total["cpu_s"] / max(len(total["latencies"]), 1), 3),
             "p50_ms": round(1000 * statistics.median(total["latencies"]), 2),
         }
         for name, total in totals.items()

@@ -76,6 +76,27 @@ def _closed_loop(router: RunningRouter, clients: int, seconds: float, tokens: in
     }
 
 
+def closed_loop_rounds(
+    routers: dict[str, RunningRouter], rounds: int, clients: int, seconds: float, tokens: int
+) -> dict[str, dict[str, Any]]:
+    """`rounds` rounds of closed-loop load to each router in turn, the order alternating each round;
+    per router the totals of its rounds: CPU seconds (all, and by thread name), latencies, errors."""
+    names = list(routers)
+    totals: dict[str, dict[str, Any]] = {
+        name: {"cpu_s": 0.0, "cpu_s_by_thread": {}, "latencies": [], "errors": 0} for name in names
+    }
+    for round_number in range(rounds):
+        for name in names if round_number % 2 == 0 else names[::-1]:
+            run = _closed_loop(routers[name], clients, seconds, tokens, f"r{round_number}")
+            total = totals[name]
+            total["cpu_s"] += run["cpu_s"]
+            for thread, thread_seconds in run["cpu_s_by_thread"].items():
+                total["cpu_s_by_thread"][thread] = total["cpu_s_by_thread"].get(thread, 0.0) + thread_seconds
+            total["latencies"] += run["latencies"]
+            total["errors"] += run["errors"]
+    return totals
+
+
 def _in_flight_left(router: RunningRouter) -> int | None:
     if router.metrics_url is None:
         return None
@@ -89,22 +110,7 @@ def cpu(args: argparse.Namespace) -> list[dict[str, Any]]:
     with EngineFleet(count=args.engines, num_gpu_blocks=256, sim_args=sim_args) as fleet:
         routers = {policy: start_router(policy, fleet) for policy in policies}
         try:
-            totals: dict[str, dict[str, Any]] = {
-                policy: {"cpu_s": 0.0, "cpu_s_by_thread": {}, "latencies": [], "errors": 0}
-                for policy in policies
-            }
-            for round_number in range(args.rounds):
-                order = policies if round_number % 2 == 0 else policies[::-1]
-                for policy in order:
-                    run = _closed_loop(
-                        routers[policy], args.clients, args.seconds, args.tokens, f"r{round_number}"
-                    )
-                    totals[policy]["cpu_s"] += run["cpu_s"]
-                    by_thread = totals[policy]["cpu_s_by_thread"]
-                    for name, seconds in run["cpu_s_by_thread"].items():
-                        by_thread[name] = by_thread.get(name, 0.0) + seconds
-                    totals[policy]["latencies"] += run["latencies"]
-                    totals[policy]["errors"] += run["errors"]
+            totals = closed_loop_rounds(routers, args.rounds, args.clients, args.seconds, args.tokens)
             time.sleep(1.0)  # the last access-log batch
             rows = []
             for policy in policies:

@@ -8,14 +8,18 @@ from pathlib import Path
 _CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
 
 
+def _thread_ids(pid: int) -> list[str]:
+    """The ids of a process's live threads (/proc/PID/task); none when the process is gone."""
+    try:
+        return os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return []
+
+
 def process_tree(pid: int) -> list[int]:
     """`pid` and its descendants (from /proc: each thread's `children`)."""
     tree = [pid]
-    try:
-        threads = os.listdir(f"/proc/{pid}/task")
-    except OSError:  # gone
-        return tree
-    for thread in threads:
+    for thread in _thread_ids(pid):
         try:
             with open(f"/proc/{pid}/task/{thread}/children") as children:
                 kids = [int(kid) for kid in children.read().split()]
@@ -44,11 +48,7 @@ def thread_cpu_seconds(pid: int) -> dict[str, float]:
     kernel's `comm`: Python's main thread is the process's name, grpc's and ZMQ's threads carry
     theirs), in seconds. Threads that ended are not in it."""
     by_name: dict[str, float] = {}
-    try:
-        threads = os.listdir(f"/proc/{pid}/task")
-    except OSError:  # gone
-        return by_name
-    for thread in threads:
+    for thread in _thread_ids(pid):
         try:
             name = Path(f"/proc/{pid}/task/{thread}/comm").read_text().strip()
         except OSError:
