@@ -13,12 +13,17 @@ of one configuration is cached for the next):
 - colocated: both engines `role: both`, `disaggregation.mode: never`, kv_aware (the reference);
 - always_split: A `role: prefill`, B `role: decode`, `mode: always`;
 - conditional: A `prefill`, B `decode`, `mode: conditional`.
-Workload, per configuration: STREAMS clients each send short prompts decoding DECODE_TOKENS tokens
-(streamed, `ignore_eos`), one after another, while a long prompt (LONG_WORDS words, about 1,600
-tokens) arrives every LONG_INTERVAL_S, each from its own client, for DURATION_S; then the requests in
-flight finish. The interval follows from the machine: engine A's time for one long prompt alone
-(measured after the warm-up, median of three fresh prompts) over `--prefill-load`, the share of
-one prefill engine's time the long prompts ask for. Its default, 0.9, meets the workload's two
+Workload, per configuration: short prompts decoding DECODE_TOKENS tokens (streamed, `ignore_eos`),
+while a long prompt (LONG_WORDS words, about 1,600 tokens) arrives every LONG_INTERVAL_S, each from
+its own client, for DURATION_S; then the requests in flight finish. The streams come one of two ways
+(`--stream-arrivals`): closed, STREAMS clients each sending them one after another, so a
+configuration that makes streams wait also sends fewer of them (always split admits a stream only
+when the prefill engine has run its prompt, after the long prompt queued there); or open, one every
+(a stream's time alone on engine B, measured after the warm-up) / STREAMS seconds in every
+configuration, so each serves the same streams and their ITL compares at equal load. The long
+prompts' interval follows from the machine: engine A's time for one long prompt alone (measured
+after the warm-up, median of three fresh prompts) over `--prefill-load`, the share of one prefill
+engine's time the long prompts ask for. Its default, 0.9, meets the workload's two
 conditions: the prefill engine keeps up (at or over 1, always-split's TTFT measures A's growing
 queue, not the split), and the stalls are frequent enough for ITL p99 to see (colocated, each long
 prompt stalls the streams of one engine once, about one gap in P * (2 / load - 1) / ITL: under 1 %
@@ -90,8 +95,12 @@ def percentile(values: list[float], q: float) -> float | None:
     return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
 
 
-async def workload(url: str, tag: str, duration_s: float, long_interval_s: float) -> list[dict[str, Any]]:
-    """Every request's record: kind, start (s into the run), ok, TTFT, gaps, backend or error."""
+async def workload(
+    url: str, tag: str, duration_s: float, long_interval_s: float, stream_interval_s: float | None = None
+) -> list[dict[str, Any]]:
+    """Every request's record: kind, start (s into the run), ok, TTFT, gaps, backend or error. With
+    `stream_interval_s` the decoding requests arrive one every that many seconds (open loop), else
+    STREAMS clients send them one after another (closed loop)."""
     records: list[dict[str, Any]] = []
     origin = time.perf_counter()
     deadline = origin + duration_s
@@ -113,17 +122,23 @@ async def workload(url: str, tag: str, duration_s: float, long_interval_s: float
                 prompt = f"{tag} stream {index} turn {turn}: {filler_text(STREAM_WORDS)}"
                 await one("decode", prompt, DECODE_TOKENS)
 
-        async def long_prompts() -> None:
+        async def arrivals(kind: str, label: str, interval_s: float, words: int, max_tokens: int) -> None:
             tasks = []
             for index in itertools.count():
                 if time.perf_counter() >= deadline:
                     break
-                prompt = f"{tag} document {index}: {filler_text(LONG_WORDS)}"
-                tasks.append(asyncio.create_task(one("long_prompt", prompt, LONG_OUTPUT_TOKENS)))
-                await asyncio.sleep(long_interval_s)
+                prompt = f"{tag} {label} {index}: {filler_text(words)}"
+                tasks.append(asyncio.create_task(one(kind, prompt, max_tokens)))
+                await asyncio.sleep(interval_s)
             await asyncio.gather(*tasks)
 
-        await asyncio.gather(long_prompts(), *(stream_client(i) for i in range(STREAMS)))
+        long_prompts = arrivals("long_prompt", "document", long_interval_s, LONG_WORDS, LONG_OUTPUT_TOKENS)
+        if stream_interval_s is None:
+            await asyncio.gather(long_prompts, *(stream_client(i) for i in range(STREAMS)))
+        else:
+            await asyncio.gather(
+                long_prompts, arrivals("decode", "stream", stream_interval_s, STREAM_WORDS, DECODE_TOKENS)
+            )
     return records
 
 
@@ -179,7 +194,7 @@ def gateway_config(engines: dict[str, VllmServer], roles: dict[str, str], mode: 
 
 
 async def with_decisions(
-    url: str, tag: str, duration_s: float, long_interval_s: float
+    url: str, tag: str, duration_s: float, long_interval_s: float, stream_interval_s: float | None
 ) -> tuple[list[dict[str, Any]], dict[str, dict[str, Any]]]:
     """workload()'s records, and every decision the gateway logged meanwhile by request id (the debug
     page lists the last 50: it is read every few seconds)."""
@@ -199,7 +214,7 @@ async def with_decisions(
 
     async def run() -> list[dict[str, Any]]:
         try:
-            return await workload(url, tag, duration_s, long_interval_s)
+            return await workload(url, tag, duration_s, long_interval_s, stream_interval_s)
         finally:
             done.set()
 
@@ -208,13 +223,19 @@ async def with_decisions(
 
 
 def run_configuration(
-    name: str, engines: dict[str, VllmServer], duration_s: float, long_interval_s: float
+    name: str,
+    engines: dict[str, VllmServer],
+    duration_s: float,
+    long_interval_s: float,
+    stream_interval_s: float | None,
 ) -> dict[str, Any]:
     roles, mode = CONFIGURATIONS[name]
     load_before = os.getloadavg()
     with start_gateway(gateway_config(engines, roles, mode), timeout_s=120) as gateway:
         wait_for_http(f"{gateway.url}/health", gateway.process, timeout_s=60)
-        records, logged = asyncio.run(with_decisions(gateway.url, f"run {name}", duration_s, long_interval_s))
+        records, logged = asyncio.run(
+            with_decisions(gateway.url, f"run {name}", duration_s, long_interval_s, stream_interval_s)
+        )
         page = httpx.get(f"{gateway.url}/debug/prefix-map", params={"format": "json"}, timeout=10).json()
         metrics = httpx.get(f"{gateway.url}/metrics", timeout=10).text
     for record in records:
@@ -254,17 +275,23 @@ def ratio(a: float | None, b: float | None) -> float | None:
     return None if a is None or not b else round(a / b, 3)
 
 
-def long_prompt_seconds(engine: VllmServer, tag: str, trials: int = 3) -> float:
-    """The median time of `trials` fresh long prompts sent alone, one after another, straight to the
-    engine (one output token): what a long prompt's prefill costs it with nothing else to do."""
+def alone_seconds(engine: VllmServer, tag: str, words: int, max_tokens: int, trials: int = 3) -> float:
+    """The median time of `trials` fresh prompts of `words` words sent alone, one after another,
+    straight to the engine, each generating `max_tokens` tokens: what one such request costs it with
+    nothing else to do."""
     timings = []
     for trial in range(trials):
-        body = {"model": SERVED_MODEL, "prompt": f"{tag} {engine.name} {trial}: {filler_text(LONG_WORDS)}",
-                "max_tokens": 1}  # fmt: skip
+        body = {"model": SERVED_MODEL, "prompt": f"{tag} {engine.name} {trial}: {filler_text(words)}",
+                "max_tokens": max_tokens, "ignore_eos": True}  # fmt: skip
         started = time.perf_counter()
         httpx.post(f"{engine.url}/v1/completions", json=body, timeout=300).raise_for_status()
         timings.append(time.perf_counter() - started)
     return sorted(timings)[trials // 2]
+
+
+def long_prompt_seconds(engine: VllmServer, tag: str) -> float:
+    """A long prompt's prefill alone (one output token)."""
+    return alone_seconds(engine, tag, LONG_WORDS, 1)
 
 
 def measure(
@@ -274,6 +301,7 @@ def measure(
     decode_async_load: bool = False,
     prefill_load: float = 0.9,
     chunk_size: int = CHUNK,
+    stream_arrivals: str = "closed",
 ) -> dict[str, Any]:
     require_vllm()
     model = prefill_model_dir()
@@ -305,8 +333,18 @@ def measure(
                     long_interval_s = round(long_prompt_s["before"] / prefill_load, 2)
                 alone = long_prompt_s["before"]
                 print(f"a long prompt alone on A: {alone} s, so one every {long_interval_s} s", flush=True)
+                stream_alone_s = stream_interval_s = None
+                if stream_arrivals == "open":
+                    # STREAMS decoding at once if each ran as fast as alone: the closed loop's
+                    # concurrency, offered at one rate to every configuration (see the docstring).
+                    stream_alone_s = round(alone_seconds(engines["engine-b"], "stream", STREAM_WORDS,
+                                                         DECODE_TOKENS), 3)  # fmt: skip
+                    stream_interval_s = round(stream_alone_s / STREAMS, 3)
+                    print(f"a stream alone on B: {stream_alone_s} s, so one every {stream_interval_s} s")
                 for name in order:
-                    runs[name] = run_configuration(name, engines, duration_s, long_interval_s)
+                    runs[name] = run_configuration(
+                        name, engines, duration_s, long_interval_s, stream_interval_s
+                    )
                     summary = {k: v for k, v in runs[name].items() if k != "requests"}
                     print(f"{name}: {json.dumps(summary)[:600]}", flush=True)
                 # Measured again at the end: a shared machine that slowed during the run shows here.
@@ -350,6 +388,9 @@ def measure(
         "workload": {
             "duration_s": duration_s,
             "streams": STREAMS,
+            "stream_arrivals": stream_arrivals,
+            "stream_alone_on_b_s": stream_alone_s,
+            "stream_interval_s": stream_interval_s,
             "decode_tokens": DECODE_TOKENS,
             "long_words": LONG_WORDS,
             "long_output_tokens": LONG_OUTPUT_TOKENS,
@@ -370,6 +411,20 @@ def fmt(value: float | None) -> str:
     return "-" if value is None else f"{value:.0f}"
 
 
+def stream_workload(workload_: dict[str, Any]) -> str:
+    """The decoding streams' arrivals, in words."""
+    if workload_.get("stream_arrivals") == "open":
+        return (
+            f"streams decoding {workload_['decode_tokens']} tokens each, arriving one every "
+            f"{workload_['stream_interval_s']} s (open loop: a stream alone on B took "
+            f"{workload_['stream_alone_on_b_s']} s, over {workload_['streams']})"
+        )
+    return (
+        f"{workload_['streams']} streams decoding {workload_['decode_tokens']} tokens each, one after "
+        "another (closed loop)"
+    )
+
+
 def write_report(results: dict[str, Any], path: Path) -> None:
     meta, workload_ = results["meta"], results["workload"]
     lines = [
@@ -378,8 +433,7 @@ def write_report(results: dict[str, Any], path: Path) -> None:
         f"Run {meta['date']}; {meta['model']}; engines pinned to cores {meta['engine_cores']}; "
         f"{meta['shared_cores']}. Machine: {meta['machine']}. One run, configurations in the order "
         f"{meta['order']} on the same two engine processes; the cache layer's chunk size "
-        f"{meta.get('chunk_size', CHUNK)} tokens. Workload: {workload_['streams']} streams "
-        f"decoding {workload_['decode_tokens']} tokens each, one after another, and a long prompt "
+        f"{meta.get('chunk_size', CHUNK)} tokens. Workload: {stream_workload(workload_)}, and a long prompt "
         f"({workload_['long_words']} words, ~1,600 tokens) every {workload_['long_interval_s']} s, for "
         f"{workload_['duration_s']:g} s each.",
         "",
@@ -489,6 +543,13 @@ def main(argv: list[str] | None = None) -> int:
         help="the share of one engine's time the long prompts ask for: sets the interval from engine A's "
         "measured time for one (default 0.9)",
     )
+    parser.add_argument(
+        "--stream-arrivals",
+        choices=("open", "closed"),
+        default="closed",
+        help="closed: STREAMS clients each send decoding requests one after another; open: they arrive "
+        "at one fixed rate in every configuration, STREAMS per time one takes alone on engine B",
+    )
     parser.add_argument("--order", default="colocated,always_split,conditional")
     parser.add_argument("--output", default=str(RESULTS / "pd_real"), help="path prefix of the results")
     parser.add_argument(
@@ -531,6 +592,7 @@ def main(argv: list[str] | None = None) -> int:
             decode_async_load=args.decode_async_load,
             prefill_load=args.prefill_load,
             chunk_size=args.chunk_size,
+            stream_arrivals=args.stream_arrivals,
         )
     write_results_files(results, output, report=write_report, plot=plot, json_too=not args.report_only)
     return 0
