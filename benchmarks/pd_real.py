@@ -16,11 +16,12 @@ of one configuration is cached for the next):
 Workload, per configuration: short prompts decoding DECODE_TOKENS tokens (streamed, `ignore_eos`),
 while a long prompt (LONG_WORDS words, about 1,600 tokens) arrives every LONG_INTERVAL_S, each from
 its own client, for DURATION_S; then the requests in flight finish. The streams come one of two ways
-(`--stream-arrivals`): closed, STREAMS clients each sending them one after another, so a
-configuration that makes streams wait also sends fewer of them (always split admits a stream only
-when the prefill engine has run its prompt, after the long prompt queued there); or open, one every
-(a stream's time alone on engine B, measured after the warm-up) / STREAMS seconds in every
-configuration, so each serves the same streams and their ITL compares at equal load. The long
+(`--stream-arrivals`): open (the default), one every (a stream's time alone on engine B, measured
+after the warm-up) / STREAMS seconds in every configuration, so each serves the same streams and
+their ITL compares at equal load; or closed, STREAMS clients each sending them one after another,
+so a configuration that makes streams wait also sends fewer of them (always split admits a stream
+only when the prefill engine has run its prompt, after the long prompt queued there) and its ITL is
+measured at a lighter load (the runs before 2026-12-05 were closed). The long
 prompts' interval follows from the machine: engine A's time for one long prompt alone (measured
 after the warm-up, median of three fresh prompts) over `--prefill-load`, the share of one prefill
 engine's time the long prompts ask for. Its default, 0.9, meets the workload's two
@@ -301,7 +302,7 @@ def measure(
     decode_async_load: bool = False,
     prefill_load: float = 0.9,
     chunk_size: int = CHUNK,
-    stream_arrivals: str = "closed",
+    stream_arrivals: str = "open",
 ) -> dict[str, Any]:
     require_vllm()
     model = prefill_model_dir()
@@ -546,9 +547,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--stream-arrivals",
         choices=("open", "closed"),
-        default="closed",
-        help="closed: STREAMS clients each send decoding requests one after another; open: they arrive "
-        "at one fixed rate in every configuration, STREAMS per time one takes alone on engine B",
+        default="open",
+        help="open (default): decoding requests arrive at one fixed rate in every configuration, STREAMS "
+        "per time one takes alone on engine B; closed: STREAMS clients each send them one after another",
     )
     parser.add_argument("--order", default="colocated,always_split,conditional")
     parser.add_argument("--output", default=str(RESULTS / "pd_real"), help="path prefix of the results")
