@@ -18,21 +18,21 @@ while a long prompt (LONG_WORDS words, about 1,600 tokens) arrives every LONG_IN
 its own client, for DURATION_S; then the requests in flight finish. The streams come one of two ways
 (`--stream-arrivals`): open (the default), one every (a stream's time alone on engine B, measured
 after the warm-up) / STREAMS seconds in every configuration, so each serves the same streams and
-their ITL compares at equal load; or closed, STREAMS clients each sending them one after another,
-so a configuration that makes streams wait also sends fewer of them (always split admits a stream
-only when the prefill engine has run its prompt, after the long prompt queued there) and its ITL is
-measured at a lighter load (the runs before 2026-12-05 were closed). The long
-prompts' interval follows from the machine: engine A's time for one long prompt alone (measured
-after the warm-up, median of three fresh prompts) over `--prefill-load`, the share of one prefill
-engine's time the long prompts ask for. Its default, 0.9, meets the workload's two
-conditions: the prefill engine keeps up (at or over 1, always-split's TTFT measures A's growing
-queue, not the split), and the stalls are frequent enough for ITL p99 to see (colocated, each long
-prompt stalls the streams of one engine once, about one gap in P * (2 / load - 1) / ITL: under 1 %
-of the gaps, so under p99, below a load of about 0.83 with this model's ITL and prefill time P).
-A fixed `--long-interval` overrides it; the runs before this option used 3 s, which on a machine
-prefilling at ~2 ms a token asks one engine for more than it can do. Reported per configuration: ITL
-p50/p99 of the streams, TTFT p50/p90 of both kinds, requests completed and failed, the gateway's
-decisions, the load average before and after; every request's own record is kept in the json.
+their ITL compares at equal load; or closed, STREAMS clients each sending them one after another, so
+a configuration that makes streams wait also sends fewer of them (always split admits a stream only
+when the prefill engine has run its prompt, after the long prompt queued there) and its ITL is
+measured at a lighter load (the runs before 2026-12-05 were closed). The long prompts' interval
+follows from the machine: engine A's time for one long prompt alone (measured after the warm-up,
+median of three fresh prompts) over `--prefill-load`, the share of one prefill engine's time the
+long prompts ask for. Its default, 0.9, meets the workload's two conditions: the prefill engine
+keeps up (at or over 1, always-split's TTFT measures A's growing queue, not the split), and the
+stalls are frequent enough for ITL p99 to see (colocated, each long prompt stalls the streams of one
+engine once, about one gap in P * (2 / load - 1) / ITL: under 1 % of the gaps, so under p99, below a
+load of about 0.83 with this model's ITL and prefill time P). A fixed `--long-interval` overrides
+it; the runs before this option used 3 s, which on a machine prefilling at ~2 ms a token asks one
+engine for more than it can do. Reported per configuration: ITL p50/p99 of the streams, TTFT p50/p90
+of both kinds, requests completed and failed, the gateway's decisions, the load average before and
+after; every request's own record is kept in the json.
 
     .venv/bin/python -m benchmarks.pd_real     (about 6 minutes; `make bench-pd-real`)
 
@@ -341,7 +341,8 @@ def measure(
                     stream_alone_s = round(alone_seconds(engines["engine-b"], "stream", STREAM_WORDS,
                                                          DECODE_TOKENS), 3)  # fmt: skip
                     stream_interval_s = round(stream_alone_s / STREAMS, 3)
-                    print(f"a stream alone on B: {stream_alone_s} s, so one every {stream_interval_s} s")
+                    every = f"so one every {stream_interval_s} s"
+                    print(f"a stream alone on B: {stream_alone_s} s, {every}", flush=True)
                 for name in order:
                     runs[name] = run_configuration(
                         name, engines, duration_s, long_interval_s, stream_interval_s
