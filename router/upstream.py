@@ -276,6 +276,28 @@ class _Connection(asyncio.Protocol):
             self.transport.abort()
 
 
+class _Pieces:
+    """UpstreamResponse.pieces(): an iterator object, not an async generator. A generator left
+    before its end (the relay returns at the last piece) is finalized by the event loop's asyncgen
+    hook, which schedules its aclose() as a task through call_soon_threadsafe: a wake-up system
+    call, a task and a loop turn per request, after the answer's last write, on the client's path."""
+
+    __slots__ = ("_connection", "_timeout_s")
+
+    def __init__(self, connection: _Connection, timeout_s: float) -> None:
+        self._connection = connection
+        self._timeout_s = timeout_s
+
+    def __aiter__(self) -> _Pieces:
+        return self
+
+    async def __anext__(self) -> bytes:
+        piece = await self._connection.next_piece(self._timeout_s)
+        if piece is None:
+            raise StopAsyncIteration
+        return piece
+
+
 class UpstreamResponse:
     """A response whose headers have arrived; read the body with pieces() or read(), then close()."""
 
@@ -287,14 +309,9 @@ class UpstreamResponse:
         self.status = connection.status
         self.headers = connection.headers
 
-    async def pieces(self, timeout_s: float) -> AsyncIterator[bytes]:
+    def pieces(self, timeout_s: float) -> AsyncIterator[bytes]:
         """Body pieces as they arrive; each wait for the next one is bounded by timeout_s."""
-        connection = self._connection
-        while True:
-            piece = await connection.next_piece(timeout_s)
-            if piece is None:
-                return
-            yield piece
+        return _Pieces(self._connection, timeout_s)
 
     async def body_started(self, timeout_s: float) -> None:
         """Until the body starts (or the response ends empty); raises UpstreamError if the backend
