@@ -184,8 +184,16 @@ def maybe_profiled(router: RunningRouter, enabled: bool, output: Path) -> Iterat
 
 
 def measure_router(
-    policy: str, fleet: RealEngineFleet, pairs: int, router_cores: set[int] | None, profile: bool
+    policy: str,
+    fleet: RealEngineFleet,
+    pairs: int,
+    router_cores: set[int] | None,
+    profile: bool,
+    passes: int = 1,
 ) -> dict:
+    """`pairs` per shape, in `passes` passes over every shape (pairs // passes each, the first ones
+    one more where it does not divide): with one pass the shapes run one after another, and a drift
+    of the machine over the minutes falls on the shapes that ran last."""
     router = start_router(policy, fleet, timeout_s=120.0)
     result: dict = {"shapes": {}}
     try:
@@ -193,27 +201,40 @@ def measure_router(
             pin_tree(router.process.pid, router_cores)
         engine_url = fleet.engines[0].url
         cpu_at_start = tree_cpu_seconds(router.process.pid)
+        direct: dict[str, list[float]] = {shape.name: [] for shape in SHAPES}
+        routed: dict[str, list[float]] = {shape.name: [] for shape in SHAPES}
+        cpu: dict[str, float] = dict.fromkeys(direct, 0.0)
+        profiled: dict[str, dict] = {shape.name: {} for shape in SHAPES}
         with httpx.Client(timeout=60.0) as client:
-            for shape in SHAPES:
-                cpu_before = tree_cpu_seconds(router.process.pid)
-                profile_file = RESULTS / "profiles" / f"real_added_latency_{policy}_{shape.name}.txt"
-                with maybe_profiled(router, profile, profile_file) as profiled:
-                    direct, routed = paired_differences(client, engine_url, router.url, shape, pairs)
-                cpu = tree_cpu_seconds(router.process.pid) - cpu_before
-                differences_ms = [(r - d) * 1000 for d, r in zip(direct, routed, strict=True)]
-                result["shapes"][shape.name] = {
-                    "added_ms_p50": statistics.median(differences_ms),
-                    "added_ms_p90": percentile(differences_ms, 0.9),
-                    "direct_ms_p50": statistics.median(direct) * 1000,
-                    "routed_ms_p50": statistics.median(routed) * 1000,
-                    # the warm-up request through the router is counted too: pairs + 1 requests
-                    "router_cpu_ms_per_request": cpu * 1000 / (pairs + 1),
-                    "added_ms": differences_ms,
-                    **profiled,
-                }
+            for pass_index in range(passes):
+                pass_pairs = pairs // passes + (1 if pass_index < pairs % passes else 0)
+                for shape in SHAPES:
+                    cpu_before = tree_cpu_seconds(router.process.pid)
+                    profile_file = RESULTS / "profiles" / f"real_added_latency_{policy}_{shape.name}.txt"
+                    with maybe_profiled(router, profile, profile_file) as found:
+                        pass_direct, pass_routed = paired_differences(
+                            client, engine_url, router.url, shape, pass_pairs
+                        )
+                    cpu[shape.name] += tree_cpu_seconds(router.process.pid) - cpu_before
+                    direct[shape.name] += pass_direct
+                    routed[shape.name] += pass_routed
+                    profiled[shape.name].update(found)
+        for shape in SHAPES:
+            name = shape.name
+            differences_ms = [(r - d) * 1000 for d, r in zip(direct[name], routed[name], strict=True)]
+            result["shapes"][name] = {
+                "added_ms_p50": statistics.median(differences_ms),
+                "added_ms_p90": percentile(differences_ms, 0.9),
+                "direct_ms_p50": statistics.median(direct[name]) * 1000,
+                "routed_ms_p50": statistics.median(routed[name]) * 1000,
+                # each pass's warm-up request through the router is counted too
+                "router_cpu_ms_per_request": cpu[name] * 1000 / (pairs + passes),
+                "added_ms": differences_ms,
+                **profiled[name],
+            }
         # Over every shape's requests: CPU time is counted in clock ticks (10 ms), too coarse for
-        # one shape's 21 requests alone.
-        routed_requests = len(SHAPES) * (pairs + 1)
+        # one shape's pairs + passes requests alone.
+        routed_requests = len(SHAPES) * (pairs + passes)
         result["router_cpu_ms_per_request"] = (
             (tree_cpu_seconds(router.process.pid) - cpu_at_start) * 1000 / routed_requests
         )
@@ -298,7 +319,9 @@ def write_report(results: dict, stem: str) -> None:
         f"{' (dirty)' if results['source'].get('dirty') else ''}, {results['date']}.",
         "",
         results["layout_note"],
-        f"{results['pairs']} pairs per shape; median of the paired differences (router minus direct), in ms.",
+        f"{results['pairs']} pairs per shape"
+        + (f", in {results['passes']} passes over every shape" if results.get("passes", 1) > 1 else "")
+        + "; median of the paired differences (router minus direct), in ms.",
         f"Peers: {results['peers']}.",
         "",
         "| router | " + " | ".join(shape_names) + " | worst |",
@@ -318,7 +341,8 @@ def write_report(results: dict, stem: str) -> None:
         "Router CPU per request over all shapes (ms, its process tree's user + system time): "
         + ", ".join(f"{name} {entry['router_cpu_ms_per_request']:.2f}" for name, entry in routers.items()),
         "",
-        "By shape (clock ticks of 10 ms over 21 requests: coarse):",
+        f"By shape (clock ticks of 10 ms over {results['pairs'] + results.get('passes', 1)} requests each: "
+        "coarse):",
         "",
         "| router | " + " | ".join(shape_names) + " |",
         "|---|" + "---:|" * len(shape_names),
@@ -419,6 +443,12 @@ def _plot(results: dict, path: Path) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--pairs", type=int, default=20)
+    parser.add_argument(
+        "--passes",
+        type=int,
+        default=1,
+        help="each router's pairs in this many passes over every shape (1: shape after shape)",
+    )
     parser.add_argument("--layout", choices=("split", "shared"), default="split")
     parser.add_argument("--routers", default=",".join(DEFAULT_ROUTERS))
     parser.add_argument("--profile", default="", help="a router whose pairs are recorded with py-spy")
@@ -441,6 +471,10 @@ def main(argv: list[str] | None = None) -> int:
     unknown = [name for name in references if name not in REFERENCES]
     if unknown:
         parser.error(f"unknown reference {', '.join(unknown)}; known: {', '.join(REFERENCES)}")
+    if not 1 <= args.passes <= args.pairs:
+        parser.error(f"--passes must be between 1 and --pairs ({args.pairs}), got {args.passes}")
+    if args.profile and args.passes != 1:
+        parser.error("--profile records a shape's pairs in one piece: use it with --passes 1")
     allowed = sorted(os.sched_getaffinity(0))
     if args.layout == "split" and len(allowed) < 2:
         parser.error("the split layout needs 2 cores (engine on one, router and client on the other)")
@@ -463,7 +497,9 @@ def main(argv: list[str] | None = None) -> int:
         measured: dict = {}
         for name in routers:
             print(f"{name} ...", file=sys.stderr, flush=True)
-            measured[name] = measure_router(name, fleet, args.pairs, router_cores, name == args.profile)
+            measured[name] = measure_router(
+                name, fleet, args.pairs, router_cores, name == args.profile, args.passes
+            )
             print(
                 f"  worst {measured[name]['worst_shape']}: {measured[name]['added_ms_p50_worst']:+.2f} ms",
                 file=sys.stderr,
@@ -512,6 +548,7 @@ def main(argv: list[str] | None = None) -> int:
             "layout": args.layout,
             "layout_note": layout_note,
             "pairs": args.pairs,
+            "passes": args.passes,
             "engine": RealEngineFleet.describe(args.model_layers),
             "peers": peer_versions_line(peer_versions()) if any(r in PEERS for r in routers) else "none",
             "kv_aware_added_ms_p50": measured.get("kv_aware", {}).get("added_ms_p50_worst"),
