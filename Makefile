@@ -11,7 +11,7 @@ STAMP := $(VENV)/.installed
 # tests, benchmarks, scripts.
 LINTED := router cachelayer kvwire kvgate_common kvgate_testing tests benchmarks scripts
 
-.PHONY: serve demo lint test test-real test-slow test-image test-reverse fuzz bench-gateway bench-routing-real bench-routing-real-4 bench-added-latency bench-pd-real bench-epp-floor
+.PHONY: serve demo lint test test-real test-slow test-image test-reverse fuzz bench-gateway bench-routing-real bench-routing-real-4 bench-added-latency bench-hop-stints bench-pd-real bench-epp-floor
 
 $(GATEWAY_STAMP): pyproject.toml constraints.txt
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -96,6 +96,12 @@ bench-added-latency: $(STAMP)
 	bash scripts/install_socat.sh
 	$(BIN)/python -m benchmarks.real_added_latency --layout split
 	$(BIN)/python -m benchmarks.real_added_latency --layout shared
+
+# Where a router's hop spends its time on the core it shares with the client: the scheduler's record
+# (perf sched) of each stint, least_loaded and kv_aware over one simulated engine (~1 minute).
+# Needs perf (Debian: linux-perf).
+bench-hop-stints: $(STAMP)
+	$(BIN)/python -m benchmarks.hop_stints
 
 # What the endpoint-picker protocol costs through Envoy: kvgate epp against no-op pickers in C++
 # (grpc++) and Python (grpc.aio), the proxy and Envoy alone beside them (~3 minutes). Building the

@@ -216,6 +216,10 @@ class EngineFleet:
             totals["vllm:prefix_cache_hits_total"],
         )
 
+    def engine_pid(self, index: int) -> int:
+        """The process id of engine `index` (its main thread's id too: the one serving HTTP)."""
+        return self._processes[index].pid
+
     def all_alive(self) -> bool:
         return all(process.alive() for process in self._processes)
 
