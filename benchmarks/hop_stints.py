@@ -196,11 +196,11 @@ def write_plot(results: dict, path: Path) -> None:
     labels, values = [], {name: [] for name in STINTS}
     for policy, shapes in results["routers"].items():
         for shape, entry in shapes.items():
-            labels.append(f"{policy}\n{shape}")
+            labels.append(f"{policy}\n{shape.replace('_', ' ', 1).replace('_', chr(10))}")
             for name in STINTS:
                 stint = entry["stints_us"][name]
                 values[name].append(0.0 if stint is None else stint["median"])
-    figure, axis = plt.subplots(figsize=(max(6, 1.6 * len(labels)), 4))
+    figure, axis = plt.subplots(figsize=(max(6, 1.8 * len(labels)), 4.5))
     bottom = [0.0] * len(labels)
     for name in STINTS:
         axis.bar(labels, values[name], bottom=bottom, label=name.removesuffix("_us").replace("_", " "))
