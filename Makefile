@@ -98,7 +98,7 @@ bench-added-latency: $(STAMP)
 	$(BIN)/python -m benchmarks.real_added_latency --layout shared
 
 # Where a router's hop spends its time on the core it shares with the client: the scheduler's record
-# (perf sched) of each stint, least_loaded and kv_aware over one simulated engine (~1 minute).
+# (perf sched) of each stint, least_loaded, kv_aware and Envoy over one simulated engine (~1 minute).
 # Needs perf (Debian: linux-perf).
 bench-hop-stints: $(STAMP)
 	$(BIN)/python -m benchmarks.hop_stints

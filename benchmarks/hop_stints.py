@@ -4,7 +4,9 @@ real_added_latency says how much a router adds to a cache hit; this says where i
 simulated engine (`kvgate sim`, --engine-ms per request, nothing else) pinned to the last core,
 the router and this client on the first, as real_added_latency's split layout. For each router
 and shape the client sends the shape straight to the engine and through the router, alternately,
-while `perf sched record` logs every context switch and wake-up on the machine for --seconds;
+pausing --gap-ms between requests (the engine is then asleep when the router sends one on, and
+its wake-up marks the request side's end), while `perf sched record` logs every context switch
+and wake-up on the machine for --seconds;
 kvgate_testing/sched_stints.py reads the router's stints from that log:
 
 - request side: the request's head waking the router, to the router sending it on;
@@ -14,8 +16,11 @@ kvgate_testing/sched_stints.py reads the router's stints from that log:
 
 Beside them, the paired added latency of the requests timed in the same window. A simulated
 engine, not a real one: the router's share is the same, and the engine's own time is fixed.
+Routers: kvgate's policies, and Envoy as a plain L7 proxy (`envoy`: its own LEAST_REQUEST
+balancing, one worker, whose thread is the one timed), the reference real_added_latency holds
+kvgate to.
 
-    .venv/bin/python -m benchmarks.hop_stints [--routers least_loaded,kv_aware]
+    .venv/bin/python -m benchmarks.hop_stints [--routers least_loaded,kv_aware,envoy]
         [--shapes completion_short_plain,chat_long_stream] [--seconds 3] [--engine-ms 5]
 
 Needs `perf` (Debian: linux-perf) allowed to record scheduler tracepoints (root, or
@@ -25,6 +30,7 @@ kernel.perf_event_paranoid <= 1). Writes benchmarks/results/hop_stints.{json,md,
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import json
 import os
@@ -42,21 +48,36 @@ import httpx
 
 from benchmarks.real_added_latency import SHAPES, Shape, pin_tree, timed_request
 from kvgate_testing.provenance import with_source
-from kvgate_testing.routers import KVGATE_POLICIES, start_router
+from kvgate_testing.routers import ENVOY_ALONE_POLICY, KVGATE_POLICIES, start_router
 from kvgate_testing.sched_stints import hop_stints, parse_timehist
 from kvgate_testing.sim_fleet import MODEL, EngineFleet
 
 RESULTS = Path(__file__).parent / "results"
 STINTS = ("request_side_us", "response_side_us", "after_write_us")
+# The reference hop beside kvgate's policies: Envoy as a plain L7 proxy (its own LEAST_REQUEST
+# balancing, one worker), as in real_added_latency's head-to-head rounds.
+REFERENCES = {"envoy": ENVOY_ALONE_POLICY}
+
+
+def serving_thread(pid: int) -> int:
+    """The thread that moves a router's requests: Envoy's one worker (`wrk:worker_0`), else the
+    process's main thread (kvgate's event loop)."""
+    workers = []
+    for task in os.listdir(f"/proc/{pid}/task"):
+        with contextlib.suppress(OSError):
+            if Path(f"/proc/{pid}/task/{task}/comm").read_text().startswith("wrk:"):
+                workers.append(int(task))
+    return workers[0] if len(workers) == 1 else pid
 
 
 class AlternatingClient(threading.Thread):
     """Sends one shape straight and through the router, alternately, until stopped; keeps each
     pair's (end time, direct s, routed s), the order within pairs alternating."""
 
-    def __init__(self, engine_url: str, router_url: str, shape: Shape) -> None:
+    def __init__(self, engine_url: str, router_url: str, shape: Shape, gap_s: float) -> None:
         super().__init__(daemon=True)
         self.engine_url, self.router_url, self.shape = engine_url, router_url, shape
+        self.gap_s = gap_s
         self.pairs: list[tuple[float, float, float]] = []
         self.error: BaseException | None = None
         self.native_ready = threading.Event()
@@ -75,10 +96,13 @@ class AlternatingClient(threading.Thread):
                 while not self._stop_event.is_set():
                     if turn % 2 == 0:
                         direct = timed_request(client, self.engine_url, self.shape, body)
+                        time.sleep(self.gap_s)
                         routed = timed_request(client, self.router_url, self.shape, body)
                     else:
                         routed = timed_request(client, self.router_url, self.shape, body)
+                        time.sleep(self.gap_s)
                         direct = timed_request(client, self.engine_url, self.shape, body)
+                    time.sleep(self.gap_s)
                     self.pairs.append((time.monotonic(), direct, routed))
                     turn += 1
         except BaseException as exc:  # reported by the main thread
@@ -109,12 +133,13 @@ def record_sched(seconds: float, output: Path) -> str:
 def measure(
     policy: str, fleet: EngineFleet, engine_pid: int, shapes: list[Shape], args: argparse.Namespace
 ) -> dict:
-    router = start_router(policy, fleet, timeout_s=120.0)
+    router = start_router(REFERENCES.get(policy, policy), fleet, timeout_s=120.0)
     result: dict = {}
     try:
         pin_tree(router.process.pid, {args.router_core})
+        router_tid = serving_thread(router.process.pid)
         for shape in shapes:
-            client = AlternatingClient(fleet.engines[0].url, router.url, shape)
+            client = AlternatingClient(fleet.engines[0].url, router.url, shape, args.gap_ms / 1000)
             client.start()
             client.native_ready.wait(10)
             os.sched_setaffinity(client.tid, {args.router_core})
@@ -126,7 +151,7 @@ def measure(
             client.stop()
             if client.error is not None:
                 raise RuntimeError(f"{policy} {shape.name}: the client failed: {client.error}")
-            stints = hop_stints(parse_timehist(timehist), client.tid, router.process.pid, engine_pid)
+            stints = hop_stints(parse_timehist(timehist), client.tid, router_tid, engine_pid)
             # Pairs that ended inside the window (perf starts a little after window_start).
             window = [(d, r) for end, d, r in client.pairs if window_start <= end <= window_end]
             routed_requests = max(1, len(window))
@@ -215,21 +240,37 @@ def write_plot(results: dict, path: Path) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--routers", default="least_loaded,kv_aware")
+    parser.add_argument(
+        "--routers",
+        default="least_loaded,kv_aware,envoy",
+        help=f"kvgate policies, and the reference hops {', '.join(REFERENCES)}",
+    )
     parser.add_argument("--shapes", default="completion_short_plain,chat_long_stream")
     parser.add_argument("--seconds", type=float, default=3.0, help="perf sched record time per shape")
     parser.add_argument("--warmup-s", type=float, default=3.0, help="requests before the recording starts")
     parser.add_argument(
         "--engine-ms", type=float, default=5.0, help="the simulated engine's time per request"
     )
+    parser.add_argument(
+        "--gap-ms",
+        type=float,
+        default=2.0,
+        help="the client's pause between requests: the engine is asleep when the next one comes, so"
+        " the router's sending it on shows as the engine's wake-up",
+    )
     parser.add_argument("--stem", default="hop_stints")
     args = parser.parse_args(argv)
     if shutil.which("perf") is None:
         parser.error("needs perf: apt-get install linux-perf (Debian)")
     routers = [name for name in args.routers.split(",") if name]
-    unknown = [name for name in routers if name.partition("@")[0] not in KVGATE_POLICIES]
+    unknown = [
+        name for name in routers if name.partition("@")[0] not in KVGATE_POLICIES and name not in REFERENCES
+    ]
     if unknown:
-        parser.error(f"unknown router {', '.join(unknown)}; kvgate policies: {', '.join(KVGATE_POLICIES)}")
+        parser.error(
+            f"unknown router {', '.join(unknown)}; kvgate policies: {', '.join(KVGATE_POLICIES)}; "
+            f"references: {', '.join(REFERENCES)}"
+        )
     by_name = {shape.name: shape for shape in SHAPES}
     shapes = [by_name.get(name) for name in args.shapes.split(",") if name]
     if None in shapes or not shapes:

@@ -7,7 +7,7 @@ process's main one is TASK[TID/PID]. From those, for a client C
 sending through a router R to an engine E, the router's stints on one request's path:
 
 - request side: from C's first wake-up of R (the request's head arriving) to R waking E (the request
-  sent on);
+  sent on); unknown, and left out, where E was awake and nothing woke it;
 - response side: from E waking R (the answer arriving) to R waking C (the answer written to it);
 - after the write: from R waking C to R switching away (work the client, sharing R's core, waits
   for);
@@ -95,6 +95,9 @@ def hop_stints(events: list[Wake | SwitchOut], client: int, router: int, engine:
                 request_started = None
             elif event.waker == engine and event.wakee == router:
                 answer_arrived = event.at_us
+                # The request went on unseen (the engine was awake, so nothing woke it): that
+                # request side is unknown, not the time to the next one's.
+                request_started = None
             elif event.waker == router and event.wakee == client and answer_arrived is not None:
                 stints.response_side_us.append(event.at_us - answer_arrived)
                 written, answer_arrived = event.at_us, None

@@ -58,6 +58,21 @@ def test_hop_stints_times_each_side_of_the_router():
     assert [round(value) for value in stints.request_side_us] == [298]
 
 
+def test_a_request_sent_to_an_awake_engine_has_no_request_side():
+    """The engine was running when the router sent the request on (no wake-up of it): that request
+    side is unknown, and the next request's is timed from its own head."""
+    lines = """\
+     952.000000 [0000]  python[5272]      awakened: python[5281]
+     952.005000 [0001]  python[5273]      awakened: python[5281]
+     952.005100 [0000]  python[5281]      awakened: python[5272]
+     952.005150 [0000]  python[5281]                        0.100      0.010      0.150
+     952.010000 [0000]  python[5272]      awakened: python[5281]
+     952.010200 [0000]  python[5281]      awakened: python[5273]
+"""
+    stints = hop_stints(parse_timehist(lines), client=5272, router=5281, engine=5273)
+    assert [round(value) for value in stints.request_side_us] == [200]
+
+
 def test_hop_stints_ignore_other_tasks_and_a_direct_request():
     direct = """\
      950.000100 [0000]  python[5272]      awakened: python[5273]
