@@ -30,7 +30,6 @@ kernel.perf_event_paranoid <= 1). Writes benchmarks/results/hop_stints.{json,md,
 from __future__ import annotations
 
 import argparse
-import contextlib
 import datetime
 import json
 import os
@@ -47,6 +46,7 @@ from pathlib import Path
 import httpx
 
 from benchmarks.real_added_latency import SHAPES, Shape, pin_tree, timed_request
+from kvgate_testing.proc_stats import thread_names
 from kvgate_testing.provenance import with_source
 from kvgate_testing.routers import ENVOY_ALONE_POLICY, KVGATE_POLICIES, start_router
 from kvgate_testing.sched_stints import hop_stints, parse_timehist
@@ -62,11 +62,7 @@ REFERENCES = {"envoy": ENVOY_ALONE_POLICY}
 def serving_thread(pid: int) -> int:
     """The thread that moves a router's requests: Envoy's one worker (`wrk:worker_0`), else the
     process's main thread (kvgate's event loop)."""
-    workers = []
-    for task in os.listdir(f"/proc/{pid}/task"):
-        with contextlib.suppress(OSError):
-            if Path(f"/proc/{pid}/task/{task}/comm").read_text().startswith("wrk:"):
-                workers.append(int(task))
+    workers = [thread for thread, name in thread_names(pid).items() if name.startswith("wrk:")]
     return workers[0] if len(workers) == 1 else pid
 
 

@@ -43,16 +43,23 @@ def _stat_ticks(stat_path: str) -> int:
     return int(fields[11]) + int(fields[12])
 
 
-def thread_cpu_seconds(pid: int) -> dict[str, float]:
-    """User + system CPU time of each of a process's live threads, summed by thread name (the
-    kernel's `comm`: Python's main thread is the process's name, grpc's and ZMQ's threads carry
-    theirs), in seconds. Threads that ended are not in it."""
-    by_name: dict[str, float] = {}
+def thread_names(pid: int) -> dict[int, str]:
+    """Each live thread's id and name (the kernel's `comm`: Python's main thread is the process's
+    name, grpc's, ZMQ's and Envoy's threads carry theirs); threads that ended are not in it."""
+    names: dict[int, str] = {}
     for thread in _thread_ids(pid):
         try:
-            name = Path(f"/proc/{pid}/task/{thread}/comm").read_text().strip()
+            names[int(thread)] = Path(f"/proc/{pid}/task/{thread}/comm").read_text().strip()
         except OSError:
             continue
+    return names
+
+
+def thread_cpu_seconds(pid: int) -> dict[str, float]:
+    """User + system CPU time of each of a process's live threads, summed by thread name
+    (thread_names), in seconds. Threads that ended are not in it."""
+    by_name: dict[str, float] = {}
+    for thread, name in thread_names(pid).items():
         seconds = _stat_ticks(f"/proc/{pid}/task/{thread}/stat") / _CLOCK_TICKS
         by_name[name] = by_name.get(name, 0.0) + seconds
     return by_name
