@@ -22,6 +22,7 @@ import contextlib
 import logging
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
+from functools import partial
 from random import getrandbits
 from time import perf_counter
 from typing import TYPE_CHECKING, Any, Protocol
@@ -544,17 +545,17 @@ class ProxyEndpoint:
             backend.in_flight_prefill_tokens += prefill_tokens
             if leg is not None:
                 leg.sent(backend, choice)
-            if context.cluster is not None:
-                context.cluster.routed(route_request, choice, prefill_tokens)
-            # The policy learns of the placement now, not when the answer starts: a non-streamed
-            # answer starts only when it is complete, and requests sharing this prompt that arrive
-            # meanwhile must already see it placed (kv_aware's predictions, approximate's blocks).
-            policy.on_routed(choice)
             upstream_started = perf_counter()
             try:
+                # The policy (and the peers) learn of the placement as the request is sent, not when
+                # the answer starts: a non-streamed answer starts only when it is complete, and
+                # requests sharing this prompt that arrive meanwhile must already see it placed
+                # (kv_aware's predictions, approximate's blocks). The pool runs it right after the
+                # write, before the loop runs anything else: the engine starts meanwhile.
                 response = await context.pool.request(
-                    backend.origin, b"POST", self.path, forward_headers, body, timeout_s
-                )
+                    backend.origin, b"POST", self.path, forward_headers, body, timeout_s,
+                    partial(_placed, context.cluster, policy, route_request, choice, prefill_tokens),
+                )  # fmt: skip
             except UpstreamTimeout:
                 _release(backend, prefill_tokens, leg)
                 raise GatewayError(
@@ -746,6 +747,15 @@ class ProxyEndpoint:
                 )
             if leg is not None:
                 leg.finished(backend, outcome_status, ttft_s, tail)
+
+
+def _placed(
+    cluster: ClusterSync | None, policy: Policy, request: RouteRequest, choice: Choice, prefill_tokens: int
+) -> None:
+    """What routing learns of a placement: the peers' note, the policy's own record."""
+    if cluster is not None:
+        cluster.routed(request, choice, prefill_tokens)
+    policy.on_routed(choice)
 
 
 def _release(backend: BackendState, prefill_tokens: int, leg: DecodeLeg | None) -> None:

@@ -14,7 +14,7 @@ import collections
 import contextlib
 import socket
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from urllib.parse import urlsplit
 
 import httptools
@@ -367,12 +367,19 @@ class UpstreamPool:
         headers: list[tuple[bytes, bytes]],
         body: bytes,
         timeout_s: float,
+        placed: Callable[[], None] | None = None,
     ) -> UpstreamResponse:
         """Send one request; return once the response headers are in.
 
         `headers` must not hold host, content-length, connection or transfer-encoding: this
         client writes those. Raises UpstreamConnectError (nothing sent), UpstreamTimeout or
         UpstreamError.
+
+        `placed`, when given, runs once, before anything else on the loop: right after the request
+        is written to an idle connection, or, when none is idle, before waiting for one. Work that
+        later routing decisions must see but the engine need not wait for (the policy's record of
+        the placement) goes there: on the hot path it runs while the engine reads the request, not
+        before it is sent. When it raises, the request's connection is dropped.
         """
         host_header = self._host_headers.get(origin)
         if host_header is None:
@@ -384,8 +391,22 @@ class UpstreamPool:
         head += (b"\r\n", body)
         request_bytes = b"".join(head)
         while True:
-            connection = await self._acquire(origin)
+            connection = self._take_idle(origin)
+            if connection is None:
+                if placed is not None:
+                    # The wait for a connection lets other requests be routed: they must see this one.
+                    run, placed = placed, None
+                    run()
+                connection = await self._acquire(origin)
             connection.send(request_bytes)
+            if placed is not None:
+                run, placed = placed, None
+                try:
+                    run()
+                except BaseException:
+                    connection.abort()
+                    self._forget(connection)
+                    raise
             try:
                 await connection.wait_headers(timeout_s)
             except UpstreamTimeout:
@@ -405,7 +426,9 @@ class UpstreamPool:
                 raise UpstreamError(str(exc), before_response=exc.before_response) from None
             return UpstreamResponse(self, connection)
 
-    async def _acquire(self, origin: tuple[str, int]) -> _Connection:
+    def _take_idle(self, origin: tuple[str, int]) -> _Connection | None:
+        """An idle keep-alive connection to `origin` still fit for reuse, or None; those expired
+        or closed on the way are dropped."""
         idle = self._idle.get(origin)
         now = time.monotonic()
         while idle:
@@ -415,6 +438,11 @@ class UpstreamPool:
                 return connection
             connection.abort()
             self._forget(connection)
+        return None
+
+    async def _acquire(self, origin: tuple[str, int]) -> _Connection:
+        """A new connection to `origin`, once one more may be open (after `_take_idle` found none);
+        or an idle one that a finished request gave back while this one waited for a slot."""
         while self._open.get(origin, 0) >= self.max_connections:
             waiter = asyncio.get_running_loop().create_future()
             self._slot_waiters.setdefault(origin, collections.deque()).append(waiter)
