@@ -28,6 +28,7 @@ from kvgate_testing.index_streams import (
 from kvwire import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent, decode_batch
 from router.index import ingest as index_ingest
 from router.index import keys as keys_module
+from router.index import store as store_module
 from router.index.ingest import IndexWriter
 from router.index.keys import (
     FINALISER_STEPS,
@@ -40,7 +41,7 @@ from router.index.keys import (
     prompt_prefix_keys,
 )
 from router.index.python_writer import PythonWriter
-from router.index.store import NODE_FIELDS, PREVIEW_TOKENS, Chain
+from router.index.store import NODE_FIELDS, PREVIEW_TOKENS, Chain, PrefixIndex
 
 ingest = importlib.import_module("router.index._ingest")
 
@@ -145,6 +146,61 @@ def test_the_compiled_prompt_keys_are_the_numpy_ones_and_serve_prompt_prefix_key
     )
     with pytest.raises(ValueError):  # a strided view is refused, not read wrongly
         ingest.prompt_keys(np.arange(64, dtype=np.uint32)[::2], 0)
+
+
+def _python_held_runs(holders: dict[int, int], keys: list[int]) -> tuple[dict[int, int], list[int]]:
+    """The pure-Python probes and runs that the compiled held_runs replaces."""
+    _, masks = store_module._held_masks(holders, keys)
+    return PrefixIndex._runs_of_masks(masks), masks.tolist()
+
+
+def test_the_compiled_held_runs_are_the_python_probes_and_runs() -> None:
+    rand = random.Random(11)
+    for case in range(400):
+        slots = rand.choice([1, 2, 3, 8, 64])
+        keys = rand.sample(range(1, 10**6), rand.choice([0, 1, 2, 5, 63, 200]))
+        holders: dict[int, int] = {}
+        for key in keys:
+            roll = rand.random()
+            if roll < 0.08:
+                continue  # a hole: no run goes past it
+            # Masks that mostly keep a slot's bit block after block, as engines' prefixes do.
+            mask = rand.getrandbits(slots) | (1 << rand.randrange(slots)) if roll < 0.3 else (2**slots - 1)
+            holders[key] = mask
+        holders.update({rand.randrange(10**7, 10**8): 1 for _ in range(5)})  # others' keys
+        runs, masks = ingest.held_runs(holders, keys)
+        assert (runs, masks) == _python_held_runs(holders, keys), case
+        assert all(a is b for a, b in zip(masks, map(holders.get, keys), strict=False))
+    assert ingest.held_runs({}, []) == ({}, [])
+    assert ingest.held_runs({5: 3}, [6, 5]) == ({}, [])  # the first block is nobody's
+    with pytest.raises(OverflowError):  # more than 64 slots: the caller takes the wide path
+        ingest.held_runs({1: 2**64, 2: 1}, [1, 2])
+    # The index's lookups with keys take it (registered when the package loads).
+    assert store_module._compiled_held_runs is ingest.held_runs
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_lookups_given_keys_answer_as_lookups_that_compute_them(seed: int, monkeypatch) -> None:
+    """Across tiers, holes, tails and namespaces: the compiled probes, the Python ones and the
+    lookup that computes its own keys (numpy spans) give the same matches."""
+    index = WritableIndex()
+    maker = StreamMaker(500 + seed)
+    held = several_tiers = 0
+    for call, events in enumerate(decode_streams(maker, 120)):
+        index.apply("abc"[call % 3], events)
+        if call % 20 != 19:
+            continue
+        for doc in maker.docs:
+            for namespace in (Namespace(), Namespace(lora_name="lora-a"), Namespace(cache_salt="salt-1")):
+                expected = index.longest_cached_prefix(doc, namespace)
+                keys = prompt_prefix_keys(doc, namespace)
+                assert index.longest_cached_prefix(doc, namespace, keys=keys) == expected
+                with monkeypatch.context() as python_only:
+                    python_only.setattr(store_module, "_compiled_held_runs", None)
+                    assert index.longest_cached_prefix(doc, namespace, keys=keys) == expected
+                held += sum(1 for match in expected.values() if match.tokens)
+                several_tiers += sum(1 for match in expected.values() if len(match.cumulative) > 1)
+    assert held > 50 and several_tiers > 5, "too little held for the comparison to mean anything"
 
 
 def test_a_mismatched_configuration_is_refused_and_leaves_the_module_working() -> None:

@@ -49,6 +49,7 @@ from router.index.store import (
     Chain,
     IndexedBackend,
     PrefixIndex,
+    use_compiled_held_runs,
 )
 
 logger = logging.getLogger(__name__)
@@ -56,7 +57,7 @@ logger = logging.getLogger(__name__)
 # What this module uses of the compiled ingest module: a build that lacks one is stale.
 _COMPILED_INGEST_NAMES = (
     "configure", "block_value", "BackendWriter", "next_compiled_candidate", "CompiledEntry", "WriterLock",
-    "prompt_keys",
+    "prompt_keys", "held_runs",
 )  # fmt: skip
 _INGEST_SOURCE = "router/index/_ingest.pyx"
 _REBUILD_HINT = rebuild_hint(_INGEST_SOURCE)
@@ -100,6 +101,7 @@ def load_compiled_ingest() -> Any:
 # writer takes the shapes engines publish most in an index made with the default arguments.
 _compiled_ingest = load_compiled_ingest()
 use_compiled_prompt_keys(_compiled_ingest.prompt_keys if _compiled_ingest is not None else None)
+use_compiled_held_runs(_compiled_ingest.held_runs if _compiled_ingest is not None else None)
 INGEST_PATH = "compiled" if _compiled_ingest is not None else "python"
 
 

@@ -28,7 +28,7 @@ import contextlib
 import itertools
 import operator
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any
@@ -197,6 +197,19 @@ def _masks_of(holders: dict[int, int], keys: list[int]) -> tuple[int, ...]:
     if len(keys) > 1:
         return operator.itemgetter(*keys)(holders)
     return (holders[keys[0]],) if keys else ()
+
+
+# The compiled `held_runs` (router/index/_ingest.pyx) once router/index/ingest.py has loaded and
+# checked it; None: the lookups probe through `_held_masks` and numpy.
+_compiled_held_runs: Callable[[dict[int, int], list[int]], tuple[dict[int, int], list[int]]] | None = None
+
+
+def use_compiled_held_runs(
+    function: Callable[[dict[int, int], list[int]], tuple[dict[int, int], list[int]]] | None,
+) -> None:
+    """Set (or clear, with None) the compiled probe-and-runs of a lookup given its keys."""
+    global _compiled_held_runs
+    _compiled_held_runs = function
 
 
 def _record_lost_bits(runs: dict[int, int], bits: int, position: int) -> None:
@@ -604,9 +617,13 @@ class PrefixIndex:
         return result
 
     def _slot_runs_of_keys(self, keys: Sequence[int]) -> tuple[dict[int, int], Any, Sequence[int]]:
-        """`_slot_runs` for keys the caller computed: the same probes, no tokens read."""
+        """`_slot_runs` for keys the caller computed: the same probes, no tokens read; through the
+        compiled `held_runs` where it is built (the masks then a list: `_union_run` takes both)."""
         holders = self.holders
         try:
+            if _compiled_held_runs is not None and type(keys) is list:
+                runs, held = _compiled_held_runs(holders, keys)
+                return runs, held, keys
             _, masks = _held_masks(holders, keys)
         except OverflowError:  # more than 64 slots: the same with Python ints
             wide = list(map(holders.get, keys, itertools.repeat(0, len(keys))))
