@@ -41,6 +41,10 @@ class Listen(_Struct):
     # With workers above 1: a worker whose event loop has sent the supervisor no heartbeat for this
     # long (stopped, hung, or its loop blocked) is killed and restarted (router/serve.py).
     worker_liveness_timeout_s: Annotated[float, msgspec.Meta(gt=0)] = 10.0
+    # Once started, each gateway process moves its heap onto transparent huge pages (Linux; not
+    # where the system has them `never`): its request path, run cold, then misses the TLB less
+    # (router/huge_pages.py).
+    huge_pages: bool = True
 
 
 class Model(_Struct):

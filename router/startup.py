@@ -71,6 +71,15 @@ def server_class() -> type:
         interrupted = False
         # A worker's end of its supervisor's heartbeat pipe (--heartbeat-fd).
         heartbeat_fd: int | None = None
+        # `listen.huge_pages`: the heap onto huge pages once started (router/huge_pages.py).
+        huge_pages = False
+
+        async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+            await super().startup(sockets=sockets)
+            if self.started and self.huge_pages:
+                from router.huge_pages import collapse_heap_in_background
+
+                collapse_heap_in_background()
 
         def handle_exit(self, sig: int, frame: Any) -> None:
             if sig == signal.SIGINT:
@@ -133,6 +142,7 @@ def serve_app(
             print(f"kvgate: {source}: {exc}", file=sys.stderr)
             return 2
         running = server(uvicorn.Config(app, **uvicorn_options(app)))
+        running.huge_pages = config.listen.huge_pages
         if heartbeat_fd is not None:
             # Never blocks the loop: a supervisor that stops reading loses heartbeats, not the worker.
             os.set_blocking(heartbeat_fd, False)
