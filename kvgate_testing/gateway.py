@@ -81,9 +81,15 @@ def start_gateway(
     timeout_s: float = 60.0,
     extensions: list[str] | None = None,
     open_file_limit: int | None = None,
+    huge_pages: bool = False,
 ) -> GatewayProcess:
     """Write `config` (a proxy.yaml mapping; `listen.host` and `listen.port` are filled in) and start
     the gateway on it.
+
+    `huge_pages` is `listen.huge_pages` where the config does not set it: off for the tests' many
+    short-lived gateways (the heap's collapse costs a tokenizer-loading gateway about 0.6 s of CPU,
+    two minutes of the default suite on two cores; tests/test_huge_pages.py tests it), on for the
+    benchmarks' routers (kvgate_testing/routers.py), which measure the gateway as users run it.
 
     `extensions` adds test-only extension factories ("module:function") to the gateway's own
     (kvgate_testing/gateway_with_extensions.py); `open_file_limit` runs it under that RLIMIT_NOFILE
@@ -93,7 +99,8 @@ def start_gateway(
     config = dict(config)
     port = free_port()
     # The config's other listen settings (workers, worker_liveness_timeout_s) are kept.
-    config["listen"] = {**config.get("listen", {}), "host": "127.0.0.1", "port": port}
+    listen = {"huge_pages": huge_pages, **config.get("listen", {})}
+    config["listen"] = {**listen, "host": "127.0.0.1", "port": port}
     handle, name = tempfile.mkstemp(prefix="kvgate-test-", suffix=".yaml")
     with os.fdopen(handle, "w") as file:
         yaml.safe_dump(config, file)

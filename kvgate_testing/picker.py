@@ -50,12 +50,15 @@ def grpc_health(address: str, service: str = READINESS_SERVICE, timeout_s: float
 class PickerProcess:
     """A running `kvgate epp`: `grpc_address` ("127.0.0.1:port") and `url` (its HTTP listener)."""
 
-    def __init__(self, config: dict[str, Any]):
+    def __init__(self, config: dict[str, Any], huge_pages: bool = False):
+        """`huge_pages`: `listen.huge_pages` where `config` does not set it (kvgate_testing/gateway.py's
+        start_gateway says why the tests leave it off)."""
         self.config = dict(config)
         self.grpc_port = free_port()
         self.http_port = free_port()
         self.config["epp"] = {**self.config.get("epp", {}), "host": "127.0.0.1", "port": self.grpc_port}
-        self.config["listen"] = {**self.config.get("listen", {}), "host": "127.0.0.1", "port": self.http_port}
+        listen = {"huge_pages": huge_pages, **self.config.get("listen", {})}
+        self.config["listen"] = {**listen, "host": "127.0.0.1", "port": self.http_port}
         self.grpc_address = f"127.0.0.1:{self.grpc_port}"
         self.url = f"http://127.0.0.1:{self.http_port}"
         self.config_path: Path | None = None

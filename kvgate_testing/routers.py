@@ -135,7 +135,8 @@ def _start_kvgate(
     policy: str, knobs: dict, fleet: EngineFleet, timeout_s: float, label: str
 ) -> RunningRouter:
     config = kvgate_config(policy, knobs, fleet)
-    gateway: GatewayProcess = start_gateway(config, timeout_s=timeout_s)
+    # As users run it: the heap on huge pages (start_gateway leaves them off for tests).
+    gateway: GatewayProcess = start_gateway(config, timeout_s=timeout_s, huge_pages=True)
     try:
         _wait_until_forwarding(gateway.url, gateway.process, timeout_s)
         wait_until_synced(gateway.url, timeout_s)
@@ -214,7 +215,7 @@ def start_envoy_and_picker_with_modes(
     from kvgate_testing.picker import EnvoyWithPicker, PickerProcess
 
     body_mode = BodyMode(modes.get("request_body_mode", BodyMode.FULL_DUPLEX_STREAMED))
-    picker = PickerProcess(config).start(timeout_s)
+    picker = PickerProcess(config, huge_pages=True).start(timeout_s)
     try:
         envoy_config = picker_config(
             free_port(), free_port(), ("127.0.0.1", picker.grpc_port), body_mode,

@@ -74,7 +74,7 @@ def _gateway(huge_pages: bool):
     # No backend answers: the gateway starts and serves its health and metrics all the same.
     config = gateway_config([], listen={"huge_pages": huge_pages})
     config["backends"] = [{"name": "nobody", "url": "http://127.0.0.1:9"}]
-    return start_gateway(config)
+    return start_gateway(config, huge_pages=huge_pages)
 
 
 @pytest.mark.skipif(

@@ -46,7 +46,10 @@ class _Backend:
         with connection:
             while True:
                 while not buffered.endswith(REQUEST_BODY):
-                    data = connection.recv(65536)
+                    try:
+                        data = connection.recv(65536)
+                    except ConnectionResetError:  # the pool aborted the connection (a failed request)
+                        return
                     if not data:
                         return
                     buffered += data
