@@ -23,6 +23,7 @@ import yaml
 
 from kvgate_testing.gateway import GatewayProcess, start_gateway
 from kvgate_testing.ports import free_port
+from kvgate_testing.proc_stats import thread_names
 from kvgate_testing.processes import REPO_ROOT, ManagedProcess
 from kvgate_testing.sim_fleet import MODEL, EngineFleet, gateway_backend
 
@@ -131,6 +132,23 @@ def kvgate_backends(fleet: EngineFleet, policy: str) -> list[dict]:
     return backends
 
 
+def wait_for_huge_pages(pid: int, appear_s: float = 3.0, timeout_s: float = 60.0) -> None:
+    """Return once the gateway's heap collapse (router/huge_pages.py, a thread named THREAD_NAME)
+    has ended, or did not show up within `appear_s`: a benchmark counts the router's CPU per
+    request from its start, and the collapse's one-off CPU (about 0.6 s) is not the requests'."""
+    from router.huge_pages import THREAD_NAME
+
+    seen = False
+    started = time.monotonic()
+    while time.monotonic() - started < timeout_s:
+        running = THREAD_NAME in thread_names(pid).values()
+        seen = seen or running
+        if (seen and not running) or (not seen and time.monotonic() - started > appear_s):
+            return
+        time.sleep(0.02)
+    raise TimeoutError(f"the gateway {pid}'s huge-page collapse ran over {timeout_s:g} s")
+
+
 def _start_kvgate(
     policy: str, knobs: dict, fleet: EngineFleet, timeout_s: float, label: str
 ) -> RunningRouter:
@@ -140,6 +158,7 @@ def _start_kvgate(
     try:
         _wait_until_forwarding(gateway.url, gateway.process, timeout_s)
         wait_until_synced(gateway.url, timeout_s)
+        wait_for_huge_pages(gateway.process.pid)
     except BaseException:
         gateway.stop()
         raise
@@ -217,6 +236,8 @@ def start_envoy_and_picker_with_modes(
     body_mode = BodyMode(modes.get("request_body_mode", BodyMode.FULL_DUPLEX_STREAMED))
     picker = PickerProcess(config, huge_pages=True).start(timeout_s)
     try:
+        assert picker.process is not None
+        wait_for_huge_pages(picker.process.pid)
         envoy_config = picker_config(
             free_port(), free_port(), ("127.0.0.1", picker.grpc_port), body_mode,
             response_body_mode=response_body_mode,
