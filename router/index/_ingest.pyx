@@ -287,7 +287,6 @@ def prompt_keys(const uint32_t[::1] tokens, uint64_t seed, uint64_t first_block=
     return keys
 
 
-
 cdef inline bint _of_sixteen_token_blocks(object event) except -1:
     """Whether `event` is a BlockStored of the configured classes, of 16-token blocks, in KV-cache
     group 0 (`group_idx` None or 0)."""
