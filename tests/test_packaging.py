@@ -150,11 +150,11 @@ def test_pip_install_kvgate_brings_no_torch_and_the_extras_bring_the_cache_layer
 def test_grpc_comes_with_the_epp_extra_only_and_the_serve_path_never_imports_it(gateway_path):
     """`kvgate epp` needs gRPC and Envoy's types; `pip install kvgate` (the proxy) stays without them."""
     project = _pyproject()["project"]
-    assert not _names(project["dependencies"]) & {"grpcio", "xds-protos", "grpcio-health-checking"}
-    assert {"grpcio", "grpcio-health-checking", "xds-protos"} <= _names(
+    assert not _names(project["dependencies"]) & {"grpcio", "xds-protos", "grpcio-health-checking", "hpack"}
+    assert {"grpcio", "grpcio-health-checking", "hpack", "xds-protos"} <= _names(
         project["optional-dependencies"]["epp"]
     )
-    assert not {"grpc", "envoy", "grpc_health"} & set(gateway_path["modules"])
+    assert not {"grpc", "envoy", "grpc_health", "hpack"} & set(gateway_path["modules"])
 
 
 def test_no_dependency_is_pinned_exactly_except_the_bundled_tokenizer():

@@ -26,7 +26,7 @@ from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING
 
 from envoy.data.accesslog.v3 import accesslog_pb2
-from envoy.service.accesslog.v3 import als_pb2, als_pb2_grpc
+from envoy.service.accesslog.v3 import als_pb2
 
 from router.epp.picker import format_endpoint
 
@@ -64,7 +64,7 @@ def time_to_first_byte(common: accesslog_pb2.AccessLogCommon) -> float | None:
     return max(first - sent, 0.0)
 
 
-class AccessLogServicer(als_pb2_grpc.AccessLogServiceServicer):
+class AccessLogServicer:
     """Reads Envoy's HTTP access-log entries and ends the picks they name."""
 
     def __init__(self, picker: EndpointPicker) -> None:

@@ -38,9 +38,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def missing_grpc() -> str | None:
     """What is missing of the `epp` extra, None when it is all there."""
     try:
-        import envoy.service.ext_proc.v3.external_processor_pb2_grpc  # noqa: F401
-        import grpc  # noqa: F401
-        import grpc_health.v1.health  # noqa: F401
+        import envoy.service.ext_proc.v3.external_processor_pb2  # noqa: F401
+        import grpc_health.v1.health_pb2  # noqa: F401
+        import hpack  # noqa: F401
     except ImportError as exc:
         return exc.name or str(exc)
     return None
@@ -50,7 +50,7 @@ def run(args: argparse.Namespace) -> int:
     missing = missing_grpc()
     if missing is not None:
         print(
-            f"kvgate epp needs the gRPC packages of the `epp` extra (missing: {missing}): {INSTALL_HINT}",
+            f"kvgate epp needs the packages of the `epp` extra (missing: {missing}): {INSTALL_HINT}",
             file=sys.stderr,
         )
         return 2
@@ -91,11 +91,11 @@ def run(args: argparse.Namespace) -> int:
         if refusal is not None:
             print(refusal, file=sys.stderr)
             return 2
-    # The asyncio loop, not uvloop: grpc.aio runs on the standard event loop.
+    # uvloop, as `kvgate serve`: the gRPC server (router/epp/grpc_server.py) runs on the same loop.
     options = {
         "host": host,
         "port": port,
-        "loop": "asyncio",
+        "loop": "uvloop",
         "log_level": log_level,
         "access_log": False,
         "lifespan": "on",

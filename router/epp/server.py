@@ -14,26 +14,30 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from pathlib import Path
+import ssl
 from typing import TYPE_CHECKING
 
-import grpc
-from envoy.service.accesslog.v3 import als_pb2_grpc
-from envoy.service.ext_proc.v3 import external_processor_pb2_grpc
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from envoy.service.accesslog.v3 import als_pb2
+from envoy.service.ext_proc.v3 import external_processor_pb2
+from grpc_health.v1 import health_pb2
 
 from router.epp.access_log import AccessLogServicer
+from router.epp.grpc_server import GrpcServer
+from router.epp.health import HealthServicer
+from router.epp.http2 import Method
 from router.epp.metrics import EppMetrics
-from router.epp.picker import EndpointPicker, format_endpoint
+from router.epp.picker import EndpointPicker
 from router.epp.stream import ExtProcServicer
 
 if TYPE_CHECKING:
     from router.config import Config
+    from router.epp_config import EppTls
     from router.wiring import Gateway
 
 log = logging.getLogger("kvgate.epp")
 
 EXT_PROC_SERVICE = "envoy.service.ext_proc.v3.ExternalProcessor"
+HEALTH_SERVICE = "grpc.health.v1.Health"
 READY_SERVICES = ("", "readiness", EXT_PROC_SERVICE)
 # How often readiness follows the backends' health.
 _READINESS_INTERVAL_S = 0.5
@@ -50,9 +54,9 @@ class EppServer:
         self.body_limit = self.epp.max_body_bytes or config.limits.max_body_bytes
         self.max_message_bytes = self.epp.max_message_bytes or self.body_limit + _MESSAGE_HEADROOM
         self.picker: EndpointPicker | None = None
-        self.health = health.aio.HealthServicer()
+        self.health = HealthServicer()
         self.port: int | None = None
-        self._server: grpc.aio.Server | None = None
+        self._server: GrpcServer | None = None
         self._readiness: asyncio.Task | None = None
         self._readiness_status: int | None = None
 
@@ -60,40 +64,38 @@ class EppServer:
         picker = EndpointPicker(gateway, self.epp)
         picker.metrics = EppMetrics(gateway.metrics.registry, lambda: picker.in_flight)
         self.picker = picker
-        limit = self.max_message_bytes
-        server = grpc.aio.server(
-            maximum_concurrent_rpcs=self.epp.max_streams,
-            options=[
-                ("grpc.max_receive_message_length", limit),
-                ("grpc.max_send_message_length", limit),
-                ("grpc.max_concurrent_streams", self.epp.max_streams),
-                # Envoy keeps its ext_proc connection open; pings keep dead peers from holding streams.
-                ("grpc.keepalive_time_ms", 30_000),
-                ("grpc.keepalive_timeout_ms", 10_000),
-                ("grpc.http2.min_ping_interval_without_data_ms", 5_000),
-                ("grpc.so_reuseport", 0),
-            ],
+        ext_proc = ExtProcServicer(picker, self.epp, self.body_limit, picker.metrics)
+        access_log = AccessLogServicer(picker)
+        methods = (
+            Method(
+                f"/{EXT_PROC_SERVICE}/Process",
+                "stream_stream",
+                external_processor_pb2.ProcessingRequest,
+                ext_proc.Process,
+            ),
+            Method(
+                "/envoy.service.accesslog.v3.AccessLogService/StreamAccessLogs",
+                "stream_unary",
+                als_pb2.StreamAccessLogsMessage,
+                access_log.StreamAccessLogs,
+            ),
+            Method(
+                f"/{HEALTH_SERVICE}/Check", "unary_unary", health_pb2.HealthCheckRequest, self.health.Check
+            ),
+            Method(
+                f"/{HEALTH_SERVICE}/Watch", "unary_stream", health_pb2.HealthCheckRequest, self.health.Watch
+            ),
         )
-        external_processor_pb2_grpc.add_ExternalProcessorServicer_to_server(
-            ExtProcServicer(picker, self.epp, self.body_limit, picker.metrics), server
+        ssl_context = None if self.epp.tls is None else server_tls(self.epp.tls)
+        server = GrpcServer(
+            methods,
+            max_streams=self.epp.max_streams,
+            max_message_bytes=self.max_message_bytes,
+            ssl_context=ssl_context,
         )
-        als_pb2_grpc.add_AccessLogServiceServicer_to_server(AccessLogServicer(picker), server)
-        health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
-        address = format_endpoint(self.epp.host, self.epp.port)
-        tls = self.epp.tls
-        if tls is None:
-            self.port = server.add_insecure_port(address)
-        else:
-            ca = Path(tls.client_ca_file).read_bytes() if tls.client_ca_file else None
-            credentials = grpc.ssl_server_credentials(
-                [(Path(tls.key_file).read_bytes(), Path(tls.cert_file).read_bytes())],
-                root_certificates=ca,
-                require_client_auth=ca is not None,
-            )
-            self.port = server.add_secure_port(address, credentials)
-        await server.start()
+        self.port = await server.start(self.epp.host, self.epp.port)
         self._server = server
-        await self.health.set("liveness", health_pb2.HealthCheckResponse.SERVING)
+        self.health.set("liveness", health_pb2.HealthCheckResponse.SERVING)
         await self._follow_backends_once(gateway)
         self._readiness = asyncio.get_running_loop().create_task(self._follow_backends(gateway))
         log.info("endpoint picker (ext_proc) listening on %s:%s", self.epp.host, self.port)
@@ -106,7 +108,7 @@ class EppServer:
             return  # unchanged: setting it again would wake every Watch stream for nothing
         self._readiness_status = status
         for service in READY_SERVICES:
-            await self.health.set(service, status)
+            self.health.set(service, status)
 
     async def _follow_backends(self, gateway: Gateway) -> None:
         while True:
@@ -118,6 +120,17 @@ class EppServer:
             self._readiness.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._readiness
-        await self.health.enter_graceful_shutdown()
+        self.health.enter_graceful_shutdown()
         if self._server is not None:
             await self._server.stop(_STOP_GRACE_S)
+
+
+def server_tls(tls: EppTls) -> ssl.SSLContext:
+    """The listener's TLS: its certificate, and with `client_ca_file` clients must show one it signed."""
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    context.minimum_version = ssl.TLSVersion.TLSv1_2
+    context.load_cert_chain(tls.cert_file, tls.key_file)
+    if tls.client_ca_file:
+        context.load_verify_locations(tls.client_ca_file)
+        context.verify_mode = ssl.CERT_REQUIRED
+    return context

@@ -28,11 +28,10 @@ import contextlib
 import logging
 from collections.abc import AsyncIterator
 
-import grpc
-from envoy.service.ext_proc.v3 import external_processor_pb2_grpc
-
 from router.config import Epp
 from router.epp import protocol
+from router.epp.grpc_server import ServicerContext
+from router.epp.http2 import StatusCode
 from router.epp.metrics import EppMetrics
 from router.epp.picker import EndpointPicker, Pick, PickRefused, body_too_large
 from router.epp.usage import UsageReader
@@ -42,7 +41,7 @@ from router.forward import ForwardedRoute
 log = logging.getLogger("kvgate.epp")
 
 
-class ExtProcServicer(external_processor_pb2_grpc.ExternalProcessorServicer):
+class ExtProcServicer:
     def __init__(self, picker: EndpointPicker, config: Epp, body_limit: int, metrics: EppMetrics) -> None:
         self.picker = picker
         self.config = config
@@ -50,7 +49,7 @@ class ExtProcServicer(external_processor_pb2_grpc.ExternalProcessorServicer):
         self.metrics = metrics
 
     async def Process(
-        self, requests: AsyncIterator[protocol.ProcessingRequest], context: object
+        self, requests: AsyncIterator[protocol.ProcessingRequest], context: ServicerContext
     ) -> AsyncIterator[protocol.ProcessingResponse]:
         exchange = _Exchange(self)
         task = asyncio.current_task()
@@ -75,8 +74,8 @@ class ExtProcServicer(external_processor_pb2_grpc.ExternalProcessorServicer):
             if not timed_out:
                 raise  # Envoy (or the client behind it) reset the stream
             task.uncancel()
-            await context.abort(  # type: ignore[attr-defined]
-                grpc.StatusCode.DEADLINE_EXCEEDED,
+            await context.abort(
+                StatusCode.DEADLINE_EXCEEDED,
                 f"ext_proc stream open longer than epp.stream_timeout_s ({self.config.stream_timeout_s:g} s)",
             )
         finally:
@@ -84,8 +83,8 @@ class ExtProcServicer(external_processor_pb2_grpc.ExternalProcessorServicer):
             pick = exchange.pick
             # With the response body not sent to the picker, Envoy may end the stream before the
             # answer ends: Envoy's access log then tells the end (router/epp/access_log.py). A reset
-            # (a client that left) waits for its entry too: grpc.aio does not always tell a reset
-            # from a half-close here, and Envoy logs every request, a reset one with no status.
+            # (a client that left) waits for its entry too: Envoy logs every request, a reset one
+            # with no status, and the entry tells when its upstream request ended.
             if pick is not None and (timed_out or not pick.wait_for_access_log()):
                 pick.finish(None, "stream_closed")
 
