@@ -427,3 +427,21 @@ def test_health_check_and_watch_follow_the_statuses_set() -> None:
             watch.cancel()
     finally:
         running.stop()
+
+
+def test_kept_header_lists_follow_the_dynamic_table() -> None:
+    decoder = http2.HeaderBlockDecoder(http2.MAX_HEADER_LIST_BYTES)
+    # A literal with incremental indexing adds x-a: 1 at index 62; "\xbe" (indexed 62) reads it.
+    add_one, add_two, read_62 = b"\x40\x03x-a\x011", b"\x40\x03x-a\x012", b"\xbe"
+    assert decoder.decode(add_one) == [(b"x-a", b"1")]
+    assert decoder.decode(read_62) == [(b"x-a", b"1")]
+    assert read_62 in decoder._kept and add_one not in decoder._kept
+    assert decoder.decode(add_two) == [(b"x-a", b"2")]  # index 62 is now x-a: 2
+    assert decoder.decode(read_62) == [(b"x-a", b"2")]  # not the list kept before
+    # Envoy's steady-state block: an indexed field, a literal not indexed with an indexed name.
+    envoy_like = b"\x83\x04\x0c/test.Echo/X"
+    assert http2.leaves_table_untouched(envoy_like)
+    assert decoder.decode(envoy_like) == [(b":method", b"POST"), (b":path", b"/test.Echo/X")]
+    assert decoder.decode(envoy_like) is decoder.decode(envoy_like)
+    assert not http2.leaves_table_untouched(b"\x04\x0b/test")  # cut short
+    assert not http2.leaves_table_untouched(b"\x20")  # a table size update

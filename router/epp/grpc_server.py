@@ -33,7 +33,6 @@ from collections.abc import Iterable
 from typing import Any, NoReturn
 
 from google.protobuf.message import DecodeError
-from hpack import Decoder
 from hpack.exceptions import HPACKError
 
 from router.epp.http2 import (
@@ -76,6 +75,7 @@ from router.epp.http2 import (
     TABLE_SIZE_ZERO,
     UINT32,
     WINDOW_UPDATE,
+    HeaderBlockDecoder,
     Method,
     ProtocolBreach,
     RpcAbort,
@@ -215,7 +215,7 @@ class _Connection(asyncio.Protocol):
         self.peer = "unknown"
         self.buffer = bytearray()
         self.preface_seen = False
-        self.decoder = Decoder(max_header_list_size=MAX_HEADER_LIST_BYTES)
+        self.decoder = HeaderBlockDecoder(MAX_HEADER_LIST_BYTES)
         self.calls: dict[int, _Call] = {}
         self.last_stream_id = 0
         self.peer_initial_window = DEFAULT_WINDOW
@@ -489,7 +489,7 @@ class _Connection(asyncio.Protocol):
     def _header_block(self, flags: int, stream_id: int, block: bytes) -> None:
         try:
             # Decoded whatever becomes of the stream: the table is the connection's.
-            headers = self.decoder.decode(block, raw=True)
+            headers = self.decoder.decode(block)
         except HPACKError as exc:
             raise ProtocolBreach(COMPRESSION_ERROR, f"cannot decode a header block: {exc}") from None
         call = self.calls.get(stream_id)
