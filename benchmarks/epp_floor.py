@@ -8,6 +8,8 @@ answered with the pick, the answer's end from the access log), with kvgate's pro
   with g++ against Debian's libgrpc++-dev: `apt-get install libgrpc++-dev pkg-config`);
 - `python_noop`: benchmarks/epp_floor/noop_picker.py, the same on grpc.aio, raw bytes (Python's gRPC
   transport and nothing else);
+- `kvgate_noop`: benchmarks/epp_floor/noop_picker_kvgate.py, the same on kvgate's own gRPC server
+  (router/epp/grpc_server.py on uvloop, raw bytes): `kvgate epp`'s transport alone;
 - `kvgate_epp`: the real picker (kv_aware), whose pick reads the body, tokenizes and routes.
 
 Two phases: a latency probe (kvgate_testing/epp_runs.probe_routers: one request at a time to each,
@@ -48,8 +50,8 @@ from router.epp import protocol
 RESULTS = Path(__file__).parent / "results"
 SOURCES = Path(__file__).parent / "epp_floor"
 BUILD = REPO_ROOT / ".cache" / "epp_floor"
-ROUTERS = ("cpp_noop", "python_noop", "kvgate_epp", "proxy", "envoy_alone")
-NOOPS = ("cpp_noop", "python_noop")
+ROUTERS = ("cpp_noop", "python_noop", "kvgate_noop", "kvgate_epp", "proxy", "envoy_alone")
+NOOPS = ("cpp_noop", "python_noop", "kvgate_noop")
 
 
 def build_cpp_noop() -> Path:
@@ -131,6 +133,8 @@ def measure(rounds: int, load_rounds: int, seconds: float) -> dict[str, Any]:
                 started["cpp_noop"] = NoopPicker("cpp_noop", [str(binary)], answers).router
                 python = [sys.executable, str(SOURCES / "noop_picker.py")]
                 started["python_noop"] = NoopPicker("python_noop", python, answers).router
+                own = [sys.executable, str(SOURCES / "noop_picker_kvgate.py")]
+                started["kvgate_noop"] = NoopPicker("kvgate_noop", own, answers).router
                 started["kvgate_epp"] = start_router("kv_aware_via_envoy", fleet)
                 started["proxy"] = start_router("kv_aware", fleet)
                 started["envoy_alone"] = start_router(ENVOY_ALONE_POLICY, fleet)
@@ -156,11 +160,11 @@ def measure(rounds: int, load_rounds: int, seconds: float) -> dict[str, Any]:
     return {
         **{
             f"{name}_added_p50_ms": rows[name]["added_p50_ms"]
-            for name in ("cpp_noop", "python_noop", "kvgate_epp", "proxy")
+            for name in ("cpp_noop", "python_noop", "kvgate_noop", "kvgate_epp", "proxy")
         },
         **{
             f"{name}_cpu_over_proxy": rows[name]["cpu_over_proxy"]
-            for name in ("cpp_noop", "python_noop", "kvgate_epp")
+            for name in ("cpp_noop", "python_noop", "kvgate_noop", "kvgate_epp")
         },
         "routers": rows,
         "meta": {
@@ -203,8 +207,9 @@ def write_report(results: dict[str, Any], path: Path) -> None:
         lines.append("| " + " | ".join(str(cell) for cell in cells) + " |")
     lines += [
         "",
-        "cpp_noop and python_noop answer a fixed pick without reading the body: references for what "
-        "the protocol's two round trips through Envoy cost, with grpc++ and with grpc.aio, not bounds.",
+        "cpp_noop, python_noop and kvgate_noop answer a fixed pick without reading the body: references "
+        "for what the protocol's two round trips through Envoy cost with grpc++, with grpc.aio and with "
+        "kvgate's own server (the transport kvgate_epp runs on), not bounds.",
         "",
         "![added latency and CPU](epp_floor.png)",
     ]

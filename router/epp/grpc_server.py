@@ -175,7 +175,7 @@ class _Call:
         while not self.messages:
             if self.peer_closed:
                 return None
-            self.waiter = asyncio.get_running_loop().create_future()
+            self.waiter = self.connection.loop.create_future()
             await self.waiter
         data = self.messages.popleft()
         self.connection.consumed(self, len(data))
@@ -211,6 +211,7 @@ class _Requests:
 class _Connection(asyncio.Protocol):
     def __init__(self, server: GrpcServer) -> None:
         self.server = server
+        self.loop = asyncio.get_running_loop()  # made by the listener's loop, for it
         self.transport: asyncio.Transport | None = None
         self.peer = "unknown"
         self.buffer = bytearray()
@@ -271,7 +272,7 @@ class _Connection(asyncio.Protocol):
     def pause_writing(self) -> None:
         # The peer reads slower than we answer: stop reading it too, so that pings and settings
         # acknowledgements cannot pile up, and let servicers wait on `writable`.
-        self.writable = asyncio.get_running_loop().create_future()
+        self.writable = self.loop.create_future()
         assert self.transport is not None
         self.transport.pause_reading()
 
@@ -286,7 +287,7 @@ class _Connection(asyncio.Protocol):
         self.out.append(data)
         if not self.flush_scheduled:
             self.flush_scheduled = True
-            asyncio.get_running_loop().call_soon(self._flush)
+            self.loop.call_soon(self._flush)
 
     def _flush(self) -> None:
         self.flush_scheduled = False
@@ -540,7 +541,7 @@ class _Connection(asyncio.Protocol):
                 call, StatusCode.UNIMPLEMENTED, f"grpc-encoding {encoding.decode('latin-1')} is not supported"
             )
             return
-        loop = asyncio.get_running_loop()
+        loop = self.loop
         timeout = fields.get(b"grpc-timeout")
         if timeout is not None:
             seconds = parse_timeout(timeout)
