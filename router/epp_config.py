@@ -35,8 +35,9 @@ class Epp(_Section):
     # The largest gRPC message read or sent; null: the body limit plus 1 MiB (a BUFFERED body
     # arrives in one message, with its headers beside it).
     max_message_bytes: Annotated[int, msgspec.Meta(ge=65536)] | None = None
-    # ext_proc streams (one per HTTP request) open at once; past it gRPC refuses new ones and
-    # Envoy applies its failure_mode_allow.
+    # gRPC streams open at once across connections (ext_proc: one per HTTP request); advertised as
+    # each connection's HTTP/2 limit; past it a stream gets RESOURCE_EXHAUSTED and Envoy applies its
+    # failure_mode_allow.
     max_streams: Annotated[int, msgspec.Meta(ge=1, le=1_000_000)] = 4096
     # The longest one ext_proc stream may stay open (the whole HTTP exchange, streamed answer included),
     # and the longest a pick whose stream ended first waits for its answer's access-log entry.
