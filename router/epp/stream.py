@@ -66,7 +66,7 @@ class ExtProcServicer:
         deadline = asyncio.get_running_loop().call_later(self.config.stream_timeout_s, expire)
         try:
             async for message in requests:
-                async for response in exchange.handle(message):
+                for response in await exchange.handle(message):
                     yield response
                 if exchange.done:
                     return
@@ -126,34 +126,32 @@ class _Exchange:
         # An immediate response went out: the stream is over.
         self.done = False
 
-    async def handle(self, message: protocol.ProcessingRequest) -> AsyncIterator[protocol.ProcessingResponse]:
+    async def handle(self, message: protocol.ProcessingRequest) -> list[protocol.ProcessingResponse]:
+        """The answers to one message, in order (none while a streamed body is held)."""
         kind = message.WhichOneof("request")
         try:
             if kind == "request_headers":
-                async for response in self._request_headers(message):
-                    yield response
-            elif kind == "request_body":
-                async for response in self._request_body(message.request_body):
-                    yield response
-            elif kind == "request_trailers":
-                async for response in self._request_trailers():
-                    yield response
-            elif kind == "response_headers":
-                yield await self._response_headers(message)
-            elif kind == "response_body":
-                yield self._response_body(message.response_body)
-            elif kind == "response_trailers":
+                return await self._request_headers(message)
+            if kind == "request_body":
+                return await self._request_body(message.request_body)
+            if kind == "request_trailers":
+                return await self._request_trailers()
+            if kind == "response_headers":
+                return [await self._response_headers(message)]
+            if kind == "response_body":
+                return [self._response_body(message.response_body)]
+            if kind == "response_trailers":
                 if self.pick is not None:
                     self.pick.finish(None, "response_end")
-                yield protocol.response_trailers_continue()
+                return [protocol.response_trailers_continue()]
+            return []
         except PickRefused as refused:
-            yield self._refuse(refused)
+            return [self._refuse(refused)]
         except Exception as exc:
             # A bug must not take Envoy's request down with a broken stream: answer 500, log it.
             log_unexpected(log, exc, "ext_proc stream failed inside the picker on %s", kind)
-            yield self._refuse(
-                PickRefused(500, error_body(500, "internal gateway error; see the picker's log"), "internal")
-            )
+            body = error_body(500, "internal gateway error; see the picker's log")
+            return [self._refuse(PickRefused(500, body, "internal"))]
 
     def _refuse(self, refused: PickRefused) -> protocol.ProcessingResponse:
         self.done = True
@@ -167,7 +165,7 @@ class _Exchange:
 
     async def _request_headers(
         self, message: protocol.ProcessingRequest
-    ) -> AsyncIterator[protocol.ProcessingResponse]:
+    ) -> list[protocol.ProcessingResponse]:
         servicer = self.servicer
         announced = None
         if message.HasField("protocol_config"):
@@ -186,8 +184,7 @@ class _Exchange:
             # that follows passes through untouched.
             request_id = next((value for name, value in self.headers if name == b"x-request-id"), b"")
             self.pick = await servicer.picker.pick_by_load(self.subset, request_id)
-            yield protocol.pick_on_headers(*await self._endpoints())
-            return
+            return [protocol.pick_on_headers(*await self._endpoints())]
         if announced is not None and announced not in protocol.PICKABLE_BODY_MODES:
             # Envoy would forward the request before the body could be read, without the header.
             message = (
@@ -203,15 +200,13 @@ class _Exchange:
                 error_body(400, f"{self.route.path} needs a JSON request body; none was sent", "body"),
                 "missing_body",
             )
-        if not self.request_streamed:
-            yield protocol.request_headers_continue()
+        return [] if self.request_streamed else [_HEADERS_CONTINUE]
 
-    async def _request_body(self, body: object) -> AsyncIterator[protocol.ProcessingResponse]:
+    async def _request_body(self, body: object) -> list[protocol.ProcessingResponse]:
         chunk, end = body.body, body.end_of_stream  # type: ignore[attr-defined]
         if self.pick is not None:
             # Routed already (by load, on the headers): pass the body on.
-            yield protocol.request_body_chunk(chunk, end) if self.request_streamed else _body_continue()
-            return
+            return [protocol.request_body_chunk(chunk, end) if self.request_streamed else _body_continue()]
         self.body_size += len(chunk)
         if self.body_size > self.servicer.body_limit:
             self.held.clear()
@@ -220,17 +215,18 @@ class _Exchange:
         # BUFFERED sends the whole body in one message (end_of_stream false when trailers follow),
         # and waits for its answer: pick on it, never wait for more.
         if end or not self.request_streamed:
-            async for response in self._pick_and_release():
-                yield response
+            return await self._pick_and_release()
+        return []
 
-    async def _request_trailers(self) -> AsyncIterator[protocol.ProcessingResponse]:
+    async def _request_trailers(self) -> list[protocol.ProcessingResponse]:
+        responses = []
         if self.pick is None and self.route is not None:
             # The body ended with the trailers (Envoy's request_trailer_mode: SEND).
-            async for response in self._pick_and_release():
-                yield response
-        yield protocol.request_trailers_continue()
+            responses = await self._pick_and_release()
+        responses.append(protocol.request_trailers_continue())
+        return responses
 
-    async def _pick_and_release(self) -> AsyncIterator[protocol.ProcessingResponse]:
+    async def _pick_and_release(self) -> list[protocol.ProcessingResponse]:
         picker = self.servicer.picker
         assert self.route is not None
         body = b"".join(chunk for chunk, _ in self.held)
@@ -243,17 +239,17 @@ class _Exchange:
         self.pick, rewritten = await picker.pick(self.route, body, self.headers, self.subset, self.tenant)
         endpoint, listed = await self._endpoints()
         if self.request_streamed:
-            yield protocol.pick_on_headers(endpoint, listed)
+            responses = [protocol.pick_on_headers(endpoint, listed)]
             if rewritten is None:
-                for chunk, end in self.held:
-                    yield protocol.request_body_chunk(chunk, end)
+                responses += [protocol.request_body_chunk(chunk, end) for chunk, end in self.held]
             else:
                 # The rewritten body (salted, renamed) goes out whole in place of the chunks held (its
                 # end as theirs: false when trailers follow).
-                yield protocol.request_body_chunk(rewritten, self.held[-1][1])
+                responses.append(protocol.request_body_chunk(rewritten, self.held[-1][1]))
         else:
-            yield protocol.pick_on_body(endpoint, listed, rewritten)
+            responses = [protocol.pick_on_body(endpoint, listed, rewritten)]
         self.held = []
+        return responses
 
     async def _endpoints(self) -> tuple[str, str]:
         """The picked endpoint (the header's value) and the list the metadata carries (it first)."""
@@ -296,6 +292,10 @@ class _Exchange:
         if self.response_streamed:
             return protocol.response_body_chunk(chunk, end)
         return protocol.response_body_continue()
+
+
+# Never changed after it is made: the same message answers every BUFFERED request's headers.
+_HEADERS_CONTINUE = protocol.request_headers_continue()
 
 
 def _body_continue() -> protocol.ProcessingResponse:
