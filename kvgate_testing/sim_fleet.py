@@ -107,7 +107,11 @@ class EngineFleet:
         self.engines: list[Engine] = []
         self._processes: list[ManagedProcess] = []
         self._redis: RedisServer | None = None
-        self._client = httpx.Client(timeout=10.0)
+        # Idle connections dropped after 1 s: the engines (uvicorn, as vLLM) close theirs after 5 s,
+        # httpx's default is 5 s too, and a request sent on one the engine closes at that moment is
+        # lost ("Server disconnected without sending a response": routing_bench's counters after a
+        # router's start that took 5 s).
+        self._client = httpx.Client(timeout=10.0, limits=httpx.Limits(keepalive_expiry=1.0))
 
     @property
     def shared_tiers(self) -> list[dict]:
