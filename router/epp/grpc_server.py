@@ -2,17 +2,18 @@
 the framing written here, HPACK decoding (RFC 7541) from `hpack`.
 
 Why not grpc.aio: there each message crosses grpc's core threads, its completion queue and an
-asyncio future before a servicer sees it. Behind the real Envoy, a no-op picker on grpc.aio added
-+1.75 ms p50 and 2.3 ms of CPU per request; the same no-op on this framing +0.84 ms and 0.55 ms,
-below a C++ grpc++ no-op (+1.01 ms, 1.15 ms): docs/benchmarks.md, "The picker on its own HTTP/2".
-A picker talks to few peers (Envoy's gRPC client, one connection per worker) with small messages,
-so what it needs of HTTP/2 is small.
+asyncio future before a servicer sees it. Behind the real Envoy (benchmarks/epp_floor.py, no-op
+pickers answering a fixed pick), grpc.aio added +1.4-1.7 ms p50 and 1.2 ms of CPU per request, this
+server +0.6-0.9 ms and 0.3 ms, a C++ grpc++ no-op +0.7-1.0 ms and 0.55 ms: docs/benchmarks.md, "The
+picker on its own HTTP/2". A picker talks to few peers (Envoy's gRPC client, one connection per
+worker) with small messages, so what it needs of HTTP/2 is small.
 
 Served: gRPC's four call kinds (unary, client, server and bidirectional streaming) by path, status
 and message in trailers (trailers-only for an error before any message), `grpc-timeout` deadlines,
 RST_STREAM as the call's cancellation (its task is cancelled, as grpc.aio does), TLS with ALPN h2.
 Bounded: frames (16 KiB, the default), header lists (`MAX_HEADER_LIST_BYTES`), concurrent streams
-per connection (`max_streams`, advertised; more are refused), messages (`max_message_bytes`, both
+(`max_streams`: advertised to each connection, past it refused; across connections, past it
+RESOURCE_EXHAUSTED), messages (`max_message_bytes`, both
 ways: RESOURCE_EXHAUSTED), and the bytes a connection may hold unread (`connection_window`: flow
 control stops the peer). A peer that breaks the protocol gets GOAWAY with the error and is closed.
 Not served: compressed messages (UNIMPLEMENTED), server push, priorities (ignored, as RFC 9113
