@@ -9,16 +9,22 @@ from __future__ import annotations
 
 import asyncio
 import sys
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
+from typing import TypeVar
 
 import grpc
+
+T = TypeVar("T", bound=bytes)
 
 REQUEST_HEADERS, REQUEST_BODY = 2, 4  # ProcessingRequest's oneof fields, serialized first
 
 
-async def main(address: str, headers_answer: bytes, body_answer: bytes) -> None:
-    async def process(requests: AsyncIterator[bytes], context: object) -> AsyncIterator[bytes]:
+def servicers(headers_answer: T, body_answer: T, empty: T) -> tuple[Callable, Callable]:
+    """The no-op ext_proc and access-log servicers, on messages as raw bytes (noop_picker_kvgate.py
+    serves the same two on kvgate's own server)."""
+
+    async def process(requests: AsyncIterator[T], context: object) -> AsyncIterator[T]:
         async for message in requests:
             field = message[0] >> 3 if message else 0
             if field == REQUEST_HEADERS:
@@ -26,10 +32,16 @@ async def main(address: str, headers_answer: bytes, body_answer: bytes) -> None:
             elif field == REQUEST_BODY:
                 yield body_answer
 
-    async def access_logs(requests: AsyncIterator[bytes], context: object) -> bytes:
+    async def access_logs(requests: AsyncIterator[T], context: object) -> T:
         async for _ in requests:
             pass
-        return b""
+        return empty
+
+    return process, access_logs
+
+
+async def main(address: str, headers_answer: bytes, body_answer: bytes) -> None:
+    process, access_logs = servicers(headers_answer, body_answer, b"")
 
     class Handler(grpc.GenericRpcHandler):
         def service(self, details: grpc.HandlerCallDetails) -> grpc.RpcMethodHandler | None:

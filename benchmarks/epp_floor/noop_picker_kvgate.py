@@ -9,17 +9,16 @@ from __future__ import annotations
 
 import asyncio
 import sys
-from collections.abc import AsyncIterator
 from pathlib import Path
 
 import uvloop
+from noop_picker import servicers  # beside this file
 
-from router.epp.grpc_server import GrpcServer, ServicerContext
+from router.epp.grpc_server import GrpcServer
 from router.epp.http2 import Method
 
 EXT_PROC = "envoy.service.ext_proc.v3.ExternalProcessor"
 ACCESS_LOG = "envoy.service.accesslog.v3.AccessLogService"
-REQUEST_HEADERS, REQUEST_BODY = 2, 4  # ProcessingRequest's oneof fields, serialized first
 
 
 class Raw(bytes):
@@ -34,19 +33,7 @@ class Raw(bytes):
 
 
 async def main(address: str, headers_answer: Raw, body_answer: Raw) -> None:
-    async def process(requests: AsyncIterator[Raw], context: ServicerContext) -> AsyncIterator[Raw]:
-        async for message in requests:
-            field = message[0] >> 3 if message else 0
-            if field == REQUEST_HEADERS:
-                yield headers_answer
-            elif field == REQUEST_BODY:
-                yield body_answer
-
-    async def access_logs(requests: AsyncIterator[Raw], context: ServicerContext) -> Raw:
-        async for _ in requests:
-            pass
-        return Raw()
-
+    process, access_logs = servicers(headers_answer, body_answer, Raw())
     server = GrpcServer(
         [
             Method(f"/{EXT_PROC}/Process", "stream_stream", Raw, process),
