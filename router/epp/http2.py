@@ -10,6 +10,8 @@ from dataclasses import dataclass
 from enum import IntEnum
 from typing import Any, Literal
 
+from router.errors import KvgateError
+
 PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
 # Frame types and flags (RFC 9113 section 6).
 DATA, HEADERS, PRIORITY, RST_STREAM, SETTINGS, PUSH_PROMISE, PING, GOAWAY, WINDOW_UPDATE, CONTINUATION = (
@@ -56,7 +58,7 @@ class StatusCode(IntEnum):
     UNAVAILABLE = 14
 
 
-class RpcAbort(Exception):
+class RpcAbort(KvgateError):
     """Raised by `ServicerContext.abort`: the call ends with this status."""
 
     def __init__(self, code: StatusCode, details: str) -> None:
@@ -127,7 +129,9 @@ def parse_timeout(value: bytes) -> float | None:
     return int(digits) * units[unit]
 
 
-class ProtocolBreach(Exception):
+class ProtocolBreach(KvgateError, ValueError):
+    """A peer broke HTTP/2: its connection gets GOAWAY with `code` (RFC 9113 section 7) and closes."""
+
     def __init__(self, code: int, reason: str) -> None:
         super().__init__(reason)
         self.code = code
