@@ -92,7 +92,7 @@ log = logging.getLogger("kvgate.epp")
 
 
 class ServicerContext:
-    """What a servicer may ask of its call (the part of grpc.aio's context the picker uses)."""
+    """What a servicer may ask of its call: the part of grpc.aio's context the picker's use (abort)."""
 
     __slots__ = ("_call",)
 
@@ -102,23 +102,6 @@ class ServicerContext:
     async def abort(self, code: StatusCode, details: str = "") -> NoReturn:
         raise RpcAbort(code, details)
 
-    def invocation_metadata(self) -> list[tuple[str, str]]:
-        return [
-            (name.decode("latin-1"), value.decode("latin-1"))
-            for name, value in self._call.headers
-            if not name.startswith(b":")
-        ]
-
-    def peer(self) -> str:
-        return self._call.connection.peer
-
-    def time_remaining(self) -> float | None:
-        deadline = self._call.deadline_at
-        return None if deadline is None else max(deadline - time.monotonic(), 0.0)
-
-    def cancelled(self) -> bool:
-        return self._call.reset
-
 
 class _Call:
     """One stream: its requests as they arrive, its answers waiting for flow-control window."""
@@ -126,9 +109,7 @@ class _Call:
     __slots__ = (
         "connection",
         "deadline",
-        "deadline_at",
         "deadline_hit",
-        "headers",
         "headers_sent",
         "held",
         "messages",
@@ -145,11 +126,10 @@ class _Call:
         "waiter",
     )
 
-    def __init__(self, connection: _Connection, stream_id: int, method: Method, headers: list) -> None:
+    def __init__(self, connection: _Connection, stream_id: int, method: Method) -> None:
         self.connection = connection
         self.stream_id = stream_id
         self.method = method
-        self.headers = headers
         self.messages: deque[bytes] = deque()
         self.partial = bytearray()
         self.held = 0  # bytes of messages and the partial one, not yet read by the servicer
@@ -158,12 +138,11 @@ class _Call:
         self.reset = False
         self.receive_window = connection.server.stream_window
         self.send_window = connection.peer_initial_window
-        self.pending: deque[bytes] = deque()  # DATA payloads not yet sent, for want of window
+        self.pending: deque[bytes | memoryview] = deque()  # DATA not yet sent, for want of window
         self.headers_sent = False
         self.trailers: bytes | None = None  # set when the call has ended; sent after `pending`
         self.task: asyncio.Task | None = None
         self.deadline: asyncio.TimerHandle | None = None
-        self.deadline_at: float | None = None
         self.deadline_hit = False
 
     def wake(self) -> None:
@@ -533,7 +512,7 @@ class _Connection(asyncio.Protocol):
             self._answer_without_call(stream_id, block, ended)
             return
         encoding = fields.get(b"grpc-encoding", b"identity")
-        call = _Call(self, stream_id, method, headers)
+        call = _Call(self, stream_id, method)
         call.peer_closed = ended
         self.calls[stream_id] = call
         self.server.open_calls += 1
@@ -547,7 +526,6 @@ class _Connection(asyncio.Protocol):
         if timeout is not None:
             seconds = parse_timeout(timeout)
             if seconds is not None:
-                call.deadline_at = time.monotonic() + seconds
                 call.deadline = loop.call_later(seconds, self._deadline, call)
         call.task = loop.create_task(self.server.run(call))
 
@@ -644,6 +622,8 @@ class _Connection(asyncio.Protocol):
             if len(data) <= room:
                 pending.popleft()
             else:
+                # A view: a long answer is cut frame by frame without copying what is left each time.
+                data = memoryview(data)
                 pending[0] = data[room:]
                 data = data[:room]
             call.send_window -= len(data)
@@ -653,12 +633,10 @@ class _Connection(asyncio.Protocol):
         if call.trailers is not None:
             self._header_frame(call.stream_id, call.trailers, True)
             call.trailers = b""  # sent
-            if call.peer_closed:
-                self._close(call)
-            else:
+            if not call.peer_closed:
                 # Done before the client: tell it to stop sending (RFC 9113 section 8.1).
                 self._emit(frame(RST_STREAM, 0, call.stream_id, UINT32.pack(NO_ERROR)))
-                self._close(call)
+            self._close(call)
 
     def finish(self, call: _Call, code: StatusCode, details: str) -> None:
         if call.stream_id not in self.calls or call.trailers is not None:
@@ -704,10 +682,7 @@ class _Connection(asyncio.Protocol):
         if call.stream_id in self.calls:  # trailers waiting for window: reset now instead
             self._reset(call, CANCEL)
         else:
-            call.reset = True
-            if call.task is not None and not call.task.done():
-                call.task.cancel()
-            call.wake()
+            self._drop(call)  # closed with its trailers: only its task is left to cancel
 
     def _answer_without_call(self, stream_id: int, block: bytes, ended: bool) -> None:
         """A stream refused before any servicer: one header block ends it (and the client's half)."""

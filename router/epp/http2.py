@@ -10,6 +10,8 @@ from dataclasses import dataclass
 from enum import IntEnum
 from typing import Any, Literal
 
+from hpack import Decoder
+
 from router.errors import KvgateError
 
 PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
@@ -115,7 +117,7 @@ def trailers(code: StatusCode, details: str) -> bytes:
     return block
 
 
-def frame(kind: int, flags: int, stream_id: int, payload: bytes = b"") -> bytes:
+def frame(kind: int, flags: int, stream_id: int, payload: bytes | memoryview = b"") -> bytes:
     length = len(payload)
     return FRAME_HEADER.pack(length >> 8, length & 0xFF, kind, flags, stream_id) + payload
 
@@ -186,8 +188,6 @@ class HeaderBlockDecoder:
     _KEPT = 64
 
     def __init__(self, max_header_list_size: int) -> None:
-        from hpack import Decoder  # the epp extra's
-
         self._decoder = Decoder(max_header_list_size=max_header_list_size)
         self._kept: dict[bytes, list[tuple[bytes, bytes]]] = {}
 
