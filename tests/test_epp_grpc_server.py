@@ -15,13 +15,14 @@ from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
 import grpc
+import hpack
 import pytest
 import uvloop
 from google.protobuf import wrappers_pb2
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from router.epp import http2
-from router.epp.grpc_server import GrpcServer, ServicerContext
+from router.epp.grpc_server import RESET_BURST, GrpcServer, ServicerContext
 from router.epp.health import HealthServicer
 from router.epp.http2 import Method, StatusCode
 
@@ -354,6 +355,25 @@ def test_a_peer_that_breaks_http2_gets_goaway_and_the_next_is_served(
         sock.sendall(sent)
         frames = _read_frames(sock, http2.GOAWAY)
     assert _goaway_code(frames) == code
+    assert _stub(channel, "unary_unary", "Unary")(Bytes(value=b"next"), timeout=10).value == b"next"
+
+
+def test_a_peer_that_opens_and_resets_streams_without_end_is_cut_off(
+    served: ServerThread, channel: grpc.Channel
+) -> None:
+    """The "rapid reset" attack: each stream opened and reset at once costs the loop a task; past
+    the allowance the connection gets GOAWAY ENHANCE_YOUR_CALM, and others are served."""
+    encoder = hpack.Encoder()
+    headers = [(":method", "POST"), (":scheme", "http"), (":path", f"{SERVICE}/Hang"), (":authority", "x"),
+               ("content-type", "application/grpc")]  # fmt: skip
+    sent = bytearray(http2.PREFACE + _SETTINGS)
+    for stream_id in range(1, 2 * (RESET_BURST + 1000), 2):
+        sent += http2.frame(http2.HEADERS, http2.END_HEADERS, stream_id, encoder.encode(headers))
+        sent += http2.frame(http2.RST_STREAM, 0, stream_id, struct.pack(">I", http2.CANCEL))
+    with _raw_connection(served.port) as sock:
+        sock.sendall(sent)
+        frames = _read_frames(sock, http2.GOAWAY)
+    assert _goaway_code(frames) == http2.ENHANCE_YOUR_CALM
     assert _stub(channel, "unary_unary", "Unary")(Bytes(value=b"next"), timeout=10).value == b"next"
 
 

@@ -90,6 +90,12 @@ from router.errors import log_unexpected
 
 log = logging.getLogger("kvgate.epp")
 
+# Streams a peer may open and reset at once, then per second: each costs the loop a task started
+# and cancelled, so opening and resetting streams without end (the "rapid reset" attack) must not
+# be free. Far above what Envoy resets for clients that leave; past it, GOAWAY ENHANCE_YOUR_CALM.
+RESET_BURST = 2000
+RESETS_PER_S = 1000.0
+
 
 class ServicerContext:
     """What a servicer may ask of its call: the part of grpc.aio's context the picker's use (abort)."""
@@ -212,6 +218,8 @@ class _Connection(asyncio.Protocol):
         self.going_away = False
         self.closed = False
         self.writable: asyncio.Future | None = None  # set while the transport is paused
+        self.resets_allowed = float(RESET_BURST)
+        self.resets_counted_at = time.monotonic()
 
     # -- the transport --------------------------------------------------------------------------
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -334,6 +342,7 @@ class _Connection(asyncio.Protocol):
                 raise ProtocolBreach(PROTOCOL_ERROR, "RST_STREAM on an idle stream")
             call = self.calls.get(stream_id)
             if call is not None:
+                self._count_reset()
                 self._drop(call)
         elif kind == SETTINGS:
             self._settings(flags, stream_id, payload)
@@ -349,6 +358,14 @@ class _Connection(asyncio.Protocol):
         elif kind == PRIORITY and len(payload) != 5:
             raise ProtocolBreach(FRAME_SIZE_ERROR, "PRIORITY of other than 5 bytes")
         # Any other type is an extension this server does not know: ignored (RFC 9113 section 4.1).
+
+    def _count_reset(self) -> None:
+        now = time.monotonic()
+        elapsed, self.resets_counted_at = now - self.resets_counted_at, now
+        self.resets_allowed = min(float(RESET_BURST), self.resets_allowed + elapsed * RESETS_PER_S) - 1
+        if self.resets_allowed < 0:
+            reason = f"streams reset faster than {RESETS_PER_S:g} a second (after {RESET_BURST})"
+            raise ProtocolBreach(ENHANCE_YOUR_CALM, reason)
 
     @staticmethod
     def _unpad(flags: int, payload: bytes) -> bytes:
