@@ -58,7 +58,6 @@ class EppServer:
         self.port: int | None = None
         self._server: GrpcServer | None = None
         self._readiness: asyncio.Task | None = None
-        self._readiness_status: int | None = None
 
     async def start(self, gateway: Gateway) -> None:
         picker = EndpointPicker(gateway, self.epp)
@@ -104,10 +103,7 @@ class EppServer:
         ready = any(backend.accepting for backend in gateway.backends.values())
         serving = health_pb2.HealthCheckResponse
         status = serving.SERVING if ready else serving.NOT_SERVING
-        if status == self._readiness_status:
-            return  # unchanged: setting it again would wake every Watch stream for nothing
-        self._readiness_status = status
-        for service in READY_SERVICES:
+        for service in READY_SERVICES:  # an unchanged status wakes no Watch stream (HealthServicer.set)
             self.health.set(service, status)
 
     async def _follow_backends(self, gateway: Gateway) -> None:
