@@ -39,6 +39,12 @@ class Epp(_Section):
     # each connection's HTTP/2 limit; past it a stream gets RESOURCE_EXHAUSTED and Envoy applies its
     # failure_mode_allow.
     max_streams: Annotated[int, msgspec.Meta(ge=1, le=1_000_000)] = 4096
+    # gRPC connections open at once (Envoy opens one per worker thread); one past it is told GOAWAY
+    # ENHANCE_YOUR_CALM and closed.
+    max_connections: Annotated[int, msgspec.Meta(ge=1, le=100_000)] = 1024
+    # From a connection's accept to its HTTP/2 preface (the TLS handshake included): past it the
+    # connection is closed, so connections that never speak cannot hold the limit's places.
+    handshake_timeout_s: Annotated[float, msgspec.Meta(gt=0, le=600)] = 10.0
     # The longest one ext_proc stream may stay open (the whole HTTP exchange, streamed answer included),
     # and the longest a pick whose stream ended first waits for its answer's access-log entry.
     stream_timeout_s: Annotated[float, msgspec.Meta(gt=0)] = 900.0

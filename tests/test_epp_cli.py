@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import json
 import shutil
+import socket
 import subprocess
+import time
 from pathlib import Path
 
 import grpc
@@ -108,6 +110,7 @@ def test_a_mutual_tls_picker_serves_envoy_with_its_certificate_and_client_keys_a
             "host": "127.0.0.1",
             "port": grpc_port,
             "tls": {"cert_file": "server.pem", "key_file": "server.key", "client_ca_file": "ca.pem"},
+            "handshake_timeout_s": 1.0,
         },
     }
     path = tmp_path / "proxy.yaml"
@@ -147,5 +150,10 @@ def test_a_mutual_tls_picker_serves_envoy_with_its_certificate_and_client_keys_a
             timeout=10,
         )
         assert answer.status_code == 404
+        # A connection that never starts its TLS handshake is closed past epp.handshake_timeout_s.
+        with socket.create_connection(("127.0.0.1", grpc_port), timeout=10) as silent:
+            started = time.monotonic()
+            assert silent.recv(1024) == b""
+            assert 0.8 <= time.monotonic() - started < 8
     finally:
         process.stop()

@@ -1,7 +1,8 @@
 """The picker's own gRPC server (router/epp/grpc_server.py) against grpcio's real client, and against
 raw HTTP/2 bytes where a client that breaks the protocol is the point: every call kind, statuses
 and their messages, cancellation and deadlines reaching the servicer, messages larger than the
-windows and the frames both ways, the limits (message size, concurrent streams), a broken peer
+windows and the frames both ways, the limits (message size, concurrent streams, connections and
+their handshake's time), a broken peer
 closed without harm to the next, graceful stop."""
 
 from __future__ import annotations
@@ -375,6 +376,64 @@ def test_a_peer_that_opens_and_resets_streams_without_end_is_cut_off(
         frames = _read_frames(sock, http2.GOAWAY)
     assert _goaway_code(frames) == http2.ENHANCE_YOUR_CALM
     assert _stub(channel, "unary_unary", "Unary")(Bytes(value=b"next"), timeout=10).value == b"next"
+
+
+def _goaway_reason(frames: list[tuple[int, int, int, bytes]]) -> bytes:
+    return next(payload for kind, _, _, payload in frames if kind == http2.GOAWAY)[8:]
+
+
+def test_a_connection_past_the_limit_is_told_why_and_closed(echo: Echo) -> None:
+    running = ServerThread(echo.methods(), max_connections=2)
+    try:
+        with _raw_connection(running.port) as first, _raw_connection(running.port) as second:
+            for held in (first, second):
+                held.sendall(http2.PREFACE + _SETTINGS)
+                _read_frames(held, http2.SETTINGS)
+            with _raw_connection(running.port) as third:
+                frames = _read_frames(third, http2.GOAWAY)
+                assert _goaway_code(frames) == http2.ENHANCE_YOUR_CALM
+                assert b"epp.max_connections" in _goaway_reason(frames)
+                assert third.recv(1024) == b""  # closed after it
+            with grpc.insecure_channel(f"127.0.0.1:{running.port}") as refused:
+                with pytest.raises(grpc.RpcError) as raised:
+                    _stub(refused, "unary_unary", "Unary")(Bytes(value=b"third"), timeout=2)
+                # grpcio retries a connection told GOAWAY until the deadline, never served.
+                assert raised.value.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
+        # The two held ones closed: their places are free again.
+        deadline = time.monotonic() + 5
+        while running.call(_connections_open(running.server)) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        with grpc.insecure_channel(f"127.0.0.1:{running.port}") as served_now:
+            assert _stub(served_now, "unary_unary", "Unary")(Bytes(value=b"now"), timeout=5).value == b"now"
+    finally:
+        running.stop()
+
+
+async def _connections_open(server: GrpcServer) -> int:
+    return len(server.connections)
+
+
+@pytest.mark.parametrize("sent", [b"", http2.PREFACE[:10]], ids=["silent", "half_a_preface"])
+def test_a_connection_without_its_preface_in_time_is_closed(echo: Echo, sent: bytes) -> None:
+    running = ServerThread(echo.methods(), handshake_timeout_s=0.3)
+    try:
+        with _raw_connection(running.port) as sock:
+            sock.sendall(sent)
+            started = time.monotonic()
+            frames = _read_frames(sock, http2.GOAWAY)
+            assert time.monotonic() - started >= 0.2
+            assert _goaway_code(frames) == http2.PROTOCOL_ERROR
+            assert b"epp.handshake_timeout_s" in _goaway_reason(frames)
+            assert sock.recv(1024) == b""
+        assert running.call(_connections_open(running.server)) == 0
+        # A connection that speaks in time outlives the timeout.
+        with grpc.insecure_channel(f"127.0.0.1:{running.port}") as channel:
+            unary = _stub(channel, "unary_unary", "Unary")
+            assert unary(Bytes(value=b"one"), timeout=5).value == b"one"
+            time.sleep(0.5)
+            assert unary(Bytes(value=b"two"), timeout=5).value == b"two"
+    finally:
+        running.stop()
 
 
 def test_pings_are_acknowledged_with_their_payload(served: ServerThread) -> None:

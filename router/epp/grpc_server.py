@@ -11,7 +11,9 @@ worker) with small messages, so what it needs of HTTP/2 is small.
 Served: gRPC's four call kinds (unary, client, server and bidirectional streaming) by path, status
 and message in trailers (trailers-only for an error before any message), `grpc-timeout` deadlines,
 RST_STREAM as the call's cancellation (its task is cancelled, as grpc.aio does), TLS with ALPN h2.
-Bounded: frames (16 KiB, the default), header lists (`MAX_HEADER_LIST_BYTES`), concurrent streams
+Bounded: connections (`max_connections`: one past it gets GOAWAY ENHANCE_YOUR_CALM; one without
+its preface `handshake_timeout_s` after its accept is closed), frames (16 KiB, the default), header
+lists (`MAX_HEADER_LIST_BYTES`), concurrent streams
 (`max_streams`: advertised to each connection, past it refused; across connections, past it
 RESOURCE_EXHAUSTED), messages (`max_message_bytes`, both
 ways: RESOURCE_EXHAUSTED), and the bytes a connection may hold unread (`connection_window`: flow
@@ -220,6 +222,7 @@ class _Connection(asyncio.Protocol):
         self.writable: asyncio.Future | None = None  # set while the transport is paused
         self.resets_allowed = float(RESET_BURST)
         self.resets_counted_at = time.monotonic()
+        self.preface_timer: asyncio.TimerHandle | None = None
 
     # -- the transport --------------------------------------------------------------------------
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -236,6 +239,9 @@ class _Connection(asyncio.Protocol):
                 sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPINTVL, 10)
                 sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPCNT, 3)
         server = self.server
+        if len(server.connections) >= server.max_connections:
+            self._refuse_connection()
+            return
         settings = b"".join(
             struct.pack(">HI", key, value)
             for key, value in (
@@ -248,9 +254,38 @@ class _Connection(asyncio.Protocol):
         self._emit(frame(SETTINGS, 0, 0, settings))
         self._emit(frame(WINDOW_UPDATE, 0, 0, UINT32.pack(server.connection_window - DEFAULT_WINDOW)))
         server.connections.add(self)
+        # Past the handshake's time a connection still without its preface is closed: silent ones
+        # would otherwise hold places of max_connections for ever. (TLS: the server's handshake
+        # timeout bounds the time before this.)
+        self.preface_timer = self.loop.call_later(server.handshake_timeout_s, self._preface_overdue)
+
+    def _refuse_connection(self) -> None:
+        server = self.server
+        now = time.monotonic()
+        if now - server.connections_refused_logged_at >= 10.0:  # a flood must not flood the log
+            server.connections_refused_logged_at = now
+            log.warning(
+                "gRPC connection from %s refused: %d open already (epp.max_connections)",
+                self.peer,
+                server.max_connections,
+            )
+        # A server's preface is its SETTINGS; then the reason, so that the peer's log tells it.
+        reason = f"{server.max_connections} connections open already (epp.max_connections)"
+        self._emit(frame(SETTINGS, 0, 0, b""))
+        self._emit(frame(GOAWAY, 0, 0, UINT32.pack(0) + UINT32.pack(ENHANCE_YOUR_CALM) + reason.encode()))
+        self._close_transport()
+
+    def _preface_overdue(self) -> None:
+        if not self.preface_seen and not self.closed:
+            self._fail(
+                PROTOCOL_ERROR,
+                f"no HTTP/2 preface within {self.server.handshake_timeout_s:g} s (epp.handshake_timeout_s)",
+            )
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
+        if self.preface_timer is not None:
+            self.preface_timer.cancel()
         self.server.connections.discard(self)
         for call in list(self.calls.values()):
             self._drop(call)
@@ -302,6 +337,8 @@ class _Connection(asyncio.Protocol):
                     )
                 del buffer[: len(PREFACE)]
                 self.preface_seen = True
+                if self.preface_timer is not None:
+                    self.preface_timer.cancel()
             position, size = 0, len(buffer)
             while size - position >= 9:
                 high, low, kind, flags, stream_id = FRAME_HEADER.unpack_from(buffer, position)
@@ -741,10 +778,15 @@ class GrpcServer:
         *,
         max_streams: int,
         max_message_bytes: int,
+        max_connections: int = 1024,
+        handshake_timeout_s: float = 10.0,
         ssl_context: ssl.SSLContext | None = None,
     ) -> None:
         self.methods = {method.path: method for method in methods}
         self.max_streams = max_streams
+        self.max_connections = max_connections
+        self.handshake_timeout_s = handshake_timeout_s
+        self.connections_refused_logged_at = -1e9
         self.max_message_bytes = max_message_bytes
         # A whole message fits a stream's window: no window updates inside one message.
         self.stream_window = min(max_message_bytes + 5 + MAX_FRAME_BYTES, MAX_WINDOW)
@@ -761,8 +803,15 @@ class GrpcServer:
         if self.ssl_context is not None:
             self.ssl_context.set_alpn_protocols(["h2"])
         loop = asyncio.get_running_loop()
+        tls = {} if self.ssl_context is None else {"ssl_handshake_timeout": self.handshake_timeout_s}
         self._server = await loop.create_server(
-            lambda: _Connection(self), host, port, ssl=self.ssl_context, reuse_address=True, backlog=1024
+            lambda: _Connection(self),
+            host,
+            port,
+            ssl=self.ssl_context,
+            reuse_address=True,
+            backlog=1024,
+            **tls,
         )
         return self._server.sockets[0].getsockname()[1]
 

@@ -89,6 +89,8 @@ class EppServer:
         server = GrpcServer(
             methods,
             max_streams=self.epp.max_streams,
+            max_connections=self.epp.max_connections,
+            handshake_timeout_s=self.epp.handshake_timeout_s,
             max_message_bytes=self.max_message_bytes,
             ssl_context=ssl_context,
         )
