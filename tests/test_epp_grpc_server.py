@@ -22,7 +22,7 @@ import uvloop
 from google.protobuf import wrappers_pb2
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from router.epp import http2
+from router.epp import grpc_server, http2
 from router.epp.grpc_server import RESET_BURST, GrpcServer, ServicerContext
 from router.epp.health import HealthServicer
 from router.epp.http2 import Method, StatusCode
@@ -432,6 +432,42 @@ def test_a_connection_without_its_preface_in_time_is_closed(echo: Echo, sent: by
             assert unary(Bytes(value=b"one"), timeout=5).value == b"one"
             time.sleep(0.5)
             assert unary(Bytes(value=b"two"), timeout=5).value == b"two"
+    finally:
+        running.stop()
+
+
+def test_a_peer_that_resets_each_stream_after_its_answer_as_envoy_does_is_not_cut_off(
+    echo: Echo, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Envoy's ext_proc client ends every stream with END_STREAM then RST_STREAM, after the picker has
+    answered: at any request rate that is no attack (the server answered at its own pace), so it
+    must not count against the rapid-reset allowance (here made small: 20, then 10 a second)."""
+    monkeypatch.setattr(grpc_server, "RESET_BURST", 20)
+    monkeypatch.setattr(grpc_server, "RESETS_PER_S", 10.0)
+    running = ServerThread(echo.methods())
+    encoder = hpack.Encoder()
+    headers = [(":method", "POST"), (":scheme", "http"), (":path", f"{SERVICE}/Bidi"), (":authority", "x"),
+               ("content-type", "application/grpc")]  # fmt: skip
+    message = Bytes(value=b"hello").SerializeToString()
+    try:
+        with _raw_connection(running.port) as sock:
+            sock.sendall(http2.PREFACE + _SETTINGS)
+            for stream_id in range(1, 2 * 100, 2):
+                sock.sendall(
+                    http2.frame(http2.HEADERS, http2.END_HEADERS, stream_id, encoder.encode(headers))
+                    + http2.frame(http2.DATA, 0, stream_id, struct.pack(">BI", 0, len(message)) + message)
+                )
+                answered = _read_frames(sock, http2.DATA)
+                assert http2.GOAWAY not in [kind for kind, *_ in answered], answered
+                assert answered[-1][2] == stream_id
+                sock.sendall(
+                    http2.frame(http2.DATA, http2.END_STREAM, stream_id, b"")
+                    + http2.frame(http2.RST_STREAM, 0, stream_id, struct.pack(">I", http2.CANCEL))
+                )
+            # Still served: a PING is answered on the same connection, no GOAWAY before it.
+            sock.sendall(http2.frame(http2.PING, 0, 0, b"12345678"))
+            frames = _read_frames(sock, http2.PING)
+            assert http2.GOAWAY not in [kind for kind, *_ in frames]
     finally:
         running.stop()
 

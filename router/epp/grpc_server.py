@@ -92,9 +92,10 @@ from router.errors import log_unexpected
 
 log = logging.getLogger("kvgate.epp")
 
-# Streams a peer may open and reset at once, then per second: each costs the loop a task started
-# and cancelled, so opening and resetting streams without end (the "rapid reset" attack) must not
-# be free. Far above what Envoy resets for clients that leave; past it, GOAWAY ENHANCE_YOUR_CALM.
+# Streams a peer may reset before any answer, at once, then per second: each costs the loop a task
+# started and cancelled, so opening and resetting streams without end (the "rapid reset" attack)
+# must not be free. Far above what Envoy resets for clients that leave (its usual reset, after the
+# answers, is not counted); past it, GOAWAY ENHANCE_YOUR_CALM.
 RESET_BURST = 2000
 RESETS_PER_S = 1000.0
 
@@ -379,7 +380,11 @@ class _Connection(asyncio.Protocol):
                 raise ProtocolBreach(PROTOCOL_ERROR, "RST_STREAM on an idle stream")
             call = self.calls.get(stream_id)
             if call is not None:
-                self._count_reset()
+                # Only a reset before any answer counts: that is the attack, a peer resetting faster
+                # than the servicers work. Envoy resets every ext_proc stream after its answers
+                # (END_STREAM, then RST_STREAM), at whatever rate its requests come.
+                if not call.headers_sent:
+                    self._count_reset()
                 self._drop(call)
         elif kind == SETTINGS:
             self._settings(flags, stream_id, payload)
