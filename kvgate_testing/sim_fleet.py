@@ -207,7 +207,10 @@ class EngineFleet:
             return list(pool.map(self._counters_of, self.engines))
 
     def _counters_of(self, engine: Engine) -> EngineCounters:
-        text = self._client.get(f"{engine.url}/metrics").text
+        # A connection of its own per read: the shared client's pool, used from the threads at once
+        # while it drops connections idle past keepalive_expiry, once handed a thread a socket
+        # another had just closed ("Bad file descriptor").
+        text = httpx.get(f"{engine.url}/metrics", timeout=10.0).text
         totals = {"vllm:request_success_total": 0.0, "vllm:prompt_tokens_total": 0.0,
                   "vllm:prefix_cache_hits_total": 0.0}  # fmt: skip
         for line in text.splitlines():
