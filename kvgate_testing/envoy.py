@@ -37,9 +37,11 @@ SUBSET_KEY = "x-gateway-destination-endpoint-subset"
 
 
 class BodyMode(StrEnum):
-    """How Envoy sends the request body to the picker."""
+    """How Envoy sends the request body to the picker. STREAMED goes with
+    send_body_without_waiting_for_header_response (without it no pick can read the body)."""
 
     BUFFERED = "BUFFERED"
+    STREAMED = "STREAMED"
     FULL_DUPLEX_STREAMED = "FULL_DUPLEX_STREAMED"
 
 
@@ -120,6 +122,7 @@ def picker_config(
     """deploy/envoy/envoy-epp.yaml on these ports, with the picker at `picker_address`.
 
     `body_mode` FULL_DUPLEX_STREAMED applies the variant the file shows in its comments (trailers sent),
+    STREAMED sends the body without waiting for the headers' answer,
     and so does `response_body_mode` FULL_DUPLEX_STREAMED (the answer through the picker);
     `filters_before_picker` go right before the ext_proc filter (e.g. one that sets the subset hint)."""
     config = load_deploy_config()
@@ -129,6 +132,10 @@ def picker_config(
     mode = settings["processing_mode"]
     mode["request_body_mode"] = str(body_mode)
     mode["request_trailer_mode"] = "SEND" if body_mode is BodyMode.FULL_DUPLEX_STREAMED else "SKIP"
+    if body_mode is BodyMode.STREAMED:
+        settings["send_body_without_waiting_for_header_response"] = True
+    else:
+        settings.pop("send_body_without_waiting_for_header_response", None)
     mode["response_body_mode"] = str(response_body_mode)
     streamed_response = response_body_mode is ResponseBodyMode.FULL_DUPLEX_STREAMED
     mode["response_trailer_mode"] = "SEND" if streamed_response else "SKIP"

@@ -1,7 +1,8 @@
 """A real gRPC client speaking Envoy's ext_proc v3 to an endpoint picker, as Envoy does: one
 bidirectional stream per HTTP request (`ExtProcStream`), and `exchange` for a whole request in
-either body mode (BUFFERED: waits for the headers' answer before the body, as Envoy does;
-FULL_DUPLEX_STREAMED: sends headers and chunks without waiting)."""
+any body mode the picker serves (BUFFERED: waits for the headers' answer before the body, as Envoy
+does; STREAMED with send_body_without_waiting_for_header_response and FULL_DUPLEX_STREAMED: sends
+headers and chunks without waiting)."""
 
 from __future__ import annotations
 
@@ -18,9 +19,10 @@ from google.protobuf import struct_pb2
 
 BodySendMode = processing_mode_pb2.ProcessingMode.BodySendMode
 BUFFERED = BodySendMode.Value("BUFFERED")
+STREAMED = BodySendMode.Value("STREAMED")  # announced with send_body_without_waiting_for_header_response
 FULL_DUPLEX_STREAMED = BodySendMode.Value("FULL_DUPLEX_STREAMED")
 # The request body modes the picker serves, by the names tests parametrize with.
-BODY_MODES = {"buffered": BUFFERED, "full_duplex_streamed": FULL_DUPLEX_STREAMED}
+BODY_MODES = {"buffered": BUFFERED, "streamed": STREAMED, "full_duplex_streamed": FULL_DUPLEX_STREAMED}
 _END = object()
 
 
@@ -68,7 +70,12 @@ def headers_message(
     subset: Sequence[str] | None = None,
     body_mode: int | None = BUFFERED,
     response_body_mode: int = BodySendMode.Value("NONE"),
+    send_body_without_waiting: bool | None = None,
 ) -> ext_proc.ProcessingRequest:
+    """Envoy's first message of a stream: the request headers and the modes it announces
+    (`send_body_without_waiting`: None, on for STREAMED, the mode the picker serves)."""
+    if send_body_without_waiting is None:
+        send_body_without_waiting = body_mode == STREAMED
     pairs = [(":method", method), (":path", path), (":authority", "gateway"), *extra]
     if not end_of_stream:
         pairs.append(("content-type", "application/json"))
@@ -82,6 +89,7 @@ def headers_message(
     if body_mode is not None:
         message.protocol_config.request_body_mode = body_mode
         message.protocol_config.response_body_mode = response_body_mode
+        message.protocol_config.send_body_without_waiting_for_header_response = send_body_without_waiting
     if subset is not None:
         hint = struct_pb2.Struct()
         hint.fields["x-gateway-destination-endpoint-subset"].list_value.extend(list(subset))
@@ -122,8 +130,10 @@ def response_body_message(chunk: bytes, end_of_stream: bool) -> ext_proc.Process
 
 class Picked:
     """What the picker answered for one request: the pick (header and metadata), or an immediate
-    response, the request headers it set, in BUFFERED mode the body it sent in place of the
-    client's (None: none), and in streamed mode the body chunks it emitted."""
+    response, the request headers it set, the body it sent in place of the client's (None: none;
+    STREAMED: the first chunk's replacement), in FULL_DUPLEX_STREAMED mode the body chunks it emitted,
+    and in STREAMED mode each chunk's answer (None: passed on as it came, else the bytes put in its
+    place, b"" for a chunk cleared)."""
 
     def __init__(self) -> None:
         self.header: str | None = None
@@ -135,6 +145,7 @@ class Picked:
         self.kinds: list[str] = []
         self.set_headers: dict[str, str] = {}
         self.replaced_body: bytes | None = None
+        self.chunk_answers: list[bytes | None] = []
 
     def take(self, response: ext_proc.ProcessingResponse) -> None:
         kind = response.WhichOneof("response")
@@ -153,6 +164,11 @@ class Picked:
         if common.body_mutation.HasField("streamed_response"):
             streamed = common.body_mutation.streamed_response
             self.echoed.append((streamed.body, streamed.end_of_stream))
+        elif kind == "request_body":
+            mutation = common.body_mutation
+            self.chunk_answers.append(
+                mutation.body if mutation.HasField("body") else b"" if mutation.clear_body else None
+            )
         lb = response.dynamic_metadata.fields.get("envoy.lb")
         if lb is not None:
             self.metadata = lb.struct_value.fields["x-gateway-destination-endpoint"].string_value
@@ -200,6 +216,8 @@ def exchange(
             return picked
         picked.take(response)
         if picked.status is not None or (picked.echoed and picked.echoed[-1][1]):
+            return picked
+        if mode == STREAMED and len(picked.chunk_answers) == len(chunks):
             return picked
 
 

@@ -8,7 +8,7 @@ from typing import Annotated, Literal
 
 import msgspec
 
-EppBodyMode = Literal["auto", "buffered", "full_duplex_streamed"]
+EppBodyMode = Literal["auto", "buffered", "streamed", "full_duplex_streamed"]
 
 
 class _Section(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
@@ -54,7 +54,8 @@ class Epp(_Section):
     # Picked requests still running past which new ones get a 429 (load shedding); null: never.
     max_in_flight: Annotated[int, msgspec.Meta(ge=1)] | None = None
     # How Envoy sends request bodies: "auto" reads the mode Envoy announces in the stream's first
-    # message (protocol_config) and takes BUFFERED when it announces none.
+    # message (protocol_config) and takes BUFFERED when it announces none. "streamed" is STREAMED
+    # with send_body_without_waiting_for_header_response (STREAMED without it cannot be picked on).
     request_body_mode: EppBodyMode = "auto"
     # Envoy sends its gRPC access log to the picker (deploy/envoy/envoy-epp.yaml does). Envoy opens
     # the log's stream with its first entry only, so true lets a pick whose ext_proc stream ended

@@ -214,13 +214,20 @@ def test_grpc_health_follows_the_backends(
 def test_a_body_mode_where_no_pick_can_be_made_is_refused_not_let_through(
     channel: grpc.Channel, mode: str
 ) -> None:
-    """With these modes Envoy would send the request on before the picker could name its endpoint."""
+    """With these modes Envoy would send the request on before the picker could name its endpoint
+    (STREAMED without send_body_without_waiting_for_header_response: it waits for the headers'
+    answer before it sends the body)."""
     stream = ExtProcStream(channel)
-    stream.send(headers_message("/v1/chat/completions", body_mode=BodySendMode.Value(mode)))
+    stream.send(
+        headers_message(
+            "/v1/chat/completions", body_mode=BodySendMode.Value(mode), send_body_without_waiting=False
+        )
+    )
     picked = Picked()
     picked.take(stream.recv())
     assert picked.status == 500 and picked.details == "kvgate_epp_body_mode_unsupported"
-    assert mode in json.loads(picked.body)["error"]["message"]
+    message = json.loads(picked.body)["error"]["message"]
+    assert mode in message and "send_body_without_waiting_for_header_response: true" in message
     assert stream.recv() is None
 
 

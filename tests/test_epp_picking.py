@@ -14,9 +14,9 @@ import grpc
 import pytest
 
 from kvgate_testing.ext_proc_client import (
-    BUFFERED,
-    FULL_DUPLEX_STREAMED,
+    BODY_MODES,
     ExtProcStream,
+    Picked,
     exchange,
     headers_message,
     response_body_message,
@@ -28,7 +28,7 @@ from kvgate_testing.picker import start_picker
 from router.config import builtin_tokenizer_dir
 from router.tokenize import PromptTokenizer
 
-MODES = {"buffered": BUFFERED, "full_duplex_streamed": FULL_DUPLEX_STREAMED}
+MODES = BODY_MODES
 BODY_LIMIT = 8192
 
 
@@ -93,6 +93,10 @@ def test_a_repeated_long_prompt_is_picked_for_the_engine_that_holds_it(
                 assert b"".join(chunk for chunk, _ in picked.echoed) == body
                 assert len(picked.echoed) == -(-len(body) // 500)
                 assert [end for _, end in picked.echoed][-1] is True
+            elif mode == "streamed":
+                # The pick on the headers' answer, then every chunk answered, passed on as it came.
+                assert picked.kinds == ["request_headers"] + ["request_body"] * -(-len(body) // 500)
+                assert picked.chunk_answers == [None] * -(-len(body) // 500) and picked.echoed == []
             else:
                 assert picked.kinds == ["request_headers", "request_body"]
             finish(stream)
@@ -182,6 +186,20 @@ def test_a_body_just_over_the_limit_is_a_413_and_one_at_the_limit_is_picked(
     assert str(BODY_LIMIT) in json.loads(picked.body)["error"]["message"]
     # Answered at the chunk that crossed the limit, nothing re-emitted, and the stream is over.
     assert picked.echoed == []
+    assert stream.recv() is None
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_declared_content_length_over_the_limit_is_a_413_on_the_headers(
+    channel: grpc.Channel, mode: str
+) -> None:
+    stream = ExtProcStream(channel)
+    headers = [("content-length", str(BODY_LIMIT + 1))]
+    stream.send(headers_message("/v1/chat/completions", extra=headers, body_mode=MODES[mode]))
+    picked = Picked()
+    picked.take(stream.recv())
+    assert picked.kinds == ["immediate_response"]  # the headers' answer: no body was read
+    assert picked.status == 413 and picked.details == "kvgate_epp_body_too_large"
     assert stream.recv() is None
 
 

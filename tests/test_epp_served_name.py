@@ -84,6 +84,12 @@ def body_sent_on(picked: Picked, mode: str) -> dict:
         assert picked.replaced_body is not None and picked.echoed == []
         assert picked.set_headers["content-length"] == str(len(picked.replaced_body))
         return json.loads(picked.replaced_body)
+    if mode == "streamed":
+        # Envoy holds the chunks (40 bytes each): the first answered with the body, the others cleared.
+        assert picked.replaced_body is not None and picked.echoed == []
+        assert picked.chunk_answers == [picked.replaced_body] + [b""] * (len(picked.chunk_answers) - 1)
+        assert picked.set_headers["content-length"] == str(len(picked.replaced_body))
+        return json.loads(picked.replaced_body)
     # The chunks held (40 bytes each) replaced by one body, ending the stream.
     assert picked.replaced_body is None and "content-length" not in picked.set_headers
     assert len(picked.echoed) == 1 and picked.echoed[0][1], picked.echoed
@@ -119,6 +125,9 @@ def test_a_model_the_engines_know_by_its_name_passes_unchanged(
     assert picked.header, picked.body
     assert picked.replaced_body is None and "content-length" not in picked.set_headers
     if mode == "buffered":
+        assert picked.echoed == []
+    elif mode == "streamed":
+        assert picked.chunk_answers == [None] * len(picked.chunk_answers) and len(picked.chunk_answers) > 1
         assert picked.echoed == []
     else:
         assert b"".join(chunk for chunk, _ in picked.echoed) == body and len(picked.echoed) > 1

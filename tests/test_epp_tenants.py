@@ -102,6 +102,13 @@ def test_a_tenants_body_goes_on_salted(
         assert picked.replaced_body is not None and json.loads(picked.replaced_body) == salted(body, expected)
         assert picked.set_headers["content-length"] == str(len(picked.replaced_body))
         assert picked.echoed == []
+    elif mode == "streamed":
+        # Envoy holds the chunks: the first answered with the salted body, the others cleared, and
+        # the headers' answer sets the content-length that matches.
+        assert picked.replaced_body is not None and json.loads(picked.replaced_body) == salted(body, expected)
+        assert picked.chunk_answers == [picked.replaced_body] + [b""] * (len(picked.chunk_answers) - 1)
+        assert len(picked.chunk_answers) > 1 and picked.echoed == []
+        assert picked.set_headers["content-length"] == str(len(picked.replaced_body))
     else:
         # The chunks held (40 bytes each) replaced by the salted body, once, ending the stream.
         assert len(picked.echoed) == 1, picked.echoed
@@ -149,6 +156,10 @@ def test_without_a_tenant_or_off_the_salted_paths_the_body_passes_unchanged(
     assert picked.header, picked.body
     assert picked.replaced_body is None and "content-length" not in picked.set_headers
     if mode == "buffered":
+        assert picked.echoed == []
+    elif mode == "streamed":
+        # Every chunk passed on as it came, nothing sent back.
+        assert picked.chunk_answers == [None] * len(picked.chunk_answers) and len(picked.chunk_answers) > 1
         assert picked.echoed == []
     else:
         assert b"".join(chunk for chunk, _ in picked.echoed) == CLIENT_BODY and len(picked.echoed) > 1

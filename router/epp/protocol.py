@@ -26,11 +26,15 @@ SUBSET_KEY = "x-gateway-destination-endpoint-subset"
 SERVED_KEY = "x-gateway-destination-endpoint-served"
 
 BodySendMode = processing_mode_pb2.ProcessingMode.BodySendMode
+BUFFERED = BodySendMode.Value("BUFFERED")
+STREAMED = BodySendMode.Value("STREAMED")
 FULL_DUPLEX_STREAMED = BodySendMode.Value("FULL_DUPLEX_STREAMED")
 # The request body modes in which the pick can still set the destination header: BUFFERED (Envoy
-# holds the headers until the body's answer) and FULL_DUPLEX_STREAMED (until the headers' answer,
-# which the picker sends after the body's end).
-PICKABLE_BODY_MODES = frozenset({BodySendMode.Value("BUFFERED"), FULL_DUPLEX_STREAMED})
+# holds the headers until the body's answer), FULL_DUPLEX_STREAMED and STREAMED with
+# send_body_without_waiting_for_header_response (Envoy holds them until the headers' answer, which
+# the picker sends after the body's end). STREAMED without it waits for the headers' answer before
+# it sends the body: the pick could not read the body.
+PICKABLE_BODY_MODES = frozenset({BUFFERED, FULL_DUPLEX_STREAMED})
 _OVERWRITE = base_pb2.HeaderValueOption.HeaderAppendAction.Value("OVERWRITE_IF_EXISTS_OR_ADD")
 
 ProcessingRequest = ext_proc.ProcessingRequest
@@ -124,6 +128,29 @@ def pick_on_body(endpoint: str, listed: str | None = None, body: bytes | None = 
 
 def request_headers_continue() -> ProcessingResponse:
     return ProcessingResponse(request_headers=ext_proc.HeadersResponse())
+
+
+def request_body_continue() -> ProcessingResponse:
+    return ProcessingResponse(request_body=ext_proc.BodyResponse())
+
+
+def pick_on_headers_with_body(endpoint: str, listed: str, body: bytes) -> ProcessingResponse:
+    """pick_on_headers for a STREAMED body read to its end whose replacement `body` the chunks'
+    answers carry (request_body_replaced): content-length set to its length."""
+    answer = pick_on_headers(endpoint, listed)
+    length = base_pb2.HeaderValue(key="content-length", raw_value=str(len(body)).encode())
+    option = base_pb2.HeaderValueOption(header=length, append_action=_OVERWRITE)
+    answer.request_headers.response.header_mutation.set_headers.append(option)
+    return answer
+
+
+def request_body_replaced(body: bytes) -> ProcessingResponse:
+    """A STREAMED request body chunk's answer that puts `body` in its place (b"": the chunk dropped):
+    the first chunk carries a whole replacement body, the others are cleared."""
+    mutation = ext_proc.BodyMutation(body=body) if body else ext_proc.BodyMutation(clear_body=True)
+    return ProcessingResponse(
+        request_body=ext_proc.BodyResponse(response=ext_proc.CommonResponse(body_mutation=mutation))
+    )
 
 
 def _streamed_body(body: bytes, end_of_stream: bool) -> ext_proc.BodyResponse:

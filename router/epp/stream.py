@@ -3,13 +3,17 @@ per HTTP request, read in order (request headers, body, trailers, then the respo
 the order Envoy expects.
 
 Request side. BUFFERED: the headers are let through at once, the whole body arrives in one message,
-and the answer to it carries the pick (header mutation + dynamic metadata). FULL_DUPLEX_STREAMED:
-Envoy sends headers and body chunks without waiting, so the headers' answer waits for the body's end;
-then the pick goes out on the headers' answer and every chunk is re-emitted unchanged, in order. The
+and the answer to it carries the pick (header mutation + dynamic metadata): two round trips.
+STREAMED with send_body_without_waiting_for_header_response: Envoy sends the headers and the body's
+chunks at once and holds them, so the headers' answer waits for the body's end; then the pick goes
+out on it and each chunk is answered, unchanged, in order: one round trip, nothing sent back but
+the answers. FULL_DUPLEX_STREAMED: the same order, but Envoy holds no chunk, so every chunk is
+re-emitted. The
 body changes where serve's does (router/request_routing.py, engine_body): a tenant's request on a
 salted path (auth.tenants) gets its cache_salt, a model with a served_name that name. The rewritten
 body replaces the buffered one (content-length set to match), or goes out whole in place of the
-streamed chunks. In both modes a body over the limit is answered 413 at the chunk that crosses it,
+streamed chunks (STREAMED: in the first chunk's place, the others cleared, content-length set on
+the headers' answer). In both modes a body over the limit is answered 413 at the chunk that crosses it,
 never held.
 
 Response side: the status, the endpoint Envoy says served it, the time to the headers (a streamed
@@ -93,13 +97,13 @@ class _Exchange:
     """One HTTP request's state across its stream's messages."""
 
     __slots__ = (
+        "body_mode",
         "body_size",
         "done",
         "event_stream",
         "headers",
         "held",
         "pick",
-        "request_streamed",
         "response_streamed",
         "route",
         "servicer",
@@ -118,7 +122,10 @@ class _Exchange:
         # Request body chunks read so far, with their end_of_stream flags (streamed mode re-emits them).
         self.held: list[tuple[bytes, bool]] = []
         self.body_size = 0
-        self.request_streamed = servicer.config.request_body_mode == "full_duplex_streamed"
+        # How Envoy sends this request's body: protocol.BUFFERED, FULL_DUPLEX_STREAMED, or STREAMED
+        # (only ever with send_body_without_waiting_for_header_response: the body comes right after
+        # the headers, whose answer waits for the pick).
+        self.body_mode = _CONFIGURED_BODY_MODES[servicer.config.request_body_mode]
         self.response_streamed = False
         self.pick: Pick | None = None
         self.event_stream = False
@@ -171,8 +178,10 @@ class _Exchange:
         if message.HasField("protocol_config"):
             modes = message.protocol_config
             announced = modes.request_body_mode
+            if announced == protocol.STREAMED and modes.send_body_without_waiting_for_header_response:
+                announced = _STREAMED_AHEAD  # the body comes without waiting: the pick can read it
             if servicer.config.request_body_mode == "auto":
-                self.request_streamed = announced == protocol.FULL_DUPLEX_STREAMED
+                self.body_mode = protocol.STREAMED if announced == _STREAMED_AHEAD else announced
             self.response_streamed = modes.response_body_mode == protocol.FULL_DUPLEX_STREAMED
         self.headers = protocol.header_pairs(message.request_headers)
         self.subset = protocol.subset_hint(message)
@@ -185,28 +194,42 @@ class _Exchange:
             request_id = next((value for name, value in self.headers if name == b"x-request-id"), b"")
             self.pick = await servicer.picker.pick_by_load(self.subset, request_id)
             return [protocol.pick_on_headers(*await self._endpoints())]
-        if announced is not None and announced not in protocol.PICKABLE_BODY_MODES:
+        if (
+            announced is not None
+            and announced not in protocol.PICKABLE_BODY_MODES
+            and announced != _STREAMED_AHEAD
+        ):
             # Envoy would forward the request before the body could be read, without the header.
             message = (
                 "the gateway's ext_proc filter sends request bodies in mode "
                 f"{protocol.BodySendMode.Name(announced)}, where the picker cannot set the destination "
-                "before the request leaves; set request_body_mode BUFFERED or FULL_DUPLEX_STREAMED "
-                "(with request_trailer_mode SEND)"
+                "before the request leaves; set request_body_mode BUFFERED, STREAMED with "
+                "send_body_without_waiting_for_header_response: true, or FULL_DUPLEX_STREAMED (with "
+                "request_trailer_mode SEND)"
             )
             raise PickRefused(500, error_body(500, message), "body_mode_unsupported")
+        declared = next((value for name, value in self.headers if name == b"content-length"), None)
+        if declared is not None and declared.isdigit() and int(declared) > servicer.body_limit:
+            # Said up front: refused before a byte of the body is read or held (in STREAMED mode
+            # Envoy holds the chunks for their answers, so a body it cannot hold would otherwise
+            # stall there until its message_timeout).
+            raise body_too_large(servicer.body_limit)
         if message.request_headers.end_of_stream:
             raise PickRefused(
                 400,
                 error_body(400, f"{self.route.path} needs a JSON request body; none was sent", "body"),
                 "missing_body",
             )
-        return [] if self.request_streamed else [_HEADERS_CONTINUE]
+        # Streamed either way, the headers' answer carries the pick, after the body's end.
+        return [_HEADERS_CONTINUE] if self.body_mode == protocol.BUFFERED else []
 
     async def _request_body(self, body: object) -> list[protocol.ProcessingResponse]:
         chunk, end = body.body, body.end_of_stream  # type: ignore[attr-defined]
         if self.pick is not None:
             # Routed already (by load, on the headers): pass the body on.
-            return [protocol.request_body_chunk(chunk, end) if self.request_streamed else _body_continue()]
+            if self.body_mode == protocol.FULL_DUPLEX_STREAMED:
+                return [protocol.request_body_chunk(chunk, end)]
+            return [_BODY_CONTINUE]
         self.body_size += len(chunk)
         if self.body_size > self.servicer.body_limit:
             self.held.clear()
@@ -214,7 +237,7 @@ class _Exchange:
         self.held.append((chunk, end))
         # BUFFERED sends the whole body in one message (end_of_stream false when trailers follow),
         # and waits for its answer: pick on it, never wait for more.
-        if end or not self.request_streamed:
+        if end or self.body_mode == protocol.BUFFERED:
             return await self._pick_and_release()
         return []
 
@@ -238,7 +261,17 @@ class _Exchange:
             )
         self.pick, rewritten = await picker.pick(self.route, body, self.headers, self.subset, self.tenant)
         endpoint, listed = await self._endpoints()
-        if self.request_streamed:
+        if self.body_mode == protocol.STREAMED:
+            # Envoy holds the chunks, each waiting for its own answer after the headers'.
+            if rewritten is None:
+                responses = [protocol.pick_on_headers(endpoint, listed)]
+                responses += [_BODY_CONTINUE] * len(self.held)
+            else:
+                # The rewritten body takes the first chunk's place, the others are dropped.
+                responses = [protocol.pick_on_headers_with_body(endpoint, listed, rewritten)]
+                responses.append(protocol.request_body_replaced(rewritten))
+                responses += [protocol.request_body_replaced(b"")] * (len(self.held) - 1)
+        elif self.body_mode == protocol.FULL_DUPLEX_STREAMED:
             responses = [protocol.pick_on_headers(endpoint, listed)]
             if rewritten is None:
                 responses += [protocol.request_body_chunk(chunk, end) for chunk, end in self.held]
@@ -294,9 +327,15 @@ class _Exchange:
         return protocol.response_body_continue()
 
 
-# Never changed after it is made: the same message answers every BUFFERED request's headers.
+# Never changed after they are made: the same messages answer every BUFFERED request's headers, and
+# every body chunk passed on as it came.
 _HEADERS_CONTINUE = protocol.request_headers_continue()
-
-
-def _body_continue() -> protocol.ProcessingResponse:
-    return protocol.ProcessingResponse(request_body=protocol.ext_proc.BodyResponse())
+_BODY_CONTINUE = protocol.request_body_continue()
+# STREAMED announced with send_body_without_waiting_for_header_response (no BodySendMode value).
+_STREAMED_AHEAD = -1
+_CONFIGURED_BODY_MODES = {
+    "auto": protocol.BUFFERED,  # until Envoy announces its mode
+    "buffered": protocol.BUFFERED,
+    "streamed": protocol.STREAMED,
+    "full_duplex_streamed": protocol.FULL_DUPLEX_STREAMED,
+}
