@@ -172,6 +172,14 @@ def test_a_body_just_under_the_limit_passes_and_just_over_gets_413(
         over = httpx.post(f"{pair.url}/v1/chat/completions", content=body_of(limit + 1),
                           headers={"content-type": "application/json"}, timeout=30)  # fmt: skip
         assert over.status_code == 413, over.text
+        # Far over Envoy's buffer too: STREAMED holds the body there, and with the picker's limit at
+        # or under that buffer (docs/gateway.md, "Body modes") the picker refuses it at once rather
+        # than Envoy stalling it until message_timeout (then 504).
+        started = time.monotonic()
+        far_over = httpx.post(f"{pair.url}/v1/chat/completions", content=body_of(8 * limit),
+                              headers={"content-type": "application/json"}, timeout=30)  # fmt: skip
+        assert far_over.status_code == 413, far_over.text
+        assert time.monotonic() - started < 3
 
 
 @pytest.fixture
