@@ -74,6 +74,11 @@ def _listener(config: dict) -> dict:
     return config["static_resources"]["listeners"][0]
 
 
+def deploy_buffer_limit() -> int:
+    """The listener's per_connection_buffer_limit_bytes in deploy/envoy/envoy-epp.yaml."""
+    return int(_listener(load_deploy_config())["per_connection_buffer_limit_bytes"])
+
+
 def _connection_manager(config: dict) -> dict:
     return _listener(config)["filter_chains"][0]["filters"][0]["typed_config"]
 

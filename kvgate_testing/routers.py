@@ -41,13 +41,16 @@ BASELINE_POLICIES = ("vllm_router_consistent_hash",)
 # Behind the real Envoy (routing_bench --via envoy): kv_aware as Envoy's endpoint picker (`kvgate epp`),
 # and Envoy alone balancing the engines by its own LEAST_REQUEST (the latency reference).
 # `kv_aware_via_envoy` runs deploy/envoy/envoy-epp.yaml's processing modes as they stand (the answer's
-# end from Envoy's access log); `..._streamed_body` the earlier design: the request body streamed
-# through the picker and re-emitted, the response headers and every answer chunk through it too.
+# end from Envoy's access log); `..._one_round_trip` the same with the request body STREAMED and sent
+# without waiting for the headers' answer (the file's STREAMED variant); `..._streamed_body` the
+# earlier design: the request body streamed through the picker and re-emitted, the response headers
+# and every answer chunk through it too.
 VIA_ENVOY_POLICY = "kv_aware_via_envoy"
+VIA_ENVOY_ONE_ROUND_TRIP_POLICY = "kv_aware_via_envoy_one_round_trip"
 VIA_ENVOY_STREAMED_BODY_POLICY = "kv_aware_via_envoy_streamed_body"
 ENVOY_ALONE_POLICY = "envoy_least_request"
-ENVOY_POLICIES = (VIA_ENVOY_POLICY, VIA_ENVOY_STREAMED_BODY_POLICY, ENVOY_ALONE_POLICY)
-VIA_ENVOY_POLICY_NAMES = (VIA_ENVOY_POLICY, VIA_ENVOY_STREAMED_BODY_POLICY)
+VIA_ENVOY_POLICY_NAMES = (VIA_ENVOY_POLICY, VIA_ENVOY_ONE_ROUND_TRIP_POLICY, VIA_ENVOY_STREAMED_BODY_POLICY)
+ENVOY_POLICIES = (*VIA_ENVOY_POLICY_NAMES, ENVOY_ALONE_POLICY)
 # The processing modes of `..._streamed_body`.
 STREAMED_BODY_MODES = {
     "request_header_mode": "SEND",
@@ -193,7 +196,12 @@ def kvgate_config(policy: str, knobs: dict, fleet: EngineFleet) -> dict:
 def _start_via_envoy(policy: str, knobs: dict, fleet: EngineFleet, timeout_s: float) -> RunningRouter:
     """Envoy in front of `kvgate epp` (kv_aware): the router's process is the picker's, so the CPU a
     run records is the picker's alone (Envoy's is its own process, `envoy_pid` in the result)."""
-    from kvgate_testing.envoy import ResponseBodyMode, ext_proc_settings, load_deploy_config
+    from kvgate_testing.envoy import (
+        ResponseBodyMode,
+        deploy_buffer_limit,
+        ext_proc_settings,
+        load_deploy_config,
+    )
 
     # Knobs naming ext_proc processing_mode fields (e.g. response_header_mode=SEND) go to Envoy.
     modes = {key: str(knobs.pop(key)) for key in list(knobs) if key in ENVOY_MODE_KNOBS}
@@ -204,8 +212,12 @@ def _start_via_envoy(policy: str, knobs: dict, fleet: EngineFleet, timeout_s: fl
             key: str(value)
             for key, value in ext_proc_settings(load_deploy_config())["processing_mode"].items()
         }
-    modes = {**base, **modes}
     config = kvgate_config("kv_aware", knobs, fleet)
+    if policy.partition("@")[0] == VIA_ENVOY_ONE_ROUND_TRIP_POLICY:
+        base["request_body_mode"] = "STREAMED"
+        # Envoy holds a STREAMED body until the pick: the picker's limit stays within Envoy's buffer.
+        config["epp"] = {"max_body_bytes": deploy_buffer_limit()}
+    modes = {**base, **modes}
     pair = start_envoy_and_picker_with_modes(
         config, ResponseBodyMode(modes["response_body_mode"]), modes, timeout_s
     )
