@@ -105,7 +105,7 @@ def start_router(policy: str, fleet: EngineFleet, timeout_s: float = 90.0) -> Ru
         return _start_kvgate(name, _parse_knobs(knobs), fleet, timeout_s, label=policy)
     if policy in PEER_POLICIES or policy in BASELINE_POLICIES:
         return _start_peer(policy, fleet, timeout_s)
-    if name in (VIA_ENVOY_POLICY, VIA_ENVOY_STREAMED_BODY_POLICY):
+    if name in VIA_ENVOY_POLICY_NAMES:
         return _start_via_envoy(policy, _parse_knobs(knobs), fleet, timeout_s)
     if policy == ENVOY_ALONE_POLICY:
         return _start_envoy_alone(fleet, timeout_s)
