@@ -8,13 +8,12 @@ STREAMED with send_body_without_waiting_for_header_response: Envoy sends the hea
 chunks at once and holds them, so the headers' answer waits for the body's end; then the pick goes
 out on it and each chunk is answered, unchanged, in order: one round trip, nothing sent back but
 the answers. FULL_DUPLEX_STREAMED: the same order, but Envoy holds no chunk, so every chunk is
-re-emitted. The
-body changes where serve's does (router/request_routing.py, engine_body): a tenant's request on a
-salted path (auth.tenants) gets its cache_salt, a model with a served_name that name. The rewritten
-body replaces the buffered one (content-length set to match), or goes out whole in place of the
-streamed chunks (STREAMED: in the first chunk's place, the others cleared, content-length set on
-the headers' answer). In both modes a body over the limit is answered 413 at the chunk that crosses it,
-never held.
+re-emitted. The body changes where serve's does (router/request_routing.py, engine_body): a tenant's
+request on a salted path (auth.tenants) gets its cache_salt, a model with a served_name that name.
+The rewritten body replaces the buffered one (content-length set to match), or goes out whole in
+place of the streamed chunks (STREAMED: in the first chunk's place, the others cleared,
+content-length set on the headers' answer). In every mode a body over the limit is answered 413,
+on the headers when its content-length says so, else at the chunk that crosses it, never held.
 
 Response side: the status, the endpoint Envoy says served it, the time to the headers (a streamed
 answer's time to first token) and, where Envoy sends the body, its `usage`; the pick's accounting
