@@ -1,6 +1,6 @@
 """`kvgate epp` as a real process, driven by a real gRPC client speaking Envoy's ext_proc v3 (as Envoy
 does, kvgate_testing/ext_proc_client.py), in front of three test backends whose KV-event publishers
-speak vLLM's protocol: the pick follows the cached prefix in both body modes, obeys the subset
+speak vLLM's protocol: the pick follows the cached prefix in every body mode, obeys the subset
 hint, avoids an engine marked down, credits the endpoint Envoy says served, and every bad request
 gets its immediate response in vLLM's error shape."""
 
