@@ -449,7 +449,8 @@ def test_sigterm_stops_the_benchmark_with_its_engines_and_router(tmp_path) -> No
     log = tmp_path / "bench.log"
     command = [
         sys.executable, "-m", "benchmarks.routing_bench", "--engines", "2", "--workloads", "no_reuse",
-        "--policies", "round_robin", "--repeats", "50", "--output", str(tmp_path / "routing"),
+        "--policies", "round_robin", "--repeats", "50", "--no-floor", "--scale", "0.2",
+        "--output", str(tmp_path / "routing"),
     ]  # fmt: skip
     with log.open("w") as output:
         bench = subprocess.Popen(command, stdout=output, stderr=subprocess.STDOUT, cwd=REPO_ROOT)
