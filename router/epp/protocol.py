@@ -29,11 +29,11 @@ BodySendMode = processing_mode_pb2.ProcessingMode.BodySendMode
 BUFFERED = BodySendMode.Value("BUFFERED")
 STREAMED = BodySendMode.Value("STREAMED")
 FULL_DUPLEX_STREAMED = BodySendMode.Value("FULL_DUPLEX_STREAMED")
-# The request body modes in which the pick can still set the destination header: BUFFERED (Envoy
-# holds the headers until the body's answer), FULL_DUPLEX_STREAMED and STREAMED with
-# send_body_without_waiting_for_header_response (Envoy holds them until the headers' answer, which
-# the picker sends after the body's end). STREAMED without it waits for the headers' answer before
-# it sends the body: the pick could not read the body.
+# The request body modes in which the pick can still set the destination header, whatever else
+# Envoy announces: BUFFERED (Envoy holds the headers until the body's answer) and
+# FULL_DUPLEX_STREAMED (until the headers' answer, which the picker sends after the body's end).
+# STREAMED is pickable only with send_body_without_waiting_for_header_response (router/epp/stream.py
+# checks it): without it Envoy waits for the headers' answer before it sends the body.
 PICKABLE_BODY_MODES = frozenset({BUFFERED, FULL_DUPLEX_STREAMED})
 _OVERWRITE = base_pb2.HeaderValueOption.HeaderAppendAction.Value("OVERWRITE_IF_EXISTS_OR_ADD")
 
