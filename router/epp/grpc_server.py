@@ -13,13 +13,13 @@ and message in trailers (trailers-only for an error before any message), `grpc-t
 RST_STREAM as the call's cancellation (its task is cancelled, as grpc.aio does), TLS with ALPN h2.
 Bounded: connections (`max_connections`: one past it gets GOAWAY ENHANCE_YOUR_CALM; one without
 its preface `handshake_timeout_s` after its accept is closed), frames (16 KiB, the default), header
-lists (`MAX_HEADER_LIST_BYTES`), concurrent streams
-(`max_streams`: advertised to each connection, past it refused; across connections, past it
-RESOURCE_EXHAUSTED), messages (`max_message_bytes`, both
-ways: RESOURCE_EXHAUSTED), and the bytes a connection may hold unread (`connection_window`: flow
-control stops the peer). A peer that breaks the protocol gets GOAWAY with the error and is closed.
-Not served: compressed messages (UNIMPLEMENTED), server push, priorities (ignored, as RFC 9113
-allows), h2c upgrade from HTTP/1.1.
+lists (`MAX_HEADER_LIST_BYTES`), concurrent streams (`max_streams`: advertised to each connection,
+past it refused; across connections, past it RESOURCE_EXHAUSTED), messages (`max_message_bytes`,
+both ways: RESOURCE_EXHAUSTED), streams reset before their answer (`RESET_BURST`, `RESETS_PER_S`),
+and the bytes a connection may hold unread (`connection_window`: flow control stops the peer). A
+peer that breaks the protocol gets GOAWAY with the error and is closed. Not served: compressed
+messages (UNIMPLEMENTED), server push, priorities (ignored, as RFC 9113 allows), h2c upgrade from
+HTTP/1.1.
 """
 
 from __future__ import annotations
