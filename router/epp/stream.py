@@ -173,14 +173,16 @@ class _Exchange:
         self, message: protocol.ProcessingRequest
     ) -> list[protocol.ProcessingResponse]:
         servicer = self.servicer
-        announced = None
+        announced, pickable = None, True
         if message.HasField("protocol_config"):
             modes = message.protocol_config
             announced = modes.request_body_mode
-            if announced == protocol.STREAMED and modes.send_body_without_waiting_for_header_response:
-                announced = _STREAMED_AHEAD  # the body comes without waiting: the pick can read it
+            # STREAMED only when the body comes without waiting for the headers' answer.
+            pickable = announced in protocol.PICKABLE_BODY_MODES or (
+                announced == protocol.STREAMED and modes.send_body_without_waiting_for_header_response
+            )
             if servicer.config.request_body_mode == "auto":
-                self.body_mode = protocol.STREAMED if announced == _STREAMED_AHEAD else announced
+                self.body_mode = announced
             self.response_streamed = modes.response_body_mode == protocol.FULL_DUPLEX_STREAMED
         self.headers = protocol.header_pairs(message.request_headers)
         self.subset = protocol.subset_hint(message)
@@ -193,11 +195,7 @@ class _Exchange:
             request_id = next((value for name, value in self.headers if name == b"x-request-id"), b"")
             self.pick = await servicer.picker.pick_by_load(self.subset, request_id)
             return [protocol.pick_on_headers(*await self._endpoints())]
-        if (
-            announced is not None
-            and announced not in protocol.PICKABLE_BODY_MODES
-            and announced != _STREAMED_AHEAD
-        ):
+        if not pickable:
             # Envoy would forward the request before the body could be read, without the header.
             message = (
                 "the gateway's ext_proc filter sends request bodies in mode "
@@ -330,8 +328,6 @@ class _Exchange:
 # every body chunk passed on as it came.
 _HEADERS_CONTINUE = protocol.request_headers_continue()
 _BODY_CONTINUE = protocol.request_body_continue()
-# STREAMED announced with send_body_without_waiting_for_header_response (no BodySendMode value).
-_STREAMED_AHEAD = -1
 _CONFIGURED_BODY_MODES = {
     "auto": protocol.BUFFERED,  # until Envoy announces its mode
     "buffered": protocol.BUFFERED,
