@@ -320,6 +320,12 @@ def _goaway_code(frames: list[tuple[int, int, int, bytes]]) -> int:
 _SETTINGS = http2.frame(http2.SETTINGS, 0, 0)
 
 
+def _call_headers(method: str) -> list[tuple[str, str]]:
+    """A gRPC call's request headers, for HEADERS frames sent raw."""
+    return [(":method", "POST"), (":scheme", "http"), (":path", f"{SERVICE}/{method}"), (":authority", "x"),
+            ("content-type", "application/grpc")]  # fmt: skip
+
+
 @pytest.mark.parametrize(
     ("sent", "code"),
     [
@@ -365,8 +371,7 @@ def test_a_peer_that_opens_and_resets_streams_without_end_is_cut_off(
     """The "rapid reset" attack: each stream opened and reset at once costs the loop a task; past
     the allowance the connection gets GOAWAY ENHANCE_YOUR_CALM, and others are served."""
     encoder = hpack.Encoder()
-    headers = [(":method", "POST"), (":scheme", "http"), (":path", f"{SERVICE}/Hang"), (":authority", "x"),
-               ("content-type", "application/grpc")]  # fmt: skip
+    headers = _call_headers("Hang")
     sent = bytearray(http2.PREFACE + _SETTINGS)
     for stream_id in range(1, 2 * (RESET_BURST + 1000), 2):
         sent += http2.frame(http2.HEADERS, http2.END_HEADERS, stream_id, encoder.encode(headers))
@@ -446,8 +451,7 @@ def test_a_peer_that_resets_each_stream_after_its_answer_as_envoy_does_is_not_cu
     monkeypatch.setattr(grpc_server, "RESETS_PER_S", 10.0)
     running = ServerThread(echo.methods())
     encoder = hpack.Encoder()
-    headers = [(":method", "POST"), (":scheme", "http"), (":path", f"{SERVICE}/Bidi"), (":authority", "x"),
-               ("content-type", "application/grpc")]  # fmt: skip
+    headers = _call_headers("Bidi")
     message = Bytes(value=b"hello").SerializeToString()
     try:
         with _raw_connection(running.port) as sock:

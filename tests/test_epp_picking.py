@@ -28,7 +28,6 @@ from kvgate_testing.picker import start_picker
 from router.config import builtin_tokenizer_dir
 from router.tokenize import PromptTokenizer
 
-MODES = BODY_MODES
 BODY_LIMIT = 8192
 
 
@@ -70,7 +69,7 @@ def in_flight(fleet: Fleet) -> dict[str, int]:
     return {backend["name"]: backend["in_flight"] for backend in listed}
 
 
-@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("mode", BODY_MODES)
 def test_a_repeated_long_prompt_is_picked_for_the_engine_that_holds_it(
     fleet: Fleet, channel: grpc.Channel, mode: str
 ) -> None:
@@ -78,7 +77,7 @@ def test_a_repeated_long_prompt_is_picked_for_the_engine_that_holds_it(
         for name, doc in DOCS.items():
             body = json.dumps(chat_body(doc, f"Follow-up {round_}?")).encode()
             stream = ExtProcStream(channel)
-            picked = exchange(stream, "/v1/chat/completions", body, mode=MODES[mode], chunk_size=500)
+            picked = exchange(stream, "/v1/chat/completions", body, mode=BODY_MODES[mode], chunk_size=500)
             assert picked.status is None, picked.body
             # The header names one endpoint, the one holding the prefix; the envoy.lb metadata lists
             # it first, then the next best (another engine) for a proxy that retries down the list.
@@ -167,7 +166,7 @@ def test_bad_requests_get_a_clear_immediate_response_in_vllm_shape(
     assert stream.recv() is None
 
 
-@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("mode", BODY_MODES)
 def test_a_body_just_over_the_limit_is_a_413_and_one_at_the_limit_is_picked(
     channel: grpc.Channel, mode: str
 ) -> None:
@@ -176,12 +175,12 @@ def test_a_body_just_over_the_limit_is_a_413_and_one_at_the_limit_is_picked(
     at_limit = json.dumps(chat_body("x" * pad, "")).encode()
     assert len(at_limit) == BODY_LIMIT
     stream = ExtProcStream(channel)
-    picked = exchange(stream, "/v1/chat/completions", at_limit, mode=MODES[mode], chunk_size=1000)
+    picked = exchange(stream, "/v1/chat/completions", at_limit, mode=BODY_MODES[mode], chunk_size=1000)
     assert picked.status is None and picked.header
     finish(stream)
     over = json.dumps(chat_body("x" * (pad + 1), "")).encode()
     stream = ExtProcStream(channel)
-    picked = exchange(stream, "/v1/chat/completions", over, mode=MODES[mode], chunk_size=1000)
+    picked = exchange(stream, "/v1/chat/completions", over, mode=BODY_MODES[mode], chunk_size=1000)
     assert picked.status == 413 and picked.details == "kvgate_epp_body_too_large"
     assert str(BODY_LIMIT) in json.loads(picked.body)["error"]["message"]
     # Answered at the chunk that crossed the limit, nothing re-emitted, and the stream is over.
@@ -189,13 +188,13 @@ def test_a_body_just_over_the_limit_is_a_413_and_one_at_the_limit_is_picked(
     assert stream.recv() is None
 
 
-@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("mode", BODY_MODES)
 def test_a_declared_content_length_over_the_limit_is_a_413_on_the_headers(
     channel: grpc.Channel, mode: str
 ) -> None:
     stream = ExtProcStream(channel)
     headers = [("content-length", str(BODY_LIMIT + 1))]
-    stream.send(headers_message("/v1/chat/completions", extra=headers, body_mode=MODES[mode]))
+    stream.send(headers_message("/v1/chat/completions", extra=headers, body_mode=BODY_MODES[mode]))
     picked = Picked()
     picked.take(stream.recv())
     assert picked.kinds == ["immediate_response"]  # the headers' answer: no body was read
