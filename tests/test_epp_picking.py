@@ -189,11 +189,12 @@ def test_a_body_just_over_the_limit_is_a_413_and_one_at_the_limit_is_picked(
 
 
 @pytest.mark.parametrize("mode", BODY_MODES)
+@pytest.mark.parametrize("declared", [str(BODY_LIMIT + 1), "9" * 5000], ids=["one_over", "5000_digits"])
 def test_a_declared_content_length_over_the_limit_is_a_413_on_the_headers(
-    channel: grpc.Channel, mode: str
+    channel: grpc.Channel, mode: str, declared: str
 ) -> None:
     stream = ExtProcStream(channel)
-    headers = [("content-length", str(BODY_LIMIT + 1))]
+    headers = [("content-length", declared)]
     stream.send(headers_message("/v1/chat/completions", extra=headers, body_mode=BODY_MODES[mode]))
     picked = Picked()
     picked.take(stream.recv())

@@ -206,7 +206,7 @@ class _Exchange:
             )
             raise PickRefused(500, error_body(500, message), "body_mode_unsupported")
         declared = next((value for name, value in self.headers if name == b"content-length"), None)
-        if declared is not None and declared.isdigit() and int(declared) > servicer.body_limit:
+        if declared is not None and declared.isdigit() and _over(declared, servicer.body_limit):
             # Said up front: refused before a byte of the body is read or held (in STREAMED mode
             # Envoy holds the chunks for their answers, so a body it cannot hold would otherwise
             # stall there until its message_timeout).
@@ -322,6 +322,14 @@ class _Exchange:
         if self.response_streamed:
             return protocol.response_body_chunk(chunk, end)
         return protocol.response_body_continue()
+
+
+def _over(digits: bytes, limit: int) -> bool:
+    """Whether a decimal length is over `limit`, compared by its digits first: int() of a header
+    value of thousands of digits raises (Python's int_max_str_digits) and costs time."""
+    digits = digits.lstrip(b"0") or b"0"
+    limit_digits = len(str(limit))
+    return len(digits) > limit_digits or (len(digits) == limit_digits and int(digits) > limit)
 
 
 # Never changed after they are made: the same messages answer every BUFFERED request's headers, and
